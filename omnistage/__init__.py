@@ -1,0 +1,1 @@
+"""omnistage: an inference server for thinker-talker omni models."""
