@@ -1,0 +1,179 @@
+"""Continuous batching with chunked prefill and recompute preemption; pure bookkeeping, no tensors.
+
+Every step is a list of chunks (sequence, first token, number of tokens). Running sequences go first in
+arrival order, then waiting ones in FCFS order while the step has token budget, a free slot and free
+pages. The waiting queue is strictly FCFS: a head that does not fit the free pages blocks the requests
+behind it (no overtaking), so a large request is never starved by a stream of small ones.
+
+Invariant: every running sequence arrived before every waiting one, and only running sequences own
+pages. Hence the oldest running sequence can always take the pages of the newer ones, and a lone
+sequence that passed admission always fits the pool: the scheduler never deadlocks.
+"""
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from omnistage.engine.kv_cache import PagePool
+from omnistage.engine.sequence import Sequence, SequenceStatus
+from omnistage.errors import InvalidRequest
+
+
+@dataclass
+class ScheduledChunk:
+    """`seq.all_token_ids[start:start + num_tokens]` are computed this step."""
+
+    seq: Sequence
+    start: int
+    num_tokens: int
+    # Fixed at schedule time: the chunk ends at the last known token, so the engine samples after it.
+    samples: bool = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.samples = self.start + self.num_tokens == self.seq.num_tokens
+
+
+@dataclass
+class SchedulerOutput:
+    chunks: list[ScheduledChunk] = field(default_factory=list)
+    preempted: list[Sequence] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(c.num_tokens for c in self.chunks)
+
+    @property
+    def is_pure_decode(self) -> bool:
+        """Every chunk is one token that is then sampled (False for an empty step)."""
+        return bool(self.chunks) and all(c.num_tokens == 1 and c.samples for c in self.chunks)
+
+
+class Scheduler:
+    def __init__(self, pool: PagePool, max_num_seqs: int, max_num_batched_tokens: int) -> None:
+        if max_num_seqs < 1 or max_num_batched_tokens < 1:
+            raise ValueError("max_num_seqs and max_num_batched_tokens must be positive")
+        self.pool = pool
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.waiting: deque[Sequence] = deque()  # by arrival
+        self.running: list[Sequence] = []  # by arrival
+        self._unfinished: dict[str, Sequence] = {}
+        self._next_arrival = 0
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def get(self, request_id: str) -> Sequence | None:
+        """The unfinished sequence of `request_id`, if any."""
+        return self._unfinished.get(request_id)
+
+    def add(self, seq: Sequence) -> None:
+        """Queue `seq`; raise RequestTooLarge at once if it could never fit the pool."""
+        if not seq.prompt_token_ids:
+            raise InvalidRequest("the prompt is empty")
+        if seq.max_tokens < 1:
+            raise InvalidRequest(f"max_tokens must be at least 1, got {seq.max_tokens}")
+        if seq.request_id in self._unfinished:
+            raise ValueError(f"request {seq.request_id!r} is already scheduled")
+        self.pool.check_admissible(seq.num_prompt_tokens + seq.max_tokens)
+        seq.arrival = self._next_arrival
+        self._next_arrival += 1
+        seq.status = SequenceStatus.WAITING
+        self.waiting.append(seq)
+        self._unfinished[seq.request_id] = seq
+
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self.max_num_batched_tokens
+
+        i = 0
+        while i < len(self.running) and budget > 0:
+            seq = self.running[i]
+            n = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            while not self.pool.ensure_capacity(seq, seq.num_computed_tokens + n):
+                victim = self.running.pop()  # the newest, possibly `seq` itself
+                self._preempt(victim)
+                out.preempted.append(victim)
+                if victim is seq:
+                    break
+            if seq.status is SequenceStatus.RUNNING:
+                out.chunks.append(ScheduledChunk(seq, seq.num_computed_tokens, n))
+                budget -= n
+                i += 1
+
+        # Admitting right after a preemption would only hand the freed pages back and forth.
+        if out.preempted:
+            return out
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+            seq = self.waiting[0]
+            n = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            if not self.pool.ensure_capacity(seq, seq.num_computed_tokens + n):
+                break  # FCFS: the head waits for pages, and so does everyone behind it
+            self.waiting.popleft()
+            seq.status = SequenceStatus.RUNNING
+            self.running.append(seq)
+            out.chunks.append(ScheduledChunk(seq, seq.num_computed_tokens, n))
+            budget -= n
+        return out
+
+    def update(self, output: SchedulerOutput, sampled: dict[str, int]) -> None:
+        """Record a finished step: `sampled` maps request id to the token drawn after each sampling chunk.
+
+        Chunks of sequences finished since `schedule()` (aborted mid-step) are skipped. The engine calls
+        `finish` for stop tokens, strings and errors after this; only the length limit is decided here.
+        """
+        for chunk in output.chunks:
+            seq = chunk.seq
+            if seq.status is not SequenceStatus.RUNNING:
+                continue
+            assert chunk.start == seq.num_computed_tokens, "a chunk was applied twice or out of order"
+            seq.num_computed_tokens += chunk.num_tokens
+            if not chunk.samples:
+                continue
+            if seq.request_id not in sampled:
+                raise KeyError(f"no sampled token for request {seq.request_id!r}")
+            seq.output_token_ids.append(sampled[seq.request_id])
+            if seq.num_output_tokens >= seq.max_tokens:
+                self.finish(seq, SequenceStatus.FINISHED_LENGTH)
+
+    def finish(self, seq: Sequence, status: SequenceStatus) -> None:
+        """End `seq` from any state and free its pages at once.
+
+        On an already finished sequence this is a no-op, except that a stop found on the last allowed
+        token turns FINISHED_LENGTH into FINISHED_STOPPED (the stop is the truer reason).
+        """
+        if not status.is_finished:
+            raise ValueError(f"{status} is not a finished status")
+        if seq.status.is_finished:
+            if seq.status is SequenceStatus.FINISHED_LENGTH and status is SequenceStatus.FINISHED_STOPPED:
+                seq.status = status
+            return
+        if seq.status is SequenceStatus.RUNNING:
+            self.running.remove(seq)
+        else:
+            self.waiting.remove(seq)
+        self.pool.release(seq)
+        seq.status = status
+        del self._unfinished[seq.request_id]
+
+    def abort(self, request_id: str) -> Sequence | None:
+        """Cancel `request_id` in any state; returns its sequence, or None if it is not unfinished."""
+        seq = self._unfinished.get(request_id)
+        if seq is not None:
+            self.finish(seq, SequenceStatus.FINISHED_ABORTED)
+        return seq
+
+    def _preempt(self, seq: Sequence) -> None:
+        # Recompute style: prompt and generated tokens are prefilled again when it is readmitted.
+        self.pool.release(seq)
+        seq.num_computed_tokens = 0
+        seq.status = SequenceStatus.WAITING
+        seq.num_preemptions += 1
+        self.waiting.appendleft(seq)  # it is newer than every running and older than every waiting one

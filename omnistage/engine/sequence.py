@@ -1,0 +1,55 @@
+"""One request's token state inside an LLM stage: plain data, no tensors."""
+
+from dataclasses import dataclass, field
+from enum import Enum, auto
+from typing import Any
+
+
+class SequenceStatus(Enum):
+    WAITING = auto()
+    RUNNING = auto()
+    FINISHED_STOPPED = auto()
+    FINISHED_LENGTH = auto()
+    FINISHED_ABORTED = auto()
+    FINISHED_ERROR = auto()
+
+    @property
+    def is_finished(self) -> bool:
+        return self.name.startswith("FINISHED_")
+
+
+# eq=False: a sequence is an identity (hashable, compared by object), not a value.
+@dataclass(eq=False)
+class Sequence:
+    """Prompt, generated tokens, KV progress and page table of one request."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    max_tokens: int
+    arrival: int = -1
+    output_token_ids: list[int] = field(default_factory=list)
+    num_computed_tokens: int = 0
+    status: SequenceStatus = SequenceStatus.WAITING
+    page_ids: list[int] = field(default_factory=list)
+    num_preemptions: int = 0
+    data: Any = None
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status.is_finished
