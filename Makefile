@@ -1,0 +1,31 @@
+# Two commands on a fresh machine with only Python: `make serve` and `make test`.
+PYTHON ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+# The newest torch below 2.14 is the CPU build where pip has one at hand (our CI); elsewhere it is
+# PyPI's default build. Set TORCH to pick another, e.g. TORCH="torch==2.11.0".
+TORCH ?= torch>=2.11,<2.14
+
+.PHONY: setup serve test lint tiny
+
+$(BIN)/omnistage: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip
+	$(BIN)/python -m pip install -q "$(TORCH)"
+	$(BIN)/python -m pip install -q -e ".[dev]"
+	touch $@
+
+setup: $(BIN)/omnistage
+
+serve: setup
+	$(BIN)/omnistage serve $(ARGS)
+
+tiny: setup
+	$(BIN)/omnistage make-tiny $(or $(DIR),tiny-qwen3-omni)
+
+# pytest exits 5 when it collects nothing (e.g. a filtered run): that is not a failure.
+test: setup
+	$(BIN)/python -m pytest -q $(ARGS); rc=$$?; [ $$rc -eq 5 ] && exit 0; exit $$rc
+
+lint: setup
+	$(BIN)/ruff check .

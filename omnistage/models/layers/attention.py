@@ -1,0 +1,48 @@
+"""The attention call site of a Qwen3 decoder layer: projections, per-head q/k RMSNorm, M-RoPE, backend."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from omnistage.engine.attention import AttentionBackend, AttentionMetadata
+from omnistage.models.layers.norm import RMSNorm
+from omnistage.models.layers.rotary import apply_rotary
+
+
+class Attention(nn.Module):
+    def __init__(
+        self,
+        hidden_size: int,
+        num_heads: int,
+        num_kv_heads: int,
+        head_dim: int,
+        rms_norm_eps: float,
+        backend: AttentionBackend,
+    ) -> None:
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
+        self.scale = head_dim**-0.5
+        self.backend = backend
+        self.q_proj = nn.Linear(hidden_size, num_heads * head_dim, bias=False)
+        self.k_proj = nn.Linear(hidden_size, num_kv_heads * head_dim, bias=False)
+        self.v_proj = nn.Linear(hidden_size, num_kv_heads * head_dim, bias=False)
+        self.o_proj = nn.Linear(num_heads * head_dim, hidden_size, bias=False)
+        self.q_norm = RMSNorm(head_dim, rms_norm_eps)
+        self.k_norm = RMSNorm(head_dim, rms_norm_eps)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        kv_cache: torch.Tensor,
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        tokens = x.shape[0]
+        q = self.q_norm(self.q_proj(x).view(tokens, self.num_heads, self.head_dim))
+        k = self.k_norm(self.k_proj(x).view(tokens, self.num_kv_heads, self.head_dim))
+        v = self.v_proj(x).view(tokens, self.num_kv_heads, self.head_dim)
+        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        out = self.backend.forward(q, k, v, kv_cache, meta, self.scale)
+        return self.o_proj(out.reshape(tokens, self.num_heads * self.head_dim))

@@ -1,0 +1,71 @@
+"""Sparse mixture-of-experts MLP: softmax router, top-k, stacked experts, optional gated shared expert."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from omnistage.models.layers.moe_experts import fused_experts
+
+
+class GatedMLP(nn.Module):
+    """down(SiLU(gate(x)) * up(x)); the Talker's shared expert and dense decoders' MLP."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
+        self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
+        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class StackedExperts(nn.Module):
+    """All experts' weights in two tensors, as grouped GEMMs want them.
+
+    The checkpoint's `experts.E.{gate,up}_proj.weight` are rows `[:I]` and `[I:]` of `w13[E]`;
+    `experts.E.down_proj.weight` is `w2[E]`.
+    """
+
+    def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int) -> None:
+        super().__init__()
+        self.w13 = nn.Parameter(torch.empty(num_experts, 2 * intermediate_size, hidden_size))
+        self.w2 = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size))
+
+
+class SparseMoeBlock(nn.Module):
+    def __init__(
+        self,
+        hidden_size: int,
+        num_experts: int,
+        top_k: int,
+        intermediate_size: int,
+        norm_topk_prob: bool = True,
+        shared_expert_intermediate_size: int = 0,
+    ) -> None:
+        super().__init__()
+        self.top_k, self.norm_topk_prob = top_k, norm_topk_prob
+        self.gate = nn.Linear(hidden_size, num_experts, bias=False)
+        self.experts = StackedExperts(num_experts, hidden_size, intermediate_size)
+        if shared_expert_intermediate_size:
+            self.shared_expert = GatedMLP(hidden_size, shared_expert_intermediate_size)
+            self.shared_expert_gate = nn.Linear(hidden_size, 1, bias=False)
+        else:
+            self.shared_expert = None
+
+    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Top-k expert weights (x's dtype) and ids `[T, k]` from a float32 softmax over the router logits."""
+        probs = F.softmax(self.gate(x), dim=-1, dtype=torch.float32)
+        weights, ids = torch.topk(probs, self.top_k, dim=-1)
+        if self.norm_topk_prob:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        return weights.to(x.dtype), ids
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weights, ids = self.route(x)
+        out = fused_experts(x, self.experts.w13, self.experts.w2, weights, ids)
+        if self.shared_expert is not None:
+            out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+        return out

@@ -1,0 +1,224 @@
+"""The Qwen3-Omni audio encoder ("AuT"): log-mel frames to thinker-sized audio tokens at 12.5 Hz.
+
+Each clip is cut into 1 s chunks (2 * n_window mel frames); three stride-2 convolutions turn a chunk into
+13 tokens with sinusoidal positions restarting per chunk; transformer layers attend within windows of
+n_window_infer frames (8 s, 104 tokens) of the same clip; ln_post and a two-layer MLP project to the
+thinker's width. Many clips of different lengths go through one call as a ragged batch.
+
+Every chunk is zero-padded to the full chunk length before the convolutions. transformers pads to the
+longest chunk of its batch instead, so a clip whose only chunk is short gets slightly different last
+tokens there than here; with ours a clip's tokens never depend on what it is batched with.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from omnistage.models.loader import load_weights
+from omnistage.models.qwen3_omni.config import AudioEncoderConfig, Qwen3OmniConfig
+
+PREFIX = "thinker.audio_tower."
+
+ACTIVATIONS = {
+    "gelu": F.gelu,
+    "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"),
+    "gelu_new": lambda x: F.gelu(x, approximate="tanh"),
+    "quick_gelu": lambda x: x * torch.sigmoid(1.702 * x),
+    "relu": F.relu,
+    "silu": F.silu,
+}
+
+
+def _conv_out(frames: int) -> int:
+    return (frames - 1) // 2 + 1
+
+
+def audio_output_tokens(mel_frames: int, n_window: int = 50) -> int:
+    """Audio tokens the encoder emits for a clip of `mel_frames` frames (the processor's placeholder count)."""
+    chunk = 2 * n_window
+    full, tail = divmod(mel_frames, chunk)
+    tail_tokens = _conv_out(_conv_out(_conv_out(tail))) if tail else 0
+    return full * _conv_out(_conv_out(_conv_out(chunk))) + tail_tokens
+
+
+@dataclass(frozen=True)
+class AudioLayout:
+    """Host-side shape of one ragged batch: chunks, tokens and attention windows (plain numbers)."""
+
+    frames: list[int]  # mel frames per clip
+    chunk_frames: list[int]  # frames per chunk, every clip's chunks in order
+    chunk_tokens: list[int]  # tokens per chunk
+    tokens: list[int]  # tokens per clip
+    cu_seqlens: list[int]  # attention window boundaries over the packed tokens
+
+    @property
+    def max_seqlen(self) -> int:
+        return max(b - a for a, b in zip(self.cu_seqlens, self.cu_seqlens[1:]))
+
+
+def audio_layout(frames: list[int], n_window: int, n_window_infer: int) -> AudioLayout:
+    """Chunks of 2 * n_window frames, and windows of n_window_infer frames' worth of tokens, per clip."""
+    chunk = 2 * n_window
+    window_tokens = audio_output_tokens(chunk, n_window) * (n_window_infer // chunk)
+    chunk_frames, cu_seqlens, tokens = [], [0], []
+    for n in frames:
+        if n <= 0:
+            raise ValueError(f"an audio clip needs at least one mel frame, got {n}")
+        full, tail = divmod(n, chunk)
+        chunk_frames += [chunk] * full + ([tail] if tail else [])
+        clip_tokens = audio_output_tokens(n, n_window)
+        tokens.append(clip_tokens)
+        whole, rest = divmod(clip_tokens, window_tokens)
+        for size in [window_tokens] * whole + ([rest] if rest else []):
+            cu_seqlens.append(cu_seqlens[-1] + size)
+    chunk_tokens = [audio_output_tokens(c, n_window) for c in chunk_frames]
+    return AudioLayout(list(frames), chunk_frames, chunk_tokens, tokens, cu_seqlens)
+
+
+def varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: list[int]) -> torch.Tensor:
+    """Non-causal attention within each segment [cu[i], cu[i+1]) of packed q, k, v [tokens, heads, dim].
+
+    The one attention site of the encoders; a GPU varlen kernel replaces it. This reference gathers the
+    segments into a padded batch and masks the padded keys: one SDPA call on any device.
+    """
+    lengths = [b - a for a, b in zip(cu_seqlens, cu_seqlens[1:])]
+    if len(lengths) == 1:
+        out = F.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1))
+        return out.transpose(0, 1)
+    longest = max(lengths)
+    starts = torch.tensor(cu_seqlens[:-1], device=q.device)
+    ends = torch.tensor(cu_seqlens[1:], device=q.device)
+    index = starts[:, None] + torch.arange(longest, device=q.device)  # [segments, longest]
+    valid = index < ends[:, None]
+    index = index.clamp(max=q.shape[0] - 1)
+    mask = valid[:, None, None, :]  # keys of each segment only
+
+    def gather(t):
+        return t[index].transpose(1, 2)  # [segments, heads, longest, dim]
+
+    out = F.scaled_dot_product_attention(gather(q), gather(k), gather(v), attn_mask=mask)
+    return out.transpose(1, 2)[valid]
+
+
+def sinusoids(length: int, channels: int, max_timescale: float = 10000.0) -> torch.Tensor:
+    """Whisper's sinusoidal positions [length, channels]: sines then cosines over log-spaced timescales."""
+    step = math.log(max_timescale) / (channels // 2 - 1)
+    inv_timescales = torch.exp(-step * torch.arange(channels // 2, dtype=torch.float32))
+    angles = torch.arange(length, dtype=torch.float32)[:, None] * inv_timescales[None, :]
+    return torch.cat([angles.sin(), angles.cos()], dim=1)
+
+
+class AudioAttention(nn.Module):
+    def __init__(self, cfg: AudioEncoderConfig):
+        super().__init__()
+        d = cfg.d_model
+        self.num_heads = cfg.encoder_attention_heads
+        self.q_proj = nn.Linear(d, d)
+        self.k_proj = nn.Linear(d, d)
+        self.v_proj = nn.Linear(d, d)
+        self.out_proj = nn.Linear(d, d)
+
+    def forward(self, x: torch.Tensor, cu_seqlens: list[int]) -> torch.Tensor:
+        shape = (x.shape[0], self.num_heads, -1)
+        q, k, v = self.q_proj(x).view(shape), self.k_proj(x).view(shape), self.v_proj(x).view(shape)
+        return self.out_proj(varlen_attention(q, k, v, cu_seqlens).reshape(x.shape[0], -1))
+
+
+class AudioEncoderLayer(nn.Module):
+    def __init__(self, cfg: AudioEncoderConfig):
+        super().__init__()
+        self.self_attn_layer_norm = nn.LayerNorm(cfg.d_model)
+        self.self_attn = AudioAttention(cfg)
+        self.final_layer_norm = nn.LayerNorm(cfg.d_model)
+        self.fc1 = nn.Linear(cfg.d_model, cfg.encoder_ffn_dim)
+        self.fc2 = nn.Linear(cfg.encoder_ffn_dim, cfg.d_model)
+        self.act = ACTIVATIONS[cfg.activation_function]
+
+    def forward(self, x: torch.Tensor, cu_seqlens: list[int]) -> torch.Tensor:
+        x = x + self.self_attn(self.self_attn_layer_norm(x), cu_seqlens)
+        return x + self.fc2(self.act(self.fc1(self.final_layer_norm(x))))
+
+
+class AudioEncoder(nn.Module):
+    def __init__(self, cfg: AudioEncoderConfig):
+        super().__init__()
+        if cfg.activation_function not in ACTIVATIONS:
+            raise ValueError(f"audio activation_function {cfg.activation_function!r} is not supported")
+        self.cfg = cfg
+        c = cfg.downsample_hidden_size
+        self.conv2d1 = nn.Conv2d(1, c, 3, 2, padding=1)
+        self.conv2d2 = nn.Conv2d(c, c, 3, 2, padding=1)
+        self.conv2d3 = nn.Conv2d(c, c, 3, 2, padding=1)
+        mel_out = _conv_out(_conv_out(_conv_out(cfg.num_mel_bins)))
+        self.conv_out = nn.Linear(c * mel_out, cfg.d_model, bias=False)
+        self.layers = nn.ModuleList(AudioEncoderLayer(cfg) for _ in range(cfg.encoder_layers))
+        self.ln_post = nn.LayerNorm(cfg.d_model)
+        self.proj1 = nn.Linear(cfg.d_model, cfg.d_model)
+        self.act = ACTIVATIONS[cfg.activation_function]
+        self.proj2 = nn.Linear(cfg.d_model, cfg.output_dim)
+
+    def layout(self, frames: list[int]) -> AudioLayout:
+        return audio_layout(frames, self.cfg.n_window, self.cfg.n_window_infer)
+
+    def forward(
+        self, features: list[torch.Tensor] | torch.Tensor, lengths: list[int] | torch.Tensor | None = None
+    ) -> list[torch.Tensor] | torch.Tensor:
+        """Clips' features (a list of [mel, frames], or packed [mel, total] with `lengths`) to audio tokens.
+
+        A list gives a list of [tokens_i, output_dim]; a packed input gives packed [sum tokens_i, output_dim].
+        """
+        packed_input = not isinstance(features, (list, tuple))
+        if packed_input:
+            if lengths is None:
+                raise ValueError("packed audio features need their per-clip lengths")
+            frames = [int(n) for n in lengths]
+            packed = features
+        else:
+            frames = [f.shape[-1] for f in features]
+            packed = torch.cat(list(features), dim=-1)
+        if packed.shape[-1] != sum(frames):
+            raise ValueError(f"audio features hold {packed.shape[-1]} frames, lengths say {sum(frames)}")
+        layout = self.layout(frames)
+        x = self.embed_chunks(packed, layout)
+        for layer in self.layers:
+            x = layer(x, layout.cu_seqlens)
+        x = self.proj2(self.act(self.proj1(self.ln_post(x))))
+        return x if packed_input else list(x.split(layout.tokens))
+
+    def embed_chunks(self, packed: torch.Tensor, layout: AudioLayout) -> torch.Tensor:
+        """Packed features [mel, total] to packed chunk tokens [sum tokens, d_model], positions added."""
+        chunk = 2 * self.cfg.n_window
+        device, dtype = packed.device, self.conv2d1.weight.dtype
+        starts = torch.tensor([0] + layout.chunk_frames[:-1], device=device).cumsum(0)
+        index = starts[:, None] + torch.arange(chunk, device=device)  # [chunks, chunk]
+        valid = torch.arange(chunk, device=device) < torch.tensor(layout.chunk_frames, device=device)[:, None]
+        chunks = packed.T[index.clamp(max=packed.shape[-1] - 1)] * valid[..., None]  # [chunks, chunk, mel]
+        chunks = chunks.transpose(1, 2).unsqueeze(1).to(dtype)
+        # The stride-2 convolutions over every chunk at once peak at conv_chunksize chunks of activations.
+        embeds = []
+        for group in chunks.split(self.cfg.conv_chunksize):
+            h = F.gelu(self.conv2d1(group))
+            h = F.gelu(self.conv2d2(h))
+            h = F.gelu(self.conv2d3(h))
+            n, c, f, t = h.shape
+            embeds.append(self.conv_out(h.permute(0, 3, 1, 2).reshape(n, t, c * f)))
+        x = torch.cat(embeds) + sinusoids(embeds[0].shape[1], self.cfg.d_model).to(device, dtype)
+        keep = torch.arange(x.shape[1], device=device) < torch.tensor(layout.chunk_tokens, device=device)[:, None]
+        return x[keep]
+
+
+def load_audio_encoder(
+    checkpoint_dir: str | Path, dtype: torch.dtype = torch.bfloat16, device: torch.device | str = "cpu"
+) -> AudioEncoder:
+    """The audio encoder of a Qwen3-Omni checkpoint directory, weights read by their file names."""
+    cfg = Qwen3OmniConfig.from_dir(checkpoint_dir).thinker.audio
+    with torch.device("meta"):
+        model = AudioEncoder(cfg)
+    load_weights(model, checkpoint_dir, PREFIX, dtype=dtype, device=device)
+    return model.eval()

@@ -1,0 +1,127 @@
+"""The Thinker's language model: a Qwen3 MoE decoder over a flat, ragged batch with paged KV.
+
+Parameter names equal the checkpoint's minus `thinker.` (experts stacked, see `models/loader.py`).
+Audio and vision towers live in their own modules; their features arrive as `inputs_embeds` and, for
+vision, as `deepstack_embeds`.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from omnistage.engine.attention import AttentionBackend, AttentionMetadata
+from omnistage.models.layers.attention import Attention
+from omnistage.models.layers.moe import SparseMoeBlock
+from omnistage.models.layers.norm import RMSNorm
+from omnistage.models.layers.rotary import MRotaryEmbedding
+from omnistage.models.loader import load_weights
+from omnistage.models.qwen3_omni.config import Qwen3OmniConfig, TextConfig
+
+
+class ThinkerDecoderLayer(nn.Module):
+    def __init__(self, cfg: TextConfig, backend: AttentionBackend) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = Attention(
+            cfg.hidden_size,
+            cfg.num_attention_heads,
+            cfg.num_key_value_heads,
+            cfg.head_dim,
+            cfg.rms_norm_eps,
+            backend,
+        )
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = SparseMoeBlock(
+            cfg.hidden_size,
+            cfg.num_experts,
+            cfg.num_experts_per_tok,
+            cfg.moe_intermediate_size,
+            cfg.norm_topk_prob,
+            cfg.shared_expert_intermediate_size,
+        )
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        kv_cache: torch.Tensor,
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, kv_cache, meta)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class ThinkerTextModel(nn.Module):
+    def __init__(self, cfg: TextConfig, backend: AttentionBackend) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(ThinkerDecoderLayer(cfg, backend) for _ in range(cfg.num_hidden_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.rotary_emb = MRotaryEmbedding(cfg.head_dim, cfg.rope_theta, cfg.mrope_section)
+
+    def forward(
+        self,
+        hidden: torch.Tensor,
+        positions: torch.Tensor,
+        kv_caches: list[torch.Tensor],
+        meta: AttentionMetadata,
+        deepstack_embeds: list[torch.Tensor] | None = None,
+    ) -> torch.Tensor:
+        cos, sin = self.rotary_emb(positions)
+        for i, layer in enumerate(self.layers):
+            hidden = layer(hidden, cos, sin, kv_caches[i], meta)
+            if deepstack_embeds is not None and i < len(deepstack_embeds):
+                hidden = hidden + deepstack_embeds[i]
+        return self.norm(hidden)
+
+
+class Thinker(nn.Module):
+    def __init__(self, cfg: TextConfig, backend: AttentionBackend) -> None:
+        super().__init__()
+        self.config = cfg
+        self.model = ThinkerTextModel(cfg, backend)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+
+    @classmethod
+    def from_config(cls, cfg: TextConfig, backend: AttentionBackend) -> Thinker:
+        return cls(cfg, backend)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_caches: list[torch.Tensor],
+        meta: AttentionMetadata,
+        inputs_embeds: torch.Tensor | None = None,
+        deepstack_embeds: list[torch.Tensor] | None = None,
+    ) -> torch.Tensor:
+        """Final-norm hidden states `[T, H]` of the flat batch `input_ids` `[T]` at M-RoPE `positions` `[3, T]`.
+
+        `inputs_embeds` `[T, H]` replaces the token embeddings (audio/image features already merged in);
+        `deepstack_embeds[i]` `[T, H]` is added after decoder layer i (zeros away from visual tokens).
+        """
+        hidden = self.model.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
+        return self.model(hidden, positions, kv_caches, meta, deepstack_embeds)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden).float()
+
+
+def load_thinker(
+    checkpoint_dir: str | Path,
+    dtype: torch.dtype,
+    device: torch.device | str,
+    backend: AttentionBackend,
+) -> Thinker:
+    """The Thinker's language model from a Qwen3-Omni checkpoint directory (`thinker.model.*`, `thinker.lm_head.*`)."""
+    cfg = Qwen3OmniConfig.from_dir(checkpoint_dir).thinker.text
+    with torch.device("meta"):
+        thinker = Thinker.from_config(cfg, backend)
+    # two prefixes, because `thinker.` also holds the audio and vision towers
+    load_weights(thinker.model, checkpoint_dir, "thinker.model.", dtype=dtype, device=device)
+    load_weights(thinker.lm_head, checkpoint_dir, "thinker.lm_head.", dtype=dtype, device=device)
+    return thinker.requires_grad_(False).eval()
