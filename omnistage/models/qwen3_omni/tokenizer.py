@@ -83,9 +83,12 @@ def build_tokenizer() -> Tokenizer:
     base = tokenizer.get_vocab_size()
     if base != min(SPECIAL_TOKENS):
         raise RuntimeError(f"qwen.tiktoken has {base} ranks; Qwen3-Omni's special tokens start at {min(SPECIAL_TOKENS)}")
-    tokenizer.add_special_tokens(
-        [AddedToken(text, special=text not in _NOT_SPECIAL, normalized=False) for _, text in sorted(SPECIAL_TOKENS.items())]
-    )
+    # One at a time, in id order: add_special_tokens would mark the think/tool markers special too.
+    for _, text in sorted(SPECIAL_TOKENS.items()):
+        if text in _NOT_SPECIAL:
+            tokenizer.add_tokens([AddedToken(text, special=False, normalized=False)])
+        else:
+            tokenizer.add_special_tokens([AddedToken(text, special=True, normalized=False)])
     for token_id, text in SPECIAL_TOKENS.items():
         if tokenizer.token_to_id(text) != token_id:
             raise RuntimeError(f"{text} landed at id {tokenizer.token_to_id(text)}, expected {token_id}")

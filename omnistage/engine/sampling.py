@@ -1,0 +1,243 @@
+"""Sampling parameters (vLLM's names and defaults) and the batched sampler that applies them row by row."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor
+
+from omnistage.errors import InvalidRequest
+
+# Below this a temperature counts as greedy: dividing logits by it would only amplify float noise (vLLM's bound).
+GREEDY_TEMPERATURE = 1e-5
+
+
+@dataclass
+class SamplingParams:
+    """Per-request decoding controls; `stop` and `stop_token_ids` are normalised to lists."""
+
+    n: int = 1
+    max_tokens: int | None = 16
+    min_tokens: int = 0
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0 or -1: off
+    min_p: float = 0.0
+    seed: int | None = None
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    stop: list[str] | str | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+
+    def __post_init__(self) -> None:
+        if self.stop is None:
+            self.stop = []
+        elif isinstance(self.stop, str):
+            self.stop = [self.stop]
+        else:
+            self.stop = list(self.stop)
+        self.stop_token_ids = list(self.stop_token_ids or [])
+        self.validate()
+
+    @property
+    def greedy(self) -> bool:
+        """Whether this request takes the argmax instead of sampling."""
+        return self.temperature < GREEDY_TEMPERATURE
+
+    def validate(self) -> None:
+        """Raise InvalidRequest naming the first field that breaks its rule."""
+        if self.n != 1:
+            _invalid(f"n must be 1 (only one choice per request is supported), got {self.n}")
+        if self.max_tokens is not None and self.max_tokens < 1:
+            _invalid(f"max_tokens must be >= 1, got {self.max_tokens}")
+        if self.min_tokens < 0:
+            _invalid(f"min_tokens must be >= 0, got {self.min_tokens}")
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            _invalid(f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})")
+        if not self.temperature >= 0:  # written this way round so that NaN fails too
+            _invalid(f"temperature must be >= 0, got {self.temperature}")
+        if math.isinf(self.temperature):
+            _invalid(f"temperature must be finite, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            _invalid(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k < -1:
+            _invalid(f"top_k must be >= 1, or 0 or -1 to disable it, got {self.top_k}")
+        if not 0 <= self.min_p <= 1:
+            _invalid(f"min_p must be in [0, 1], got {self.min_p}")
+        if not 0 < self.repetition_penalty < math.inf:
+            _invalid(f"repetition_penalty must be > 0 and finite, got {self.repetition_penalty}")
+        if not -2 <= self.presence_penalty <= 2:
+            _invalid(f"presence_penalty must be in [-2, 2], got {self.presence_penalty}")
+        if not -2 <= self.frequency_penalty <= 2:
+            _invalid(f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty}")
+        if not all(isinstance(s, str) and s for s in self.stop):
+            _invalid(f"stop must hold only non-empty strings, got {self.stop!r}")
+        if not all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids):
+            _invalid(f"stop_token_ids must be non-negative token ids, got {self.stop_token_ids!r}")
+
+
+def _invalid(message: str) -> None:
+    raise InvalidRequest(message)
+
+
+@dataclass
+class SamplingRow:
+    """One batch row as the sampler sees it: the request's parameters and its tokens so far."""
+
+    params: SamplingParams
+    token_ids: list[int]  # prompt + output, for the repetition penalty
+    output_token_ids: list[int]  # output only, for presence/frequency penalties and min_tokens
+    generator: torch.Generator | None = None
+    eos_token_ids: list[int] = field(default_factory=list)
+
+
+def make_generator(params: SamplingParams, device: torch.device | str) -> torch.Generator | None:
+    """A generator seeded from `params.seed` on `device`, or None for an unseeded request."""
+    if params.seed is None:
+        return None
+    generator = torch.Generator(device=device)
+    # OpenAI seeds may be any integer; torch takes [0, 2**64).
+    generator.manual_seed(params.seed % 2**64)
+    return generator
+
+
+def _token_counts(id_lists: list[list[int]], vocab: int, device: torch.device) -> Tensor:
+    """[len(id_lists), vocab] float32 occurrence counts, built with one scatter."""
+    longest = max(len(ids) for ids in id_lists)
+    # Pad with `vocab`, an extra column dropped after the scatter; out-of-vocab ids land there too.
+    padded = torch.tensor([ids + [vocab] * (longest - len(ids)) for ids in id_lists], dtype=torch.long)
+    padded = padded.clamp_(0, vocab).to(device)
+    counts = torch.zeros(len(id_lists), vocab + 1, dtype=torch.float32, device=device)
+    counts.scatter_add_(1, padded, torch.ones_like(padded, dtype=torch.float32))
+    return counts[:, :vocab]
+
+
+def apply_penalties(logits: Tensor, rows: list[SamplingRow]) -> Tensor:
+    """Repetition (HF) over prompt+output, then presence and frequency (OpenAI) over output tokens.
+
+    Only rows whose parameters ask for a penalty are touched; returns `logits` itself when none do,
+    else a new tensor.
+    """
+    repetition = [i for i, r in enumerate(rows) if r.params.repetition_penalty != 1.0 and r.token_ids]
+    additive = [
+        i
+        for i, r in enumerate(rows)
+        if (r.params.presence_penalty != 0.0 or r.params.frequency_penalty != 0.0) and r.output_token_ids
+    ]
+    if not repetition and not additive:
+        return logits
+    logits = logits.clone()
+    vocab, device = logits.shape[1], logits.device
+    if repetition:
+        index = torch.tensor(repetition, device=device)
+        seen = _token_counts([rows[i].token_ids for i in repetition], vocab, device) > 0
+        penalty = torch.tensor([rows[i].params.repetition_penalty for i in repetition], device=device)[
+            :, None
+        ]
+        sub = logits[index]
+        penalised = torch.where(sub > 0, sub / penalty, sub * penalty)
+        logits[index] = torch.where(seen, penalised, sub)
+    if additive:
+        index = torch.tensor(additive, device=device)
+        counts = _token_counts([rows[i].output_token_ids for i in additive], vocab, device)
+        frequency = torch.tensor([rows[i].params.frequency_penalty for i in additive], device=device)[:, None]
+        presence = torch.tensor([rows[i].params.presence_penalty for i in additive], device=device)[:, None]
+        logits[index] = logits[index] - frequency * counts - presence * (counts > 0).float()
+    return logits
+
+
+def apply_min_tokens(logits: Tensor, rows: list[SamplingRow]) -> Tensor:
+    """Mask eos and stop token ids to -inf on rows that have produced fewer than min_tokens tokens.
+
+    The sampler masks whatever `eos_token_ids` the row carries; ignore_eos is the engine's business.
+    Returns `logits` itself when no row is masked, else a new tensor.
+    """
+    vocab = logits.shape[1]
+    row_index: list[int] = []
+    token_index: list[int] = []
+    for i, r in enumerate(rows):
+        if len(r.output_token_ids) < r.params.min_tokens:
+            blocked = sorted({*r.eos_token_ids, *r.params.stop_token_ids})
+            blocked = [t for t in blocked if 0 <= t < vocab]
+            row_index += [i] * len(blocked)
+            token_index += blocked
+    if not row_index:
+        return logits
+    logits = logits.clone()
+    device = logits.device
+    logits[torch.tensor(row_index, device=device), torch.tensor(token_index, device=device)] = -math.inf
+    return logits
+
+
+def _apply_top_k_top_p(logits: Tensor, top_k: Tensor, top_p: Tensor) -> Tensor:
+    """Keep each row's top_k highest logits, then the smallest head whose probability reaches top_p."""
+    sorted_logits, order = logits.sort(dim=-1, descending=True)
+    rank = torch.arange(logits.shape[1], device=logits.device)
+    sorted_logits = sorted_logits.masked_fill(rank[None, :] >= top_k[:, None], -math.inf)
+    probs = sorted_logits.softmax(dim=-1)
+    mass_before = probs.cumsum(dim=-1) - probs
+    sorted_logits = sorted_logits.masked_fill(mass_before >= top_p[:, None], -math.inf)
+    return logits.scatter(1, order, sorted_logits)
+
+
+def _apply_min_p(logits: Tensor, min_p: Tensor) -> Tensor:
+    """Drop tokens whose probability is below min_p times the row's largest.
+
+    p_i < min_p * p_max  <=>  logit_i < logit_max + log(min_p), so no softmax is needed.
+    """
+    threshold = logits.amax(dim=-1, keepdim=True) + min_p.log()[:, None]
+    return logits.masked_fill(logits < threshold, -math.inf)
+
+
+class Sampler:
+    """Turns one step's logits into next tokens, each row under its own SamplingParams."""
+
+    def __call__(self, logits: Tensor, rows: list[SamplingRow]) -> Tensor:
+        return self.sample(logits, rows)
+
+    def sample(self, logits: Tensor, rows: list[SamplingRow]) -> Tensor:
+        """Next token per row: [B, V] float logits -> [B] long ids on the logits' device.
+
+        Order: penalties, min_tokens mask, greedy argmax, temperature, top-k, top-p, min-p, softmax, sample.
+        A seeded row draws only from its own generator, so its tokens do not depend on its batch neighbours.
+        """
+        if logits.shape[0] != len(rows):
+            raise ValueError(f"logits have {logits.shape[0]} rows but {len(rows)} SamplingRows were given")
+        logits = apply_min_tokens(apply_penalties(logits.float(), rows), rows)
+        greedy_ids = logits.argmax(dim=-1)
+        greedy = [r.params.greedy for r in rows]
+        if all(greedy):
+            return greedy_ids
+        device = logits.device
+        params = [r.params for r in rows]
+
+        # Greedy rows ride along with neutral settings; their draws are discarded below.
+        temperature = torch.tensor([1.0 if p.greedy else p.temperature for p in params], device=device)
+        logits = logits / temperature[:, None]
+        if any(p.top_k > 0 or p.top_p < 1.0 for p in params):
+            vocab = logits.shape[1]
+            # inf, not 1.0: a cumulative sum can round past 1 and must not cut a row that asked for no top-p.
+            top_k = torch.tensor([p.top_k if p.top_k > 0 else vocab for p in params], device=device)
+            top_p = torch.tensor([p.top_p if p.top_p < 1.0 else math.inf for p in params], device=device)
+            logits = _apply_top_k_top_p(logits, top_k, top_p)
+        if any(p.min_p > 0.0 for p in params):
+            logits = _apply_min_p(logits, torch.tensor([p.min_p for p in params], device=device))
+        probs = logits.softmax(dim=-1)
+
+        # argmax(p / q) with q ~ Exp(1) is an exact draw from p (the exponential-race trick).
+        seeded = [i for i, r in enumerate(rows) if r.generator is not None and not greedy[i]]
+        if len(seeded) < len(rows):
+            q = torch.empty_like(probs).exponential_()
+        else:
+            q = torch.empty_like(probs)
+        for i in seeded:
+            q[i] = torch.empty_like(probs[i]).exponential_(generator=rows[i].generator)
+        # exponential_ may return exactly 0; 0/0 would make NaN, which argmax would pick.
+        sampled = probs.div_(q.clamp_min_(torch.finfo(q.dtype).tiny)).argmax(dim=-1)
+        return torch.where(torch.tensor(greedy, device=device), greedy_ids, sampled)
