@@ -1,0 +1,90 @@
+"""What one forward step tells the attention backend about its flat batch of new tokens.
+
+The batch is ragged: sequence b owns rows `query_start_loc[b]:query_start_loc[b+1]` of q/k/v, which are
+its last `n_b` context positions (`seq_lens[b] - n_b` onwards). Its K/V live in pages
+`block_tables[b]`; a token at position p sits in slot `page * page_size + p % page_size` of page
+`block_tables[b][p // page_size]`. The KV cache of one layer is `[2, num_pages, page_size, kv_heads, head_dim]`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import NamedTuple
+
+import torch
+
+
+class Chunk(NamedTuple):
+    """One sequence's share of a step: `num_new` tokens at positions `start`.. , its pages in order."""
+
+    start: int
+    num_new: int
+    pages: Sequence[int]
+
+
+@dataclass
+class AttentionMetadata:
+    slot_mapping: torch.Tensor  # int64 [T]: flat KV slot of each row; -1 = padding, not written
+    query_start_loc: torch.Tensor  # int32 [B+1]: cu_seqlens of the new tokens
+    seq_lens: torch.Tensor  # int32 [B]: context length after this step (cached + new); 0 = padding sequence
+    block_tables: torch.Tensor  # int32 [B, max_pages]: page ids, padded with 0
+    max_query_len: int
+    max_seq_len: int
+
+    @property
+    def num_seqs(self) -> int:
+        return self.seq_lens.shape[0]
+
+    @classmethod
+    def build(
+        cls,
+        chunks: Sequence[Chunk | tuple[int, int, Sequence[int]]],
+        page_size: int,
+        device: torch.device | str = "cpu",
+        *,
+        pad_seqs: int = 0,
+        pad_rows: int = 0,
+        max_pages: int | None = None,
+    ) -> AttentionMetadata:
+        """Metadata for `chunks` (start position, new tokens, page ids per sequence), built on the host.
+
+        `pad_seqs` appends sequences of one row each with seq_len 0 (a padded decode batch); `pad_rows`
+        appends rows that belong to no sequence (a padded token count). Both write nothing and read zeros.
+        `max_pages` fixes the block-table width (a graph's static shape); by default it is the widest need.
+        """
+        slots: list[int] = []
+        starts, seq_lens, tables = [0], [], []
+        for start, num_new, pages in chunks:
+            seq_len = start + num_new
+            if start < 0 or num_new < 0:
+                raise ValueError(f"chunk start {start} and num_new {num_new} must be non-negative")
+            if -(-seq_len // page_size) > len(pages):
+                raise ValueError(
+                    f"{seq_len} tokens need {-(-seq_len // page_size)} pages of {page_size}, got {len(pages)}"
+                )
+            slots += [pages[p // page_size] * page_size + p % page_size for p in range(start, seq_len)]
+            starts.append(starts[-1] + num_new)
+            seq_lens.append(seq_len)
+            tables.append(list(pages))
+        for _ in range(pad_seqs):
+            slots.append(-1)
+            starts.append(starts[-1] + 1)
+            seq_lens.append(0)
+            tables.append([])
+        slots += [-1] * pad_rows
+        width = max([len(t) for t in tables] + [1]) if max_pages is None else max_pages
+        if any(len(t) > width for t in tables):
+            raise ValueError(f"a sequence holds more than max_pages={width} pages")
+        block_tables = torch.zeros(len(tables), width, dtype=torch.int32)
+        for b, table in enumerate(tables):
+            block_tables[b, : len(table)] = torch.tensor(table, dtype=torch.int32)
+        query_lens = [b - a for a, b in zip(starts, starts[1:], strict=False)]
+        return cls(
+            slot_mapping=torch.tensor(slots, dtype=torch.int64, device=device),
+            query_start_loc=torch.tensor(starts, dtype=torch.int32, device=device),
+            seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=device),
+            block_tables=block_tables.to(device),
+            max_query_len=max(query_lens, default=0),
+            max_seq_len=max(seq_lens, default=0),
+        )

@@ -1,0 +1,61 @@
+"""Paged attention in plain torch: slow, any device, the oracle for the GPU backends."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from omnistage.engine.attention.metadata import AttentionMetadata
+
+
+def write_kv(kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    """Store each row's k/v at its flat slot; rows with slot -1 are skipped."""
+    _, num_pages, page_size, heads, dim = kv_cache.shape
+    flat = kv_cache.view(2, num_pages * page_size, heads, dim)
+    keep = slot_mapping >= 0
+    slots = slot_mapping[keep]
+    flat[0].index_copy_(0, slots, k[keep].to(kv_cache.dtype))
+    flat[1].index_copy_(0, slots, v[keep].to(kv_cache.dtype))
+
+
+class TorchReferenceBackend:
+    """Gathers each sequence's pages and runs SDPA with a causal mask offset by the cached length.
+
+    Loops over sequences on the host (`.tolist()`), so it is neither fast nor CUDA-graph safe.
+    """
+
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        kv_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor:
+        write_kv(kv_cache, k, v, meta.slot_mapping)
+        page_size = kv_cache.shape[2]
+        out = torch.zeros_like(q)
+        starts = meta.query_start_loc.tolist()
+        seq_lens = meta.seq_lens.tolist()
+        for b, seq_len in enumerate(seq_lens):
+            q0, q1 = starts[b], starts[b + 1]
+            if seq_len == 0 or q1 == q0:
+                continue
+            pages = meta.block_tables[b, : -(-seq_len // page_size)].long()
+            keys = kv_cache[0, pages].flatten(0, 1)[:seq_len]  # [L, Hkv, D]
+            values = kv_cache[1, pages].flatten(0, 1)[:seq_len]
+            num_new = q1 - q0
+            # query i sits at position seq_len - num_new + i and sees keys 0..that position
+            query_pos = torch.arange(seq_len - num_new, seq_len, device=q.device)
+            mask = torch.arange(seq_len, device=q.device)[None, :] <= query_pos[:, None]
+            attended = F.scaled_dot_product_attention(
+                q[q0:q1].transpose(0, 1),
+                keys.transpose(0, 1).to(q.dtype),
+                values.transpose(0, 1).to(q.dtype),
+                attn_mask=mask,
+                scale=scale,
+                enable_gqa=True,
+            )
+            out[q0:q1] = attended.transpose(0, 1)
+        return out
