@@ -1,0 +1,138 @@
+"""The engine on its own thread, fed from asyncio: the event loop never waits on model work.
+
+Requests are validated on the caller's side (pure arithmetic), queued as commands, and picked up by the
+engine thread between steps; each step's outputs are handed back to the loop thread-safely. A consumer
+that stops iterating (a client that went away) aborts its request, which frees its pages at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+from collections.abc import AsyncIterator
+
+from omnistage.config import EngineConfig
+from omnistage.engine.llm_engine import LLMEngine
+from omnistage.engine.model_runner import PromptPositions
+from omnistage.engine.sampling import SamplingParams
+from omnistage.errors import InvalidRequest, QueueFull
+from omnistage.outputs import RequestOutput
+
+log = logging.getLogger(__name__)
+
+
+class AsyncEngine:
+    def __init__(self, engine: LLMEngine, max_queue: int | None = None) -> None:
+        self.engine = engine
+        self.max_queue = max_queue
+        self._commands: queue.SimpleQueue = queue.SimpleQueue()
+        self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+        self._lock = threading.Lock()  # guards _streams and the queued count
+        self._queued = 0  # added but not yet picked up by the engine thread
+        self._stopping = threading.Event()
+        self._thread = threading.Thread(target=self._loop, name="omnistage-engine", daemon=True)
+        self._thread.start()
+
+    @classmethod
+    def from_config(cls, config: EngineConfig, max_queue: int | None = None) -> AsyncEngine:
+        return cls(LLMEngine(config), max_queue)
+
+    @property
+    def ready(self) -> bool:
+        return self._thread.is_alive() and not self._stopping.is_set()
+
+    def stats(self) -> dict[str, int]:
+        stats = self.engine.stats()
+        stats["num_waiting"] += self._queued
+        return stats
+
+    async def generate(
+        self,
+        request_id: str,
+        prompt: str | None,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        mrope: PromptPositions | None = None,
+    ) -> AsyncIterator[RequestOutput]:
+        """Outputs of one request, one per engine step that touched it; the last has finished=True."""
+        self.engine.validate(prompt_token_ids, params)
+        out_queue: asyncio.Queue = asyncio.Queue()
+        with self._lock:
+            if request_id in self._streams:
+                raise InvalidRequest(f"request id {request_id!r} is already running")
+            waiting = self.engine.scheduler.num_waiting + self._queued
+            if self.max_queue is not None and waiting >= self.max_queue:
+                raise QueueFull(f"the server's queue is full ({waiting} requests waiting, the limit is {self.max_queue})")
+            self._streams[request_id] = (asyncio.get_running_loop(), out_queue)
+            self._queued += 1
+        self._commands.put(("add", request_id, prompt, prompt_token_ids, params, mrope))
+        finished = False
+        try:
+            while True:
+                item = await out_queue.get()
+                if isinstance(item, Exception):
+                    raise item
+                yield item
+                if item.finished:
+                    finished = True
+                    return
+        finally:
+            with self._lock:
+                self._streams.pop(request_id, None)
+            if not finished:
+                self._commands.put(("abort", request_id))
+
+    def abort(self, request_id: str) -> None:
+        self._commands.put(("abort", request_id))
+
+    def shutdown(self) -> None:
+        self._stopping.set()
+        self._commands.put(("wake",))
+        self._thread.join(timeout=10)
+
+    # -- the engine thread --------------------------------------------------------------------------
+
+    def _deliver(self, request_id: str, item: RequestOutput | Exception) -> None:
+        with self._lock:
+            target = self._streams.get(request_id)
+        if target is not None:
+            loop, out_queue = target
+            loop.call_soon_threadsafe(out_queue.put_nowait, item)
+
+    def _handle(self, command: tuple) -> None:
+        kind = command[0]
+        if kind == "add":
+            _, request_id, prompt, token_ids, params, mrope = command
+            with self._lock:
+                self._queued -= 1
+                alive = request_id in self._streams
+            if not alive:  # the client left before the engine saw the request
+                return
+            try:
+                self.engine.add_request(request_id, token_ids, params, prompt=prompt, mrope=mrope)
+            except Exception as exc:
+                self._deliver(request_id, exc)
+        elif kind == "abort":
+            self.engine.abort(command[1])
+
+    def _loop(self) -> None:
+        while not self._stopping.is_set():
+            try:
+                block = not self.engine.has_unfinished()
+                while True:
+                    try:
+                        command = self._commands.get(block=block, timeout=0.5 if block else None)
+                    except queue.Empty:
+                        break
+                    self._handle(command)
+                    block = False
+                if self.engine.has_unfinished():
+                    for output in self.engine.step():
+                        self._deliver(output.request_id, output)
+            except Exception:  # a bug in the loop itself: fail what is running, keep serving
+                log.exception("engine loop error")
+                for request_id in list(self._streams):
+                    self.engine.abort(request_id)
+                    self._deliver(request_id, RuntimeError("internal engine error"))

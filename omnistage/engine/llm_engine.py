@@ -1,0 +1,271 @@
+"""One autoregressive stage (the Thinker): admission, scheduling, the model step, sampling, stops.
+
+`LLMEngine.step()` runs one scheduler step and returns what each touched request gained. Everything a
+request does stays inside that request: a failing step fails the requests in it, frees their pages and
+the engine goes on.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from omnistage.config import EngineConfig
+from omnistage.engine.attention import TorchReferenceBackend
+from omnistage.engine.detokenizer import IncrementalDetokenizer
+from omnistage.engine.kv_cache import PagePool
+from omnistage.engine.model_runner import ModelRunner, PromptPositions
+from omnistage.engine.sampling import Sampler, SamplingParams, SamplingRow, make_generator
+from omnistage.engine.scheduler import Scheduler
+from omnistage.engine.sequence import Sequence, SequenceStatus
+from omnistage.errors import InvalidRequest, RequestTooLarge
+from omnistage.models.qwen3_omni.config import Qwen3OmniConfig
+from omnistage.models.qwen3_omni.processor import Processor
+from omnistage.models.qwen3_omni.thinker import load_thinker
+from omnistage.outputs import CompletionOutput, RequestOutput
+
+log = logging.getLogger(__name__)
+
+_FINISH_REASONS = {
+    SequenceStatus.FINISHED_STOPPED: "stop",
+    SequenceStatus.FINISHED_LENGTH: "length",
+    SequenceStatus.FINISHED_ABORTED: "abort",
+    SequenceStatus.FINISHED_ERROR: "error",
+}
+_CPU_KV_GIB = 0.25
+
+
+@dataclass
+class RequestState:
+    """What the engine keeps per request beside the scheduler's Sequence."""
+
+    params: SamplingParams
+    prompt: str | None
+    detokenizer: IncrementalDetokenizer
+    generator: torch.Generator | None
+    eos_token_ids: list[int]
+    mrope: PromptPositions | None = None
+    stop_reason: int | str | None = None
+    error: str | None = None
+    metrics: dict[str, float] = field(default_factory=dict)
+
+
+def resolve_device(device: str) -> torch.device:
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if device == "cuda" and not torch.cuda.is_available():
+        raise InvalidRequest("device 'cuda' was asked for but torch sees no CUDA device")
+    return torch.device(device)
+
+
+def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
+    if dtype == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return getattr(torch, dtype)
+
+
+def eos_token_ids(checkpoint_dir: Path, processor: Processor) -> list[int]:
+    path = checkpoint_dir / "generation_config.json"
+    if path.exists():
+        eos = json.loads(path.read_text()).get("eos_token_id")
+        if eos is not None:
+            return [eos] if isinstance(eos, int) else list(eos)
+    return [processor.tokenizer.token_to_id("<|im_end|>")]
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig) -> None:
+        from omnistage.models.qwen3_omni.tiny import default_checkpoint
+
+        self.config = config
+        self.model_path = Path(config.model) if config.model else default_checkpoint()
+        self.model_config = Qwen3OmniConfig.from_dir(self.model_path)
+        text = self.model_config.thinker.text
+        self.device = resolve_device(config.device)
+        self.dtype = resolve_dtype(config.dtype, self.device)
+        self.processor = Processor(self.model_path)
+        self.tokenizer = self.processor.tokenizer
+        self.eos_token_ids = eos_token_ids(self.model_path, self.processor)
+        self.vocab_size = text.vocab_size
+
+        started = time.perf_counter()
+        self.model = load_thinker(self.model_path, self.dtype, self.device, TorchReferenceBackend())
+        self.load_seconds = time.perf_counter() - started
+
+        self.page_size = config.page_size
+        kv_bytes_per_page = (
+            2 * text.num_hidden_layers * text.num_key_value_heads * text.head_dim * self.page_size * self.dtype.itemsize
+        )
+        if config.num_kv_pages is not None:
+            num_pages = config.num_kv_pages
+        else:
+            gib = config.kv_cache_memory_gib or _CPU_KV_GIB
+            num_pages = max(1, int(gib * (1 << 30)) // kv_bytes_per_page)
+        self.kv_bytes_per_page = kv_bytes_per_page
+        self.pool = PagePool(num_pages, self.page_size)
+        self.max_model_len = min(config.max_model_len or text.max_position_embeddings, text.max_position_embeddings)
+        self.scheduler = Scheduler(self.pool, config.max_num_seqs, config.max_num_batched_tokens)
+        self.runner = ModelRunner(self.model, text, num_pages, self.page_size, self.device, self.dtype)
+        self.sampler = Sampler()
+        log.info("%s", self.memory_summary())
+
+    def memory_summary(self) -> str:
+        kv_gib = self.pool.num_pages * self.kv_bytes_per_page / (1 << 30)
+        weights_gib = sum(p.numel() * p.element_size() for p in self.model.parameters()) / (1 << 30)
+        return (
+            f"model {self.model_path} on {self.device} ({str(self.dtype).removeprefix('torch.')}), "
+            f"weights {weights_gib:.2f} GiB loaded in {self.load_seconds:.1f} s; "
+            f"KV pool {self.pool.num_pages:,} pages x {self.page_size} tokens = {kv_gib:.2f} GiB "
+            f"({self.pool.num_pages * self.page_size:,} tokens); max model length {self.max_model_len:,}"
+        )
+
+    # -- requests -----------------------------------------------------------------------------------
+
+    def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> int:
+        """Check a request against the model and the pool; return its effective max_tokens."""
+        if not prompt_token_ids:
+            raise InvalidRequest("the prompt is empty")
+        bad = next((t for t in prompt_token_ids if not 0 <= t < self.vocab_size), None)
+        if bad is not None:
+            raise InvalidRequest(f"prompt token id {bad} is outside the vocabulary of {self.vocab_size}")
+        prompt_len = len(prompt_token_ids)
+        if prompt_len >= self.max_model_len:
+            raise RequestTooLarge(
+                f"the prompt has {prompt_len:,} tokens; the model's context is {self.max_model_len:,} tokens"
+            )
+        max_tokens = params.max_tokens if params.max_tokens is not None else self.max_model_len - prompt_len
+        if prompt_len + max_tokens > self.max_model_len:
+            raise RequestTooLarge(
+                f"prompt ({prompt_len:,} tokens) + max_tokens ({max_tokens:,}) = {prompt_len + max_tokens:,} "
+                f"tokens exceeds the model's context of {self.max_model_len:,} tokens"
+            )
+        self.pool.check_admissible(prompt_len + max_tokens)
+        return max_tokens
+
+    def add_request(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        prompt: str | None = None,
+        mrope: PromptPositions | None = None,
+    ) -> None:
+        max_tokens = self.validate(prompt_token_ids, params)
+        state = RequestState(
+            params=params,
+            prompt=prompt,
+            detokenizer=IncrementalDetokenizer(
+                self.tokenizer, params.skip_special_tokens, params.stop, params.include_stop_str_in_output
+            ),
+            generator=make_generator(params, self.device),
+            eos_token_ids=[] if params.ignore_eos else self.eos_token_ids,
+            mrope=mrope,
+            metrics={"arrival": time.monotonic()},
+        )
+        seq = Sequence(request_id, list(prompt_token_ids), max_tokens, data=state)
+        self.scheduler.add(seq)
+
+    def abort(self, request_id: str) -> RequestOutput | None:
+        seq = self.scheduler.abort(request_id)
+        return None if seq is None else self._output(seq, "", [])
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    def stats(self) -> dict[str, int]:
+        return {
+            "num_waiting": self.scheduler.num_waiting,
+            "num_running": self.scheduler.num_running,
+            "kv_pages_total": self.pool.num_pages,
+            "kv_pages_free": self.pool.num_free,
+            "kv_pages_used": self.pool.num_used,
+        }
+
+    # -- one step -----------------------------------------------------------------------------------
+
+    def step(self) -> list[RequestOutput]:
+        step = self.scheduler.schedule()
+        if not step.chunks:
+            return []
+        sampling = [c for c in step.chunks if c.samples]
+        try:
+            logits = self.runner.execute(step)
+            rows = [_row(c.seq) for c in sampling]
+            tokens = self.sampler(logits, rows).tolist() if rows else []
+        except Exception as exc:  # a failing step fails its requests, never the engine
+            return self._fail(step.chunks, exc)
+        self.scheduler.update(step, {c.seq.request_id: t for c, t in zip(sampling, tokens)})
+        return [self._after_sample(c.seq, t) for c, t in zip(sampling, tokens)]
+
+    def _after_sample(self, seq: Sequence, token: int) -> RequestOutput:
+        state: RequestState = seq.data
+        now = time.monotonic()
+        state.metrics.setdefault("first_token", now)
+        delta = ""
+        if token in state.params.stop_token_ids:
+            state.stop_reason = token
+            self.scheduler.finish(seq, SequenceStatus.FINISHED_STOPPED)
+        elif token in state.eos_token_ids:
+            self.scheduler.finish(seq, SequenceStatus.FINISHED_STOPPED)
+        else:
+            delta = state.detokenizer.add(token)
+            if state.detokenizer.stopped:
+                state.stop_reason = state.detokenizer.stop_str
+                self.scheduler.finish(seq, SequenceStatus.FINISHED_STOPPED)
+        if seq.is_finished and not state.detokenizer.stopped:
+            delta += state.detokenizer.flush()
+        return self._output(seq, delta, [token])
+
+    def _fail(self, chunks, exc: Exception) -> list[RequestOutput]:
+        log.exception("step failed; failing its %d request(s)", len(chunks))
+        if isinstance(exc, torch.OutOfMemoryError):
+            torch.cuda.empty_cache()
+        outputs = []
+        for chunk in chunks:
+            seq = chunk.seq
+            if seq.is_finished:
+                continue
+            seq.data.error = f"{type(exc).__name__}: {exc}"
+            self.scheduler.finish(seq, SequenceStatus.FINISHED_ERROR)
+            outputs.append(self._output(seq, "", []))
+        return outputs
+
+    def _output(self, seq: Sequence, delta_text: str, delta_ids: list[int]) -> RequestOutput:
+        state: RequestState = seq.data
+        finished = seq.is_finished
+        if finished:
+            state.metrics.setdefault("finished", time.monotonic())
+        completion = CompletionOutput(
+            index=0,
+            text=state.detokenizer.text,
+            token_ids=list(seq.output_token_ids),
+            finish_reason=_FINISH_REASONS.get(seq.status) if finished else None,
+            stop_reason=state.stop_reason,
+            delta_text=delta_text,
+            delta_token_ids=delta_ids,
+        )
+        return RequestOutput(
+            request_id=seq.request_id,
+            prompt=state.prompt,
+            prompt_token_ids=seq.prompt_token_ids,
+            outputs=[completion],
+            finished=finished,
+            error=state.error,
+            metrics=dict(state.metrics),
+        )
+
+
+def _row(seq: Sequence) -> SamplingRow:
+    state: RequestState = seq.data
+    return SamplingRow(
+        params=state.params,
+        token_ids=seq.all_token_ids,
+        output_token_ids=seq.output_token_ids,
+        generator=state.generator,
+        eos_token_ids=state.eos_token_ids,
+    )

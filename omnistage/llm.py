@@ -1,0 +1,77 @@
+"""The offline API, shaped like vLLM's: `LLM(...).generate(...)` and `.chat(...)` in-process."""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence
+
+from omnistage.config import engine_config
+from omnistage.engine.llm_engine import LLMEngine
+from omnistage.engine.sampling import SamplingParams
+from omnistage.outputs import RequestOutput
+
+PromptType = str | dict
+
+
+class LLM:
+    """An engine in this process. `model=None` serves the embedded tiny checkpoint (random weights).
+
+    Keyword arguments are EngineConfig fields (device, dtype, page_size, num_kv_pages, max_num_seqs, ...).
+    """
+
+    def __init__(self, model: str | None = None, **kwargs) -> None:
+        self.engine = LLMEngine(engine_config(model=model, **kwargs))
+        self._ids = itertools.count()
+
+    def generate(
+        self,
+        prompts: PromptType | Sequence[PromptType],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+    ) -> list[RequestOutput]:
+        """Outputs in prompt order. A prompt is a string or {"prompt_token_ids": [...]} (or {"prompt": str})."""
+        if isinstance(prompts, str | dict):
+            prompts = [prompts]
+        params = sampling_params or SamplingParams()
+        params_list = [params] * len(prompts) if isinstance(params, SamplingParams) else list(params)
+        if len(params_list) != len(prompts):
+            raise ValueError(f"{len(prompts)} prompts but {len(params_list)} sampling params")
+        ids = []
+        for prompt, p in zip(prompts, params_list):
+            text, token_ids = self._tokens(prompt)
+            request_id = str(next(self._ids))
+            self.engine.add_request(request_id, token_ids, p, prompt=text)
+            ids.append(request_id)
+        return self._run(ids)
+
+    def chat(
+        self,
+        messages: list[dict] | list[list[dict]],
+        sampling_params: SamplingParams | None = None,
+        add_generation_prompt: bool = True,
+    ) -> list[RequestOutput]:
+        """One conversation (a list of messages) or several, rendered with the checkpoint's chat template."""
+        conversations = messages if messages and isinstance(messages[0], list) else [messages]
+        prompts = [
+            {"prompt": self.engine.processor.render_chat(c, add_generation_prompt)} for c in conversations
+        ]
+        return self.generate(prompts, sampling_params)
+
+    def _tokens(self, prompt: PromptType) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, str):
+            return prompt, self.engine.processor.encode(prompt)
+        if "prompt_token_ids" in prompt:
+            return prompt.get("prompt"), list(prompt["prompt_token_ids"])
+        return prompt["prompt"], self.engine.processor.encode(prompt["prompt"])
+
+    def _run(self, request_ids: list[str]) -> list[RequestOutput]:
+        final: dict[str, RequestOutput] = {}
+        try:
+            while self.engine.has_unfinished():
+                for out in self.engine.step():
+                    if out.finished:
+                        final[out.request_id] = out
+        finally:
+            for request_id in request_ids:
+                if request_id not in final:
+                    self.engine.abort(request_id)
+        return [final[r] for r in request_ids]

@@ -1,0 +1,27 @@
+"""What the engine hands back per request, shaped like vLLM's outputs so users and tools feel at home."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class CompletionOutput:
+    index: int
+    text: str  # cumulative text so far
+    token_ids: list[int]  # cumulative generated ids (the stop or eos token included when one ended it)
+    finish_reason: str | None = None  # "stop", "length", "abort", "error"; None while running
+    stop_reason: int | str | None = None  # the stop token id or stop string that ended it
+    delta_text: str = ""  # text new since the previous output of this request
+    delta_token_ids: list[int] = field(default_factory=list)
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    finished: bool = False
+    error: str | None = None  # set with finish_reason "error": what went wrong inside the engine
+    metrics: dict[str, float] = field(default_factory=dict)  # arrival, first_token, finished (monotonic s)
