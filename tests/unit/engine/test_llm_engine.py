@@ -1,0 +1,247 @@
+"""The engine end to end on the tiny checkpoint (CPU, float32): batching, preemption, stops, failures, pages."""
+
+import asyncio
+
+import pytest
+import torch
+from transformers import Qwen3OmniMoeForConditionalGeneration
+
+from omnistage import LLM, SamplingParams
+from omnistage.config import engine_config
+from omnistage.engine.async_engine import AsyncEngine
+from omnistage.errors import InvalidRequest, RequestTooLarge
+
+PROMPTS = [
+    "Hello",
+    "The capital of France is",
+    "1, 2, 3, 4,",
+    "你好，世界",
+    "def fibonacci(n):",
+    "A long time ago in a galaxy far, far away there was a",
+    "Q: What is the boiling point of water?\nA:",
+    "<|im_start|>user\nTell me a story.<|im_end|>\n<|im_start|>assistant\n",
+]
+GREEDY = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+
+
+def make_llm(checkpoint, **kwargs):
+    return LLM(model=str(checkpoint), device="cpu", dtype="float32", page_size=4, **kwargs)
+
+
+@pytest.fixture(scope="module")
+def llm(tiny_checkpoint):
+    return make_llm(tiny_checkpoint, num_kv_pages=256)
+
+
+@pytest.fixture(scope="module")
+def alone(llm):
+    """Each prompt generated on its own: the reference for every batched run."""
+    return [llm.generate(p, GREEDY)[0].outputs[0].token_ids for p in PROMPTS]
+
+
+def assert_pool_full(llm):
+    pool = llm.engine.pool
+    assert pool.num_free == pool.num_pages
+    assert not llm.engine.has_unfinished()
+
+
+def test_greedy_matches_transformers_generate(tiny_checkpoint, llm):
+    hf = Qwen3OmniMoeForConditionalGeneration.from_pretrained(tiny_checkpoint, dtype=torch.float32).thinker.eval()
+    params = SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True)
+    for prompt in PROMPTS[:3]:
+        ids = llm.engine.processor.encode(prompt)
+        ours = llm.generate({"prompt_token_ids": ids}, params)[0].outputs[0].token_ids
+        with torch.no_grad():
+            theirs = hf.generate(torch.tensor([ids]), do_sample=False, max_new_tokens=32, min_new_tokens=32)
+        assert ours == theirs[0, len(ids):].tolist()
+    assert_pool_full(llm)
+
+
+def test_batch_equals_each_alone(llm, alone):
+    outs = llm.generate(PROMPTS, GREEDY)
+    assert [o.outputs[0].token_ids for o in outs] == alone
+    assert all(o.outputs[0].finish_reason == "length" for o in outs)
+    assert_pool_full(llm)
+
+
+def test_small_pool_forces_preemption_and_still_matches(tiny_checkpoint, alone):
+    # 8 prompts of up to ~20 tokens + 24 generated need ~90 pages of 4 together; 24 pages force preemption
+    small = make_llm(tiny_checkpoint, num_kv_pages=24, max_num_batched_tokens=16)
+    outs = small.generate(PROMPTS, GREEDY)
+    assert [o.outputs[0].token_ids for o in outs] == alone
+    assert_pool_full(small)
+
+
+def test_preemption_really_happens(tiny_checkpoint):
+    small = make_llm(tiny_checkpoint, num_kv_pages=24, max_num_batched_tokens=16)
+    engine = small.engine
+    for i, prompt in enumerate(PROMPTS):
+        engine.add_request(str(i), engine.processor.encode(prompt), GREEDY)
+    seqs = [engine.scheduler.get(str(i)) for i in range(len(PROMPTS))]
+    while engine.has_unfinished():
+        engine.step()
+    assert sum(s.num_preemptions for s in seqs) > 0
+    assert_pool_full(small)
+
+
+def test_arrivals_while_others_decode(llm, alone):
+    engine = llm.engine
+    finished = {}
+    for i in range(4):
+        engine.add_request(str(i), engine.processor.encode(PROMPTS[i]), GREEDY)
+    steps = 0
+    while engine.has_unfinished() or len(finished) < len(PROMPTS):
+        if steps in (3, 7, 11, 15):  # later prompts join running decodes
+            i = 4 + (3, 7, 11, 15).index(steps)
+            engine.add_request(str(i), engine.processor.encode(PROMPTS[i]), GREEDY)
+        for out in engine.step():
+            if out.finished:
+                finished[int(out.request_id)] = out.outputs[0].token_ids
+        steps += 1
+    assert [finished[i] for i in range(len(PROMPTS))] == alone
+    assert_pool_full(llm)
+
+
+def test_admission_refusal_is_exact(tiny_checkpoint):
+    small = LLM(model=str(tiny_checkpoint), device="cpu", dtype="float32", page_size=128, num_kv_pages=175,
+                max_model_len=65536)
+    with pytest.raises(RequestTooLarge) as err:
+        small.generate({"prompt_token_ids": [872] * 212}, SamplingParams(max_tokens=24_000))
+    assert str(err.value) == "request needs 190 pages (24,212 tokens) but the pool has 175 pages"
+    assert_pool_full(small)
+
+
+def test_context_and_vocabulary_limits(tiny_checkpoint):
+    small = make_llm(tiny_checkpoint, num_kv_pages=64, max_model_len=32)
+    with pytest.raises(RequestTooLarge, match=r"prompt \(10 tokens\) \+ max_tokens \(30\) = 40 tokens exceeds the model's context of 32 tokens"):
+        small.generate({"prompt_token_ids": [872] * 10}, SamplingParams(max_tokens=30))
+    with pytest.raises(InvalidRequest, match="prompt token id 999999 is outside the vocabulary of 152064"):
+        small.generate({"prompt_token_ids": [872, 999999]}, SamplingParams())
+    with pytest.raises(InvalidRequest, match="the prompt is empty"):
+        small.generate({"prompt_token_ids": []}, SamplingParams())
+    # max_tokens=None fills the context
+    out = small.generate({"prompt_token_ids": [872] * 30}, SamplingParams(max_tokens=None, ignore_eos=True))[0]
+    assert len(out.outputs[0].token_ids) == 2
+    assert_pool_full(small)
+
+
+def test_seeds_reproduce_sampled_outputs(llm):
+    def sampled(seed, batch):
+        params = SamplingParams(max_tokens=16, temperature=1.0, top_p=0.9, seed=seed, ignore_eos=True)
+        others = SamplingParams(max_tokens=16, temperature=1.0, ignore_eos=True)
+        prompts = [PROMPTS[0]] + PROMPTS[1:batch]
+        outs = llm.generate(prompts, [params] + [others] * (batch - 1))
+        return outs[0].outputs[0].token_ids
+
+    first = sampled(7, 1)
+    assert sampled(7, 1) == first
+    assert sampled(7, 5) == first  # neighbours in the batch do not change a seeded request
+    assert sampled(8, 1) != first
+    assert_pool_full(llm)
+
+
+def test_stop_token_ids_stop_strings_min_tokens(llm, alone):
+    reference = alone[1]
+    stop_id = reference[5]
+    out = llm.generate(PROMPTS[1], SamplingParams(max_tokens=24, temperature=0.0, stop_token_ids=[stop_id]))[0]
+    first = reference.index(stop_id)
+    assert out.outputs[0].token_ids == reference[: first + 1]
+    assert out.outputs[0].finish_reason == "stop" and out.outputs[0].stop_reason == stop_id
+
+    full = llm.generate(PROMPTS[1], GREEDY)[0].outputs[0].text
+    stop = full[10:14]
+    out = llm.generate(PROMPTS[1], SamplingParams(max_tokens=24, temperature=0.0, stop=[stop]))[0]
+    assert out.outputs[0].text == full[: full.index(stop)]
+    assert out.outputs[0].finish_reason == "stop" and out.outputs[0].stop_reason == stop
+
+    # with the first token as eos, min_tokens holds the request open and ignore_eos runs to length
+    engine = llm.engine
+    saved = engine.eos_token_ids
+    engine.eos_token_ids = [reference[0]]
+    try:
+        stopped = llm.generate(PROMPTS[1], SamplingParams(max_tokens=24, temperature=0.0))[0].outputs[0]
+        held = llm.generate(PROMPTS[1], SamplingParams(max_tokens=24, min_tokens=4, temperature=0.0))[0].outputs[0]
+    finally:
+        engine.eos_token_ids = saved
+    assert stopped.token_ids == reference[:1] and stopped.finish_reason == "stop"
+    assert len(held.token_ids) >= 4 and reference[0] not in held.token_ids[:4]
+    assert_pool_full(llm)
+
+
+def test_chat_uses_the_chat_template(llm):
+    messages = [{"role": "user", "content": "Hi"}]
+    chat = llm.chat(messages, GREEDY)[0]
+    assert chat.prompt_token_ids == [151644, 872, 198, 13048, 151645, 198, 151644, 77091, 198]
+    assert chat.outputs[0].token_ids == llm.generate({"prompt_token_ids": chat.prompt_token_ids}, GREEDY)[0].outputs[0].token_ids
+
+
+def test_a_failing_step_fails_its_requests_and_the_engine_goes_on(llm, alone, monkeypatch):
+    engine = llm.engine
+    real = engine.runner.execute
+    calls = {"n": 0}
+
+    def flaky(step):
+        calls["n"] += 1
+        if calls["n"] == 3:
+            raise RuntimeError("boom")
+        return real(step)
+
+    monkeypatch.setattr(engine.runner, "execute", flaky)
+    for i in range(2):
+        engine.add_request(f"f{i}", engine.processor.encode(PROMPTS[i]), GREEDY)
+    finals = {}
+    while engine.has_unfinished():
+        for out in engine.step():
+            if out.finished:
+                finals[out.request_id] = out
+    assert {o.outputs[0].finish_reason for o in finals.values()} == {"error"}
+    assert "RuntimeError: boom" in finals["f0"].error
+    assert_pool_full(llm)
+    assert llm.generate(PROMPTS[0], GREEDY)[0].outputs[0].token_ids == alone[0]
+
+
+def test_cancellation_frees_pages_at_once(llm):
+    engine = llm.engine
+    engine.add_request("c", engine.processor.encode(PROMPTS[5]), SamplingParams(max_tokens=100, ignore_eos=True))
+    for _ in range(3):
+        engine.step()
+    assert engine.pool.num_used > 0
+    out = engine.abort("c")
+    assert out.finished and out.outputs[0].finish_reason == "abort"
+    assert_pool_full(llm)
+
+
+def test_async_engine_streams_and_cancels(tiny_checkpoint, alone):
+    engine = AsyncEngine.from_config(
+        engine_config(model=str(tiny_checkpoint), device="cpu", dtype="float32", page_size=4, num_kv_pages=128)
+    )
+
+    async def run(i):
+        ids = engine.engine.processor.encode(PROMPTS[i])
+        deltas, last = [], None
+        async for out in engine.generate(str(i), PROMPTS[i], ids, GREEDY):
+            deltas += out.outputs[0].delta_token_ids
+            last = out
+        return deltas, last
+
+    async def cancel_midway():
+        stream = engine.generate("x", None, [872] * 8, SamplingParams(max_tokens=200, ignore_eos=True))
+        await stream.__anext__()
+        await stream.aclose()
+        for _ in range(50):
+            if engine.stats()["kv_pages_used"] == 0:
+                return True
+            await asyncio.sleep(0.02)
+        return False
+
+    async def main():
+        results = await asyncio.gather(*(run(i) for i in range(len(PROMPTS))))
+        return results, await cancel_midway()
+
+    try:
+        results, freed = asyncio.run(main())
+    finally:
+        engine.shutdown()
+    assert [d for d, _ in results] == alone
+    assert all(last.outputs[0].token_ids == d for d, last in results)
+    assert freed and engine.stats()["kv_pages_free"] == 128
