@@ -6,8 +6,9 @@ n_window_infer frames (8 s, 104 tokens) of the same clip; ln_post and a two-laye
 thinker's width. Many clips of different lengths go through one call as a ragged batch.
 
 Every chunk is zero-padded to the full chunk length before the convolutions. transformers pads to the
-longest chunk of its batch instead, so a clip whose only chunk is short gets slightly different last
-tokens there than here; with ours a clip's tokens never depend on what it is batched with.
+longest chunk of its batch instead, so a clip under 1 s encoded alone there differs from ours (through
+the convolutions' edge and then attention, every token moves); beside any clip of 1 s or more it is
+padded as ours. With ours a clip's tokens never depend on what it is batched with.
 """
 
 from __future__ import annotations
@@ -81,29 +82,31 @@ def audio_layout(frames: list[int], n_window: int, n_window_infer: int) -> Audio
     return AudioLayout(list(frames), chunk_frames, chunk_tokens, tokens, cu_seqlens)
 
 
-def varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: list[int]) -> torch.Tensor:
+def varlen_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: list[int]
+) -> torch.Tensor:
     """Non-causal attention within each segment [cu[i], cu[i+1]) of packed q, k, v [tokens, heads, dim].
 
-    The one attention site of the encoders; a GPU varlen kernel replaces it. This reference gathers the
-    segments into a padded batch and masks the padded keys: one SDPA call on any device.
+    The one attention site of the encoders; a GPU varlen kernel replaces it. This reference batches the
+    segments of each distinct length into one unmasked SDPA call (flash-eligible, no padding): audio
+    windows are nearly all 104 tokens, and an image is one segment.
     """
-    lengths = [b - a for a, b in zip(cu_seqlens, cu_seqlens[1:])]
-    if len(lengths) == 1:
-        out = F.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1))
-        return out.transpose(0, 1)
-    longest = max(lengths)
-    starts = torch.tensor(cu_seqlens[:-1], device=q.device)
-    ends = torch.tensor(cu_seqlens[1:], device=q.device)
-    index = starts[:, None] + torch.arange(longest, device=q.device)  # [segments, longest]
-    valid = index < ends[:, None]
-    index = index.clamp(max=q.shape[0] - 1)
-    mask = valid[:, None, None, :]  # keys of each segment only
-
-    def gather(t):
-        return t[index].transpose(1, 2)  # [segments, heads, longest, dim]
-
-    out = F.scaled_dot_product_attention(gather(q), gather(k), gather(v), attn_mask=mask)
-    return out.transpose(1, 2)[valid]
+    starts_by_length: dict[int, list[int]] = {}
+    for start, end in zip(cu_seqlens, cu_seqlens[1:]):
+        starts_by_length.setdefault(end - start, []).append(start)
+    tokens, heads, dim = q.shape
+    if len(starts_by_length) == 1:  # equal segments tile the packed tokens: a view, no copies
+        ((length, starts),) = starts_by_length.items()
+        split = [t.view(len(starts), length, heads, dim).transpose(1, 2) for t in (q, k, v)]
+        return F.scaled_dot_product_attention(*split).transpose(1, 2).reshape(tokens, heads, dim)
+    out = torch.empty_like(q)
+    for length, starts in starts_by_length.items():
+        index = (
+            torch.tensor(starts, device=q.device)[:, None] + torch.arange(length, device=q.device)
+        ).flatten()
+        split = [t[index].view(len(starts), length, heads, dim).transpose(1, 2) for t in (q, k, v)]
+        out[index] = F.scaled_dot_product_attention(*split).transpose(1, 2).reshape(-1, heads, dim)
+    return out
 
 
 def sinusoids(length: int, channels: int, max_timescale: float = 10000.0) -> torch.Tensor:
@@ -209,7 +212,8 @@ class AudioEncoder(nn.Module):
             n, c, f, t = h.shape
             embeds.append(self.conv_out(h.permute(0, 3, 1, 2).reshape(n, t, c * f)))
         x = torch.cat(embeds) + sinusoids(embeds[0].shape[1], self.cfg.d_model).to(device, dtype)
-        keep = torch.arange(x.shape[1], device=device) < torch.tensor(layout.chunk_tokens, device=device)[:, None]
+        chunk_tokens = torch.tensor(layout.chunk_tokens, device=device)
+        keep = torch.arange(x.shape[1], device=device) < chunk_tokens[:, None]
         return x[keep]
 
 

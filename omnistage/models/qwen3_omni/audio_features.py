@@ -42,7 +42,7 @@ def decode_audio(data: bytes, max_seconds: float = MAX_SECONDS) -> tuple[np.ndar
             _check_duration(frames, sample_rate, max_seconds)
             samples = f.read(dtype="float32", always_2d=True)
     except (sf.LibsndfileError, RuntimeError, TypeError, ValueError) as exc:
-        raise InvalidMedia(f"audio could not be decoded (wav, flac, ogg and mp3 are accepted): {exc}") from None
+        raise InvalidMedia(f"audio could not be decoded (wav, flac, ogg, mp3 are accepted): {exc}") from None
     if samples.shape[0] == 0:
         raise InvalidMedia("audio holds no samples")
     mono = samples.mean(axis=1, dtype=np.float32) if samples.shape[1] > 1 else samples[:, 0]

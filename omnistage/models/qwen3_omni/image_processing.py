@@ -101,7 +101,9 @@ def image_tokens(grid_thw: tuple[int, int, int], merge_size: int = 2) -> int:
     return t * h * w // (merge_size * merge_size)
 
 
-def preprocess_image(image: Image.Image, cfg: ImageProcessorConfig) -> tuple[torch.Tensor, tuple[int, int, int]]:
+def preprocess_image(
+    image: Image.Image, cfg: ImageProcessorConfig
+) -> tuple[torch.Tensor, tuple[int, int, int]]:
     """One image to (patches [h*w, C*T*P*P] float32, grid (1, h, w))."""
     image = image.convert("RGB")
     _, grid_h, grid_w = image_grid(image.height, image.width, cfg)
@@ -123,4 +125,5 @@ def preprocess_images(
     if not images:
         raise ValueError("no images to preprocess")
     done = [preprocess_image(image, cfg) for image in images]
-    return torch.cat([patches for patches, _ in done]), torch.tensor([grid for _, grid in done], dtype=torch.int64)
+    grid_thw = torch.tensor([grid for _, grid in done], dtype=torch.int64)
+    return torch.cat([patches for patches, _ in done]), grid_thw

@@ -58,7 +58,9 @@ class VisionAttention(nn.Module):
         self.qkv = nn.Linear(cfg.hidden_size, 3 * cfg.hidden_size)
         self.proj = nn.Linear(cfg.hidden_size, cfg.hidden_size)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cu_seqlens: list[int]) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cu_seqlens: list[int]
+    ) -> torch.Tensor:
         q, k, v = self.qkv(x).view(x.shape[0], 3, self.num_heads, -1).unbind(1)
         q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
         return self.proj(varlen_attention(q, k, v, cu_seqlens).reshape(x.shape[0], -1))
@@ -91,7 +93,9 @@ class VisionBlock(nn.Module):
         self.norm2 = nn.LayerNorm(cfg.hidden_size, eps=1e-6)
         self.mlp = VisionMLP(cfg)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cu_seqlens: list[int]) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cu_seqlens: list[int]
+    ) -> torch.Tensor:
         x = x + self.attn(self.norm1(x), cos, sin, cu_seqlens)
         return x + self.mlp(self.norm2(x))
 
@@ -104,7 +108,8 @@ class PatchMerger(nn.Module):
         self.width = cfg.hidden_size * cfg.spatial_merge_size**2
         self.postshuffle_norm = postshuffle_norm
         self.ln_q = nn.LayerNorm(self.width if postshuffle_norm else cfg.hidden_size, eps=1e-6)
-        self.mlp = nn.Sequential(nn.Linear(self.width, self.width), nn.GELU(), nn.Linear(self.width, cfg.out_hidden_size))
+        out = cfg.out_hidden_size
+        self.mlp = nn.Sequential(nn.Linear(self.width, self.width), nn.GELU(), nn.Linear(self.width, out))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = self.ln_q(x.view(-1, self.width)) if self.postshuffle_norm else self.ln_q(x).view(-1, self.width)
@@ -131,7 +136,8 @@ class VisionEncoder(nn.Module):
     ) -> tuple[torch.Tensor, list[torch.Tensor]]:
         """Packed patches [sum t*h*w, C*T*P*P] of images with grids (t, h, w) to
         (embeds [sum t*h*w / merge^2, out_hidden], one such tensor per deepstack level)."""
-        grids = [tuple(int(n) for n in g) for g in (grid_thw.tolist() if torch.is_tensor(grid_thw) else grid_thw)]
+        grid_thw = grid_thw.tolist() if torch.is_tensor(grid_thw) else grid_thw
+        grids = [(int(t), int(h), int(w)) for t, h, w in grid_thw]
         total = sum(t * h * w for t, h, w in grids)
         if pixel_values.shape[0] != total:
             raise ValueError(f"pixel_values hold {pixel_values.shape[0]} patches, grid_thw says {total}")
@@ -152,7 +158,9 @@ class VisionEncoder(nn.Module):
                 deepstack.append(self.merger_list[self.cfg.deepstack_visual_indexes.index(i)](x))
         return self.merger(x), deepstack
 
-    def positions(self, grids: list[tuple[int, int, int]], device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def positions(
+        self, grids: list[tuple[int, int, int]], device
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Interpolated learned positions [patches, hidden] and rotary cos, sin [patches, head_dim]."""
         head_dim = self.cfg.hidden_size // self.cfg.num_heads
         quarter = torch.arange(0, head_dim // 2, 2, device=device, dtype=torch.float32)
@@ -166,7 +174,8 @@ class VisionEncoder(nn.Module):
             index = (row_taps[:, :, None] * self.side + col_taps[:, None, :]).flatten(1)  # [patches, 4]
             weight = (row_weights[:, :, None] * col_weights[:, None, :]).flatten(1)
             learned.append((table[index] * weight[..., None]).sum(1).repeat(t, 1))
-            freqs = torch.cat([rows[:, None] * inv_freq, cols[:, None] * inv_freq], dim=-1)  # [patches, head_dim/2]
+            # [patches, head_dim / 2]: row angles then column angles, the same frequencies on both axes.
+            freqs = torch.cat([rows[:, None] * inv_freq, cols[:, None] * inv_freq], dim=-1)
             angles.append(freqs.repeat(t, 1))
         angles = torch.cat(angles)
         angles = torch.cat([angles, angles], dim=-1)
