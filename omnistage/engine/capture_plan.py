@@ -1,0 +1,181 @@
+"""Memory-aware capture planning: decode batch buckets and the split of GPU memory between KV pages and
+CUDA graphs. Plain arithmetic over measured numbers (bytes), so it is unit-tested without a GPU.
+
+The order of claims on memory: weights, then the measured eager floor (the peak of the largest step), a
+small reserve, at least `min_kv_pages` KV pages, then CUDA graphs cheapest-first within a graph budget
+(each bucket all or nothing), and every byte left goes to more KV pages. What is not captured runs eagerly.
+"""
+
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+from omnistage.errors import ConfigError
+
+GiB = 1 << 30
+MiB = 1 << 20
+
+# Covers allocator fragmentation, cuBLAS/NCCL workspaces and Triton's launch scratch that the floor
+# measurement does not see. A guess until benchmarks/RESULTS.md measures it.
+DEFAULT_RESERVE = 512 * MiB
+# Share of the memory left after the floor that graphs may take before KV pages get the rest.
+DEFAULT_GRAPH_FRACTION = 0.10
+
+
+def decode_buckets(max_batch: int = 128) -> list[int]:
+    """Batch sizes to capture: 1, 2, 4, 8, then 2^n and 1.5·2^n (16, 24, 32, 48, 64, 96, 128, 192, ...).
+
+    The steps grow with the batch so that padding wastes at most a third of a step; `max_batch` itself
+    is always the last bucket so that every batch up to it has a graph.
+    """
+    if max_batch < 1:
+        raise ValueError(f"max_batch must be at least 1, got {max_batch}")
+    buckets = [b for b in (1, 2, 4, 8) if b <= max_batch]
+    p = 16
+    while p <= max_batch:
+        buckets.append(p)
+        if p * 3 // 2 <= max_batch:
+            buckets.append(p * 3 // 2)
+        p *= 2
+    if buckets[-1] != max_batch:
+        buckets.append(max_batch)
+    return buckets
+
+
+def bucket_for(batch: int, buckets: Iterable[int]) -> int | None:
+    """The smallest bucket that holds `batch` rows, or None (run eagerly) when none does."""
+    if batch < 1:
+        raise ValueError(f"batch must be at least 1, got {batch}")
+    fitting = [b for b in buckets if b >= batch]
+    return min(fitting) if fitting else None
+
+
+def padding_for(batch: int, buckets: Iterable[int]) -> int:
+    """Rows of padding a batch of `batch` gets in its bucket; 0 when it runs eagerly."""
+    bucket = bucket_for(batch, buckets)
+    return 0 if bucket is None else bucket - batch
+
+
+def _gib(n: int) -> str:
+    return f"{n / GiB:8.2f} GiB"
+
+
+@dataclass(frozen=True)
+class MemoryPlan:
+    """How one device's memory is split. Every size in bytes."""
+
+    total: int  # what the device (or gpu_memory_limit) offers this process
+    weights: int
+    floor: int  # measured eager peak of the largest step, beyond the weights
+    reserve: int
+    kv_bytes_per_page: int
+    kv_pages: int
+    captured_buckets: tuple[int, ...]  # ascending
+    skipped_buckets: tuple[int, ...]  # ascending; these run eagerly
+    graph_bytes: int
+    free: int  # left over: less than one KV page beyond the reserve
+    limit: int | None = None
+    graph_costs: dict[int, int] = field(default_factory=dict)
+
+    @property
+    def kv_bytes(self) -> int:
+        return self.kv_pages * self.kv_bytes_per_page
+
+    def bucket_for(self, batch: int) -> int | None:
+        """The captured bucket to replay for `batch` rows, or None to run eagerly."""
+        return bucket_for(batch, self.captured_buckets)
+
+    def table(self) -> str:
+        n_graphs = len(self.captured_buckets)
+        n_all = n_graphs + len(self.skipped_buckets)
+        graphs = f"{n_graphs}/{n_all} buckets"
+        if self.captured_buckets:
+            graphs += f" (batch {self.captured_buckets[0]}..{self.captured_buckets[-1]})"
+        rows = [
+            ("weights", self.weights, ""),
+            ("KV pages", self.kv_bytes, f"{self.kv_pages:,} pages × {self.kv_bytes_per_page / MiB:.2f} MiB"),
+            ("CUDA graphs", self.graph_bytes, graphs),
+            ("floor (eager peak)", self.floor, ""),
+            ("reserve", self.reserve, ""),
+            ("free", self.free, ""),
+        ]
+        budget = "gpu_memory_limit" if self.limit is not None else "device"
+        lines = [f"memory plan ({budget}: {self.total / GiB:.2f} GiB)"]
+        lines += [f"  {name:<19}{_gib(size)}  {note}".rstrip() for name, size, note in rows]
+        if self.skipped_buckets:
+            lines.append(f"  eager batches: {', '.join(map(str, self.skipped_buckets))}")
+        return "\n".join(lines)
+
+
+def plan_memory(
+    total: int,
+    free_after_weights: int,
+    weights: int,
+    floor_peak: int,
+    kv_bytes_per_page: int,
+    graph_cost_per_bucket: dict[int, int],
+    limit: int | None = None,
+    reserve: int = DEFAULT_RESERVE,
+    graph_budget: int | None = None,
+    min_kv_pages: int = 1,
+) -> MemoryPlan:
+    """Split the memory left after the weights between the floor, KV pages and CUDA graphs.
+
+    total: the device's memory; free_after_weights: `torch.cuda.mem_get_info()[0]` once the weights are
+    loaded (other processes and the CUDA context are already out of it); weights: bytes of the loaded
+    weights; floor_peak: the measured eager peak of the largest step beyond the weights;
+    graph_cost_per_bucket: bucket → measured bytes its graph adds to the graph pool; limit: the
+    `gpu_memory_limit` in bytes, a cap on everything this process holds, weights included;
+    graph_budget: bytes graphs may take (default: DEFAULT_GRAPH_FRACTION of what the floor leaves).
+    """
+    if kv_bytes_per_page < 1:
+        raise ValueError(f"kv_bytes_per_page must be positive, got {kv_bytes_per_page}")
+    available = free_after_weights
+    if limit is not None:
+        available = min(available, limit - weights)
+    needed = floor_peak + reserve + min_kv_pages * kv_bytes_per_page
+    if available < needed:
+        cap = f"gpu_memory_limit {limit / GiB:.2f} GiB" if limit is not None else f"{total / GiB:.2f} GiB"
+        raise ConfigError(
+            f"the model does not fit in {cap}: weights {weights / GiB:.2f} GiB + floor "
+            f"{floor_peak / GiB:.2f} GiB + reserve {reserve / GiB:.2f} GiB + {min_kv_pages} KV page(s) "
+            f"{min_kv_pages * kv_bytes_per_page / GiB:.2f} GiB = {(weights + needed) / GiB:.2f} GiB, but only "
+            f"{(weights + max(available, 0)) / GiB:.2f} GiB is available ({free_after_weights / GiB:.2f} GiB "
+            f"free after the weights)"
+        )
+    spare = available - needed  # beyond the floor, the reserve and the minimum KV pages
+    if graph_budget is None:
+        graph_budget = int(DEFAULT_GRAPH_FRACTION * spare)
+    graph_budget = max(0, min(graph_budget, spare))
+
+    captured: list[int] = []
+    graph_bytes = 0
+    for bucket, cost in sorted(graph_cost_per_bucket.items(), key=lambda kv: (kv[1], kv[0])):
+        if graph_bytes + cost > graph_budget:
+            break  # sorted by cost: nothing after this fits either
+        captured.append(bucket)
+        graph_bytes += cost
+    skipped = sorted(set(graph_cost_per_bucket) - set(captured))
+
+    kv_pages = min_kv_pages + (spare - graph_bytes) // kv_bytes_per_page
+    free = available - floor_peak - reserve - graph_bytes - kv_pages * kv_bytes_per_page
+    return MemoryPlan(
+        total=total if limit is None else min(total, limit),
+        weights=weights,
+        floor=floor_peak,
+        reserve=reserve,
+        kv_bytes_per_page=kv_bytes_per_page,
+        kv_pages=kv_pages,
+        captured_buckets=tuple(sorted(captured)),
+        skipped_buckets=tuple(skipped),
+        graph_bytes=graph_bytes,
+        free=free,
+        limit=limit,
+        graph_costs=dict(graph_cost_per_bucket),
+    )
+
+
+def kv_bytes_per_page(
+    num_layers: int, num_kv_heads: int, head_dim: int, page_size: int, dtype_bytes: int = 2
+) -> int:
+    """Bytes of one page across every layer: K and V, `page_size` tokens."""
+    return 2 * num_layers * num_kv_heads * head_dim * page_size * dtype_bytes

@@ -1,0 +1,198 @@
+import pytest
+
+from omnistage.engine.capture_plan import (
+    GiB,
+    MiB,
+    bucket_for,
+    decode_buckets,
+    kv_bytes_per_page,
+    padding_for,
+    plan_memory,
+)
+from omnistage.errors import ConfigError
+
+
+def test_default_buckets():
+    assert decode_buckets() == [1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128]
+    assert decode_buckets(512)[-4:] == [192, 256, 384, 512]
+
+
+def test_buckets_end_at_max():
+    assert decode_buckets(1) == [1]
+    assert decode_buckets(6) == [1, 2, 4, 6]
+    assert decode_buckets(20) == [1, 2, 4, 8, 16, 20]
+    assert decode_buckets(24) == [1, 2, 4, 8, 16, 24]
+    with pytest.raises(ValueError):
+        decode_buckets(0)
+
+
+def test_bucket_for_and_padding():
+    buckets = decode_buckets(64)
+    assert [bucket_for(b, buckets) for b in (1, 2, 3, 5, 9, 17, 25, 33, 64)] == [
+        1,
+        2,
+        4,
+        8,
+        16,
+        24,
+        32,
+        48,
+        64,
+    ]
+    assert bucket_for(65, buckets) is None
+    assert padding_for(3, buckets) == 1
+    assert padding_for(33, buckets) == 15
+    assert padding_for(65, buckets) == 0
+    # Not every bucket captured: the next captured one up is used.
+    assert bucket_for(3, [1, 8]) == 8
+    with pytest.raises(ValueError):
+        bucket_for(0, buckets)
+
+
+def test_kv_bytes_per_page_thinker():
+    # 48 layers x 4 KV heads x 128 x 2 (K, V) x bf16 = 96 KiB per token; a 128-token page is 12 MiB.
+    assert kv_bytes_per_page(48, 4, 128, 128) == 12 * MiB
+
+
+def test_plan_arithmetic():
+    costs = {1: 100 * MiB, 2: 100 * MiB, 4: 110 * MiB, 8: 120 * MiB}
+    plan = plan_memory(
+        total=80 * GiB,
+        free_after_weights=12 * GiB,
+        weights=66 * GiB,
+        floor_peak=2 * GiB,
+        kv_bytes_per_page=12 * MiB,
+        graph_cost_per_bucket=costs,
+        reserve=512 * MiB,
+        graph_budget=320 * MiB,
+    )
+    assert plan.captured_buckets == (1, 2, 4)
+    assert plan.skipped_buckets == (8,)
+    assert plan.graph_bytes == 310 * MiB
+    spare = 12 * GiB - 2 * GiB - 512 * MiB - 310 * MiB
+    assert plan.kv_pages == spare // (12 * MiB)
+    assert plan.kv_bytes == plan.kv_pages * 12 * MiB
+    assert 0 <= plan.free < 12 * MiB
+    assert plan.floor + plan.reserve + plan.graph_bytes + plan.kv_bytes + plan.free == 12 * GiB
+    assert plan.bucket_for(3) == 4
+    assert plan.bucket_for(5) is None
+
+
+def test_cheapest_first_all_or_nothing():
+    # Bucket 1 is the most expensive here; the cheap ones go first, and a bucket that does not fit whole
+    # is left out rather than partly captured.
+    costs = {1: 300 * MiB, 2: 50 * MiB, 4: 60 * MiB, 8: 200 * MiB}
+    plan = plan_memory(
+        total=80 * GiB,
+        free_after_weights=10 * GiB,
+        weights=60 * GiB,
+        floor_peak=1 * GiB,
+        kv_bytes_per_page=MiB,
+        graph_cost_per_bucket=costs,
+        graph_budget=320 * MiB,
+    )
+    assert plan.captured_buckets == (2, 4, 8)
+    assert plan.skipped_buckets == (1,)
+    assert plan.graph_bytes == 310 * MiB
+    assert plan.bucket_for(1) == 2
+
+
+def test_default_graph_budget_is_a_share_of_spare_memory():
+    costs = {b: 100 * MiB for b in decode_buckets(128)}
+    plan = plan_memory(
+        total=80 * GiB,
+        free_after_weights=5 * GiB + 512 * MiB,
+        weights=66 * GiB,
+        floor_peak=512 * MiB,
+        kv_bytes_per_page=12 * MiB,
+        graph_cost_per_bucket=costs,
+        reserve=0,
+        min_kv_pages=0,
+    )
+    # 5 GiB spare, 10% = 512 MiB -> 5 graphs of 100 MiB.
+    assert len(plan.captured_buckets) == 5
+    assert plan.captured_buckets == (1, 2, 4, 8, 16)  # equal costs: smaller buckets first
+
+
+def test_limit_caps_the_plan():
+    kwargs = dict(
+        total=141 * GiB,
+        free_after_weights=70 * GiB,
+        weights=66 * GiB,
+        floor_peak=2 * GiB,
+        kv_bytes_per_page=12 * MiB,
+        graph_cost_per_bucket={1: 64 * MiB},
+        reserve=0,
+        graph_budget=GiB,
+    )
+    free = plan_memory(**kwargs)
+    capped = plan_memory(**kwargs, limit=80 * GiB)
+    assert capped.kv_pages < free.kv_pages
+    used = capped.weights + capped.floor + capped.graph_bytes + capped.kv_bytes + capped.free
+    assert used == 80 * GiB
+    assert capped.total == 80 * GiB
+
+
+def test_no_graphs_when_budget_is_zero():
+    plan = plan_memory(
+        total=80 * GiB,
+        free_after_weights=4 * GiB,
+        weights=66 * GiB,
+        floor_peak=GiB,
+        kv_bytes_per_page=12 * MiB,
+        graph_cost_per_bucket={1: MiB, 2: MiB},
+        graph_budget=0,
+    )
+    assert plan.captured_buckets == ()
+    assert plan.skipped_buckets == (1, 2)
+    assert plan.bucket_for(1) is None
+
+
+def test_error_says_the_numbers():
+    with pytest.raises(ConfigError) as exc:
+        plan_memory(
+            total=80 * GiB,
+            free_after_weights=GiB,
+            weights=66 * GiB,
+            floor_peak=2 * GiB,
+            kv_bytes_per_page=12 * MiB,
+            graph_cost_per_bucket={},
+            reserve=512 * MiB,
+        )
+    msg = str(exc.value)
+    assert "weights 66.00 GiB" in msg
+    assert "floor 2.00 GiB" in msg
+    assert "80.00 GiB" in msg
+    assert "1.00 GiB free after the weights" in msg
+
+
+def test_error_names_the_limit():
+    with pytest.raises(ConfigError, match="gpu_memory_limit 60.00 GiB"):
+        plan_memory(
+            total=141 * GiB,
+            free_after_weights=70 * GiB,
+            weights=66 * GiB,
+            floor_peak=GiB,
+            kv_bytes_per_page=MiB,
+            graph_cost_per_bucket={},
+            limit=60 * GiB,
+        )
+
+
+def test_table_fits_one_screen():
+    plan = plan_memory(
+        total=80 * GiB,
+        free_after_weights=12 * GiB,
+        weights=66 * GiB,
+        floor_peak=2 * GiB,
+        kv_bytes_per_page=12 * MiB,
+        graph_cost_per_bucket={1: 100 * MiB, 2: 100 * MiB, 128: 5 * GiB},
+        graph_budget=GiB,
+    )
+    table = plan.table()
+    lines = table.splitlines()
+    assert len(lines) <= 24 and all(len(line) <= 100 for line in lines)
+    for word in ("weights", "KV pages", "CUDA graphs", "floor", "free", "66.00 GiB", "2/3 buckets"):
+        assert word in table
+    assert f"{plan.kv_pages:,} pages" in table
+    assert "eager batches: 128" in table

@@ -1,0 +1,103 @@
+"""The decode graph runner's padding and bucket logic, on the CPU (capture binds eager calls there)."""
+
+import torch
+
+from omnistage.engine.attention import AttentionMetadata, TorchReferenceBackend
+from omnistage.engine.capture_plan import decode_buckets
+from omnistage.engine.graphs import DecodeGraphRunner, StaticDecodeBuffers
+
+PAGE, PAGES, HEADS, KV_HEADS, DIM = 4, 80, 4, 2, 8
+
+
+class TinyStep:
+    """Embedding, one attention layer over a paged cache, a head: enough to see padding mistakes."""
+
+    def __init__(self, seed: int = 0) -> None:
+        g = torch.Generator().manual_seed(seed)
+        self.embed = torch.randn(50, HEADS * DIM, generator=g)
+        self.wq = torch.randn(HEADS * DIM, HEADS * DIM, generator=g) / 8
+        self.wkv = torch.randn(HEADS * DIM, 2 * KV_HEADS * DIM, generator=g) / 8
+        self.kv_cache = torch.randn(2, PAGES, PAGE, KV_HEADS, DIM, generator=g)
+        self.backend = TorchReferenceBackend()
+        self.calls: list[int] = []
+
+    def __call__(self, input_ids, positions, meta):
+        self.calls.append(input_ids.shape[0])
+        x = self.embed[input_ids] + positions.sum(0, keepdim=True).T.float() / 100
+        q = (x @ self.wq).view(-1, HEADS, DIM)
+        k, v = (x @ self.wkv).view(-1, 2, KV_HEADS, DIM).unbind(1)
+        out = self.backend.forward(q, k, v, self.kv_cache, meta, DIM**-0.5)
+        return out.flatten(1) @ self.embed.T, x
+
+
+def _decode_batch(batch: int, seed: int):
+    g = torch.Generator().manual_seed(seed)
+    chunks = []
+    for b in range(batch):
+        start = int(torch.randint(0, 11, (1,), generator=g))
+        pages = [(b * 3 + i) % PAGES for i in range(3)]
+        chunks.append((start, 1, pages))
+    meta = AttentionMetadata.build(chunks, PAGE)
+    input_ids = torch.randint(0, 50, (batch,), generator=g)
+    positions = torch.stack([torch.tensor([c[0] for c in chunks])] * 3)
+    return input_ids, positions, meta
+
+
+def test_fill_pads_rows():
+    bufs = StaticDecodeBuffers(max_batch=8, max_pages=5, max_seq_len=20, device="cpu")
+    input_ids, positions, meta = _decode_batch(3, seed=0)
+    bufs.input_ids.fill_(7)
+    bufs.slot_mapping.fill_(9)
+    bufs.seq_lens.fill_(9)
+    bufs.block_tables.fill_(9)
+    bufs.fill(input_ids, positions, meta, bucket=4)
+    m = bufs.meta(4)
+    assert torch.equal(m.slot_mapping, torch.cat([meta.slot_mapping, torch.tensor([-1])]))
+    assert torch.equal(m.seq_lens, torch.cat([meta.seq_lens, torch.tensor([0], dtype=torch.int32)]))
+    assert torch.equal(m.query_start_loc, torch.arange(5, dtype=torch.int32))
+    assert torch.equal(m.block_tables[:3, :3], meta.block_tables)
+    assert (m.block_tables[:3, 3:] == 0).all() and (m.block_tables[3] == 0).all()
+    assert torch.equal(bufs.input_ids[:4], torch.cat([input_ids, torch.tensor([0])]))
+    assert m.max_query_len == 1 and m.max_seq_len == 20
+    assert bufs.input_ids[4:].eq(7).all()  # rows past the bucket are not touched
+
+
+def test_padded_replay_equals_eager_for_every_batch():
+    eager_step, graph_step = TinyStep(), TinyStep()
+    runner = DecodeGraphRunner(graph_step, max_batch=24, max_pages=6, max_seq_len=24, device="cpu")
+    assert runner.capture(decode_buckets(24)) == [1, 2, 4, 8, 16, 24]
+    for batch in range(1, 25):
+        input_ids, positions, meta = _decode_batch(batch, seed=batch)
+        logits, hidden = runner.run(input_ids, positions, meta)
+        want_logits, want_hidden = eager_step(input_ids, positions, meta)
+        assert logits.shape == want_logits.shape and hidden.shape == want_hidden.shape
+        torch.testing.assert_close(logits, want_logits)
+        torch.testing.assert_close(hidden, want_hidden)
+        # Padding rows wrote nothing to the KV cache.
+        assert torch.equal(graph_step.kv_cache, eager_step.kv_cache)
+        assert graph_step.calls[-1] == runner.bucket_for(batch)
+
+
+def test_eager_fallbacks():
+    step = TinyStep()
+    runner = DecodeGraphRunner(step, max_batch=8, max_pages=6, max_seq_len=24, device="cpu")
+    runner.capture([1, 2, 4])
+    runner.run(*_decode_batch(6, seed=1))  # above the largest captured bucket
+    assert step.calls[-1] == 6
+    runner.run(*_decode_batch(3, seed=2))
+    assert step.calls[-1] == 4
+    # A prefill step never replays a decode graph.
+    meta = AttentionMetadata.build([(0, 3, [0])], PAGE)
+    runner.run(torch.tensor([1, 2, 3]), torch.zeros(3, 3, dtype=torch.long), meta)
+    assert step.calls[-1] == 3
+
+
+def test_enforce_eager_captures_nothing():
+    step = TinyStep()
+    runner = DecodeGraphRunner(
+        step, max_batch=8, max_pages=6, max_seq_len=24, device="cpu", enforce_eager=True
+    )
+    assert runner.capture([1, 2, 4, 8]) == []
+    assert runner.bucket_for(1) is None
+    runner.run(*_decode_batch(3, seed=3))
+    assert step.calls == [3]
