@@ -18,6 +18,9 @@ class EngineConfig(BaseModel):
     model_config = ConfigDict(extra="forbid", protected_namespaces=())
 
     model: str | None = Field(None, description="checkpoint directory; None serves the embedded tiny model")
+    load_format: Literal["safetensors", "dummy"] = Field(
+        "safetensors", description="dummy: random weights at the checkpoint's sizes, for benchmarks"
+    )
     device: Literal["auto", "cpu", "cuda"] = "auto"
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
     page_size: int = Field(16, ge=1, le=1024, description="tokens per KV page")

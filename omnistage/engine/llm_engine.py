@@ -10,20 +10,22 @@ from __future__ import annotations
 import json
 import logging
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import torch
 
 from omnistage.config import EngineConfig
 from omnistage.engine.attention import TorchReferenceBackend
+from omnistage.engine.attention.cuda import CudaAttentionBackend
+from omnistage.engine.capture_plan import GiB, MemoryPlan, decode_buckets, kv_bytes_per_page, plan_memory
 from omnistage.engine.detokenizer import IncrementalDetokenizer
 from omnistage.engine.kv_cache import PagePool
 from omnistage.engine.model_runner import ModelRunner, PromptPositions
 from omnistage.engine.sampling import Sampler, SamplingParams, SamplingRow, make_generator
 from omnistage.engine.scheduler import Scheduler
 from omnistage.engine.sequence import Sequence, SequenceStatus
-from omnistage.errors import InvalidRequest, RequestTooLarge
+from omnistage.errors import ConfigError, InvalidRequest, RequestTooLarge
 from omnistage.models.qwen3_omni.config import Qwen3OmniConfig
 from omnistage.models.qwen3_omni.processor import Processor
 from omnistage.models.qwen3_omni.thinker import load_thinker
@@ -94,34 +96,82 @@ class LLMEngine:
         self.vocab_size = text.vocab_size
 
         started = time.perf_counter()
-        self.model = load_thinker(self.model_path, self.dtype, self.device, TorchReferenceBackend())
+        backend = CudaAttentionBackend() if self.device.type == "cuda" else TorchReferenceBackend()
+        self.model = load_thinker(self.model_path, self.dtype, self.device, backend, config.load_format)
         self.load_seconds = time.perf_counter() - started
 
         self.page_size = config.page_size
-        kv_bytes_per_page = (
-            2 * text.num_hidden_layers * text.num_key_value_heads * text.head_dim * self.page_size * self.dtype.itemsize
+        self.kv_bytes_per_page = kv_bytes_per_page(
+            text.num_hidden_layers, text.num_key_value_heads, text.head_dim, self.page_size, self.dtype.itemsize
         )
-        if config.num_kv_pages is not None:
+        self.max_model_len = min(config.max_model_len or text.max_position_embeddings, text.max_position_embeddings)
+        self.runner = ModelRunner(self.model, text, self.page_size, self.device, self.dtype)
+        self.plan: MemoryPlan | None = None
+        if self.device.type == "cuda":
+            self.plan = self._plan_gpu_memory()
+            num_pages = self.plan.kv_pages
+        elif config.num_kv_pages is not None:
             num_pages = config.num_kv_pages
         else:
-            gib = config.kv_cache_memory_gib or _CPU_KV_GIB
-            num_pages = max(1, int(gib * (1 << 30)) // kv_bytes_per_page)
-        self.kv_bytes_per_page = kv_bytes_per_page
+            num_pages = max(1, int((config.kv_cache_memory_gib or _CPU_KV_GIB) * GiB) // self.kv_bytes_per_page)
         self.pool = PagePool(num_pages, self.page_size)
-        self.max_model_len = min(config.max_model_len or text.max_position_embeddings, text.max_position_embeddings)
+        self.runner.allocate_kv(num_pages)
+        if self.plan is not None:
+            started = time.perf_counter()
+            self.runner.capture_graphs(list(self.plan.captured_buckets), self.max_model_len, config.enforce_eager)
+            self.capture_seconds = time.perf_counter() - started
         self.scheduler = Scheduler(self.pool, config.max_num_seqs, config.max_num_batched_tokens)
-        self.runner = ModelRunner(self.model, text, num_pages, self.page_size, self.device, self.dtype)
         self.sampler = Sampler()
         log.info("%s", self.memory_summary())
 
+    def _plan_gpu_memory(self) -> MemoryPlan:
+        """Measure the floor, then split what is left between graphs and KV pages (see capture_plan)."""
+        cfg = self.config
+        torch.cuda.synchronize(self.device)
+        weights = torch.cuda.memory_allocated(self.device)
+        free, total = torch.cuda.mem_get_info(self.device)
+        limit = int(cfg.gpu_memory_limit_gib * GiB) if cfg.gpu_memory_limit_gib else None
+        if limit is not None:
+            torch.cuda.set_per_process_memory_fraction(min(1.0, limit / total), self.device)
+        floor = self.runner.profile_peak(cfg.max_num_batched_tokens, 1)
+        buckets = [] if cfg.enforce_eager else decode_buckets(min(cfg.max_graph_batch, cfg.max_num_seqs))
+        costs = {}
+        if buckets:
+            # a graph keeps its step's activations and logits in the shared pool; scale the largest step's
+            # measured peak by batch (conservative: graphs captured largest-first reuse that memory)
+            largest = self.runner.profile_peak(max(buckets), max(buckets))
+            costs = {b: -(-largest * b // max(buckets)) + (2 << 20) for b in buckets}
+        plan = plan_memory(total, free, weights, floor, self.kv_bytes_per_page, costs, limit=limit)
+        fixed = cfg.num_kv_pages
+        if fixed is None and cfg.kv_cache_memory_gib is not None:
+            fixed = int(cfg.kv_cache_memory_gib * GiB) // self.kv_bytes_per_page
+        if fixed is not None:
+            if fixed > plan.kv_pages:
+                raise ConfigError(
+                    f"{fixed:,} KV pages were asked for but only {plan.kv_pages:,} fit:\n{plan.table()}"
+                )
+            plan = replace(plan, kv_pages=fixed, free=plan.free + (plan.kv_pages - fixed) * self.kv_bytes_per_page)
+        log.info("%s", plan.table())
+        return plan
+
     def memory_summary(self) -> str:
-        kv_gib = self.pool.num_pages * self.kv_bytes_per_page / (1 << 30)
-        weights_gib = sum(p.numel() * p.element_size() for p in self.model.parameters()) / (1 << 30)
+        kv_gib = self.pool.num_pages * self.kv_bytes_per_page / GiB
+        weights_gib = sum(p.numel() * p.element_size() for p in self.model.parameters()) / GiB
+        graphs = ""
+        if self.runner.graphs is not None:
+            captured = self.runner.graphs.captured_buckets
+            eager = self.plan.skipped_buckets if self.plan else ()
+            graphs = (
+                f"; decode CUDA graphs for batch {', '.join(map(str, captured))} captured in "
+                f"{self.capture_seconds:.1f} s (eager: larger batches{', ' + ', '.join(map(str, eager)) if eager else ''})"
+            )
+        elif self.device.type == "cuda":
+            graphs = "; no CUDA graphs (enforce_eager): every step runs eagerly"
         return (
             f"model {self.model_path} on {self.device} ({str(self.dtype).removeprefix('torch.')}), "
             f"weights {weights_gib:.2f} GiB loaded in {self.load_seconds:.1f} s; "
             f"KV pool {self.pool.num_pages:,} pages x {self.page_size} tokens = {kv_gib:.2f} GiB "
-            f"({self.pool.num_pages * self.page_size:,} tokens); max model length {self.max_model_len:,}"
+            f"({self.pool.num_pages * self.page_size:,} tokens); max model length {self.max_model_len:,}{graphs}"
         )
 
     # -- requests -----------------------------------------------------------------------------------

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import torch
 
 from omnistage.engine.attention import AttentionMetadata
+from omnistage.engine.graphs import DecodeGraphRunner
 from omnistage.engine.scheduler import ScheduledChunk, SchedulerOutput
 from omnistage.models.qwen3_omni.config import TextConfig
 from omnistage.models.qwen3_omni.thinker import Thinker
@@ -37,20 +38,63 @@ def positions_for(start: int, count: int, mrope: PromptPositions | None) -> torc
 
 
 class ModelRunner:
-    def __init__(
-        self,
-        model: Thinker,
-        cfg: TextConfig,
-        num_pages: int,
-        page_size: int,
-        device: torch.device,
-        dtype: torch.dtype,
-    ) -> None:
+    """Owns the KV tensors of every layer and, on a GPU, the decode graphs."""
+
+    def __init__(self, model: Thinker, cfg: TextConfig, page_size: int, device: torch.device, dtype: torch.dtype):
         self.model = model
+        self.cfg = cfg
         self.page_size = page_size
         self.device = device
-        shape = (2, num_pages, page_size, cfg.num_key_value_heads, cfg.head_dim)
-        self.kv_caches = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(cfg.num_hidden_layers)]
+        self.dtype = dtype
+        self.kv_caches: list[torch.Tensor] = []
+        self.graphs: DecodeGraphRunner | None = None
+
+    def allocate_kv(self, num_pages: int) -> None:
+        shape = (2, num_pages, self.page_size, self.cfg.num_key_value_heads, self.cfg.head_dim)
+        self.kv_caches = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in self.model.model.layers]
+
+    def _decode_logits(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        return self.model.compute_logits(self.model(input_ids, positions, self.kv_caches, meta))
+
+    def capture_graphs(self, buckets: list[int], max_model_len: int, enforce_eager: bool) -> None:
+        """Decode graphs for `buckets` (largest first, one shared pool); batches beyond run eagerly."""
+        if not buckets:
+            return
+        self.graphs = DecodeGraphRunner(
+            self._decode_logits,
+            max_batch=max(buckets),
+            max_pages=-(-max_model_len // self.page_size),
+            max_seq_len=max_model_len,
+            device=self.device,
+            enforce_eager=enforce_eager,
+        )
+        with torch.inference_mode():
+            self.graphs.capture(buckets)
+
+    @torch.inference_mode()
+    def profile_peak(self, num_tokens: int, num_seqs: int) -> int:
+        """Bytes the eager step of `num_seqs` sequences sharing `num_tokens` new tokens allocates at its peak.
+
+        Runs on scratch KV pages that are freed afterwards; the caller holds no KV yet.
+        """
+        per_seq = -(-num_tokens // num_seqs)
+        pages_per_seq = -(-per_seq // self.page_size)
+        self.allocate_kv(num_seqs * pages_per_seq)
+        chunks = [(0, per_seq, list(range(i * pages_per_seq, (i + 1) * pages_per_seq))) for i in range(num_seqs)]
+        meta = AttentionMetadata.build(chunks, self.page_size, self.device)
+        input_ids = torch.randint(0, self.cfg.vocab_size, (per_seq * num_seqs,), device=self.device)
+        positions = torch.arange(per_seq, device=self.device).repeat(num_seqs).expand(3, -1)
+        torch.cuda.synchronize(self.device)
+        base = torch.cuda.memory_allocated(self.device)
+        torch.cuda.reset_peak_memory_stats(self.device)
+        hidden = self.model(input_ids, positions, self.kv_caches, meta)
+        self.model.compute_logits(hidden[meta.query_start_loc[1:].long() - 1])
+        torch.cuda.synchronize(self.device)
+        peak = torch.cuda.max_memory_allocated(self.device) - base
+        self.kv_caches = []
+        del hidden
+        torch.cuda.empty_cache()
+        return peak
 
     def prepare(self, chunks: list[ScheduledChunk]) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
         ids: list[int] = []
@@ -68,6 +112,8 @@ class ModelRunner:
     def execute(self, step: SchedulerOutput) -> torch.Tensor:
         """Logits `[n, vocab]` (float32) for the n chunks of `step` that end in a sample, in chunk order."""
         input_ids, positions, meta = self.prepare(step.chunks)
+        if self.graphs is not None and step.is_pure_decode:
+            return self.graphs.run(input_ids, positions, meta)
         hidden = self.model(input_ids, positions, self.kv_caches, meta)
         last_rows = meta.query_start_loc[1:].long() - 1
         sampling = torch.tensor([c.samples for c in step.chunks], device=self.device)

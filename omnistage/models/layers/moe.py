@@ -6,6 +6,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from omnistage.models.layers.grouped_moe import grouped_experts
 from omnistage.models.layers.moe_experts import fused_experts
 
 
@@ -65,7 +66,9 @@ class SparseMoeBlock(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, ids = self.route(x)
-        out = fused_experts(x, self.experts.w13, self.experts.w2, weights, ids)
+        # grouped GEMMs on the GPU (no host syncs, graph safe); the exact reference loop elsewhere
+        experts = grouped_experts if x.is_cuda else fused_experts
+        out = experts(x, self.experts.w13, self.experts.w2, weights, ids)
         if self.shared_expert is not None:
             out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
         return out

@@ -17,7 +17,7 @@ from omnistage.models.layers.attention import Attention
 from omnistage.models.layers.moe import SparseMoeBlock
 from omnistage.models.layers.norm import RMSNorm
 from omnistage.models.layers.rotary import MRotaryEmbedding
-from omnistage.models.loader import load_weights
+from omnistage.models.loader import fill_random_, load_weights
 from omnistage.models.qwen3_omni.config import Qwen3OmniConfig, TextConfig
 
 
@@ -116,11 +116,19 @@ def load_thinker(
     dtype: torch.dtype,
     device: torch.device | str,
     backend: AttentionBackend,
+    load_format: str = "safetensors",
 ) -> Thinker:
-    """The Thinker's language model from a Qwen3-Omni checkpoint directory (`thinker.model.*`, `thinker.lm_head.*`)."""
+    """The Thinker's language model from a Qwen3-Omni checkpoint directory (`thinker.model.*`, `thinker.lm_head.*`).
+
+    `load_format="dummy"` reads only config.json and fills random weights on `device` (benchmarks).
+    """
     cfg = Qwen3OmniConfig.from_dir(checkpoint_dir).thinker.text
     with torch.device("meta"):
         thinker = Thinker.from_config(cfg, backend)
+    if load_format == "dummy":
+        thinker.to_empty(device=device).to(dtype)
+        fill_random_(thinker)
+        return thinker.requires_grad_(False).eval()
     # two prefixes, because `thinker.` also holds the audio and vision towers
     load_weights(thinker.model, checkpoint_dir, "thinker.model.", dtype=dtype, device=device)
     load_weights(thinker.lm_head, checkpoint_dir, "thinker.lm_head.", dtype=dtype, device=device)

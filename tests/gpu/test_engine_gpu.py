@@ -1,0 +1,40 @@
+"""The engine on a GPU over the tiny checkpoint: graphs equal eager, GPU equals the CPU reference."""
+
+import pytest
+import torch
+
+from omnistage import LLM, SamplingParams
+
+pytestmark = pytest.mark.gpu
+
+PROMPTS = ["Hello", "The capital of France is", "1, 2, 3, 4,", "你好，世界", "def fibonacci(n):"]
+GREEDY = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
+
+
+def tokens(llm):
+    outs = llm.generate(PROMPTS, GREEDY)
+    assert llm.engine.pool.num_free == llm.engine.pool.num_pages
+    return [o.outputs[0].token_ids for o in outs]
+
+
+def test_graphs_equal_eager_and_cpu(tiny_checkpoint):
+    torch.backends.cuda.matmul.allow_tf32 = False
+    common = dict(model=str(tiny_checkpoint), dtype="float32", page_size=4, kv_cache_memory_gib=0.05, max_graph_batch=8)
+    graphs = LLM(device="cuda", **common)
+    assert graphs.engine.runner.graphs is not None and graphs.engine.runner.graphs.captured_buckets
+    assert "decode CUDA graphs" in graphs.engine.memory_summary()
+    eager = LLM(device="cuda", enforce_eager=True, **common)
+    assert eager.engine.runner.graphs is None
+    assert tokens(graphs) == tokens(eager)
+    cpu = LLM(model=str(tiny_checkpoint), device="cpu", dtype="float32", page_size=4, num_kv_pages=256)
+    ours, reference = tokens(graphs), tokens(cpu)
+    agree = sum(a == b for x, y in zip(ours, reference) for a, b in zip(x, y)) / sum(len(x) for x in ours)
+    assert agree >= 0.9, f"only {agree:.0%} of greedy tokens agree with the CPU reference"
+
+
+def test_memory_limit_caps_the_plan(tiny_checkpoint):
+    llm = LLM(model=str(tiny_checkpoint), device="cuda", dtype="bfloat16", gpu_memory_limit_gib=2.0)
+    plan = llm.engine.plan
+    assert plan.limit == 2 << 30
+    assert plan.weights + plan.floor + plan.reserve + plan.kv_bytes + plan.graph_bytes <= 2 << 30
+    assert "memory plan (gpu_memory_limit: 2.00 GiB)" in plan.table()
