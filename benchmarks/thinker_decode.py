@@ -66,6 +66,41 @@ def ours_tpot(llm: LLM, batch: int, prompt_len: int, steps: int) -> float:
     return statistics.median(times[2:]) if len(times) > 4 else float("nan")
 
 
+def graph_replay_ms(llm: LLM, batch: int, repeats: int = 20) -> float:
+    """GPU time of one replay of the decode graph that serves `batch` (no host work), by CUDA events."""
+    graphs = llm.engine.runner.graphs
+    bucket = graphs.bucket_for(batch) if graphs else None
+    if bucket is None:
+        return float("nan")
+    replay = graphs._replays[bucket]
+    times = []
+    for _ in range(repeats):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times[3:])
+
+
+def profile_decode(llm: LLM, batch: int, path: Path) -> None:
+    """The kernels of a few decode steps at `batch`, by total CUDA time, written to `path`."""
+    engine = llm.engine
+    params = SamplingParams(max_tokens=12, min_tokens=12, ignore_eos=True, temperature=0.0)
+    for i in range(batch):
+        engine.add_request(f"prof{batch}-{i}", random_prompt(64, i), params)
+    for _ in range(4):
+        engine.step()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]) as prof:
+        for _ in range(5):
+            engine.step()
+    while engine.has_unfinished():
+        engine.step()
+    table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=40)
+    path.write_text(table)
+
+
 def ours_prefill(llm: LLM, length: int, repeats: int = 5) -> float:
     """Tokens per second of one `length`-token prefill (the step that yields the first token)."""
     engine = llm.engine
@@ -181,6 +216,8 @@ def main() -> None:
     parser.add_argument("--skip-hf", action="store_true")
     parser.add_argument("--out", type=Path)
     parser.add_argument("--tiny", action="store_true", help="a CPU smoke run on the tiny config")
+    parser.add_argument("--no-compile", action="store_true", help="leave the decoder layers uncompiled")
+    parser.add_argument("--profile-dir", type=Path, help="write kernel tables of decode steps here")
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
 
@@ -194,6 +231,7 @@ def main() -> None:
         model=str(checkpoint), load_format="dummy", device=DEVICE, dtype="bfloat16",
         kv_cache_memory_gib=args.kv_gib, max_num_seqs=max(int(b) for b in args.batches.split(",")),
         max_num_batched_tokens=max(args.prefill_len, 2048), enforce_eager=args.enforce_eager,
+        compile=not args.no_compile,
     )
     results["engine_start_s"] = time.perf_counter() - start
     results["memory"] = llm.engine.memory_summary()
@@ -201,10 +239,17 @@ def main() -> None:
     log.info("engine ready in %.1f s: %s", results["engine_start_s"], results["memory"])
 
     ours = {}
+    results["ours_graph_replay_ms"] = {}
     for b in map(int, args.batches.split(",")):
         ours[b] = ours_tpot(llm, b, args.prompt_len, args.steps)
-        log.info("ours: batch %d TPOT %.2f ms", b, ours[b] * 1e3)
+        if DEVICE == "cuda":
+            results["ours_graph_replay_ms"][b] = graph_replay_ms(llm, b)
+        log.info("ours: batch %d TPOT %.2f ms (graph replay %s ms)", b, ours[b] * 1e3,
+                 results["ours_graph_replay_ms"].get(b))
     results["ours_tpot_ms"] = {b: t * 1e3 for b, t in ours.items()}
+    if args.profile_dir:
+        for b in (1, 32):
+            profile_decode(llm, b, args.profile_dir / f"profile_decode_b{b}.txt")
     results["ours_prefill_tok_s"] = ours_prefill(llm, args.prefill_len)
     log.info("ours: prefill %d tokens at %.0f tok/s", args.prefill_len, results["ours_prefill_tok_s"])
 
@@ -224,11 +269,13 @@ def main() -> None:
                     results[key][b] = f"failed: {type(exc).__name__}: {exc}"[:200]
                 log.info("transformers %s cache: batch %d TPOT %s ms", cache, b, results[key][b])
 
-    print("\n| batch | ours TPOT ms | " + " | ".join(f"hf {c} ms" for c in args.hf_caches.split(",")) + " |")
+    print(f"\nengine start {results['engine_start_s']:.1f} s; {results['memory']}")
+    print("\n| batch | ours TPOT ms | graph replay ms | " + " | ".join(f"hf {c} ms" for c in args.hf_caches.split(",")) + " |")
     for b in map(int, args.batches.split(",")):
         hf_cols = [results.get(f"hf_{c}_tpot_ms", {}).get(b, "-") for c in args.hf_caches.split(",")]
         cols = [f"{v:.2f}" if isinstance(v, float) else str(v) for v in hf_cols]
-        print(f"| {b} | {results['ours_tpot_ms'][b]:.2f} | " + " | ".join(cols) + " |")
+        replay = results["ours_graph_replay_ms"].get(b, float("nan"))
+        print(f"| {b} | {results['ours_tpot_ms'][b]:.2f} | {replay:.2f} | " + " | ".join(cols) + " |")
     print(f"prefill {args.prefill_len} tok/s: ours {results['ours_prefill_tok_s']:.0f}, "
           f"transformers {results.get('hf_prefill_tok_s', float('nan')):.0f}; logits rel err {results.get('logits_rel_err')}")
     if args.out:

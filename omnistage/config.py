@@ -33,8 +33,9 @@ class EngineConfig(BaseModel):
     max_num_batched_tokens: int = Field(2048, ge=1, description="per-step token budget (chunked prefill)")
     max_model_len: int | None = Field(None, ge=1, description="context limit; default: the model's")
     enforce_eager: bool = Field(False, description="no CUDA graphs")
+    compile: bool = Field(True, description="torch.compile the decoder layers on a GPU (fuses the glue kernels)")
     max_graph_batch: int = Field(64, ge=1, description="largest decode batch captured in a CUDA graph")
-    seed: int = 0
+    seed: int = Field(0, description="seed of the random weights of load_format dummy")
 
     @model_validator(mode="after")
     def _check(self) -> EngineConfig:

@@ -59,9 +59,11 @@ class RequestState:
 
 def resolve_device(device: str) -> torch.device:
     if device == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if device == "cuda" and not torch.cuda.is_available():
-        raise InvalidRequest("device 'cuda' was asked for but torch sees no CUDA device")
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    if device == "cuda":
+        if not torch.cuda.is_available():
+            raise ConfigError("device 'cuda' was asked for but torch sees no CUDA device")
+        return torch.device("cuda", torch.cuda.current_device())
     return torch.device(device)
 
 
@@ -97,8 +99,16 @@ class LLMEngine:
 
         started = time.perf_counter()
         backend = CudaAttentionBackend() if self.device.type == "cuda" else TorchReferenceBackend()
-        self.model = load_thinker(self.model_path, self.dtype, self.device, backend, config.load_format)
+        self.model = load_thinker(
+            self.model_path, self.dtype, self.device, backend, config.load_format, seed=config.seed
+        )
         self.load_seconds = time.perf_counter() - started
+        self.compiled = self.device.type == "cuda" and config.compile
+        if self.compiled:
+            # Regional compilation: the 48 identical decoder layers share one compiled graph, which fuses
+            # the norms, rotary, routing and activation glue around the attention and MoE kernels.
+            for layer in self.model.model.layers:
+                layer.compile(dynamic=True)
 
         self.page_size = config.page_size
         self.kv_bytes_per_page = kv_bytes_per_page(
@@ -116,13 +126,16 @@ class LLMEngine:
             num_pages = max(1, int((config.kv_cache_memory_gib or _CPU_KV_GIB) * GiB) // self.kv_bytes_per_page)
         self.pool = PagePool(num_pages, self.page_size)
         self.runner.allocate_kv(num_pages)
+        if self.plan is not None and self.dtype != torch.bfloat16 and self.plan.captured_buckets:
+            log.warning("decode CUDA graphs need bfloat16 (grouped-GEMM MoE); %s steps run eagerly", self.dtype)
+            self.plan = replace(self.plan, captured_buckets=(), skipped_buckets=tuple(sorted(self.plan.graph_costs)))
         if self.plan is not None:
             started = time.perf_counter()
             self.runner.capture_graphs(list(self.plan.captured_buckets), self.max_model_len, config.enforce_eager)
             self.capture_seconds = time.perf_counter() - started
         self.scheduler = Scheduler(self.pool, config.max_num_seqs, config.max_num_batched_tokens)
         self.sampler = Sampler()
-        log.info("%s", self.memory_summary())
+        log.debug("%s", self.memory_summary())
 
     def _plan_gpu_memory(self) -> MemoryPlan:
         """Measure the floor, then split what is left between graphs and KV pages (see capture_plan)."""
@@ -188,7 +201,12 @@ class LLMEngine:
             raise RequestTooLarge(
                 f"the prompt has {prompt_len:,} tokens; the model's context is {self.max_model_len:,} tokens"
             )
-        max_tokens = params.max_tokens if params.max_tokens is not None else self.max_model_len - prompt_len
+        if params.max_tokens is None:  # as much as the context and the whole pool allow
+            max_tokens = min(self.max_model_len, self.pool.num_pages * self.page_size) - prompt_len
+            if max_tokens < 1:
+                self.pool.check_admissible(prompt_len + 1)
+        else:
+            max_tokens = params.max_tokens
         if prompt_len + max_tokens > self.max_model_len:
             raise RequestTooLarge(
                 f"prompt ({prompt_len:,} tokens) + max_tokens ({max_tokens:,}) = {prompt_len + max_tokens:,} "

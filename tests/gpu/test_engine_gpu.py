@@ -17,17 +17,22 @@ def tokens(llm):
     return [o.outputs[0].token_ids for o in outs]
 
 
-def test_graphs_equal_eager_and_cpu(tiny_checkpoint):
-    torch.backends.cuda.matmul.allow_tf32 = False
-    common = dict(model=str(tiny_checkpoint), dtype="float32", page_size=4, kv_cache_memory_gib=0.05, max_graph_batch=8)
+def test_graphs_equal_eager(tiny_checkpoint):
+    common = dict(model=str(tiny_checkpoint), dtype="bfloat16", page_size=4, kv_cache_memory_gib=0.05, max_graph_batch=8)
     graphs = LLM(device="cuda", **common)
-    assert graphs.engine.runner.graphs is not None and graphs.engine.runner.graphs.captured_buckets
-    assert "decode CUDA graphs" in graphs.engine.memory_summary()
-    eager = LLM(device="cuda", enforce_eager=True, **common)
+    assert graphs.engine.runner.graphs.captured_buckets == [1, 2, 4, 8]
+    assert "decode CUDA graphs for batch 1, 2, 4, 8" in graphs.engine.memory_summary()
+    eager = LLM(device="cuda", enforce_eager=True, compile=False, **common)
     assert eager.engine.runner.graphs is None
     assert tokens(graphs) == tokens(eager)
+
+
+def test_gpu_float32_agrees_with_the_cpu_reference(tiny_checkpoint):
+    torch.backends.cuda.matmul.allow_tf32 = False
+    gpu = LLM(model=str(tiny_checkpoint), device="cuda", dtype="float32", page_size=4, kv_cache_memory_gib=0.05)
+    assert gpu.engine.runner.graphs is None  # float32 MoE is the host-syncing loop: eager, and it says so
     cpu = LLM(model=str(tiny_checkpoint), device="cpu", dtype="float32", page_size=4, num_kv_pages=256)
-    ours, reference = tokens(graphs), tokens(cpu)
+    ours, reference = tokens(gpu), tokens(cpu)
     agree = sum(a == b for x, y in zip(ours, reference) for a, b in zip(x, y)) / sum(len(x) for x in ours)
     assert agree >= 0.9, f"only {agree:.0%} of greedy tokens agree with the CPU reference"
 

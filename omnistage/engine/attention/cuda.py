@@ -317,6 +317,9 @@ class CudaAttentionBackend:
     metadata's int tensors on the same device. Decode steps (max_query_len 1) are graph safe.
     """
 
+    # Kept out of torch.compile: the kernels pick tiles from host ints of the metadata, which would make
+    # a compiled layer recompile for every new prefill length.
+    @torch.compiler.disable
     def forward(
         self,
         q: torch.Tensor,

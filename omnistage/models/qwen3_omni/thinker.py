@@ -117,6 +117,7 @@ def load_thinker(
     device: torch.device | str,
     backend: AttentionBackend,
     load_format: str = "safetensors",
+    seed: int = 0,
 ) -> Thinker:
     """The Thinker's language model from a Qwen3-Omni checkpoint directory (`thinker.model.*`, `thinker.lm_head.*`).
 
@@ -127,7 +128,7 @@ def load_thinker(
         thinker = Thinker.from_config(cfg, backend)
     if load_format == "dummy":
         thinker.to_empty(device=device).to(dtype)
-        fill_random_(thinker)
+        fill_random_(thinker, seed)
         return thinker.requires_grad_(False).eval()
     # two prefixes, because `thinker.` also holds the audio and vision towers
     load_weights(thinker.model, checkpoint_dir, "thinker.model.", dtype=dtype, device=device)

@@ -1,0 +1,394 @@
+"""The OpenAI-compatible HTTP app around one AsyncEngine.
+
+Each generation request renders and encodes its prompt, starts the engine's stream and waits for the
+first output before answering, so admission errors (bad parameters, too large, queue full) still become
+proper 4xx/503 responses even for `stream: true`. From then on a client that goes away, streaming or
+not, cancels its request: the engine stream is closed, which aborts the request and frees its pages.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator, Awaitable
+from importlib.metadata import PackageNotFoundError, version
+from typing import Any, Protocol, TypeVar
+
+import jinja2
+from fastapi import APIRouter, FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.concurrency import run_in_threadpool
+from starlette.types import Receive, Scope, Send
+
+from omnistage.engine.async_engine import AsyncEngine
+from omnistage.engine.sampling import SamplingParams
+from omnistage.errors import InvalidRequest, OmnistageError
+from omnistage.outputs import RequestOutput
+from omnistage.server.errors import (
+    ClientGone,
+    EngineFailure,
+    ModelNotFound,
+    error_body,
+    install_error_handlers,
+    kind_of,
+)
+from omnistage.server.gate import DEFAULT_MAX_BODY_BYTES, Gate
+from omnistage.server.metrics import ServerMetrics
+from omnistage.server.protocol import (
+    AssistantMessage,
+    ChatChoice,
+    ChatChunkChoice,
+    ChatCompletionChunk,
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    ChatDelta,
+    CompletionChoice,
+    CompletionRequest,
+    CompletionResponse,
+    ModelCard,
+    ModelList,
+    Usage,
+)
+
+log = logging.getLogger(__name__)
+
+CHAT = "/v1/chat/completions"
+COMPLETIONS = "/v1/completions"
+_ENDPOINTS = {CHAT, COMPLETIONS, "/v1/models", "/health", "/metrics"}
+
+T = TypeVar("T")
+
+
+def build_app(
+    engine: AsyncEngine,
+    served_model_name: str,
+    api_key: str | None = None,
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+) -> FastAPI:
+    """The FastAPI app serving `engine` under `served_model_name`; /v1/* needs `api_key` when one is given."""
+    server = _Server(engine, served_model_name)
+    app = FastAPI(title="omnistage", version=_version())
+    app.state.server = server
+    install_error_handlers(app, lambda request, status: server.count(request.url.path, status))
+    app.add_middleware(Gate, api_key=api_key, max_body_bytes=max_body_bytes, on_reject=server.count)
+
+    v1 = APIRouter(prefix="/v1")
+    v1.add_api_route("/chat/completions", server.chat, methods=["POST"], response_model=None)
+    v1.add_api_route("/completions", server.completions, methods=["POST"], response_model=None)
+    v1.add_api_route("/models", server.models, methods=["GET"])
+    v1.add_api_route("/models/{model:path}", server.model, methods=["GET"])
+    app.include_router(v1)
+    app.add_api_route("/health", server.health, methods=["GET"])
+    app.add_api_route("/metrics", server.metrics_text, methods=["GET"])
+    return app
+
+
+def _version() -> str:
+    try:
+        return version("omnistage")
+    except PackageNotFoundError:
+        return "0+unknown"
+
+
+class _Format(Protocol):
+    """How one endpoint spells its stream chunks and its whole response."""
+
+    id: str
+    include_usage: bool
+
+    def opening(self) -> list[str]: ...
+    def delta(self, text: str, finish_reason: str | None) -> list[str]: ...
+    def closing(self, finish_reason: str) -> list[str]: ...
+    def usage_chunk(self, usage: Usage) -> str: ...
+    def response(self, text: str, finish_reason: str, usage: Usage) -> dict[str, Any]: ...
+
+
+class _Server:
+    def __init__(self, engine: AsyncEngine, served_model_name: str) -> None:
+        self.engine = engine
+        self.served_model_name = served_model_name
+        self.metrics = ServerMetrics()
+        self.created = int(time.time())
+
+    def count(self, path: str, status: int | str) -> None:
+        endpoint = path if path in _ENDPOINTS else "other"
+        self.metrics.count(endpoint, "cancelled" if status == 499 else status)
+
+    # -- endpoints ----------------------------------------------------------------------------------
+
+    async def chat(self, body: ChatCompletionRequest, request: Request) -> Response:
+        self._check_model(body.model)
+        body.check_supported()
+        params = body.sampling_params(body.requested_max_tokens)
+        prompt, prompt_ids = await run_in_threadpool(self._render_chat, body)
+        fmt = _ChatFormat(f"chatcmpl-{uuid.uuid4().hex}", self.served_model_name, body.include_usage)
+        return await self._generate(request, CHAT, fmt, prompt, prompt_ids, params, body.stream)
+
+    async def completions(self, body: CompletionRequest, request: Request) -> Response:
+        self._check_model(body.model)
+        body.check_supported()
+        params = body.sampling_params(body.max_tokens)
+        given = body.single_prompt()
+        if isinstance(given, str):
+            prompt, prompt_ids = given, await run_in_threadpool(self.engine.engine.processor.encode, given)
+        else:
+            prompt, prompt_ids = None, list(given)
+        fmt = _CompletionFormat(f"cmpl-{uuid.uuid4().hex}", self.served_model_name, body.include_usage)
+        return await self._generate(request, COMPLETIONS, fmt, prompt, prompt_ids, params, body.stream)
+
+    async def models(self) -> ModelList:
+        return ModelList(data=[self._card()])
+
+    async def model(self, model: str) -> ModelCard:
+        self._check_model(model)
+        return self._card()
+
+    async def health(self) -> JSONResponse:
+        if self.engine.ready:
+            return JSONResponse({"status": "ok"})
+        return JSONResponse({"status": "unavailable"}, status_code=503)
+
+    async def metrics_text(self) -> Response:
+        text = self.metrics.render(self.engine.stats())
+        return Response(text, media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    # -- the shared path ----------------------------------------------------------------------------
+
+    def _check_model(self, name: str) -> None:
+        if name != self.served_model_name:
+            raise ModelNotFound(
+                f"the model '{name}' does not exist; this server serves '{self.served_model_name}'"
+            )
+
+    def _card(self) -> ModelCard:
+        return ModelCard(
+            id=self.served_model_name,
+            created=self.created,
+            root=str(self.engine.engine.model_path),
+            max_model_len=self.engine.engine.max_model_len,
+        )
+
+    def _render_chat(self, body: ChatCompletionRequest) -> tuple[str, list[int]]:
+        processor = self.engine.engine.processor
+        try:
+            prompt = processor.render_chat(
+                body.message_dicts(), add_generation_prompt=body.add_generation_prompt
+            )
+        except jinja2.TemplateError as exc:
+            raise InvalidRequest(f"messages: the chat template rejected them ({exc})") from None
+        return prompt, processor.encode(prompt)
+
+    async def _generate(
+        self,
+        request: Request,
+        endpoint: str,
+        fmt: _Format,
+        prompt: str | None,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        stream: bool,
+    ) -> Response:
+        outputs = self.engine.generate(fmt.id, prompt, prompt_ids, params)
+        if stream:
+            # Wait for the first output so that admission errors still get their status code.
+            first = await _engine_call(_unless_disconnected(request, anext(outputs)), outputs, fmt.id)
+            return _EventStream(self._events(endpoint, fmt, outputs, first))
+
+        seen: list[RequestOutput] = []
+
+        async def collect() -> RequestOutput:
+            async for output in outputs:
+                seen.append(output)
+            return seen[-1]
+
+        try:
+            final = await _engine_call(_unless_disconnected(request, collect()), outputs, fmt.id)
+        finally:
+            if seen:
+                self.metrics.observe(seen[-1])
+        completion = final.outputs[0]
+        _raise_if_failed(final)
+        usage = Usage.of(len(final.prompt_token_ids), len(completion.token_ids))
+        self.count(endpoint, 200)
+        return JSONResponse(fmt.response(completion.text, completion.finish_reason, usage))
+
+    async def _events(
+        self, endpoint: str, fmt: _Format, outputs: AsyncIterator[RequestOutput], first: RequestOutput
+    ) -> AsyncIterator[str]:
+        """The SSE body: opening chunk, deltas, the finishing chunk, usage if asked, then [DONE]."""
+        last, status = first, "cancelled"
+        try:
+            for chunk in fmt.opening():
+                yield chunk
+            while True:
+                completion = last.outputs[0]
+                if last.finished:
+                    break
+                for chunk in fmt.delta(completion.delta_text, None):
+                    yield chunk
+                last = await anext(outputs)
+            _raise_if_failed(last)
+            for chunk in fmt.delta(completion.delta_text, completion.finish_reason):
+                yield chunk
+            for chunk in fmt.closing(completion.finish_reason):
+                yield chunk
+            if fmt.include_usage:
+                yield fmt.usage_chunk(Usage.of(len(last.prompt_token_ids), len(completion.token_ids)))
+            yield _DONE
+            status = 200
+        except Exception as exc:  # after the 200 went out, a failure can only be told in the stream
+            failure = _typed(exc, fmt.id)
+            kind = kind_of(failure)
+            status = kind.status
+            yield _sse(error_body(str(failure), kind))
+            yield _DONE
+        finally:
+            await outputs.aclose()
+            self.count(endpoint, status)
+            self.metrics.observe(last)
+
+
+def _raise_if_failed(output: RequestOutput) -> None:
+    reason = output.outputs[0].finish_reason
+    if reason == "error":
+        raise EngineFailure(f"the engine failed this request: {output.error or 'unknown error'}")
+    if reason == "abort":
+        raise EngineFailure("the engine aborted this request")
+
+
+async def _engine_call(call: Awaitable[T], outputs: AsyncIterator[RequestOutput], request_id: str) -> T:
+    """Await an engine call; anything but our typed errors becomes an EngineFailure (500) for this request.
+
+    On any failure the engine stream is closed, so nothing of the request stays behind.
+    """
+    try:
+        return await call
+    except BaseException as exc:
+        await outputs.aclose()
+        if isinstance(exc, OmnistageError) or not isinstance(exc, Exception):
+            raise
+        raise _typed(exc, request_id) from exc
+
+
+def _typed(exc: Exception, request_id: str) -> OmnistageError:
+    """Our typed errors as they are; anything else is this request's EngineFailure, logged with its trace."""
+    if isinstance(exc, OmnistageError):
+        return exc
+    if isinstance(exc, StopAsyncIteration):
+        return EngineFailure("the engine ended this request without a final output")
+    log.error("request %s failed in the engine", request_id, exc_info=exc)
+    return EngineFailure(f"the engine failed this request: {exc}")
+
+
+async def _unless_disconnected(request: Request, work: Awaitable[T]) -> T:
+    """`work`'s result, or ClientGone (with `work` cancelled) if the client disconnects first."""
+    task = asyncio.ensure_future(work)
+    watch = asyncio.ensure_future(_disconnect(request))
+    try:
+        await asyncio.wait({task, watch}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watch.cancel()
+        if not task.done():
+            task.cancel()  # cancelling the engine stream's pending step aborts the request
+            await asyncio.gather(task, return_exceptions=True)
+    if task.cancelled():
+        raise ClientGone("the client disconnected")
+    return task.result()
+
+
+async def _disconnect(request: Request) -> None:
+    # The body has been read, so the channel's next message is the disconnect.
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+_DONE = "data: [DONE]\n\n"
+
+
+def _sse(payload: dict[str, Any]) -> str:
+    return f"data: {json.dumps(payload, ensure_ascii=False, separators=(',', ':'))}\n\n"
+
+
+class _EventStream(StreamingResponse):
+    """Server-sent events whose generator is always closed, so a client that leaves aborts its request.
+
+    Starlette cancels the sending task on disconnect but leaves the generator suspended; closing it here
+    runs its `finally`, which closes the engine stream at once instead of whenever it is collected.
+    """
+
+    def __init__(self, events: AsyncIterator[str]) -> None:
+        # No caching, and no buffering by a proxy (nginx honours X-Accel-Buffering): each event goes out at once.
+        headers = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+        super().__init__(events, media_type="text/event-stream", headers=headers)
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            await self.body_iterator.aclose()
+
+
+class _ChatFormat:
+    def __init__(self, request_id: str, model: str, include_usage: bool) -> None:
+        self.id, self.model, self.include_usage = request_id, model, include_usage
+        self.created = int(time.time())
+
+    def _chunk(self, choices: list[ChatChunkChoice], usage: Usage | None = None) -> str:
+        chunk = ChatCompletionChunk(
+            id=self.id, created=self.created, model=self.model, choices=choices, usage=usage
+        )
+        return _sse(chunk.model_dump(exclude=None if self.include_usage else {"usage"}))
+
+    def opening(self) -> list[str]:
+        return [self._chunk([ChatChunkChoice(delta=ChatDelta(role="assistant", content=""))])]
+
+    def delta(self, text: str, finish_reason: str | None) -> list[str]:
+        return [self._chunk([ChatChunkChoice(delta=ChatDelta(content=text))])] if text else []
+
+    def closing(self, finish_reason: str) -> list[str]:
+        return [self._chunk([ChatChunkChoice(delta=ChatDelta(), finish_reason=finish_reason)])]
+
+    def usage_chunk(self, usage: Usage) -> str:
+        return self._chunk([], usage)
+
+    def response(self, text: str, finish_reason: str, usage: Usage) -> dict[str, Any]:
+        choice = ChatChoice(message=AssistantMessage(content=text), finish_reason=finish_reason)
+        return ChatCompletionResponse(
+            id=self.id, created=self.created, model=self.model, choices=[choice], usage=usage
+        ).model_dump()
+
+
+class _CompletionFormat:
+    def __init__(self, request_id: str, model: str, include_usage: bool) -> None:
+        self.id, self.model, self.include_usage = request_id, model, include_usage
+        self.created = int(time.time())
+
+    def _chunk(self, choices: list[CompletionChoice], usage: Usage | None = None) -> str:
+        chunk = CompletionResponse(
+            id=self.id, created=self.created, model=self.model, choices=choices, usage=usage
+        )
+        return _sse(chunk.model_dump(exclude=None if self.include_usage else {"usage"}))
+
+    def opening(self) -> list[str]:
+        return []
+
+    def delta(self, text: str, finish_reason: str | None) -> list[str]:
+        # OpenAI puts finish_reason on the chunk with the last text, which may be empty.
+        if not text and finish_reason is None:
+            return []
+        return [self._chunk([CompletionChoice(text=text, finish_reason=finish_reason)])]
+
+    def closing(self, finish_reason: str) -> list[str]:
+        return []
+
+    def usage_chunk(self, usage: Usage) -> str:
+        return self._chunk([], usage)
+
+    def response(self, text: str, finish_reason: str, usage: Usage) -> dict[str, Any]:
+        choice = CompletionChoice(text=text, finish_reason=finish_reason)
+        return CompletionResponse(
+            id=self.id, created=self.created, model=self.model, choices=[choice], usage=usage
+        ).model_dump()

@@ -1,0 +1,160 @@
+"""The one place where errors become HTTP responses in OpenAI's shape.
+
+Every error body is `{"error": {"message", "type", "param", "code"}}`, as the official client expects.
+Typed errors raised anywhere (engine, protocol, middleware) are mapped here by class, most specific first.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from omnistage.errors import InvalidRequest, OmnistageError, QueueFull, RequestTooLarge
+
+
+class Unauthorized(OmnistageError):
+    """The API key is missing or wrong (HTTP 401)."""
+
+
+class ModelNotFound(OmnistageError):
+    """The request names a model this server does not serve (HTTP 404)."""
+
+
+class BodyTooLarge(OmnistageError):
+    """The request body is over the server's size limit (HTTP 413)."""
+
+
+class EngineFailure(OmnistageError):
+    """The engine failed this one request (HTTP 500); the server goes on serving."""
+
+
+class ClientGone(OmnistageError):
+    """The client disconnected before its response was ready; nobody reads what is sent back."""
+
+
+@dataclass(frozen=True)
+class ErrorKind:
+    status: int
+    type: str
+    code: str | None = None
+
+
+# Most specific first: RequestTooLarge before its base InvalidRequest.
+_KINDS: list[tuple[type[Exception], ErrorKind]] = [
+    (RequestTooLarge, ErrorKind(400, "invalid_request_error", "request_too_large")),
+    (InvalidRequest, ErrorKind(400, "invalid_request_error")),
+    (Unauthorized, ErrorKind(401, "authentication_error", "invalid_api_key")),
+    (ModelNotFound, ErrorKind(404, "invalid_request_error", "model_not_found")),
+    (BodyTooLarge, ErrorKind(413, "invalid_request_error", "body_too_large")),
+    (QueueFull, ErrorKind(503, "server_overloaded", "queue_full")),
+    (EngineFailure, ErrorKind(500, "server_error", "engine_error")),
+    (ClientGone, ErrorKind(499, "client_closed_request")),
+]
+_INTERNAL = ErrorKind(500, "server_error", "internal_error")
+
+
+def kind_of(exc: Exception) -> ErrorKind:
+    for cls, kind in _KINDS:
+        if isinstance(exc, cls):
+            return kind
+    return _INTERNAL
+
+
+def error_body(message: str, kind: ErrorKind, param: str | None = None) -> dict[str, Any]:
+    return {"error": {"message": message, "type": kind.type, "param": param, "code": kind.code}}
+
+
+def error_response(exc: Exception) -> JSONResponse:
+    """The HTTP response for one of our errors (anything unknown is a 500 that keeps its message)."""
+    kind = kind_of(exc)
+    message = str(exc) or type(exc).__name__
+    return JSONResponse(error_body(message, kind), status_code=kind.status)
+
+
+_UNION_TAGS = {"str", "int", "float", "bool"}
+
+
+def _field_path(loc: tuple[Any, ...]) -> str:
+    """("body", "messages", 0, "content", "list[ContentPart]", 0, "type") -> "messages[0].content[0].type".
+
+    pydantic puts the union member it tried into the path ("str", "list[int]"); the client never wrote
+    those, so they are left out.
+    """
+    path = ""
+    for part in loc[1:] if loc and loc[0] == "body" else loc:
+        if isinstance(part, int):
+            path += f"[{part}]"
+        elif part not in _UNION_TAGS and "[" not in part:
+            path += f".{part}" if path else part
+    return path
+
+
+def validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
+    """A readable message naming each bad field's path, and the first path as OpenAI's `param`."""
+    found: list[tuple[str, str]] = []  # (path, reason)
+    for err in exc.errors():
+        if err["type"] == "json_invalid":
+            reason = (err.get("ctx") or {}).get("error", "")
+            found.append(
+                ("", f"the body is not valid JSON ({reason})" if reason else "the body is not valid JSON")
+            )
+            continue
+        path = _field_path(tuple(err["loc"]))
+        if not path and err["type"] == "missing":
+            found.append(("", "the request body is missing"))
+            continue
+        reason = (
+            "unknown field" if err["type"] == "extra_forbidden" else err["msg"].removeprefix("Value error, ")
+        )
+        given = err.get("input")
+        if err["type"] not in ("missing", "extra_forbidden", "value_error") and isinstance(
+            given, str | int | float | bool
+        ):
+            reason += f" (got {given!r})"
+        if (path, reason) not in found:
+            found.append((path, reason))
+    # Of a union, the member the client evidently meant failed deeper: drop the shallower complaints.
+    paths = [p for p, _ in found]
+    found = [
+        (p, r)
+        for p, r in found
+        if not p or not any(q.startswith(p + ".") or q.startswith(p + "[") for q in paths)
+    ]
+    parts = [f"{p}: {r}" if p else r for p, r in found[:3]]
+    if len(found) > 3:
+        parts.append(f"and {len(found) - 3} more")
+    param = next((p for p, _ in found if p), None)
+    return "invalid request: " + "; ".join(parts), param
+
+
+def install_error_handlers(app: FastAPI, on_error: Callable[[Request, int], None]) -> None:
+    """Map every error the app can raise to the OpenAI shape; `on_error` sees (request, status) for metrics."""
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid_body(request: Request, exc: RequestValidationError) -> JSONResponse:
+        message, param = validation_message(exc)
+        kind = ErrorKind(400, "invalid_request_error")
+        on_error(request, kind.status)
+        return JSONResponse(error_body(message, kind, param), status_code=kind.status)
+
+    @app.exception_handler(OmnistageError)
+    async def _ours(request: Request, exc: OmnistageError) -> JSONResponse:
+        response = error_response(exc)
+        on_error(request, response.status_code)
+        return response
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        kind = ErrorKind(
+            exc.status_code, "invalid_request_error" if exc.status_code < 500 else "server_error"
+        )
+        on_error(request, exc.status_code)
+        return JSONResponse(
+            error_body(str(exc.detail), kind), status_code=exc.status_code, headers=exc.headers
+        )

@@ -1,0 +1,97 @@
+"""The door of the app, as plain ASGI: the API key on /v1/*, and the body size limit on everything.
+
+Both run before FastAPI reads or parses a byte, so a wrong key is a 401 whatever the body, and an
+oversized body is refused (413) without being held in memory.
+"""
+
+from __future__ import annotations
+
+import secrets
+from collections.abc import Callable
+
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from omnistage.server.errors import BodyTooLarge, Unauthorized, error_response
+
+DEFAULT_MAX_BODY_BYTES = 32 * 1024 * 1024
+
+
+class Gate:
+    def __init__(
+        self,
+        app: ASGIApp,
+        api_key: str | None,
+        max_body_bytes: int,
+        on_reject: Callable[[str, int], None],
+    ) -> None:
+        self.app = app
+        self.api_key = api_key
+        self.max_body_bytes = max_body_bytes
+        self.on_reject = on_reject  # (path, status), for the request counters
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        if self.api_key is not None and scope["path"].startswith("/v1/") and not self._authorized(scope):
+            await self._reject(scope, receive, send, Unauthorized("missing or invalid API key"))
+            return
+        length = _header(scope, b"content-length")
+        if length is not None and length.isdigit() and int(length) > self.max_body_bytes:
+            await self._reject(scope, receive, send, self._too_large(int(length)))
+            return
+        body, over = await self._read_body(receive)
+        if over:
+            await self._reject(scope, receive, send, self._too_large(None))
+            return
+        await self.app(scope, _replay(body, receive), send)
+
+    def _authorized(self, scope: Scope) -> bool:
+        header = _header(scope, b"authorization") or ""
+        scheme, _, token = header.partition(" ")
+        return scheme.lower() == "bearer" and secrets.compare_digest(token.strip(), self.api_key or "")
+
+    def _too_large(self, length: int | None) -> BodyTooLarge:
+        size = f"{length:,} bytes" if length is not None else "more"
+        return BodyTooLarge(f"the request body is {size}; the limit is {self.max_body_bytes:,} bytes")
+
+    async def _read_body(self, receive: Receive) -> tuple[bytes, bool]:
+        chunks: list[bytes] = []
+        size = 0
+        while True:
+            message = await receive()
+            if message["type"] != "http.request":
+                return b"", False  # the client left; the app will see the disconnect
+            chunk = message.get("body", b"")
+            size += len(chunk)
+            if size > self.max_body_bytes:
+                return b"", True
+            chunks.append(chunk)
+            if not message.get("more_body", False):
+                return b"".join(chunks), False
+
+    async def _reject(self, scope: Scope, receive: Receive, send: Send, exc: Exception) -> None:
+        response = error_response(exc)
+        self.on_reject(scope["path"], response.status_code)
+        await response(scope, receive, send)
+
+
+def _header(scope: Scope, name: bytes) -> str | None:
+    for key, value in scope["headers"]:
+        if key == name:
+            return value.decode("latin-1")
+    return None
+
+
+def _replay(body: bytes, receive: Receive) -> Receive:
+    """A receive that hands out the already-read body once, then the real channel (for disconnects)."""
+    sent = False
+
+    async def replay() -> Message:
+        nonlocal sent
+        if not sent:
+            sent = True
+            return {"type": "http.request", "body": body, "more_body": False}
+        return await receive()
+
+    return replay

@@ -1,0 +1,77 @@
+"""Prometheus metrics of one server, in its own registry (two apps in one process never collide).
+
+Request counters and latency histograms are fed as requests end; the engine gauges (queue, KV pages) are
+read from `engine.stats()` at scrape time, so they are never stale.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+from omnistage.outputs import RequestOutput
+
+_TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+_TPOT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.25, 0.5, 1.0, 2.5)
+_E2E_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
+
+
+class ServerMetrics:
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.requests = Counter(
+            "omnistage_requests",
+            "Requests by endpoint and outcome (HTTP status, or 'cancelled' when the client left)",
+            ["endpoint", "status"],
+            registry=r,
+        )
+        self.prompt_tokens = Counter(
+            "omnistage_prompt_tokens", "Prompt tokens of admitted requests", registry=r
+        )
+        self.generation_tokens = Counter("omnistage_generation_tokens", "Tokens generated", registry=r)
+        self.ttft = Histogram(
+            "omnistage_time_to_first_token_seconds",
+            "Arrival to first token",
+            buckets=_TTFT_BUCKETS,
+            registry=r,
+        )
+        self.tpot = Histogram(
+            "omnistage_time_per_output_token_seconds",
+            "Mean time between output tokens after the first, per request",
+            buckets=_TPOT_BUCKETS,
+            registry=r,
+        )
+        self.e2e = Histogram(
+            "omnistage_request_latency_seconds", "Arrival to last token", buckets=_E2E_BUCKETS, registry=r
+        )
+        self.waiting = Gauge("omnistage_num_requests_waiting", "Requests queued for the engine", registry=r)
+        self.running = Gauge("omnistage_num_requests_running", "Requests the engine is running", registry=r)
+        self.pages_total = Gauge("omnistage_kv_pages_total", "KV cache pages in the pool", registry=r)
+        self.pages_used = Gauge("omnistage_kv_pages_used", "KV cache pages held by requests", registry=r)
+        self.pages_free = Gauge("omnistage_kv_pages_free", "KV cache pages free", registry=r)
+
+    def count(self, endpoint: str, status: int | str) -> None:
+        self.requests.labels(endpoint, str(status)).inc()
+
+    def observe(self, output: RequestOutput) -> None:
+        """Token counts and latencies of a request that has ended (finished or cancelled)."""
+        self.prompt_tokens.inc(len(output.prompt_token_ids))
+        generated = len(output.outputs[0].token_ids) if output.outputs else 0
+        self.generation_tokens.inc(generated)
+        times = output.metrics
+        arrival, first, finished = times.get("arrival"), times.get("first_token"), times.get("finished")
+        if arrival is not None and first is not None:
+            self.ttft.observe(first - arrival)
+        if first is not None and finished is not None and generated > 1:
+            self.tpot.observe((finished - first) / (generated - 1))
+        if arrival is not None and finished is not None:
+            self.e2e.observe(finished - arrival)
+
+    def render(self, stats: dict[str, int]) -> bytes:
+        """The exposition text, with the engine gauges refreshed from `stats`."""
+        self.waiting.set(stats["num_waiting"])
+        self.running.set(stats["num_running"])
+        self.pages_total.set(stats["kv_pages_total"])
+        self.pages_used.set(stats["kv_pages_used"])
+        self.pages_free.set(stats["kv_pages_free"])
+        return generate_latest(self.registry)

@@ -1,0 +1,193 @@
+"""Live `omnistage serve` processes on free ports, and a fake engine for in-process app tests."""
+
+from __future__ import annotations
+
+import asyncio
+import re
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import AsyncIterator, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import httpx
+import pytest
+
+from omnistage.engine.sampling import SamplingParams
+from omnistage.errors import QueueFull
+from omnistage.outputs import CompletionOutput, RequestOutput
+
+
+class LiveServer:
+    """One `omnistage serve` subprocess; `url` is its base, its output goes to `log`."""
+
+    def __init__(self, args: list[str], log: Path) -> None:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            self.port = s.getsockname()[1]
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log = log
+        command = [sys.executable, "-m", "omnistage.cli", "serve", "--port", str(self.port), *args]
+        with open(log, "wb") as out:
+            self.process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT)
+
+    def wait_ready(self, timeout: float = 90.0) -> LiveServer:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                raise RuntimeError(f"the server exited with {self.process.returncode}:\n{self.log_tail()}")
+            try:
+                if httpx.get(f"{self.url}/health", timeout=1).status_code == 200:
+                    return self
+            except httpx.TransportError:
+                pass
+            time.sleep(0.1)
+        raise RuntimeError(f"the server was not ready after {timeout} s:\n{self.log_tail()}")
+
+    def log_tail(self, lines: int = 40) -> str:
+        return "\n".join(self.log.read_text(errors="replace").splitlines()[-lines:])
+
+    def metrics_text(self) -> str:
+        return httpx.get(f"{self.url}/metrics", timeout=5).text
+
+    def metrics(self) -> dict[str, float]:
+        """Unlabelled samples of /metrics, by name."""
+        text = self.metrics_text()
+        return {m[1]: float(m[2]) for m in re.finditer(r"^([a-z_]+) ([0-9.e+-]+)$", text, re.MULTILINE)}
+
+    def wait_pages_free(self, timeout: float) -> float:
+        """Seconds until every KV page is free again (raises if not within `timeout`)."""
+        start = time.monotonic()
+        while True:
+            m = self.metrics()
+            if (
+                m["omnistage_kv_pages_used"] == 0
+                and m["omnistage_kv_pages_free"] == m["omnistage_kv_pages_total"]
+            ):
+                return time.monotonic() - start
+            if time.monotonic() - start > timeout:
+                raise AssertionError(f"KV pages still used after {timeout} s: {m['omnistage_kv_pages_used']}")
+            time.sleep(0.02)
+
+    def stop(self) -> None:
+        self.process.terminate()
+        try:
+            self.process.wait(timeout=15)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            self.process.wait()
+
+
+@pytest.fixture(scope="session")
+def launch_server(tmp_path_factory, tiny_checkpoint):
+    """A context manager starting `omnistage serve --model <tiny> --device cpu ARGS` and waiting for /health."""
+
+    @contextmanager
+    def launch(name: str, *args: str) -> Iterator[LiveServer]:
+        log = tmp_path_factory.mktemp(name) / "server.log"
+        common = ["--model", str(tiny_checkpoint), "--device", "cpu", "--log-level", "warning"]
+        server = LiveServer([*common, *args], log)
+        try:
+            yield server.wait_ready()
+        finally:
+            server.stop()
+
+    return launch
+
+
+# -- a fake AsyncEngine with the real one's interface, for failures a real model cannot be made to show ----
+
+
+class FakeProcessor:
+    def render_chat(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
+        return "\n".join(m["content"] if isinstance(m["content"], str) else "" for m in messages)
+
+    def encode(self, text: str) -> list[int]:
+        return [ord(c) for c in text]
+
+
+class FakeLLMEngine:
+    processor = FakeProcessor()
+    model_path = Path("/models/fake")
+    max_model_len = 4096
+
+    def memory_summary(self) -> str:
+        return "fake engine"
+
+
+class FakeEngine:
+    """Echoes its prompt back one character per step; the prompt's text picks a failure to act out.
+
+    "queue-full": QueueFull before the first output; "explode": an exception before the first output;
+    "fail": a finish_reason "error" output after two tokens; "crash": an exception after two tokens.
+    """
+
+    def __init__(self) -> None:
+        self.engine = FakeLLMEngine()
+        self.ready = True
+        self.running: set[str] = set()
+        self.closed: list[str] = []
+
+    def stats(self) -> dict[str, int]:
+        used = 2 * len(self.running)
+        return {
+            "num_waiting": 0,
+            "num_running": len(self.running),
+            "kv_pages_total": 16,
+            "kv_pages_free": 16 - used,
+            "kv_pages_used": used,
+        }
+
+    async def generate(
+        self, request_id: str, prompt: str | None, prompt_token_ids: list[int], params: SamplingParams
+    ) -> AsyncIterator[RequestOutput]:
+        text = prompt or ""
+        if "queue-full" in text:
+            raise QueueFull("the server's queue is full (1 requests waiting, the limit is 1)")
+        if "explode" in text:
+            raise RuntimeError("CUDA out of memory (pretend)")
+        self.running.add(request_id)
+        try:
+            out = CompletionOutput(index=0, text="", token_ids=[])
+            reply = text[: params.max_tokens]
+            for i, ch in enumerate(reply):
+                await asyncio.sleep(0.001)
+                if i == 2 and "crash" in text:
+                    raise RuntimeError("internal engine error")
+                failed = i == 2 and "fail" in text
+                done = failed or i == len(reply) - 1
+                out = CompletionOutput(
+                    index=0,
+                    text=out.text + ("" if failed else ch),
+                    token_ids=[*out.token_ids, ord(ch)],
+                    finish_reason=("error" if failed else "length") if done else None,
+                    delta_text="" if failed else ch,
+                    delta_token_ids=[ord(ch)],
+                )
+                yield RequestOutput(
+                    request_id,
+                    prompt,
+                    prompt_token_ids,
+                    [out],
+                    finished=done,
+                    error="OutOfMemoryError: pretend" if failed else None,
+                    metrics={"arrival": 0.0, "first_token": 0.01, "finished": 0.02},
+                )
+                if done:
+                    return
+        finally:
+            self.running.discard(request_id)
+            self.closed.append(request_id)
+
+    def abort(self, request_id: str) -> None:
+        self.running.discard(request_id)
+
+    def shutdown(self) -> None:
+        self.ready = False
+
+
+@pytest.fixture
+def fake_engine() -> FakeEngine:
+    return FakeEngine()

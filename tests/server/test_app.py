@@ -1,0 +1,210 @@
+"""The app's error mapping and stream framing, in-process on a fake engine (failures a real model cannot show)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from fastapi.testclient import TestClient
+
+from omnistage.server import build_app
+
+MODEL = "fake-model"
+
+
+@pytest.fixture
+def client(fake_engine) -> TestClient:
+    return TestClient(build_app(fake_engine, MODEL, api_key="k", max_body_bytes=4096))
+
+
+AUTH = {"Authorization": "Bearer k"}
+
+
+def chat(client: TestClient, content: str, **extra) -> object:
+    body = {"model": MODEL, "messages": [{"role": "user", "content": content}], "max_tokens": 8} | extra
+    return client.post("/v1/chat/completions", json=body, headers=AUTH)
+
+
+def events(response) -> list[str]:
+    return [line.removeprefix("data: ") for line in response.text.split("\n\n") if line]
+
+
+def assert_error(response, status: int, type_: str, message: str) -> dict:
+    assert response.status_code == status, response.text
+    error = response.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"}
+    assert error["type"] == type_
+    assert message in error["message"]
+    return error
+
+
+def test_chat_echo_and_usage(client, fake_engine):
+    r = chat(client, "hello world", max_tokens=5)
+    assert r.status_code == 200
+    body = r.json()
+    assert body["object"] == "chat.completion"
+    assert body["choices"][0] == {
+        "index": 0,
+        "message": {"role": "assistant", "content": "hello"},
+        "logprobs": None,
+        "finish_reason": "length",
+    }
+    assert body["usage"] == {"prompt_tokens": 11, "completion_tokens": 5, "total_tokens": 16}
+    assert fake_engine.running == set()
+
+
+def test_engine_exception_fails_only_that_request(client, fake_engine):
+    assert_error(
+        chat(client, "explode"), 500, "server_error", "the engine failed this request: CUDA out of memory"
+    )
+    assert chat(client, "fine").json()["choices"][0]["message"]["content"] == "fine"
+
+
+def test_engine_error_output_is_500_and_next_works(client, fake_engine):
+    error = assert_error(chat(client, "fail now"), 500, "server_error", "OutOfMemoryError: pretend")
+    assert error["code"] == "engine_error"
+    assert chat(client, "fine").status_code == 200
+    metrics = client.get("/metrics").text
+    assert 'omnistage_requests_total{endpoint="/v1/chat/completions",status="500"} 1.0' in metrics
+    assert 'omnistage_requests_total{endpoint="/v1/chat/completions",status="200"} 1.0' in metrics
+
+
+def test_queue_full_is_503(client):
+    error = assert_error(chat(client, "queue-full"), 503, "server_overloaded", "queue is full")
+    assert error["code"] == "queue_full"
+
+
+def test_stream_failing_before_first_output_keeps_its_status(client):
+    assert_error(chat(client, "explode", stream=True), 500, "server_error", "CUDA out of memory")
+    assert_error(chat(client, "queue-full", stream=True), 503, "server_overloaded", "queue is full")
+
+
+def test_stream_failing_midway_sends_an_error_event(client, fake_engine):
+    r = chat(client, "crash here", stream=True)
+    assert r.status_code == 200
+    sent = events(r)
+    assert sent[-1] == "[DONE]"
+    error = json.loads(sent[-2])["error"]
+    assert error["message"] == "the engine failed this request: internal engine error"
+    assert error["type"] == "server_error"
+    assert fake_engine.running == set()
+    assert chat(client, "fine", stream=True).status_code == 200
+
+
+def test_stream_framing_chat(client):
+    r = chat(client, "abc", stream=True, stream_options={"include_usage": True})
+    assert r.headers["content-type"].startswith("text/event-stream")
+    sent = events(r)
+    assert sent[-1] == "[DONE]"
+    chunks = [json.loads(e) for e in sent[:-1]]
+    assert chunks[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+    assert "".join(c["choices"][0]["delta"].get("content", "") for c in chunks[1:-1]) == "abc"
+    assert chunks[-2]["choices"][0] == {"index": 0, "delta": {}, "logprobs": None, "finish_reason": "length"}
+    assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] == 3
+    assert all(c["usage"] is None for c in chunks[:-1])
+    assert {c["id"] for c in chunks} == {chunks[0]["id"]} and chunks[0]["object"] == "chat.completion.chunk"
+
+
+def test_stream_framing_completions_without_usage(client):
+    body = {"model": MODEL, "prompt": "xyz", "max_tokens": 3, "stream": True}
+    sent = events(client.post("/v1/completions", json=body, headers=AUTH))
+    chunks = [json.loads(e) for e in sent[:-1]]
+    assert [c["choices"][0]["text"] for c in chunks] == ["x", "y", "z"]
+    assert [c["choices"][0]["finish_reason"] for c in chunks] == [None, None, "length"]
+    assert all("usage" not in c and c["object"] == "text_completion" for c in chunks)
+
+
+@pytest.mark.parametrize(
+    ("body", "message", "param"),
+    [
+        ({"temperature": "hot"}, "temperature: Input should be a valid number", "temperature"),
+        (
+            {"messages": [{"role": "robot", "content": "x"}]},
+            "messages[0].role: Input should be",
+            "messages[0].role",
+        ),
+        (
+            {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
+            "messages[0].content[0].type: content parts of type 'image_url' are not supported yet",
+            "messages[0].content[0].type",
+        ),
+        ({"max_tokenz": 3}, "max_tokenz: unknown field", "max_tokenz"),
+        ({"messages": []}, "messages: List should have at least 1 item", "messages"),
+        (
+            {"stream_options": {"include_usage": "maybe"}},
+            "stream_options.include_usage:",
+            "stream_options.include_usage",
+        ),
+    ],
+)
+def test_invalid_body_names_the_field(client, body, message, param):
+    full = {"model": MODEL, "messages": [{"role": "user", "content": "x"}]} | body
+    error = assert_error(
+        client.post("/v1/chat/completions", json=full, headers=AUTH), 400, "invalid_request_error", message
+    )
+    assert error["param"] == param
+
+
+def test_invalid_json_and_missing_body(client):
+    r = client.post(
+        "/v1/chat/completions", content=b"{nope", headers=AUTH | {"content-type": "application/json"}
+    )
+    assert_error(r, 400, "invalid_request_error", "the body is not valid JSON")
+    assert_error(
+        client.post("/v1/completions", headers=AUTH), 400, "invalid_request_error", "body is missing"
+    )
+
+
+def test_sampling_rules_are_400(client):
+    assert_error(chat(client, "x", n=2), 400, "invalid_request_error", "n must be 1")
+    assert_error(chat(client, "x", top_p=0), 400, "invalid_request_error", "top_p must be in (0, 1]")
+    assert_error(chat(client, "x", logprobs=True), 400, "invalid_request_error", "logprobs are not supported")
+    body = {"model": MODEL, "prompt": ["a", "b"]}
+    r = client.post("/v1/completions", json=body, headers=AUTH)
+    assert_error(r, 400, "invalid_request_error", "one prompt per request is supported, got 2")
+
+
+def test_api_key_guards_v1_only(client):
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "x"}]}
+    assert_error(client.post("/v1/chat/completions", json=body), 401, "authentication_error", "API key")
+    r = client.post("/v1/chat/completions", json=body, headers={"Authorization": "Bearer wrong"})
+    assert_error(r, 401, "authentication_error", "API key")
+    assert_error(client.get("/v1/models"), 401, "authentication_error", "API key")
+    # A bad key is refused before the body is even parsed.
+    assert_error(client.post("/v1/completions", content=b"{nope"), 401, "authentication_error", "API key")
+    assert client.get("/health").status_code == 200
+    assert client.get("/metrics").status_code == 200
+
+
+def test_unknown_model_is_404(client):
+    body = {"model": "gpt-4o", "messages": [{"role": "user", "content": "x"}]}
+    error = assert_error(
+        client.post("/v1/chat/completions", json=body, headers=AUTH),
+        404,
+        "invalid_request_error",
+        "'gpt-4o' does not exist",
+    )
+    assert error["code"] == "model_not_found"
+    assert client.get(f"/v1/models/{MODEL}", headers=AUTH).json()["id"] == MODEL
+    assert_error(
+        client.get("/v1/models/gpt-4o", headers=AUTH), 404, "invalid_request_error", "does not exist"
+    )
+
+
+def test_body_over_the_limit_is_413(client):
+    big = {"model": MODEL, "messages": [{"role": "user", "content": "x" * 5000}]}
+    r = client.post("/v1/chat/completions", json=big, headers=AUTH)
+    assert_error(r, 413, "invalid_request_error", "the limit is 4,096 bytes")
+
+    def chunked():  # no Content-Length: the limit is enforced while reading
+        for _ in range(10):
+            yield b"x" * 1000
+
+    r = client.post("/v1/chat/completions", content=chunked(), headers=AUTH)
+    assert_error(r, 413, "invalid_request_error", "the limit is 4,096 bytes")
+
+
+def test_health_follows_engine_readiness(client, fake_engine):
+    assert client.get("/health").json() == {"status": "ok"}
+    fake_engine.ready = False
+    assert client.get("/health").status_code == 503

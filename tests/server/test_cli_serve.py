@@ -1,0 +1,38 @@
+"""`omnistage serve` start-up checks that need no running server: the YAML schema and the example file."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from omnistage.cli import build_parser, main
+from omnistage.config import load_config
+
+EXAMPLE = Path(__file__).parents[2] / "configs" / "tiny.yaml"
+
+
+def test_example_config_loads_and_flags_override_it():
+    config = load_config(EXAMPLE, num_kv_pages=32, max_model_len=None)
+    assert (config.device, config.page_size, config.num_kv_pages, config.max_model_len) == (
+        "cpu",
+        16,
+        32,
+        4096,
+    )
+
+
+def test_unknown_yaml_key_stops_the_server_with_its_path(tmp_path, capsys):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("engine:\n  page_sise: 16\n")
+    assert main(["serve", "--config", str(bad)]) == 2
+    assert f"{bad}: engine.page_sise: unknown key" in capsys.readouterr().err
+
+
+def test_bad_flag_value_names_the_key(capsys):
+    assert main(["serve", "--device", "tpu"]) == 2
+    assert "device: Input should be 'auto', 'cpu' or 'cuda'" in capsys.readouterr().err
+
+
+def test_serve_defaults_bind_localhost_and_leave_engine_keys_unset():
+    args = build_parser().parse_args(["serve"])
+    assert (args.host, args.port, args.api_key, args.max_queue) == ("127.0.0.1", 8000, None, None)
+    assert args.model is None and args.device is None and args.enforce_eager is None
