@@ -39,7 +39,7 @@ DEVICE = "cuda"
 
 def sync() -> None:
     if DEVICE == "cuda":
-        sync()
+        torch.cuda.synchronize()
 
 
 def random_prompt(length: int, seed: int) -> list[int]:
@@ -64,6 +64,46 @@ def ours_tpot(llm: LLM, batch: int, prompt_len: int, steps: int) -> float:
         if pure and engine.scheduler.num_running == batch:
             times.append(elapsed)
     return statistics.median(times[2:]) if len(times) > 4 else float("nan")
+
+
+def step_breakdown(llm: LLM, batch: int, prompt_len: int, steps: int = 16) -> dict[str, float]:
+    """Median ms per decode step spent in host preparation, the graph (padded fill + replay), sampling, rest."""
+    engine, runner = llm.engine, llm.engine.runner
+    spent: dict[str, list[float]] = {"prepare": [], "model": [], "sample": [], "step": []}
+
+    def timed(name, fn):
+        def wrapper(*a, **k):
+            sync()
+            start = time.perf_counter()
+            out = fn(*a, **k)
+            sync()
+            spent[name].append((time.perf_counter() - start) * 1e3)
+            return out
+
+        return wrapper
+
+    saved = runner.prepare, runner.graphs.run if runner.graphs else None, engine.sampler
+    runner.prepare = timed("prepare", runner.prepare)
+    if runner.graphs:
+        runner.graphs.run = timed("model", runner.graphs.run)
+    engine.sampler = timed("sample", engine.sampler)
+    try:
+        params = SamplingParams(max_tokens=steps, min_tokens=steps, ignore_eos=True, temperature=0.0)
+        for i in range(batch):
+            engine.add_request(f"bd{batch}-{i}", random_prompt(prompt_len, i), params)
+        engine.step()
+        for key in spent:
+            spent[key].clear()
+        while engine.has_unfinished():
+            start = time.perf_counter()
+            engine.step()
+            spent["step"].append((time.perf_counter() - start) * 1e3)
+    finally:
+        runner.prepare = saved[0]
+        if saved[1]:
+            runner.graphs.run = saved[1]
+        engine.sampler = saved[2]
+    return {k: statistics.median(v[2:]) for k, v in spent.items() if len(v) > 4}
 
 
 def graph_replay_ms(llm: LLM, batch: int, repeats: int = 20) -> float:
@@ -247,6 +287,9 @@ def main() -> None:
         log.info("ours: batch %d TPOT %.2f ms (graph replay %s ms)", b, ours[b] * 1e3,
                  results["ours_graph_replay_ms"].get(b))
     results["ours_tpot_ms"] = {b: t * 1e3 for b, t in ours.items()}
+    if DEVICE == "cuda" and llm.engine.runner.graphs:
+        results["ours_step_breakdown_ms"] = {b: step_breakdown(llm, b, args.prompt_len) for b in (1, 32)}
+        log.info("step breakdown (ms): %s", results["ours_step_breakdown_ms"])
     if args.profile_dir:
         for b in (1, 32):
             profile_decode(llm, b, args.profile_dir / f"profile_decode_b{b}.txt")

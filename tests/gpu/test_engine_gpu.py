@@ -18,11 +18,15 @@ def tokens(llm):
 
 
 def test_graphs_equal_eager(tiny_checkpoint):
-    common = dict(model=str(tiny_checkpoint), dtype="bfloat16", page_size=4, kv_cache_memory_gib=0.05, max_graph_batch=8)
+    # the same kernels both ways (no compile), so only graph replay and batch padding differ
+    common = dict(
+        model=str(tiny_checkpoint), dtype="bfloat16", page_size=4, kv_cache_memory_gib=0.05, max_graph_batch=8,
+        compile=False,
+    )
     graphs = LLM(device="cuda", **common)
     assert graphs.engine.runner.graphs.captured_buckets == [1, 2, 4, 8]
     assert "decode CUDA graphs for batch 1, 2, 4, 8" in graphs.engine.memory_summary()
-    eager = LLM(device="cuda", enforce_eager=True, compile=False, **common)
+    eager = LLM(device="cuda", enforce_eager=True, **common)
     assert eager.engine.runner.graphs is None
     assert tokens(graphs) == tokens(eager)
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from omnistage.engine.attention import AttentionBackend, AttentionMetadata
@@ -30,6 +31,17 @@ class Attention(nn.Module):
         self.o_proj = nn.Linear(num_heads * head_dim, hidden_size, bias=False)
         self.q_norm = RMSNorm(head_dim, rms_norm_eps)
         self.k_norm = RMSNorm(head_dim, rms_norm_eps)
+        self.qkv_weight: torch.Tensor | None = None
+
+    def fuse_projections(self) -> None:
+        """One [q; k; v] weight, one GEMM per step; the three parameters become views of it (same names,
+        no extra memory), so loading and state_dict still speak the checkpoint's names."""
+        fused = torch.cat([self.q_proj.weight, self.k_proj.weight, self.v_proj.weight]).detach()
+        q_rows, kv_rows = self.q_proj.weight.shape[0], self.k_proj.weight.shape[0]
+        self.q_proj.weight.data = fused[:q_rows]
+        self.k_proj.weight.data = fused[q_rows : q_rows + kv_rows]
+        self.v_proj.weight.data = fused[q_rows + kv_rows :]
+        self.qkv_weight = fused
 
     def forward(
         self,
@@ -40,9 +52,14 @@ class Attention(nn.Module):
         meta: AttentionMetadata,
     ) -> torch.Tensor:
         tokens = x.shape[0]
-        q = self.q_norm(self.q_proj(x).view(tokens, self.num_heads, self.head_dim))
-        k = self.k_norm(self.k_proj(x).view(tokens, self.num_kv_heads, self.head_dim))
-        v = self.v_proj(x).view(tokens, self.num_kv_heads, self.head_dim)
+        if self.qkv_weight is not None:
+            q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+            q, k, v = F.linear(x, self.qkv_weight).split([q_size, kv_size, kv_size], dim=-1)
+        else:
+            q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        q = self.q_norm(q.reshape(tokens, self.num_heads, self.head_dim))
+        k = self.k_norm(k.reshape(tokens, self.num_kv_heads, self.head_dim))
+        v = v.reshape(tokens, self.num_kv_heads, self.head_dim)
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         out = self.backend.forward(q, k, v, kv_cache, meta, self.scale)
         return self.o_proj(out.reshape(tokens, self.num_heads * self.head_dim))

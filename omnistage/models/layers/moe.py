@@ -59,7 +59,7 @@ class SparseMoeBlock(nn.Module):
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Top-k expert weights (x's dtype) and ids `[T, k]` from a float32 softmax over the router logits."""
         probs = F.softmax(self.gate(x), dim=-1, dtype=torch.float32)
-        weights, ids = torch.topk(probs, self.top_k, dim=-1)
+        weights, ids = torch.topk(probs, self.top_k, dim=-1, sorted=False)  # order is irrelevant to the sum
         if self.norm_topk_prob:
             weights = weights / weights.sum(dim=-1, keepdim=True)
         return weights.to(x.dtype), ids

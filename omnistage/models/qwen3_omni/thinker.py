@@ -129,8 +129,11 @@ def load_thinker(
     if load_format == "dummy":
         thinker.to_empty(device=device).to(dtype)
         fill_random_(thinker, seed)
-        return thinker.requires_grad_(False).eval()
-    # two prefixes, because `thinker.` also holds the audio and vision towers
-    load_weights(thinker.model, checkpoint_dir, "thinker.model.", dtype=dtype, device=device)
-    load_weights(thinker.lm_head, checkpoint_dir, "thinker.lm_head.", dtype=dtype, device=device)
-    return thinker.requires_grad_(False).eval()
+    else:
+        # two prefixes, because `thinker.` also holds the audio and vision towers
+        load_weights(thinker.model, checkpoint_dir, "thinker.model.", dtype=dtype, device=device)
+        load_weights(thinker.lm_head, checkpoint_dir, "thinker.lm_head.", dtype=dtype, device=device)
+    thinker.requires_grad_(False).eval()
+    for layer in thinker.model.layers:
+        layer.self_attn.fuse_projections()
+    return thinker
