@@ -12,6 +12,7 @@ import logging
 import queue
 import threading
 from collections.abc import AsyncIterator
+from typing import TYPE_CHECKING
 
 from omnistage.config import EngineConfig
 from omnistage.engine.llm_engine import LLMEngine
@@ -19,6 +20,9 @@ from omnistage.engine.model_runner import PromptPositions
 from omnistage.engine.sampling import SamplingParams
 from omnistage.errors import InvalidRequest, QueueFull
 from omnistage.outputs import RequestOutput
+
+if TYPE_CHECKING:
+    from omnistage.models.qwen3_omni.processor import MultimodalInputs
 
 log = logging.getLogger(__name__)
 
@@ -55,6 +59,7 @@ class AsyncEngine:
         prompt_token_ids: list[int],
         params: SamplingParams,
         mrope: PromptPositions | None = None,
+        mm: MultimodalInputs | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """Outputs of one request, one per engine step that touched it; the last has finished=True."""
         self.engine.validate(prompt_token_ids, params)
@@ -67,7 +72,7 @@ class AsyncEngine:
                 raise QueueFull(f"the server's queue is full ({waiting} requests waiting, the limit is {self.max_queue})")
             self._streams[request_id] = (asyncio.get_running_loop(), out_queue)
             self._queued += 1
-        self._commands.put(("add", request_id, prompt, prompt_token_ids, params, mrope))
+        self._commands.put(("add", request_id, prompt, prompt_token_ids, params, mrope, mm))
         finished = False
         try:
             while True:
@@ -104,14 +109,14 @@ class AsyncEngine:
     def _handle(self, command: tuple) -> None:
         kind = command[0]
         if kind == "add":
-            _, request_id, prompt, token_ids, params, mrope = command
+            _, request_id, prompt, token_ids, params, mrope, mm = command
             with self._lock:
                 self._queued -= 1
                 alive = request_id in self._streams
             if not alive:  # the client left before the engine saw the request
                 return
             try:
-                self.engine.add_request(request_id, token_ids, params, prompt=prompt, mrope=mrope)
+                self.engine.add_request(request_id, token_ids, params, prompt=prompt, mrope=mrope, mm=mm)
             except Exception as exc:
                 self._deliver(request_id, exc)
         elif kind == "abort":

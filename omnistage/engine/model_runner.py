@@ -26,6 +26,17 @@ class PromptPositions:
     delta: int
 
 
+@dataclass
+class MultimodalEmbeds:
+    """Encoder outputs of one prompt: the prompt rows they replace, and the deepstack levels of images."""
+
+    audio_rows: torch.Tensor  # long [Na] prompt positions of audio placeholders
+    audio_embeds: torch.Tensor | None  # [Na, H]
+    image_rows: torch.Tensor  # long [Ni]
+    image_embeds: torch.Tensor | None  # [Ni, H]
+    deepstack: torch.Tensor | None  # [levels, Ni, H]
+
+
 def positions_for(start: int, count: int, mrope: PromptPositions | None) -> torch.Tensor:
     """`[3, count]` positions of tokens start..start+count: text tokens share one position in all streams."""
     if mrope is None:
@@ -114,10 +125,39 @@ class ModelRunner:
         input_ids, positions, meta = self.prepare(step.chunks)
         if self.graphs is not None and step.is_pure_decode:
             return self.graphs.run(input_ids, positions, meta)
-        hidden = self.model(input_ids, positions, self.kv_caches, meta)
+        embeds, deepstack = self._merge_multimodal(step.chunks, input_ids)
+        hidden = self.model(input_ids, positions, self.kv_caches, meta, embeds, deepstack)
         last_rows = meta.query_start_loc[1:].long() - 1
         sampling = torch.tensor([c.samples for c in step.chunks], device=self.device)
         return self.model.compute_logits(hidden[last_rows[sampling]])
+
+
+    def _merge_multimodal(
+        self, chunks: list[ScheduledChunk], input_ids: torch.Tensor
+    ) -> tuple[torch.Tensor | None, list[torch.Tensor] | None]:
+        """Token embeddings with encoder outputs at the placeholder rows the chunks cover, and deepstack."""
+        if not any(getattr(c.seq.data, "mm", None) is not None for c in chunks):
+            return None, None
+        embeds = self.model.model.embed_tokens(input_ids)
+        deepstack = None
+        offset = 0
+        for chunk in chunks:
+            mm = getattr(chunk.seq.data, "mm", None)
+            if mm is not None and chunk.start < chunk.seq.num_prompt_tokens:
+                end = chunk.start + chunk.num_tokens
+                for rows, values in ((mm.audio_rows, mm.audio_embeds), (mm.image_rows, mm.image_embeds)):
+                    if values is None:
+                        continue
+                    inside = (rows >= chunk.start) & (rows < end)
+                    embeds[offset + rows[inside] - chunk.start] = values[inside].to(embeds.dtype)
+                if mm.deepstack is not None:
+                    inside = (mm.image_rows >= chunk.start) & (mm.image_rows < end)
+                    if deepstack is None:
+                        deepstack = [torch.zeros_like(embeds) for _ in range(mm.deepstack.shape[0])]
+                    for level, target in enumerate(deepstack):
+                        target[offset + mm.image_rows[inside] - chunk.start] = mm.deepstack[level][inside].to(embeds.dtype)
+            offset += chunk.num_tokens
+        return embeds, deepstack
 
 
 def _mrope(chunk: ScheduledChunk) -> PromptPositions | None:

@@ -179,3 +179,27 @@ def fill_random_(module: torch.nn.Module, seed: int = 0) -> None:
         else:
             fan_in = param.shape[-1] if param.dim() == 2 or name.endswith(("w13", "w2")) else param[0].numel()
             param.normal_(generator=generator).mul_(fan_in**-0.5)
+
+
+def load_module(
+    module: torch.nn.Module,
+    directory: str | Path,
+    prefix: str,
+    *,
+    dtype: torch.dtype,
+    device: torch.device | str,
+    load_format: str = "safetensors",
+    seed: int = 0,
+) -> torch.nn.Module:
+    """A meta-built module with the checkpoint's weights, or random ones (`load_format="dummy"`), in eval mode."""
+    if load_format == "dummy":
+        module.to_empty(device=device)
+        for sub in module.modules():
+            if hasattr(sub, "init_buffers"):
+                sub.init_buffers()
+        for param in module.parameters():
+            param.data = param.data.to(dtype)
+        fill_random_(module, seed)
+    else:
+        load_weights(module, directory, prefix, dtype=dtype, device=device)
+    return module.requires_grad_(False).eval()

@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from omnistage.models.loader import load_weights
+from omnistage.models.loader import load_module
 from omnistage.models.qwen3_omni.config import AudioEncoderConfig, Qwen3OmniConfig
 
 PREFIX = "thinker.audio_tower."
@@ -218,11 +218,14 @@ class AudioEncoder(nn.Module):
 
 
 def load_audio_encoder(
-    checkpoint_dir: str | Path, dtype: torch.dtype = torch.bfloat16, device: torch.device | str = "cpu"
+    checkpoint_dir: str | Path,
+    dtype: torch.dtype = torch.bfloat16,
+    device: torch.device | str = "cpu",
+    load_format: str = "safetensors",
+    seed: int = 0,
 ) -> AudioEncoder:
     """The audio encoder of a Qwen3-Omni checkpoint directory, weights read by their file names."""
     cfg = Qwen3OmniConfig.from_dir(checkpoint_dir).thinker.audio
     with torch.device("meta"):
         model = AudioEncoder(cfg)
-    load_weights(model, checkpoint_dir, PREFIX, dtype=dtype, device=device)
-    return model.eval()
+    return load_module(model, checkpoint_dir, PREFIX, dtype=dtype, device=device, load_format=load_format, seed=seed)
