@@ -257,6 +257,8 @@ def main() -> None:
     parser.add_argument("--out", type=Path)
     parser.add_argument("--tiny", action="store_true", help="a CPU smoke run on the tiny config")
     parser.add_argument("--no-compile", action="store_true", help="leave the decoder layers uncompiled")
+    parser.add_argument("--moe-kernel", default="auto", choices=["auto", "grouped_mm", "triton"])
+    parser.add_argument("--compare-moe", action="store_true", help="also measure TPOT with grouped_mm MoE")
     parser.add_argument("--profile-dir", type=Path, help="write kernel tables of decode steps here")
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
@@ -271,7 +273,7 @@ def main() -> None:
         model=str(checkpoint), load_format="dummy", device=DEVICE, dtype="bfloat16",
         kv_cache_memory_gib=args.kv_gib, max_num_seqs=max(int(b) for b in args.batches.split(",")),
         max_num_batched_tokens=max(args.prefill_len, 2048), enforce_eager=args.enforce_eager,
-        compile=not args.no_compile,
+        compile=not args.no_compile, moe_kernel=args.moe_kernel,
     )
     results["engine_start_s"] = time.perf_counter() - start
     results["memory"] = llm.engine.memory_summary()
@@ -287,6 +289,17 @@ def main() -> None:
         log.info("ours: batch %d TPOT %.2f ms (graph replay %s ms)", b, ours[b] * 1e3,
                  results["ours_graph_replay_ms"].get(b))
     results["ours_tpot_ms"] = {b: t * 1e3 for b, t in ours.items()}
+    if args.compare_moe and DEVICE == "cuda" and llm.engine.runner.graphs:
+        # the same engine and weights with the other MoE kernel: switch, recapture the graphs, measure again
+        engine = llm.engine
+        engine.set_moe_kernel("grouped_mm")
+        engine.runner.capture_graphs(list(engine.plan.captured_buckets), engine.max_model_len, False)
+        results["ours_grouped_mm_tpot_ms"] = {}
+        for b in map(int, args.batches.split(",")):
+            results["ours_grouped_mm_tpot_ms"][b] = ours_tpot(llm, b, args.prompt_len, args.steps) * 1e3
+            log.info("ours with grouped_mm MoE: batch %d TPOT %.2f ms", b, results["ours_grouped_mm_tpot_ms"][b])
+        engine.set_moe_kernel(args.moe_kernel)
+        engine.runner.capture_graphs(list(engine.plan.captured_buckets), engine.max_model_len, False)
     if DEVICE == "cuda" and llm.engine.runner.graphs:
         results["ours_step_breakdown_ms"] = {b: step_breakdown(llm, b, args.prompt_len) for b in (1, 32)}
         log.info("step breakdown (ms): %s", results["ours_step_breakdown_ms"])

@@ -34,6 +34,9 @@ class EngineConfig(BaseModel):
     max_model_len: int | None = Field(None, ge=1, description="context limit; default: the model's")
     enforce_eager: bool = Field(False, description="no CUDA graphs")
     compile: bool = Field(True, description="torch.compile the decoder layers on a GPU (fuses the glue kernels)")
+    moe_kernel: Literal["auto", "grouped_mm", "triton"] = Field(
+        "auto", description="GPU MoE kernel: auto takes Triton for decode-sized batches, grouped GEMMs above"
+    )
     max_graph_batch: int = Field(64, ge=1, description="largest decode batch captured in a CUDA graph")
     seed: int = Field(0, description="seed of the random weights of load_format dummy")
 

@@ -27,6 +27,7 @@ from omnistage.engine.sampling import Sampler, SamplingParams, SamplingRow, make
 from omnistage.engine.scheduler import Scheduler
 from omnistage.engine.sequence import Sequence, SequenceStatus
 from omnistage.errors import ConfigError, InvalidRequest, RequestTooLarge
+from omnistage.models.layers.moe import SparseMoeBlock
 from omnistage.models.qwen3_omni.audio_encoder import load_audio_encoder
 from omnistage.models.qwen3_omni.config import Qwen3OmniConfig
 from omnistage.models.qwen3_omni.processor import Processor
@@ -114,6 +115,7 @@ class LLMEngine:
         self.vision_encoder = load_vision_encoder(self.model_path, **towers)
         self.thinker_config = self.model_config.thinker
         self.load_seconds = time.perf_counter() - started
+        self.set_moe_kernel(config.moe_kernel)
         self.compiled = self.device.type == "cuda" and config.compile
         if self.compiled:
             # Regional compilation: the 48 identical decoder layers share one compiled graph, which fuses
@@ -147,6 +149,12 @@ class LLMEngine:
         self.scheduler = Scheduler(self.pool, config.max_num_seqs, config.max_num_batched_tokens)
         self.sampler = Sampler()
         log.debug("%s", self.memory_summary())
+
+    def set_moe_kernel(self, kernel: str) -> None:
+        """Choose the GPU MoE kernel of every layer (captured decode graphs keep the one they recorded)."""
+        for module in self.model.modules():
+            if isinstance(module, SparseMoeBlock):
+                module.kernel = kernel
 
     def _plan_gpu_memory(self) -> MemoryPlan:
         """Measure the floor, then split what is left between graphs and KV pages (see capture_plan)."""

@@ -1,4 +1,4 @@
-"""Routed experts through `torch._grouped_mm`: two grouped GEMMs over the token-expert pairs sorted by
+"""Routed experts through `torch._grouped_mm`: two grouped GEMMs over the token-expert pairs grouped by
 expert, with no host sync and static shapes (T·k rows), so a decode step with it can be captured in a
 CUDA graph. Same function as `moe_experts.fused_experts`.
 """
@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+
+from omnistage.models.layers.moe_align import align_pairs
 
 
 def grouped_experts(
@@ -22,12 +24,10 @@ def grouped_experts(
     """
     num_tokens, top_k = topk_ids.shape
     num_experts, inter = w2.shape[0], w2.shape[-1]
-    flat_ids = topk_ids.reshape(-1)
-    sorted_ids, order = torch.sort(flat_ids, stable=True)
-    # End offset of each expert's rows in the sorted order; searchsorted keeps it on the device
-    # (bincount would sync with the host and break graph capture).
-    experts = torch.arange(num_experts, device=x.device, dtype=sorted_ids.dtype)
-    offsets = torch.searchsorted(sorted_ids, experts, right=True).to(torch.int32)
+    # Blocks of one row: no padding, pair_ids is the stable sort's order and expert_ends the group
+    # offsets, without the sort (27 µs per layer at T=32) and without a host sync.
+    align = align_pairs(topk_ids, num_experts, block_m=1)
+    order, offsets = align.pair_ids, align.expert_ends
 
     x_sorted = x.index_select(0, order // top_k)  # [T·k, H]
     gate_up = torch._grouped_mm(x_sorted, w13.transpose(-2, -1), offs=offsets)  # [T·k, 2I]

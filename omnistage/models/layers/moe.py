@@ -8,6 +8,12 @@ from torch import nn
 
 from omnistage.models.layers.grouped_moe import grouped_experts
 from omnistage.models.layers.moe_experts import fused_experts
+from omnistage.models.layers.triton_moe import triton_experts
+
+# Our Triton kernels stay outside torch.compile: their launch grids come from host arithmetic.
+_triton_experts = torch.compiler.disable(triton_experts)
+# Token-expert pairs up to which "auto" takes the Triton kernel (decode batches); grouped GEMMs above.
+TRITON_MAX_PAIRS = 512
 
 
 class GatedMLP(nn.Module):
@@ -48,6 +54,7 @@ class SparseMoeBlock(nn.Module):
     ) -> None:
         super().__init__()
         self.top_k, self.norm_topk_prob = top_k, norm_topk_prob
+        self.kernel = "auto"
         self.gate = nn.Linear(hidden_size, num_experts, bias=False)
         self.experts = StackedExperts(num_experts, hidden_size, intermediate_size)
         if shared_expert_intermediate_size:
@@ -55,6 +62,14 @@ class SparseMoeBlock(nn.Module):
             self.shared_expert_gate = nn.Linear(hidden_size, 1, bias=False)
         else:
             self.shared_expert = None
+
+    def _experts(self, x: torch.Tensor):
+        """On the GPU in bf16 the graph-safe kernels (`kernel`: auto, grouped_mm or triton); else the exact loop."""
+        if not (x.is_cuda and x.dtype == torch.bfloat16):
+            return fused_experts
+        if self.kernel == "triton" or (self.kernel == "auto" and x.shape[0] * self.top_k <= TRITON_MAX_PAIRS):
+            return _triton_experts
+        return grouped_experts
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Top-k expert weights (x's dtype) and ids `[T, k]` from a float32 softmax over the router logits."""
@@ -66,9 +81,7 @@ class SparseMoeBlock(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, ids = self.route(x)
-        # grouped GEMMs on the GPU in bf16 (no host syncs, graph safe); the exact reference loop elsewhere
-        experts = grouped_experts if x.is_cuda and x.dtype == torch.bfloat16 else fused_experts
-        out = experts(x, self.experts.w13, self.experts.w2, weights, ids)
+        out = self._experts(x)(x, self.experts.w13, self.experts.w2, weights, ids)
         if self.shared_expert is not None:
             out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
         return out

@@ -1,29 +1,82 @@
-"""Chat messages to token ids for Qwen3-Omni: the checkpoint's chat template and tokenizer."""
+"""Chat messages to token ids for Qwen3-Omni: the checkpoint's chat template and tokenizer, plus the media.
+
+`process_chat` takes messages whose audio and image parts are already decoded (16 kHz mono float32 and
+PIL images), computes each clip's log-mel and each image's patches, expands every `<|audio_pad|>` and
+`<|image_pad|>` the template renders to as many placeholders as the encoders will emit, and computes the
+prompt's M-RoPE positions.
+"""
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
+import torch
 from jinja2.sandbox import ImmutableSandboxedEnvironment
+from PIL import Image
 from tokenizers import Tokenizer
 
-from omnistage.errors import CheckpointError, InvalidRequest
+from omnistage.engine.model_runner import PromptPositions
+from omnistage.errors import CheckpointError, InvalidMedia, InvalidRequest
+from omnistage.models.qwen3_omni.audio_encoder import audio_output_tokens
+from omnistage.models.qwen3_omni.audio_features import log_mel
+from omnistage.models.qwen3_omni.config import Qwen3OmniConfig
+from omnistage.models.qwen3_omni.image_processing import (
+    MAX_DECODED_PIXELS,
+    ImageProcessorConfig,
+    image_tokens,
+    preprocess_images,
+)
+from omnistage.models.qwen3_omni.mrope import rope_positions
 
 _ROLES = {"system", "user", "assistant"}
+AUDIO_PARTS = ("audio", "input_audio", "audio_url")
+IMAGE_PARTS = ("image", "image_url")
+VIDEO_PARTS = ("video", "video_url")
+
+
+@dataclass
+class MultimodalInputs:
+    """What the encoders of one prompt read, every list in prompt order."""
+
+    audio_features: list[torch.Tensor]  # [128, frames] log-mel per clip (float32, CPU)
+    num_audio_tokens: list[int]  # audio_pad placeholders per clip
+    pixel_values: torch.Tensor | None  # [patches, C*T*P*P] of every image, packed (float32, CPU)
+    image_grid_thw: torch.Tensor | None  # [images, 3] int64
+    num_image_tokens: list[int]  # image_pad placeholders per image
+
+
+@dataclass
+class ProcessedPrompt:
+    """A rendered chat: `prompt` is the template's text (one placeholder per attachment), `token_ids` expanded."""
+
+    prompt: str
+    token_ids: list[int]
+    mrope: PromptPositions | None  # None where every position is its own index (no images)
+    mm: MultimodalInputs | None  # None without attachments
 
 
 class Processor:
     """Renders chat messages with the checkpoint's template and encodes them with its tokenizer."""
 
-    def __init__(self, checkpoint_dir: str | Path) -> None:
+    def __init__(self, checkpoint_dir: str | Path, max_audios: int = 8, max_images: int = 8) -> None:
         directory = Path(checkpoint_dir)
         try:
             self.tokenizer = Tokenizer.from_file(str(directory / "tokenizer.json"))
             template = (directory / "chat_template.jinja").read_text()
         except Exception as exc:
-            raise CheckpointError(f"{directory}: cannot read the tokenizer or chat template ({exc})") from None
+            raise CheckpointError(
+                f"{directory}: cannot read the tokenizer or chat template ({exc})"
+            ) from None
         env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
         self._template = env.from_string(template)
+        self.max_audios, self.max_images = max_audios, max_images
+        self._directory = directory
+        self._thinker = None
+        self._image_cfg = None
 
     def render_chat(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
         if not messages:
@@ -43,3 +96,135 @@ class Processor:
 
     def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
         return self.tokenizer.decode(token_ids, skip_special_tokens=skip_special_tokens)
+
+    def process_chat(self, messages: list[dict], add_generation_prompt: bool = True) -> ProcessedPrompt:
+        """Render, featurise the decoded media parts, expand their placeholders, tokenize, place (M-RoPE)."""
+        prompt = self.render_chat(messages, add_generation_prompt)
+        audios, images = _media_parts(messages)
+        for kind, found, limit in (("audio", audios, self.max_audios), ("image", images, self.max_images)):
+            if len(found) > limit:
+                raise InvalidMedia(f"too many {kind} attachments: {len(found)} (the limit is {limit})")
+        cfg = self._config()
+        ids = self.encode(prompt)
+        for token, kind, found in (
+            (cfg.audio_token_id, "audio", audios),
+            (cfg.image_token_id, "image", images),
+        ):
+            rendered = ids.count(token)
+            if rendered != len(found):
+                raise InvalidRequest(
+                    f"the prompt holds {rendered} {kind} placeholders for {len(found)} {kind} attachments; "
+                    "text may not contain media placeholder tokens"
+                )
+        if not audios and not images:
+            return ProcessedPrompt(prompt, ids, None, None)
+        mm = self._featurise(audios, images)
+        counts = {
+            cfg.audio_token_id: iter(mm.num_audio_tokens),
+            cfg.image_token_id: iter(mm.num_image_tokens),
+        }
+        expanded: list[int] = []
+        for token in ids:
+            expanded += [token] * next(counts[token]) if token in counts else [token]
+        grids = [] if mm.image_grid_thw is None else [tuple(g) for g in mm.image_grid_thw.tolist()]
+        mrope = rope_positions(expanded, grids, mm.num_audio_tokens, cfg) if images else None
+        return ProcessedPrompt(prompt, expanded, mrope, mm)
+
+    def _featurise(
+        self, audios: list[tuple[str, object]], images: list[tuple[str, object]]
+    ) -> MultimodalInputs:
+        cfg = self._config()
+        features, patches, grids = [], [], []
+        for where, audio in audios:
+            with _part(where):
+                features.append(log_mel(_waveform(audio)))
+        for where, image in images:
+            with _part(where):
+                pixels, grid = preprocess_images([_image(image)], self._image_config())
+            patches.append(pixels)
+            grids.append(grid)
+        grid_thw = torch.cat(grids) if grids else None
+        merge = cfg.vision.spatial_merge_size
+        return MultimodalInputs(
+            audio_features=features,
+            num_audio_tokens=[audio_output_tokens(f.shape[1], cfg.audio.n_window) for f in features],
+            pixel_values=torch.cat(patches) if patches else None,
+            image_grid_thw=grid_thw,
+            num_image_tokens=[] if grid_thw is None else [image_tokens(g, merge) for g in grid_thw.tolist()],
+        )
+
+    def _config(self):
+        if self._thinker is None:
+            self._thinker = Qwen3OmniConfig.from_dir(self._directory).thinker
+        return self._thinker
+
+    def _image_config(self) -> ImageProcessorConfig:
+        if self._image_cfg is None:
+            found = (self._directory / "preprocessor_config.json").exists()
+            self._image_cfg = (
+                ImageProcessorConfig.from_dir(self._directory) if found else ImageProcessorConfig()
+            )
+            merge = self._config().vision.spatial_merge_size
+            if self._image_cfg.merge_size != merge:
+                raise CheckpointError(
+                    f"{self._directory}: preprocessor merge_size {self._image_cfg.merge_size} differs from the "
+                    f"vision encoder's spatial_merge_size {merge}"
+                )
+        return self._image_cfg
+
+
+def _media_parts(messages: list[dict]) -> tuple[list[tuple[str, object]], list[tuple[str, object]]]:
+    """(where, value) of every audio and image part, in the order the template renders them."""
+    audios, images = [], []
+    for i, message in enumerate(messages):
+        content = message["content"]
+        if isinstance(content, str):
+            continue
+        for j, part in enumerate(content):
+            where = f"messages[{i}].content[{j}]"
+            kind = part.get("type") if isinstance(part, dict) else None
+            if kind in AUDIO_PARTS:
+                if kind != "audio" or "audio" not in part:
+                    raise InvalidMedia(
+                        f"{where}: an {kind} part must be decoded to {{'type': 'audio', 'audio': ...}}"
+                    )
+                audios.append((where, part["audio"]))
+            elif kind in IMAGE_PARTS:
+                if kind != "image" or "image" not in part:
+                    raise InvalidMedia(
+                        f"{where}: an {kind} part must be decoded to {{'type': 'image', 'image': ...}}"
+                    )
+                images.append((where, part["image"]))
+            elif kind in VIDEO_PARTS:
+                raise InvalidMedia(f"{where}: video input is not supported")
+    return audios, images
+
+
+def _waveform(audio: object) -> torch.Tensor:
+    if not isinstance(audio, np.ndarray | torch.Tensor):
+        raise InvalidMedia(f"audio must be a float32 waveform (numpy array), got {type(audio).__name__}")
+    x = torch.as_tensor(audio)
+    if not x.is_floating_point():
+        raise InvalidMedia(f"audio must hold float samples, got {x.dtype}")
+    if not torch.isfinite(x).all():
+        raise InvalidMedia("audio holds NaN or infinite samples")
+    return x
+
+
+def _image(image: object) -> Image.Image:
+    if not isinstance(image, Image.Image):
+        raise InvalidMedia(f"image must be a PIL image, got {type(image).__name__}")
+    if image.width * image.height > MAX_DECODED_PIXELS:
+        raise InvalidMedia(
+            f"image is {image.width}x{image.height} pixels, more than the {MAX_DECODED_PIXELS:,} accepted"
+        )
+    return image
+
+
+@contextmanager
+def _part(where: str) -> Iterator[None]:
+    """Name the content part in any InvalidMedia raised inside."""
+    try:
+        yield
+    except InvalidMedia as exc:
+        raise InvalidMedia(f"{where}: {exc}") from None

@@ -1,0 +1,117 @@
+"""`models/layers/triton_moe.py` and the Triton alignment kernel of `moe_align.py`, run on the CPU by
+Triton's interpreter, against the reference loop `fused_experts` in float32.
+
+Triton picks interpreted or compiled kernels when `triton.language` is first imported, so the kernels
+run in a child pytest with TRITON_INTERPRET=1 set from its start (see test_triton_attention_interpret.py).
+Run directly: `TRITON_INTERPRET=1 pytest tests/unit/models/test_triton_moe.py`.
+"""
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from omnistage.models.layers.moe_experts import fused_experts
+
+INTERPRETING = os.environ.get("TRITON_INTERPRET") == "1"
+pytest.importorskip("triton")
+
+if not INTERPRETING:
+
+    def test_kernels_in_the_interpreter():
+        env = dict(os.environ, TRITON_INTERPRET="1")
+        cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__]
+        result = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+        assert result.returncode == 0, result.stdout[-6000:] + result.stderr[-2000:]
+
+else:
+    import triton.runtime.interpreter as _interpreter
+
+    from omnistage.models.layers.moe_align import align_pairs_torch, align_pairs_triton
+    from omnistage.models.layers.triton_moe import MoeKernelConfig, default_config, triton_experts
+
+    # Triton 3.6's interpreter holds scalars as 1-element arrays and turns loop bounds into ints with
+    # int(array), which numpy >= 2.4 refuses for arrays of one dimension.
+    _original_patch = _interpreter._patch_lang_tensor
+
+    def _patch_lang_tensor(tensor, scope):
+        _original_patch(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
+
+    _interpreter._patch_lang_tensor = _patch_lang_tensor
+
+    def _inputs(num_tokens, hidden, inter, experts, top_k, seed, dtype=torch.float32):
+        g = torch.Generator().manual_seed(seed)
+        x = torch.randn(num_tokens, hidden, generator=g).to(dtype)
+        w13 = (torch.randn(experts, 2 * inter, hidden, generator=g) / hidden**0.5).to(dtype)
+        w2 = (torch.randn(experts, hidden, inter, generator=g) / inter**0.5).to(dtype)
+        probs = torch.randn(num_tokens, experts, generator=g).softmax(-1)
+        weights, ids = probs.topk(top_k, dim=-1)
+        return x, w13, w2, weights / weights.sum(-1, keepdim=True), ids
+
+    def _rel(a, b):
+        return ((a.double() - b.double()).norm() / b.double().norm()).item()
+
+    @pytest.mark.parametrize(
+        "num_tokens, hidden, inter, experts, top_k",
+        [
+            (1, 64, 32, 16, 4),  # one token: most experts get nothing
+            (5, 48, 40, 8, 2),  # T, H and I not multiples of the tiles
+            (37, 64, 32, 128, 8),  # the released E and k at small H/I
+            (1, 32, 16, 128, 8),
+            (300, 64, 32, 8, 2),  # many pairs per expert: the tall-tile config
+        ],
+    )
+    def test_matches_loop(num_tokens, hidden, inter, experts, top_k):
+        args = _inputs(num_tokens, hidden, inter, experts, top_k, seed=num_tokens + experts)
+        out = triton_experts(*args)
+        assert out.shape == (num_tokens, hidden) and out.dtype == torch.float32
+        assert _rel(out, fused_experts(*args)) < 1e-5
+
+    def test_all_pairs_on_two_experts():
+        # 20 tokens on expert 2 and expert 3: more pairs than one 16-row block, 6 experts idle.
+        x, w13, w2, _, _ = _inputs(20, 32, 16, 8, 1, seed=5)
+        ids = torch.tensor([[2, 3]]).expand(20, 2).contiguous()
+        weights = torch.tensor([[0.25, 0.75]]).expand(20, 2).contiguous()
+        out = triton_experts(x, w13, w2, weights, ids)
+        assert _rel(out, fused_experts(x, w13, w2, weights, ids)) < 1e-5
+
+    @pytest.mark.parametrize(
+        "config",
+        [
+            MoeKernelConfig(block_m=16, gate_up_n=16, gate_up_k=16, down_n=16, down_k=16),
+            MoeKernelConfig(block_m=32, gate_up_n=32, gate_up_k=32, down_n=64, down_k=16, num_warps=8),
+        ],
+    )
+    @pytest.mark.parametrize("hidden, inter", [(72, 40), (64, 32)])
+    def test_explicit_tiles(config, hidden, inter):
+        # K loops of several steps; ragged last tiles (72, 40) or tiles that divide H and I (64, 32).
+        args = _inputs(13, hidden, inter, 6, 3, seed=7)
+        assert _rel(triton_experts(*args, config=config), fused_experts(*args)) < 1e-5
+
+    def test_float16():
+        args = _inputs(9, 64, 32, 8, 2, seed=1, dtype=torch.float16)
+        out = triton_experts(*args)
+        assert out.dtype == torch.float16
+        want = fused_experts(*[a.float() if a.is_floating_point() else a for a in args])
+        assert _rel(out, want) < 2e-3
+
+    def test_default_config_by_batch():
+        assert default_config(8, 128).block_m == 16
+        assert default_config(64 * 8, 128).block_m == 16
+        assert default_config(4096 * 8, 128).block_m == 64
+
+    @pytest.mark.parametrize(
+        "num_tokens, experts, top_k, block_m",
+        [(1, 128, 8, 16), (5, 8, 2, 4), (33, 16, 4, 16), (7, 4, 1, 1), (64, 128, 8, 16), (300, 128, 8, 64)],
+    )
+    def test_align_kernel_equals_torch(num_tokens, experts, top_k, block_m):
+        g = torch.Generator().manual_seed(num_tokens)
+        ids = torch.stack([torch.randperm(experts, generator=g)[:top_k] for _ in range(num_tokens)])
+        flat = ids.reshape(-1).to(torch.int32)
+        want, got = align_pairs_torch(flat, experts, block_m), align_pairs_triton(flat, experts, block_m)
+        assert torch.equal(got.pair_ids, want.pair_ids)
+        assert torch.equal(got.block_expert, want.block_expert)
+        assert torch.equal(got.expert_ends, want.expert_ends)
