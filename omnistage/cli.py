@@ -1,4 +1,4 @@
-"""The `omnistage` command line: serve, make-tiny."""
+"""The `omnistage` command line: serve, make-tiny, bench."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import argparse
 import logging
 import sys
 
-from omnistage.errors import OmnistageError
+from omnistage.errors import ConfigError, OmnistageError
 
 
 def _make_tiny(args: argparse.Namespace) -> None:
@@ -41,6 +41,7 @@ def _serve(args: argparse.Namespace) -> None:
     from omnistage.config import engine_config, load_config
     from omnistage.engine.async_engine import AsyncEngine
     from omnistage.server import build_app
+    from omnistage.server.media import MediaPolicy
 
     overrides = {key: getattr(args, key) for _, key, _, _ in _ENGINE_FLAGS}
     overrides["enforce_eager"] = args.enforce_eager
@@ -50,10 +51,15 @@ def _serve(args: argparse.Namespace) -> None:
         config = engine_config("command line", **{k: v for k, v in overrides.items() if v is not None})
     name = args.served_model_name or (Path(config.model).resolve().name if config.model else "omnistage-tiny")
 
+    media_dir = Path(args.media_dir).resolve() if args.media_dir else None
+    if media_dir is not None and not media_dir.is_dir():
+        raise ConfigError(f"--media-dir {args.media_dir}: not a directory")
+    media = MediaPolicy(allow_remote=args.allow_remote_media, media_dir=media_dir)
+
     log = logging.getLogger("omnistage.serve")
     engine = AsyncEngine.from_config(config, max_queue=args.max_queue)
     try:
-        app = build_app(engine, name, api_key=args.api_key, max_body_bytes=args.max_body_bytes)
+        app = build_app(engine, name, api_key=args.api_key, max_body_bytes=args.max_body_bytes, media=media)
         log.info(
             "serving '%s' at http://%s:%d/v1 (API key %s, max queue %s)\n  %s",
             name,
@@ -95,11 +101,20 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument(
         "--max-body-bytes", type=int, default=32 * 1024 * 1024, help="largest request body (default: 32 MiB)"
     )
+    serve.add_argument(
+        "--allow-remote-media", action="store_true", help="let requests name http(s) URLs of audio and images"
+    )
+    serve.add_argument("--media-dir", help="let requests name local media files under this directory")
     serve.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     for flag, key, kind, help_text in _ENGINE_FLAGS:
         serve.add_argument(flag, dest=key, type=kind, default=None, help=help_text)
     serve.add_argument("--enforce-eager", action="store_true", default=None, help="run without CUDA graphs")
     serve.set_defaults(func=_serve)
+
+    from omnistage.bench import a2t
+
+    bench = sub.add_parser("bench", help="benchmarks: a2t (audio-to-text speed)")
+    a2t.add_parser(bench.add_subparsers(dest="benchmark", required=True))
     return parser
 
 

@@ -2,30 +2,31 @@
 
 Each generation request renders and encodes its prompt, starts the engine's stream and waits for the
 first output before answering, so admission errors (bad parameters, too large, queue full) still become
-proper 4xx/503 responses even for `stream: true`. From then on a client that goes away, streaming or
+proper 4xx/503 responses even for `stream: true`. Media attachments are fetched, decoded and processed in a
+worker thread (`server.media`), never on the event loop. From then on a client that goes away, streaming or
 not, cancels its request: the engine stream is closed, which aborts the request and frees its pages.
 """
 
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable
+from dataclasses import dataclass
 from importlib.metadata import PackageNotFoundError, version
-from typing import Any, Protocol, TypeVar
+from typing import Annotated, Any, TypeVar
 
 import jinja2
-from fastapi import APIRouter, FastAPI, Request
+from fastapi import APIRouter, FastAPI, File, Form, Request, UploadFile
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.concurrency import run_in_threadpool
 from starlette.types import Receive, Scope, Send
 
 from omnistage.engine.async_engine import AsyncEngine
 from omnistage.engine.sampling import SamplingParams
-from omnistage.errors import InvalidRequest, OmnistageError
+from omnistage.errors import InvalidMedia, InvalidRequest, OmnistageError
 from omnistage.outputs import RequestOutput
 from omnistage.server.errors import (
     ClientGone,
@@ -35,29 +36,25 @@ from omnistage.server.errors import (
     install_error_handlers,
     kind_of,
 )
+from omnistage.server.formats import DONE, ChatFormat, CompletionFormat, Format, sse
 from omnistage.server.gate import DEFAULT_MAX_BODY_BYTES, Gate
+from omnistage.server.media import MediaPolicy, decode_messages, load_audio
 from omnistage.server.metrics import ServerMetrics
 from omnistage.server.protocol import (
-    AssistantMessage,
-    ChatChoice,
-    ChatChunkChoice,
-    ChatCompletionChunk,
     ChatCompletionRequest,
-    ChatCompletionResponse,
-    ChatDelta,
-    CompletionChoice,
     CompletionRequest,
-    CompletionResponse,
     ModelCard,
     ModelList,
     Usage,
 )
+from omnistage.server.transcriptions import TranscriptionFormat, check_response_format, transcription_messages
 
 log = logging.getLogger(__name__)
 
 CHAT = "/v1/chat/completions"
 COMPLETIONS = "/v1/completions"
-_ENDPOINTS = {CHAT, COMPLETIONS, "/v1/models", "/health", "/metrics"}
+TRANSCRIPTIONS = "/v1/audio/transcriptions"
+_ENDPOINTS = {CHAT, COMPLETIONS, TRANSCRIPTIONS, "/v1/models", "/health", "/metrics"}
 
 T = TypeVar("T")
 
@@ -67,9 +64,13 @@ def build_app(
     served_model_name: str,
     api_key: str | None = None,
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+    media: MediaPolicy | None = None,
 ) -> FastAPI:
-    """The FastAPI app serving `engine` under `served_model_name`; /v1/* needs `api_key` when one is given."""
-    server = _Server(engine, served_model_name)
+    """The FastAPI app serving `engine` under `served_model_name`; /v1/* needs `api_key` when one is given.
+
+    `media` says where attachments may come from (default: inline data only).
+    """
+    server = _Server(engine, served_model_name, media or MediaPolicy())
     app = FastAPI(title="omnistage", version=_version())
     app.state.server = server
     install_error_handlers(app, lambda request, status: server.count(request.url.path, status))
@@ -78,6 +79,7 @@ def build_app(
     v1 = APIRouter(prefix="/v1")
     v1.add_api_route("/chat/completions", server.chat, methods=["POST"], response_model=None)
     v1.add_api_route("/completions", server.completions, methods=["POST"], response_model=None)
+    v1.add_api_route("/audio/transcriptions", server.transcriptions, methods=["POST"], response_model=None)
     v1.add_api_route("/models", server.models, methods=["GET"])
     v1.add_api_route("/models/{model:path}", server.model, methods=["GET"])
     app.include_router(v1)
@@ -93,23 +95,11 @@ def _version() -> str:
         return "0+unknown"
 
 
-class _Format(Protocol):
-    """How one endpoint spells its stream chunks and its whole response."""
-
-    id: str
-    include_usage: bool
-
-    def opening(self) -> list[str]: ...
-    def delta(self, text: str, finish_reason: str | None) -> list[str]: ...
-    def closing(self, finish_reason: str) -> list[str]: ...
-    def usage_chunk(self, usage: Usage) -> str: ...
-    def response(self, text: str, finish_reason: str, usage: Usage) -> dict[str, Any]: ...
-
-
 class _Server:
-    def __init__(self, engine: AsyncEngine, served_model_name: str) -> None:
+    def __init__(self, engine: AsyncEngine, served_model_name: str, media: MediaPolicy) -> None:
         self.engine = engine
         self.served_model_name = served_model_name
+        self.media = media
         self.metrics = ServerMetrics()
         self.created = int(time.time())
 
@@ -123,9 +113,15 @@ class _Server:
         self._check_model(body.model)
         body.check_supported()
         params = body.sampling_params(body.requested_max_tokens)
+        fmt = ChatFormat(f"chatcmpl-{uuid.uuid4().hex}", self.served_model_name, body.include_usage)
+        if body.has_media():
+            messages = body.message_dicts()
+            processed = await asyncio.to_thread(
+                self._process_media_chat, messages, body.add_generation_prompt
+            )
+            return await self._generate(request, CHAT, fmt, processed, params, body.stream)
         prompt, prompt_ids = await run_in_threadpool(self._render_chat, body)
-        fmt = _ChatFormat(f"chatcmpl-{uuid.uuid4().hex}", self.served_model_name, body.include_usage)
-        return await self._generate(request, CHAT, fmt, prompt, prompt_ids, params, body.stream)
+        return await self._generate(request, CHAT, fmt, _Prompt(prompt, prompt_ids), params, body.stream)
 
     async def completions(self, body: CompletionRequest, request: Request) -> Response:
         self._check_model(body.model)
@@ -136,8 +132,39 @@ class _Server:
             prompt, prompt_ids = given, await run_in_threadpool(self.engine.engine.processor.encode, given)
         else:
             prompt, prompt_ids = None, list(given)
-        fmt = _CompletionFormat(f"cmpl-{uuid.uuid4().hex}", self.served_model_name, body.include_usage)
-        return await self._generate(request, COMPLETIONS, fmt, prompt, prompt_ids, params, body.stream)
+        fmt = CompletionFormat(f"cmpl-{uuid.uuid4().hex}", self.served_model_name, body.include_usage)
+        return await self._generate(
+            request, COMPLETIONS, fmt, _Prompt(prompt, prompt_ids), params, body.stream
+        )
+
+    async def transcriptions(
+        self,
+        request: Request,
+        file: Annotated[UploadFile, File()],
+        model: Annotated[str, Form()],
+        language: Annotated[str | None, Form()] = None,
+        prompt: Annotated[str | None, Form()] = None,
+        response_format: Annotated[str, Form()] = "json",
+        temperature: Annotated[float, Form()] = 0.0,  # OpenAI's default for transcriptions
+        stream: Annotated[bool, Form()] = False,
+        # Extras beyond OpenAI's form (vLLM's names), for benchmarks that force output lengths.
+        max_tokens: Annotated[int | None, Form()] = None,
+        min_tokens: Annotated[int | None, Form()] = None,
+        ignore_eos: Annotated[bool | None, Form()] = None,
+        seed: Annotated[int | None, Form()] = None,
+    ) -> Response:
+        self._check_model(model)
+        check_response_format(response_format)
+        extras = {"min_tokens": min_tokens, "ignore_eos": ignore_eos, "seed": seed}
+        params = SamplingParams(
+            max_tokens=max_tokens,
+            temperature=temperature,
+            **{k: v for k, v in extras.items() if v is not None},
+        )
+        data = await file.read()
+        audio, processed = await asyncio.to_thread(self._process_transcription, data, language, prompt)
+        fmt = TranscriptionFormat.for_audio(f"trsc-{uuid.uuid4().hex}", response_format, language, audio)
+        return await self._generate(request, TRANSCRIPTIONS, fmt, processed, params, stream)
 
     async def models(self) -> ModelList:
         return ModelList(data=[self._card()])
@@ -171,6 +198,26 @@ class _Server:
             max_model_len=self.engine.engine.max_model_len,
         )
 
+    def _process_media_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool) -> Any:
+        """Fetch and decode the attachments, then let the processor lay out the multimodal prompt."""
+        decoded = decode_messages(messages, self.media)
+        try:
+            return self.engine.engine.processor.process_chat(
+                decoded, add_generation_prompt=add_generation_prompt
+            )
+        except jinja2.TemplateError as exc:
+            raise InvalidRequest(f"messages: the chat template rejected them ({exc})") from None
+
+    def _process_transcription(
+        self, data: bytes, language: str | None, prompt: str | None
+    ) -> tuple[Any, Any]:
+        try:
+            audio = load_audio(data, self.media)
+        except InvalidMedia as exc:
+            raise InvalidMedia(f"file: {exc}") from None
+        messages = transcription_messages(audio, language, prompt)
+        return audio, self.engine.engine.processor.process_chat(messages, add_generation_prompt=True)
+
     def _render_chat(self, body: ChatCompletionRequest) -> tuple[str, list[int]]:
         processor = self.engine.engine.processor
         try:
@@ -185,13 +232,14 @@ class _Server:
         self,
         request: Request,
         endpoint: str,
-        fmt: _Format,
-        prompt: str | None,
-        prompt_ids: list[int],
+        fmt: Format,
+        prompt: _Prompt | Any,
         params: SamplingParams,
         stream: bool,
     ) -> Response:
-        outputs = self.engine.generate(fmt.id, prompt, prompt_ids, params)
+        """Run one request; `prompt` is a _Prompt or the processor's ProcessedPrompt (with mrope and mm)."""
+        media = {k: v for k in ("mrope", "mm") if (v := getattr(prompt, k, None)) is not None}
+        outputs = self.engine.generate(fmt.id, prompt.prompt, prompt.token_ids, params, **media)
         if stream:
             # Wait for the first output so that admission errors still get their status code.
             first = await _engine_call(_unless_disconnected(request, anext(outputs)), outputs, fmt.id)
@@ -213,10 +261,11 @@ class _Server:
         _raise_if_failed(final)
         usage = Usage.of(len(final.prompt_token_ids), len(completion.token_ids))
         self.count(endpoint, 200)
-        return JSONResponse(fmt.response(completion.text, completion.finish_reason, usage))
+        body = fmt.response(completion.text, completion.finish_reason, usage)
+        return body if isinstance(body, Response) else JSONResponse(body)
 
     async def _events(
-        self, endpoint: str, fmt: _Format, outputs: AsyncIterator[RequestOutput], first: RequestOutput
+        self, endpoint: str, fmt: Format, outputs: AsyncIterator[RequestOutput], first: RequestOutput
     ) -> AsyncIterator[str]:
         """The SSE body: opening chunk, deltas, the finishing chunk, usage if asked, then [DONE]."""
         last, status = first, "cancelled"
@@ -237,18 +286,26 @@ class _Server:
                 yield chunk
             if fmt.include_usage:
                 yield fmt.usage_chunk(Usage.of(len(last.prompt_token_ids), len(completion.token_ids)))
-            yield _DONE
+            yield DONE
             status = 200
         except Exception as exc:  # after the 200 went out, a failure can only be told in the stream
             failure = _typed(exc, fmt.id)
             kind = kind_of(failure)
             status = kind.status
-            yield _sse(error_body(str(failure), kind))
-            yield _DONE
+            yield sse(error_body(str(failure), kind))
+            yield DONE
         finally:
             await outputs.aclose()
             self.count(endpoint, status)
             self.metrics.observe(last)
+
+
+@dataclass(frozen=True)
+class _Prompt:
+    """A text prompt, shaped like the processor's ProcessedPrompt without media."""
+
+    prompt: str | None
+    token_ids: list[int]
 
 
 def _raise_if_failed(output: RequestOutput) -> None:
@@ -305,13 +362,6 @@ async def _disconnect(request: Request) -> None:
         pass
 
 
-_DONE = "data: [DONE]\n\n"
-
-
-def _sse(payload: dict[str, Any]) -> str:
-    return f"data: {json.dumps(payload, ensure_ascii=False, separators=(',', ':'))}\n\n"
-
-
 class _EventStream(StreamingResponse):
     """Server-sent events whose generator is always closed, so a client that leaves aborts its request.
 
@@ -329,66 +379,3 @@ class _EventStream(StreamingResponse):
             await super().__call__(scope, receive, send)
         finally:
             await self.body_iterator.aclose()
-
-
-class _ChatFormat:
-    def __init__(self, request_id: str, model: str, include_usage: bool) -> None:
-        self.id, self.model, self.include_usage = request_id, model, include_usage
-        self.created = int(time.time())
-
-    def _chunk(self, choices: list[ChatChunkChoice], usage: Usage | None = None) -> str:
-        chunk = ChatCompletionChunk(
-            id=self.id, created=self.created, model=self.model, choices=choices, usage=usage
-        )
-        return _sse(chunk.model_dump(exclude=None if self.include_usage else {"usage"}))
-
-    def opening(self) -> list[str]:
-        return [self._chunk([ChatChunkChoice(delta=ChatDelta(role="assistant", content=""))])]
-
-    def delta(self, text: str, finish_reason: str | None) -> list[str]:
-        return [self._chunk([ChatChunkChoice(delta=ChatDelta(content=text))])] if text else []
-
-    def closing(self, finish_reason: str) -> list[str]:
-        return [self._chunk([ChatChunkChoice(delta=ChatDelta(), finish_reason=finish_reason)])]
-
-    def usage_chunk(self, usage: Usage) -> str:
-        return self._chunk([], usage)
-
-    def response(self, text: str, finish_reason: str, usage: Usage) -> dict[str, Any]:
-        choice = ChatChoice(message=AssistantMessage(content=text), finish_reason=finish_reason)
-        return ChatCompletionResponse(
-            id=self.id, created=self.created, model=self.model, choices=[choice], usage=usage
-        ).model_dump()
-
-
-class _CompletionFormat:
-    def __init__(self, request_id: str, model: str, include_usage: bool) -> None:
-        self.id, self.model, self.include_usage = request_id, model, include_usage
-        self.created = int(time.time())
-
-    def _chunk(self, choices: list[CompletionChoice], usage: Usage | None = None) -> str:
-        chunk = CompletionResponse(
-            id=self.id, created=self.created, model=self.model, choices=choices, usage=usage
-        )
-        return _sse(chunk.model_dump(exclude=None if self.include_usage else {"usage"}))
-
-    def opening(self) -> list[str]:
-        return []
-
-    def delta(self, text: str, finish_reason: str | None) -> list[str]:
-        # OpenAI puts finish_reason on the chunk with the last text, which may be empty.
-        if not text and finish_reason is None:
-            return []
-        return [self._chunk([CompletionChoice(text=text, finish_reason=finish_reason)])]
-
-    def closing(self, finish_reason: str) -> list[str]:
-        return []
-
-    def usage_chunk(self, usage: Usage) -> str:
-        return self._chunk([], usage)
-
-    def response(self, text: str, finish_reason: str, usage: Usage) -> dict[str, Any]:
-        choice = CompletionChoice(text=text, finish_reason=finish_reason)
-        return CompletionResponse(
-            id=self.id, created=self.created, model=self.model, choices=[choice], usage=usage
-        ).model_dump()

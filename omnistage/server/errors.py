@@ -15,7 +15,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from omnistage.errors import InvalidRequest, OmnistageError, QueueFull, RequestTooLarge
+from omnistage.errors import InvalidMedia, InvalidRequest, OmnistageError, QueueFull, RequestTooLarge
 
 
 class Unauthorized(OmnistageError):
@@ -45,9 +45,10 @@ class ErrorKind:
     code: str | None = None
 
 
-# Most specific first: RequestTooLarge before its base InvalidRequest.
+# Most specific first: RequestTooLarge and InvalidMedia before their base InvalidRequest.
 _KINDS: list[tuple[type[Exception], ErrorKind]] = [
     (RequestTooLarge, ErrorKind(400, "invalid_request_error", "request_too_large")),
+    (InvalidMedia, ErrorKind(400, "invalid_request_error", "invalid_media")),
     (InvalidRequest, ErrorKind(400, "invalid_request_error")),
     (Unauthorized, ErrorKind(401, "authentication_error", "invalid_api_key")),
     (ModelNotFound, ErrorKind(404, "invalid_request_error", "model_not_found")),

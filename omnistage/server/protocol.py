@@ -10,7 +10,7 @@ from __future__ import annotations
 import time
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_serializer, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_serializer, field_validator, model_validator
 
 from omnistage.engine.sampling import SamplingParams
 from omnistage.errors import InvalidRequest
@@ -68,26 +68,46 @@ class _SamplingRequest(_Strict):
 # -- chat completions -------------------------------------------------------------------------------------
 
 
+_PART_TYPES = ("text", "input_audio", "audio_url", "image_url")
+
+
+class InputAudio(_Strict):
+    data: str
+    format: str  # checked where it is decoded, so an unknown one is an InvalidMedia naming the choices
+
+
+class MediaURL(BaseModel):
+    model_config = ConfigDict(extra="allow")  # image_url's "detail" and the like: accepted, ignored
+    url: str
+
+
 class ContentPart(BaseModel):
-    """One element of a content array; only text parts are served so far (media arrives with the encoders)."""
+    """One element of a content array: text, or audio or an image (decoded by `server.media`)."""
 
     model_config = ConfigDict(extra="allow")
     type: str
     text: str | None = None
+    input_audio: InputAudio | None = None
+    audio_url: MediaURL | None = None
+    image_url: MediaURL | None = None
 
     @field_validator("type")
     @classmethod
-    def _text_only(cls, value: str) -> str:
-        if value != "text":
-            raise ValueError(f"content parts of type {value!r} are not supported yet; only 'text' is")
+    def _known(cls, value: str) -> str:
+        if value not in _PART_TYPES:
+            raise ValueError(
+                f"content parts of type {value!r} are not supported; use one of {', '.join(_PART_TYPES)}"
+            )
         return value
 
-    @field_validator("text")
-    @classmethod
-    def _has_text(cls, value: str | None) -> str:
-        if value is None:
-            raise ValueError("a text part needs its 'text'")
-        return value
+    @model_validator(mode="after")
+    def _has_payload(self) -> ContentPart:
+        if getattr(self, self.type) is None:
+            raise ValueError(f"{self.type} parts need their {self.type!r} field")
+        return self
+
+    def is_media(self) -> bool:
+        return self.type != "text"
 
 
 class ChatMessage(_Strict):
@@ -126,6 +146,11 @@ class ChatCompletionRequest(_SamplingRequest):
     @property
     def requested_max_tokens(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+    def has_media(self) -> bool:
+        return any(
+            isinstance(m.content, list) and any(p.is_media() for p in m.content) for m in self.messages
+        )
 
     def message_dicts(self) -> list[dict[str, Any]]:
         """Messages as the chat template takes them (OpenAI's shape, unset fields left out)."""

@@ -42,7 +42,10 @@ def test_gpu_float32_agrees_with_the_cpu_reference(tiny_checkpoint):
 
 
 def test_memory_limit_caps_the_plan(tiny_checkpoint):
-    llm = LLM(model=str(tiny_checkpoint), device="cuda", dtype="bfloat16", gpu_memory_limit_gib=2.0)
+    try:
+        llm = LLM(model=str(tiny_checkpoint), device="cuda", dtype="bfloat16", gpu_memory_limit_gib=2.0)
+    finally:  # the cap is process-wide: give later tests the whole card back
+        torch.cuda.set_per_process_memory_fraction(1.0)
     plan = llm.engine.plan
     assert plan.limit == 2 << 30
     assert plan.weights + plan.floor + plan.reserve + plan.kv_bytes + plan.graph_bytes <= 2 << 30

@@ -10,13 +10,15 @@ import sys
 import time
 from collections.abc import AsyncIterator, Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
+import numpy as np
 import pytest
 
 from omnistage.engine.sampling import SamplingParams
-from omnistage.errors import QueueFull
+from omnistage.errors import InvalidMedia, QueueFull
 from omnistage.outputs import CompletionOutput, RequestOutput
 
 
@@ -100,12 +102,51 @@ def launch_server(tmp_path_factory, tiny_checkpoint):
 # -- a fake AsyncEngine with the real one's interface, for failures a real model cannot be made to show ----
 
 
+@dataclass
+class FakeProcessedPrompt:
+    prompt: str
+    token_ids: list[int]
+    mrope: object | None
+    mm: object | None
+
+
 class FakeProcessor:
+    """Text as it is; decoded media as markers in the prompt (`<audio 2.98s>`, `<image 64x32>`)."""
+
+    max_attachments = 3
+
     def render_chat(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
         return "\n".join(m["content"] if isinstance(m["content"], str) else "" for m in messages)
 
     def encode(self, text: str) -> list[int]:
         return [ord(c) for c in text]
+
+    def process_chat(self, messages: list[dict], add_generation_prompt: bool = True) -> FakeProcessedPrompt:
+        lines, media = [], []
+        for message in messages:
+            content = message["content"]
+            parts = [{"type": "text", "text": content}] if isinstance(content, str) else content
+            line = ""
+            for part in parts:
+                if part["type"] == "text":
+                    line += part["text"]
+                elif part["type"] == "audio":
+                    audio = part["audio"]
+                    assert audio.dtype == np.float32 and audio.ndim == 1
+                    line += f"<audio {len(audio) / 16000:.2f}s>"
+                    media.append(audio)
+                elif part["type"] == "image":
+                    line += f"<image {part['image'].width}x{part['image'].height}>"
+                    media.append(part["image"])
+                else:
+                    raise AssertionError(f"the processor got an undecoded part: {part['type']}")
+            lines.append(line)
+        if len(media) > self.max_attachments:
+            raise InvalidMedia(
+                f"too many attachments: {len(media)}, the model takes at most {self.max_attachments}"
+            )
+        prompt = "\n".join(lines)
+        return FakeProcessedPrompt(prompt, self.encode(prompt), "mrope" if media else None, media or None)
 
 
 class FakeLLMEngine:
@@ -129,6 +170,7 @@ class FakeEngine:
         self.ready = True
         self.running: set[str] = set()
         self.closed: list[str] = []
+        self.last_media: tuple[object | None, object | None] = (None, None)
 
     def stats(self) -> dict[str, int]:
         used = 2 * len(self.running)
@@ -141,8 +183,15 @@ class FakeEngine:
         }
 
     async def generate(
-        self, request_id: str, prompt: str | None, prompt_token_ids: list[int], params: SamplingParams
+        self,
+        request_id: str,
+        prompt: str | None,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        mrope: object | None = None,
+        mm: object | None = None,
     ) -> AsyncIterator[RequestOutput]:
+        self.last_media = (mrope, mm)
         text = prompt or ""
         if "queue-full" in text:
             raise QueueFull("the server's queue is full (1 requests waiting, the limit is 1)")

@@ -36,3 +36,12 @@ def test_serve_defaults_bind_localhost_and_leave_engine_keys_unset():
     args = build_parser().parse_args(["serve"])
     assert (args.host, args.port, args.api_key, args.max_queue) == ("127.0.0.1", 8000, None, None)
     assert args.model is None and args.device is None and args.enforce_eager is None
+
+
+def test_media_flags(tmp_path, capsys):
+    args = build_parser().parse_args(["serve"])
+    assert args.allow_remote_media is False and args.media_dir is None
+    args = build_parser().parse_args(["serve", "--allow-remote-media", "--media-dir", str(tmp_path)])
+    assert args.allow_remote_media is True and args.media_dir == str(tmp_path)
+    assert main(["serve", "--media-dir", str(tmp_path / "missing")]) == 2
+    assert f"--media-dir {tmp_path / 'missing'}: not a directory" in capsys.readouterr().err

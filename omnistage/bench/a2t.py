@@ -1,0 +1,348 @@
+"""`omnistage bench a2t`: audio-to-text speed, as input-audio seconds per wall second (the real-time factor).
+
+Every clip is transcribed once per pass, at most `c` requests in flight, for each concurrency of the
+sweep; a pass reports the real-time factor (all clips' audio seconds / the pass's wall seconds) and the
+TTFT and TPOT medians. Targets:
+
+- a running server (`--url`): chat completions with `input_audio` (streamed; TTFT is the first chunk,
+  which the server sends once the first token exists) or `/v1/audio/transcriptions` (streamed events);
+- this process (`--model DIR`, or `--load-format dummy` for random weights at the released sizes): the
+  engine behind an AsyncEngine, TTFT and TPOT from each RequestOutput's metrics plus the preprocessing;
+- `--baseline transformers` (in-process only): transformers' Thinker on the same weights and clips.
+
+Random weights say nothing useful at the end of a sentence, so `--output-tokens N` forces every request
+to exactly N tokens (max_tokens = min_tokens = N, ignore_eos).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import base64
+import json
+import logging
+import math
+import tempfile
+import time
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+from typing import Any
+
+from omnistage.bench.clips import SYNTH_SETS, Clip, load_dir, synth_clips, total_seconds
+from omnistage.bench.stats import RequestTiming, summarize
+
+log = logging.getLogger("omnistage.bench")
+
+DEFAULT_DUMMY_OUTPUT_TOKENS = 33  # the issue's reference point: a 5 s clip answered with 33 tokens
+BASELINE_KV_GIB = 16.0  # our KV pool beside transformers, as benchmarks/thinker_decode.py leaves it
+
+Runner = Callable[[Clip, int], Awaitable[RequestTiming]]  # (clip, request number) -> its timing
+
+
+async def sweep(run: Runner, clips: list[Clip], concurrencies: list[int], warmup: int = 1) -> list[dict]:
+    """One pass over every clip per concurrency; each pass's summary in order."""
+    for i in range(warmup):
+        await run(clips[i % len(clips)], -1 - i)
+    results = []
+    counter = 0
+    for concurrency in concurrencies:
+        gate = asyncio.Semaphore(concurrency)
+        start = time.perf_counter()
+        timings = await asyncio.gather(
+            *(_gated(gate, run, clip, counter + i) for i, clip in enumerate(clips))
+        )
+        wall = time.perf_counter() - start
+        counter += len(clips)
+        summary = summarize(list(timings), wall, concurrency)
+        log.info("c=%d: %s", concurrency, summary)
+        results.append(summary)
+    return results
+
+
+async def _gated(gate: asyncio.Semaphore, run: Runner, clip: Clip, number: int) -> RequestTiming:
+    async with gate:
+        return await run(clip, number)
+
+
+# -- targets -----------------------------------------------------------------------------------------------
+
+
+def forced(output_tokens: int | None, max_tokens: int) -> dict[str, Any]:
+    """Sampling fields of a request: greedy, and exactly `output_tokens` when given."""
+    if output_tokens:
+        return {
+            "max_tokens": output_tokens,
+            "min_tokens": output_tokens,
+            "ignore_eos": True,
+            "temperature": 0.0,
+        }
+    return {"max_tokens": max_tokens, "temperature": 0.0}
+
+
+def server_runner(
+    url: str, model: str, endpoint: str, output_tokens: int | None, max_tokens: int, api_key: str | None
+) -> Runner:
+    import openai
+
+    from omnistage.server.transcriptions import INSTRUCTION
+
+    client = openai.AsyncOpenAI(base_url=f"{url.rstrip('/')}/v1", api_key=api_key or "none", max_retries=0)
+    fields = forced(output_tokens, max_tokens)
+    extra = {k: v for k, v in fields.items() if k in ("min_tokens", "ignore_eos")}
+
+    async def chat(clip: Clip, number: int) -> RequestTiming:
+        audio = {"data": base64.b64encode(clip.wav_bytes()).decode(), "format": "wav"}
+        content = [{"type": "input_audio", "input_audio": audio}, {"type": "text", "text": INSTRUCTION}]
+        start = time.perf_counter()
+        stream = await client.chat.completions.create(
+            model=model,
+            messages=[{"role": "user", "content": content}],
+            max_tokens=fields["max_tokens"],
+            temperature=0.0,
+            stream=True,
+            stream_options={"include_usage": True},
+            extra_body=extra,
+        )
+        first, tokens = None, 0
+        async for chunk in stream:
+            first = first or time.perf_counter()
+            if chunk.usage is not None:
+                tokens = chunk.usage.completion_tokens
+        end = time.perf_counter()
+        return RequestTiming(clip.seconds, (first or end) - start, end - start, tokens)
+
+    async def transcribe(clip: Clip, number: int) -> RequestTiming:
+        form = {"max_tokens": fields["max_tokens"], **extra}
+        start = time.perf_counter()
+        stream = await client.audio.transcriptions.create(
+            model=model, file=(f"{clip.name}.wav", clip.wav_bytes()), stream=True, extra_body=form
+        )
+        first, tokens, deltas = None, 0, 0
+        async for event in stream:
+            if event.type == "transcript.text.delta":
+                first = first or time.perf_counter()
+                deltas += 1
+            elif event.type == "transcript.text.done":
+                usage = getattr(event, "usage", None)
+                tokens = getattr(usage, "output_tokens", 0) or deltas
+        end = time.perf_counter()
+        return RequestTiming(clip.seconds, (first or end) - start, end - start, tokens)
+
+    return chat if endpoint == "chat" else transcribe
+
+
+def inprocess_runner(engine: Any, output_tokens: int | None, max_tokens: int) -> Runner:
+    """Requests straight into an AsyncEngine, prompts laid out by its processor as the server does."""
+    from omnistage.engine.sampling import SamplingParams
+    from omnistage.server.transcriptions import transcription_messages
+
+    params = SamplingParams(**forced(output_tokens, max_tokens))
+    processor = engine.engine.processor
+
+    async def run(clip: Clip, number: int) -> RequestTiming:
+        start = time.perf_counter()
+        messages = transcription_messages(clip.audio, None, None)
+        prompt = await asyncio.to_thread(processor.process_chat, messages)
+        prepared = time.perf_counter() - start
+        final = None
+        async for output in engine.generate(
+            f"a2t-{number}", prompt.prompt, prompt.token_ids, params, mrope=prompt.mrope, mm=prompt.mm
+        ):
+            final = output
+        if final is None or final.outputs[0].finish_reason in ("error", "abort"):
+            raise RuntimeError(f"{clip.name}: the engine failed it: {final and final.error}")
+        m = final.metrics
+        return RequestTiming(
+            clip.seconds,
+            prepared + m["first_token"] - m["arrival"],
+            prepared + m["finished"] - m["arrival"],
+            len(final.outputs[0].token_ids),
+        )
+
+    return run
+
+
+# -- the command ---------------------------------------------------------------------------------------------
+
+
+def load_clips(args: argparse.Namespace) -> list[Clip]:
+    if args.clips:
+        clips = load_dir(args.clips)
+    else:
+        durations = SYNTH_SETS[args.synth or "librispeech"]
+        clips = synth_clips(durations, seed=args.seed, espeak=None if args.espeak else False)
+    if args.limit:
+        clips = clips[: args.limit]
+    log.info("%d clips, %.1f s of audio", len(clips), total_seconds(clips))
+    return clips
+
+
+def released_skeleton() -> Path:
+    """A checkpoint directory at the released sizes with no weights, for `--load-format dummy`."""
+    from omnistage.models.qwen3_omni.tiny import PREPROCESSOR_CONFIG, released_config
+    from omnistage.models.qwen3_omni.tokenizer import write_tokenizer_files
+
+    directory = Path(tempfile.mkdtemp(prefix="omnistage-released-"))
+    (directory / "config.json").write_text(json.dumps(released_config()))
+    (directory / "preprocessor_config.json").write_text(json.dumps(PREPROCESSOR_CONFIG))
+    write_tokenizer_files(directory)
+    return directory
+
+
+def run_a2t(args: argparse.Namespace) -> dict[str, Any]:
+    """The whole benchmark as `omnistage bench a2t` runs it; returns what it writes as JSON."""
+    clips = load_clips(args)
+    concurrencies = [int(c) for c in str(args.concurrency).split(",")]
+    output_tokens = args.output_tokens
+    results: dict[str, Any] = {
+        "clips": [{"name": c.name, "seconds": round(c.seconds, 3)} for c in clips],
+        "audio_s": round(total_seconds(clips), 3),
+        "output_tokens": output_tokens,
+    }
+    if args.url:
+        model = args.served_model or _first_model(args.url, args.api_key)
+        run = server_runner(args.url, model, args.endpoint, output_tokens, args.max_tokens, args.api_key)
+        results["target"] = {"url": args.url, "model": model, "endpoint": args.endpoint}
+        results["ours"] = asyncio.run(sweep(run, clips, concurrencies, args.warmup))
+        return results
+
+    from omnistage.config import engine_config
+    from omnistage.engine.async_engine import AsyncEngine
+    from omnistage.engine.llm_engine import LLMEngine
+
+    model_dir = args.model or (str(released_skeleton()) if args.load_format == "dummy" else None)
+    if output_tokens is None and args.load_format == "dummy":
+        output_tokens = results["output_tokens"] = DEFAULT_DUMMY_OUTPUT_TOKENS
+    overrides = {
+        "device": args.device,
+        "dtype": args.dtype,
+        "max_num_seqs": max(concurrencies),
+        # On a GPU our KV pool takes all the memory left unless told otherwise; transformers needs some.
+        "kv_cache_memory_gib": args.kv_cache_memory_gib or (BASELINE_KV_GIB if args.baseline else None),
+        "enforce_eager": args.enforce_eager or None,
+    }
+    config = engine_config(
+        "bench a2t",
+        model=model_dir,
+        load_format=args.load_format,
+        **{k: v for k, v in overrides.items() if v is not None},
+    )
+    started = time.perf_counter()
+    engine = AsyncEngine(LLMEngine(config))
+    results["engine_start_s"] = round(time.perf_counter() - started, 2)
+    results["target"] = {"model": str(engine.engine.model_path), "load_format": args.load_format}
+    results["engine"] = engine.engine.memory_summary()
+    try:
+        run = inprocess_runner(engine, output_tokens, args.max_tokens)
+        results["ours"] = asyncio.run(sweep(run, clips, concurrencies, args.warmup))
+        if args.baseline == "transformers":
+            results["transformers"] = _transformers(engine.engine, clips, output_tokens, args.max_tokens)
+    finally:
+        engine.shutdown()
+    return results
+
+
+def _transformers(llm_engine: Any, clips: list[Clip], output_tokens: int | None, max_tokens: int) -> dict:
+    from omnistage.bench.hf_baseline import build_hf_thinker, run_hf
+    from omnistage.server.transcriptions import transcription_messages
+
+    config_dict = json.loads((Path(llm_engine.model_path) / "config.json").read_text())
+    hf, sources = build_hf_thinker(llm_engine, config_dict)
+    summary = run_hf(
+        hf,
+        llm_engine.processor,
+        clips,
+        lambda clip: transcription_messages(clip.audio, None, None),
+        output_tokens,
+        max_tokens,
+        llm_engine.device,
+    )
+    summary["towers"] = sources
+    return summary
+
+
+def _first_model(url: str, api_key: str | None) -> str:
+    import httpx
+
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    return httpx.get(f"{url.rstrip('/')}/v1/models", headers=headers, timeout=10).json()["data"][0]["id"]
+
+
+def report(results: dict[str, Any]) -> str:
+    """A markdown table of every pass, ours and (when run) transformers' at c=1."""
+    lines = [
+        f"{len(results['clips'])} clips, {results['audio_s']:.1f} s of audio, "
+        f"output tokens {results['output_tokens'] or 'natural'}",
+        "",
+        "| target | c | RTF (x real time) | TTFT median ms | TPOT median ms | wall s |",
+        "| --- | --- | --- | --- | --- | --- |",
+    ]
+    for name in ("ours", "transformers"):
+        passes = results.get(name)
+        for p in [passes] if isinstance(passes, dict) else passes or []:
+            lines.append(
+                f"| {name} | {p['concurrency']} | {p['rtf']:.2f} | {p['ttft_median_ms']:.1f} | "
+                f"{p['tpot_median_ms']:.2f} | {p['wall_s']:.2f} |"
+            )
+    return "\n".join(lines)
+
+
+def _json_safe(value: Any) -> Any:
+    """NaN (a one-token TPOT, a missing TTFT) as null, which every JSON reader accepts."""
+    if isinstance(value, float) and math.isnan(value):
+        return None
+    if isinstance(value, dict):
+        return {k: _json_safe(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_json_safe(v) for v in value]
+    return value
+
+
+def main(args: argparse.Namespace) -> None:
+    if args.baseline and args.url:
+        raise SystemExit("omnistage bench a2t: --baseline runs in-process; drop --url")
+    results = run_a2t(args)
+    print(report(results))
+    if args.out:
+        Path(args.out).write_text(json.dumps(_json_safe(results), indent=2) + "\n")
+        log.info("wrote %s", args.out)
+
+
+def add_parser(sub: Any) -> None:
+    """`omnistage bench a2t ...` under the `bench` subcommand's subparsers."""
+    p = sub.add_parser("a2t", help="audio-to-text speed: real-time factor, TTFT, TPOT", description=__doc__,
+                       formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
+    clips = p.add_mutually_exclusive_group()
+    clips.add_argument(
+        "--clips", help="a directory of .wav/.flac clips (a same-named .txt is its transcript)"
+    )
+    clips.add_argument("--synth", choices=sorted(SYNTH_SETS),
+                       help="synthesise clips with these durations (default: librispeech, 20 clips, 94 s; "
+                            "5s: one 5 s clip)")  # fmt: skip
+    p.add_argument("--no-espeak", dest="espeak", action="store_false",
+                   help="synthesise speech-like signals even where espeak-ng is installed")  # fmt: skip
+    p.add_argument("--limit", type=int, help="use only the first N clips")
+    p.add_argument("--seed", type=int, default=0)
+    target = p.add_argument_group("target")
+    target.add_argument("--url", help="a running server's base URL (http://host:port); else in-process")
+    target.add_argument("--endpoint", choices=["chat", "transcriptions"], default="chat")
+    target.add_argument("--served-model", help="the model name the server serves (default: its first)")
+    target.add_argument("--api-key")
+    target.add_argument(
+        "--model", help="in-process: checkpoint directory (default: released sizes when dummy)"
+    )
+    target.add_argument("--load-format", choices=["safetensors", "dummy"], default="safetensors")
+    target.add_argument("--device", choices=["auto", "cpu", "cuda"])
+    target.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"])
+    target.add_argument("--kv-cache-memory-gib", type=float)
+    target.add_argument("--enforce-eager", action="store_true")
+    target.add_argument(
+        "--baseline", choices=["transformers"], help="also time transformers on the same weights"
+    )
+    p.add_argument("--concurrency", default="1", help="one concurrency or a sweep, e.g. 1,4,16")
+    p.add_argument("--output-tokens", type=int,
+                   help=f"force exactly N output tokens (default with dummy weights: {DEFAULT_DUMMY_OUTPUT_TOKENS})")  # fmt: skip
+    p.add_argument("--max-tokens", type=int, default=256, help="cap on natural (unforced) outputs")
+    p.add_argument("--warmup", type=int, default=1, help="requests run before timing")
+    p.add_argument("--out", help="write the results as JSON here")
+    p.set_defaults(func=main)

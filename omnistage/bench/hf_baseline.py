@@ -1,0 +1,156 @@
+"""transformers' Qwen3-Omni Thinker on our engine's very weight tensors, timed on the same clips.
+
+The text model is built on the meta device and its parameters are set to our engine's tensors (shared
+storage, no copy), as `benchmarks/thinker_decode.py` does; the audio and vision towers are built for
+real and filled from our encoders where the engine exposes them (`engine.audio_encoder`,
+`engine.vision_encoder`), else left at transformers' random init. Requests run one at a time through
+`generate(input_features=..., feature_attention_mask=...)`, timed from the raw clip (the mel features
+are computed inside the timing) to the first generated token (a streamer sees it) and to the last.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any
+
+import torch
+
+from omnistage.bench.clips import Clip, total_seconds
+from omnistage.bench.stats import RequestTiming, summarize
+
+log = logging.getLogger(__name__)
+
+# Our fused expert tensors under transformers' names.
+_RENAMES = ((".experts.gate_up_proj", ".experts.w13"), (".experts.down_proj", ".experts.w2"))
+
+
+def build_hf_thinker(engine: Any, config_dict: dict) -> tuple[torch.nn.Module, dict[str, str]]:
+    """transformers' thinker sharing `engine`'s text weights; also says where each tower's weights came from."""
+    from transformers import Qwen3OmniMoeConfig
+    from transformers.models.qwen3_omni_moe.modeling_qwen3_omni_moe import (
+        Qwen3OmniMoeAudioEncoder,
+        Qwen3OmniMoeThinkerForConditionalGeneration,
+        Qwen3OmniMoeVisionEncoder,
+    )
+
+    device, dtype = engine.device, engine.dtype
+    config = Qwen3OmniMoeConfig(**config_dict).thinker_config
+    for sub in (config, config.text_config, config.audio_config, config.vision_config):
+        sub._attn_implementation = "sdpa"
+    with torch.device("meta"):
+        hf = Qwen3OmniMoeThinkerForConditionalGeneration(config)
+    ours = dict(engine.model.named_parameters())
+    for name, param in list(hf.named_parameters()):
+        if name.startswith(("audio_tower.", "visual.")):
+            continue
+        mine = name
+        for theirs, our_name in _RENAMES:
+            mine = mine.replace(theirs, our_name)
+        if mine not in ours:
+            raise RuntimeError(f"transformers' {name} has no counterpart ({mine}) in our thinker")
+        if tuple(ours[mine].shape) != tuple(param.shape):
+            raise RuntimeError(f"{name}: ours {tuple(ours[mine].shape)} vs theirs {tuple(param.shape)}")
+        module_name, _, leaf = name.rpartition(".")
+        setattr(hf.get_submodule(module_name), leaf, torch.nn.Parameter(ours[mine], requires_grad=False))
+    with torch.device(device):  # a meta build leaves the rotary frequencies empty: make them again
+        hf.model.rotary_emb = type(hf.model.rotary_emb)(hf.model.rotary_emb.config)
+        hf.audio_tower = Qwen3OmniMoeAudioEncoder._from_config(config.audio_config).to(dtype)
+        hf.visual = Qwen3OmniMoeVisionEncoder._from_config(config.vision_config).to(dtype)
+    sources = {
+        "audio_tower": _fill_tower(hf.audio_tower, getattr(engine, "audio_encoder", None)),
+        "visual": _fill_tower(hf.visual, getattr(engine, "vision_encoder", None)),
+    }
+    left = [n for n, t in [*hf.named_parameters(), *hf.named_buffers()] if t.is_meta]
+    if left:
+        raise RuntimeError(f"tensors left on the meta device: {left[:5]}")
+    return hf.eval(), sources
+
+
+@torch.no_grad()
+def _fill_tower(tower: torch.nn.Module, ours: torch.nn.Module | None) -> str:
+    """Copy our encoder's weights into transformers' tower (same names, as the checkpoint spells them)."""
+    if ours is None:
+        return "random (the engine exposes no encoder)"
+    mine = dict(ours.named_parameters())
+    for name, param in tower.named_parameters():
+        if name not in mine or tuple(mine[name].shape) != tuple(param.shape):
+            return f"random (our encoder has no matching {name})"
+        param.copy_(mine[name])
+    return "shared with ours"
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+@torch.inference_mode()
+def run_hf(
+    hf: torch.nn.Module,
+    processor: Any,
+    clips: list[Clip],
+    messages_for: Any,
+    output_tokens: int | None,
+    max_tokens: int,
+    device: torch.device,
+) -> dict[str, Any]:
+    """Every clip once, one at a time: the c=1 summary of transformers on these clips."""
+    from omnistage.models.qwen3_omni.audio_features import log_mel
+
+    eos = processor.tokenizer.token_to_id("<|im_end|>")
+    fixed = {"min_new_tokens": output_tokens} if output_tokens else {}
+
+    def generate(clip: Clip, ids: list[int], new_tokens: int, min_new: dict[str, int]) -> RequestTiming:
+        first = _FirstToken(device)
+        _sync(device)
+        start = time.perf_counter()
+        features = log_mel(clip.audio, device=device)
+        out = hf.generate(
+            input_ids=torch.tensor([ids], device=device),
+            attention_mask=torch.ones(1, len(ids), dtype=torch.long, device=device),
+            input_features=features[None].to(hf.audio_tower.dtype),
+            feature_attention_mask=torch.ones(1, features.shape[-1], dtype=torch.long, device=device),
+            max_new_tokens=new_tokens,
+            do_sample=False,
+            eos_token_id=eos,
+            pad_token_id=eos,
+            streamer=first,
+            **min_new,
+        )
+        _sync(device)
+        end = time.perf_counter()
+        return RequestTiming(clip.seconds, (first.at or end) - start, end - start, out.shape[1] - len(ids))
+
+    prompts = [processor.process_chat(messages_for(clip)).token_ids for clip in clips]
+    new_tokens = output_tokens or max_tokens
+    generate(clips[0], prompts[0], min(new_tokens, 4), {})  # warm-up
+    timings = []
+    for clip, ids in zip(clips, prompts):
+        t = generate(clip, ids, new_tokens, {k: v for k, v in fixed.items() if v <= new_tokens})
+        timings.append(t)
+        log.info("transformers: %s (%.1f s) TTFT %.1f ms, %d tokens in %.3f s", clip.name, clip.seconds,
+                 t.ttft_s * 1e3, t.output_tokens, t.latency_s)  # fmt: skip
+    summary = summarize(timings, sum(t.latency_s for t in timings), 1)
+    summary["note"] = (
+        f"one request at a time over {total_seconds(clips):.1f} s of audio; wall = sum of latencies"
+    )
+    return summary
+
+
+class _FirstToken:
+    """A generate() streamer noting when the first generated token arrives (its first put is the prompt)."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.puts = 0
+        self.at: float | None = None
+
+    def put(self, value: torch.Tensor) -> None:
+        self.puts += 1
+        if self.puts == 2:
+            _sync(self.device)
+            self.at = time.perf_counter()
+
+    def end(self) -> None:
+        pass

@@ -1,0 +1,65 @@
+"""What one benchmark pass measured, reduced to its numbers: real-time factor, TTFT and TPOT statistics."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class RequestTiming:
+    """One request, timed from its submission (seconds)."""
+
+    audio_s: float  # input audio
+    ttft_s: float  # to the first generated token
+    latency_s: float  # to the last
+    output_tokens: int
+
+    @property
+    def tpot_s(self) -> float:
+        """Time per output token after the first; NaN for a single token."""
+        if self.output_tokens < 2:
+            return math.nan
+        return (self.latency_s - self.ttft_s) / (self.output_tokens - 1)
+
+
+def percentile(values: list[float], q: float) -> float:
+    """The q-th percentile (0-100) with linear interpolation between ranks, NaNs left out; NaN if empty."""
+    data = sorted(v for v in values if not math.isnan(v))
+    if not data:
+        return math.nan
+    if not 0 <= q <= 100:
+        raise ValueError(f"percentile q must be in [0, 100], got {q}")
+    rank = (len(data) - 1) * q / 100
+    low = math.floor(rank)
+    high = min(low + 1, len(data) - 1)
+    return data[low] + (data[high] - data[low]) * (rank - low)
+
+
+def median(values: list[float]) -> float:
+    return percentile(values, 50)
+
+
+def real_time_factor(audio_s: float, wall_s: float) -> float:
+    """Seconds of input audio handled per wall-clock second (20 means twenty times faster than real time)."""
+    if wall_s <= 0:
+        raise ValueError(f"wall time must be positive, got {wall_s}")
+    return audio_s / wall_s
+
+
+def summarize(timings: list[RequestTiming], wall_s: float, concurrency: int) -> dict[str, float | int]:
+    """The numbers of one pass: every clip once at `concurrency`, which took `wall_s` in all."""
+    audio = sum(t.audio_s for t in timings)
+    ms = 1e3
+    return {
+        "concurrency": concurrency,
+        "requests": len(timings),
+        "audio_s": round(audio, 3),
+        "wall_s": round(wall_s, 4),
+        "rtf": round(real_time_factor(audio, wall_s), 3),
+        "ttft_median_ms": round(median([t.ttft_s for t in timings]) * ms, 2),
+        "ttft_p90_ms": round(percentile([t.ttft_s for t in timings], 90) * ms, 2),
+        "tpot_median_ms": round(median([t.tpot_s for t in timings]) * ms, 3),
+        "latency_median_ms": round(median([t.latency_s for t in timings]) * ms, 2),
+        "output_tokens": sum(t.output_tokens for t in timings),
+    }

@@ -1,0 +1,103 @@
+"""How each endpoint spells its stream chunks and its whole response, in OpenAI's shapes."""
+
+from __future__ import annotations
+
+import json
+import time
+from typing import Any, Protocol
+
+from fastapi.responses import Response
+
+from omnistage.server.protocol import (
+    AssistantMessage,
+    ChatChoice,
+    ChatChunkChoice,
+    ChatCompletionChunk,
+    ChatCompletionResponse,
+    ChatDelta,
+    CompletionChoice,
+    CompletionResponse,
+    Usage,
+)
+
+DONE = "data: [DONE]\n\n"
+
+
+def sse(payload: dict[str, Any]) -> str:
+    return f"data: {json.dumps(payload, ensure_ascii=False, separators=(',', ':'))}\n\n"
+
+
+class Format(Protocol):
+    """How one endpoint spells its stream chunks and its whole response."""
+
+    id: str
+    include_usage: bool
+
+    def opening(self) -> list[str]: ...
+    def delta(self, text: str, finish_reason: str | None) -> list[str]: ...
+    def closing(self, finish_reason: str) -> list[str]: ...
+    def usage_chunk(self, usage: Usage) -> str: ...
+    def response(self, text: str, finish_reason: str, usage: Usage) -> dict[str, Any] | Response: ...
+
+
+class ChatFormat:
+    def __init__(self, request_id: str, model: str, include_usage: bool) -> None:
+        self.id, self.model, self.include_usage = request_id, model, include_usage
+        self.created = int(time.time())
+
+    def _chunk(self, choices: list[ChatChunkChoice], usage: Usage | None = None) -> str:
+        chunk = ChatCompletionChunk(
+            id=self.id, created=self.created, model=self.model, choices=choices, usage=usage
+        )
+        return sse(chunk.model_dump(exclude=None if self.include_usage else {"usage"}))
+
+    def opening(self) -> list[str]:
+        return [self._chunk([ChatChunkChoice(delta=ChatDelta(role="assistant", content=""))])]
+
+    def delta(self, text: str, finish_reason: str | None) -> list[str]:
+        return [self._chunk([ChatChunkChoice(delta=ChatDelta(content=text))])] if text else []
+
+    def closing(self, finish_reason: str) -> list[str]:
+        return [self._chunk([ChatChunkChoice(delta=ChatDelta(), finish_reason=finish_reason)])]
+
+    def usage_chunk(self, usage: Usage) -> str:
+        return self._chunk([], usage)
+
+    def response(self, text: str, finish_reason: str, usage: Usage) -> dict[str, Any]:
+        choice = ChatChoice(message=AssistantMessage(content=text), finish_reason=finish_reason)
+        return ChatCompletionResponse(
+            id=self.id, created=self.created, model=self.model, choices=[choice], usage=usage
+        ).model_dump()
+
+
+class CompletionFormat:
+    def __init__(self, request_id: str, model: str, include_usage: bool) -> None:
+        self.id, self.model, self.include_usage = request_id, model, include_usage
+        self.created = int(time.time())
+
+    def _chunk(self, choices: list[CompletionChoice], usage: Usage | None = None) -> str:
+        chunk = CompletionResponse(
+            id=self.id, created=self.created, model=self.model, choices=choices, usage=usage
+        )
+        return sse(chunk.model_dump(exclude=None if self.include_usage else {"usage"}))
+
+    def opening(self) -> list[str]:
+        return []
+
+    def delta(self, text: str, finish_reason: str | None) -> list[str]:
+        # OpenAI puts finish_reason on the chunk with the last text, which may be empty.
+        if not text and finish_reason is None:
+            return []
+        return [self._chunk([CompletionChoice(text=text, finish_reason=finish_reason)])]
+
+    def closing(self, finish_reason: str) -> list[str]:
+        return []
+
+    def usage_chunk(self, usage: Usage) -> str:
+        return self._chunk([], usage)
+
+    def response(self, text: str, finish_reason: str, usage: Usage) -> dict[str, Any]:
+        choice = CompletionChoice(text=text, finish_reason=finish_reason)
+        return CompletionResponse(
+            id=self.id, created=self.created, model=self.model, choices=[choice], usage=usage
+        ).model_dump()

@@ -1,0 +1,185 @@
+"""OpenAI content parts with media to the decoded parts the processor takes.
+
+`input_audio` (base64 with its format), `audio_url` and `image_url` become `{"type": "audio", "audio":
+float32 16 kHz mono}` and `{"type": "image", "image": PIL.Image}`. A URL is fetched only where the server's
+policy allows it: `data:` always, `http(s)` with `--allow-remote-media`, local files under `--media-dir`.
+Everything here blocks (fetching, decoding, resampling), so the app runs it in a worker thread. Every
+problem is an InvalidMedia naming the part and, where a flag would allow it, the flag.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import urllib.parse
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from omnistage.errors import InvalidMedia
+from omnistage.models.qwen3_omni.audio_features import MAX_SECONDS, SAMPLE_RATE, decode_audio, resample
+from omnistage.models.qwen3_omni.image_processing import decode_image
+
+AUDIO_FORMATS = ("wav", "mp3", "flac", "ogg")
+MEDIA_TYPES = ("input_audio", "audio_url", "image_url")
+
+
+@dataclass(frozen=True)
+class MediaPolicy:
+    """Where attachments may come from and how much of them a request may carry."""
+
+    allow_remote: bool = False  # http(s) URLs: off by default, a server should not fetch for strangers
+    media_dir: Path | None = None  # local files: only under this directory
+    max_bytes: int = 32 * 1024 * 1024  # one fetched or read file, as the default request body limit
+    fetch_timeout_s: float = 10.0
+    max_audio_seconds: float = MAX_SECONDS
+    # Counted before anything is decoded, so a request of a thousand images costs nothing: the processor's
+    # 8 audios + 8 images; it applies the per-kind limits after decoding.
+    max_attachments: int = 16
+
+
+def decode_messages(messages: list[dict[str, Any]], policy: MediaPolicy) -> list[dict[str, Any]]:
+    """Messages in OpenAI's shape with every media part fetched and decoded. Raises InvalidMedia."""
+    count = sum(
+        1
+        for m in messages
+        if isinstance(m.get("content"), list)
+        for p in m["content"]
+        if p.get("type") in MEDIA_TYPES
+    )
+    if count > policy.max_attachments:
+        raise InvalidMedia(
+            f"too many attachments: {count}, the limit is {policy.max_attachments} per request"
+        )
+    decoded = []
+    for i, message in enumerate(messages):
+        content = message.get("content")
+        if isinstance(content, list):
+            content = [
+                decode_part(part, policy, f"messages[{i}].content[{j}]") for j, part in enumerate(content)
+            ]
+        decoded.append({**message, "content": content})
+    return decoded
+
+
+def decode_part(part: dict[str, Any], policy: MediaPolicy, where: str) -> dict[str, Any]:
+    """One content part: media decoded, anything else unchanged."""
+    kind = part.get("type")
+    try:
+        if kind == "input_audio":
+            given = part.get("input_audio") or {}
+            fmt = given.get("format")
+            if fmt not in AUDIO_FORMATS:
+                raise InvalidMedia(
+                    f"input_audio.format {fmt!r} is not supported; use one of {', '.join(AUDIO_FORMATS)}"
+                )
+            return {"type": "audio", "audio": load_audio(_base64(given.get("data") or ""), policy)}
+        if kind == "audio_url":
+            return {"type": "audio", "audio": load_audio(fetch(_url(part, "audio_url"), policy), policy)}
+        if kind == "image_url":
+            return {"type": "image", "image": decode_image(fetch(_url(part, "image_url"), policy))}
+    except InvalidMedia as exc:
+        raise InvalidMedia(f"{where}: {exc}") from None
+    return part
+
+
+def load_audio(data: bytes, policy: MediaPolicy) -> np.ndarray:
+    """Audio file bytes to float32 mono at the model's 16 kHz."""
+    samples, rate = decode_audio(data, max_seconds=policy.max_audio_seconds)
+    return resample(samples, rate, SAMPLE_RATE)
+
+
+def fetch(url: str, policy: MediaPolicy) -> bytes:
+    """The bytes behind a data:, http(s), file: URL or a plain path, as the policy allows."""
+    scheme = urllib.parse.urlsplit(url).scheme.lower()
+    if scheme == "data":
+        return _data_url(url)
+    if scheme in ("http", "https"):
+        if not policy.allow_remote:
+            raise InvalidMedia(
+                f"remote media URLs are disabled on this server ({_short(url)}); send the data inline as a "
+                "data: URL or base64, or start the server with --allow-remote-media"
+            )
+        return _download(url, policy)
+    if scheme in ("file", ""):
+        return _read_local(url, policy)
+    raise InvalidMedia(f"URL scheme {scheme!r} is not supported; use data:, http(s) or a local path")
+
+
+def _url(part: dict[str, Any], key: str) -> str:
+    given = part.get(key)
+    url = given.get("url") if isinstance(given, dict) else given
+    if not isinstance(url, str) or not url:
+        raise InvalidMedia(f"{key}.url is missing")
+    return url
+
+
+def _base64(data: str) -> bytes:
+    try:
+        # Line breaks and spaces are common in pasted base64; anything else outside the alphabet is an error.
+        return base64.b64decode("".join(data.split()), validate=True)
+    except (binascii.Error, ValueError) as exc:
+        raise InvalidMedia(f"the data is not valid base64 ({exc})") from None
+
+
+def _data_url(url: str) -> bytes:
+    header, comma, payload = url.partition(",")
+    if not comma:
+        raise InvalidMedia("the data: URL has no ',' before its data")
+    if header.lower().endswith(";base64"):
+        return _base64(payload)
+    return urllib.parse.unquote_to_bytes(payload)
+
+
+def _download(url: str, policy: MediaPolicy) -> bytes:
+    import httpx
+
+    try:
+        with httpx.stream("GET", url, timeout=policy.fetch_timeout_s, follow_redirects=True) as response:
+            if response.status_code != 200:
+                raise InvalidMedia(f"fetching {_short(url)} answered HTTP {response.status_code}")
+            chunks, size = [], 0
+            for chunk in response.iter_bytes():
+                size += len(chunk)
+                if size > policy.max_bytes:
+                    raise InvalidMedia(
+                        f"{_short(url)} is larger than the limit of {policy.max_bytes:,} bytes"
+                    )
+                chunks.append(chunk)
+            return b"".join(chunks)
+    except httpx.HTTPError as exc:
+        raise InvalidMedia(f"fetching {_short(url)} failed: {type(exc).__name__}: {exc}") from None
+
+
+def _read_local(url: str, policy: MediaPolicy) -> bytes:
+    if policy.media_dir is None:
+        raise InvalidMedia(
+            f"local media paths are disabled on this server ({_short(url)}); start the server with "
+            "--media-dir DIR to serve files under DIR"
+        )
+    if url.lower().startswith("file:"):
+        parsed = urllib.parse.urlsplit(url)
+        if parsed.netloc not in ("", "localhost"):
+            raise InvalidMedia(f"file URL {_short(url)} names a host; only local files are served")
+        url = urllib.parse.unquote(parsed.path)
+    root = policy.media_dir.resolve()
+    path = (root / url).resolve()  # an absolute path stays itself; symlinks and .. are resolved away
+    if not path.is_relative_to(root):
+        raise InvalidMedia(
+            f"{_short(url)} is outside the media directory; only files under --media-dir are served"
+        )
+    try:
+        size = path.stat().st_size
+        if size > policy.max_bytes:
+            raise InvalidMedia(f"{_short(url)} is larger than the limit of {policy.max_bytes:,} bytes")
+        return path.read_bytes()
+    except (FileNotFoundError, IsADirectoryError, NotADirectoryError):
+        raise InvalidMedia(f"{_short(url)} does not exist in the media directory") from None
+    except OSError as exc:
+        raise InvalidMedia(f"{_short(url)} cannot be read: {exc.strerror}") from None
+
+
+def _short(url: str, limit: int = 80) -> str:
+    return url if len(url) <= limit else url[: limit - 3] + "..."

@@ -1,0 +1,116 @@
+"""The a2t harness: the sweep's arithmetic on a fake target, the command line, and a tiny in-process run."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+
+import numpy as np
+import pytest
+
+from omnistage.bench import a2t
+from omnistage.bench.clips import Clip
+from omnistage.bench.stats import RequestTiming
+from omnistage.cli import build_parser
+from omnistage.models.qwen3_omni.processor import Processor
+
+
+def clip(seconds: float, name: str = "c") -> Clip:
+    return Clip(name, np.zeros(round(seconds * 16000), dtype=np.float32))
+
+
+def test_sweep_runs_every_clip_per_pass_within_its_concurrency():
+    clips = [clip(s, f"c{i}") for i, s in enumerate([1.0, 2.0, 3.0, 4.0, 5.0, 6.0])]
+    in_flight, peak, seen = 0, {}, []
+
+    async def run(c: Clip, number: int) -> RequestTiming:
+        nonlocal in_flight
+        in_flight += 1
+        peak[current] = max(peak.get(current, 0), in_flight)
+        seen.append(number)
+        await asyncio.sleep(0.02)
+        in_flight -= 1
+        return RequestTiming(c.seconds, 0.01, 0.02, 3)
+
+    current = "warmup"
+
+    async def main():
+        nonlocal current
+        results = []
+        for c in (1, 3):
+            current = c
+            results += await a2t.sweep(run, clips, [c], warmup=1 if c == 1 else 0)
+        return results
+
+    one, three = asyncio.run(main())
+    assert peak[1] == 1 and peak[3] == 3
+    assert seen[0] == -1 and sorted(seen[1:7]) == list(range(6))  # the warm-up, then one pass
+    assert one["requests"] == 6 and one["audio_s"] == 21.0
+    assert one["rtf"] == pytest.approx(21.0 / one["wall_s"], rel=1e-2)
+    assert 0.12 <= one["wall_s"] < 0.5  # six 20 ms requests one after another
+    assert three["wall_s"] < one["wall_s"]  # two waves of three
+    assert one["ttft_median_ms"] == 10.0 and one["tpot_median_ms"] == 5.0
+
+
+def test_forced_lengths():
+    assert a2t.forced(33, 256) == {"max_tokens": 33, "min_tokens": 33, "ignore_eos": True, "temperature": 0.0}
+    assert a2t.forced(None, 256) == {"max_tokens": 256, "temperature": 0.0}
+
+
+def test_report_and_json_safety():
+    passes = [
+        {"concurrency": 1, "rtf": 20.5, "ttft_median_ms": 70.0, "tpot_median_ms": math.nan, "wall_s": 4.6}
+    ]
+    results = {
+        "clips": [{}] * 20,
+        "audio_s": 94.0,
+        "output_tokens": 33,
+        "ours": passes,
+        "transformers": passes[0],
+    }
+    table = a2t.report(results)
+    assert "20 clips, 94.0 s of audio, output tokens 33" in table
+    assert "| ours | 1 | 20.50 | 70.0 | nan | 4.60 |" in table
+    assert "| transformers | 1 | 20.50 |" in table
+    assert json.loads(json.dumps(a2t._json_safe(results)))["ours"][0]["tpot_median_ms"] is None
+
+
+def test_command_line():
+    args = build_parser().parse_args(["bench", "a2t", "--load-format", "dummy", "--concurrency", "1,4,16"])
+    assert (
+        args.func is a2t.main and args.synth is None and args.clips is None and args.concurrency == "1,4,16"
+    )
+    assert args.output_tokens is None and args.url is None and args.espeak is True
+    args = build_parser().parse_args(["bench", "a2t", "--url", "http://h:1", "--endpoint", "transcriptions"])
+    assert (args.url, args.endpoint) == ("http://h:1", "transcriptions")
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["bench", "a2t", "--clips", "d", "--synth", "librispeech"])
+
+
+def test_released_skeleton_has_what_the_processor_needs():
+    directory = a2t.released_skeleton()
+    config = json.loads((directory / "config.json").read_text())
+    assert config["thinker_config"]["text_config"]["num_hidden_layers"] == 48
+    assert Processor(directory).encode("hello")
+
+
+def test_in_process_smoke_with_the_transformers_baseline(tiny_checkpoint, tmp_path, capsys):
+    out = tmp_path / "a2t.json"
+    args = build_parser().parse_args(
+        ["bench", "a2t", "--model", str(tiny_checkpoint), "--device", "cpu", "--limit", "3", "--no-espeak",
+         "--concurrency", "1,2", "--output-tokens", "5", "--baseline", "transformers", "--out", str(out)]
+    )  # fmt: skip
+    args.func(args)
+    results = json.loads(out.read_text())
+    assert results["audio_s"] == pytest.approx(1.9 + 2.3 + 2.6)
+    ours = results["ours"]
+    assert [p["concurrency"] for p in ours] == [1, 2]
+    for p in [*ours, results["transformers"]]:
+        assert p["requests"] == 3 and p["output_tokens"] == 15
+        assert p["rtf"] > 0 and p["ttft_median_ms"] > 0 and p["tpot_median_ms"] > 0
+    assert results["transformers"]["towers"] == {
+        "audio_tower": "shared with ours",
+        "visual": "shared with ours",
+    }
+    assert "| transformers | 1 |" in capsys.readouterr().out
