@@ -84,7 +84,7 @@ def server_runner(
 ) -> Runner:
     import openai
 
-    from omnistage.server.transcriptions import INSTRUCTION
+    from omnistage.models.qwen3_omni.transcription import INSTRUCTION
 
     client = openai.AsyncOpenAI(base_url=f"{url.rstrip('/')}/v1", api_key=api_key or "none", max_retries=0)
     fields = forced(output_tokens, max_tokens)
@@ -134,7 +134,7 @@ def server_runner(
 def inprocess_runner(engine: Any, output_tokens: int | None, max_tokens: int) -> Runner:
     """Requests straight into an AsyncEngine, prompts laid out by its processor as the server does."""
     from omnistage.engine.sampling import SamplingParams
-    from omnistage.server.transcriptions import transcription_messages
+    from omnistage.models.qwen3_omni.transcription import transcription_messages
 
     params = SamplingParams(**forced(output_tokens, max_tokens))
     processor = engine.engine.processor
@@ -244,7 +244,7 @@ def run_a2t(args: argparse.Namespace) -> dict[str, Any]:
 
 def _transformers(llm_engine: Any, clips: list[Clip], output_tokens: int | None, max_tokens: int) -> dict:
     from omnistage.bench.hf_baseline import build_hf_thinker, run_hf
-    from omnistage.server.transcriptions import transcription_messages
+    from omnistage.models.qwen3_omni.transcription import transcription_messages
 
     config_dict = json.loads((Path(llm_engine.model_path) / "config.json").read_text())
     hf, sources = build_hf_thinker(llm_engine, config_dict)

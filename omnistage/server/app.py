@@ -27,6 +27,7 @@ from starlette.types import Receive, Scope, Send
 from omnistage.engine.async_engine import AsyncEngine
 from omnistage.engine.sampling import SamplingParams
 from omnistage.errors import InvalidMedia, InvalidRequest, OmnistageError
+from omnistage.models.qwen3_omni.transcription import transcription_messages
 from omnistage.outputs import RequestOutput
 from omnistage.server.errors import (
     ClientGone,
@@ -47,7 +48,7 @@ from omnistage.server.protocol import (
     ModelList,
     Usage,
 )
-from omnistage.server.transcriptions import TranscriptionFormat, check_response_format, transcription_messages
+from omnistage.server.transcriptions import TranscriptionFormat, check_response_format
 
 log = logging.getLogger(__name__)
 

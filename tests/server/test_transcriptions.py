@@ -9,8 +9,8 @@ import openai
 import pytest
 from fastapi.testclient import TestClient
 
+from omnistage.models.qwen3_omni.transcription import language_name, transcription_messages
 from omnistage.server import build_app
-from omnistage.server.transcriptions import language_name, transcription_messages
 
 MODEL = "fake-model"
 SPEECH = Path(__file__).parents[1] / "data" / "speech_en.wav"

@@ -1,0 +1,55 @@
+"""The transcription prompt of the Omni Thinker: one audio clip, an instruction, the language if known."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+INSTRUCTION = "Transcribe the audio into text."
+
+# ISO 639-1 codes (as Whisper clients send them) of the languages Qwen3-Omni transcribes, to their names.
+LANGUAGES = {
+    "en": "English",
+    "zh": "Chinese",
+    "yue": "Cantonese",
+    "ja": "Japanese",
+    "ko": "Korean",
+    "fr": "French",
+    "de": "German",
+    "es": "Spanish",
+    "it": "Italian",
+    "pt": "Portuguese",
+    "ru": "Russian",
+    "ar": "Arabic",
+    "id": "Indonesian",
+    "th": "Thai",
+    "vi": "Vietnamese",
+    "tr": "Turkish",
+    "hi": "Hindi",
+    "ms": "Malay",
+    "nl": "Dutch",
+}
+
+
+def language_name(language: str | None) -> str | None:
+    """'en' -> 'English'; a name or an unknown code is taken as given."""
+    if not language:
+        return None
+    return LANGUAGES.get(language.strip().lower(), language.strip())
+
+
+def transcription_messages(
+    audio: np.ndarray, language: str | None, prompt: str | None
+) -> list[dict[str, Any]]:
+    """The chat the Thinker transcribes from: decoded audio (16 kHz mono) and the instruction."""
+    instruction = INSTRUCTION
+    name = language_name(language)
+    if name:
+        instruction += f" The language is {name}."
+    messages: list[dict[str, Any]] = []
+    if prompt:
+        messages.append({"role": "system", "content": prompt})
+    user = [{"type": "audio", "audio": audio}, {"type": "text", "text": instruction}]
+    messages.append({"role": "user", "content": user})
+    return messages
