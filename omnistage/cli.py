@@ -40,8 +40,8 @@ def _serve(args: argparse.Namespace) -> None:
 
     from omnistage.config import engine_config, load_config
     from omnistage.engine.async_engine import AsyncEngine
+    from omnistage.media import MediaPolicy
     from omnistage.server import build_app
-    from omnistage.server.media import MediaPolicy
 
     overrides = {key: getattr(args, key) for _, key, _, _ in _ENGINE_FLAGS}
     overrides["enforce_eager"] = args.enforce_eager

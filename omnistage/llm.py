@@ -4,13 +4,17 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Sequence
+from pathlib import Path
 
 from omnistage.config import engine_config
 from omnistage.engine.llm_engine import LLMEngine
 from omnistage.engine.sampling import SamplingParams
+from omnistage.media import MediaPolicy, decode_messages
 from omnistage.outputs import RequestOutput
 
 PromptType = str | dict
+# In-process callers name their own files: local paths anywhere, nothing fetched from the network.
+_OFFLINE_MEDIA = MediaPolicy(allow_remote=False, media_dir=Path("/"))
 
 
 class LLM:
@@ -49,12 +53,26 @@ class LLM:
         sampling_params: SamplingParams | None = None,
         add_generation_prompt: bool = True,
     ) -> list[RequestOutput]:
-        """One conversation (a list of messages) or several, rendered with the checkpoint's chat template."""
+        """One conversation (a list of messages) or several, rendered with the checkpoint's chat template.
+
+        Content parts may carry media as the HTTP API takes them (`input_audio`, `audio_url`, `image_url`:
+        data URLs or absolute local paths; no remote fetching offline) or already decoded (`{"type": "audio",
+        "audio": float32 array at 16 kHz}`, `{"type": "image", "image": PIL.Image}`).
+        """
         conversations = messages if messages and isinstance(messages[0], list) else [messages]
-        prompts = [
-            {"prompt": self.engine.processor.render_chat(c, add_generation_prompt)} for c in conversations
-        ]
-        return self.generate(prompts, sampling_params)
+        params = sampling_params or SamplingParams()
+        ids = []
+        for conversation in conversations:
+            processed = self.engine.processor.process_chat(
+                decode_messages(conversation, _OFFLINE_MEDIA), add_generation_prompt
+            )
+            request_id = str(next(self._ids))
+            self.engine.add_request(
+                request_id, processed.token_ids, params, prompt=processed.prompt, mrope=processed.mrope,
+                mm=processed.mm,
+            )
+            ids.append(request_id)
+        return self._run(ids)
 
     def _tokens(self, prompt: PromptType) -> tuple[str | None, list[int]]:
         if isinstance(prompt, str):

@@ -27,6 +27,7 @@ from starlette.types import Receive, Scope, Send
 from omnistage.engine.async_engine import AsyncEngine
 from omnistage.engine.sampling import SamplingParams
 from omnistage.errors import InvalidMedia, InvalidRequest, OmnistageError
+from omnistage.media import MediaPolicy, decode_messages, load_audio
 from omnistage.models.qwen3_omni.transcription import transcription_messages
 from omnistage.outputs import RequestOutput
 from omnistage.server.errors import (
@@ -39,7 +40,6 @@ from omnistage.server.errors import (
 )
 from omnistage.server.formats import DONE, ChatFormat, CompletionFormat, Format, sse
 from omnistage.server.gate import DEFAULT_MAX_BODY_BYTES, Gate
-from omnistage.server.media import MediaPolicy, decode_messages, load_audio
 from omnistage.server.metrics import ServerMetrics
 from omnistage.server.protocol import (
     ChatCompletionRequest,

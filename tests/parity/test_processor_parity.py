@@ -8,120 +8,24 @@ count of a clip in transformers' padded batch equals its count alone (see `test_
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import numpy as np
 import pytest
 import torch
-import transformers
-from PIL import Image
-from transformers import (
-    AutoTokenizer,
-    Qwen3OmniMoeForConditionalGeneration,
-    Qwen3OmniMoeProcessor,
-    WhisperFeatureExtractor,
-)
-from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+from media_samples import audio, image, media, picture, reference, speech, text, tones
 
 from omnistage.engine.model_runner import positions_for
 from omnistage.errors import InvalidMedia, InvalidRequest
-from omnistage.models.qwen3_omni.audio_features import decode_audio
 from omnistage.models.qwen3_omni.config import Qwen3OmniConfig
 from omnistage.models.qwen3_omni.mrope import rope_positions
 from omnistage.models.qwen3_omni.processor import Processor
-from omnistage.models.qwen3_omni.tiny import PREPROCESSOR_CONFIG
 
-SPEECH = Path(__file__).parents[1] / "data" / "speech_en.wav"
 MEL_TOLERANCE = 1e-4
 GENERATED = 4  # decode steps whose positions are compared
-# The released tokenizer_config.json names these; the tiny checkpoint's does not, so they are passed here.
-MEDIA_TOKENS = {
-    "image_token": "<|image_pad|>",
-    "audio_token": "<|audio_pad|>",
-    "video_token": "<|video_pad|>",
-    "vision_bos_token": "<|vision_start|>",
-    "vision_eos_token": "<|vision_end|>",
-    "audio_bos_token": "<|audio_start|>",
-    "audio_eos_token": "<|audio_end|>",
-}
-
-
-class VideoProcessorStub(transformers.BaseVideoProcessor):
-    """transformers' video processors need torchvision; without it the processor's class check wants the
-    dummy BaseVideoProcessor. No video is processed here: the processor only reads `merge_size`."""
-
-    def __init__(self) -> None:
-        self.merge_size = PREPROCESSOR_CONFIG["merge_size"]
-
-
-@pytest.fixture(scope="module")
-def hf_processor(tiny_checkpoint) -> Qwen3OmniMoeProcessor:
-    audio_keys = (
-        "feature_size",
-        "sampling_rate",
-        "hop_length",
-        "chunk_length",
-        "n_fft",
-        "padding_value",
-        "dither",
-    )
-    image_keys = (
-        "min_pixels",
-        "max_pixels",
-        "patch_size",
-        "temporal_patch_size",
-        "merge_size",
-        "image_mean",
-        "image_std",
-    )
-    return Qwen3OmniMoeProcessor(
-        image_processor=Qwen2VLImageProcessorPil(**{k: PREPROCESSOR_CONFIG[k] for k in image_keys}),
-        video_processor=VideoProcessorStub(),
-        feature_extractor=WhisperFeatureExtractor(**{k: PREPROCESSOR_CONFIG[k] for k in audio_keys}),
-        tokenizer=AutoTokenizer.from_pretrained(tiny_checkpoint, extra_special_tokens=MEDIA_TOKENS),
-    )
-
-
-@pytest.fixture(scope="module")
-def hf_thinker(tiny_checkpoint):
-    return Qwen3OmniMoeForConditionalGeneration.from_pretrained(
-        tiny_checkpoint, dtype=torch.float32
-    ).thinker.eval()
 
 
 @pytest.fixture(scope="module")
 def ours(tiny_checkpoint) -> Processor:
     return Processor(tiny_checkpoint)
-
-
-def tones(seconds: float, seed: int = 0) -> np.ndarray:
-    n = round(seconds * 16000)
-    t = np.arange(n) / 16000
-    noise = np.random.default_rng(seed).standard_normal(n)
-    return (0.4 * np.sin(2 * np.pi * 330 * t) + 0.05 * noise).astype(np.float32)
-
-
-def speech() -> np.ndarray:
-    waveform, rate = decode_audio(SPEECH.read_bytes())
-    assert rate == 16000  # 47,676 samples: not whole hops, fine for the longest clip of a batch
-    return waveform
-
-
-def picture(width: int, height: int, seed: int = 0) -> Image.Image:
-    pixels = np.random.default_rng(seed).integers(0, 256, (height, width, 3), dtype=np.uint8)
-    return Image.fromarray(pixels)
-
-
-def audio(x: np.ndarray) -> dict:
-    return {"type": "audio", "audio": x}
-
-
-def image(x: Image.Image) -> dict:
-    return {"type": "image", "image": x}
-
-
-def text(s: str) -> dict:
-    return {"type": "text", "text": s}
 
 
 CASES = {
@@ -143,20 +47,6 @@ CASES = {
     ],
     "text_only": lambda: [{"role": "user", "content": "Hello there, how are you?"}],
 }
-
-
-def media(messages: list[dict], kind: str) -> list | None:
-    found = [
-        p[kind] for m in messages if isinstance(m["content"], list) for p in m["content"] if p["type"] == kind
-    ]
-    return found or None
-
-
-def reference(hf_processor, prompt: str, messages: list[dict]):
-    """transformers' processor on the same rendered prompt and media (one batch, as it is called)."""
-    return hf_processor(
-        text=prompt, audio=media(messages, "audio"), images=media(messages, "image"), return_tensors="pt"
-    )
 
 
 @pytest.mark.parametrize("case", CASES)

@@ -19,8 +19,16 @@ def test_tokenizer_speaks_the_real_qwen_vocabulary(tiny_checkpoint):
     assert tok.encode("<|im_start|>user") == [151644, 872]
     assert tok.encode("Hello world, this is a test.") == [9707, 1879, 11, 419, 374, 264, 1273, 13]
     assert tok.encode("2024") == [17, 15, 17, 19]  # Qwen splits digits one by one
-    ids = {t: tok.convert_tokens_to_ids(t) for t in ("<|audio_pad|>", "<|image_pad|>", "<|video_pad|>", "<tts_pad>")}
-    assert ids == {"<|audio_pad|>": 151675, "<|image_pad|>": 151655, "<|video_pad|>": 151656, "<tts_pad>": 151671}
+    ids = {
+        t: tok.convert_tokens_to_ids(t)
+        for t in ("<|audio_pad|>", "<|image_pad|>", "<|video_pad|>", "<tts_pad>")
+    }
+    assert ids == {
+        "<|audio_pad|>": 151675,
+        "<|image_pad|>": 151655,
+        "<|video_pad|>": 151656,
+        "<tts_pad>": 151671,
+    }
     assert tok.eos_token_id == 151645
 
 
@@ -28,7 +36,10 @@ def test_chat_template_frames_media_placeholders(tiny_checkpoint):
     tok = AutoTokenizer.from_pretrained(tiny_checkpoint)
     messages = [
         {"role": "system", "content": "Be brief."},
-        {"role": "user", "content": [{"type": "audio"}, {"type": "image"}, {"type": "text", "text": "What is this?"}]},
+        {
+            "role": "user",
+            "content": [{"type": "audio"}, {"type": "image"}, {"type": "text", "text": "What is this?"}],
+        },
     ]
     text = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
     assert text == (

@@ -15,8 +15,8 @@ import soundfile as sf
 from fastapi.testclient import TestClient
 from PIL import Image
 
+from omnistage.media import MediaPolicy
 from omnistage.server import build_app
-from omnistage.server.media import MediaPolicy
 
 MODEL = "fake-model"
 SPEECH = Path(__file__).parents[1] / "data" / "speech_en.wav"
