@@ -20,6 +20,7 @@ def _make_tiny(args: argparse.Namespace) -> None:
 # so the YAML file's value (or the schema's default) stands.
 _ENGINE_FLAGS: list[tuple[str, str, type, str]] = [
     ("--model", "model", str, "checkpoint directory (default: the embedded tiny random-weight model)"),
+    ("--load-format", "load_format", str, "safetensors, or dummy: random weights at the checkpoint's sizes"),
     ("--device", "device", str, "auto, cpu or cuda (default: auto)"),
     ("--dtype", "dtype", str, "auto, float32, bfloat16 or float16 (default: auto)"),
     ("--page-size", "page_size", int, "tokens per KV page"),
@@ -29,7 +30,9 @@ _ENGINE_FLAGS: list[tuple[str, str, type, str]] = [
     ("--max-num-seqs", "max_num_seqs", int, "most sequences running at once"),
     ("--max-num-batched-tokens", "max_num_batched_tokens", int, "per-step token budget (chunked prefill)"),
     ("--max-model-len", "max_model_len", int, "context limit (default: the model's)"),
-    ("--seed", "seed", int, "engine seed"),
+    ("--max-graph-batch", "max_graph_batch", int, "largest decode batch captured in a CUDA graph"),
+    ("--moe-kernel", "moe_kernel", str, "GPU MoE kernel: auto, grouped_mm or triton"),
+    ("--seed", "seed", int, "seed of the random weights of --load-format dummy"),
 ]
 
 
@@ -45,6 +48,7 @@ def _serve(args: argparse.Namespace) -> None:
 
     overrides = {key: getattr(args, key) for _, key, _, _ in _ENGINE_FLAGS}
     overrides["enforce_eager"] = args.enforce_eager
+    overrides["compile"] = False if args.no_compile else None
     if args.config:
         config = load_config(args.config, **overrides)
     else:
@@ -109,6 +113,7 @@ def build_parser() -> argparse.ArgumentParser:
     for flag, key, kind, help_text in _ENGINE_FLAGS:
         serve.add_argument(flag, dest=key, type=kind, default=None, help=help_text)
     serve.add_argument("--enforce-eager", action="store_true", default=None, help="run without CUDA graphs")
+    serve.add_argument("--no-compile", action="store_true", help="leave the decoder layers uncompiled on a GPU")
     serve.set_defaults(func=_serve)
 
     from omnistage.bench import a2t
