@@ -6,40 +6,23 @@ that launches it (a process with compiled kernels, e.g. the GPU tests, stays unt
 `TRITON_INTERPRET=1 pytest tests/unit/engine/test_triton_attention_interpret.py`.
 """
 
-import os
-import subprocess
-import sys
-
 import pytest
 import torch
+from triton_interpreter import INTERPRETING, patch_interpreter, run_in_interpreter
 
 from omnistage.engine.attention import AttentionMetadata, TorchReferenceBackend
 
-INTERPRETING = os.environ.get("TRITON_INTERPRET") == "1"
 pytest.importorskip("triton")
 
 if not INTERPRETING:
 
     def test_kernels_in_the_interpreter():
-        env = dict(os.environ, TRITON_INTERPRET="1")
-        cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__]
-        result = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
-        assert result.returncode == 0, result.stdout[-6000:] + result.stderr[-2000:]
+        run_in_interpreter(__file__)
 
 else:
-    import triton.runtime.interpreter as _interpreter
+    patch_interpreter()
 
     from omnistage.engine.attention import cuda as _cuda
-
-    # Triton 3.6's interpreter holds scalars as 1-element arrays and turns loop bounds into ints with
-    # int(array), which numpy >= 2.4 refuses for arrays of one dimension.
-    _original_patch = _interpreter._patch_lang_tensor
-
-    def _patch_lang_tensor(tensor, scope):
-        _original_patch(tensor, scope)
-        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
-
-    _interpreter._patch_lang_tensor = _patch_lang_tensor
 
     @pytest.fixture
     def cuda_mod():

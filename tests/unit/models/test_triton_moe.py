@@ -2,45 +2,28 @@
 Triton's interpreter, against the reference loop `fused_experts` in float32.
 
 Triton picks interpreted or compiled kernels when `triton.language` is first imported, so the kernels
-run in a child pytest with TRITON_INTERPRET=1 set from its start (see test_triton_attention_interpret.py).
+run in a child pytest with TRITON_INTERPRET=1 set from its start (tests/triton_interpreter.py).
 Run directly: `TRITON_INTERPRET=1 pytest tests/unit/models/test_triton_moe.py`.
 """
 
-import os
-import subprocess
-import sys
-
 import pytest
 import torch
+from triton_interpreter import INTERPRETING, patch_interpreter, run_in_interpreter
 
 from omnistage.models.layers.moe_experts import fused_experts
 
-INTERPRETING = os.environ.get("TRITON_INTERPRET") == "1"
 pytest.importorskip("triton")
 
 if not INTERPRETING:
 
     def test_kernels_in_the_interpreter():
-        env = dict(os.environ, TRITON_INTERPRET="1")
-        cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__]
-        result = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
-        assert result.returncode == 0, result.stdout[-6000:] + result.stderr[-2000:]
+        run_in_interpreter(__file__)
 
 else:
-    import triton.runtime.interpreter as _interpreter
+    patch_interpreter()
 
     from omnistage.models.layers.moe_align import align_pairs_torch, align_pairs_triton
     from omnistage.models.layers.triton_moe import MoeKernelConfig, default_config, triton_experts
-
-    # Triton 3.6's interpreter holds scalars as 1-element arrays and turns loop bounds into ints with
-    # int(array), which numpy >= 2.4 refuses for arrays of one dimension.
-    _original_patch = _interpreter._patch_lang_tensor
-
-    def _patch_lang_tensor(tensor, scope):
-        _original_patch(tensor, scope)
-        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
-
-    _interpreter._patch_lang_tensor = _patch_lang_tensor
 
     def _inputs(num_tokens, hidden, inter, experts, top_k, seed, dtype=torch.float32):
         g = torch.Generator().manual_seed(seed)
