@@ -49,12 +49,6 @@ def bucket_for(batch: int, buckets: Iterable[int]) -> int | None:
     return min(fitting) if fitting else None
 
 
-def padding_for(batch: int, buckets: Iterable[int]) -> int:
-    """Rows of padding a batch of `batch` gets in its bucket; 0 when it runs eagerly."""
-    bucket = bucket_for(batch, buckets)
-    return 0 if bucket is None else bucket - batch
-
-
 def _gib(n: int) -> str:
     return f"{n / GiB:8.2f} GiB"
 

@@ -58,10 +58,6 @@ class AudioLayout:
     tokens: list[int]  # tokens per clip
     cu_seqlens: list[int]  # attention window boundaries over the packed tokens
 
-    @property
-    def max_seqlen(self) -> int:
-        return max(b - a for a, b in zip(self.cu_seqlens, self.cu_seqlens[1:]))
-
 
 def audio_layout(frames: list[int], n_window: int, n_window_infer: int) -> AudioLayout:
     """Chunks of 2 * n_window frames, and windows of n_window_infer frames' worth of tokens, per clip."""

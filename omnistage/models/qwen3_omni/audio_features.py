@@ -58,11 +58,6 @@ def resample(x: np.ndarray, sample_rate: int, target_rate: int = SAMPLE_RATE) ->
     return soxr.resample(x, sample_rate, target_rate, quality="HQ").astype(np.float32, copy=False)
 
 
-def num_mel_frames(num_samples: int) -> int:
-    """Mel frames of a clip of `num_samples` 16 kHz samples (the extractor drops the STFT's last frame)."""
-    return num_samples // HOP_LENGTH
-
-
 def log_mel(
     waveform: torch.Tensor | np.ndarray | list[torch.Tensor | np.ndarray],
     device: torch.device | str | None = None,

@@ -6,7 +6,6 @@ from omnistage.engine.capture_plan import (
     bucket_for,
     decode_buckets,
     kv_bytes_per_page,
-    padding_for,
     plan_memory,
 )
 from omnistage.errors import ConfigError
@@ -40,9 +39,6 @@ def test_bucket_for_and_padding():
         64,
     ]
     assert bucket_for(65, buckets) is None
-    assert padding_for(3, buckets) == 1
-    assert padding_for(33, buckets) == 15
-    assert padding_for(65, buckets) == 0
     # Not every bucket captured: the next captured one up is used.
     assert bucket_for(3, [1, 8]) == 8
     with pytest.raises(ValueError):

@@ -1,8 +1,8 @@
 import hashlib
 import json
 import re
+from pathlib import Path
 
-import pytest
 from safetensors import safe_open
 
 from omnistage.models.qwen3_omni import tiny
@@ -26,11 +26,12 @@ def _pattern(name):
     return re.sub(r"\.\d+(-\d+)?(?=\.)", ".N", name)
 
 
-def test_tensor_names_follow_the_released_file_layout(tiny_checkpoint, pytestconfig):
-    released = pytestconfig.rootpath / ".." / "shared" / "reference" / "qwen3_omni_30b_a3b_instruct.weights.tsv"
-    if not released.exists():
-        pytest.skip("the released weight list lives in ../shared, beside the checkout")
-    rows = released.read_text().splitlines()[1:]
+# Every tensor of the released checkpoint (name, shape, dtype, shard; repeated layers/experts folded as ranges).
+RELEASED_WEIGHTS = Path(__file__).parents[2] / "data" / "qwen3_omni_30b_a3b_instruct.weights.tsv"
+
+
+def test_tensor_names_follow_the_released_file_layout(tiny_checkpoint):
+    rows = RELEASED_WEIGHTS.read_text().splitlines()[1:]
     released_patterns = {_pattern(row.split("\t")[0]) for row in rows}
     with safe_open(str(tiny_checkpoint / "model.safetensors"), "pt") as f:
         names = list(f.keys())
