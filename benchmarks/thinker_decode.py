@@ -280,7 +280,8 @@ def main() -> None:
     )
     results["engine_start_s"] = time.perf_counter() - start
     results["memory"] = llm.engine.memory_summary()
-    results["graphs"] = getattr(llm.engine.runner, "graph_summary", lambda: "none")()
+    graphs = llm.engine.runner.graphs
+    results["graphs"] = graphs.captured_buckets if graphs else []
     log.info("engine ready in %.1f s: %s", results["engine_start_s"], results["memory"])
 
     ours = {}
