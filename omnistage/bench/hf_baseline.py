@@ -2,8 +2,8 @@
 
 The text model is built on the meta device and its parameters are set to our engine's tensors (shared
 storage, no copy), as `benchmarks/thinker_decode.py` does; the audio and vision towers are built for
-real and filled from our encoders where the engine exposes them (`engine.audio_encoder`,
-`engine.vision_encoder`), else left at transformers' random init. Requests run one at a time through
+real and filled from our encoders where the engine exposes them (`engine.encoders.audio_encoder`,
+`engine.encoders.vision_encoder`), else left at transformers' random init. Requests run one at a time through
 `generate(input_features=..., feature_attention_mask=...)`, timed from the raw clip (the mel features
 are computed inside the timing) to the first generated token (a streamer sees it) and to the last.
 """
@@ -58,8 +58,8 @@ def build_hf_thinker(engine: Any, config_dict: dict) -> tuple[torch.nn.Module, d
         hf.audio_tower = Qwen3OmniMoeAudioEncoder._from_config(config.audio_config).to(dtype)
         hf.visual = Qwen3OmniMoeVisionEncoder._from_config(config.vision_config).to(dtype)
     sources = {
-        "audio_tower": _fill_tower(hf.audio_tower, getattr(engine, "audio_encoder", None)),
-        "visual": _fill_tower(hf.visual, getattr(engine, "vision_encoder", None)),
+        "audio_tower": _fill_tower(hf.audio_tower, getattr(engine.encoders, "audio_encoder", None)),
+        "visual": _fill_tower(hf.visual, getattr(engine.encoders, "vision_encoder", None)),
     }
     left = [n for n, t in [*hf.named_parameters(), *hf.named_buffers()] if t.is_meta]
     if left:

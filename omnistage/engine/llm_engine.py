@@ -21,18 +21,17 @@ from omnistage.engine.attention import TorchReferenceBackend
 from omnistage.engine.attention.cuda import CudaAttentionBackend
 from omnistage.engine.capture_plan import GiB, MemoryPlan, decode_buckets, kv_bytes_per_page, plan_memory
 from omnistage.engine.detokenizer import IncrementalDetokenizer
+from omnistage.engine.encoder_engine import EncoderEngine, MultimodalEmbeds
 from omnistage.engine.kv_cache import PagePool
-from omnistage.engine.model_runner import ModelRunner, MultimodalEmbeds, PromptPositions
+from omnistage.engine.model_runner import ModelRunner, PromptPositions
 from omnistage.engine.sampling import Sampler, SamplingParams, SamplingRow, make_generator
 from omnistage.engine.scheduler import Scheduler
 from omnistage.engine.sequence import Sequence, SequenceStatus
 from omnistage.errors import ConfigError, InvalidRequest, RequestTooLarge
 from omnistage.models.layers.moe import SparseMoeBlock
-from omnistage.models.qwen3_omni.audio_encoder import load_audio_encoder
 from omnistage.models.qwen3_omni.config import Qwen3OmniConfig
 from omnistage.models.qwen3_omni.processor import Processor
 from omnistage.models.qwen3_omni.thinker import load_thinker
-from omnistage.models.qwen3_omni.vision_encoder import load_vision_encoder
 from omnistage.outputs import CompletionOutput, RequestOutput
 
 if TYPE_CHECKING:
@@ -110,10 +109,9 @@ class LLMEngine:
         self.model = load_thinker(
             self.model_path, self.dtype, self.device, backend, config.load_format, seed=config.seed
         )
-        towers = dict(dtype=self.dtype, device=self.device, load_format=config.load_format, seed=config.seed)
-        self.audio_encoder = load_audio_encoder(self.model_path, **towers)
-        self.vision_encoder = load_vision_encoder(self.model_path, **towers)
-        self.thinker_config = self.model_config.thinker
+        self.encoders = EncoderEngine(
+            self.model_path, self.model_config.thinker, self.dtype, self.device, config.load_format, config.seed
+        )
         self.load_seconds = time.perf_counter() - started
         self.set_moe_kernel(config.moe_kernel)
         self.compiled = self.device.type == "cuda" and config.compile
@@ -258,7 +256,7 @@ class LLMEngine:
         mm: MultimodalInputs | None = None,
     ) -> None:
         max_tokens = self.validate(prompt_token_ids, params)
-        embeds = self._encode(prompt_token_ids, mm) if mm is not None else None
+        embeds = self.encoders.encode(prompt_token_ids, mm) if mm is not None else None
         state = RequestState(
             params=params,
             prompt=prompt,
@@ -273,32 +271,6 @@ class LLMEngine:
         )
         seq = Sequence(request_id, list(prompt_token_ids), max_tokens, data=state)
         self.scheduler.add(seq)
-
-    @torch.inference_mode()
-    def _encode(self, token_ids: list[int], mm: MultimodalInputs) -> MultimodalEmbeds:
-        """Run the audio and vision encoders for one prompt; their rows must match its placeholders."""
-        ids = torch.tensor(token_ids)
-        cfg = self.thinker_config
-        parts = {}
-        for kind, token_id in (("audio", cfg.audio_token_id), ("image", cfg.image_token_id)):
-            rows = (ids == token_id).nonzero().flatten()
-            if kind == "audio":
-                embeds = (
-                    torch.cat(self.audio_encoder([f.to(self.device) for f in mm.audio_features]))
-                    if mm.audio_features
-                    else None
-                )
-                deepstack = None
-            elif mm.pixel_values is not None:
-                embeds, levels = self.vision_encoder(mm.pixel_values.to(self.device), mm.image_grid_thw)
-                deepstack = torch.stack(levels)
-            else:
-                embeds = deepstack = None
-            found = 0 if embeds is None else embeds.shape[0]
-            if found != len(rows):
-                raise InvalidRequest(f"the prompt has {len(rows)} {kind} placeholder tokens but its {kind} gives {found}")
-            parts[kind] = (rows.to(self.device), embeds, deepstack)
-        return MultimodalEmbeds(*parts["audio"][:2], *parts["image"])
 
     def abort(self, request_id: str) -> RequestOutput | None:
         seq = self.scheduler.abort(request_id)

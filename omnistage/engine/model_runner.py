@@ -26,17 +26,6 @@ class PromptPositions:
     delta: int
 
 
-@dataclass
-class MultimodalEmbeds:
-    """Encoder outputs of one prompt: the prompt rows they replace, and the deepstack levels of images."""
-
-    audio_rows: torch.Tensor  # long [Na] prompt positions of audio placeholders
-    audio_embeds: torch.Tensor | None  # [Na, H]
-    image_rows: torch.Tensor  # long [Ni]
-    image_embeds: torch.Tensor | None  # [Ni, H]
-    deepstack: torch.Tensor | None  # [levels, Ni, H]
-
-
 def positions_for(start: int, count: int, mrope: PromptPositions | None) -> torch.Tensor:
     """`[3, count]` positions of tokens start..start+count: text tokens share one position in all streams."""
     if mrope is None:
