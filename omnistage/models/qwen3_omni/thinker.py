@@ -17,7 +17,7 @@ from omnistage.models.layers.attention import Attention
 from omnistage.models.layers.moe import SparseMoeBlock
 from omnistage.models.layers.norm import RMSNorm
 from omnistage.models.layers.rotary import MRotaryEmbedding
-from omnistage.models.loader import fill_random_, load_weights
+from omnistage.models.loader import load_module
 from omnistage.models.qwen3_omni.config import Qwen3OmniConfig, TextConfig
 
 
@@ -126,13 +126,9 @@ def load_thinker(
     cfg = Qwen3OmniConfig.from_dir(checkpoint_dir).thinker.text
     with torch.device("meta"):
         thinker = Thinker.from_config(cfg, backend)
-    if load_format == "dummy":
-        thinker.to_empty(device=device).to(dtype)
-        fill_random_(thinker, seed)
-    else:
-        # two prefixes, because `thinker.` also holds the audio and vision towers
-        load_weights(thinker.model, checkpoint_dir, "thinker.model.", dtype=dtype, device=device)
-        load_weights(thinker.lm_head, checkpoint_dir, "thinker.lm_head.", dtype=dtype, device=device)
+    # two prefixes, because `thinker.` also holds the audio and vision towers
+    for module, prefix in ((thinker.model, "thinker.model."), (thinker.lm_head, "thinker.lm_head.")):
+        load_module(module, checkpoint_dir, prefix, dtype=dtype, device=device, load_format=load_format, seed=seed)
     thinker.requires_grad_(False).eval()
     for layer in thinker.model.layers:
         layer.self_attn.fuse_projections()
