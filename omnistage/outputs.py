@@ -24,4 +24,6 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     finished: bool = False
     error: str | None = None  # set with finish_reason "error": what went wrong inside the engine
-    metrics: dict[str, float] = field(default_factory=dict)  # arrival, first_token, finished (monotonic s)
+    # monotonic seconds: arrival, encoded (media through the encoders), scheduled (first step), first_token,
+    # finished
+    metrics: dict[str, float] = field(default_factory=dict)

@@ -255,6 +255,7 @@ class LLMEngine:
         mrope: PromptPositions | None = None,
         mm: MultimodalInputs | None = None,
     ) -> None:
+        arrival = time.monotonic()
         max_tokens = self.validate(prompt_token_ids, params)
         embeds = self.encoders.encode(prompt_token_ids, mm) if mm is not None else None
         state = RequestState(
@@ -267,7 +268,7 @@ class LLMEngine:
             eos_token_ids=[] if params.ignore_eos else self.eos_token_ids,
             mrope=mrope,
             mm=embeds,
-            metrics={"arrival": time.monotonic()},
+            metrics={"arrival": arrival, "encoded": time.monotonic()},
         )
         seq = Sequence(request_id, list(prompt_token_ids), max_tokens, data=state)
         self.scheduler.add(seq)
@@ -294,6 +295,9 @@ class LLMEngine:
         step = self.scheduler.schedule()
         if not step.chunks:
             return []
+        now = time.monotonic()
+        for chunk in step.chunks:
+            chunk.seq.data.metrics.setdefault("scheduled", now)
         sampling = [c for c in step.chunks if c.samples]
         try:
             logits = self.runner.execute(step)
