@@ -39,21 +39,26 @@ BASELINE_KV_GIB = 16.0  # our KV pool beside transformers, as benchmarks/thinker
 Runner = Callable[[Clip, int], Awaitable[RequestTiming]]  # (clip, request number) -> its timing
 
 
-async def sweep(run: Runner, clips: list[Clip], concurrencies: list[int], warmup: int = 1) -> list[dict]:
-    """One pass over every clip per concurrency; each pass's summary in order."""
+async def sweep(
+    run: Runner, clips: list[Clip], concurrencies: list[int], warmup: int = 1, repeats: int = 1
+) -> list[dict]:
+    """`repeats` passes over every clip per concurrency; each concurrency's summary (see summarize)."""
     for i in range(warmup):
         await run(clips[i % len(clips)], -1 - i)
     results = []
     counter = 0
     for concurrency in concurrencies:
         gate = asyncio.Semaphore(concurrency)
-        start = time.perf_counter()
-        timings = await asyncio.gather(
-            *(_gated(gate, run, clip, counter + i) for i, clip in enumerate(clips))
-        )
-        wall = time.perf_counter() - start
-        counter += len(clips)
-        summary = summarize(list(timings), wall, concurrency)
+        timings: list[RequestTiming] = []
+        walls = []
+        for _ in range(repeats):
+            start = time.perf_counter()
+            timings += await asyncio.gather(
+                *(_gated(gate, run, clip, counter + i) for i, clip in enumerate(clips))
+            )
+            walls.append(time.perf_counter() - start)
+            counter += len(clips)
+        summary = summarize(timings, walls, concurrency)
         log.info("c=%d: %s", concurrency, summary)
         results.append(summary)
     return results
@@ -144,6 +149,7 @@ def inprocess_runner(engine: Any, output_tokens: int | None, max_tokens: int) ->
         messages = transcription_messages(clip.audio, None, None)
         prompt = await asyncio.to_thread(processor.process_chat, messages)
         prepared = time.perf_counter() - start
+        submitted = time.monotonic()
         final = None
         async for output in engine.generate(
             f"a2t-{number}", prompt.prompt, prompt.token_ids, params, mrope=prompt.mrope, mm=prompt.mm
@@ -152,11 +158,19 @@ def inprocess_runner(engine: Any, output_tokens: int | None, max_tokens: int) ->
         if final is None or final.outputs[0].finish_reason in ("error", "abort"):
             raise RuntimeError(f"{clip.name}: the engine failed it: {final and final.error}")
         m = final.metrics
+        stages = {
+            "preprocess": prepared,
+            "to_engine": m["arrival"] - submitted,
+            "encode": m["encoded"] - m["arrival"],
+            "queue": m["scheduled"] - m["encoded"],
+            "prefill": m["first_token"] - m["scheduled"],
+        }
         return RequestTiming(
             clip.seconds,
-            prepared + m["first_token"] - m["arrival"],
-            prepared + m["finished"] - m["arrival"],
+            m["first_token"] - submitted + prepared,
+            m["finished"] - submitted + prepared,
             len(final.outputs[0].token_ids),
+            stages,
         )
 
     return run
@@ -203,7 +217,7 @@ def run_a2t(args: argparse.Namespace) -> dict[str, Any]:
         model = args.served_model or _first_model(args.url, args.api_key)
         run = server_runner(args.url, model, args.endpoint, output_tokens, args.max_tokens, args.api_key)
         results["target"] = {"url": args.url, "model": model, "endpoint": args.endpoint}
-        results["ours"] = asyncio.run(sweep(run, clips, concurrencies, args.warmup))
+        results["ours"] = asyncio.run(sweep(run, clips, concurrencies, args.warmup, args.repeats))
         return results
 
     from omnistage.config import engine_config
@@ -234,15 +248,19 @@ def run_a2t(args: argparse.Namespace) -> dict[str, Any]:
     results["engine"] = engine.engine.memory_summary()
     try:
         run = inprocess_runner(engine, output_tokens, args.max_tokens)
-        results["ours"] = asyncio.run(sweep(run, clips, concurrencies, args.warmup))
+        results["ours"] = asyncio.run(sweep(run, clips, concurrencies, args.warmup, args.repeats))
         if args.baseline == "transformers":
-            results["transformers"] = _transformers(engine.engine, clips, output_tokens, args.max_tokens)
+            results["transformers"] = _transformers(
+                engine.engine, clips, output_tokens, args.max_tokens, args.repeats
+            )
     finally:
         engine.shutdown()
     return results
 
 
-def _transformers(llm_engine: Any, clips: list[Clip], output_tokens: int | None, max_tokens: int) -> dict:
+def _transformers(
+    llm_engine: Any, clips: list[Clip], output_tokens: int | None, max_tokens: int, repeats: int
+) -> dict:
     from omnistage.bench.hf_baseline import build_hf_thinker, run_hf
     from omnistage.models.qwen3_omni.transcription import transcription_messages
 
@@ -256,6 +274,7 @@ def _transformers(llm_engine: Any, clips: list[Clip], output_tokens: int | None,
         output_tokens,
         max_tokens,
         llm_engine.device,
+        repeats,
     )
     summary["towers"] = sources
     return summary
@@ -284,6 +303,10 @@ def report(results: dict[str, Any]) -> str:
                 f"| {name} | {p['concurrency']} | {p['rtf']:.2f} | {p['ttft_median_ms']:.1f} | "
                 f"{p['tpot_median_ms']:.2f} | {p['wall_s']:.2f} |"
             )
+    for p in results.get("ours") or []:
+        if "stages_median_ms" in p:
+            stages = ", ".join(f"{k} {v:.1f}" for k, v in p["stages_median_ms"].items())
+            lines.append(f"\nours, c={p['concurrency']}, to the first token (median ms): {stages}")
     return "\n".join(lines)
 
 
@@ -344,5 +367,7 @@ def add_parser(sub: Any) -> None:
                    help=f"force exactly N output tokens (default with dummy weights: {DEFAULT_DUMMY_OUTPUT_TOKENS})")  # fmt: skip
     p.add_argument("--max-tokens", type=int, default=256, help="cap on natural (unforced) outputs")
     p.add_argument("--warmup", type=int, default=1, help="requests run before timing")
+    p.add_argument("--repeats", type=int, default=3,
+                   help="timed passes per concurrency (and for the baseline); figures are their medians")  # fmt: skip
     p.add_argument("--out", help="write the results as JSON here")
     p.set_defaults(func=main)

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 
 @dataclass(frozen=True)
@@ -14,6 +14,7 @@ class RequestTiming:
     ttft_s: float  # to the first generated token
     latency_s: float  # to the last
     output_tokens: int
+    stages: dict[str, float] = field(default_factory=dict)  # seconds per named stage, where the target tells
 
     @property
     def tpot_s(self) -> float:
@@ -47,19 +48,39 @@ def real_time_factor(audio_s: float, wall_s: float) -> float:
     return audio_s / wall_s
 
 
-def summarize(timings: list[RequestTiming], wall_s: float, concurrency: int) -> dict[str, float | int]:
-    """The numbers of one pass: every clip once at `concurrency`, which took `wall_s` in all."""
-    audio = sum(t.audio_s for t in timings)
+def summarize(
+    timings: list[RequestTiming], wall_s: float | list[float], concurrency: int
+) -> dict[str, float | int]:
+    """The numbers of one or more passes, each every clip once at `concurrency`.
+
+    `timings` holds every request of every pass and `wall_s` each pass's wall time (one number for one
+    pass). The real-time factor is one pass's audio over the median pass's wall time; TTFT, TPOT, latency
+    and stage figures are over all requests.
+    """
+    walls = [wall_s] if isinstance(wall_s, (int, float)) else list(wall_s)
+    if not walls or len(timings) % len(walls):
+        raise ValueError(f"{len(timings)} requests do not split into {len(walls)} equal passes")
+    per_pass = timings[: len(timings) // len(walls)]
+    audio = sum(t.audio_s for t in per_pass)
     ms = 1e3
-    return {
+    summary: dict = {
         "concurrency": concurrency,
-        "requests": len(timings),
+        "requests": len(per_pass),
+        "passes": len(walls),
         "audio_s": round(audio, 3),
-        "wall_s": round(wall_s, 4),
-        "rtf": round(real_time_factor(audio, wall_s), 3),
+        "wall_s": round(median(walls), 4),
+        "rtf": round(real_time_factor(audio, median(walls)), 3),
         "ttft_median_ms": round(median([t.ttft_s for t in timings]) * ms, 2),
         "ttft_p90_ms": round(percentile([t.ttft_s for t in timings], 90) * ms, 2),
         "tpot_median_ms": round(median([t.tpot_s for t in timings]) * ms, 3),
         "latency_median_ms": round(median([t.latency_s for t in timings]) * ms, 2),
-        "output_tokens": sum(t.output_tokens for t in timings),
+        "output_tokens": sum(t.output_tokens for t in per_pass),
     }
+    if len(walls) > 1:
+        summary["rtf_per_pass"] = [round(real_time_factor(audio, w), 3) for w in walls]
+    names = [name for name in timings[0].stages] if timings else []
+    if names:
+        summary["stages_median_ms"] = {
+            name: round(median([t.stages.get(name, math.nan) for t in timings]) * ms, 2) for name in names
+        }
+    return summary

@@ -44,6 +44,9 @@ def test_sweep_runs_every_clip_per_pass_within_its_concurrency():
         return results
 
     one, three = asyncio.run(main())
+    repeated = asyncio.run(a2t.sweep(run, clips[:2], [2], warmup=0, repeats=3))[0]
+    assert repeated["passes"] == 3 and repeated["requests"] == 2 and len(repeated["rtf_per_pass"]) == 3
+    assert 0.02 <= repeated["wall_s"] < 0.2 and sorted(seen[-6:]) == list(range(6))  # unique request numbers
     assert peak[1] == 1 and peak[3] == 3
     assert seen[0] == -1 and sorted(seen[1:7]) == list(range(6))  # the warm-up, then one pass
     assert one["requests"] == 6 and one["audio_s"] == 21.0
@@ -81,7 +84,7 @@ def test_command_line():
     assert (
         args.func is a2t.main and args.synth is None and args.clips is None and args.concurrency == "1,4,16"
     )
-    assert args.output_tokens is None and args.url is None and args.espeak is True
+    assert args.output_tokens is None and args.url is None and args.espeak is True and args.repeats == 3
     args = build_parser().parse_args(["bench", "a2t", "--url", "http://h:1", "--endpoint", "transcriptions"])
     assert (args.url, args.endpoint) == ("http://h:1", "transcriptions")
     with pytest.raises(SystemExit):
@@ -99,7 +102,8 @@ def test_in_process_smoke_with_the_transformers_baseline(tiny_checkpoint, tmp_pa
     out = tmp_path / "a2t.json"
     args = build_parser().parse_args(
         ["bench", "a2t", "--model", str(tiny_checkpoint), "--device", "cpu", "--limit", "3", "--no-espeak",
-         "--concurrency", "1,2", "--output-tokens", "5", "--baseline", "transformers", "--out", str(out)]
+         "--concurrency", "1,2", "--output-tokens", "5", "--baseline", "transformers", "--repeats", "2",
+         "--out", str(out)]
     )  # fmt: skip
     args.func(args)
     results = json.loads(out.read_text())
@@ -107,10 +111,16 @@ def test_in_process_smoke_with_the_transformers_baseline(tiny_checkpoint, tmp_pa
     ours = results["ours"]
     assert [p["concurrency"] for p in ours] == [1, 2]
     for p in [*ours, results["transformers"]]:
-        assert p["requests"] == 3 and p["output_tokens"] == 15
+        assert p["requests"] == 3 and p["passes"] == 2 and p["output_tokens"] == 15
         assert p["rtf"] > 0 and p["ttft_median_ms"] > 0 and p["tpot_median_ms"] > 0
+    for p in ours:  # the stages before the first token add up to it
+        stages = p["stages_median_ms"]
+        assert set(stages) == {"preprocess", "to_engine", "encode", "queue", "prefill"}
+        assert all(v >= 0 for v in stages.values()) and stages["encode"] > 0 and stages["prefill"] > 0
+        assert sum(stages.values()) == pytest.approx(p["ttft_median_ms"], rel=0.25)
     assert results["transformers"]["towers"] == {
         "audio_tower": "shared with ours",
         "visual": "shared with ours",
     }
-    assert "| transformers | 1 |" in capsys.readouterr().out
+    printed = capsys.readouterr().out
+    assert "| transformers | 1 |" in printed and "ours, c=2, to the first token (median ms): preprocess" in printed

@@ -45,3 +45,17 @@ def test_summarize_one_pass():
     assert s["tpot_median_ms"] == 10.0
     assert s["latency_median_ms"] == 160.0
     assert s["output_tokens"] == 43
+
+
+def test_summarize_several_passes_takes_the_median_pass_wall():
+    one_pass = [RequestTiming(5.0, 0.08, 0.24, 33, {"encode": 0.004, "prefill": 0.05})]
+    slower = [RequestTiming(5.0, 0.10, 0.30, 33, {"encode": 0.006, "prefill": 0.07})]
+    faster = [RequestTiming(5.0, 0.07, 0.20, 33, {"encode": 0.002, "prefill": 0.04})]
+    s = summarize(one_pass + slower + faster, wall_s=[0.25, 0.31, 0.2], concurrency=1)
+    assert s["passes"] == 3 and s["requests"] == 1 and s["audio_s"] == 5.0
+    assert s["wall_s"] == 0.25 and s["rtf"] == 20.0
+    assert s["rtf_per_pass"] == [20.0, pytest.approx(16.129), 25.0]
+    assert s["ttft_median_ms"] == 80.0 and s["output_tokens"] == 33
+    assert s["stages_median_ms"] == {"encode": 4.0, "prefill": 50.0}
+    with pytest.raises(ValueError, match="3 requests do not split into 2 equal passes"):
+        summarize(one_pass + slower + faster, wall_s=[0.2, 0.3], concurrency=1)
