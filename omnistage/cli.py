@@ -31,6 +31,8 @@ _ENGINE_FLAGS: list[tuple[str, str, type, str]] = [
     ("--max-num-batched-tokens", "max_num_batched_tokens", int, "per-step token budget (chunked prefill)"),
     ("--max-model-len", "max_model_len", int, "context limit (default: the model's)"),
     ("--max-graph-batch", "max_graph_batch", int, "largest decode batch captured in a CUDA graph"),
+    ("--max-prefill-graph-tokens", "max_prefill_graph_tokens", int,
+     "largest one-sequence prefill chunk captured in a CUDA graph (0: none)"),  # fmt: skip
     ("--moe-kernel", "moe_kernel", str, "GPU MoE kernel: auto, grouped_mm or triton"),
     ("--seed", "seed", int, "seed of the random weights of --load-format dummy"),
 ]

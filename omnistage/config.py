@@ -38,6 +38,9 @@ class EngineConfig(BaseModel):
         "auto", description="GPU MoE kernel: auto takes Triton for decode-sized batches, grouped GEMMs above"
     )
     max_graph_batch: int = Field(64, ge=1, description="largest decode batch captured in a CUDA graph")
+    max_prefill_graph_tokens: int = Field(
+        512, ge=0, description="largest one-sequence prefill chunk captured in a CUDA graph (0: none)"
+    )
     seed: int = Field(0, description="seed of the random weights of load_format dummy")
 
     @model_validator(mode="after")

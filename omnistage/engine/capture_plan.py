@@ -1,9 +1,10 @@
-"""Memory-aware capture planning: decode batch buckets and the split of GPU memory between KV pages and
-CUDA graphs. Plain arithmetic over measured numbers (bytes), so it is unit-tested without a GPU.
+"""Memory-aware capture planning: decode batch buckets, prefill token buckets, and the split of GPU memory
+between KV pages and CUDA graphs. Plain arithmetic over measured numbers (bytes), so it is unit-tested without a GPU.
 
 The order of claims on memory: weights, then the measured eager floor (the peak of the largest step), a
 small reserve, at least `min_kv_pages` KV pages, then CUDA graphs cheapest-first within a graph budget
-(each bucket all or nothing), and every byte left goes to more KV pages. What is not captured runs eagerly.
+(each bucket all or nothing; decode graphs before prefill graphs, since every token pays for a decode
+step), and every byte left goes to more KV pages. What is not captured runs eagerly.
 """
 
 from collections.abc import Iterable
@@ -41,6 +42,16 @@ def decode_buckets(max_batch: int = 128) -> list[int]:
     return buckets
 
 
+def prefill_buckets(max_tokens: int = 512) -> list[int]:
+    """Token counts of one-sequence prefill chunks to capture: 16, 24, 32, 48, 64, 96, ... up to `max_tokens`.
+
+    Smaller chunks take the 16-token graph; `max_tokens` itself is the last bucket.
+    """
+    if max_tokens < 1:
+        raise ValueError(f"max_tokens must be at least 1, got {max_tokens}")
+    return [b for b in decode_buckets(max_tokens) if b >= min(16, max_tokens)]
+
+
 def bucket_for(batch: int, buckets: Iterable[int]) -> int | None:
     """The smallest bucket that holds `batch` rows, or None (run eagerly) when none does."""
     if batch < 1:
@@ -69,6 +80,9 @@ class MemoryPlan:
     free: int  # left over: less than one KV page beyond the reserve
     limit: int | None = None
     graph_costs: dict[int, int] = field(default_factory=dict)
+    prefill_captured: tuple[int, ...] = ()  # token buckets, ascending
+    prefill_skipped: tuple[int, ...] = ()
+    prefill_graph_costs: dict[int, int] = field(default_factory=dict)
 
     @property
     def kv_bytes(self) -> int:
@@ -84,6 +98,10 @@ class MemoryPlan:
         graphs = f"{n_graphs}/{n_all} buckets"
         if self.captured_buckets:
             graphs += f" (batch {self.captured_buckets[0]}..{self.captured_buckets[-1]})"
+        if self.prefill_graph_costs:
+            graphs += f", prefill {len(self.prefill_captured)}/{len(self.prefill_graph_costs)}"
+            if self.prefill_captured:
+                graphs += f" (tokens {self.prefill_captured[0]}..{self.prefill_captured[-1]})"
         rows = [
             ("weights", self.weights, ""),
             ("KV pages", self.kv_bytes, f"{self.kv_pages:,} pages × {self.kv_bytes_per_page / MiB:.2f} MiB"),
@@ -97,6 +115,8 @@ class MemoryPlan:
         lines += [f"  {name:<19}{_gib(size)}  {note}".rstrip() for name, size, note in rows]
         if self.skipped_buckets:
             lines.append(f"  eager batches: {', '.join(map(str, self.skipped_buckets))}")
+        if self.prefill_skipped:
+            lines.append(f"  eager prefill chunks of: {', '.join(map(str, self.prefill_skipped))} tokens")
         return "\n".join(lines)
 
 
@@ -111,13 +131,15 @@ def plan_memory(
     reserve: int = DEFAULT_RESERVE,
     graph_budget: int | None = None,
     min_kv_pages: int = 1,
+    prefill_graph_costs: dict[int, int] | None = None,
 ) -> MemoryPlan:
     """Split the memory left after the weights between the floor, KV pages and CUDA graphs.
 
     total: the device's memory; free_after_weights: `torch.cuda.mem_get_info()[0]` once the weights are
     loaded (other processes and the CUDA context are already out of it); weights: bytes of the loaded
     weights; floor_peak: the measured eager peak of the largest step beyond the weights;
-    graph_cost_per_bucket: bucket → measured bytes its graph adds to the graph pool; limit: the
+    graph_cost_per_bucket: decode bucket → bytes its graph adds to the graph pool; prefill_graph_costs: the
+    same per prefill token bucket, claimed after the decode graphs; limit: the
     `gpu_memory_limit` in bytes, a cap on everything this process holds, weights included;
     graph_budget: bytes graphs may take (default: DEFAULT_GRAPH_FRACTION of what the floor leaves).
     """
@@ -141,14 +163,10 @@ def plan_memory(
         graph_budget = int(DEFAULT_GRAPH_FRACTION * spare)
     graph_budget = max(0, min(graph_budget, spare))
 
-    captured: list[int] = []
-    graph_bytes = 0
-    for bucket, cost in sorted(graph_cost_per_bucket.items(), key=lambda kv: (kv[1], kv[0])):
-        if graph_bytes + cost > graph_budget:
-            break  # sorted by cost: nothing after this fits either
-        captured.append(bucket)
-        graph_bytes += cost
-    skipped = sorted(set(graph_cost_per_bucket) - set(captured))
+    captured, graph_bytes = _claim(graph_cost_per_bucket, graph_budget)
+    prefill_costs = prefill_graph_costs or {}
+    prefill, prefill_bytes = _claim(prefill_costs, graph_budget - graph_bytes)
+    graph_bytes += prefill_bytes
 
     kv_pages = min_kv_pages + (spare - graph_bytes) // kv_bytes_per_page
     free = available - floor_peak - reserve - graph_bytes - kv_pages * kv_bytes_per_page
@@ -159,13 +177,27 @@ def plan_memory(
         reserve=reserve,
         kv_bytes_per_page=kv_bytes_per_page,
         kv_pages=kv_pages,
-        captured_buckets=tuple(sorted(captured)),
-        skipped_buckets=tuple(skipped),
+        captured_buckets=tuple(captured),
+        skipped_buckets=tuple(sorted(set(graph_cost_per_bucket) - set(captured))),
         graph_bytes=graph_bytes,
         free=free,
         limit=limit,
         graph_costs=dict(graph_cost_per_bucket),
+        prefill_captured=tuple(prefill),
+        prefill_skipped=tuple(sorted(set(prefill_costs) - set(prefill))),
+        prefill_graph_costs=dict(prefill_costs),
     )
+
+
+def _claim(costs: dict[int, int], budget: int) -> tuple[list[int], int]:
+    """Buckets cheapest first while they fit `budget` whole (ascending), and the bytes they take."""
+    taken, used = [], 0
+    for bucket, cost in sorted(costs.items(), key=lambda kv: (kv[1], kv[0])):
+        if used + cost > budget:
+            break  # sorted by cost: nothing after this fits either
+        taken.append(bucket)
+        used += cost
+    return sorted(taken), used
 
 
 def kv_bytes_per_page(

@@ -1,10 +1,18 @@
-"""CUDA graphs for decode steps: one graph per batch bucket over static input buffers.
+"""CUDA graphs for the steps whose host work outweighs their GPU work: decode batches and short prefills.
 
-A decode batch of B sequences is padded to the smallest captured bucket: padding rows get input id 0,
-position 0, slot -1 (write nothing), seq_len 0 (read nothing) and an all-zero block table, so they cost
-a little compute and touch no real KV. Batches above the largest captured bucket, non-decode steps and
-`enforce_eager` run the step eagerly. Off CUDA, `capture` binds eager calls over the same static buffers,
-so the padding path is tested on the CPU; only the graph capture itself needs a GPU.
+Decode: one graph per batch bucket. A decode batch of B sequences is padded to the smallest captured
+bucket: padding rows get input id 0, position 0, slot -1 (write nothing), seq_len 0 (read nothing) and an
+all-zero block table, so they cost a little compute and touch no real KV.
+
+Prefill: one graph per token bucket for a step that is one sequence's chunk (a prompt arriving while
+nothing else runs: the time to the first token at low load). The chunk's embeddings (encoder outputs
+already merged) are padded to the bucket with rows that belong to no sequence (slot -1, no attention), and
+the graph returns the logits of the chunk's last row. Eagerly, a 100-token prefill of the released Thinker
+spends ~45 ms launching ~13 ms of GPU work.
+
+Steps that fit no captured bucket, mixed steps and `enforce_eager` run eagerly. Off CUDA, `capture` binds
+eager calls over the same static buffers, so the padding paths are tested on the CPU; only the graph
+capture itself needs a GPU.
 """
 
 from __future__ import annotations
@@ -22,7 +30,7 @@ from omnistage.engine.capture_plan import bucket_for
 
 logger = logging.getLogger(__name__)
 
-StepFn = Callable[[torch.Tensor, torch.Tensor, AttentionMetadata], Any]
+StepFn = Callable[..., Any]
 
 
 class StaticDecodeBuffers:
@@ -57,6 +65,10 @@ class StaticDecodeBuffers:
             max_query_len=1,
             max_seq_len=self.max_seq_len,
         )
+
+    def args(self, bucket: int) -> tuple:
+        """The step's arguments for a graph of `bucket` rows."""
+        return self.input_ids[:bucket], self.positions[:, :bucket], self.meta(bucket)
 
     def fits(self, input_ids: torch.Tensor, meta: AttentionMetadata) -> bool:
         """Whether the step is a decode step these buffers can hold (checked on host ints only)."""
@@ -95,6 +107,79 @@ class StaticDecodeBuffers:
         self.block_tables[:bucket].zero_()
 
 
+class StaticPrefillBuffers:
+    """Inputs of one sequence's prefill chunk sized for the largest token bucket; a bucket uses the first
+    rows. Rows past the chunk belong to no sequence: slot -1, outside query_start_loc."""
+
+    def __init__(
+        self,
+        max_tokens: int,
+        max_pages: int,
+        max_seq_len: int,
+        hidden_size: int,
+        dtype: torch.dtype,
+        device: torch.device | str,
+        position_rows: int = 3,
+    ) -> None:
+        self.max_tokens = max_tokens
+        self.max_pages = max_pages
+        self.max_seq_len = max_seq_len
+        self.embeds = torch.zeros(max_tokens, hidden_size, dtype=dtype, device=device)
+        self.positions = torch.zeros(position_rows, max_tokens, dtype=torch.long, device=device)
+        self.slot_mapping = torch.full((max_tokens,), -1, dtype=torch.long, device=device)
+        self.query_start_loc = torch.zeros(2, dtype=torch.int32, device=device)
+        self.seq_lens = torch.zeros(1, dtype=torch.int32, device=device)
+        self.block_tables = torch.zeros(1, max_pages, dtype=torch.int32, device=device)
+        self.last_row = torch.zeros(1, dtype=torch.long, device=device)
+
+    def meta(self, bucket: int) -> AttentionMetadata:
+        return AttentionMetadata(
+            slot_mapping=self.slot_mapping[:bucket],
+            query_start_loc=self.query_start_loc,
+            seq_lens=self.seq_lens,
+            block_tables=self.block_tables,
+            max_query_len=bucket,
+            max_seq_len=self.max_seq_len,
+        )
+
+    def args(self, bucket: int) -> tuple:
+        return self.embeds[:bucket], self.positions[:, :bucket], self.meta(bucket), self.last_row
+
+    def fits(self, embeds: torch.Tensor, meta: AttentionMetadata) -> bool:
+        """Whether the step is one sequence's chunk these buffers can hold (host ints only)."""
+        return (
+            meta.seq_lens.shape[0] == 1
+            and meta.slot_mapping.shape[0] == embeds.shape[0]
+            and meta.block_tables.shape[1] <= self.max_pages
+            and 1 <= embeds.shape[0] <= self.max_tokens
+        )
+
+    def fill(self, embeds: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata, bucket: int) -> None:
+        """Copy a chunk of T rows into rows [0, T) and pad rows [T, bucket); device copies, no sync."""
+        tokens, width = embeds.shape[0], meta.block_tables.shape[1]
+        self.embeds[:tokens].copy_(embeds)
+        self.embeds[tokens:bucket].zero_()
+        self.positions[:, :tokens].copy_(positions)
+        self.positions[:, tokens:bucket].zero_()
+        self.slot_mapping[:tokens].copy_(meta.slot_mapping)
+        self.slot_mapping[tokens:bucket].fill_(-1)
+        self.query_start_loc.copy_(meta.query_start_loc)
+        self.seq_lens.copy_(meta.seq_lens)
+        self.block_tables[:, :width].copy_(meta.block_tables)
+        self.block_tables[:, width:].zero_()
+        self.last_row.fill_(tokens - 1)
+
+    def clear(self, bucket: int) -> None:
+        """A chunk of no tokens (used before warm-up and capture: nothing is written to KV)."""
+        self.embeds[:bucket].zero_()
+        self.positions[:, :bucket].zero_()
+        self.slot_mapping[:bucket].fill_(-1)
+        self.query_start_loc.zero_()
+        self.seq_lens.zero_()
+        self.block_tables.zero_()
+        self.last_row.zero_()
+
+
 def _first_rows(out: Any, rows: int) -> Any:
     if isinstance(out, torch.Tensor):
         return out[:rows]
@@ -103,97 +188,70 @@ def _first_rows(out: Any, rows: int) -> Any:
     return out
 
 
-class DecodeGraphRunner:
-    """Replays a captured graph per decode bucket; runs the step eagerly when no bucket fits.
+class GraphSet:
+    """One captured graph per bucket of a step function over static buffers (`buffers.args(bucket)`).
 
-    `step(input_ids [B], positions [3, B], meta) -> Tensor or tuple of Tensors` with B leading rows. The
-    tensors `run` returns are views of the graph's static outputs: use them before the next `run`.
+    Graphs are captured largest first into one memory pool, which the smaller ones (and other sets given
+    the same `pool`) reuse: only one step runs at a time.
     """
 
-    def __init__(
-        self,
-        step: StepFn,
-        max_batch: int,
-        max_pages: int,
-        max_seq_len: int,
-        device: torch.device | str,
-        position_rows: int = 3,
-        enforce_eager: bool = False,
-    ) -> None:
+    kind = "step"
+    unit = "rows"
+
+    def __init__(self, step: StepFn, buffers: Any, device: torch.device | str, enforce_eager: bool = False):
         self.step = step
+        self.buffers = buffers
         self.device = torch.device(device)
         self.enforce_eager = enforce_eager
-        self.buffers = StaticDecodeBuffers(max_batch, max_pages, max_seq_len, self.device, position_rows)
         self._replays: dict[int, Callable[[], None]] = {}
         self._outputs: dict[int, Any] = {}
         self._graphs: list[Any] = []
-        self._pool = None
+        self.pool = None
         self.graph_bytes: dict[int, int] = {}
 
     @property
     def captured_buckets(self) -> list[int]:
         return sorted(self._replays)
 
-    def bucket_for(self, batch: int) -> int | None:
+    def bucket_for(self, size: int) -> int | None:
         if self.enforce_eager:
             return None
-        return bucket_for(batch, self._replays)
+        return bucket_for(size, self._replays)
 
-    def capture(self, buckets: Iterable[int]) -> list[int]:
-        """Capture one graph per bucket, largest first so the smaller ones reuse its pool memory.
-
-        Records the bytes each capture added to the reserved memory in `graph_bytes`; returns the buckets.
-        """
+    def capture(self, buckets: Iterable[int], pool: Any = None) -> list[int]:
+        """Capture one graph per bucket, largest first; records each capture's added bytes in `graph_bytes`."""
         buckets = sorted(set(buckets), reverse=True)
         if self.enforce_eager or not buckets:
             return []
-        if buckets[0] > self.buffers.max_batch:
-            raise ValueError(f"bucket {buckets[0]} exceeds the static buffers' {self.buffers.max_batch} rows")
+        limit = getattr(self.buffers, "max_batch", None) or self.buffers.max_tokens
+        if buckets[0] > limit:
+            raise ValueError(f"bucket {buckets[0]} exceeds the static buffers' {limit} {self.unit}")
         start = time.perf_counter()
         if self.device.type != "cuda":
             for bucket in buckets:
                 self._replays[bucket] = self._static_eager(bucket)
             return sorted(buckets)
         self._warm_up(buckets)
-        self._pool = self._pool or torch.cuda.graph_pool_handle()
-        for bucket in tqdm(buckets, desc="capturing decode graphs", unit="graph"):
+        self.pool = pool or self.pool or torch.cuda.graph_pool_handle()
+        for bucket in tqdm(buckets, desc=f"capturing {self.kind} graphs", unit="graph"):
             before = torch.cuda.memory_reserved(self.device)
             self.buffers.clear(bucket)
             graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=self._pool):
-                self._outputs[bucket] = self.step(
-                    self.buffers.input_ids[:bucket],
-                    self.buffers.positions[:, :bucket],
-                    self.buffers.meta(bucket),
-                )
+            with torch.cuda.graph(graph, pool=self.pool):
+                self._outputs[bucket] = self.step(*self.buffers.args(bucket))
             self._graphs.append(graph)
             self._replays[bucket] = graph.replay
             self.graph_bytes[bucket] = torch.cuda.memory_reserved(self.device) - before
         torch.cuda.synchronize(self.device)
-        seconds = time.perf_counter() - start
         logger.info(
-            "captured %d decode graphs (batch %d..%d) in %.1f s",
-            len(buckets),
-            buckets[-1],
-            buckets[0],
-            seconds,
-        )
+            "captured %d %s graphs (%s %d..%d) in %.1f s",
+            len(buckets), self.kind, self.unit, buckets[-1], buckets[0], time.perf_counter() - start,
+        )  # fmt: skip
         return sorted(buckets)
-
-    def run(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> Any:
-        """One decode step of B rows: replay the bucket's graph on padded inputs, or run eagerly."""
-        batch = input_ids.shape[0]
-        bucket = self.bucket_for(batch)
-        if bucket is None or not self.buffers.fits(input_ids, meta):
-            return self.step(input_ids, positions, meta)
-        self.buffers.fill(input_ids, positions, meta, bucket)
-        self._replays[bucket]()
-        return _first_rows(self._outputs[bucket], batch)
 
     def _static_eager(self, bucket: int) -> Callable[[], None]:
         def replay() -> None:
-            b = self.buffers
-            self._outputs[bucket] = self.step(b.input_ids[:bucket], b.positions[:, :bucket], b.meta(bucket))
+            self._outputs[bucket] = self.step(*self.buffers.args(bucket))
 
         return replay
 
@@ -205,6 +263,75 @@ class DecodeGraphRunner:
         stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(stream):
             for b in buckets:
-                self.step(self.buffers.input_ids[:b], self.buffers.positions[:, :b], self.buffers.meta(b))
+                self.step(*self.buffers.args(b))
         torch.cuda.current_stream(self.device).wait_stream(stream)
         torch.cuda.synchronize(self.device)
+
+
+class DecodeGraphRunner(GraphSet):
+    """Replays a captured graph per decode bucket; runs the step eagerly when no bucket fits.
+
+    `step(input_ids [B], positions [3, B], meta) -> Tensor or tuple of Tensors` with B leading rows. The
+    tensors `run` returns are views of the graph's static outputs: use them before the next `run`.
+    """
+
+    kind = "decode"
+    unit = "batch"
+
+    def __init__(
+        self,
+        step: StepFn,
+        max_batch: int,
+        max_pages: int,
+        max_seq_len: int,
+        device: torch.device | str,
+        position_rows: int = 3,
+        enforce_eager: bool = False,
+    ) -> None:
+        buffers = StaticDecodeBuffers(max_batch, max_pages, max_seq_len, device, position_rows)
+        super().__init__(step, buffers, device, enforce_eager)
+
+    def run(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> Any:
+        """One decode step of B rows: replay the bucket's graph on padded inputs, or run eagerly."""
+        batch = input_ids.shape[0]
+        bucket = self.bucket_for(batch)
+        if bucket is None or not self.buffers.fits(input_ids, meta):
+            return self.step(input_ids, positions, meta)
+        self.buffers.fill(input_ids, positions, meta, bucket)
+        self._replays[bucket]()
+        return _first_rows(self._outputs[bucket], batch)
+
+
+class PrefillGraphRunner(GraphSet):
+    """Replays a captured graph per token bucket for a step that is one sequence's chunk.
+
+    `step(embeds [P, H], positions [3, P], meta, last_row [1]) -> logits [1, V]` of the chunk's last row.
+    `run` returns None when the chunk fits no captured bucket (the caller runs it eagerly); its result is
+    a view of the graph's static output: use it before the next `run`.
+    """
+
+    kind = "prefill"
+    unit = "tokens"
+
+    def __init__(
+        self,
+        step: StepFn,
+        max_tokens: int,
+        max_pages: int,
+        max_seq_len: int,
+        hidden_size: int,
+        dtype: torch.dtype,
+        device: torch.device | str,
+        position_rows: int = 3,
+        enforce_eager: bool = False,
+    ) -> None:
+        buffers = StaticPrefillBuffers(max_tokens, max_pages, max_seq_len, hidden_size, dtype, device, position_rows)
+        super().__init__(step, buffers, device, enforce_eager)
+
+    def run(self, embeds: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor | None:
+        bucket = self.bucket_for(embeds.shape[0]) if embeds.shape[0] else None
+        if bucket is None or not self.buffers.fits(embeds, meta):
+            return None
+        self.buffers.fill(embeds, positions, meta, bucket)
+        self._replays[bucket]()
+        return self._outputs[bucket]

@@ -19,7 +19,14 @@ import torch
 from omnistage.config import EngineConfig
 from omnistage.engine.attention import TorchReferenceBackend
 from omnistage.engine.attention.cuda import CudaAttentionBackend
-from omnistage.engine.capture_plan import GiB, MemoryPlan, decode_buckets, kv_bytes_per_page, plan_memory
+from omnistage.engine.capture_plan import (
+    GiB,
+    MemoryPlan,
+    decode_buckets,
+    kv_bytes_per_page,
+    plan_memory,
+    prefill_buckets,
+)
 from omnistage.engine.detokenizer import IncrementalDetokenizer
 from omnistage.engine.encoder_engine import EncoderEngine, MultimodalEmbeds
 from omnistage.engine.kv_cache import PagePool
@@ -137,12 +144,27 @@ class LLMEngine:
             num_pages = max(1, int((config.kv_cache_memory_gib or _CPU_KV_GIB) * GiB) // self.kv_bytes_per_page)
         self.pool = PagePool(num_pages, self.page_size)
         self.runner.allocate_kv(num_pages)
-        if self.plan is not None and self.dtype != torch.bfloat16 and self.plan.captured_buckets:
-            log.warning("decode CUDA graphs need bfloat16 (grouped-GEMM MoE); %s steps run eagerly", self.dtype)
-            self.plan = replace(self.plan, captured_buckets=(), skipped_buckets=tuple(sorted(self.plan.graph_costs)))
+        if (
+            self.plan is not None
+            and self.dtype != torch.bfloat16
+            and (self.plan.captured_buckets or self.plan.prefill_captured)
+        ):
+            log.warning("CUDA graphs need bfloat16 (grouped-GEMM MoE); %s steps run eagerly", self.dtype)
+            self.plan = replace(
+                self.plan,
+                captured_buckets=(),
+                skipped_buckets=tuple(sorted(self.plan.graph_costs)),
+                prefill_captured=(),
+                prefill_skipped=tuple(sorted(self.plan.prefill_graph_costs)),
+            )
         if self.plan is not None:
             started = time.perf_counter()
-            self.runner.capture_graphs(list(self.plan.captured_buckets), self.max_model_len, config.enforce_eager)
+            self.runner.capture_graphs(
+                list(self.plan.captured_buckets),
+                self.max_model_len,
+                config.enforce_eager,
+                prefill_buckets=list(self.plan.prefill_captured),
+            )
             self.capture_seconds = time.perf_counter() - started
         self.scheduler = Scheduler(self.pool, config.max_num_seqs, config.max_num_batched_tokens)
         self.sampler = Sampler()
@@ -184,8 +206,16 @@ class LLMEngine:
             # measured peak by batch (conservative: graphs captured largest-first reuse that memory)
             largest = self.runner.profile_peak(max(buckets), max(buckets))
             costs = {b: -(-largest * b // max(buckets)) + (2 << 20) for b in buckets}
+        prefill_costs = {}
+        max_prefill = min(cfg.max_prefill_graph_tokens, cfg.max_num_batched_tokens)
+        if not cfg.enforce_eager and max_prefill:
+            prefill = prefill_buckets(max_prefill)
+            largest = self.runner.profile_peak(max(prefill), 1)
+            prefill_costs = {b: -(-largest * b // max(prefill)) + (2 << 20) for b in prefill}
         self._warm_up()
-        plan = plan_memory(total, free, weights, floor, self.kv_bytes_per_page, costs, limit=limit)
+        plan = plan_memory(
+            total, free, weights, floor, self.kv_bytes_per_page, costs, limit=limit, prefill_graph_costs=prefill_costs
+        )
         fixed = cfg.num_kv_pages
         if fixed is None and cfg.kv_cache_memory_gib is not None:
             fixed = int(cfg.kv_cache_memory_gib * GiB) // self.kv_bytes_per_page
@@ -202,15 +232,26 @@ class LLMEngine:
         kv_gib = self.pool.num_pages * self.kv_bytes_per_page / GiB
         weights_gib = sum(p.numel() * p.element_size() for p in self.model.parameters()) / GiB
         graphs = ""
-        if self.runner.graphs is not None:
-            captured = self.runner.graphs.captured_buckets
+        if self.device.type == "cuda" and self.config.enforce_eager:
+            graphs = "; no CUDA graphs (enforce_eager): every step runs eagerly"
+        elif self.device.type == "cuda":
+            decode = self.runner.graphs.captured_buckets if self.runner.graphs else []
+            prefill = self.runner.prefill_graphs.captured_buckets if self.runner.prefill_graphs else []
             eager = self.plan.skipped_buckets if self.plan else ()
             graphs = (
-                f"; decode CUDA graphs for batch {', '.join(map(str, captured))} captured in "
-                f"{self.capture_seconds:.1f} s (eager: larger batches{', ' + ', '.join(map(str, eager)) if eager else ''})"
+                f"; decode CUDA graphs for batch {', '.join(map(str, decode))} "
+                f"(eager: larger batches{', ' + ', '.join(map(str, eager)) if eager else ''})"
+                if decode
+                else "; decode steps run eagerly"
             )
-        elif self.device.type == "cuda":
-            graphs = "; no CUDA graphs (enforce_eager): every step runs eagerly"
+            graphs += (
+                f"; prefill CUDA graphs for one-sequence chunks of {prefill[0]}..{prefill[-1]} tokens "
+                f"({len(prefill)} buckets; longer and batched prefills run eagerly)"
+                if prefill
+                else "; prefill steps run eagerly"
+            )
+            if decode or prefill:
+                graphs += f"; graphs captured in {self.capture_seconds:.1f} s"
         return (
             f"model {self.model_path} on {self.device} ({str(self.dtype).removeprefix('torch.')}), "
             f"weights {weights_gib:.2f} GiB loaded in {self.load_seconds:.1f} s; "

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import torch
 
 from omnistage.engine.attention import AttentionMetadata
-from omnistage.engine.graphs import DecodeGraphRunner
+from omnistage.engine.graphs import DecodeGraphRunner, PrefillGraphRunner
 from omnistage.engine.scheduler import ScheduledChunk, SchedulerOutput
 from omnistage.models.qwen3_omni.config import TextConfig
 from omnistage.models.qwen3_omni.thinker import Thinker
@@ -48,28 +48,43 @@ class ModelRunner:
         self.dtype = dtype
         self.kv_caches: list[torch.Tensor] = []
         self.graphs: DecodeGraphRunner | None = None
+        self.prefill_graphs: PrefillGraphRunner | None = None
 
+    @torch.inference_mode()
     def allocate_kv(self, num_pages: int) -> None:
+        """KV tensors of every layer. Inference tensors always: the warm-up's scratch pages, the graphs'
+        and the pool's then look alike to torch.compile's guards, so serving compiles nothing new."""
         shape = (2, num_pages, self.page_size, self.cfg.num_key_value_heads, self.cfg.head_dim)
         self.kv_caches = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in self.model.model.layers]
 
     def _decode_logits(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         return self.model.compute_logits(self.model(input_ids, positions, self.kv_caches, meta))
 
-    def capture_graphs(self, buckets: list[int], max_model_len: int, enforce_eager: bool) -> None:
-        """Decode graphs for `buckets` (largest first, one shared pool); batches beyond run eagerly."""
-        if not buckets:
-            return
-        self.graphs = DecodeGraphRunner(
-            self._decode_logits,
-            max_batch=max(buckets),
-            max_pages=-(-max_model_len // self.page_size),
-            max_seq_len=max_model_len,
-            device=self.device,
-            enforce_eager=enforce_eager,
-        )
-        with torch.inference_mode():
-            self.graphs.capture(buckets)
+    def _prefill_logits(
+        self, embeds: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata, last_row: torch.Tensor
+    ) -> torch.Tensor:
+        hidden = self.model(None, positions, self.kv_caches, meta, inputs_embeds=embeds)
+        return self.model.compute_logits(hidden.index_select(0, last_row))
+
+    def capture_graphs(
+        self, buckets: list[int], max_model_len: int, enforce_eager: bool, prefill_buckets: list[int] = ()
+    ) -> None:
+        """Decode graphs for batch `buckets` and prefill graphs for token `prefill_buckets`, in one memory
+        pool; steps beyond them run eagerly."""
+        max_pages = -(-max_model_len // self.page_size)
+        if buckets:
+            self.graphs = DecodeGraphRunner(
+                self._decode_logits, max(buckets), max_pages, max_model_len, self.device, enforce_eager=enforce_eager
+            )
+            with torch.inference_mode():
+                self.graphs.capture(buckets)
+        if prefill_buckets:
+            self.prefill_graphs = PrefillGraphRunner(
+                self._prefill_logits, max(prefill_buckets), max_pages, max_model_len, self.cfg.hidden_size,
+                self.dtype, self.device, enforce_eager=enforce_eager,
+            )  # fmt: skip
+            with torch.inference_mode():
+                self.prefill_graphs.capture(prefill_buckets, pool=self.graphs.pool if self.graphs else None)
 
     @torch.inference_mode()
     def profile_peak(self, num_tokens: int, num_seqs: int) -> int:
@@ -115,6 +130,11 @@ class ModelRunner:
         if self.graphs is not None and step.is_pure_decode:
             return self.graphs.run(input_ids, positions, meta)
         embeds, deepstack = self._merge_multimodal(step.chunks, input_ids)
+        if self.prefill_graphs is not None and deepstack is None and len(step.chunks) == 1:
+            chunk = embeds if embeds is not None else self.model.model.embed_tokens(input_ids)
+            logits = self.prefill_graphs.run(chunk, positions, meta)
+            if logits is not None:
+                return logits if step.chunks[0].samples else logits[:0]
         hidden = self.model(input_ids, positions, self.kv_caches, meta, embeds, deepstack)
         last_rows = meta.query_start_loc[1:].long() - 1
         sampling = torch.tensor([c.samples for c in step.chunks], device=self.device)

@@ -1,9 +1,11 @@
 """The engine on a GPU over the tiny checkpoint: graphs equal eager, GPU equals the CPU reference."""
 
+import numpy as np
 import pytest
 import torch
 
 from omnistage import LLM, SamplingParams
+from omnistage.engine.capture_plan import prefill_buckets
 
 pytestmark = pytest.mark.gpu
 
@@ -25,10 +27,42 @@ def test_graphs_equal_eager(tiny_checkpoint):
     )
     graphs = LLM(device="cuda", **common)
     assert graphs.engine.runner.graphs.captured_buckets == [1, 2, 4, 8]
-    assert "decode CUDA graphs for batch 1, 2, 4, 8" in graphs.engine.memory_summary()
+    assert graphs.engine.runner.prefill_graphs.captured_buckets == prefill_buckets(512)
+    summary = graphs.engine.memory_summary()
+    assert "decode CUDA graphs for batch 1, 2, 4, 8" in summary
+    assert "prefill CUDA graphs for one-sequence chunks of 16..512 tokens (11 buckets" in summary
     eager = LLM(device="cuda", enforce_eager=True, **common)
-    assert eager.engine.runner.graphs is None
+    assert eager.engine.runner.graphs is None and eager.engine.runner.prefill_graphs is None
+    assert "no CUDA graphs (enforce_eager)" in eager.engine.memory_summary()
     assert tokens(graphs) == tokens(eager)
+    # each prompt alone: its prefill replays a prefill graph
+    replays = []
+    runner = graphs.engine.runner.prefill_graphs
+    for bucket, replay in list(runner._replays.items()):
+        runner._replays[bucket] = lambda b=bucket, r=replay: replays.append(b) or r()
+    alone = [graphs.generate(p, GREEDY)[0].outputs[0].token_ids for p in PROMPTS]
+    assert replays == [16] * 4  # "Hello" is one token: a decode-shaped step, which a decode graph takes
+    assert alone == [eager.generate(p, GREEDY)[0].outputs[0].token_ids for p in PROMPTS]
+
+
+def test_serving_compiles_nothing_after_start(tiny_checkpoint):
+    """Start-up runs every compiled variant traffic needs: prompts of new lengths, alone and batched, with
+    audio, chunked, and decode batches beyond the graphs add no compiled graph."""
+    from torch._dynamo.utils import counters
+
+    llm = LLM(
+        model=str(tiny_checkpoint), device="cuda", dtype="bfloat16", page_size=4, kv_cache_memory_gib=0.05,
+        max_graph_batch=2, max_num_batched_tokens=600,
+    )  # fmt: skip
+    compiled = counters["stats"]["unique_graphs"]
+    assert compiled > 0
+    prompts = [" ".join(["word"] * n) for n in (3, 40, 70, 300, 700)]
+    llm.generate(prompts, GREEDY)
+    for prompt in prompts:
+        llm.generate(prompt, GREEDY)
+    clip = (0.3 * np.sin(np.arange(48000) / 16000 * 2 * np.pi * 440)).astype(np.float32)
+    llm.chat([{"role": "user", "content": [{"type": "audio", "audio": clip}, {"type": "text", "text": "Hi"}]}], GREEDY)
+    assert counters["stats"]["unique_graphs"] == compiled
 
 
 def test_gpu_float32_agrees_with_the_cpu_reference(tiny_checkpoint):

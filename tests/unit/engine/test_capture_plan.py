@@ -7,6 +7,7 @@ from omnistage.engine.capture_plan import (
     decode_buckets,
     kv_bytes_per_page,
     plan_memory,
+    prefill_buckets,
 )
 from omnistage.errors import ConfigError
 
@@ -14,6 +15,34 @@ from omnistage.errors import ConfigError
 def test_default_buckets():
     assert decode_buckets() == [1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128]
     assert decode_buckets(512)[-4:] == [192, 256, 384, 512]
+
+
+def test_prefill_buckets():
+    assert prefill_buckets() == [16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512]
+    assert prefill_buckets(100) == [16, 24, 32, 48, 64, 96, 100]
+    assert prefill_buckets(8) == [8]
+    with pytest.raises(ValueError):
+        prefill_buckets(0)
+
+
+def test_decode_graphs_claim_the_budget_before_prefill_graphs():
+    plan = plan_memory(
+        total=80 * GiB,
+        free_after_weights=12 * GiB,
+        weights=66 * GiB,
+        floor_peak=2 * GiB,
+        kv_bytes_per_page=12 * MiB,
+        graph_cost_per_bucket={1: 100 * MiB, 2: 100 * MiB, 4: 200 * MiB},
+        prefill_graph_costs={16: 10 * MiB, 32: 20 * MiB, 512: 300 * MiB},
+        graph_budget=450 * MiB,
+    )
+    assert plan.captured_buckets == (1, 2, 4)  # 400 MiB, although prefill 16 is cheaper
+    assert plan.prefill_captured == (16, 32) and plan.prefill_skipped == (512,)
+    assert plan.graph_bytes == 430 * MiB
+    assert plan.floor + plan.reserve + plan.graph_bytes + plan.kv_bytes + plan.free == 12 * GiB
+    table = plan.table()
+    assert "3/3 buckets (batch 1..4), prefill 2/3 (tokens 16..32)" in table
+    assert "eager prefill chunks of: 512 tokens" in table
 
 
 def test_buckets_end_at_max():

@@ -1,10 +1,10 @@
-"""The decode graph runner's padding and bucket logic, on the CPU (capture binds eager calls there)."""
+"""The graph runners' padding and bucket logic, on the CPU (capture binds eager calls there)."""
 
 import torch
 
 from omnistage.engine.attention import AttentionMetadata, TorchReferenceBackend
-from omnistage.engine.capture_plan import decode_buckets
-from omnistage.engine.graphs import DecodeGraphRunner, StaticDecodeBuffers
+from omnistage.engine.capture_plan import decode_buckets, prefill_buckets
+from omnistage.engine.graphs import DecodeGraphRunner, PrefillGraphRunner, StaticDecodeBuffers
 
 PAGE, PAGES, HEADS, KV_HEADS, DIM = 4, 80, 4, 2, 8
 
@@ -101,3 +101,64 @@ def test_enforce_eager_captures_nothing():
     assert runner.bucket_for(1) is None
     runner.run(*_decode_batch(3, seed=3))
     assert step.calls == [3]
+
+
+class TinyPrefillStep(TinyStep):
+    """The same layer over embeddings, returning the logits of `last_row` as the engine's prefill step does."""
+
+    def __call__(self, embeds, positions, meta, last_row=None):
+        self.calls.append(embeds.shape[0])
+        x = embeds + positions.sum(0, keepdim=True).T.float() / 100
+        q = (x @ self.wq).view(-1, HEADS, DIM)
+        k, v = (x @ self.wkv).view(-1, 2, KV_HEADS, DIM).unbind(1)
+        out = self.backend.forward(q, k, v, self.kv_cache, meta, DIM**-0.5)
+        logits = out.flatten(1) @ self.embed.T
+        return logits[-1:] if last_row is None else logits.index_select(0, last_row)
+
+
+def _prefill_chunk(tokens: int, start: int, seed: int):
+    g = torch.Generator().manual_seed(seed)
+    pages = [(seed * 7 + i) % PAGES for i in range(-(-(start + tokens) // PAGE))]
+    meta = AttentionMetadata.build([(start, tokens, pages)], PAGE)
+    embeds = torch.randn(tokens, HEADS * DIM, generator=g)
+    positions = torch.arange(start, start + tokens).expand(3, -1)
+    return embeds, positions, meta
+
+
+def test_prefill_replay_equals_eager_for_every_chunk_length():
+    eager_step, graph_step = TinyPrefillStep(), TinyPrefillStep()
+    runner = PrefillGraphRunner(
+        graph_step, max_tokens=48, max_pages=20, max_seq_len=80, hidden_size=HEADS * DIM, dtype=torch.float32,
+        device="cpu",
+    )  # fmt: skip
+    assert runner.capture(prefill_buckets(48)) == [16, 24, 32, 48]
+    for tokens in range(1, 49):
+        start = (tokens * 5) % 23  # chunks after cached context too
+        embeds, positions, meta = _prefill_chunk(tokens, start, seed=tokens)
+        got = runner.run(embeds, positions, meta)
+        want = eager_step(embeds, positions, meta)
+        assert got.shape == (1, 50)
+        torch.testing.assert_close(got, want)
+        # The padding rows wrote nothing: both caches hold the chunk's keys and values and nothing else
+        # (a padded GEMM may round the real rows' last bits differently).
+        torch.testing.assert_close(graph_step.kv_cache, eager_step.kv_cache, rtol=1e-5, atol=1e-6)
+        assert graph_step.calls[-1] == runner.bucket_for(tokens) == min(b for b in (16, 24, 32, 48) if b >= tokens)
+
+
+def test_prefill_runner_declines_what_it_cannot_hold():
+    step = TinyPrefillStep()
+    runner = PrefillGraphRunner(
+        step, max_tokens=32, max_pages=4, max_seq_len=80, hidden_size=HEADS * DIM, dtype=torch.float32, device="cpu"
+    )
+    runner.capture([16, 32])
+    assert runner.run(*_prefill_chunk(33, 0, seed=1)) is None  # longer than the largest bucket
+    assert runner.run(*_prefill_chunk(8, 12, seed=2)) is None  # 20 tokens need 5 pages: wider than the table
+    embeds, positions, _ = _prefill_chunk(8, 0, seed=3)
+    two = AttentionMetadata.build([(0, 4, [0]), (0, 4, [1])], PAGE)
+    assert runner.run(embeds, positions, two) is None  # two sequences
+    assert step.calls == []  # nothing ran
+    eager = PrefillGraphRunner(
+        step, max_tokens=32, max_pages=4, max_seq_len=80, hidden_size=HEADS * DIM, dtype=torch.float32, device="cpu",
+        enforce_eager=True,
+    )  # fmt: skip
+    assert eager.capture([16, 32]) == [] and eager.run(*_prefill_chunk(8, 0, seed=4)) is None

@@ -245,3 +245,30 @@ def test_async_engine_streams_and_cancels(tiny_checkpoint, alone):
     assert [d for d, _ in results] == alone
     assert all(last.outputs[0].token_ids == d for d, last in results)
     assert freed and engine.stats()["kv_pages_free"] == 128
+
+
+def test_prefill_graph_path_equals_eager(tiny_checkpoint, llm, alone):
+    """One-sequence prefills through the prefill graph runner's padded static buffers (bound eagerly on the
+    CPU, captured on a GPU) give the tokens of the plain eager step: text prompts, chunked prompts whose
+    first chunks sample nothing, and an audio prompt whose embeddings carry the encoder's rows."""
+    import numpy as np
+
+    from omnistage.engine.capture_plan import prefill_buckets
+
+    chunked = make_llm(tiny_checkpoint, num_kv_pages=256, max_num_batched_tokens=8)
+    for graphs in (make_llm(tiny_checkpoint, num_kv_pages=256), chunked):
+        runner = graphs.engine.runner
+        runner.capture_graphs([], graphs.engine.max_model_len, False, prefill_buckets=prefill_buckets(64))
+        replays = []
+        step = runner.prefill_graphs.step
+        runner.prefill_graphs.step = lambda *args, seen=replays, run=step: seen.append(args[0].shape[0]) or run(*args)
+        assert [graphs.generate(p, GREEDY)[0].outputs[0].token_ids for p in PROMPTS] == alone
+        assert set(replays) <= {16, 24, 32, 48, 64} and len(replays) >= len(PROMPTS)
+        assert_pool_full(graphs)
+    assert replays.count(16) > len(PROMPTS)  # the chunked engine replayed chunks of 8 several times per prompt
+
+    clip = (0.3 * np.sin(np.arange(32000) / 16000 * 2 * np.pi * 440)).astype(np.float32)
+    messages = [{"role": "user", "content": [{"type": "audio", "audio": clip}, {"type": "text", "text": "Hi"}]}]
+    graphs = make_llm(tiny_checkpoint, num_kv_pages=256)
+    graphs.engine.runner.capture_graphs([], graphs.engine.max_model_len, False, prefill_buckets=[16, 64])
+    assert graphs.chat(messages, GREEDY)[0].outputs[0].token_ids == llm.chat(messages, GREEDY)[0].outputs[0].token_ids
