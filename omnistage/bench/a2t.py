@@ -234,6 +234,7 @@ def run_a2t(args: argparse.Namespace) -> dict[str, Any]:
         # On a GPU our KV pool takes all the memory left unless told otherwise; transformers needs some.
         "kv_cache_memory_gib": args.kv_cache_memory_gib or (BASELINE_KV_GIB if args.baseline else None),
         "enforce_eager": args.enforce_eager or None,
+        "max_prefill_graph_tokens": args.max_prefill_graph_tokens,
     }
     config = engine_config(
         "bench a2t",
@@ -359,6 +360,8 @@ def add_parser(sub: Any) -> None:
     target.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"])
     target.add_argument("--kv-cache-memory-gib", type=float)
     target.add_argument("--enforce-eager", action="store_true")
+    target.add_argument("--max-prefill-graph-tokens", type=int,
+                        help="largest prefill chunk captured in a CUDA graph (0: none; default: the engine's)")  # fmt: skip
     target.add_argument(
         "--baseline", choices=["transformers"], help="also time transformers on the same weights"
     )

@@ -1,8 +1,9 @@
 """The engine on its own thread, fed from asyncio: the event loop never waits on model work.
 
 Requests are validated on the caller's side (pure arithmetic), queued as commands, and picked up by the
-engine thread between steps; each step's outputs are handed back to the loop thread-safely. A consumer
-that stops iterating (a client that went away) aborts its request, which frees its pages at once.
+engine thread between steps, all those waiting at once (their media go through the encoders together);
+each step's outputs are handed back to the loop thread-safely. A consumer that stops iterating (a client
+that went away) aborts its request, which frees its pages at once.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING
 
 from omnistage.config import EngineConfig
-from omnistage.engine.llm_engine import LLMEngine
+from omnistage.engine.llm_engine import LLMEngine, NewRequest
 from omnistage.engine.model_runner import PromptPositions
 from omnistage.engine.sampling import SamplingParams
 from omnistage.errors import InvalidRequest, QueueFull
@@ -106,33 +107,45 @@ class AsyncEngine:
             loop, out_queue = target
             loop.call_soon_threadsafe(out_queue.put_nowait, item)
 
-    def _handle(self, command: tuple) -> None:
-        kind = command[0]
-        if kind == "add":
-            _, request_id, prompt, token_ids, params, mrope, mm = command
-            with self._lock:
-                self._queued -= 1
-                alive = request_id in self._streams
-            if not alive:  # the client left before the engine saw the request
-                return
-            try:
-                self.engine.add_request(request_id, token_ids, params, prompt=prompt, mrope=mrope, mm=mm)
-            except Exception as exc:
-                self._deliver(request_id, exc)
-        elif kind == "abort":
-            self.engine.abort(command[1])
+    def _admit(self, adds: list[tuple]) -> None:
+        """Admit the queued requests whose clients are still there, their media encoded together."""
+        requests = []
+        with self._lock:
+            self._queued -= len(adds)
+            for _, request_id, prompt, token_ids, params, mrope, mm in adds:
+                if request_id in self._streams:  # else the client left before the engine saw it
+                    requests.append(NewRequest(request_id, token_ids, params, prompt, mrope, mm))
+        for request, error in zip(requests, self.engine.add_requests(requests)):
+            if error is not None:
+                self._deliver(request.request_id, error)
+
+    def _handle(self, commands: list[tuple]) -> None:
+        """Commands in arrival order; consecutive adds are admitted as one batch."""
+        adds: list[tuple] = []
+        for command in commands:
+            if command[0] == "add":
+                adds.append(command)
+                continue
+            if adds:
+                self._admit(adds)
+                adds = []
+            if command[0] == "abort":
+                self.engine.abort(command[1])
+        if adds:
+            self._admit(adds)
 
     def _loop(self) -> None:
         while not self._stopping.is_set():
             try:
                 block = not self.engine.has_unfinished()
+                commands = []
                 while True:
                     try:
-                        command = self._commands.get(block=block, timeout=0.5 if block else None)
+                        commands.append(self._commands.get(block=block, timeout=0.5 if block else None))
                     except queue.Empty:
                         break
-                    self._handle(command)
                     block = False
+                self._handle(commands)
                 if self.engine.has_unfinished():
                     for output in self.engine.step():
                         self._deliver(output.request_id, output)

@@ -1,7 +1,9 @@
-"""The stateless encoder stage: audio and vision towers turning a prompt's media into embedding rows.
+"""The stateless encoder stage: audio and vision towers turning prompts' media into embedding rows.
 
-Runs once per request at admission; its outputs replace the prompt's placeholder embeddings during
-prefill (see ModelRunner) and, for images, feed the deepstack levels.
+Runs at admission, once for all the requests admitted together: every clip of every prompt goes through
+the audio tower as one ragged batch and every image through the vision tower as another (the towers are
+batch invariant, so a request's rows do not depend on its neighbours). The outputs replace the prompts'
+placeholder embeddings during prefill (see ModelRunner) and, for images, feed the deepstack levels.
 """
 
 from __future__ import annotations
@@ -47,18 +49,44 @@ class EncoderEngine:
         self.audio_encoder = load_audio_encoder(checkpoint_dir, **towers)
         self.vision_encoder = load_vision_encoder(checkpoint_dir, **towers)
 
-    @torch.inference_mode()
     def encode(self, token_ids: list[int], mm: MultimodalInputs) -> MultimodalEmbeds:
         """Run the audio and vision encoders for one prompt; their rows must match its placeholders."""
+        return self.encode_many([(token_ids, mm)])[0]
+
+    @torch.inference_mode()
+    def encode_many(self, prompts: list[tuple[list[int], MultimodalInputs]]) -> list[MultimodalEmbeds]:
+        """The encoders over several prompts' media at once, one ragged batch per tower; per prompt, in order.
+
+        Raises InvalidRequest when a prompt's placeholders and its media disagree (the caller retries the
+        prompts one by one to fail only that one).
+        """
+        clips = [f.to(self.device) for _, mm in prompts for f in mm.audio_features]
+        audio = iter(self.audio_encoder(clips) if clips else [])
+        with_images = [mm for _, mm in prompts if mm.pixel_values is not None]
+        image_parts: list = []
+        if with_images:
+            pixels = torch.cat([mm.pixel_values for mm in with_images]).to(self.device)
+            image, levels = self.vision_encoder(pixels, torch.cat([mm.image_grid_thw for mm in with_images]))
+            sizes = [sum(mm.num_image_tokens) for mm in with_images]
+            if sum(sizes) != image.shape[0]:
+                raise InvalidRequest(
+                    f"the prompts' images give {image.shape[0]} rows but their placeholders count {sum(sizes)}"
+                )
+            image_parts = list(zip(image.split(sizes), torch.stack(levels).split(sizes, dim=1)))
+        images = iter(image_parts)
+        out = []
+        for token_ids, mm in prompts:
+            clip_rows = [next(audio) for _ in mm.audio_features]
+            image, deepstack = next(images) if mm.pixel_values is not None else (None, None)
+            out.append(self._place(token_ids, torch.cat(clip_rows) if clip_rows else None, image, deepstack))
+        return out
+
+    def _place(
+        self, token_ids: list[int], audio: torch.Tensor | None, image: torch.Tensor | None, deepstack
+    ) -> MultimodalEmbeds:
         ids = torch.tensor(token_ids)
         audio_rows = (ids == self.cfg.audio_token_id).nonzero().flatten()
         image_rows = (ids == self.cfg.image_token_id).nonzero().flatten()
-        audio = image = deepstack = None
-        if mm.audio_features:
-            audio = torch.cat(self.audio_encoder([f.to(self.device) for f in mm.audio_features]))
-        if mm.pixel_values is not None:
-            image, levels = self.vision_encoder(mm.pixel_values.to(self.device), mm.image_grid_thw)
-            deepstack = torch.stack(levels)
         for kind, rows, embeds in (("audio", audio_rows, audio), ("image", image_rows, image)):
             found = 0 if embeds is None else embeds.shape[0]
             if found != len(rows):

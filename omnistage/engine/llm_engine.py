@@ -56,6 +56,18 @@ _CPU_KV_GIB = 0.25
 
 
 @dataclass
+class NewRequest:
+    """A request as it arrives: a prompt laid out by the processor, and its sampling parameters."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    prompt: str | None = None
+    mrope: PromptPositions | None = None
+    mm: MultimodalInputs | None = None
+
+
+@dataclass
 class RequestState:
     """What the engine keeps per request beside the scheduler's Sequence."""
 
@@ -296,23 +308,65 @@ class LLMEngine:
         mrope: PromptPositions | None = None,
         mm: MultimodalInputs | None = None,
     ) -> None:
+        """Admit one request; raises what makes it unservable (nothing is admitted then)."""
+        request = NewRequest(request_id, prompt_token_ids, params, prompt, mrope, mm)
+        error = self.add_requests([request])[0]
+        if error is not None:
+            raise error
+
+    def add_requests(self, requests: list[NewRequest]) -> list[Exception | None]:
+        """Admit several requests; their media go through the encoders together (one ragged batch per
+        tower). Returns, per request, None or the exception that kept it out; the others are admitted."""
         arrival = time.monotonic()
-        max_tokens = self.validate(prompt_token_ids, params)
-        embeds = self.encoders.encode(prompt_token_ids, mm) if mm is not None else None
-        state = RequestState(
-            params=params,
-            prompt=prompt,
-            detokenizer=IncrementalDetokenizer(
-                self.tokenizer, params.skip_special_tokens, params.stop, params.include_stop_str_in_output
-            ),
-            generator=make_generator(params, self.device),
-            eos_token_ids=[] if params.ignore_eos else self.eos_token_ids,
-            mrope=mrope,
-            mm=embeds,
-            metrics={"arrival": arrival, "encoded": time.monotonic()},
-        )
-        seq = Sequence(request_id, list(prompt_token_ids), max_tokens, data=state)
-        self.scheduler.add(seq)
+        errors: list[Exception | None] = [None] * len(requests)
+        max_tokens: dict[int, int] = {}
+        for i, r in enumerate(requests):
+            try:
+                max_tokens[i] = self.validate(r.prompt_token_ids, r.params)
+            except Exception as exc:
+                errors[i] = exc
+        embeds = self._encode({i: requests[i] for i in max_tokens if requests[i].mm is not None})
+        encoded = time.monotonic()
+        for i, r in enumerate(requests):
+            if i not in max_tokens:
+                continue
+            if isinstance(embeds.get(i), Exception):
+                errors[i] = embeds[i]
+                continue
+            params = r.params
+            state = RequestState(
+                params=params,
+                prompt=r.prompt,
+                detokenizer=IncrementalDetokenizer(
+                    self.tokenizer, params.skip_special_tokens, params.stop, params.include_stop_str_in_output
+                ),
+                generator=make_generator(params, self.device),
+                eos_token_ids=[] if params.ignore_eos else self.eos_token_ids,
+                mrope=r.mrope,
+                mm=embeds.get(i),
+                metrics={"arrival": arrival, "encoded": encoded},
+            )
+            self.scheduler.add(Sequence(r.request_id, list(r.prompt_token_ids), max_tokens[i], data=state))
+        return errors
+
+    def _encode(self, requests: dict[int, NewRequest]) -> dict[int, MultimodalEmbeds | Exception]:
+        """Encoder outputs per request index, all in one call; when that call fails, one request at a time,
+        so that only the request at fault fails."""
+        if not requests:
+            return {}
+        try:
+            outputs = self.encoders.encode_many([(r.prompt_token_ids, r.mm) for r in requests.values()])
+            return dict(zip(requests, outputs))
+        except Exception as exc:
+            if len(requests) == 1:
+                return {i: exc for i in requests}
+        results: dict[int, MultimodalEmbeds | Exception] = {}
+        for i, r in requests.items():
+            try:
+                results[i] = self.encoders.encode(r.prompt_token_ids, r.mm)
+            except Exception as exc:
+                results[i] = exc
+        return results
 
     def abort(self, request_id: str) -> RequestOutput | None:
         seq = self.scheduler.abort(request_id)

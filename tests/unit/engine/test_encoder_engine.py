@@ -33,3 +33,37 @@ def test_placeholders_that_do_not_match_the_media_are_refused(setup):
     with pytest.raises(InvalidRequest) as err:
         encoders.encode(ids, prompt.mm)
     assert str(err.value) == f"the prompt has {count} audio placeholder tokens but its audio gives {count - 1}"
+
+
+def test_many_prompts_encode_together_as_each_alone(tiny_checkpoint, setup):
+    """One ragged batch per tower over several prompts (clips of mixed lengths, images of mixed sizes, a
+    prompt with both, one with neither tower) equals each prompt encoded alone."""
+    from PIL import Image
+
+    cfg, encoders, _ = setup
+    rng = np.random.default_rng(0)
+
+    def clip(seconds):
+        return (0.3 * rng.standard_normal(round(seconds * 16000))).astype(np.float32)
+
+    def picture(w, h):
+        return Image.fromarray(rng.integers(0, 256, (h, w, 3), dtype=np.uint8))
+
+    contents = [
+        [{"type": "audio", "audio": clip(0.7)}, {"type": "text", "text": "a"}],
+        [{"type": "image", "image": picture(56, 84)}, {"type": "audio", "audio": clip(2.3)}],
+        [{"type": "image", "image": picture(112, 56)}, {"type": "image", "image": picture(28, 28)}],
+        [{"type": "audio", "audio": clip(9.1)}, {"type": "audio", "audio": clip(1.0)}],
+    ]
+    processor = Processor(tiny_checkpoint)
+    prompts = [processor.process_chat([{"role": "user", "content": c}]) for c in contents]
+    together = encoders.encode_many([(p.token_ids, p.mm) for p in prompts])
+    for prompt, got in zip(prompts, together):
+        want = encoders.encode(prompt.token_ids, prompt.mm)
+        for name in ("audio_rows", "audio_embeds", "image_rows", "image_embeds", "deepstack"):
+            a, b = getattr(got, name), getattr(want, name)
+            assert (a is None) == (b is None), name
+            if a is not None:
+                torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+    assert together[2].audio_embeds is None and together[2].deepstack.shape[1] == together[2].image_rows.numel()
+    assert together[1].image_embeds is not None and together[1].audio_embeds is not None

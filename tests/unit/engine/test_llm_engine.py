@@ -272,3 +272,82 @@ def test_prefill_graph_path_equals_eager(tiny_checkpoint, llm, alone):
     graphs = make_llm(tiny_checkpoint, num_kv_pages=256)
     graphs.engine.runner.capture_graphs([], graphs.engine.max_model_len, False, prefill_buckets=[16, 64])
     assert graphs.chat(messages, GREEDY)[0].outputs[0].token_ids == llm.chat(messages, GREEDY)[0].outputs[0].token_ids
+
+
+def _audio_prompts(processor, seconds):
+    import numpy as np
+
+    prompts = []
+    for i, s in enumerate(seconds):
+        clip = (0.3 * np.random.default_rng(i).standard_normal(round(s * 16000))).astype(np.float32)
+        content = [{"type": "audio", "audio": clip}, {"type": "text", "text": "Transcribe."}]
+        prompts.append(processor.process_chat([{"role": "user", "content": content}]))
+    return prompts
+
+
+def test_add_requests_fails_only_the_request_at_fault(llm):
+    from omnistage.engine.llm_engine import NewRequest
+
+    engine = llm.engine
+    prompts = _audio_prompts(engine.processor, [1.2, 3.1, 0.5])
+    reference = []
+    for i, p in enumerate(prompts):
+        engine.add_request(f"ref{i}", p.token_ids, GREEDY, mrope=p.mrope, mm=p.mm)
+        reference.append(llm._run([f"ref{i}"])[0].outputs[0].token_ids)
+    bad_media = prompts[1].token_ids + [engine.model_config.thinker.audio_token_id]  # one placeholder too many
+    requests = [
+        NewRequest("a", prompts[0].token_ids, GREEDY, mrope=prompts[0].mrope, mm=prompts[0].mm),
+        NewRequest("bad-media", bad_media, GREEDY, mm=prompts[1].mm),
+        NewRequest("too-long", [872] * 10**6, GREEDY),
+        NewRequest("c", prompts[2].token_ids, GREEDY, mrope=prompts[2].mrope, mm=prompts[2].mm),
+    ]
+    errors = engine.add_requests(requests)
+    assert errors[0] is None and errors[3] is None
+    assert isinstance(errors[1], InvalidRequest) and "audio placeholder tokens but its audio gives" in str(errors[1])
+    assert isinstance(errors[2], RequestTooLarge)
+    outputs = {o.request_id: o.outputs[0].token_ids for o in llm._run(["a", "c"])}
+    assert outputs == {"a": reference[0], "c": reference[2]}
+    assert_pool_full(llm)
+
+
+def test_async_engine_encodes_the_requests_waiting_together(tiny_checkpoint, monkeypatch):
+    """Requests queued while a step runs are admitted at once: one encoder call for all their clips, and
+    each gets the tokens it gets alone."""
+    import threading
+
+    engine = AsyncEngine.from_config(
+        engine_config(model=str(tiny_checkpoint), device="cpu", dtype="float32", page_size=4, num_kv_pages=512)
+    )
+    llm_engine = engine.engine
+    prompts = _audio_prompts(llm_engine.processor, [0.6, 2.2, 4.1, 1.0])
+    batches, release, stepping = [], threading.Event(), threading.Event()
+    encode_many, step = llm_engine.encoders.encode_many, llm_engine.step
+    monkeypatch.setattr(llm_engine.encoders, "encode_many", lambda ps: batches.append(len(ps)) or encode_many(ps))
+
+    def held_step():
+        stepping.set()
+        release.wait(10)
+        return step()
+
+    async def run(name, p):
+        outs = [o async for o in engine.generate(name, None, p.token_ids, GREEDY, mrope=p.mrope, mm=p.mm)]
+        return outs[-1].outputs[0].token_ids
+
+    async def main():
+        alone = [await run(f"alone{i}", p) for i, p in enumerate(prompts)]
+        monkeypatch.setattr(llm_engine, "step", held_step)
+        first = asyncio.ensure_future(run("first", prompts[0]))  # occupies the engine in a held step
+        while not stepping.is_set():
+            await asyncio.sleep(0.01)
+        rest = [asyncio.ensure_future(run(f"r{i}", p)) for i, p in enumerate(prompts)]
+        await asyncio.sleep(0.1)
+        release.set()
+        return alone, await first, await asyncio.gather(*rest)
+
+    try:
+        alone, first, together = asyncio.run(main())
+    finally:
+        engine.shutdown()
+    assert batches[:4] == [1, 1, 1, 1] and batches[-1] == 4  # the four waiting requests: one encoder call
+    assert first == alone[0] and together == alone
+    assert engine.stats()["kv_pages_free"] == 512
