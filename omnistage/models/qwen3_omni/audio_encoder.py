@@ -78,15 +78,49 @@ def audio_layout(frames: list[int], n_window: int, n_window_infer: int) -> Audio
     return AudioLayout(list(frames), chunk_frames, chunk_tokens, tokens, cu_seqlens)
 
 
-def varlen_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: list[int]
-) -> torch.Tensor:
-    """Non-causal attention within each segment [cu[i], cu[i+1]) of packed q, k, v [tokens, heads, dim].
+try:  # FlashAttention's varlen kernel, in torch since 2.10 (CUDA, half precision)
+    from torch.nn.attention.varlen import varlen_attn as _flash_varlen
+except ImportError:  # pragma: no cover - older torch builds
+    _flash_varlen = None
 
-    The one attention site of the encoders; a GPU varlen kernel replaces it. This reference batches the
-    segments of each distinct length into one unmasked SDPA call (flash-eligible, no padding): audio
-    windows are nearly all 104 tokens, and an image is one segment.
+
+@dataclass(frozen=True)
+class Segments:
+    """Attention segments over packed tokens: host boundaries, and on a GPU the same as an int32 tensor.
+
+    Built once per encoder call and shared by its layers, so the fused kernel's boundaries cross to the
+    device once.
     """
+
+    bounds: list[int]  # cu_seqlens: segment i is tokens [bounds[i], bounds[i+1])
+    device_bounds: torch.Tensor | None
+    max_len: int
+
+    @classmethod
+    def of(cls, bounds: list[int], device: torch.device) -> Segments:
+        fused = device.type == "cuda" and _flash_varlen is not None
+        cu = torch.tensor(bounds, dtype=torch.int32, device=device) if fused else None
+        return cls(list(bounds), cu, max((b - a for a, b in zip(bounds, bounds[1:])), default=0))
+
+
+def varlen_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, segments: Segments | list[int]
+) -> torch.Tensor:
+    """Non-causal attention within each segment of packed q, k, v [tokens, heads, dim].
+
+    The one attention site of the encoders. On a GPU in half precision it is one FlashAttention varlen
+    call. Elsewhere this reference batches the segments of each distinct length into one unmasked SDPA
+    call (no padding): audio windows are nearly all 104 tokens, and an image is one segment.
+    """
+    if not isinstance(segments, Segments):
+        segments = Segments.of(segments, q.device)
+    if segments.device_bounds is not None and q.dtype in (torch.bfloat16, torch.float16):
+        cu = segments.device_bounds
+        return _flash_varlen(q, k, v, cu, cu, segments.max_len, segments.max_len)
+    return _grouped_sdpa(q, k, v, segments.bounds)
+
+
+def _grouped_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: list[int]) -> torch.Tensor:
     starts_by_length: dict[int, list[int]] = {}
     for start, end in zip(cu_seqlens, cu_seqlens[1:]):
         starts_by_length.setdefault(end - start, []).append(start)
@@ -123,7 +157,7 @@ class AudioAttention(nn.Module):
         self.v_proj = nn.Linear(d, d)
         self.out_proj = nn.Linear(d, d)
 
-    def forward(self, x: torch.Tensor, cu_seqlens: list[int]) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cu_seqlens: Segments | list[int]) -> torch.Tensor:
         shape = (x.shape[0], self.num_heads, -1)
         q, k, v = self.q_proj(x).view(shape), self.k_proj(x).view(shape), self.v_proj(x).view(shape)
         return self.out_proj(varlen_attention(q, k, v, cu_seqlens).reshape(x.shape[0], -1))
@@ -139,7 +173,7 @@ class AudioEncoderLayer(nn.Module):
         self.fc2 = nn.Linear(cfg.encoder_ffn_dim, cfg.d_model)
         self.act = ACTIVATIONS[cfg.activation_function]
 
-    def forward(self, x: torch.Tensor, cu_seqlens: list[int]) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cu_seqlens: Segments | list[int]) -> torch.Tensor:
         x = x + self.self_attn(self.self_attn_layer_norm(x), cu_seqlens)
         return x + self.fc2(self.act(self.fc1(self.final_layer_norm(x))))
 
@@ -185,8 +219,9 @@ class AudioEncoder(nn.Module):
             raise ValueError(f"audio features hold {packed.shape[-1]} frames, lengths say {sum(frames)}")
         layout = self.layout(frames)
         x = self.embed_chunks(packed, layout)
+        segments = Segments.of(layout.cu_seqlens, x.device)
         for layer in self.layers:
-            x = layer(x, layout.cu_seqlens)
+            x = layer(x, segments)
         x = self.proj2(self.act(self.proj1(self.ln_post(x))))
         return x if packed_input else list(x.split(layout.tokens))
 

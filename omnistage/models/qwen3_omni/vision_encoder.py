@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from omnistage.models.loader import load_module
-from omnistage.models.qwen3_omni.audio_encoder import ACTIVATIONS, varlen_attention
+from omnistage.models.qwen3_omni.audio_encoder import ACTIVATIONS, Segments, varlen_attention
 from omnistage.models.qwen3_omni.config import Qwen3OmniConfig, VisionEncoderConfig
 
 PREFIX = "thinker.visual."
@@ -59,7 +59,7 @@ class VisionAttention(nn.Module):
         self.proj = nn.Linear(cfg.hidden_size, cfg.hidden_size)
 
     def forward(
-        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cu_seqlens: list[int]
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cu_seqlens: Segments | list[int]
     ) -> torch.Tensor:
         q, k, v = self.qkv(x).view(x.shape[0], 3, self.num_heads, -1).unbind(1)
         q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
@@ -94,7 +94,7 @@ class VisionBlock(nn.Module):
         self.mlp = VisionMLP(cfg)
 
     def forward(
-        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cu_seqlens: list[int]
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cu_seqlens: Segments | list[int]
     ) -> torch.Tensor:
         x = x + self.attn(self.norm1(x), cos, sin, cu_seqlens)
         return x + self.mlp(self.norm2(x))
@@ -151,9 +151,10 @@ class VisionEncoder(nn.Module):
         for t, h, w in grids:
             for _ in range(t):
                 cu_seqlens.append(cu_seqlens[-1] + h * w)
+        segments = Segments.of(cu_seqlens, x.device)
         deepstack = []
         for i, block in enumerate(self.blocks):
-            x = block(x, cos, sin, cu_seqlens)
+            x = block(x, cos, sin, segments)
             if i in self.cfg.deepstack_visual_indexes:
                 deepstack.append(self.merger_list[self.cfg.deepstack_visual_indexes.index(i)](x))
         return self.merger(x), deepstack
