@@ -44,7 +44,7 @@ class StaticDecodeBuffers:
         device: torch.device | str,
         position_rows: int = 3,
     ) -> None:
-        self.max_batch = max_batch
+        self.max_batch = self.capacity = max_batch
         self.max_pages = max_pages
         self.max_seq_len = max_seq_len
         self.input_ids = torch.zeros(max_batch, dtype=torch.long, device=device)
@@ -121,7 +121,7 @@ class StaticPrefillBuffers:
         device: torch.device | str,
         position_rows: int = 3,
     ) -> None:
-        self.max_tokens = max_tokens
+        self.max_tokens = self.capacity = max_tokens
         self.max_pages = max_pages
         self.max_seq_len = max_seq_len
         self.embeds = torch.zeros(max_tokens, hidden_size, dtype=dtype, device=device)
@@ -223,9 +223,8 @@ class GraphSet:
         buckets = sorted(set(buckets), reverse=True)
         if self.enforce_eager or not buckets:
             return []
-        limit = getattr(self.buffers, "max_batch", None) or self.buffers.max_tokens
-        if buckets[0] > limit:
-            raise ValueError(f"bucket {buckets[0]} exceeds the static buffers' {limit} {self.unit}")
+        if buckets[0] > self.buffers.capacity:
+            raise ValueError(f"bucket {buckets[0]} exceeds the static buffers' {self.buffers.capacity} {self.unit}")
         start = time.perf_counter()
         if self.device.type != "cuda":
             for bucket in buckets:
