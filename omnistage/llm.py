@@ -7,7 +7,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from omnistage.config import engine_config
-from omnistage.engine.llm_engine import LLMEngine
+from omnistage.engine.llm_engine import LLMEngine, NewRequest
 from omnistage.engine.sampling import SamplingParams
 from omnistage.media import MediaPolicy, decode_messages
 from omnistage.outputs import RequestOutput
@@ -39,13 +39,11 @@ class LLM:
         params_list = [params] * len(prompts) if isinstance(params, SamplingParams) else list(params)
         if len(params_list) != len(prompts):
             raise ValueError(f"{len(prompts)} prompts but {len(params_list)} sampling params")
-        ids = []
+        requests = []
         for prompt, p in zip(prompts, params_list):
             text, token_ids = self._tokens(prompt)
-            request_id = str(next(self._ids))
-            self.engine.add_request(request_id, token_ids, p, prompt=text)
-            ids.append(request_id)
-        return self._run(ids)
+            requests.append(NewRequest(str(next(self._ids)), token_ids, p, prompt=text))
+        return self._run(self._admit(requests))
 
     def chat(
         self,
@@ -61,18 +59,28 @@ class LLM:
         """
         conversations = messages if messages and isinstance(messages[0], list) else [messages]
         params = sampling_params or SamplingParams()
-        ids = []
+        requests = []
         for conversation in conversations:
             processed = self.engine.processor.process_chat(
                 decode_messages(conversation, _OFFLINE_MEDIA), add_generation_prompt
             )
-            request_id = str(next(self._ids))
-            self.engine.add_request(
-                request_id, processed.token_ids, params, prompt=processed.prompt, mrope=processed.mrope,
-                mm=processed.mm,
+            requests.append(
+                NewRequest(
+                    str(next(self._ids)), processed.token_ids, params, processed.prompt, processed.mrope, processed.mm
+                )
             )
-            ids.append(request_id)
-        return self._run(ids)
+        return self._run(self._admit(requests))
+
+    def _admit(self, requests: list[NewRequest]) -> list[str]:
+        """Admit all the requests (their media encoded together) or none: the first error is raised."""
+        errors = self.engine.add_requests(requests)
+        failed = next((e for e in errors if e is not None), None)
+        if failed is not None:
+            for request, error in zip(requests, errors):
+                if error is None:
+                    self.engine.abort(request.request_id)
+            raise failed
+        return [r.request_id for r in requests]
 
     def _tokens(self, prompt: PromptType) -> tuple[str | None, list[int]]:
         if isinstance(prompt, str):

@@ -351,3 +351,18 @@ def test_async_engine_encodes_the_requests_waiting_together(tiny_checkpoint, mon
     assert batches[:4] == [1, 1, 1, 1] and batches[-1] == 4  # the four waiting requests: one encoder call
     assert first == alone[0] and together == alone
     assert engine.stats()["kv_pages_free"] == 512
+
+
+def test_offline_calls_admit_all_their_prompts_or_none(llm, alone):
+    import numpy as np
+
+    with pytest.raises(RequestTooLarge):
+        llm.generate([PROMPTS[0], {"prompt_token_ids": [872] * 10**6}], GREEDY)
+    assert_pool_full(llm)  # the first prompt was not left behind in the engine
+    clip = (0.3 * np.random.default_rng(0).standard_normal(16000)).astype(np.float32)
+    good = [{"role": "user", "content": [{"type": "audio", "audio": clip}, {"type": "text", "text": "Hi"}]}]
+    bad = [{"role": "user", "content": [{"type": "audio", "audio": clip[:0]}]}]
+    with pytest.raises(InvalidRequest):
+        llm.chat([good, bad], GREEDY)
+    assert_pool_full(llm)
+    assert llm.generate(PROMPTS[:2], GREEDY)[1].outputs[0].token_ids == alone[1]
