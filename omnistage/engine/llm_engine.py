@@ -216,14 +216,12 @@ class LLMEngine:
         if buckets:
             # a graph keeps its step's activations and logits in the shared pool; scale the largest step's
             # measured peak by batch (conservative: graphs captured largest-first reuse that memory)
-            largest = self.runner.profile_peak(max(buckets), max(buckets))
-            costs = {b: -(-largest * b // max(buckets)) + (2 << 20) for b in buckets}
+            costs = _scaled_costs(self.runner.profile_peak(max(buckets), max(buckets)), buckets)
         prefill_costs = {}
         max_prefill = min(cfg.max_prefill_graph_tokens, cfg.max_num_batched_tokens)
         if not cfg.enforce_eager and max_prefill:
             prefill = prefill_buckets(max_prefill)
-            largest = self.runner.profile_peak(max(prefill), 1)
-            prefill_costs = {b: -(-largest * b // max(prefill)) + (2 << 20) for b in prefill}
+            prefill_costs = _scaled_costs(self.runner.profile_peak(max(prefill), 1), prefill)
         self._warm_up()
         plan = plan_memory(
             total, free, weights, floor, self.kv_bytes_per_page, costs, limit=limit, prefill_graph_costs=prefill_costs
@@ -460,6 +458,11 @@ class LLMEngine:
             error=state.error,
             metrics=dict(state.metrics),
         )
+
+
+def _scaled_costs(largest_peak: int, buckets: list[int]) -> dict[int, int]:
+    """Graph memory per bucket: the largest bucket's measured step peak scaled by size, plus 2 MiB."""
+    return {b: -(-largest_peak * b // max(buckets)) + (2 << 20) for b in buckets}
 
 
 def _row(seq: Sequence) -> SamplingRow:
