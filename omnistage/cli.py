@@ -1,12 +1,38 @@
-"""The `omnistage` command line: serve, make-tiny, bench."""
+"""The `omnistage` command line: serve, make-tiny, bench.
+
+Building the parser loads only the standard library and the settings schema, so `--help` answers at once;
+each command imports what it runs (torch, the server) when it runs.
+"""
 
 from __future__ import annotations
 
 import argparse
+import errno
 import logging
+import socket
 import sys
+import typing
+from pathlib import Path
+from typing import TYPE_CHECKING
 
+from omnistage import __version__
 from omnistage.errors import ConfigError, OmnistageError
+
+if TYPE_CHECKING:
+    from omnistage.config import EngineConfig
+
+SERVE_DESCRIPTION = """\
+Serve the OpenAI-compatible HTTP API:
+
+  POST /v1/chat/completions      chat; text, audio and image content parts; streaming
+  POST /v1/completions           text completions; streaming
+  POST /v1/audio/transcriptions  speech to text (OpenAI's multipart form); streaming
+  GET  /v1/models                the served model
+  GET  /v1/models/{model}        one model's card
+  GET  /health                   200 once the engine is ready
+  GET  /metrics                  Prometheus metrics (requests, latencies, KV pages)
+
+Engine settings come from --config's `engine:` section, then the flags below."""
 
 
 def _make_tiny(args: argparse.Namespace) -> None:
@@ -20,33 +46,50 @@ def _make_tiny(args: argparse.Namespace) -> None:
 # so the YAML file's value (or the schema's default) stands.
 _ENGINE_FLAGS: list[tuple[str, str, type, str]] = [
     ("--model", "model", str, "checkpoint directory (default: the embedded tiny random-weight model)"),
-    ("--load-format", "load_format", str, "safetensors, or dummy: random weights at the checkpoint's sizes"),
-    ("--device", "device", str, "auto, cpu or cuda (default: auto)"),
-    ("--dtype", "dtype", str, "auto, float32, bfloat16 or float16 (default: auto)"),
+    ("--load-format", "load_format", str, "dummy: random weights at the checkpoint's sizes"),
+    ("--device", "device", str, "where the model runs; auto takes a GPU when there is one"),
+    ("--dtype", "dtype", str, "weight and activation type; auto: bfloat16 on a GPU, float32 on a CPU"),
     ("--page-size", "page_size", int, "tokens per KV page"),
     ("--num-kv-pages", "num_kv_pages", int, "fixed KV pool size in pages (default: planned from memory)"),
-    ("--kv-cache-memory-gib", "kv_cache_memory_gib", float, "memory for KV pages"),
-    ("--gpu-memory-limit-gib", "gpu_memory_limit_gib", float, "cap on the GPU memory omnistage plans to use"),
+    (
+        "--kv-cache-memory-gib",
+        "kv_cache_memory_gib",
+        float,
+        "memory for KV pages (default: 0.25 GiB on a CPU, all that is left on a GPU)",
+    ),  # fmt: skip
+    (
+        "--gpu-memory-limit-gib",
+        "gpu_memory_limit_gib",
+        float,
+        "cap on the GPU memory omnistage plans to use (default: the whole device)",
+    ),  # fmt: skip
     ("--max-num-seqs", "max_num_seqs", int, "most sequences running at once"),
-    ("--max-num-batched-tokens", "max_num_batched_tokens", int, "per-step token budget (chunked prefill)"),
+    (
+        "--max-num-batched-tokens",
+        "max_num_batched_tokens",
+        int,
+        "per-step token budget; a longer prefill runs in chunks",
+    ),
     ("--max-model-len", "max_model_len", int, "context limit (default: the model's)"),
     ("--max-graph-batch", "max_graph_batch", int, "largest decode batch captured in a CUDA graph"),
-    ("--max-prefill-graph-tokens", "max_prefill_graph_tokens", int,
-     "largest one-sequence prefill chunk captured in a CUDA graph (0: none)"),  # fmt: skip
-    ("--moe-kernel", "moe_kernel", str, "GPU MoE kernel: auto, grouped_mm or triton"),
+    (
+        "--max-prefill-graph-tokens",
+        "max_prefill_graph_tokens",
+        int,
+        "largest one-sequence prefill chunk captured in a CUDA graph; 0 for none",
+    ),  # fmt: skip
+    (
+        "--moe-kernel",
+        "moe_kernel",
+        str,
+        "GPU MoE kernel; auto: Triton for decode-sized batches, grouped GEMMs above",
+    ),
     ("--seed", "seed", int, "seed of the random weights of --load-format dummy"),
 ]
 
 
 def _serve(args: argparse.Namespace) -> None:
-    from pathlib import Path
-
-    import uvicorn
-
     from omnistage.config import engine_config, load_config
-    from omnistage.engine.async_engine import AsyncEngine
-    from omnistage.media import MediaPolicy
-    from omnistage.server import build_app
 
     overrides = {key: getattr(args, key) for _, key, _, _ in _ENGINE_FLAGS}
     overrides["enforce_eager"] = args.enforce_eager
@@ -60,44 +103,115 @@ def _serve(args: argparse.Namespace) -> None:
     media_dir = Path(args.media_dir).resolve() if args.media_dir else None
     if media_dir is not None and not media_dir.is_dir():
         raise ConfigError(f"--media-dir {args.media_dir}: not a directory")
-    media = MediaPolicy(allow_remote=args.allow_remote_media, media_dir=media_dir)
 
-    log = logging.getLogger("omnistage.serve")
+    listener = bind(args.host, args.port)
+    try:
+        _load_and_serve(args, config, name, media_dir, listener)
+    finally:
+        listener.close()
+
+
+def _load_and_serve(
+    args: argparse.Namespace, config: EngineConfig, name: str, media_dir: Path | None, listener: socket.socket
+) -> None:
+    import uvicorn
+
+    from omnistage.engine.async_engine import AsyncEngine
+    from omnistage.media import MediaPolicy
+    from omnistage.server import build_app
+
+    media = MediaPolicy(allow_remote=args.allow_remote_media, media_dir=media_dir)
     engine = AsyncEngine.from_config(config, max_queue=args.max_queue)
     try:
         app = build_app(engine, name, api_key=args.api_key, max_body_bytes=args.max_body_bytes, media=media)
-        log.info(
+        logging.getLogger("omnistage.serve").info(
             "serving '%s' at http://%s:%d/v1 (API key %s, max queue %s)\n  %s",
             name,
             args.host,
-            args.port,
+            listener.getsockname()[1],
             "required" if args.api_key else "off",
             args.max_queue if args.max_queue is not None else "unbounded",
             engine.engine.memory_summary(),
         )
-        uvicorn.run(
-            app, host=args.host, port=args.port, log_level=args.log_level, timeout_graceful_shutdown=5
-        )
+        server = uvicorn.Server(uvicorn.Config(app, log_level=args.log_level, timeout_graceful_shutdown=5))
+        server.run(sockets=[listener])
     finally:
         engine.shutdown()
 
 
+def bind(host: str, port: int) -> socket.socket:
+    """The server's socket, bound before the model loads: a busy port fails at once, not after minutes of
+    loading, and nothing can take the port while the model loads (asyncio starts listening on it)."""
+    try:
+        family, kind, proto, _, address = socket.getaddrinfo(
+            host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
+        )[0]
+    except socket.gaierror as exc:
+        raise ConfigError(f"--host {host}: not an address of this machine ({exc.strerror})") from None
+    sock = socket.socket(family, kind, proto)
+    # A restarted server may bind while its predecessor's connections linger in TIME_WAIT, as uvicorn does.
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind(address)
+    except OSError as exc:
+        sock.close()
+        if exc.errno == errno.EADDRINUSE:
+            raise ConfigError(
+                f"port {port} is in use on {host}; stop what holds it or choose another --port"
+            ) from None
+        raise ConfigError(f"cannot bind {host}:{port}: {exc.strerror}") from None
+    return sock
+
+
+def _add_engine_flags(parser: argparse.ArgumentParser) -> None:
+    """The _ENGINE_FLAGS, with the schema's default in their help and its choices where it has some."""
+    from omnistage.config import EngineConfig
+
+    for flag, key, kind, help_text in _ENGINE_FLAGS:
+        field = EngineConfig.model_fields[key]
+        literal = typing.get_origin(field.annotation) is typing.Literal
+        default = "" if field.default is None else f" (default: {field.default})"
+        parser.add_argument(
+            flag,
+            dest=key,
+            type=kind,
+            default=None,  # not given: the YAML file's value, else the schema's default, stands
+            choices=typing.get_args(field.annotation) if literal else None,
+            help=help_text + default,
+        )
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="omnistage", description=__doc__)
+    parser = argparse.ArgumentParser(prog="omnistage", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
 
     tiny = sub.add_parser(
         "make-tiny", help="write a tiny random-weight Qwen3-Omni checkpoint in the released layout"
     )
     tiny.add_argument("directory", help="output directory (created if missing)")
-    tiny.add_argument("--seed", type=int, default=0, help="random seed; the same seed writes the same files")
+    tiny.add_argument(
+        "--seed", type=int, default=0, help="random seed; the same seed writes the same files (default: 0)"
+    )
     tiny.set_defaults(func=_make_tiny)
 
-    serve = sub.add_parser("serve", help="serve the OpenAI-compatible HTTP API (chat, completions, models)")
-    serve.add_argument("--config", help="YAML file with an `engine:` section; the flags below override it")
-    serve.add_argument("--host", default="127.0.0.1", help="address to bind (default: 127.0.0.1)")
-    serve.add_argument("--port", type=int, default=8000, help="port (default: 8000)")
-    serve.add_argument("--api-key", help="require `Authorization: Bearer KEY` on /v1/*")
+    serve = sub.add_parser(
+        "serve",
+        help="serve the OpenAI-compatible HTTP API: chat completions, completions, audio transcriptions, "
+        "models, health, metrics",
+        description=SERVE_DESCRIPTION,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    serve.add_argument(
+        "--config",
+        help="YAML file with an `engine:` section; the flags below override it (default: none, the flags "
+        "and the defaults below)",
+    )
+    serve.add_argument("--host", default="127.0.0.1", help="address to bind (default: %(default)s)")
+    serve.add_argument("--port", type=int, default=8000, help="port (default: %(default)s)")
+    serve.add_argument(
+        "--api-key", help="require `Authorization: Bearer KEY` on /v1/* (default: none, no key asked)"
+    )
     serve.add_argument(
         "--served-model-name", help="the model name clients send (default: the checkpoint's directory name)"
     )
@@ -110,12 +224,22 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument(
         "--allow-remote-media", action="store_true", help="let requests name http(s) URLs of audio and images"
     )
-    serve.add_argument("--media-dir", help="let requests name local media files under this directory")
-    serve.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
-    for flag, key, kind, help_text in _ENGINE_FLAGS:
-        serve.add_argument(flag, dest=key, type=kind, default=None, help=help_text)
+    serve.add_argument(
+        "--media-dir",
+        help="let requests name local media files under this directory (default: none, local paths are "
+        "refused)",
+    )
+    serve.add_argument(
+        "--log-level",
+        default="info",
+        choices=["debug", "info", "warning", "error"],
+        help="(default: %(default)s)",
+    )
+    _add_engine_flags(serve)
     serve.add_argument("--enforce-eager", action="store_true", default=None, help="run without CUDA graphs")
-    serve.add_argument("--no-compile", action="store_true", help="leave the decoder layers uncompiled on a GPU")
+    serve.add_argument(
+        "--no-compile", action="store_true", help="leave the decoder layers uncompiled on a GPU"
+    )
     serve.set_defaults(func=_serve)
 
     from omnistage.bench import a2t

@@ -28,8 +28,8 @@ def test_unknown_yaml_key_stops_the_server_with_its_path(tmp_path, capsys):
 
 
 def test_bad_flag_value_names_the_key(capsys):
-    assert main(["serve", "--device", "tpu"]) == 2
-    assert "device: Input should be 'auto', 'cpu' or 'cuda'" in capsys.readouterr().err
+    assert main(["serve", "--page-size", "0"]) == 2
+    assert "page_size: Input should be greater than or equal to 1" in capsys.readouterr().err
 
 
 def test_serve_defaults_bind_localhost_and_leave_engine_keys_unset():

@@ -1,0 +1,103 @@
+"""The `omnistage` command line: fast help that shows every default and choice, --version, and a busy port."""
+
+from __future__ import annotations
+
+import argparse
+import subprocess
+import sys
+import typing
+from importlib.metadata import version
+
+import pytest
+
+from omnistage.cli import build_parser, main
+from omnistage.config import EngineConfig
+from omnistage.engine.async_engine import AsyncEngine
+from omnistage.server import build_app
+
+
+def subcommand(name: str) -> argparse.ArgumentParser:
+    parser = build_parser()
+    (commands,) = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
+    return commands.choices[name]
+
+
+def test_help_of_every_command_loads_neither_torch_nor_transformers():
+    # A fresh interpreter: this test process has long imported torch.
+    script = (
+        "import sys, contextlib, io\n"
+        "from omnistage.cli import main\n"
+        "for argv in ([], ['serve'], ['make-tiny'], ['bench'], ['bench', 'a2t']):\n"
+        "    with contextlib.redirect_stdout(io.StringIO()), contextlib.suppress(SystemExit):\n"
+        "        main([*argv, '--help'])\n"
+        "print(sorted(m for m in ('torch', 'transformers', 'fastapi', 'uvicorn') if m in sys.modules))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]", out.stderr
+
+
+def test_version(capsys):
+    with pytest.raises(SystemExit) as exited:
+        main(["--version"])
+    assert exited.value.code == 0
+    assert capsys.readouterr().out.strip() == f"omnistage {version('omnistage')}"
+
+
+def test_serve_help_shows_every_default_and_the_schemas_choices():
+    serve = subcommand("serve")
+    for action in serve._actions:
+        if action.option_strings and action.nargs != 0:  # flags that take a value
+            assert action.help and "default" in action.help, action.option_strings
+    options = {a.dest: a for a in serve._actions}
+    for key in ("device", "dtype", "load_format", "moe_kernel"):
+        annotation = EngineConfig.model_fields[key].annotation
+        assert options[key].choices == typing.get_args(annotation)
+    assert "(default: 16)" in options["page_size"].help
+    assert "(default: 2048)" in options["max_num_batched_tokens"].help
+    text = serve.format_help()
+    assert "{auto,cpu,cuda}" in text and "{auto,grouped_mm,triton}" in text
+
+
+def test_help_lists_every_endpoint_of_the_app():
+    app = build_app(engine=None, served_model_name="m")  # routes only; no request reaches the engine
+    paths = set(app.openapi()["paths"])
+    assert "/v1/audio/transcriptions" in paths and "/v1/models/{model}" in paths
+    serve_help = subcommand("serve").format_help()
+    for path in paths:
+        assert path in serve_help, path
+    top_help = build_parser().format_help()
+    for word in ("chat", "completions", "transcriptions", "models"):
+        assert word in top_help.split("serve", 1)[1], word
+
+
+def test_a_choice_outside_the_schema_is_refused_by_the_parser(capsys):
+    with pytest.raises(SystemExit) as exited:
+        main(["serve", "--device", "tpu"])
+    assert exited.value.code == 2
+    assert "argument --device: invalid choice: 'tpu'" in capsys.readouterr().err
+
+
+def test_a_busy_port_fails_before_the_model_loads(tiny_checkpoint, monkeypatch, capsys):
+    loaded = []
+
+    def refuse_to_load(*args, **kwargs):
+        loaded.append(True)
+        raise AssertionError("the model started loading")
+
+    monkeypatch.setattr(AsyncEngine, "from_config", refuse_to_load)
+    holder = subprocess.Popen(
+        [sys.executable, "-c",
+         "import socket, time\n"
+         "s = socket.socket(); s.bind(('127.0.0.1', 0)); s.listen()\n"
+         "print(s.getsockname()[1], flush=True); time.sleep(60)"],
+        stdout=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        port = int(holder.stdout.readline())
+        code = main(["serve", "--port", str(port), "--model", str(tiny_checkpoint), "--device", "cpu"])
+    finally:
+        holder.kill()
+        holder.wait()
+    assert code == 2 and not loaded
+    err = capsys.readouterr().err
+    assert f"omnistage: error: port {port} is in use" in err
