@@ -44,6 +44,7 @@ def _make_tiny(args: argparse.Namespace) -> None:
 
 # Engine settings the command line can override: (flag, EngineConfig key, type, help). None means "not given",
 # so the YAML file's value (or the schema's default) stands.
+# fmt: off
 _ENGINE_FLAGS: list[tuple[str, str, type, str]] = [
     ("--model", "model", str, "checkpoint directory (default: the embedded tiny random-weight model)"),
     ("--load-format", "load_format", str, "dummy: random weights at the checkpoint's sizes"),
@@ -51,41 +52,22 @@ _ENGINE_FLAGS: list[tuple[str, str, type, str]] = [
     ("--dtype", "dtype", str, "weight and activation type; auto: bfloat16 on a GPU, float32 on a CPU"),
     ("--page-size", "page_size", int, "tokens per KV page"),
     ("--num-kv-pages", "num_kv_pages", int, "fixed KV pool size in pages (default: planned from memory)"),
-    (
-        "--kv-cache-memory-gib",
-        "kv_cache_memory_gib",
-        float,
-        "memory for KV pages (default: 0.25 GiB on a CPU, all that is left on a GPU)",
-    ),  # fmt: skip
-    (
-        "--gpu-memory-limit-gib",
-        "gpu_memory_limit_gib",
-        float,
-        "cap on the GPU memory omnistage plans to use (default: the whole device)",
-    ),  # fmt: skip
+    ("--kv-cache-memory-gib", "kv_cache_memory_gib", float,
+     "memory for KV pages (default: 0.25 GiB on a CPU, all that is left on a GPU)"),
+    ("--gpu-memory-limit-gib", "gpu_memory_limit_gib", float,
+     "cap on the GPU memory omnistage plans to use (default: the whole device)"),
     ("--max-num-seqs", "max_num_seqs", int, "most sequences running at once"),
-    (
-        "--max-num-batched-tokens",
-        "max_num_batched_tokens",
-        int,
-        "per-step token budget; a longer prefill runs in chunks",
-    ),
+    ("--max-num-batched-tokens", "max_num_batched_tokens", int,
+     "per-step token budget; a longer prefill runs in chunks"),
     ("--max-model-len", "max_model_len", int, "context limit (default: the model's)"),
     ("--max-graph-batch", "max_graph_batch", int, "largest decode batch captured in a CUDA graph"),
-    (
-        "--max-prefill-graph-tokens",
-        "max_prefill_graph_tokens",
-        int,
-        "largest one-sequence prefill chunk captured in a CUDA graph; 0 for none",
-    ),  # fmt: skip
-    (
-        "--moe-kernel",
-        "moe_kernel",
-        str,
-        "GPU MoE kernel; auto: Triton for decode-sized batches, grouped GEMMs above",
-    ),
+    ("--max-prefill-graph-tokens", "max_prefill_graph_tokens", int,
+     "largest one-sequence prefill chunk captured in a CUDA graph; 0 for none"),
+    ("--moe-kernel", "moe_kernel", str,
+     "GPU MoE kernel; auto: Triton for decode-sized batches, grouped GEMMs above"),
     ("--seed", "seed", int, "seed of the random weights of --load-format dummy"),
 ]
+# fmt: on
 
 
 def _serve(args: argparse.Namespace) -> None:
