@@ -24,12 +24,15 @@ import logging
 import math
 import tempfile
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from omnistage.bench.clips import SYNTH_SETS, Clip, load_dir, synth_clips, total_seconds
 from omnistage.bench.stats import RequestTiming, summarize
+
+if TYPE_CHECKING:
+    import httpx
 
 log = logging.getLogger("omnistage.bench")
 
@@ -85,55 +88,82 @@ def forced(output_tokens: int | None, max_tokens: int) -> dict[str, Any]:
 
 
 def server_runner(
-    url: str, model: str, endpoint: str, output_tokens: int | None, max_tokens: int, api_key: str | None
+    client: httpx.AsyncClient, model: str, endpoint: str, output_tokens: int | None, max_tokens: int
 ) -> Runner:
-    import openai
-
+    """Streamed requests to a running server through `client` (based at its URL); TTFT is the first chunk
+    of a chat stream (the server sends it once the first token exists), the first delta of a transcription."""
     from omnistage.models.qwen3_omni.transcription import INSTRUCTION
 
-    client = openai.AsyncOpenAI(base_url=f"{url.rstrip('/')}/v1", api_key=api_key or "none", max_retries=0)
     fields = forced(output_tokens, max_tokens)
-    extra = {k: v for k, v in fields.items() if k in ("min_tokens", "ignore_eos")}
 
     async def chat(clip: Clip, number: int) -> RequestTiming:
         audio = {"data": base64.b64encode(clip.wav_bytes()).decode(), "format": "wav"}
         content = [{"type": "input_audio", "input_audio": audio}, {"type": "text", "text": INSTRUCTION}]
+        body = {
+            "model": model,
+            "messages": [{"role": "user", "content": content}],
+            "stream": True,
+            "stream_options": {"include_usage": True},
+            **fields,
+        }
         start = time.perf_counter()
-        stream = await client.chat.completions.create(
-            model=model,
-            messages=[{"role": "user", "content": content}],
-            max_tokens=fields["max_tokens"],
-            temperature=0.0,
-            stream=True,
-            stream_options={"include_usage": True},
-            extra_body=extra,
-        )
         first, tokens = None, 0
-        async for chunk in stream:
+        async for event in _events(client, "/v1/chat/completions", json=body):
             first = first or time.perf_counter()
-            if chunk.usage is not None:
-                tokens = chunk.usage.completion_tokens
+            if event.get("usage"):
+                tokens = event["usage"]["completion_tokens"]
         end = time.perf_counter()
         return RequestTiming(clip.seconds, (first or end) - start, end - start, tokens)
 
     async def transcribe(clip: Clip, number: int) -> RequestTiming:
-        form = {"max_tokens": fields["max_tokens"], **extra}
+        form = {"model": model, "stream": "true", **{k: _form_value(v) for k, v in fields.items()}}
+        files = {"file": (f"{clip.name}.wav", clip.wav_bytes(), "audio/wav")}
         start = time.perf_counter()
-        stream = await client.audio.transcriptions.create(
-            model=model, file=(f"{clip.name}.wav", clip.wav_bytes()), stream=True, extra_body=form
-        )
         first, tokens, deltas = None, 0, 0
-        async for event in stream:
-            if event.type == "transcript.text.delta":
+        async for event in _events(client, "/v1/audio/transcriptions", data=form, files=files):
+            if event.get("type") == "transcript.text.delta":
                 first = first or time.perf_counter()
                 deltas += 1
-            elif event.type == "transcript.text.done":
-                usage = getattr(event, "usage", None)
-                tokens = getattr(usage, "output_tokens", 0) or deltas
+            elif event.get("type") == "transcript.text.done":
+                tokens = (event.get("usage") or {}).get("output_tokens") or deltas
         end = time.perf_counter()
         return RequestTiming(clip.seconds, (first or end) - start, end - start, tokens)
 
     return chat if endpoint == "chat" else transcribe
+
+
+async def _events(client: httpx.AsyncClient, path: str, **request: Any) -> AsyncIterator[dict[str, Any]]:
+    """The JSON payloads of a POST's server-sent events up to `[DONE]`, each as soon as it arrives.
+
+    A refused request (HTTP status other than 200) or an error event in the stream raises RuntimeError with
+    the server's message.
+    """
+    async with client.stream("POST", path, **request) as response:
+        if response.status_code != 200:
+            await response.aread()
+            raise RuntimeError(f"{path}: HTTP {response.status_code}: {_error_message(response.text)}")
+        async for line in response.aiter_lines():
+            if not line.startswith("data:"):
+                continue  # blank separators, comments and other SSE fields carry nothing we time
+            data = line.removeprefix("data:").strip()
+            if data == "[DONE]":
+                return
+            event = json.loads(data)
+            if "error" in event:
+                raise RuntimeError(f"{path}: error in the stream: {event['error'].get('message')}")
+            yield event
+
+
+def _error_message(text: str) -> str:
+    """The message of an OpenAI-shaped error body, else the body as it is."""
+    try:
+        return json.loads(text)["error"]["message"]
+    except (ValueError, KeyError, TypeError):
+        return text
+
+
+def _form_value(value: float | bool) -> str:
+    return str(value).lower() if isinstance(value, bool) else str(value)
 
 
 def inprocess_runner(engine: Any, output_tokens: int | None, max_tokens: int) -> Runner:
@@ -215,9 +245,8 @@ def run_a2t(args: argparse.Namespace) -> dict[str, Any]:
     }
     if args.url:
         model = args.served_model or _first_model(args.url, args.api_key)
-        run = server_runner(args.url, model, args.endpoint, output_tokens, args.max_tokens, args.api_key)
         results["target"] = {"url": args.url, "model": model, "endpoint": args.endpoint}
-        results["ours"] = asyncio.run(sweep(run, clips, concurrencies, args.warmup, args.repeats))
+        results["ours"] = asyncio.run(_over_http(args, model, clips, concurrencies, output_tokens))
         return results
 
     from omnistage.config import engine_config
@@ -281,11 +310,38 @@ def _transformers(
     return summary
 
 
+async def _over_http(
+    args: argparse.Namespace,
+    model: str,
+    clips: list[Clip],
+    concurrencies: list[int],
+    output_tokens: int | None,
+) -> list[dict]:
+    import httpx
+
+    # A connection per request in flight: a smaller pool would queue requests here and count it as latency.
+    most = max(concurrencies)
+    async with httpx.AsyncClient(
+        base_url=args.url.rstrip("/"),
+        headers=_auth(args.api_key),
+        timeout=httpx.Timeout(600.0, connect=10.0),
+        limits=httpx.Limits(max_connections=most, max_keepalive_connections=most),
+    ) as client:
+        run = server_runner(client, model, args.endpoint, output_tokens, args.max_tokens)
+        return await sweep(run, clips, concurrencies, args.warmup, args.repeats)
+
+
+def _auth(api_key: str | None) -> dict[str, str]:
+    return {"Authorization": f"Bearer {api_key}"} if api_key else {}
+
+
 def _first_model(url: str, api_key: str | None) -> str:
     import httpx
 
-    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-    return httpx.get(f"{url.rstrip('/')}/v1/models", headers=headers, timeout=10).json()["data"][0]["id"]
+    response = httpx.get(f"{url.rstrip('/')}/v1/models", headers=_auth(api_key), timeout=10)
+    if response.status_code != 200:
+        raise RuntimeError(f"/v1/models: HTTP {response.status_code}: {_error_message(response.text)}")
+    return response.json()["data"][0]["id"]
 
 
 def report(results: dict[str, Any]) -> str:

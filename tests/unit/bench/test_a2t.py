@@ -5,15 +5,23 @@ from __future__ import annotations
 import asyncio
 import json
 import math
+import sys
+import threading
+import time
+from collections.abc import Iterator
 
 import numpy as np
 import pytest
+import uvicorn
 
 from omnistage.bench import a2t
 from omnistage.bench.clips import Clip
 from omnistage.bench.stats import RequestTiming
-from omnistage.cli import build_parser
+from omnistage.cli import bind, build_parser
+from omnistage.config import engine_config
+from omnistage.engine.async_engine import AsyncEngine
 from omnistage.models.qwen3_omni.processor import Processor
+from omnistage.server import build_app
 
 
 def clip(seconds: float, name: str = "c") -> Clip:
@@ -123,4 +131,49 @@ def test_in_process_smoke_with_the_transformers_baseline(tiny_checkpoint, tmp_pa
         "visual": "shared with ours",
     }
     printed = capsys.readouterr().out
-    assert "| transformers | 1 |" in printed and "ours, c=2, to the first token (median ms): preprocess" in printed
+    assert (
+        "| transformers | 1 |" in printed
+        and "ours, c=2, to the first token (median ms): preprocess" in printed
+    )
+
+
+@pytest.fixture(scope="module")
+def server_url(tiny_checkpoint) -> Iterator[str]:
+    """The real app on the tiny checkpoint, served by uvicorn on a thread of this process."""
+    engine = AsyncEngine.from_config(engine_config(model=str(tiny_checkpoint), device="cpu", num_kv_pages=64))
+    listener = bind("127.0.0.1", 0)
+    server = uvicorn.Server(uvicorn.Config(build_app(engine, "tiny", api_key="k"), log_level="warning"))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [listener]}, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while not server.started and time.monotonic() < deadline:
+        time.sleep(0.01)
+    yield f"http://127.0.0.1:{listener.getsockname()[1]}"
+    server.should_exit = True
+    thread.join(timeout=10)
+    engine.shutdown()
+    listener.close()
+
+
+def over_http(url: str, *extra: str) -> dict:
+    args = build_parser().parse_args(
+        ["bench", "a2t", "--url", url, "--api-key", "k", "--limit", "2", "--no-espeak", "--output-tokens", "4",
+         "--warmup", "0", "--repeats", "1", *extra]
+    )  # fmt: skip
+    return a2t.run_a2t(args)
+
+
+@pytest.mark.parametrize("endpoint", ["chat", "transcriptions"])
+def test_over_http_with_the_runtime_dependencies_only(server_url, endpoint, monkeypatch):
+    monkeypatch.setitem(sys.modules, "openai", None)  # a plain `pip install omnistage` has no openai
+    results = over_http(server_url, "--endpoint", endpoint, "--concurrency", "1,2")
+    assert results["target"] == {"url": server_url, "model": "tiny", "endpoint": endpoint}
+    for p in results["ours"]:
+        assert p["requests"] == 2 and p["output_tokens"] == 8  # from the streams' usage
+        assert 0 < p["ttft_median_ms"] < p["latency_median_ms"] and p["tpot_median_ms"] > 0
+
+
+@pytest.mark.parametrize("endpoint", ["chat", "transcriptions"])
+def test_over_http_a_refused_request_stops_the_run_with_the_servers_message(server_url, endpoint):
+    with pytest.raises(RuntimeError, match="HTTP 404.*the model 'nope' does not exist"):
+        over_http(server_url, "--endpoint", endpoint, "--served-model", "nope", "--limit", "1")
