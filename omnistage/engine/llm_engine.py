@@ -17,8 +17,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from omnistage.config import EngineConfig
-from omnistage.engine.attention import TorchReferenceBackend
-from omnistage.engine.attention.cuda import CudaAttentionBackend
+from omnistage.engine.attention import backend_for
 from omnistage.engine.capture_plan import (
     GiB,
     MemoryPlan,
@@ -124,7 +123,7 @@ class LLMEngine:
         self.vocab_size = text.vocab_size
 
         started = time.perf_counter()
-        backend = CudaAttentionBackend() if self.device.type == "cuda" else TorchReferenceBackend()
+        backend = backend_for(self.device)
         self.model = load_thinker(
             self.model_path, self.dtype, self.device, backend, config.load_format, seed=config.seed
         )

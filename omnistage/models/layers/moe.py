@@ -6,12 +6,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from omnistage.models.layers.grouped_moe import grouped_experts
 from omnistage.models.layers.moe_experts import fused_experts
-from omnistage.models.layers.triton_moe import triton_experts
 
-# Our Triton kernels stay outside torch.compile: their launch grids come from host arithmetic.
-_triton_experts = torch.compiler.disable(triton_experts)
 # Token-expert pairs up to which "auto" takes the Triton kernel (decode batches); grouped GEMMs above.
 TRITON_MAX_PAIRS = 512
 
@@ -64,11 +60,18 @@ class SparseMoeBlock(nn.Module):
             self.shared_expert = None
 
     def _experts(self, x: torch.Tensor):
-        """On the GPU in bf16 the graph-safe kernels (`kernel`: auto, grouped_mm or triton); else the exact loop."""
+        """On the GPU in bf16 the graph-safe kernels (`kernel`: auto, grouped_mm or triton); else the exact loop.
+
+        The GPU kernels are imported here, where they run: they need Triton, which a CPU install may lack.
+        """
         if not (x.is_cuda and x.dtype == torch.bfloat16):
             return fused_experts
         if self.kernel == "triton" or (self.kernel == "auto" and x.shape[0] * self.top_k <= TRITON_MAX_PAIRS):
-            return _triton_experts
+            from omnistage.models.layers.triton_moe import triton_experts
+
+            return triton_experts
+        from omnistage.models.layers.grouped_moe import grouped_experts
+
         return grouped_experts
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
