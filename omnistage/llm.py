@@ -9,12 +9,17 @@ from pathlib import Path
 from omnistage.config import engine_config
 from omnistage.engine.llm_engine import LLMEngine, NewRequest
 from omnistage.engine.sampling import SamplingParams
+from omnistage.errors import OmnistageError
 from omnistage.media import MediaPolicy, decode_messages
 from omnistage.outputs import RequestOutput
 
 PromptType = str | dict
 # In-process callers name their own files: local paths anywhere, nothing fetched from the network.
 _OFFLINE_MEDIA = MediaPolicy(allow_remote=False, media_dir=Path("/"))
+
+
+class RequestFailed(OmnistageError):
+    """A prompt of an offline call failed inside the engine; the call's other prompts are abandoned."""
 
 
 class LLM:
@@ -32,7 +37,11 @@ class LLM:
         prompts: PromptType | Sequence[PromptType],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
     ) -> list[RequestOutput]:
-        """Outputs in prompt order. A prompt is a string or {"prompt_token_ids": [...]} (or {"prompt": str})."""
+        """Outputs in prompt order. A prompt is a string or {"prompt_token_ids": [...]} (or {"prompt": str}).
+
+        Raises what keeps a prompt out of the engine (nothing runs then), and RequestFailed when a prompt fails
+        inside it (a model step raised for it); chat does the same.
+        """
         if isinstance(prompts, str | dict):
             prompts = [prompts]
         params = sampling_params or SamplingParams()
@@ -96,6 +105,11 @@ class LLM:
                 for out in self.engine.step():
                     if out.finished:
                         final[out.request_id] = out
+                    if out.error is not None:
+                        raise RequestFailed(
+                            f"prompt {request_ids.index(out.request_id)} of {len(request_ids)} (counting from 0) "
+                            f"failed in the engine: {out.error}"
+                        )
         finally:
             for request_id in request_ids:
                 if request_id not in final:

@@ -31,7 +31,7 @@ from omnistage.engine.encoder_engine import EncoderEngine, MultimodalEmbeds
 from omnistage.engine.kv_cache import PagePool
 from omnistage.engine.model_runner import ModelRunner, PromptPositions
 from omnistage.engine.sampling import Sampler, SamplingParams, SamplingRow, make_generator
-from omnistage.engine.scheduler import Scheduler
+from omnistage.engine.scheduler import ScheduledChunk, Scheduler, SchedulerOutput
 from omnistage.engine.sequence import Sequence, SequenceStatus
 from omnistage.errors import ConfigError, InvalidRequest, RequestTooLarge
 from omnistage.models.layers.moe import SparseMoeBlock
@@ -390,15 +390,38 @@ class LLMEngine:
         now = time.monotonic()
         for chunk in step.chunks:
             chunk.seq.data.metrics.setdefault("scheduled", now)
-        sampling = [c for c in step.chunks if c.samples]
+        return self._run(step.chunks)
+
+    def _run(self, chunks: list[ScheduledChunk]) -> list[RequestOutput]:
+        """Run `chunks` as one model step and apply what it sampled.
+
+        A failure never leaves the requests at fault: a lone chunk fails its request, and the chunks of a
+        failed batch run again one at a time, so that the others get the tokens they would have got alone.
+        A chunk run again rewrites the same KV slots, and its generator is first put back where it stood.
+        """
+        sampling = [c for c in chunks if c.samples]
+        rows = [_row(c.seq) for c in sampling]
+        generators = [(r.generator, r.generator.get_state()) for r in rows if r.generator is not None]
         try:
-            logits = self.runner.execute(step)
-            rows = [_row(c.seq) for c in sampling]
+            logits = self.runner.execute(SchedulerOutput(chunks))
             tokens = self.sampler(logits, rows).tolist() if rows else []
         except Exception as exc:  # a failing step fails its requests, never the engine
-            return self._fail(step.chunks, exc)
-        self.scheduler.update(step, {c.seq.request_id: t for c, t in zip(sampling, tokens)})
-        return [self._after_sample(c.seq, t) for c, t in zip(sampling, tokens)]
+            if isinstance(exc, torch.OutOfMemoryError):
+                torch.cuda.empty_cache()
+            if len(chunks) == 1:
+                return self._fail(chunks[0].seq, exc)
+            log.warning("a step of %d chunks failed (%s); running them one at a time", len(chunks), exc)
+            for generator, state in generators:
+                generator.set_state(state)
+            return [out for chunk in chunks for out in self._run([chunk])]
+        self.scheduler.update(SchedulerOutput(chunks), {c.seq.request_id: t for c, t in zip(sampling, tokens)})
+        outputs = []
+        for chunk, token in zip(sampling, tokens):
+            try:
+                outputs.append(self._after_sample(chunk.seq, token))
+            except Exception as exc:
+                outputs += self._fail(chunk.seq, exc)
+        return outputs
 
     def _after_sample(self, seq: Sequence, token: int) -> RequestOutput:
         state: RequestState = seq.data
@@ -419,19 +442,12 @@ class LLMEngine:
             delta += state.detokenizer.flush()
         return self._output(seq, delta, [token])
 
-    def _fail(self, chunks, exc: Exception) -> list[RequestOutput]:
-        log.exception("step failed; failing its %d request(s)", len(chunks))
-        if isinstance(exc, torch.OutOfMemoryError):
-            torch.cuda.empty_cache()
-        outputs = []
-        for chunk in chunks:
-            seq = chunk.seq
-            if seq.is_finished:
-                continue
-            seq.data.error = f"{type(exc).__name__}: {exc}"
-            self.scheduler.finish(seq, SequenceStatus.FINISHED_ERROR)
-            outputs.append(self._output(seq, "", []))
-        return outputs
+    def _fail(self, seq: Sequence, exc: Exception) -> list[RequestOutput]:
+        """End `seq` with finish_reason "error" (a no-op on its status if it had just finished) and its error."""
+        log.error("request %s failed", seq.request_id, exc_info=exc)
+        seq.data.error = f"{type(exc).__name__}: {exc}"
+        self.scheduler.finish(seq, SequenceStatus.FINISHED_ERROR)
+        return [self._output(seq, "", [])]
 
     def _output(self, seq: Sequence, delta_text: str, delta_ids: list[int]) -> RequestOutput:
         state: RequestState = seq.data

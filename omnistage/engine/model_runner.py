@@ -30,10 +30,12 @@ def positions_for(start: int, count: int, mrope: PromptPositions | None) -> torc
     """`[3, count]` positions of tokens start..start+count: text tokens share one position in all streams."""
     if mrope is None:
         return torch.arange(start, start + count).expand(3, count)
+    end = start + count
     prompt_len = mrope.positions.shape[1]
-    head = mrope.positions[:, start : min(start + count, prompt_len)]
-    tail_start = max(start, prompt_len)
-    tail = torch.arange(tail_start, start + count).add(mrope.delta).expand(3, -1)
+    head = mrope.positions[:, start : min(end, prompt_len)]
+    if end <= prompt_len:  # a prefill chunk inside the prompt
+        return head
+    tail = torch.arange(max(start, prompt_len), end).add(mrope.delta).expand(3, -1)
     return torch.cat([head, tail], dim=1)
 
 

@@ -175,27 +175,28 @@ def test_chat_uses_the_chat_template(llm):
     assert chat.outputs[0].token_ids == llm.generate({"prompt_token_ids": chat.prompt_token_ids}, GREEDY)[0].outputs[0].token_ids
 
 
-def test_a_failing_step_fails_its_requests_and_the_engine_goes_on(llm, alone, monkeypatch):
+def test_a_failing_step_is_run_again_chunk_by_chunk(llm, alone, monkeypatch):
+    """A batch step that fails once (say, out of memory) runs its chunks one at a time: nobody fails; a lone
+    chunk that fails fails its request, and the engine goes on."""
     engine = llm.engine
     real = engine.runner.execute
     calls = {"n": 0}
 
     def flaky(step):
         calls["n"] += 1
-        if calls["n"] == 3:
+        if calls["n"] in (3, 12):
             raise RuntimeError("boom")
         return real(step)
 
     monkeypatch.setattr(engine.runner, "execute", flaky)
     for i in range(2):
         engine.add_request(f"f{i}", engine.processor.encode(PROMPTS[i]), GREEDY)
-    finals = {}
-    while engine.has_unfinished():
-        for out in engine.step():
-            if out.finished:
-                finals[out.request_id] = out
-    assert {o.outputs[0].finish_reason for o in finals.values()} == {"error"}
-    assert "RuntimeError: boom" in finals["f0"].error
+    finals = _collect(engine)
+    assert [finals[f"f{i}"].outputs[0].token_ids for i in range(2)] == alone[:2]
+    engine.add_request("lone", engine.processor.encode(PROMPTS[2]), GREEDY)
+    calls["n"] = 11
+    lone = _collect(engine)["lone"]
+    assert lone.outputs[0].finish_reason == "error" and lone.error == "RuntimeError: boom"
     assert_pool_full(llm)
     assert llm.generate(PROMPTS[0], GREEDY)[0].outputs[0].token_ids == alone[0]
 
@@ -366,3 +367,134 @@ def test_offline_calls_admit_all_their_prompts_or_none(llm, alone):
         llm.chat([good, bad], GREEDY)
     assert_pool_full(llm)
     assert llm.generate(PROMPTS[:2], GREEDY)[1].outputs[0].token_ids == alone[1]
+
+
+def _picture(width, height, seed=0):
+    import numpy as np
+    from PIL import Image
+
+    return Image.fromarray(np.random.default_rng(seed).integers(0, 256, (height, width, 3), dtype=np.uint8))
+
+
+def _media_chats():
+    import numpy as np
+
+    clip = (0.3 * np.random.default_rng(3).standard_normal(24000)).astype(np.float32)
+    return [
+        [{"role": "user", "content": [{"type": "text", "text": "What?"}, {"type": "image", "image": _picture(128, 96)}]}],
+        [{"role": "user", "content": [{"type": "audio", "audio": clip}, {"type": "text", "text": "Hear."}]}],
+        [{"role": "user", "content": [
+            {"type": "text", "text": "Both:"}, {"type": "audio", "audio": clip[:9000]},
+            {"type": "image", "image": _picture(64, 160, seed=1)}, {"type": "text", "text": "then"},
+        ]}],
+    ]  # fmt: skip
+
+
+def test_chunked_multimodal_prefill_equals_unchunked(tiny_checkpoint, llm):
+    """Image and audio prompts prefilled in chunks of 16 tokens (chunks ending inside and before the media,
+    an image chunk beside an audio chunk in one step) give the tokens of the one-chunk prefill."""
+    chats = _media_chats()
+    alone = [llm.chat(c, GREEDY)[0].outputs[0].token_ids for c in chats]
+    chunked = make_llm(tiny_checkpoint, num_kv_pages=256, max_num_batched_tokens=16)
+    assert [chunked.chat(c, GREEDY)[0].outputs[0].token_ids for c in chats] == alone
+    media_per_step = []
+    execute = chunked.engine.runner.execute
+
+    def spy(step):
+        media_per_step.append({_media_in(c) for c in step.chunks} - {""})
+        return execute(step)
+
+    chunked.engine.runner.execute = spy
+    assert [o.outputs[0].token_ids for o in chunked.chat(chats, GREEDY)] == alone
+    assert {"image", "audio"} in media_per_step  # one step held an image chunk and an audio chunk
+    assert_pool_full(chunked)
+
+
+def _media_in(chunk):
+    """Which media the chunk's rows cover: "image", "audio" or ""."""
+    mm, end = chunk.seq.data.mm, chunk.start + chunk.num_tokens
+    covered = [kind for kind, rows in (("image", mm.image_rows), ("audio", mm.audio_rows))
+               if ((rows >= chunk.start) & (rows < end)).any()]  # fmt: skip
+    return "+".join(covered)
+
+
+def _collect(engine):
+    finals = {}
+    while engine.has_unfinished():
+        for out in engine.step():
+            if out.finished:
+                finals[out.request_id] = out
+    return finals
+
+
+def test_a_failing_request_fails_alone_in_its_step(llm, alone, monkeypatch):
+    """A request whose model work raises, batched with others (prefill and decode): only it fails; the others,
+    a seeded sampled one among them, get exactly their tokens alone."""
+    engine = llm.engine
+    seeded = SamplingParams(max_tokens=12, temperature=1.0, seed=11, ignore_eos=True)
+    seeded_alone = llm.generate(PROMPTS[2], seeded)[0].outputs[0].token_ids
+    real = engine.runner.execute
+    bad_steps = []
+
+    def execute(step):
+        seq = next((c.seq for c in step.chunks if c.seq.request_id == "bad"), None)
+        if seq is not None and seq.num_output_tokens >= 2:  # after a few good steps, while others decode
+            bad_steps.append(len(step.chunks))
+            raise RuntimeError("boom in bad")
+        return real(step)
+
+    monkeypatch.setattr(engine.runner, "execute", execute)
+    engine.add_request("a", engine.processor.encode(PROMPTS[0]), GREEDY)
+    engine.add_request("bad", engine.processor.encode(PROMPTS[1]), GREEDY)
+    engine.add_request("s", engine.processor.encode(PROMPTS[2]), seeded)
+    finals = _collect(engine)
+    assert bad_steps[0] == 3 and bad_steps[1:] == [1]  # the batch, then the bad chunk alone
+    bad = finals["bad"]
+    assert bad.outputs[0].finish_reason == "error" and "RuntimeError: boom in bad" in bad.error
+    assert finals["a"].outputs[0].token_ids == alone[0] and finals["a"].error is None
+    assert finals["s"].outputs[0].token_ids == seeded_alone
+    assert_pool_full(llm)
+
+
+def test_a_failure_after_sampling_does_not_draw_twice(llm, monkeypatch):
+    """The sampler fails for one row after drawing the seeded rows: on the retry each seeded request draws
+    from where its generator stood before the failed step."""
+    engine = llm.engine
+    seeded = [SamplingParams(max_tokens=10, temperature=1.0, seed=s, ignore_eos=True) for s in (5, 6)]
+    reference = [llm.generate(PROMPTS[i], p)[0].outputs[0].token_ids for i, p in enumerate(seeded)]
+    bad = SamplingParams(max_tokens=10, temperature=1.0, seed=7, ignore_eos=True)
+    sample = engine.sampler.sample
+
+    def failing(logits, rows):
+        tokens = sample(logits, rows)  # the generators have drawn
+        if any(r.params is bad for r in rows) and len(rows[0].output_token_ids) >= 3:
+            raise RuntimeError("sampler failed")
+        return tokens
+
+    monkeypatch.setattr(engine, "sampler", failing)
+    engine.add_request("s0", engine.processor.encode(PROMPTS[0]), seeded[0])
+    engine.add_request("s1", engine.processor.encode(PROMPTS[1]), seeded[1])
+    engine.add_request("bad", engine.processor.encode(PROMPTS[3]), bad)
+    finals = _collect(engine)
+    assert finals["bad"].outputs[0].finish_reason == "error"
+    assert [finals["s0"].outputs[0].token_ids, finals["s1"].outputs[0].token_ids] == reference
+    assert_pool_full(llm)
+
+
+def test_offline_api_raises_for_a_request_that_failed_in_the_engine(llm, alone, monkeypatch):
+    from omnistage.llm import RequestFailed
+
+    engine = llm.engine
+    real = engine.runner.execute
+
+    def execute(step):
+        if any(c.seq.prompt_token_ids == [872, 872, 872] for c in step.chunks):
+            raise RuntimeError("boom")
+        return real(step)
+
+    monkeypatch.setattr(engine.runner, "execute", execute)
+    with pytest.raises(RequestFailed, match=r"prompt 1 of 2 .*RuntimeError: boom"):
+        llm.generate([PROMPTS[0], {"prompt_token_ids": [872, 872, 872]}], GREEDY)
+    assert_pool_full(llm)
+    assert llm.generate(PROMPTS[0], GREEDY)[0].outputs[0].token_ids == alone[0]
+
