@@ -73,8 +73,9 @@ def test_padded_replay_equals_eager_for_every_batch():
         assert logits.shape == want_logits.shape and hidden.shape == want_hidden.shape
         torch.testing.assert_close(logits, want_logits)
         torch.testing.assert_close(hidden, want_hidden)
-        # Padding rows wrote nothing to the KV cache.
-        assert torch.equal(graph_step.kv_cache, eager_step.kv_cache)
+        # Padding rows wrote nothing to the KV cache (a padded GEMM may round the real rows' last bits
+        # differently: 2.4e-7 on torch 2.13's CPU; a stray padding write would be off by O(1)).
+        torch.testing.assert_close(graph_step.kv_cache, eager_step.kv_cache, rtol=1e-5, atol=1e-6)
         assert graph_step.calls[-1] == runner.bucket_for(batch)
 
 
