@@ -6,7 +6,7 @@ BIN := $(VENV)/bin
 # PyPI's default build. Set TORCH to pick another, e.g. TORCH="torch==2.11.0".
 TORCH ?= torch>=2.11,<2.14
 
-.PHONY: setup serve test lint tiny
+.PHONY: setup serve test lint tiny soak
 
 $(BIN)/omnistage: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -29,3 +29,7 @@ test: setup
 
 lint: setup
 	$(BIN)/ruff check .
+
+# Mixed requests against a tiny-model server it starts (or ARGS="--url ..."); see benchmarks/soak.py.
+soak: setup
+	$(BIN)/python benchmarks/soak.py $(ARGS)
