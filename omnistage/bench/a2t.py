@@ -402,31 +402,55 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--no-espeak", dest="espeak", action="store_false",
                    help="synthesise speech-like signals even where espeak-ng is installed")  # fmt: skip
     p.add_argument("--limit", type=int, help="use only the first N clips")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0, help="seed of the synthesised clips (default: %(default)s)")
     target = p.add_argument_group("target")
     target.add_argument("--url", help="a running server's base URL (http://host:port); else in-process")
-    target.add_argument("--endpoint", choices=["chat", "transcriptions"], default="chat")
+    target.add_argument(
+        "--endpoint",
+        choices=["chat", "transcriptions"],
+        default="chat",
+        help="with --url (default: %(default)s)",
+    )
     target.add_argument("--served-model", help="the model name the server serves (default: its first)")
-    target.add_argument("--api-key")
+    target.add_argument("--api-key", help="with --url: the server's API key (default: none)")
     target.add_argument(
         "--model", help="in-process: checkpoint directory (default: released sizes when dummy)"
     )
-    target.add_argument("--load-format", choices=["safetensors", "dummy"], default="safetensors")
-    target.add_argument("--device", choices=["auto", "cpu", "cuda"])
-    target.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"])
-    target.add_argument("--kv-cache-memory-gib", type=float)
+    target.add_argument(
+        "--load-format",
+        choices=["safetensors", "dummy"],
+        default="safetensors",
+        help="in-process (default: %(default)s)",
+    )
+    target.add_argument(
+        "--device", choices=["auto", "cpu", "cuda"], help="in-process (default: the engine's, auto)"
+    )
+    target.add_argument(
+        "--dtype",
+        choices=["auto", "float32", "bfloat16", "float16"],
+        help="in-process (default: the engine's, auto)",
+    )
+    target.add_argument(
+        "--kv-cache-memory-gib",
+        type=float,
+        help=f"in-process (default: the engine's; {BASELINE_KV_GIB:g} with --baseline)",
+    )
     target.add_argument("--enforce-eager", action="store_true")
     target.add_argument("--max-prefill-graph-tokens", type=int,
                         help="largest prefill chunk captured in a CUDA graph (0: none; default: the engine's)")  # fmt: skip
     target.add_argument(
         "--baseline", choices=["transformers"], help="also time transformers on the same weights"
     )
-    p.add_argument("--concurrency", default="1", help="one concurrency or a sweep, e.g. 1,4,16")
+    p.add_argument(
+        "--concurrency", default="1", help="one concurrency or a sweep, e.g. 1,4,16 (default: %(default)s)"
+    )
     p.add_argument("--output-tokens", type=int,
                    help=f"force exactly N output tokens (default with dummy weights: {DEFAULT_DUMMY_OUTPUT_TOKENS})")  # fmt: skip
-    p.add_argument("--max-tokens", type=int, default=256, help="cap on natural (unforced) outputs")
-    p.add_argument("--warmup", type=int, default=1, help="requests run before timing")
+    p.add_argument(
+        "--max-tokens", type=int, default=256, help="cap on natural (unforced) outputs (default: %(default)s)"
+    )
+    p.add_argument("--warmup", type=int, default=1, help="requests run before timing (default: %(default)s)")
     p.add_argument("--repeats", type=int, default=3,
-                   help="timed passes per concurrency (and for the baseline); figures are their medians")  # fmt: skip
+                   help="timed passes per concurrency (and for the baseline); figures are their medians (default: %(default)s)")  # fmt: skip
     p.add_argument("--out", help="write the results as JSON here")
     p.set_defaults(func=main)
