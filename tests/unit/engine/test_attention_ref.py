@@ -3,6 +3,7 @@
 import pytest
 import torch
 import torch.nn.functional as F
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from omnistage.engine.attention import AttentionMetadata, Chunk, TorchReferenceBackend
 
@@ -112,3 +113,33 @@ def test_cache_dtype_differs_from_inputs():
     meta = AttentionMetadata.build([(0, 6, [2, 0])], PAGE)
     out = TorchReferenceBackend().forward(q, k, v, cache, meta, 8**-0.5)
     torch.testing.assert_close(out, dense_causal(q, k, v, 8**-0.5))
+
+
+class _LargestTensor(TorchDispatchMode):
+    """Records the most elements any aten op produces while active."""
+
+    def __init__(self):
+        super().__init__()
+        self.numel = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        sizes = [t.numel() for t in torch.utils._pytree.tree_leaves(out) if isinstance(t, torch.Tensor)]
+        self.numel = max([self.numel, *sizes])
+        return out
+
+
+@pytest.mark.parametrize("cached", [0, 3584])
+def test_long_context_never_materialises_every_heads_scores(cached):
+    """A 512-token chunk over a 4k context runs SDPA's fused kernel: no op makes the [heads, queries, keys]
+    score tensor that the unfused path writes and reads back (it made a 60k-token prompt take 200 s on the
+    CPU). Counted in elements, not timed, so a busy machine cannot flake it."""
+    heads, kv_heads, dim, new = 4, 2, 16, 512
+    seq_len = cached + new
+    kv_cache = torch.zeros(2, seq_len // PAGE, PAGE, kv_heads, dim)
+    meta = AttentionMetadata.build([(cached, new, list(range(seq_len // PAGE)))], PAGE)
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(new, h, dim, generator=gen) for h in (heads, kv_heads, kv_heads))
+    with _LargestTensor() as largest:
+        TorchReferenceBackend().forward(q, k, v, kv_cache, meta, dim**-0.5)
+    assert largest.numel < heads * new * seq_len

@@ -498,3 +498,48 @@ def test_offline_api_raises_for_a_request_that_failed_in_the_engine(llm, alone, 
     assert_pool_full(llm)
     assert llm.generate(PROMPTS[0], GREEDY)[0].outputs[0].token_ids == alone[0]
 
+
+def test_a_client_leaving_during_a_long_prefill_stops_it_within_a_step(tiny_checkpoint):
+    """A client that gives up while its long prompt is being prefilled (no output yet) stops the prefill before
+    the engine's next step: its pages come back, and no later step holds any of its work. Every step holds at
+    most max_num_batched_tokens tokens."""
+    import threading
+
+    engine = AsyncEngine.from_config(
+        engine_config(
+            model=str(tiny_checkpoint), device="cpu", dtype="float32", page_size=4, num_kv_pages=1024,
+            max_num_batched_tokens=64,
+        )
+    )  # fmt: skip
+    runner = engine.engine.runner
+    execute, steps = runner.execute, []
+    inside, leave = threading.Event(), threading.Event()
+
+    def spy(step):
+        steps.append({c.seq.request_id: c.num_tokens for c in step.chunks})
+        if sum("long" in s for s in steps) == 3:
+            inside.set()
+            leave.wait(10)  # the client gives up while this step runs
+        return execute(step)
+
+    runner.execute = spy
+
+    async def main():
+        stream = engine.generate("long", None, [872 + i % 300 for i in range(2000)], GREEDY)
+        first = asyncio.ensure_future(stream.__anext__())
+        while not inside.is_set():
+            await asyncio.sleep(0.01)
+        first.cancel()
+        await asyncio.gather(first, return_exceptions=True)
+        leave.set()
+        short = [o async for o in engine.generate("short", None, [872] * 8, GREEDY)]
+        return short[-1]
+
+    try:
+        short = asyncio.run(main())
+    finally:
+        engine.shutdown()
+    assert sum("long" in s for s in steps) == 3  # none after the step during which it left
+    assert short.outputs[0].finish_reason == "length"
+    assert all(sum(s.values()) <= 64 for s in steps)
+    assert engine.stats()["kv_pages_free"] == 1024
