@@ -11,7 +11,7 @@ from importlib.metadata import version
 import pytest
 
 from omnistage.cli import build_parser, main
-from omnistage.config import EngineConfig
+from omnistage.config import EngineConfig, engine_config
 from omnistage.engine.async_engine import AsyncEngine
 from omnistage.server import build_app
 
@@ -58,9 +58,12 @@ def test_serve_help_shows_every_default_and_the_schemas_choices():
     assert "{auto,cpu,cuda}" in text and "{auto,grouped_mm,triton}" in text
 
 
-def test_help_lists_every_endpoint_of_the_app():
-    app = build_app(engine=None, served_model_name="m")  # routes only; no request reaches the engine
-    paths = set(app.openapi()["paths"])
+def test_help_lists_every_endpoint_of_the_app(tiny_checkpoint):
+    engine = AsyncEngine.from_config(engine_config(model=str(tiny_checkpoint), device="cpu", num_kv_pages=16))
+    try:
+        paths = set(build_app(engine, "m").openapi()["paths"])
+    finally:
+        engine.shutdown()
     assert "/v1/audio/transcriptions" in paths and "/v1/models/{model}" in paths
     serve_help = subcommand("serve").format_help()
     for path in paths:
