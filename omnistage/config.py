@@ -13,6 +13,8 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 
 from omnistage.errors import ConfigError
 
+EMBEDDED_MAX_TOKENS_DEFAULT = 256
+
 
 class EngineConfig(BaseModel):
     model_config = ConfigDict(extra="forbid", protected_namespaces=())
@@ -33,7 +35,9 @@ class EngineConfig(BaseModel):
     max_num_batched_tokens: int = Field(2048, ge=1, description="per-step token budget (chunked prefill)")
     max_model_len: int | None = Field(None, ge=1, description="context limit; default: the model's")
     enforce_eager: bool = Field(False, description="no CUDA graphs")
-    compile: bool = Field(True, description="torch.compile the decoder layers on a GPU (fuses the glue kernels)")
+    compile: bool = Field(
+        True, description="torch.compile the decoder layers on a GPU (fuses the glue kernels)"
+    )
     moe_kernel: Literal["auto", "grouped_mm", "triton"] = Field(
         "auto", description="GPU MoE kernel: auto takes Triton for decode-sized batches, grouped GEMMs above"
     )
@@ -42,11 +46,20 @@ class EngineConfig(BaseModel):
         512, ge=0, description="largest one-sequence prefill chunk captured in a CUDA graph (0: none)"
     )
     seed: int = Field(0, description="seed of the random weights of load_format dummy")
+    max_tokens_default: int | None = Field(
+        None,
+        ge=1,
+        description="max_tokens of a request that gives none; default: up to the context, or "
+        f"{EMBEDDED_MAX_TOKENS_DEFAULT} on the embedded tiny model",
+    )
 
     @model_validator(mode="after")
     def _check(self) -> EngineConfig:
         if self.num_kv_pages is not None and self.kv_cache_memory_gib is not None:
             raise ValueError("give num_kv_pages or kv_cache_memory_gib, not both")
+        if self.model is None and "max_tokens_default" not in self.model_fields_set:
+            # The embedded model's random weights rarely pick the end token: answers stop promptly.
+            self.max_tokens_default = EMBEDDED_MAX_TOKENS_DEFAULT
         return self
 
 

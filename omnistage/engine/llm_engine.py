@@ -274,18 +274,20 @@ class LLMEngine:
         """Check a request against the model and the pool; return its effective max_tokens."""
         if not prompt_token_ids:
             raise InvalidRequest("the prompt is empty")
-        bad = next((t for t in prompt_token_ids if not 0 <= t < self.vocab_size), None)
-        if bad is not None:
-            raise InvalidRequest(f"prompt token id {bad} is outside the vocabulary of {self.vocab_size}")
         prompt_len = len(prompt_token_ids)
-        if prompt_len >= self.max_model_len:
+        if prompt_len >= self.max_model_len:  # before the scan below, which a huge prompt would make slow
             raise RequestTooLarge(
                 f"the prompt has {prompt_len:,} tokens; the model's context is {self.max_model_len:,} tokens"
             )
-        if params.max_tokens is None:  # as much as the context and the whole pool allow
+        bad = next((t for t in prompt_token_ids if not 0 <= t < self.vocab_size), None)
+        if bad is not None:
+            raise InvalidRequest(f"prompt token id {bad} is outside the vocabulary of {self.vocab_size}")
+        if params.max_tokens is None:  # the configured default, within what the context and the whole pool allow
             max_tokens = min(self.max_model_len, self.pool.num_pages * self.page_size) - prompt_len
             if max_tokens < 1:
                 self.pool.check_admissible(prompt_len + 1)
+            if self.config.max_tokens_default is not None:
+                max_tokens = min(max_tokens, self.config.max_tokens_default)
         else:
             max_tokens = params.max_tokens
         if prompt_len + max_tokens > self.max_model_len:

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import math
+import numbers
+import reprlib
 from dataclasses import dataclass, field
 
 import torch
@@ -51,7 +53,19 @@ class SamplingParams:
         return self.temperature < GREEDY_TEMPERATURE
 
     def validate(self) -> None:
-        """Raise InvalidRequest naming the first field that breaks its rule."""
+        """Raise InvalidRequest naming the first field that breaks its rule.
+
+        Beyond each field's rule, integers must fit int64 and floats must be finite numbers: a value the
+        sampler's tensors cannot hold would fail the sampler, and with it the whole batch.
+        """
+        for name in _INT_FIELDS:
+            if (value := getattr(self, name)) is not None or name not in _OPTIONAL:
+                _check_int64(name, value)
+        for value in self.stop_token_ids:
+            _check_int64("stop_token_ids", value)
+        for name in _FLOAT_FIELDS:
+            if not _is_number(getattr(self, name)):
+                _invalid(f"{name} must be a number, got {getattr(self, name)!r}")
         if self.n != 1:
             _invalid(f"n must be 1 (only one choice per request is supported), got {self.n}")
         if self.max_tokens is not None and self.max_tokens < 1:
@@ -62,8 +76,6 @@ class SamplingParams:
             _invalid(f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})")
         if not self.temperature >= 0:  # written this way round so that NaN fails too
             _invalid(f"temperature must be >= 0, got {self.temperature}")
-        if math.isinf(self.temperature):
-            _invalid(f"temperature must be finite, got {self.temperature}")
         if not 0 < self.top_p <= 1:
             _invalid(f"top_p must be in (0, 1], got {self.top_p}")
         if self.top_k < -1:
@@ -76,10 +88,44 @@ class SamplingParams:
             _invalid(f"presence_penalty must be in [-2, 2], got {self.presence_penalty}")
         if not -2 <= self.frequency_penalty <= 2:
             _invalid(f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty}")
+        for name in _FLOAT_FIELDS:
+            _check_finite(name, getattr(self, name))
         if not all(isinstance(s, str) and s for s in self.stop):
             _invalid(f"stop must hold only non-empty strings, got {self.stop!r}")
         if not all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids):
             _invalid(f"stop_token_ids must be non-negative token ids, got {self.stop_token_ids!r}")
+
+
+_INT_FIELDS = ("n", "max_tokens", "min_tokens", "top_k", "seed")
+_OPTIONAL = ("max_tokens", "seed")
+_FLOAT_FIELDS = (
+    "temperature",
+    "top_p",
+    "min_p",
+    "repetition_penalty",
+    "presence_penalty",
+    "frequency_penalty",
+)
+_INT64 = range(-(2**63), 2**63)
+
+
+def _is_number(value: object) -> bool:
+    # bool is an int to Python, but `temperature=True` is a mistake, not a 1.0. numbers.Real takes numpy's.
+    return isinstance(value, numbers.Real) and not isinstance(value, bool)
+
+
+def _check_int64(name: str, value: object) -> None:
+    if not (_is_number(value) and isinstance(value, numbers.Integral) and int(value) in _INT64):
+        _invalid(f"{name} must be an integer in [-2**63, 2**63), got {reprlib.repr(value)}")
+
+
+def _check_finite(name: str, value: float) -> None:
+    try:
+        finite = math.isfinite(value)
+    except OverflowError:  # an int too large for a float
+        finite = False
+    if not finite:
+        _invalid(f"{name} must be finite, got {reprlib.repr(value)}")
 
 
 def _invalid(message: str) -> None:

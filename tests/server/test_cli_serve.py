@@ -45,3 +45,9 @@ def test_media_flags(tmp_path, capsys):
     assert args.allow_remote_media is True and args.media_dir == str(tmp_path)
     assert main(["serve", "--media-dir", str(tmp_path / "missing")]) == 2
     assert f"--media-dir {tmp_path / 'missing'}: not a directory" in capsys.readouterr().err
+
+
+def test_a_model_directory_that_does_not_exist_is_named(tmp_path, capsys):
+    missing = tmp_path / "no-such-checkpoint"
+    assert main(["serve", "--model", str(missing), "--device", "cpu"]) == 2
+    assert f"{missing}: the checkpoint directory does not exist" in capsys.readouterr().err

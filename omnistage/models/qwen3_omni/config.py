@@ -372,6 +372,8 @@ class Qwen3OmniConfig:
 
     @classmethod
     def from_dir(cls, directory: str | Path) -> Qwen3OmniConfig:
+        if not Path(directory).is_dir():
+            raise ConfigError(f"{directory}: the checkpoint directory does not exist")
         path = Path(directory) / "config.json"
         try:
             data = json.loads(path.read_text())

@@ -2,11 +2,16 @@
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import numpy as np
 
 INSTRUCTION = "Transcribe the audio into text."
+# A transcript's length in tokens: fast speech is ~4 words/s, ~6 tokens/s of English with Qwen's vocabulary
+# and about as many for Chinese; the cap leaves more than twice that, and room for a short clip's preamble.
+TOKENS_PER_SECOND = 16
+MIN_TOKENS_CAP = 32
 
 # ISO 639-1 codes (as Whisper clients send them) of the languages Qwen3-Omni transcribes, to their names.
 LANGUAGES = {
@@ -53,3 +58,9 @@ def transcription_messages(
     user = [{"type": "audio", "audio": audio}, {"type": "text", "text": instruction}]
     messages.append({"role": "user", "content": user})
     return messages
+
+
+def max_transcription_tokens(seconds: float) -> int:
+    """The most tokens a transcript of `seconds` of audio is given, so that no transcription runs on to the
+    context limit (a model that never ends its answer stops here)."""
+    return MIN_TOKENS_CAP + TOKENS_PER_SECOND * math.ceil(seconds)
