@@ -1,8 +1,9 @@
 """Memory-aware capture planning: decode batch buckets, prefill token buckets, and the split of GPU memory
 between KV pages and CUDA graphs. Plain arithmetic over measured numbers (bytes), so it is unit-tested without a GPU.
 
-The order of claims on memory: weights, then the measured eager floor (the peak of the largest step), a
-small reserve, at least `min_kv_pages` KV pages, then CUDA graphs cheapest-first within a graph budget
+The order of claims on memory: weights, then the measured eager floor (the peak of the largest step: a
+text prefill step, or an encoder on the largest input it admits, or a prefill beside the encoder rows one
+request holds), a small reserve, at least `min_kv_pages` KV pages, then CUDA graphs cheapest-first within a graph budget
 (each bucket all or nothing; decode graphs before prefill graphs, since every token pays for a decode
 step), and every byte left goes to more KV pages. What is not captured runs eagerly.
 """
@@ -65,6 +66,57 @@ def _gib(n: int) -> str:
 
 
 @dataclass(frozen=True)
+class Floor:
+    """Measured eager peaks beyond the weights of the phases of the largest requests, in bytes.
+
+    The towers take one largest input per call (`*_encoder`: the peak of one call on the longest clip or the
+    largest image the processor admits, its rows included). A request brings up to `audio_clips` such clips
+    and `images` such images (what its context holds), encoded one call after another, and holds every
+    one's rows (`*_outputs` each) while its prompt prefills in steps no larger than the largest text
+    prefill step (`prefill`). The floor is the largest phase.
+    """
+
+    prefill: int
+    prefill_tokens: int = 0
+    audio_encoder: int = 0
+    audio_outputs: int = 0
+    audio_clips: int = 1
+    audio_seconds: float = 0.0
+    vision_encoder: int = 0
+    image_outputs: int = 0
+    images: int = 1
+    image_size: tuple[int, int] = (0, 0)  # width x height in pixels
+
+    def phases(self) -> list[tuple[str, int, str]]:
+        """(name, bytes, what it runs on) of every phase measured."""
+        rows = [("text prefill", self.prefill, f"{self.prefill_tokens:,} tokens")]
+        for kind, tower, peak, each, count, what in (
+            ("audio", "audio encoder", self.audio_encoder, self.audio_outputs, self.audio_clips,
+             f"{self.audio_seconds:g} s clip"),
+            ("image", "vision encoder", self.vision_encoder, self.image_outputs, self.images,
+             f"{self.image_size[0]}x{self.image_size[1]} image"),
+        ):  # fmt: skip
+            if not peak:
+                continue
+            held = f"{count * each / MiB:,.0f} MiB of encoder rows held"
+            rows += [
+                (tower, peak + (count - 1) * each, what if count == 1 else f"{count} x {what}, one call each"),
+                (f"{kind} prefill", self.prefill + count * each, f"with the {what}'s {held}" if count == 1
+                 else f"with {count} x {what}: {held}"),
+            ]  # fmt: skip
+        return rows
+
+    @property
+    def peak(self) -> int:
+        return max(size for _, size, _ in self.phases())
+
+    @property
+    def largest(self) -> str:
+        """The name of the phase that sets the floor."""
+        return max(self.phases(), key=lambda row: row[1])[0]
+
+
+@dataclass(frozen=True)
 class MemoryPlan:
     """How one device's memory is split. Every size in bytes."""
 
@@ -83,6 +135,7 @@ class MemoryPlan:
     prefill_captured: tuple[int, ...] = ()  # token buckets, ascending
     prefill_skipped: tuple[int, ...] = ()
     prefill_graph_costs: dict[int, int] = field(default_factory=dict)
+    floor_phases: Floor | None = None  # what the floor is the largest of, when more than a text prefill
 
     @property
     def kv_bytes(self) -> int:
@@ -102,11 +155,13 @@ class MemoryPlan:
             graphs += f", prefill {len(self.prefill_captured)}/{len(self.prefill_graph_costs)}"
             if self.prefill_captured:
                 graphs += f" (tokens {self.prefill_captured[0]}..{self.prefill_captured[-1]})"
+        phases = self.floor_phases.phases() if self.floor_phases else []
         rows = [
             ("weights", self.weights, ""),
             ("KV pages", self.kv_bytes, f"{self.kv_pages:,} pages × {self.kv_bytes_per_page / MiB:.2f} MiB"),
             ("CUDA graphs", self.graph_bytes, graphs),
-            ("floor (eager peak)", self.floor, ""),
+            ("floor (eager peak)", self.floor, "the largest of:" if self.floor_phases else ""),
+            *[(f"  {name}", size, note) for name, size, note in phases],
             ("reserve", self.reserve, ""),
             ("free", self.free, ""),
         ]
@@ -124,7 +179,7 @@ def plan_memory(
     total: int,
     free_after_weights: int,
     weights: int,
-    floor_peak: int,
+    floor_peak: int | Floor,
     kv_bytes_per_page: int,
     graph_cost_per_bucket: dict[int, int],
     limit: int | None = None,
@@ -137,7 +192,8 @@ def plan_memory(
 
     total: the device's memory; free_after_weights: `torch.cuda.mem_get_info()[0]` once the weights are
     loaded (other processes and the CUDA context are already out of it); weights: bytes of the loaded
-    weights; floor_peak: the measured eager peak of the largest step beyond the weights;
+    weights; floor_peak: the measured eager peak of the largest step beyond the weights, or the peaks of
+    every phase of the largest requests (their largest is the floor);
     graph_cost_per_bucket: decode bucket → bytes its graph adds to the graph pool; prefill_graph_costs: the
     same per prefill token bucket, claimed after the decode graphs; limit: the
     `gpu_memory_limit` in bytes, a cap on everything this process holds, weights included;
@@ -145,6 +201,8 @@ def plan_memory(
     """
     if kv_bytes_per_page < 1:
         raise ValueError(f"kv_bytes_per_page must be positive, got {kv_bytes_per_page}")
+    phases = floor_peak if isinstance(floor_peak, Floor) and len(floor_peak.phases()) > 1 else None
+    floor_peak = floor_peak.peak if isinstance(floor_peak, Floor) else floor_peak
     available = free_after_weights
     if limit is not None:
         available = min(available, limit - weights)
@@ -153,7 +211,7 @@ def plan_memory(
         cap = f"gpu_memory_limit {limit / GiB:.2f} GiB" if limit is not None else f"{total / GiB:.2f} GiB"
         raise ConfigError(
             f"the model does not fit in {cap}: weights {weights / GiB:.2f} GiB + floor "
-            f"{floor_peak / GiB:.2f} GiB + reserve {reserve / GiB:.2f} GiB + {min_kv_pages} KV page(s) "
+            f"{floor_peak / GiB:.2f} GiB{f' (the {phases.largest})' if phases else ''} + reserve {reserve / GiB:.2f} GiB + {min_kv_pages} KV page(s) "
             f"{min_kv_pages * kv_bytes_per_page / GiB:.2f} GiB = {(weights + needed) / GiB:.2f} GiB, but only "
             f"{(weights + max(available, 0)) / GiB:.2f} GiB is available ({free_after_weights / GiB:.2f} GiB "
             f"free after the weights)"
@@ -186,6 +244,7 @@ def plan_memory(
         prefill_captured=tuple(prefill),
         prefill_skipped=tuple(sorted(set(prefill_costs) - set(prefill))),
         prefill_graph_costs=dict(prefill_costs),
+        floor_phases=phases,
     )
 
 

@@ -1,26 +1,28 @@
 """The stateless encoder stage: audio and vision towers turning prompts' media into embedding rows.
 
-Runs at admission, once for all the requests admitted together: every clip of every prompt goes through
-the audio tower as one ragged batch and every image through the vision tower as another (the towers are
-batch invariant, so a request's rows do not depend on its neighbours). The outputs replace the prompts'
+Runs at admission, once for all the requests admitted together: the clips of every prompt go through
+the audio tower as ragged batches and the images through the vision tower (the towers are batch invariant,
+so a request's rows do not depend on its neighbours), each call holding at most the largest single input
+the processor admits: the input the memory plan measures the towers on. The outputs replace the prompts'
 placeholder embeddings during prefill (see ModelRunner) and, for images, feed the deepstack levels.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import torch
 
+from omnistage.engine.capture_plan import Floor
 from omnistage.errors import InvalidRequest
-from omnistage.models.qwen3_omni.audio_encoder import load_audio_encoder
+from omnistage.models.qwen3_omni.audio_encoder import audio_output_tokens, load_audio_encoder
+from omnistage.models.qwen3_omni.audio_features import HOP_LENGTH, MAX_SECONDS, NUM_MEL_BINS, SAMPLE_RATE
 from omnistage.models.qwen3_omni.config import ThinkerConfig
+from omnistage.models.qwen3_omni.image_processing import ImageProcessorConfig, image_tokens, largest_grid
+from omnistage.models.qwen3_omni.processor import MultimodalInputs
 from omnistage.models.qwen3_omni.vision_encoder import load_vision_encoder
-
-if TYPE_CHECKING:
-    from omnistage.models.qwen3_omni.processor import MultimodalInputs
 
 
 @dataclass
@@ -48,6 +50,12 @@ class EncoderEngine:
         towers = dict(dtype=dtype, device=device, load_format=load_format, seed=seed)
         self.audio_encoder = load_audio_encoder(checkpoint_dir, **towers)
         self.vision_encoder = load_vision_encoder(checkpoint_dir, **towers)
+        found = (Path(checkpoint_dir) / "preprocessor_config.json").exists()
+        self.image_config = ImageProcessorConfig.from_dir(checkpoint_dir) if found else ImageProcessorConfig()
+        # The largest inputs the processor admits, and the most one tower call takes.
+        self.max_audio_frames = int(MAX_SECONDS * SAMPLE_RATE) // HOP_LENGTH
+        self.max_image_grid = largest_grid(self.image_config)
+        self.max_image_patches = math.prod(self.max_image_grid)
 
     def encode(self, token_ids: list[int], mm: MultimodalInputs) -> MultimodalEmbeds:
         """Run the audio and vision encoders for one prompt; their rows must match its placeholders."""
@@ -55,31 +63,103 @@ class EncoderEngine:
 
     @torch.inference_mode()
     def encode_many(self, prompts: list[tuple[list[int], MultimodalInputs]]) -> list[MultimodalEmbeds]:
-        """The encoders over several prompts' media at once, one ragged batch per tower; per prompt, in order.
+        """The encoders over several prompts' media, in ragged batches of at most the largest input; per
+        prompt, in order.
 
         Raises InvalidRequest when a prompt's placeholders and its media disagree (the caller retries the
         prompts one by one to fail only that one).
         """
-        clips = [f.to(self.device) for _, mm in prompts for f in mm.audio_features]
-        audio = iter(self.audio_encoder(clips) if clips else [])
+        audio = iter(self._clip_rows([f for _, mm in prompts for f in mm.audio_features]))
         with_images = [mm for _, mm in prompts if mm.pixel_values is not None]
-        image_parts: list = []
-        if with_images:
-            pixels = torch.cat([mm.pixel_values for mm in with_images]).to(self.device)
-            image, levels = self.vision_encoder(pixels, torch.cat([mm.image_grid_thw for mm in with_images]))
-            sizes = [sum(mm.num_image_tokens) for mm in with_images]
-            if sum(sizes) != image.shape[0]:
-                raise InvalidRequest(
-                    f"the prompts' images give {image.shape[0]} rows but their placeholders count {sum(sizes)}"
-                )
-            image_parts = list(zip(image.split(sizes), torch.stack(levels).split(sizes, dim=1)))
-        images = iter(image_parts)
+        images = iter(self._image_rows(with_images) if with_images else [])
         out = []
         for token_ids, mm in prompts:
             clip_rows = [next(audio) for _ in mm.audio_features]
             image, deepstack = next(images) if mm.pixel_values is not None else (None, None)
-            out.append(self._place(token_ids, torch.cat(clip_rows) if clip_rows else None, image, deepstack))
+            out.append(self._place(token_ids, _join(clip_rows, 0) if clip_rows else None, image, deepstack))
         return out
+
+    def _clip_rows(self, clips: list[torch.Tensor]) -> list[torch.Tensor]:
+        """Each clip's rows; the clips go through the tower in calls of at most `max_audio_frames`."""
+        rows: list[torch.Tensor] = []
+        for group in _groups([f.shape[-1] for f in clips], self.max_audio_frames):
+            rows += self.audio_encoder([clips[i].to(self.device) for i in group])
+        return rows
+
+    def _image_rows(self, prompts: list[MultimodalInputs]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Per prompt, the rows [n, H] and deepstack levels [levels, n, H] of all its images; the images go
+        through the tower in calls of at most `max_image_patches`."""
+        pixels, grids, owners = [], [], []
+        for p, mm in enumerate(prompts):
+            grid = [tuple(g) for g in mm.image_grid_thw.tolist()]
+            pixels += mm.pixel_values.split([math.prod(g) for g in grid])
+            grids += grid
+            owners += [p] * len(grid)
+        rows, levels = [], []
+        for group in _groups([len(x) for x in pixels], self.max_image_patches):
+            batch = torch.cat([pixels[i] for i in group]).to(self.device)
+            image, deepstack = self.vision_encoder(batch, [grids[i] for i in group])
+            sizes = [image_tokens(grids[i], self.cfg.vision.spatial_merge_size) for i in group]
+            rows += image.split(sizes)
+            levels += torch.stack(deepstack).split(sizes, dim=1)
+        mine = [[i for i, owner in enumerate(owners) if owner == p] for p in range(len(prompts))]
+        return [(_join([rows[i] for i in m], 0), _join([levels[i] for i in m], 1)) for m in mine]
+
+    def profile_floor(
+        self, prefill: int, prefill_tokens: int, max_prompt_tokens: int, max_audios: int, max_images: int
+    ) -> Floor:
+        """The phases of the largest media requests beside a text prefill step of `prefill` bytes (GPU only).
+
+        Measures each tower on the largest input the processor admits; a request brings as many of them as
+        its prompt (`max_prompt_tokens`) and the processor (`max_audios`, `max_images`) allow.
+        """
+        frames = self.max_audio_frames
+        clip_tokens = audio_output_tokens(frames, self.audio_encoder.cfg.n_window)
+        clip = MultimodalInputs(
+            audio_features=[torch.randn(NUM_MEL_BINS, frames)],
+            num_audio_tokens=[clip_tokens],
+            pixel_values=None,
+            image_grid_thw=None,
+            num_image_tokens=[],
+        )
+        audio_peak, clip_bytes = self._measure([self.cfg.audio_token_id] * clip_tokens, clip)
+        grid, cfg = self.max_image_grid, self.image_config
+        patch_values = 3 * cfg.temporal_patch_size * cfg.patch_size**2  # RGB
+        tokens = image_tokens(grid, self.cfg.vision.spatial_merge_size)
+        image = MultimodalInputs(
+            audio_features=[],
+            num_audio_tokens=[],
+            pixel_values=torch.randn(math.prod(grid), patch_values),
+            image_grid_thw=torch.tensor([grid]),
+            num_image_tokens=[tokens],
+        )
+        vision_peak, image_bytes = self._measure([self.cfg.image_token_id] * tokens, image)
+        return Floor(
+            prefill=prefill,
+            prefill_tokens=prefill_tokens,
+            audio_encoder=audio_peak,
+            audio_outputs=clip_bytes,
+            audio_clips=max(1, min(max_audios, max_prompt_tokens // clip_tokens)),
+            audio_seconds=frames * HOP_LENGTH / SAMPLE_RATE,
+            vision_encoder=vision_peak,
+            image_outputs=image_bytes,
+            images=max(1, min(max_images, max_prompt_tokens // tokens)),
+            image_size=(grid[2] * cfg.patch_size, grid[1] * cfg.patch_size),
+        )
+
+    @torch.inference_mode()
+    def _measure(self, token_ids: list[int], mm: MultimodalInputs) -> tuple[int, int]:
+        """Peak bytes of encoding one prompt's media, and the bytes of the rows that stay held after it."""
+        torch.cuda.synchronize(self.device)
+        base = torch.cuda.memory_allocated(self.device)
+        torch.cuda.reset_peak_memory_stats(self.device)
+        embeds = self.encode(token_ids, mm)
+        torch.cuda.synchronize(self.device)
+        peak = torch.cuda.max_memory_allocated(self.device) - base
+        held = torch.cuda.memory_allocated(self.device) - base
+        del embeds
+        torch.cuda.empty_cache()
+        return peak, held
 
     def _place(
         self, token_ids: list[int], audio: torch.Tensor | None, image: torch.Tensor | None, deepstack
@@ -96,3 +176,21 @@ class EncoderEngine:
         return MultimodalEmbeds(
             audio_rows.to(self.device), audio, image_rows.to(self.device), image, deepstack
         )
+
+
+def _groups(sizes: list[int], budget: int) -> list[list[int]]:
+    """Consecutive indices of `sizes` in groups whose sum stays within `budget` (an item over it goes alone)."""
+    groups: list[list[int]] = []
+    total = 0
+    for i, size in enumerate(sizes):
+        if not groups or total + size > budget:
+            groups.append([])
+            total = 0
+        groups[-1].append(i)
+        total += size
+    return groups
+
+
+def _join(parts: list[torch.Tensor], dim: int) -> torch.Tensor:
+    """`parts` concatenated along `dim`; a single part as it is, without a copy."""
+    return parts[0] if len(parts) == 1 else torch.cat(parts, dim)

@@ -209,7 +209,13 @@ class LLMEngine:
         limit = int(cfg.gpu_memory_limit_gib * GiB) if cfg.gpu_memory_limit_gib else None
         if limit is not None:
             torch.cuda.set_per_process_memory_fraction(min(1.0, limit / total), self.device)
-        floor = self.runner.profile_peak(cfg.max_num_batched_tokens, 1)
+        floor = self.encoders.profile_floor(
+            self.runner.profile_peak(cfg.max_num_batched_tokens, 1),
+            cfg.max_num_batched_tokens,
+            self.max_model_len - 1,
+            self.processor.max_audios,
+            self.processor.max_images,
+        )
         buckets = [] if cfg.enforce_eager else decode_buckets(min(cfg.max_graph_batch, cfg.max_num_seqs))
         costs = {}
         if buckets:

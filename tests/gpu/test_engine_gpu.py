@@ -84,3 +84,31 @@ def test_memory_limit_caps_the_plan(tiny_checkpoint):
     assert plan.limit == 2 << 30
     assert plan.weights + plan.floor + plan.reserve + plan.kv_bytes + plan.graph_bytes <= 2 << 30
     assert "memory plan (gpu_memory_limit: 2.00 GiB)" in plan.table()
+
+
+def test_the_floor_holds_the_encoders_on_the_largest_inputs(tiny_checkpoint):
+    """The plan's floor counts each tower on the largest input the processor admits (a 300 s clip, a
+    3584x3584 image) and the prefill beside the encoder rows a request holds; a request with a 290 s clip
+    and a 3840x2160 image then peaks within it."""
+    from PIL import Image
+
+    llm = LLM(
+        model=str(tiny_checkpoint), device="cuda", dtype="bfloat16", page_size=4, kv_cache_memory_gib=0.05,
+        enforce_eager=True,
+    )  # fmt: skip
+    plan = llm.engine.plan
+    phases = {name: size for name, size, _ in plan.floor_phases.phases()}
+    towers = {"audio encoder", "audio prefill", "vision encoder", "image prefill"}
+    assert set(phases) == {"text prefill", *towers}
+    assert min(phases.values()) > 0 and plan.floor == max(phases.values())
+    assert "300 s clip" in plan.table() and "3584x3584 image" in plan.table()
+    rng = np.random.default_rng(0)
+    image = Image.fromarray(rng.integers(0, 256, (2160, 3840, 3), dtype=np.uint8))
+    clip = (0.3 * rng.standard_normal(290 * 16000)).astype(np.float32)
+    content = [{"type": "image", "image": image}, {"type": "audio", "audio": clip}]
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    out = llm.chat([{"role": "user", "content": content}], GREEDY)[0]
+    assert len(out.outputs[0].token_ids) == GREEDY.max_tokens
+    assert torch.cuda.max_memory_allocated() - base <= plan.floor

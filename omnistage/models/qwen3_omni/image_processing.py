@@ -95,6 +95,17 @@ def image_grid(height: int, width: int, cfg: ImageProcessorConfig) -> tuple[int,
     return 1, h // cfg.patch_size, w // cfg.patch_size
 
 
+def largest_grid(cfg: ImageProcessorConfig) -> tuple[int, int, int]:
+    """(t, h, w) of the most patches any image resizes to: the vision encoder's largest input."""
+    factor = cfg.patch_size * cfg.merge_size
+    blocks = max(1, cfg.max_pixels // factor**2)  # resized sides are multiples of factor, area <= max_pixels
+    rows, cols = max(
+        ((a, min(blocks // a, MAX_ASPECT_RATIO * a)) for a in range(1, math.isqrt(blocks) + 1)),
+        key=lambda grid: (grid[0] * grid[1], grid[0]),  # the squarest of the largest
+    )
+    return 1, rows * cfg.merge_size, cols * cfg.merge_size
+
+
 def image_tokens(grid_thw: tuple[int, int, int], merge_size: int = 2) -> int:
     """Thinker tokens (image_pad placeholders) of an image grid: one per merge x merge patch block."""
     t, h, w = grid_thw

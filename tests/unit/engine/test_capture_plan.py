@@ -1,6 +1,9 @@
+from dataclasses import replace
+
 import pytest
 
 from omnistage.engine.capture_plan import (
+    Floor,
     GiB,
     MiB,
     bucket_for,
@@ -221,3 +224,42 @@ def test_table_fits_one_screen():
         assert word in table
     assert f"{plan.kv_pages:,} pages" in table
     assert "eager batches: 128" in table
+
+
+def test_floor_is_the_largest_phase_of_the_largest_requests():
+    """An encoder's peak on the largest input it admits (after the rows of the request's earlier ones), or
+    the largest prefill step beside the encoder rows one request holds, whichever is larger, is the floor;
+    each shows as its own line of the table."""
+    text = Floor(prefill=GiB, prefill_tokens=2048)
+    assert text.peak == GiB
+    audio = replace(text, audio_encoder=3 * GiB, audio_outputs=16 * MiB, audio_seconds=300.0)
+    assert audio.peak == 3 * GiB  # the encoder's own peak holds its outputs too
+    images = replace(audio, vision_encoder=2 * GiB, image_outputs=2560 * MiB, image_size=(3584, 3584))
+    assert images.peak == GiB + 2560 * MiB  # the prefill runs beside the image rows it reads
+    assert replace(images, vision_encoder=9 * GiB, images=3).peak == 9 * GiB + 2 * 2560 * MiB  # the third call
+
+    kwargs = dict(
+        total=80 * GiB, free_after_weights=12 * GiB, weights=66 * GiB, kv_bytes_per_page=12 * MiB,
+        graph_cost_per_bucket={}, reserve=512 * MiB,
+    )  # fmt: skip
+    images = replace(images, audio_clips=2, images=2)
+    plain, planned = plan_memory(floor_peak=GiB, **kwargs), plan_memory(floor_peak=images, **kwargs)
+    assert planned.floor == images.peak == 6 * GiB and plain.floor == GiB
+    assert 0 <= (plain.kv_pages - planned.kv_pages) * 12 * MiB - (images.peak - GiB) < 12 * MiB
+    assert planned.floor + planned.reserve + planned.kv_bytes + planned.free == 12 * GiB
+    table = planned.table()
+    for line in (
+        "floor (eager peak)     6.00 GiB  the largest of:",
+        "  text prefill         1.00 GiB  2,048 tokens",
+        "  audio encoder        3.02 GiB  2 x 300 s clip, one call each",
+        "  audio prefill        1.03 GiB  with 2 x 300 s clip: 32 MiB of encoder rows held",
+        "  vision encoder       4.50 GiB  2 x 3584x3584 image, one call each",
+        "  image prefill        6.00 GiB  with 2 x 3584x3584 image: 5,120 MiB of encoder rows held",
+    ):
+        assert f"  {line}" in table, table
+    assert (
+        "with the 300 s clip's 16 MiB of encoder rows held" in plan_memory(floor_peak=audio, **kwargs).table()
+    )
+    assert "the largest of" not in plain.table()
+    with pytest.raises(ConfigError, match=r"floor 6.00 GiB \(the image prefill\)"):
+        plan_memory(floor_peak=images, **{**kwargs, "free_after_weights": 6 * GiB})

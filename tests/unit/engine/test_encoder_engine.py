@@ -13,7 +13,9 @@ def setup(tiny_checkpoint):
     cfg = Qwen3OmniConfig.from_dir(tiny_checkpoint).thinker
     encoders = EncoderEngine(tiny_checkpoint, cfg, torch.float32, torch.device("cpu"))
     clip = (0.3 * np.sin(np.arange(32000) / 16000 * 2 * np.pi * 440)).astype(np.float32)
-    messages = [{"role": "user", "content": [{"type": "audio", "audio": clip}, {"type": "text", "text": "Hi"}]}]
+    messages = [
+        {"role": "user", "content": [{"type": "audio", "audio": clip}, {"type": "text", "text": "Hi"}]}
+    ]
     return cfg, encoders, Processor(tiny_checkpoint).process_chat(messages)
 
 
@@ -32,7 +34,9 @@ def test_placeholders_that_do_not_match_the_media_are_refused(setup):
     count = ids.count(cfg.audio_token_id)
     with pytest.raises(InvalidRequest) as err:
         encoders.encode(ids, prompt.mm)
-    assert str(err.value) == f"the prompt has {count} audio placeholder tokens but its audio gives {count - 1}"
+    assert (
+        str(err.value) == f"the prompt has {count} audio placeholder tokens but its audio gives {count - 1}"
+    )
 
 
 def test_many_prompts_encode_together_as_each_alone(tiny_checkpoint, setup):
@@ -65,5 +69,49 @@ def test_many_prompts_encode_together_as_each_alone(tiny_checkpoint, setup):
             assert (a is None) == (b is None), name
             if a is not None:
                 torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
-    assert together[2].audio_embeds is None and together[2].deepstack.shape[1] == together[2].image_rows.numel()
+    assert (
+        together[2].audio_embeds is None and together[2].deepstack.shape[1] == together[2].image_rows.numel()
+    )
     assert together[1].image_embeds is not None and together[1].audio_embeds is not None
+
+
+def test_no_encoder_call_exceeds_the_largest_input_measured(tiny_checkpoint, monkeypatch):
+    """Media admitted together go through each tower in calls of at most the largest single input the
+    processor admits (what the memory plan measured), and still equal each prompt alone."""
+    from PIL import Image
+
+    encoders = EncoderEngine(tiny_checkpoint, Qwen3OmniConfig.from_dir(tiny_checkpoint).thinker, torch.float32,
+                             torch.device("cpu"))  # fmt: skip
+    assert encoders.max_audio_frames == 30000 and encoders.max_image_patches == 224 * 224
+    encoders.max_audio_frames, encoders.max_image_patches = 450, 256  # 4.5 s of audio, one 256x256 image
+    audio_calls, image_calls = [], []
+    audio, vision = encoders.audio_encoder, encoders.vision_encoder
+    monkeypatch.setattr(
+        encoders,
+        "audio_encoder",
+        lambda clips: audio_calls.append(sum(c.shape[1] for c in clips)) or audio(clips),
+    )
+    monkeypatch.setattr(
+        encoders, "vision_encoder", lambda px, grid: image_calls.append(px.shape[0]) or vision(px, grid)
+    )
+    rng = np.random.default_rng(1)
+    clips = [
+        (0.3 * rng.standard_normal(round(s * 16000))).astype(np.float32) for s in (4.5, 1.0, 2.0, 3.0, 0.5)
+    ]
+    pictures = [
+        Image.fromarray(rng.integers(0, 256, (h, w, 3), dtype=np.uint8))
+        for w, h in ((256, 256), (64, 128), (128, 96))
+    ]
+    contents = [
+        [{"type": "audio", "audio": clips[0]}, {"type": "image", "image": pictures[0]}],
+        [{"type": "audio", "audio": clips[1]}, {"type": "audio", "audio": clips[2]}, {"type": "image", "image": pictures[1]}],
+        [{"type": "image", "image": pictures[2]}, {"type": "audio", "audio": clips[3]}, {"type": "audio", "audio": clips[4]}],
+    ]  # fmt: skip
+    processor = Processor(tiny_checkpoint)
+    prompts = [processor.process_chat([{"role": "user", "content": c}]) for c in contents]
+    together = encoders.encode_many([(p.token_ids, p.mm) for p in prompts])
+    assert audio_calls == [450, 100 + 200, 300 + 50] and image_calls == [256, 32 + 48]
+    for prompt, got in zip(prompts, together):
+        want = encoders.encode(prompt.token_ids, prompt.mm)
+        for name in ("audio_embeds", "image_embeds", "deepstack"):
+            torch.testing.assert_close(getattr(got, name), getattr(want, name), rtol=1e-5, atol=1e-5)
