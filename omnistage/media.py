@@ -164,8 +164,13 @@ def _read_local(url: str, policy: MediaPolicy) -> bytes:
         if parsed.netloc not in ("", "localhost"):
             raise InvalidMedia(f"file URL {_short(url)} names a host; only local files are served")
         url = urllib.parse.unquote(parsed.path)
+    if "\x00" in url:  # no file has one, and the OS would refuse it with a ValueError
+        raise InvalidMedia("the path holds a NUL character")
     root = policy.media_dir.resolve()
-    path = (root / url).resolve()  # an absolute path stays itself; symlinks and .. are resolved away
+    try:
+        path = (root / url).resolve()  # an absolute path stays itself; symlinks and .. are resolved away
+    except (OSError, RuntimeError):  # pathlib reports a symlink loop as a RuntimeError
+        raise InvalidMedia(f"{_short(url)} cannot be resolved (a symlink loop?)") from None
     if not path.is_relative_to(root):
         raise InvalidMedia(
             f"{_short(url)} is outside the media directory; only files under --media-dir are served"

@@ -2,9 +2,10 @@
 
 Each generation request renders and encodes its prompt, starts the engine's stream and waits for the
 first output before answering, so admission errors (bad parameters, too large, queue full) still become
-proper 4xx/503 responses even for `stream: true`. Media attachments are fetched, decoded and processed in a
-worker thread (`server.media`), never on the event loop. From then on a client that goes away, streaming or
-not, cancels its request: the engine stream is closed, which aborts the request and frees its pages.
+proper 4xx/503 responses even for `stream: true`. Rendering, tokenizing and media fetching and decoding
+(`omnistage.media`) run in worker threads with calls that let go of the GIL, never on the event loop. From
+then on a client that goes away, streaming or not, cancels its request: the engine stream is closed, which
+aborts the request and frees its pages.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ import asyncio
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable
+from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine
 from dataclasses import dataclass
 from importlib.metadata import PackageNotFoundError, version
 from typing import Annotated, Any, TypeVar
@@ -21,18 +22,20 @@ from typing import Annotated, Any, TypeVar
 import jinja2
 from fastapi import APIRouter, FastAPI, File, Form, Request, UploadFile
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-from starlette.concurrency import run_in_threadpool
+from fastapi.routing import APIRoute
 from starlette.types import Receive, Scope, Send
 
 from omnistage.engine.async_engine import AsyncEngine
 from omnistage.engine.sampling import SamplingParams
 from omnistage.errors import InvalidMedia, InvalidRequest, OmnistageError
 from omnistage.media import MediaPolicy, decode_messages, load_audio
-from omnistage.models.qwen3_omni.transcription import transcription_messages
+from omnistage.models.qwen3_omni.transcription import max_transcription_tokens, transcription_messages
 from omnistage.outputs import RequestOutput
 from omnistage.server.errors import (
+    CatchAll,
     ClientGone,
     EngineFailure,
+    InvalidField,
     ModelNotFound,
     error_body,
     install_error_handlers,
@@ -47,6 +50,8 @@ from omnistage.server.protocol import (
     ModelCard,
     ModelList,
     Usage,
+    invalid_text,
+    may_hold_surrogates,
 )
 from omnistage.server.transcriptions import TranscriptionFormat, check_response_format
 
@@ -58,6 +63,7 @@ TRANSCRIPTIONS = "/v1/audio/transcriptions"
 _ENDPOINTS = {CHAT, COMPLETIONS, TRANSCRIPTIONS, "/v1/models", "/health", "/metrics"}
 
 T = TypeVar("T")
+INT64 = {"ge": -(2**63), "le": 2**63 - 1}
 
 
 def build_app(
@@ -76,10 +82,13 @@ def build_app(
     app.state.server = server
     install_error_handlers(app, lambda request, status: server.count(request.url.path, status))
     app.add_middleware(Gate, api_key=api_key, max_body_bytes=max_body_bytes, on_reject=server.count)
+    app.add_middleware(CatchAll, on_error=server.count)  # added last: the outermost
 
     v1 = APIRouter(prefix="/v1")
-    v1.add_api_route("/chat/completions", server.chat, methods=["POST"], response_model=None)
-    v1.add_api_route("/completions", server.completions, methods=["POST"], response_model=None)
+    for path, endpoint in (("/chat/completions", server.chat), ("/completions", server.completions)):
+        v1.add_api_route(
+            path, endpoint, methods=["POST"], response_model=None, route_class_override=_JSONRoute
+        )
     v1.add_api_route("/audio/transcriptions", server.transcriptions, methods=["POST"], response_model=None)
     v1.add_api_route("/models", server.models, methods=["GET"])
     v1.add_api_route("/models/{model:path}", server.model, methods=["GET"])
@@ -94,6 +103,27 @@ def _version() -> str:
         return version("omnistage")
     except PackageNotFoundError:
         return "0+unknown"
+
+
+class _JSONRoute(APIRoute):
+    """A JSON route whose body may hold only valid Unicode: a JSON escape of a lone surrogate ("\\ud800"),
+    which json.loads accepts but no tokenizer or response can encode, is a 400 naming its field, before
+    anything else sees the body. This is the one place text from a JSON body is checked for it."""
+
+    def get_route_handler(self) -> Callable[[Request], Coroutine[Any, Any, Response]]:
+        handler = super().get_route_handler()
+
+        async def checked(request: Request) -> Response:
+            if may_hold_surrogates(await request.body()):
+                try:
+                    data = await request.json()  # kept on the request: the handler does not parse it again
+                except ValueError:
+                    data = None  # not JSON: the handler reports that
+                if (found := invalid_text(data)) is not None:
+                    raise InvalidField(*found)
+            return await handler(request)
+
+        return checked
 
 
 class _Server:
@@ -112,31 +142,23 @@ class _Server:
 
     async def chat(self, body: ChatCompletionRequest, request: Request) -> Response:
         self._check_model(body.model)
-        body.check_supported()
         params = body.sampling_params(body.requested_max_tokens)
         fmt = ChatFormat(f"chatcmpl-{uuid.uuid4().hex}", self.served_model_name, body.include_usage)
-        if body.has_media():
-            messages = body.message_dicts()
-            processed = await asyncio.to_thread(
-                self._process_media_chat, messages, body.add_generation_prompt
-            )
-            return await self._generate(request, CHAT, fmt, processed, params, body.stream)
-        prompt, prompt_ids = await run_in_threadpool(self._render_chat, body)
-        return await self._generate(request, CHAT, fmt, _Prompt(prompt, prompt_ids), params, body.stream)
+        work = self._process_media_chat if body.has_media() else self._encode_chat
+        prompt = await asyncio.to_thread(work, body.message_dicts(), body.add_generation_prompt)
+        return await self._generate(request, CHAT, fmt, prompt, params, bool(body.stream))
 
     async def completions(self, body: CompletionRequest, request: Request) -> Response:
         self._check_model(body.model)
-        body.check_supported()
         params = body.sampling_params(body.max_tokens)
         given = body.single_prompt()
         if isinstance(given, str):
-            prompt, prompt_ids = given, await run_in_threadpool(self.engine.engine.processor.encode, given)
+            processor, context = self.engine.engine.processor, self.engine.engine.max_model_len
+            prompt = _Prompt(given, await asyncio.to_thread(processor.encode, given, context))
         else:
-            prompt, prompt_ids = None, list(given)
+            prompt = _Prompt(None, list(given))
         fmt = CompletionFormat(f"cmpl-{uuid.uuid4().hex}", self.served_model_name, body.include_usage)
-        return await self._generate(
-            request, COMPLETIONS, fmt, _Prompt(prompt, prompt_ids), params, body.stream
-        )
+        return await self._generate(request, COMPLETIONS, fmt, prompt, params, bool(body.stream))
 
     async def transcriptions(
         self,
@@ -146,25 +168,33 @@ class _Server:
         language: Annotated[str | None, Form()] = None,
         prompt: Annotated[str | None, Form()] = None,
         response_format: Annotated[str, Form()] = "json",
-        temperature: Annotated[float, Form()] = 0.0,  # OpenAI's default for transcriptions
+        # OpenAI's default for transcriptions.
+        temperature: Annotated[float, Form(allow_inf_nan=False)] = 0.0,
         stream: Annotated[bool, Form()] = False,
+        # Refused when asked for: this server has no timestamps and no logprobs to give. OpenAI's other
+        # form fields (chunking_strategy, keywords[], languages[], known_speaker_*[]) are ignored.
+        timestamp_granularities: Annotated[list[str] | None, Form(alias="timestamp_granularities[]")] = None,
+        include: Annotated[list[str] | None, Form(alias="include[]")] = None,
         # Extras beyond OpenAI's form (vLLM's names), for benchmarks that force output lengths.
-        max_tokens: Annotated[int | None, Form()] = None,
-        min_tokens: Annotated[int | None, Form()] = None,
+        max_tokens: Annotated[int | None, Form(**INT64)] = None,
+        min_tokens: Annotated[int | None, Form(**INT64)] = None,
         ignore_eos: Annotated[bool | None, Form()] = None,
-        seed: Annotated[int | None, Form()] = None,
+        seed: Annotated[int | None, Form(**INT64)] = None,
     ) -> Response:
         self._check_model(model)
         check_response_format(response_format)
+        if timestamp_granularities:
+            raise InvalidField("timestamp_granularities[]", "timestamps are not supported yet")
+        if include:
+            raise InvalidField("include[]", "logprobs are not supported yet")
         extras = {"min_tokens": min_tokens, "ignore_eos": ignore_eos, "seed": seed}
-        params = SamplingParams(
-            max_tokens=max_tokens,
-            temperature=temperature,
-            **{k: v for k, v in extras.items() if v is not None},
-        )
+        extras = {k: v for k, v in extras.items() if v is not None}
         data = await file.read()
         audio, processed = await asyncio.to_thread(self._process_transcription, data, language, prompt)
         fmt = TranscriptionFormat.for_audio(f"trsc-{uuid.uuid4().hex}", response_format, language, audio)
+        if max_tokens is None:
+            max_tokens = max_transcription_tokens(fmt.duration)
+        params = SamplingParams(max_tokens=max_tokens, temperature=temperature, **extras)
         return await self._generate(request, TRANSCRIPTIONS, fmt, processed, params, stream)
 
     async def models(self) -> ModelList:
@@ -199,15 +229,24 @@ class _Server:
             max_model_len=self.engine.engine.max_model_len,
         )
 
+    # These run in worker threads: fetching, decoding and tokenizing let go of the GIL for the event loop.
+
     def _process_media_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool) -> Any:
         """Fetch and decode the attachments, then let the processor lay out the multimodal prompt."""
         decoded = decode_messages(messages, self.media)
+        engine = self.engine.engine
         try:
-            return self.engine.engine.processor.process_chat(
-                decoded, add_generation_prompt=add_generation_prompt
-            )
+            return engine.processor.process_chat(decoded, add_generation_prompt, engine.max_model_len)
         except jinja2.TemplateError as exc:
             raise InvalidRequest(f"messages: the chat template rejected them ({exc})") from None
+
+    def _encode_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool) -> _Prompt:
+        engine = self.engine.engine
+        try:
+            prompt, ids = engine.processor.encode_chat(messages, add_generation_prompt, engine.max_model_len)
+        except jinja2.TemplateError as exc:
+            raise InvalidRequest(f"messages: the chat template rejected them ({exc})") from None
+        return _Prompt(prompt, ids)
 
     def _process_transcription(
         self, data: bytes, language: str | None, prompt: str | None
@@ -217,17 +256,8 @@ class _Server:
         except InvalidMedia as exc:
             raise InvalidMedia(f"file: {exc}") from None
         messages = transcription_messages(audio, language, prompt)
-        return audio, self.engine.engine.processor.process_chat(messages, add_generation_prompt=True)
-
-    def _render_chat(self, body: ChatCompletionRequest) -> tuple[str, list[int]]:
-        processor = self.engine.engine.processor
-        try:
-            prompt = processor.render_chat(
-                body.message_dicts(), add_generation_prompt=body.add_generation_prompt
-            )
-        except jinja2.TemplateError as exc:
-            raise InvalidRequest(f"messages: the chat template rejected them ({exc})") from None
-        return prompt, processor.encode(prompt)
+        engine = self.engine.engine
+        return audio, engine.processor.process_chat(messages, True, engine.max_model_len)
 
     async def _generate(
         self,

@@ -1,11 +1,14 @@
 """The one place where errors become HTTP responses in OpenAI's shape.
 
 Every error body is `{"error": {"message", "type", "param", "code"}}`, as the official client expects.
-Typed errors raised anywhere (engine, protocol, middleware) are mapped here by class, most specific first.
+Typed errors raised anywhere (engine, protocol, middleware) are mapped here by class, most specific first;
+anything else that escapes the app (`CatchAll`) is a 500 that names no internals, logged with its traceback.
 """
 
 from __future__ import annotations
 
+import logging
+import reprlib
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -14,8 +17,11 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from omnistage.errors import InvalidMedia, InvalidRequest, OmnistageError, QueueFull, RequestTooLarge
+
+log = logging.getLogger(__name__)
 
 
 class Unauthorized(OmnistageError):
@@ -36,6 +42,14 @@ class EngineFailure(OmnistageError):
 
 class ClientGone(OmnistageError):
     """The client disconnected before its response was ready; nobody reads what is sent back."""
+
+
+class InvalidField(InvalidRequest):
+    """One field of the body is invalid (HTTP 400 whose `param` names the field)."""
+
+    def __init__(self, param: str, reason: str) -> None:
+        super().__init__(f"{param}: {reason}" if param else reason)
+        self.param = param or None
 
 
 @dataclass(frozen=True)
@@ -71,11 +85,17 @@ def error_body(message: str, kind: ErrorKind, param: str | None = None) -> dict[
     return {"error": {"message": message, "type": kind.type, "param": param, "code": kind.code}}
 
 
-def error_response(exc: Exception) -> JSONResponse:
-    """The HTTP response for one of our errors (anything unknown is a 500 that keeps its message)."""
+def error_response(exc: OmnistageError) -> JSONResponse:
+    """The HTTP response for one of our errors (one without a kind of its own is a 500 keeping its message)."""
     kind = kind_of(exc)
     message = str(exc) or type(exc).__name__
-    return JSONResponse(error_body(message, kind), status_code=kind.status)
+    return JSONResponse(error_body(message, kind, getattr(exc, "param", None)), status_code=kind.status)
+
+
+def internal_error_response() -> JSONResponse:
+    return JSONResponse(
+        error_body("the server failed this request (an internal error, logged)", _INTERNAL), status_code=500
+    )
 
 
 _UNION_TAGS = {"str", "int", "float", "bool"}
@@ -98,17 +118,17 @@ def _field_path(loc: tuple[Any, ...]) -> str:
 
 def validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
     """A readable message naming each bad field's path, and the first path as OpenAI's `param`."""
-    found: list[tuple[str, str]] = []  # (path, reason)
+    found: dict[tuple[str, str], None] = {}  # (path, reason), in order and once each
     for err in exc.errors():
         if err["type"] == "json_invalid":
             reason = (err.get("ctx") or {}).get("error", "")
-            found.append(
+            found[
                 ("", f"the body is not valid JSON ({reason})" if reason else "the body is not valid JSON")
-            )
+            ] = None
             continue
         path = _field_path(tuple(err["loc"]))
         if not path and err["type"] == "missing":
-            found.append(("", "the request body is missing"))
+            found[("", "the request body is missing")] = None
             continue
         reason = (
             "unknown field" if err["type"] == "extra_forbidden" else err["msg"].removeprefix("Value error, ")
@@ -117,20 +137,16 @@ def validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
         if err["type"] not in ("missing", "extra_forbidden", "value_error") and isinstance(
             given, str | int | float | bool
         ):
-            reason += f" (got {given!r})"
-        if (path, reason) not in found:
-            found.append((path, reason))
+            reason += f" (got {reprlib.repr(given)})"  # abbreviated: a 400-digit number is not echoed whole
+        found[(path, reason)] = None
     # Of a union, the member the client evidently meant failed deeper: drop the shallower complaints.
-    paths = [p for p, _ in found]
-    found = [
-        (p, r)
-        for p, r in found
-        if not p or not any(q.startswith(p + ".") or q.startswith(p + "[") for q in paths)
-    ]
-    parts = [f"{p}: {r}" if p else r for p, r in found[:3]]
-    if len(found) > 3:
-        parts.append(f"and {len(found) - 3} more")
-    param = next((p for p, _ in found if p), None)
+    # (Linear in the paths' length: a body of ten thousand bad fields is answered at once.)
+    shallower = {q[:i] for q, _ in found for i, c in enumerate(q) if c in ".["}
+    kept = [(p, r) for p, r in found if not p or p not in shallower]
+    parts = [f"{p}: {r}" if p else r for p, r in kept[:3]]
+    if len(kept) > 3:
+        parts.append(f"and {len(kept) - 3} more")
+    param = next((p for p, _ in kept if p), None)
     return "invalid request: " + "; ".join(parts), param
 
 
@@ -159,3 +175,37 @@ def install_error_handlers(app: FastAPI, on_error: Callable[[Request, int], None
         return JSONResponse(
             error_body(str(exc.detail), kind), status_code=exc.status_code, headers=exc.headers
         )
+
+
+class CatchAll:
+    """The outermost layer of the app: an exception that escapes everything else becomes a JSON 500 that
+    names no internals, and its traceback goes to the log.
+
+    Answering here (rather than letting the server's last-resort handler answer) keeps a keep-alive
+    connection usable. A response that had already started cannot be replaced: the exception goes on to
+    the server, which closes the connection, the only way left to tell the client.
+    """
+
+    def __init__(self, app: ASGIApp, on_error: Callable[[str, int], None]) -> None:
+        self.app = app
+        self.on_error = on_error  # (path, status), for the request counters
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        started = False
+
+        async def tracking_send(message: Message) -> None:
+            nonlocal started
+            started = started or message["type"] == "http.response.start"
+            await send(message)
+
+        try:
+            await self.app(scope, receive, tracking_send)
+        except Exception:
+            if started:
+                raise
+            log.exception("unexpected error answering %s %s", scope.get("method"), scope.get("path"))
+            self.on_error(scope["path"], 500)
+            await internal_error_response()(scope, receive, send)

@@ -25,7 +25,8 @@ class Gate:
         on_reject: Callable[[str, int], None],
     ) -> None:
         self.app = app
-        self.api_key = api_key
+        # Compared as bytes: a header is bytes on the wire, and compare_digest refuses non-ASCII str.
+        self.api_key = None if api_key is None else api_key.encode()
         self.max_body_bytes = max_body_bytes
         self.on_reject = on_reject  # (path, status), for the request counters
 
@@ -47,9 +48,9 @@ class Gate:
         await self.app(scope, _replay(body, receive), send)
 
     def _authorized(self, scope: Scope) -> bool:
-        header = _header(scope, b"authorization") or ""
-        scheme, _, token = header.partition(" ")
-        return scheme.lower() == "bearer" and secrets.compare_digest(token.strip(), self.api_key or "")
+        header = _raw_header(scope, b"authorization") or b""
+        scheme, _, token = header.partition(b" ")
+        return scheme.lower() == b"bearer" and secrets.compare_digest(token.strip(), self.api_key or b"")
 
     def _too_large(self, length: int | None) -> BodyTooLarge:
         size = f"{length:,} bytes" if length is not None else "more"
@@ -76,11 +77,16 @@ class Gate:
         await response(scope, receive, send)
 
 
-def _header(scope: Scope, name: bytes) -> str | None:
+def _raw_header(scope: Scope, name: bytes) -> bytes | None:
     for key, value in scope["headers"]:
         if key == name:
-            return value.decode("latin-1")
+            return value
     return None
+
+
+def _header(scope: Scope, name: bytes) -> str | None:
+    value = _raw_header(scope, name)
+    return None if value is None else value.decode("latin-1")
 
 
 def _replay(body: bytes, receive: Receive) -> Receive:

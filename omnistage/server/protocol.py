@@ -1,60 +1,112 @@
 """The OpenAI HTTP protocol as pydantic models: requests checked field by field, responses as OpenAI sends them.
 
-Requests are strict (an unknown field is a 400 naming it) but accept the fields common clients send by
-default. Sampling extras that OpenAI lacks (top_k, min_p, repetition_penalty, min_tokens, ignore_eos, ...)
-carry vLLM's names, so clients pass them through `extra_body` unchanged.
+Requests are strict: an unknown field is a 400 naming it, and so is a value of the wrong JSON type
+(`"stream": "yes"`, `"temperature": true`; an integer is still a number), an integer beyond int64 or a
+number that is not finite. Every field of OpenAI's current request schemas is accepted: honoured, ignored
+where ignoring it changes nothing the client gets (see the README), or refused with a 400 naming the field
+where ignoring it would (`n` > 1, logprobs, tools, JSON response formats, audio output). Sampling extras
+that OpenAI lacks (top_k, min_p, repetition_penalty, min_tokens, ignore_eos, ...) carry vLLM's names, so
+clients pass them through `extra_body` unchanged.
 """
 
 from __future__ import annotations
 
+import re
 import time
-from typing import Any, Literal
+from collections.abc import Callable
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_serializer, field_validator, model_validator
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    ConfigDict,
+    Discriminator,
+    Field,
+    Tag,
+    field_serializer,
+    field_validator,
+    model_validator,
+)
 
 from omnistage.engine.sampling import SamplingParams
 from omnistage.errors import InvalidRequest
 
+Int64 = Annotated[int, Field(ge=-(2**63), le=2**63 - 1)]
+TokenId = Annotated[int, Field(ge=0, le=2**63 - 1)]
+TOOLS = "tools are not supported yet"
+AUDIO_OUTPUT = "audio output is not supported yet; this server answers in text"
+LOGPROBS = "logprobs are not supported yet"
+
 
 class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
+
+
+class _Open(_Strict):
+    """An object OpenAI keeps adding optional keys to (image_url.detail, prompt_cache_breakpoint, ...):
+    those are accepted and ignored; the known keys are still strictly typed."""
+
+    model_config = ConfigDict(extra="allow")
+
+
+def _unless(harmless: Callable[[Any], bool], reason: str) -> AfterValidator:
+    """A field this server cannot honour: refused with `reason` (formatted with the value) unless the value
+    the client sent changes nothing."""
+
+    def check(value: Any) -> Any:
+        if value is not None and not harmless(value):
+            raise ValueError(reason.format(value=value))
+        return value
+
+    return AfterValidator(check)
+
+
+def _empty(value: Any) -> bool:
+    return not value
+
+
+def _never(value: Any) -> bool:
+    return False
 
 
 class StreamOptions(_Strict):
-    include_usage: bool = False
-    continuous_usage_stats: bool = False  # accepted for vLLM clients; usage arrives once, at the end
+    include_usage: bool | None = False
+    # OpenAI pads stream chunks against length side channels; this server sends no padding either way.
+    include_obfuscation: bool | None = None
+    continuous_usage_stats: bool | None = False  # accepted for vLLM clients; usage arrives once, at the end
 
 
 class _SamplingRequest(_Strict):
     """Fields shared by chat and text completions."""
 
     model: str
-    n: int = 1
+    n: Annotated[
+        Int64 | None, _unless(lambda n: n == 1, "n must be 1 (one choice per request), got {value}")
+    ] = None
     temperature: float | None = None
     top_p: float | None = None
-    top_k: int | None = None
+    top_k: Int64 | None = None
     min_p: float | None = None
-    seed: int | None = None
+    seed: Int64 | None = None
     stop: str | list[str] | None = None
-    stop_token_ids: list[int] | None = None
+    stop_token_ids: list[TokenId] | None = None
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
     repetition_penalty: float | None = None
-    min_tokens: int | None = None
+    min_tokens: Int64 | None = None
     ignore_eos: bool | None = None
     skip_special_tokens: bool | None = None
     include_stop_str_in_output: bool | None = None
-    stream: bool = False
+    stream: bool | None = False
     stream_options: StreamOptions | None = None
-    user: str | None = None  # OpenAI's end-user tag; accepted and ignored
-    logit_bias: dict[str, float] | None = None
+    logit_bias: Annotated[dict[str, float] | None, _unless(_empty, "logit_bias is not supported")] = None
+    user: str | None = None  # OpenAI's end-user tag: ignored
+    store: bool | None = None  # ignored: nothing is stored (chat's field; clients send it to completions too)
 
     def sampling_params(self, max_tokens: int | None) -> SamplingParams:
         """The engine's SamplingParams; unset fields take the engine's defaults. Raises InvalidRequest."""
-        if self.logit_bias:
-            raise InvalidRequest("logit_bias is not supported")
         names = (
-            "n temperature top_p top_k min_p seed stop stop_token_ids presence_penalty frequency_penalty "
+            "temperature top_p top_k min_p seed stop stop_token_ids presence_penalty frequency_penalty "
             "repetition_penalty min_tokens ignore_eos skip_special_tokens include_stop_str_in_output"
         ).split()
         values = {name: getattr(self, name) for name in names if getattr(self, name) is not None}
@@ -62,7 +114,39 @@ class _SamplingRequest(_Strict):
 
     @property
     def include_usage(self) -> bool:
-        return self.stream_options is not None and self.stream_options.include_usage
+        return self.stream_options is not None and bool(self.stream_options.include_usage)
+
+
+# A lone UTF-16 surrogate, which no UTF-8 text (the tokenizer's, a response's) can hold, reaches json.loads spelled
+# as a \u escape or as the three bytes UTF-8 would give it (json.loads decodes with "surrogatepass"). The raw
+# body is scanned for either first: a body without one costs one regex pass.
+_MAYBE_SURROGATE = re.compile(rb"\\u[dD][89a-fA-F]|\xed[\xa0-\xbf]")
+_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def may_hold_surrogates(body: bytes) -> bool:
+    return _MAYBE_SURROGATE.search(body) is not None
+
+
+def invalid_text(data: Any) -> tuple[str, str] | None:
+    """(path, reason) of the first string of parsed JSON that is not valid Unicode (a lone surrogate), or None.
+
+    Paths are spelled as validation errors spell them: `messages[0].content[1].text`.
+    """
+    stack: list[tuple[str, Any]] = [("", data)]
+    while stack:
+        path, value = stack.pop()
+        if isinstance(value, str):
+            if not value.isascii() and _SURROGATE.search(value):
+                return path, "not valid Unicode (it holds a lone UTF-16 surrogate)"
+        elif isinstance(value, dict):
+            for key, item in reversed(value.items()):
+                if _SURROGATE.search(key):
+                    return path, "a key is not valid Unicode (it holds a lone UTF-16 surrogate)"
+                stack.append((f"{path}.{key}" if path else key, item))
+        elif isinstance(value, list):
+            stack.extend((f"{path}[{i}]", item) for i, item in reversed(list(enumerate(value))))
+    return None
 
 
 # -- chat completions -------------------------------------------------------------------------------------
@@ -76,15 +160,13 @@ class InputAudio(_Strict):
     format: str  # checked where it is decoded, so an unknown one is an InvalidMedia naming the choices
 
 
-class MediaURL(BaseModel):
-    model_config = ConfigDict(extra="allow")  # image_url's "detail" and the like: accepted, ignored
+class MediaURL(_Open):
     url: str
 
 
-class ContentPart(BaseModel):
-    """One element of a content array: text, or audio or an image (decoded by `server.media`)."""
+class ContentPart(_Open):
+    """One element of a content array: text, or audio or an image (decoded by `omnistage.media`)."""
 
-    model_config = ConfigDict(extra="allow")
     type: str
     text: str | None = None
     input_audio: InputAudio | None = None
@@ -111,37 +193,84 @@ class ContentPart(BaseModel):
 
 
 class ChatMessage(_Strict):
-    role: Literal["system", "user", "assistant"]
-    content: str | list[ContentPart]
-    name: str | None = None
+    role: Literal["system", "developer", "user", "assistant", "tool", "function"]
+    content: str | list[ContentPart] | None = None
+    name: str | None = None  # accepted; the chat template does not render names
+    refusal: str | None = None  # an earlier assistant refusal; accepted, not rendered
+    tool_calls: list[dict[str, Any]] | None = None
+    function_call: dict[str, Any] | None = None
+    tool_call_id: str | None = None
+    audio: dict[str, Any] | None = None  # an earlier assistant audio answer, by id
+
+    @model_validator(mode="after")
+    def _supported(self) -> ChatMessage:
+        if self.role in ("tool", "function"):
+            raise ValueError(f"{self.role!r} messages are not supported ({TOOLS})")
+        if self.tool_calls or self.function_call:
+            raise ValueError(f"tool calls are not supported ({TOOLS})")
+        if self.audio is not None:
+            raise ValueError(AUDIO_OUTPUT)
+        if self.content is None:
+            raise ValueError("content is missing")
+        return self
+
+    def template_dict(self) -> dict[str, Any]:
+        """The message as the chat template takes it: OpenAI's developer role is the template's system."""
+        content = self.content
+        if isinstance(content, list):
+            content = [part.model_dump(exclude_none=True) for part in content]
+        return {"role": "system" if self.role == "developer" else self.role, "content": content}
 
 
-class ResponseFormat(BaseModel):
-    model_config = ConfigDict(extra="allow")
+class ResponseFormat(_Open):
     type: str
+
+
+def _text_format(value: ResponseFormat) -> ResponseFormat:
+    if value.type != "text":
+        raise ValueError(f"response_format {value.type!r} is not supported; only 'text' is")
+    return value
 
 
 class ChatCompletionRequest(_SamplingRequest):
     messages: list[ChatMessage] = Field(min_length=1)
-    max_tokens: int | None = None
-    max_completion_tokens: int | None = None  # OpenAI's newer name; wins over max_tokens
-    logprobs: bool | None = None
-    top_logprobs: int | None = None
-    response_format: ResponseFormat | None = None
-    tools: list[dict[str, Any]] | None = None
-    tool_choice: str | dict[str, Any] | None = None
-    parallel_tool_calls: bool | None = None
-    add_generation_prompt: bool = True
+    max_tokens: Int64 | None = None
+    max_completion_tokens: Int64 | None = None  # OpenAI's newer name; wins over max_tokens
+    add_generation_prompt: bool = True  # vLLM's
 
-    def check_supported(self) -> None:
-        if self.logprobs or self.top_logprobs:
-            raise InvalidRequest("logprobs are not supported yet")
-        if self.tools:
-            raise InvalidRequest("tools are not supported yet")
-        if self.response_format is not None and self.response_format.type != "text":
-            raise InvalidRequest(
-                f"response_format {self.response_format.type!r} is not supported; only 'text' is"
-            )
+    logprobs: Annotated[bool | None, _unless(_empty, LOGPROBS)] = None
+    top_logprobs: Annotated[Int64 | None, _unless(_empty, LOGPROBS)] = None
+    response_format: Annotated[ResponseFormat | None, AfterValidator(_text_format)] = None
+    tools: Annotated[list[dict[str, Any]] | None, _unless(_empty, TOOLS)] = None
+    functions: Annotated[list[dict[str, Any]] | None, _unless(_empty, TOOLS)] = None
+    tool_choice: Annotated[
+        Literal["none", "auto", "required"] | dict[str, Any] | None,
+        _unless(lambda c: c in ("none", "auto"), TOOLS + ", so none can be required"),
+    ] = None
+    function_call: Annotated[
+        Literal["none", "auto"] | dict[str, Any] | None,
+        _unless(lambda c: c in ("none", "auto"), TOOLS + ", so none can be required"),
+    ] = None
+    modalities: Annotated[
+        list[Literal["text", "audio"]] | None, _unless(lambda m: "audio" not in m, AUDIO_OUTPUT)
+    ] = None
+    audio: Annotated[dict[str, Any] | None, _unless(_never, AUDIO_OUTPUT)] = None
+    web_search_options: Annotated[dict[str, Any] | None, _unless(_never, "web search is not supported")] = (
+        None
+    )
+    moderation: Annotated[dict[str, Any] | None, _unless(_never, "moderation is not supported")] = None
+
+    # Accepted and ignored: nothing the client gets from this server depends on them.
+    parallel_tool_calls: bool | None = None
+    metadata: dict[str, str] | None = None
+    service_tier: str | None = None
+    reasoning_effort: str | None = None
+    verbosity: str | None = None
+    prediction: dict[str, Any] | None = None
+    safety_identifier: str | None = None
+    prompt_cache_key: str | None = None
+    prompt_cache_retention: str | None = None
+    prompt_cache_options: dict[str, Any] | None = None
 
     @property
     def requested_max_tokens(self) -> int | None:
@@ -153,30 +282,49 @@ class ChatCompletionRequest(_SamplingRequest):
         )
 
     def message_dicts(self) -> list[dict[str, Any]]:
-        """Messages as the chat template takes them (OpenAI's shape, unset fields left out)."""
-        return [m.model_dump(exclude_none=True) for m in self.messages]
+        """Messages as the chat template takes them."""
+        return [m.template_dict() for m in self.messages]
 
 
 # -- text completions -------------------------------------------------------------------------------------
 
 
-class CompletionRequest(_SamplingRequest):
-    prompt: str | list[int] | list[str] | list[list[int]]
-    max_tokens: int | None = 16  # OpenAI's default for completions
-    echo: bool = False
-    logprobs: int | None = None
-    best_of: int | None = None
-    suffix: str | None = None
+def _prompt_kind(value: Any) -> str | None:
+    if isinstance(value, str):
+        return "str"
+    if not isinstance(value, list):
+        return None
+    first = value[0] if value else None
+    return (
+        "list[str]"
+        if isinstance(first, str)
+        else "list[list[int]]"
+        if isinstance(first, list)
+        else "list[int]"
+    )
 
-    def check_supported(self) -> None:
-        if self.echo:
-            raise InvalidRequest("echo is not supported")
-        if self.logprobs is not None:
-            raise InvalidRequest("logprobs are not supported yet")
-        if self.best_of not in (None, 1):
-            raise InvalidRequest(f"best_of must be 1, got {self.best_of}")
-        if self.suffix:
-            raise InvalidRequest("suffix is not supported")
+
+# Tagged by the JSON shape, so a bad element is reported once, at its index (the tags are left out of paths).
+Prompt = Annotated[
+    Annotated[str, Tag("str")]
+    | Annotated[list[TokenId], Tag("list[int]")]
+    | Annotated[list[str], Tag("list[str]")]
+    | Annotated[list[list[TokenId]], Tag("list[list[int]]")],
+    Discriminator(
+        _prompt_kind,
+        custom_error_type="prompt_type",
+        custom_error_message="Input should be a string, token ids, or a list of either",
+    ),
+]
+
+
+class CompletionRequest(_SamplingRequest):
+    prompt: Prompt
+    max_tokens: Int64 | None = 16  # OpenAI's default for completions
+    echo: Annotated[bool | None, _unless(_empty, "echo is not supported")] = None
+    logprobs: Annotated[Int64 | None, _unless(_never, LOGPROBS)] = None
+    best_of: Annotated[Int64 | None, _unless(lambda b: b == 1, "best_of must be 1, got {value}")] = None
+    suffix: Annotated[str | None, _unless(_empty, "suffix is not supported")] = None
 
     def single_prompt(self) -> str | list[int]:
         """The one prompt, as text or token ids; a batch of several is a 400."""

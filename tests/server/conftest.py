@@ -17,6 +17,8 @@ import httpx
 import numpy as np
 import pytest
 
+from omnistage.config import engine_config
+from omnistage.engine.async_engine import AsyncEngine
 from omnistage.engine.sampling import SamplingParams
 from omnistage.errors import InvalidMedia, QueueFull
 from omnistage.outputs import CompletionOutput, RequestOutput
@@ -99,6 +101,16 @@ def launch_server(tmp_path_factory, tiny_checkpoint):
     return launch
 
 
+@pytest.fixture(scope="session")
+def tiny_engine(tiny_checkpoint) -> Iterator[AsyncEngine]:
+    """The real engine over the tiny checkpoint on the CPU (the model's whole context), for in-process apps."""
+    engine = AsyncEngine.from_config(engine_config(model=str(tiny_checkpoint), device="cpu", num_kv_pages=64))
+    try:
+        yield engine
+    finally:
+        engine.shutdown()
+
+
 # -- a fake AsyncEngine with the real one's interface, for failures a real model cannot be made to show ----
 
 
@@ -111,17 +123,27 @@ class FakeProcessedPrompt:
 
 
 class FakeProcessor:
-    """Text as it is; decoded media as markers in the prompt (`<audio 2.98s>`, `<image 64x32>`)."""
+    """Text as it is; decoded media as markers in the prompt (`<audio 2.98s>`, `<image 64x32>`).
+
+    Text content "boom" raises an exception the server does not expect.
+    """
 
     max_attachments = 3
 
-    def render_chat(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
-        return "\n".join(m["content"] if isinstance(m["content"], str) else "" for m in messages)
+    def encode_chat(
+        self, messages: list[dict], add_generation_prompt: bool = True, max_model_len: int | None = None
+    ) -> tuple[str, list[int]]:
+        prompt = "\n".join(m["content"] if isinstance(m["content"], str) else "" for m in messages)
+        if "boom" in prompt:
+            raise RuntimeError("secret internals")
+        return prompt, self.encode(prompt)
 
-    def encode(self, text: str) -> list[int]:
+    def encode(self, text: str, max_model_len: int | None = None) -> list[int]:
         return [ord(c) for c in text]
 
-    def process_chat(self, messages: list[dict], add_generation_prompt: bool = True) -> FakeProcessedPrompt:
+    def process_chat(
+        self, messages: list[dict], add_generation_prompt: bool = True, max_model_len: int | None = None
+    ) -> FakeProcessedPrompt:
         lines, media = [], []
         for message in messages:
             content = message["content"]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import time
 
 import pytest
 from fastapi.testclient import TestClient
@@ -209,3 +210,14 @@ def test_health_follows_engine_readiness(client, fake_engine):
     assert client.get("/health").json() == {"status": "ok"}
     fake_engine.ready = False
     assert client.get("/health").status_code == 503
+
+
+def test_ten_thousand_bad_fields_are_answered_at_once(fake_engine):
+    client = TestClient(build_app(fake_engine, MODEL))
+    fields = {f"x{i}": i for i in range(10_000)}
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "x"}], **fields}
+    started = time.monotonic()
+    r = client.post("/v1/chat/completions", json=body)
+    assert time.monotonic() - started < 2  # the paths are compared in linear time, not pairwise
+    error = assert_error(r, 400, "invalid_request_error", "x0: unknown field; x1: unknown field")
+    assert error["message"].endswith("and 9997 more") and error["param"] == "x0"

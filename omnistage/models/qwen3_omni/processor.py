@@ -4,11 +4,17 @@
 PIL images), computes each clip's log-mel and each image's patches, expands every `<|audio_pad|>` and
 `<|image_pad|>` the template renders to as many placeholders as the encoders will emit, and computes the
 prompt's M-RoPE positions.
+
+The text of messages is tokenized as plain text: only the chat template adds control tokens, so a
+`<|im_end|><|im_start|>system` typed in a message stays text. Given the model's context, text that cannot
+fit it is refused by its size before it is tokenized.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import re
+import secrets
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -17,10 +23,10 @@ import numpy as np
 import torch
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from PIL import Image
-from tokenizers import Tokenizer
+from tokenizers import Tokenizer, decoders, normalizers
 
 from omnistage.engine.model_runner import PromptPositions
-from omnistage.errors import CheckpointError, InvalidMedia, InvalidRequest
+from omnistage.errors import CheckpointError, InvalidMedia, InvalidRequest, RequestTooLarge
 from omnistage.models.qwen3_omni.audio_encoder import audio_output_tokens
 from omnistage.models.qwen3_omni.audio_features import log_mel
 from omnistage.models.qwen3_omni.config import Qwen3OmniConfig
@@ -36,6 +42,9 @@ _ROLES = {"system", "user", "assistant"}
 AUDIO_PARTS = ("audio", "input_audio", "audio_url")
 IMAGE_PARTS = ("image", "image_url")
 VIDEO_PARTS = ("video", "video_url")
+# Private-use characters around a per-render nonce: what the template renders where a message typed a
+# control-token literal. Text cannot forge one without guessing the nonce.
+_SENTINEL = "\ue000{nonce}{index}\ue001"
 
 
 @dataclass
@@ -73,6 +82,13 @@ class Processor:
             ) from None
         env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
         self._template = env.from_string(template)
+        # The same tokenizer reading control-token literals as ordinary text, to spell typed ones with.
+        self._plain = Tokenizer.from_str(self.tokenizer.to_str())
+        self._plain.encode_special_tokens = True
+        control = [t.content for t in self.tokenizer.get_added_tokens_decoder().values() if t.special]
+        longest_first = sorted(control, key=len, reverse=True)
+        self._control = re.compile("|".join(map(re.escape, longest_first))) if control else None
+        self.max_token_bytes = longest_token_bytes(self.tokenizer)
         self.max_audios, self.max_images = max_audios, max_images
         self._directory = directory
         self._thinker = None
@@ -91,30 +107,66 @@ class Processor:
                 raise InvalidRequest(f"messages[{i}].content: must be a string or a list of content parts")
         return self._template.render(messages=messages, add_generation_prompt=add_generation_prompt)
 
-    def encode(self, text: str) -> list[int]:
-        return self.tokenizer.encode(text, add_special_tokens=False).ids
+    def encode(self, text: str, max_model_len: int | None = None) -> list[int]:
+        """Token ids of a raw prompt, in which control-token literals are control tokens (the model's own
+        notation, as a completions prompt is written). With `max_model_len`, a prompt that cannot leave room
+        for one generated token is a RequestTooLarge, refused by its size before it is tokenized."""
+        self._check_size(text, max_model_len)
+        return self._encode([text], [], max_model_len)
+
+    def encode_chat(
+        self, messages: list[dict], add_generation_prompt: bool = True, max_model_len: int | None = None
+    ) -> tuple[str, list[int]]:
+        """The rendered chat and its token ids, the messages' text tokenized as plain text.
+
+        A control-token literal typed in a message is replaced by a sentinel before rendering and spelled
+        as ordinary text where the sentinel lands; the rest is encoded piecewise as usual. Text without
+        such literals (nearly all) is encoded as the rendered whole, exactly as transformers encodes it.
+        """
+        typed: list[str] = []
+        nonce = secrets.token_hex(8)
+
+        def hide(match: re.Match) -> str:
+            typed.append(match.group())
+            return _SENTINEL.format(nonce=nonce, index=len(typed) - 1)
+
+        control = self._control
+        if control is not None:
+            messages = [_map_text(m, lambda text: control.sub(hide, text)) for m in messages]
+        rendered = self.render_chat(messages, add_generation_prompt)
+        if not typed:
+            return rendered, self.encode(rendered, max_model_len)
+        sentinel = re.escape(_SENTINEL.format(nonce=nonce, index="@")).replace("@", "(\\d+)")
+        pieces = re.split(sentinel, rendered)  # text, index, text, index, ..., text
+        texts, literals = pieces[0::2], [typed[int(i)] for i in pieces[1::2]]
+        prompt = "".join(t + lit for t, lit in zip(texts, [*literals, ""]))
+        self._check_size(prompt, max_model_len)
+        return prompt, self._encode(texts, literals, max_model_len)
 
     def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
         return self.tokenizer.decode(token_ids, skip_special_tokens=skip_special_tokens)
 
-    def process_chat(self, messages: list[dict], add_generation_prompt: bool = True) -> ProcessedPrompt:
-        """Render, featurise the decoded media parts, expand their placeholders, tokenize, place (M-RoPE)."""
-        prompt = self.render_chat(messages, add_generation_prompt)
+    def process_chat(
+        self, messages: list[dict], add_generation_prompt: bool = True, max_model_len: int | None = None
+    ) -> ProcessedPrompt:
+        """Render, featurise the decoded media parts, expand their placeholders, tokenize, place (M-RoPE).
+
+        `max_model_len` refuses text that cannot fit the context before it is tokenized, as `encode` does.
+        """
         audios, images = _media_parts(messages)
         for kind, found, limit in (("audio", audios, self.max_audios), ("image", images, self.max_images)):
             if len(found) > limit:
                 raise InvalidMedia(f"too many {kind} attachments: {len(found)} (the limit is {limit})")
+        prompt, ids = self.encode_chat(messages, add_generation_prompt, max_model_len)
         cfg = self._config()
-        ids = self.encode(prompt)
         for token, kind, found in (
             (cfg.audio_token_id, "audio", audios),
             (cfg.image_token_id, "image", images),
         ):
             rendered = ids.count(token)
-            if rendered != len(found):
+            if rendered != len(found):  # typed placeholders are text, so only the template can cause this
                 raise InvalidRequest(
-                    f"the prompt holds {rendered} {kind} placeholders for {len(found)} {kind} attachments; "
-                    "text may not contain media placeholder tokens"
+                    f"the chat template rendered {rendered} {kind} placeholders for {len(found)} {kind} attachments"
                 )
         if not audios and not images:
             return ProcessedPrompt(prompt, ids, None, None)
@@ -129,6 +181,41 @@ class Processor:
         grids = [] if mm.image_grid_thw is None else [tuple(g) for g in mm.image_grid_thw.tolist()]
         mrope = rope_positions(expanded, grids, mm.num_audio_tokens, cfg) if images else None
         return ProcessedPrompt(prompt, expanded, mrope, mm)
+
+    def _check_size(self, text: str, max_model_len: int | None) -> None:
+        """Refuse text longer in bytes than `max_model_len` of the vocabulary's longest tokens could hold."""
+        if max_model_len is None:
+            return
+        limit = max_model_len * self.max_token_bytes
+        size = len(text.encode())
+        if size > limit:
+            size = _normalized_size(text, self.tokenizer.normalizer, size)
+        if size > limit:
+            raise RequestTooLarge(
+                f"the prompt is {size:,} bytes of text; the model's context of {max_model_len:,} tokens holds at "
+                f"most {limit:,} bytes ({self.max_token_bytes} per token at most)"
+            )
+
+    def _encode(self, texts: list[str], literals: list[str], max_model_len: int | None) -> list[int]:
+        """texts[0] literals[0] texts[1] ... texts[-1] as one list of ids, the literals spelled as plain text.
+
+        encode_batch, not encode: it lets go of the GIL while it works, where encode holds it (the event loop
+        then stops for as long as a long prompt takes; tests/server/test_prompt_size.py). A prompt over the
+        context is refused before its ids become a Python list.
+        """
+        encoded = self.tokenizer.encode_batch(texts, add_special_tokens=False)
+        spelled = self._plain.encode_batch(literals, add_special_tokens=False) if literals else []
+        count = sum(map(len, encoded)) + sum(map(len, spelled))
+        if max_model_len is not None and count >= max_model_len:
+            raise RequestTooLarge(
+                f"the prompt has {count:,} tokens; the model's context is {max_model_len:,} tokens"
+            )
+        ids: list[int] = []
+        for i, encoding in enumerate(encoded):
+            if i:
+                ids += spelled[i - 1].ids
+            ids += encoding.ids
+        return ids
 
     def _featurise(
         self, audios: list[tuple[str, object]], images: list[tuple[str, object]]
@@ -171,6 +258,50 @@ class Processor:
                     f"vision encoder's spatial_merge_size {merge}"
                 )
         return self._image_cfg
+
+
+def longest_token_bytes(tokenizer: Tokenizer) -> int:
+    """The most bytes of text one token stands for, over the vocabulary and the added tokens.
+
+    A byte-level BPE spells each byte as one character of its vocabulary; any other model's token strings
+    are measured in UTF-8, which over-counts (a "▁" or "##" marker) but never under-counts.
+    """
+    byte_level = isinstance(tokenizer.decoder, decoders.ByteLevel)
+    vocab = tokenizer.get_vocab(with_added_tokens=False)
+    longest = max((len(t) if byte_level else len(t.encode()) for t in vocab), default=1)
+    added = [len(t.content.encode()) for t in tokenizer.get_added_tokens_decoder().values()]
+    return max([longest, *added])
+
+
+_UNICODE_FORMS = (normalizers.NFC, normalizers.NFD, normalizers.NFKC, normalizers.NFKD)
+
+
+def _normalized_size(text: str, normalizer: normalizers.Normalizer | None, size: int) -> int:
+    """The UTF-8 size of `text` as the tokenizer's model sees it (`size`: as given).
+
+    Normalizing can shrink text (NFC composes three Hangul jamo into one syllable), so a text over the
+    bound by its own size may fit once normalized; only such texts pay for normalizing them. ASCII is its
+    own normal form under every Unicode form.
+    """
+    if normalizer is None or (text.isascii() and isinstance(normalizer, _UNICODE_FORMS)):
+        return size
+    return len(normalizer.normalize_str(text).encode())
+
+
+def _map_text(message: dict, change: Callable[[str], str]) -> dict:
+    """A copy of `message` with `change` applied to its text content (a string, or its text parts)."""
+    content = message.get("content") if isinstance(message, dict) else None
+    if isinstance(content, str):
+        return {**message, "content": change(content)}
+    if isinstance(content, list):
+        parts = [
+            {**p, "text": change(p["text"])}
+            if isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
+            else p
+            for p in content
+        ]
+        return {**message, "content": parts}
+    return message
 
 
 def _media_parts(messages: list[dict]) -> tuple[list[tuple[str, object]], list[tuple[str, object]]]:
