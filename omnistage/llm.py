@@ -105,7 +105,7 @@ class LLM:
                 for out in self.engine.step():
                     if out.finished:
                         final[out.request_id] = out
-                    if out.error is not None:
+                    if out.error is not None and out.request_id in request_ids:
                         raise RequestFailed(
                             f"prompt {request_ids.index(out.request_id)} of {len(request_ids)} (counting from 0) "
                             f"failed in the engine: {out.error}"
