@@ -119,13 +119,13 @@ class _SamplingRequest(_Strict):
 
 # A lone UTF-16 surrogate, which no UTF-8 text (the tokenizer's, a response's) can hold, reaches json.loads spelled
 # as a \u escape or as the three bytes UTF-8 would give it (json.loads decodes with "surrogatepass"). The raw
-# body is scanned for either first: a body without one costs one regex pass.
-_MAYBE_SURROGATE = re.compile(rb"\\u[dD][89a-fA-F]|\xed[\xa0-\xbf]")
+# body is scanned for either first (two patterns: one alternation of both scans 31 MB in 90 ms, these in 25).
+_MAYBE_SURROGATE = (re.compile(rb"\\u[dD][89a-fA-F]"), re.compile(rb"\xed[\xa0-\xbf]"))
 _SURROGATE = re.compile("[\ud800-\udfff]")
 
 
 def may_hold_surrogates(body: bytes) -> bool:
-    return _MAYBE_SURROGATE.search(body) is not None
+    return any(pattern.search(body) for pattern in _MAYBE_SURROGATE)
 
 
 def invalid_text(data: Any) -> tuple[str, str] | None:
