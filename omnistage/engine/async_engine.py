@@ -9,6 +9,7 @@ that went away) aborts its request, which frees its pages at once.
 from __future__ import annotations
 
 import asyncio
+import gc
 import logging
 import queue
 import threading
@@ -37,6 +38,11 @@ class AsyncEngine:
         self._lock = threading.Lock()  # guards _streams and the queued count
         self._queued = 0  # added but not yet picked up by the engine thread
         self._stopping = threading.Event()
+        # Everything loaded so far (the model's modules, torch, the tokenizer) lives as long as the process:
+        # moved out of the collector's view, a full collection triggered by serving's garbage no longer
+        # walks it while every thread, the engine's included, waits on the GIL.
+        gc.collect()
+        gc.freeze()
         self._thread = threading.Thread(target=self._loop, name="omnistage-engine", daemon=True)
         self._thread.start()
 
@@ -101,11 +107,21 @@ class AsyncEngine:
     # -- the engine thread --------------------------------------------------------------------------
 
     def _deliver(self, request_id: str, item: RequestOutput | Exception) -> None:
+        self._deliver_all([(request_id, item)])
+
+    def _deliver_all(self, items: list[tuple[str, RequestOutput | Exception]]) -> None:
+        """Hand items to their streams with one wake-up per event loop, not one per request: each wake-up
+        is a write to the loop's self-pipe, and at c=16 those writes cost the engine thread a share of
+        every step."""
+        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue, RequestOutput | Exception]]] = {}
         with self._lock:
-            target = self._streams.get(request_id)
-        if target is not None:
-            loop, out_queue = target
-            loop.call_soon_threadsafe(out_queue.put_nowait, item)
+            for request_id, item in items:
+                target = self._streams.get(request_id)
+                if target is not None:
+                    loop, out_queue = target
+                    by_loop.setdefault(loop, []).append((out_queue, item))
+        for loop, batch in by_loop.items():
+            loop.call_soon_threadsafe(_put_all, batch)
 
     def _admit(self, adds: list[tuple]) -> None:
         """Admit the queued requests whose clients are still there, their media encoded together."""
@@ -147,10 +163,14 @@ class AsyncEngine:
                     block = False
                 self._handle(commands)
                 if self.engine.has_unfinished():
-                    for output in self.engine.step():
-                        self._deliver(output.request_id, output)
+                    self._deliver_all([(output.request_id, output) for output in self.engine.step()])
             except Exception:  # a bug in the loop itself: fail what is running, keep serving
                 log.exception("engine loop error")
                 for request_id in list(self._streams):
                     self.engine.abort(request_id)
                     self._deliver(request_id, RuntimeError("internal engine error"))
+
+
+def _put_all(batch: list[tuple[asyncio.Queue, RequestOutput | Exception]]) -> None:
+    for out_queue, item in batch:
+        out_queue.put_nowait(item)
