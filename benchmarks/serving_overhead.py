@@ -1,0 +1,115 @@
+"""What the HTTP server costs: the same A2T benchmark through `omnistage serve` and in-process, one run.
+
+Starts `omnistage serve` on random weights at the released sizes, runs `omnistage bench a2t --url` against
+it, stops it, then runs the in-process benchmark with the same engine settings, clips, concurrencies and
+forced output length, and prints both side by side (RTF and TTFT medians). `--server NAME=FLAGS` adds a
+server variant with extra `serve` flags (e.g. `cap80='--gpu-memory-limit-gib 80'`), each started and timed
+in turn; `--py-spy` records where each server's threads spend the time (raw py-spy stacks). Writes every
+benchmark's JSON and each server's log under --out-dir.
+
+    python benchmarks/serving_overhead.py --out-dir $OUT --concurrency 1,16 --server cap80='--gpu-memory-limit-gib 80'
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+
+from omnistage.bench.a2t import released_skeleton
+
+
+def _cli(*args: str) -> list[str]:
+    return [sys.executable, "-m", "omnistage.cli", *args]
+
+
+def _wait_ready(url: str, server: subprocess.Popen, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if server.poll() is not None:
+            raise SystemExit(f"the server exited with {server.returncode} before it was ready")
+        try:
+            if httpx.get(f"{url}/health", timeout=1).status_code == 200:
+                return
+        except httpx.TransportError:
+            pass
+        time.sleep(0.5)
+    raise SystemExit(f"the server was not ready after {timeout} s")
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--out-dir", type=Path, required=True)
+    p.add_argument("--concurrency", default="1,16")
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--output-tokens", type=int, default=33)
+    p.add_argument("--synth", default="librispeech")
+    p.add_argument("--endpoint", choices=["chat", "transcriptions"], default="chat")
+    p.add_argument("--port", type=int, default=8011)
+    p.add_argument("--engine-args", default="", help="engine flags for every target, e.g. '--enforce-eager'")
+    p.add_argument("--server", action="append", default=[], metavar="NAME=FLAGS",
+                   help="another server variant: extra `serve` flags, after any VAR=value words for its environment")  # fmt: skip
+    p.add_argument("--py-spy", action="store_true", help="record each server with py-spy (on PATH)")
+    args = p.parse_args()
+    args.out_dir.mkdir(parents=True, exist_ok=True)
+
+    model = released_skeleton()
+    max_seqs = str(max(int(c) for c in args.concurrency.split(",")))
+    engine = ["--load-format", "dummy", "--device", "cuda", "--dtype", "bfloat16", *args.engine_args.split()]
+    bench = ["bench", "a2t", "--synth", args.synth, "--concurrency", args.concurrency,
+             "--repeats", str(args.repeats), "--output-tokens", str(args.output_tokens)]  # fmt: skip
+
+    url = f"http://127.0.0.1:{args.port}"
+    variants = {"http": "", **dict(v.split("=", 1) for v in args.server)}
+    outputs = {}
+    for name, flags in variants.items():
+        words = flags.split()
+        env = dict(w.split("=", 1) for w in words if "=" in w and w[0].isupper())  # leading VAR=value words
+        serve = _cli("serve", "--model", str(model), "--port", str(args.port), "--max-num-seqs", max_seqs,
+                     "--log-level", "warning", *engine, *(w for w in words if w.split("=", 1)[0] not in env))  # fmt: skip
+        with open(args.out_dir / f"server_{name}.log", "wb") as log:
+            server = subprocess.Popen(serve, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, **env})
+        spy = None
+        try:
+            _wait_ready(url, server, timeout=600)
+            if args.py_spy:
+                spy = subprocess.Popen(["py-spy", "record", "-p", str(server.pid), "-f", "raw", "--threads",
+                                        "-r", "200", "-o", str(args.out_dir / f"pyspy_{name}.txt")])  # fmt: skip
+            outputs[name] = args.out_dir / f"a2t_{name}.json"
+            subprocess.run(
+                _cli(*bench, "--url", url, "--endpoint", args.endpoint, "--out", str(outputs[name])),
+                check=True,
+            )
+        finally:
+            if spy is not None:
+                spy.send_signal(signal.SIGINT)
+                spy.wait(timeout=60)
+            server.terminate()
+            server.wait(timeout=60)
+
+    outputs["in-process"] = args.out_dir / "a2t_inprocess.json"
+    subprocess.run(
+        _cli(*bench, "--model", str(model), *engine, "--out", str(outputs["in-process"])), check=True
+    )
+
+    results = {name: json.loads(path.read_text())["ours"] for name, path in outputs.items()}
+    inproc = results["in-process"]
+    print("\n| target | c | RTF (x real time) | / in-process | TTFT median ms | TPOT median ms |")
+    print("| --- | --- | --- | --- | --- | --- |")
+    for name, passes in results.items():
+        for p, i in zip(passes, inproc):
+            print(
+                f"| {name} | {p['concurrency']} | {p['rtf']:.1f} | {p['rtf'] / i['rtf']:.3f} | "
+                f"{p['ttft_median_ms']:.1f} | {p['tpot_median_ms']:.2f} |"
+            )
+
+
+if __name__ == "__main__":
+    main()
