@@ -29,6 +29,7 @@ test: setup
 
 lint: setup
 	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
 
 # Mixed requests against a tiny-model server it starts (or ARGS="--url ..."); see benchmarks/soak.py.
 soak: setup

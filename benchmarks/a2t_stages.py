@@ -42,9 +42,7 @@ def one_request(engine: LLMEngine, audio, params: SamplingParams, name: str) -> 
     messages = transcription_messages(audio, None, None)
     prompt, preprocess = timed(engine.processor.process_chat, messages)
     _, encode = timed(engine.encoders.encode, prompt.token_ids, prompt.mm)  # the same work add_request does
-    _, admit = timed(
-        engine.add_request, name, prompt.token_ids, params, mrope=prompt.mrope, mm=prompt.mm
-    )
+    _, admit = timed(engine.add_request, name, prompt.token_ids, params, mrope=prompt.mrope, mm=prompt.mm)
     _, first = timed(engine.step)
     steps = []
     while engine.has_unfinished():
@@ -78,7 +76,9 @@ def profile_prefill(engine: LLMEngine, audio, params: SamplingParams, out_dir: P
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--seconds", type=float, default=5.0)
     parser.add_argument("--output-tokens", type=int, default=33)
     parser.add_argument("--repeats", type=int, default=7)

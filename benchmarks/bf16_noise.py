@@ -23,7 +23,9 @@ def main() -> None:
     for layers in (2, 12, 48):
         config = tiny_config()
         config["thinker_config"]["text_config"]["num_hidden_layers"] = layers
-        model = Qwen3OmniMoeThinkerForConditionalGeneration(Qwen3OmniMoeConfig(**config).thinker_config).eval()
+        model = Qwen3OmniMoeThinkerForConditionalGeneration(
+            Qwen3OmniMoeConfig(**config).thinker_config
+        ).eval()
         generator = torch.Generator().manual_seed(0)
         with torch.no_grad():
             for name, param in model.named_parameters():

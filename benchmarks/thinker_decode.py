@@ -132,7 +132,9 @@ def profile_decode(llm: LLM, batch: int, path: Path) -> None:
         engine.add_request(f"prof{batch}-{i}", random_prompt(64, i), params)
     for _ in range(4):
         engine.step()
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]) as prof:
+    with torch.profiler.profile(
+        activities=[torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+    ) as prof:
         for _ in range(5):
             engine.step()
     while engine.has_unfinished():
@@ -146,7 +148,9 @@ def ours_prefill(llm: LLM, length: int, repeats: int = 5) -> float:
     engine = llm.engine
     times = []
     for r in range(repeats + 1):
-        engine.add_request(f"p{r}", random_prompt(length, 100 + r), SamplingParams(max_tokens=1, temperature=0.0))
+        engine.add_request(
+            f"p{r}", random_prompt(length, 100 + r), SamplingParams(max_tokens=1, temperature=0.0)
+        )
         sync()
         start = time.perf_counter()
         while engine.has_unfinished():
@@ -168,7 +172,9 @@ def hf_thinker(llm: LLM, config_dict: dict, device: str):
         hf = Qwen3OmniMoeThinkerForConditionalGeneration(config)
     ours = dict(llm.engine.model.named_parameters())
     for name, param in list(hf.named_parameters()):
-        mine = name.replace(".experts.gate_up_proj", ".experts.w13").replace(".experts.down_proj", ".experts.w2")
+        mine = name.replace(".experts.gate_up_proj", ".experts.w13").replace(
+            ".experts.down_proj", ".experts.w2"
+        )
         module_name, _, leaf = name.rpartition(".")
         module = hf.get_submodule(module_name)
         if mine in ours:
@@ -180,7 +186,9 @@ def hf_thinker(llm: LLM, config_dict: dict, device: str):
             setattr(module, leaf, torch.nn.Parameter(fresh, requires_grad=False))
     with torch.device(device):  # a meta build leaves the rotary frequencies empty: make them again
         hf.model.rotary_emb = type(hf.model.rotary_emb)(hf.model.rotary_emb.config)
-    left = [n for n, b in hf.model.named_buffers() if b.is_meta] + [n for n, p in hf.named_parameters() if p.is_meta]
+    left = [n for n, b in hf.model.named_buffers() if b.is_meta] + [
+        n for n, p in hf.named_parameters() if p.is_meta
+    ]
     if left:
         raise RuntimeError(f"tensors left on the meta device: {left[:5]}")
     return hf.eval()
@@ -244,17 +252,25 @@ def logits_error(llm: LLM, hf, length: int = 64) -> float:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--batches", default="1,8,32,64")
     parser.add_argument("--hf-batches", default="1,8,32")
-    parser.add_argument("--hf-caches", default="dynamic,static", help="transformers cache implementations to run")
     parser.add_argument(
-        "--hf-static-batches", default="1", help="batches for the static cache (its generate compiles per shape)"
+        "--hf-caches", default="dynamic,static", help="transformers cache implementations to run"
+    )
+    parser.add_argument(
+        "--hf-static-batches",
+        default="1",
+        help="batches for the static cache (its generate compiles per shape)",
     )
     parser.add_argument("--prompt-len", type=int, default=128)
     parser.add_argument("--steps", type=int, default=32)
     parser.add_argument("--prefill-len", type=int, default=2048)
-    parser.add_argument("--kv-gib", type=float, default=16.0, help="our KV pool; the rest stays for transformers")
+    parser.add_argument(
+        "--kv-gib", type=float, default=16.0, help="our KV pool; the rest stays for transformers"
+    )
     parser.add_argument("--enforce-eager", action="store_true")
     parser.add_argument("--skip-hf", action="store_true")
     parser.add_argument("--out", type=Path)
@@ -269,14 +285,24 @@ def main() -> None:
     global DEVICE
     DEVICE = "cpu" if args.tiny else "cuda"
     config_dict = tiny_config() if args.tiny else released_config()
-    results: dict = {"gpu": torch.cuda.get_device_name() if DEVICE == "cuda" else "cpu", "torch": torch.__version__, "args": vars(args) | {"out": str(args.out)}}
+    results: dict = {
+        "gpu": torch.cuda.get_device_name() if DEVICE == "cuda" else "cpu",
+        "torch": torch.__version__,
+        "args": vars(args) | {"out": str(args.out)},
+    }
     checkpoint = skeleton(Path(tempfile.mkdtemp()), config_dict)
     start = time.perf_counter()
     llm = LLM(
-        model=str(checkpoint), load_format="dummy", device=DEVICE, dtype="bfloat16",
-        kv_cache_memory_gib=args.kv_gib, max_num_seqs=max(int(b) for b in args.batches.split(",")),
-        max_num_batched_tokens=max(args.prefill_len, 2048), enforce_eager=args.enforce_eager,
-        compile=not args.no_compile, moe_kernel=args.moe_kernel,
+        model=str(checkpoint),
+        load_format="dummy",
+        device=DEVICE,
+        dtype="bfloat16",
+        kv_cache_memory_gib=args.kv_gib,
+        max_num_seqs=max(int(b) for b in args.batches.split(",")),
+        max_num_batched_tokens=max(args.prefill_len, 2048),
+        enforce_eager=args.enforce_eager,
+        compile=not args.no_compile,
+        moe_kernel=args.moe_kernel,
     )
     results["engine_start_s"] = time.perf_counter() - start
     results["memory"] = llm.engine.memory_summary()
@@ -290,8 +316,12 @@ def main() -> None:
         ours[b] = ours_tpot(llm, b, args.prompt_len, args.steps)
         if DEVICE == "cuda":
             results["ours_graph_replay_ms"][b] = graph_replay_ms(llm, b)
-        log.info("ours: batch %d TPOT %.2f ms (graph replay %s ms)", b, ours[b] * 1e3,
-                 results["ours_graph_replay_ms"].get(b))
+        log.info(
+            "ours: batch %d TPOT %.2f ms (graph replay %s ms)",
+            b,
+            ours[b] * 1e3,
+            results["ours_graph_replay_ms"].get(b),
+        )
     results["ours_tpot_ms"] = {b: t * 1e3 for b, t in ours.items()}
     if args.compare_moe and DEVICE == "cuda" and llm.engine.runner.graphs:
         # the same engine and weights with the other MoE kernel: switch, recapture the graphs, measure again
@@ -301,7 +331,9 @@ def main() -> None:
         results["ours_grouped_mm_tpot_ms"] = {}
         for b in map(int, args.batches.split(",")):
             results["ours_grouped_mm_tpot_ms"][b] = ours_tpot(llm, b, args.prompt_len, args.steps) * 1e3
-            log.info("ours with grouped_mm MoE: batch %d TPOT %.2f ms", b, results["ours_grouped_mm_tpot_ms"][b])
+            log.info(
+                "ours with grouped_mm MoE: batch %d TPOT %.2f ms", b, results["ours_grouped_mm_tpot_ms"][b]
+            )
         engine.set_moe_kernel(args.moe_kernel)
         engine.runner.capture_graphs(list(engine.plan.captured_buckets), engine.max_model_len, False)
     if DEVICE == "cuda" and llm.engine.runner.graphs:
@@ -325,20 +357,29 @@ def main() -> None:
             batches = args.hf_static_batches if cache == "static" else args.hf_batches
             for b in map(int, batches.split(",")):
                 try:
-                    results[key][b] = hf_tpot(hf, b, args.prompt_len, args.steps, None if cache == "dynamic" else cache) * 1e3
+                    results[key][b] = (
+                        hf_tpot(hf, b, args.prompt_len, args.steps, None if cache == "dynamic" else cache)
+                        * 1e3
+                    )
                 except Exception as exc:  # report, keep measuring the rest
                     results[key][b] = f"failed: {type(exc).__name__}: {exc}"[:200]
                 log.info("transformers %s cache: batch %d TPOT %s ms", cache, b, results[key][b])
 
     print(f"\nengine start {results['engine_start_s']:.1f} s; {results['memory']}")
-    print("\n| batch | ours TPOT ms | graph replay ms | " + " | ".join(f"hf {c} ms" for c in args.hf_caches.split(",")) + " |")
+    print(
+        "\n| batch | ours TPOT ms | graph replay ms | "
+        + " | ".join(f"hf {c} ms" for c in args.hf_caches.split(","))
+        + " |"
+    )
     for b in map(int, args.batches.split(",")):
         hf_cols = [results.get(f"hf_{c}_tpot_ms", {}).get(b, "-") for c in args.hf_caches.split(",")]
         cols = [f"{v:.2f}" if isinstance(v, float) else str(v) for v in hf_cols]
         replay = results["ours_graph_replay_ms"].get(b, float("nan"))
         print(f"| {b} | {results['ours_tpot_ms'][b]:.2f} | {replay:.2f} | " + " | ".join(cols) + " |")
-    print(f"prefill {args.prefill_len} tok/s: ours {results['ours_prefill_tok_s']:.0f}, "
-          f"transformers {results.get('hf_prefill_tok_s', float('nan')):.0f}; logits rel err {results.get('logits_rel_err')}")
+    print(
+        f"prefill {args.prefill_len} tok/s: ours {results['ours_prefill_tok_s']:.0f}, "
+        f"transformers {results.get('hf_prefill_tok_s', float('nan')):.0f}; logits rel err {results.get('logits_rel_err')}"
+    )
     if args.out:
         args.out.write_text(json.dumps(results, indent=2, default=str))
 

@@ -75,7 +75,12 @@ class LLM:
             )
             requests.append(
                 NewRequest(
-                    str(next(self._ids)), processed.token_ids, params, processed.prompt, processed.mrope, processed.mm
+                    str(next(self._ids)),
+                    processed.token_ids,
+                    params,
+                    processed.prompt,
+                    processed.mrope,
+                    processed.mm,
                 )
             )
         return self._run(self._admit(requests))

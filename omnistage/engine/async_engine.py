@@ -76,7 +76,9 @@ class AsyncEngine:
                 raise InvalidRequest(f"request id {request_id!r} is already running")
             waiting = self.engine.scheduler.num_waiting + self._queued
             if self.max_queue is not None and waiting >= self.max_queue:
-                raise QueueFull(f"the server's queue is full ({waiting} requests waiting, the limit is {self.max_queue})")
+                raise QueueFull(
+                    f"the server's queue is full ({waiting} requests waiting, the limit is {self.max_queue})"
+                )
             self._streams[request_id] = (asyncio.get_running_loop(), out_queue)
             self._queued += 1
         self._commands.put(("add", request_id, prompt, prompt_token_ids, params, mrope, mm))

@@ -154,7 +154,9 @@ class StaticPrefillBuffers:
             and 1 <= embeds.shape[0] <= self.max_tokens
         )
 
-    def fill(self, embeds: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata, bucket: int) -> None:
+    def fill(
+        self, embeds: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata, bucket: int
+    ) -> None:
         """Copy a chunk of T rows into rows [0, T) and pad rows [T, bucket); device copies, no sync."""
         tokens, width = embeds.shape[0], meta.block_tables.shape[1]
         self.embeds[:tokens].copy_(embeds)
@@ -224,7 +226,9 @@ class GraphSet:
         if self.enforce_eager or not buckets:
             return []
         if buckets[0] > self.buffers.capacity:
-            raise ValueError(f"bucket {buckets[0]} exceeds the static buffers' {self.buffers.capacity} {self.unit}")
+            raise ValueError(
+                f"bucket {buckets[0]} exceeds the static buffers' {self.buffers.capacity} {self.unit}"
+            )
         start = time.perf_counter()
         if self.device.type != "cuda":
             for bucket in buckets:
@@ -324,10 +328,14 @@ class PrefillGraphRunner(GraphSet):
         position_rows: int = 3,
         enforce_eager: bool = False,
     ) -> None:
-        buffers = StaticPrefillBuffers(max_tokens, max_pages, max_seq_len, hidden_size, dtype, device, position_rows)
+        buffers = StaticPrefillBuffers(
+            max_tokens, max_pages, max_seq_len, hidden_size, dtype, device, position_rows
+        )
         super().__init__(step, buffers, device, enforce_eager)
 
-    def run(self, embeds: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor | None:
+    def run(
+        self, embeds: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata
+    ) -> torch.Tensor | None:
         bucket = self.bucket_for(embeds.shape[0]) if embeds.shape[0] else None
         if bucket is None or not self.buffers.fits(embeds, meta):
             return None

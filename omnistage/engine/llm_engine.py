@@ -128,7 +128,12 @@ class LLMEngine:
             self.model_path, self.dtype, self.device, backend, config.load_format, seed=config.seed
         )
         self.encoders = EncoderEngine(
-            self.model_path, self.model_config.thinker, self.dtype, self.device, config.load_format, config.seed
+            self.model_path,
+            self.model_config.thinker,
+            self.dtype,
+            self.device,
+            config.load_format,
+            config.seed,
         )
         self.load_seconds = time.perf_counter() - started
         self.set_moe_kernel(config.moe_kernel)
@@ -141,9 +146,15 @@ class LLMEngine:
 
         self.page_size = config.page_size
         self.kv_bytes_per_page = kv_bytes_per_page(
-            text.num_hidden_layers, text.num_key_value_heads, text.head_dim, self.page_size, self.dtype.itemsize
+            text.num_hidden_layers,
+            text.num_key_value_heads,
+            text.head_dim,
+            self.page_size,
+            self.dtype.itemsize,
         )
-        self.max_model_len = min(config.max_model_len or text.max_position_embeddings, text.max_position_embeddings)
+        self.max_model_len = min(
+            config.max_model_len or text.max_position_embeddings, text.max_position_embeddings
+        )
         self.runner = ModelRunner(self.model, text, self.page_size, self.device, self.dtype)
         self.plan: MemoryPlan | None = None
         if self.device.type == "cuda":
@@ -152,7 +163,9 @@ class LLMEngine:
         elif config.num_kv_pages is not None:
             num_pages = config.num_kv_pages
         else:
-            num_pages = max(1, int((config.kv_cache_memory_gib or _CPU_KV_GIB) * GiB) // self.kv_bytes_per_page)
+            num_pages = max(
+                1, int((config.kv_cache_memory_gib or _CPU_KV_GIB) * GiB) // self.kv_bytes_per_page
+            )
         self.pool = PagePool(num_pages, self.page_size)
         self.runner.allocate_kv(num_pages)
         if (
@@ -229,7 +242,14 @@ class LLMEngine:
             prefill_costs = _scaled_costs(self.runner.profile_peak(max(prefill), 1), prefill)
         self._warm_up()
         plan = plan_memory(
-            total, free, weights, floor, self.kv_bytes_per_page, costs, limit=limit, prefill_graph_costs=prefill_costs
+            total,
+            free,
+            weights,
+            floor,
+            self.kv_bytes_per_page,
+            costs,
+            limit=limit,
+            prefill_graph_costs=prefill_costs,
         )
         fixed = cfg.num_kv_pages
         if fixed is None and cfg.kv_cache_memory_gib is not None:
@@ -239,7 +259,9 @@ class LLMEngine:
                 raise ConfigError(
                     f"{fixed:,} KV pages were asked for but only {plan.kv_pages:,} fit:\n{plan.table()}"
                 )
-            plan = replace(plan, kv_pages=fixed, free=plan.free + (plan.kv_pages - fixed) * self.kv_bytes_per_page)
+            plan = replace(
+                plan, kv_pages=fixed, free=plan.free + (plan.kv_pages - fixed) * self.kv_bytes_per_page
+            )
         log.info("%s", plan.table())
         return plan
 
@@ -288,7 +310,9 @@ class LLMEngine:
         bad = next((t for t in prompt_token_ids if not 0 <= t < self.vocab_size), None)
         if bad is not None:
             raise InvalidRequest(f"prompt token id {bad} is outside the vocabulary of {self.vocab_size}")
-        if params.max_tokens is None:  # the configured default, within what the context and the whole pool allow
+        if (
+            params.max_tokens is None
+        ):  # the configured default, within what the context and the whole pool allow
             max_tokens = min(self.max_model_len, self.pool.num_pages * self.page_size) - prompt_len
             if max_tokens < 1:
                 self.pool.check_admissible(prompt_len + 1)
@@ -422,7 +446,9 @@ class LLMEngine:
             for generator, state in generators:
                 generator.set_state(state)
             return [out for chunk in chunks for out in self._run([chunk])]
-        self.scheduler.update(SchedulerOutput(chunks), {c.seq.request_id: t for c, t in zip(sampling, tokens)})
+        self.scheduler.update(
+            SchedulerOutput(chunks), {c.seq.request_id: t for c, t in zip(sampling, tokens)}
+        )
         outputs = []
         for chunk, token in zip(sampling, tokens):
             try:

@@ -42,7 +42,9 @@ def positions_for(start: int, count: int, mrope: PromptPositions | None) -> torc
 class ModelRunner:
     """Owns the KV tensors of every layer and, on a GPU, the decode graphs."""
 
-    def __init__(self, model: Thinker, cfg: TextConfig, page_size: int, device: torch.device, dtype: torch.dtype):
+    def __init__(
+        self, model: Thinker, cfg: TextConfig, page_size: int, device: torch.device, dtype: torch.dtype
+    ):
         self.model = model
         self.cfg = cfg
         self.page_size = page_size
@@ -57,9 +59,13 @@ class ModelRunner:
         """KV tensors of every layer. Inference tensors always: the warm-up's scratch pages, the graphs'
         and the pool's then look alike to torch.compile's guards, so serving compiles nothing new."""
         shape = (2, num_pages, self.page_size, self.cfg.num_key_value_heads, self.cfg.head_dim)
-        self.kv_caches = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in self.model.model.layers]
+        self.kv_caches = [
+            torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in self.model.model.layers
+        ]
 
-    def _decode_logits(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+    def _decode_logits(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata
+    ) -> torch.Tensor:
         return self.model.compute_logits(self.model(input_ids, positions, self.kv_caches, meta))
 
     def _prefill_logits(
@@ -76,7 +82,12 @@ class ModelRunner:
         max_pages = -(-max_model_len // self.page_size)
         if buckets:
             self.graphs = DecodeGraphRunner(
-                self._decode_logits, max(buckets), max_pages, max_model_len, self.device, enforce_eager=enforce_eager
+                self._decode_logits,
+                max(buckets),
+                max_pages,
+                max_model_len,
+                self.device,
+                enforce_eager=enforce_eager,
             )
             with torch.inference_mode():
                 self.graphs.capture(buckets)
@@ -97,7 +108,9 @@ class ModelRunner:
         per_seq = -(-num_tokens // num_seqs)
         pages_per_seq = -(-per_seq // self.page_size)
         self.allocate_kv(num_seqs * pages_per_seq)
-        chunks = [(0, per_seq, list(range(i * pages_per_seq, (i + 1) * pages_per_seq))) for i in range(num_seqs)]
+        chunks = [
+            (0, per_seq, list(range(i * pages_per_seq, (i + 1) * pages_per_seq))) for i in range(num_seqs)
+        ]
         meta = AttentionMetadata.build(chunks, self.page_size, self.device)
         input_ids = torch.randint(0, self.cfg.vocab_size, (per_seq * num_seqs,), device=self.device)
         positions = torch.arange(per_seq, device=self.device).repeat(num_seqs).expand(3, -1)
@@ -142,7 +155,6 @@ class ModelRunner:
         sampling = torch.tensor([c.samples for c in step.chunks], device=self.device)
         return self.model.compute_logits(hidden[last_rows[sampling]])
 
-
     def _merge_multimodal(
         self, chunks: list[ScheduledChunk], input_ids: torch.Tensor
     ) -> tuple[torch.Tensor | None, list[torch.Tensor] | None]:
@@ -166,7 +178,9 @@ class ModelRunner:
                     if deepstack is None:
                         deepstack = [torch.zeros_like(embeds) for _ in range(mm.deepstack.shape[0])]
                     for level, target in enumerate(deepstack):
-                        target[offset + mm.image_rows[inside] - chunk.start] = mm.deepstack[level][inside].to(embeds.dtype)
+                        target[offset + mm.image_rows[inside] - chunk.start] = mm.deepstack[level][inside].to(
+                            embeds.dtype
+                        )
             offset += chunk.num_tokens
         return embeds, deepstack
 

@@ -68,7 +68,7 @@ def _targets(module: torch.nn.Module, prefix: str, names: list[str]) -> dict[str
     params = module.state_dict(keep_vars=True)
     targets = {}
     for name in names:
-        local = name[len(prefix):]
+        local = name[len(prefix) :]
         if local in params:
             targets[name] = (local, ())
             continue
@@ -133,7 +133,9 @@ def load_weights(
     expected = _expected_file_names(module, prefix)
     missing = sorted(expected - set(names))
     if missing:
-        raise CheckpointError(f"{directory}: {len(missing)} tensor(s) missing from the checkpoint: {_listing(missing)}")
+        raise CheckpointError(
+            f"{directory}: {len(missing)} tensor(s) missing from the checkpoint: {_listing(missing)}"
+        )
     state = module.state_dict(keep_vars=True)
     with torch.no_grad():
         for name, tensor in _read(files, names):
@@ -152,7 +154,9 @@ def _read(files: dict[str, Path], names: list[str]) -> Iterator[tuple[str, torch
     for name in names:
         by_file.setdefault(files[name], []).append(name)
     total = sum(path.stat().st_size for path in by_file)
-    with tqdm(total=len(names), desc="Loading weights", unit="tensor", disable=total < _PROGRESS_BYTES) as bar:
+    with tqdm(
+        total=len(names), desc="Loading weights", unit="tensor", disable=total < _PROGRESS_BYTES
+    ) as bar:
         for path, shard_names in by_file.items():
             with ExitStack() as stack:
                 f = stack.enter_context(_open(path))

@@ -15,10 +15,15 @@ from omnistage.models.qwen3_omni.audio_encoder import (
 pytestmark = pytest.mark.gpu
 
 
-@pytest.mark.parametrize(("heads", "dim", "lengths"), [(20, 64, [104, 104, 37, 104, 12, 1]), (16, 72, [256, 64])])
+@pytest.mark.parametrize(
+    ("heads", "dim", "lengths"), [(20, 64, [104, 104, 37, 104, 12, 1]), (16, 72, [256, 64])]
+)
 def test_fused_varlen_equals_the_reference(heads, dim, lengths):
     g = torch.Generator(device="cuda").manual_seed(0)
-    q, k, v = (torch.randn(sum(lengths), heads, dim, device="cuda", generator=g, dtype=torch.bfloat16) for _ in range(3))
+    q, k, v = (
+        torch.randn(sum(lengths), heads, dim, device="cuda", generator=g, dtype=torch.bfloat16)
+        for _ in range(3)
+    )
     bounds = np.concatenate([[0], np.cumsum(lengths)]).tolist()
     segments = Segments.of(bounds, q.device)
     assert segments.device_bounds is not None and segments.max_len == max(lengths)

@@ -22,7 +22,11 @@ def tokens(llm):
 def test_graphs_equal_eager(tiny_checkpoint):
     # the same kernels both ways (no compile), so only graph replay and batch padding differ
     common = dict(
-        model=str(tiny_checkpoint), dtype="bfloat16", page_size=4, kv_cache_memory_gib=0.05, max_graph_batch=8,
+        model=str(tiny_checkpoint),
+        dtype="bfloat16",
+        page_size=4,
+        kv_cache_memory_gib=0.05,
+        max_graph_batch=8,
         compile=False,
     )
     graphs = LLM(device="cuda", **common)
@@ -61,13 +65,18 @@ def test_serving_compiles_nothing_after_start(tiny_checkpoint):
     for prompt in prompts:
         llm.generate(prompt, GREEDY)
     clip = (0.3 * np.sin(np.arange(48000) / 16000 * 2 * np.pi * 440)).astype(np.float32)
-    llm.chat([{"role": "user", "content": [{"type": "audio", "audio": clip}, {"type": "text", "text": "Hi"}]}], GREEDY)
+    llm.chat(
+        [{"role": "user", "content": [{"type": "audio", "audio": clip}, {"type": "text", "text": "Hi"}]}],
+        GREEDY,
+    )
     assert counters["stats"]["unique_graphs"] == compiled
 
 
 def test_gpu_float32_agrees_with_the_cpu_reference(tiny_checkpoint):
     torch.backends.cuda.matmul.allow_tf32 = False
-    gpu = LLM(model=str(tiny_checkpoint), device="cuda", dtype="float32", page_size=4, kv_cache_memory_gib=0.05)
+    gpu = LLM(
+        model=str(tiny_checkpoint), device="cuda", dtype="float32", page_size=4, kv_cache_memory_gib=0.05
+    )
     assert gpu.engine.runner.graphs is None  # float32 MoE is the host-syncing loop: eager, and it says so
     cpu = LLM(model=str(tiny_checkpoint), device="cpu", dtype="float32", page_size=4, num_kv_pages=256)
     ours, reference = tokens(gpu), tokens(cpu)

@@ -259,4 +259,6 @@ def load_audio_encoder(
     cfg = Qwen3OmniConfig.from_dir(checkpoint_dir).thinker.audio
     with torch.device("meta"):
         model = AudioEncoder(cfg)
-    return load_module(model, checkpoint_dir, PREFIX, dtype=dtype, device=device, load_format=load_format, seed=seed)
+    return load_module(
+        model, checkpoint_dir, PREFIX, dtype=dtype, device=device, load_format=load_format, seed=seed
+    )

@@ -44,7 +44,9 @@ def decode_audio(data: bytes, max_seconds: float = MAX_SECONDS) -> tuple[np.ndar
     except (sf.LibsndfileError, RuntimeError, TypeError, ValueError) as exc:
         # libsndfile's own words: str() of its error names the file object, a memory address here
         reason = exc.error_string if isinstance(exc, sf.LibsndfileError) else exc
-        raise InvalidMedia(f"audio could not be decoded (wav, flac, ogg, mp3 are accepted): {reason}") from None
+        raise InvalidMedia(
+            f"audio could not be decoded (wav, flac, ogg, mp3 are accepted): {reason}"
+        ) from None
     if samples.shape[0] == 0:
         raise InvalidMedia("audio holds no samples")
     mono = samples.mean(axis=1, dtype=np.float32) if samples.shape[1] > 1 else samples[:, 0]

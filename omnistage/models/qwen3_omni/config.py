@@ -82,7 +82,8 @@ class TextConfig:
             rms_norm_eps=r.get("rms_norm_eps", float),
             rope_theta=rope.get("rope_theta", float),
             mrope_section=tuple(rope.get("mrope_section", list)),
-            mrope_interleaved=rope.get("interleaved", bool, False) or rope.get("mrope_interleaved", bool, False),
+            mrope_interleaved=rope.get("interleaved", bool, False)
+            or rope.get("mrope_interleaved", bool, False),
             num_experts=r.positive(experts_key),
             num_experts_per_tok=r.positive("num_experts_per_tok"),
             moe_intermediate_size=r.positive("moe_intermediate_size"),
@@ -101,7 +102,9 @@ class TextConfig:
                 f"{list(cfg.mrope_section)} must be 3 sections summing to head_dim/2 = {cfg.head_dim // 2}",
             )
         if cfg.num_experts_per_tok > cfg.num_experts:
-            raise r.fail("num_experts_per_tok", f"{cfg.num_experts_per_tok} exceeds the {cfg.num_experts} experts")
+            raise r.fail(
+                "num_experts_per_tok", f"{cfg.num_experts_per_tok} exceeds the {cfg.num_experts} experts"
+            )
         if r.get("decoder_sparse_step", int, 1) != 1 or r.get("mlp_only_layers", list, []):
             raise r.fail("mlp_only_layers", "omnistage serves decoders whose every layer is MoE")
         if r.get("sliding_window", int, None) is not None and r.get("use_sliding_window", bool, False):
@@ -146,9 +149,15 @@ class AudioEncoderConfig:
             activation_function=r.get("activation_function", str),
         )
         if cfg.d_model % cfg.encoder_attention_heads:
-            raise r.fail("encoder_attention_heads", f"{cfg.encoder_attention_heads} does not divide d_model {cfg.d_model}")
+            raise r.fail(
+                "encoder_attention_heads",
+                f"{cfg.encoder_attention_heads} does not divide d_model {cfg.d_model}",
+            )
         if cfg.n_window_infer % (2 * cfg.n_window):
-            raise r.fail("n_window_infer", f"{cfg.n_window_infer} is not a multiple of 2 * n_window ({2 * cfg.n_window})")
+            raise r.fail(
+                "n_window_infer",
+                f"{cfg.n_window_infer} is not a multiple of 2 * n_window ({2 * cfg.n_window})",
+            )
         return cfg
 
 
@@ -224,8 +233,10 @@ class ThinkerConfig:
         for key in ("audio_token_id", "image_token_id", "video_token_id"):
             if not 0 <= getattr(cfg, key) < cfg.text.vocab_size:
                 raise r.fail(key, f"{getattr(cfg, key)} is outside the vocabulary of {cfg.text.vocab_size}")
-        for key, size in (("audio_config.output_dim", cfg.audio.output_dim),
-                          ("vision_config.out_hidden_size", cfg.vision.out_hidden_size)):
+        for key, size in (
+            ("audio_config.output_dim", cfg.audio.output_dim),
+            ("vision_config.out_hidden_size", cfg.vision.out_hidden_size),
+        ):
             if size != cfg.text.hidden_size:
                 raise r.fail(key, f"{size} differs from the text hidden size {cfg.text.hidden_size}")
         return cfg

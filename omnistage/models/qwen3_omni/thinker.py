@@ -128,7 +128,9 @@ def load_thinker(
         thinker = Thinker.from_config(cfg, backend)
     # two prefixes, because `thinker.` also holds the audio and vision towers
     for module, prefix in ((thinker.model, "thinker.model."), (thinker.lm_head, "thinker.lm_head.")):
-        load_module(module, checkpoint_dir, prefix, dtype=dtype, device=device, load_format=load_format, seed=seed)
+        load_module(
+            module, checkpoint_dir, prefix, dtype=dtype, device=device, load_format=load_format, seed=seed
+        )
     thinker.requires_grad_(False).eval()
     for layer in thinker.model.layers:
         layer.self_attn.fuse_projections()

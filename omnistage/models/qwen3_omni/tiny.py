@@ -63,32 +63,65 @@ def tiny_config() -> dict:
     c = copy.deepcopy(released_config())
     thinker, talker = c["thinker_config"], c["talker_config"]
     thinker["text_config"].update(
-        hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
-        intermediate_size=32, moe_intermediate_size=32, num_experts=8, num_experts_per_tok=2,
+        hidden_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        intermediate_size=32,
+        moe_intermediate_size=32,
+        num_experts=8,
+        num_experts_per_tok=2,
     )
     thinker["text_config"]["rope_parameters"]["mrope_section"] = [4, 2, 2]
     thinker["audio_config"].update(
-        d_model=32, encoder_layers=2, encoder_attention_heads=2, encoder_ffn_dim=64, downsample_hidden_size=8,
+        d_model=32,
+        encoder_layers=2,
+        encoder_attention_heads=2,
+        encoder_ffn_dim=64,
+        downsample_hidden_size=8,
         output_dim=64,
     )
     thinker["vision_config"].update(
-        hidden_size=32, depth=4, deepstack_visual_indexes=[1, 2, 3], num_heads=2, intermediate_size=64,
+        hidden_size=32,
+        depth=4,
+        deepstack_visual_indexes=[1, 2, 3],
+        num_heads=2,
+        intermediate_size=64,
         out_hidden_size=64,
     )
     talker["text_config"].update(
-        hidden_size=32, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1, head_dim=16,
-        intermediate_size=32, moe_intermediate_size=16, num_local_experts=4, num_experts_per_tok=2,
+        hidden_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=16,
+        intermediate_size=32,
+        moe_intermediate_size=16,
+        num_local_experts=4,
+        num_experts_per_tok=2,
         shared_expert_intermediate_size=32,
     )
     talker["text_config"]["rope_parameters"]["mrope_section"] = [4, 2, 2]
     talker["code_predictor_config"].update(
-        hidden_size=32, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1, head_dim=16,
-        intermediate_size=64, layer_types=["full_attention"],
+        hidden_size=32,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=16,
+        intermediate_size=64,
+        layer_types=["full_attention"],
     )
     talker.update(thinker_hidden_size=64, accept_hidden_layer=1)
     c["code2wav_config"].update(
-        hidden_size=32, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=2, intermediate_size=64,
-        decoder_dim=32, codebook_dim=16, vector_quantization_hidden_dimension=16,
+        hidden_size=32,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        intermediate_size=64,
+        decoder_dim=32,
+        codebook_dim=16,
+        vector_quantization_hidden_dimension=16,
     )
     return c
 

@@ -82,7 +82,9 @@ def build_tokenizer() -> Tokenizer:
         tokenizer = TikTokenConverter(str(path), pattern=PRETOKENIZE_PATTERN).converted()
     base = tokenizer.get_vocab_size()
     if base != min(SPECIAL_TOKENS):
-        raise RuntimeError(f"qwen.tiktoken has {base} ranks; Qwen3-Omni's special tokens start at {min(SPECIAL_TOKENS)}")
+        raise RuntimeError(
+            f"qwen.tiktoken has {base} ranks; Qwen3-Omni's special tokens start at {min(SPECIAL_TOKENS)}"
+        )
     # One at a time, in id order: add_special_tokens would mark the think/tool markers special too.
     for _, text in sorted(SPECIAL_TOKENS.items()):
         if text in _NOT_SPECIAL:
@@ -100,8 +102,14 @@ def write_tokenizer_files(directory: Path) -> None:
     directory = Path(directory)
     build_tokenizer().save(str(directory / "tokenizer.json"))
     added = {
-        str(i): {"content": t, "lstrip": False, "normalized": False, "rstrip": False, "single_word": False,
-                 "special": t not in _NOT_SPECIAL}
+        str(i): {
+            "content": t,
+            "lstrip": False,
+            "normalized": False,
+            "rstrip": False,
+            "single_word": False,
+            "special": t not in _NOT_SPECIAL,
+        }
         for i, t in sorted(SPECIAL_TOKENS.items())
     }
     config = {

@@ -194,4 +194,6 @@ def load_vision_encoder(
     cfg = Qwen3OmniConfig.from_dir(checkpoint_dir).thinker.vision
     with torch.device("meta"):
         model = VisionEncoder(cfg)
-    return load_module(model, checkpoint_dir, PREFIX, dtype=dtype, device=device, load_format=load_format, seed=seed)
+    return load_module(
+        model, checkpoint_dir, PREFIX, dtype=dtype, device=device, load_format=load_format, seed=seed
+    )

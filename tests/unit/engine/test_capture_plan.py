@@ -236,7 +236,9 @@ def test_floor_is_the_largest_phase_of_the_largest_requests():
     assert audio.peak == 3 * GiB  # the encoder's own peak holds its outputs too
     images = replace(audio, vision_encoder=2 * GiB, image_outputs=2560 * MiB, image_size=(3584, 3584))
     assert images.peak == GiB + 2560 * MiB  # the prefill runs beside the image rows it reads
-    assert replace(images, vision_encoder=9 * GiB, images=3).peak == 9 * GiB + 2 * 2560 * MiB  # the third call
+    assert (
+        replace(images, vision_encoder=9 * GiB, images=3).peak == 9 * GiB + 2 * 2560 * MiB
+    )  # the third call
 
     kwargs = dict(
         total=80 * GiB, free_after_weights=12 * GiB, weights=66 * GiB, kv_bytes_per_page=12 * MiB,

@@ -143,13 +143,23 @@ def test_prefill_replay_equals_eager_for_every_chunk_length():
         # The padding rows wrote nothing: both caches hold the chunk's keys and values and nothing else
         # (a padded GEMM may round the real rows' last bits differently).
         torch.testing.assert_close(graph_step.kv_cache, eager_step.kv_cache, rtol=1e-5, atol=1e-6)
-        assert graph_step.calls[-1] == runner.bucket_for(tokens) == min(b for b in (16, 24, 32, 48) if b >= tokens)
+        assert (
+            graph_step.calls[-1]
+            == runner.bucket_for(tokens)
+            == min(b for b in (16, 24, 32, 48) if b >= tokens)
+        )
 
 
 def test_prefill_runner_declines_what_it_cannot_hold():
     step = TinyPrefillStep()
     runner = PrefillGraphRunner(
-        step, max_tokens=32, max_pages=4, max_seq_len=80, hidden_size=HEADS * DIM, dtype=torch.float32, device="cpu"
+        step,
+        max_tokens=32,
+        max_pages=4,
+        max_seq_len=80,
+        hidden_size=HEADS * DIM,
+        dtype=torch.float32,
+        device="cpu",
     )
     runner.capture([16, 32])
     assert runner.run(*_prefill_chunk(33, 0, seed=1)) is None  # longer than the largest bucket

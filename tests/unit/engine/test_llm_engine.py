@@ -46,14 +46,16 @@ def assert_pool_full(llm):
 
 
 def test_greedy_matches_transformers_generate(tiny_checkpoint, llm):
-    hf = Qwen3OmniMoeForConditionalGeneration.from_pretrained(tiny_checkpoint, dtype=torch.float32).thinker.eval()
+    hf = Qwen3OmniMoeForConditionalGeneration.from_pretrained(
+        tiny_checkpoint, dtype=torch.float32
+    ).thinker.eval()
     params = SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True)
     for prompt in PROMPTS[:3]:
         ids = llm.engine.processor.encode(prompt)
         ours = llm.generate({"prompt_token_ids": ids}, params)[0].outputs[0].token_ids
         with torch.no_grad():
             theirs = hf.generate(torch.tensor([ids]), do_sample=False, max_new_tokens=32, min_new_tokens=32)
-        assert ours == theirs[0, len(ids):].tolist()
+        assert ours == theirs[0, len(ids) :].tolist()
     assert_pool_full(llm)
 
 
@@ -103,8 +105,14 @@ def test_arrivals_while_others_decode(llm, alone):
 
 
 def test_admission_refusal_is_exact(tiny_checkpoint):
-    small = LLM(model=str(tiny_checkpoint), device="cpu", dtype="float32", page_size=128, num_kv_pages=175,
-                max_model_len=65536)
+    small = LLM(
+        model=str(tiny_checkpoint),
+        device="cpu",
+        dtype="float32",
+        page_size=128,
+        num_kv_pages=175,
+        max_model_len=65536,
+    )
     with pytest.raises(RequestTooLarge) as err:
         small.generate({"prompt_token_ids": [872] * 212}, SamplingParams(max_tokens=24_000))
     assert str(err.value) == "request needs 190 pages (24,212 tokens) but the pool has 175 pages"
@@ -113,14 +121,19 @@ def test_admission_refusal_is_exact(tiny_checkpoint):
 
 def test_context_and_vocabulary_limits(tiny_checkpoint):
     small = make_llm(tiny_checkpoint, num_kv_pages=64, max_model_len=32)
-    with pytest.raises(RequestTooLarge, match=r"prompt \(10 tokens\) \+ max_tokens \(30\) = 40 tokens exceeds the model's context of 32 tokens"):
+    with pytest.raises(
+        RequestTooLarge,
+        match=r"prompt \(10 tokens\) \+ max_tokens \(30\) = 40 tokens exceeds the model's context of 32 tokens",
+    ):
         small.generate({"prompt_token_ids": [872] * 10}, SamplingParams(max_tokens=30))
     with pytest.raises(InvalidRequest, match="prompt token id 999999 is outside the vocabulary of 152064"):
         small.generate({"prompt_token_ids": [872, 999999]}, SamplingParams())
     with pytest.raises(InvalidRequest, match="the prompt is empty"):
         small.generate({"prompt_token_ids": []}, SamplingParams())
     # max_tokens=None fills the context
-    out = small.generate({"prompt_token_ids": [872] * 30}, SamplingParams(max_tokens=None, ignore_eos=True))[0]
+    out = small.generate({"prompt_token_ids": [872] * 30}, SamplingParams(max_tokens=None, ignore_eos=True))[
+        0
+    ]
     assert len(out.outputs[0].token_ids) == 2
     assert_pool_full(small)
 
@@ -143,7 +156,9 @@ def test_seeds_reproduce_sampled_outputs(llm):
 def test_stop_token_ids_stop_strings_min_tokens(llm, alone):
     reference = alone[1]
     stop_id = reference[5]
-    out = llm.generate(PROMPTS[1], SamplingParams(max_tokens=24, temperature=0.0, stop_token_ids=[stop_id]))[0]
+    out = llm.generate(PROMPTS[1], SamplingParams(max_tokens=24, temperature=0.0, stop_token_ids=[stop_id]))[
+        0
+    ]
     first = reference.index(stop_id)
     assert out.outputs[0].token_ids == reference[: first + 1]
     assert out.outputs[0].finish_reason == "stop" and out.outputs[0].stop_reason == stop_id
@@ -160,7 +175,9 @@ def test_stop_token_ids_stop_strings_min_tokens(llm, alone):
     engine.eos_token_ids = [reference[0]]
     try:
         stopped = llm.generate(PROMPTS[1], SamplingParams(max_tokens=24, temperature=0.0))[0].outputs[0]
-        held = llm.generate(PROMPTS[1], SamplingParams(max_tokens=24, min_tokens=4, temperature=0.0))[0].outputs[0]
+        held = llm.generate(PROMPTS[1], SamplingParams(max_tokens=24, min_tokens=4, temperature=0.0))[
+            0
+        ].outputs[0]
     finally:
         engine.eos_token_ids = saved
     assert stopped.token_ids == reference[:1] and stopped.finish_reason == "stop"
@@ -172,7 +189,10 @@ def test_chat_uses_the_chat_template(llm):
     messages = [{"role": "user", "content": "Hi"}]
     chat = llm.chat(messages, GREEDY)[0]
     assert chat.prompt_token_ids == [151644, 872, 198, 13048, 151645, 198, 151644, 77091, 198]
-    assert chat.outputs[0].token_ids == llm.generate({"prompt_token_ids": chat.prompt_token_ids}, GREEDY)[0].outputs[0].token_ids
+    assert (
+        chat.outputs[0].token_ids
+        == llm.generate({"prompt_token_ids": chat.prompt_token_ids}, GREEDY)[0].outputs[0].token_ids
+    )
 
 
 def test_a_failing_step_is_run_again_chunk_by_chunk(llm, alone, monkeypatch):
@@ -203,7 +223,9 @@ def test_a_failing_step_is_run_again_chunk_by_chunk(llm, alone, monkeypatch):
 
 def test_cancellation_frees_pages_at_once(llm):
     engine = llm.engine
-    engine.add_request("c", engine.processor.encode(PROMPTS[5]), SamplingParams(max_tokens=100, ignore_eos=True))
+    engine.add_request(
+        "c", engine.processor.encode(PROMPTS[5]), SamplingParams(max_tokens=100, ignore_eos=True)
+    )
     for _ in range(3):
         engine.step()
     assert engine.pool.num_used > 0
@@ -214,7 +236,9 @@ def test_cancellation_frees_pages_at_once(llm):
 
 def test_async_engine_streams_and_cancels(tiny_checkpoint, alone):
     engine = AsyncEngine.from_config(
-        engine_config(model=str(tiny_checkpoint), device="cpu", dtype="float32", page_size=4, num_kv_pages=128)
+        engine_config(
+            model=str(tiny_checkpoint), device="cpu", dtype="float32", page_size=4, num_kv_pages=128
+        )
     )
 
     async def run(i):
@@ -262,17 +286,26 @@ def test_prefill_graph_path_equals_eager(tiny_checkpoint, llm, alone):
         runner.capture_graphs([], graphs.engine.max_model_len, False, prefill_buckets=prefill_buckets(64))
         replays = []
         step = runner.prefill_graphs.step
-        runner.prefill_graphs.step = lambda *args, seen=replays, run=step: seen.append(args[0].shape[0]) or run(*args)
+        runner.prefill_graphs.step = lambda *args, seen=replays, run=step: (
+            seen.append(args[0].shape[0]) or run(*args)
+        )
         assert [graphs.generate(p, GREEDY)[0].outputs[0].token_ids for p in PROMPTS] == alone
         assert set(replays) <= {16, 24, 32, 48, 64} and len(replays) >= len(PROMPTS)
         assert_pool_full(graphs)
-    assert replays.count(16) > len(PROMPTS)  # the chunked engine replayed chunks of 8 several times per prompt
+    assert replays.count(16) > len(
+        PROMPTS
+    )  # the chunked engine replayed chunks of 8 several times per prompt
 
     clip = (0.3 * np.sin(np.arange(32000) / 16000 * 2 * np.pi * 440)).astype(np.float32)
-    messages = [{"role": "user", "content": [{"type": "audio", "audio": clip}, {"type": "text", "text": "Hi"}]}]
+    messages = [
+        {"role": "user", "content": [{"type": "audio", "audio": clip}, {"type": "text", "text": "Hi"}]}
+    ]
     graphs = make_llm(tiny_checkpoint, num_kv_pages=256)
     graphs.engine.runner.capture_graphs([], graphs.engine.max_model_len, False, prefill_buckets=[16, 64])
-    assert graphs.chat(messages, GREEDY)[0].outputs[0].token_ids == llm.chat(messages, GREEDY)[0].outputs[0].token_ids
+    assert (
+        graphs.chat(messages, GREEDY)[0].outputs[0].token_ids
+        == llm.chat(messages, GREEDY)[0].outputs[0].token_ids
+    )
 
 
 def _audio_prompts(processor, seconds):
@@ -295,7 +328,9 @@ def test_add_requests_fails_only_the_request_at_fault(llm):
     for i, p in enumerate(prompts):
         engine.add_request(f"ref{i}", p.token_ids, GREEDY, mrope=p.mrope, mm=p.mm)
         reference.append(llm._run([f"ref{i}"])[0].outputs[0].token_ids)
-    bad_media = prompts[1].token_ids + [engine.model_config.thinker.audio_token_id]  # one placeholder too many
+    bad_media = prompts[1].token_ids + [
+        engine.model_config.thinker.audio_token_id
+    ]  # one placeholder too many
     requests = [
         NewRequest("a", prompts[0].token_ids, GREEDY, mrope=prompts[0].mrope, mm=prompts[0].mm),
         NewRequest("bad-media", bad_media, GREEDY, mm=prompts[1].mm),
@@ -304,7 +339,9 @@ def test_add_requests_fails_only_the_request_at_fault(llm):
     ]
     errors = engine.add_requests(requests)
     assert errors[0] is None and errors[3] is None
-    assert isinstance(errors[1], InvalidRequest) and "audio placeholder tokens but its audio gives" in str(errors[1])
+    assert isinstance(errors[1], InvalidRequest) and "audio placeholder tokens but its audio gives" in str(
+        errors[1]
+    )
     assert isinstance(errors[2], RequestTooLarge)
     outputs = {o.request_id: o.outputs[0].token_ids for o in llm._run(["a", "c"])}
     assert outputs == {"a": reference[0], "c": reference[2]}
@@ -317,13 +354,17 @@ def test_async_engine_encodes_the_requests_waiting_together(tiny_checkpoint, mon
     import threading
 
     engine = AsyncEngine.from_config(
-        engine_config(model=str(tiny_checkpoint), device="cpu", dtype="float32", page_size=4, num_kv_pages=512)
+        engine_config(
+            model=str(tiny_checkpoint), device="cpu", dtype="float32", page_size=4, num_kv_pages=512
+        )
     )
     llm_engine = engine.engine
     prompts = _audio_prompts(llm_engine.processor, [0.6, 2.2, 4.1, 1.0])
     batches, release, stepping = [], threading.Event(), threading.Event()
     encode_many, step = llm_engine.encoders.encode_many, llm_engine.step
-    monkeypatch.setattr(llm_engine.encoders, "encode_many", lambda ps: batches.append(len(ps)) or encode_many(ps))
+    monkeypatch.setattr(
+        llm_engine.encoders, "encode_many", lambda ps: batches.append(len(ps)) or encode_many(ps)
+    )
 
     def held_step():
         stepping.set()

@@ -43,9 +43,15 @@ def file_tensors(prefix="thinker."):
         tensors[p + "norm.weight"] = torch.randn(HIDDEN, generator=g)
         tensors[p + "norm.bias"] = torch.randn(HIDDEN, generator=g)
         for e in range(EXPERTS):
-            for proj, shape in (("gate", (WIDTH, HIDDEN)), ("up", (WIDTH, HIDDEN)), ("down", (HIDDEN, WIDTH))):
+            for proj, shape in (
+                ("gate", (WIDTH, HIDDEN)),
+                ("up", (WIDTH, HIDDEN)),
+                ("down", (HIDDEN, WIDTH)),
+            ):
                 tensors[f"{p}experts.{e}.{proj}_proj.weight"] = torch.randn(*shape, generator=g)
-    tensors["talker.other.weight"] = torch.randn(2, generator=g)  # another component: ignored under 'thinker.'
+    tensors["talker.other.weight"] = torch.randn(
+        2, generator=g
+    )  # another component: ignored under 'thinker.'
     return tensors
 
 
@@ -86,7 +92,9 @@ def test_sharded_index(tmp_path):
     for shard, shard_names in shards.items():
         save_file({n: tensors[n] for n in shard_names}, str(tmp_path / shard))
     weight_map = {n: shard for shard, shard_names in shards.items() for n in shard_names}
-    (tmp_path / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    (tmp_path / "model.safetensors.index.json").write_text(
+        json.dumps({"metadata": {}, "weight_map": weight_map})
+    )
     assert set(checkpoint_files(tmp_path)) == set(tensors)
     model = Toy()
     load_weights(model, tmp_path, "thinker.")
@@ -116,8 +124,11 @@ def test_unexpected_tensors_are_listed(tmp_path):
     tensors["thinker.layers.0.extra.weight"] = torch.zeros(1)
     tensors["thinker.layers.1.experts.9.down_proj.weight"] = torch.zeros(HIDDEN, WIDTH)
     save_file(tensors, str(tmp_path / "model.safetensors"))
-    with pytest.raises(CheckpointError, match=r"2 tensor\(s\) under 'thinker.' that the model does not have: "
-                       r"thinker.layers.0.extra.weight"):
+    with pytest.raises(
+        CheckpointError,
+        match=r"2 tensor\(s\) under 'thinker.' that the model does not have: "
+        r"thinker.layers.0.extra.weight",
+    ):
         load_weights(Toy(), tmp_path, "thinker.")
 
 
@@ -127,14 +138,19 @@ def test_shape_mismatch_names_tensor_expected_and_found(tmp_path):
     save_file(tensors, str(tmp_path / "model.safetensors"))
     with pytest.raises(CheckpointError) as err:
         load_weights(Toy(), tmp_path, "thinker.")
-    assert str(err.value) == "thinker.layers.1.proj.weight: expected shape (4, 4), found (4, 5) in model.safetensors"
+    assert (
+        str(err.value)
+        == "thinker.layers.1.proj.weight: expected shape (4, 4), found (4, 5) in model.safetensors"
+    )
 
 
 def test_expert_shape_mismatch(tmp_path):
     tensors = file_tensors()
     tensors["thinker.layers.0.experts.1.down_proj.weight"] = torch.zeros(WIDTH, HIDDEN)
     save_file(tensors, str(tmp_path / "model.safetensors"))
-    with pytest.raises(CheckpointError, match=r"experts.1.down_proj.weight: expected shape \(4, 2\), found \(2, 4\)"):
+    with pytest.raises(
+        CheckpointError, match=r"experts.1.down_proj.weight: expected shape \(4, 2\), found \(2, 4\)"
+    ):
         load_weights(Toy(), tmp_path, "thinker.")
 
 
@@ -142,7 +158,9 @@ def test_corrupt_file_names_the_path(tmp_path):
     save_file(file_tensors(), str(tmp_path / "model.safetensors"))
     data = (tmp_path / "model.safetensors").read_bytes()
     (tmp_path / "model.safetensors").write_bytes(data[:50])
-    with pytest.raises(CheckpointError, match=rf"{tmp_path / 'model.safetensors'}: unreadable safetensors file"):
+    with pytest.raises(
+        CheckpointError, match=rf"{tmp_path / 'model.safetensors'}: unreadable safetensors file"
+    ):
         load_weights(Toy(), tmp_path, "thinker.")
 
 

@@ -52,7 +52,9 @@ def test_config_keeps_released_ids_and_shrinks_sizes(tiny_checkpoint):
     assert config.talker.speaker_id == {"chelsie": 2301, "ethan": 2302, "aiden": 2303}
     assert config.talker.codec_bos_id == 2149 and config.talker.codec_eos_token_id == 2150
     assert config.tts_pad_token_id == 151671 and config.tts_bos_token_id == 151672
-    assert config.thinker.text.num_hidden_layers < released["thinker_config"]["text_config"]["num_hidden_layers"]
+    assert (
+        config.thinker.text.num_hidden_layers < released["thinker_config"]["text_config"]["num_hidden_layers"]
+    )
     assert config.code2wav.samples_per_frame == 1920
 
 
