@@ -87,6 +87,7 @@ def main() -> None:
                 _cli(*bench, "--url", url, "--endpoint", args.endpoint, "--out", str(outputs[name])),
                 check=True,
             )
+            (args.out_dir / f"metrics_{name}.txt").write_text(httpx.get(f"{url}/metrics", timeout=10).text)
         finally:
             if spy is not None:
                 spy.send_signal(signal.SIGINT)

@@ -16,6 +16,7 @@ from pathlib import Path
 import torch
 
 from omnistage.engine.capture_plan import Floor
+from omnistage.engine.gpu_memory import device_peak
 from omnistage.errors import InvalidRequest
 from omnistage.models.qwen3_omni.audio_encoder import audio_output_tokens, load_audio_encoder
 from omnistage.models.qwen3_omni.audio_features import HOP_LENGTH, MAX_SECONDS, NUM_MEL_BINS, SAMPLE_RATE
@@ -150,16 +151,13 @@ class EncoderEngine:
     @torch.inference_mode()
     def _measure(self, token_ids: list[int], mm: MultimodalInputs) -> tuple[int, int]:
         """Peak bytes of encoding one prompt's media, and the bytes of the rows that stay held after it."""
-        torch.cuda.synchronize(self.device)
         base = torch.cuda.memory_allocated(self.device)
-        torch.cuda.reset_peak_memory_stats(self.device)
-        embeds = self.encode(token_ids, mm)
-        torch.cuda.synchronize(self.device)
-        peak = torch.cuda.max_memory_allocated(self.device) - base
+        with device_peak(self.device) as peak:
+            embeds = self.encode(token_ids, mm)
         held = torch.cuda.memory_allocated(self.device) - base
         del embeds
         torch.cuda.empty_cache()
-        return peak, held
+        return peak.bytes, held
 
     def _place(
         self, token_ids: list[int], audio: torch.Tensor | None, image: torch.Tensor | None, deepstack

@@ -28,6 +28,7 @@ from omnistage.engine.capture_plan import (
 )
 from omnistage.engine.detokenizer import IncrementalDetokenizer
 from omnistage.engine.encoder_engine import EncoderEngine, MultimodalEmbeds
+from omnistage.engine.gpu_memory import allocator_stats
 from omnistage.engine.kv_cache import PagePool
 from omnistage.engine.model_runner import ModelRunner, PromptPositions
 from omnistage.engine.sampling import Sampler, SamplingParams, SamplingRow, make_generator
@@ -405,13 +406,16 @@ class LLMEngine:
         return self.scheduler.has_unfinished()
 
     def stats(self) -> dict[str, int]:
-        return {
+        stats = {
             "num_waiting": self.scheduler.num_waiting,
             "num_running": self.scheduler.num_running,
             "kv_pages_total": self.pool.num_pages,
             "kv_pages_free": self.pool.num_free,
             "kv_pages_used": self.pool.num_used,
         }
+        if self.device.type == "cuda":
+            stats.update(allocator_stats(self.device))
+        return stats
 
     # -- one step -----------------------------------------------------------------------------------
 

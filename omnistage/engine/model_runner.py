@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import torch
 
 from omnistage.engine.attention import AttentionMetadata
+from omnistage.engine.gpu_memory import device_peak
 from omnistage.engine.graphs import DecodeGraphRunner, PrefillGraphRunner
 from omnistage.engine.scheduler import ScheduledChunk, SchedulerOutput
 from omnistage.models.qwen3_omni.config import TextConfig
@@ -114,17 +115,13 @@ class ModelRunner:
         meta = AttentionMetadata.build(chunks, self.page_size, self.device)
         input_ids = torch.randint(0, self.cfg.vocab_size, (per_seq * num_seqs,), device=self.device)
         positions = torch.arange(per_seq, device=self.device).repeat(num_seqs).expand(3, -1)
-        torch.cuda.synchronize(self.device)
-        base = torch.cuda.memory_allocated(self.device)
-        torch.cuda.reset_peak_memory_stats(self.device)
-        hidden = self.model(input_ids, positions, self.kv_caches, meta)
-        self.model.compute_logits(hidden[meta.query_start_loc[1:].long() - 1])
-        torch.cuda.synchronize(self.device)
-        peak = torch.cuda.max_memory_allocated(self.device) - base
+        with device_peak(self.device) as peak:
+            hidden = self.model(input_ids, positions, self.kv_caches, meta)
+            self.model.compute_logits(hidden[meta.query_start_loc[1:].long() - 1])
         self.kv_caches = []
         del hidden
         torch.cuda.empty_cache()
-        return peak
+        return peak.bytes
 
     def prepare(self, chunks: list[ScheduledChunk]) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
         ids: list[int] = []

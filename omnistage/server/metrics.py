@@ -49,6 +49,14 @@ class ServerMetrics:
         self.pages_total = Gauge("omnistage_kv_pages_total", "KV cache pages in the pool", registry=r)
         self.pages_used = Gauge("omnistage_kv_pages_used", "KV cache pages held by requests", registry=r)
         self.pages_free = Gauge("omnistage_kv_pages_free", "KV cache pages free", registry=r)
+        self.gpu_reserved = Gauge(
+            "omnistage_gpu_memory_reserved_bytes", "GPU memory the caching allocator holds", registry=r
+        )
+        self.gpu_retries = Gauge(
+            "omnistage_gpu_alloc_retries",
+            "Allocations that found the GPU full and retried after freeing the allocator's cache",
+            registry=r,
+        )
 
     def count(self, endpoint: str, status: int | str) -> None:
         self.requests.labels(endpoint, str(status)).inc()
@@ -74,4 +82,7 @@ class ServerMetrics:
         self.pages_total.set(stats["kv_pages_total"])
         self.pages_used.set(stats["kv_pages_used"])
         self.pages_free.set(stats["kv_pages_free"])
+        if "gpu_alloc_retries" in stats:
+            self.gpu_reserved.set(stats["gpu_memory_reserved_bytes"])
+            self.gpu_retries.set(stats["gpu_alloc_retries"])
         return generate_latest(self.registry)

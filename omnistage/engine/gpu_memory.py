@@ -1,0 +1,40 @@
+"""Reading what a piece of GPU work costs the memory plan (GPU only; the plan itself is capture_plan)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class Peak:
+    bytes: int = 0
+
+
+@contextmanager
+def device_peak(device: torch.device) -> Iterator[Peak]:
+    """The bytes the work inside the block takes from the device at its peak, as the caching allocator
+    reserves them: its block rounding and splits included, not only the tensors' own bytes. A floor counted
+    in allocated bytes alone left the allocator short under a memory cap, where it then freed its cache and
+    retried (synchronising) during serving."""
+    peak = Peak()
+    torch.cuda.synchronize(device)
+    allocated, reserved = torch.cuda.memory_allocated(device), torch.cuda.memory_reserved(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    yield peak
+    torch.cuda.synchronize(device)
+    peak.bytes = max(
+        torch.cuda.max_memory_allocated(device) - allocated, torch.cuda.max_memory_reserved(device) - reserved
+    )
+
+
+def allocator_stats(device: torch.device) -> dict[str, int]:
+    """The caching allocator's reserved bytes and its retries (a retry frees the cache and synchronises)."""
+    stats = torch.cuda.memory_stats(device)
+    return {
+        "gpu_memory_reserved_bytes": stats.get("reserved_bytes.all.current", 0),
+        "gpu_alloc_retries": stats.get("num_alloc_retries", 0),
+    }
