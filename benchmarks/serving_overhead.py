@@ -14,34 +14,19 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import httpx
 
 from omnistage.bench.a2t import released_skeleton
+from omnistage.bench.server_process import ServerProcess
 
 
 def _cli(*args: str) -> list[str]:
     return [sys.executable, "-m", "omnistage.cli", *args]
-
-
-def _wait_ready(url: str, server: subprocess.Popen, timeout: float) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if server.poll() is not None:
-            raise SystemExit(f"the server exited with {server.returncode} before it was ready")
-        try:
-            if httpx.get(f"{url}/health", timeout=1).status_code == 200:
-                return
-        except httpx.TransportError:
-            pass
-        time.sleep(0.5)
-    raise SystemExit(f"the server was not ready after {timeout} s")
 
 
 def main() -> None:
@@ -66,34 +51,33 @@ def main() -> None:
     bench = ["bench", "a2t", "--synth", args.synth, "--concurrency", args.concurrency,
              "--repeats", str(args.repeats), "--output-tokens", str(args.output_tokens)]  # fmt: skip
 
-    url = f"http://127.0.0.1:{args.port}"
     variants = {"http": "", **dict(v.split("=", 1) for v in args.server)}
     outputs = {}
     for name, flags in variants.items():
         words = flags.split()
         env = dict(w.split("=", 1) for w in words if "=" in w and w[0].isupper())  # leading VAR=value words
-        serve = _cli("serve", "--model", str(model), "--port", str(args.port), "--max-num-seqs", max_seqs,
-                     "--log-level", "warning", *engine, *(w for w in words if w.split("=", 1)[0] not in env))  # fmt: skip
-        with open(args.out_dir / f"server_{name}.log", "wb") as log:
-            server = subprocess.Popen(serve, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, **env})
+        serve = ["--model", str(model), "--max-num-seqs", max_seqs, "--log-level", "warning", *engine,
+                 *(w for w in words if w.split("=", 1)[0] not in env)]  # fmt: skip
+        server = ServerProcess(serve, args.out_dir / f"server_{name}.log", port=args.port, env=env)
         spy = None
         try:
-            _wait_ready(url, server, timeout=600)
+            server.wait_ready(timeout=600)
             if args.py_spy:
-                spy = subprocess.Popen(["py-spy", "record", "-p", str(server.pid), "-f", "raw", "--threads",
+                spy = subprocess.Popen(["py-spy", "record", "-p", str(server.process.pid), "-f", "raw", "--threads",
                                         "-r", "200", "-o", str(args.out_dir / f"pyspy_{name}.txt")])  # fmt: skip
             outputs[name] = args.out_dir / f"a2t_{name}.json"
             subprocess.run(
-                _cli(*bench, "--url", url, "--endpoint", args.endpoint, "--out", str(outputs[name])),
+                _cli(*bench, "--url", server.url, "--endpoint", args.endpoint, "--out", str(outputs[name])),
                 check=True,
             )
-            (args.out_dir / f"metrics_{name}.txt").write_text(httpx.get(f"{url}/metrics", timeout=10).text)
+            (args.out_dir / f"metrics_{name}.txt").write_text(
+                httpx.get(f"{server.url}/metrics", timeout=10).text
+            )
         finally:
             if spy is not None:
                 spy.send_signal(signal.SIGINT)
                 spy.wait(timeout=60)
-            server.terminate()
-            server.wait(timeout=60)
+            server.stop()
 
     outputs["in-process"] = args.out_dir / "a2t_inprocess.json"
     subprocess.run(

@@ -24,9 +24,7 @@ import io
 import json
 import random
 import re
-import socket
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -40,6 +38,8 @@ import httpx
 import numpy as np
 import soundfile as sf
 from PIL import Image
+
+from omnistage.bench.server_process import ServerProcess
 
 KINDS = {  # kind: weight in the mix
     "chat": 3,
@@ -255,42 +255,6 @@ def settle(client: httpx.Client, timeout: float) -> tuple[dict[str, float], floa
         time.sleep(0.05)
 
 
-class LocalServer:
-    """`omnistage serve` on the tiny model (or --model) on a free port, its log in a temporary file."""
-
-    def __init__(self, model: str | None, extra: list[str]) -> None:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        self.url = f"http://127.0.0.1:{port}"
-        self.log = Path(tempfile.mkdtemp(prefix="omnistage-soak-")) / "server.log"
-        command = [sys.executable, "-m", "omnistage.cli", "serve", "--port", str(port), "--device", "cpu",
-                   "--log-level", "warning", *(["--model", model] if model else []), *extra]  # fmt: skip
-        with open(self.log, "wb") as out:
-            self.process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT)
-
-    def wait_ready(self, timeout: float = 120.0) -> None:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.process.poll() is not None:
-                raise SystemExit(f"the server exited with {self.process.returncode}; see {self.log}")
-            try:
-                if httpx.get(f"{self.url}/health", timeout=1).status_code == 200:
-                    return
-            except httpx.TransportError:
-                pass
-            time.sleep(0.1)
-        raise SystemExit(f"the server was not ready after {timeout} s; see {self.log}")
-
-    def stop(self) -> None:
-        self.process.terminate()
-        try:
-            self.process.wait(timeout=15)
-        except subprocess.TimeoutExpired:
-            self.process.kill()
-            self.process.wait()
-
-
 # -- the run ----------------------------------------------------------------------------------------------------
 
 
@@ -441,8 +405,10 @@ def main(argv: list[str] | None = None) -> int:
 
     server = None
     if args.url is None:
-        server = LocalServer(args.model, args.server_args.split())
-        server.wait_ready()
+        log = Path(tempfile.mkdtemp(prefix="omnistage-soak-")) / "server.log"
+        model = ["--model", args.model] if args.model else []
+        serve = ["--device", "cpu", "--log-level", "warning", *model, *args.server_args.split()]
+        server = ServerProcess(serve, log).wait_ready(timeout=120)
         args.url, args.pid = server.url, server.process.pid
     try:
         result = soak(args)

@@ -4,9 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import re
-import socket
-import subprocess
-import sys
 import time
 from collections.abc import AsyncIterator, Iterator
 from contextlib import contextmanager
@@ -17,6 +14,7 @@ import httpx
 import numpy as np
 import pytest
 
+from omnistage.bench.server_process import ServerProcess
 from omnistage.config import engine_config
 from omnistage.engine.async_engine import AsyncEngine
 from omnistage.engine.sampling import SamplingParams
@@ -24,34 +22,8 @@ from omnistage.errors import InvalidMedia, QueueFull
 from omnistage.outputs import CompletionOutput, RequestOutput
 
 
-class LiveServer:
-    """One `omnistage serve` subprocess; `url` is its base, its output goes to `log`."""
-
-    def __init__(self, args: list[str], log: Path) -> None:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            self.port = s.getsockname()[1]
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.log = log
-        command = [sys.executable, "-m", "omnistage.cli", "serve", "--port", str(self.port), *args]
-        with open(log, "wb") as out:
-            self.process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT)
-
-    def wait_ready(self, timeout: float = 90.0) -> LiveServer:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.process.poll() is not None:
-                raise RuntimeError(f"the server exited with {self.process.returncode}:\n{self.log_tail()}")
-            try:
-                if httpx.get(f"{self.url}/health", timeout=1).status_code == 200:
-                    return self
-            except httpx.TransportError:
-                pass
-            time.sleep(0.1)
-        raise RuntimeError(f"the server was not ready after {timeout} s:\n{self.log_tail()}")
-
-    def log_tail(self, lines: int = 40) -> str:
-        return "\n".join(self.log.read_text(errors="replace").splitlines()[-lines:])
+class LiveServer(ServerProcess):
+    """One `omnistage serve` subprocess, with the /metrics readings the tests check."""
 
     def metrics_text(self) -> str:
         return httpx.get(f"{self.url}/metrics", timeout=5).text
@@ -74,14 +46,6 @@ class LiveServer:
             if time.monotonic() - start > timeout:
                 raise AssertionError(f"KV pages still used after {timeout} s: {m['omnistage_kv_pages_used']}")
             time.sleep(0.02)
-
-    def stop(self) -> None:
-        self.process.terminate()
-        try:
-            self.process.wait(timeout=15)
-        except subprocess.TimeoutExpired:
-            self.process.kill()
-            self.process.wait()
 
 
 @pytest.fixture(scope="session")
