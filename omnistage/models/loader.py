@@ -103,12 +103,15 @@ def load_weights(
     *,
     dtype: torch.dtype | None = None,
     device: torch.device | str | None = None,
+    exclude: tuple[str, ...] = (),
 ) -> None:
     """Fill `module` from the checkpoint tensors named `prefix + parameter name`, strictly.
 
     Every parameter and persistent buffer must be found and every file tensor under `prefix` must be
-    used; shapes must match exactly. A module built on the meta device is materialised on `device`
-    first; then each submodule with an `init_buffers()` method recomputes its derived buffers.
+    used, except those under an `exclude` prefix (a nested component another module loads, such as
+    `talker.code_predictor.`); shapes must match exactly. A module built on the meta device is
+    materialised on `device` first; then each submodule with an `init_buffers()` method recomputes its
+    derived buffers.
     `dtype` converts parameters only: derived buffers such as rotary frequencies keep their precision.
     """
     if any(p.is_meta for p in module.parameters()):
@@ -122,7 +125,7 @@ def load_weights(
         for param in module.parameters():
             param.data = param.data.to(dtype)
     files = checkpoint_files(directory)
-    names = sorted(n for n in files if n.startswith(prefix))
+    names = sorted(n for n in files if n.startswith(prefix) and not n.startswith(exclude))
     targets = _targets(module, prefix, names)
     unexpected = [n for n in names if n not in targets]
     if unexpected:
@@ -194,8 +197,12 @@ def load_module(
     device: torch.device | str,
     load_format: str = "safetensors",
     seed: int = 0,
+    exclude: tuple[str, ...] = (),
 ) -> torch.nn.Module:
-    """A meta-built module with the checkpoint's weights, or random ones (`load_format="dummy"`), in eval mode."""
+    """A meta-built module with the checkpoint's weights, or random ones (`load_format="dummy"`), in eval mode.
+
+    `exclude`: file tensors under these prefixes belong to another module (see `load_weights`).
+    """
     if load_format == "dummy":
         module.to_empty(device=device)
         for sub in module.modules():
@@ -205,5 +212,5 @@ def load_module(
             param.data = param.data.to(dtype)
         fill_random_(module, seed)
     else:
-        load_weights(module, directory, prefix, dtype=dtype, device=device)
+        load_weights(module, directory, prefix, dtype=dtype, device=device, exclude=exclude)
     return module.requires_grad_(False).eval()

@@ -285,6 +285,8 @@ class TalkerConfig:
     codec_think_bos_id: int
     codec_think_eos_id: int
     speaker_id: dict[str, int]
+    # the width inside text_projection / hidden_projection (thinker width -> this -> talker width)
+    projection_intermediate_size: int
 
     @classmethod
     def read(cls, r: _Reader) -> TalkerConfig:
@@ -301,6 +303,7 @@ class TalkerConfig:
             codec_think_bos_id=r.get("codec_think_bos_id", int),
             codec_think_eos_id=r.get("codec_think_eos_id", int),
             speaker_id=dict(r.get("speaker_id", dict)),
+            projection_intermediate_size=r.child("text_config").positive("intermediate_size"),
         )
 
 

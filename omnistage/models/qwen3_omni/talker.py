@@ -1,0 +1,122 @@
+"""The Talker: a Qwen3 MoE decoder that reads the Thinker's rows and speaks code 0 of each codec frame.
+
+It consumes embeddings, never ids. Its prompt rows are Thinker rows mapped to its width:
+`text_projection` of token embeddings, `hidden_projection` of the layer-`accept_hidden_layer` hidden
+states at audio/image positions, plus `model.codec_embedding` of codec ids; `codec_head` scores the next
+frame's code 0. Parameter names equal the checkpoint's minus `talker.`; `talker.code_predictor.*` belongs
+to the code predictor (`code_predictor.py`), which reads the final hidden states this module returns.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from omnistage.models.layers.norm import RMSNorm
+from omnistage.models.layers.rotary import MRotaryEmbedding
+from omnistage.models.loader import load_module
+from omnistage.models.qwen3_omni.config import Qwen3OmniConfig, TalkerConfig, TextConfig
+
+# The Talker's decoder layer is the Thinker's: q/k-normed attention under M-RoPE, then a routed MoE with a
+# sigmoid-gated shared expert (built because the talker's config sizes one).
+from omnistage.models.qwen3_omni.thinker import ThinkerDecoderLayer
+
+if TYPE_CHECKING:
+    from omnistage.engine.attention import AttentionBackend, AttentionMetadata
+
+CODE_PREDICTOR_PREFIX = "talker.code_predictor."
+
+
+class ResizeMLP(nn.Module):
+    """linear_fc2(SiLU(linear_fc1(x))), with biases: a Thinker-width row to the Talker's width."""
+
+    def __init__(self, in_size: int, intermediate_size: int, out_size: int) -> None:
+        super().__init__()
+        self.linear_fc1 = nn.Linear(in_size, intermediate_size)
+        self.linear_fc2 = nn.Linear(intermediate_size, out_size)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.linear_fc2(F.silu(self.linear_fc1(x)))
+
+
+class TalkerModel(nn.Module):
+    def __init__(self, cfg: TextConfig, backend: AttentionBackend) -> None:
+        super().__init__()
+        self.codec_embedding = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(ThinkerDecoderLayer(cfg, backend) for _ in range(cfg.num_hidden_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.rotary_emb = MRotaryEmbedding(cfg.head_dim, cfg.rope_theta, cfg.mrope_section)
+
+    def forward(
+        self,
+        hidden: torch.Tensor,
+        positions: torch.Tensor,
+        kv_caches: list[torch.Tensor],
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        cos, sin = self.rotary_emb(positions)
+        for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
+            hidden = layer(hidden, cos, sin, kv_cache, meta)
+        return self.norm(hidden)
+
+
+class Talker(nn.Module):
+    def __init__(self, cfg: TalkerConfig, backend: AttentionBackend) -> None:
+        super().__init__()
+        self.config = cfg
+        width = cfg.text.hidden_size
+        self.model = TalkerModel(cfg.text, backend)
+        self.text_projection = ResizeMLP(cfg.thinker_hidden_size, cfg.projection_intermediate_size, width)
+        self.hidden_projection = ResizeMLP(cfg.thinker_hidden_size, cfg.projection_intermediate_size, width)
+        self.codec_head = nn.Linear(width, cfg.text.vocab_size, bias=False)
+
+    def forward(
+        self,
+        inputs_embeds: torch.Tensor,
+        positions: torch.Tensor,
+        kv_caches: list[torch.Tensor],
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        """Final-norm hidden states `[T, H]` of the flat batch `inputs_embeds` `[T, H]` at M-RoPE `positions` `[3, T]`.
+
+        Decode rows take position cache length + rope delta on all three streams.
+        """
+        return self.model(inputs_embeds, positions, kv_caches, meta)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Codec logits `[T, vocab]` (float32); code 0 of the next frame."""
+        return self.codec_head(hidden).float()
+
+
+def load_talker(
+    checkpoint_dir: str | Path,
+    dtype: torch.dtype,
+    device: torch.device | str,
+    backend: AttentionBackend,
+    load_format: str = "safetensors",
+    seed: int = 0,
+) -> Talker:
+    """The Talker from a Qwen3-Omni checkpoint directory (every `talker.*` tensor but the code predictor's).
+
+    `load_format="dummy"` reads only config.json and fills random weights on `device` (benchmarks).
+    """
+    cfg = Qwen3OmniConfig.from_dir(checkpoint_dir).talker
+    with torch.device("meta"):
+        talker = Talker(cfg, backend)
+    load_module(
+        talker,
+        checkpoint_dir,
+        "talker.",
+        dtype=dtype,
+        device=device,
+        load_format=load_format,
+        seed=seed,
+        exclude=(CODE_PREDICTOR_PREFIX,),
+    )
+    for layer in talker.model.layers:
+        layer.self_attn.fuse_projections()
+    return talker
