@@ -18,9 +18,9 @@ from typing import TYPE_CHECKING
 
 from omnistage.config import EngineConfig
 from omnistage.engine.llm_engine import LLMEngine, NewRequest
-from omnistage.engine.model_runner import PromptPositions
 from omnistage.engine.sampling import SamplingParams
 from omnistage.errors import InvalidRequest, QueueFull
+from omnistage.models.layers.rotary import PromptPositions
 from omnistage.outputs import RequestOutput
 
 if TYPE_CHECKING:

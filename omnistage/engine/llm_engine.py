@@ -30,12 +30,13 @@ from omnistage.engine.detokenizer import IncrementalDetokenizer
 from omnistage.engine.encoder_engine import EncoderEngine, MultimodalEmbeds
 from omnistage.engine.gpu_memory import allocator_stats
 from omnistage.engine.kv_cache import PagePool
-from omnistage.engine.model_runner import ModelRunner, PromptPositions
+from omnistage.engine.model_runner import ModelRunner
 from omnistage.engine.sampling import Sampler, SamplingParams, SamplingRow, make_generator
 from omnistage.engine.scheduler import ScheduledChunk, Scheduler, SchedulerOutput
 from omnistage.engine.sequence import Sequence, SequenceStatus
 from omnistage.errors import ConfigError, InvalidRequest, RequestTooLarge
 from omnistage.models.layers.moe import SparseMoeBlock
+from omnistage.models.layers.rotary import PromptPositions
 from omnistage.models.qwen3_omni.config import Qwen3OmniConfig
 from omnistage.models.qwen3_omni.processor import Processor
 from omnistage.models.qwen3_omni.thinker import load_thinker

@@ -7,24 +7,15 @@ that end a sampling chunk go through the LM head.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
 from omnistage.engine.attention import AttentionMetadata
 from omnistage.engine.gpu_memory import device_peak
 from omnistage.engine.graphs import DecodeGraphRunner, PrefillGraphRunner
 from omnistage.engine.scheduler import ScheduledChunk, SchedulerOutput
+from omnistage.models.layers.rotary import PromptPositions
 from omnistage.models.qwen3_omni.config import TextConfig
 from omnistage.models.qwen3_omni.thinker import Thinker
-
-
-@dataclass
-class PromptPositions:
-    """M-RoPE positions of a multimodal prompt `[3, prompt_len]`; generated tokens continue at p + delta."""
-
-    positions: torch.Tensor
-    delta: int
 
 
 def positions_for(start: int, count: int, mrope: PromptPositions | None) -> torch.Tensor:

@@ -9,8 +9,18 @@ always interleaves this way, whatever the config's `interleaved` flag says.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 from torch import nn
+
+
+@dataclass
+class PromptPositions:
+    """M-RoPE positions of a multimodal prompt `[3, prompt_len]`; generated tokens continue at p + delta."""
+
+    positions: torch.Tensor
+    delta: int
 
 
 class MRotaryEmbedding(nn.Module):

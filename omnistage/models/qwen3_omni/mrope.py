@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import torch
 
-from omnistage.engine.model_runner import PromptPositions
 from omnistage.errors import InvalidRequest
+from omnistage.models.layers.rotary import PromptPositions
 from omnistage.models.qwen3_omni.config import ThinkerConfig
 
 

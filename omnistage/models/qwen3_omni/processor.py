@@ -25,8 +25,8 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 from PIL import Image
 from tokenizers import Tokenizer, decoders, normalizers
 
-from omnistage.engine.model_runner import PromptPositions
 from omnistage.errors import CheckpointError, InvalidMedia, InvalidRequest, RequestTooLarge
+from omnistage.models.layers.rotary import PromptPositions
 from omnistage.models.qwen3_omni.audio_encoder import audio_output_tokens
 from omnistage.models.qwen3_omni.audio_features import log_mel
 from omnistage.models.qwen3_omni.config import Qwen3OmniConfig
