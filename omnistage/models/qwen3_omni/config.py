@@ -320,6 +320,8 @@ class Code2WavConfig:
     sliding_window: int
     upsample_rates: tuple[int, ...]
     upsampling_ratios: tuple[int, ...]
+    rms_norm_eps: float
+    rope_theta: float
 
     @classmethod
     def read(cls, r: _Reader) -> Code2WavConfig:
@@ -335,6 +337,8 @@ class Code2WavConfig:
             sliding_window=r.positive("sliding_window"),
             upsample_rates=tuple(r.get("upsample_rates", list)),
             upsampling_ratios=tuple(r.get("upsampling_ratios", list)),
+            rms_norm_eps=r.get("rms_norm_eps", float),
+            rope_theta=r.child("rope_parameters").get("rope_theta", float),
         )
 
     @property
