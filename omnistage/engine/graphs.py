@@ -25,8 +25,8 @@ from typing import Any
 import torch
 from tqdm import tqdm
 
-from omnistage.engine.attention.metadata import AttentionMetadata
 from omnistage.engine.capture_plan import bucket_for
+from omnistage.models.layers.attention_metadata import AttentionMetadata
 
 logger = logging.getLogger(__name__)
 

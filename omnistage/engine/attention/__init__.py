@@ -2,9 +2,9 @@
 
 import torch
 
-from omnistage.engine.attention.backend import AttentionBackend
-from omnistage.engine.attention.metadata import AttentionMetadata, Chunk
 from omnistage.engine.attention.torch_ref import TorchReferenceBackend
+from omnistage.models.layers.attention_backend import AttentionBackend
+from omnistage.models.layers.attention_metadata import AttentionMetadata, Chunk
 
 __all__ = ["AttentionBackend", "AttentionMetadata", "Chunk", "TorchReferenceBackend", "backend_for"]
 

@@ -19,7 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
-from omnistage.engine.attention.metadata import AttentionMetadata
+from omnistage.models.layers.attention_metadata import AttentionMetadata
 
 
 @triton.jit

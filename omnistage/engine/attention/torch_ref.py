@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from omnistage.engine.attention.metadata import AttentionMetadata
+from omnistage.models.layers.attention_metadata import AttentionMetadata
 
 
 def write_kv(kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:

@@ -6,7 +6,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from omnistage.engine.attention import AttentionBackend, AttentionMetadata
+from omnistage.models.layers.attention_backend import AttentionBackend
+from omnistage.models.layers.attention_metadata import AttentionMetadata
 from omnistage.models.layers.norm import RMSNorm
 from omnistage.models.layers.rotary import apply_rotary
 

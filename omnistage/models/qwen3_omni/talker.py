@@ -26,7 +26,8 @@ from omnistage.models.qwen3_omni.config import Qwen3OmniConfig, TalkerConfig, Te
 from omnistage.models.qwen3_omni.thinker import ThinkerDecoderLayer
 
 if TYPE_CHECKING:
-    from omnistage.engine.attention import AttentionBackend, AttentionMetadata
+    from omnistage.models.layers.attention_backend import AttentionBackend
+    from omnistage.models.layers.attention_metadata import AttentionMetadata
 
 CODE_PREDICTOR_PREFIX = "talker.code_predictor."
 

@@ -12,8 +12,9 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from omnistage.engine.attention import AttentionBackend, AttentionMetadata
 from omnistage.models.layers.attention import Attention
+from omnistage.models.layers.attention_backend import AttentionBackend
+from omnistage.models.layers.attention_metadata import AttentionMetadata
 from omnistage.models.layers.moe import SparseMoeBlock
 from omnistage.models.layers.norm import RMSNorm
 from omnistage.models.layers.rotary import MRotaryEmbedding

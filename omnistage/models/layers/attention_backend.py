@@ -6,7 +6,7 @@ from typing import Protocol
 
 import torch
 
-from omnistage.engine.attention.metadata import AttentionMetadata
+from omnistage.models.layers.attention_metadata import AttentionMetadata
 
 
 class AttentionBackend(Protocol):
