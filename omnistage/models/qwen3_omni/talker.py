@@ -20,10 +20,7 @@ from omnistage.models.layers.norm import RMSNorm
 from omnistage.models.layers.rotary import MRotaryEmbedding
 from omnistage.models.loader import load_module
 from omnistage.models.qwen3_omni.config import Qwen3OmniConfig, TalkerConfig, TextConfig
-
-# The Talker's decoder layer is the Thinker's: q/k-normed attention under M-RoPE, then a routed MoE with a
-# sigmoid-gated shared expert (built because the talker's config sizes one).
-from omnistage.models.qwen3_omni.thinker import ThinkerDecoderLayer
+from omnistage.models.qwen3_omni.moe_decoder import MoeDecoderLayer
 
 if TYPE_CHECKING:
     from omnistage.models.layers.attention_backend import AttentionBackend
@@ -48,7 +45,7 @@ class TalkerModel(nn.Module):
     def __init__(self, cfg: TextConfig, backend: AttentionBackend) -> None:
         super().__init__()
         self.codec_embedding = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(ThinkerDecoderLayer(cfg, backend) for _ in range(cfg.num_hidden_layers))
+        self.layers = nn.ModuleList(MoeDecoderLayer(cfg, backend) for _ in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.rotary_emb = MRotaryEmbedding(cfg.head_dim, cfg.rope_theta, cfg.mrope_section)
 

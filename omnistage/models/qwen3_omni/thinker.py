@@ -12,55 +12,20 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from omnistage.models.layers.attention import Attention
 from omnistage.models.layers.attention_backend import AttentionBackend
 from omnistage.models.layers.attention_metadata import AttentionMetadata
-from omnistage.models.layers.moe import SparseMoeBlock
 from omnistage.models.layers.norm import RMSNorm
 from omnistage.models.layers.rotary import MRotaryEmbedding
 from omnistage.models.loader import load_module
 from omnistage.models.qwen3_omni.config import Qwen3OmniConfig, TextConfig
-
-
-class ThinkerDecoderLayer(nn.Module):
-    def __init__(self, cfg: TextConfig, backend: AttentionBackend) -> None:
-        super().__init__()
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = Attention(
-            cfg.hidden_size,
-            cfg.num_attention_heads,
-            cfg.num_key_value_heads,
-            cfg.head_dim,
-            cfg.rms_norm_eps,
-            backend,
-        )
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp = SparseMoeBlock(
-            cfg.hidden_size,
-            cfg.num_experts,
-            cfg.num_experts_per_tok,
-            cfg.moe_intermediate_size,
-            cfg.norm_topk_prob,
-            cfg.shared_expert_intermediate_size,
-        )
-
-    def forward(
-        self,
-        x: torch.Tensor,
-        cos: torch.Tensor,
-        sin: torch.Tensor,
-        kv_cache: torch.Tensor,
-        meta: AttentionMetadata,
-    ) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, kv_cache, meta)
-        return x + self.mlp(self.post_attention_layernorm(x))
+from omnistage.models.qwen3_omni.moe_decoder import MoeDecoderLayer
 
 
 class ThinkerTextModel(nn.Module):
     def __init__(self, cfg: TextConfig, backend: AttentionBackend) -> None:
         super().__init__()
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(ThinkerDecoderLayer(cfg, backend) for _ in range(cfg.num_hidden_layers))
+        self.layers = nn.ModuleList(MoeDecoderLayer(cfg, backend) for _ in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.rotary_emb = MRotaryEmbedding(cfg.head_dim, cfg.rope_theta, cfg.mrope_section)
 
