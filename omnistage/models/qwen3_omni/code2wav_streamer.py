@@ -1,0 +1,115 @@
+"""Streaming Code2Wav: many streams of codec frames decoded chunk by chunk in batched calls, each stream's
+chunks together equal to its one-shot decode (see `Code2Wav.decode_window` for the window arithmetic)."""
+
+from __future__ import annotations
+
+from collections.abc import Hashable
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from omnistage.models.qwen3_omni.code2wav import Code2Wav
+
+
+@dataclass(frozen=True)
+class AudioChunk:
+    request_id: Hashable
+    samples: torch.Tensor  # [n] at 24 kHz, the model's dtype
+    final: bool  # the stream is finished and this is its last chunk
+
+
+@dataclass
+class _Stream:
+    codes: torch.Tensor  # [num_quantizers, kept]: the left context of the next chunk, then undecoded frames
+    first: int = 0  # stream index of codes[:, 0]
+    decoded: int = 0  # frames whose samples were emitted
+    finished: bool = False
+
+    @property
+    def frames(self) -> int:
+        return self.first + self.codes.shape[1]
+
+
+class Code2WavStreamer:
+    """Decodes many streams of codec frames chunk by chunk, batched; the chunks of a stream, concatenated,
+    are its one-shot decode.
+
+    A stream's first chunk holds `first_chunk` frames (small: the first packet's latency), later ones `chunk`,
+    the last one what remains at `finish` (right-padded; no emitted sample reads past the stream's last
+    frame). Each chunk is decoded in a window of the model's fixed `left_context` earlier frames plus the
+    chunk, so a call's shapes depend only on (streams, chunk size).
+    """
+
+    def __init__(self, model: Code2Wav, first_chunk: int = 2, chunk: int = 25) -> None:
+        if first_chunk < 1 or chunk < 1:
+            raise ValueError(f"chunk sizes must be positive, got first_chunk={first_chunk}, chunk={chunk}")
+        self.model, self.first_chunk, self.chunk = model, first_chunk, chunk
+        self.device, self.dtype = model.code_embedding.weight.device, model.code_embedding.weight.dtype
+        self.streams: dict[Hashable, _Stream] = {}
+
+    def open(self, request_id: Hashable) -> None:
+        if request_id in self.streams:
+            raise ValueError(f"stream {request_id!r} is already open")
+        quantizers = self.model.config.num_quantizers
+        self.streams[request_id] = _Stream(torch.zeros(quantizers, 0, dtype=torch.long, device=self.device))
+
+    def feed(self, request_id: Hashable, codes: torch.Tensor) -> None:
+        """Append frames `[num_quantizers, k]`."""
+        stream = self.streams[request_id]
+        if stream.finished:
+            raise ValueError(f"stream {request_id!r} is finished")
+        stream.codes = torch.cat([stream.codes, codes.to(self.device, torch.long)], dim=1)
+
+    def finish(self, request_id: Hashable) -> None:
+        """No more frames: the rest is decoded even if shorter than a chunk, and the stream then closes."""
+        self.streams[request_id].finished = True
+
+    def cancel(self, request_id: Hashable) -> None:
+        self.streams.pop(request_id, None)
+
+    @torch.no_grad()
+    def step(self) -> list[AudioChunk]:
+        """One chunk for every stream that has one ready, in one decode call per chunk size."""
+        ready: dict[int, list[Hashable]] = {}
+        out = []
+        for request_id, stream in list(self.streams.items()):
+            size = self.first_chunk if stream.decoded == 0 else self.chunk
+            pending = stream.frames - stream.decoded
+            if pending >= size or (stream.finished and pending > 0):
+                ready.setdefault(size, []).append(request_id)
+            elif stream.finished:
+                nothing = torch.zeros(0, dtype=self.dtype, device=self.device)
+                out.append(AudioChunk(request_id, nothing, final=True))
+                del self.streams[request_id]
+        for size, ids in ready.items():
+            out += self._decode(size, ids)
+        return out
+
+    def _decode(self, size: int, ids: list[Hashable]) -> list[AudioChunk]:
+        context, spf = self.model.left_context, self.model.config.samples_per_frame
+        windows, starts = [], []
+        for request_id in ids:
+            stream = self.streams[request_id]
+            start = stream.decoded - context  # stream index of the window's first frame
+            lo, hi = max(start, stream.first), min(stream.decoded + size, stream.frames)
+            window = stream.codes[:, lo - stream.first : hi - stream.first]
+            windows.append(F.pad(window, (lo - start, start + context + size - hi)))
+            starts.append(start)
+        wav = self.model.decode_window(torch.stack(windows), torch.tensor(starts, device=self.device))
+        out = []
+        for row, request_id in enumerate(ids):
+            stream = self.streams[request_id]
+            new = min(size, stream.frames - stream.decoded)
+            # the first chunk's first `lookahead` samples would come before the stream's sample 0
+            skip = max(0, self.model.lookahead - spf * stream.decoded)
+            stream.decoded += new
+            final = stream.finished and stream.decoded == stream.frames
+            out.append(AudioChunk(request_id, wav[row, skip : spf * new], final))
+            if final:
+                del self.streams[request_id]
+            else:
+                keep_from = max(stream.first, stream.decoded - context)
+                stream.codes = stream.codes[:, keep_from - stream.first :]
+                stream.first = keep_from
+        return out
