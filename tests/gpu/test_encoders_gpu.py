@@ -5,12 +5,8 @@ import numpy as np
 import pytest
 import torch
 
-from omnistage.models.qwen3_omni.audio_encoder import (
-    Segments,
-    _grouped_sdpa,
-    load_audio_encoder,
-    varlen_attention,
-)
+from omnistage.models.layers.varlen_attention import Segments, _grouped_sdpa, varlen_attention
+from omnistage.models.qwen3_omni.audio_encoder import load_audio_encoder
 
 pytestmark = pytest.mark.gpu
 

@@ -21,19 +21,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from omnistage.models.layers.activations import ACTIVATIONS
+from omnistage.models.layers.varlen_attention import Segments, varlen_attention
 from omnistage.models.loader import load_module
 from omnistage.models.qwen3_omni.config import AudioEncoderConfig, Qwen3OmniConfig
 
 PREFIX = "thinker.audio_tower."
-
-ACTIVATIONS = {
-    "gelu": F.gelu,
-    "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"),
-    "gelu_new": lambda x: F.gelu(x, approximate="tanh"),
-    "quick_gelu": lambda x: x * torch.sigmoid(1.702 * x),
-    "relu": F.relu,
-    "silu": F.silu,
-}
 
 
 def _conv_out(frames: int) -> int:
@@ -76,67 +69,6 @@ def audio_layout(frames: list[int], n_window: int, n_window_infer: int) -> Audio
             cu_seqlens.append(cu_seqlens[-1] + size)
     chunk_tokens = [audio_output_tokens(c, n_window) for c in chunk_frames]
     return AudioLayout(list(frames), chunk_frames, chunk_tokens, tokens, cu_seqlens)
-
-
-try:  # FlashAttention's varlen kernel, in torch since 2.10 (CUDA, half precision)
-    from torch.nn.attention.varlen import varlen_attn as _flash_varlen
-except ImportError:  # pragma: no cover - older torch builds
-    _flash_varlen = None
-
-
-@dataclass(frozen=True)
-class Segments:
-    """Attention segments over packed tokens: host boundaries, and on a GPU the same as an int32 tensor.
-
-    Built once per encoder call and shared by its layers, so the fused kernel's boundaries cross to the
-    device once.
-    """
-
-    bounds: list[int]  # cu_seqlens: segment i is tokens [bounds[i], bounds[i+1])
-    device_bounds: torch.Tensor | None
-    max_len: int
-
-    @classmethod
-    def of(cls, bounds: list[int], device: torch.device) -> Segments:
-        fused = device.type == "cuda" and _flash_varlen is not None
-        cu = torch.tensor(bounds, dtype=torch.int32, device=device) if fused else None
-        return cls(list(bounds), cu, max((b - a for a, b in zip(bounds, bounds[1:])), default=0))
-
-
-def varlen_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, segments: Segments | list[int]
-) -> torch.Tensor:
-    """Non-causal attention within each segment of packed q, k, v [tokens, heads, dim].
-
-    The one attention site of the encoders. On a GPU in half precision it is one FlashAttention varlen
-    call. Elsewhere this reference batches the segments of each distinct length into one unmasked SDPA
-    call (no padding): audio windows are nearly all 104 tokens, and an image is one segment.
-    """
-    if not isinstance(segments, Segments):
-        segments = Segments.of(segments, q.device)
-    if segments.device_bounds is not None and q.dtype in (torch.bfloat16, torch.float16):
-        cu = segments.device_bounds
-        return _flash_varlen(q, k, v, cu, cu, segments.max_len, segments.max_len)
-    return _grouped_sdpa(q, k, v, segments.bounds)
-
-
-def _grouped_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: list[int]) -> torch.Tensor:
-    starts_by_length: dict[int, list[int]] = {}
-    for start, end in zip(cu_seqlens, cu_seqlens[1:]):
-        starts_by_length.setdefault(end - start, []).append(start)
-    tokens, heads, dim = q.shape
-    if len(starts_by_length) == 1:  # equal segments tile the packed tokens: a view, no copies
-        ((length, starts),) = starts_by_length.items()
-        split = [t.view(len(starts), length, heads, dim).transpose(1, 2) for t in (q, k, v)]
-        return F.scaled_dot_product_attention(*split).transpose(1, 2).reshape(tokens, heads, dim)
-    out = torch.empty_like(q)
-    for length, starts in starts_by_length.items():
-        index = (
-            torch.tensor(starts, device=q.device)[:, None] + torch.arange(length, device=q.device)
-        ).flatten()
-        split = [t[index].view(len(starts), length, heads, dim).transpose(1, 2) for t in (q, k, v)]
-        out[index] = F.scaled_dot_product_attention(*split).transpose(1, 2).reshape(-1, heads, dim)
-    return out
 
 
 def sinusoids(length: int, channels: int, max_timescale: float = 10000.0) -> torch.Tensor:

@@ -15,8 +15,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from omnistage.models.layers.activations import ACTIVATIONS
+from omnistage.models.layers.varlen_attention import Segments, varlen_attention
 from omnistage.models.loader import load_module
-from omnistage.models.qwen3_omni.audio_encoder import ACTIVATIONS, Segments, varlen_attention
 from omnistage.models.qwen3_omni.config import Qwen3OmniConfig, VisionEncoderConfig
 
 PREFIX = "thinker.visual."
