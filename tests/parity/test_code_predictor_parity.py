@@ -5,15 +5,12 @@ predictor's `generate` inside `prepare_inputs_for_generation` and sums the 16 co
 next input. Logits of every inner step within 1e-4 of max |logit|; greedy codes identical; sums within 1e-5.
 """
 
-import json
-
 import pytest
 import torch
-from safetensors.torch import save_file
 from transformers.cache_utils import DynamicCache
 
 from omnistage.models.qwen3_omni.code_predictor import CodePredictor, greedy, load_code_predictor
-from omnistage.models.qwen3_omni.tiny import checkpoint_layout, random_tensor, tiny_config
+from omnistage.models.qwen3_omni.tiny import tiny_config, write_weights
 
 LOGITS_TOLERANCE = 1e-4
 SUM_TOLERANCE = 1e-5
@@ -38,18 +35,6 @@ def variant_config() -> dict:
     return config
 
 
-def write_checkpoint(directory, config: dict, seed: int = 1):
-    directory.mkdir(parents=True)
-    generator = torch.Generator().manual_seed(seed)
-    tensors = {
-        name: random_tensor(name, shape, generator).to(torch.bfloat16)
-        for name, shape in checkpoint_layout(config).items()
-    }
-    save_file(tensors, str(directory / "model.safetensors"), metadata={"format": "pt"})
-    (directory / "config.json").write_text(json.dumps(config))
-    return directory
-
-
 @pytest.fixture(scope="module", params=["tiny", "variant"])
 def models(request, tmp_path_factory):
     from transformers import Qwen3OmniMoeForConditionalGeneration
@@ -57,7 +42,7 @@ def models(request, tmp_path_factory):
     if request.param == "tiny":
         directory = request.getfixturevalue("tiny_checkpoint")
     else:
-        directory = write_checkpoint(tmp_path_factory.mktemp("variant") / "ckpt", variant_config())
+        directory = write_weights(tmp_path_factory.mktemp("variant") / "ckpt", variant_config(), seed=1)
     ours = load_code_predictor(directory, torch.float32, "cpu")
     talker = Qwen3OmniMoeForConditionalGeneration.from_pretrained(
         directory, dtype=torch.float32

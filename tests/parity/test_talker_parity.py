@@ -4,16 +4,13 @@ float32 on the CPU: projections, final hidden states and codec logits within 1e-
 for a prefill of random input embeddings at M-RoPE positions and the decode steps that follow it.
 """
 
-import json
-
 import pytest
 import torch
-from safetensors.torch import save_file
 from transformers import DynamicCache
 
 from omnistage.engine.attention import AttentionMetadata, Chunk, TorchReferenceBackend
 from omnistage.models.qwen3_omni.talker import Talker, load_talker
-from omnistage.models.qwen3_omni.tiny import checkpoint_layout, random_tensor, tiny_config
+from omnistage.models.qwen3_omni.tiny import tiny_config, write_weights
 
 PAGE = 4  # small, so every sequence spans several pages
 NUM_PAGES = 64
@@ -42,18 +39,6 @@ def variant_config() -> dict:
     return config
 
 
-def write_checkpoint(directory, config: dict, seed: int):
-    directory.mkdir(parents=True)
-    generator = torch.Generator().manual_seed(seed)
-    tensors = {
-        name: random_tensor(name, shape, generator).to(torch.bfloat16)
-        for name, shape in checkpoint_layout(config).items()
-    }
-    save_file(tensors, str(directory / "model.safetensors"), metadata={"format": "pt"})
-    (directory / "config.json").write_text(json.dumps(config))
-    return directory
-
-
 @pytest.fixture(scope="module", params=["tiny", "variant"])
 def models(request, tmp_path_factory):
     from transformers import Qwen3OmniMoeForConditionalGeneration
@@ -61,7 +46,9 @@ def models(request, tmp_path_factory):
     if request.param == "tiny":
         directory = request.getfixturevalue("tiny_checkpoint")  # the session's shared one (conftest)
     else:
-        directory = write_checkpoint(tmp_path_factory.mktemp("talker-variant") / "ckpt", variant_config(), 1)
+        directory = write_weights(
+            tmp_path_factory.mktemp("talker-variant") / "ckpt", variant_config(), seed=1
+        )
     ours = load_talker(directory, torch.float32, "cpu", TorchReferenceBackend())
     theirs = Qwen3OmniMoeForConditionalGeneration.from_pretrained(
         directory, dtype=torch.float32

@@ -3,15 +3,12 @@
 float32 on the CPU: logits within 1e-4 of max |logit|, greedy tokens identical.
 """
 
-import json
-
 import pytest
 import torch
-from safetensors.torch import save_file
 
 from omnistage.engine.attention import AttentionMetadata, Chunk, TorchReferenceBackend
 from omnistage.models.qwen3_omni.thinker import Thinker, load_thinker
-from omnistage.models.qwen3_omni.tiny import checkpoint_layout, random_tensor, tiny_config
+from omnistage.models.qwen3_omni.tiny import tiny_config, write_weights
 
 PAGE = 4  # small, so every prompt spans several pages
 NUM_PAGES = 96
@@ -37,18 +34,6 @@ def variant_config() -> dict:
     return config
 
 
-def write_variant(directory, config: dict, seed: int = 1):
-    directory.mkdir(parents=True)
-    generator = torch.Generator().manual_seed(seed)
-    tensors = {
-        name: random_tensor(name, shape, generator).to(torch.bfloat16)
-        for name, shape in checkpoint_layout(config).items()
-    }
-    save_file(tensors, str(directory / "model.safetensors"), metadata={"format": "pt"})
-    (directory / "config.json").write_text(json.dumps(config))
-    return directory
-
-
 @pytest.fixture(scope="module", params=["tiny", "variant"])
 def models(request, tmp_path_factory):
     from transformers import Qwen3OmniMoeForConditionalGeneration
@@ -56,7 +41,7 @@ def models(request, tmp_path_factory):
     if request.param == "tiny":
         directory = request.getfixturevalue("tiny_checkpoint")  # the session's shared one (conftest)
     else:
-        directory = write_variant(tmp_path_factory.mktemp("variant") / "ckpt", variant_config())
+        directory = write_weights(tmp_path_factory.mktemp("variant") / "ckpt", variant_config(), seed=1)
     ours = load_thinker(directory, torch.float32, "cpu", TorchReferenceBackend())
     theirs = Qwen3OmniMoeForConditionalGeneration.from_pretrained(
         directory, dtype=torch.float32

@@ -157,11 +157,10 @@ def random_tensor(name: str, shape: tuple[int, ...], generator: torch.Generator)
     return noise / fan_in**0.5
 
 
-def make_tiny(directory: str | Path, seed: int = 0) -> Path:
-    """Write a tiny random Qwen3-Omni checkpoint to `directory`; the same seed writes the same bytes."""
+def write_weights(directory: str | Path, config: dict, seed: int) -> Path:
+    """`config.json` and seeded random bf16 weights for every tensor `config` lays out, in `directory`."""
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
-    config = tiny_config()
     generator = torch.Generator().manual_seed(seed)
     tensors = {
         name: random_tensor(name, shape, generator).to(torch.bfloat16)
@@ -169,6 +168,12 @@ def make_tiny(directory: str | Path, seed: int = 0) -> Path:
     }
     save_file(tensors, str(directory / "model.safetensors"), metadata={"format": "pt"})
     (directory / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    return directory
+
+
+def make_tiny(directory: str | Path, seed: int = 0) -> Path:
+    """Write a tiny random Qwen3-Omni checkpoint to `directory`; the same seed writes the same bytes."""
+    directory = write_weights(directory, tiny_config(), seed)
     generation = {"do_sample": False, "eos_token_id": [151645, 151643], "pad_token_id": 151643}
     (directory / "generation_config.json").write_text(json.dumps(generation, indent=2) + "\n")
     (directory / "preprocessor_config.json").write_text(json.dumps(PREPROCESSOR_CONFIG, indent=2) + "\n")
