@@ -1,0 +1,292 @@
+"""The whole greedy speech path against transformers' `generate(return_audio=True)` (CPU, float32, tiny checkpoint).
+
+transformers runs thinker, talker, code predictor and Code2Wav with greedy thinker and talker; we run our
+Thinker (greedy), the hand-off of `talker_input.py`, our Talker (greedy under the same repetition penalty and
+suppressed ids), our code predictor and our Code2Wav in a plain loop. The Talker's prefill rows and trailing
+text rows match within 1e-5 of max |value|, its rope ids and positions and the audio codes are identical.
+The waveform of those codes: in float64 within 1e-5 of max |ref| from transformers' Code2Wav in float64; in
+float32 (generate's own output), at most 3x as far from that float64 reference as transformers' float32 is:
+the random decoder weights amplify rounding, so transformers' float32 waveform is itself 2-3e-4 of max from
+its float64 one, more than the 1e-4 the issue asks of the path (test_code2wav_parity measured the same).
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+from dataclasses import dataclass
+
+import pytest
+import torch
+
+from omnistage.engine.attention import AttentionMetadata, Chunk, TorchReferenceBackend
+from omnistage.models.qwen3_omni.code2wav import load_code2wav
+from omnistage.models.qwen3_omni.code_predictor import load_code_predictor
+from omnistage.models.qwen3_omni.config import Qwen3OmniConfig
+from omnistage.models.qwen3_omni.processor import Processor
+from omnistage.models.qwen3_omni.talker import load_talker
+from omnistage.models.qwen3_omni.talker_input import (
+    SpeechTokens,
+    step_text,
+    talker_positions,
+    talker_prompt,
+    trailing_text,
+    tts_embeds,
+)
+from omnistage.models.qwen3_omni.thinker import load_thinker
+
+PAGE = 4
+EMBEDS_TOLERANCE = 1e-5
+WAVE_TOLERANCE = 1e-5  # float64
+# transformers' defaults for the talker: the penalty stays on under greedy decoding
+REPETITION_PENALTY = 1.05
+
+
+@dataclass
+class Reference:
+    """What transformers' generate produced and fed its talker."""
+
+    sequences: list[int]
+    prefill_embeds: torch.Tensor  # [L, H]
+    rope_ids: list[int]
+    positions: torch.Tensor  # [3, L]
+    trailing: torch.Tensor  # [K, H]
+    codes: torch.Tensor  # [frames, groups]
+    waveform: torch.Tensor  # [samples]
+
+
+@pytest.fixture(scope="module")
+def hf_model(tiny_checkpoint):
+    from transformers import Qwen3OmniMoeForConditionalGeneration
+
+    return Qwen3OmniMoeForConditionalGeneration.from_pretrained(tiny_checkpoint, dtype=torch.float32).eval()
+
+
+@pytest.fixture(scope="module")
+def ours(tiny_checkpoint) -> dict:
+    backend = TorchReferenceBackend()
+    cfg = Qwen3OmniConfig.from_dir(tiny_checkpoint)
+    return {
+        "cfg": cfg,
+        "tokens": SpeechTokens.from_config(cfg),
+        "thinker": load_thinker(tiny_checkpoint, torch.float32, "cpu", backend),
+        "talker": load_talker(tiny_checkpoint, torch.float32, "cpu", backend).eval(),
+        "predictor": load_code_predictor(tiny_checkpoint, torch.float32, "cpu").eval(),
+        "code2wav": load_code2wav(tiny_checkpoint, torch.float32, "cpu").eval(),
+        "code2wav64": load_code2wav(tiny_checkpoint, torch.float64, "cpu").eval(),
+    }
+
+
+@torch.no_grad()
+def reference(model, input_ids: torch.Tensor, voice: str, thinker_steps: int, talker_steps: int) -> Reference:
+    """transformers' greedy generate, with the talker's inputs, positions and codes read on the way."""
+    talker = model.talker
+    seen: dict = {}
+    real_generate = talker.generate
+
+    def spy_generate(**kwargs):
+        seen["kwargs"] = kwargs
+        seen["result"] = real_generate(**kwargs)
+        return seen["result"]
+
+    def spy_positions(module, args, kwargs):
+        seen.setdefault("positions", kwargs["position_ids"])
+
+    talker.generate = spy_generate
+    hook = talker.model.register_forward_pre_hook(spy_positions, with_kwargs=True)
+    try:
+        sequences, waveform = model.generate(
+            input_ids=input_ids,
+            return_audio=True,
+            speaker=voice,
+            thinker_do_sample=False,
+            talker_do_sample=False,
+            thinker_max_new_tokens=thinker_steps,
+            talker_max_new_tokens=talker_steps,
+        )
+    finally:
+        del talker.generate
+        hook.remove()
+    kwargs, result = seen["kwargs"], seen["result"]
+    # each decode step carries the residual codes of the frame whose code 0 the step before chose
+    codes = torch.stack([h[-1][0] for h in result.hidden_states if h[-1] is not None])
+    return Reference(
+        sequences=sequences[0].tolist(),
+        prefill_embeds=kwargs["inputs_embeds"][0],
+        rope_ids=kwargs["talker_input_ids"][0].tolist(),
+        positions=seen["positions"][:, 0],
+        trailing=kwargs["trailing_text_hidden"][0],
+        codes=codes,
+        waveform=waveform.reshape(-1),
+    )
+
+
+class PagedSequence:
+    """One sequence's paged KV over a model's layers, fed chunk by chunk."""
+
+    def __init__(self, num_layers: int, kv_heads: int, head_dim: int, max_len: int) -> None:
+        pages = math.ceil(max_len / PAGE)
+        self.kv_caches = [torch.zeros(2, pages, PAGE, kv_heads, head_dim) for _ in range(num_layers)]
+        self.pages = list(range(pages))
+        self.length = 0
+
+    def meta(self, new: int) -> AttentionMetadata:
+        chunk = Chunk(self.length, new, self.pages[: math.ceil((self.length + new) / PAGE)])
+        self.length += new
+        return AttentionMetadata.build([chunk], PAGE)
+
+
+@torch.no_grad()
+def thinker_greedy(thinker, prompt_ids: list[int], steps: int, eos: int, accept_layer: int):
+    """Greedy reply ids, and the hidden states after `accept_layer` layers of every row the Thinker ran
+    (the output of layer accept_layer - 1, which is what transformers records as hidden state `accept_layer`)."""
+    cfg = thinker.config
+    sequence = PagedSequence(
+        cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim, len(prompt_ids) + steps
+    )
+    tapped: list[torch.Tensor] = []
+    hook = thinker.model.layers[accept_layer - 1].register_forward_hook(lambda m, a, out: tapped.append(out))
+    try:
+        feed, generated = prompt_ids, []
+        while True:
+            positions = torch.arange(sequence.length, sequence.length + len(feed)).expand(3, -1)
+            meta = sequence.meta(len(feed))
+            hidden = thinker(torch.tensor(feed), positions, sequence.kv_caches, meta)
+            token = int(thinker.compute_logits(hidden[-1:]).argmax())
+            generated.append(token)
+            if token == eos or len(generated) == steps:
+                return generated, torch.cat(tapped)
+            feed = [token]
+    finally:
+        hook.remove()
+
+
+def pick_code0(logits: torch.Tensor, history: list[int], cfg) -> int:
+    """transformers' talker processors under greedy decoding: the repetition penalty over the code-0 ids
+    generated so far, then the suppressed ids (the top 1024 of the codec vocabulary but codec EOS)."""
+    logits = logits.clone()
+    if history:
+        seen = torch.tensor(sorted(set(history)))
+        scores = logits[seen]
+        logits[seen] = torch.where(scores < 0, scores * REPETITION_PENALTY, scores / REPETITION_PENALTY)
+    vocab = cfg.talker.text.vocab_size
+    suppressed = torch.arange(vocab - 1024, vocab)
+    logits[suppressed[suppressed != cfg.talker.codec_eos_token_id]] = -math.inf
+    return int(logits.argmax())
+
+
+@dataclass
+class Ours:
+    prefill_embeds: torch.Tensor
+    rope_ids: list[int]
+    positions: torch.Tensor
+    trailing: torch.Tensor
+    codes: torch.Tensor
+    waveform: torch.Tensor
+    sequences: list[int]
+
+
+@torch.no_grad()
+def ours_speech(
+    models: dict, prompt_ids: list[int], voice: str, thinker_steps: int, talker_steps: int
+) -> Ours:
+    cfg, tokens = models["cfg"], models["tokens"]
+    thinker, talker, predictor = models["thinker"], models["talker"], models["predictor"]
+    generated, accept_hidden = thinker_greedy(
+        thinker, prompt_ids, thinker_steps, cfg.im_end_token_id, cfg.talker.accept_hidden_layer
+    )
+    embedding = thinker.model.embed_tokens
+    tts = tts_embeds(talker, embedding, tokens)
+    ids = torch.tensor(prompt_ids)
+    spoken = embedding(torch.tensor(generated[:-1]))  # the Thinker's last token is not spoken
+    prompt = talker_prompt(
+        talker,
+        tokens,
+        tts,
+        ids,
+        embedding(ids),
+        accept_hidden[: len(prompt_ids)],
+        spoken[0],
+        tokens.speaker_id(voice),
+    )
+    positions = talker_positions(prompt, cfg, [], [])
+    trailing = trailing_text(talker, tts, spoken[1:])
+
+    text = cfg.talker.text
+    sequence = PagedSequence(
+        text.num_hidden_layers, text.num_key_value_heads, text.head_dim, len(prompt.embeds) + talker_steps
+    )
+    hidden = talker(prompt.embeds, positions.positions, sequence.kv_caches, sequence.meta(len(prompt.embeds)))
+    history = [pick_code0(talker.compute_logits(hidden[-1]), [], cfg)]
+    frames = []
+    # every step but the last turns the previous code 0 into a whole frame; the last code 0 gets no frame
+    for step in range(talker_steps - 1):
+        code0 = torch.tensor(history[-1:])
+        if history[-1] == cfg.talker.codec_eos_token_id:
+            break
+        residual, codec_sum = predictor.predict_frame(hidden[-1:], talker.model.codec_embedding(code0))
+        frames.append(torch.cat((code0, residual[0])))
+        feed = codec_sum + step_text(trailing, step, tts)
+        position = torch.full((3, 1), sequence.length + positions.delta)
+        hidden = talker(feed, position, sequence.kv_caches, sequence.meta(1))
+        history.append(pick_code0(talker.compute_logits(hidden[-1]), history, cfg))
+    codes = torch.stack(frames)
+    waveform = models["code2wav"](codes.T[None])[0]
+    return Ours(
+        prefill_embeds=prompt.embeds,
+        rope_ids=prompt.rope_ids.tolist(),
+        positions=positions.positions,
+        trailing=trailing,
+        codes=codes,
+        waveform=waveform,
+        sequences=prompt_ids + generated,
+    )
+
+
+def relative_error(ours: torch.Tensor, ref: torch.Tensor) -> float:
+    return ((ours - ref).abs().max() / ref.abs().max()).item()
+
+
+TEXT_CASES = {
+    "system_and_user": [
+        {"role": "system", "content": "You are a voice."},
+        {"role": "user", "content": "Say hello to the world."},
+    ],
+    "two_user_turns": [
+        {"role": "user", "content": "Name a colour."},
+        {"role": "assistant", "content": "Blue."},
+        {"role": "user", "content": "And another one, please."},
+    ],
+}
+
+
+@pytest.mark.parametrize("case", TEXT_CASES)
+@pytest.mark.parametrize("voice", ["ethan", "Chelsie"])
+def test_text_prompt_speech_matches_transformers(case, voice, tiny_checkpoint, hf_model, ours):
+    prompt_ids = Processor(tiny_checkpoint).process_chat(TEXT_CASES[case]).token_ids
+    thinker_steps, talker_steps = 6, 12
+    ref = reference(hf_model, torch.tensor([prompt_ids]), voice, thinker_steps, talker_steps)
+    got = ours_speech(ours, prompt_ids, voice, thinker_steps, talker_steps)
+
+    assert got.sequences == ref.sequences
+    assert got.rope_ids == ref.rope_ids
+    assert torch.equal(got.positions, ref.positions)
+    prefill_error = relative_error(got.prefill_embeds, ref.prefill_embeds)
+    trailing_error = relative_error(got.trailing, ref.trailing)
+    assert got.codes.shape == ref.codes.shape == (talker_steps - 1, ours["cfg"].talker.num_code_groups)
+    assert got.codes.tolist() == ref.codes.tolist()
+    with torch.no_grad():
+        codes = got.codes.T[None]
+        ref64 = copy.deepcopy(hf_model.code2wav).double()(codes).reshape(-1)
+        ours64 = ours["code2wav64"](codes)[0]
+    error64 = relative_error(ours64, ref64)
+    error32, their_error32 = relative_error(got.waveform, ref64), relative_error(ref.waveform, ref64)
+    print(
+        f"{case}/{voice}: prefill {prefill_error:.2e}, trailing {trailing_error:.2e}, "
+        f"{len(got.codes)} frames identical; waveform float64 {error64:.2e}, float32 ours {error32:.2e}, "
+        f"transformers {their_error32:.2e} (ours vs theirs {relative_error(got.waveform, ref.waveform):.2e})"
+    )
+    assert prefill_error <= EMBEDS_TOLERANCE and trailing_error <= EMBEDS_TOLERANCE
+    assert got.waveform.shape == ref.waveform.shape == ours64.shape
+    assert error64 <= WAVE_TOLERANCE
+    assert error32 <= 3 * their_error32
