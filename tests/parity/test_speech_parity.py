@@ -2,7 +2,8 @@
 
 transformers runs thinker, talker, code predictor and Code2Wav with greedy thinker and talker; we run our
 Thinker (greedy), the hand-off of `talker_input.py`, our Talker (greedy under the same repetition penalty and
-suppressed ids), our code predictor and our Code2Wav in a plain loop. The Talker's prefill rows and trailing
+suppressed ids), our code predictor and our Code2Wav in a plain loop, for text, audio and image prompts in two
+voices, and for a reply that ends at the Thinker's EOS. The Talker's prefill rows and trailing
 text rows match within 1e-5 of max |value|, its rope ids and positions and the audio codes are identical.
 The waveform of those codes: in float64 within 1e-5 of max |ref| from transformers' Code2Wav in float64; in
 float32 (generate's own output), at most 3x as far from that float64 reference as transformers' float32 is:
@@ -18,12 +19,15 @@ from dataclasses import dataclass
 
 import pytest
 import torch
+from media_samples import audio, image, picture, text, tones
+from media_samples import reference as reference_inputs
 
 from omnistage.engine.attention import AttentionMetadata, Chunk, TorchReferenceBackend
+from omnistage.models.qwen3_omni.audio_encoder import load_audio_encoder
 from omnistage.models.qwen3_omni.code2wav import load_code2wav
 from omnistage.models.qwen3_omni.code_predictor import load_code_predictor
 from omnistage.models.qwen3_omni.config import Qwen3OmniConfig
-from omnistage.models.qwen3_omni.processor import Processor
+from omnistage.models.qwen3_omni.processor import ProcessedPrompt, Processor
 from omnistage.models.qwen3_omni.talker import load_talker
 from omnistage.models.qwen3_omni.talker_input import (
     SpeechTokens,
@@ -34,6 +38,7 @@ from omnistage.models.qwen3_omni.talker_input import (
     tts_embeds,
 )
 from omnistage.models.qwen3_omni.thinker import load_thinker
+from omnistage.models.qwen3_omni.vision_encoder import load_vision_encoder
 
 PAGE = 4
 EMBEDS_TOLERANCE = 1e-5
@@ -74,11 +79,13 @@ def ours(tiny_checkpoint) -> dict:
         "predictor": load_code_predictor(tiny_checkpoint, torch.float32, "cpu").eval(),
         "code2wav": load_code2wav(tiny_checkpoint, torch.float32, "cpu").eval(),
         "code2wav64": load_code2wav(tiny_checkpoint, torch.float64, "cpu").eval(),
+        "audio_encoder": load_audio_encoder(tiny_checkpoint, torch.float32, "cpu"),
+        "vision_encoder": load_vision_encoder(tiny_checkpoint, torch.float32, "cpu"),
     }
 
 
 @torch.no_grad()
-def reference(model, input_ids: torch.Tensor, voice: str, thinker_steps: int, talker_steps: int) -> Reference:
+def reference(model, inputs: dict, voice: str, thinker_steps: int, talker_steps: int, eos: int) -> Reference:
     """transformers' greedy generate, with the talker's inputs, positions and codes read on the way."""
     talker = model.talker
     seen: dict = {}
@@ -96,12 +103,13 @@ def reference(model, input_ids: torch.Tensor, voice: str, thinker_steps: int, ta
     hook = talker.model.register_forward_pre_hook(spy_positions, with_kwargs=True)
     try:
         sequences, waveform = model.generate(
-            input_ids=input_ids,
+            **inputs,
             return_audio=True,
             speaker=voice,
             thinker_do_sample=False,
             talker_do_sample=False,
             thinker_max_new_tokens=thinker_steps,
+            thinker_eos_token_id=eos,
             talker_max_new_tokens=talker_steps,
         )
     finally:
@@ -137,26 +145,57 @@ class PagedSequence:
 
 
 @torch.no_grad()
-def thinker_greedy(thinker, prompt_ids: list[int], steps: int, eos: int, accept_layer: int):
-    """Greedy reply ids, and the hidden states after `accept_layer` layers of every row the Thinker ran
-    (the output of layer accept_layer - 1, which is what transformers records as hidden state `accept_layer`)."""
-    cfg = thinker.config
+def prompt_inputs(models: dict, prompt: ProcessedPrompt) -> tuple[torch.Tensor, list[torch.Tensor] | None]:
+    """The Thinker's prompt embeddings `[P, H]` with the encoders' rows at the placeholders, and the dense
+    deepstack levels of its images (None without images)."""
+    cfg, thinker = models["cfg"].thinker, models["thinker"]
+    ids = torch.tensor(prompt.token_ids)
+    embeds = thinker.model.embed_tokens(ids)
+    mm, deepstack = prompt.mm, None
+    if mm is None:
+        return embeds, None
+    if mm.audio_features:
+        embeds[ids == cfg.audio_token_id] = torch.cat(models["audio_encoder"](mm.audio_features))
+    if mm.pixel_values is not None:
+        image = ids == cfg.image_token_id
+        rows, levels = models["vision_encoder"](mm.pixel_values, mm.image_grid_thw)
+        embeds[image] = rows
+        deepstack = [embeds.new_zeros(embeds.shape).index_put_((image,), level) for level in levels]
+    return embeds, deepstack
+
+
+@torch.no_grad()
+def thinker_greedy(models: dict, prompt: ProcessedPrompt, steps: int, eos: int):
+    """Greedy reply ids, and the hidden states after `accept_hidden_layer` layers of every row the Thinker ran:
+    the output of layer accept_hidden_layer - 1 before any deepstack addition, which is what transformers
+    records as hidden state `accept_hidden_layer`."""
+    thinker, cfg = models["thinker"], models["cfg"].thinker.text
     sequence = PagedSequence(
-        cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim, len(prompt_ids) + steps
+        cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim, len(prompt.token_ids) + steps
     )
+    accept_layer = models["cfg"].talker.accept_hidden_layer
     tapped: list[torch.Tensor] = []
     hook = thinker.model.layers[accept_layer - 1].register_forward_hook(lambda m, a, out: tapped.append(out))
+    length = len(prompt.token_ids)
+    positions, delta = (
+        (torch.arange(length).expand(3, -1), 0)
+        if prompt.mrope is None
+        else (prompt.mrope.positions, prompt.mrope.delta)
+    )
+    embeds, deepstack = prompt_inputs(models, prompt)
     try:
-        feed, generated = prompt_ids, []
+        meta = sequence.meta(length)
+        hidden = thinker(
+            torch.tensor(prompt.token_ids), positions, sequence.kv_caches, meta, embeds, deepstack
+        )
+        generated = []
         while True:
-            positions = torch.arange(sequence.length, sequence.length + len(feed)).expand(3, -1)
-            meta = sequence.meta(len(feed))
-            hidden = thinker(torch.tensor(feed), positions, sequence.kv_caches, meta)
-            token = int(thinker.compute_logits(hidden[-1:]).argmax())
-            generated.append(token)
-            if token == eos or len(generated) == steps:
+            generated.append(int(thinker.compute_logits(hidden[-1:]).argmax()))
+            if generated[-1] == eos or len(generated) == steps:
                 return generated, torch.cat(tapped)
-            feed = [token]
+            position = torch.full((3, 1), sequence.length + delta)
+            meta = sequence.meta(1)
+            hidden = thinker(torch.tensor(generated[-1:]), position, sequence.kv_caches, meta)
     finally:
         hook.remove()
 
@@ -188,35 +227,36 @@ class Ours:
 
 @torch.no_grad()
 def ours_speech(
-    models: dict, prompt_ids: list[int], voice: str, thinker_steps: int, talker_steps: int
+    models: dict, prompt: ProcessedPrompt, voice: str, thinker_steps: int, talker_steps: int, eos: int
 ) -> Ours:
     cfg, tokens = models["cfg"], models["tokens"]
-    thinker, talker, predictor = models["thinker"], models["talker"], models["predictor"]
-    generated, accept_hidden = thinker_greedy(
-        thinker, prompt_ids, thinker_steps, cfg.im_end_token_id, cfg.talker.accept_hidden_layer
-    )
-    embedding = thinker.model.embed_tokens
+    talker, predictor = models["talker"], models["predictor"]
+    generated, accept_hidden = thinker_greedy(models, prompt, thinker_steps, eos)
+    embedding = models["thinker"].model.embed_tokens
     tts = tts_embeds(talker, embedding, tokens)
-    ids = torch.tensor(prompt_ids)
+    ids = torch.tensor(prompt.token_ids)
     spoken = embedding(torch.tensor(generated[:-1]))  # the Thinker's last token is not spoken
-    prompt = talker_prompt(
+    talker_in = talker_prompt(
         talker,
         tokens,
         tts,
         ids,
         embedding(ids),
-        accept_hidden[: len(prompt_ids)],
+        accept_hidden[: len(ids)],
         spoken[0],
         tokens.speaker_id(voice),
     )
-    positions = talker_positions(prompt, cfg, [], [])
+    mm = prompt.mm
+    grids = [] if mm is None or mm.image_grid_thw is None else [tuple(g) for g in mm.image_grid_thw.tolist()]
+    positions = talker_positions(talker_in, cfg, grids, [] if mm is None else mm.num_audio_tokens)
     trailing = trailing_text(talker, tts, spoken[1:])
 
     text = cfg.talker.text
     sequence = PagedSequence(
-        text.num_hidden_layers, text.num_key_value_heads, text.head_dim, len(prompt.embeds) + talker_steps
+        text.num_hidden_layers, text.num_key_value_heads, text.head_dim, len(talker_in.embeds) + talker_steps
     )
-    hidden = talker(prompt.embeds, positions.positions, sequence.kv_caches, sequence.meta(len(prompt.embeds)))
+    meta = sequence.meta(len(talker_in.embeds))
+    hidden = talker(talker_in.embeds, positions.positions, sequence.kv_caches, meta)
     history = [pick_code0(talker.compute_logits(hidden[-1]), [], cfg)]
     frames = []
     # every step but the last turns the previous code 0 into a whole frame; the last code 0 gets no frame
@@ -233,13 +273,13 @@ def ours_speech(
     codes = torch.stack(frames)
     waveform = models["code2wav"](codes.T[None])[0]
     return Ours(
-        prefill_embeds=prompt.embeds,
-        rope_ids=prompt.rope_ids.tolist(),
+        prefill_embeds=talker_in.embeds,
+        rope_ids=talker_in.rope_ids.tolist(),
         positions=positions.positions,
         trailing=trailing,
         codes=codes,
         waveform=waveform,
-        sequences=prompt_ids + generated,
+        sequences=prompt.token_ids + generated,
     )
 
 
@@ -247,46 +287,80 @@ def relative_error(ours: torch.Tensor, ref: torch.Tensor) -> float:
     return ((ours - ref).abs().max() / ref.abs().max()).item()
 
 
-TEXT_CASES = {
-    "system_and_user": [
+CASES = {
+    "system_and_user": lambda: [
         {"role": "system", "content": "You are a voice."},
         {"role": "user", "content": "Say hello to the world."},
     ],
-    "two_user_turns": [
+    "two_user_turns": lambda: [
         {"role": "user", "content": "Name a colour."},
         {"role": "assistant", "content": "Blue."},
         {"role": "user", "content": "And another one, please."},
     ],
+    "audio": lambda: [
+        {"role": "system", "content": "You are a voice."},
+        {"role": "user", "content": [audio(tones(1.7, seed=5)), text("What is this sound?")]},
+    ],
+    "image": lambda: [{"role": "user", "content": [image(picture(128, 64, seed=2)), text("What is this?")]}],
 }
+THINKER_STEPS, TALKER_STEPS = 6, 12
 
 
-@pytest.mark.parametrize("case", TEXT_CASES)
-@pytest.mark.parametrize("voice", ["ethan", "Chelsie"])
-def test_text_prompt_speech_matches_transformers(case, voice, tiny_checkpoint, hf_model, ours):
-    prompt_ids = Processor(tiny_checkpoint).process_chat(TEXT_CASES[case]).token_ids
-    thinker_steps, talker_steps = 6, 12
-    ref = reference(hf_model, torch.tensor([prompt_ids]), voice, thinker_steps, talker_steps)
-    got = ours_speech(ours, prompt_ids, voice, thinker_steps, talker_steps)
+def run_both(models, hf_model, hf_processor, checkpoint, case: str, voice: str, eos: int) -> tuple:
+    messages = CASES[case]()
+    prompt = Processor(checkpoint).process_chat(messages)
+    inputs = reference_inputs(hf_processor, prompt.prompt, messages)
+    assert inputs["input_ids"][0].tolist() == prompt.token_ids
+    ref = reference(hf_model, inputs, voice, THINKER_STEPS, TALKER_STEPS, eos)
+    return ours_speech(models, prompt, voice, THINKER_STEPS, TALKER_STEPS, eos), ref
 
+
+def check_speech(got: Ours, ref: Reference, hf_model, models: dict, label: str) -> None:
     assert got.sequences == ref.sequences
     assert got.rope_ids == ref.rope_ids
     assert torch.equal(got.positions, ref.positions)
     prefill_error = relative_error(got.prefill_embeds, ref.prefill_embeds)
     trailing_error = relative_error(got.trailing, ref.trailing)
-    assert got.codes.shape == ref.codes.shape == (talker_steps - 1, ours["cfg"].talker.num_code_groups)
+    assert prefill_error <= EMBEDS_TOLERANCE and trailing_error <= EMBEDS_TOLERANCE, (
+        prefill_error,
+        trailing_error,
+    )
+    assert got.codes.shape == ref.codes.shape == (TALKER_STEPS - 1, models["cfg"].talker.num_code_groups)
     assert got.codes.tolist() == ref.codes.tolist()
     with torch.no_grad():
         codes = got.codes.T[None]
         ref64 = copy.deepcopy(hf_model.code2wav).double()(codes).reshape(-1)
-        ours64 = ours["code2wav64"](codes)[0]
+        ours64 = models["code2wav64"](codes)[0]
     error64 = relative_error(ours64, ref64)
     error32, their_error32 = relative_error(got.waveform, ref64), relative_error(ref.waveform, ref64)
     print(
-        f"{case}/{voice}: prefill {prefill_error:.2e}, trailing {trailing_error:.2e}, "
+        f"{label}: prefill {prefill_error:.2e}, trailing {trailing_error:.2e}, "
         f"{len(got.codes)} frames identical; waveform float64 {error64:.2e}, float32 ours {error32:.2e}, "
         f"transformers {their_error32:.2e} (ours vs theirs {relative_error(got.waveform, ref.waveform):.2e})"
     )
-    assert prefill_error <= EMBEDS_TOLERANCE and trailing_error <= EMBEDS_TOLERANCE
     assert got.waveform.shape == ref.waveform.shape == ours64.shape
     assert error64 <= WAVE_TOLERANCE
     assert error32 <= 3 * their_error32
+
+
+@pytest.mark.parametrize("case", CASES)
+@pytest.mark.parametrize("voice", ["ethan", "Chelsie"])
+def test_speech_matches_transformers(case, voice, tiny_checkpoint, hf_model, hf_processor, ours):
+    """The Thinker stops at its length cap here (random weights never say <|im_end|>)."""
+    eos = ours["cfg"].im_end_token_id
+    got, ref = run_both(ours, hf_model, hf_processor, tiny_checkpoint, case, voice, eos)
+    assert eos not in got.sequences[-THINKER_STEPS:]
+    check_speech(got, ref, hf_model, ours, f"{case}/{voice}")
+
+
+def test_a_reply_ended_by_eos_is_spoken_up_to_it(tiny_checkpoint, hf_model, hf_processor, ours):
+    """A Thinker EOS inside the length cap (a token the greedy reply reaches, named EOS for the run): the
+    reply's tokens before it are spoken, tts_eos follows the last of them, and the EOS itself is not spoken."""
+    case = "system_and_user"
+    prompt = Processor(tiny_checkpoint).process_chat(CASES[case]())
+    free_running, _ = thinker_greedy(ours, prompt, THINKER_STEPS, eos=-1)
+    end = next(i for i in range(2, THINKER_STEPS - 1) if free_running[i] not in free_running[:i])
+    got, ref = run_both(ours, hf_model, hf_processor, tiny_checkpoint, case, "aiden", free_running[end])
+    assert got.sequences[len(prompt.token_ids) :] == free_running[: end + 1]
+    assert len(got.trailing) == end  # the spoken tokens after the first, then tts_eos
+    check_speech(got, ref, hf_model, ours, f"{case}/aiden/eos after {end} tokens")

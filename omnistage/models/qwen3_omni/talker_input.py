@@ -156,6 +156,7 @@ def talker_prompt(
 
     projected = talker.text_projection(torch.cat((prompt_embeds[start:], first_text_embed[None])))
     header, first_text = projected[:ASSISTANT_HEADER_ROWS], projected[ASSISTANT_HEADER_ROWS:]
+    # tts_pad over nothink, think_bos, think_eos and the speaker; tts_bos over codec_pad; text over codec_bos
     text_side = torch.cat((header, tts.pad.expand(4, -1), tts.bos[None], first_text))
     codec_ids = torch.tensor(
         [
