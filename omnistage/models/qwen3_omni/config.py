@@ -357,6 +357,8 @@ class Qwen3OmniConfig:
     enable_audio_output: bool
     im_start_token_id: int
     im_end_token_id: int
+    user_token_id: int
+    assistant_token_id: int
     tts_bos_token_id: int
     tts_eos_token_id: int
     tts_pad_token_id: int
@@ -382,6 +384,8 @@ class Qwen3OmniConfig:
             enable_audio_output=r.get("enable_audio_output", bool, True),
             im_start_token_id=r.get("im_start_token_id", int),
             im_end_token_id=r.get("im_end_token_id", int),
+            user_token_id=r.get("user_token_id", int),
+            assistant_token_id=r.get("assistant_token_id", int),
             tts_bos_token_id=r.get("tts_bos_token_id", int),
             tts_eos_token_id=r.get("tts_eos_token_id", int),
             tts_pad_token_id=r.get("tts_pad_token_id", int),

@@ -58,9 +58,8 @@ class SpeechTokens:
         talker, thinker = cfg.talker, cfg.thinker
         return cls(
             im_start=cfg.im_start_token_id,
-            # the typed config view does not carry the role ids; they sit beside im_start in config.json
-            user=int(cfg.raw["user_token_id"]),
-            assistant=int(cfg.raw["assistant_token_id"]),
+            user=cfg.user_token_id,
+            assistant=cfg.assistant_token_id,
             placeholders=(thinker.audio_token_id, thinker.image_token_id, thinker.video_token_id),
             tts_bos=cfg.tts_bos_token_id,
             tts_eos=cfg.tts_eos_token_id,

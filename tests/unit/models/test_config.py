@@ -22,6 +22,7 @@ def test_released_config_reads_the_released_sizes():
     assert config.talker.text.shared_expert_intermediate_size == 768
     assert config.thinker.vision.deepstack_visual_indexes == (8, 16, 24)
     assert config.thinker.audio.encoder_layers == 32
+    assert (config.im_start_token_id, config.user_token_id, config.assistant_token_id) == (151644, 872, 77091)
 
 
 def _broken(edit):
