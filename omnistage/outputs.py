@@ -4,6 +4,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import numpy as np
+
+AUDIO_SAMPLE_RATE = 24_000  # speech out: float32 mono PCM at 24 kHz
+
 
 @dataclass
 class CompletionOutput:
@@ -27,3 +31,8 @@ class RequestOutput:
     # monotonic seconds: arrival, encoded (media through the encoders), scheduled (first step), first_token,
     # finished
     metrics: dict[str, float] = field(default_factory=dict)
+    # Speech out (requests with SpeechParams). The audio_delta chunks of a request, concatenated, are its audio.
+    audio_delta: np.ndarray | None = None  # PCM new since the previous output, float32 mono at 24 kHz
+    num_audio_frames: int = 0  # codec frames so far (12.5 per second of audio): the usage's audio tokens
+    audio: np.ndarray | None = None  # on the finished output: the whole reply's PCM
+    audio_codes: list[list[int]] | None = None  # on the finished output: num_code_groups codes per frame

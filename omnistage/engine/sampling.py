@@ -96,6 +96,22 @@ class SamplingParams:
             _invalid(f"stop_token_ids must be non-negative token ids, got {self.stop_token_ids!r}")
 
 
+def talker_sampling_defaults() -> SamplingParams:
+    """The released Talker's sampling (its generation defaults); max_tokens None: the pipeline's audio cap."""
+    return SamplingParams(max_tokens=None, temperature=0.9, top_k=50, repetition_penalty=1.05)
+
+
+@dataclass
+class SpeechParams:
+    """Speak the reply. `talker.max_tokens` caps the audio in codec frames (12.5 per second; None: a cap
+    proportional to the text); `talker.seed` also seeds the code predictor's draws. `reply_token_ids` speaks
+    exactly those tokens (text-to-speech): the Thinker does not run."""
+
+    voice: str = "ethan"
+    talker: SamplingParams = field(default_factory=talker_sampling_defaults)
+    reply_token_ids: list[int] | None = None
+
+
 _INT_FIELDS = ("n", "max_tokens", "min_tokens", "top_k", "seed")
 _OPTIONAL = ("max_tokens", "seed")
 _FLOAT_FIELDS = (
