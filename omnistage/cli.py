@@ -100,8 +100,8 @@ def _load_and_serve(
 ) -> None:
     import uvicorn
 
-    from omnistage.engine.async_engine import AsyncEngine
     from omnistage.media import MediaPolicy
+    from omnistage.pipeline.async_engine import AsyncEngine
     from omnistage.server import build_app
 
     media = MediaPolicy(allow_remote=args.allow_remote_media, media_dir=media_dir)
@@ -226,10 +226,14 @@ def build_parser() -> argparse.ArgumentParser:
     )
     serve.set_defaults(func=_serve)
 
-    from omnistage.bench import a2t
+    from omnistage.bench import a2t, speech
 
-    bench = sub.add_parser("bench", help="benchmarks: a2t (audio-to-text speed)")
-    a2t.add_parser(bench.add_subparsers(dest="benchmark", required=True))
+    bench = sub.add_parser(
+        "bench", help="benchmarks: a2t (audio-to-text speed), t2s and s2s (speech out: first packet, RTF)"
+    )
+    benchmarks = bench.add_subparsers(dest="benchmark", required=True)
+    a2t.add_parser(benchmarks)
+    speech.add_parsers(benchmarks)
     return parser
 
 

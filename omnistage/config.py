@@ -46,6 +46,13 @@ class EngineConfig(BaseModel):
         512, ge=0, description="largest one-sequence prefill chunk captured in a CUDA graph (0: none)"
     )
     seed: int = Field(0, description="seed of the random weights of load_format dummy")
+    speech: bool = Field(
+        True, description="load the Talker, code predictor and Code2Wav when the checkpoint has them"
+    )
+    talker_kv_cache_memory_gib: float | None = Field(
+        None, gt=0, description="memory for the Talker's KV pages; default: 0.25 GiB on CPU, 2 GiB on a GPU"
+    )
+    code2wav_max_batch: int = Field(16, ge=1, description="most audio streams in one Code2Wav decode call")
     max_tokens_default: int | None = Field(
         None,
         ge=1,

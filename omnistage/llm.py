@@ -8,10 +8,11 @@ from pathlib import Path
 
 from omnistage.config import engine_config
 from omnistage.engine.llm_engine import LLMEngine, NewRequest
-from omnistage.engine.sampling import SamplingParams
-from omnistage.errors import OmnistageError
+from omnistage.engine.sampling import SamplingParams, SpeechParams, talker_sampling_defaults
+from omnistage.errors import InvalidRequest, OmnistageError
 from omnistage.media import MediaPolicy, decode_messages
 from omnistage.outputs import RequestOutput
+from omnistage.pipeline.qwen3_omni import Qwen3OmniPipeline
 
 PromptType = str | dict
 # In-process callers name their own files: local paths anywhere, nothing fetched from the network.
@@ -29,8 +30,13 @@ class LLM:
     """
 
     def __init__(self, model: str | None = None, **kwargs) -> None:
-        self.engine = LLMEngine(engine_config(model=model, **kwargs))
+        self.pipeline = Qwen3OmniPipeline(engine_config(model=model, **kwargs))
         self._ids = itertools.count()
+
+    @property
+    def engine(self) -> LLMEngine:
+        """The Thinker's stage: its pages, scheduler, runner and plan."""
+        return self.pipeline.thinker
 
     def generate(
         self,
@@ -59,18 +65,29 @@ class LLM:
         messages: list[dict] | list[list[dict]],
         sampling_params: SamplingParams | None = None,
         add_generation_prompt: bool = True,
+        modalities: Sequence[str] = ("text",),
+        voice: str = "ethan",
+        talker_params: SamplingParams | None = None,
     ) -> list[RequestOutput]:
         """One conversation (a list of messages) or several, rendered with the checkpoint's chat template.
 
         Content parts may carry media as the HTTP API takes them (`input_audio`, `audio_url`, `image_url`:
         data URLs or absolute local paths; no remote fetching offline) or already decoded (`{"type": "audio",
         "audio": float32 array at 16 kHz}`, `{"type": "image", "image": PIL.Image}`).
+        With `modalities=["text", "audio"]` each reply is also spoken in `voice`: outputs carry `.audio` (float32
+        mono PCM at 24 kHz) and `.audio_codes`; `talker_params` sets the Talker's sampling (default: the released
+        model's) and `talker_params.max_tokens` the most codec frames (12.5 per second of audio).
         """
         conversations = messages if messages and isinstance(messages[0], list) else [messages]
         params = sampling_params or SamplingParams()
+        if set(modalities) not in ({"text"}, {"text", "audio"}):
+            raise InvalidRequest(f"modalities must be ['text'] or ['text', 'audio'], got {list(modalities)}")
+        speech = None
+        if "audio" in modalities:
+            speech = SpeechParams(voice=voice, talker=talker_params or talker_sampling_defaults())
         requests = []
         for conversation in conversations:
-            processed = self.engine.processor.process_chat(
+            processed = self.pipeline.processor.process_chat(
                 decode_messages(conversation, _OFFLINE_MEDIA), add_generation_prompt
             )
             requests.append(
@@ -81,33 +98,34 @@ class LLM:
                     processed.prompt,
                     processed.mrope,
                     processed.mm,
+                    speech,
                 )
             )
         return self._run(self._admit(requests))
 
     def _admit(self, requests: list[NewRequest]) -> list[str]:
         """Admit all the requests (their media encoded together) or none: the first error is raised."""
-        errors = self.engine.add_requests(requests)
+        errors = self.pipeline.add_requests(requests)
         failed = next((e for e in errors if e is not None), None)
         if failed is not None:
             for request, error in zip(requests, errors):
                 if error is None:
-                    self.engine.abort(request.request_id)
+                    self.pipeline.abort(request.request_id)
             raise failed
         return [r.request_id for r in requests]
 
     def _tokens(self, prompt: PromptType) -> tuple[str | None, list[int]]:
         if isinstance(prompt, str):
-            return prompt, self.engine.processor.encode(prompt)
+            return prompt, self.pipeline.processor.encode(prompt)
         if "prompt_token_ids" in prompt:
             return prompt.get("prompt"), list(prompt["prompt_token_ids"])
-        return prompt["prompt"], self.engine.processor.encode(prompt["prompt"])
+        return prompt["prompt"], self.pipeline.processor.encode(prompt["prompt"])
 
     def _run(self, request_ids: list[str]) -> list[RequestOutput]:
         final: dict[str, RequestOutput] = {}
         try:
-            while self.engine.has_unfinished():
-                for out in self.engine.step():
+            while self.pipeline.has_unfinished():
+                for out in self.pipeline.step():
                     if out.finished:
                         final[out.request_id] = out
                     if out.error is not None and out.request_id in request_ids:
@@ -118,5 +136,5 @@ class LLM:
         finally:
             for request_id in request_ids:
                 if request_id not in final:
-                    self.engine.abort(request_id)
+                    self.pipeline.abort(request_id)
         return [final[r] for r in request_ids]

@@ -250,8 +250,8 @@ def run_a2t(args: argparse.Namespace) -> dict[str, Any]:
         return results
 
     from omnistage.config import engine_config
-    from omnistage.engine.async_engine import AsyncEngine
-    from omnistage.engine.llm_engine import LLMEngine
+    from omnistage.pipeline.async_engine import AsyncEngine
+    from omnistage.pipeline.qwen3_omni import Qwen3OmniPipeline
 
     model_dir = args.model or (str(released_skeleton()) if args.load_format == "dummy" else None)
     if output_tokens is None and args.load_format == "dummy":
@@ -269,10 +269,11 @@ def run_a2t(args: argparse.Namespace) -> dict[str, Any]:
         "bench a2t",
         model=model_dir,
         load_format=args.load_format,
+        speech=False,  # text out: the Talker's weights and pages stay off the GPU
         **{k: v for k, v in overrides.items() if v is not None},
     )
     started = time.perf_counter()
-    engine = AsyncEngine(LLMEngine(config))
+    engine = AsyncEngine(Qwen3OmniPipeline(config))
     results["engine_start_s"] = round(time.perf_counter() - started, 2)
     results["target"] = {"model": str(engine.engine.model_path), "load_format": args.load_format}
     results["engine"] = engine.engine.memory_summary()
@@ -281,7 +282,7 @@ def run_a2t(args: argparse.Namespace) -> dict[str, Any]:
         results["ours"] = asyncio.run(sweep(run, clips, concurrencies, args.warmup, args.repeats))
         if args.baseline == "transformers":
             results["transformers"] = _transformers(
-                engine.engine, clips, output_tokens, args.max_tokens, args.repeats
+                engine.engine.thinker, clips, output_tokens, args.max_tokens, args.repeats
             )
     finally:
         engine.shutdown()

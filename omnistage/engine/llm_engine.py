@@ -30,8 +30,8 @@ from omnistage.engine.detokenizer import IncrementalDetokenizer
 from omnistage.engine.encoder_engine import EncoderEngine, MultimodalEmbeds
 from omnistage.engine.gpu_memory import allocator_stats
 from omnistage.engine.kv_cache import PagePool
-from omnistage.engine.model_runner import ModelRunner
-from omnistage.engine.sampling import Sampler, SamplingParams, SamplingRow, make_generator
+from omnistage.engine.model_runner import HiddenTap, ModelRunner
+from omnistage.engine.sampling import Sampler, SamplingParams, SamplingRow, SpeechParams, make_generator
 from omnistage.engine.scheduler import ScheduledChunk, Scheduler, SchedulerOutput
 from omnistage.engine.sequence import Sequence, SequenceStatus
 from omnistage.errors import ConfigError, InvalidRequest, RequestTooLarge
@@ -66,6 +66,8 @@ class NewRequest:
     prompt: str | None = None
     mrope: PromptPositions | None = None
     mm: MultimodalInputs | None = None
+    speech: SpeechParams | None = None  # speak the reply: the pipeline's business
+    tap: HiddenTap | None = None  # hidden states of prompt rows that a later stage reads
 
 
 @dataclass
@@ -79,6 +81,7 @@ class RequestState:
     eos_token_ids: list[int]
     mrope: PromptPositions | None = None
     mm: MultimodalEmbeds | None = None  # encoder outputs for the prompt's placeholders, until it finishes
+    tap: HiddenTap | None = None
     stop_reason: int | str | None = None
     error: str | None = None
     metrics: dict[str, float] = field(default_factory=dict)
@@ -110,7 +113,9 @@ def eos_token_ids(checkpoint_dir: Path, processor: Processor) -> list[int]:
 
 
 class LLMEngine:
-    def __init__(self, config: EngineConfig) -> None:
+    def __init__(self, config: EngineConfig, extra_floor: int = 0) -> None:
+        """`extra_floor`: the peak bytes of other stages' steps on this device, which run between this
+        stage's steps (the memory floor is the largest of all)."""
         from omnistage.models.qwen3_omni.tiny import default_checkpoint
 
         self.config = config
@@ -138,6 +143,7 @@ class LLMEngine:
             config.seed,
         )
         self.load_seconds = time.perf_counter() - started
+        self.extra_floor = extra_floor
         self.set_moe_kernel(config.moe_kernel)
         self.compiled = self.device.type == "cuda" and config.compile
         if self.compiled:
@@ -225,7 +231,7 @@ class LLMEngine:
         if limit is not None:
             torch.cuda.set_per_process_memory_fraction(min(1.0, limit / total), self.device)
         floor = self.encoders.profile_floor(
-            self.runner.profile_peak(cfg.max_num_batched_tokens, 1),
+            max(self.runner.profile_peak(cfg.max_num_batched_tokens, 1), self.extra_floor),
             cfg.max_num_batched_tokens,
             self.max_model_len - 1,
             self.processor.max_audios,
@@ -375,6 +381,7 @@ class LLMEngine:
                 eos_token_ids=[] if params.ignore_eos else self.eos_token_ids,
                 mrope=r.mrope,
                 mm=embeds.get(i),
+                tap=r.tap,
                 metrics={"arrival": arrival, "encoded": encoded},
             )
             self.scheduler.add(Sequence(r.request_id, list(r.prompt_token_ids), max_tokens[i], data=state))
@@ -405,6 +412,10 @@ class LLMEngine:
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
+
+    @property
+    def num_waiting(self) -> int:
+        return self.scheduler.num_waiting
 
     def stats(self) -> dict[str, int]:
         stats = {

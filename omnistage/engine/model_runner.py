@@ -7,6 +7,8 @@ that end a sampling chunk go through the LM head.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from omnistage.engine.attention import AttentionMetadata
@@ -29,6 +31,16 @@ def positions_for(start: int, count: int, mrope: PromptPositions | None) -> torc
         return head
     tail = torch.arange(max(start, prompt_len), end).add(mrope.delta).expand(3, -1)
     return torch.cat([head, tail], dim=1)
+
+
+@dataclass
+class HiddenTap:
+    """Hidden states a later stage reads: after `layer` layers, at prompt indices `rows` (`[n]`, on the device),
+    written into `values` `[n, H]` as the prompt's chunks run (again, identically, after a preemption)."""
+
+    layer: int
+    rows: torch.Tensor
+    values: torch.Tensor
 
 
 class ModelRunner:
@@ -130,15 +142,24 @@ class ModelRunner:
     def execute(self, step: SchedulerOutput) -> torch.Tensor:
         """Logits `[n, vocab]` (float32) for the n chunks of `step` that end in a sample, in chunk order."""
         input_ids, positions, meta = self.prepare(step.chunks)
-        if self.graphs is not None and step.is_pure_decode:
+        taps = [(i, tap) for i, c in enumerate(step.chunks) if (tap := _tap(c)) is not None]
+        if self.graphs is not None and step.is_pure_decode and not taps:
             return self.graphs.run(input_ids, positions, meta)
         embeds, deepstack = self._merge_multimodal(step.chunks, input_ids)
-        if self.prefill_graphs is not None and deepstack is None and len(step.chunks) == 1:
+        if self.prefill_graphs is not None and deepstack is None and len(step.chunks) == 1 and not taps:
             chunk = embeds if embeds is not None else self.model.model.embed_tokens(input_ids)
             logits = self.prefill_graphs.run(chunk, positions, meta)
             if logits is not None:
                 return logits if step.chunks[0].samples else logits[:0]
-        hidden = self.model(input_ids, positions, self.kv_caches, meta, embeds, deepstack)
+        tap_layer = taps[0][1].layer if taps else None
+        hidden = self.model(input_ids, positions, self.kv_caches, meta, embeds, deepstack, tap_layer)
+        if taps:
+            hidden, tapped = hidden
+            starts = meta.query_start_loc.tolist()
+            for i, tap in taps:
+                chunk = step.chunks[i]
+                inside = (tap.rows >= chunk.start) & (tap.rows < chunk.start + chunk.num_tokens)
+                tap.values[inside] = tapped[starts[i] + tap.rows[inside] - chunk.start].to(tap.values.dtype)
         last_rows = meta.query_start_loc[1:].long() - 1
         sampling = torch.tensor([c.samples for c in step.chunks], device=self.device)
         return self.model.compute_logits(hidden[last_rows[sampling]])
@@ -171,6 +192,12 @@ class ModelRunner:
                         )
             offset += chunk.num_tokens
         return embeds, deepstack
+
+
+def _tap(chunk: ScheduledChunk) -> HiddenTap | None:
+    """The chunk's tap while it runs prompt rows."""
+    tap = getattr(chunk.seq.data, "tap", None)
+    return tap if tap is not None and chunk.start < chunk.seq.num_prompt_tokens else None
 
 
 def _mrope(chunk: ScheduledChunk) -> PromptPositions | None:

@@ -11,6 +11,7 @@ sequence that passed admission always fits the pool: the scheduler never deadloc
 """
 
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from omnistage.engine.kv_cache import PagePool
@@ -89,13 +90,18 @@ class Scheduler:
         self.waiting.append(seq)
         self._unfinished[seq.request_id] = seq
 
-    def schedule(self) -> SchedulerOutput:
+    def schedule(self, ready: Callable[[Sequence], bool] | None = None) -> SchedulerOutput:
+        """The next step. A stage whose inputs arrive from another stage passes `ready`: a sequence it says
+        is not ready sits this step out, keeping its pages (a waiting head that is not ready waits, FCFS)."""
         out = SchedulerOutput()
         budget = self.max_num_batched_tokens
 
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
+            if ready is not None and not ready(seq):
+                i += 1
+                continue
             n = min(seq.num_tokens - seq.num_computed_tokens, budget)
             while not self.pool.ensure_capacity(seq, seq.num_computed_tokens + n):
                 victim = self.running.pop()  # the newest, possibly `seq` itself
@@ -113,6 +119,8 @@ class Scheduler:
             return out
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
+            if ready is not None and not ready(seq):
+                break
             n = min(seq.num_tokens - seq.num_computed_tokens, budget)
             if not self.pool.ensure_capacity(seq, seq.num_computed_tokens + n):
                 break  # FCFS: the head waits for pages, and so does everyone behind it

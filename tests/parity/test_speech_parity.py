@@ -364,3 +364,52 @@ def test_a_reply_ended_by_eos_is_spoken_up_to_it(tiny_checkpoint, hf_model, hf_p
     assert got.sequences[len(prompt.token_ids) :] == free_running[: end + 1]
     assert len(got.trailing) == end  # the spoken tokens after the first, then tts_eos
     check_speech(got, ref, hf_model, ours, f"{case}/aiden/eos after {end} tokens")
+
+
+@pytest.fixture(scope="module")
+def llm(tiny_checkpoint):
+    from omnistage import LLM
+
+    return LLM(str(tiny_checkpoint), device="cpu", dtype="float32")
+
+
+@pytest.mark.parametrize("case", ["system_and_user", "audio", "image"])
+def test_the_pipeline_speaks_as_transformers(case, tiny_checkpoint, hf_model, hf_processor, ours, llm):
+    """`LLM.chat(modalities=["text", "audio"])`: the Thinker, the streamed hand-off, the paged Talker, the batched
+    code predictor and streamed Code2Wav give transformers' codes, and its waveform within the float32 bound."""
+    from omnistage import SamplingParams
+
+    voice = "chelsie"
+    eos = ours["cfg"].im_end_token_id
+    messages = CASES[case]()
+    prompt = Processor(tiny_checkpoint).process_chat(messages)
+    ref = reference(
+        hf_model,
+        reference_inputs(hf_processor, prompt.prompt, messages),
+        voice,
+        THINKER_STEPS,
+        TALKER_STEPS,
+        eos,
+    )
+    talker = SamplingParams(
+        max_tokens=TALKER_STEPS - 1, temperature=0.0, repetition_penalty=REPETITION_PENALTY
+    )
+    out = llm.chat(
+        messages,
+        SamplingParams(max_tokens=THINKER_STEPS, temperature=0.0),
+        modalities=["text", "audio"],
+        voice=voice,
+        talker_params=talker,
+    )[0]
+    assert prompt.token_ids + out.outputs[0].token_ids == ref.sequences
+    assert out.audio_codes == ref.codes.tolist()
+    assert out.num_audio_frames == len(ref.codes)
+    with torch.no_grad():
+        ref64 = copy.deepcopy(hf_model.code2wav).double()(ref.codes.T[None]).reshape(-1)
+    got = torch.from_numpy(out.audio)
+    assert got.shape == ref.waveform.shape
+    error32, their_error32 = relative_error(got, ref64), relative_error(ref.waveform, ref64)
+    print(
+        f"{case}: {len(ref.codes)} frames identical; waveform float32 ours {error32:.2e}, transformers {their_error32:.2e}"
+    )
+    assert error32 <= 3 * their_error32

@@ -16,10 +16,10 @@ import pytest
 
 from omnistage.bench.server_process import ServerProcess
 from omnistage.config import engine_config
-from omnistage.engine.async_engine import AsyncEngine
 from omnistage.engine.sampling import SamplingParams
 from omnistage.errors import InvalidMedia, QueueFull
 from omnistage.outputs import CompletionOutput, RequestOutput
+from omnistage.pipeline.async_engine import AsyncEngine
 
 
 class LiveServer(ServerProcess):

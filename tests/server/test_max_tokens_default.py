@@ -11,9 +11,9 @@ from fastapi.testclient import TestClient
 
 from omnistage.cli import build_parser
 from omnistage.config import engine_config, load_config
-from omnistage.engine.async_engine import AsyncEngine
 from omnistage.errors import ConfigError
 from omnistage.models.qwen3_omni.transcription import max_transcription_tokens
+from omnistage.pipeline.async_engine import AsyncEngine
 from omnistage.server import build_app
 
 SPEECH = Path(__file__).parents[1] / "data" / "speech_en.wav"  # 2.98 s

@@ -12,7 +12,7 @@ import pytest
 
 from omnistage.cli import build_parser, main
 from omnistage.config import EngineConfig, engine_config
-from omnistage.engine.async_engine import AsyncEngine
+from omnistage.pipeline.async_engine import AsyncEngine
 from omnistage.server import build_app
 
 

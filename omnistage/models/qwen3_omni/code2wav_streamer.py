@@ -37,14 +37,18 @@ class Code2WavStreamer:
 
     A stream's first chunk holds `first_chunk` frames (small: the first packet's latency), later ones `chunk`,
     the last one what remains at `finish` (right-padded; no emitted sample reads past the stream's last
-    frame). Each chunk is decoded in a window of the model's fixed `left_context` earlier frames plus the
-    chunk, so a call's shapes depend only on (streams, chunk size).
+    frame). One decode call holds at most `max_batch` streams. Each chunk is decoded in a window of the
+    model's fixed `left_context` earlier frames plus the chunk, so a call's shapes depend only on (streams,
+    chunk size).
     """
 
-    def __init__(self, model: Code2Wav, first_chunk: int = 2, chunk: int = 25) -> None:
-        if first_chunk < 1 or chunk < 1:
-            raise ValueError(f"chunk sizes must be positive, got first_chunk={first_chunk}, chunk={chunk}")
-        self.model, self.first_chunk, self.chunk = model, first_chunk, chunk
+    def __init__(self, model: Code2Wav, first_chunk: int = 2, chunk: int = 25, max_batch: int = 16) -> None:
+        if min(first_chunk, chunk, max_batch) < 1:
+            raise ValueError(
+                f"chunk sizes and max_batch must be positive, got first_chunk={first_chunk}, chunk={chunk}, "
+                f"max_batch={max_batch}"
+            )
+        self.model, self.first_chunk, self.chunk, self.max_batch = model, first_chunk, chunk, max_batch
         self.device, self.dtype = model.code_embedding.weight.device, model.code_embedding.weight.dtype
         self.streams: dict[Hashable, _Stream] = {}
 
@@ -83,7 +87,8 @@ class Code2WavStreamer:
                 out.append(AudioChunk(request_id, nothing, final=True))
                 del self.streams[request_id]
         for size, ids in ready.items():
-            out += self._decode(size, ids)
+            for start in range(0, len(ids), self.max_batch):  # a decode call's memory grows with its rows
+                out += self._decode(size, ids[start : start + self.max_batch])
         return out
 
     def _decode(self, size: int, ids: list[Hashable]) -> list[AudioChunk]:

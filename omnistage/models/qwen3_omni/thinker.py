@@ -36,13 +36,20 @@ class ThinkerTextModel(nn.Module):
         kv_caches: list[torch.Tensor],
         meta: AttentionMetadata,
         deepstack_embeds: list[torch.Tensor] | None = None,
-    ) -> torch.Tensor:
+        tap_layer: int | None = None,
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         cos, sin = self.rotary_emb(positions)
+        tapped = None
         for i, layer in enumerate(self.layers):
             hidden = layer(hidden, cos, sin, kv_caches[i], meta)
+            if i + 1 == tap_layer:
+                tapped = hidden
             if deepstack_embeds is not None and i < len(deepstack_embeds):
                 hidden = hidden + deepstack_embeds[i]
-        return self.norm(hidden)
+        hidden = self.norm(hidden)
+        if tap_layer is None:
+            return hidden
+        return hidden, hidden if tap_layer == len(self.layers) else tapped
 
 
 class Thinker(nn.Module):
@@ -64,14 +71,18 @@ class Thinker(nn.Module):
         meta: AttentionMetadata,
         inputs_embeds: torch.Tensor | None = None,
         deepstack_embeds: list[torch.Tensor] | None = None,
-    ) -> torch.Tensor:
+        tap_layer: int | None = None,
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """Final-norm hidden states `[T, H]` of the flat batch `input_ids` `[T]` at M-RoPE `positions` `[3, T]`.
 
         `inputs_embeds` `[T, H]` replaces the token embeddings (audio/image features already merged in);
         `deepstack_embeds[i]` `[T, H]` is added after decoder layer i (zeros away from visual tokens).
+        With `tap_layer`, returns also the hidden states after that many layers, as transformers records them
+        (before that layer's deepstack addition; after the final norm when it is the last layer): the speech
+        hand-off reads them.
         """
         hidden = self.model.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
-        return self.model(hidden, positions, kv_caches, meta, deepstack_embeds)
+        return self.model(hidden, positions, kv_caches, meta, deepstack_embeds, tap_layer)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden).float()

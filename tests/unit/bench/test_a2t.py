@@ -19,8 +19,8 @@ from omnistage.bench.clips import Clip
 from omnistage.bench.stats import RequestTiming
 from omnistage.cli import bind, build_parser
 from omnistage.config import engine_config
-from omnistage.engine.async_engine import AsyncEngine
 from omnistage.models.qwen3_omni.processor import Processor
+from omnistage.pipeline.async_engine import AsyncEngine
 from omnistage.server import build_app
 
 

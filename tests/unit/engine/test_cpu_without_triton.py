@@ -23,7 +23,7 @@ SCRIPT = textwrap.dedent(
 
     from omnistage import LLM, SamplingParams
     from omnistage.config import engine_config
-    from omnistage.engine.async_engine import AsyncEngine
+    from omnistage.pipeline.async_engine import AsyncEngine
     from omnistage.server import build_app
 
     checkpoint = sys.argv[1]

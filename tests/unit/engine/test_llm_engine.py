@@ -8,8 +8,8 @@ from transformers import Qwen3OmniMoeForConditionalGeneration
 
 from omnistage import LLM, SamplingParams
 from omnistage.config import engine_config
-from omnistage.engine.async_engine import AsyncEngine
 from omnistage.errors import InvalidRequest, RequestTooLarge
+from omnistage.pipeline.async_engine import AsyncEngine
 
 PROMPTS = [
     "Hello",
@@ -358,7 +358,7 @@ def test_async_engine_encodes_the_requests_waiting_together(tiny_checkpoint, mon
             model=str(tiny_checkpoint), device="cpu", dtype="float32", page_size=4, num_kv_pages=512
         )
     )
-    llm_engine = engine.engine
+    llm_engine = engine.engine.thinker
     prompts = _audio_prompts(llm_engine.processor, [0.6, 2.2, 4.1, 1.0])
     batches, release, stepping = [], threading.Event(), threading.Event()
     encode_many, step = llm_engine.encoders.encode_many, llm_engine.step
@@ -552,7 +552,7 @@ def test_a_client_leaving_during_a_long_prefill_stops_it_within_a_step(tiny_chec
             max_num_batched_tokens=64,
         )
     )  # fmt: skip
-    runner = engine.engine.runner
+    runner = engine.engine.thinker.runner
     execute, steps = runner.execute, []
     inside, leave = threading.Event(), threading.Event()
 

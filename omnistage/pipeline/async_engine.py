@@ -1,4 +1,4 @@
-"""The engine on its own thread, fed from asyncio: the event loop never waits on model work.
+"""The pipeline on its own thread, fed from asyncio: the event loop never waits on model work.
 
 Requests are validated on the caller's side (pure arithmetic), queued as commands, and picked up by the
 engine thread between steps, all those waiting at once (their media go through the encoders together);
@@ -17,11 +17,12 @@ from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING
 
 from omnistage.config import EngineConfig
-from omnistage.engine.llm_engine import LLMEngine, NewRequest
-from omnistage.engine.sampling import SamplingParams
+from omnistage.engine.llm_engine import NewRequest
+from omnistage.engine.sampling import SamplingParams, SpeechParams
 from omnistage.errors import InvalidRequest, QueueFull
 from omnistage.models.layers.rotary import PromptPositions
 from omnistage.outputs import RequestOutput
+from omnistage.pipeline.qwen3_omni import Qwen3OmniPipeline
 
 if TYPE_CHECKING:
     from omnistage.models.qwen3_omni.processor import MultimodalInputs
@@ -30,7 +31,7 @@ log = logging.getLogger(__name__)
 
 
 class AsyncEngine:
-    def __init__(self, engine: LLMEngine, max_queue: int | None = None) -> None:
+    def __init__(self, engine: Qwen3OmniPipeline, max_queue: int | None = None) -> None:
         self.engine = engine
         self.max_queue = max_queue
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
@@ -48,7 +49,7 @@ class AsyncEngine:
 
     @classmethod
     def from_config(cls, config: EngineConfig, max_queue: int | None = None) -> AsyncEngine:
-        return cls(LLMEngine(config), max_queue)
+        return cls(Qwen3OmniPipeline(config), max_queue)
 
     @property
     def ready(self) -> bool:
@@ -67,21 +68,24 @@ class AsyncEngine:
         params: SamplingParams,
         mrope: PromptPositions | None = None,
         mm: MultimodalInputs | None = None,
+        speech: SpeechParams | None = None,
     ) -> AsyncIterator[RequestOutput]:
-        """Outputs of one request, one per engine step that touched it; the last has finished=True."""
-        self.engine.validate(prompt_token_ids, params)
+        """Outputs of one request, one per engine step that touched it; the last has finished=True.
+
+        With `speech`, the reply is also spoken: outputs carry `audio_delta` chunks as they are decoded."""
+        self.engine.validate(prompt_token_ids, params, speech)
         out_queue: asyncio.Queue = asyncio.Queue()
         with self._lock:
             if request_id in self._streams:
                 raise InvalidRequest(f"request id {request_id!r} is already running")
-            waiting = self.engine.scheduler.num_waiting + self._queued
+            waiting = self.engine.num_waiting + self._queued
             if self.max_queue is not None and waiting >= self.max_queue:
                 raise QueueFull(
                     f"the server's queue is full ({waiting} requests waiting, the limit is {self.max_queue})"
                 )
             self._streams[request_id] = (asyncio.get_running_loop(), out_queue)
             self._queued += 1
-        self._commands.put(("add", request_id, prompt, prompt_token_ids, params, mrope, mm))
+        self._commands.put(("add", request_id, prompt, prompt_token_ids, params, mrope, mm, speech))
         finished = False
         try:
             while True:
@@ -130,9 +134,9 @@ class AsyncEngine:
         requests = []
         with self._lock:
             self._queued -= len(adds)
-            for _, request_id, prompt, token_ids, params, mrope, mm in adds:
+            for _, request_id, prompt, token_ids, params, mrope, mm, speech in adds:
                 if request_id in self._streams:  # else the client left before the engine saw it
-                    requests.append(NewRequest(request_id, token_ids, params, prompt, mrope, mm))
+                    requests.append(NewRequest(request_id, token_ids, params, prompt, mrope, mm, speech))
         for request, error in zip(requests, self.engine.add_requests(requests)):
             if error is not None:
                 self._deliver(request.request_id, error)

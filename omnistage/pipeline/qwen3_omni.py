@@ -1,0 +1,528 @@
+"""Qwen3-Omni's stages wired together: the encoders and Thinker (an LLMEngine), then, for a request that
+speaks, the Talker (an EmbeddingStage), the code predictor and streaming Code2Wav. The one facade the server
+and the offline `LLM` talk to: requests in, `RequestOutput`s out, text and audio side by side.
+
+The hand-off streams, by the rules of `models/qwen3_omni/talker_input.py` (equal to transformers' offline
+`generate(return_audio=True)`):
+- the Thinker keeps the hidden states after `accept_hidden_layer` layers at its prompt's media rows;
+- the Thinker's last token is never spoken, so a token is known to be spoken once another follows it: the
+  Talker's prompt is built when the Thinker has two tokens (or has ended);
+- the Talker's decode step k reads text row k (spoken token k + 1, then tts_eos once, then tts_pad) and waits
+  while the Thinker is not past it;
+- every code 0 the Talker samples but codec EOS becomes a frame through the code predictor, whose 16-embedding
+  sum plus the next text row is the Talker's next input; frames stream into Code2Wav, and its chunks go out
+  with the request's outputs. A request finishes when its text and its audio have.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from omnistage.config import EngineConfig
+from omnistage.engine.attention import backend_for
+from omnistage.engine.capture_plan import GiB
+from omnistage.engine.embedding_stage import EmbeddingStage, Sampled
+from omnistage.engine.llm_engine import LLMEngine, NewRequest, resolve_device, resolve_dtype
+from omnistage.engine.model_runner import HiddenTap
+from omnistage.engine.sampling import Sampler, SamplingParams, SamplingRow, SpeechParams
+from omnistage.errors import InvalidRequest
+from omnistage.models.qwen3_omni.code2wav import load_code2wav
+from omnistage.models.qwen3_omni.code2wav_streamer import Code2WavStreamer
+from omnistage.models.qwen3_omni.code_predictor import load_code_predictor
+from omnistage.models.qwen3_omni.config import Qwen3OmniConfig
+from omnistage.models.qwen3_omni.talker import load_talker
+from omnistage.models.qwen3_omni.talker_input import (
+    SpeechTokens,
+    TtsEmbeds,
+    talker_positions,
+    talker_prompt,
+    tts_embeds,
+    user_turn_mask,
+)
+from omnistage.outputs import CompletionOutput, RequestOutput
+
+log = logging.getLogger(__name__)
+
+_CPU_TALKER_KV_GIB, _GPU_TALKER_KV_GIB = 0.25, 2.0
+ASSISTANT_ROWS = 9  # the Talker prompt's rows after the user turns (talker_input.talker_prompt)
+# The audio cap when a request sets none: 2 s, plus 8 frames (0.64 s) per spoken token, about twice a
+# speaker's pace, and never past transformers' own talker limit of 4096 frames (327.7 s).
+CAP_BASE_FRAMES, CAP_FRAMES_PER_TOKEN, MAX_AUDIO_FRAMES = 25, 8, 4096
+
+
+def default_frame_cap(text_tokens: int) -> int:
+    return min(MAX_AUDIO_FRAMES, CAP_BASE_FRAMES + CAP_FRAMES_PER_TOKEN * text_tokens)
+
+
+def code_predictor_params(talker: SamplingParams) -> SamplingParams:
+    """The released code predictor's sampling (top-k 50, top-p 0.8, temperature 1), greedy with a greedy
+    Talker, as transformers ties them."""
+    if talker.greedy:
+        return SamplingParams(max_tokens=None, temperature=0.0)
+    return SamplingParams(max_tokens=None, temperature=1.0, top_k=50, top_p=0.8)
+
+
+@dataclass(frozen=True)
+class TtsPrompt:
+    """A text-to-speech request: the prompt the Talker is conditioned on, and the reply it speaks."""
+
+    prompt: str
+    token_ids: list[int]
+    reply_token_ids: list[int]
+
+
+@dataclass
+class _Speech:
+    """One speaking request's progress across the stages."""
+
+    request_id: str
+    params: SpeechParams
+    speaker: int
+    prompt_ids: list[int]
+    grids: list[tuple[int, int, int]]
+    audio_tokens: list[int]
+    frame_cap: int
+    tap: HiddenTap | None
+    text: RequestOutput  # the latest text-side output (the Thinker's, or the given reply's)
+    generated: list[int] = field(default_factory=list)  # the Thinker's tokens so far
+    text_done: bool = False
+    talker_started: bool = False
+    generator: torch.Generator | None = None
+    rows_fed: int = 0  # the Talker's decode rows given so far = text rows consumed
+    codec_sum: torch.Tensor | None = None  # the last frame's embedding sum, waiting for its text row
+    codes: list[list[int]] = field(default_factory=list)
+    talker_done: bool = False
+    audio: list[np.ndarray] = field(default_factory=list)
+    audio_done: bool = False
+    error: str | None = None
+
+    @property
+    def finished(self) -> bool:
+        return self.error is not None or (self.text_done and self.audio_done)
+
+
+class Qwen3OmniPipeline:
+    def __init__(self, config: EngineConfig) -> None:
+        from omnistage.models.qwen3_omni.tiny import default_checkpoint
+
+        self.config = config
+        path = Path(config.model) if config.model else default_checkpoint()
+        self.model_config = cfg = Qwen3OmniConfig.from_dir(path)
+        device = resolve_device(config.device)
+        dtype = resolve_dtype(config.dtype, device)
+        self.speaks = config.speech and cfg.enable_audio_output
+        self.talker = None
+        extra_floor = 0
+        if self.speaks:
+            # loaded before the Thinker plans its memory, so that the plan sees these weights and pages
+            self.talker = load_talker(
+                path, dtype, device, backend_for(device), config.load_format, config.seed
+            )
+            self.code_predictor = load_code_predictor(path, dtype, device, config.load_format, config.seed)
+            self.code2wav = load_code2wav(path, dtype, device, config.load_format, config.seed)
+            text = cfg.talker.text
+            gib = config.talker_kv_cache_memory_gib or (
+                _GPU_TALKER_KV_GIB if device.type == "cuda" else _CPU_TALKER_KV_GIB
+            )
+            vocab = text.vocab_size
+            self.talker_stage = EmbeddingStage(
+                self.talker,
+                text,
+                num_pages=max(1, int(gib * GiB) // (text.kv_bytes_per_token * config.page_size)),
+                page_size=config.page_size,
+                device=device,
+                dtype=dtype,
+                max_num_seqs=config.max_num_seqs,
+                max_num_batched_tokens=config.max_num_batched_tokens,
+                eos_token_id=cfg.talker.codec_eos_token_id,
+                # the codec's top 1024 ids are control codes, never audio; EOS among them ends the speech
+                suppressed_ids=[i for i in range(vocab - 1024, vocab) if i != cfg.talker.codec_eos_token_id],
+            )
+            self.streamer = Code2WavStreamer(self.code2wav, max_batch=config.code2wav_max_batch)
+            self.tokens = SpeechTokens.from_config(cfg)
+            if device.type == "cuda":
+                extra_floor = self._speech_floor()
+        self.thinker = LLMEngine(config, extra_floor=extra_floor)
+        self.processor, self.tokenizer = self.thinker.processor, self.thinker.tokenizer
+        self.model_path, self.max_model_len = self.thinker.model_path, self.thinker.max_model_len
+        self.device, self.dtype = device, dtype
+        self.sampler = Sampler()
+        self._speaking: dict[str, _Speech] = {}
+        if self.speaks:
+            with torch.inference_mode():
+                self.tts: TtsEmbeds = tts_embeds(self.talker, self._embedding, self.tokens)
+
+    @property
+    def _embedding(self) -> torch.nn.Embedding:
+        return self.thinker.model.model.embed_tokens
+
+    @property
+    def voices(self) -> tuple[str, ...]:
+        """The released speakers' names (lower case); empty when this pipeline cannot speak."""
+        return tuple(sorted(self.tokens.speakers)) if self.speaks else ()
+
+    def _speech_floor(self) -> int:
+        """The peak bytes of the largest Talker prefill step and of a full Code2Wav call (GPU only)."""
+        from omnistage.engine.gpu_memory import device_peak
+
+        talker = self.talker_stage.profile_peak(self.config.max_num_batched_tokens)
+        streamer = self.streamer
+        window = self.code2wav.left_context + streamer.chunk
+        codes = torch.zeros(
+            streamer.max_batch,
+            self.code2wav.config.num_quantizers,
+            window,
+            dtype=torch.long,
+            device=streamer.device,
+        )
+        with torch.inference_mode(), device_peak(streamer.device) as peak:
+            self.code2wav.decode_window(
+                codes, torch.zeros(streamer.max_batch, dtype=torch.long, device=streamer.device)
+            )
+        torch.cuda.empty_cache()
+        log.info(
+            "speech stages' floor: Talker prefill %.2f GiB, Code2Wav %.2f GiB", talker / GiB, peak.bytes / GiB
+        )
+        return max(talker, peak.bytes)
+
+    def memory_summary(self) -> str:
+        summary = self.thinker.memory_summary()
+        if not self.speaks:
+            return summary + "; speech off"
+        pool = self.talker_stage.pool
+        return (
+            f"{summary}; speech: Talker KV {pool.num_pages:,} pages x {pool.page_size} tokens, "
+            f"Talker, code predictor and Code2Wav (chunks of {self.streamer.first_chunk} then "
+            f"{self.streamer.chunk} frames, up to {self.streamer.max_batch} streams a call) run eagerly"
+        )
+
+    # -- requests -----------------------------------------------------------------------------------
+
+    def tts_prompt(self, text: str) -> TtsPrompt:
+        """The prompt and reply of speaking `text` exactly: the text as the user's turn, and as the reply."""
+        prompt, token_ids = self.processor.encode_chat(
+            [{"role": "user", "content": text}], True, self.max_model_len
+        )
+        return TtsPrompt(prompt, token_ids, self.processor.encode(text, self.max_model_len))
+
+    def validate(
+        self, prompt_token_ids: list[int], params: SamplingParams, speech: SpeechParams | None = None
+    ) -> int:
+        """Check a request against every stage it needs; return the Thinker's effective max_tokens."""
+        if speech is None:
+            return self.thinker.validate(prompt_token_ids, params)
+        if not self.speaks:
+            raise InvalidRequest(
+                "this server does not speak: the checkpoint has no talker, or speech is off in its config"
+            )
+        try:
+            self.tokens.speaker_id(speech.voice)
+        except ValueError as exc:
+            raise InvalidRequest(str(exc)) from None
+        if speech.reply_token_ids is None:
+            max_tokens = self.thinker.validate(prompt_token_ids, params)
+            text_tokens = max_tokens
+        else:
+            if not speech.reply_token_ids:
+                raise InvalidRequest("there is no text to speak")
+            max_tokens = self.thinker.validate(prompt_token_ids, SamplingParams(max_tokens=1))
+            text_tokens = len(speech.reply_token_ids)
+        ids = torch.tensor(prompt_token_ids)
+        tokens = self.tokens
+        if len(ids) < 3 or ids[-3:].tolist() != [tokens.im_start, tokens.assistant, ids[-1].item()]:
+            raise InvalidRequest(
+                "a spoken reply needs a chat prompt that ends by opening the assistant's turn"
+            )
+        talker_prompt_len = int(user_turn_mask(ids, tokens).sum()) + ASSISTANT_ROWS
+        self.talker_stage.pool.check_admissible(talker_prompt_len + self._frame_cap(speech, text_tokens))
+        return max_tokens
+
+    def _frame_cap(self, speech: SpeechParams, text_tokens: int) -> int:
+        return speech.talker.max_tokens or default_frame_cap(text_tokens)
+
+    def add_requests(self, requests: list[NewRequest]) -> list[Exception | None]:
+        """Admit several requests (their media encoded together); per request, None or what kept it out."""
+        errors: list[Exception | None] = [None] * len(requests)
+        thinker_requests, indices = [], []
+        for i, r in enumerate(requests):
+            if r.speech is None:
+                thinker_requests.append(r)
+                indices.append(i)
+                continue
+            try:
+                max_tokens = self.validate(r.prompt_token_ids, r.params, r.speech)
+            except Exception as exc:
+                errors[i] = exc
+                continue
+            speech = self._new_speech(r, max_tokens)
+            if r.speech.reply_token_ids is None:
+                thinker_requests.append(replace(r, tap=speech.tap))
+                indices.append(i)
+            self._speaking[r.request_id] = speech
+        for i, error in zip(indices, self.thinker.add_requests(thinker_requests)):
+            if error is not None:
+                errors[i] = error
+                self._speaking.pop(requests[i].request_id, None)
+        return errors
+
+    def _new_speech(self, r: NewRequest, max_tokens: int) -> _Speech:
+        mm = r.mm
+        grids = (
+            [] if mm is None or mm.image_grid_thw is None else [tuple(g) for g in mm.image_grid_thw.tolist()]
+        )
+        ids = torch.tensor(r.prompt_token_ids)
+        media_rows = torch.isin(ids, torch.tensor(self.tokens.placeholders)).nonzero()[:, 0]
+        tap = None
+        if len(media_rows) and r.speech.reply_token_ids is None:
+            width = self.model_config.thinker.text.hidden_size
+            tap = HiddenTap(
+                self.model_config.talker.accept_hidden_layer,
+                media_rows.to(self.device),
+                torch.zeros(len(media_rows), width, dtype=self.dtype, device=self.device),
+            )
+        reply = r.speech.reply_token_ids
+        text = RequestOutput(r.request_id, r.prompt, r.prompt_token_ids, [CompletionOutput(0, "", [])])
+        speech = _Speech(
+            request_id=r.request_id,
+            params=r.speech,
+            speaker=self.tokens.speaker_id(r.speech.voice),
+            prompt_ids=list(r.prompt_token_ids),
+            grids=grids,
+            audio_tokens=[] if mm is None else list(mm.num_audio_tokens),
+            frame_cap=self._frame_cap(r.speech, len(reply) if reply is not None else max_tokens),
+            tap=tap,
+            text=text,
+        )
+        if reply is not None:  # the reply is given: it is all known, and its end is the unspoken last token
+            speech.generated = [*reply, self.model_config.im_end_token_id]
+            speech.text_done = True
+            completion = CompletionOutput(
+                0,
+                self.processor.decode(reply),
+                list(reply),
+                finish_reason="stop",
+                delta_text="",
+                delta_token_ids=[],
+            )
+            speech.text = replace(text, outputs=[completion], finished=True)
+        return speech
+
+    def abort(self, request_id: str) -> RequestOutput | None:
+        speech = self._speaking.pop(request_id, None)
+        if speech is not None and self.speaks:
+            self.talker_stage.abort(request_id)
+            self.streamer.cancel(request_id)
+        out = self.thinker.abort(request_id)
+        if out is None and speech is not None:
+            completion = replace(
+                speech.text.outputs[0], finish_reason="abort", delta_text="", delta_token_ids=[]
+            )
+            out = replace(speech.text, outputs=[completion], finished=True)
+        return out
+
+    def has_unfinished(self) -> bool:
+        return self.thinker.has_unfinished() or bool(self._speaking)
+
+    @property
+    def num_waiting(self) -> int:
+        return self.thinker.num_waiting
+
+    def stats(self) -> dict[str, int]:
+        stats = self.thinker.stats()
+        if self.speaks:
+            pool = self.talker_stage.pool
+            stats |= {
+                "talker_kv_pages_total": pool.num_pages,
+                "talker_kv_pages_free": pool.num_free,
+                "num_speaking": len(self._speaking),
+            }
+        return stats
+
+    # -- one step -----------------------------------------------------------------------------------
+
+    def step(self) -> list[RequestOutput]:
+        outputs: list[RequestOutput] = []
+        touched: dict[str, _Speech] = {}
+        if self.thinker.has_unfinished():
+            for out in self.thinker.step():
+                speech = self._speaking.get(out.request_id)
+                if speech is None:
+                    outputs.append(out)
+                    continue
+                self._on_text(speech, out)
+                touched[out.request_id] = speech
+        if self._speaking:
+            chunks = self._speak()
+            for request_id, speech in self._speaking.items():
+                if request_id in chunks or speech.finished:
+                    touched[request_id] = speech
+            for request_id, speech in touched.items():
+                outputs.append(self._output(speech, chunks.get(request_id, [])))
+                if speech.finished:
+                    self._speaking.pop(request_id, None)
+        return outputs
+
+    def _on_text(self, speech: _Speech, out: RequestOutput) -> None:
+        completion = out.outputs[0]
+        speech.text = out
+        speech.generated = completion.token_ids
+        if not out.finished:
+            return
+        speech.text_done = True
+        if completion.finish_reason in ("error", "abort"):
+            self._fail(speech, out.error or f"the reply's text ended with {completion.finish_reason}")
+            return
+        if speech.params.talker.max_tokens is None:  # the cap follows the text, now that its length is known
+            speech.frame_cap = min(speech.frame_cap, default_frame_cap(max(0, len(speech.generated) - 1)))
+            if (
+                speech.talker_started
+                and not speech.talker_done
+                and self.talker_stage.cap(speech.request_id, speech.frame_cap)
+            ):
+                self._end_talker(speech)
+
+    def _fail(self, speech: _Speech, error: str) -> None:
+        speech.error = error
+        self.talker_stage.abort(speech.request_id)
+        self.streamer.cancel(speech.request_id)
+
+    @torch.inference_mode()
+    def _speak(self) -> dict[str, list[np.ndarray]]:
+        """Start the Talkers that can start, run one Talker step and the code predictor on what it sampled,
+        then one Code2Wav step; returns the audio chunks per request."""
+        for speech in list(self._speaking.values()):
+            if not speech.talker_started and speech.error is None:
+                self._start_talker(speech)
+        self._feed_text()
+        frames: list[tuple[_Speech, Sampled]] = []
+        for sampled in self.talker_stage.step() if self.talker_stage.has_unfinished() else []:
+            speech = self._speaking.get(sampled.request_id)
+            if speech is None:
+                continue
+            if sampled.error is not None:
+                self._fail(speech, f"speech failed: {sampled.error}")
+            elif sampled.token == self.model_config.talker.codec_eos_token_id:
+                self._end_talker(speech)
+            else:
+                frames.append((speech, sampled))
+        if frames:
+            self._predict_frames(frames)
+            self._feed_text()
+        chunks: dict[str, list[np.ndarray]] = {}
+        for chunk in self.streamer.step():
+            speech = self._speaking.get(chunk.request_id)
+            if speech is None:
+                continue
+            chunks.setdefault(chunk.request_id, []).append(chunk.samples.float().cpu().numpy())
+            speech.audio_done = chunk.final
+        return chunks
+
+    def _start_talker(self, speech: _Speech) -> None:
+        """Queue the Talker's prompt once the first spoken token is known (or end a reply with none)."""
+        spoken = speech.generated[:-1]
+        if not spoken:
+            if speech.text_done:  # a one-token reply: nothing to say
+                speech.talker_started = speech.talker_done = speech.audio_done = True
+            return
+        device = self.device
+        ids = torch.tensor(speech.prompt_ids, device=device)
+        embeds = self._embedding(ids)
+        accept = embeds.new_zeros(embeds.shape)
+        if speech.tap is not None:
+            accept[speech.tap.rows] = speech.tap.values
+        prompt = talker_prompt(
+            self.talker,
+            self.tokens,
+            self.tts,
+            ids,
+            embeds,
+            accept,
+            self._embedding(torch.tensor(spoken[0], device=device)),
+            speech.speaker,
+        )
+        positions = talker_positions(prompt, self.model_config, speech.grids, speech.audio_tokens)
+        self.talker_stage.add(
+            speech.request_id, prompt.embeds, positions, speech.params.talker, speech.frame_cap
+        )
+        speech.generator = self.talker_stage.generator(speech.request_id)
+        speech.talker_started = True
+        speech.tap = None
+        self.streamer.open(speech.request_id)
+
+    def _feed_text(self) -> None:
+        """Give each Talker waiting with a finished frame its next input row, where the text row is known."""
+        waiting = [s for s in self._speaking.values() if s.codec_sum is not None and s.error is None]
+        ready, token_rows = [], []
+        for speech in waiting:
+            index = speech.rows_fed + 1  # text row k is spoken token k + 1
+            spoken = speech.generated[:-1]
+            if index < len(spoken):
+                ready.append((speech, None))
+                token_rows.append(spoken[index])
+            elif speech.text_done:
+                ready.append((speech, self.tts.eos if index == len(spoken) else self.tts.pad))
+        if not ready:
+            return
+        projected = iter(())
+        if token_rows:
+            projected = iter(
+                self.talker.text_projection(self._embedding(torch.tensor(token_rows, device=self.device)))
+            )
+        for speech, text_row in ready:
+            row = next(projected) if text_row is None else text_row
+            self.talker_stage.feed(speech.request_id, speech.codec_sum + row)
+            speech.codec_sum = None
+            speech.rows_fed += 1
+
+    def _predict_frames(self, frames: list[tuple[_Speech, Sampled]]) -> None:
+        """Codes 1..15 of every new frame in one batched call; the frames go to Code2Wav."""
+        code0 = torch.tensor([s.token for _, s in frames], device=self.device)
+        hidden = torch.stack([s.hidden for _, s in frames])
+        rows = [
+            SamplingRow(code_predictor_params(speech.params.talker), [], [], generator=speech.generator)
+            for speech, _ in frames
+        ]
+        residual, sums = self.code_predictor.predict_frame(
+            hidden, self.talker.model.codec_embedding(code0), lambda logits: self.sampler(logits, rows)
+        )
+        frame_codes = torch.cat((code0[:, None], residual), dim=1)
+        for (speech, sampled), codes, codec_sum in zip(frames, frame_codes, sums):
+            speech.codes.append(codes.tolist())
+            self.streamer.feed(speech.request_id, codes[:, None])
+            if sampled.finished:
+                self._end_talker(speech)
+            else:
+                speech.codec_sum = codec_sum
+
+    def _end_talker(self, speech: _Speech) -> None:
+        speech.talker_done = True
+        speech.codec_sum = None
+        self.streamer.finish(speech.request_id)
+
+    def _output(self, speech: _Speech, chunks: list[np.ndarray]) -> RequestOutput:
+        text = speech.text
+        finished = speech.finished
+        completion = text.outputs[0]
+        if speech.error is not None:
+            completion = replace(completion, finish_reason="error")
+        elif not finished:
+            completion = replace(completion, finish_reason=None)
+        out = replace(
+            text,
+            outputs=[completion],
+            finished=finished,
+            error=speech.error,
+            audio_delta=np.concatenate(chunks) if chunks else None,
+            num_audio_frames=len(speech.codes),
+        )
+        speech.text = replace(text, outputs=[replace(text.outputs[0], delta_text="", delta_token_ids=[])])
+        speech.audio += chunks
+        if finished:
+            out.audio = np.concatenate(speech.audio) if speech.audio else np.zeros(0, dtype=np.float32)
+            out.audio_codes = speech.codes
+        return out
