@@ -6,6 +6,9 @@ proper 4xx/503 responses even for `stream: true`. Rendering, tokenizing and medi
 (`omnistage.media`) run in worker threads with calls that let go of the GIL, never on the event loop. From
 then on a client that goes away, streaming or not, cancels its request: the engine stream is closed, which
 aborts the request and frees its pages.
+
+A request asking for audio (chat with `modalities` "audio", or `/v1/audio/speech`) speaks through the
+engine's Talker; `omnistage.server.speech` encodes the audio and spells its chunks.
 """
 
 from __future__ import annotations
@@ -26,7 +29,7 @@ from fastapi.routing import APIRoute
 from starlette.types import Receive, Scope, Send
 
 from omnistage.engine.async_engine import AsyncEngine
-from omnistage.engine.sampling import SamplingParams
+from omnistage.engine.sampling import SamplingParams, SpeechParams
 from omnistage.errors import InvalidMedia, InvalidRequest, OmnistageError
 from omnistage.media import MediaPolicy, decode_messages, load_audio
 from omnistage.models.qwen3_omni.transcription import max_transcription_tokens, transcription_messages
@@ -41,7 +44,7 @@ from omnistage.server.errors import (
     install_error_handlers,
     kind_of,
 )
-from omnistage.server.formats import DONE, ChatFormat, CompletionFormat, Format, sse
+from omnistage.server.formats import DONE, ChatFormat, CompletionFormat, Format, SpeakingFormat, sse
 from omnistage.server.gate import DEFAULT_MAX_BODY_BYTES, Gate
 from omnistage.server.metrics import ServerMetrics
 from omnistage.server.protocol import (
@@ -49,9 +52,21 @@ from omnistage.server.protocol import (
     CompletionRequest,
     ModelCard,
     ModelList,
+    SpeechRequest,
     Usage,
     invalid_text,
     may_hold_surrogates,
+)
+from omnistage.server.speech import (
+    CHAT_FORMATS,
+    ENCODINGS,
+    SPEECH_FORMATS,
+    SpeechStream,
+    SpokenChatFormat,
+    check_format,
+    encode,
+    require_talker,
+    speech_params,
 )
 from omnistage.server.transcriptions import TranscriptionFormat, check_response_format
 
@@ -60,7 +75,8 @@ log = logging.getLogger(__name__)
 CHAT = "/v1/chat/completions"
 COMPLETIONS = "/v1/completions"
 TRANSCRIPTIONS = "/v1/audio/transcriptions"
-_ENDPOINTS = {CHAT, COMPLETIONS, TRANSCRIPTIONS, "/v1/models", "/health", "/metrics"}
+SPEECH = "/v1/audio/speech"
+_ENDPOINTS = {CHAT, COMPLETIONS, TRANSCRIPTIONS, SPEECH, "/v1/models", "/health", "/metrics"}
 
 T = TypeVar("T")
 INT64 = {"ge": -(2**63), "le": 2**63 - 1}
@@ -85,7 +101,12 @@ def build_app(
     app.add_middleware(CatchAll, on_error=server.count)  # added last: the outermost
 
     v1 = APIRouter(prefix="/v1")
-    for path, endpoint in (("/chat/completions", server.chat), ("/completions", server.completions)):
+    json_routes = (
+        ("/chat/completions", server.chat),
+        ("/completions", server.completions),
+        ("/audio/speech", server.speech),
+    )
+    for path, endpoint in json_routes:
         v1.add_api_route(
             path, endpoint, methods=["POST"], response_model=None, route_class_override=_JSONRoute
         )
@@ -142,11 +163,36 @@ class _Server:
 
     async def chat(self, body: ChatCompletionRequest, request: Request) -> Response:
         self._check_model(body.model)
+        speech = self._chat_speech(body)
         params = body.sampling_params(body.requested_max_tokens)
-        fmt = ChatFormat(f"chatcmpl-{uuid.uuid4().hex}", self.served_model_name, body.include_usage)
+        request_id, name = f"chatcmpl-{uuid.uuid4().hex}", self.served_model_name
+        fmt: Format = ChatFormat(request_id, name, body.include_usage)
+        if speech is not None and body.audio is not None:
+            fmt = SpokenChatFormat(request_id, name, body.include_usage, body.audio.format)
         work = self._process_media_chat if body.has_media() else self._encode_chat
         prompt = await asyncio.to_thread(work, body.message_dicts(), body.add_generation_prompt)
-        return await self._generate(request, CHAT, fmt, prompt, params, bool(body.stream))
+        return await self._generate(request, CHAT, fmt, prompt, params, bool(body.stream), speech)
+
+    async def speech(self, body: SpeechRequest, request: Request) -> Response:
+        """Speak exactly `input`: the Talker reads the text's token embeddings; the Thinker does not run."""
+        self._check_model(body.model)
+        check_format(body.response_format, SPEECH_FORMATS, "response_format")
+        engine = self.engine.engine
+        speech = speech_params(body.voice, engine.voices, "voice", body.talker_params(body.seed))
+        tts = await asyncio.to_thread(engine.tts_prompt, body.input)
+        speech.reply_token_ids = tts.reply_token_ids
+        params = SamplingParams(max_tokens=max(1, len(tts.reply_token_ids)))
+        request_id = f"speech-{uuid.uuid4().hex}"
+        outputs = self.engine.generate(request_id, tts.prompt, tts.token_ids, params, speech=speech)
+        encoding = ENCODINGS[body.response_format]
+        if body.stream_format == "sse" or encoding.format == "RAW":
+            stream = SpeechStream(request_id, body.response_format, sse=body.stream_format == "sse")
+            first = await _engine_call(_unless_disconnected(request, anext(outputs)), outputs, request_id)
+            return _Stream(self._speech_events(stream, outputs, first), stream.media_type)
+        final = await self._final(request, outputs, request_id)
+        data = await asyncio.to_thread(encode, final.audio, body.response_format)
+        self.count(SPEECH, 200)
+        return Response(data, media_type=encoding.content_type)
 
     async def completions(self, body: CompletionRequest, request: Request) -> Response:
         self._check_model(body.model)
@@ -221,6 +267,30 @@ class _Server:
                 f"the model '{name}' does not exist; this server serves '{self.served_model_name}'"
             )
 
+    def _chat_speech(self, body: ChatCompletionRequest) -> SpeechParams | None:
+        """The chat request's SpeechParams, or None when it asks for text alone."""
+        if not body.asks_for_audio():
+            return None
+        asked_by = "modalities" if "audio" in (body.modalities or ()) else "audio"
+        voices = self.engine.engine.voices
+        require_talker(voices, asked_by)
+        if body.audio is None:
+            raise InvalidField("audio", "is required when modalities has 'audio': give its voice and format")
+        if asked_by == "audio":
+            raise InvalidField("modalities", "must include 'audio' for the reply to be spoken (audio is set)")
+        check_format(body.audio.format, CHAT_FORMATS, "audio.format")
+        if body.stream and body.audio.format != "pcm16":
+            raise InvalidField(
+                "audio.format",
+                "a streamed reply's audio is pcm16 (raw 16-bit little-endian samples, 24 kHz mono), as "
+                f"OpenAI streams it; ask for 'pcm16', got {body.audio.format!r}",
+            )
+        try:
+            talker = body.audio.talker_params(body.seed)
+        except InvalidRequest as exc:
+            raise InvalidField("audio", str(exc)) from None
+        return speech_params(body.audio.voice, voices, "audio.voice", talker)
+
     def _card(self) -> ModelCard:
         return ModelCard(
             id=self.served_model_name,
@@ -267,15 +337,33 @@ class _Server:
         prompt: _Prompt | Any,
         params: SamplingParams,
         stream: bool,
+        speech: SpeechParams | None = None,
     ) -> Response:
-        """Run one request; `prompt` is a _Prompt or the processor's ProcessedPrompt (with mrope and mm)."""
-        media = {k: v for k in ("mrope", "mm") if (v := getattr(prompt, k, None)) is not None}
-        outputs = self.engine.generate(fmt.id, prompt.prompt, prompt.token_ids, params, **media)
+        """Run one request; `prompt` is a _Prompt or the processor's ProcessedPrompt (with mrope and mm).
+
+        With `speech` the reply is spoken too, and `fmt` is a SpeakingFormat."""
+        extra: dict[str, Any] = {k: v for k in ("mrope", "mm") if (v := getattr(prompt, k, None)) is not None}
+        if speech is not None:
+            extra["speech"] = speech
+        outputs = self.engine.generate(fmt.id, prompt.prompt, prompt.token_ids, params, **extra)
         if stream:
             # Wait for the first output so that admission errors still get their status code.
             first = await _engine_call(_unless_disconnected(request, anext(outputs)), outputs, fmt.id)
-            return _EventStream(self._events(endpoint, fmt, outputs, first))
+            return _Stream(self._events(endpoint, fmt, outputs, first))
+        final = await self._final(request, outputs, fmt.id)
+        text, reason = final.outputs[0].text, final.outputs[0].finish_reason
+        if isinstance(fmt, SpeakingFormat):
+            usage = _usage(final, spoken=True)
+            body = await asyncio.to_thread(fmt.spoken_response, text, reason, usage, final.audio)
+        else:
+            body = fmt.response(text, reason, _usage(final, spoken=False))
+        self.count(endpoint, 200)
+        return body if isinstance(body, Response) else JSONResponse(body)
 
+    async def _final(
+        self, request: Request, outputs: AsyncIterator[RequestOutput], request_id: str
+    ) -> RequestOutput:
+        """The request's finished output (raising if it failed), once the engine is done with it."""
         seen: list[RequestOutput] = []
 
         async def collect() -> RequestOutput:
@@ -284,22 +372,20 @@ class _Server:
             return seen[-1]
 
         try:
-            final = await _engine_call(_unless_disconnected(request, collect()), outputs, fmt.id)
+            final = await _engine_call(_unless_disconnected(request, collect()), outputs, request_id)
         finally:
             if seen:
                 self.metrics.observe(seen[-1])
-        completion = final.outputs[0]
         _raise_if_failed(final)
-        usage = Usage.of(len(final.prompt_token_ids), len(completion.token_ids))
-        self.count(endpoint, 200)
-        body = fmt.response(completion.text, completion.finish_reason, usage)
-        return body if isinstance(body, Response) else JSONResponse(body)
+        return final
 
     async def _events(
         self, endpoint: str, fmt: Format, outputs: AsyncIterator[RequestOutput], first: RequestOutput
     ) -> AsyncIterator[str]:
-        """The SSE body: opening chunk, deltas, the finishing chunk, usage if asked, then [DONE]."""
+        """The SSE body: opening chunk, deltas (text, and audio when spoken), the finishing chunk, usage if
+        asked, then [DONE]."""
         last, status = first, "cancelled"
+        spoken = fmt if isinstance(fmt, SpeakingFormat) else None
         try:
             for chunk in fmt.opening():
                 yield chunk
@@ -309,14 +395,18 @@ class _Server:
                     break
                 for chunk in fmt.delta(completion.delta_text, None):
                     yield chunk
+                for chunk in _audio_chunks(spoken, last):
+                    yield chunk
                 last = await anext(outputs)
             _raise_if_failed(last)
             for chunk in fmt.delta(completion.delta_text, completion.finish_reason):
                 yield chunk
+            for chunk in _audio_chunks(spoken, last):
+                yield chunk
             for chunk in fmt.closing(completion.finish_reason):
                 yield chunk
             if fmt.include_usage:
-                yield fmt.usage_chunk(Usage.of(len(last.prompt_token_ids), len(completion.token_ids)))
+                yield fmt.usage_chunk(_usage(last, spoken=spoken is not None))
             yield DONE
             status = 200
         except Exception as exc:  # after the 200 went out, a failure can only be told in the stream
@@ -329,6 +419,48 @@ class _Server:
             await outputs.aclose()
             self.count(endpoint, status)
             self.metrics.observe(last)
+
+    async def _speech_events(
+        self, stream: SpeechStream, outputs: AsyncIterator[RequestOutput], first: RequestOutput
+    ) -> AsyncIterator[str | bytes]:
+        """The streamed body of /v1/audio/speech: audio as it is decoded, then the end `stream` writes."""
+        last, status = first, "cancelled"
+        try:
+            while True:
+                if last.finished:
+                    _raise_if_failed(last)
+                if last.audio_delta is not None:
+                    for chunk in stream.audio(last.audio_delta):
+                        yield chunk
+                if last.finished:
+                    break
+                last = await anext(outputs)
+            ending = await asyncio.to_thread(stream.done, len(last.prompt_token_ids), last.num_audio_frames)
+            for chunk in ending:
+                yield chunk
+            status = 200
+        except Exception as exc:  # after the 200 went out, a failure can only be told in the stream
+            failure = _typed(exc, stream.id)
+            kind = kind_of(failure)
+            status = kind.status
+            for chunk in stream.failed(failure, kind):
+                yield chunk
+        finally:
+            await outputs.aclose()
+            self.count(SPEECH, status)
+            self.metrics.observe(last)
+
+
+def _usage(output: RequestOutput, spoken: bool) -> Usage:
+    """Prompt and generated tokens; a spoken reply's codec frames count as its audio tokens."""
+    audio_tokens = output.num_audio_frames if spoken else None
+    return Usage.of(len(output.prompt_token_ids), len(output.outputs[0].token_ids), audio_tokens)
+
+
+def _audio_chunks(fmt: SpeakingFormat | None, output: RequestOutput) -> list[str]:
+    if fmt is None or output.audio_delta is None:
+        return []
+    return fmt.audio(output.audio_delta)
 
 
 @dataclass(frozen=True)
@@ -393,17 +525,18 @@ async def _disconnect(request: Request) -> None:
         pass
 
 
-class _EventStream(StreamingResponse):
-    """Server-sent events whose generator is always closed, so a client that leaves aborts its request.
+class _Stream(StreamingResponse):
+    """A streamed body (server-sent events, or raw audio) whose generator is always closed, so a client
+    that leaves aborts its request.
 
     Starlette cancels the sending task on disconnect but leaves the generator suspended; closing it here
     runs its `finally`, which closes the engine stream at once instead of whenever it is collected.
     """
 
-    def __init__(self, events: AsyncIterator[str]) -> None:
-        # No caching, and no buffering by a proxy (nginx honours X-Accel-Buffering): each event goes out at once.
+    def __init__(self, chunks: AsyncIterator[Any], media_type: str = "text/event-stream") -> None:
+        # No caching, and no buffering by a proxy (nginx honours X-Accel-Buffering): each chunk goes out at once.
         headers = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
-        super().__init__(events, media_type="text/event-stream", headers=headers)
+        super().__init__(chunks, media_type=media_type, headers=headers)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         try:

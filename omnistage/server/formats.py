@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import json
 import time
-from typing import Any, Protocol
+from typing import Any, Protocol, runtime_checkable
 
+import numpy as np
 from fastapi.responses import Response
 
 from omnistage.server.protocol import (
@@ -38,6 +39,17 @@ class Format(Protocol):
     def closing(self, finish_reason: str) -> list[str]: ...
     def usage_chunk(self, usage: Usage) -> str: ...
     def response(self, text: str, finish_reason: str, usage: Usage) -> dict[str, Any] | Response: ...
+
+
+@runtime_checkable
+class SpeakingFormat(Format, Protocol):
+    """A Format whose reply is spoken too: stream chunks for each piece of audio, and the whole response
+    with the whole audio (encoding it takes a while, so that runs in a worker thread)."""
+
+    def audio(self, pcm: np.ndarray) -> list[str]: ...
+    def spoken_response(
+        self, text: str, finish_reason: str, usage: Usage, audio: np.ndarray
+    ) -> dict[str, Any] | Response: ...
 
 
 class ChatFormat:

@@ -4,9 +4,9 @@ Requests are strict: an unknown field is a 400 naming it, and so is a value of t
 (`"stream": "yes"`, `"temperature": true`; an integer is still a number), an integer beyond int64 or a
 number that is not finite. Every field of OpenAI's current request schemas is accepted: honoured, ignored
 where ignoring it changes nothing the client gets (see the README), or refused with a 400 naming the field
-where ignoring it would (`n` > 1, logprobs, tools, JSON response formats, audio output). Sampling extras
-that OpenAI lacks (top_k, min_p, repetition_penalty, min_tokens, ignore_eos, ...) carry vLLM's names, so
-clients pass them through `extra_body` unchanged.
+where ignoring it would (`n` > 1, logprobs, tools, JSON response formats). Sampling extras that OpenAI
+lacks (top_k, min_p, repetition_penalty, min_tokens, ignore_eos, ...) carry vLLM's names, so clients pass
+them through `extra_body` unchanged; the Talker's take the same names beside `max_frames`.
 """
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ from __future__ import annotations
 import re
 import time
 from collections.abc import Callable
+from dataclasses import replace
 from typing import Annotated, Any, Literal
 
 from pydantic import (
@@ -22,20 +23,23 @@ from pydantic import (
     ConfigDict,
     Discriminator,
     Field,
+    SerializerFunctionWrapHandler,
     Tag,
     field_serializer,
     field_validator,
+    model_serializer,
     model_validator,
 )
 
-from omnistage.engine.sampling import SamplingParams
+from omnistage.engine.sampling import SamplingParams, talker_sampling_defaults
 from omnistage.errors import InvalidRequest
 
 Int64 = Annotated[int, Field(ge=-(2**63), le=2**63 - 1)]
 TokenId = Annotated[int, Field(ge=0, le=2**63 - 1)]
 TOOLS = "tools are not supported yet"
-AUDIO_OUTPUT = "audio output is not supported yet; this server answers in text"
 LOGPROBS = "logprobs are not supported yet"
+# OpenAI documents 4,096 characters as the most /v1/audio/speech speaks in one request.
+MAX_SPEECH_INPUT = 4096
 
 
 class _Strict(BaseModel):
@@ -200,7 +204,7 @@ class ChatMessage(_Strict):
     tool_calls: list[dict[str, Any]] | None = None
     function_call: dict[str, Any] | None = None
     tool_call_id: str | None = None
-    audio: dict[str, Any] | None = None  # an earlier assistant audio answer, by id
+    audio: dict[str, Any] | None = None  # an earlier assistant audio answer, by id: refused, none is kept
 
     @model_validator(mode="after")
     def _supported(self) -> ChatMessage:
@@ -209,7 +213,10 @@ class ChatMessage(_Strict):
         if self.tool_calls or self.function_call:
             raise ValueError(f"tool calls are not supported ({TOOLS})")
         if self.audio is not None:
-            raise ValueError(AUDIO_OUTPUT)
+            raise ValueError(
+                "audio output is not supported in messages: no audio answer is kept, so none can be referred "
+                "to by its id; send its transcript as the content"
+            )
         if self.content is None:
             raise ValueError("content is missing")
         return self
@@ -232,6 +239,40 @@ def _text_format(value: ResponseFormat) -> ResponseFormat:
     return value
 
 
+class VoiceRef(_Strict):
+    """OpenAI's custom-voice object: `{"id": "ethan"}` names a voice as the plain string does."""
+
+    id: str
+
+
+class _TalkerFields(_Strict):
+    """This server's controls of the Talker (not OpenAI's): the most codec frames to speak (12.5 per
+    second of audio; unset, a cap proportional to the text) and sampling over the released defaults."""
+
+    max_frames: Annotated[Int64, Field(ge=1)] | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: Int64 | None = None
+    repetition_penalty: float | None = None
+
+    def talker_params(self, seed: int | None) -> SamplingParams:
+        """The Talker's SamplingParams; `seed` also seeds the code predictor. Raises InvalidRequest."""
+        defaults = talker_sampling_defaults()
+        given = {
+            name: value
+            for name in ("temperature", "top_p", "top_k", "repetition_penalty")
+            if (value := getattr(self, name)) is not None
+        }
+        return replace(defaults, max_tokens=self.max_frames, seed=seed, **given)
+
+
+class ChatAudioParams(_TalkerFields):
+    """A chat request's `audio`: OpenAI's voice and format, and the Talker's controls."""
+
+    voice: str | VoiceRef
+    format: str  # checked against what this server can encode, so an unknown one is a 400 naming those
+
+
 class ChatCompletionRequest(_SamplingRequest):
     messages: list[ChatMessage] = Field(min_length=1)
     max_tokens: Int64 | None = None
@@ -251,10 +292,8 @@ class ChatCompletionRequest(_SamplingRequest):
         Literal["none", "auto"] | dict[str, Any] | None,
         _unless(lambda c: c in ("none", "auto"), TOOLS + ", so none can be required"),
     ] = None
-    modalities: Annotated[
-        list[Literal["text", "audio"]] | None, _unless(lambda m: "audio" not in m, AUDIO_OUTPUT)
-    ] = None
-    audio: Annotated[dict[str, Any] | None, _unless(_never, AUDIO_OUTPUT)] = None
+    modalities: list[Literal["text", "audio"]] | None = None
+    audio: ChatAudioParams | None = None
     web_search_options: Annotated[dict[str, Any] | None, _unless(_never, "web search is not supported")] = (
         None
     )
@@ -275,6 +314,9 @@ class ChatCompletionRequest(_SamplingRequest):
     @property
     def requested_max_tokens(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+    def asks_for_audio(self) -> bool:
+        return self.audio is not None or "audio" in (self.modalities or ())
 
     def has_media(self) -> bool:
         return any(
@@ -338,6 +380,29 @@ class CompletionRequest(_SamplingRequest):
         return prompt
 
 
+# -- speech ---------------------------------------------------------------------------------------------
+
+
+class SpeechRequest(_TalkerFields):
+    """`/v1/audio/speech`: speak exactly `input`."""
+
+    model: str
+    input: str = Field(min_length=1, max_length=MAX_SPEECH_INPUT)
+    voice: str | VoiceRef
+    response_format: str = "mp3"  # OpenAI's default; checked against what this server can encode
+    stream_format: Literal["audio", "sse"] = "audio"
+    speed: Annotated[
+        float | None,
+        _unless(lambda s: s == 1.0, "speed must be 1.0 (the Talker speaks at one speed), got {value}"),
+    ] = None
+    # The Talker's voice is the chosen speaker's; no instruction changes it, so one given is refused.
+    instructions: Annotated[
+        str | None, _unless(_empty, "instructions are not supported: the voice is set by `voice` alone")
+    ] = None
+    seed: Int64 | None = None  # this server's: seeds the Talker and the code predictor
+    user: str | None = None  # OpenAI's end-user tag: ignored
+
+
 # -- responses --------------------------------------------------------------------------------------------
 
 
@@ -345,23 +410,62 @@ def _now() -> int:
     return int(time.time())
 
 
+class CompletionTokensDetails(BaseModel):
+    text_tokens: int
+    audio_tokens: int  # codec frames (12.5 per second of audio)
+
+
+def _drop_if_none(data: dict[str, Any], name: str) -> dict[str, Any]:
+    # OpenAI leaves the field out where it does not apply; a text reply reads exactly as before speech.
+    if name in data and data[name] is None:
+        del data[name]
+    return data
+
+
 class Usage(BaseModel):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
+    completion_tokens_details: CompletionTokensDetails | None = None  # with speech: text and audio tokens
+
+    @model_serializer(mode="wrap")
+    def _serialize(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        return _drop_if_none(handler(self), "completion_tokens_details")
 
     @classmethod
-    def of(cls, prompt_tokens: int, completion_tokens: int) -> Usage:
+    def of(cls, prompt_tokens: int, completion_tokens: int, audio_tokens: int | None = None) -> Usage:
+        """Usage of `completion_tokens` text tokens, plus `audio_tokens` codec frames when the reply spoke
+        (counted in completion_tokens too, as OpenAI counts them)."""
+        details = None
+        if audio_tokens is not None:
+            details = CompletionTokensDetails(text_tokens=completion_tokens, audio_tokens=audio_tokens)
+            completion_tokens += audio_tokens
         return cls(
             prompt_tokens=prompt_tokens,
             completion_tokens=completion_tokens,
             total_tokens=prompt_tokens + completion_tokens,
+            completion_tokens_details=details,
         )
+
+
+class AssistantAudio(BaseModel):
+    """A spoken reply. Nothing is kept, so `expires_at` is the response's creation: the audio cannot be
+    referred to by its id in a later turn."""
+
+    id: str
+    data: str  # base64 of the audio in the requested format
+    expires_at: int
+    transcript: str
 
 
 class AssistantMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
-    content: str
+    content: str | None  # None when the reply is spoken: its text is the audio's transcript (as OpenAI)
+    audio: AssistantAudio | None = None
+
+    @model_serializer(mode="wrap")
+    def _serialize(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        return _drop_if_none(handler(self), "audio")
 
 
 class ChatChoice(BaseModel):
@@ -380,9 +484,20 @@ class ChatCompletionResponse(BaseModel):
     usage: Usage
 
 
+class DeltaAudio(BaseModel):
+    """A piece of a streamed spoken reply: the id on the first, then transcript text or base64 pcm16, and
+    `expires_at` alone on the last (as OpenAI streams audio)."""
+
+    id: str | None = None
+    transcript: str | None = None
+    data: str | None = None
+    expires_at: int | None = None
+
+
 class ChatDelta(BaseModel):
     role: Literal["assistant"] | None = None
     content: str | None = None
+    audio: DeltaAudio | None = None
 
 
 class ChatChunkChoice(BaseModel):
@@ -392,7 +507,7 @@ class ChatChunkChoice(BaseModel):
     finish_reason: str | None = None
 
     @field_serializer("delta")
-    def _delta(self, delta: ChatDelta) -> dict[str, str]:
+    def _delta(self, delta: ChatDelta) -> dict[str, Any]:
         # OpenAI leaves unset delta fields out: {"content": "Hi"}, and {} on the finishing chunk.
         return delta.model_dump(exclude_none=True)
 

@@ -1,0 +1,112 @@
+"""The speech parts of the HTTP protocol: request fields and their bounds, and usage and message shapes."""
+
+from __future__ import annotations
+
+import pytest
+from pydantic import ValidationError
+
+from omnistage.errors import InvalidRequest
+from omnistage.server.protocol import (
+    MAX_SPEECH_INPUT,
+    AssistantMessage,
+    ChatAudioParams,
+    ChatCompletionRequest,
+    SpeechRequest,
+    Usage,
+    VoiceRef,
+)
+
+SPEECH = {"model": "tiny", "input": "Hello there.", "voice": "ethan"}
+CHAT = {"model": "tiny", "messages": [{"role": "user", "content": "Hi"}]}
+
+
+def errors(exc: pytest.ExceptionInfo[ValidationError]) -> list[tuple[tuple, str]]:
+    return [(e["loc"], e["msg"]) for e in exc.value.errors()]
+
+
+def test_speech_request_defaults_follow_openai():
+    body = SpeechRequest(**SPEECH)
+    assert (body.response_format, body.stream_format, body.voice) == ("mp3", "audio", "ethan")
+    assert SpeechRequest(**SPEECH | {"voice": {"id": "chelsie"}}).voice == VoiceRef(id="chelsie")
+    assert SpeechRequest(**SPEECH | {"speed": 1.0, "instructions": "", "user": "u"}).speed == 1.0
+
+
+@pytest.mark.parametrize(
+    ("fields", "loc", "needle"),
+    [
+        ({"input": ""}, ("input",), "at least 1 character"),
+        ({"input": "a" * (MAX_SPEECH_INPUT + 1)}, ("input",), f"at most {MAX_SPEECH_INPUT} characters"),
+        ({"speed": 1.5}, ("speed",), "speed must be 1.0"),
+        ({"instructions": "whisper"}, ("instructions",), "instructions are not supported"),
+        ({"stream_format": "chunks"}, ("stream_format",), "'audio' or 'sse'"),
+        ({"max_frames": 0}, ("max_frames",), "greater than or equal to 1"),
+        ({"max_frames": 2**63}, ("max_frames",), "less than or equal to"),
+        ({"seed": -(2**63) - 1}, ("seed",), "greater than or equal to"),
+        ({"temperature": float("nan")}, ("temperature",), "finite number"),
+        ({"voice": 3}, ("voice", "str"), "valid string"),
+        ({"response_format": 1}, ("response_format",), "valid string"),
+        ({"stream": True}, ("stream",), "Extra inputs are not permitted"),
+    ],
+)
+def test_speech_request_fields_are_bounded(fields, loc, needle):
+    with pytest.raises(ValidationError) as exc:
+        SpeechRequest(**SPEECH | fields)
+    found = errors(exc)
+    assert any(where[: len(loc)] == loc and needle in msg for where, msg in found), found
+
+
+def test_the_talker_takes_the_released_defaults_under_the_request_overrides():
+    params = SpeechRequest(**SPEECH).talker_params(seed=None)
+    assert (params.temperature, params.top_k, params.repetition_penalty, params.max_tokens) == (
+        0.9,
+        50,
+        1.05,
+        None,
+    )
+    given = SpeechRequest(**SPEECH | {"max_frames": 25, "temperature": 0.0, "top_k": 5, "top_p": 0.8})
+    params = given.talker_params(seed=7)
+    assert (params.max_tokens, params.temperature, params.top_k, params.top_p, params.seed) == (
+        25,
+        0.0,
+        5,
+        0.8,
+        7,
+    )
+    assert params.repetition_penalty == 1.05
+    with pytest.raises(InvalidRequest, match="top_p must be in"):
+        SpeechRequest(**SPEECH | {"top_p": 0.0}).talker_params(seed=None)
+
+
+def test_chat_audio_is_voice_and_format_plus_the_talker_controls():
+    body = ChatCompletionRequest(
+        **CHAT, modalities=["text", "audio"], audio={"voice": "ethan", "format": "wav", "max_frames": 4}
+    )
+    assert body.asks_for_audio() and body.audio == ChatAudioParams(voice="ethan", format="wav", max_frames=4)
+    assert ChatCompletionRequest(**CHAT, audio={"voice": "ethan", "format": "wav"}).asks_for_audio()
+    assert not ChatCompletionRequest(**CHAT, modalities=["text"]).asks_for_audio()
+    with pytest.raises(ValidationError) as exc:
+        ChatCompletionRequest(**CHAT, audio={"voice": "ethan"})
+    assert errors(exc) == [(("audio", "format"), "Field required")]
+    with pytest.raises(ValidationError) as exc:
+        ChatCompletionRequest(**CHAT, audio={"voice": "ethan", "format": "wav", "speed": 2})
+    assert errors(exc) == [(("audio", "speed"), "Extra inputs are not permitted")]
+    with pytest.raises(ValidationError) as exc:
+        ChatCompletionRequest(**CHAT, modalities=["text", "video"])
+    assert errors(exc)[0][0] == ("modalities", 1)
+
+
+def test_an_earlier_audio_answer_cannot_be_referred_to():
+    messages = [*CHAT["messages"], {"role": "assistant", "audio": {"id": "audio-1"}}]
+    with pytest.raises(ValidationError, match="no audio answer is kept"):
+        ChatCompletionRequest(model="tiny", messages=messages)
+
+
+def test_usage_and_message_read_as_before_unless_the_reply_spoke():
+    assert Usage.of(3, 4).model_dump() == {"prompt_tokens": 3, "completion_tokens": 4, "total_tokens": 7}
+    assert Usage.of(3, 4, audio_tokens=10).model_dump() == {
+        "prompt_tokens": 3,
+        "completion_tokens": 14,
+        "total_tokens": 17,
+        "completion_tokens_details": {"text_tokens": 4, "audio_tokens": 10},
+    }
+    assert AssistantMessage(content="Hi").model_dump() == {"role": "assistant", "content": "Hi"}
