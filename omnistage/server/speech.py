@@ -99,6 +99,12 @@ def _b64(data: bytes) -> str:
     return base64.b64encode(data).decode("ascii")
 
 
+class AudioCut(Exception):
+    """Raised out of a raw audio body that failed after its first bytes went out. It is none of the errors
+    mapped to a response (too late for one): the server closes the connection, the one way left to tell the
+    client that the audio is incomplete."""
+
+
 class SpeechStream:
     """The streamed body of `/v1/audio/speech`.
 
@@ -138,10 +144,9 @@ class SpeechStream:
         return chunks
 
     def failed(self, failure: OmnistageError, kind: ErrorKind) -> list[str | bytes]:
-        """An `error` event; raw audio cannot carry one, so the failure is raised and the connection cut,
-        the one way left to tell the client that the audio is incomplete."""
+        """An `error` event; raw audio cannot carry one, so AudioCut is raised instead."""
         if not self.sse:
-            raise failure
+            raise AudioCut(f"the audio stream of {self.id} broke off: {failure}") from failure
         return [sse({"type": "error"} | error_body(str(failure), kind))]
 
     def _out(self, data: bytes) -> list[str | bytes]:

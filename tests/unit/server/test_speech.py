@@ -18,6 +18,7 @@ from omnistage.server.protocol import Usage, VoiceRef
 from omnistage.server.speech import (
     CHAT_FORMATS,
     SPEECH_FORMATS,
+    AudioCut,
     SpeechStream,
     SpokenChatFormat,
     check_format,
@@ -134,7 +135,7 @@ def test_raw_pcm_speech_streams_bytes_and_cannot_carry_an_error():
     assert stream.audio(tone(0.01)) == [encode(tone(0.01), "pcm")]
     assert stream.done(input_tokens=4, output_tokens=1) == []
     failure = QueueFull("busy")
-    with pytest.raises(QueueFull):
+    with pytest.raises(AudioCut, match="the audio stream of speech-1 broke off: busy"):
         stream.failed(failure, kind_of(failure))
 
 
