@@ -17,6 +17,7 @@ The hand-off streams, by the rules of `models/qwen3_omni/talker_input.py` (equal
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
@@ -100,6 +101,7 @@ class _Speech:
     audio: list[np.ndarray] = field(default_factory=list)
     audio_done: bool = False
     error: str | None = None
+    first_audio: float = 0.0  # monotonic seconds of the first audio chunk
 
     @property
     def finished(self) -> bool:
@@ -388,6 +390,7 @@ class Qwen3OmniPipeline:
 
     def _fail(self, speech: _Speech, error: str) -> None:
         speech.error = error
+        self.thinker.abort(speech.request_id)
         self.talker_stage.abort(speech.request_id)
         self.streamer.cancel(speech.request_id)
 
@@ -397,7 +400,11 @@ class Qwen3OmniPipeline:
         then one Code2Wav step; returns the audio chunks per request."""
         for speech in list(self._speaking.values()):
             if not speech.talker_started and speech.error is None:
-                self._start_talker(speech)
+                try:
+                    self._start_talker(speech)
+                except Exception as exc:  # this request's hand-off failed: it fails alone
+                    log.error("request %s: the Talker could not start", speech.request_id, exc_info=exc)
+                    self._fail(speech, f"speech failed: {type(exc).__name__}: {exc}")
         self._feed_text()
         frames: list[tuple[_Speech, Sampled]] = []
         for sampled in self.talker_stage.step() if self.talker_stage.has_unfinished() else []:
@@ -411,16 +418,46 @@ class Qwen3OmniPipeline:
             else:
                 frames.append((speech, sampled))
         if frames:
-            self._predict_frames(frames)
+            self._predict_isolated(frames)
             self._feed_text()
         chunks: dict[str, list[np.ndarray]] = {}
-        for chunk in self.streamer.step():
+        streaming = [s for s in self._speaking.values() if s.request_id in self.streamer.streams]
+        for chunk in self._guarded(streaming, self.streamer.step) or []:
             speech = self._speaking.get(chunk.request_id)
             if speech is None:
                 continue
             chunks.setdefault(chunk.request_id, []).append(chunk.samples.float().cpu().numpy())
+            speech.first_audio = speech.first_audio or time.monotonic()
             speech.audio_done = chunk.final
         return chunks
+
+    def _predict_isolated(self, frames: list[tuple[_Speech, Sampled]]) -> None:
+        """The frames in one call; if it fails, one at a time (generators put back first), so that only the
+        request at fault fails."""
+        generators = [(g, g.get_state()) for speech, _ in frames if (g := speech.generator) is not None]
+        if len(frames) == 1:
+            self._guarded([frames[0][0]], lambda: self._predict_frames(frames))
+            return
+        try:
+            self._predict_frames(frames)
+        except Exception as exc:
+            log.warning("a code-predictor batch of %d frames failed (%s); one at a time", len(frames), exc)
+            for generator, state in generators:
+                generator.set_state(state)
+            for frame in frames:
+                self._predict_isolated([frame])
+
+    def _guarded(self, speeches: list[_Speech], work):
+        """`work()`, or, if it raises, None with every request it served failed (and the others untouched)."""
+        try:
+            return work()
+        except Exception as exc:
+            if isinstance(exc, torch.OutOfMemoryError):
+                torch.cuda.empty_cache()
+            log.error("a speech step of %d requests failed", len(speeches), exc_info=exc)
+            for speech in speeches:
+                self._fail(speech, f"speech failed: {type(exc).__name__}: {exc}")
+            return None
 
     def _start_talker(self, speech: _Speech) -> None:
         """Queue the Talker's prompt once the first spoken token is known (or end a reply with none)."""
@@ -522,6 +559,8 @@ class Qwen3OmniPipeline:
         )
         speech.text = replace(text, outputs=[replace(text.outputs[0], delta_text="", delta_token_ids=[])])
         speech.audio += chunks
+        if speech.first_audio:
+            out.metrics = {**out.metrics, "first_audio": speech.first_audio}
         if finished:
             out.audio = np.concatenate(speech.audio) if speech.audio else np.zeros(0, dtype=np.float32)
             out.audio_codes = speech.codes

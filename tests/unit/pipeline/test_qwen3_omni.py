@@ -1,0 +1,219 @@
+"""The speaking pipeline on the tiny checkpoint (CPU, float32): batching, the streamed hand-off, caps, text-to-speech,
+cancellation and failures. Parity with transformers is in tests/parity/test_speech_parity.py."""
+
+from __future__ import annotations
+
+import asyncio
+
+import numpy as np
+import pytest
+
+from omnistage import LLM, SamplingParams
+from omnistage.engine.llm_engine import NewRequest
+from omnistage.engine.sampling import SpeechParams, talker_sampling_defaults
+from omnistage.errors import InvalidRequest
+from omnistage.pipeline.async_engine import AsyncEngine
+from omnistage.pipeline.qwen3_omni import default_frame_cap
+
+QUESTIONS = ["Say hello.", "Name a colour.", "Count to three.", "What is rain?", "Tell a joke.", "Why?"]
+VOICES = ["ethan", "chelsie", "aiden", "Ethan", "chelsie", "aiden"]
+
+
+@pytest.fixture(scope="module")
+def llm(tiny_checkpoint):
+    return LLM(str(tiny_checkpoint), device="cpu", dtype="float32", page_size=4)
+
+
+def talker(frames: int | None, seed: int | None = None, **kw) -> SamplingParams:
+    fields = {**vars(talker_sampling_defaults()), "max_tokens": frames, "seed": seed, **kw}
+    return SamplingParams(**fields)
+
+
+def speak(llm: LLM, i: int, frames: int, text_tokens: int) -> dict:
+    """The request of index i: its own question, voice, lengths and seeds (sampled Talker, greedy Thinker)."""
+    return {
+        "messages": [{"role": "user", "content": QUESTIONS[i]}],
+        "params": SamplingParams(max_tokens=text_tokens, temperature=0.0),
+        "speech": SpeechParams(
+            VOICES[i], talker(frames, seed=100 + i, ignore_eos=True, min_tokens=frames or 0)
+        ),
+    }
+
+
+def requests(llm: LLM, specs: list[dict], first_id: int = 0) -> list[NewRequest]:
+    out = []
+    for n, spec in enumerate(specs):
+        prompt = llm.pipeline.processor.process_chat(spec["messages"])
+        out.append(
+            NewRequest(
+                str(first_id + n),
+                prompt.token_ids,
+                spec["params"],
+                prompt.prompt,
+                prompt.mrope,
+                prompt.mm,
+                spec["speech"],
+            )
+        )
+    return out
+
+
+def run(llm: LLM, new: list[NewRequest]) -> dict[str, list]:
+    """Every output of every request, by request id, stepping the pipeline until all have finished."""
+    pipeline = llm.pipeline
+    assert pipeline.add_requests(new) == [None] * len(new)
+    seen: dict[str, list] = {r.request_id: [] for r in new}
+    while pipeline.has_unfinished():
+        for out in pipeline.step():
+            seen[out.request_id].append(out)
+    return seen
+
+
+def assert_pools_full(llm: LLM) -> None:
+    pipeline = llm.pipeline
+    assert not pipeline.has_unfinished()
+    assert pipeline.thinker.pool.num_free == pipeline.thinker.pool.num_pages
+    assert pipeline.talker_stage.pool.num_free == pipeline.talker_stage.pool.num_pages
+    assert not pipeline.streamer.streams
+
+
+def test_six_speaking_requests_together_equal_each_alone(llm):
+    """Different voices, text lengths and frame caps, seeded Talker sampling: batched == alone."""
+    specs = [speak(llm, i, frames=6 + 3 * i, text_tokens=3 + i) for i in range(6)]
+    alone = [
+        run(llm, requests(llm, [spec], first_id=10 * i))[str(10 * i)][-1] for i, spec in enumerate(specs)
+    ]
+    together = run(llm, requests(llm, specs, first_id=100))
+    for i, spec in enumerate(specs):
+        final = together[str(100 + i)][-1]
+        assert final.finished and final.outputs[0].finish_reason == "length"
+        assert final.outputs[0].token_ids == alone[i].outputs[0].token_ids
+        assert len(final.audio_codes) == spec["speech"].talker.max_tokens == final.num_audio_frames
+        assert final.audio_codes == alone[i].audio_codes
+        # same codes; the waveform differs by float32 rounding in a batched decode, which the random decoder
+        # amplifies to ~1e-4 of max (transformers' own float32 is 3e-4 off its float64: test_speech_parity)
+        np.testing.assert_allclose(final.audio, alone[i].audio, atol=1e-3 * np.abs(alone[i].audio).max())
+    assert_pools_full(llm)
+
+
+def test_streamed_chunks_make_up_the_audio_and_the_talker_waits_for_text(llm):
+    """The Talker starts once the Thinker has a second token (the first is then known to be spoken), and never
+    reads a text row before the Thinker has gone past it; the chunks concatenated are the final audio."""
+    pipeline = llm.pipeline
+    (new,) = requests(llm, [speak(llm, 0, frames=30, text_tokens=8)])
+    assert pipeline.add_requests([new]) == [None]
+    outputs, text_at_start, fed = [], None, []
+    speech = pipeline._speaking[new.request_id]
+    while pipeline.has_unfinished():
+        outputs += pipeline.step()
+        if speech.talker_started and text_at_start is None:
+            text_at_start = len(speech.generated)
+        fed.append((speech.rows_fed, len(speech.generated), speech.text_done))
+    assert text_at_start == 2
+    # text row k is spoken token k + 1, known to be spoken once token k + 2 exists
+    for rows_fed, generated, text_done in fed:
+        assert text_done or rows_fed == 0 or generated >= (rows_fed - 1) + 3
+    assert any(not text_done and rows_fed > 0 for rows_fed, _, text_done in fed)  # it ran beside the Thinker
+    final = outputs[-1]
+    assert final.finished and [o.finished for o in outputs].count(True) == 1
+    deltas = [o.audio_delta for o in outputs if o.audio_delta is not None]
+    assert len(deltas) >= 2
+    assert np.array_equal(np.concatenate(deltas), final.audio)
+    samples_per_frame = pipeline.code2wav.config.samples_per_frame
+    assert len(final.audio) == samples_per_frame * 30 - pipeline.code2wav.lookahead
+    assert "".join(o.outputs[0].delta_text for o in outputs) == final.outputs[0].text
+    assert_pools_full(llm)
+
+
+def test_without_a_frame_cap_the_audio_follows_the_text(llm):
+    spec = speak(llm, 1, frames=None, text_tokens=5)
+    spec["speech"] = SpeechParams("ethan", talker(None, seed=1, ignore_eos=True))
+    final = run(llm, requests(llm, [spec]))["0"][-1]
+    assert final.num_audio_frames == default_frame_cap(5 - 1)  # the last text token is never spoken
+
+
+def test_a_one_token_reply_says_nothing(llm):
+    spec = speak(llm, 2, frames=5, text_tokens=1)
+    final = run(llm, requests(llm, [spec]))["0"][-1]
+    assert final.finished and len(final.outputs[0].token_ids) == 1
+    assert final.audio_codes == [] and final.audio.shape == (0,)
+    assert_pools_full(llm)
+
+
+def test_text_to_speech_speaks_the_given_reply_without_the_thinker(llm, monkeypatch):
+    pipeline = llm.pipeline
+    tts = pipeline.tts_prompt("Good morning, and welcome.")
+    assert tts.token_ids[-3:-1] == [pipeline.tokens.im_start, pipeline.tokens.assistant]
+    monkeypatch.setattr(pipeline.thinker, "step", lambda: pytest.fail("the Thinker ran"))
+    speech = SpeechParams(
+        "aiden", talker(12, seed=3, ignore_eos=True, min_tokens=12), reply_token_ids=tts.reply_token_ids
+    )
+    new = NewRequest("tts", tts.token_ids, SamplingParams(), tts.prompt, speech=speech)
+    final = run(llm, [new])["tts"][-1]
+    assert final.outputs[0].text == "Good morning, and welcome."
+    assert final.outputs[0].token_ids == tts.reply_token_ids
+    assert final.num_audio_frames == 12 and len(final.audio) > 0
+    assert_pools_full(llm)
+
+
+def test_speech_requests_are_checked_before_anything_runs(llm, tiny_checkpoint):
+    pipeline = llm.pipeline
+    ids = pipeline.processor.process_chat([{"role": "user", "content": "Hi"}]).token_ids
+    params = SamplingParams(max_tokens=4)
+    with pytest.raises(InvalidRequest, match="unknown voice 'nobody'.*aiden"):
+        pipeline.validate(ids, params, SpeechParams("nobody"))
+    with pytest.raises(InvalidRequest, match="opening the assistant's turn|ends by opening"):
+        pipeline.validate(pipeline.processor.encode("plain text"), params, SpeechParams())
+    with pytest.raises(InvalidRequest, match="no text to speak"):
+        pipeline.validate(ids, params, SpeechParams(reply_token_ids=[]))
+    with pytest.raises(InvalidRequest, match="could never fit|needs"):
+        pipeline.validate(ids, params, SpeechParams(talker=talker(10**9)))
+    quiet = LLM(str(tiny_checkpoint), device="cpu", dtype="float32", speech=False)
+    assert quiet.pipeline.voices == ()
+    with pytest.raises(InvalidRequest, match="does not speak"):
+        quiet.chat([{"role": "user", "content": "Hi"}], params, modalities=["text", "audio"])
+    assert quiet.chat([{"role": "user", "content": "Hi"}], params)[0].audio is None
+
+
+def test_cancelled_and_failed_speaking_requests_leave_every_pool_full(llm, monkeypatch):
+    """A client leaving mid-speech, and a request whose code-predictor call fails, free everything; the
+    request speaking beside the failed one is unaffected."""
+    engine = AsyncEngine(llm.pipeline)
+
+    async def leave_after_first_audio():
+        spec = speak(llm, 3, frames=200, text_tokens=40)
+        (new,) = requests(llm, [spec])
+        stream = engine.generate("leaver", new.prompt, new.prompt_token_ids, new.params, speech=new.speech)
+        async for out in stream:
+            if out.audio_delta is not None:
+                break
+        await stream.aclose()
+
+    try:
+        asyncio.run(leave_after_first_audio())
+        for _ in range(200):
+            if not llm.pipeline.has_unfinished():
+                break
+            asyncio.run(asyncio.sleep(0.01))
+    finally:
+        engine.shutdown()
+    assert_pools_full(llm)
+
+    pipeline = llm.pipeline
+    specs = [speak(llm, 4, frames=8, text_tokens=4), speak(llm, 5, frames=8, text_tokens=4)]
+    alone = run(llm, requests(llm, specs[1:], first_id=50))["50"][-1]
+    predict = pipeline._predict_frames
+
+    def failing_for_60(frames):
+        if any(speech.request_id == "60" for speech, _ in frames):
+            raise RuntimeError("injected failure")
+        predict(frames)
+
+    monkeypatch.setattr(pipeline, "_predict_frames", failing_for_60)
+    outs = run(llm, requests(llm, specs, first_id=60))
+    victim, neighbour = outs["60"][-1], outs["61"][-1]
+    assert (
+        victim.finished and victim.outputs[0].finish_reason == "error" and "injected failure" in victim.error
+    )
+    assert neighbour.error is None and neighbour.audio_codes == alone.audio_codes
+    assert_pools_full(llm)
