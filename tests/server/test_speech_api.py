@@ -14,6 +14,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import httpx
 import numpy as np
 import openai
 import pytest
@@ -452,3 +453,139 @@ def test_speech_is_counted_in_the_metrics(http):
     metrics = http.get("/metrics").text
     assert 'omnistage_requests_total{endpoint="/v1/audio/speech",status="200"} 1.0' in metrics
     assert 'omnistage_requests_total{endpoint="/v1/audio/speech",status="400"} 1.0' in metrics
+
+
+# -- live: `omnistage serve` of the tiny checkpoint (random weights: the speech is noise) --------------
+
+SPEECH_WAV = Path(__file__).parents[1] / "data" / "speech_en.wav"
+FRAMES = 6  # at most; random weights never say EOS, so every request is capped (max_frames) to stay short
+
+
+@pytest.fixture(scope="module")
+def live(launch_server):
+    with launch_server("speech-server", "--num-kv-pages", "64") as server:
+        yield server
+
+
+@pytest.fixture(scope="module")
+def live_client(live) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{live.url}/v1", api_key="none", max_retries=0, timeout=120)
+
+
+@pytest.fixture(scope="module")
+def live_model(tiny_checkpoint) -> str:
+    return tiny_checkpoint.name
+
+
+def live_chat(
+    client: openai.OpenAI,
+    model: str,
+    audio_format: str,
+    content: str | list = "Hi",
+    voice: str = "ethan",
+    **kwargs,
+):
+    return client.chat.completions.create(
+        model=model,
+        messages=[{"role": "user", "content": content}],
+        max_tokens=4,
+        seed=7,
+        modalities=["text", "audio"],
+        extra_body={"audio": {"voice": voice, "format": audio_format, "max_frames": FRAMES}},
+        **kwargs,
+    )
+
+
+def test_live_speech_create_is_a_playable_wav(live_client, live_model):
+    result = live_client.audio.speech.create(
+        model=live_model,
+        input="Hello there.",
+        voice="chelsie",
+        response_format="wav",
+        extra_body={"max_frames": FRAMES, "seed": 1},
+    )
+    assert result.response.headers["content-type"] == "audio/wav"
+    samples, rate = soundfile.read(io.BytesIO(result.content), dtype="float32")
+    assert rate == AUDIO_SAMPLE_RATE and samples.ndim == 1  # mono
+    assert 0 < len(samples) <= FRAMES * FRAME and np.abs(samples).max() > 0
+
+
+def test_live_speech_streams_what_it_answers_whole(live_client, live, live_model):
+    extras = {"max_frames": FRAMES, "seed": 2}
+    body = {"model": live_model, "input": "Hello there.", "voice": "aiden"} | extras
+    whole = httpx.post(f"{live.url}/v1/audio/speech", json=body | {"response_format": "wav"}, timeout=120)
+    with live_client.audio.speech.with_streaming_response.create(
+        model=live_model, input="Hello there.", voice="aiden", response_format="pcm", extra_body=extras
+    ) as raw:
+        assert raw.headers["content-type"] == "audio/pcm"
+        streamed = b"".join(raw.iter_bytes())
+    sse = httpx.post(
+        f"{live.url}/v1/audio/speech",
+        json=body | {"response_format": "pcm", "stream_format": "sse"},
+        timeout=120,
+    )
+    *deltas, done = sse_events(sse.text)
+    assert b"".join(base64.b64decode(d["audio"]) for d in deltas) == streamed
+    np.testing.assert_array_equal(np.frombuffer(streamed, "<i2"), read_wav(whole.content))
+    assert 0 < done["usage"]["output_tokens"] <= FRAMES
+
+
+def test_live_chat_with_modalities_answers_audio(live_client, live_model):
+    reply = live_chat(live_client, live_model, "wav")
+    message = reply.choices[0].message
+    samples = read_wav(base64.b64decode(message.audio.data))
+    assert len(samples) > 0 and message.audio.transcript and message.content is None
+    assert 0 < reply.usage.completion_tokens_details.audio_tokens <= FRAMES
+
+
+def test_live_streamed_audio_equals_the_whole_for_the_same_seed(live_client, live_model):
+    reply = live_chat(live_client, live_model, "pcm16")
+    whole = reply.choices[0].message.audio
+    chunks = list(
+        live_chat(live_client, live_model, "pcm16", stream=True, stream_options={"include_usage": True})
+    )
+    audio = [c.choices[0].delta.audio for c in chunks if c.choices and c.choices[0].delta.audio]
+    assert b"".join(base64.b64decode(a.data) for a in audio if a.data) == base64.b64decode(whole.data)
+    assert "".join(a.transcript or "" for a in audio) == whole.transcript
+    assert chunks[-1].usage == reply.usage
+
+
+def test_live_audio_in_and_audio_out(live_client, live_model):
+    clip = {
+        "type": "input_audio",
+        "input_audio": {"data": base64.b64encode(SPEECH_WAV.read_bytes()).decode(), "format": "wav"},
+    }
+    reply = live_chat(
+        live_client, live_model, "flac", content=[clip, {"type": "text", "text": "Answer aloud."}]
+    )
+    decoded, rate = soundfile.read(io.BytesIO(base64.b64decode(reply.choices[0].message.audio.data)))
+    assert rate == AUDIO_SAMPLE_RATE and len(decoded) > 0
+    assert reply.usage.prompt_tokens > 30  # the clip's placeholders
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "needle"),
+    [
+        ({"voice": "alloy"}, "unknown voice 'alloy'; this model speaks with aiden, chelsie, ethan"),
+        ({"response_format": "aac"}, "'aac' is not supported; this server encodes mp3, opus, flac, wav, pcm"),
+        ({"speed": 2.0}, "speed must be 1.0"),
+        ({"input": "x" * 4097}, "at most 4096 characters"),
+    ],
+)
+def test_live_bad_speech_is_400(live_client, live_model, kwargs, needle):
+    request = {"model": live_model, "input": "Hi", "voice": "ethan"} | kwargs
+    with pytest.raises(openai.BadRequestError, match=needle):
+        live_client.audio.speech.create(**request)
+
+
+def test_live_bad_chat_audio_is_400(live_client, live_model):
+    with pytest.raises(openai.BadRequestError, match="unknown voice 'alloy'"):
+        live_chat(live_client, live_model, "wav", voice="alloy")
+    with pytest.raises(openai.BadRequestError, match="a streamed reply's audio is pcm16"):
+        live_chat(live_client, live_model, "wav", stream=True)
+
+
+def test_live_speaking_leaves_every_page_free(live_client, live, live_model):
+    live_chat(live_client, live_model, "pcm16")
+    live.wait_pages_free(timeout=10)
+    assert 'omnistage_requests_total{endpoint="/v1/audio/speech",status="200"}' in live.metrics_text()
