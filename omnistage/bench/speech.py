@@ -1,0 +1,388 @@
+"""`omnistage bench t2s` and `omnistage bench s2s`: how fast omnistage speaks.
+
+Per request, from its arrival (before its prompt is laid out):
+- first audio packet: to the first output that carries PCM (in-process: a RequestOutput with a non-empty
+  `audio_delta`; over HTTP: the first SSE chunk whose `delta.audio` carries data);
+- RTF: wall seconds to its end over seconds of audio it produced (lower is better; 0.1 speaks ten times
+  faster than real time);
+and per pass, the audio seconds produced per wall second over all its requests. A pass runs
+max(c, --requests) requests, at most c at once, for each concurrency c of the sweep.
+
+Workloads: t2s, a text chat turn whose reply is written and spoken; s2s, a 5 s clip as the user's turn
+(`bench/clips.py`), the reply spoken; `t2s --tts`, the text spoken exactly as `/v1/audio/speech` does
+(`SpeechParams.reply_token_ids`: the Thinker's layers do not run). Targets:
+- this process (`--model DIR`, or `--load-format dummy`: random weights at the released sizes): an
+  AsyncEngine over the pipeline;
+- a running server (`--url`): streamed chat with `modalities: ["text", "audio"]` and pcm16 audio, or
+  `/v1/audio/speech` with `stream_format: "sse"` for `--tts`;
+- `--baseline transformers` (in-process, c=1): `generate(return_audio=True)` on our very weights; it does
+  not stream audio, so its first packet is its whole time.
+
+Random weights never end a reply or its audio, so lengths are forced: the Thinker writes exactly
+--text-tokens tokens (max = min, ignore_eos, greedy) and the Talker speaks exactly --frames codec frames
+(12.5 per second of audio; max = min, ignore_eos, the released sampling otherwise). Over HTTP only the cap
+can be sent (`max_frames`), so each request's frames are read from its usage and reported.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import math
+import time
+from pathlib import Path
+from typing import Any
+
+from omnistage.bench.a2t import _auth, _first_model, _json_safe, released_skeleton
+from omnistage.bench.speech_targets import (
+    FRAMES_PER_SECOND,
+    Runner,
+    SpeechInput,
+    SpeechTiming,
+    inprocess_runner,
+    server_runner,
+    speech_inputs,
+)
+from omnistage.bench.stats import median, percentile
+
+log = logging.getLogger("omnistage.bench")
+
+DEFAULT_TEXT_TOKENS = 40
+DEFAULT_FRAMES = 125  # 10 s
+BASELINE_KV_GIB = 16.0  # the Thinker's KV pool beside transformers, as `bench a2t` leaves it
+
+
+def summarize(timings: list[SpeechTiming], walls: list[float], concurrency: int) -> dict[str, Any]:
+    """The numbers of `len(walls)` equal passes at `concurrency`; `timings` holds every request of every pass.
+
+    Audio seconds per second is each pass's audio over its wall time, the median pass's; first packet, RTF
+    and latency are over all requests.
+    """
+    if not walls or len(timings) % len(walls):
+        raise ValueError(f"{len(timings)} requests do not split into {len(walls)} equal passes")
+    size = len(timings) // len(walls)
+    passes = [timings[i * size : (i + 1) * size] for i in range(len(walls))]
+    throughput = [sum(t.audio_s for t in p) / w for p, w in zip(passes, walls)]
+    ms = 1e3
+    summary: dict[str, Any] = {
+        "concurrency": concurrency,
+        "requests": size,
+        "passes": len(walls),
+        "wall_s": round(median(walls), 4),
+        "audio_s": round(sum(t.audio_s for t in passes[0]), 3),
+        "audio_s_per_s": round(median(throughput), 3),
+        "first_packet_median_ms": round(median([t.first_packet_s for t in timings]) * ms, 2),
+        "first_packet_p90_ms": round(percentile([t.first_packet_s for t in timings], 90) * ms, 2),
+        "rtf_median": round(median([t.rtf for t in timings]), 4),
+        "rtf_p90": round(percentile([t.rtf for t in timings], 90), 4),
+        "latency_median_ms": round(median([t.latency_s for t in timings]) * ms, 2),
+        "frames": sorted({t.frames for t in timings}),
+        "text_tokens": sorted({t.text_tokens for t in timings}),
+    }
+    if len(walls) > 1:
+        summary["audio_s_per_s_per_pass"] = [round(x, 3) for x in throughput]
+    names = list(timings[0].stages) if timings else []
+    if names:
+        summary["stages_median_ms"] = {
+            name: round(median([t.stages.get(name, math.nan) for t in timings]) * ms, 2) for name in names
+        }
+    return summary
+
+
+async def sweep(
+    run: Runner,
+    inputs: list[SpeechInput],
+    concurrencies: list[int],
+    min_requests: int = 4,
+    warmup: int = 1,
+    repeats: int = 1,
+) -> list[dict[str, Any]]:
+    """`repeats` passes of max(c, min_requests) requests cycling over `inputs`, per concurrency c."""
+    for i in range(warmup):
+        await run(inputs[i % len(inputs)], -1 - i)
+    results, counter = [], 0
+    for concurrency in concurrencies:
+        gate = asyncio.Semaphore(concurrency)
+        count = max(concurrency, min_requests)
+        timings: list[SpeechTiming] = []
+        walls = []
+        for _ in range(repeats):
+            start = time.perf_counter()
+            timings += await asyncio.gather(
+                *(_gated(gate, run, inputs[i % len(inputs)], counter + i) for i in range(count))
+            )
+            walls.append(time.perf_counter() - start)
+            counter += count
+        summary = summarize(timings, walls, concurrency)
+        log.info("c=%d: %s", concurrency, summary)
+        results.append(summary)
+    return results
+
+
+async def _gated(gate: asyncio.Semaphore, run: Runner, item: SpeechInput, number: int) -> SpeechTiming:
+    async with gate:
+        return await run(item, number)
+
+
+# -- the command ---------------------------------------------------------------------------------------------
+
+
+def _concurrencies(text: str) -> list[int]:
+    return [int(c) for c in str(text).split(",")]
+
+
+def run_speech(args: argparse.Namespace) -> dict[str, dict[str, Any]]:
+    """The whole benchmark as `omnistage bench t2s|s2s` runs it: one result per workload run, written under
+    --out-dir as each part ends (a run cut short keeps what it measured)."""
+    workloads = {args.workload: _concurrencies(args.concurrency)}
+    if args.also:
+        workloads[args.also] = _concurrencies(args.also_concurrency)
+    forced = not args.natural
+    common = {"text_tokens": args.text_tokens, "frames": args.frames, "forced": forced, "voice": args.voice}
+    inputs = {w: speech_inputs(w, args.seed, None if args.espeak else False) for w in workloads}
+    results: dict[str, dict[str, Any]] = {}
+    for workload in workloads:
+        tts = args.tts and workload == "t2s"
+        results[workload] = {
+            "workload": workload + (" --tts (/v1/audio/speech)" if tts else ""),
+            "tts": tts,
+            **common,
+            "inputs": [{"name": i.name, "text": i.text} for i in inputs[workload]],
+        }
+    if args.url:
+        model = args.served_model or _first_model(args.url, args.api_key)
+        for workload, concurrencies in workloads.items():
+            result = results[workload]
+            result["target"] = {"url": args.url, "model": model}
+            result["ours"] = asyncio.run(
+                _over_http(args, model, workload, inputs[workload], concurrencies, forced)
+            )
+            save(args, results)
+        return results
+
+    from omnistage.config import engine_config
+    from omnistage.engine.llm_engine import resolve_device
+    from omnistage.pipeline.async_engine import AsyncEngine
+
+    model_dir = args.model or (str(released_skeleton()) if args.load_format == "dummy" else None)
+    gpu = resolve_device(args.device or "auto").type == "cuda"
+    overrides = {
+        "device": args.device,
+        "dtype": args.dtype,
+        "max_num_seqs": max(c for cs in workloads.values() for c in cs),
+        # On a GPU the Thinker's KV pool takes all the memory left unless told otherwise; transformers needs some.
+        "kv_cache_memory_gib": args.kv_cache_memory_gib
+        or (BASELINE_KV_GIB if args.baseline and gpu else None),
+        "enforce_eager": args.enforce_eager or None,
+    }
+    config = engine_config(
+        f"bench {args.workload}",
+        model=model_dir,
+        load_format=args.load_format,
+        **{k: v for k, v in overrides.items() if v is not None},
+    )
+    started = time.perf_counter()
+    engine = AsyncEngine.from_config(config)
+    engine_info = {
+        "engine_start_s": round(time.perf_counter() - started, 2),
+        "target": {"model": str(engine.engine.model_path), "load_format": args.load_format},
+        "engine": engine.engine.memory_summary(),
+    }
+    try:
+        for workload, concurrencies in workloads.items():
+            result = results[workload]
+            result |= engine_info
+            run = inprocess_runner(
+                engine, args.tts and workload == "t2s", args.text_tokens, args.frames, args.voice, forced
+            )
+            result["ours"] = asyncio.run(
+                sweep(run, inputs[workload], concurrencies, args.requests, args.warmup, args.repeats)
+            )
+            result["pools_after"] = pools = _pools(engine.engine.stats())
+            log.info("%s: pools after the run: %s", workload, pools)
+            save(args, results)
+        if args.baseline == "transformers":
+            _transformers(engine.engine, results, inputs, args)
+    finally:
+        engine.shutdown()
+    return results
+
+
+def _pools(stats: dict[str, int]) -> dict[str, Any]:
+    """Every stage's KV pages, free / total, and whether all are free."""
+    pools = {
+        "thinker": [stats["kv_pages_free"], stats["kv_pages_total"]],
+        "talker": [stats.get("talker_kv_pages_free", 0), stats.get("talker_kv_pages_total", 0)],
+    }
+    return {**pools, "full": all(free == total for free, total in pools.values())}
+
+
+def _transformers(
+    pipeline: Any,
+    results: dict[str, dict[str, Any]],
+    inputs: dict[str, list[SpeechInput]],
+    args: argparse.Namespace,
+) -> None:
+    from omnistage.bench.hf_speech import build_hf_omni, run_hf_speech
+
+    config_dict = json.loads((Path(pipeline.model_path) / "config.json").read_text())
+    hf, sources = build_hf_omni(pipeline, config_dict)
+    for workload, items in inputs.items():
+        timings = run_hf_speech(
+            hf, pipeline.processor, items, args.text_tokens, args.frames, args.voice, args.baseline_requests
+        )
+        summary = summarize(timings, [sum(t.latency_s for t in timings)], 1)
+        summary["towers"] = sources
+        summary["note"] = (
+            "generate(return_audio=True), one request at a time; it returns the audio when all is done, so its "
+            "first packet is its whole time; wall = sum of latencies"
+        )
+        results[workload]["transformers"] = summary
+        save(args, results)
+
+
+async def _over_http(
+    args: argparse.Namespace,
+    model: str,
+    workload: str,
+    inputs: list[SpeechInput],
+    concurrencies: list[int],
+    forced: bool,
+) -> list[dict[str, Any]]:
+    import httpx
+
+    most = max(concurrencies)  # a connection per request in flight, so none queues here
+    async with httpx.AsyncClient(
+        base_url=args.url.rstrip("/"),
+        headers=_auth(args.api_key),
+        timeout=httpx.Timeout(600.0, connect=10.0),
+        limits=httpx.Limits(max_connections=most, max_keepalive_connections=most),
+    ) as client:
+        tts = args.tts and workload == "t2s"
+        run = server_runner(client, model, tts, args.text_tokens, args.frames, args.voice, forced)
+        return await sweep(run, inputs, concurrencies, args.requests, args.warmup, args.repeats)
+
+
+def report(results: dict[str, dict[str, Any]]) -> str:
+    """A markdown table of every workload's passes, ours and (when run) transformers'."""
+    lines = []
+    for result in results.values():
+        forced = "forced" if result["forced"] else "at most"
+        text = "the text as given" if result["tts"] else f"{forced} {result['text_tokens']} text tokens"
+        lines += [
+            f"{result['workload']}: {text} and {forced} {result['frames']} frames "
+            f"({result['frames'] / FRAMES_PER_SECOND:g} s of audio) per request, voice {result['voice']}",
+            "",
+            "| target | c | requests | first packet median ms | p90 ms | RTF median | RTF p90 | audio s/s | frames |",
+            "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+        ]
+        rows = [("ours", p) for p in result.get("ours") or []]
+        if "transformers" in result:
+            rows.append(("transformers (not streamed)", result["transformers"]))
+        for name, p in rows:
+            lines.append(
+                f"| {name} | {p['concurrency']} | {p['requests']} | {p['first_packet_median_ms']:.1f} | "
+                f"{p['first_packet_p90_ms']:.1f} | {p['rtf_median']:.3f} | {p['rtf_p90']:.3f} | "
+                f"{p['audio_s_per_s']:.2f} | {','.join(map(str, p['frames']))} |"
+            )
+        for p in result.get("ours") or []:
+            if "stages_median_ms" in p:
+                stages = ", ".join(f"{k} {v:.1f}" for k, v in p["stages_median_ms"].items())
+                lines.append(f"\nours, c={p['concurrency']}, from arrival (median ms): {stages}")
+        if "pools_after" in result:
+            lines.append(f"\npools after the run (free, total pages): {result['pools_after']}")
+        lines.append("")
+    return "\n".join(lines)
+
+
+def save(args: argparse.Namespace, results: dict[str, dict[str, Any]]) -> None:
+    """Each workload's results as JSON under --out-dir (t2s.json, t2s_tts.json, s2s.json), if given."""
+    if not args.out_dir:
+        return
+    out = Path(args.out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    for workload, result in results.items():
+        path = out / f"{workload}{'_tts' if result['tts'] else ''}.json"
+        path.write_text(json.dumps(_json_safe(result), indent=2) + "\n")
+        log.info("wrote %s", path)
+
+
+def main(args: argparse.Namespace) -> None:
+    if args.baseline and args.url:
+        raise SystemExit(f"omnistage bench {args.workload}: --baseline runs in-process; drop --url")
+    if args.baseline and args.tts:
+        raise SystemExit(
+            f"omnistage bench {args.workload}: transformers has no text-to-speech path (its generate always "
+            "runs the Thinker); drop --tts or --baseline"
+        )
+    results = run_speech(args)
+    print(report(results))
+    empty = [w for w, r in results.items() if not r.get("pools_after", {"full": True})["full"]]
+    if empty:
+        raise SystemExit(f"omnistage bench: pages still held after the {', '.join(empty)} run")
+
+
+def add_parsers(sub: Any) -> None:
+    """`omnistage bench t2s ...` and `omnistage bench s2s ...` under the `bench` subcommand's subparsers."""
+    for workload, summary in (
+        ("t2s", "text to speech: first audio packet, RTF, audio seconds per second"),
+        ("s2s", "speech to speech (a 5 s clip in): first audio packet, RTF, audio seconds per second"),
+    ):
+        p = sub.add_parser(workload, help=summary, description=__doc__,
+                           formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
+        p.set_defaults(func=main, workload=workload)
+        _add_options(p, workload)
+
+
+def _add_options(p: argparse.ArgumentParser, workload: str) -> None:
+    other = "s2s" if workload == "t2s" else "t2s"
+    target = p.add_argument_group("target")
+    target.add_argument("--url", help="a running server's base URL (http://host:port); else in-process")
+    target.add_argument("--served-model", help="the model name the server serves (default: its first)")
+    target.add_argument("--api-key", help="with --url: the server's API key (default: none)")
+    target.add_argument(
+        "--model", help="in-process: checkpoint directory (default: released sizes when dummy)"
+    )
+    target.add_argument("--load-format", choices=["safetensors", "dummy"], default="safetensors",
+                        help="in-process (default: %(default)s)")  # fmt: skip
+    target.add_argument(
+        "--device", choices=["auto", "cpu", "cuda"], help="in-process (default: the engine's)"
+    )
+    target.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"],
+                        help="in-process (default: the engine's)")  # fmt: skip
+    target.add_argument("--kv-cache-memory-gib", type=float,
+                        help=f"in-process: the Thinker's KV pool (default: the engine's; {BASELINE_KV_GIB:g} with --baseline)")  # fmt: skip
+    target.add_argument("--enforce-eager", action="store_true", help="in-process: no CUDA graphs")
+    target.add_argument("--baseline", choices=["transformers"],
+                        help="also time transformers' generate(return_audio=True) on the same weights, c=1")  # fmt: skip
+    target.add_argument("--baseline-requests", type=int, default=2,
+                        help="requests transformers runs, one at a time (default: %(default)s)")  # fmt: skip
+    if workload == "t2s":
+        p.add_argument("--tts", action="store_true",
+                       help="speak the text exactly, as /v1/audio/speech does (the Thinker's layers do not run)")  # fmt: skip
+    else:
+        p.set_defaults(tts=False)
+    p.add_argument("--also", choices=[other],
+                   help=f"then run {other} in the same process (one weight load), at --also-concurrency")  # fmt: skip
+    p.add_argument("--also-concurrency", default="1", help="(default: %(default)s)")
+    p.add_argument("--concurrency", default="1,4,16,32",
+                   help="one concurrency or a sweep (default: %(default)s)")  # fmt: skip
+    p.add_argument("--requests", type=int, default=4,
+                   help="a pass runs max(c, N) requests (default: %(default)s)")  # fmt: skip
+    p.add_argument("--text-tokens", type=int, default=DEFAULT_TEXT_TOKENS,
+                   help="text tokens of each reply (default: %(default)s)")  # fmt: skip
+    p.add_argument("--frames", type=int, default=DEFAULT_FRAMES,
+                   help="codec frames of each reply, 12.5 per second of audio (default: %(default)s, 10 s)")  # fmt: skip
+    p.add_argument("--natural", action="store_true",
+                   help="let the model end text and audio itself: --text-tokens and --frames become caps")  # fmt: skip
+    p.add_argument("--voice", default="ethan", help="(default: %(default)s)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the synthesised clips (default: %(default)s)")
+    p.add_argument("--no-espeak", dest="espeak", action="store_false",
+                   help="synthesise speech-like clips even where espeak-ng is installed")  # fmt: skip
+    p.add_argument("--warmup", type=int, default=1, help="requests run before timing (default: %(default)s)")
+    p.add_argument(
+        "--repeats", type=int, default=1, help="timed passes per concurrency (default: %(default)s)"
+    )
+    p.add_argument("--out-dir", help="write each workload's results as JSON here (t2s.json, s2s.json)")
