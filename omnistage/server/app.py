@@ -181,6 +181,7 @@ class _Server:
         speech = speech_params(body.voice, engine.voices, "voice", body.talker_params(body.seed))
         tts = await asyncio.to_thread(engine.tts_prompt, body.input)
         speech.reply_token_ids = tts.reply_token_ids
+        # The Thinker does not run: its params need only be valid (an empty reply is the pipeline's 400).
         params = SamplingParams(max_tokens=max(1, len(tts.reply_token_ids)))
         request_id = f"speech-{uuid.uuid4().hex}"
         outputs = self.engine.generate(request_id, tts.prompt, tts.token_ids, params, speech=speech)
