@@ -10,6 +10,7 @@ import threading
 import time
 from collections.abc import Iterator
 
+import numpy as np
 import pytest
 import torch
 import uvicorn
@@ -125,7 +126,7 @@ def engine(tiny_checkpoint) -> Iterator[AsyncEngine]:
 
 def test_transformers_runs_on_our_very_tensors_and_speaks_our_greedy_codes(engine):
     """Every talker, code predictor and Code2Wav parameter is our storage; with greedy Thinker and Talker,
-    transformers' generate speaks the very codes our pipeline does."""
+    transformers' generate speaks the very codes our pipeline does, and the same waveform."""
     pipeline = engine.engine
     config = json.loads((pipeline.model_path / "config.json").read_text())
     hf, sources = build_hf_omni(pipeline, config)
@@ -167,7 +168,10 @@ def test_transformers_runs_on_our_very_tensors_and_speaks_our_greedy_codes(engin
     codes = [step[-1][0].tolist() for step in seen["result"].hidden_states if step[-1] is not None]
     assert counts == [FRAMES] and codes == final.audio_codes
     assert sequences[0, len(prompt.token_ids) :].tolist() == final.outputs[0].token_ids
-    assert waveform.shape[-1] == len(final.audio)
+    # random decoder weights amplify float32 rounding to a few 1e-4 of the peak (tests/parity)
+    waveform = waveform.reshape(-1).numpy()
+    assert waveform.shape == final.audio.shape
+    assert np.abs(waveform - final.audio).max() <= 1e-3 * np.abs(waveform).max()
 
 
 def test_in_process_t2s_then_s2s_with_the_transformers_baseline(tiny_checkpoint, tmp_path, capsys):
