@@ -24,9 +24,10 @@ if TYPE_CHECKING:
 SERVE_DESCRIPTION = """\
 Serve the OpenAI-compatible HTTP API:
 
-  POST /v1/chat/completions      chat; text, audio and image content parts; streaming
+  POST /v1/chat/completions      chat; text, audio and image content parts; spoken replies; streaming
   POST /v1/completions           text completions; streaming
   POST /v1/audio/transcriptions  speech to text (OpenAI's multipart form); streaming
+  POST /v1/audio/speech          text to speech (mp3, opus, flac, wav, pcm); raw or SSE streaming
   GET  /v1/models                the served model
   GET  /v1/models/{model}        one model's card
   GET  /health                   200 once the engine is ready
@@ -105,7 +106,7 @@ def _load_and_serve(
     from omnistage.server import build_app
 
     media = MediaPolicy(allow_remote=args.allow_remote_media, media_dir=media_dir)
-    engine = AsyncEngine.from_config(config, max_queue=args.max_queue)
+    engine = AsyncEngine.from_config(config, max_queue=args.max_queue, engine_process=args.engine_process)
     try:
         app = build_app(engine, name, api_key=args.api_key, max_body_bytes=args.max_body_bytes, media=media)
         logging.getLogger("omnistage.serve").info(
@@ -182,7 +183,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve = sub.add_parser(
         "serve",
         help="serve the OpenAI-compatible HTTP API: chat completions, completions, audio transcriptions, "
-        "models, health, metrics",
+        "speech, models, health, metrics",
         description=SERVE_DESCRIPTION,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
@@ -223,6 +224,13 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--enforce-eager", action="store_true", default=None, help="run without CUDA graphs")
     serve.add_argument(
         "--no-compile", action="store_true", help="leave the decoder layers uncompiled on a GPU"
+    )
+    serve.add_argument(
+        "--engine-process",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="run the engine in a process of its own, so that HTTP work and model steps never wait on one "
+        "GIL; --no-engine-process runs it on a thread of the server's process (default: %(default)s)",
     )
     serve.set_defaults(func=_serve)
 

@@ -1,9 +1,11 @@
-"""The pipeline on its own thread, fed from asyncio: the event loop never waits on model work.
+"""The pipeline fed from asyncio: the event loop never waits on model work.
 
-Requests are validated on the caller's side (pure arithmetic), queued as commands, and picked up by the
-engine thread between steps, all those waiting at once (their media go through the encoders together);
-each step's outputs are handed back to the loop thread-safely. A consumer that stops iterating (a client
-that went away) aborts its request, which frees its pages at once.
+The pipeline runs a StepLoop on a thread of this process (`AsyncEngine(pipeline)`), or in an engine process
+of its own (`from_config(..., engine_process=True)`, what `omnistage serve` does: see engine_process.py).
+Requests are checked on the caller's side where the pipeline is here, queued as commands, and picked up
+between steps, all those waiting at once (their media go through the encoders together); each step's
+outputs are handed back to the loop thread-safely. A consumer that stops iterating (a client that went
+away) aborts its request, which frees its pages at once.
 """
 
 from __future__ import annotations
@@ -22,7 +24,9 @@ from omnistage.engine.sampling import SamplingParams, SpeechParams
 from omnistage.errors import InvalidRequest, QueueFull
 from omnistage.models.layers.rotary import PromptPositions
 from omnistage.outputs import RequestOutput
+from omnistage.pipeline.engine_process import EngineProcess, RemotePipeline
 from omnistage.pipeline.qwen3_omni import Qwen3OmniPipeline
+from omnistage.pipeline.step_loop import Abort, Add, Delivery, StepLoop
 
 if TYPE_CHECKING:
     from omnistage.models.qwen3_omni.processor import MultimodalInputs
@@ -31,33 +35,50 @@ log = logging.getLogger(__name__)
 
 
 class AsyncEngine:
-    def __init__(self, engine: Qwen3OmniPipeline, max_queue: int | None = None) -> None:
-        self.engine = engine
+    def __init__(self, engine: Qwen3OmniPipeline | EngineProcess, max_queue: int | None = None) -> None:
         self.max_queue = max_queue
-        self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
         self._lock = threading.Lock()  # guards _streams and the queued count
-        self._queued = 0  # added but not yet picked up by the engine thread
+        self._added = 0  # Adds sent; the engine side has picked up `_picked()` of them
         self._stopping = threading.Event()
         # Everything loaded so far (the model's modules, torch, the tokenizer) lives as long as the process:
         # moved out of the collector's view, a full collection triggered by serving's garbage no longer
         # walks it while every thread, the engine's included, waits on the GIL.
         gc.collect()
         gc.freeze()
-        self._thread = threading.Thread(target=self._loop, name="omnistage-engine", daemon=True)
+        if isinstance(engine, EngineProcess):
+            self._process: EngineProcess | None = engine
+            self.engine: Qwen3OmniPipeline | RemotePipeline = engine.view
+            target = self._receive_from_process
+        else:
+            self._process = None
+            self.engine = engine
+            self._commands: queue.SimpleQueue = queue.SimpleQueue()
+            self._taken = 0
+            target = self._run_here
+        self._thread = threading.Thread(target=target, name="omnistage-engine", daemon=True)
         self._thread.start()
 
     @classmethod
-    def from_config(cls, config: EngineConfig, max_queue: int | None = None) -> AsyncEngine:
-        return cls(Qwen3OmniPipeline(config), max_queue)
+    def from_config(
+        cls, config: EngineConfig, max_queue: int | None = None, engine_process: bool = False
+    ) -> AsyncEngine:
+        engine = EngineProcess(config) if engine_process else Qwen3OmniPipeline(config)
+        return cls(engine, max_queue)
 
     @property
     def ready(self) -> bool:
-        return self._thread.is_alive() and not self._stopping.is_set()
+        alive = self._process is None or self._process.process.is_alive()
+        return alive and self._thread.is_alive() and not self._stopping.is_set()
+
+    def _queued(self) -> int:
+        """Adds the engine side has not picked up yet."""
+        taken = self._process.admitted if self._process is not None else self._taken
+        return self._added - taken
 
     def stats(self) -> dict[str, int]:
         stats = self.engine.stats()
-        stats["num_waiting"] += self._queued
+        stats["num_waiting"] += self._queued()
         return stats
 
     async def generate(
@@ -78,14 +99,14 @@ class AsyncEngine:
         with self._lock:
             if request_id in self._streams:
                 raise InvalidRequest(f"request id {request_id!r} is already running")
-            waiting = self.engine.num_waiting + self._queued
+            waiting = self.engine.num_waiting + self._queued()
             if self.max_queue is not None and waiting >= self.max_queue:
                 raise QueueFull(
                     f"the server's queue is full ({waiting} requests waiting, the limit is {self.max_queue})"
                 )
             self._streams[request_id] = (asyncio.get_running_loop(), out_queue)
-            self._queued += 1
-        self._commands.put(("add", request_id, prompt, prompt_token_ids, params, mrope, mm, speech))
+            self._added += 1
+        self._send(Add(NewRequest(request_id, prompt_token_ids, params, prompt, mrope, mm, speech)))
         finished = False
         try:
             while True:
@@ -100,22 +121,28 @@ class AsyncEngine:
             with self._lock:
                 self._streams.pop(request_id, None)
             if not finished:
-                self._commands.put(("abort", request_id))
+                self._send(Abort(request_id))
 
     def abort(self, request_id: str) -> None:
-        self._commands.put(("abort", request_id))
+        self._send(Abort(request_id))
 
     def shutdown(self) -> None:
         self._stopping.set()
-        self._commands.put(("wake",))
+        if self._process is not None:
+            self._process.shutdown()
+        else:
+            self._commands.put(None)
         self._thread.join(timeout=10)
 
-    # -- the engine thread --------------------------------------------------------------------------
+    def _send(self, command: Add | Abort | None) -> None:
+        if self._process is not None:
+            self._process.send(command)
+        else:
+            self._commands.put(command)
 
-    def _deliver(self, request_id: str, item: RequestOutput | Exception) -> None:
-        self._deliver_all([(request_id, item)])
+    # -- the engine thread, or the thread reading the engine process ----------------------------------
 
-    def _deliver_all(self, items: list[tuple[str, RequestOutput | Exception]]) -> None:
+    def _deliver_all(self, items: Delivery) -> None:
         """Hand items to their streams with one wake-up per event loop, not one per request: each wake-up
         is a write to the loop's self-pipe, and at c=16 those writes cost the engine thread a share of
         every step."""
@@ -129,52 +156,39 @@ class AsyncEngine:
         for loop, batch in by_loop.items():
             loop.call_soon_threadsafe(_put_all, batch)
 
-    def _admit(self, adds: list[tuple]) -> None:
-        """Admit the queued requests whose clients are still there, their media encoded together."""
-        requests = []
-        with self._lock:
-            self._queued -= len(adds)
-            for _, request_id, prompt, token_ids, params, mrope, mm, speech in adds:
-                if request_id in self._streams:  # else the client left before the engine saw it
-                    requests.append(NewRequest(request_id, token_ids, params, prompt, mrope, mm, speech))
-        for request, error in zip(requests, self.engine.add_requests(requests)):
-            if error is not None:
-                self._deliver(request.request_id, error)
+    def _run_here(self) -> None:
+        def wanted(request_id: str) -> bool:  # a client that left before its Add was picked up
+            with self._lock:
+                return request_id in self._streams
 
-    def _handle(self, commands: list[tuple]) -> None:
-        """Commands in arrival order; consecutive adds are admitted as one batch."""
-        adds: list[tuple] = []
-        for command in commands:
-            if command[0] == "add":
-                adds.append(command)
-                continue
-            if adds:
-                self._admit(adds)
-                adds = []
-            if command[0] == "abort":
-                self.engine.abort(command[1])
-        if adds:
-            self._admit(adds)
+        StepLoop(self.engine, self._deliver_all, wanted).run(self._take, self._stopping.is_set)
 
-    def _loop(self) -> None:
-        while not self._stopping.is_set():
+    def _take(self, block: bool) -> list[Add | Abort]:
+        """The commands queued so far; when `block`, waits for one (up to half a second)."""
+        commands = []
+        while True:
             try:
-                block = not self.engine.has_unfinished()
-                commands = []
-                while True:
-                    try:
-                        commands.append(self._commands.get(block=block, timeout=0.5 if block else None))
-                    except queue.Empty:
-                        break
-                    block = False
-                self._handle(commands)
-                if self.engine.has_unfinished():
-                    self._deliver_all([(output.request_id, output) for output in self.engine.step()])
-            except Exception:  # a bug in the loop itself: fail what is running, keep serving
-                log.exception("engine loop error")
-                for request_id in list(self._streams):
-                    self.engine.abort(request_id)
-                    self._deliver(request_id, RuntimeError("internal engine error"))
+                command = self._commands.get(block=block, timeout=0.5 if block else None)
+            except queue.Empty:
+                break
+            block = False
+            if command is not None:
+                commands.append(command)
+                self._taken += isinstance(command, Add)
+        return commands
+
+    def _receive_from_process(self) -> None:
+        def engine_gone() -> None:
+            if self._stopping.is_set():
+                return
+            log.error("the engine process exited (code %s)", self._process.process.exitcode)
+            with self._lock:
+                gone = list(self._streams)
+            self._deliver_all(
+                [(request_id, RuntimeError("the engine process exited")) for request_id in gone]
+            )
+
+        self._process.receive_forever(self._deliver_all, engine_gone)
 
 
 def _put_all(batch: list[tuple[asyncio.Queue, RequestOutput | Exception]]) -> None:

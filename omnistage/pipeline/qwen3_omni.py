@@ -36,6 +36,7 @@ from omnistage.models.qwen3_omni.code2wav import load_code2wav
 from omnistage.models.qwen3_omni.code2wav_streamer import Code2WavStreamer
 from omnistage.models.qwen3_omni.code_predictor import load_code_predictor
 from omnistage.models.qwen3_omni.config import Qwen3OmniConfig
+from omnistage.models.qwen3_omni.processor import Processor
 from omnistage.models.qwen3_omni.talker import load_talker
 from omnistage.models.qwen3_omni.talker_input import (
     SpeechTokens,
@@ -75,6 +76,12 @@ class TtsPrompt:
     prompt: str
     token_ids: list[int]
     reply_token_ids: list[int]
+
+
+def tts_prompt(processor: Processor, text: str, max_model_len: int) -> TtsPrompt:
+    """The prompt and reply of speaking `text` exactly: the text as the user's turn, and as the reply."""
+    prompt, token_ids = processor.encode_chat([{"role": "user", "content": text}], True, max_model_len)
+    return TtsPrompt(prompt, token_ids, processor.encode(text, max_model_len))
 
 
 @dataclass
@@ -206,11 +213,7 @@ class Qwen3OmniPipeline:
     # -- requests -----------------------------------------------------------------------------------
 
     def tts_prompt(self, text: str) -> TtsPrompt:
-        """The prompt and reply of speaking `text` exactly: the text as the user's turn, and as the reply."""
-        prompt, token_ids = self.processor.encode_chat(
-            [{"role": "user", "content": text}], True, self.max_model_len
-        )
-        return TtsPrompt(prompt, token_ids, self.processor.encode(text, self.max_model_len))
+        return tts_prompt(self.processor, text, self.max_model_len)
 
     def validate(
         self, prompt_token_ids: list[int], params: SamplingParams, speech: SpeechParams | None = None
@@ -288,7 +291,13 @@ class Qwen3OmniPipeline:
                 torch.zeros(len(media_rows), width, dtype=self.dtype, device=self.device),
             )
         reply = r.speech.reply_token_ids
-        text = RequestOutput(r.request_id, r.prompt, r.prompt_token_ids, [CompletionOutput(0, "", [])])
+        text = RequestOutput(
+            r.request_id,
+            r.prompt,
+            r.prompt_token_ids,
+            [CompletionOutput(0, "", [])],
+            metrics={"arrival": time.monotonic()},
+        )
         speech = _Speech(
             request_id=r.request_id,
             params=r.speech,

@@ -49,6 +49,21 @@ class ServerMetrics:
         self.pages_total = Gauge("omnistage_kv_pages_total", "KV cache pages in the pool", registry=r)
         self.pages_used = Gauge("omnistage_kv_pages_used", "KV cache pages held by requests", registry=r)
         self.pages_free = Gauge("omnistage_kv_pages_free", "KV cache pages free", registry=r)
+        self.talker_pages_total = Gauge(
+            "omnistage_talker_kv_pages_total", "The Talker's KV cache pages (speech out)", registry=r
+        )
+        self.talker_pages_free = Gauge(
+            "omnistage_talker_kv_pages_free", "The Talker's KV pages free", registry=r
+        )
+        self.speaking = Gauge(
+            "omnistage_num_requests_speaking", "Requests whose reply is being spoken", registry=r
+        )
+        self.first_audio = Histogram(
+            "omnistage_time_to_first_audio_seconds",
+            "Arrival to the first decoded audio chunk of a spoken reply",
+            buckets=_TTFT_BUCKETS,
+            registry=r,
+        )
         self.gpu_reserved = Gauge(
             "omnistage_gpu_memory_reserved_bytes", "GPU memory the caching allocator holds", registry=r
         )
@@ -70,6 +85,8 @@ class ServerMetrics:
         arrival, first, finished = times.get("arrival"), times.get("first_token"), times.get("finished")
         if arrival is not None and first is not None:
             self.ttft.observe(first - arrival)
+        if arrival is not None and "first_audio" in times:
+            self.first_audio.observe(times["first_audio"] - arrival)
         if first is not None and finished is not None and generated > 1:
             self.tpot.observe((finished - first) / (generated - 1))
         if arrival is not None and finished is not None:
@@ -82,6 +99,10 @@ class ServerMetrics:
         self.pages_total.set(stats["kv_pages_total"])
         self.pages_used.set(stats["kv_pages_used"])
         self.pages_free.set(stats["kv_pages_free"])
+        if "talker_kv_pages_total" in stats:
+            self.talker_pages_total.set(stats["talker_kv_pages_total"])
+            self.talker_pages_free.set(stats["talker_kv_pages_free"])
+            self.speaking.set(stats["num_speaking"])
         if "gpu_alloc_retries" in stats:
             self.gpu_reserved.set(stats["gpu_memory_reserved_bytes"])
             self.gpu_retries.set(stats["gpu_alloc_retries"])

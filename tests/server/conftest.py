@@ -139,6 +139,7 @@ class FakeLLMEngine:
     processor = FakeProcessor()
     model_path = Path("/models/fake")
     max_model_len = 4096
+    voices: tuple[str, ...] = ()  # a checkpoint without a talker
 
     def memory_summary(self) -> str:
         return "fake engine"

@@ -218,7 +218,7 @@ ROUTES = [
     *[Case(f"unknown {m} {p:.60}", p, method=m, status=(404,)) for m, p in [
         ("GET", "/"), ("GET", "/v1"), ("POST", "/v1/chat"), ("POST", "/v1/chat/completion"),
         ("POST", "/v2/chat/completions"), ("POST", "/v1/embeddings"), ("POST", "/v1/images/generations"),
-        ("POST", "/v1/audio/speech"), ("POST", "/v1/audio/translations"), ("POST", "/v1/responses"),
+        ("POST", "/v1/audio/translations"), ("POST", "/v1/responses"),
         ("GET", "/healthz"), ("GET", "/metrics/x"), ("GET", "/v1/%2e%2e/health"),
         ("POST", "/v1/chat/completions%00"), ("GET", "/x" + "a" * 8000), ("GET", "/v1/models/"),
         ("GET", "/v1/models/nope"), ("GET", "/v1/models/tiny/extra"), ("GET", "/v1/models/%F0%9F%98%80"),
@@ -227,6 +227,7 @@ ROUTES = [
     *[Case(f"{m} {p}", p, method=m, status=(405,)) for m, p in [
         ("GET", CHAT), ("PUT", CHAT), ("DELETE", CHAT), ("PATCH", CHAT), ("OPTIONS", CHAT),
         ("GET", COMPLETIONS), ("PUT", COMPLETIONS), ("GET", TRANSCRIPTIONS), ("DELETE", TRANSCRIPTIONS),
+        ("GET", "/v1/audio/speech"), ("PUT", "/v1/audio/speech"),
         ("POST", "/v1/models"), ("DELETE", "/v1/models"), ("PUT", f"/v1/models/{MODEL}"),
         ("DELETE", f"/v1/models/{MODEL}"), ("POST", "/health"), ("DELETE", "/health"), ("POST", "/metrics"),
     ]],

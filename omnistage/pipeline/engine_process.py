@@ -1,0 +1,267 @@
+"""The pipeline in its own process, so that the server's event loop and the engine's steps never wait on
+one GIL: on a thread of the server's process, every SSE chunk written at c=16 took the GIL from the host
+work between the GPU's kernels, and the engine's steps from the loop (benchmarks/RESULTS.md, "The HTTP
+server against the engine in-process").
+
+The server's process keeps HTTP, media decoding, templating and tokenizing (its own `Processor`); the engine
+process runs a StepLoop over the pipeline. They talk over a pipe in pickled messages: commands (Add, Abort)
+one way; each step's outputs, with the engine's stats, the other. Outputs travel as deltas: a request's
+prompt ids go with its first output only, its cumulative text and ids with its last, and `RemoteOutputs`
+rebuilds full RequestOutputs on the server's side. A request's admission error is its stream's first item,
+as on a thread. If the engine process dies, every open stream fails and the server reports not ready.
+"""
+
+from __future__ import annotations
+
+import gc
+import logging
+import multiprocessing
+import pickle
+import threading
+import traceback
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
+from multiprocessing.connection import Connection
+from pathlib import Path
+from typing import Any
+
+from omnistage.config import EngineConfig
+from omnistage.engine.sampling import SamplingParams, SpeechParams
+from omnistage.errors import ConfigError
+from omnistage.models.qwen3_omni.processor import Processor
+from omnistage.outputs import RequestOutput
+from omnistage.pipeline.qwen3_omni import Qwen3OmniPipeline, TtsPrompt, tts_prompt
+from omnistage.pipeline.step_loop import Abort, Add, Delivery, StepLoop
+
+log = logging.getLogger(__name__)
+
+_IDLE_POLL_S = 0.5
+
+
+@dataclass(frozen=True)
+class PipelineInfo:
+    """What the server reads of the pipeline, sent once by the engine process when it is ready."""
+
+    model_path: Path
+    max_model_len: int
+    voices: tuple[str, ...]
+    memory_summary: str
+    stats: dict[str, int]
+
+
+@dataclass(frozen=True)
+class Outputs:
+    """One step's deliveries, the engine's stats after it, and how many Adds it has picked up so far."""
+
+    items: Delivery
+    stats: dict[str, int]
+    admitted: int
+
+
+def _send(conn: Connection, message: Any) -> None:
+    # plain pickle: tensors travel by value, not as shared-memory handles that need their own lifetimes
+    conn.send_bytes(pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL))
+
+
+def _recv(conn: Connection) -> Any:
+    return pickle.loads(conn.recv_bytes())
+
+
+# -- the engine process ------------------------------------------------------------------------------
+
+
+def _engine_main(config_json: str, conn: Connection, log_level: int) -> None:
+    logging.basicConfig(level=log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        pipeline = Qwen3OmniPipeline(EngineConfig.model_validate_json(config_json))
+    except Exception as exc:
+        _send(conn, (exc, traceback.format_exc()))
+        return
+    gc.collect()
+    gc.freeze()  # see AsyncEngine: the loaded model is never garbage
+    info = PipelineInfo(
+        pipeline.model_path,
+        pipeline.max_model_len,
+        pipeline.voices,
+        pipeline.memory_summary(),
+        pipeline.stats(),
+    )
+    _send(conn, info)
+    admitted = 0
+    stopped = False
+    stale = False  # commands were handled since the server last got the stats
+
+    def deliver(items: Delivery) -> None:
+        nonlocal stale
+        stale = False
+        _send(conn, Outputs(slim(items), pipeline.stats(), admitted))
+
+    def receive(block: bool) -> list[Add | Abort]:
+        nonlocal admitted, stopped, stale
+        if stale:  # no step followed them (an abort left the pipeline idle): the pages it freed, now
+            deliver([])
+        commands: list[Add | Abort] = []
+        timeout = _IDLE_POLL_S if block else 0
+        try:
+            while conn.poll(timeout):
+                command = _recv(conn)
+                if command is None:
+                    stopped = True
+                    break
+                commands.append(command)
+                admitted += isinstance(command, Add)
+                timeout = 0
+        except (EOFError, OSError):  # the server's process is gone
+            stopped = True
+        stale = bool(commands)
+        return commands
+
+    sent_prompt: set[str] = set()
+
+    def slim(items: Delivery) -> Delivery:
+        """Outputs without what the server already has: the prompt ids after the first, the cumulative
+        text and ids before the last (RemoteOutputs puts them back)."""
+        out: Delivery = []
+        for request_id, item in items:
+            if isinstance(item, RequestOutput):
+                first = request_id not in sent_prompt
+                sent_prompt.add(request_id)
+                if item.finished:
+                    sent_prompt.discard(request_id)
+                else:
+                    item = replace(item, outputs=[replace(c, text="", token_ids=[]) for c in item.outputs])
+                if not first:
+                    item = replace(item, prompt_token_ids=[], prompt=None)
+            out.append((request_id, item))
+        return out
+
+    StepLoop(pipeline, deliver).run(receive, lambda: stopped)
+
+
+# -- the server's side -------------------------------------------------------------------------------
+
+
+@dataclass
+class _Partial:
+    prompt: str | None
+    prompt_token_ids: list[int]
+    text: list[str] = field(default_factory=list)
+    token_ids: list[int] = field(default_factory=list)
+
+
+class RemoteOutputs:
+    """Rebuilds full RequestOutputs from the engine process's slim ones."""
+
+    def __init__(self) -> None:
+        self._partial: dict[str, _Partial] = {}
+
+    def rebuild(self, request_id: str, item: RequestOutput | Exception) -> RequestOutput | Exception:
+        if not isinstance(item, RequestOutput):
+            self._partial.pop(request_id, None)
+            return item
+        partial = self._partial.get(request_id)
+        if partial is None:
+            partial = self._partial[request_id] = _Partial(item.prompt, item.prompt_token_ids)
+        if item.finished:
+            del self._partial[request_id]
+        else:
+            completion = item.outputs[0]
+            partial.text.append(completion.delta_text)
+            partial.token_ids += completion.delta_token_ids
+            text = "".join(partial.text)
+            item = replace(item, outputs=[replace(completion, text=text, token_ids=list(partial.token_ids))])
+        return replace(item, prompt=partial.prompt, prompt_token_ids=partial.prompt_token_ids)
+
+
+class RemotePipeline:
+    """The pipeline as the server's process sees it: the same attributes the server reads of a
+    Qwen3OmniPipeline, its stats as the engine process last sent them."""
+
+    def __init__(self, info: PipelineInfo) -> None:
+        self.info = info
+        self.model_path, self.max_model_len, self.voices = info.model_path, info.max_model_len, info.voices
+        self.processor = Processor(info.model_path)
+        self.tokenizer = self.processor.tokenizer
+        self.latest_stats = dict(info.stats)
+
+    def memory_summary(self) -> str:
+        return self.info.memory_summary
+
+    def tts_prompt(self, text: str) -> TtsPrompt:
+        return tts_prompt(self.processor, text, self.max_model_len)
+
+    def validate(
+        self, prompt_token_ids: list[int], params: SamplingParams, speech: SpeechParams | None = None
+    ) -> None:
+        """Nothing here: the engine process checks a request when it admits it, and its error is the first
+        item of the request's stream."""
+
+    @property
+    def num_waiting(self) -> int:
+        return self.latest_stats["num_waiting"]
+
+    def stats(self) -> dict[str, int]:
+        return dict(self.latest_stats)
+
+
+class EngineProcess:
+    """Starts the engine process and waits until its pipeline is loaded; then carries commands and outputs."""
+
+    def __init__(self, config: EngineConfig) -> None:
+        context = multiprocessing.get_context(
+            "spawn"
+        )  # a fresh interpreter: no CUDA state, no threads forked
+        self._conn, child = context.Pipe()
+        self.process = context.Process(
+            target=_engine_main,
+            args=(config.model_dump_json(), child, logging.getLogger().getEffectiveLevel()),
+            name="omnistage-engine",
+        )
+        self.process.start()
+        child.close()
+        try:
+            reply = _recv(self._conn)
+        except (EOFError, OSError):
+            self.process.join(timeout=5)
+            raise ConfigError(
+                f"the engine process exited while loading (exit code {self.process.exitcode})"
+            ) from None
+        if isinstance(reply, tuple):
+            exc, trace = reply
+            self.process.join(timeout=5)
+            log.debug("the engine process failed to start:\n%s", trace)
+            raise exc
+        self.view = RemotePipeline(reply)
+        self._send_lock = threading.Lock()
+        self.admitted = 0
+
+    def send(self, command: Add | Abort | None) -> None:
+        with self._send_lock:
+            try:
+                _send(self._conn, command)
+            except (BrokenPipeError, OSError):
+                log.warning("the engine process is gone: %s dropped", type(command).__name__)
+
+    def receive_forever(self, deliver: Callable[[Delivery], None], on_exit: Callable[[], None]) -> None:
+        """Read the engine's messages until it exits (run on a thread of its own)."""
+        outputs = RemoteOutputs()
+        try:
+            while True:
+                message: Outputs = _recv(self._conn)
+                self.view.latest_stats = message.stats
+                self.admitted = message.admitted
+                deliver(
+                    [(request_id, outputs.rebuild(request_id, item)) for request_id, item in message.items]
+                )
+        except (EOFError, OSError):
+            pass
+        finally:
+            on_exit()
+
+    def shutdown(self, timeout: float = 10) -> None:
+        self.send(None)
+        self.process.join(timeout=timeout)
+        if self.process.is_alive():
+            self.process.kill()
+            self.process.join(timeout=timeout)
+        self._conn.close()
