@@ -225,8 +225,16 @@ class LLMEngine:
         """Measure the floor, then split what is left between graphs and KV pages (see capture_plan)."""
         cfg = self.config
         torch.cuda.synchronize(self.device)
+        torch.cuda.empty_cache()  # blocks this process freed while loading are free for the plan too
         weights = torch.cuda.memory_allocated(self.device)
         free, total = torch.cuda.mem_get_info(self.device)
+        log.info(
+            "after loading: %.2f GiB allocated by this process, %.2f GiB free on the device (%.2f GiB held by "
+            "other processes or the driver)",
+            weights / GiB,
+            free / GiB,
+            (total - free - torch.cuda.memory_reserved(self.device)) / GiB,
+        )
         limit = int(cfg.gpu_memory_limit_gib * GiB) if cfg.gpu_memory_limit_gib else None
         if limit is not None:
             torch.cuda.set_per_process_memory_fraction(min(1.0, limit / total), self.device)
