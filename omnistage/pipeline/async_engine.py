@@ -15,6 +15,7 @@ import gc
 import logging
 import queue
 import threading
+import time
 from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING
 
@@ -95,6 +96,7 @@ class AsyncEngine:
 
         With `speech`, the reply is also spoken: outputs carry `audio_delta` chunks as they are decoded."""
         self.engine.validate(prompt_token_ids, params, speech)
+        submitted, delivered = time.monotonic(), None
         out_queue: asyncio.Queue = asyncio.Queue()
         with self._lock:
             if request_id in self._streams:
@@ -113,6 +115,9 @@ class AsyncEngine:
                 item = await out_queue.get()
                 if isinstance(item, Exception):
                     raise item
+                # this side's times beside the engine's (one monotonic clock for every process of the host)
+                delivered = delivered or time.monotonic()
+                item.metrics.update(submitted=submitted, delivered=delivered)
                 yield item
                 if item.finished:
                     finished = True

@@ -49,6 +49,15 @@ class ServerMetrics:
         self.pages_total = Gauge("omnistage_kv_pages_total", "KV cache pages in the pool", registry=r)
         self.pages_used = Gauge("omnistage_kv_pages_used", "KV cache pages held by requests", registry=r)
         self.pages_free = Gauge("omnistage_kv_pages_free", "KV cache pages free", registry=r)
+        self.phases = Histogram(
+            "omnistage_request_phase_seconds",
+            "Where a request's time to first token goes: to_engine (handed over to admitted), first_token "
+            "(admitted to first token: encoders, queue, prefill), delivery (first token to the request's "
+            "handler)",
+            ["phase"],
+            buckets=_TTFT_BUCKETS,
+            registry=r,
+        )
         self.talker_pages_total = Gauge(
             "omnistage_talker_kv_pages_total", "The Talker's KV cache pages (speech out)", registry=r
         )
@@ -85,6 +94,11 @@ class ServerMetrics:
         arrival, first, finished = times.get("arrival"), times.get("first_token"), times.get("finished")
         if arrival is not None and first is not None:
             self.ttft.observe(first - arrival)
+        submitted, delivered = times.get("submitted"), times.get("delivered")
+        if submitted is not None and arrival is not None and first is not None and delivered is not None:
+            self.phases.labels("to_engine").observe(arrival - submitted)
+            self.phases.labels("first_token").observe(first - arrival)
+            self.phases.labels("delivery").observe(delivered - first)
         if arrival is not None and "first_audio" in times:
             self.first_audio.observe(times["first_audio"] - arrival)
         if first is not None and finished is not None and generated > 1:
