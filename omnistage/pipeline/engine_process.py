@@ -5,7 +5,9 @@ server against the engine in-process").
 
 The server's process keeps HTTP, media decoding, templating and tokenizing (its own `Processor`); the engine
 process runs a StepLoop over the pipeline. They talk over a pipe in pickled messages: commands (Add, Abort)
-one way; each step's outputs, with the engine's stats, the other. Outputs travel as deltas: a request's
+one way; each step's outputs, with the engine's stats, the other. Neither side's main work ever waits on the
+pipe: the server writes commands from a thread of its own and the engine process drains them on one, since a
+write blocks until the other side reads (a request's media can be MBs, a step tens of ms). Outputs travel as deltas: a request's
 prompt ids go with its first output only, its cumulative text and ids with its last, and `RemoteOutputs`
 rebuilds full RequestOutputs on the server's side. A request's admission error is its stream's first item,
 as on a thread. If the engine process dies, every open stream fails and the server reports not ready.
@@ -17,6 +19,7 @@ import gc
 import logging
 import multiprocessing
 import pickle
+import queue
 import threading
 import traceback
 from collections.abc import Callable
@@ -90,6 +93,10 @@ def _engine_main(config_json: str, conn: Connection, log_level: int) -> None:
     admitted = 0
     stopped = False
     stale = False  # commands were handled since the server last got the stats
+    # The pipe is drained on a thread of its own, so that the server's writes (a request's media can be MBs)
+    # never wait for a step to end, nor a step for a write.
+    inbox: queue.SimpleQueue = queue.SimpleQueue()
+    threading.Thread(target=_drain, args=(conn, inbox), name="omnistage-commands", daemon=True).start()
 
     def deliver(items: Delivery) -> None:
         nonlocal stale
@@ -101,18 +108,17 @@ def _engine_main(config_json: str, conn: Connection, log_level: int) -> None:
         if stale:  # no step followed them (an abort left the pipeline idle): the pages it freed, now
             deliver([])
         commands: list[Add | Abort] = []
-        timeout = _IDLE_POLL_S if block else 0
-        try:
-            while conn.poll(timeout):
-                command = _recv(conn)
-                if command is None:
-                    stopped = True
-                    break
-                commands.append(command)
-                admitted += isinstance(command, Add)
-                timeout = 0
-        except (EOFError, OSError):  # the server's process is gone
-            stopped = True
+        while True:
+            try:
+                command = inbox.get(block=block, timeout=_IDLE_POLL_S if block else None)
+            except queue.Empty:
+                break
+            block = False
+            if command is None:  # shut down, or the server's process is gone
+                stopped = True
+                break
+            commands.append(command)
+            admitted += isinstance(command, Add)
         stale = bool(commands)
         return commands
 
@@ -136,6 +142,17 @@ def _engine_main(config_json: str, conn: Connection, log_level: int) -> None:
         return out
 
     StepLoop(pipeline, deliver).run(receive, lambda: stopped)
+
+
+def _drain(conn: Connection, inbox: queue.SimpleQueue) -> None:
+    try:
+        while True:
+            command = _recv(conn)
+            inbox.put(command)
+            if command is None:
+                return
+    except (EOFError, OSError):
+        inbox.put(None)
 
 
 # -- the server's side -------------------------------------------------------------------------------
@@ -232,15 +249,26 @@ class EngineProcess:
             log.debug("the engine process failed to start:\n%s", trace)
             raise exc
         self.view = RemotePipeline(reply)
-        self._send_lock = threading.Lock()
         self.admitted = 0
+        # commands are pickled and written on a thread: a write waits for the engine process to read, and the
+        # event loop that sends them must never wait (at c=16 it did, and every stream's delivery with it)
+        self._outbox: queue.SimpleQueue = queue.SimpleQueue()
+        self._sender = threading.Thread(target=self._send_forever, name="omnistage-send", daemon=True)
+        self._sender.start()
 
     def send(self, command: Add | Abort | None) -> None:
-        with self._send_lock:
+        self._outbox.put(command)
+
+    def _send_forever(self) -> None:
+        while True:
+            command = self._outbox.get()
             try:
                 _send(self._conn, command)
             except (BrokenPipeError, OSError):
                 log.warning("the engine process is gone: %s dropped", type(command).__name__)
+                return
+            if command is None:
+                return
 
     def receive_forever(self, deliver: Callable[[Delivery], None], on_exit: Callable[[], None]) -> None:
         """Read the engine's messages until it exits (run on a thread of its own)."""
@@ -260,6 +288,7 @@ class EngineProcess:
 
     def shutdown(self, timeout: float = 10) -> None:
         self.send(None)
+        self._sender.join(timeout=timeout)
         self.process.join(timeout=timeout)
         if self.process.is_alive():
             self.process.kill()
