@@ -21,6 +21,7 @@ import multiprocessing
 import pickle
 import queue
 import threading
+import time
 import traceback
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
@@ -39,6 +40,7 @@ from omnistage.pipeline.step_loop import Abort, Add, Delivery, StepLoop
 log = logging.getLogger(__name__)
 
 _IDLE_POLL_S = 0.5
+_STATS_EVERY_S = 0.1
 
 
 @dataclass(frozen=True)
@@ -57,7 +59,7 @@ class Outputs:
     """One step's deliveries, the engine's stats after it, and how many Adds it has picked up so far."""
 
     items: Delivery
-    stats: dict[str, int]
+    stats: dict[str, int] | None  # None: unchanged enough since the last
     admitted: int
 
 
@@ -98,10 +100,18 @@ def _engine_main(config_json: str, conn: Connection, log_level: int) -> None:
     inbox: queue.SimpleQueue = queue.SimpleQueue()
     threading.Thread(target=_drain, args=(conn, inbox), name="omnistage-commands", daemon=True).start()
 
+    stats_sent = 0.0
+
     def deliver(items: Delivery) -> None:
-        nonlocal stale
+        """The outputs, with fresh stats when the last are older than _STATS_EVERY_S or the pipeline is idle
+        (reading the allocator's stats every step would cost each step its time)."""
+        nonlocal stale, stats_sent
         stale = False
-        _send(conn, Outputs(slim(items), pipeline.stats(), admitted))
+        now = time.monotonic()
+        stats = None
+        if now - stats_sent > _STATS_EVERY_S or not pipeline.has_unfinished():
+            stats, stats_sent = pipeline.stats(), now
+        _send(conn, Outputs(slim(items), stats, admitted))
 
     def receive(block: bool) -> list[Add | Abort]:
         nonlocal admitted, stopped, stale
@@ -276,7 +286,8 @@ class EngineProcess:
         try:
             while True:
                 message: Outputs = _recv(self._conn)
-                self.view.latest_stats = message.stats
+                if message.stats is not None:
+                    self.view.latest_stats = message.stats
                 self.admitted = message.admitted
                 deliver(
                     [(request_id, outputs.rebuild(request_id, item)) for request_id, item in message.items]
