@@ -228,9 +228,10 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument(
         "--engine-process",
         action=argparse.BooleanOptionalAction,
-        default=True,
-        help="run the engine in a process of its own, so that HTTP work and model steps never wait on one "
-        "GIL; --no-engine-process runs it on a thread of the server's process (default: %(default)s)",
+        default=False,
+        help="run the engine in a process of its own: HTTP work and model steps no longer share one GIL "
+        "(c=16 decode is faster), but the first token of a lone request comes ~10 ms later (H200, "
+        "benchmarks/RESULTS.md); by default it runs on a thread of the server's process",
     )
     serve.set_defaults(func=_serve)
 
