@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 import logging
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -18,14 +18,7 @@ import torch
 
 from omnistage.config import EngineConfig
 from omnistage.engine.attention import backend_for
-from omnistage.engine.capture_plan import (
-    GiB,
-    MemoryPlan,
-    decode_buckets,
-    kv_bytes_per_page,
-    plan_memory,
-    prefill_buckets,
-)
+from omnistage.engine.capture_plan import GiB, MemoryPlan, kv_bytes_per_page
 from omnistage.engine.detokenizer import IncrementalDetokenizer
 from omnistage.engine.encoder_engine import EncoderEngine, MultimodalEmbeds
 from omnistage.engine.gpu_memory import allocator_stats
@@ -34,6 +27,7 @@ from omnistage.engine.model_runner import HiddenTap, ModelRunner
 from omnistage.engine.sampling import Sampler, SamplingParams, SamplingRow, SpeechParams, make_generator
 from omnistage.engine.scheduler import ScheduledChunk, Scheduler, SchedulerOutput
 from omnistage.engine.sequence import Sequence, SequenceStatus
+from omnistage.engine.stage_plan import plan_stage_memory
 from omnistage.errors import ConfigError, InvalidRequest, RequestTooLarge
 from omnistage.models.layers.moe import SparseMoeBlock
 from omnistage.models.layers.rotary import PromptPositions
@@ -143,7 +137,6 @@ class LLMEngine:
             config.seed,
         )
         self.load_seconds = time.perf_counter() - started
-        self.extra_floor = extra_floor
         self.set_moe_kernel(config.moe_kernel)
         self.compiled = self.device.type == "cuda" and config.compile
         if self.compiled:
@@ -166,7 +159,15 @@ class LLMEngine:
         self.runner = ModelRunner(self.model, text, self.page_size, self.device, self.dtype)
         self.plan: MemoryPlan | None = None
         if self.device.type == "cuda":
-            self.plan = self._plan_gpu_memory()
+            self.plan = plan_stage_memory(
+                self.runner,
+                self.encoders,
+                config,
+                self.kv_bytes_per_page,
+                max_prompt_tokens=self.max_model_len - 1,
+                max_media=(self.processor.max_audios, self.processor.max_images),
+                extra_floor=extra_floor,
+            )
             num_pages = self.plan.kv_pages
         elif config.num_kv_pages is not None:
             num_pages = config.num_kv_pages
@@ -176,19 +177,6 @@ class LLMEngine:
             )
         self.pool = PagePool(num_pages, self.page_size)
         self.runner.allocate_kv(num_pages)
-        if (
-            self.plan is not None
-            and self.dtype != torch.bfloat16
-            and (self.plan.captured_buckets or self.plan.prefill_captured)
-        ):
-            log.warning("CUDA graphs need bfloat16 (grouped-GEMM MoE); %s steps run eagerly", self.dtype)
-            self.plan = replace(
-                self.plan,
-                captured_buckets=(),
-                skipped_buckets=tuple(sorted(self.plan.graph_costs)),
-                prefill_captured=(),
-                prefill_skipped=tuple(sorted(self.plan.prefill_graph_costs)),
-            )
         if self.plan is not None:
             started = time.perf_counter()
             self.runner.capture_graphs(
@@ -202,84 +190,11 @@ class LLMEngine:
         self.sampler = Sampler()
         log.debug("%s", self.memory_summary())
 
-    def _warm_up(self) -> None:
-        """Run eager steps of the shapes traffic brings, so that Triton's per-shape-class kernel builds and
-        torch.compile's graphs happen at start, not inside the first requests (measured: a 3 s TTFT at c=16)."""
-        started = time.perf_counter()
-        budget = self.config.max_num_batched_tokens
-        # odd and even counts (Triton specialises integer arguments divisible by 16), decode-sized batches
-        # that take the Triton MoE, and prefill sizes that take grouped GEMMs
-        shapes = [(2, 1), (3, 1), (17, 1), (33, 1), (64, 1), (65, 1), (130, 1), (257, 1), (72, 8), (600, 1)]
-        for tokens, seqs in shapes:
-            if tokens <= budget:
-                self.runner.profile_peak(tokens, seqs)
-        log.info("warmed up %d step shapes in %.1f s", len(shapes), time.perf_counter() - started)
-
     def set_moe_kernel(self, kernel: str) -> None:
         """Choose the GPU MoE kernel of every layer (captured decode graphs keep the one they recorded)."""
         for module in self.model.modules():
             if isinstance(module, SparseMoeBlock):
                 module.kernel = kernel
-
-    def _plan_gpu_memory(self) -> MemoryPlan:
-        """Measure the floor, then split what is left between graphs and KV pages (see capture_plan)."""
-        cfg = self.config
-        torch.cuda.synchronize(self.device)
-        torch.cuda.empty_cache()  # blocks this process freed while loading are free for the plan too
-        weights = torch.cuda.memory_allocated(self.device)
-        free, total = torch.cuda.mem_get_info(self.device)
-        log.info(
-            "after loading: %.2f GiB allocated by this process, %.2f GiB free on the device (%.2f GiB held by "
-            "other processes or the driver)",
-            weights / GiB,
-            free / GiB,
-            (total - free - torch.cuda.memory_reserved(self.device)) / GiB,
-        )
-        limit = int(cfg.gpu_memory_limit_gib * GiB) if cfg.gpu_memory_limit_gib else None
-        if limit is not None:
-            torch.cuda.set_per_process_memory_fraction(min(1.0, limit / total), self.device)
-        floor = self.encoders.profile_floor(
-            max(self.runner.profile_peak(cfg.max_num_batched_tokens, 1), self.extra_floor),
-            cfg.max_num_batched_tokens,
-            self.max_model_len - 1,
-            self.processor.max_audios,
-            self.processor.max_images,
-        )
-        buckets = [] if cfg.enforce_eager else decode_buckets(min(cfg.max_graph_batch, cfg.max_num_seqs))
-        costs = {}
-        if buckets:
-            # a graph keeps its step's activations and logits in the shared pool; scale the largest step's
-            # measured peak by batch (conservative: graphs captured largest-first reuse that memory)
-            costs = _scaled_costs(self.runner.profile_peak(max(buckets), max(buckets)), buckets)
-        prefill_costs = {}
-        max_prefill = min(cfg.max_prefill_graph_tokens, cfg.max_num_batched_tokens)
-        if not cfg.enforce_eager and max_prefill:
-            prefill = prefill_buckets(max_prefill)
-            prefill_costs = _scaled_costs(self.runner.profile_peak(max(prefill), 1), prefill)
-        self._warm_up()
-        plan = plan_memory(
-            total,
-            free,
-            weights,
-            floor,
-            self.kv_bytes_per_page,
-            costs,
-            limit=limit,
-            prefill_graph_costs=prefill_costs,
-        )
-        fixed = cfg.num_kv_pages
-        if fixed is None and cfg.kv_cache_memory_gib is not None:
-            fixed = int(cfg.kv_cache_memory_gib * GiB) // self.kv_bytes_per_page
-        if fixed is not None:
-            if fixed > plan.kv_pages:
-                raise ConfigError(
-                    f"{fixed:,} KV pages were asked for but only {plan.kv_pages:,} fit:\n{plan.table()}"
-                )
-            plan = replace(
-                plan, kv_pages=fixed, free=plan.free + (plan.kv_pages - fixed) * self.kv_bytes_per_page
-            )
-        log.info("%s", plan.table())
-        return plan
 
     def memory_summary(self) -> str:
         kv_gib = self.pool.num_pages * self.kv_bytes_per_page / GiB
@@ -531,11 +446,6 @@ class LLMEngine:
             error=state.error,
             metrics=dict(state.metrics),
         )
-
-
-def _scaled_costs(largest_peak: int, buckets: list[int]) -> dict[int, int]:
-    """Graph memory per bucket: the largest bucket's measured step peak scaled by size, plus 2 MiB."""
-    return {b: -(-largest_peak * b // max(buckets)) + (2 << 20) for b in buckets}
 
 
 def _row(seq: Sequence) -> SamplingRow:

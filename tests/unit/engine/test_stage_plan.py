@@ -1,0 +1,83 @@
+"""plan_stage_memory's decisions on fake measurements: the CUDA calls are stubbed with a device's numbers."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import pytest
+import torch
+
+from omnistage.config import engine_config
+from omnistage.engine.capture_plan import Floor, GiB
+from omnistage.engine.stage_plan import plan_stage_memory, scaled_costs
+from omnistage.errors import ConfigError
+
+PAGE_BYTES = 1 << 20
+
+
+@dataclass
+class FakeRunner:
+    device: torch.device = torch.device("cuda", 0)
+    dtype: torch.dtype = torch.bfloat16
+    warmed: int = 0
+
+    def profile_peak(self, tokens: int, seqs: int) -> int:
+        return 1000 * tokens
+
+    def warm_up(self, max_tokens: int) -> None:
+        self.warmed = max_tokens
+
+
+class FakeEncoders:
+    def __init__(self) -> None:
+        self.asked: tuple = ()
+
+    def profile_floor(self, prefill: int, tokens: int, max_prompt: int, audios: int, images: int) -> Floor:
+        self.asked = (prefill, tokens, max_prompt, audios, images)
+        return Floor(prefill, tokens)
+
+
+@pytest.fixture
+def device(monkeypatch):
+    """A 40 GiB device with 10 GiB of weights loaded."""
+    for name, value in {
+        "synchronize": None,
+        "empty_cache": None,
+        "memory_allocated": 10 * GiB,
+        "memory_reserved": 10 * GiB,
+        "mem_get_info": (30 * GiB, 40 * GiB),
+    }.items():
+        monkeypatch.setattr(torch.cuda, name, lambda *a, v=value, **k: v)
+    monkeypatch.setattr(torch.cuda, "set_per_process_memory_fraction", lambda *a, **k: None)
+
+
+def plan(**config):
+    runner, encoders = FakeRunner(**{k: config.pop(k) for k in ["dtype"] if k in config}), FakeEncoders()
+    cfg = engine_config(device="cuda", max_num_seqs=8, max_prefill_graph_tokens=64, **config)
+    result = plan_stage_memory(runner, encoders, cfg, PAGE_BYTES, 4095, (8, 5), extra_floor=3 * 10**9)
+    return result, runner, encoders
+
+
+def test_the_floor_takes_the_largest_of_the_stage_and_the_other_stages(device):
+    result, runner, encoders = plan()
+    assert encoders.asked == (3 * 10**9, 2048, 4095, 8, 5)  # 3 GB of the speech stages beat 2048 x 1000 bytes
+    assert runner.warmed == 2048
+    assert result.captured_buckets and result.prefill_captured
+    assert result.kv_pages > 0
+
+
+def test_fixed_pages_beyond_what_fits_name_the_plan(device):
+    with pytest.raises(ConfigError, match="KV pages were asked for but only .* fit:\nmemory plan"):
+        plan(num_kv_pages=10**6)
+    assert plan(num_kv_pages=100)[0].kv_pages == 100
+
+
+def test_no_graphs_without_bfloat16(device):
+    result, _, _ = plan(dtype=torch.float16)
+    assert not result.captured_buckets and not result.prefill_captured
+    assert set(result.skipped_buckets) == set(result.graph_costs)
+
+
+def test_scaled_costs_grow_with_the_bucket():
+    costs = scaled_costs(8 << 20, [1, 2, 4, 8])
+    assert costs[8] == (8 << 20) + (2 << 20) and costs[1] == (1 << 20) + (2 << 20)
