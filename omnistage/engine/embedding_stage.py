@@ -17,6 +17,7 @@ from typing import Protocol
 import torch
 
 from omnistage.engine.gpu_memory import device_peak
+from omnistage.engine.isolation import run_isolated
 from omnistage.engine.kv_cache import PagePool
 from omnistage.engine.model_runner import positions_for
 from omnistage.engine.sampling import Sampler, SamplingParams, SamplingRow, make_generator
@@ -171,21 +172,23 @@ class EmbeddingStage:
         return self._run(out.chunks) if out.chunks else []
 
     def _run(self, chunks: list[ScheduledChunk]) -> list[Sampled]:
-        """One model step over `chunks`; a failure fails only its request (a batch is retried one by one)."""
+        """One model step over `chunks`; a failure fails only its request (see isolation.run_isolated)."""
+        return run_isolated(
+            chunks,
+            self._sample_step,
+            self._apply,
+            lambda chunk, exc: [self._fail(chunk.seq, exc)],
+            lambda chunks: [g for c in chunks if c.samples and (g := c.seq.data.generator) is not None],
+        )
+
+    def _sample_step(self, chunks: list[ScheduledChunk]) -> tuple[torch.Tensor, list[int]]:
         sampling = [c for c in chunks if c.samples]
-        generators = [(s, s.get_state()) for c in sampling if (s := c.seq.data.generator) is not None]
-        try:
-            hidden = self._execute(chunks)
-            tokens = self._sample(hidden, sampling).tolist() if sampling else []
-        except Exception as exc:
-            if isinstance(exc, torch.OutOfMemoryError):
-                torch.cuda.empty_cache()
-            if len(chunks) == 1:
-                return [self._fail(chunks[0].seq, exc)]
-            log.warning("a step of %d chunks failed (%s); running them one at a time", len(chunks), exc)
-            for generator, state in generators:
-                generator.set_state(state)
-            return [out for chunk in chunks for out in self._run([chunk])]
+        hidden = self._execute(chunks)
+        return hidden, self._sample(hidden, sampling).tolist() if sampling else []
+
+    def _apply(self, chunks: list[ScheduledChunk], result: tuple[torch.Tensor, list[int]]) -> list[Sampled]:
+        hidden, tokens = result
+        sampling = [c for c in chunks if c.samples]
         self.scheduler.update(
             SchedulerOutput(chunks), {c.seq.request_id: t for c, t in zip(sampling, tokens)}
         )

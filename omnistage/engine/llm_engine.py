@@ -22,6 +22,7 @@ from omnistage.engine.capture_plan import GiB, MemoryPlan, kv_bytes_per_page
 from omnistage.engine.detokenizer import IncrementalDetokenizer
 from omnistage.engine.encoder_engine import EncoderEngine, MultimodalEmbeds
 from omnistage.engine.gpu_memory import allocator_stats
+from omnistage.engine.isolation import run_isolated
 from omnistage.engine.kv_cache import PagePool
 from omnistage.engine.model_runner import HiddenTap, ModelRunner
 from omnistage.engine.sampling import Sampler, SamplingParams, SamplingRow, SpeechParams, make_generator
@@ -364,27 +365,24 @@ class LLMEngine:
         return self._run(step.chunks)
 
     def _run(self, chunks: list[ScheduledChunk]) -> list[RequestOutput]:
-        """Run `chunks` as one model step and apply what it sampled.
+        """Run `chunks` as one model step and apply what it sampled; a failure fails only the requests at
+        fault (see isolation.run_isolated)."""
+        return run_isolated(
+            chunks,
+            self._sample_step,
+            self._apply,
+            lambda chunk, exc: self._fail(chunk.seq, exc),
+            lambda chunks: [g for c in chunks if c.samples and (g := c.seq.data.generator) is not None],
+        )
 
-        A failure never leaves the requests at fault: a lone chunk fails its request, and the chunks of a
-        failed batch run again one at a time, so that the others get the tokens they would have got alone.
-        A chunk run again rewrites the same KV slots, and its generator is first put back where it stood.
-        """
+    def _sample_step(self, chunks: list[ScheduledChunk]) -> list[int]:
+        """The ids sampled after the chunks that end in a sample, in chunk order."""
+        rows = [_row(c.seq) for c in chunks if c.samples]
+        logits = self.runner.execute(SchedulerOutput(chunks))
+        return self.sampler(logits, rows).tolist() if rows else []
+
+    def _apply(self, chunks: list[ScheduledChunk], tokens: list[int]) -> list[RequestOutput]:
         sampling = [c for c in chunks if c.samples]
-        rows = [_row(c.seq) for c in sampling]
-        generators = [(r.generator, r.generator.get_state()) for r in rows if r.generator is not None]
-        try:
-            logits = self.runner.execute(SchedulerOutput(chunks))
-            tokens = self.sampler(logits, rows).tolist() if rows else []
-        except Exception as exc:  # a failing step fails its requests, never the engine
-            if isinstance(exc, torch.OutOfMemoryError):
-                torch.cuda.empty_cache()
-            if len(chunks) == 1:
-                return self._fail(chunks[0].seq, exc)
-            log.warning("a step of %d chunks failed (%s); running them one at a time", len(chunks), exc)
-            for generator, state in generators:
-                generator.set_state(state)
-            return [out for chunk in chunks for out in self._run([chunk])]
         self.scheduler.update(
             SchedulerOutput(chunks), {c.seq.request_id: t for c, t in zip(sampling, tokens)}
         )
