@@ -30,6 +30,7 @@ from typing import TYPE_CHECKING, Any
 
 from omnistage.bench.clips import SYNTH_SETS, Clip, load_dir, synth_clips, total_seconds
 from omnistage.bench.stats import RequestTiming, summarize
+from omnistage.bench.sweep import sweep as generic_sweep
 
 if TYPE_CHECKING:
     import httpx
@@ -46,30 +47,7 @@ async def sweep(
     run: Runner, clips: list[Clip], concurrencies: list[int], warmup: int = 1, repeats: int = 1
 ) -> list[dict]:
     """`repeats` passes over every clip per concurrency; each concurrency's summary (see summarize)."""
-    for i in range(warmup):
-        await run(clips[i % len(clips)], -1 - i)
-    results = []
-    counter = 0
-    for concurrency in concurrencies:
-        gate = asyncio.Semaphore(concurrency)
-        timings: list[RequestTiming] = []
-        walls = []
-        for _ in range(repeats):
-            start = time.perf_counter()
-            timings += await asyncio.gather(
-                *(_gated(gate, run, clip, counter + i) for i, clip in enumerate(clips))
-            )
-            walls.append(time.perf_counter() - start)
-            counter += len(clips)
-        summary = summarize(timings, walls, concurrency)
-        log.info("c=%d: %s", concurrency, summary)
-        results.append(summary)
-    return results
-
-
-async def _gated(gate: asyncio.Semaphore, run: Runner, clip: Clip, number: int) -> RequestTiming:
-    async with gate:
-        return await run(clip, number)
+    return await generic_sweep(run, clips, concurrencies, summarize, warmup=warmup, repeats=repeats)
 
 
 # -- targets -----------------------------------------------------------------------------------------------

@@ -46,6 +46,7 @@ from omnistage.bench.speech_targets import (
     speech_inputs,
 )
 from omnistage.bench.stats import median, percentile
+from omnistage.bench.sweep import sweep as generic_sweep
 
 log = logging.getLogger("omnistage.bench")
 
@@ -100,30 +101,9 @@ async def sweep(
     repeats: int = 1,
 ) -> list[dict[str, Any]]:
     """`repeats` passes of max(c, min_requests) requests cycling over `inputs`, per concurrency c."""
-    for i in range(warmup):
-        await run(inputs[i % len(inputs)], -1 - i)
-    results, counter = [], 0
-    for concurrency in concurrencies:
-        gate = asyncio.Semaphore(concurrency)
-        count = max(concurrency, min_requests)
-        timings: list[SpeechTiming] = []
-        walls = []
-        for _ in range(repeats):
-            start = time.perf_counter()
-            timings += await asyncio.gather(
-                *(_gated(gate, run, inputs[i % len(inputs)], counter + i) for i in range(count))
-            )
-            walls.append(time.perf_counter() - start)
-            counter += count
-        summary = summarize(timings, walls, concurrency)
-        log.info("c=%d: %s", concurrency, summary)
-        results.append(summary)
-    return results
-
-
-async def _gated(gate: asyncio.Semaphore, run: Runner, item: SpeechInput, number: int) -> SpeechTiming:
-    async with gate:
-        return await run(item, number)
+    return await generic_sweep(
+        run, inputs, concurrencies, summarize, lambda c: max(c, min_requests), warmup, repeats
+    )
 
 
 # -- the command ---------------------------------------------------------------------------------------------
