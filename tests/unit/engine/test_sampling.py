@@ -249,3 +249,17 @@ def test_min_tokens_blocks_eos_and_stop_ids():
     sampled_rows = [row(SamplingParams(min_tokens=3, stop_token_ids=[stop_id]), output=[1], eos=[eos])] * 500
     tokens = Sampler()(logits[:1].expand(500, -1), sampled_rows)
     assert not ({eos, stop_id} & set(tokens.tolist()))
+
+
+def test_ranking_only_the_largest_top_k_equals_sorting_the_whole_vocabulary():
+    """When every row has a top_k, only max(top_k) candidates are ranked; the kept logits are the same."""
+    from omnistage.engine.sampling import _apply_top_k_top_p
+
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(6, 2048, generator=g) * 3
+    top_k = torch.tensor([50, 50, 7, 1, 50, 20])
+    top_p = torch.tensor([0.8, math.inf, 0.5, 0.9, 0.01, 1.0])
+    full = _apply_top_k_top_p(logits, top_k, top_p)
+    head = _apply_top_k_top_p(logits, top_k, top_p, head=50)
+    assert torch.equal(full, head)
+    assert (head > -math.inf).sum(dim=1).tolist()[3] == 1 and (head > -math.inf).sum(dim=1).max() <= 50
