@@ -309,7 +309,7 @@ class Sampler:
         else:
             q = torch.empty_like(probs)
         for i in seeded:
-            q[i] = torch.empty_like(probs[i]).exponential_(generator=rows[i].generator)
+            q[i].exponential_(generator=rows[i].generator)  # in place: no row copy
         # exponential_ may return exactly 0; 0/0 would make NaN, which argmax would pick.
         sampled = probs.div_(q.clamp_min_(torch.finfo(q.dtype).tiny)).argmax(dim=-1)
         return torch.where(torch.tensor(greedy, device=device), greedy_ids, sampled)
