@@ -25,6 +25,7 @@ from omnistage.config import engine_config
 from omnistage.engine.llm_engine import LLMEngine
 from omnistage.engine.sampling import SamplingParams
 from omnistage.models.qwen3_omni.transcription import transcription_messages
+from omnistage.pipeline.qwen3_omni import Qwen3OmniPipeline
 
 log = logging.getLogger("a2t_stages")
 
@@ -90,9 +91,9 @@ def main() -> None:
 
     config = engine_config(
         "a2t_stages", model=str(released_skeleton()), load_format="dummy", device="cuda", dtype="bfloat16",
-        max_num_seqs=1, kv_cache_memory_gib=16.0,
+        max_num_seqs=1, kv_cache_memory_gib=16.0, speech=False,
     )  # fmt: skip
-    engine = LLMEngine(config)
+    engine = Qwen3OmniPipeline(config).thinker
     audio = synth_clips((args.seconds,), seed=0, espeak=False)[0].audio
     n = args.output_tokens
     params = SamplingParams(max_tokens=n, min_tokens=n, ignore_eos=True, temperature=0.0)

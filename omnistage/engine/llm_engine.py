@@ -7,7 +7,6 @@ the engine goes on.
 
 from __future__ import annotations
 
-import json
 import logging
 import time
 from dataclasses import dataclass, field
@@ -17,7 +16,6 @@ from typing import TYPE_CHECKING
 import torch
 
 from omnistage.config import EngineConfig
-from omnistage.engine.attention import backend_for
 from omnistage.engine.capture_plan import GiB, MemoryPlan, kv_bytes_per_page
 from omnistage.engine.detokenizer import IncrementalDetokenizer
 from omnistage.engine.encoder_engine import EncoderEngine, MultimodalEmbeds
@@ -32,9 +30,9 @@ from omnistage.engine.stage_plan import plan_stage_memory
 from omnistage.errors import ConfigError, InvalidRequest, RequestTooLarge
 from omnistage.models.layers.moe import SparseMoeBlock
 from omnistage.models.layers.rotary import PromptPositions
-from omnistage.models.qwen3_omni.config import Qwen3OmniConfig
+from omnistage.models.qwen3_omni.config import TextConfig
 from omnistage.models.qwen3_omni.processor import Processor
-from omnistage.models.qwen3_omni.thinker import load_thinker
+from omnistage.models.qwen3_omni.thinker import Thinker
 from omnistage.outputs import CompletionOutput, RequestOutput
 
 if TYPE_CHECKING:
@@ -98,46 +96,39 @@ def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
     return getattr(torch, dtype)
 
 
-def eos_token_ids(checkpoint_dir: Path, processor: Processor) -> list[int]:
-    path = checkpoint_dir / "generation_config.json"
-    if path.exists():
-        eos = json.loads(path.read_text()).get("eos_token_id")
-        if eos is not None:
-            return [eos] if isinstance(eos, int) else list(eos)
-    return [processor.tokenizer.token_to_id("<|im_end|>")]
+@dataclass
+class StageModels:
+    """What a family's pipeline loads for an LLM stage (see pipeline/qwen3_omni.py): the decoder, its sizes,
+    the processor that lays out its prompts, the encoders that fill their placeholders, and its end tokens."""
+
+    model: Thinker
+    text: TextConfig
+    processor: Processor
+    encoders: EncoderEngine
+    eos_token_ids: list[int]
+    model_path: Path
+    load_seconds: float
 
 
 class LLMEngine:
-    def __init__(self, config: EngineConfig, extra_floor: int = 0) -> None:
+    def __init__(
+        self,
+        config: EngineConfig,
+        models: StageModels,
+        device: torch.device,
+        dtype: torch.dtype,
+        extra_floor: int = 0,
+    ) -> None:
         """`extra_floor`: the peak bytes of other stages' steps on this device, which run between this
         stage's steps (the memory floor is the largest of all)."""
-        from omnistage.models.qwen3_omni.tiny import default_checkpoint
-
         self.config = config
-        self.model_path = Path(config.model) if config.model else default_checkpoint()
-        self.model_config = Qwen3OmniConfig.from_dir(self.model_path)
-        text = self.model_config.thinker.text
-        self.device = resolve_device(config.device)
-        self.dtype = resolve_dtype(config.dtype, self.device)
-        self.processor = Processor(self.model_path)
+        self.device, self.dtype = device, dtype
+        self.model, self.encoders, self.processor = models.model, models.encoders, models.processor
+        self.model_path, self.load_seconds = models.model_path, models.load_seconds
         self.tokenizer = self.processor.tokenizer
-        self.eos_token_ids = eos_token_ids(self.model_path, self.processor)
+        self.eos_token_ids = models.eos_token_ids
+        text = models.text
         self.vocab_size = text.vocab_size
-
-        started = time.perf_counter()
-        backend = backend_for(self.device)
-        self.model = load_thinker(
-            self.model_path, self.dtype, self.device, backend, config.load_format, seed=config.seed
-        )
-        self.encoders = EncoderEngine(
-            self.model_path,
-            self.model_config.thinker,
-            self.dtype,
-            self.device,
-            config.load_format,
-            config.seed,
-        )
-        self.load_seconds = time.perf_counter() - started
         self.set_moe_kernel(config.moe_kernel)
         self.compiled = self.device.type == "cuda" and config.compile
         if self.compiled:

@@ -16,6 +16,7 @@ The hand-off streams, by the rules of `models/qwen3_omni/talker_input.py` (equal
 
 from __future__ import annotations
 
+import json
 import logging
 import time
 from dataclasses import dataclass, field, replace
@@ -28,7 +29,8 @@ from omnistage.config import EngineConfig
 from omnistage.engine.attention import backend_for
 from omnistage.engine.capture_plan import GiB
 from omnistage.engine.embedding_stage import EmbeddingStage, Sampled
-from omnistage.engine.llm_engine import LLMEngine, NewRequest, resolve_device, resolve_dtype
+from omnistage.engine.encoder_engine import EncoderEngine
+from omnistage.engine.llm_engine import LLMEngine, NewRequest, StageModels, resolve_device, resolve_dtype
 from omnistage.engine.model_runner import HiddenTap
 from omnistage.engine.sampling import Sampler, SamplingParams, SamplingRow, SpeechParams
 from omnistage.errors import InvalidRequest
@@ -46,6 +48,7 @@ from omnistage.models.qwen3_omni.talker_input import (
     tts_embeds,
     user_turn_mask,
 )
+from omnistage.models.qwen3_omni.thinker import load_thinker
 from omnistage.outputs import CompletionOutput, RequestOutput
 
 log = logging.getLogger(__name__)
@@ -76,6 +79,35 @@ class TtsPrompt:
     prompt: str
     token_ids: list[int]
     reply_token_ids: list[int]
+
+
+def load_thinker_stage(
+    config: EngineConfig, path: Path, cfg: Qwen3OmniConfig, device: torch.device, dtype: torch.dtype
+) -> StageModels:
+    """The Thinker's decoder, its processor and the audio and vision encoders, for an LLMEngine."""
+    started = time.perf_counter()
+    model = load_thinker(path, dtype, device, backend_for(device), config.load_format, seed=config.seed)
+    encoders = EncoderEngine(path, cfg.thinker, dtype, device, config.load_format, config.seed)
+    processor = Processor(path)
+    return StageModels(
+        model=model,
+        text=cfg.thinker.text,
+        processor=processor,
+        encoders=encoders,
+        eos_token_ids=eos_token_ids(path, processor),
+        model_path=path,
+        load_seconds=time.perf_counter() - started,
+    )
+
+
+def eos_token_ids(checkpoint_dir: Path, processor: Processor) -> list[int]:
+    """The checkpoint's generation end tokens, else `<|im_end|>`."""
+    path = checkpoint_dir / "generation_config.json"
+    if path.exists():
+        eos = json.loads(path.read_text()).get("eos_token_id")
+        if eos is not None:
+            return [eos] if isinstance(eos, int) else list(eos)
+    return [processor.tokenizer.token_to_id("<|im_end|>")]
 
 
 def tts_prompt(processor: Processor, text: str, max_model_len: int) -> TtsPrompt:
@@ -156,7 +188,9 @@ class Qwen3OmniPipeline:
             self.tokens = SpeechTokens.from_config(cfg)
             if device.type == "cuda":
                 extra_floor = self._speech_floor()
-        self.thinker = LLMEngine(config, extra_floor=extra_floor)
+        self.thinker = LLMEngine(
+            config, load_thinker_stage(config, path, cfg, device, dtype), device, dtype, extra_floor
+        )
         self.processor, self.tokenizer = self.thinker.processor, self.thinker.tokenizer
         self.model_path, self.max_model_len = self.thinker.model_path, self.thinker.max_model_len
         self.device, self.dtype = device, dtype

@@ -329,7 +329,7 @@ def test_add_requests_fails_only_the_request_at_fault(llm):
         engine.add_request(f"ref{i}", p.token_ids, GREEDY, mrope=p.mrope, mm=p.mm)
         reference.append(llm._run([f"ref{i}"])[0].outputs[0].token_ids)
     bad_media = prompts[1].token_ids + [
-        engine.model_config.thinker.audio_token_id
+        llm.pipeline.model_config.thinker.audio_token_id
     ]  # one placeholder too many
     requests = [
         NewRequest("a", prompts[0].token_ids, GREEDY, mrope=prompts[0].mrope, mm=prompts[0].mm),
