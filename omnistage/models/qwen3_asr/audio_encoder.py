@@ -1,0 +1,57 @@
+"""Qwen3-ASR's audio encoder: the Qwen3-Omni AuT, smaller, and its projector.
+
+The math is Qwen3-Omni's to the last op (1 s chunks through three stride-2 convolutions, sinusoidal positions
+per chunk, attention in 8 s windows, ln_post, then proj1 -> GELU -> proj2 to the decoder's width), so the
+module is `omnistage.models.qwen3_omni.audio_encoder.AudioEncoder`, built from this checkpoint's sizes.
+Only the tensor names differ by layout: the released files keep the projector inside the tower
+(`thinker.audio_tower.proj1/proj2`), transformers' -hf files beside it (`model.multi_modal_projector.linear_1/2`).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from omnistage.models.loader import load_module
+from omnistage.models.qwen3_asr.config import Qwen3ASRConfig
+from omnistage.models.qwen3_omni.audio_encoder import AudioEncoder
+
+RELEASED_PREFIX = "thinker.audio_tower."
+HF_TOWER_PREFIX = "model.audio_tower."
+HF_PROJECTOR_PREFIX = "model.multi_modal_projector."
+PROJECTOR = {"proj1": "linear_1", "proj2": "linear_2"}
+
+
+def _hf_views(encoder: AudioEncoder) -> list[tuple[nn.Module, str]]:
+    """Containers that share the encoder's submodules under the -hf names, so loading stays a lookup."""
+    tower, projector = nn.Module(), nn.Module()
+    for name, child in encoder.named_children():
+        if name in PROJECTOR:
+            projector.add_module(PROJECTOR[name], child)
+        else:
+            tower.add_module(name, child)
+    return [(tower, HF_TOWER_PREFIX), (projector, HF_PROJECTOR_PREFIX)]
+
+
+def load_audio_encoder(
+    checkpoint_dir: str | Path,
+    dtype: torch.dtype = torch.bfloat16,
+    device: torch.device | str = "cpu",
+    load_format: str = "safetensors",
+    seed: int = 0,
+) -> AudioEncoder:
+    """The audio encoder and projector of a Qwen3-ASR checkpoint directory (either layout)."""
+    cfg = Qwen3ASRConfig.from_dir(checkpoint_dir)
+    with torch.device("meta"):
+        encoder = AudioEncoder(cfg.audio)
+    if cfg.layout == "released" or load_format == "dummy":
+        parts = [(encoder, RELEASED_PREFIX)]
+    else:
+        parts = _hf_views(encoder)
+    for module, prefix in parts:
+        load_module(
+            module, checkpoint_dir, prefix, dtype=dtype, device=device, load_format=load_format, seed=seed
+        )
+    return encoder.requires_grad_(False).eval()

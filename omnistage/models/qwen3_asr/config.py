@@ -1,0 +1,186 @@
+"""A typed, validated view of a Qwen3-ASR `config.json`, in either of its two layouts.
+
+The released checkpoints (`Qwen/Qwen3-ASR-{0.6B,1.7B}`, read by the `qwen-asr` package and vLLM) nest the
+model under `thinker_config` and name tensors `thinker.*`; transformers' own conversions (`-hf`) flatten
+`audio_config`, `text_config` and `audio_token_id` to the top level and name tensors `model.*` / `lm_head.*`.
+`omnistage/data/qwen3_asr_*.config.json` record the released layout at the released sizes.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal
+
+from omnistage.errors import ConfigError
+from omnistage.models.qwen3_omni.audio_encoder import audio_output_tokens
+from omnistage.models.qwen3_omni.config import AudioEncoderConfig, _Reader
+
+Layout = Literal["released", "hf"]
+
+# Token ids both layouts share with the released tokenizer; the -hf config keeps only audio_token_id.
+AUDIO_START_TOKEN_ID = 151669
+AUDIO_END_TOKEN_ID = 151670
+# The released transformers backend's stop ids and greedy cap (its generation_config.json).
+EOS_TOKEN_IDS = (151643, 151645)
+# The conv stack's peak: the released audio_config's conv_chunksize; the -hf config has none.
+DEFAULT_CONV_CHUNKSIZE = 500
+
+
+@dataclass(frozen=True)
+class DenseTextConfig:
+    """A dense Qwen3 decoder (q/k RMSNorm, GQA, SwiGLU MLP, RoPE)."""
+
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+
+    @classmethod
+    def read(cls, r: _Reader, tie_default: bool) -> DenseTextConfig:
+        # transformers 5 nests rope_theta in rope_parameters; the released (4.57) file has it at the top
+        rope = r.data.get("rope_parameters") or {}
+        theta = r.child("rope_parameters").get("rope_theta", float) if rope else r.get("rope_theta", float)
+        cfg = cls(
+            vocab_size=r.positive("vocab_size"),
+            hidden_size=r.positive("hidden_size"),
+            intermediate_size=r.positive("intermediate_size"),
+            num_hidden_layers=r.positive("num_hidden_layers"),
+            num_attention_heads=r.positive("num_attention_heads"),
+            num_key_value_heads=r.positive("num_key_value_heads"),
+            head_dim=r.positive("head_dim"),
+            rms_norm_eps=r.get("rms_norm_eps", float),
+            rope_theta=theta,
+            max_position_embeddings=r.positive("max_position_embeddings"),
+            tie_word_embeddings=r.get("tie_word_embeddings", bool, tie_default),
+        )
+        if cfg.num_attention_heads % cfg.num_key_value_heads:
+            raise r.fail(
+                "num_key_value_heads",
+                f"{cfg.num_key_value_heads} does not divide num_attention_heads {cfg.num_attention_heads}",
+            )
+        if cfg.head_dim % 2:
+            raise r.fail("head_dim", f"{cfg.head_dim} must be even for rotary embeddings")
+        if r.get("hidden_act", str, "silu") != "silu":
+            raise r.fail(
+                "hidden_act", f"omnistage serves SiLU-gated MLPs, found {r.get('hidden_act', str)!r}"
+            )
+        if r.get("attention_bias", bool, False):
+            raise r.fail("attention_bias", "attention projections with biases are not supported")
+        if r.get("use_sliding_window", bool, False):
+            raise r.fail("use_sliding_window", "sliding-window attention is not supported in the decoder")
+        # M-RoPE sections, where given, only matter for positions that differ between streams; ASR
+        # positions are the same on all three, so every layout reduces to plain RoPE. Still check them.
+        scaling = r.data.get("rope_scaling") or rope
+        section = scaling.get("mrope_section") if isinstance(scaling, dict) else None
+        if section is not None and sum(section) != cfg.head_dim // 2:
+            raise r.fail(
+                "rope_scaling.mrope_section", f"{section} does not sum to head_dim/2 = {cfg.head_dim // 2}"
+            )
+        return cfg
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        """K and V of every layer for one token, in bf16."""
+        return 2 * self.num_hidden_layers * self.num_key_value_heads * self.head_dim * 2
+
+
+def _audio_config(r: _Reader, layout: Layout) -> AudioEncoderConfig:
+    """The AuT's settings as the Omni encoder reads them, from either layout's audio_config."""
+    if layout == "released":
+        cfg = AudioEncoderConfig.read(r)
+    else:
+        heads = "encoder_attention_heads" if "encoder_attention_heads" in r.data else "num_attention_heads"
+        cfg = AudioEncoderConfig(
+            num_mel_bins=r.positive("num_mel_bins"),
+            d_model=r.positive("d_model"),
+            encoder_layers=r.positive("encoder_layers"),
+            encoder_attention_heads=r.positive(heads),
+            encoder_ffn_dim=r.positive("encoder_ffn_dim"),
+            downsample_hidden_size=r.positive("downsample_hidden_size"),
+            output_dim=r.positive("output_dim"),
+            n_window=r.positive("n_window"),
+            n_window_infer=r.positive("n_window_infer"),
+            conv_chunksize=DEFAULT_CONV_CHUNKSIZE,
+            # transformers' table holds one chunk's positions (13 for n_window 50); ours needs no table
+            max_source_positions=r.positive("max_position_embeddings"),
+            activation_function=r.get("activation_function", str),
+        )
+        chunk_tokens = audio_output_tokens(2 * cfg.n_window, cfg.n_window)
+        if cfg.max_source_positions < chunk_tokens:
+            raise r.fail(
+                "max_position_embeddings",
+                f"{cfg.max_source_positions} positions cannot hold one chunk's {chunk_tokens} tokens",
+            )
+        if cfg.d_model % cfg.encoder_attention_heads or cfg.n_window_infer % (2 * cfg.n_window):
+            raise r.fail("n_window_infer", "heads must divide d_model and windows must hold whole chunks")
+    if r.get("scale_embedding", bool, False):
+        raise r.fail("scale_embedding", "scaled audio embeddings are not supported")
+    return cfg
+
+
+@dataclass(frozen=True)
+class Qwen3ASRConfig:
+    layout: Layout
+    text: DenseTextConfig
+    audio: AudioEncoderConfig
+    audio_token_id: int
+    audio_start_token_id: int
+    audio_end_token_id: int
+    # The names the model writes after "language " (released: support_languages; -hf: not recorded).
+    languages: tuple[str, ...]
+    raw: dict
+
+    @classmethod
+    def from_dict(cls, data: dict) -> Qwen3ASRConfig:
+        r = _Reader(data, "")
+        model_type = r.get("model_type", str)
+        if model_type != "qwen3_asr":
+            raise ConfigError(f"model_type: omnistage serves 'qwen3_asr' here, found {model_type!r}")
+        layout: Layout = "released" if "thinker_config" in data else "hf"
+        model = r.child("thinker_config") if layout == "released" else r
+        if layout == "released" and model.data.get("classify_num") is not None:
+            raise model.fail("classify_num", "this is a forced aligner, not a transcription model")
+        tie = model.get("tie_word_embeddings", bool, r.get("tie_word_embeddings", bool, True))
+        cfg = cls(
+            layout=layout,
+            text=DenseTextConfig.read(model.child("text_config"), tie),
+            audio=_audio_config(model.child("audio_config"), layout),
+            audio_token_id=model.get("audio_token_id", int),
+            audio_start_token_id=model.get("audio_start_token_id", int, AUDIO_START_TOKEN_ID),
+            audio_end_token_id=model.get("audio_end_token_id", int, AUDIO_END_TOKEN_ID),
+            languages=tuple(r.get("support_languages", list, [])),
+            raw=data,
+        )
+        for key in ("audio_token_id", "audio_start_token_id", "audio_end_token_id"):
+            if not 0 <= getattr(cfg, key) < cfg.text.vocab_size:
+                raise model.fail(
+                    key, f"{getattr(cfg, key)} is outside the vocabulary of {cfg.text.vocab_size}"
+                )
+        if cfg.audio.output_dim != cfg.text.hidden_size:
+            raise model.fail(
+                "audio_config.output_dim",
+                f"{cfg.audio.output_dim} differs from the text hidden size {cfg.text.hidden_size}",
+            )
+        return cfg
+
+    @classmethod
+    def from_dir(cls, directory: str | Path) -> Qwen3ASRConfig:
+        if not Path(directory).is_dir():
+            raise ConfigError(f"{directory}: the checkpoint directory does not exist")
+        path = Path(directory) / "config.json"
+        try:
+            data = json.loads(path.read_text())
+        except FileNotFoundError:
+            raise ConfigError(f"{path}: no config.json in the checkpoint directory") from None
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+            raise ConfigError(f"{path}: unreadable ({exc})") from None
+        return cls.from_dict(data)
