@@ -37,6 +37,14 @@ Engine settings come from --config's `engine:` section, then the flags below."""
 
 
 def _make_tiny(args: argparse.Namespace) -> None:
+    if args.family == "qwen3-asr":
+        from omnistage.models.qwen3_asr.tiny import make_tiny as make_asr
+
+        path = make_asr(args.directory, seed=args.seed, layout=args.layout)
+        print(f"wrote a tiny random Qwen3-ASR checkpoint ({args.layout} layout) to {path}")
+        return
+    if args.layout != "released":
+        raise SystemExit("make-tiny: --layout hf is for --family qwen3-asr")
     from omnistage.models.qwen3_omni.tiny import make_tiny
 
     path = make_tiny(args.directory, seed=args.seed)
@@ -172,11 +180,24 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
 
     tiny = sub.add_parser(
-        "make-tiny", help="write a tiny random-weight Qwen3-Omni checkpoint in the released layout"
+        "make-tiny",
+        help="write a tiny random-weight Qwen3-Omni or Qwen3-ASR checkpoint in the released layout",
     )
     tiny.add_argument("directory", help="output directory (created if missing)")
     tiny.add_argument(
         "--seed", type=int, default=0, help="random seed; the same seed writes the same files (default: 0)"
+    )
+    tiny.add_argument(
+        "--family",
+        choices=("qwen3-omni", "qwen3-asr"),
+        default="qwen3-omni",
+        help="model family (default: qwen3-omni)",
+    )
+    tiny.add_argument(
+        "--layout",
+        choices=("released", "hf"),
+        default="released",
+        help="released: the files Qwen publishes (thinker.* names); hf: transformers' -hf conversion (Qwen3-ASR only)",
     )
     tiny.set_defaults(func=_make_tiny)
 
