@@ -222,6 +222,10 @@ class EmbeddingStage:
         logits = self.model.compute_logits(hidden)
         if len(self._suppressed):
             logits[:, self._suppressed] = -torch.inf
+        # ignore_eos: the end id is never drawn (unlike text, a stage's end id here is no output of its own)
+        ignoring = [row for row, c in enumerate(sampling) if c.seq.data.params.ignore_eos]
+        if ignoring:
+            logits[torch.tensor(ignoring, device=logits.device), self.eos_token_id] = -torch.inf
         rows = [
             SamplingRow(
                 params=c.seq.data.params,

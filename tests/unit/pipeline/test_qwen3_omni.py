@@ -217,3 +217,23 @@ def test_cancelled_and_failed_speaking_requests_leave_every_pool_full(llm, monke
     )
     assert neighbour.error is None and neighbour.audio_codes == alone.audio_codes
     assert_pools_full(llm)
+
+
+def test_ignore_eos_never_draws_the_codec_end(llm, monkeypatch):
+    """A Talker that would say its end at once: with ignore_eos it speaks every frame asked for, else nothing."""
+    pipeline = llm.pipeline
+    eos = pipeline.model_config.talker.codec_eos_token_id
+    logits = pipeline.talker.compute_logits
+
+    def eager_to_end(hidden):
+        out = logits(hidden)
+        out[:, eos] = out.max() + 100
+        return out
+
+    monkeypatch.setattr(pipeline.talker, "compute_logits", eager_to_end)
+    spec = speak(llm, 0, frames=7, text_tokens=3)
+    assert run(llm, requests(llm, [spec]))["0"][-1].num_audio_frames == 7
+    spec["speech"] = SpeechParams("ethan", talker(7, seed=1))
+    final = run(llm, requests(llm, [spec], first_id=1))["1"][-1]
+    assert final.finished and final.num_audio_frames == 0 and final.audio_codes == []
+    assert_pools_full(llm)
