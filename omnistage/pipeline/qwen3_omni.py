@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 import logging
+import random
 import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -32,7 +33,8 @@ from omnistage.engine.embedding_stage import EmbeddingStage, Sampled
 from omnistage.engine.encoder_engine import EncoderEngine
 from omnistage.engine.llm_engine import LLMEngine, NewRequest, StageModels, resolve_device, resolve_dtype
 from omnistage.engine.model_runner import HiddenTap
-from omnistage.engine.sampling import Sampler, SamplingParams, SamplingRow, SpeechParams
+from omnistage.engine.sampling import SamplingParams, SpeechParams
+from omnistage.engine.static_sampling import StaticRows, sample_static
 from omnistage.errors import InvalidRequest
 from omnistage.models.qwen3_omni.code2wav import load_code2wav
 from omnistage.models.qwen3_omni.code2wav_streamer import Code2WavStreamer
@@ -64,12 +66,9 @@ def default_frame_cap(text_tokens: int) -> int:
     return min(MAX_AUDIO_FRAMES, CAP_BASE_FRAMES + CAP_FRAMES_PER_TOKEN * text_tokens)
 
 
-def code_predictor_params(talker: SamplingParams) -> SamplingParams:
-    """The released code predictor's sampling (top-k 50, top-p 0.8, temperature 1), greedy with a greedy
-    Talker, as transformers ties them."""
-    if talker.greedy:
-        return SamplingParams(max_tokens=None, temperature=0.0)
-    return SamplingParams(max_tokens=None, temperature=1.0, top_k=50, top_p=0.8)
+# The released code predictor's sampling (transformers' subtalker defaults): top-k 50, top-p 0.8, temperature 1;
+# greedy with a greedy Talker, as transformers ties them.
+PREDICTOR_TOP_K, PREDICTOR_TOP_P, PREDICTOR_TEMPERATURE = 50, 0.8, 1.0
 
 
 @dataclass(frozen=True)
@@ -132,7 +131,10 @@ class _Speech:
     generated: list[int] = field(default_factory=list)  # the Thinker's tokens so far
     text_done: bool = False
     talker_started: bool = False
-    generator: torch.Generator | None = None
+    predictor_seed: int = (
+        0  # the code predictor's draws: a function of (seed, draw number), see static_sampling
+    )
+    predictor_draws: int = 0
     rows_fed: int = 0  # the Talker's decode rows given so far = text rows consumed
     codec_sum: torch.Tensor | None = None  # the last frame's embedding sum, waiting for its text row
     codes: list[list[int]] = field(default_factory=list)
@@ -194,7 +196,6 @@ class Qwen3OmniPipeline:
         self.processor, self.tokenizer = self.thinker.processor, self.thinker.tokenizer
         self.model_path, self.max_model_len = self.thinker.model_path, self.thinker.max_model_len
         self.device, self.dtype = device, dtype
-        self.sampler = Sampler()
         self._speaking: dict[str, _Speech] = {}
         if self.speaks:
             with torch.inference_mode():
@@ -342,6 +343,8 @@ class Qwen3OmniPipeline:
             frame_cap=self._frame_cap(r.speech, len(reply) if reply is not None else max_tokens),
             tap=tap,
             text=text,
+            # an unseeded request's draws still differ from every other's
+            predictor_seed=seed if (seed := r.speech.talker.seed) is not None else random.getrandbits(63),
         )
         if reply is not None:  # the reply is given: it is all known, and its end is the unspoken last token
             speech.generated = [*reply, self.model_config.im_end_token_id]
@@ -475,9 +478,8 @@ class Qwen3OmniPipeline:
         return chunks
 
     def _predict_isolated(self, frames: list[tuple[_Speech, Sampled]]) -> None:
-        """The frames in one call; if it fails, one at a time (generators put back first), so that only the
-        request at fault fails."""
-        generators = [(g, g.get_state()) for speech, _ in frames if (g := speech.generator) is not None]
+        """The frames in one call; if it fails, one at a time, so that only the request at fault fails (a
+        frame's draws depend on its request's draw count alone, which advances only on success)."""
         if len(frames) == 1:
             self._guarded([frames[0][0]], lambda: self._predict_frames(frames))
             return
@@ -485,8 +487,6 @@ class Qwen3OmniPipeline:
             self._predict_frames(frames)
         except Exception as exc:
             log.warning("a code-predictor batch of %d frames failed (%s); one at a time", len(frames), exc)
-            for generator, state in generators:
-                generator.set_state(state)
             for frame in frames:
                 self._predict_isolated([frame])
 
@@ -529,7 +529,6 @@ class Qwen3OmniPipeline:
         self.talker_stage.add(
             speech.request_id, prompt.embeds, positions, speech.params.talker, speech.frame_cap
         )
-        speech.generator = self.talker_stage.generator(speech.request_id)
         speech.talker_started = True
         speech.tap = None
         self.streamer.open(speech.request_id)
@@ -563,13 +562,22 @@ class Qwen3OmniPipeline:
         """Codes 1..15 of every new frame in one batched call; the frames go to Code2Wav."""
         code0 = torch.tensor([s.token for _, s in frames], device=self.device)
         hidden = torch.stack([s.hidden for _, s in frames])
-        rows = [
-            SamplingRow(code_predictor_params(speech.params.talker), [], [], generator=speech.generator)
-            for speech, _ in frames
-        ]
-        residual, sums = self.code_predictor.predict_frame(
-            hidden, self.talker.model.codec_embedding(code0), lambda logits: self.sampler(logits, rows)
+        speeches = [speech for speech, _ in frames]
+        rows = StaticRows.empty(len(frames), self.device)
+        rows.fill(
+            [s.params.talker.greedy for s in speeches],
+            [PREDICTOR_TEMPERATURE] * len(frames),
+            [PREDICTOR_TOP_P] * len(frames),
+            [s.predictor_seed for s in speeches],
+            [s.predictor_draws for s in speeches],
         )
+        residual, sums = self.code_predictor.predict_frame(
+            hidden,
+            self.talker.model.codec_embedding(code0),
+            lambda logits: sample_static(logits, rows, PREDICTOR_TOP_K),
+        )
+        for speech in speeches:
+            speech.predictor_draws += self.model_config.talker.num_code_groups - 1
         frame_codes = torch.cat((code0[:, None], residual), dim=1)
         for (speech, sampled), codes, codec_sum in zip(frames, frame_codes, sums):
             speech.codes.append(codes.tolist())

@@ -1,0 +1,93 @@
+"""Sampling a CUDA graph can hold: per-row settings in device tensors, and noise from a counter-based hash.
+
+The engine's Sampler draws a seeded row from its own torch.Generator, one call per row, with settings built
+from Python lists each step: right for the Thinker, but a graph replays neither. Here a row's noise is a pure
+function of (its seed, its draw number, the token): the same for the row alone or in any batch, from one
+kernel for the whole batch, and the draw numbers advance on the device. The hash is SplitMix64's finaliser
+over int64 arithmetic (wrapping, as torch's integer ops do), whose top 23 bits make a uniform in (0, 1);
+`-log(u)` is then an Exp(1) draw for the exponential race (argmax of p / q is an exact draw from p).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+_GOLDEN = -0x61C8864680B583EB  # 0x9E3779B97F4A7C15 as a signed int64
+_MIX1 = -0x40A7B892E31B1A47  # 0xBF58476D1CE4E5B9
+_MIX2 = -0x6B2FB644ECCEEE15  # 0x94D049BB133111EB
+
+
+def _mix(x: torch.Tensor) -> torch.Tensor:
+    """SplitMix64's finaliser on int64 (logical shifts emulated by masking the sign-extended bits)."""
+    x = (x ^ ((x >> 30) & ((1 << 34) - 1))) * _MIX1
+    x = (x ^ ((x >> 27) & ((1 << 37) - 1))) * _MIX2
+    return x ^ ((x >> 31) & ((1 << 33) - 1))
+
+
+def uniform_noise(seeds: torch.Tensor, draws: torch.Tensor, vocab: int) -> torch.Tensor:
+    """`[B, vocab]` float32 uniforms in (0, 1): row b's depend only on (seeds[b], draws[b]) and the column."""
+    columns = torch.arange(vocab, device=seeds.device, dtype=torch.int64)
+    key = _mix(seeds * _GOLDEN + draws)  # [B]
+    bits = _mix(key[:, None] + (columns[None, :] + 1) * _GOLDEN)
+    # the top 23 bits: (k + 0.5) / 2**23 is exact in float32 and lies in [2**-24, 1 - 2**-24]
+    top23 = (bits >> 41) & ((1 << 23) - 1)
+    return (top23.float() + 0.5) / float(1 << 23)
+
+
+@dataclass
+class StaticRows:
+    """A batch's sampling settings as device tensors of fixed size (rows past the batch are padding)."""
+
+    greedy: torch.Tensor  # [B] bool
+    temperature: torch.Tensor  # [B] float32 (1 where greedy)
+    top_p: torch.Tensor  # [B] float32 (inf: off)
+    seeds: torch.Tensor  # [B] int64
+    draws: torch.Tensor  # [B] int64: the draw number of each row's next sample; advanced by every call
+
+    @classmethod
+    def empty(cls, rows: int, device: torch.device | str) -> StaticRows:
+        return cls(
+            torch.ones(rows, dtype=torch.bool, device=device),
+            torch.ones(rows, device=device),
+            torch.full((rows,), math.inf, device=device),
+            torch.zeros(rows, dtype=torch.int64, device=device),
+            torch.zeros(rows, dtype=torch.int64, device=device),
+        )
+
+    def fill(
+        self,
+        greedy: list[bool],
+        temperature: list[float],
+        top_p: list[float],
+        seeds: list[int],
+        draws: list[int],
+    ) -> None:
+        """Set the first len(greedy) rows (one host-to-device copy per field; the rest keep their values)."""
+        n = len(greedy)
+        for target, values in (
+            (self.greedy, greedy),
+            (self.temperature, [1.0 if g else t for g, t in zip(greedy, temperature)]),
+            (self.top_p, [p if p < 1.0 else math.inf for p in top_p]),
+            (self.seeds, seeds),
+            (self.draws, draws),
+        ):
+            target[:n].copy_(torch.tensor(values, dtype=target.dtype), non_blocking=True)
+
+
+def sample_static(logits: torch.Tensor, rows: StaticRows, top_k: int) -> torch.Tensor:
+    """Ids `[B]` from float32 logits `[B, V]`: greedy rows take the argmax; the others temperature, their top
+    `top_k` (the same for every row: a static shape), top-p, then the exponential race on hashed noise. No host
+    synchronisation; `rows.draws` advances by one."""
+    batch = logits.shape[0]
+    greedy_ids = logits.argmax(dim=-1)
+    head, order = (logits / rows.temperature[:batch, None]).topk(top_k, dim=-1)
+    probs = head.softmax(dim=-1)
+    mass_before = probs.cumsum(dim=-1) - probs
+    probs = probs.masked_fill(mass_before >= rows.top_p[:batch, None], 0.0)
+    noise = -uniform_noise(rows.seeds[:batch], rows.draws[:batch], top_k).log()
+    choice = (probs / noise).argmax(dim=-1, keepdim=True)
+    rows.draws[:batch] += 1
+    return torch.where(rows.greedy[:batch], greedy_ids, order.gather(1, choice)[:, 0])
