@@ -18,12 +18,12 @@ import torch
 from omnistage.engine.capture_plan import Floor
 from omnistage.engine.gpu_memory import device_peak
 from omnistage.errors import InvalidRequest
-from omnistage.models.qwen3_omni.audio_encoder import audio_output_tokens, load_audio_encoder
+from omnistage.models.qwen3_omni.audio_encoder import AudioEncoder, audio_output_tokens, load_audio_encoder
 from omnistage.models.qwen3_omni.audio_features import HOP_LENGTH, MAX_SECONDS, NUM_MEL_BINS, SAMPLE_RATE
 from omnistage.models.qwen3_omni.config import ThinkerConfig
 from omnistage.models.qwen3_omni.image_processing import ImageProcessorConfig, image_tokens, largest_grid
 from omnistage.models.qwen3_omni.processor import MultimodalInputs
-from omnistage.models.qwen3_omni.vision_encoder import load_vision_encoder
+from omnistage.models.qwen3_omni.vision_encoder import VisionEncoder, load_vision_encoder
 
 
 @dataclass
@@ -40,23 +40,46 @@ class MultimodalEmbeds:
 class EncoderEngine:
     def __init__(
         self,
+        audio_encoder: AudioEncoder,
+        vision_encoder: VisionEncoder | None,
+        audio_token_id: int,
+        image_token_id: int | None,
+        device: torch.device,
+        image_config: ImageProcessorConfig | None = None,
+        spatial_merge_size: int = 2,
+    ) -> None:
+        """The towers a family loaded, the placeholder ids they fill; no vision tower: audio only."""
+        self.audio_encoder, self.vision_encoder = audio_encoder, vision_encoder
+        self.audio_token_id, self.image_token_id = audio_token_id, image_token_id
+        self.device, self.spatial_merge_size = device, spatial_merge_size
+        self.image_config = image_config or ImageProcessorConfig()
+        # The largest inputs the processor admits, and the most one tower call takes.
+        self.max_audio_frames = int(MAX_SECONDS * SAMPLE_RATE) // HOP_LENGTH
+        self.max_image_grid = largest_grid(self.image_config)
+        self.max_image_patches = math.prod(self.max_image_grid)
+
+    @classmethod
+    def qwen3_omni(
+        cls,
         checkpoint_dir: Path,
         cfg: ThinkerConfig,
         dtype: torch.dtype,
         device: torch.device,
         load_format: str = "safetensors",
         seed: int = 0,
-    ) -> None:
-        self.cfg, self.device = cfg, device
+    ) -> EncoderEngine:
+        """Qwen3-Omni's audio and vision towers from a checkpoint directory."""
         towers = dict(dtype=dtype, device=device, load_format=load_format, seed=seed)
-        self.audio_encoder = load_audio_encoder(checkpoint_dir, **towers)
-        self.vision_encoder = load_vision_encoder(checkpoint_dir, **towers)
         found = (Path(checkpoint_dir) / "preprocessor_config.json").exists()
-        self.image_config = ImageProcessorConfig.from_dir(checkpoint_dir) if found else ImageProcessorConfig()
-        # The largest inputs the processor admits, and the most one tower call takes.
-        self.max_audio_frames = int(MAX_SECONDS * SAMPLE_RATE) // HOP_LENGTH
-        self.max_image_grid = largest_grid(self.image_config)
-        self.max_image_patches = math.prod(self.max_image_grid)
+        return cls(
+            load_audio_encoder(checkpoint_dir, **towers),
+            load_vision_encoder(checkpoint_dir, **towers),
+            cfg.audio_token_id,
+            cfg.image_token_id,
+            device,
+            ImageProcessorConfig.from_dir(checkpoint_dir) if found else None,
+            cfg.vision.spatial_merge_size,
+        )
 
     def encode(self, token_ids: list[int], mm: MultimodalInputs) -> MultimodalEmbeds:
         """Run the audio and vision encoders for one prompt; their rows must match its placeholders."""
@@ -100,7 +123,7 @@ class EncoderEngine:
         for group in _groups([len(x) for x in pixels], self.max_image_patches):
             batch = torch.cat([pixels[i] for i in group]).to(self.device)
             image, deepstack = self.vision_encoder(batch, [grids[i] for i in group])
-            sizes = [image_tokens(grids[i], self.cfg.vision.spatial_merge_size) for i in group]
+            sizes = [image_tokens(grids[i], self.spatial_merge_size) for i in group]
             rows += image.split(sizes)
             levels += torch.stack(deepstack).split(sizes, dim=1)
         mine = [[i for i, owner in enumerate(owners) if owner == p] for p in range(len(prompts))]
@@ -123,18 +146,20 @@ class EncoderEngine:
             image_grid_thw=None,
             num_image_tokens=[],
         )
-        audio_peak, clip_bytes = self._measure([self.cfg.audio_token_id] * clip_tokens, clip)
+        audio_peak, clip_bytes = self._measure([self.audio_token_id] * clip_tokens, clip)
         grid, cfg = self.max_image_grid, self.image_config
-        patch_values = 3 * cfg.temporal_patch_size * cfg.patch_size**2  # RGB
-        tokens = image_tokens(grid, self.cfg.vision.spatial_merge_size)
-        image = MultimodalInputs(
-            audio_features=[],
-            num_audio_tokens=[],
-            pixel_values=torch.randn(math.prod(grid), patch_values),
-            image_grid_thw=torch.tensor([grid]),
-            num_image_tokens=[tokens],
-        )
-        vision_peak, image_bytes = self._measure([self.cfg.image_token_id] * tokens, image)
+        tokens = image_tokens(grid, self.spatial_merge_size)
+        vision_peak = image_bytes = 0
+        if self.vision_encoder is not None:
+            patch_values = 3 * cfg.temporal_patch_size * cfg.patch_size**2  # RGB
+            image = MultimodalInputs(
+                audio_features=[],
+                num_audio_tokens=[],
+                pixel_values=torch.randn(math.prod(grid), patch_values),
+                image_grid_thw=torch.tensor([grid]),
+                num_image_tokens=[tokens],
+            )
+            vision_peak, image_bytes = self._measure([self.image_token_id] * tokens, image)
         return Floor(
             prefill=prefill,
             prefill_tokens=prefill_tokens,
@@ -163,8 +188,10 @@ class EncoderEngine:
         self, token_ids: list[int], audio: torch.Tensor | None, image: torch.Tensor | None, deepstack
     ) -> MultimodalEmbeds:
         ids = torch.tensor(token_ids)
-        audio_rows = (ids == self.cfg.audio_token_id).nonzero().flatten()
-        image_rows = (ids == self.cfg.image_token_id).nonzero().flatten()
+        audio_rows = (ids == self.audio_token_id).nonzero().flatten()
+        image_rows = (
+            (ids == self.image_token_id).nonzero().flatten() if self.image_token_id is not None else ids[:0]
+        )
         for kind, rows, embeds in (("audio", audio_rows, audio), ("image", image_rows, image)):
             found = 0 if embeds is None else embeds.shape[0]
             if found != len(rows):

@@ -86,7 +86,7 @@ def load_thinker_stage(
     """The Thinker's decoder, its processor and the audio and vision encoders, for an LLMEngine."""
     started = time.perf_counter()
     model = load_thinker(path, dtype, device, backend_for(device), config.load_format, seed=config.seed)
-    encoders = EncoderEngine(path, cfg.thinker, dtype, device, config.load_format, config.seed)
+    encoders = EncoderEngine.qwen3_omni(path, cfg.thinker, dtype, device, config.load_format, config.seed)
     processor = Processor(path)
     return StageModels(
         model=model,

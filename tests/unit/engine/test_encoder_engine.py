@@ -11,7 +11,7 @@ from omnistage.models.qwen3_omni.processor import Processor
 @pytest.fixture(scope="module")
 def setup(tiny_checkpoint):
     cfg = Qwen3OmniConfig.from_dir(tiny_checkpoint).thinker
-    encoders = EncoderEngine(tiny_checkpoint, cfg, torch.float32, torch.device("cpu"))
+    encoders = EncoderEngine.qwen3_omni(tiny_checkpoint, cfg, torch.float32, torch.device("cpu"))
     clip = (0.3 * np.sin(np.arange(32000) / 16000 * 2 * np.pi * 440)).astype(np.float32)
     messages = [
         {"role": "user", "content": [{"type": "audio", "audio": clip}, {"type": "text", "text": "Hi"}]}
@@ -80,7 +80,7 @@ def test_no_encoder_call_exceeds_the_largest_input_measured(tiny_checkpoint, mon
     processor admits (what the memory plan measured), and still equal each prompt alone."""
     from PIL import Image
 
-    encoders = EncoderEngine(tiny_checkpoint, Qwen3OmniConfig.from_dir(tiny_checkpoint).thinker, torch.float32,
+    encoders = EncoderEngine.qwen3_omni(tiny_checkpoint, Qwen3OmniConfig.from_dir(tiny_checkpoint).thinker, torch.float32,
                              torch.device("cpu"))  # fmt: skip
     assert encoders.max_audio_frames == 30000 and encoders.max_image_patches == 224 * 224
     encoders.max_audio_frames, encoders.max_image_patches = 450, 256  # 4.5 s of audio, one 256x256 image
