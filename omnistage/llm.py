@@ -12,7 +12,7 @@ from omnistage.engine.sampling import SamplingParams, SpeechParams, talker_sampl
 from omnistage.errors import InvalidRequest, OmnistageError
 from omnistage.media import MediaPolicy, decode_messages
 from omnistage.outputs import RequestOutput
-from omnistage.pipeline.qwen3_omni import Qwen3OmniPipeline
+from omnistage.pipeline.family import build_pipeline
 
 PromptType = str | dict
 # In-process callers name their own files: local paths anywhere, nothing fetched from the network.
@@ -30,7 +30,7 @@ class LLM:
     """
 
     def __init__(self, model: str | None = None, **kwargs) -> None:
-        self.pipeline = Qwen3OmniPipeline(engine_config(model=model, **kwargs))
+        self.pipeline = build_pipeline(engine_config(model=model, **kwargs))
         self._ids = itertools.count()
 
     @property

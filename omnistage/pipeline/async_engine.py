@@ -26,7 +26,7 @@ from omnistage.errors import InvalidRequest, QueueFull
 from omnistage.models.layers.rotary import PromptPositions
 from omnistage.outputs import RequestOutput
 from omnistage.pipeline.engine_process import EngineProcess, RemotePipeline
-from omnistage.pipeline.qwen3_omni import Qwen3OmniPipeline
+from omnistage.pipeline.family import Pipeline, build_pipeline
 from omnistage.pipeline.step_loop import Abort, Add, Delivery, StepLoop
 
 if TYPE_CHECKING:
@@ -36,7 +36,7 @@ log = logging.getLogger(__name__)
 
 
 class AsyncEngine:
-    def __init__(self, engine: Qwen3OmniPipeline | EngineProcess, max_queue: int | None = None) -> None:
+    def __init__(self, engine: Pipeline | EngineProcess, max_queue: int | None = None) -> None:
         self.max_queue = max_queue
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
         self._lock = threading.Lock()  # guards _streams and the queued count
@@ -49,7 +49,7 @@ class AsyncEngine:
         gc.freeze()
         if isinstance(engine, EngineProcess):
             self._process: EngineProcess | None = engine
-            self.engine: Qwen3OmniPipeline | RemotePipeline = engine.view
+            self.engine: Pipeline | RemotePipeline = engine.view
             target = self._receive_from_process
         else:
             self._process = None
@@ -64,7 +64,7 @@ class AsyncEngine:
     def from_config(
         cls, config: EngineConfig, max_queue: int | None = None, engine_process: bool = False
     ) -> AsyncEngine:
-        engine = EngineProcess(config) if engine_process else Qwen3OmniPipeline(config)
+        engine = EngineProcess(config) if engine_process else build_pipeline(config)
         return cls(engine, max_queue)
 
     @property

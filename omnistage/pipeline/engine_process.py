@@ -32,9 +32,9 @@ from typing import Any
 from omnistage.config import EngineConfig
 from omnistage.engine.sampling import SamplingParams, SpeechParams
 from omnistage.errors import ConfigError
-from omnistage.models.qwen3_omni.processor import Processor
 from omnistage.outputs import RequestOutput
-from omnistage.pipeline.qwen3_omni import Qwen3OmniPipeline, TtsPrompt, tts_prompt
+from omnistage.pipeline.family import build_pipeline, processor_for
+from omnistage.pipeline.qwen3_omni import TtsPrompt, tts_prompt
 from omnistage.pipeline.step_loop import Abort, Add, Delivery, StepLoop
 
 log = logging.getLogger(__name__)
@@ -78,7 +78,7 @@ def _recv(conn: Connection) -> Any:
 def _engine_main(config_json: str, conn: Connection, log_level: int) -> None:
     logging.basicConfig(level=log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
-        pipeline = Qwen3OmniPipeline(EngineConfig.model_validate_json(config_json))
+        pipeline = build_pipeline(EngineConfig.model_validate_json(config_json))
     except Exception as exc:
         _send(conn, (exc, traceback.format_exc()))
         return
@@ -207,7 +207,7 @@ class RemotePipeline:
     def __init__(self, info: PipelineInfo) -> None:
         self.info = info
         self.model_path, self.max_model_len, self.voices = info.model_path, info.max_model_len, info.voices
-        self.processor = Processor(info.model_path)
+        self.processor = processor_for(info.model_path)
         self.tokenizer = self.processor.tokenizer
         self.latest_stats = dict(info.stats)
 

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 from omnistage.engine.llm_engine import NewRequest
 from omnistage.outputs import RequestOutput
-from omnistage.pipeline.qwen3_omni import Qwen3OmniPipeline
+from omnistage.pipeline.family import Pipeline
 
 log = logging.getLogger(__name__)
 
@@ -32,7 +32,7 @@ class Abort:
 class StepLoop:
     def __init__(
         self,
-        pipeline: Qwen3OmniPipeline,
+        pipeline: Pipeline,
         deliver: Callable[[Delivery], None],
         wanted: Callable[[str], bool] = lambda request_id: True,
     ) -> None:

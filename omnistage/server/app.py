@@ -31,7 +31,7 @@ from starlette.types import Receive, Scope, Send
 from omnistage.engine.sampling import SamplingParams, SpeechParams
 from omnistage.errors import InvalidMedia, InvalidRequest, OmnistageError
 from omnistage.media import MediaPolicy, decode_messages, load_audio
-from omnistage.models.qwen3_omni.transcription import max_transcription_tokens, transcription_messages
+from omnistage.models.qwen3_omni.transcription import max_transcription_tokens
 from omnistage.outputs import RequestOutput
 from omnistage.pipeline.async_engine import AsyncEngine
 from omnistage.server.errors import (
@@ -238,7 +238,13 @@ class _Server:
         extras = {k: v for k, v in extras.items() if v is not None}
         data = await file.read()
         audio, processed = await asyncio.to_thread(self._process_transcription, data, language, prompt)
-        fmt = TranscriptionFormat.for_audio(f"trsc-{uuid.uuid4().hex}", response_format, language, audio)
+        fmt = TranscriptionFormat.for_audio(
+            f"trsc-{uuid.uuid4().hex}",
+            response_format,
+            language,
+            audio,
+            self.engine.engine.processor.transcript,
+        )
         if max_tokens is None:
             max_tokens = max_transcription_tokens(fmt.duration)
         params = SamplingParams(max_tokens=max_tokens, temperature=temperature, **extras)
@@ -326,9 +332,8 @@ class _Server:
             audio = load_audio(data, self.media)
         except InvalidMedia as exc:
             raise InvalidMedia(f"file: {exc}") from None
-        messages = transcription_messages(audio, language, prompt)
         engine = self.engine.engine
-        return audio, engine.processor.process_chat(messages, True, engine.max_model_len)
+        return audio, engine.processor.transcription(audio, language, prompt, engine.max_model_len)
 
     async def _generate(
         self,

@@ -8,6 +8,7 @@ of context, and the answer goes out as json, text or verbose_json, or as `transc
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -20,6 +21,7 @@ from omnistage.server.formats import sse
 from omnistage.server.protocol import Usage
 
 RESPONSE_FORMATS = ("json", "text", "verbose_json")
+Transcript = Callable[[str], tuple[str | None, str]]
 
 
 def check_response_format(response_format: str) -> None:
@@ -38,27 +40,47 @@ class TranscriptionFormat:
 
     include_usage = True  # the usage rides on the done event
 
-    def __init__(self, request_id: str, response_format: str, language: str | None, duration: float) -> None:
+    def __init__(
+        self,
+        request_id: str,
+        response_format: str,
+        language: str | None,
+        duration: float,
+        transcript: Transcript = lambda text: (None, text),
+    ) -> None:
+        """`transcript` reads the model's reply: the language it names, if any, and the text (Qwen3-ASR writes
+        `language English<asr_text>...`; the Omni Thinker the text alone)."""
         self.id = request_id
         self.response_format = response_format
         self.language = (language_name(language) or "unknown").lower()
         self.duration = duration
+        self.transcript = transcript
+        self._raw = ""
         self._text = ""
 
     @classmethod
     def for_audio(
-        cls, request_id: str, response_format: str, language: str | None, audio: np.ndarray
+        cls,
+        request_id: str,
+        response_format: str,
+        language: str | None,
+        audio: np.ndarray,
+        transcript: Transcript = lambda text: (None, text),
     ) -> TranscriptionFormat:
-        return cls(request_id, response_format, language, len(audio) / SAMPLE_RATE)
+        return cls(request_id, response_format, language, len(audio) / SAMPLE_RATE, transcript)
 
     def opening(self) -> list[str]:
         return []
 
     def delta(self, text: str, finish_reason: str | None) -> list[str]:
-        if not text:
+        """The transcript's new text: the reply read so far, less what went out already (a language header is
+        held back until the transcript after it begins)."""
+        self._raw += text
+        _, transcript = self.transcript(self._raw)
+        if not transcript.startswith(self._text) or len(transcript) == len(self._text):
             return []
-        self._text += text
-        return [sse({"type": "transcript.text.delta", "delta": text})]
+        new, self._text = transcript[len(self._text) :], transcript
+        return [sse({"type": "transcript.text.delta", "delta": new})]
 
     def closing(self, finish_reason: str) -> list[str]:
         return []
@@ -70,15 +92,16 @@ class TranscriptionFormat:
             "output_tokens": usage.completion_tokens,
             "total_tokens": usage.total_tokens,
         }
-        return sse({"type": "transcript.text.done", "text": self._text, "usage": tokens})
+        return sse({"type": "transcript.text.done", "text": self.transcript(self._raw)[1], "usage": tokens})
 
     def response(self, text: str, finish_reason: str, usage: Usage) -> dict[str, Any] | Response:
+        language, text = self.transcript(text)
         if self.response_format == "text":
             return PlainTextResponse(text)
         if self.response_format == "verbose_json":
             return {
                 "task": "transcribe",
-                "language": self.language,
+                "language": (language or self.language).lower(),
                 "duration": round(self.duration, 3),
                 "text": text,
                 "segments": [],

@@ -227,3 +227,39 @@ def _as_transcription(parsed: dict) -> Transcription:
 def test_parser_matches_transformers(raw):
     ref = _parse_single_output(raw)
     assert parse_transcription(raw) == _as_transcription(ref)
+
+
+@pytest.mark.parametrize("language", [None, "en"])
+def test_the_served_pipeline_transcribes_as_generate(checkpoints, processor, language):
+    """Through the engine (`LLM`, paged KV, the encoder stage, batched prefill of all clips at once) the greedy
+    replies equal transformers' generate, and the processor reads them as transformers' parser does."""
+    from omnistage import LLM, SamplingParams
+    from omnistage.engine.llm_engine import NewRequest
+
+    directory, hf = checkpoints["make-tiny released"]
+    llm = LLM(str(directory), device="cpu", dtype="float32", page_size=PAGE)
+    ours = llm.pipeline.processor
+    params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0)
+    prompts = [ours.transcription(clip(seconds), language, None) for seconds in SECONDS]
+    requests = [
+        NewRequest(str(i), p.token_ids, params, p.prompt, p.mrope, p.mm) for i, p in enumerate(prompts)
+    ]
+    outputs = llm._run(llm._admit(requests))
+    for seconds, prompt, out in zip(SECONDS, prompts, outputs):
+        inputs = processor.apply_transcription_request(
+            clip(seconds), language="English" if language else None
+        )
+        assert prompt.token_ids == inputs["input_ids"][0].tolist(), seconds
+        with torch.no_grad():
+            generated = hf.generate(**inputs, max_new_tokens=NEW_TOKENS, do_sample=False)[
+                0, len(prompt.token_ids) :
+            ]
+        reply = out.outputs[0].token_ids
+        assert reply == generated.tolist()[: len(reply)] and len(reply) in (NEW_TOKENS, len(generated)), (
+            seconds
+        )
+        parsed = processor.decode(generated, return_format="parsed")
+        language_read, text = ours.transcript(out.outputs[0].text)
+        assert (language_read, text) == (parsed.get("language") or None, parsed.get("transcription", "")), (
+            seconds
+        )

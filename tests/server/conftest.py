@@ -18,6 +18,7 @@ from omnistage.bench.server_process import ServerProcess
 from omnistage.config import engine_config
 from omnistage.engine.sampling import SamplingParams
 from omnistage.errors import InvalidMedia, QueueFull
+from omnistage.models.qwen3_omni.transcription import transcription_messages
 from omnistage.outputs import CompletionOutput, RequestOutput
 from omnistage.pipeline.async_engine import AsyncEngine
 
@@ -104,6 +105,14 @@ class FakeProcessor:
 
     def encode(self, text: str, max_model_len: int | None = None) -> list[int]:
         return [ord(c) for c in text]
+
+    def transcription(
+        self, audio: np.ndarray, language: str | None, prompt: str | None, max_model_len: int | None = None
+    ) -> FakeProcessedPrompt:
+        return self.process_chat(transcription_messages(audio, language, prompt), True, max_model_len)
+
+    def transcript(self, text: str) -> tuple[str | None, str]:
+        return None, text
 
     def process_chat(
         self, messages: list[dict], add_generation_prompt: bool = True, max_model_len: int | None = None

@@ -94,11 +94,17 @@ class Qwen3ASRDecoder(nn.Module):
         kv_caches: list[torch.Tensor],
         meta: AttentionMetadata,
         inputs_embeds: torch.Tensor | None = None,
+        deepstack_embeds: list[torch.Tensor] | None = None,
+        tap_layer: int | None = None,
     ) -> torch.Tensor:
         """Final-norm hidden states `[T, H]` of the flat batch `input_ids` `[T]` at positions `[3, T]`.
 
-        `inputs_embeds` `[T, H]` replaces the token embeddings (audio rows already merged in).
+        `inputs_embeds` `[T, H]` replaces the token embeddings (audio rows already merged in). The Thinker's
+        interface, which an LLM stage calls: this decoder reads no images (`deepstack_embeds`) and feeds no later
+        stage (`tap_layer`).
         """
+        if deepstack_embeds is not None or tap_layer is not None:
+            raise ValueError("the Qwen3-ASR decoder has no deepstack levels and no hidden-state taps")
         hidden = self.model.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
         return self.model(hidden, positions, kv_caches, meta)
 

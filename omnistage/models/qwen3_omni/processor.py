@@ -37,6 +37,7 @@ from omnistage.models.qwen3_omni.image_processing import (
     preprocess_images,
 )
 from omnistage.models.qwen3_omni.mrope import rope_positions
+from omnistage.models.qwen3_omni.transcription import transcription_messages
 
 _ROLES = {"system", "user", "assistant"}
 AUDIO_PARTS = ("audio", "input_audio", "audio_url")
@@ -142,6 +143,16 @@ class Processor:
         prompt = "".join(t + lit for t, lit in zip(texts, [*literals, ""]))
         self._check_size(prompt, max_model_len)
         return prompt, self._encode(texts, literals, max_model_len)
+
+    def transcription(
+        self, audio: np.ndarray, language: str | None, prompt: str | None, max_model_len: int | None = None
+    ) -> ProcessedPrompt:
+        """The Thinker's transcription prompt for `audio` (16 kHz mono): see transcription.py."""
+        return self.process_chat(transcription_messages(audio, language, prompt), True, max_model_len)
+
+    def transcript(self, text: str) -> tuple[str | None, str]:
+        """The Thinker answers with the transcript alone: no language of its own."""
+        return None, text
 
     def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
         return self.tokenizer.decode(token_ids, skip_special_tokens=skip_special_tokens)

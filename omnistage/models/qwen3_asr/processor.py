@@ -1,0 +1,93 @@
+"""Qwen3-ASR's prompts: one clip, an optional context (the system turn) and an optional forced language.
+
+Shaped like the Qwen3-Omni processor where the server reads it (a ProcessedPrompt, `tokenizer`, `encode`,
+`max_token_bytes`), so one server serves both; a chat to it is a transcription request: its system text is
+the context, its one audio part the clip.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+from tokenizers import Tokenizer
+
+from omnistage.errors import InvalidRequest, RequestTooLarge
+from omnistage.models.qwen3_asr.audio_features import log_mel
+from omnistage.models.qwen3_asr.config import Qwen3ASRConfig
+from omnistage.models.qwen3_asr.output import parse_transcription
+from omnistage.models.qwen3_asr.prompt import language_name, prompt_ids, prompt_text
+from omnistage.models.qwen3_omni.processor import MultimodalInputs, ProcessedPrompt, longest_token_bytes
+
+
+class ASRProcessor:
+    max_audios, max_images = 1, 0
+
+    def __init__(self, checkpoint_dir: str | Path) -> None:
+        self.cfg = Qwen3ASRConfig.from_dir(checkpoint_dir)
+        self.tokenizer = Tokenizer.from_file(str(Path(checkpoint_dir) / "tokenizer.json"))
+        self.max_token_bytes = longest_token_bytes(self.tokenizer)
+
+    def transcription(
+        self, audio: np.ndarray, language: str | None, context: str | None, max_model_len: int | None = None
+    ) -> ProcessedPrompt:
+        """The prompt of transcribing `audio` (16 kHz mono); a `language` the model does not know is an
+        InvalidRequest listing those it does."""
+        name = language_name(language, self.cfg.languages) if language else None
+        features = log_mel(audio)
+        ids = prompt_ids(self.tokenizer, self.cfg, features.shape[-1], context or "", name)
+        if max_model_len is not None and len(ids) >= max_model_len:
+            raise RequestTooLarge(
+                f"the clip and context take {len(ids):,} tokens; the context is {max_model_len:,}"
+            )
+        mm = MultimodalInputs(
+            audio_features=[features],
+            num_audio_tokens=[ids.count(self.cfg.audio_token_id)],
+            pixel_values=None,
+            image_grid_thw=None,
+            num_image_tokens=[],
+        )
+        return ProcessedPrompt(prompt_text(context or "", name), ids, None, mm)
+
+    def transcript(self, text: str) -> tuple[str | None, str]:
+        """The language the model wrote (None for no speech, or when it was forced) and the transcript."""
+        parsed = parse_transcription(text)
+        return parsed.language, parsed.text
+
+    def process_chat(
+        self, messages: list[dict], add_generation_prompt: bool = True, max_model_len: int | None = None
+    ) -> ProcessedPrompt:
+        """A chat of decoded parts as a transcription: the system turns' text is the context, and the user turns
+        must hold exactly one audio part (their text is not read: the model takes no instruction)."""
+        context, clips = [], []
+        for message in messages:
+            content = message.get("content")
+            parts = [{"type": "text", "text": content}] if isinstance(content, str) else content or []
+            for part in parts:
+                if part.get("type") == "audio":
+                    clips.append(part["audio"])
+                elif part.get("type") == "image":
+                    raise InvalidRequest("this model transcribes audio; it does not read images")
+                elif message.get("role") == "system" and part.get("type") == "text":
+                    context.append(part["text"])
+        if len(clips) != 1:
+            raise InvalidRequest(
+                f"this model transcribes one audio clip per request; the messages hold {len(clips)}"
+            )
+        return self.transcription(
+            np.asarray(clips[0], dtype=np.float32), None, "\n".join(context), max_model_len
+        )
+
+    def encode_chat(
+        self, messages: list[dict], add_generation_prompt: bool, max_model_len: int | None
+    ) -> None:
+        raise InvalidRequest("this model transcribes audio: a chat to it needs one audio part")
+
+    def encode(self, text: str, max_model_len: int | None = None) -> list[int]:
+        """Token ids of a raw prompt (completions): the model's own notation, control tokens included."""
+        if max_model_len is not None and len(text.encode()) > max_model_len * self.max_token_bytes:
+            raise RequestTooLarge(f"the prompt cannot fit the model's context of {max_model_len:,} tokens")
+        return self.tokenizer.encode(text, add_special_tokens=False).ids
+
+    def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
+        return self.tokenizer.decode(token_ids, skip_special_tokens=skip_special_tokens)

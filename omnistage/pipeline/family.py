@@ -1,0 +1,38 @@
+"""Which pipeline serves a checkpoint: its config.json's model_type says the family."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from omnistage.config import EngineConfig
+from omnistage.models.qwen3_asr.processor import ASRProcessor
+from omnistage.models.qwen3_omni.processor import Processor
+from omnistage.pipeline.qwen3_asr import Qwen3ASRPipeline
+from omnistage.pipeline.qwen3_omni import Qwen3OmniPipeline
+
+Pipeline = Qwen3OmniPipeline | Qwen3ASRPipeline
+
+
+def model_type(checkpoint_dir: str | Path) -> str | None:
+    """config.json's model_type, or None where there is no readable one (the family's loader then says why)."""
+    try:
+        return json.loads((Path(checkpoint_dir) / "config.json").read_text()).get("model_type")
+    except (OSError, ValueError, AttributeError):
+        return None
+
+
+def processor_for(checkpoint_dir: str | Path) -> Processor | ASRProcessor:
+    """The processor of a checkpoint's family (the server's process builds its own beside an engine process)."""
+    return (
+        ASRProcessor(checkpoint_dir)
+        if model_type(checkpoint_dir) == "qwen3_asr"
+        else Processor(checkpoint_dir)
+    )
+
+
+def build_pipeline(config: EngineConfig) -> Pipeline:
+    """A Qwen3-ASR checkpoint's pipeline, or Qwen3-Omni's (the embedded tiny model's too)."""
+    if config.model is not None and model_type(config.model) == "qwen3_asr":
+        return Qwen3ASRPipeline(config)
+    return Qwen3OmniPipeline(config)

@@ -1,0 +1,86 @@
+"""Qwen3-ASR's stages: the audio encoder and the dense decoder, one LLM stage, behind the same facade as
+Qwen3-Omni's pipeline (it transcribes; it does not speak)."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+from omnistage.config import EngineConfig
+from omnistage.engine.attention import backend_for
+from omnistage.engine.encoder_engine import EncoderEngine
+from omnistage.engine.llm_engine import LLMEngine, NewRequest, StageModels, resolve_device, resolve_dtype
+from omnistage.engine.sampling import SamplingParams, SpeechParams
+from omnistage.errors import InvalidRequest
+from omnistage.models.qwen3_asr.audio_encoder import load_audio_encoder
+from omnistage.models.qwen3_asr.config import Qwen3ASRConfig
+from omnistage.models.qwen3_asr.decoder import load_decoder
+from omnistage.models.qwen3_asr.processor import ASRProcessor
+from omnistage.outputs import RequestOutput
+from omnistage.pipeline.qwen3_omni import TtsPrompt, eos_token_ids
+
+NO_SPEECH = "this model transcribes audio; it does not speak (a Qwen3-Omni checkpoint does)"
+
+
+class Qwen3ASRPipeline:
+    voices: tuple[str, ...] = ()
+
+    def __init__(self, config: EngineConfig) -> None:
+        path = Path(config.model)
+        self.config, self.model_config = config, Qwen3ASRConfig.from_dir(path)
+        device = resolve_device(config.device)
+        dtype = resolve_dtype(config.dtype, device)
+        started = time.perf_counter()
+        decoder = load_decoder(path, dtype, device, backend_for(device), config.load_format, config.seed)
+        tower = load_audio_encoder(path, dtype, device, config.load_format, config.seed)
+        processor = ASRProcessor(path)
+        stage = StageModels(
+            model=decoder,
+            text=self.model_config.text,
+            processor=processor,
+            encoders=EncoderEngine(tower, None, self.model_config.audio_token_id, None, device),
+            eos_token_ids=eos_token_ids(path, processor),
+            model_path=path,
+            load_seconds=time.perf_counter() - started,
+        )
+        # the released checkpoints call the encoder and decoder the thinker, as Qwen3-Omni's
+        self.thinker = LLMEngine(config, stage, device, dtype)
+        self.processor, self.tokenizer = processor, processor.tokenizer
+        self.model_path, self.max_model_len = path, self.thinker.max_model_len
+        self.device, self.dtype = device, dtype
+
+    def memory_summary(self) -> str:
+        return self.thinker.memory_summary() + "; Qwen3-ASR: transcription only"
+
+    def tts_prompt(self, text: str) -> TtsPrompt:
+        raise InvalidRequest(NO_SPEECH)
+
+    def validate(
+        self, prompt_token_ids: list[int], params: SamplingParams, speech: SpeechParams | None = None
+    ) -> int:
+        if speech is not None:
+            raise InvalidRequest(NO_SPEECH)
+        return self.thinker.validate(prompt_token_ids, params)
+
+    def add_requests(self, requests: list[NewRequest]) -> list[Exception | None]:
+        errors: list[Exception | None] = [InvalidRequest(NO_SPEECH) if r.speech else None for r in requests]
+        admitted = [i for i, e in enumerate(errors) if e is None]
+        for i, error in zip(admitted, self.thinker.add_requests([requests[i] for i in admitted])):
+            errors[i] = error
+        return errors
+
+    def step(self) -> list[RequestOutput]:
+        return self.thinker.step()
+
+    def abort(self, request_id: str) -> RequestOutput | None:
+        return self.thinker.abort(request_id)
+
+    def has_unfinished(self) -> bool:
+        return self.thinker.has_unfinished()
+
+    @property
+    def num_waiting(self) -> int:
+        return self.thinker.num_waiting
+
+    def stats(self) -> dict[str, int]:
+        return self.thinker.stats()
