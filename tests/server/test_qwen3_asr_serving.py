@@ -1,0 +1,91 @@
+"""A Qwen3-ASR checkpoint served by `build_app` as readily as a Qwen3-Omni one (tiny checkpoint, CPU)."""
+
+from __future__ import annotations
+
+import base64
+import io
+import json
+
+import numpy as np
+import pytest
+import soundfile
+from fastapi.testclient import TestClient
+
+from omnistage.config import engine_config
+from omnistage.models.qwen3_asr.tiny import make_tiny
+from omnistage.pipeline.async_engine import AsyncEngine
+from omnistage.server import build_app
+
+MODEL = "asr"
+TRANSCRIPTIONS = "/v1/audio/transcriptions"
+
+
+def wav(seconds: float) -> bytes:
+    t = np.arange(int(seconds * 16000)) / 16000
+    samples = (0.4 * np.sin(2 * np.pi * 220 * t)).astype(np.float32)
+    out = io.BytesIO()
+    soundfile.write(out, samples, 16000, format="WAV")
+    return out.getvalue()
+
+
+@pytest.fixture(scope="module")
+def client(tmp_path_factory):
+    directory = make_tiny(tmp_path_factory.mktemp("asr"))
+    engine = AsyncEngine.from_config(engine_config(model=str(directory), device="cpu", num_kv_pages=256))
+    try:
+        yield TestClient(build_app(engine, MODEL))
+    finally:
+        engine.shutdown()
+
+
+def transcribe(client: TestClient, **form) -> dict | str:
+    files = {"file": ("clip.wav", wav(1.5), "audio/wav")}
+    response = client.post(TRANSCRIPTIONS, data={"model": MODEL, "max_tokens": "8", **form}, files=files)
+    assert response.status_code == 200, response.text
+    return response.text if form.get("response_format") == "text" else response.json()
+
+
+def test_transcriptions_in_every_format(client):
+    text = transcribe(client)["text"]
+    verbose = transcribe(client, response_format="verbose_json")
+    assert verbose["text"] == text and verbose["task"] == "transcribe" and verbose["duration"] == 1.5
+    assert "<asr_text>" not in text  # the reply is read: language header off, transcript kept
+    assert transcribe(client, response_format="text") == text
+
+
+def test_a_forced_language_is_reported_and_an_unknown_one_is_a_400(client):
+    assert transcribe(client, language="en", response_format="verbose_json")["language"] == "english"
+    files = {"file": ("clip.wav", wav(1.0), "audio/wav")}
+    response = client.post(TRANSCRIPTIONS, data={"model": MODEL, "language": "xx"}, files=files)
+    assert response.status_code == 400
+    assert "language 'xx' is not one this model transcribes" in response.json()["error"]["message"]
+    assert "en (English)" in response.json()["error"]["message"]
+
+
+def test_a_streamed_transcription_adds_up_to_its_done_event(client):
+    files = {"file": ("clip.wav", wav(1.5), "audio/wav")}
+    form = {"model": MODEL, "max_tokens": "8", "stream": "true"}
+    with client.stream("POST", TRANSCRIPTIONS, data=form, files=files) as response:
+        events = [json.loads(line[6:]) for line in response.iter_lines() if line.startswith("data: {")]
+    deltas = "".join(e["delta"] for e in events if e["type"] == "transcript.text.delta")
+    done = [e for e in events if e["type"] == "transcript.text.done"]
+    assert len(done) == 1 and done[0]["text"] == deltas == transcribe(client)["text"]
+
+
+def test_chat_with_audio_transcribes_and_other_asks_are_400s(client):
+    audio = {"data": base64.b64encode(wav(1.0)).decode(), "format": "wav"}
+    chat = {
+        "model": MODEL,
+        "max_tokens": 6,
+        "messages": [{"role": "user", "content": [{"type": "input_audio", "input_audio": audio}]}],
+    }
+    response = client.post("/v1/chat/completions", json=chat)
+    assert response.status_code == 200 and response.json()["usage"]["completion_tokens"] == 6
+    text_only = {"model": MODEL, "messages": [{"role": "user", "content": "hello"}]}
+    response = client.post("/v1/chat/completions", json=text_only)
+    assert response.status_code == 400 and "needs one audio part" in response.json()["error"]["message"]
+    spoken = {**chat, "modalities": ["text", "audio"], "audio": {"voice": "ethan", "format": "wav"}}
+    response = client.post("/v1/chat/completions", json=spoken)
+    assert response.status_code == 400
+    response = client.post("/v1/audio/speech", json={"model": MODEL, "input": "hi", "voice": "ethan"})
+    assert response.status_code == 400
