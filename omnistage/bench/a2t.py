@@ -147,15 +147,13 @@ def _form_value(value: float | bool) -> str:
 def inprocess_runner(engine: Any, output_tokens: int | None, max_tokens: int) -> Runner:
     """Requests straight into an AsyncEngine, prompts laid out by its processor as the server does."""
     from omnistage.engine.sampling import SamplingParams
-    from omnistage.models.qwen3_omni.transcription import transcription_messages
 
     params = SamplingParams(**forced(output_tokens, max_tokens))
     processor = engine.engine.processor
 
     async def run(clip: Clip, number: int) -> RequestTiming:
         start = time.perf_counter()
-        messages = transcription_messages(clip.audio, None, None)
-        prompt = await asyncio.to_thread(processor.process_chat, messages)
+        prompt = await asyncio.to_thread(processor.transcription, clip.audio, None, None)
         prepared = time.perf_counter() - start
         submitted = time.monotonic()
         final = None
@@ -199,12 +197,24 @@ def load_clips(args: argparse.Namespace) -> list[Clip]:
     return clips
 
 
-def released_skeleton() -> Path:
-    """A checkpoint directory at the released sizes with no weights, for `--load-format dummy`."""
+# --load-format dummy: which released model's sizes (the configs packaged in omnistage/data)
+SKELETONS = {
+    "qwen3-omni": None,
+    "qwen3-asr-1.7b": "qwen3_asr_1p7b.config.json",
+    "qwen3-asr-0.6b": "qwen3_asr_0p6b.config.json",
+}
+
+
+def released_skeleton(name: str = "qwen3-omni") -> Path:
+    """A checkpoint directory at a released model's sizes with no weights, for `--load-format dummy`."""
+    directory = Path(tempfile.mkdtemp(prefix="omnistage-released-"))
+    if SKELETONS[name] is not None:
+        from omnistage.models.qwen3_asr.tiny import released_skeleton as asr_skeleton
+
+        return asr_skeleton(directory, SKELETONS[name])
     from omnistage.models.qwen3_omni.tiny import PREPROCESSOR_CONFIG, released_config
     from omnistage.models.qwen3_omni.tokenizer import write_tokenizer_files
 
-    directory = Path(tempfile.mkdtemp(prefix="omnistage-released-"))
     (directory / "config.json").write_text(json.dumps(released_config()))
     (directory / "preprocessor_config.json").write_text(json.dumps(PREPROCESSOR_CONFIG))
     write_tokenizer_files(directory)
@@ -229,9 +239,9 @@ def run_a2t(args: argparse.Namespace) -> dict[str, Any]:
 
     from omnistage.config import engine_config
     from omnistage.pipeline.async_engine import AsyncEngine
-    from omnistage.pipeline.qwen3_omni import Qwen3OmniPipeline
+    from omnistage.pipeline.family import build_pipeline
 
-    model_dir = args.model or (str(released_skeleton()) if args.load_format == "dummy" else None)
+    model_dir = args.model or (str(released_skeleton(args.skeleton)) if args.load_format == "dummy" else None)
     if output_tokens is None and args.load_format == "dummy":
         output_tokens = results["output_tokens"] = DEFAULT_DUMMY_OUTPUT_TOKENS
     overrides = {
@@ -247,11 +257,11 @@ def run_a2t(args: argparse.Namespace) -> dict[str, Any]:
         "bench a2t",
         model=model_dir,
         load_format=args.load_format,
-        speech=False,  # text out: the Talker's weights and pages stay off the GPU
+        speech=False,  # text out: a Talker's weights and pages stay off the GPU
         **{k: v for k, v in overrides.items() if v is not None},
     )
     started = time.perf_counter()
-    engine = AsyncEngine(Qwen3OmniPipeline(config))
+    engine = AsyncEngine(build_pipeline(config))
     results["engine_start_s"] = round(time.perf_counter() - started, 2)
     results["target"] = {"model": str(engine.engine.model_path), "load_format": args.load_format}
     results["engine"] = engine.engine.memory_summary()
@@ -274,6 +284,15 @@ def _transformers(
     from omnistage.models.qwen3_omni.transcription import transcription_messages
 
     config_dict = json.loads((Path(llm_engine.model_path) / "config.json").read_text())
+    if config_dict.get("model_type") == "qwen3_asr":
+        from omnistage.bench.hf_asr import build_hf_asr, run_hf_asr
+
+        hf = build_hf_asr(llm_engine, config_dict)
+        summary = run_hf_asr(
+            hf, llm_engine.processor, clips, output_tokens, max_tokens, llm_engine.device, repeats
+        )
+        summary["towers"] = {"audio_tower": "shared with ours"}
+        return summary
     hf, sources = build_hf_thinker(llm_engine, config_dict)
     summary = run_hf(
         hf,
@@ -394,6 +413,12 @@ def add_parser(sub: Any) -> None:
     target.add_argument("--api-key", help="with --url: the server's API key (default: none)")
     target.add_argument(
         "--model", help="in-process: checkpoint directory (default: released sizes when dummy)"
+    )
+    target.add_argument(
+        "--skeleton",
+        choices=list(SKELETONS),
+        default="qwen3-omni",
+        help="with --load-format dummy and no --model: the released sizes of (default: %(default)s)",
     )
     target.add_argument(
         "--load-format",

@@ -180,6 +180,16 @@ def make_tiny(directory: str | Path, seed: int = 0, layout: Layout = "released")
     return directory
 
 
+def released_skeleton(directory: str | Path, name: str = RELEASED_CONFIG) -> Path:
+    """A checkpoint directory of a released config with no weights, for `load_format="dummy"` (benchmarks)."""
+    directory = Path(directory)
+    (directory / "config.json").write_text(json.dumps(released_config(name), indent=2) + "\n")
+    (directory / "generation_config.json").write_text(json.dumps(GENERATION_CONFIG, indent=2) + "\n")
+    (directory / "preprocessor_config.json").write_text(json.dumps(PREPROCESSOR_CONFIG, indent=2) + "\n")
+    write_tokenizer_files(directory, hf_layout=False)
+    return directory
+
+
 def tensor_names(directory: str | Path) -> list[str]:
     with safe_open(os.path.join(directory, "model.safetensors"), "pt") as f:
         return sorted(f.keys())

@@ -177,3 +177,37 @@ def test_over_http_with_the_runtime_dependencies_only(server_url, endpoint, monk
 def test_over_http_a_refused_request_stops_the_run_with_the_servers_message(server_url, endpoint):
     with pytest.raises(RuntimeError, match="HTTP 404.*the model 'nope' does not exist"):
         over_http(server_url, "--endpoint", endpoint, "--served-model", "nope", "--limit", "1")
+
+
+@pytest.mark.parametrize("skeleton,layers", [("qwen3-asr-0.6b", 18), ("qwen3-asr-1.7b", 24)])
+def test_asr_skeletons_carry_the_released_sizes(skeleton, layers):
+    from omnistage.models.qwen3_asr.config import Qwen3ASRConfig
+    from omnistage.models.qwen3_asr.processor import ASRProcessor
+
+    directory = a2t.released_skeleton(skeleton)
+    assert Qwen3ASRConfig.from_dir(directory).audio.encoder_layers == layers
+    assert ASRProcessor(directory).encode("hello")
+
+
+def test_qwen3_asr_in_process_with_the_transformers_baseline(tmp_path):
+    """The same harness on a Qwen3-ASR checkpoint: its prompts, its engine, transformers' Qwen3-ASR sharing its
+    weights (the parameters are our tensors)."""
+    from omnistage.bench.hf_asr import build_hf_asr
+    from omnistage.models.qwen3_asr.tiny import make_tiny
+    from omnistage.pipeline.family import build_pipeline
+
+    checkpoint = make_tiny(tmp_path / "asr")
+    out = tmp_path / "a2t.json"
+    args = build_parser().parse_args(
+        ["bench", "a2t", "--model", str(checkpoint), "--device", "cpu", "--limit", "2", "--no-espeak",
+         "--concurrency", "1,2", "--output-tokens", "4", "--baseline", "transformers", "--out", str(out)]
+    )  # fmt: skip
+    args.func(args)
+    results = json.loads(out.read_text())
+    for p in [*results["ours"], results["transformers"]]:
+        assert p["requests"] == 2 and p["output_tokens"] == 8 and p["rtf"] > 0
+    assert "Qwen3-ASR" in results["engine"]
+    stage = build_pipeline(engine_config(model=str(checkpoint), device="cpu", num_kv_pages=16)).thinker
+    hf = build_hf_asr(stage, json.loads((checkpoint / "config.json").read_text()))
+    ours = {p.data_ptr() for p in [*stage.model.parameters(), *stage.encoders.audio_encoder.parameters()]}
+    assert all(p.data_ptr() in ours for p in hf.parameters())

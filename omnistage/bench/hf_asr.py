@@ -1,0 +1,115 @@
+"""transformers' Qwen3-ASR on our engine's very weight tensors, timed on the same clips (the a2t baseline).
+
+transformers 5.17 reads only its own `-hf` config layout, so its config is converted from the released one
+(`models/qwen3_asr/tiny.hf_config`); its model is built on the meta device and every parameter is pointed at
+ours (no copy) through the released tensor names both sides share. Requests run one at a time through
+`generate(input_ids, input_features, input_features_mask)`, timed from the raw clip (the mel features are
+computed inside the timing) to the first generated token and to the last.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any
+
+import torch
+
+from omnistage.bench.clips import Clip, total_seconds
+from omnistage.bench.hf_baseline import _FirstToken, _sync
+from omnistage.bench.stats import RequestTiming, summarize
+
+log = logging.getLogger(__name__)
+
+
+def build_hf_asr(stage: Any, config_dict: dict) -> torch.nn.Module:
+    """transformers' Qwen3ASRForConditionalGeneration sharing `stage`'s decoder and audio tower (an LLMEngine
+    of a Qwen3-ASR pipeline)."""
+    from transformers import Qwen3ASRConfig, Qwen3ASRForConditionalGeneration
+
+    from omnistage.models.qwen3_asr.tiny import hf_config, released_name
+    from omnistage.models.qwen3_omni.audio_encoder import sinusoids
+
+    config = Qwen3ASRConfig(**(hf_config(config_dict) if "thinker_config" in config_dict else config_dict))
+    with torch.device("meta"):
+        hf = Qwen3ASRForConditionalGeneration(config)
+    ours = {f"thinker.model.{n}": p for n, p in stage.model.model.named_parameters()}
+    ours |= {f"thinker.lm_head.{n}": p for n, p in stage.model.lm_head.named_parameters()}
+    ours |= {f"thinker.audio_tower.{n}": p for n, p in stage.encoders.audio_encoder.named_parameters()}
+    for name, param in list(hf.named_parameters(remove_duplicate=False)):  # the tied head too
+        mine = ours.get(released_name(name))
+        if mine is None or tuple(mine.shape) != tuple(param.shape):
+            raise RuntimeError(f"transformers' {name} has no counterpart of its shape in our Qwen3-ASR")
+        module_name, _, leaf = name.rpartition(".")
+        setattr(hf.get_submodule(module_name), leaf, torch.nn.Parameter(mine, requires_grad=False))
+    device = stage.device
+    for module_name, module in list(hf.named_modules()):  # meta-built buffers (rotary frequencies): again
+        if any(b.is_meta for b in module.buffers(recurse=False)) and hasattr(module, "config"):
+            parent, _, leaf = module_name.rpartition(".")
+            with torch.device(device):
+                setattr(hf.get_submodule(parent) if parent else hf, leaf, type(module)(module.config))
+    positions = hf.model.audio_tower.positional_embedding  # Whisper's sinusoids, which ours computes per call
+    positions.positional_embedding = sinusoids(
+        positions.length, positions.channels, positions.max_timescale
+    ).to(device)
+    left = [n for n, t in [*hf.named_parameters(), *hf.named_buffers()] if t.is_meta]
+    if left:
+        raise RuntimeError(f"tensors left on the meta device: {left[:5]}")
+    return hf.eval()
+
+
+@torch.inference_mode()
+def run_hf_asr(
+    hf: torch.nn.Module,
+    processor: Any,
+    clips: list[Clip],
+    output_tokens: int | None,
+    max_tokens: int,
+    device: torch.device,
+    repeats: int = 1,
+) -> dict[str, Any]:
+    """Every clip once per pass, one at a time: the c=1 summary of transformers over `repeats` passes."""
+    from omnistage.models.qwen3_asr.audio_features import log_mel
+
+    eos = processor.tokenizer.token_to_id("<|im_end|>")
+    chunk = 2 * hf.config.audio_config.n_window
+    fixed = {"min_new_tokens": output_tokens} if output_tokens else {}
+
+    def generate(clip: Clip, ids: list[int], new_tokens: int, min_new: dict[str, int]) -> RequestTiming:
+        first = _FirstToken(device)
+        _sync(device)
+        start = time.perf_counter()
+        features = log_mel(clip.audio, device=device)
+        frames = features.shape[-1]
+        padded = torch.nn.functional.pad(features, (0, -frames % chunk))  # its encoder takes whole chunks
+        mask = (torch.arange(padded.shape[-1], device=device) < frames).long()[None]
+        out = hf.generate(
+            input_ids=torch.tensor([ids], device=device),
+            attention_mask=torch.ones(1, len(ids), dtype=torch.long, device=device),
+            input_features=padded[None].to(hf.dtype),
+            input_features_mask=mask,
+            max_new_tokens=new_tokens,
+            do_sample=False,
+            eos_token_id=eos,
+            pad_token_id=eos,
+            streamer=first,
+            **min_new,
+        )
+        _sync(device)
+        end = time.perf_counter()
+        return RequestTiming(clip.seconds, (first.at or end) - start, end - start, out.shape[1] - len(ids))
+
+    prompts = [processor.transcription(clip.audio, None, None).token_ids for clip in clips]
+    new_tokens = output_tokens or max_tokens
+    generate(clips[0], prompts[0], min(new_tokens, 4), {})  # warm-up
+    timings, walls = [], []
+    for _ in range(repeats):
+        for clip, ids in zip(clips, prompts):
+            t = generate(clip, ids, new_tokens, {k: v for k, v in fixed.items() if v <= new_tokens})
+            timings.append(t)
+        walls.append(sum(t.latency_s for t in timings[-len(clips) :]))
+    summary = summarize(timings, walls, 1)
+    summary["note"] = (
+        f"one request at a time over {total_seconds(clips):.1f} s of audio; wall = sum of latencies"
+    )
+    return summary
