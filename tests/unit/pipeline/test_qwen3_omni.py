@@ -237,3 +237,34 @@ def test_ignore_eos_never_draws_the_codec_end(llm, monkeypatch):
     final = run(llm, requests(llm, [spec], first_id=1))["1"][-1]
     assert final.finished and final.num_audio_frames == 0 and final.audio_codes == []
     assert_pools_full(llm)
+
+
+def test_talkers_preempted_for_pages_speak_as_alone(tiny_checkpoint):
+    """A Talker pool of 16 pages for three requests of ~10 pages each: the newest Talkers are preempted and
+    recomputed from their kept input rows, and every request still speaks the codes it speaks alone."""
+    from omnistage.engine.capture_plan import GiB
+
+    probe = LLM(str(tiny_checkpoint), device="cpu", dtype="float32", page_size=4, speech=False)
+    text = probe.pipeline.model_config.talker.text
+    gib = 16 * 4 * text.kv_bytes_per_token / GiB
+    small = LLM(
+        str(tiny_checkpoint), device="cpu", dtype="float32", page_size=4, talker_kv_cache_memory_gib=gib
+    )
+    assert small.pipeline.talker_stage.pool.num_pages == 16
+    specs = [speak(small, i, frames=20, text_tokens=6) for i in range(3)]
+    for spec in specs:
+        spec[
+            "speech"
+        ].talker.temperature = 0.0  # greedy: a recomputed prefill rounds otherwise than decode steps
+    alone = [
+        run(small, requests(small, [spec], first_id=10 * i))[str(10 * i)][-1] for i, spec in enumerate(specs)
+    ]
+    preempted = []
+    stage = small.pipeline.talker_stage
+    original = stage.scheduler._preempt
+    stage.scheduler._preempt = lambda seq: preempted.append(seq.request_id) or original(seq)
+    together = run(small, requests(small, specs, first_id=100))
+    assert preempted
+    for i in range(3):
+        assert together[str(100 + i)][-1].audio_codes == alone[i].audio_codes
+    assert_pools_full(small)
