@@ -86,10 +86,11 @@ class Floor:
     image_outputs: int = 0
     images: int = 1
     image_size: tuple[int, int] = (0, 0)  # width x height in pixels
+    other_stages: tuple[tuple[str, int, str], ...] = ()  # the largest steps of other stages on the device
 
     def phases(self) -> list[tuple[str, int, str]]:
         """(name, bytes, what it runs on) of every phase measured."""
-        rows = [("text prefill", self.prefill, f"{self.prefill_tokens:,} tokens")]
+        rows = [("text prefill", self.prefill, f"{self.prefill_tokens:,} tokens"), *self.other_stages]
         for kind, tower, peak, each, count, what in (
             ("audio", "audio encoder", self.audio_encoder, self.audio_outputs, self.audio_clips,
              f"{self.audio_seconds:g} s clip"),
@@ -117,6 +118,18 @@ class Floor:
 
 
 @dataclass(frozen=True)
+class StageMemory:
+    """What the other stages on a device hold for good (`resident`: their weights and KV pools) and their largest
+    steps (`peaks`), each (name, bytes, what), for one plan of the device."""
+
+    resident: tuple[tuple[str, int, str], ...] = ()
+    peaks: tuple[tuple[str, int, str], ...] = ()
+
+
+NO_OTHER_STAGES = StageMemory()
+
+
+@dataclass(frozen=True)
 class MemoryPlan:
     """How one device's memory is split. Every size in bytes."""
 
@@ -136,6 +149,9 @@ class MemoryPlan:
     prefill_skipped: tuple[int, ...] = ()
     prefill_graph_costs: dict[int, int] = field(default_factory=dict)
     floor_phases: Floor | None = None  # what the floor is the largest of, when more than a text prefill
+    resident: tuple[
+        tuple[str, int, str], ...
+    ] = ()  # what other stages hold within `weights` (their weights, KV)
 
     @property
     def kv_bytes(self) -> int:
@@ -157,7 +173,8 @@ class MemoryPlan:
                 graphs += f" (tokens {self.prefill_captured[0]}..{self.prefill_captured[-1]})"
         phases = self.floor_phases.phases() if self.floor_phases else []
         rows = [
-            ("weights", self.weights, ""),
+            ("weights", self.weights, "of which:" if self.resident else ""),
+            *[(f"  {name}", size, note) for name, size, note in self.resident],
             ("KV pages", self.kv_bytes, f"{self.kv_pages:,} pages × {self.kv_bytes_per_page / MiB:.2f} MiB"),
             ("CUDA graphs", self.graph_bytes, graphs),
             ("floor (eager peak)", self.floor, "the largest of:" if self.floor_phases else ""),

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from omnistage.config import EngineConfig
-from omnistage.engine.capture_plan import GiB, MemoryPlan, kv_bytes_per_page
+from omnistage.engine.capture_plan import NO_OTHER_STAGES, GiB, MemoryPlan, StageMemory, kv_bytes_per_page
 from omnistage.engine.detokenizer import IncrementalDetokenizer
 from omnistage.engine.encoder_engine import EncoderEngine, MultimodalEmbeds
 from omnistage.engine.gpu_memory import allocator_stats
@@ -117,10 +117,10 @@ class LLMEngine:
         models: StageModels,
         device: torch.device,
         dtype: torch.dtype,
-        extra_floor: int = 0,
+        others: StageMemory = NO_OTHER_STAGES,
     ) -> None:
-        """`extra_floor`: the peak bytes of other stages' steps on this device, which run between this
-        stage's steps (the memory floor is the largest of all)."""
+        """`others`: what the other stages on this device hold and their largest steps, which run between this
+        stage's steps (the memory floor is the largest of all; the plan lists them)."""
         self.config = config
         self.device, self.dtype = device, dtype
         self.model, self.encoders, self.processor = models.model, models.encoders, models.processor
@@ -158,7 +158,7 @@ class LLMEngine:
                 self.kv_bytes_per_page,
                 max_prompt_tokens=self.max_model_len - 1,
                 max_media=(self.processor.max_audios, self.processor.max_images),
-                extra_floor=extra_floor,
+                others=others,
             )
             num_pages = self.plan.kv_pages
         elif config.num_kv_pages is not None:

@@ -12,7 +12,15 @@ from dataclasses import replace
 import torch
 
 from omnistage.config import EngineConfig
-from omnistage.engine.capture_plan import GiB, MemoryPlan, decode_buckets, plan_memory, prefill_buckets
+from omnistage.engine.capture_plan import (
+    NO_OTHER_STAGES,
+    GiB,
+    MemoryPlan,
+    StageMemory,
+    decode_buckets,
+    plan_memory,
+    prefill_buckets,
+)
 from omnistage.engine.encoder_engine import EncoderEngine
 from omnistage.engine.model_runner import ModelRunner
 from omnistage.errors import ConfigError
@@ -27,10 +35,10 @@ def plan_stage_memory(
     kv_bytes_per_page: int,
     max_prompt_tokens: int,
     max_media: tuple[int, int],
-    extra_floor: int = 0,
+    others: StageMemory = NO_OTHER_STAGES,
 ) -> MemoryPlan:
-    """Measure the floor (the largest of the stage's text prefill step, `extra_floor` — other stages' steps
-    on this device — and the encoders' largest inputs, `max_media` = most audios and images per prompt), price
+    """Measure the floor (the largest of the stage's text prefill step, the largest steps of the `others` on
+    this device, and the encoders' largest inputs, `max_media` = most audios and images per prompt), price
     the graphs, warm up, then plan. A runner not in bfloat16 gets no graphs (the grouped-GEMM MoE needs it)."""
     device = runner.device
     torch.cuda.synchronize(device)
@@ -48,11 +56,12 @@ def plan_stage_memory(
     if limit is not None:
         torch.cuda.set_per_process_memory_fraction(min(1.0, limit / total), device)
     floor = encoders.profile_floor(
-        max(runner.profile_peak(cfg.max_num_batched_tokens, 1), extra_floor),
+        runner.profile_peak(cfg.max_num_batched_tokens, 1),
         cfg.max_num_batched_tokens,
         max_prompt_tokens,
         *max_media,
     )
+    floor = replace(floor, other_stages=others.peaks)
     buckets = [] if cfg.enforce_eager else decode_buckets(min(cfg.max_graph_batch, cfg.max_num_seqs))
     costs = {}
     if buckets:
@@ -68,6 +77,7 @@ def plan_stage_memory(
     plan = plan_memory(
         total, free, weights, floor, kv_bytes_per_page, costs, limit=limit, prefill_graph_costs=prefill_costs
     )
+    plan = replace(plan, resident=others.resident)
     fixed = cfg.num_kv_pages
     if fixed is None and cfg.kv_cache_memory_gib is not None:
         fixed = int(cfg.kv_cache_memory_gib * GiB) // kv_bytes_per_page

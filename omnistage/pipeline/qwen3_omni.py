@@ -28,7 +28,7 @@ import torch
 
 from omnistage.config import EngineConfig
 from omnistage.engine.attention import backend_for
-from omnistage.engine.capture_plan import GiB
+from omnistage.engine.capture_plan import GiB, StageMemory
 from omnistage.engine.embedding_stage import EmbeddingStage, Sampled
 from omnistage.engine.encoder_engine import EncoderEngine
 from omnistage.engine.llm_engine import LLMEngine, NewRequest, StageModels, resolve_device, resolve_dtype
@@ -109,6 +109,10 @@ def eos_token_ids(checkpoint_dir: Path, processor: Processor) -> list[int]:
     return [processor.tokenizer.token_to_id("<|im_end|>")]
 
 
+def _bytes(module: torch.nn.Module) -> int:
+    return sum(p.numel() * p.element_size() for p in module.parameters())
+
+
 def tts_prompt(processor: Processor, text: str, max_model_len: int) -> TtsPrompt:
     """The prompt and reply of speaking `text` exactly: the text as the user's turn, and as the reply."""
     prompt, token_ids = processor.encode_chat([{"role": "user", "content": text}], True, max_model_len)
@@ -160,7 +164,7 @@ class Qwen3OmniPipeline:
         dtype = resolve_dtype(config.dtype, device)
         self.speaks = config.speech and cfg.enable_audio_output
         self.talker = None
-        extra_floor = 0
+        others = StageMemory()
         if self.speaks:
             # loaded before the Thinker plans its memory, so that the plan sees these weights and pages
             self.talker = load_talker(
@@ -189,9 +193,9 @@ class Qwen3OmniPipeline:
             self.streamer = Code2WavStreamer(self.code2wav, max_batch=config.code2wav_max_batch)
             self.tokens = SpeechTokens.from_config(cfg)
             if device.type == "cuda":
-                extra_floor = self._speech_floor()
+                others = self._speech_memory()
         self.thinker = LLMEngine(
-            config, load_thinker_stage(config, path, cfg, device, dtype), device, dtype, extra_floor
+            config, load_thinker_stage(config, path, cfg, device, dtype), device, dtype, others
         )
         self.processor, self.tokenizer = self.thinker.processor, self.thinker.tokenizer
         self.model_path, self.max_model_len = self.thinker.model_path, self.thinker.max_model_len
@@ -210,12 +214,13 @@ class Qwen3OmniPipeline:
         """The released speakers' names (lower case); empty when this pipeline cannot speak."""
         return tuple(sorted(self.tokens.speakers)) if self.speaks else ()
 
-    def _speech_floor(self) -> int:
-        """The peak bytes of the largest Talker prefill step and of a full Code2Wav call (GPU only)."""
+    def _speech_memory(self) -> StageMemory:
+        """What the speech stages hold on the GPU (weights, the Talker's pages) and the peak bytes of their
+        largest steps: a Talker prefill of a whole step's rows, and a full Code2Wav call."""
         from omnistage.engine.gpu_memory import device_peak
 
-        talker = self.talker_stage.profile_peak(self.config.max_num_batched_tokens)
-        streamer = self.streamer
+        cfg, streamer = self.config, self.streamer
+        talker = self.talker_stage.profile_peak(cfg.max_num_batched_tokens)
         window = self.code2wav.left_context + streamer.chunk
         codes = torch.zeros(
             streamer.max_batch,
@@ -229,10 +234,20 @@ class Qwen3OmniPipeline:
                 codes, torch.zeros(streamer.max_batch, dtype=torch.long, device=streamer.device)
             )
         torch.cuda.empty_cache()
-        log.info(
-            "speech stages' floor: Talker prefill %.2f GiB, Code2Wav %.2f GiB", talker / GiB, peak.bytes / GiB
+        pool = self.talker_stage.pool
+        kv = sum(t.numel() * t.element_size() for t in self.talker_stage.kv_caches)
+        return StageMemory(
+            resident=(
+                ("Talker", _bytes(self.talker), "weights"),
+                ("code predictor", _bytes(self.code_predictor), "weights"),
+                ("Code2Wav", _bytes(self.code2wav), "weights"),
+                ("Talker KV pages", kv, f"{pool.num_pages:,} pages × {pool.page_size} tokens"),
+            ),
+            peaks=(
+                ("Talker prefill", talker, f"{cfg.max_num_batched_tokens:,} rows"),
+                ("Code2Wav", peak.bytes, f"{streamer.max_batch} streams × {window} frames"),
+            ),
         )
-        return max(talker, peak.bytes)
 
     def memory_summary(self) -> str:
         summary = self.thinker.memory_summary()

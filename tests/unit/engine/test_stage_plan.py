@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from omnistage.config import engine_config
-from omnistage.engine.capture_plan import Floor, GiB
+from omnistage.engine.capture_plan import Floor, GiB, StageMemory
 from omnistage.engine.stage_plan import plan_stage_memory, scaled_costs
 from omnistage.errors import ConfigError
 
@@ -54,13 +54,22 @@ def device(monkeypatch):
 def plan(**config):
     runner, encoders = FakeRunner(**{k: config.pop(k) for k in ["dtype"] if k in config}), FakeEncoders()
     cfg = engine_config(device="cuda", max_num_seqs=8, max_prefill_graph_tokens=64, **config)
-    result = plan_stage_memory(runner, encoders, cfg, PAGE_BYTES, 4095, (8, 5), extra_floor=3 * 10**9)
+    others = StageMemory(
+        resident=(("Talker", 2 * GiB, "weights"), ("Talker KV pages", GiB, "64 pages")),
+        peaks=(("Code2Wav", 3 * 10**9, "16 streams"),),
+    )
+    result = plan_stage_memory(runner, encoders, cfg, PAGE_BYTES, 4095, (8, 5), others=others)
     return result, runner, encoders
 
 
 def test_the_floor_takes_the_largest_of_the_stage_and_the_other_stages(device):
     result, runner, encoders = plan()
-    assert encoders.asked == (3 * 10**9, 2048, 4095, 8, 5)  # 3 GB of the speech stages beat 2048 x 1000 bytes
+    assert encoders.asked == (2048 * 1000, 2048, 4095, 8, 5)
+    assert result.floor == 3 * 10**9 and result.floor_phases.largest == "Code2Wav"  # beats 2048 x 1000 bytes
+    table = result.table()
+    assert (
+        "weights" in table and "of which:" in table and "  Talker KV pages" in table and "Code2Wav" in table
+    )
     assert runner.warmed == 2048
     assert result.captured_buckets and result.prefill_captured
     assert result.kv_pages > 0
