@@ -114,6 +114,12 @@ def _load_and_serve(
     from omnistage.server import build_app
 
     media = MediaPolicy(allow_remote=args.allow_remote_media, media_dir=media_dir)
+    if args.engine_process:  # the server's torch work is then per request, on worker threads
+        import torch
+
+        from omnistage.pipeline.engine_process import ONE_THREAD
+
+        torch.set_num_threads(ONE_THREAD)
     engine = AsyncEngine.from_config(config, max_queue=args.max_queue, engine_process=args.engine_process)
     try:
         app = build_app(engine, name, api_key=args.api_key, max_body_bytes=args.max_body_bytes, media=media)

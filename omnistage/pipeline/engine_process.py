@@ -29,6 +29,8 @@ from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from omnistage.config import EngineConfig
 from omnistage.engine.sampling import SamplingParams, SpeechParams
 from omnistage.errors import ConfigError
@@ -40,6 +42,10 @@ from omnistage.pipeline.step_loop import Abort, Add, Delivery, StepLoop
 log = logging.getLogger(__name__)
 
 _IDLE_POLL_S = 0.5
+# torch intra-op threads of the engine process, and of a server beside it (cli.py): two processes of 16-thread
+# pools spinning between ops took the cores from each other (H200: c=1 TTFT 65 ms with the default pools, 48 ms
+# with one thread each, as with the engine on a thread; benchmarks/RESULTS.md)
+ONE_THREAD = 1
 _STATS_EVERY_S = 0.1
 
 
@@ -77,6 +83,7 @@ def _recv(conn: Connection) -> Any:
 
 def _engine_main(config_json: str, conn: Connection, log_level: int) -> None:
     logging.basicConfig(level=log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    torch.set_num_threads(ONE_THREAD)
     try:
         pipeline = build_pipeline(EngineConfig.model_validate_json(config_json))
     except Exception as exc:
@@ -235,9 +242,8 @@ class EngineProcess:
     """Starts the engine process and waits until its pipeline is loaded; then carries commands and outputs."""
 
     def __init__(self, config: EngineConfig) -> None:
-        context = multiprocessing.get_context(
-            "spawn"
-        )  # a fresh interpreter: no CUDA state, no threads forked
+        # spawn: a fresh interpreter, no CUDA state, no threads forked
+        context = multiprocessing.get_context("spawn")
         self._conn, child = context.Pipe()
         self.process = context.Process(
             target=_engine_main,

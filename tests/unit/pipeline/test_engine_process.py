@@ -60,7 +60,8 @@ def test_outputs_equal_the_thread_engine_and_the_pools_are_full_after(engines):
         assert mine.prompt_token_ids == remote.prompt_token_ids and mine.finished == remote.finished
         assert (mine.audio_delta is None) == (remote.audio_delta is None)
     assert theirs[-1].audio_codes == ours[-1].audio_codes and len(ours[-1].audio_codes) == 9
-    np.testing.assert_array_equal(theirs[-1].audio, ours[-1].audio)
+    # the engine process runs one intra-op thread, this one more: convolutions sum in another order
+    np.testing.assert_allclose(theirs[-1].audio, ours[-1].audio, atol=1e-3 * np.abs(ours[-1].audio).max())
     stats = there.stats()
     assert (
         stats["kv_pages_free"] == stats["kv_pages_total"]
