@@ -5,10 +5,11 @@ and the offline `LLM` talk to: requests in, `RequestOutput`s out, text and audio
 The hand-off streams, by the rules of `models/qwen3_omni/talker_input.py` (equal to transformers' offline
 `generate(return_audio=True)`):
 - the Thinker keeps the hidden states after `accept_hidden_layer` layers at its prompt's media rows;
-- the Thinker's last token is never spoken, so a token is known to be spoken once another follows it: the
-  Talker's prompt is built when the Thinker has two tokens (or has ended);
+- the Thinker's last token is never spoken, and the Thinker knows a token is its last when it yields it (it
+  finishes there): every token it yields unfinished is spoken. The Talker's prompt is built as soon as the
+  first one is known, with the Thinker's first token;
 - the Talker's decode step k reads text row k (spoken token k + 1, then tts_eos once, then tts_pad) and waits
-  while the Thinker is not past it;
+  until the Thinker has yielded that token (or ended);
 - every code 0 the Talker samples but codec EOS becomes a frame through the code predictor, whose 16-embedding
   sum plus the next text row is the Talker's next input; frames stream into Code2Wav, and its chunks go out
   with the request's outputs. A request finishes when its text and its audio have.
@@ -151,6 +152,11 @@ class _Speech:
     @property
     def finished(self) -> bool:
         return self.error is not None or (self.text_done and self.audio_done)
+
+    @property
+    def spoken(self) -> list[int]:
+        """The reply's tokens known to be spoken: all the Thinker has yielded, but its last once it has ended."""
+        return self.generated[:-1] if self.text_done else self.generated
 
 
 class Qwen3OmniPipeline:
@@ -519,7 +525,7 @@ class Qwen3OmniPipeline:
 
     def _start_talker(self, speech: _Speech) -> None:
         """Queue the Talker's prompt once the first spoken token is known (or end a reply with none)."""
-        spoken = speech.generated[:-1]
+        spoken = speech.spoken
         if not spoken:
             if speech.text_done:  # a one-token reply: nothing to say
                 speech.talker_started = speech.talker_done = speech.audio_done = True
@@ -554,7 +560,7 @@ class Qwen3OmniPipeline:
         ready, token_rows = [], []
         for speech in waiting:
             index = speech.rows_fed + 1  # text row k is spoken token k + 1
-            spoken = speech.generated[:-1]
+            spoken = speech.spoken
             if index < len(spoken):
                 ready.append((speech, None))
                 token_rows.append(spoken[index])

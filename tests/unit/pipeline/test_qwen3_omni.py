@@ -97,22 +97,26 @@ def test_six_speaking_requests_together_equal_each_alone(llm):
 
 
 def test_streamed_chunks_make_up_the_audio_and_the_talker_waits_for_text(llm):
-    """The Talker starts once the Thinker has a second token (the first is then known to be spoken), and never
-    reads a text row before the Thinker has gone past it; the chunks concatenated are the final audio."""
+    """The Talker starts with the Thinker's first token (a token the Thinker yields unfinished is spoken), so
+    the first audio chunk (2 frames) comes out of the second step; it never reads a text row before the Thinker
+    has yielded it; the chunks concatenated are the final audio."""
     pipeline = llm.pipeline
     (new,) = requests(llm, [speak(llm, 0, frames=30, text_tokens=8)])
     assert pipeline.add_requests([new]) == [None]
-    outputs, text_at_start, fed = [], None, []
+    outputs, text_at_start, fed, first_audio_step = [], None, [], None
     speech = pipeline._speaking[new.request_id]
     while pipeline.has_unfinished():
-        outputs += pipeline.step()
+        step = pipeline.step()
+        outputs += step
         if speech.talker_started and text_at_start is None:
             text_at_start = len(speech.generated)
+        if first_audio_step is None and any(o.audio_delta is not None for o in step):
+            first_audio_step = len(fed) + 1
         fed.append((speech.rows_fed, len(speech.generated), speech.text_done))
-    assert text_at_start == 2
-    # text row k is spoken token k + 1, known to be spoken once token k + 2 exists
+    assert text_at_start == 1 and first_audio_step == 2
+    # text row k is spoken token k + 1: yielded once the Thinker has k + 2 tokens
     for rows_fed, generated, text_done in fed:
-        assert text_done or rows_fed == 0 or generated >= (rows_fed - 1) + 3
+        assert text_done or rows_fed == 0 or generated >= (rows_fed - 1) + 2
     assert any(not text_done and rows_fed > 0 for rows_fed, _, text_done in fed)  # it ran beside the Thinker
     final = outputs[-1]
     assert final.finished and [o.finished for o in outputs].count(True) == 1
