@@ -53,6 +53,12 @@ class EngineConfig(BaseModel):
         None, gt=0, description="memory for the Talker's KV pages; default: 0.25 GiB on CPU, 2 GiB on a GPU"
     )
     code2wav_max_batch: int = Field(16, ge=1, description="most audio streams in one Code2Wav decode call")
+    speech_device: str | None = Field(
+        None,
+        pattern=r"^(cpu|cuda(:\d+)?)$",
+        description="where the Talker, code predictor and Code2Wav run (e.g. cuda:1: the two-GPU topology); "
+        "default: the Thinker's device",
+    )
     max_tokens_default: int | None = Field(
         None,
         ge=1,

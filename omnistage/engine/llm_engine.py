@@ -81,12 +81,17 @@ class RequestState:
 
 
 def resolve_device(device: str) -> torch.device:
+    """ "auto", "cpu", "cuda" (the current GPU) or "cuda:N", checked against the machine."""
     if device == "auto":
         device = "cuda" if torch.cuda.is_available() else "cpu"
-    if device == "cuda":
-        if not torch.cuda.is_available():
-            raise ConfigError("device 'cuda' was asked for but torch sees no CUDA device")
-        return torch.device("cuda", torch.cuda.current_device())
+    if device.startswith("cuda"):
+        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        index = (
+            torch.cuda.current_device() if device == "cuda" and count else int(device.partition(":")[2] or 0)
+        )
+        if index >= count:
+            raise ConfigError(f"device {device!r} was asked for but torch sees {count} CUDA device(s)")
+        return torch.device("cuda", index)
     return torch.device(device)
 
 

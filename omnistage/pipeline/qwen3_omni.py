@@ -17,6 +17,7 @@ The hand-off streams, by the rules of `models/qwen3_omni/talker_input.py` (equal
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import random
@@ -171,35 +172,14 @@ class Qwen3OmniPipeline:
         self.speaks = config.speech and cfg.enable_audio_output
         self.talker = None
         others = StageMemory()
+        # the two-GPU topology: the speech stages on a device of their own (hand-offs cross with .to)
+        self.speech_device = resolve_device(config.speech_device) if config.speech_device else device
         if self.speaks:
             # loaded before the Thinker plans its memory, so that the plan sees these weights and pages
-            self.talker = load_talker(
-                path, dtype, device, backend_for(device), config.load_format, config.seed
-            )
-            self.code_predictor = load_code_predictor(path, dtype, device, config.load_format, config.seed)
-            self.code2wav = load_code2wav(path, dtype, device, config.load_format, config.seed)
-            text = cfg.talker.text
-            gib = config.talker_kv_cache_memory_gib or (
-                _GPU_TALKER_KV_GIB if device.type == "cuda" else _CPU_TALKER_KV_GIB
-            )
-            vocab = text.vocab_size
-            self.talker_stage = EmbeddingStage(
-                self.talker,
-                text,
-                num_pages=max(1, int(gib * GiB) // (text.kv_bytes_per_token * config.page_size)),
-                page_size=config.page_size,
-                device=device,
-                dtype=dtype,
-                max_num_seqs=config.max_num_seqs,
-                max_num_batched_tokens=config.max_num_batched_tokens,
-                eos_token_id=cfg.talker.codec_eos_token_id,
-                # the codec's top 1024 ids are control codes, never audio; EOS among them ends the speech
-                suppressed_ids=[i for i in range(vocab - 1024, vocab) if i != cfg.talker.codec_eos_token_id],
-            )
-            self.streamer = Code2WavStreamer(self.code2wav, max_batch=config.code2wav_max_batch)
-            self.tokens = SpeechTokens.from_config(cfg)
-            if device.type == "cuda":
-                others = self._speech_memory()
+            with self._on_speech_device():
+                self._load_speech(path, cfg, dtype)
+                if device.type == "cuda" and self.speech_device == device:  # one plan for the shared device
+                    others = self._speech_memory()
         self.thinker = LLMEngine(
             config, load_thinker_stage(config, path, cfg, device, dtype), device, dtype, others
         )
@@ -210,6 +190,39 @@ class Qwen3OmniPipeline:
         if self.speaks:
             with torch.inference_mode():
                 self.tts: TtsEmbeds = tts_embeds(self.talker, self._embedding, self.tokens)
+
+    def _load_speech(self, path: Path, cfg: Qwen3OmniConfig, dtype: torch.dtype) -> None:
+        """The Talker, code predictor and Code2Wav, and the Talker's pages, on the speech device."""
+        config, device = self.config, self.speech_device
+        self.talker = load_talker(path, dtype, device, backend_for(device), config.load_format, config.seed)
+        self.code_predictor = load_code_predictor(path, dtype, device, config.load_format, config.seed)
+        self.code2wav = load_code2wav(path, dtype, device, config.load_format, config.seed)
+        text = cfg.talker.text
+        gib = config.talker_kv_cache_memory_gib or (
+            _GPU_TALKER_KV_GIB if device.type == "cuda" else _CPU_TALKER_KV_GIB
+        )
+        vocab = text.vocab_size
+        self.talker_stage = EmbeddingStage(
+            self.talker,
+            text,
+            num_pages=max(1, int(gib * GiB) // (text.kv_bytes_per_token * config.page_size)),
+            page_size=config.page_size,
+            device=device,
+            dtype=dtype,
+            max_num_seqs=config.max_num_seqs,
+            max_num_batched_tokens=config.max_num_batched_tokens,
+            eos_token_id=cfg.talker.codec_eos_token_id,
+            # the codec's top 1024 ids are control codes, never audio; EOS among them ends the speech
+            suppressed_ids=[i for i in range(vocab - 1024, vocab) if i != cfg.talker.codec_eos_token_id],
+        )
+        self.streamer = Code2WavStreamer(self.code2wav, max_batch=config.code2wav_max_batch)
+        self.tokens = SpeechTokens.from_config(cfg)
+
+    def _on_speech_device(self) -> contextlib.AbstractContextManager:
+        """The speech device as the current one: Triton launches on the current device, not the tensors'."""
+        if self.speech_device.type == "cuda":
+            return torch.cuda.device(self.speech_device)
+        return contextlib.nullcontext()
 
     @property
     def _embedding(self) -> torch.nn.Embedding:
@@ -461,8 +474,11 @@ class Qwen3OmniPipeline:
         self.talker_stage.abort(speech.request_id)
         self.streamer.cancel(speech.request_id)
 
-    @torch.inference_mode()
     def _speak(self) -> dict[str, list[np.ndarray]]:
+        with torch.inference_mode(), self._on_speech_device():
+            return self._speak_here()
+
+    def _speak_here(self) -> dict[str, list[np.ndarray]]:
         """Start the Talkers that can start, run one Talker step and the code predictor on what it sampled,
         then one Code2Wav step; returns the audio chunks per request."""
         for speech in list(self._speaking.values()):
@@ -530,20 +546,21 @@ class Qwen3OmniPipeline:
             if speech.text_done:  # a one-token reply: nothing to say
                 speech.talker_started = speech.talker_done = speech.audio_done = True
             return
-        device = self.device
-        ids = torch.tensor(speech.prompt_ids, device=device)
+        ids = torch.tensor(speech.prompt_ids, device=self.device)
         embeds = self._embedding(ids)
         accept = embeds.new_zeros(embeds.shape)
         if speech.tap is not None:
             accept[speech.tap.rows] = speech.tap.values
+        first = self._embedding(torch.tensor(spoken[0], device=self.device))
+        to = self.speech_device
         prompt = talker_prompt(
             self.talker,
             self.tokens,
             self.tts,
-            ids,
-            embeds,
-            accept,
-            self._embedding(torch.tensor(spoken[0], device=device)),
+            ids.to(to),
+            embeds.to(to),
+            accept.to(to),
+            first.to(to),
             speech.speaker,
         )
         positions = talker_positions(prompt, self.model_config, speech.grids, speech.audio_tokens)
@@ -571,7 +588,9 @@ class Qwen3OmniPipeline:
         projected = iter(())
         if token_rows:
             projected = iter(
-                self.talker.text_projection(self._embedding(torch.tensor(token_rows, device=self.device)))
+                self.talker.text_projection(
+                    self._embedding(torch.tensor(token_rows, device=self.device)).to(self.speech_device)
+                )
             )
         for speech, text_row in ready:
             row = next(projected) if text_row is None else text_row
@@ -581,10 +600,10 @@ class Qwen3OmniPipeline:
 
     def _predict_frames(self, frames: list[tuple[_Speech, Sampled]]) -> None:
         """Codes 1..15 of every new frame in one batched call; the frames go to Code2Wav."""
-        code0 = torch.tensor([s.token for _, s in frames], device=self.device)
+        code0 = torch.tensor([s.token for _, s in frames], device=self.speech_device)
         hidden = torch.stack([s.hidden for _, s in frames])
         speeches = [speech for speech, _ in frames]
-        rows = StaticRows.empty(len(frames), self.device)
+        rows = StaticRows.empty(len(frames), self.speech_device)
         rows.fill(
             [s.params.talker.greedy for s in speeches],
             [PREDICTOR_TEMPERATURE] * len(frames),

@@ -102,7 +102,7 @@ def tts_embeds(talker: Talker, thinker_embedding: torch.nn.Embedding, tokens: Sp
     ids = torch.tensor(
         [tokens.tts_bos, tokens.tts_eos, tokens.tts_pad], device=thinker_embedding.weight.device
     )
-    bos, eos, pad = talker.text_projection(thinker_embedding(ids))
+    bos, eos, pad = talker.text_projection(thinker_embedding(ids).to(talker.codec_head.weight.device))
     return TtsEmbeds(bos, eos, pad)
 
 

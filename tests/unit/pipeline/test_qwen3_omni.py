@@ -7,6 +7,7 @@ import asyncio
 
 import numpy as np
 import pytest
+import torch
 
 from omnistage import LLM, SamplingParams
 from omnistage.engine.llm_engine import NewRequest
@@ -272,3 +273,17 @@ def test_talkers_preempted_for_pages_speak_as_alone(tiny_checkpoint):
     for i in range(3):
         assert together[str(100 + i)][-1].audio_codes == alone[i].audio_codes
     assert_pools_full(small)
+
+
+def test_the_speech_device_is_checked_against_the_machine(tiny_checkpoint):
+    from omnistage.errors import ConfigError
+
+    count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    with pytest.raises(
+        ConfigError, match=rf"device 'cuda:{count}' was asked for but torch sees {count} CUDA"
+    ):
+        LLM(str(tiny_checkpoint), device="cpu", speech_device=f"cuda:{count}")
+    with pytest.raises(ConfigError, match="speech_device"):
+        LLM(str(tiny_checkpoint), device="cpu", speech_device="tpu")
+    llm = LLM(str(tiny_checkpoint), device="cpu", dtype="float32", speech_device="cpu")
+    assert llm.pipeline.speech_device == torch.device("cpu")
