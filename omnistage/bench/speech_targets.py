@@ -158,12 +158,18 @@ def inprocess_runner(
     return run
 
 
+def frame_fields(frames: int, forced: bool) -> dict[str, Any]:
+    """The server's Talker fields for `frames` frames: exactly that many when forced, else at most."""
+    return (
+        {"max_frames": frames, "min_frames": frames, "ignore_eos": True} if forced else {"max_frames": frames}
+    )
+
+
 def server_runner(
     client: httpx.AsyncClient, model: str, tts: bool, text_tokens: int, frames: int, voice: str, forced: bool
 ) -> Runner:
-    """Streamed requests to a running server through `client` (based at its URL), audio as raw pcm16.
-
-    The server takes a cap on frames only (`max_frames`), so a Talker that says EOS sooner is logged."""
+    """Streamed requests to a running server through `client` (based at its URL), audio as raw pcm16; forced
+    lengths go as the server's `min_frames` and `ignore_eos` beside `max_frames`."""
 
     def timing(
         item: SpeechInput, start: float, first: float | None, pcm_bytes: int, usage: dict
@@ -184,7 +190,7 @@ def server_runner(
             "model": model,
             "messages": item.http_messages(),
             "modalities": ["text", "audio"],
-            "audio": {"voice": voice, "format": "pcm16", "max_frames": frames},
+            "audio": {"voice": voice, "format": "pcm16", **frame_fields(frames, forced)},
             "stream": True,
             "stream_options": {"include_usage": True},
             **text_fields(text_tokens, forced),
@@ -207,7 +213,7 @@ def server_runner(
             "voice": voice,
             "response_format": "pcm",
             "stream_format": "sse",
-            "max_frames": frames,
+            **frame_fields(frames, forced),
         }
         start = time.perf_counter()
         first, pcm_bytes, usage = None, 0, {}

@@ -250,6 +250,10 @@ class _TalkerFields(_Strict):
     second of audio; unset, a cap proportional to the text) and sampling over the released defaults."""
 
     max_frames: Annotated[Int64, Field(ge=1)] | None = None
+    # benchmarks on random weights, as vLLM's min_tokens and ignore_eos for text: the codec's end is not drawn
+    # before min_frames, or never with ignore_eos
+    min_frames: Annotated[Int64, Field(ge=0)] | None = None
+    ignore_eos: bool | None = None
     temperature: float | None = None
     top_p: float | None = None
     top_k: Int64 | None = None
@@ -257,12 +261,18 @@ class _TalkerFields(_Strict):
 
     def talker_params(self, seed: int | None) -> SamplingParams:
         """The Talker's SamplingParams; `seed` also seeds the code predictor. Raises InvalidRequest."""
+        if self.min_frames and self.max_frames is not None and self.min_frames > self.max_frames:
+            raise InvalidRequest(
+                f"min_frames ({self.min_frames}) must not exceed max_frames ({self.max_frames})"
+            )
         defaults = talker_sampling_defaults()
         given = {
             name: value
-            for name in ("temperature", "top_p", "top_k", "repetition_penalty")
+            for name in ("temperature", "top_p", "top_k", "repetition_penalty", "ignore_eos")
             if (value := getattr(self, name)) is not None
         }
+        if self.min_frames is not None:
+            given["min_tokens"] = self.min_frames
         return replace(defaults, max_tokens=self.max_frames, seed=seed, **given)
 
 

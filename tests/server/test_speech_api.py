@@ -589,3 +589,17 @@ def test_live_speaking_leaves_every_page_free(live_client, live, live_model):
     live_chat(live_client, live_model, "pcm16")
     live.wait_pages_free(timeout=10)
     assert 'omnistage_requests_total{endpoint="/v1/audio/speech",status="200"}' in live.metrics_text()
+
+
+def test_live_forced_frames_speak_exactly_that_many(live_client, live_model, tiny_checkpoint):
+    """min_frames with ignore_eos: the codec's end is never drawn, so random weights speak every frame asked."""
+    from omnistage.models.qwen3_omni.code2wav import lookahead_samples
+    from omnistage.models.qwen3_omni.config import Qwen3OmniConfig
+
+    lookahead = lookahead_samples(Qwen3OmniConfig.from_dir(tiny_checkpoint).code2wav)
+    extras = {"max_frames": 9, "min_frames": 9, "ignore_eos": True, "seed": 3}
+    result = live_client.audio.speech.create(
+        model=live_model, input="Hello there.", voice="ethan", response_format="wav", extra_body=extras
+    )
+    samples, _ = soundfile.read(io.BytesIO(result.content), dtype="float32")
+    assert len(samples) == 9 * FRAME - lookahead

@@ -110,3 +110,12 @@ def test_usage_and_message_read_as_before_unless_the_reply_spoke():
         "completion_tokens_details": {"text_tokens": 4, "audio_tokens": 10},
     }
     assert AssistantMessage(content="Hi").model_dump() == {"role": "assistant", "content": "Hi"}
+
+
+def test_forced_frame_counts_for_benchmarks():
+    params = SpeechRequest(**SPEECH | {"max_frames": 9, "min_frames": 9, "ignore_eos": True}).talker_params(
+        None
+    )
+    assert (params.max_tokens, params.min_tokens, params.ignore_eos) == (9, 9, True)
+    with pytest.raises(InvalidRequest, match=r"min_frames \(10\) must not exceed max_frames \(9\)"):
+        SpeechRequest(**SPEECH | {"max_frames": 9, "min_frames": 10}).talker_params(None)
