@@ -33,6 +33,7 @@ Serve the OpenAI-compatible HTTP API:
   GET  /health                   200 once the engine is ready
   GET  /metrics                  Prometheus metrics (requests, latencies, KV pages)
 
+The checkpoint's family (Qwen3-Omni, or Qwen3-ASR: transcription only) is read from its config.json.
 Engine settings come from --config's `engine:` section, then the flags below."""
 
 
