@@ -15,9 +15,9 @@ from typing import Any
 
 import torch
 
-from omnistage.bench.clips import Clip, total_seconds
-from omnistage.bench.hf_baseline import _FirstToken, _sync
-from omnistage.bench.stats import RequestTiming, summarize
+from omnistage.bench.clips import Clip
+from omnistage.bench.hf_baseline import _FirstToken, _sync, timed_passes
+from omnistage.bench.stats import RequestTiming
 
 log = logging.getLogger(__name__)
 
@@ -73,7 +73,6 @@ def run_hf_asr(
 
     eos = processor.tokenizer.token_to_id("<|im_end|>")
     chunk = 2 * hf.config.audio_config.n_window
-    fixed = {"min_new_tokens": output_tokens} if output_tokens else {}
 
     def generate(clip: Clip, ids: list[int], new_tokens: int, min_new: dict[str, int]) -> RequestTiming:
         first = _FirstToken(device)
@@ -100,16 +99,4 @@ def run_hf_asr(
         return RequestTiming(clip.seconds, (first.at or end) - start, end - start, out.shape[1] - len(ids))
 
     prompts = [processor.transcription(clip.audio, None, None).token_ids for clip in clips]
-    new_tokens = output_tokens or max_tokens
-    generate(clips[0], prompts[0], min(new_tokens, 4), {})  # warm-up
-    timings, walls = [], []
-    for _ in range(repeats):
-        for clip, ids in zip(clips, prompts):
-            t = generate(clip, ids, new_tokens, {k: v for k, v in fixed.items() if v <= new_tokens})
-            timings.append(t)
-        walls.append(sum(t.latency_s for t in timings[-len(clips) :]))
-    summary = summarize(timings, walls, 1)
-    summary["note"] = (
-        f"one request at a time over {total_seconds(clips):.1f} s of audio; wall = sum of latencies"
-    )
-    return summary
+    return timed_passes(generate, clips, prompts, output_tokens, max_tokens, repeats)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -100,7 +101,6 @@ def run_hf(
     from omnistage.models.qwen3_omni.audio_features import log_mel
 
     eos = processor.tokenizer.token_to_id("<|im_end|>")
-    fixed = {"min_new_tokens": output_tokens} if output_tokens else {}
 
     def generate(clip: Clip, ids: list[int], new_tokens: int, min_new: dict[str, int]) -> RequestTiming:
         first = _FirstToken(device)
@@ -124,6 +124,20 @@ def run_hf(
         return RequestTiming(clip.seconds, (first.at or end) - start, end - start, out.shape[1] - len(ids))
 
     prompts = [processor.process_chat(messages_for(clip)).token_ids for clip in clips]
+    return timed_passes(generate, clips, prompts, output_tokens, max_tokens, repeats)
+
+
+def timed_passes(
+    generate: Callable[[Clip, list[int], int, dict[str, int]], RequestTiming],
+    clips: list[Clip],
+    prompts: list[list[int]],
+    output_tokens: int | None,
+    max_tokens: int,
+    repeats: int,
+) -> dict[str, Any]:
+    """One warm-up request, then `repeats` passes of every clip, one at a time; their c=1 summary.
+    `generate(clip, prompt ids, new tokens, extra generate kwargs)` times one request."""
+    fixed = {"min_new_tokens": output_tokens} if output_tokens else {}
     new_tokens = output_tokens or max_tokens
     generate(clips[0], prompts[0], min(new_tokens, 4), {})  # warm-up
     timings, walls = [], []

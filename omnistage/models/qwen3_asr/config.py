@@ -8,14 +8,13 @@ model under `thinker_config` and name tensors `thinker.*`; transformers' own con
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
 from omnistage.errors import ConfigError
 from omnistage.models.qwen3_omni.audio_encoder import audio_output_tokens
-from omnistage.models.qwen3_omni.config import AudioEncoderConfig, _Reader
+from omnistage.models.qwen3_omni.config import AudioEncoderConfig, _Reader, read_config_json
 
 Layout = Literal["released", "hf"]
 
@@ -174,13 +173,4 @@ class Qwen3ASRConfig:
 
     @classmethod
     def from_dir(cls, directory: str | Path) -> Qwen3ASRConfig:
-        if not Path(directory).is_dir():
-            raise ConfigError(f"{directory}: the checkpoint directory does not exist")
-        path = Path(directory) / "config.json"
-        try:
-            data = json.loads(path.read_text())
-        except FileNotFoundError:
-            raise ConfigError(f"{path}: no config.json in the checkpoint directory") from None
-        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-            raise ConfigError(f"{path}: unreadable ({exc})") from None
-        return cls.from_dict(data)
+        return cls.from_dict(read_config_json(directory))

@@ -394,13 +394,17 @@ class Qwen3OmniConfig:
 
     @classmethod
     def from_dir(cls, directory: str | Path) -> Qwen3OmniConfig:
-        if not Path(directory).is_dir():
-            raise ConfigError(f"{directory}: the checkpoint directory does not exist")
-        path = Path(directory) / "config.json"
-        try:
-            data = json.loads(path.read_text())
-        except FileNotFoundError:
-            raise ConfigError(f"{path}: no config.json in the checkpoint directory") from None
-        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-            raise ConfigError(f"{path}: unreadable ({exc})") from None
-        return cls.from_dict(data)
+        return cls.from_dict(read_config_json(directory))
+
+
+def read_config_json(directory: str | Path) -> dict:
+    """A checkpoint directory's config.json, or a ConfigError saying what is missing or unreadable."""
+    if not Path(directory).is_dir():
+        raise ConfigError(f"{directory}: the checkpoint directory does not exist")
+    path = Path(directory) / "config.json"
+    try:
+        return json.loads(path.read_text())
+    except FileNotFoundError:
+        raise ConfigError(f"{path}: no config.json in the checkpoint directory") from None
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise ConfigError(f"{path}: unreadable ({exc})") from None
