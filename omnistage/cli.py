@@ -82,16 +82,30 @@ _ENGINE_FLAGS: list[tuple[str, str, type, str]] = [
 # fmt: on
 
 
-def _serve(args: argparse.Namespace) -> None:
+def _engine_config(args: argparse.Namespace) -> EngineConfig:
+    """--config's `engine:` section with the engine flags on top."""
     from omnistage.config import engine_config, load_config
 
     overrides = {key: getattr(args, key) for _, key, _, _ in _ENGINE_FLAGS}
     overrides["enforce_eager"] = args.enforce_eager
     overrides["compile"] = False if args.no_compile else None
     if args.config:
-        config = load_config(args.config, **overrides)
-    else:
-        config = engine_config("command line", **{k: v for k, v in overrides.items() if v is not None})
+        return load_config(args.config, **overrides)
+    return engine_config("command line", **{k: v for k, v in overrides.items() if v is not None})
+
+
+def _plan(args: argparse.Namespace) -> None:
+    """Load the checkpoint as serve would, print what it planned and captured, and exit."""
+    from omnistage.pipeline.family import build_pipeline
+
+    pipeline = build_pipeline(_engine_config(args))
+    plan = pipeline.thinker.plan
+    print(plan.table() if plan is not None else "no GPU plan: the engine runs on the CPU")
+    print(pipeline.memory_summary())
+
+
+def _serve(args: argparse.Namespace) -> None:
+    config = _engine_config(args)
     name = args.served_model_name or (Path(config.model).resolve().name if config.model else "omnistage-tiny")
 
     media_dir = Path(args.media_dir).resolve() if args.media_dir else None
@@ -262,6 +276,19 @@ def build_parser() -> argparse.ArgumentParser:
         "benchmarks/RESULTS.md); by default it runs on a thread of the server's process",
     )
     serve.set_defaults(func=_serve)
+
+    plan = sub.add_parser(
+        "plan",
+        help="load a checkpoint as serve would (on its device, under its memory cap), print the memory plan "
+        "and what is captured or eager, and exit",
+    )
+    plan.add_argument("--config", help="YAML file with an `engine:` section; the flags below override it")
+    _add_engine_flags(plan)
+    plan.add_argument("--enforce-eager", action="store_true", default=None, help="run without CUDA graphs")
+    plan.add_argument(
+        "--no-compile", action="store_true", help="leave the decoder layers uncompiled on a GPU"
+    )
+    plan.set_defaults(func=_plan)
 
     from omnistage.bench import a2t, speech
 

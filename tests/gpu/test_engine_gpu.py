@@ -121,3 +121,14 @@ def test_the_floor_holds_the_encoders_on_the_largest_inputs(tiny_checkpoint):
     out = llm.chat([{"role": "user", "content": content}], GREEDY)[0]
     assert len(out.outputs[0].token_ids) == GREEDY.max_tokens
     assert torch.cuda.max_memory_allocated() - base <= plan.floor
+
+
+def test_plan_prints_the_gpu_plan_under_a_cap(tiny_checkpoint, capsys):
+    from omnistage.cli import main
+
+    assert (
+        main(["plan", "--model", str(tiny_checkpoint), "--device", "cuda", "--gpu-memory-limit-gib", "2"])
+        == 0
+    )
+    printed = capsys.readouterr().out
+    assert "memory plan (gpu_memory_limit: 2.00 GiB)" in printed and "Talker KV pages" in printed

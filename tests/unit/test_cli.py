@@ -104,3 +104,13 @@ def test_a_busy_port_fails_before_the_model_loads(tiny_checkpoint, monkeypatch, 
     assert code == 2 and not loaded
     err = capsys.readouterr().err
     assert f"omnistage: error: port {port} is in use" in err
+
+
+def test_plan_loads_prints_and_exits(tiny_checkpoint, tmp_path, capsys):
+    assert main(["plan", "--model", str(tiny_checkpoint), "--device", "cpu", "--num-kv-pages", "32"]) == 0
+    printed = capsys.readouterr().out
+    assert "no GPU plan: the engine runs on the CPU" in printed and "KV pool 32 pages" in printed
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("engine:\n  page_sise: 4\n")
+    assert main(["plan", "--config", str(bad)]) == 2
+    assert "engine.page_sise: unknown key" in capsys.readouterr().err
