@@ -15,7 +15,7 @@ from pathlib import Path
 from tokenizers import AddedToken, Tokenizer
 from transformers.convert_slow_tokenizer import TikTokenConverter
 
-from omnistage.models.qwen3_omni.tokenizer import PRETOKENIZE_PATTERN
+from omnistage.models.qwen3_omni.tokenizer import PRETOKENIZE_PATTERN, tokenizer_config
 from omnistage.models.qwen3_omni.tokenizer import SPECIAL_TOKENS as OMNI_SPECIAL_TOKENS
 
 FIRST_ADDED = 151643
@@ -84,30 +84,7 @@ def write_tokenizer_files(directory: Path, hf_layout: bool) -> None:
     placeholders for transformers' processor."""
     directory = Path(directory)
     build_tokenizer().save(str(directory / "tokenizer.json"))
-    added = {
-        str(i): {
-            "content": t,
-            "lstrip": False,
-            "normalized": False,
-            "rstrip": False,
-            "single_word": False,
-            "special": t not in NOT_SPECIAL,
-        }
-        for i, t in added_tokens().items()
-    }
-    config = {
-        "tokenizer_class": "Qwen2Tokenizer",
-        "add_prefix_space": False,
-        "added_tokens_decoder": added,
-        "bos_token": None,
-        "eos_token": "<|im_end|>",
-        "pad_token": "<|endoftext|>",
-        "unk_token": None,
-        "errors": "replace",
-        "model_max_length": 65536,
-        "clean_up_tokenization_spaces": False,
-        "split_special_tokens": False,
-    }
+    config = tokenizer_config(added_tokens(), NOT_SPECIAL)
     if hf_layout:
         config["extra_special_tokens"] = EXTRA_SPECIAL_TOKENS
     (directory / "tokenizer_config.json").write_text(json.dumps(config, indent=2, ensure_ascii=False) + "\n")

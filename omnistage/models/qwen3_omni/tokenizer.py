@@ -97,10 +97,9 @@ def build_tokenizer() -> Tokenizer:
     return tokenizer
 
 
-def write_tokenizer_files(directory: Path) -> None:
-    """Write tokenizer.json, tokenizer_config.json and chat_template.jinja as a released checkpoint has them."""
-    directory = Path(directory)
-    build_tokenizer().save(str(directory / "tokenizer.json"))
+def tokenizer_config(added_tokens: dict[int, str], not_special: set[str]) -> dict:
+    """A Qwen checkpoint's tokenizer_config.json: its added tokens (special unless in `not_special`) and the
+    Qwen2 tokenizer's settings."""
     added = {
         str(i): {
             "content": t,
@@ -108,11 +107,11 @@ def write_tokenizer_files(directory: Path) -> None:
             "normalized": False,
             "rstrip": False,
             "single_word": False,
-            "special": t not in _NOT_SPECIAL,
+            "special": t not in not_special,
         }
-        for i, t in sorted(SPECIAL_TOKENS.items())
+        for i, t in added_tokens.items()
     }
-    config = {
+    return {
         "tokenizer_class": "Qwen2Tokenizer",
         "add_prefix_space": False,
         "added_tokens_decoder": added,
@@ -125,5 +124,12 @@ def write_tokenizer_files(directory: Path) -> None:
         "clean_up_tokenization_spaces": False,
         "split_special_tokens": False,
     }
+
+
+def write_tokenizer_files(directory: Path) -> None:
+    """Write tokenizer.json, tokenizer_config.json and chat_template.jinja as a released checkpoint has them."""
+    directory = Path(directory)
+    build_tokenizer().save(str(directory / "tokenizer.json"))
+    config = tokenizer_config(dict(sorted(SPECIAL_TOKENS.items())), _NOT_SPECIAL)
     (directory / "tokenizer_config.json").write_text(json.dumps(config, indent=2, ensure_ascii=False) + "\n")
     (directory / "chat_template.jinja").write_text(CHAT_TEMPLATE)
