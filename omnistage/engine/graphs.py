@@ -1,8 +1,9 @@
 """CUDA graphs for the steps whose host work outweighs their GPU work: decode batches and short prefills.
 
 Decode: one graph per batch bucket. A decode batch of B sequences is padded to the smallest captured
-bucket: padding rows get input id 0, position 0, slot -1 (write nothing), seq_len 0 (read nothing) and an
-all-zero block table, so they cost a little compute and touch no real KV.
+bucket: padding rows get input 0 (token id 0, or a zero embedding for a stage fed embeddings), position 0,
+slot -1 (write nothing), seq_len 0 (read nothing) and an all-zero block table, so they cost a little
+compute and touch no real KV.
 
 Prefill: one graph per token bucket for a step that is one sequence's chunk (a prompt arriving while
 nothing else runs: the time to the first token at low load). The chunk's embeddings (encoder outputs
@@ -34,7 +35,11 @@ StepFn = Callable[..., Any]
 
 
 class StaticDecodeBuffers:
-    """Inputs of a decode step sized for the largest bucket; a bucket uses the first rows."""
+    """Inputs of a decode step sized for the largest bucket; a bucket uses the first rows.
+
+    A row's input is a token id (`row_shape` (), int64: the Thinker) or a whole row of `row_shape`, such as
+    an embedding `(H,)` in the model's dtype (the Talker, whose input rows are built outside it).
+    """
 
     def __init__(
         self,
@@ -43,11 +48,13 @@ class StaticDecodeBuffers:
         max_seq_len: int,
         device: torch.device | str,
         position_rows: int = 3,
+        row_shape: tuple[int, ...] = (),
+        dtype: torch.dtype = torch.long,
     ) -> None:
         self.max_batch = self.capacity = max_batch
         self.max_pages = max_pages
         self.max_seq_len = max_seq_len
-        self.input_ids = torch.zeros(max_batch, dtype=torch.long, device=device)
+        self.inputs = torch.zeros(max_batch, *row_shape, dtype=dtype, device=device)
         self.positions = torch.zeros(position_rows, max_batch, dtype=torch.long, device=device)
         self.slot_mapping = torch.full((max_batch,), -1, dtype=torch.long, device=device)
         # One new token per sequence: row b is sequence b, padding sequences included.
@@ -68,11 +75,11 @@ class StaticDecodeBuffers:
 
     def args(self, bucket: int) -> tuple:
         """The step's arguments for a graph of `bucket` rows."""
-        return self.input_ids[:bucket], self.positions[:, :bucket], self.meta(bucket)
+        return self.inputs[:bucket], self.positions[:, :bucket], self.meta(bucket)
 
-    def fits(self, input_ids: torch.Tensor, meta: AttentionMetadata) -> bool:
+    def fits(self, inputs: torch.Tensor, meta: AttentionMetadata) -> bool:
         """Whether the step is a decode step these buffers can hold (checked on host ints only)."""
-        batch = input_ids.shape[0]
+        batch = inputs.shape[0]
         return (
             meta.max_query_len == 1
             and meta.seq_lens.shape[0] == batch
@@ -82,12 +89,12 @@ class StaticDecodeBuffers:
         )
 
     def fill(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata, bucket: int
+        self, inputs: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata, bucket: int
     ) -> None:
         """Copy a batch of B rows into rows [0, B) and pad rows [B, bucket); device copies, no sync."""
-        batch, width = input_ids.shape[0], meta.block_tables.shape[1]
-        self.input_ids[:batch].copy_(input_ids)
-        self.input_ids[batch:bucket].zero_()
+        batch, width = inputs.shape[0], meta.block_tables.shape[1]
+        self.inputs[:batch].copy_(inputs)
+        self.inputs[batch:bucket].zero_()
         self.positions[:, :batch].copy_(positions)
         self.positions[:, batch:bucket].zero_()
         self.slot_mapping[:batch].copy_(meta.slot_mapping)
@@ -100,7 +107,7 @@ class StaticDecodeBuffers:
 
     def clear(self, bucket: int) -> None:
         """Make rows [0, bucket) padding (used before warm-up and capture: nothing is written to KV)."""
-        self.input_ids[:bucket].zero_()
+        self.inputs[:bucket].zero_()
         self.positions[:, :bucket].zero_()
         self.slot_mapping[:bucket].fill_(-1)
         self.seq_lens[:bucket].zero_()
@@ -274,8 +281,9 @@ class GraphSet:
 class DecodeGraphRunner(GraphSet):
     """Replays a captured graph per decode bucket; runs the step eagerly when no bucket fits.
 
-    `step(input_ids [B], positions [3, B], meta) -> Tensor or tuple of Tensors` with B leading rows. The
-    tensors `run` returns are views of the graph's static outputs: use them before the next `run`.
+    `step(inputs, positions [3, B], meta) -> Tensor or tuple of Tensors` with B leading rows, where inputs
+    are ids `[B]` or rows `[B, *row_shape]`. The tensors `run` returns are views of the graph's static
+    outputs: use them before the next `run`.
     """
 
     kind = "decode"
@@ -290,17 +298,21 @@ class DecodeGraphRunner(GraphSet):
         device: torch.device | str,
         position_rows: int = 3,
         enforce_eager: bool = False,
+        row_shape: tuple[int, ...] = (),
+        dtype: torch.dtype = torch.long,
     ) -> None:
-        buffers = StaticDecodeBuffers(max_batch, max_pages, max_seq_len, device, position_rows)
+        buffers = StaticDecodeBuffers(
+            max_batch, max_pages, max_seq_len, device, position_rows, row_shape, dtype
+        )
         super().__init__(step, buffers, device, enforce_eager)
 
-    def run(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> Any:
+    def run(self, inputs: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> Any:
         """One decode step of B rows: replay the bucket's graph on padded inputs, or run eagerly."""
-        batch = input_ids.shape[0]
+        batch = inputs.shape[0]
         bucket = self.bucket_for(batch)
-        if bucket is None or not self.buffers.fits(input_ids, meta):
-            return self.step(input_ids, positions, meta)
-        self.buffers.fill(input_ids, positions, meta, bucket)
+        if bucket is None or not self.buffers.fits(inputs, meta):
+            return self.step(inputs, positions, meta)
+        self.buffers.fill(inputs, positions, meta, bucket)
         self._replays[bucket]()
         return _first_rows(self._outputs[bucket], batch)
 

@@ -22,8 +22,12 @@ class TinyStep:
         self.calls: list[int] = []
 
     def __call__(self, input_ids, positions, meta):
-        self.calls.append(input_ids.shape[0])
-        x = self.embed[input_ids] + positions.sum(0, keepdim=True).T.float() / 100
+        return self.forward(self.embed[input_ids], positions, meta)
+
+    def forward(self, embeds, positions, meta):
+        """Logits and the layer's input, per row."""
+        self.calls.append(embeds.shape[0])
+        x = embeds + positions.sum(0, keepdim=True).T.float() / 100
         q = (x @ self.wq).view(-1, HEADS, DIM)
         k, v = (x @ self.wkv).view(-1, 2, KV_HEADS, DIM).unbind(1)
         out = self.backend.forward(q, k, v, self.kv_cache, meta, DIM**-0.5)
@@ -46,7 +50,7 @@ def _decode_batch(batch: int, seed: int):
 def test_fill_pads_rows():
     bufs = StaticDecodeBuffers(max_batch=8, max_pages=5, max_seq_len=20, device="cpu")
     input_ids, positions, meta = _decode_batch(3, seed=0)
-    bufs.input_ids.fill_(7)
+    bufs.inputs.fill_(7)
     bufs.slot_mapping.fill_(9)
     bufs.seq_lens.fill_(9)
     bufs.block_tables.fill_(9)
@@ -57,9 +61,44 @@ def test_fill_pads_rows():
     assert torch.equal(m.query_start_loc, torch.arange(5, dtype=torch.int32))
     assert torch.equal(m.block_tables[:3, :3], meta.block_tables)
     assert (m.block_tables[:3, 3:] == 0).all() and (m.block_tables[3] == 0).all()
-    assert torch.equal(bufs.input_ids[:4], torch.cat([input_ids, torch.tensor([0])]))
+    assert torch.equal(bufs.inputs[:4], torch.cat([input_ids, torch.tensor([0])]))
     assert m.max_query_len == 1 and m.max_seq_len == 20
-    assert bufs.input_ids[4:].eq(7).all()  # rows past the bucket are not touched
+    assert bufs.inputs[4:].eq(7).all()  # rows past the bucket are not touched
+
+
+def test_fill_pads_embedding_rows():
+    bufs = StaticDecodeBuffers(
+        max_batch=8, max_pages=5, max_seq_len=20, device="cpu", row_shape=(6,), dtype=torch.bfloat16
+    )
+    assert bufs.inputs.shape == (8, 6) and bufs.inputs.dtype == torch.bfloat16
+    _, positions, meta = _decode_batch(3, seed=0)
+    rows = torch.randn(3, 6, generator=torch.Generator().manual_seed(0)).bfloat16()
+    bufs.inputs.fill_(7)
+    bufs.fill(rows, positions, meta, bucket=4)
+    inputs, _, m = bufs.args(4)
+    assert torch.equal(inputs, torch.cat([rows, rows.new_zeros(1, 6)]))  # the padding row is a zero embedding
+    assert torch.equal(m.slot_mapping, torch.cat([meta.slot_mapping, torch.tensor([-1])]))
+    assert bufs.inputs[4:].eq(7).all()
+    bufs.clear(4)
+    assert not bufs.inputs[:4].any() and bufs.inputs[4:].eq(7).all()
+
+
+def test_padded_replay_of_embedding_rows_equals_eager():
+    eager_step, graph_step = TinyStep(), TinyStep()
+    runner = DecodeGraphRunner(
+        graph_step.forward, max_batch=8, max_pages=6, max_seq_len=24, device="cpu", row_shape=(HEADS * DIM,),
+        dtype=torch.float32,
+    )  # fmt: skip
+    assert runner.capture([1, 2, 4, 8]) == [1, 2, 4, 8]
+    for batch in range(1, 9):
+        _, positions, meta = _decode_batch(batch, seed=batch)
+        embeds = torch.randn(batch, HEADS * DIM, generator=torch.Generator().manual_seed(batch))
+        logits, hidden = runner.run(embeds, positions, meta)
+        want_logits, want_hidden = eager_step.forward(embeds, positions, meta)
+        torch.testing.assert_close(logits, want_logits)
+        torch.testing.assert_close(hidden, want_hidden)
+        torch.testing.assert_close(graph_step.kv_cache, eager_step.kv_cache, rtol=1e-5, atol=1e-6)
+        assert graph_step.calls[-1] == runner.bucket_for(batch)
 
 
 def test_padded_replay_equals_eager_for_every_batch():
@@ -108,12 +147,7 @@ class TinyPrefillStep(TinyStep):
     """The same layer over embeddings, returning the logits of `last_row` as the engine's prefill step does."""
 
     def __call__(self, embeds, positions, meta, last_row=None):
-        self.calls.append(embeds.shape[0])
-        x = embeds + positions.sum(0, keepdim=True).T.float() / 100
-        q = (x @ self.wq).view(-1, HEADS, DIM)
-        k, v = (x @ self.wkv).view(-1, 2, KV_HEADS, DIM).unbind(1)
-        out = self.backend.forward(q, k, v, self.kv_cache, meta, DIM**-0.5)
-        logits = out.flatten(1) @ self.embed.T
+        logits, _ = self.forward(embeds, positions, meta)
         return logits[-1:] if last_row is None else logits.index_select(0, last_row)
 
 
