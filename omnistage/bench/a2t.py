@@ -1,7 +1,8 @@
 """`omnistage bench a2t`: audio-to-text speed, as input-audio seconds per wall second (the real-time factor).
 
-Every clip is transcribed once per pass, at most `c` requests in flight, for each concurrency of the
-sweep; a pass reports the real-time factor (all clips' audio seconds / the pass's wall seconds) and the
+Every clip is transcribed once per pass (a concurrency above the number of clips cycles over the set
+whole times, so that `c` requests are in flight), at most `c` requests in flight, for each concurrency of
+the sweep; a pass reports the real-time factor (all clips' audio seconds / the pass's wall seconds) and the
 TTFT and TPOT medians. Targets:
 
 - a running server (`--url`): chat completions with `input_audio` (streamed; TTFT is the first chunk,
@@ -46,8 +47,17 @@ Runner = Callable[[Clip, int], Awaitable[RequestTiming]]  # (clip, request numbe
 async def sweep(
     run: Runner, clips: list[Clip], concurrencies: list[int], warmup: int = 1, repeats: int = 1
 ) -> list[dict]:
-    """`repeats` passes over every clip per concurrency; each concurrency's summary (see summarize)."""
-    return await generic_sweep(run, clips, concurrencies, summarize, warmup=warmup, repeats=repeats)
+    """`repeats` passes per concurrency, each over the clips as many whole times as c needs; each
+    concurrency's summary (see summarize)."""
+    return await generic_sweep(
+        run, clips, concurrencies, summarize, count=lambda c: passes_for(c, len(clips)) * len(clips),
+        warmup=warmup, repeats=repeats,
+    )  # fmt: skip
+
+
+def passes_for(concurrency: int, clips: int) -> int:
+    """Whole times over the set one pass takes so that `concurrency` requests can be in flight."""
+    return max(1, math.ceil(concurrency / clips))
 
 
 # -- targets -----------------------------------------------------------------------------------------------

@@ -64,6 +64,23 @@ def test_sweep_runs_every_clip_per_pass_within_its_concurrency():
     assert one["ttft_median_ms"] == 10.0 and one["tpot_median_ms"] == 5.0
 
 
+def test_a_concurrency_above_the_set_cycles_over_it_whole_times():
+    clips = [clip(s, f"c{i}") for i, s in enumerate([1.0, 2.0, 3.0])]
+    in_flight = peak = 0
+
+    async def run(c: Clip, number: int) -> RequestTiming:
+        nonlocal in_flight, peak
+        in_flight += 1
+        peak = max(peak, in_flight)
+        await asyncio.sleep(0.02)
+        in_flight -= 1
+        return RequestTiming(c.seconds, 0.01, 0.02, 3)
+
+    (seven,) = asyncio.run(a2t.sweep(run, clips, [7], warmup=0))
+    assert a2t.passes_for(7, 3) == 3 and a2t.passes_for(2, 3) == 1
+    assert seven["requests"] == 9 and seven["audio_s"] == 18.0 and peak == 7
+
+
 def test_forced_lengths():
     assert a2t.forced(33, 256) == {"max_tokens": 33, "min_tokens": 33, "ignore_eos": True, "temperature": 0.0}
     assert a2t.forced(None, 256) == {"max_tokens": 256, "temperature": 0.0}
