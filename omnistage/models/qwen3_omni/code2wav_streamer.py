@@ -1,15 +1,32 @@
 """Streaming Code2Wav: many streams of codec frames decoded chunk by chunk in batched calls, each stream's
-chunks together equal to its one-shot decode (see `Code2Wav.decode_window` for the window arithmetic)."""
+chunks together equal to its one-shot decode (see `Code2Wav.decode_window` for the window arithmetic).
+
+Chunk sizes: a first chunk of 2 frames, then 25. Every decode call runs the transformer over `left_context`
+frames before the chunk and the convolutions over `decoder_context` frames before it (released: 578 and
+10), whatever the chunk's size. Counted with torch's FLOP counter at the released sizes, a call of one
+stream costs 185 GFLOP of context plus about 5.2 per chunk frame: 190 for 1 frame, 195 for 2, 313 for 25.
+- First chunk, 2 frames (the first packet's latency): a 2-frame call costs what a 1-frame one does, and
+  the second frame costs one more Talker and code-predictor step. In return the first packet holds more
+  than twice the audio, because the decoder's look-ahead (555 samples, 29% of a frame) comes off a
+  stream's first chunk only: 1 frame gives 1,365 samples (57 ms), 2 give 3,285 (137 ms), which play while
+  the next 25 frames are generated.
+- Later chunks, 25 frames (throughput): the fixed context work is 59% of a 25-frame call (75% at 12
+  frames, 42% at 50). Larger chunks would save less per frame than they delay every packet after the first
+  and grow a call's activations (streams × window frames).
+Two sizes also mean two shapes per streams bucket to capture as CUDA graphs (`engine/code2wav_graphs.py`).
+"""
 
 from __future__ import annotations
 
-from collections.abc import Hashable
+from collections.abc import Callable, Hashable
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
 from omnistage.models.qwen3_omni.code2wav import Code2Wav
+
+DecodeWindow = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
 
 @dataclass(frozen=True)
@@ -40,15 +57,27 @@ class Code2WavStreamer:
     frame). One decode call holds at most `max_batch` streams. Each chunk is decoded in a window of the
     model's fixed `left_context` earlier frames plus the chunk, so a call's shapes depend only on (streams,
     chunk size).
+
+    `decode` runs each call as `Code2Wav.decode_window` does (a CUDA graph runner, say); None calls the
+    model's own, looked up per call (so a wrapper set on the model later is the one called). Its result must be a tensor no later call overwrites: the chunks of
+    one `step` are views of its results, read after the step's last call.
     """
 
-    def __init__(self, model: Code2Wav, first_chunk: int = 2, chunk: int = 25, max_batch: int = 16) -> None:
+    def __init__(
+        self,
+        model: Code2Wav,
+        first_chunk: int = 2,
+        chunk: int = 25,
+        max_batch: int = 16,
+        decode: DecodeWindow | None = None,
+    ) -> None:
         if min(first_chunk, chunk, max_batch) < 1:
             raise ValueError(
                 f"chunk sizes and max_batch must be positive, got first_chunk={first_chunk}, chunk={chunk}, "
                 f"max_batch={max_batch}"
             )
         self.model, self.first_chunk, self.chunk, self.max_batch = model, first_chunk, chunk, max_batch
+        self.decode = decode
         self.device, self.dtype = model.code_embedding.weight.device, model.code_embedding.weight.dtype
         self.streams: dict[Hashable, _Stream] = {}
 
@@ -101,7 +130,8 @@ class Code2WavStreamer:
             window = stream.codes[:, lo - stream.first : hi - stream.first]
             windows.append(F.pad(window, (lo - start, start + context + size - hi)))
             starts.append(start)
-        wav = self.model.decode_window(torch.stack(windows), torch.tensor(starts, device=self.device))
+        decode = self.model.decode_window if self.decode is None else self.decode
+        wav = decode(torch.stack(windows), torch.tensor(starts, device=self.device))
         out = []
         for row, request_id in enumerate(ids):
             stream = self.streams[request_id]

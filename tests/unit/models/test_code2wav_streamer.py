@@ -88,3 +88,30 @@ def test_streamer_cancel_and_misuse(model):
         streamer.feed("y", codes(1))
     with pytest.raises(ValueError, match="chunk"):
         Code2WavStreamer(model, first_chunk=0, chunk=2)
+
+
+def test_streamer_calls_the_decode_it_is_given(model):
+    """A decode callable (a graph runner, in serving) runs every call in place of the model's, and the chunks
+    are cut from what it returns."""
+    calls = []
+
+    def decode(windows, starts):
+        calls.append((tuple(windows.shape), starts.tolist()))
+        return -model.decode_window(windows, starts)
+
+    plain = Code2WavStreamer(model, first_chunk=1, chunk=2)
+    given = Code2WavStreamer(model, first_chunk=1, chunk=2, decode=decode)
+    for streamer in (plain, given):
+        streamer.open("a")
+        streamer.feed("a", codes(3))
+        streamer.finish("a")
+    expected = [plain.step(), plain.step()]
+    got = [given.step(), given.step()]
+    context, quantizers = model.left_context, CONFIG.num_quantizers
+    assert calls == [
+        ((1, quantizers, context + 1), [-context]),
+        ((1, quantizers, context + 2), [1 - context]),
+    ]
+    for want, out in zip(expected, got, strict=True):
+        assert [(o.request_id, o.final) for o in out] == [(o.request_id, o.final) for o in want]
+        assert torch.equal(out[0].samples, -want[0].samples)

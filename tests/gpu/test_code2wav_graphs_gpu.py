@@ -1,0 +1,99 @@
+"""Code2Wav's chunk graphs at the released sizes (random bf16) on a GPU: every graph captures and is priced,
+a replay gives what an eager call gives, and a returned waveform outlives later replays."""
+
+import pytest
+import torch
+
+from omnistage.engine.code2wav_graphs import Code2WavGraphs
+from omnistage.models.loader import load_module
+from omnistage.models.qwen3_omni.code2wav import Code2Wav
+from omnistage.models.qwen3_omni.config import Qwen3OmniConfig
+from omnistage.models.qwen3_omni.tiny import released_config
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
+]
+
+FIRST, CHUNK, MAX_STREAMS = 2, 25, 16
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a.double() - b.double()).norm() / b.double().norm()).item()
+
+
+@pytest.fixture(scope="module")
+def model() -> Code2Wav:
+    cfg = Qwen3OmniConfig.from_dict(released_config()).code2wav
+    with torch.device("meta"):
+        model = Code2Wav(cfg)
+    model = load_module(model, ".", "code2wav.", dtype=torch.bfloat16, device="cuda", load_format="dummy")
+    # scaled down so that few samples reach the ±1 clamp, where differences would hide
+    model.decoder[-1].conv.weight.data /= 64
+    model.decoder[-1].conv.bias.data /= 64
+    return model
+
+
+@pytest.fixture(scope="module")
+def runner(model) -> Code2WavGraphs:
+    runner = Code2WavGraphs(model, (FIRST, CHUNK), MAX_STREAMS)
+    runner.capture()
+    return runner
+
+
+def windows(model: Code2Wav, size: int, streams: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Windows of streams at every age: new, younger than the left context, and long under way."""
+    generator = torch.Generator(device="cuda").manual_seed(seed)
+    shape = (streams, model.config.num_quantizers, model.left_context + size)
+    codes = torch.randint(0, model.config.codebook_size, shape, generator=generator, device="cuda")
+    ages = torch.randint(0, 2 * model.left_context, (streams,), generator=generator, device="cuda")
+    return codes, ages - model.left_context
+
+
+def test_every_graph_captured_and_priced(model, runner):
+    assert runner.captured == runner.graphs == [(s, b) for s in (FIRST, CHUNK) for b in (1, 2, 4, 8, 16)]
+    assert set(runner.graph_bytes) == set(runner.graphs)
+    costs = runner.graph_costs()
+    assert set(costs) == set(runner.graphs) and all(c > 0 for c in costs.values())
+    assert costs[(CHUNK, 16)] > costs[(FIRST, 16)] > costs[(FIRST, 1)]
+
+
+def _ms(fn, reps: int = 10) -> float:
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    fn()
+    start.record()
+    for _ in range(reps):
+        fn()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / reps
+
+
+@pytest.mark.parametrize("size", [FIRST, CHUNK])
+@pytest.mark.parametrize("streams", [1, 3, 16])
+@torch.inference_mode()
+def test_replay_equals_eager(model, runner, size, streams):
+    codes, starts = windows(model, size, streams, seed=streams * 100 + size)
+    assert runner.sets[size].bucket_for(streams) is not None
+    got = runner(codes, starts)
+    want = model.decode_window(codes, starts)
+    assert got.shape == want.shape == (streams, model.config.samples_per_frame * size)
+    assert got.isfinite().all()
+    error = _rel(got, want)
+    eager, replay = _ms(lambda: model.decode_window(codes, starts)), _ms(lambda: runner(codes, starts))
+    print(
+        f"{streams} streams x {size} frames: rel err {error:.2e}, eager {eager:.2f} ms, graph {replay:.2f} ms"
+    )
+    assert error < 2e-2  # bf16: a padded batch may take other kernels, so other rounding
+
+
+@torch.inference_mode()
+def test_a_result_outlives_later_replays(model, runner):
+    """The waveform returned is a copy: replays of another graph in the pool, and of its own, leave it."""
+    codes, starts = windows(model, CHUNK, 3, seed=1)
+    first = runner(codes, starts)
+    kept = first.clone()
+    runner(*windows(model, FIRST, 16, seed=2))
+    runner(*windows(model, CHUNK, 4, seed=3))
+    torch.cuda.synchronize()
+    assert torch.equal(first, kept)
