@@ -1,0 +1,192 @@
+"""Where one speaking step's time goes: the pipeline's phases at c speaking requests, and the top CUDA kernels.
+
+    python benchmarks/speech_profile.py --concurrency 1,16 --out-dir $OUT     # on the GPU machine
+
+Builds the released sizes with random bf16 weights (as `omnistage bench t2s` does), starts c text-to-speech
+requests with their lengths forced (40 text tokens, 125 frames), and once every Talker decodes, times
+`--steps` pipeline steps two ways:
+- plain: the wall time of each `pipeline.step()` (median), nothing added;
+- by phase: each phase of the step (Thinker step, Talker step, code predictor, Talker input rows,
+  Code2Wav, the rest) wrapped in a CUDA synchronisation and a host clock. The syncs cost a little and stop
+  the GPU from running ahead, so the phases add up to slightly more than the plain step.
+Then one step under torch.profiler: the CUDA kernels with the most total time, and the count of launches.
+Writes `speech_profile.json` and `speech_profile.md` under --out-dir.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from omnistage.bench.a2t import released_skeleton
+from omnistage.config import engine_config
+from omnistage.engine.llm_engine import NewRequest
+from omnistage.engine.sampling import SamplingParams, SpeechParams, talker_sampling_defaults
+from omnistage.pipeline.family import build_pipeline
+
+TEXT_TOKENS, FRAMES = 40, 125
+
+
+def _sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def _requests(pipeline: Any, count: int, tag: str) -> list[NewRequest]:
+    text = SamplingParams(max_tokens=TEXT_TOKENS, min_tokens=TEXT_TOKENS, temperature=0.0, ignore_eos=True)
+    talker = replace(talker_sampling_defaults(), max_tokens=FRAMES, min_tokens=FRAMES, ignore_eos=True)
+    speech = SpeechParams(voice="ethan", talker=talker)
+    prompt, ids = pipeline.processor.encode_chat(
+        [{"role": "user", "content": "Tell me about the history of the bicycle."}], True, 4096
+    )
+    return [NewRequest(f"{tag}-{i}", ids, text, prompt, speech=speech) for i in range(count)]
+
+
+def _timed(phases: dict[str, list[float]], name: str, fn: Callable) -> Callable:
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        _sync()
+        start = time.perf_counter()
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            _sync()
+            phases.setdefault(name, []).append(time.perf_counter() - start)
+
+    return wrapper
+
+
+def _time(event: Any) -> float:
+    """Microseconds of an op on the GPU (or, on a CPU-only smoke run, of its own CPU time)."""
+    return event.device_time_total if torch.cuda.is_available() else event.self_cpu_time_total
+
+
+def _until_all_speak(pipeline: Any, count: int) -> None:
+    while sum(1 for s in pipeline._speaking.values() if s.codes) < count:
+        pipeline.step()
+
+
+def profile(pipeline: Any, concurrency: int, steps: int) -> dict[str, Any]:
+    errors = pipeline.add_requests(_requests(pipeline, concurrency, f"plain{concurrency}"))
+    assert not any(errors), errors
+    _until_all_speak(pipeline, concurrency)
+    plain = []
+    for _ in range(steps):
+        _sync()
+        start = time.perf_counter()
+        pipeline.step()
+        _sync()
+        plain.append(time.perf_counter() - start)
+    frames_before = sum(len(s.codes) for s in pipeline._speaking.values())
+    phases: dict[str, list[float]] = {}
+    originals = {}
+    targets = {
+        "Thinker step": (pipeline.thinker, "step"),
+        "Talker step": (pipeline.talker_stage, "step"),
+        "code predictor": (pipeline, "_predict_isolated"),
+        "Talker input rows": (pipeline, "_feed_text"),
+        "Code2Wav": (pipeline.streamer, "step"),
+    }
+    for name, (owner, attr) in targets.items():
+        originals[name] = getattr(owner, attr)
+        setattr(owner, attr, _timed(phases, name, originals[name]))
+    step = _timed(phases, "whole step", pipeline.step)
+    for _ in range(steps):
+        step()
+    for name, (owner, attr) in targets.items():
+        setattr(owner, attr, originals[name])
+    frames = sum(len(s.codes) for s in pipeline._speaking.values()) - frames_before
+    activity = torch.profiler.ProfilerActivity
+    with torch.profiler.profile(
+        activities=[activity.CUDA if torch.cuda.is_available() else activity.CPU]
+    ) as prof:
+        pipeline.step()
+        _sync()
+    kernels = sorted((e for e in prof.key_averages() if _time(e) > 0), key=lambda e: -_time(e))
+    launches = sum(e.count for e in kernels)
+    while pipeline.has_unfinished():
+        pipeline.step()
+    per_step = {name: statistics.median(values) * 1e3 for name, values in phases.items()}
+    per_step["the rest"] = per_step["whole step"] - sum(v for k, v in per_step.items() if k != "whole step")
+    return {
+        "concurrency": concurrency,
+        "steps": steps,
+        "plain_step_median_ms": round(statistics.median(plain) * 1e3, 3),
+        "frames_per_step": round(frames / steps, 2),
+        "phases_median_ms": {k: round(v, 3) for k, v in per_step.items()},
+        "cuda_launches_one_step": launches,
+        "cuda_time_one_step_ms": round(sum(_time(e) for e in kernels) / 1e3, 3),
+        "top_kernels": [
+            {"name": e.key[:90], "count": e.count, "total_ms": round(_time(e) / 1e3, 3)} for e in kernels[:15]
+        ],
+    }
+
+
+def markdown(results: list[dict[str, Any]]) -> str:
+    lines = []
+    for r in results:
+        lines += [
+            f"### c = {r['concurrency']} ({r['frames_per_step']} frames per step, median of {r['steps']} steps)",
+            "",
+            f"Plain step: {r['plain_step_median_ms']:.2f} ms. One step on the GPU: {r['cuda_launches_one_step']:,} "
+            f"kernel launches, {r['cuda_time_one_step_ms']:.2f} ms of kernel time.",
+            "",
+            "| phase | median ms |",
+            "| --- | --- |",
+            *[f"| {k} | {v:.2f} |" for k, v in r["phases_median_ms"].items()],
+            "",
+            "| kernel | launches | total ms |",
+            "| --- | --- | --- |",
+            *[f"| `{k['name']}` | {k['count']} | {k['total_ms']:.3f} |" for k in r["top_kernels"]],
+            "",
+        ]
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--concurrency", default="1,16")
+    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--out-dir", default=".")
+    parser.add_argument("--enforce-eager", action="store_true")
+    parser.add_argument(
+        "--tiny", action="store_true", help="the embedded tiny model on the CPU (a smoke run)"
+    )
+    args = parser.parse_args()
+    concurrencies = [int(c) for c in args.concurrency.split(",")]
+    where = (
+        {"device": "cpu"}
+        if args.tiny
+        else {
+            "model": str(released_skeleton()),
+            "load_format": "dummy",
+            "device": "cuda",
+            "kv_cache_memory_gib": 16.0,
+        }
+    )
+    config = engine_config(
+        "speech profile", max_num_seqs=max(concurrencies), enforce_eager=args.enforce_eager, **where
+    )
+    pipeline = build_pipeline(config)
+    print(pipeline.memory_summary(), flush=True)
+    pipeline.add_requests(_requests(pipeline, 1, "warmup"))
+    while pipeline.has_unfinished():
+        pipeline.step()
+    results = [profile(pipeline, c, args.steps) for c in concurrencies]
+    out = Path(args.out_dir)
+    (out / "speech_profile.json").write_text(json.dumps(results, indent=2) + "\n")
+    (out / "speech_profile.md").write_text(markdown(results))
+    print(markdown(results))
+
+
+if __name__ == "__main__":
+    main()
