@@ -1,15 +1,35 @@
-"""Memory-aware capture planning: decode batch buckets, prefill token buckets, and the split of GPU memory
-between KV pages and CUDA graphs. Plain arithmetic over measured numbers (bytes), so it is unit-tested without a GPU.
+"""Memory-aware capture planning for every stage on a device: the split of the device's memory between the
+floor, KV pages and the CUDA graphs of all the stages placed there. Plain arithmetic over measured numbers
+(bytes), so it is unit-tested without a GPU; `stage_plan` measures, the pipeline places the stages and captures
+what the plan says.
 
-The order of claims on memory: weights, then the measured eager floor (the peak of the largest step: a
-text prefill step, or an encoder on the largest input it admits, or a prefill beside the encoder rows one
-request holds), a small reserve, at least `min_kv_pages` KV pages, then CUDA graphs cheapest-first within a graph budget
-(each bucket all or nothing; decode graphs before prefill graphs, since every token pays for a decode
-step), and every byte left goes to more KV pages. What is not captured runs eagerly.
+What each stage brings to the plan of its device is a `StageMemory`: what it holds for good (weights), the
+measured eager peaks of its largest steps, its KV pool (`KVPool`) and its candidate graph sets
+(`GraphCandidates`: bucket -> measured bytes). `plan_device` plans one device from them; the two-GPU topology
+is two such plans (Thinker and encoders on one device, Talker, code predictor and Code2Wav on the other).
+
+The order of claims on a device's memory:
+1. what is loaded there (every stage's weights), measured as the bytes allocated;
+2. the floor: the largest measured eager peak of any stage's worst step (a text prefill chunk, an encoder on
+   the largest input the processor admits, a Talker prefill, a full Code2Wav call). Steps of different stages
+   take turns on a device, so only the largest needs room, and it is always there: no request runs out;
+3. a reserve for what the measurements do not see;
+4. each KV pool's minimum, one request of its stage's longest length (or the pages the config fixes): a graph
+   never takes the memory one request needs;
+5. CUDA graphs, within a budget (default: a share of what is left): first the sets replayed on every
+   generated step (kind "decode": Thinker and Talker decode, code predictor frames, Code2Wav chunks), then
+   those replayed once per prompt chunk or input (kind "prefill": prefill chunks, audio windows, vision
+   patches). A decode-kind step recurs for every token or frame of every request and is small, so its
+   launches are what an eager step loses; a prefill-kind step comes once beside work that hides them. Within
+   a kind, buckets are taken cheapest first across all the stages (the most graphs for the budget), each
+   bucket whole or not at all (a graph holds all its slots);
+6. every byte left to KV pages: a pool with a `share` gets that share of it, the pool without one the rest.
+What is not captured runs eagerly; the plan says which buckets, per stage.
 """
 
-from collections.abc import Iterable
-from dataclasses import dataclass, field
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Literal, NamedTuple
 
 from omnistage.errors import ConfigError
 
@@ -21,6 +41,11 @@ MiB = 1 << 20
 DEFAULT_RESERVE = 512 * MiB
 # Share of the memory left after the floor that graphs may take before KV pages get the rest.
 DEFAULT_GRAPH_FRACTION = 0.10
+
+Row = tuple[str, int, str]  # (name, bytes, what): one line of the plan
+Bucket = int | tuple[int, ...]  # a batch or token count, or e.g. Code2Wav's (chunk frames, streams)
+GraphKind = Literal["decode", "prefill"]
+KINDS: tuple[GraphKind, ...] = ("decode", "prefill")  # the order in which they claim the graph budget
 
 
 def decode_buckets(max_batch: int = 128) -> list[int]:
@@ -61,10 +86,6 @@ def bucket_for(batch: int, buckets: Iterable[int]) -> int | None:
     return min(fitting) if fitting else None
 
 
-def _gib(n: int) -> str:
-    return f"{n / GiB:8.2f} GiB"
-
-
 @dataclass(frozen=True)
 class Floor:
     """Measured eager peaks beyond the weights of the phases of the largest requests, in bytes.
@@ -86,11 +107,10 @@ class Floor:
     image_outputs: int = 0
     images: int = 1
     image_size: tuple[int, int] = (0, 0)  # width x height in pixels
-    other_stages: tuple[tuple[str, int, str], ...] = ()  # the largest steps of other stages on the device
 
-    def phases(self) -> list[tuple[str, int, str]]:
+    def phases(self) -> list[Row]:
         """(name, bytes, what it runs on) of every phase measured."""
-        rows = [("text prefill", self.prefill, f"{self.prefill_tokens:,} tokens"), *self.other_stages]
+        rows = [("text prefill", self.prefill, f"{self.prefill_tokens:,} tokens")]
         for kind, tower, peak, each, count, what in (
             ("audio", "audio encoder", self.audio_encoder, self.audio_outputs, self.audio_clips,
              f"{self.audio_seconds:g} s clip"),
@@ -111,169 +131,423 @@ class Floor:
     def peak(self) -> int:
         return max(size for _, size, _ in self.phases())
 
+
+@dataclass(frozen=True)
+class GraphCandidates:
+    """One stage's CUDA graphs to choose from: each bucket with the bytes its capture adds to the device
+    (measured, e.g. by a graph runner's `graph_costs`). `kind` says when a graph replays (see the module's
+    docstring), `unit` what a bucket counts (batch, tokens, frames, windows, patches, chunk x streams)."""
+
+    stage: str
+    kind: GraphKind
+    unit: str
+    costs: Mapping[Bucket, int]
+
+    def __post_init__(self) -> None:
+        if self.kind not in KINDS:
+            raise ValueError(f"{self.stage}: graph kind must be one of {KINDS}, got {self.kind!r}")
+        bad = [b for b, cost in self.costs.items() if cost < 0]
+        if bad:
+            raise ValueError(f"{self.stage} {self.kind}: negative graph costs for buckets {bad}")
+
     @property
-    def largest(self) -> str:
-        """The name of the phase that sets the floor."""
-        return max(self.phases(), key=lambda row: row[1])[0]
+    def label(self) -> str:
+        return f"{self.stage} {self.kind}"
+
+
+@dataclass(frozen=True)
+class KVPool:
+    """One stage's KV page pool, sized by the plan of its device.
+
+    min_pages: one request of the stage's longest length, claimed before any graph; share: of the KV memory
+    beyond every pool's minimum (the pool without a share takes what the shares leave; at most one such pool);
+    pages: fixed by the config, exactly this many (claimed instead of `min_pages`).
+    """
+
+    stage: str
+    bytes_per_page: int
+    min_pages: int
+    share: float | None = None
+    pages: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.bytes_per_page < 1:
+            raise ValueError(f"{self.stage}: bytes_per_page must be positive, got {self.bytes_per_page}")
+        if self.min_pages < 0 or (self.pages is not None and self.pages < 1):
+            raise ValueError(f"{self.stage}: min_pages must be >= 0 and pages >= 1")
+        if self.share is not None and not 0 < self.share <= 1:
+            raise ValueError(f"{self.stage}: a KV share is within (0, 1], got {self.share}")
+        if self.share is not None and self.pages is not None:
+            raise ValueError(f"{self.stage}: give a KV pool a share or fixed pages, not both")
+
+    @property
+    def required(self) -> int:
+        """Pages claimed before any graph."""
+        return self.pages if self.pages is not None else self.min_pages
 
 
 @dataclass(frozen=True)
 class StageMemory:
-    """What the other stages on a device hold for good (`resident`: their weights and KV pools) and their largest
-    steps (`peaks`), each (name, bytes, what), for one plan of the device."""
+    """What stages bring to the plan of their device: what they hold for good (`resident`: weights, fixed
+    buffers; within the device's allocated bytes), the measured eager peaks of their largest steps (`peaks`),
+    each (name, bytes, what), their KV pools to size and their candidate graph sets."""
 
-    resident: tuple[tuple[str, int, str], ...] = ()
-    peaks: tuple[tuple[str, int, str], ...] = ()
+    resident: tuple[Row, ...] = ()
+    peaks: tuple[Row, ...] = ()
+    kv: tuple[KVPool, ...] = ()
+    graphs: tuple[GraphCandidates, ...] = ()
 
 
 NO_OTHER_STAGES = StageMemory()
 
 
 @dataclass(frozen=True)
-class MemoryPlan:
-    """How one device's memory is split. Every size in bytes."""
+class DeviceMemory:
+    """What a device offers this process once every stage placed on it is loaded. Bytes."""
 
-    total: int  # what the device (or gpu_memory_limit) offers this process
-    weights: int
-    floor: int  # measured eager peak of the largest step, beyond the weights
+    total: int  # the device's memory
+    free: int  # free on the device after loading (`torch.cuda.mem_get_info`: other processes already out)
+    allocated: int  # what this process holds there: every stage's weights and resident buffers
+    limit: int | None = None  # gpu_memory_limit: a cap on all this process holds there, `allocated` included
+    name: str = "cuda"
+
+    @property
+    def available(self) -> int:
+        """Bytes the plan may give beyond what is allocated."""
+        return self.free if self.limit is None else min(self.free, self.limit - self.allocated)
+
+
+@dataclass(frozen=True)
+class GraphPlan:
+    """What the plan decided for one candidate set: the buckets to capture; the others run eagerly."""
+
+    candidates: GraphCandidates
+    captured: tuple[Bucket, ...]  # ascending
+
+    @property
+    def eager(self) -> tuple[Bucket, ...]:
+        return tuple(sorted(set(self.candidates.costs) - set(self.captured)))
+
+    @property
+    def bytes(self) -> int:
+        return sum(self.candidates.costs[b] for b in self.captured)
+
+
+@dataclass(frozen=True)
+class KVPlan:
+    pool: KVPool
+    pages: int
+
+    @property
+    def bytes(self) -> int:
+        return self.pages * self.pool.bytes_per_page
+
+
+class Gauge(NamedTuple):
+    """One Prometheus gauge sample of a plan (see GAUGE_HELP)."""
+
+    name: str
+    labels: dict[str, str]
+    value: float
+
+
+GAUGE_HELP = {
+    "omnistage_memory_plan_bytes": "A device's memory plan: bytes per part (total, weights, kv, graphs, "
+    "floor, reserve, free) and stage ('' for a part of the whole device)",
+    "omnistage_memory_plan_kv_pages": "KV pages the memory plan gives a stage",
+    "omnistage_memory_plan_graphs": "CUDA graph buckets of a stage's set, captured or run eagerly",
+    "omnistage_memory_plan_graph_bytes": "Bytes the memory plan gives a stage's captured CUDA graphs",
+    "omnistage_memory_plan_floor_phase_bytes": "Measured eager peak of a step the memory floor holds",
+}
+
+
+@dataclass(frozen=True)
+class MemoryPlan:
+    """How one device's memory is split between the stages placed on it. Every size in bytes."""
+
+    device: DeviceMemory
+    floor: int  # the largest of `phases`: measured eager peak of the largest step, beyond the weights
     reserve: int
-    kv_bytes_per_page: int
-    kv_pages: int
-    captured_buckets: tuple[int, ...]  # ascending
-    skipped_buckets: tuple[int, ...]  # ascending; these run eagerly
-    graph_bytes: int
-    free: int  # left over: less than one KV page beyond the reserve
-    limit: int | None = None
-    graph_costs: dict[int, int] = field(default_factory=dict)
-    prefill_captured: tuple[int, ...] = ()  # token buckets, ascending
-    prefill_skipped: tuple[int, ...] = ()
-    prefill_graph_costs: dict[int, int] = field(default_factory=dict)
-    floor_phases: Floor | None = None  # what the floor is the largest of, when more than a text prefill
-    resident: tuple[
-        tuple[str, int, str], ...
-    ] = ()  # what other stages hold within `weights` (their weights, KV)
+    kv: tuple[KVPlan, ...]  # per stage
+    graphs: tuple[GraphPlan, ...]  # per candidate set
+    free: int  # beyond the reserve: less than a page when a pool takes the rest
+    phases: tuple[Row, ...] = ()  # every stage's largest steps
+    resident: tuple[Row, ...] = ()  # what the weights are: each stage's, as the stages report them
+
+    @property
+    def total(self) -> int:
+        """What the device (or gpu_memory_limit) offers this process."""
+        return self.device.total if self.device.limit is None else min(self.device.total, self.device.limit)
+
+    @property
+    def weights(self) -> int:
+        return self.device.allocated
+
+    @property
+    def limit(self) -> int | None:
+        return self.device.limit
 
     @property
     def kv_bytes(self) -> int:
-        return self.kv_pages * self.kv_bytes_per_page
+        return sum(kv.bytes for kv in self.kv)
 
-    def bucket_for(self, batch: int) -> int | None:
-        """The captured bucket to replay for `batch` rows, or None to run eagerly."""
-        return bucket_for(batch, self.captured_buckets)
+    @property
+    def graph_bytes(self) -> int:
+        return sum(g.bytes for g in self.graphs)
+
+    def kv_pool(self, stage: str) -> KVPlan:
+        for kv in self.kv:
+            if kv.pool.stage == stage:
+                return kv
+        raise KeyError(f"no KV pool of {stage!r} in the plan of {self.device.name}")
+
+    def graph_set(self, stage: str, kind: GraphKind) -> GraphPlan | None:
+        return next(
+            (g for g in self.graphs if (g.candidates.stage, g.candidates.kind) == (stage, kind)), None
+        )
+
+    def captured(self, stage: str, kind: GraphKind) -> tuple[Bucket, ...]:
+        """The buckets of `stage`'s `kind` set to capture (ascending); empty when it has none."""
+        graphs = self.graph_set(stage, kind)
+        return graphs.captured if graphs else ()
+
+    # The LLM stage whose start made the plan, as llm_engine reads it: the stage of the first KV pool.
+    @property
+    def stage(self) -> str:
+        return self.kv[0].pool.stage if self.kv else ""
+
+    @property
+    def kv_pages(self) -> int:
+        return self.kv[0].pages if self.kv else 0
+
+    @property
+    def captured_buckets(self) -> tuple[Bucket, ...]:
+        return self.captured(self.stage, "decode")
+
+    @property
+    def skipped_buckets(self) -> tuple[Bucket, ...]:
+        graphs = self.graph_set(self.stage, "decode")
+        return graphs.eager if graphs else ()
+
+    @property
+    def prefill_captured(self) -> tuple[Bucket, ...]:
+        return self.captured(self.stage, "prefill")
 
     def table(self) -> str:
-        n_graphs = len(self.captured_buckets)
-        n_all = n_graphs + len(self.skipped_buckets)
-        graphs = f"{n_graphs}/{n_all} buckets"
-        if self.captured_buckets:
-            graphs += f" (batch {self.captured_buckets[0]}..{self.captured_buckets[-1]})"
-        if self.prefill_graph_costs:
-            graphs += f", prefill {len(self.prefill_captured)}/{len(self.prefill_graph_costs)}"
-            if self.prefill_captured:
-                graphs += f" (tokens {self.prefill_captured[0]}..{self.prefill_captured[-1]})"
-        phases = self.floor_phases.phases() if self.floor_phases else []
-        rows = [
-            ("weights", self.weights, "of which:" if self.resident else ""),
-            *[(f"  {name}", size, note) for name, size, note in self.resident],
-            ("KV pages", self.kv_bytes, f"{self.kv_pages:,} pages × {self.kv_bytes_per_page / MiB:.2f} MiB"),
-            ("CUDA graphs", self.graph_bytes, graphs),
-            ("floor (eager peak)", self.floor, "the largest of:" if self.floor_phases else ""),
-            *[(f"  {name}", size, note) for name, size, note in phases],
-            ("reserve", self.reserve, ""),
-            ("free", self.free, ""),
+        """The plan per part and per stage: weights, KV pages, CUDA graphs, the floor's phases, reserve, free."""
+        rows: list[Row] = [("weights", self.weights, "")]
+        if self.resident:
+            rows += [(f"  {name}", size, note) for name, size, note in self.resident]
+            other = self.weights - sum(size for _, size, _ in self.resident)
+            if other > 0:
+                rows.append(("  other allocations", other, "buffers and tables the stages do not list"))
+        kv_notes = [
+            f"{kv.pages:,} pages × {kv.pool.bytes_per_page / MiB:.2f} MiB{_kv_terms(kv.pool)}"
+            for kv in self.kv
         ]
+        if len(self.kv) == 1:
+            rows.append(("KV pages", self.kv_bytes, f"{self.kv[0].pool.stage}: {kv_notes[0]}"))
+        else:
+            rows.append(("KV pages", self.kv_bytes, ""))
+            rows += [
+                (f"  {kv.pool.stage}", kv.bytes, note) for kv, note in zip(self.kv, kv_notes, strict=True)
+            ]
+        captured = sum(len(g.captured) for g in self.graphs)
+        candidates = sum(len(g.candidates.costs) for g in self.graphs)
+        rows.append(
+            ("CUDA graphs", self.graph_bytes, f"{captured}/{candidates} buckets" if self.graphs else "none")
+        )
+        rows += [(f"  {g.candidates.label}", g.bytes, _graph_note(g)) for g in self.graphs]
+        rows.append(("floor (eager peak)", self.floor, "the largest of:" if len(self.phases) > 1 else ""))
+        if len(self.phases) > 1:
+            rows += [(f"  {name}", size, note) for name, size, note in self.phases]
+        rows += [("reserve", self.reserve, ""), ("free", self.free, "")]
         budget = "gpu_memory_limit" if self.limit is not None else "device"
-        lines = [f"memory plan ({budget}: {self.total / GiB:.2f} GiB)"]
-        lines += [f"  {name:<19}{_gib(size)}  {note}".rstrip() for name, size, note in rows]
-        if self.skipped_buckets:
-            lines.append(f"  eager batches: {', '.join(map(str, self.skipped_buckets))}")
-        if self.prefill_skipped:
-            lines.append(f"  eager prefill chunks of: {', '.join(map(str, self.prefill_skipped))} tokens")
+        lines = [f"memory plan ({budget}: {self.total / GiB:.2f} GiB) on {self.device.name}"]
+        lines += [f"  {name:<26}{size / GiB:8.2f} GiB  {note}".rstrip() for name, size, note in rows]
+        lines += [
+            f"  eager {g.candidates.label} ({g.candidates.unit}): {', '.join(map(_bucket, g.eager))}"
+            for g in self.graphs
+            if g.eager
+        ]
         return "\n".join(lines)
 
+    def gauges(self) -> list[Gauge]:
+        """The plan as gauge samples (GAUGE_HELP names them), every one labelled with the device."""
+        device = self.device.name
+        bytes_rows = [
+            ("total", "", self.total),
+            *[("weights", name, size) for name, size, _ in self.resident],
+            *[("kv", kv.pool.stage, kv.bytes) for kv in self.kv],
+            *[("graphs", stage, size) for stage, size in _per_stage(self.graphs).items()],
+            ("floor", "", self.floor),
+            ("reserve", "", self.reserve),
+            ("free", "", self.free),
+        ]
+        if not self.resident:
+            bytes_rows.insert(1, ("weights", "", self.weights))
+        out = [
+            Gauge("omnistage_memory_plan_bytes", {"device": device, "part": part, "stage": stage}, size)
+            for part, stage, size in bytes_rows
+        ]
+        out += [
+            Gauge("omnistage_memory_plan_kv_pages", {"device": device, "stage": kv.pool.stage}, kv.pages)
+            for kv in self.kv
+        ]
+        for g in self.graphs:
+            labels = {"device": device, "stage": g.candidates.stage, "kind": g.candidates.kind}
+            out += [
+                Gauge("omnistage_memory_plan_graphs", {**labels, "state": "captured"}, len(g.captured)),
+                Gauge("omnistage_memory_plan_graphs", {**labels, "state": "eager"}, len(g.eager)),
+                Gauge("omnistage_memory_plan_graph_bytes", labels, g.bytes),
+            ]
+        out += [
+            Gauge("omnistage_memory_plan_floor_phase_bytes", {"device": device, "phase": name}, size)
+            for name, size, _ in self.phases
+        ]
+        return out
 
-def plan_memory(
-    total: int,
-    free_after_weights: int,
-    weights: int,
-    floor_peak: int | Floor,
-    kv_bytes_per_page: int,
-    graph_cost_per_bucket: dict[int, int],
-    limit: int | None = None,
+
+def plan_device(
+    device: DeviceMemory,
+    stages: Sequence[StageMemory],
     reserve: int = DEFAULT_RESERVE,
     graph_budget: int | None = None,
-    min_kv_pages: int = 1,
-    prefill_graph_costs: dict[int, int] | None = None,
 ) -> MemoryPlan:
-    """Split the memory left after the weights between the floor, KV pages and CUDA graphs.
+    """Split what `device` has left after loading between the floor, the reserve, KV pages and CUDA graphs of
+    every stage on it (the order of claims is in the module's docstring).
 
-    total: the device's memory; free_after_weights: `torch.cuda.mem_get_info()[0]` once the weights are
-    loaded (other processes and the CUDA context are already out of it); weights: bytes of the loaded
-    weights; floor_peak: the measured eager peak of the largest step beyond the weights, or the peaks of
-    every phase of the largest requests (their largest is the floor);
-    graph_cost_per_bucket: decode bucket → bytes its graph adds to the graph pool; prefill_graph_costs: the
-    same per prefill token bucket, claimed after the decode graphs; limit: the
-    `gpu_memory_limit` in bytes, a cap on everything this process holds, weights included;
-    graph_budget: bytes graphs may take (default: DEFAULT_GRAPH_FRACTION of what the floor leaves).
+    graph_budget: bytes graphs may take (default: DEFAULT_GRAPH_FRACTION of what the floor, the reserve and
+    the pools' minimums leave). Raises ConfigError, naming the stages' needs, when they do not fit.
     """
-    if kv_bytes_per_page < 1:
-        raise ValueError(f"kv_bytes_per_page must be positive, got {kv_bytes_per_page}")
-    phases = floor_peak if isinstance(floor_peak, Floor) and len(floor_peak.phases()) > 1 else None
-    floor_peak = floor_peak.peak if isinstance(floor_peak, Floor) else floor_peak
-    available = free_after_weights
-    if limit is not None:
-        available = min(available, limit - weights)
-    needed = floor_peak + reserve + min_kv_pages * kv_bytes_per_page
+    resident = tuple(row for s in stages for row in s.resident)
+    phases = tuple(row for s in stages for row in s.peaks)
+    pools = [pool for s in stages for pool in s.kv]
+    sets = [g for s in stages for g in s.graphs]
+    _check(pools, sets)
+    floor = max((size for _, size, _ in phases), default=0)
+    needed = floor + reserve + sum(p.required * p.bytes_per_page for p in pools)
+    available = device.available
     if available < needed:
-        cap = f"gpu_memory_limit {limit / GiB:.2f} GiB" if limit is not None else f"{total / GiB:.2f} GiB"
-        raise ConfigError(
-            f"the model does not fit in {cap}: weights {weights / GiB:.2f} GiB + floor "
-            f"{floor_peak / GiB:.2f} GiB{f' (the {phases.largest})' if phases else ''} + reserve {reserve / GiB:.2f} GiB + {min_kv_pages} KV page(s) "
-            f"{min_kv_pages * kv_bytes_per_page / GiB:.2f} GiB = {(weights + needed) / GiB:.2f} GiB, but only "
-            f"{(weights + max(available, 0)) / GiB:.2f} GiB is available ({free_after_weights / GiB:.2f} GiB "
-            f"free after the weights)"
-        )
-    spare = available - needed  # beyond the floor, the reserve and the minimum KV pages
-    if graph_budget is None:
-        graph_budget = int(DEFAULT_GRAPH_FRACTION * spare)
-    graph_budget = max(0, min(graph_budget, spare))
-
-    captured, graph_bytes = _claim(graph_cost_per_bucket, graph_budget)
-    prefill_costs = prefill_graph_costs or {}
-    prefill, prefill_bytes = _claim(prefill_costs, graph_budget - graph_bytes)
-    graph_bytes += prefill_bytes
-
-    kv_pages = min_kv_pages + (spare - graph_bytes) // kv_bytes_per_page
-    free = available - floor_peak - reserve - graph_bytes - kv_pages * kv_bytes_per_page
+        raise ConfigError(_does_not_fit(device, phases, floor, reserve, pools))
+    spare = available - needed
+    budget = int(DEFAULT_GRAPH_FRACTION * spare) if graph_budget is None else graph_budget
+    graphs = tuple(
+        GraphPlan(c, captured)
+        for c, captured in zip(sets, _claim(sets, max(0, min(budget, spare))), strict=True)
+    )
+    kv = _size_pools(pools, spare - sum(g.bytes for g in graphs))
     return MemoryPlan(
-        total=total if limit is None else min(total, limit),
-        weights=weights,
-        floor=floor_peak,
+        device=device,
+        floor=floor,
         reserve=reserve,
-        kv_bytes_per_page=kv_bytes_per_page,
-        kv_pages=kv_pages,
-        captured_buckets=tuple(captured),
-        skipped_buckets=tuple(sorted(set(graph_cost_per_bucket) - set(captured))),
-        graph_bytes=graph_bytes,
-        free=free,
-        limit=limit,
-        graph_costs=dict(graph_cost_per_bucket),
-        prefill_captured=tuple(prefill),
-        prefill_skipped=tuple(sorted(set(prefill_costs) - set(prefill))),
-        prefill_graph_costs=dict(prefill_costs),
-        floor_phases=phases,
+        kv=kv,
+        graphs=graphs,
+        free=available - floor - reserve - sum(g.bytes for g in graphs) - sum(k.bytes for k in kv),
+        phases=phases,
+        resident=resident,
     )
 
 
-def _claim(costs: dict[int, int], budget: int) -> tuple[list[int], int]:
-    """Buckets cheapest first while they fit `budget` whole (ascending), and the bytes they take."""
-    taken, used = [], 0
-    for bucket, cost in sorted(costs.items(), key=lambda kv: (kv[1], kv[0])):
-        if used + cost > budget:
-            break  # sorted by cost: nothing after this fits either
-        taken.append(bucket)
-        used += cost
-    return sorted(taken), used
+def _check(pools: list[KVPool], sets: list[GraphCandidates]) -> None:
+    stages = [p.stage for p in pools]
+    if len(set(stages)) < len(stages):
+        raise ValueError(f"one KV pool per stage, got {stages}")
+    rest = [p.stage for p in pools if p.share is None and p.pages is None]
+    if len(rest) > 1:
+        raise ValueError(f"only one KV pool may take what the shares leave; give the others a share: {rest}")
+    if sum(p.share or 0 for p in pools) > 1:
+        raise ValueError(
+            f"the KV shares add up to more than 1: {[(p.stage, p.share) for p in pools if p.share]}"
+        )
+    labels = [g.label for g in sets]
+    if len(set(labels)) < len(labels):
+        raise ValueError(f"one graph set per stage and kind, got {labels}")
+
+
+def _claim(sets: list[GraphCandidates], budget: int) -> list[tuple[Bucket, ...]]:
+    """Per set, the buckets taken (ascending): by kind in KINDS' order, cheapest first across the sets of the
+    kind (ties: the set listed first, then the smaller bucket), each while it fits `budget` whole."""
+    taken: list[list[Bucket]] = [[] for _ in sets]
+    used = 0
+    for kind in KINDS:
+        # buckets are compared only within a set (same cost and index), where they are of one type
+        offers = sorted(
+            (cost, i, bucket)
+            for i, c in enumerate(sets)
+            if c.kind == kind
+            for bucket, cost in c.costs.items()
+        )
+        for cost, i, bucket in offers:
+            if used + cost > budget:
+                break  # sorted by cost: nothing after this fits either
+            taken[i].append(bucket)
+            used += cost
+    return [tuple(sorted(buckets)) for buckets in taken]
+
+
+def _size_pools(pools: list[KVPool], extra: int) -> tuple[KVPlan, ...]:
+    """Each pool's pages: fixed, or its minimum and its share of `extra` (the bytes beyond every pool's
+    minimum), the pool without a share its minimum and what the shares leave."""
+    shared = {p.stage: int(p.share * extra) // p.bytes_per_page for p in pools if p.share is not None}
+    left = extra - sum(shared[p.stage] * p.bytes_per_page for p in pools if p.share is not None)
+    plans = []
+    for pool in pools:
+        if pool.pages is not None:
+            pages = pool.pages
+        elif pool.share is not None:
+            pages = pool.min_pages + shared[pool.stage]
+        else:
+            pages = pool.min_pages + left // pool.bytes_per_page
+        plans.append(KVPlan(pool, pages))
+    return tuple(plans)
+
+
+def _does_not_fit(
+    device: DeviceMemory, phases: tuple[Row, ...], floor: int, reserve: int, pools: list[KVPool]
+) -> str:
+    cap = (
+        f"gpu_memory_limit {device.limit / GiB:.2f} GiB"
+        if device.limit is not None
+        else f"{device.total / GiB:.2f} GiB"
+    )
+    largest = f" (the {max(phases, key=lambda row: row[1])[0]})" if phases else ""
+    kv = "".join(
+        f" + {p.stage} KV {p.required * p.bytes_per_page / GiB:.2f} GiB ({p.required:,} "
+        f"page{'s' if p.required > 1 else ''} {'asked for' if p.pages is not None else 'for one request'})"
+        for p in pools
+        if p.required
+    )
+    needed = device.allocated + floor + reserve + sum(p.required * p.bytes_per_page for p in pools)
+    return (
+        f"the stages on {device.name} do not fit in {cap}: weights {device.allocated / GiB:.2f} GiB + floor "
+        f"{floor / GiB:.2f} GiB{largest} + reserve {reserve / GiB:.2f} GiB{kv} = {needed / GiB:.2f} GiB, but "
+        f"only {(device.allocated + max(device.available, 0)) / GiB:.2f} GiB is available "
+        f"({device.free / GiB:.2f} GiB free after loading)"
+    )
+
+
+def _bucket(bucket: Bucket) -> str:
+    return str(bucket) if isinstance(bucket, int) else "x".join(map(str, bucket))
+
+
+def _graph_note(graphs: GraphPlan) -> str:
+    captured, unit = graphs.captured, graphs.candidates.unit
+    note = f"{len(captured)}/{len(graphs.candidates.costs)} {unit}"
+    return note + (f" {_bucket(captured[0])}..{_bucket(captured[-1])}" if captured else "")
+
+
+def _kv_terms(pool: KVPool) -> str:
+    if pool.pages is not None:
+        return ", fixed"
+    return f", share {pool.share:.0%}" if pool.share is not None else ""
+
+
+def _per_stage(graphs: Iterable[GraphPlan]) -> dict[str, int]:
+    out: dict[str, int] = {}
+    for g in graphs:
+        out[g.candidates.stage] = out.get(g.candidates.stage, 0) + g.bytes
+    return out
 
 
 def kv_bytes_per_page(

@@ -3,16 +3,46 @@ from dataclasses import replace
 import pytest
 
 from omnistage.engine.capture_plan import (
+    DEFAULT_RESERVE,
+    DeviceMemory,
     Floor,
     GiB,
+    GraphCandidates,
+    KVPool,
     MiB,
+    StageMemory,
     bucket_for,
     decode_buckets,
     kv_bytes_per_page,
-    plan_memory,
+    plan_device,
     prefill_buckets,
 )
 from omnistage.errors import ConfigError
+
+
+def plan_memory(
+    total: int,
+    free_after_weights: int,
+    weights: int,
+    floor_peak: int | Floor,
+    kv_bytes_per_page: int,
+    graph_cost_per_bucket: dict[int, int],
+    limit: int | None = None,
+    reserve: int = DEFAULT_RESERVE,
+    graph_budget: int | None = None,
+    min_kv_pages: int = 1,
+    prefill_graph_costs: dict[int, int] | None = None,
+):
+    """The Thinker alone on a device: its decode and prefill graphs, its KV pool taking the rest."""
+    phases = floor_peak.phases() if isinstance(floor_peak, Floor) else [("text prefill", floor_peak, "")]
+    graphs = [GraphCandidates("Thinker", "decode", "batch", graph_cost_per_bucket)]
+    if prefill_graph_costs:
+        graphs.append(GraphCandidates("Thinker", "prefill", "tokens", prefill_graph_costs))
+    thinker = StageMemory(
+        peaks=tuple(phases), kv=(KVPool("Thinker", kv_bytes_per_page, min_kv_pages),), graphs=tuple(graphs)
+    )
+    device = DeviceMemory(total, free_after_weights, weights, limit, "cuda:0")
+    return plan_device(device, [thinker], reserve=reserve, graph_budget=graph_budget)
 
 
 def test_default_buckets():
@@ -40,12 +70,17 @@ def test_decode_graphs_claim_the_budget_before_prefill_graphs():
         graph_budget=450 * MiB,
     )
     assert plan.captured_buckets == (1, 2, 4)  # 400 MiB, although prefill 16 is cheaper
-    assert plan.prefill_captured == (16, 32) and plan.prefill_skipped == (512,)
+    assert plan.prefill_captured == (16, 32) and plan.graph_set("Thinker", "prefill").eager == (512,)
     assert plan.graph_bytes == 430 * MiB
     assert plan.floor + plan.reserve + plan.graph_bytes + plan.kv_bytes + plan.free == 12 * GiB
     table = plan.table()
-    assert "3/3 buckets (batch 1..4), prefill 2/3 (tokens 16..32)" in table
-    assert "eager prefill chunks of: 512 tokens" in table
+    for line in (
+        "  CUDA graphs                   0.42 GiB  5/6 buckets",
+        "    Thinker decode              0.39 GiB  3/3 batch 1..4",
+        "    Thinker prefill             0.03 GiB  2/3 tokens 16..32",
+    ):
+        assert f"{line}\n" in table, table
+    assert "  eager Thinker prefill (tokens): 512" in table
 
 
 def test_buckets_end_at_max():
@@ -102,8 +137,8 @@ def test_plan_arithmetic():
     assert plan.kv_bytes == plan.kv_pages * 12 * MiB
     assert 0 <= plan.free < 12 * MiB
     assert plan.floor + plan.reserve + plan.graph_bytes + plan.kv_bytes + plan.free == 12 * GiB
-    assert plan.bucket_for(3) == 4
-    assert plan.bucket_for(5) is None
+    assert bucket_for(3, plan.captured_buckets) == 4
+    assert bucket_for(5, plan.captured_buckets) is None
 
 
 def test_cheapest_first_all_or_nothing():
@@ -122,7 +157,7 @@ def test_cheapest_first_all_or_nothing():
     assert plan.captured_buckets == (2, 4, 8)
     assert plan.skipped_buckets == (1,)
     assert plan.graph_bytes == 310 * MiB
-    assert plan.bucket_for(1) == 2
+    assert bucket_for(1, plan.captured_buckets) == 2
 
 
 def test_default_graph_budget_is_a_share_of_spare_memory():
@@ -173,7 +208,6 @@ def test_no_graphs_when_budget_is_zero():
     )
     assert plan.captured_buckets == ()
     assert plan.skipped_buckets == (1, 2)
-    assert plan.bucket_for(1) is None
 
 
 def test_error_says_the_numbers():
@@ -188,10 +222,9 @@ def test_error_says_the_numbers():
             reserve=512 * MiB,
         )
     msg = str(exc.value)
-    assert "weights 66.00 GiB" in msg
-    assert "floor 2.00 GiB" in msg
-    assert "80.00 GiB" in msg
-    assert "1.00 GiB free after the weights" in msg
+    assert msg.startswith("the stages on cuda:0 do not fit in 80.00 GiB: weights 66.00 GiB + floor 2.00 GiB ")
+    assert "(the text prefill) + reserve 0.50 GiB + Thinker KV 0.01 GiB (1 page for one request)" in msg
+    assert "1.00 GiB free after loading" in msg
 
 
 def test_error_names_the_limit():
@@ -222,8 +255,8 @@ def test_table_fits_one_screen():
     assert len(lines) <= 24 and all(len(line) <= 100 for line in lines)
     for word in ("weights", "KV pages", "CUDA graphs", "floor", "free", "66.00 GiB", "2/3 buckets"):
         assert word in table
-    assert f"{plan.kv_pages:,} pages" in table
-    assert "eager batches: 128" in table
+    assert f"Thinker: {plan.kv_pages:,} pages × 12.00 MiB" in table
+    assert "eager Thinker decode (batch): 128" in table
 
 
 def test_floor_is_the_largest_phase_of_the_largest_requests():
@@ -251,12 +284,12 @@ def test_floor_is_the_largest_phase_of_the_largest_requests():
     assert planned.floor + planned.reserve + planned.kv_bytes + planned.free == 12 * GiB
     table = planned.table()
     for line in (
-        "floor (eager peak)     6.00 GiB  the largest of:",
-        "  text prefill         1.00 GiB  2,048 tokens",
-        "  audio encoder        3.02 GiB  2 x 300 s clip, one call each",
-        "  audio prefill        1.03 GiB  with 2 x 300 s clip: 32 MiB of encoder rows held",
-        "  vision encoder       4.50 GiB  2 x 3584x3584 image, one call each",
-        "  image prefill        6.00 GiB  with 2 x 3584x3584 image: 5,120 MiB of encoder rows held",
+        "floor (eager peak)            6.00 GiB  the largest of:",
+        "  text prefill                1.00 GiB  2,048 tokens",
+        "  audio encoder               3.02 GiB  2 x 300 s clip, one call each",
+        "  audio prefill               1.03 GiB  with 2 x 300 s clip: 32 MiB of encoder rows held",
+        "  vision encoder              4.50 GiB  2 x 3584x3584 image, one call each",
+        "  image prefill               6.00 GiB  with 2 x 3584x3584 image: 5,120 MiB of encoder rows held",
     ):
         assert f"  {line}" in table, table
     assert (

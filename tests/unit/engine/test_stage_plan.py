@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import pytest
 import torch
@@ -20,6 +20,7 @@ class FakeRunner:
     device: torch.device = torch.device("cuda", 0)
     dtype: torch.dtype = torch.bfloat16
     warmed: int = 0
+    model: torch.nn.Module = field(default_factory=lambda: torch.nn.Linear(256, 256, bias=False))
 
     def profile_peak(self, tokens: int, seqs: int) -> int:
         return 1000 * tokens
@@ -31,6 +32,8 @@ class FakeRunner:
 class FakeEncoders:
     def __init__(self) -> None:
         self.asked: tuple = ()
+        self.audio_encoder = torch.nn.Linear(16, 16, bias=False)
+        self.vision_encoder = None
 
     def profile_floor(self, prefill: int, tokens: int, max_prompt: int, audios: int, images: int) -> Floor:
         self.asked = (prefill, tokens, max_prompt, audios, images)
@@ -65,26 +68,36 @@ def plan(**config):
 def test_the_floor_takes_the_largest_of_the_stage_and_the_other_stages(device):
     result, runner, encoders = plan()
     assert encoders.asked == (2048 * 1000, 2048, 4095, 8, 5)
-    assert result.floor == 3 * 10**9 and result.floor_phases.largest == "Code2Wav"  # beats 2048 x 1000 bytes
-    table = result.table()
-    assert (
-        "weights" in table and "of which:" in table and "  Talker KV pages" in table and "Code2Wav" in table
+    assert result.floor == 3 * 10**9  # Code2Wav's, beats 2048 x 1000 bytes
+    assert [name for name, _, _ in result.phases] == ["text prefill", "Code2Wav"]
+    assert result.resident == (
+        ("Thinker", 256 * 256 * 4, "weights"),
+        ("audio encoder", 16 * 16 * 4, "weights"),
+        ("Talker", 2 * GiB, "weights"),
+        ("Talker KV pages", GiB, "64 pages"),
     )
+    table = result.table()
+    assert "memory plan (device: 40.00 GiB) on cuda:0" in table
+    assert "  Talker KV pages" in table and "  Code2Wav  " in table
     assert runner.warmed == 2048
-    assert result.captured_buckets and result.prefill_captured
-    assert result.kv_pages > 0
+    assert result.captured_buckets == (1, 2, 4, 8) and result.prefill_captured == (16, 24, 32, 48, 64)
+    # at least a request of the longest length: 4,096 tokens in 16-token pages
+    assert result.kv_pool("Thinker").pool.min_pages == 256 and result.kv_pages > 256
 
 
-def test_fixed_pages_beyond_what_fits_name_the_plan(device):
-    with pytest.raises(ConfigError, match="KV pages were asked for but only .* fit:\nmemory plan"):
+def test_fixed_pages_beyond_what_fits_name_the_stage(device):
+    with pytest.raises(ConfigError, match=r"\+ Thinker KV 976.56 GiB \(1,000,000 pages asked for\) = "):
         plan(num_kv_pages=10**6)
-    assert plan(num_kv_pages=100)[0].kv_pages == 100
+    fixed = plan(num_kv_pages=100)[0]
+    assert fixed.kv_pages == 100 and fixed.free > 10 * GiB
+    assert plan(kv_cache_memory_gib=0.5)[0].kv_pages == 512
 
 
-def test_no_graphs_without_bfloat16(device):
+def test_no_graphs_without_bfloat16(device, caplog):
     result, _, _ = plan(dtype=torch.float16)
-    assert not result.captured_buckets and not result.prefill_captured
-    assert set(result.skipped_buckets) == set(result.graph_costs)
+    assert result.graphs == () and result.graph_bytes == 0
+    assert "CUDA graphs need bfloat16" in caplog.text
+    assert "CUDA graphs                   0.00 GiB  none" in result.table()
 
 
 def test_scaled_costs_grow_with_the_bucket():
