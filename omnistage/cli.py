@@ -1,4 +1,4 @@
-"""The `omnistage` command line: serve, make-tiny, bench.
+"""The `omnistage` command line: serve, plan, memory-report, make-tiny, bench.
 
 Building the parser loads only the standard library and the settings schema, so `--help` answers at once;
 each command imports what it runs (torch, the server) when it runs.
@@ -95,12 +95,51 @@ def _engine_config(args: argparse.Namespace) -> EngineConfig:
 
 
 def _plan(args: argparse.Namespace) -> None:
-    """Load the checkpoint as serve would, print what it planned and captured, and exit."""
+    """Load the checkpoint as serve would, print what it planned for each device and captured, and exit."""
     from omnistage.pipeline.family import build_pipeline
 
     pipeline = build_pipeline(_engine_config(args))
-    plan = pipeline.thinker.plan
-    print(plan.table() if plan is not None else "no GPU plan: the engine runs on the CPU")
+    _print_plans(pipeline)
+    print(pipeline.memory_summary())
+
+
+def _print_plans(pipeline: object) -> None:
+    from omnistage.engine.capture_plan import MemoryPlan
+    from omnistage.engine.memory_report import reachable
+
+    plans = [obj for _, obj in reachable(pipeline) if isinstance(obj, MemoryPlan)]
+    for plan in plans:
+        print(plan.table())
+    if not plans:
+        print("no GPU plan: the engine runs on the CPU")
+
+
+def _memory_report(args: argparse.Namespace) -> None:
+    """Load the checkpoint as serve would, and print where each device's memory went, grouped by what holds it."""
+    import torch
+
+    from omnistage.engine.memory_report import accounting_table, group_snapshot, holdings
+    from omnistage.pipeline.family import build_pipeline
+
+    pipeline = build_pipeline(_engine_config(args))
+    _print_plans(pipeline)
+    held = holdings(pipeline)
+    if not any(h.device is not None for h in held):
+        print(
+            "no CUDA: the stages run on the CPU, where torch's allocator keeps no snapshot; what they hold, "
+            "by their own accounting:"
+        )
+        print(accounting_table(held))
+        print(pipeline.memory_summary())
+        return
+    segments = torch.cuda.memory_snapshot()
+    devices = {segment["device"] for segment in segments}
+    for report in group_snapshot(segments, held, {d: torch.cuda.mem_get_info(d) for d in devices}):
+        print(report.table())
+    cpu = [h for h in held if h.device is None]
+    if cpu:
+        print("on the CPU, by the stages' own accounting:")
+        print(accounting_table(cpu))
     print(pipeline.memory_summary())
 
 
@@ -195,6 +234,16 @@ def _add_engine_flags(parser: argparse.ArgumentParser) -> None:
         )
 
 
+def _add_load_flags(parser: argparse.ArgumentParser) -> None:
+    """The flags of a command that loads the checkpoint as serve would."""
+    parser.add_argument("--config", help="YAML file with an `engine:` section; the flags below override it")
+    _add_engine_flags(parser)
+    parser.add_argument("--enforce-eager", action="store_true", default=None, help="run without CUDA graphs")
+    parser.add_argument(
+        "--no-compile", action="store_true", help="leave the decoder layers uncompiled on a GPU"
+    )
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="omnistage", description=__doc__.split("\n\n")[0])
     parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
@@ -279,16 +328,20 @@ def build_parser() -> argparse.ArgumentParser:
 
     plan = sub.add_parser(
         "plan",
-        help="load a checkpoint as serve would (on its device, under its memory cap), print the memory plan "
-        "and what is captured or eager, and exit",
+        help="load a checkpoint as serve would (on its devices, under its memory cap), print each device's "
+        "memory plan and what is captured or eager, and exit",
     )
-    plan.add_argument("--config", help="YAML file with an `engine:` section; the flags below override it")
-    _add_engine_flags(plan)
-    plan.add_argument("--enforce-eager", action="store_true", default=None, help="run without CUDA graphs")
-    plan.add_argument(
-        "--no-compile", action="store_true", help="leave the decoder layers uncompiled on a GPU"
-    )
+    _add_load_flags(plan)
     plan.set_defaults(func=_plan)
+
+    report = sub.add_parser(
+        "memory-report",
+        help="load a checkpoint as serve would, then print where each GPU's memory went (torch's allocator "
+        "snapshot grouped by what holds it: weights, KV pages, buffers, graph pools per stage, the allocator's "
+        "cache, what nothing accounts for), and exit",
+    )
+    _add_load_flags(report)
+    report.set_defaults(func=_memory_report)
 
     from omnistage.bench import a2t, speech
 

@@ -27,7 +27,7 @@ def test_help_of_every_command_loads_neither_torch_nor_transformers():
     script = (
         "import sys, contextlib, io\n"
         "from omnistage.cli import main\n"
-        "for argv in ([], ['serve'], ['make-tiny'], ['bench'], ['bench', 'a2t']):\n"
+        "for argv in ([], ['serve'], ['plan'], ['memory-report'], ['make-tiny'], ['bench'], ['bench', 'a2t']):\n"
         "    with contextlib.redirect_stdout(io.StringIO()), contextlib.suppress(SystemExit):\n"
         "        main([*argv, '--help'])\n"
         "print(sorted(m for m in ('torch', 'transformers', 'fastapi', 'uvicorn') if m in sys.modules))\n"
@@ -114,3 +114,15 @@ def test_plan_loads_prints_and_exits(tiny_checkpoint, tmp_path, capsys):
     bad.write_text("engine:\n  page_sise: 4\n")
     assert main(["plan", "--config", str(bad)]) == 2
     assert "engine.page_sise: unknown key" in capsys.readouterr().err
+
+
+def test_memory_report_on_the_cpu_says_so_and_lists_what_the_stages_hold(tiny_checkpoint, capsys):
+    argv = ["memory-report", "--model", str(tiny_checkpoint), "--device", "cpu", "--num-kv-pages", "32"]
+    assert main(argv) == 0
+    printed = capsys.readouterr().out
+    assert "no GPU plan: the engine runs on the CPU" in printed
+    assert "no CUDA: the stages run on the CPU, where torch's allocator keeps no snapshot" in printed
+    rows = [line.split() for line in printed.splitlines() if line.startswith("  cpu ")]
+    owners = {(row[1], row[2]) for row in rows}
+    assert {("weights", "thinker.model"), ("KV", "thinker.runner"), ("weights", "talker")} <= owners, printed
+    assert "KV pool 32 pages" in printed
