@@ -6,23 +6,31 @@ outside (`feed`): the row after sampled token k can only be built once the calle
 A step returns, for every request that sampled, the id and the final hidden state that produced it.
 
 Every input row is kept, so a preempted request is recomputed from its rows like a prompt.
+
+On a GPU, a step where every request feeds one row (a decode step) can replay a CUDA graph per batch bucket
+(`capture_graphs`): the graph computes the final hidden states and the masked logits, so only sampling runs
+eagerly. Other steps (prompts, recomputes, mixed steps, batches beyond the largest bucket) run eagerly.
 """
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import Protocol
+from itertools import accumulate
+from typing import Any, Protocol
 
 import torch
 
 from omnistage.engine.gpu_memory import device_peak
+from omnistage.engine.graphs import DecodeGraphRunner
 from omnistage.engine.isolation import run_isolated
 from omnistage.engine.kv_cache import PagePool
 from omnistage.engine.model_runner import positions_for
 from omnistage.engine.sampling import Sampler, SamplingParams, SamplingRow, make_generator
 from omnistage.engine.scheduler import ScheduledChunk, Scheduler, SchedulerOutput
 from omnistage.engine.sequence import Sequence, SequenceStatus
+from omnistage.engine.stage_plan import scaled_costs
 from omnistage.models.layers.attention_metadata import AttentionMetadata
 from omnistage.models.layers.rotary import PromptPositions
 from omnistage.models.qwen3_omni.config import TextConfig
@@ -52,10 +60,14 @@ class _State:
     error: str | None = None
 
     def inputs(self, start: int, count: int) -> torch.Tensor:
-        prompt = self.rows[0]
+        """Rows start..start+count `[count, H]`: a slice of the prompt, fed rows, or both (a recompute)."""
+        prompt, end = self.rows[0], start + count
+        if end <= len(prompt):
+            return prompt[start:end]
+        fed = self.rows[1 + max(0, start - len(prompt)) : 1 + end - len(prompt)]
         if start >= len(prompt) and count == 1:  # a decode step
-            return self.rows[1 + start - len(prompt)]
-        return torch.cat(self.rows)[start : start + count]
+            return fed[0]
+        return torch.cat([prompt[start:], *fed])
 
 
 @dataclass
@@ -96,6 +108,7 @@ class EmbeddingStage:
         self.sampler = Sampler()
         self.kv_caches = self._allocate(self.num_pages)
         self._suppressed = torch.tensor(self.suppressed_ids, dtype=torch.long, device=self.device)
+        self.graphs: DecodeGraphRunner | None = None
 
     @torch.inference_mode()
     def _allocate(self, num_pages: int) -> list[torch.Tensor]:
@@ -106,17 +119,69 @@ class EmbeddingStage:
         ]
 
     @torch.inference_mode()
-    def profile_peak(self, num_tokens: int) -> int:
-        """Bytes an eager step over `num_tokens` prompt rows allocates at its peak (scratch KV, freed after)."""
-        pages = -(-num_tokens // self.page_size)
-        kv = self._allocate(pages)
-        meta = AttentionMetadata.build([(0, num_tokens, list(range(pages)))], self.page_size, self.device)
-        embeds = torch.randn(num_tokens, self.cfg.hidden_size, dtype=self.dtype, device=self.device)
-        positions = torch.arange(num_tokens, device=self.device).expand(3, -1)
+    def profile_peak(self, num_tokens: int, num_seqs: int = 1) -> int:
+        """Bytes an eager step of `num_seqs` prompts sharing `num_tokens` rows allocates at its peak, with the
+        logits of each one's last row (scratch KV, freed after). As many prompts as rows: a decode step."""
+        per_seq = -(-num_tokens // num_seqs)
+        pages = -(-per_seq // self.page_size)
+        kv = self._allocate(num_seqs * pages)
+        chunks = [(0, per_seq, list(range(i * pages, (i + 1) * pages))) for i in range(num_seqs)]
+        meta = AttentionMetadata.build(chunks, self.page_size, self.device)
+        embeds = torch.randn(per_seq * num_seqs, self.cfg.hidden_size, dtype=self.dtype, device=self.device)
+        positions = torch.arange(per_seq, device=self.device).repeat(num_seqs).expand(3, -1)
         with device_peak(self.device) as peak:
-            self.model.compute_logits(self.model(embeds, positions, kv, meta)[-1:])
-        del kv
+            hidden = self.model(embeds, positions, kv, meta)
+            self._logits(hidden[meta.query_start_loc[1:].long() - 1])
+        del kv, hidden
         return peak.bytes
+
+    # -- decode graphs ------------------------------------------------------------------------------
+
+    def graph_costs(self, buckets: Iterable[int]) -> dict[int, int]:
+        """Bytes each bucket's decode graph is expected to add, for the memory plan: the measured peak of the
+        largest bucket's eager decode step, scaled by batch (as the Thinker's, `stage_plan.scaled_costs`)."""
+        buckets = sorted(set(buckets))
+        if not buckets:
+            return {}
+        return scaled_costs(self.profile_peak(buckets[-1], buckets[-1]), buckets)
+
+    def capture_graphs(self, buckets: Iterable[int], max_seq_len: int, pool: Any = None) -> list[int]:
+        """Capture a decode graph per batch bucket for requests up to `max_seq_len` rows (prompt and fed rows);
+        returns the buckets captured. `pool`: a graph memory pool shared with other graph sets of the device
+        (`stage.graphs.pool` gives this one's): only one of them may run at a time. Off CUDA, binds eager calls
+        over the same static buffers (tests); on CUDA, only in bfloat16 (the graph-safe MoE kernels need it)."""
+        buckets = sorted(set(buckets))
+        if not buckets:
+            return []
+        if self.device.type == "cuda" and self.dtype != torch.bfloat16:
+            log.warning(
+                "CUDA graphs need bfloat16 (grouped-GEMM MoE); Talker steps in %s run eagerly", self.dtype
+            )
+            return []
+        self.graphs = DecodeGraphRunner(
+            self._decode_step, buckets[-1], -(-max_seq_len // self.page_size), max_seq_len, self.device,
+            row_shape=(self.cfg.hidden_size,), dtype=self.dtype,
+        )  # fmt: skip
+        with torch.inference_mode():
+            return self.graphs.capture(buckets, pool=pool)
+
+    @property
+    def captured_buckets(self) -> list[int]:
+        return self.graphs.captured_buckets if self.graphs is not None else []
+
+    def _decode_step(
+        self, embeds: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Final hidden states `[B, H]` and masked logits `[B, V]` of B fed rows: what a decode graph holds."""
+        hidden = self.model(embeds, positions, self.kv_caches, meta)
+        return hidden, self._logits(hidden)
+
+    def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Float32 logits with the suppressed ids at -inf (an index_fill: no host sync, graph safe)."""
+        logits = self.model.compute_logits(hidden)
+        if len(self.suppressed_ids):
+            logits.index_fill_(1, self._suppressed, -torch.inf)
+        return logits
 
     # -- requests -----------------------------------------------------------------------------------
 
@@ -183,8 +248,8 @@ class EmbeddingStage:
 
     def _sample_step(self, chunks: list[ScheduledChunk]) -> tuple[torch.Tensor, list[int]]:
         sampling = [c for c in chunks if c.samples]
-        hidden = self._execute(chunks)
-        return hidden, self._sample(hidden, sampling).tolist() if sampling else []
+        hidden, logits = self._execute(chunks)
+        return hidden, self._sample(logits, sampling).tolist() if sampling else []
 
     def _apply(self, chunks: list[ScheduledChunk], result: tuple[torch.Tensor, list[int]]) -> list[Sampled]:
         hidden, tokens = result
@@ -203,29 +268,43 @@ class EmbeddingStage:
         return results
 
     @torch.inference_mode()
-    def _execute(self, chunks: list[ScheduledChunk]) -> torch.Tensor:
-        """Final hidden states `[n, H]` of the chunks that end in a sample, in chunk order."""
+    def _execute(self, chunks: list[ScheduledChunk]) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Final hidden states `[n, H]` and masked logits `[n, V]` (None when n is 0) of the n chunks that end
+        in a sample, in chunk order; a decode step replays its bucket's graph when there is one."""
         embeds = torch.cat([c.seq.data.inputs(c.start, c.num_tokens) for c in chunks])
-        positions = torch.cat(
-            [positions_for(c.start, c.num_tokens, c.seq.data.positions) for c in chunks], dim=1
-        )
+        decode = all(c.num_tokens == 1 and c.samples for c in chunks)
         meta = AttentionMetadata.build(
             [(c.start, c.num_tokens, c.seq.page_ids) for c in chunks], self.page_size, self.device
         )
-        hidden = self.model(embeds, positions.to(self.device), self.kv_caches, meta)
-        last_rows = meta.query_start_loc[1:].long() - 1
-        sampling = torch.tensor([c.samples for c in chunks], device=self.device)
-        return hidden[last_rows[sampling]]
+        positions = self._positions(chunks, decode)
+        if decode and self.graphs is not None:
+            hidden, logits = self.graphs.run(embeds, positions, meta)
+            return hidden.clone(), logits  # the hidden states outlive the step; the logits do not
+        hidden = self.model(embeds, positions, self.kv_caches, meta)
+        if not decode:  # a row that samples ends its chunk
+            ends = accumulate(c.num_tokens for c in chunks)
+            rows = torch.tensor([end - 1 for end, c in zip(ends, chunks) if c.samples], dtype=torch.long)
+            hidden = hidden.index_select(0, rows.to(self.device, non_blocking=True))
+        return hidden, self._logits(hidden) if len(hidden) else None
+
+    def _positions(self, chunks: list[ScheduledChunk], decode: bool) -> torch.Tensor:
+        """`[3, T]` M-RoPE positions on the device; a decode step's from host ints, in one copy."""
+        if decode and all(c.start >= c.seq.num_prompt_tokens for c in chunks):
+            rows = [c.start + c.seq.data.positions.delta for c in chunks]  # all three streams alike
+            return torch.tensor(rows).to(self.device, non_blocking=True).expand(3, -1)
+        positions = [positions_for(c.start, c.num_tokens, c.seq.data.positions) for c in chunks]
+        return torch.cat(positions, dim=1).to(self.device, non_blocking=True)
 
     @torch.inference_mode()
-    def _sample(self, hidden: torch.Tensor, sampling: list[ScheduledChunk]) -> torch.Tensor:
-        logits = self.model.compute_logits(hidden)
-        if len(self._suppressed):
-            logits[:, self._suppressed] = -torch.inf
-        # ignore_eos: the end id is never drawn (unlike text, a stage's end id here is no output of its own)
+    def _sample(self, logits: torch.Tensor, sampling: list[ScheduledChunk]) -> torch.Tensor:
+        # ignore_eos: the end id is never drawn (unlike text, a stage's end id here is no output of its own);
+        # written row by row, not through an index tensor that would be copied to the device each step
         ignoring = [row for row, c in enumerate(sampling) if c.seq.data.params.ignore_eos]
-        if ignoring:
-            logits[torch.tensor(ignoring, device=logits.device), self.eos_token_id] = -torch.inf
+        if len(ignoring) == len(sampling):
+            logits[:, self.eos_token_id] = -torch.inf
+        else:
+            for row in ignoring:
+                logits[row, self.eos_token_id] = -torch.inf
         rows = [
             SamplingRow(
                 params=c.seq.data.params,

@@ -1,0 +1,84 @@
+"""The Talker's decode graphs on a GPU (the embedded tiny checkpoint in bfloat16): three requests decoding in
+bucket 4, then two in bucket 2, give the hidden states, logits and greedy codes of the eager steps."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from omnistage.engine.attention import backend_for
+from omnistage.engine.embedding_stage import EmbeddingStage
+from omnistage.engine.sampling import SamplingParams
+from omnistage.models.layers.rotary import PromptPositions
+from omnistage.models.qwen3_omni.config import Qwen3OmniConfig
+from omnistage.models.qwen3_omni.talker import load_talker
+from omnistage.models.qwen3_omni.tiny import default_checkpoint
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
+]
+
+DEV = torch.device("cuda")
+PROMPTS, MAX_TOKENS = (5, 8, 11), (8, 8, 5)
+
+
+def make_stage(talker, cfg: Qwen3OmniConfig) -> EmbeddingStage:
+    vocab, eos = cfg.talker.text.vocab_size, cfg.talker.codec_eos_token_id
+    return EmbeddingStage(
+        talker, cfg.talker.text, num_pages=64, page_size=4, device=DEV, dtype=torch.bfloat16, max_num_seqs=4,
+        max_num_batched_tokens=64, eos_token_id=eos, suppressed_ids=[i for i in range(vocab - 1024, vocab) if i != eos],
+    )  # fmt: skip
+
+
+def speak(stage: EmbeddingStage) -> tuple[list[list[tuple]], list[torch.Tensor]]:
+    """Greedy requests fed the same rows whatever path runs; per step, (request, code, hidden) of every sample,
+    and the logits each step sampled from."""
+    logits_seen = []
+    sample = stage._sample
+    stage._sample = lambda logits, sampling: logits_seen.append(logits.clone()) or sample(logits, sampling)
+    g = torch.Generator().manual_seed(0)
+    hidden = stage.cfg.hidden_size
+    for i, (length, max_tokens) in enumerate(zip(PROMPTS, MAX_TOKENS)):
+        params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+        prompt = torch.randn(length, hidden, generator=g).to(DEV)
+        stage.add(
+            str(i), prompt, PromptPositions(torch.arange(length).expand(3, -1), delta=i), params, max_tokens
+        )
+    steps = []
+    while stage.has_unfinished():
+        out = stage.step()
+        steps.append([(s.request_id, s.token, s.hidden.float()) for s in out])
+        for s in out:
+            if not s.finished:
+                stage.feed(s.request_id, torch.randn(hidden, generator=g).to(DEV))
+    return steps, logits_seen
+
+
+def test_replay_equals_eager():
+    path = default_checkpoint()
+    cfg = Qwen3OmniConfig.from_dir(path)
+    talker = load_talker(path, torch.bfloat16, DEV, backend_for(DEV))
+    want, want_logits = speak(make_stage(talker, cfg))
+
+    stage = make_stage(talker, cfg)
+    costs = stage.graph_costs([1, 2, 4])
+    assert sorted(costs) == [1, 2, 4] and 0 < costs[1] <= costs[2] <= costs[4]
+    pool = torch.cuda.graph_pool_handle()
+    assert stage.capture_graphs([1, 2, 4], max_seq_len=64, pool=pool) == [1, 2, 4] == stage.captured_buckets
+    assert stage.graphs.pool is pool and sorted(stage.graphs.graph_bytes) == [1, 2, 4]
+    replayed = []
+    for bucket, replay in list(stage.graphs._replays.items()):
+        stage.graphs._replays[bucket] = lambda b=bucket, r=replay: replayed.append(b) or r()
+    got, got_logits = speak(stage)
+
+    # the prompts run eagerly; 4 steps of 3 rows replay bucket 4, then 3 steps of 2 rows bucket 2
+    assert replayed == [4] * 4 + [2] * 3
+    assert [[(r, t) for r, t, _ in step] for step in got] == [[(r, t) for r, t, _ in step] for step in want]
+    for got_step, want_step in zip(got, want, strict=True):
+        for (*_, got_hidden), (*_, want_hidden) in zip(got_step, want_step, strict=True):
+            torch.testing.assert_close(got_hidden, want_hidden, rtol=2e-2, atol=2e-2)
+    for got_step, want_step in zip(got_logits, want_logits, strict=True):
+        assert got_step.dtype == torch.float32 and got_step.isneginf().equal(want_step.isneginf())
+        torch.testing.assert_close(got_step, want_step, rtol=2e-2, atol=2e-2)
+    assert stage.pool.num_free == stage.pool.num_pages
