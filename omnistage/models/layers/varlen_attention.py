@@ -19,10 +19,11 @@ class Segments:
     """Attention segments over packed tokens: host boundaries, and on a GPU the same as an int32 tensor.
 
     Built once per encoder call and shared by its layers, so the fused kernel's boundaries cross to the
-    device once.
+    device once. A CUDA graph's segments live only in a static int32 tensor that is rewritten between
+    replays (`static`): segments may be empty there (padding), and `max_len` is a bound fixed at capture.
     """
 
-    bounds: list[int]  # cu_seqlens: segment i is tokens [bounds[i], bounds[i+1])
+    bounds: list[int] | None  # cu_seqlens: segment i is tokens [bounds[i], bounds[i+1]); None: static
     device_bounds: torch.Tensor | None
     max_len: int
 
@@ -31,6 +32,15 @@ class Segments:
         fused = device.type == "cuda" and _flash_varlen is not None
         cu = torch.tensor(bounds, dtype=torch.int32, device=device) if fused else None
         return cls(list(bounds), cu, max((b - a for a, b in zip(bounds, bounds[1:])), default=0))
+
+    @classmethod
+    def static(cls, device_bounds: torch.Tensor, max_len: int) -> Segments:
+        """Boundaries held in `device_bounds` (int32, on the tokens' device), no segment longer than `max_len`."""
+        return cls(None, device_bounds, max_len)
+
+    def host_bounds(self) -> list[int]:
+        """The boundaries as host ints (for static segments a read of the device tensor: not in a capture)."""
+        return self.bounds if self.bounds is not None else self.device_bounds.tolist()
 
 
 def varlen_attention(
@@ -44,18 +54,21 @@ def varlen_attention(
     """
     if not isinstance(segments, Segments):
         segments = Segments.of(segments, q.device)
-    if segments.device_bounds is not None and q.dtype in (torch.bfloat16, torch.float16):
+    fused = segments.device_bounds is not None and _flash_varlen is not None and q.is_cuda
+    if fused and q.dtype in (torch.bfloat16, torch.float16):
         cu = segments.device_bounds
         return _flash_varlen(q, k, v, cu, cu, segments.max_len, segments.max_len)
-    return _grouped_sdpa(q, k, v, segments.bounds)
+    return _grouped_sdpa(q, k, v, segments.host_bounds())
 
 
 def _grouped_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: list[int]) -> torch.Tensor:
     starts_by_length: dict[int, list[int]] = {}
     for start, end in zip(cu_seqlens, cu_seqlens[1:]):
-        starts_by_length.setdefault(end - start, []).append(start)
+        if end > start:  # an empty segment (a static layout's padding) attends to nothing
+            starts_by_length.setdefault(end - start, []).append(start)
     tokens, heads, dim = q.shape
-    if len(starts_by_length) == 1:  # equal segments tile the packed tokens: a view, no copies
+    tiled = [length * len(starts) for length, starts in starts_by_length.items()] == [tokens]
+    if tiled:  # equal segments tile the packed tokens: a view, no copies
         ((length, starts),) = starts_by_length.items()
         split = [t.view(len(starts), length, heads, dim).transpose(1, 2) for t in (q, k, v)]
         return F.scaled_dot_product_attention(*split).transpose(1, 2).reshape(tokens, heads, dim)

@@ -3,7 +3,9 @@
 Each clip is cut into 1 s chunks (2 * n_window mel frames); three stride-2 convolutions turn a chunk into
 13 tokens with sinusoidal positions restarting per chunk; transformer layers attend within windows of
 n_window_infer frames (8 s, 104 tokens) of the same clip; ln_post and a two-layer MLP project to the
-thinker's width. Many clips of different lengths go through one call as a ragged batch.
+thinker's width. Many clips of different lengths go through one call as a ragged batch. The host-side layout
+(audio_layout, audio_windows, gather_chunks) stays apart from the math (conv_embed, encode), which the
+engine's CUDA graphs also run over padded windows.
 
 Every chunk is zero-padded to the full chunk length before the convolutions. transformers pads to the
 longest chunk of its batch instead, so a clip under 1 s encoded alone there differs from ours (through
@@ -13,6 +15,7 @@ padded as ours. With ours a clip's tokens never depend on what it is batched wit
 
 from __future__ import annotations
 
+import itertools
 import math
 from dataclasses import dataclass
 from pathlib import Path
@@ -71,11 +74,45 @@ def audio_layout(frames: list[int], n_window: int, n_window_infer: int) -> Audio
     return AudioLayout(list(frames), chunk_frames, chunk_tokens, tokens, cu_seqlens)
 
 
-def sinusoids(length: int, channels: int, max_timescale: float = 10000.0) -> torch.Tensor:
+@dataclass(frozen=True)
+class AudioWindow:
+    """One attention window of a clip: n_window_infer frames (the clip's last may be shorter)."""
+
+    start: int  # its first mel frame in the packed features
+    frames: int
+    tokens: int
+
+
+def audio_windows(frames: list[int], n_window: int, n_window_infer: int) -> list[AudioWindow]:
+    """The attention windows of packed clips, in order. Nothing crosses a window (its chunks are convolved
+    alone and its tokens attend only within it), so any windows can be encoded together or apart."""
+    windows, offset = [], 0
+    for n in frames:
+        for start in range(0, n, n_window_infer):
+            size = min(n_window_infer, n - start)
+            windows.append(AudioWindow(offset + start, size, audio_output_tokens(size, n_window)))
+        offset += n
+    return windows
+
+
+def gather_chunks(packed: torch.Tensor, starts: list[int], lengths: list[int], chunk: int) -> torch.Tensor:
+    """Chunks [n, mel, chunk] of packed features [mel, total]: `lengths[i]` frames from `starts[i]`, then
+    zeros (a length of 0 gives an all-zero chunk)."""
+    device = packed.device
+    bounds = torch.tensor([starts, lengths], device=device)
+    index = bounds[0, :, None] + torch.arange(chunk, device=device)  # [n, chunk]
+    valid = torch.arange(chunk, device=device) < bounds[1, :, None]
+    chunks = packed.T[index.clamp(max=packed.shape[-1] - 1)] * valid[..., None]  # [n, chunk, mel]
+    return chunks.transpose(1, 2)
+
+
+def sinusoids(
+    length: int, channels: int, max_timescale: float = 10000.0, device: torch.device | str | None = None
+) -> torch.Tensor:
     """Whisper's sinusoidal positions [length, channels]: sines then cosines over log-spaced timescales."""
     step = math.log(max_timescale) / (channels // 2 - 1)
-    inv_timescales = torch.exp(-step * torch.arange(channels // 2, dtype=torch.float32))
-    angles = torch.arange(length, dtype=torch.float32)[:, None] * inv_timescales[None, :]
+    inv_timescales = torch.exp(-step * torch.arange(channels // 2, dtype=torch.float32, device=device))
+    angles = torch.arange(length, dtype=torch.float32, device=device)[:, None] * inv_timescales[None, :]
     return torch.cat([angles.sin(), angles.cos()], dim=1)
 
 
@@ -151,33 +188,37 @@ class AudioEncoder(nn.Module):
             raise ValueError(f"audio features hold {packed.shape[-1]} frames, lengths say {sum(frames)}")
         layout = self.layout(frames)
         x = self.embed_chunks(packed, layout)
-        segments = Segments.of(layout.cu_seqlens, x.device)
-        for layer in self.layers:
-            x = layer(x, segments)
-        x = self.proj2(self.act(self.proj1(self.ln_post(x))))
+        x = self.encode(x, Segments.of(layout.cu_seqlens, x.device))
         return x if packed_input else list(x.split(layout.tokens))
 
     def embed_chunks(self, packed: torch.Tensor, layout: AudioLayout) -> torch.Tensor:
         """Packed features [mel, total] to packed chunk tokens [sum tokens, d_model], positions added."""
-        chunk = 2 * self.cfg.n_window
-        device, dtype = packed.device, self.conv2d1.weight.dtype
-        starts = torch.tensor([0] + layout.chunk_frames[:-1], device=device).cumsum(0)
-        index = starts[:, None] + torch.arange(chunk, device=device)  # [chunks, chunk]
-        valid = torch.arange(chunk, device=device) < torch.tensor(layout.chunk_frames, device=device)[:, None]
-        chunks = packed.T[index.clamp(max=packed.shape[-1] - 1)] * valid[..., None]  # [chunks, chunk, mel]
-        chunks = chunks.transpose(1, 2).unsqueeze(1).to(dtype)
-        # The stride-2 convolutions over every chunk at once peak at conv_chunksize chunks of activations.
+        starts = [0, *itertools.accumulate(layout.chunk_frames[:-1])]
+        x = self.conv_embed(gather_chunks(packed, starts, layout.chunk_frames, 2 * self.cfg.n_window))
+        chunk_tokens = torch.tensor(layout.chunk_tokens, device=x.device)
+        keep = torch.arange(x.shape[1], device=x.device) < chunk_tokens[:, None]
+        return x[keep]
+
+    def conv_embed(self, chunks: torch.Tensor, group_size: int | None = None) -> torch.Tensor:
+        """Zero-padded chunks [n, mel, 2 * n_window] to tokens [n, tokens of a whole chunk, d_model], each
+        chunk's positions added (a shorter chunk's tokens past its own are padding). The convolutions take
+        `group_size` chunks at a time (default conv_chunksize): their activations are the peak."""
+        chunks = chunks.unsqueeze(1).to(self.conv2d1.weight.dtype)
         embeds = []
-        for group in chunks.split(self.cfg.conv_chunksize):
+        for group in chunks.split(group_size or self.cfg.conv_chunksize):
             h = F.gelu(self.conv2d1(group))
             h = F.gelu(self.conv2d2(h))
             h = F.gelu(self.conv2d3(h))
             n, c, f, t = h.shape
             embeds.append(self.conv_out(h.permute(0, 3, 1, 2).reshape(n, t, c * f)))
-        x = torch.cat(embeds) + sinusoids(embeds[0].shape[1], self.cfg.d_model).to(device, dtype)
-        chunk_tokens = torch.tensor(layout.chunk_tokens, device=device)
-        keep = torch.arange(x.shape[1], device=device) < chunk_tokens[:, None]
-        return x[keep]
+        x = torch.cat(embeds)
+        return x + sinusoids(x.shape[1], self.cfg.d_model, device=x.device).to(x.dtype)
+
+    def encode(self, x: torch.Tensor, segments: Segments) -> torch.Tensor:
+        """Chunk tokens [tokens, d_model] through the layers (attention within `segments`) and the projector."""
+        for layer in self.layers:
+            x = layer(x, segments)
+        return self.proj2(self.act(self.proj1(self.ln_post(x))))
 
 
 def load_audio_encoder(

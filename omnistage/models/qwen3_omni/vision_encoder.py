@@ -24,6 +24,15 @@ PREFIX = "thinker.visual."
 ROPE_THETA = 10000.0  # the released vision config's axial rope_theta
 
 
+def frame_bounds(grids: list[tuple[int, int, int]]) -> list[int]:
+    """Attention segment boundaries over packed patches: each frame of each image attends within itself."""
+    bounds = [0]
+    for t, h, w in grids:
+        for _ in range(t):
+            bounds.append(bounds[-1] + h * w)
+    return bounds
+
+
 def merge_block_coords(h: int, w: int, merge: int, device=None) -> tuple[torch.Tensor, torch.Tensor]:
     """(row, col) of every patch of an h x w grid, in merge-block order (the order of the patches)."""
     rows = torch.arange(h, device=device).view(h // merge, merge, 1, 1).expand(-1, -1, w // merge, merge)
@@ -137,6 +146,15 @@ class VisionEncoder(nn.Module):
     ) -> tuple[torch.Tensor, list[torch.Tensor]]:
         """Packed patches [sum t*h*w, C*T*P*P] of images with grids (t, h, w) to
         (embeds [sum t*h*w / merge^2, out_hidden], one such tensor per deepstack level)."""
+        grids = self.grids(pixel_values, grid_thw)
+        positions, cos, sin = self.positions(grids, pixel_values.device)
+        segments = Segments.of(frame_bounds(grids), pixel_values.device)
+        return self.encode(pixel_values, positions, cos, sin, segments)
+
+    def grids(
+        self, pixel_values: torch.Tensor, grid_thw: torch.Tensor | list[tuple[int, int, int]]
+    ) -> list[tuple[int, int, int]]:
+        """The images' grids as host ints, checked against the patches and the merge size."""
         grid_thw = grid_thw.tolist() if torch.is_tensor(grid_thw) else grid_thw
         grids = [(int(t), int(h), int(w)) for t, h, w in grid_thw]
         total = sum(t * h * w for t, h, w in grids)
@@ -145,14 +163,20 @@ class VisionEncoder(nn.Module):
         m = self.cfg.spatial_merge_size
         if any(h % m or w % m for _, h, w in grids):
             raise ValueError(f"every grid side must be a multiple of spatial_merge_size {m}: {grids}")
-        x = self.patch_embed(pixel_values)
-        positions, cos, sin = self.positions(grids, x.device)
-        x = x + positions.to(x.dtype)
-        cu_seqlens = [0]
-        for t, h, w in grids:
-            for _ in range(t):
-                cu_seqlens.append(cu_seqlens[-1] + h * w)
-        segments = Segments.of(cu_seqlens, x.device)
+        return grids
+
+    def encode(
+        self,
+        pixel_values: torch.Tensor,
+        positions: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        segments: Segments,
+    ) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """Patches, their learned positions and rotary cos, sin (from `positions`) through the blocks, attending
+        within `segments`, to (merged embeds, deepstack levels): the math alone, no per-image host work (a
+        CUDA graph of static buffers runs it)."""
+        x = self.patch_embed(pixel_values) + positions.to(self.patch_embed.proj.weight.dtype)
         deepstack = []
         for i, block in enumerate(self.blocks):
             x = block(x, cos, sin, segments)
