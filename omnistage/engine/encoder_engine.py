@@ -5,17 +5,30 @@ the audio tower as ragged batches and the images through the vision tower (the t
 so a request's rows do not depend on its neighbours), each call holding at most the largest single input
 the processor admits: the input the memory plan measures the towers on. The outputs replace the prompts'
 placeholder embeddings during prefill (see ModelRunner) and, for images, feed the deepstack levels.
+
+With CUDA graphs captured (`capture_graphs`, see encoder_graphs.py) the clips go through the audio graphs in
+pieces of windows, and the images through the vision graphs in calls of at most the largest patch bucket;
+an image larger than that runs eagerly.
 """
 
 from __future__ import annotations
 
+import logging
 import math
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
 from omnistage.engine.capture_plan import Floor
+from omnistage.engine.encoder_graphs import (
+    AudioGraphs,
+    VisionGraphs,
+    audio_buckets,
+    graph_peaks,
+    vision_buckets,
+)
 from omnistage.engine.gpu_memory import device_peak
 from omnistage.errors import InvalidRequest
 from omnistage.models.qwen3_omni.audio_encoder import AudioEncoder, audio_output_tokens, load_audio_encoder
@@ -24,6 +37,8 @@ from omnistage.models.qwen3_omni.config import ThinkerConfig
 from omnistage.models.qwen3_omni.image_processing import ImageProcessorConfig, image_tokens, largest_grid
 from omnistage.models.qwen3_omni.processor import MultimodalInputs
 from omnistage.models.qwen3_omni.vision_encoder import VisionEncoder, load_vision_encoder
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -57,6 +72,8 @@ class EncoderEngine:
         self.max_audio_frames = int(MAX_SECONDS * SAMPLE_RATE) // HOP_LENGTH
         self.max_image_grid = largest_grid(self.image_config)
         self.max_image_patches = math.prod(self.max_image_grid)
+        self.audio_graphs: AudioGraphs | None = None
+        self.vision_graphs: VisionGraphs | None = None
 
     @classmethod
     def qwen3_omni(
@@ -104,30 +121,91 @@ class EncoderEngine:
         return out
 
     def _clip_rows(self, clips: list[torch.Tensor]) -> list[torch.Tensor]:
-        """Each clip's rows; the clips go through the tower in calls of at most `max_audio_frames`."""
+        """Each clip's rows; the clips go through the tower in calls of at most `max_audio_frames` (with graphs,
+        each call in pieces of the largest audio bucket)."""
         rows: list[torch.Tensor] = []
+        tower = self.audio_graphs.run if self.audio_graphs is not None else self.audio_encoder
         for group in _groups([f.shape[-1] for f in clips], self.max_audio_frames):
-            rows += self.audio_encoder([clips[i].to(self.device) for i in group])
+            rows += tower([clips[i].to(self.device) for i in group])
         return rows
 
     def _image_rows(self, prompts: list[MultimodalInputs]) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """Per prompt, the rows [n, H] and deepstack levels [levels, n, H] of all its images; the images go
-        through the tower in calls of at most `max_image_patches`."""
+        through the tower in calls of at most `max_image_patches` (with graphs, of at most the largest patch
+        bucket and as many images as its graph holds)."""
         pixels, grids, owners = [], [], []
         for p, mm in enumerate(prompts):
             grid = [tuple(g) for g in mm.image_grid_thw.tolist()]
             pixels += mm.pixel_values.split([math.prod(g) for g in grid])
             grids += grid
             owners += [p] * len(grid)
+        graphs = self.vision_graphs
+        budget, most = self.max_image_patches, None
+        if graphs is not None:
+            budget, most = graphs.captured_buckets[-1], graphs.buffers.max_frames
         rows, levels = [], []
-        for group in _groups([len(x) for x in pixels], self.max_image_patches):
+        for group in _groups([len(x) for x in pixels], budget, most):
             batch = torch.cat([pixels[i] for i in group]).to(self.device)
-            image, deepstack = self.vision_encoder(batch, [grids[i] for i in group])
-            sizes = [image_tokens(grids[i], self.spatial_merge_size) for i in group]
-            rows += image.split(sizes)
-            levels += torch.stack(deepstack).split(sizes, dim=1)
+            group_grids = [grids[i] for i in group]
+            out = graphs.run(batch, group_grids) if graphs is not None else None
+            if out is None:
+                image, deepstack = self.vision_encoder(batch, group_grids)
+                out = image, torch.stack(deepstack)
+            sizes = [image_tokens(g, self.spatial_merge_size) for g in group_grids]
+            rows += out[0].split(sizes)
+            levels += out[1].split(sizes, dim=1)
         mine = [[i for i, owner in enumerate(owners) if owner == p] for p in range(len(prompts))]
         return [(_join([rows[i] for i in m], 0), _join([levels[i] for i in m], 1)) for m in mine]
+
+    @property
+    def max_audio_windows(self) -> int:
+        """Attention windows of the longest clip admitted."""
+        return -(-self.max_audio_frames // self.audio_encoder.cfg.n_window_infer)
+
+    def default_graph_buckets(self) -> tuple[list[int], list[int]]:
+        """The audio window buckets and vision patch buckets to capture unless configured (encoder_graphs.py)."""
+        audio = audio_buckets(self.max_audio_windows)
+        if self.vision_encoder is None:
+            return audio, []
+        return audio, vision_buckets(self.max_image_patches, self.spatial_merge_size)
+
+    def graph_costs(self, audio: list[int], vision: list[int]) -> dict[str, dict[int, int]]:
+        """Bytes each bucket's graph holds per tower ("audio", "vision"), from the measured eager peaks of their
+        padded steps (GPU only; before capture). Graphs of one pool share their scratch, so the sum over
+        buckets is an upper bound."""
+        costs = {"audio": graph_peaks(lambda b: AudioGraphs(self.audio_encoder, b), audio, self.device)}
+        if self.vision_encoder is not None:
+            costs["vision"] = graph_peaks(
+                lambda b: VisionGraphs(self.vision_encoder, [b]), vision, self.device
+            )
+        return costs
+
+    def capture_graphs(self, audio: list[int], vision: list[int], pool: Any = None) -> None:
+        """Capture the audio graphs for window buckets `audio` and the vision graphs for patch buckets `vision`
+        in one memory pool (`pool`, e.g. the LLM stage's: the encoders run between its steps, and their rows
+        are copied out of the pool at once). Off CUDA the same buckets run static-eager, for tests.
+
+        Half precision only on a GPU: float32 segments would be read back to the host inside the capture."""
+        dtype = self.audio_encoder.conv2d1.weight.dtype
+        if self.device.type == "cuda" and dtype not in (torch.bfloat16, torch.float16):
+            log.warning("encoder CUDA graphs need bfloat16 or float16; the encoders run eagerly")
+            return
+        with torch.inference_mode():
+            if audio:
+                self.audio_graphs = AudioGraphs(self.audio_encoder, max(audio))
+                self.audio_graphs.capture(audio, pool)
+                pool = pool or self.audio_graphs.pool
+            if vision and self.vision_encoder is not None:
+                self.vision_graphs = VisionGraphs(self.vision_encoder, vision)
+                self.vision_graphs.capture(vision, pool)
+
+    @property
+    def captured(self) -> dict[str, list[int]]:
+        """The captured buckets per tower: audio in windows, vision in patches."""
+        return {
+            "audio": self.audio_graphs.captured_buckets if self.audio_graphs else [],
+            "vision": self.vision_graphs.captured_buckets if self.vision_graphs else [],
+        }
 
     def profile_floor(
         self, prefill: int, prefill_tokens: int, max_prompt_tokens: int, max_audios: int, max_images: int
@@ -203,12 +281,13 @@ class EncoderEngine:
         )
 
 
-def _groups(sizes: list[int], budget: int) -> list[list[int]]:
-    """Consecutive indices of `sizes` in groups whose sum stays within `budget` (an item over it goes alone)."""
+def _groups(sizes: list[int], budget: int, most: int | None = None) -> list[list[int]]:
+    """Consecutive indices of `sizes` in groups whose sum stays within `budget` (an item over it goes alone),
+    of at most `most` items."""
     groups: list[list[int]] = []
     total = 0
     for i, size in enumerate(sizes):
-        if not groups or total + size > budget:
+        if not groups or total + size > budget or len(groups[-1]) == most:
             groups.append([])
             total = 0
         groups[-1].append(i)

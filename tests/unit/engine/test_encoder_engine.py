@@ -115,3 +115,42 @@ def test_no_encoder_call_exceeds_the_largest_input_measured(tiny_checkpoint, mon
         want = encoders.encode(prompt.token_ids, prompt.mm)
         for name in ("audio_embeds", "image_embeds", "deepstack"):
             torch.testing.assert_close(getattr(got, name), getattr(want, name), rtol=1e-5, atol=1e-5)
+
+
+def test_graphs_encode_as_the_eager_towers(tiny_checkpoint, setup):
+    """With graphs captured (static-eager on the CPU), prompts' clips go through the audio graphs in pieces of
+    windows and their images through the vision graphs, or eagerly when larger than the largest bucket; every
+    prompt's rows are the eager engine's."""
+    from PIL import Image
+
+    cfg, eager, _ = setup
+    encoders = EncoderEngine.qwen3_omni(tiny_checkpoint, cfg, torch.float32, torch.device("cpu"))
+    assert encoders.captured == {"audio": [], "vision": []}
+    encoders.capture_graphs([1, 2], [64, 128])
+    assert encoders.captured == {"audio": [1, 2], "vision": [64, 128]}
+    audio_calls, image_calls = [], []
+    for graphs, calls in ((encoders.audio_graphs, audio_calls), (encoders.vision_graphs, image_calls)):
+        for bucket, replay in list(graphs._replays.items()):
+            graphs._replays[bucket] = lambda b=bucket, r=replay, c=calls: c.append(b) or r()
+    rng = np.random.default_rng(2)
+
+    def clip(seconds):
+        return (0.3 * rng.standard_normal(round(seconds * 16000))).astype(np.float32)
+
+    def picture(w, h):
+        return Image.fromarray(rng.integers(0, 256, (h, w, 3), dtype=np.uint8))
+
+    contents = [
+        [{"type": "audio", "audio": clip(9.1)}, {"type": "image", "image": picture(112, 64)}],
+        [{"type": "image", "image": picture(224, 160)}, {"type": "audio", "audio": clip(17.0)}],
+        [{"type": "audio", "audio": clip(1.0)}, {"type": "image", "image": picture(96, 96)}],
+    ]  # fmt: skip
+    processor = Processor(tiny_checkpoint)
+    prompts = [processor.process_chat([{"role": "user", "content": c}]) for c in contents]
+    got = encoders.encode_many([(p.token_ids, p.mm) for p in prompts])
+    want = eager.encode_many([(p.token_ids, p.mm) for p in prompts])
+    # 2 + 3 + 1 windows in pieces of 2; images of 32 and 36 patches in the 64-patch graph, 140 eagerly
+    assert audio_calls == [2, 2, 2] and image_calls == [64, 64]
+    for g, w in zip(got, want):
+        for name in ("audio_rows", "audio_embeds", "image_rows", "image_embeds", "deepstack"):
+            torch.testing.assert_close(getattr(g, name), getattr(w, name), rtol=1e-5, atol=1e-5)
