@@ -1,0 +1,100 @@
+"""Encoder CUDA graphs on a GPU (bf16, tiny checkpoints of both families): the fused attention's empty
+segments, captured graphs replaying what the eager towers give, and the planner's measured costs per bucket."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+from omnistage.engine.encoder_engine import EncoderEngine
+from omnistage.models.layers.varlen_attention import Segments, _grouped_sdpa, varlen_attention
+from omnistage.models.qwen3_asr.audio_encoder import load_audio_encoder as load_asr_audio_encoder
+from omnistage.models.qwen3_asr.config import Qwen3ASRConfig
+from omnistage.models.qwen3_asr.processor import ASRProcessor
+from omnistage.models.qwen3_asr.tiny import make_tiny as make_tiny_asr
+from omnistage.models.qwen3_omni.config import Qwen3OmniConfig
+from omnistage.models.qwen3_omni.processor import Processor
+
+pytestmark = pytest.mark.gpu
+
+SECONDS = (1.0, 7.0, 9.0, 31.0, 2.35)
+AUDIO_BUCKETS = [1, 2, 4, 8]
+
+
+def wave(seconds: float, seed: int) -> np.ndarray:
+    return (0.3 * np.random.default_rng(seed).standard_normal(round(seconds * 16000))).astype(np.float32)
+
+
+def assert_bf16_close(got: torch.Tensor | None, want: torch.Tensor | None) -> None:
+    assert (got is None) == (want is None)
+    if want is not None:
+        assert got.shape == want.shape and got.dtype == want.dtype
+        # GEMMs over other row counts round differently in bf16: noise of a few ulps of the largest value
+        assert (got.float() - want.float()).abs().max() <= 2e-2 * want.float().abs().max()
+
+
+def test_fused_attention_leaves_empty_segments_out():
+    g = torch.Generator(device="cuda").manual_seed(0)
+    q, k, v = torch.randn(3, 300, 4, 64, device="cuda", generator=g, dtype=torch.bfloat16).unbind(0)
+    cu = torch.tensor([0, 104, 104, 130, 208, 208, 300, 300], dtype=torch.int32, device="cuda")
+    got = varlen_attention(q, k, v, Segments.static(cu, 104)).float()
+    want = _grouped_sdpa(q.float(), k.float(), v.float(), [0, 104, 130, 208, 300])
+    assert (got - want).abs().max() <= 2e-2 * want.abs().max()
+
+
+def encode_twice(encoders: EncoderEngine, prompts: list, audio: list[int], vision: list[int]):
+    """The eager rows, then the graphs' (after measuring their costs and capturing them)."""
+    inputs = [(p.token_ids, p.mm) for p in prompts]
+    eager = encoders.encode_many(inputs)
+    costs = encoders.graph_costs(audio, vision)
+    assert sorted(costs["audio"]) == audio and all(c > 0 for c in costs["audio"].values())
+    if vision:
+        assert sorted(costs["vision"]) == vision and all(c > 0 for c in costs["vision"].values())
+    encoders.capture_graphs(audio, vision, pool=torch.cuda.graph_pool_handle())
+    assert encoders.captured == {"audio": audio, "vision": vision}
+    assert len(encoders.audio_graphs._graphs) == len(audio)  # real CUDA graphs, not static-eager calls
+    graphs = encoders.encode_many(inputs)
+    again = encoders.encode_many(inputs)  # replays are deterministic
+    for g, a in zip(graphs, again):
+        for name in ("audio_embeds", "image_embeds", "deepstack"):
+            assert (getattr(g, name) is None) or torch.equal(getattr(g, name), getattr(a, name))
+    return eager, graphs
+
+
+def test_qwen3_omni_graphs_equal_eager(tiny_checkpoint):
+    cfg = Qwen3OmniConfig.from_dir(tiny_checkpoint).thinker
+    encoders = EncoderEngine.qwen3_omni(tiny_checkpoint, cfg, torch.bfloat16, torch.device("cuda"))
+    rng = np.random.default_rng(0)
+
+    def picture(w, h):
+        return Image.fromarray(rng.integers(0, 256, (h, w, 3), dtype=np.uint8))
+
+    contents = [
+        [{"type": "audio", "audio": wave(s, i)}, {"type": "image", "image": picture(*size)}]
+        for i, (s, size) in enumerate(
+            zip(SECONDS, [(224, 160), (320, 256), (448, 448), (224, 160), (320, 256)])
+        )
+    ]  # images of 140 and 320 patches in graphs, 784 eagerly
+    processor = Processor(tiny_checkpoint)
+    prompts = [processor.process_chat([{"role": "user", "content": c}]) for c in contents]
+    eager, graphs = encode_twice(encoders, prompts, AUDIO_BUCKETS, [256, 512])
+    assert len(encoders.vision_graphs._graphs) == 2
+    for g, e in zip(graphs, eager):
+        assert torch.equal(g.audio_rows, e.audio_rows) and torch.equal(g.image_rows, e.image_rows)
+        for name in ("audio_embeds", "image_embeds", "deepstack"):
+            assert_bf16_close(getattr(g, name), getattr(e, name))
+
+
+def test_qwen3_asr_graphs_equal_eager(tmp_path):
+    path = make_tiny_asr(tmp_path / "asr")
+    tower = load_asr_audio_encoder(path, torch.bfloat16, torch.device("cuda"))
+    token = Qwen3ASRConfig.from_dir(path).audio_token_id
+    encoders = EncoderEngine(tower, None, token, None, torch.device("cuda"))
+    processor = ASRProcessor(path)
+    prompts = [processor.transcription(wave(s, i), None, None) for i, s in enumerate(SECONDS)]
+    eager, graphs = encode_twice(encoders, prompts, AUDIO_BUCKETS, [])
+    for g, e in zip(graphs, eager):
+        assert torch.equal(g.audio_rows, e.audio_rows)
+        assert_bf16_close(g.audio_embeds, e.audio_embeds)
