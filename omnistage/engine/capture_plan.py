@@ -78,6 +78,11 @@ def prefill_buckets(max_tokens: int = 512) -> list[int]:
     return [b for b in decode_buckets(max_tokens) if b >= min(16, max_tokens)]
 
 
+def scaled_costs(largest_peak: int, buckets: list[int]) -> dict[int, int]:
+    """Graph memory per bucket: the largest bucket's measured step peak scaled by size, plus 2 MiB."""
+    return {b: -(-largest_peak * b // max(buckets)) + (2 << 20) for b in buckets}
+
+
 def bucket_for(batch: int, buckets: Iterable[int]) -> int | None:
     """The smallest bucket that holds `batch` rows, or None (run eagerly) when none does."""
     if batch < 1:

@@ -23,10 +23,9 @@ from typing import Any
 
 import torch
 
-from omnistage.engine.capture_plan import decode_buckets
+from omnistage.engine.capture_plan import decode_buckets, scaled_costs
 from omnistage.engine.gpu_memory import device_peak
 from omnistage.engine.graphs import GraphSet
-from omnistage.engine.stage_plan import scaled_costs
 from omnistage.models.qwen3_omni.code2wav import Code2Wav
 
 GraphKey = tuple[int, int]  # (chunk frames, streams bucket)

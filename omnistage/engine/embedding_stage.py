@@ -22,6 +22,7 @@ from typing import Any, Protocol
 
 import torch
 
+from omnistage.engine.capture_plan import scaled_costs
 from omnistage.engine.gpu_memory import device_peak
 from omnistage.engine.graphs import DecodeGraphRunner
 from omnistage.engine.isolation import run_isolated
@@ -30,7 +31,6 @@ from omnistage.engine.model_runner import positions_for
 from omnistage.engine.sampling import Sampler, SamplingParams, SamplingRow, make_generator
 from omnistage.engine.scheduler import ScheduledChunk, Scheduler, SchedulerOutput
 from omnistage.engine.sequence import Sequence, SequenceStatus
-from omnistage.engine.stage_plan import scaled_costs
 from omnistage.models.layers.attention_metadata import AttentionMetadata
 from omnistage.models.layers.rotary import PromptPositions
 from omnistage.models.qwen3_omni.config import TextConfig
@@ -139,7 +139,7 @@ class EmbeddingStage:
 
     def graph_costs(self, buckets: Iterable[int]) -> dict[int, int]:
         """Bytes each bucket's decode graph is expected to add, for the memory plan: the measured peak of the
-        largest bucket's eager decode step, scaled by batch (as the Thinker's, `stage_plan.scaled_costs`)."""
+        largest bucket's eager decode step, scaled by batch (as the Thinker's, `capture_plan.scaled_costs`)."""
         buckets = sorted(set(buckets))
         if not buckets:
             return {}

@@ -19,9 +19,9 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
+from omnistage.engine.capture_plan import scaled_costs
 from omnistage.engine.gpu_memory import device_peak
 from omnistage.engine.graphs import GraphSet
-from omnistage.engine.stage_plan import scaled_costs
 from omnistage.engine.static_sampling import StaticRows, sample_static
 from omnistage.models.qwen3_omni.code_predictor import CodePredictor
 

@@ -8,11 +8,10 @@ import pytest
 import torch
 
 from omnistage.engine.attention import TorchReferenceBackend
-from omnistage.engine.capture_plan import bucket_for
+from omnistage.engine.capture_plan import bucket_for, scaled_costs
 from omnistage.engine.embedding_stage import EmbeddingStage
 from omnistage.engine.sampling import SamplingParams, talker_sampling_defaults
 from omnistage.engine.scheduler import SchedulerOutput
-from omnistage.engine.stage_plan import scaled_costs
 from omnistage.models.layers.rotary import PromptPositions
 from omnistage.models.qwen3_omni.config import Qwen3OmniConfig
 from omnistage.models.qwen3_omni.talker import load_talker
