@@ -182,6 +182,12 @@ class LLMEngine:
                 config.enforce_eager,
                 prefill_buckets=list(self.plan.prefill_captured),
             )
+            # the towers run between this stage's steps and their rows are copied out at once: one pool
+            self.encoders.capture_graphs(
+                list(self.plan.captured("audio encoder", "prefill")),
+                list(self.plan.captured("vision encoder", "prefill")),
+                pool=self.runner.graphs.pool if self.runner.graphs else None,
+            )
             self.capture_seconds = time.perf_counter() - started
         self.scheduler = Scheduler(self.pool, config.max_num_seqs, config.max_num_batched_tokens)
         self.sampler = Sampler()
@@ -215,7 +221,11 @@ class LLMEngine:
                 if prefill
                 else "; prefill steps run eagerly"
             )
-            if decode or prefill:
+            towers = self.encoders.captured
+            for tower, unit in (("audio", "windows"), ("vision", "patches")):
+                if towers[tower]:
+                    graphs += f"; {tower} encoder CUDA graphs for {unit} {', '.join(map(str, towers[tower]))}"
+            if decode or prefill or any(towers.values()):
                 graphs += f"; graphs captured in {self.capture_seconds:.1f} s"
         return (
             f"model {self.model_path} on {self.device} ({str(self.dtype).removeprefix('torch.')}), "

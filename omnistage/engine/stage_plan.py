@@ -13,7 +13,7 @@ import logging
 
 import torch
 
-from omnistage.config import EngineConfig
+from omnistage.config import EngineConfig, Graphs
 from omnistage.engine.capture_plan import (
     NO_OTHER_STAGES,
     DeviceMemory,
@@ -25,6 +25,7 @@ from omnistage.engine.capture_plan import (
     decode_buckets,
     plan_device,
     prefill_buckets,
+    scaled_costs,
 )
 from omnistage.engine.encoder_engine import EncoderEngine
 from omnistage.engine.model_runner import ModelRunner
@@ -78,7 +79,7 @@ def plan_stage_memory(
     if not cfg.enforce_eager and runner.dtype != torch.bfloat16:
         log.warning("CUDA graphs need bfloat16 (grouped-GEMM MoE); %s steps run eagerly", runner.dtype)
     elif not cfg.enforce_eager:
-        graphs = _graph_candidates(runner, cfg, stage)
+        graphs = _graph_candidates(runner, cfg, stage) + _encoder_candidates(encoders, cfg)
     runner.warm_up(cfg.max_num_batched_tokens)
     fixed = cfg.num_kv_pages
     if fixed is None and cfg.kv_cache_memory_gib is not None:
@@ -124,9 +125,24 @@ def _graph_candidates(runner: ModelRunner, cfg: EngineConfig, stage: str) -> tup
     return tuple(graphs)
 
 
-def scaled_costs(largest_peak: int, buckets: list[int]) -> dict[int, int]:
-    """Graph memory per bucket: the largest bucket's measured step peak scaled by size, plus 2 MiB."""
-    return {b: -(-largest_peak * b // max(buckets)) + (2 << 20) for b in buckets}
+def _encoder_candidates(encoders: EncoderEngine, cfg: EngineConfig) -> tuple[GraphCandidates, ...]:
+    """The towers' graphs (audio per bucket of windows, vision per bucket of patches): the configured buckets,
+    else the encoders' defaults. Prefill-kind: a request pays for them once, not per token."""
+    stage = cfg.stage("encoders")
+    if stage.enforce_eager:
+        return ()
+    default_audio, default_vision = encoders.default_graph_buckets()
+
+    def sizes(graphs: Graphs, default: list[int]) -> list[int]:
+        return graphs.sizes(lambda top: [b for b in default if b <= top], max(default, default=0))
+
+    audio, vision = sizes(stage.audio_graphs, default_audio), sizes(stage.vision_graphs, default_vision)
+    costs = encoders.graph_costs(audio, vision)
+    towers = (
+        ("audio encoder", "windows", costs.get("audio")),
+        ("vision encoder", "patches", costs.get("vision")),
+    )
+    return tuple(GraphCandidates(name, "prefill", unit, c) for name, unit, c in towers if c)
 
 
 def _bytes(module: torch.nn.Module) -> int:

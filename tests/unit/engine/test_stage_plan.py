@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from omnistage.config import engine_config
-from omnistage.engine.capture_plan import Floor, GiB, StageMemory
-from omnistage.engine.stage_plan import plan_stage_memory, scaled_costs
+from omnistage.engine.capture_plan import Floor, GiB, StageMemory, scaled_costs
+from omnistage.engine.stage_plan import plan_stage_memory
 from omnistage.errors import ConfigError
 
 PAGE_BYTES = 1 << 20
@@ -38,6 +38,13 @@ class FakeEncoders:
     def profile_floor(self, prefill: int, tokens: int, max_prompt: int, audios: int, images: int) -> Floor:
         self.asked = (prefill, tokens, max_prompt, audios, images)
         return Floor(prefill, tokens)
+
+    def default_graph_buckets(self) -> tuple[list[int], list[int]]:
+        return [1, 2, 4, 8], []
+
+    def graph_costs(self, audio: list[int], vision: list[int]) -> dict[str, dict[int, int]]:
+        self.priced = (audio, vision)
+        return {"audio": {b: b << 20 for b in audio}}
 
 
 @pytest.fixture
@@ -83,6 +90,16 @@ def test_the_floor_takes_the_largest_of_the_stage_and_the_other_stages(device):
     assert result.captured_buckets == (1, 2, 4, 8) and result.prefill_captured == (16, 24, 32, 48, 64)
     # at least a request of the longest length: 4,096 tokens in 16-token pages
     assert result.kv_pool("Thinker").pool.min_pages == 256 and result.kv_pages > 256
+
+
+def test_the_audio_encoder_graphs_compete_in_the_plan(device):
+    result, _, encoders = plan()
+    assert encoders.priced == ([1, 2, 4, 8], [])
+    assert result.captured("audio encoder", "prefill") == (1, 2, 4, 8)
+    limited, _, encoders = plan(stages={"encoders": {"audio_graphs": {"max": 2}}})
+    assert encoders.priced == ([1, 2], []) and limited.captured("audio encoder", "prefill") == (1, 2)
+    eager, _, _ = plan(stages={"encoders": {"enforce_eager": True}})
+    assert eager.graph_set("audio encoder", "prefill") is None and eager.captured_buckets == (1, 2, 4, 8)
 
 
 def test_fixed_pages_beyond_what_fits_name_the_stage(device):
