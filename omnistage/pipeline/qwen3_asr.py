@@ -6,7 +6,9 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
-from omnistage.config import EngineConfig
+import torch
+
+from omnistage.config import STAGES, EngineConfig, validate_topology
 from omnistage.engine.attention import backend_for
 from omnistage.engine.encoder_engine import EncoderEngine
 from omnistage.engine.llm_engine import LLMEngine, NewRequest, StageModels, resolve_device, resolve_dtype
@@ -28,7 +30,9 @@ class Qwen3ASRPipeline:
     def __init__(self, config: EngineConfig) -> None:
         path = Path(config.model)
         self.config, self.model_config = config, Qwen3ASRConfig.from_dir(path)
-        device = resolve_device(config.device)
+        gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        validate_topology(config, gpus, stages=STAGES[:2])  # no speech stages
+        device = resolve_device(config.stage("thinker").device)
         dtype = resolve_dtype(config.dtype, device)
         started = time.perf_counter()
         decoder = load_decoder(path, dtype, device, backend_for(device), config.load_format, config.seed)

@@ -28,15 +28,26 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from omnistage.config import EngineConfig
+from omnistage.config import STAGES, EngineConfig, validate_topology
 from omnistage.engine.attention import backend_for
-from omnistage.engine.capture_plan import GiB, StageMemory
+from omnistage.engine.capture_plan import (
+    NO_OTHER_STAGES,
+    GiB,
+    GraphCandidates,
+    KVPool,
+    MemoryPlan,
+    StageMemory,
+    decode_buckets,
+    plan_device,
+)
+from omnistage.engine.code2wav_graphs import Code2WavGraphs
 from omnistage.engine.embedding_stage import EmbeddingStage, Sampled
 from omnistage.engine.encoder_engine import EncoderEngine
+from omnistage.engine.frame_graphs import FrameGraphRunner
 from omnistage.engine.llm_engine import LLMEngine, NewRequest, StageModels, resolve_device, resolve_dtype
 from omnistage.engine.model_runner import HiddenTap
 from omnistage.engine.sampling import SamplingParams, SpeechParams
-from omnistage.engine.static_sampling import StaticRows, sample_static
+from omnistage.engine.stage_plan import read_device
 from omnistage.errors import InvalidRequest
 from omnistage.models.qwen3_omni.code2wav import load_code2wav
 from omnistage.models.qwen3_omni.code2wav_streamer import Code2WavStreamer
@@ -57,7 +68,7 @@ from omnistage.outputs import CompletionOutput, RequestOutput
 
 log = logging.getLogger(__name__)
 
-_CPU_TALKER_KV_GIB, _GPU_TALKER_KV_GIB = 0.25, 2.0
+_CPU_TALKER_KV_GIB = 0.25
 ASSISTANT_ROWS = 9  # the Talker prompt's rows after the user turns (talker_input.talker_prompt)
 # The audio cap when a request sets none: 2 s, plus 8 frames (0.64 s) per spoken token, about twice a
 # speaker's pace, and never past transformers' own talker limit of 4096 frames (327.7 s).
@@ -109,6 +120,13 @@ def eos_token_ids(checkpoint_dir: Path, processor: Processor) -> list[int]:
         if eos is not None:
             return [eos] if isinstance(eos, int) else list(eos)
     return [processor.tokenizer.token_to_id("<|im_end|>")]
+
+
+def _captured(what: str, unit: str, buckets: list[int]) -> str:
+    """What a stage captured, for the start-up summary."""
+    if not buckets:
+        return f"{what} steps eager"
+    return f"{what} CUDA graphs for {unit} {', '.join(map(str, buckets))}"
 
 
 def _bytes(module: torch.nn.Module) -> int:
@@ -167,22 +185,42 @@ class Qwen3OmniPipeline:
         self.config = config
         path = Path(config.model) if config.model else default_checkpoint()
         self.model_config = cfg = Qwen3OmniConfig.from_dir(path)
-        device = resolve_device(config.device)
-        dtype = resolve_dtype(config.dtype, device)
         self.speaks = config.speech and cfg.enable_audio_output
+        gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        validate_topology(config, gpus, stages=STAGES if self.speaks else STAGES[:2])
+        device = resolve_device(config.stage("thinker").device)
+        dtype = resolve_dtype(config.dtype, device)
         self.talker = None
-        others = StageMemory()
+        self.speech_plan: MemoryPlan | None = None  # the speech device's own plan (two-GPU topology)
+        text = cfg.thinker.text
+        thinker_len = min(config.max_model_len or text.max_position_embeddings, text.max_position_embeddings)
+        # the longest Talker sequence: the user turns of the longest prompt, its assistant rows, the audio cap
+        self.talker_max_len = thinker_len + ASSISTANT_ROWS + MAX_AUDIO_FRAMES
+        speech = NO_OTHER_STAGES
         # the two-GPU topology: the speech stages on a device of their own (hand-offs cross with .to)
-        self.speech_device = resolve_device(config.speech_device) if config.speech_device else device
+        self.speech_device = resolve_device(config.stage("talker").device)
+        shared = self.speech_device == device
         if self.speaks:
-            # loaded before the Thinker plans its memory, so that the plan sees these weights and pages
+            # loaded and measured before the Thinker plans its memory: a shared device has one plan for all
             with self._on_speech_device():
                 self._load_speech(path, cfg, dtype)
-                if device.type == "cuda" and self.speech_device == device:  # one plan for the shared device
-                    others = self._speech_memory()
+                if self.speech_device.type == "cuda":
+                    speech = self._speech_memory(shared)
         self.thinker = LLMEngine(
-            config, load_thinker_stage(config, path, cfg, device, dtype), device, dtype, others
+            config,
+            load_thinker_stage(config, path, cfg, device, dtype),
+            device,
+            dtype,
+            speech if shared else NO_OTHER_STAGES,
         )
+        if speech is not NO_OTHER_STAGES:
+            with self._on_speech_device():
+                plan = self.thinker.plan
+                if not shared:
+                    device_memory = read_device(self.speech_device, config.gpu_memory_limit_gib)
+                    plan = self.speech_plan = plan_device(device_memory, [speech])
+                    log.info("%s", plan.table())
+                self._allocate_speech(plan)
         self.processor, self.tokenizer = self.thinker.processor, self.thinker.tokenizer
         self.model_path, self.max_model_len = self.thinker.model_path, self.thinker.max_model_len
         self.device, self.dtype = device, dtype
@@ -192,31 +230,57 @@ class Qwen3OmniPipeline:
                 self.tts: TtsEmbeds = tts_embeds(self.talker, self._embedding, self.tokens)
 
     def _load_speech(self, path: Path, cfg: Qwen3OmniConfig, dtype: torch.dtype) -> None:
-        """The Talker, code predictor and Code2Wav, and the Talker's pages, on the speech device."""
+        """The Talker, code predictor and Code2Wav, and the Talker's pages, on the speech device; on a GPU, their
+        CUDA graphs (captured before the Thinker plans its memory, so that the plan sees them held)."""
         config, device = self.config, self.speech_device
+        talker, predictor, c2w = (config.stage(s) for s in ("talker", "code_predictor", "code2wav"))
         self.talker = load_talker(path, dtype, device, backend_for(device), config.load_format, config.seed)
         self.code_predictor = load_code_predictor(path, dtype, device, config.load_format, config.seed)
         self.code2wav = load_code2wav(path, dtype, device, config.load_format, config.seed)
         text = cfg.talker.text
-        gib = config.talker_kv_cache_memory_gib or (
-            _GPU_TALKER_KV_GIB if device.type == "cuda" else _CPU_TALKER_KV_GIB
-        )
+        page_bytes = text.kv_bytes_per_token * config.page_size
+        # on a GPU the plan sizes the pool (`_allocate_speech`); until then it has one page
+        pages = talker.kv.pages or max(1, int((talker.kv.gib or _CPU_TALKER_KV_GIB) * GiB) // page_bytes)
         vocab = text.vocab_size
         self.talker_stage = EmbeddingStage(
             self.talker,
             text,
-            num_pages=max(1, int(gib * GiB) // (text.kv_bytes_per_token * config.page_size)),
+            num_pages=1 if device.type == "cuda" else pages,
             page_size=config.page_size,
             device=device,
             dtype=dtype,
-            max_num_seqs=config.max_num_seqs,
+            max_num_seqs=talker.max_batch,
             max_num_batched_tokens=config.max_num_batched_tokens,
             eos_token_id=cfg.talker.codec_eos_token_id,
             # the codec's top 1024 ids are control codes, never audio; EOS among them ends the speech
             suppressed_ids=[i for i in range(vocab - 1024, vocab) if i != cfg.talker.codec_eos_token_id],
         )
-        self.streamer = Code2WavStreamer(self.code2wav, max_batch=config.code2wav_max_batch)
+        self.frame_graphs = FrameGraphRunner(
+            self.code_predictor,
+            self.talker.model.codec_embedding,
+            PREDICTOR_TOP_K,
+            max_batch=predictor.max_batch,
+            enforce_eager=predictor.enforce_eager,
+        )
+        self.code2wav_graphs = Code2WavGraphs(
+            self.code2wav,
+            sorted({c2w.first_chunk, c2w.chunk}),
+            c2w.max_streams,
+            enforce_eager=c2w.enforce_eager,
+        )
+        self.streamer = Code2WavStreamer(
+            self.code2wav, c2w.first_chunk, c2w.chunk, max_batch=c2w.max_streams, decode=self.code2wav_graphs
+        )
         self.tokens = SpeechTokens.from_config(cfg)
+
+    def _allocate_speech(self, plan: MemoryPlan) -> None:
+        """The Talker's pages and the speech stages' graphs as `plan` has them (the graphs record the pages'
+        addresses, so the pool comes first). The three run one after another: one graph memory pool."""
+        self.talker_stage = replace(self.talker_stage, num_pages=plan.kv_pool("Talker").pages)
+        self.talker_stage.capture_graphs(plan.captured("Talker", "decode"), self.talker_max_len)
+        pool = self.talker_stage.graphs.pool if self.talker_stage.graphs is not None else None
+        self.frame_graphs.capture(plan.captured("code predictor", "decode"), pool=pool)
+        self.code2wav_graphs.capture(plan.captured("Code2Wav", "decode"), pool=pool or self.frame_graphs.pool)
 
     def _on_speech_device(self) -> contextlib.AbstractContextManager:
         """The speech device as the current one: Triton launches on the current device, not the tensors'."""
@@ -233,13 +297,16 @@ class Qwen3OmniPipeline:
         """The released speakers' names (lower case); empty when this pipeline cannot speak."""
         return tuple(sorted(self.tokens.speakers)) if self.speaks else ()
 
-    def _speech_memory(self) -> StageMemory:
-        """What the speech stages hold on the GPU (weights, the Talker's pages) and the peak bytes of their
-        largest steps: a Talker prefill of a whole step's rows, and a full Code2Wav call."""
+    def _speech_memory(self, shared: bool) -> StageMemory:
+        """What the speech stages bring to their device's plan: their weights, the peak bytes of their largest
+        steps (a Talker prefill of a whole step's rows, a full Code2Wav call), the Talker's KV pool (one request
+        of its longest length at least; on a device shared with the Thinker, a share of the KV memory that
+        gives both pools about as many tokens, unless the config sizes it) and their graphs' measured costs."""
         from omnistage.engine.gpu_memory import device_peak
 
-        cfg, streamer = self.config, self.streamer
-        talker = self.talker_stage.profile_peak(cfg.max_num_batched_tokens)
+        cfg, streamer, text = self.config, self.streamer, self.model_config.talker.text
+        talker, predictor, c2w = (cfg.stage(s) for s in ("talker", "code_predictor", "code2wav"))
+        prefill = self.talker_stage.profile_peak(cfg.max_num_batched_tokens)
         window = self.code2wav.left_context + streamer.chunk
         codes = torch.zeros(
             streamer.max_batch,
@@ -253,30 +320,60 @@ class Qwen3OmniPipeline:
                 codes, torch.zeros(streamer.max_batch, dtype=torch.long, device=streamer.device)
             )
         torch.cuda.empty_cache()
-        pool = self.talker_stage.pool
-        kv = sum(t.numel() * t.element_size() for t in self.talker_stage.kv_caches)
+        page_bytes = text.kv_bytes_per_token * cfg.page_size
+        fixed = talker.kv.pages or (int(talker.kv.gib * GiB) // page_bytes if talker.kv.gib else None)
+        share = None
+        if fixed is None and shared:
+            thinker = self.model_config.thinker.text.kv_bytes_per_token
+            share = talker.kv.share or text.kv_bytes_per_token / (thinker + text.kv_bytes_per_token)
+        pool = KVPool(
+            "Talker", page_bytes, min_pages=-(-self.talker_max_len // cfg.page_size), share=share, pages=fixed
+        )
+        streams = set(c2w.graphs.sizes(decode_buckets))
+        talker_graphs = (
+            talker.graphs.sizes(decode_buckets) if self.talker_stage.dtype == torch.bfloat16 else []
+        )
+        graphs = (
+            GraphCandidates("Talker", "decode", "batch", self.talker_stage.graph_costs(talker_graphs)),
+            GraphCandidates(
+                "code predictor",
+                "decode",
+                "frames",
+                self.frame_graphs.graph_costs(predictor.graphs.sizes(decode_buckets)),
+            ),
+            GraphCandidates(
+                "Code2Wav",
+                "decode",
+                "chunk x streams",
+                {k: v for k, v in self.code2wav_graphs.graph_costs().items() if k[1] in streams},
+            ),
+        )
         return StageMemory(
             resident=(
                 ("Talker", _bytes(self.talker), "weights"),
                 ("code predictor", _bytes(self.code_predictor), "weights"),
                 ("Code2Wav", _bytes(self.code2wav), "weights"),
-                ("Talker KV pages", kv, f"{pool.num_pages:,} pages × {pool.page_size} tokens"),
             ),
             peaks=(
-                ("Talker prefill", talker, f"{cfg.max_num_batched_tokens:,} rows"),
+                ("Talker prefill", prefill, f"{cfg.max_num_batched_tokens:,} rows"),
                 ("Code2Wav", peak.bytes, f"{streamer.max_batch} streams × {window} frames"),
             ),
+            kv=(pool,),
+            graphs=tuple(g for g in graphs if g.costs),
         )
 
     def memory_summary(self) -> str:
         summary = self.thinker.memory_summary()
         if not self.speaks:
             return summary + "; speech off"
-        pool = self.talker_stage.pool
+        pool, streamer = self.talker_stage.pool, self.streamer
         return (
             f"{summary}; speech: Talker KV {pool.num_pages:,} pages x {pool.page_size} tokens, "
-            f"Talker, code predictor and Code2Wav (chunks of {self.streamer.first_chunk} then "
-            f"{self.streamer.chunk} frames, up to {self.streamer.max_batch} streams a call) run eagerly"
+            f"{_captured('Talker decode', 'batch', self.talker_stage.captured_buckets)}, "
+            f"{_captured('code predictor frame', 'batch', self.frame_graphs.captured_buckets)}, "
+            f"Code2Wav chunks of {streamer.first_chunk} then {streamer.chunk} frames, up to "
+            f"{streamer.max_batch} streams a call: "
+            f"{_captured('Code2Wav', 'streams', sorted({n for _, n in self.code2wav_graphs.captured}))}"
         )
 
     # -- requests -----------------------------------------------------------------------------------
@@ -599,23 +696,23 @@ class Qwen3OmniPipeline:
             speech.rows_fed += 1
 
     def _predict_frames(self, frames: list[tuple[_Speech, Sampled]]) -> None:
-        """Codes 1..15 of every new frame in one batched call; the frames go to Code2Wav."""
+        """Codes 1..15 of every new frame in one batched call (a graph replay on a GPU); the frames go to
+        Code2Wav."""
         code0 = torch.tensor([s.token for _, s in frames], device=self.speech_device)
         hidden = torch.stack([s.hidden for _, s in frames])
         speeches = [speech for speech, _ in frames]
-        rows = StaticRows.empty(len(frames), self.speech_device)
-        rows.fill(
-            [s.params.talker.greedy for s in speeches],
-            [PREDICTOR_TEMPERATURE] * len(frames),
-            [PREDICTOR_TOP_P] * len(frames),
-            [s.predictor_seed for s in speeches],
-            [s.predictor_draws for s in speeches],
-        )
-        residual, sums = self.code_predictor.predict_frame(
+        count = len(frames)
+        residual, sums = self.frame_graphs.run(
             hidden,
-            self.talker.model.codec_embedding(code0),
-            lambda logits: sample_static(logits, rows, PREDICTOR_TOP_K),
+            code0,
+            greedy=[s.params.talker.greedy for s in speeches],
+            temperature=[PREDICTOR_TEMPERATURE] * count,
+            top_p=[PREDICTOR_TOP_P] * count,
+            seeds=[s.predictor_seed for s in speeches],
+            draws=[s.predictor_draws for s in speeches],
         )
+        # the graph's outputs are overwritten by its next replay; a request waiting for its text row keeps its sum
+        sums = sums.clone()
         for speech in speeches:
             speech.predictor_draws += self.model_config.talker.num_code_groups - 1
         frame_codes = torch.cat((code0[:, None], residual), dim=1)

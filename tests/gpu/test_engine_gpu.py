@@ -106,9 +106,9 @@ def test_the_floor_holds_the_encoders_on_the_largest_inputs(tiny_checkpoint):
         enforce_eager=True,
     )  # fmt: skip
     plan = llm.engine.plan
-    phases = {name: size for name, size, _ in plan.floor_phases.phases()}
+    phases = {name: size for name, size, _ in plan.phases}
     towers = {"audio encoder", "audio prefill", "vision encoder", "image prefill"}
-    assert set(phases) == {"text prefill", *towers}
+    assert set(phases) == {"text prefill", *towers, "Talker prefill", "Code2Wav"}  # the tiny model speaks
     assert min(phases.values()) > 0 and plan.floor == max(phases.values())
     assert "300 s clip" in plan.table() and "3584x3584 image" in plan.table()
     rng = np.random.default_rng(0)

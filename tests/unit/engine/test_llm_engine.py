@@ -8,7 +8,9 @@ from transformers import Qwen3OmniMoeForConditionalGeneration
 
 from omnistage import LLM, SamplingParams
 from omnistage.config import engine_config
+from omnistage.engine.capture_plan import GiB
 from omnistage.errors import InvalidRequest, RequestTooLarge
+from omnistage.models.qwen3_omni.config import Qwen3OmniConfig
 from omnistage.pipeline.async_engine import AsyncEngine
 
 PROMPTS = [
@@ -105,12 +107,16 @@ def test_arrivals_while_others_decode(llm, alone):
 
 
 def test_admission_refusal_is_exact(tiny_checkpoint):
+    # 175 pages sized by memory (a pool given in pages must hold one request of max_model_len)
+    page_bytes = (
+        128 * Qwen3OmniConfig.from_dir(tiny_checkpoint).thinker.text.kv_bytes_per_token * 2
+    )  # float32
     small = LLM(
         model=str(tiny_checkpoint),
         device="cpu",
         dtype="float32",
         page_size=128,
-        num_kv_pages=175,
+        kv_cache_memory_gib=175.5 * page_bytes / GiB,
         max_model_len=65536,
     )
     with pytest.raises(RequestTooLarge) as err:
