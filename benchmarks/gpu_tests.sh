@@ -1,0 +1,33 @@
+#!/usr/bin/env bash
+# Every GPU test file in a pytest process of its own, so that a crash in one (a CUDA error poisons the whole
+# process) cannot hide the others' results:
+#
+#   OUT=/path bash benchmarks/gpu_tests.sh [test files...]     # on the GPU machine; default: tests/gpu/test_*.py
+#
+# The two-GPU tests run only where two GPUs are. Each file's log goes into $OUT/gpu_tests.tgz, a summary line
+# per file to stdout and $OUT/gpu_tests.txt. The GPU image lacks some dependencies: wheels in the repository's
+# ignored .whl/ folder, carried with the call, are installed into /tmp/site first.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-gpu-out}
+mkdir -p "$OUT/gpu_tests"
+export PYTHONUNBUFFERED=1
+if compgen -G ".whl/*.whl" >/dev/null; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit
+  export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
+fi
+gpus=$(nvidia-smi -L | wc -l)
+failed=0
+files=("$@")
+[[ ${#files[@]} -gt 0 ]] || files=(tests/gpu/test_*.py)
+for file in "${files[@]}"; do
+  if [[ $file == *two_gpu* && $gpus -lt 2 ]]; then
+    continue
+  fi
+  name=$(basename "$file" .py)
+  start=$SECONDS
+  timeout "${PER_FILE_S:-200}" python3 -m pytest -q -rs -p no:cacheprovider --tb=short "$file" >"$OUT/gpu_tests/$name.log" 2>&1 || failed=1
+  echo "$name ($((SECONDS - start)) s): $(grep -E '^(FAILED|ERROR)|[0-9]+ (passed|failed|skipped|error)' "$OUT/gpu_tests/$name.log" | tail -4 | tr '\n' ' ')" | tee -a "$OUT/gpu_tests.txt"
+done
+tar czf "$OUT/gpu_tests.tgz" -C "$OUT" gpu_tests && rm -r "$OUT/gpu_tests"
+exit $failed
