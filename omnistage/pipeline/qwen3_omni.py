@@ -236,6 +236,12 @@ class Qwen3OmniPipeline:
         talker, predictor, c2w = (config.stage(s) for s in ("talker", "code_predictor", "code2wav"))
         self.talker = load_talker(path, dtype, device, backend_for(device), config.load_format, config.seed)
         self.code_predictor = load_code_predictor(path, dtype, device, config.load_format, config.seed)
+        compiled = device.type == "cuda" and config.compile
+        if compiled:
+            # as the Thinker's: the layers' norms, rotary and residual glue fused. A frame of the code predictor
+            # is 15 steps of 5 small layers, hundreds of kernels even in a graph, where each costs microseconds
+            for layer in (*self.talker.model.layers, *self.code_predictor.model.layers):
+                layer.compile(dynamic=True)
         self.code2wav = load_code2wav(path, dtype, device, config.load_format, config.seed)
         text = cfg.talker.text
         page_bytes = text.kv_bytes_per_token * config.page_size
@@ -261,6 +267,7 @@ class Qwen3OmniPipeline:
             PREDICTOR_TOP_K,
             max_batch=predictor.max_batch,
             enforce_eager=predictor.enforce_eager,
+            compile_sampling=compiled,
         )
         self.code2wav_graphs = Code2WavGraphs(
             self.code2wav,
@@ -321,14 +328,18 @@ class Qwen3OmniPipeline:
             )
         torch.cuda.empty_cache()
         page_bytes = text.kv_bytes_per_token * cfg.page_size
+        min_pages = -(-self.talker_max_len // cfg.page_size)
         fixed = talker.kv.pages or (int(talker.kv.gib * GiB) // page_bytes if talker.kv.gib else None)
         share = None
         if fixed is None and shared:
+            thinker_pool = cfg.stage("thinker").kv
             thinker = self.model_config.thinker.text.kv_bytes_per_token
-            share = talker.kv.share or text.kv_bytes_per_token / (thinker + text.kv_bytes_per_token)
-        pool = KVPool(
-            "Talker", page_bytes, min_pages=-(-self.talker_max_len // cfg.page_size), share=share, pages=fixed
-        )
+            if thinker_pool.pages or thinker_pool.gib:  # a fixed Thinker pool: as many tokens in the Talker's
+                thinker_pages = thinker_pool.pages or int(thinker_pool.gib * GiB) // (thinker * cfg.page_size)
+                fixed = max(min_pages, thinker_pages)
+            else:
+                share = talker.kv.share or text.kv_bytes_per_token / (thinker + text.kv_bytes_per_token)
+        pool = KVPool("Talker", page_bytes, min_pages=min_pages, share=share, pages=fixed)
         streams = set(c2w.graphs.sizes(decode_buckets))
         talker_graphs = (
             talker.graphs.sizes(decode_buckets) if self.talker_stage.dtype == torch.bfloat16 else []

@@ -76,7 +76,15 @@ def test_replay_equals_eager(model, runner, size, streams):
     codes, starts = windows(model, size, streams, seed=streams * 100 + size)
     assert runner.sets[size].bucket_for(streams) is not None
     got = runner(codes, starts)
-    want = model.decode_window(codes, starts)
+    # eager over the same padded batch (zero codes, start 0): the kernels the graph recorded, so only replay
+    # differs. Padding itself is shown exact in float32 on the CPU (tests/unit/engine/test_code2wav_graphs.py):
+    # in bf16 a batch of 3 and one of 4 take other GEMM kernels, which random weights amplify to ~5% here.
+    pad = runner.sets[size].bucket_for(streams) - streams
+    padded = (
+        torch.cat([codes, codes.new_zeros(pad, *codes.shape[1:])]),
+        torch.cat([starts, starts.new_zeros(pad)]),
+    )
+    want = model.decode_window(*padded)[:streams]
     assert got.shape == want.shape == (streams, model.config.samples_per_frame * size)
     assert got.isfinite().all()
     error = _rel(got, want)

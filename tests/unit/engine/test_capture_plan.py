@@ -161,7 +161,7 @@ def test_cheapest_first_all_or_nothing():
 
 
 def test_default_graph_budget_is_a_share_of_spare_memory():
-    costs = {b: 100 * MiB for b in decode_buckets(128)}
+    costs = {b: 200 * MiB for b in decode_buckets(128)}
     plan = plan_memory(
         total=80 * GiB,
         free_after_weights=5 * GiB + 512 * MiB,
@@ -172,9 +172,9 @@ def test_default_graph_budget_is_a_share_of_spare_memory():
         reserve=0,
         min_kv_pages=0,
     )
-    # 5 GiB spare, 10% = 512 MiB -> 5 graphs of 100 MiB.
-    assert len(plan.captured_buckets) == 5
-    assert plan.captured_buckets == (1, 2, 4, 8, 16)  # equal costs: smaller buckets first
+    # 5 GiB spare, 25% = 1,280 MiB -> 6 graphs of 200 MiB.
+    assert len(plan.captured_buckets) == 6
+    assert plan.captured_buckets == (1, 2, 4, 8, 16, 24)  # equal costs: smaller buckets first
 
 
 def test_limit_caps_the_plan():
