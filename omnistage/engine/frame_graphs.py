@@ -84,14 +84,10 @@ class FrameGraphRunner(GraphSet):
         top_k: int,
         max_batch: int,
         enforce_eager: bool = False,
-        compile_sampling: bool = False,
     ) -> None:
-        """`compile_sampling`: torch.compile the sampler (its hash is ~30 elementwise kernels per inner step
-        when eager, one or two compiled)."""
         self.predictor = predictor
         self.code0_embedding = code0_embedding
         self.top_k = top_k
-        self._sample = torch.compile(sample_static, dynamic=True) if compile_sampling else sample_static
         device = predictor.lm_head[0].weight.device
         super().__init__(self._frame, StaticFrameBuffers(predictor, max_batch, device), device, enforce_eager)
 
@@ -100,7 +96,7 @@ class FrameGraphRunner(GraphSet):
         self, hidden: torch.Tensor, code0: torch.Tensor, rows: StaticRows, kv: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
         return self.predictor.predict_frame(
-            hidden, self.code0_embedding(code0), lambda logits: self._sample(logits, rows, self.top_k), kv
+            hidden, self.code0_embedding(code0), lambda logits: sample_static(logits, rows, self.top_k), kv
         )
 
     def run(

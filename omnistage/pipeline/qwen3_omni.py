@@ -239,7 +239,10 @@ class Qwen3OmniPipeline:
         compiled = device.type == "cuda" and config.compile
         if compiled:
             # as the Thinker's: the layers' norms, rotary and residual glue fused. A frame of the code predictor
-            # is 15 steps of 5 small layers, hundreds of kernels even in a graph, where each costs microseconds
+            # is 15 steps of 5 small layers, hundreds of kernels even in a graph, where each costs microseconds.
+            # The Talker's layers are the Thinker's code at other sizes: their variants join the Thinker's under
+            # one code object, past dynamo's default limit of 8, beyond which calls silently run eagerly.
+            torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 32)
             for layer in (*self.talker.model.layers, *self.code_predictor.model.layers):
                 layer.compile(dynamic=True)
         self.code2wav = load_code2wav(path, dtype, device, config.load_format, config.seed)
@@ -267,7 +270,6 @@ class Qwen3OmniPipeline:
             PREDICTOR_TOP_K,
             max_batch=predictor.max_batch,
             enforce_eager=predictor.enforce_eager,
-            compile_sampling=compiled,
         )
         self.code2wav_graphs = Code2WavGraphs(
             self.code2wav,

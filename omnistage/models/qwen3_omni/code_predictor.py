@@ -53,9 +53,17 @@ class CodePredictorAttention(nn.Module):
         self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
 
     def forward(
-        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv: torch.Tensor, start: int
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        kv: torch.Tensor,
+        start: int,
+        causal: bool,
     ) -> torch.Tensor:
-        """x `[B, S, H]` at positions `start..start+S-1` (cos/sin `[S, head_dim]`); kv `[2, B, Hkv, G, D]`."""
+        """x `[B, S, H]` at positions `start..start+S-1` (cos/sin `[S, head_dim]`); kv `[2, B, Hkv, G, D]`.
+        `causal`: the S rows attend causally (the first step's, from position 0); else one row attends to all.
+        A flag, not `S > 1`: under torch.compile a bool of a symbolic size breaks the graph at the attention."""
         batch, length, _ = x.shape
         q = self.q_norm(self.q_proj(x).view(batch, length, self.num_heads, self.head_dim))
         k = self.k_norm(self.k_proj(x).view(batch, length, self.num_kv_heads, self.head_dim))
@@ -68,8 +76,7 @@ class CodePredictorAttention(nn.Module):
             q.transpose(1, 2),
             kv[0, :, :, :end],
             kv[1, :, :, :end],
-            # several new rows only at the first step, which starts at position 0: plain causal
-            is_causal=length > 1,
+            is_causal=causal,
             scale=self.scale,
             enable_gqa=True,
         )
@@ -85,9 +92,15 @@ class CodePredictorDecoderLayer(nn.Module):
         self.mlp = GatedMLP(cfg.hidden_size, cfg.intermediate_size)
 
     def forward(
-        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv: torch.Tensor, start: int
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        kv: torch.Tensor,
+        start: int,
+        causal: bool,
     ) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, kv, start)
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, kv, start, causal)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -104,11 +117,17 @@ class CodePredictorModel(nn.Module):
         self.rotary_emb = MRotaryEmbedding(cfg.head_dim, cfg.rope_theta, (cfg.head_dim // 2, 0, 0))
 
     def forward(
-        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv: torch.Tensor, start: int
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        kv: torch.Tensor,
+        start: int,
+        causal: bool,
     ) -> torch.Tensor:
         """Final-norm hidden states `[B, S, H]` of x `[B, S, H]` at positions `start..`; kv `[layers, 2, B, Hkv, G, D]`."""
         for i, layer in enumerate(self.layers):
-            x = layer(x, cos, sin, kv[i], start)
+            x = layer(x, cos, sin, kv[i], start, causal)
         return self.norm(x)
 
 
@@ -167,11 +186,13 @@ class CodePredictor(nn.Module):
         x, start = torch.stack((talker_hidden, code0_embeds), dim=1), 0
         for step in range(groups - 1):
             end = start + x.shape[1]
-            hidden = self.model(x, cos[start:end], sin[start:end], kv, start)
+            hidden = self.model(x, cos[start:end], sin[start:end], kv, start, causal=step == 0)
             ids = sample(self.lm_head[step](hidden[:, -1]).float())
             codes[:, step] = ids
-            embeds[:, step + 1] = self.model.codec_embedding[step](ids)
-            x, start = embeds[:, step + 1 : step + 2], end
+            row = self.model.codec_embedding[step](ids)
+            embeds[:, step + 1] = row
+            # the row itself, not a view into `embeds`: every step's input then has one layout (compiled once)
+            x, start = row[:, None], end
         # one reduction over the G embeddings, as transformers sums them (not G - 1 rounded additions)
         return codes, embeds.sum(dim=1)
 

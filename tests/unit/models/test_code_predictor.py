@@ -89,3 +89,34 @@ def test_hidden_sizes_of_talker_and_predictor_must_agree(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps(config))
     with pytest.raises(ConfigError, match="hidden_size"):
         load_code_predictor(tmp_path, torch.float32, "cpu", load_format="dummy")
+
+
+def test_its_layers_compile_whole_for_every_batch_bucket():
+    """On a GPU the layers run under torch.compile: no graph break, and few enough variants over the batch
+    buckets that dynamo never falls back to eager (its limit is 8 per code object)."""
+    from torch._dynamo.utils import counters
+
+    from omnistage.engine.capture_plan import decode_buckets
+    from omnistage.engine.static_sampling import StaticRows, sample_static
+
+    model = CodePredictor(CONFIG)
+    fill_random_(model, seed=0)
+    model.requires_grad_(False).eval()
+    torch._dynamo.reset()
+    counters.clear()
+    for layer in model.model.layers:
+        layer.compile(dynamic=True, backend="eager")  # the guards are the compiler's, whatever the backend
+    buckets = decode_buckets(64)
+    kv = model.new_kv(max(buckets))
+    try:
+        with torch.inference_mode():
+            for batch in reversed(buckets):  # as the graphs are captured: largest first
+                rows = StaticRows.empty(batch, "cpu")
+                hidden, code0 = torch.randn(2, batch, CONFIG.hidden_size)
+                model.predict_frame(
+                    hidden, code0, lambda logits: sample_static(logits, rows, 5), kv[:, :, :batch]
+                )
+        assert not counters["graph_break"]
+        assert counters["stats"]["unique_graphs"] <= 8
+    finally:
+        torch._dynamo.reset()
