@@ -244,7 +244,9 @@ class EngineConfig(BaseModel):
     moe_kernel: Literal["auto", "grouped_mm", "triton"] = Field(
         "auto", description="GPU MoE kernel: auto takes Triton for decode-sized batches, grouped GEMMs above"
     )
-    max_graph_batch: int = Field(64, ge=1, description="largest decode batch captured in a CUDA graph")
+    max_graph_batch: int = Field(
+        128, ge=1, description="largest decode batch captured in a CUDA graph (the plan may capture fewer)"
+    )
     max_prefill_graph_tokens: int = Field(
         512, ge=0, description="largest one-sequence prefill chunk captured in a CUDA graph (0: none)"
     )

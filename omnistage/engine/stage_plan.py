@@ -106,22 +106,17 @@ def plan_stage_memory(
 
 
 def _graph_candidates(runner: ModelRunner, cfg: EngineConfig, stage: str) -> tuple[GraphCandidates, ...]:
+    """The stage's decode and prefill graphs as the config's stages section sizes them (none when eager)."""
     # a graph keeps its step's activations and logits in the shared pool; scale the largest step's measured
     # peak by batch (conservative: graphs captured largest-first reuse that memory)
-    buckets = decode_buckets(min(cfg.max_graph_batch, cfg.max_num_seqs))
-    graphs = [
-        GraphCandidates(
-            stage, "decode", "batch", scaled_costs(runner.profile_peak(max(buckets), max(buckets)), buckets)
-        )
-    ]
-    max_prefill = min(cfg.max_prefill_graph_tokens, cfg.max_num_batched_tokens)
-    if max_prefill:
-        prefill = prefill_buckets(max_prefill)
-        graphs.append(
-            GraphCandidates(
-                stage, "prefill", "tokens", scaled_costs(runner.profile_peak(max(prefill), 1), prefill)
-            )
-        )
+    thinker = cfg.stage("thinker")
+    graphs = []
+    if buckets := thinker.graphs.sizes(decode_buckets):
+        peak = runner.profile_peak(max(buckets), max(buckets))
+        graphs.append(GraphCandidates(stage, "decode", "batch", scaled_costs(peak, buckets)))
+    if prefill := thinker.prefill_graphs.sizes(prefill_buckets):
+        peak = runner.profile_peak(max(prefill), 1)
+        graphs.append(GraphCandidates(stage, "prefill", "tokens", scaled_costs(peak, prefill)))
     return tuple(graphs)
 
 

@@ -70,7 +70,7 @@ def test_stages_follow_the_engine_and_each_other_by_default():
     assert config.stage("code_predictor").device == config.stage("code2wav").device == "cuda:1"
     assert config.stage("code2wav").max_streams == 4
     assert config.stage("talker").max_batch == config.stage("code_predictor").max_batch == 8
-    assert config.stage("thinker").graphs.sizes(decode_buckets) == [1, 2, 4, 8]  # max_graph_batch 64, capped
+    assert config.stage("thinker").graphs.sizes(decode_buckets) == [1, 2, 4, 8]  # max_graph_batch 128, capped
     eager = engine_config(enforce_eager=True, stages={"talker": {"enforce_eager": False}})
     assert eager.stage("thinker").graphs.sizes(decode_buckets) == []
     assert eager.stage("talker").graphs.sizes(decode_buckets) == decode_buckets(64)
