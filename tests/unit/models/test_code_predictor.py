@@ -114,7 +114,7 @@ def test_its_layers_compile_whole_for_every_batch_bucket():
                 rows = StaticRows.empty(batch, "cpu")
                 hidden, code0 = torch.randn(2, batch, CONFIG.hidden_size)
                 model.predict_frame(
-                    hidden, code0, lambda logits: sample_static(logits, rows, 5), kv[:, :, :batch]
+                    hidden, code0, lambda logits, rows=rows: sample_static(logits, rows, 5), kv[:, :, :batch]
                 )
         assert not counters["graph_break"]
         assert counters["stats"]["unique_graphs"] <= 8
