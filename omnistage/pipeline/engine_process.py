@@ -32,6 +32,7 @@ from typing import Any
 import torch
 
 from omnistage.config import EngineConfig
+from omnistage.engine.capture_plan import Gauge
 from omnistage.engine.sampling import SamplingParams, SpeechParams
 from omnistage.errors import ConfigError
 from omnistage.outputs import RequestOutput
@@ -58,6 +59,7 @@ class PipelineInfo:
     voices: tuple[str, ...]
     memory_summary: str
     stats: dict[str, int]
+    plan_gauges: list[Gauge]
 
 
 @dataclass(frozen=True)
@@ -97,6 +99,7 @@ def _engine_main(config_json: str, conn: Connection, log_level: int) -> None:
         pipeline.voices,
         pipeline.memory_summary(),
         pipeline.stats(),
+        pipeline.plan_gauges(),
     )
     _send(conn, info)
     admitted = 0
@@ -220,6 +223,9 @@ class RemotePipeline:
 
     def memory_summary(self) -> str:
         return self.info.memory_summary
+
+    def plan_gauges(self) -> list[Gauge]:
+        return list(self.info.plan_gauges)
 
     def tts_prompt(self, text: str) -> TtsPrompt:
         return tts_prompt(self.processor, text, self.max_model_len)

@@ -10,6 +10,7 @@ import torch
 
 from omnistage.config import STAGES, EngineConfig, validate_topology
 from omnistage.engine.attention import backend_for
+from omnistage.engine.capture_plan import Gauge
 from omnistage.engine.encoder_engine import EncoderEngine
 from omnistage.engine.llm_engine import LLMEngine, NewRequest, StageModels, resolve_device, resolve_dtype
 from omnistage.engine.sampling import SamplingParams, SpeechParams
@@ -52,6 +53,10 @@ class Qwen3ASRPipeline:
         self.processor, self.tokenizer = processor, processor.tokenizer
         self.model_path, self.max_model_len = path, self.thinker.max_model_len
         self.device, self.dtype = device, dtype
+
+    def plan_gauges(self) -> list[Gauge]:
+        """The device's memory plan as gauge samples (none on a CPU), for `/metrics`."""
+        return self.thinker.plan.gauges() if self.thinker.plan is not None else []
 
     def memory_summary(self) -> str:
         return self.thinker.memory_summary() + "; Qwen3-ASR: transcription only"

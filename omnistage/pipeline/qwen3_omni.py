@@ -32,6 +32,7 @@ from omnistage.config import STAGES, EngineConfig, validate_topology
 from omnistage.engine.attention import backend_for
 from omnistage.engine.capture_plan import (
     NO_OTHER_STAGES,
+    Gauge,
     GiB,
     GraphCandidates,
     KVPool,
@@ -374,6 +375,11 @@ class Qwen3OmniPipeline:
             kv=(pool,),
             graphs=tuple(g for g in graphs if g.costs),
         )
+
+    def plan_gauges(self) -> list[Gauge]:
+        """Every device's memory plan as gauge samples (none on a CPU), for `/metrics`."""
+        plans = [plan for plan in (self.thinker.plan, self.speech_plan) if plan is not None]
+        return [gauge for plan in plans for gauge in plan.gauges()]
 
     def memory_summary(self) -> str:
         summary = self.thinker.memory_summary()

@@ -153,6 +153,7 @@ class _Server:
         self.served_model_name = served_model_name
         self.media = media
         self.metrics = ServerMetrics()
+        self.metrics.set_plan(engine.engine.plan_gauges())
         self.created = int(time.time())
 
     def count(self, path: str, status: int | str) -> None:

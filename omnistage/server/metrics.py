@@ -1,13 +1,16 @@
 """Prometheus metrics of one server, in its own registry (two apps in one process never collide).
 
 Request counters and latency histograms are fed as requests end; the engine gauges (queue, KV pages) are
-read from `engine.stats()` at scrape time, so they are never stale.
+read from `engine.stats()` at scrape time, so they are never stale. The memory plan of each device is fixed
+at start: its gauges are set once (`set_plan`).
 """
 
 from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
+from omnistage.engine.capture_plan import GAUGE_HELP
+from omnistage.engine.capture_plan import Gauge as PlanGauge
 from omnistage.outputs import RequestOutput
 
 _TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
@@ -81,6 +84,16 @@ class ServerMetrics:
             "Allocations that found the GPU full and retried after freeing the allocator's cache",
             registry=r,
         )
+
+    def set_plan(self, samples: list[PlanGauge]) -> None:
+        """The memory plans' samples: one gauge per name (each name has one set of labels)."""
+        gauges: dict[str, Gauge] = {}
+        for sample in samples:
+            if sample.name not in gauges:
+                gauges[sample.name] = Gauge(
+                    sample.name, GAUGE_HELP[sample.name], sorted(sample.labels), registry=self.registry
+                )
+            gauges[sample.name].labels(**sample.labels).set(sample.value)
 
     def count(self, endpoint: str, status: int | str) -> None:
         self.requests.labels(endpoint, str(status)).inc()

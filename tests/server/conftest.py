@@ -149,9 +149,13 @@ class FakeLLMEngine:
     model_path = Path("/models/fake")
     max_model_len = 4096
     voices: tuple[str, ...] = ()  # a checkpoint without a talker
+    gauges: list = []  # the memory plans' samples (a CPU engine has none)
 
     def memory_summary(self) -> str:
         return "fake engine"
+
+    def plan_gauges(self) -> list:
+        return self.gauges
 
 
 class FakeEngine:

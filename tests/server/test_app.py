@@ -221,3 +221,36 @@ def test_ten_thousand_bad_fields_are_answered_at_once(fake_engine):
     assert time.monotonic() - started < 2  # the paths are compared in linear time, not pairwise
     error = assert_error(r, 400, "invalid_request_error", "x0: unknown field; x1: unknown field")
     assert error["message"].endswith("and 9997 more") and error["param"] == "x0"
+
+
+def test_metrics_carry_the_memory_plan(fake_engine):
+    from omnistage.engine.capture_plan import (
+        DeviceMemory,
+        GiB,
+        GraphCandidates,
+        KVPool,
+        StageMemory,
+        plan_device,
+    )
+
+    stage = StageMemory(
+        resident=(("Thinker", 10 * GiB, "weights"),),
+        peaks=(("text prefill", GiB, "2,048 tokens"),),
+        kv=(KVPool("Thinker", 1 << 20, min_pages=64),),
+        graphs=(GraphCandidates("Thinker", "decode", "batch", {1: 1 << 20, 2: 1 << 30}),),
+    )
+    device = DeviceMemory(total=40 * GiB, free=30 * GiB, allocated=10 * GiB, name="cuda:0")
+    plan = plan_device(device, [stage], graph_budget=64 << 20)
+    fake_engine.engine.gauges = plan.gauges()
+    metrics = TestClient(build_app(fake_engine, MODEL)).get("/metrics").text
+    pages = f'omnistage_memory_plan_kv_pages{{device="cuda:0",stage="Thinker"}} {float(plan.kv_pages)}'
+    assert pages in metrics
+    assert (
+        'omnistage_memory_plan_bytes{device="cuda:0",part="weights",stage="Thinker"} 1.073741824e+10'
+        in metrics
+    )
+    captured = (
+        'omnistage_memory_plan_graphs{device="cuda:0",kind="decode",stage="Thinker",state="captured"} 1.0'
+    )
+    eager = 'omnistage_memory_plan_graphs{device="cuda:0",kind="decode",stage="Thinker",state="eager"} 1.0'
+    assert captured in metrics and eager in metrics
