@@ -51,3 +51,11 @@ def test_a_model_directory_that_does_not_exist_is_named(tmp_path, capsys):
     missing = tmp_path / "no-such-checkpoint"
     assert main(["serve", "--model", str(missing), "--device", "cpu"]) == 2
     assert f"{missing}: the checkpoint directory does not exist" in capsys.readouterr().err
+
+
+def test_a_pool_too_small_for_one_request_of_the_context_stops_the_server(capsys):
+    args = ["serve", "--device", "cpu", "--num-kv-pages", "64", "--max-model-len", "2048"]
+    assert main(args) == 2
+    assert "engine.num_kv_pages: 64 pages of 16 tokens hold 1,024 tokens, less than one request of 2,048" in (
+        capsys.readouterr().err
+    )

@@ -590,7 +590,7 @@ def server(launch_server, media_dir):
         "--served-model-name", MODEL,
         "--api-key", API_KEY,
         "--media-dir", str(media_dir),
-        "--num-kv-pages", "64",
+        "--num-kv-pages", str(MAX_MODEL_LEN // 16),
         "--max-model-len", str(MAX_MODEL_LEN),
         "--max-body-bytes", str(MAX_BODY_BYTES),
     ) as server:  # fmt: skip
@@ -734,7 +734,9 @@ def test_healthy_after_auth(server, client):
 @pytest.fixture(scope="module")
 def open_server(launch_server):
     """Neither --api-key nor --media-dir: the defaults."""
-    with launch_server("corpus-open-server", "--served-model-name", MODEL, "--num-kv-pages", "64") as server:
+    with launch_server(
+        "corpus-open-server", "--served-model-name", MODEL, "--num-kv-pages", "64", "--max-model-len", "1024"
+    ) as server:
         yield server
 
 
