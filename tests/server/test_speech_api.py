@@ -48,6 +48,9 @@ class SpeakingFacade:
     def __init__(self, voices: tuple[str, ...]) -> None:
         self.voices = voices
 
+    def plan_gauges(self) -> list:
+        return []  # no GPU plan
+
     def encode_chat(self, messages: list[dict], add_generation_prompt: bool, max_model_len: int):
         prompt = "\n".join(m["content"] for m in messages)
         return prompt, [ord(c) for c in prompt]
