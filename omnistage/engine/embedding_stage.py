@@ -27,7 +27,7 @@ from omnistage.engine.gpu_memory import device_peak
 from omnistage.engine.graphs import DecodeGraphRunner
 from omnistage.engine.isolation import run_isolated
 from omnistage.engine.kv_cache import PagePool
-from omnistage.engine.model_runner import positions_for
+from omnistage.engine.model_runner import WARM_UP_SHAPES, positions_for
 from omnistage.engine.sampling import Sampler, SamplingParams, SamplingRow, make_generator
 from omnistage.engine.scheduler import ScheduledChunk, Scheduler, SchedulerOutput
 from omnistage.engine.sequence import Sequence, SequenceStatus
@@ -134,6 +134,13 @@ class EmbeddingStage:
             self._logits(hidden[meta.query_start_loc[1:].long() - 1])
         del kv, hidden
         return peak.bytes
+
+    def warm_up(self, max_tokens: int) -> None:
+        """Run the eager step shapes traffic brings (the Thinker's list), so that kernel builds and compiled
+        variants happen at start, not in the first requests' prefills (GPU only)."""
+        for tokens, seqs in WARM_UP_SHAPES:
+            if tokens <= max_tokens:
+                self.profile_peak(tokens, seqs)
 
     # -- decode graphs ------------------------------------------------------------------------------
 
