@@ -31,7 +31,7 @@ from omnistage.engine.model_runner import WARM_UP_SHAPES, positions_for
 from omnistage.engine.sampling import Sampler, SamplingParams, SamplingRow, make_generator
 from omnistage.engine.scheduler import ScheduledChunk, Scheduler, SchedulerOutput
 from omnistage.engine.sequence import Sequence, SequenceStatus
-from omnistage.models.layers.attention_metadata import AttentionMetadata
+from omnistage.models.layers.attention_metadata import AttentionMetadata, to_device
 from omnistage.models.layers.rotary import PromptPositions
 from omnistage.models.qwen3_omni.config import TextConfig
 
@@ -291,16 +291,16 @@ class EmbeddingStage:
         if not decode:  # a row that samples ends its chunk
             ends = accumulate(c.num_tokens for c in chunks)
             rows = torch.tensor([end - 1 for end, c in zip(ends, chunks) if c.samples], dtype=torch.long)
-            hidden = hidden.index_select(0, rows.to(self.device, non_blocking=True))
+            hidden = hidden.index_select(0, to_device(rows, self.device))
         return hidden, self._logits(hidden) if len(hidden) else None
 
     def _positions(self, chunks: list[ScheduledChunk], decode: bool) -> torch.Tensor:
         """`[3, T]` M-RoPE positions on the device; a decode step's from host ints, in one copy."""
         if decode and all(c.start >= c.seq.num_prompt_tokens for c in chunks):
             rows = [c.start + c.seq.data.positions.delta for c in chunks]  # all three streams alike
-            return torch.tensor(rows).to(self.device, non_blocking=True).expand(3, -1)
+            return to_device(torch.tensor(rows), self.device).expand(3, -1)
         positions = [positions_for(c.start, c.num_tokens, c.seq.data.positions) for c in chunks]
-        return torch.cat(positions, dim=1).to(self.device, non_blocking=True)
+        return to_device(torch.cat(positions, dim=1), self.device)
 
     @torch.inference_mode()
     def _sample(self, logits: torch.Tensor, sampling: list[ScheduledChunk]) -> torch.Tensor:

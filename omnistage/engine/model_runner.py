@@ -17,6 +17,7 @@ from omnistage.engine.attention import AttentionMetadata
 from omnistage.engine.gpu_memory import device_peak
 from omnistage.engine.graphs import DecodeGraphRunner, PrefillGraphRunner
 from omnistage.engine.scheduler import ScheduledChunk, SchedulerOutput
+from omnistage.models.layers.attention_metadata import to_device
 from omnistage.models.layers.rotary import PromptPositions
 from omnistage.models.qwen3_omni.config import TextConfig
 from omnistage.models.qwen3_omni.thinker import Thinker
@@ -153,8 +154,8 @@ class ModelRunner:
         meta = AttentionMetadata.build(
             [(c.start, c.num_tokens, c.seq.page_ids) for c in chunks], self.page_size, self.device
         )
-        input_ids = torch.tensor(ids, dtype=torch.long).to(self.device, non_blocking=True)
-        return input_ids, torch.cat(positions, dim=1).to(self.device, non_blocking=True), meta
+        input_ids = to_device(torch.tensor(ids, dtype=torch.long), self.device)
+        return input_ids, to_device(torch.cat(positions, dim=1), self.device), meta
 
     @torch.inference_mode()
     def execute(self, step: SchedulerOutput) -> torch.Tensor:
@@ -179,7 +180,7 @@ class ModelRunner:
                 inside = (tap.rows >= chunk.start) & (tap.rows < chunk.start + chunk.num_tokens)
                 tap.values[inside] = tapped[starts[i] + tap.rows[inside] - chunk.start].to(tap.values.dtype)
         last_rows = meta.query_start_loc[1:].long() - 1
-        sampling = torch.tensor([c.samples for c in step.chunks], device=self.device)
+        sampling = to_device(torch.tensor([c.samples for c in step.chunks]), self.device)
         return self.model.compute_logits(hidden[last_rows[sampling]])
 
     def _merge_multimodal(

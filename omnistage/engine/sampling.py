@@ -11,6 +11,7 @@ import torch
 from torch import Tensor
 
 from omnistage.errors import InvalidRequest
+from omnistage.models.layers.attention_metadata import to_device
 
 # Below this a temperature counts as greedy: dividing logits by it would only amplify float noise (vLLM's bound).
 GREEDY_TEMPERATURE = 1e-5
@@ -174,7 +175,7 @@ def _token_counts(id_lists: list[list[int]], vocab: int, device: torch.device) -
     longest = max(len(ids) for ids in id_lists)
     # Pad with `vocab`, an extra column dropped after the scatter; out-of-vocab ids land there too.
     padded = torch.tensor([ids + [vocab] * (longest - len(ids)) for ids in id_lists], dtype=torch.long)
-    padded = padded.clamp_(0, vocab).to(device)
+    padded = to_device(padded.clamp_(0, vocab), device)
     counts = torch.zeros(len(id_lists), vocab + 1, dtype=torch.float32, device=device)
     counts.scatter_add_(1, padded, torch.ones_like(padded, dtype=torch.float32))
     return counts[:, :vocab]
@@ -197,19 +198,23 @@ def apply_penalties(logits: Tensor, rows: list[SamplingRow]) -> Tensor:
     logits = logits.clone()
     vocab, device = logits.shape[1], logits.device
     if repetition:
-        index = torch.tensor(repetition, device=device)
+        index = to_device(torch.tensor(repetition), device)
         seen = _token_counts([rows[i].token_ids for i in repetition], vocab, device) > 0
-        penalty = torch.tensor([rows[i].params.repetition_penalty for i in repetition], device=device)[
+        penalty = to_device(torch.tensor([rows[i].params.repetition_penalty for i in repetition]), device)[
             :, None
         ]
         sub = logits[index]
         penalised = torch.where(sub > 0, sub / penalty, sub * penalty)
         logits[index] = torch.where(seen, penalised, sub)
     if additive:
-        index = torch.tensor(additive, device=device)
+        index = to_device(torch.tensor(additive), device)
         counts = _token_counts([rows[i].output_token_ids for i in additive], vocab, device)
-        frequency = torch.tensor([rows[i].params.frequency_penalty for i in additive], device=device)[:, None]
-        presence = torch.tensor([rows[i].params.presence_penalty for i in additive], device=device)[:, None]
+        frequency = to_device(torch.tensor([rows[i].params.frequency_penalty for i in additive]), device)[
+            :, None
+        ]
+        presence = to_device(torch.tensor([rows[i].params.presence_penalty for i in additive]), device)[
+            :, None
+        ]
         logits[index] = logits[index] - frequency * counts - presence * (counts > 0).float()
     return logits
 
@@ -233,7 +238,9 @@ def apply_min_tokens(logits: Tensor, rows: list[SamplingRow]) -> Tensor:
         return logits
     logits = logits.clone()
     device = logits.device
-    logits[torch.tensor(row_index, device=device), torch.tensor(token_index, device=device)] = -math.inf
+    logits[
+        to_device(torch.tensor(row_index), device), to_device(torch.tensor(token_index), device)
+    ] = -math.inf
     return logits
 
 
@@ -289,17 +296,17 @@ class Sampler:
         params = [r.params for r in rows]
 
         # Greedy rows ride along with neutral settings; their draws are discarded below.
-        temperature = torch.tensor([1.0 if p.greedy else p.temperature for p in params], device=device)
+        temperature = to_device(torch.tensor([1.0 if p.greedy else p.temperature for p in params]), device)
         logits = logits / temperature[:, None]
         if any(p.top_k > 0 or p.top_p < 1.0 for p in params):
             vocab = logits.shape[1]
             # inf, not 1.0: a cumulative sum can round past 1 and must not cut a row that asked for no top-p.
-            top_k = torch.tensor([p.top_k if p.top_k > 0 else vocab for p in params], device=device)
-            top_p = torch.tensor([p.top_p if p.top_p < 1.0 else math.inf for p in params], device=device)
+            top_k = to_device(torch.tensor([p.top_k if p.top_k > 0 else vocab for p in params]), device)
+            top_p = to_device(torch.tensor([p.top_p if p.top_p < 1.0 else math.inf for p in params]), device)
             head = max(p.top_k for p in params) if all(0 < p.top_k < vocab for p in params) else None
             logits = _apply_top_k_top_p(logits, top_k, top_p, head)
         if any(p.min_p > 0.0 for p in params):
-            logits = _apply_min_p(logits, torch.tensor([p.min_p for p in params], device=device))
+            logits = _apply_min_p(logits, to_device(torch.tensor([p.min_p for p in params]), device))
         probs = logits.softmax(dim=-1)
 
         # argmax(p / q) with q ~ Exp(1) is an exact draw from p (the exponential-race trick).
@@ -312,4 +319,4 @@ class Sampler:
             q[i].exponential_(generator=rows[i].generator)  # in place: no row copy
         # exponential_ may return exactly 0; 0/0 would make NaN, which argmax would pick.
         sampled = probs.div_(q.clamp_min_(torch.finfo(q.dtype).tiny)).argmax(dim=-1)
-        return torch.where(torch.tensor(greedy, device=device), greedy_ids, sampled)
+        return torch.where(to_device(torch.tensor(greedy), device), greedy_ids, sampled)

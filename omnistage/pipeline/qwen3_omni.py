@@ -50,6 +50,7 @@ from omnistage.engine.model_runner import HiddenTap
 from omnistage.engine.sampling import SamplingParams, SpeechParams
 from omnistage.engine.stage_plan import read_device
 from omnistage.errors import InvalidRequest
+from omnistage.models.layers.attention_metadata import to_device
 from omnistage.models.qwen3_omni.code2wav import load_code2wav
 from omnistage.models.qwen3_omni.code2wav_streamer import Code2WavStreamer
 from omnistage.models.qwen3_omni.code_predictor import load_code_predictor
@@ -162,7 +163,7 @@ class _Speech:
     predictor_draws: int = 0
     rows_fed: int = 0  # the Talker's decode rows given so far = text rows consumed
     codec_sum: torch.Tensor | None = None  # the last frame's embedding sum, waiting for its text row
-    codes: list[list[int]] = field(default_factory=list)
+    codes: list[torch.Tensor] = field(default_factory=list)  # one [num_code_groups] row per frame
     talker_done: bool = False
     audio: list[np.ndarray] = field(default_factory=list)
     audio_done: bool = False
@@ -708,7 +709,7 @@ class Qwen3OmniPipeline:
         if token_rows:
             projected = iter(
                 self.talker.text_projection(
-                    self._embedding(torch.tensor(token_rows, device=self.device)).to(self.speech_device)
+                    self._embedding(to_device(torch.tensor(token_rows), self.device)).to(self.speech_device)
                 )
             )
         for speech, text_row in ready:
@@ -720,7 +721,7 @@ class Qwen3OmniPipeline:
     def _predict_frames(self, frames: list[tuple[_Speech, Sampled]]) -> None:
         """Codes 1..15 of every new frame in one batched call (a graph replay on a GPU); the frames go to
         Code2Wav."""
-        code0 = torch.tensor([s.token for _, s in frames], device=self.speech_device)
+        code0 = to_device(torch.tensor([s.token for _, s in frames]), self.speech_device)
         hidden = torch.stack([s.hidden for _, s in frames])
         speeches = [speech for speech, _ in frames]
         count = len(frames)
@@ -739,7 +740,9 @@ class Qwen3OmniPipeline:
             speech.predictor_draws += self.model_config.talker.num_code_groups - 1
         frame_codes = torch.cat((code0[:, None], residual), dim=1)
         for (speech, sampled), codes, codec_sum in zip(frames, frame_codes, sums):
-            speech.codes.append(codes.tolist())
+            speech.codes.append(
+                codes
+            )  # on the device: read back once, when the request ends (no sync per step)
             self.streamer.feed(speech.request_id, codes[:, None])
             if sampled.finished:
                 self._end_talker(speech)
@@ -773,5 +776,5 @@ class Qwen3OmniPipeline:
             out.metrics = {**out.metrics, "first_audio": speech.first_audio}
         if finished:
             out.audio = np.concatenate(speech.audio) if speech.audio else np.zeros(0, dtype=np.float32)
-            out.audio_codes = speech.codes
+            out.audio_codes = torch.stack(speech.codes).tolist() if speech.codes else []
         return out

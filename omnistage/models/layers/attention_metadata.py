@@ -15,6 +15,16 @@ from typing import NamedTuple
 import torch
 
 
+def to_device(host: torch.Tensor, device: torch.device | str) -> torch.Tensor:
+    """A host-built tensor on `device`. To a GPU through pinned memory and without blocking: a copy from
+    pageable memory first waits for all the work queued on the stream, so the host could not prepare a step
+    while the GPU runs the previous one."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        return host.to(device)
+    return host.pin_memory().to(device, non_blocking=True)
+
+
 class Chunk(NamedTuple):
     """One sequence's share of a step: `num_new` tokens at positions `start`.. , its pages in order."""
 
@@ -81,10 +91,10 @@ class AttentionMetadata:
             block_tables[b, : len(table)] = torch.tensor(table, dtype=torch.int32)
         query_lens = [b - a for a, b in zip(starts, starts[1:], strict=False)]
         return cls(
-            slot_mapping=torch.tensor(slots, dtype=torch.int64, device=device),
-            query_start_loc=torch.tensor(starts, dtype=torch.int32, device=device),
-            seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=device),
-            block_tables=block_tables.to(device),
+            slot_mapping=to_device(torch.tensor(slots, dtype=torch.int64), device),
+            query_start_loc=to_device(torch.tensor(starts, dtype=torch.int32), device),
+            seq_lens=to_device(torch.tensor(seq_lens, dtype=torch.int32), device),
+            block_tables=to_device(block_tables, device),
             max_query_len=max(query_lens, default=0),
             max_seq_len=max(seq_lens, default=0),
         )
