@@ -87,7 +87,12 @@ def sample_static(logits: torch.Tensor, rows: StaticRows, top_k: int) -> torch.T
     probs = head.softmax(dim=-1)
     mass_before = probs.cumsum(dim=-1) - probs
     probs = probs.masked_fill(mass_before >= rows.top_p[:batch, None], 0.0)
-    noise = -uniform_noise(rows.seeds[:batch], rows.draws[:batch], top_k).log()
-    choice = (probs / noise).argmax(dim=-1, keepdim=True)
-    rows.draws[:batch] += 1
-    return torch.where(rows.greedy[:batch], greedy_ids, order.gather(1, choice)[:, 0])
+    if probs.is_cuda:  # one kernel for the noise, the race and the draw numbers (race_kernel.py)
+        from omnistage.engine.race_kernel import race
+
+        choice = race(probs, rows.seeds[:batch], rows.draws[:batch])
+    else:
+        noise = -uniform_noise(rows.seeds[:batch], rows.draws[:batch], top_k).log()
+        choice = (probs / noise).argmax(dim=-1)
+        rows.draws[:batch] += 1
+    return torch.where(rows.greedy[:batch], greedy_ids, order.gather(1, choice[:, None])[:, 0])
