@@ -11,16 +11,12 @@
 # 3. The 1.7B on one 2-minute clip at c = 1, 400 tokens forced (LibriSpeech's ~3.3 tokens per second of
 #    speech), with transformers. Under $OUT: env.txt, test_asr_gpu.log, asr_{1p7b,0p6b,1p7b_2min}.json, logs.
 # The GPU image lacks some dependencies: wheels in the repository's ignored .whl/ folder, carried with the call,
-# are installed into /tmp/site first (as benchmarks/speech.sh does).
+# are installed first (benchmarks/gpu_env.sh).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-asr-out}
 mkdir -p "$OUT"
-export PYTHONUNBUFFERED=1
-if compgen -G ".whl/*.whl" >/dev/null; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit
-  export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
-fi
+source benchmarks/gpu_env.sh
 python3 -c 'import sys, torch, transformers; print("python", sys.version.split()[0], "torch", torch.__version__, "transformers", transformers.__version__)' >"$OUT/env.txt" 2>&1
 failed=0
 [[ ${SKIP_GPU_TEST:-} ]] || timeout 150 python3 -m pytest -x -q -rs -p no:cacheprovider tests/gpu/test_asr_gpu.py 2>&1 | tee "$OUT/test_asr_gpu.log" || failed=1

@@ -6,16 +6,12 @@
 #
 # The two-GPU tests run only where two GPUs are. Each file's log goes into $OUT/gpu_tests.tgz, a summary line
 # per file to stdout and $OUT/gpu_tests.txt. The GPU image lacks some dependencies: wheels in the repository's
-# ignored .whl/ folder, carried with the call, are installed into /tmp/site first.
+# ignored .whl/ folder, carried with the call, are installed first (benchmarks/gpu_env.sh).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-gpu-out}
 mkdir -p "$OUT/gpu_tests"
-export PYTHONUNBUFFERED=1
-if compgen -G ".whl/*.whl" >/dev/null; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit
-  export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
-fi
+source benchmarks/gpu_env.sh
 gpus=$(nvidia-smi -L | wc -l)
 failed=0
 files=("$@")

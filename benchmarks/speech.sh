@@ -13,16 +13,12 @@
 # at 400 s and 170 s so that the whole fits one 10-minute call.
 #
 # The GPU image lacks some of omnistage's dependencies (pydantic, soundfile, the tokenizer...): wheels in the
-# repository's ignored .whl/ folder, carried with the call, are installed into /tmp/site first.
+# repository's ignored .whl/ folder, carried with the call, are installed first (benchmarks/gpu_env.sh).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-speech-out}
 mkdir -p "$OUT"
-export PYTHONUNBUFFERED=1
-if compgen -G ".whl/*.whl" >/dev/null; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit
-  export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
-fi
+source benchmarks/gpu_env.sh
 {
   nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
   python3 -c 'import sys, torch, transformers; print("python", sys.version.split()[0], "torch", torch.__version__, "transformers", transformers.__version__)'
