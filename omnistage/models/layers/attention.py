@@ -8,6 +8,7 @@ from torch import nn
 
 from omnistage.models.layers.attention_backend import AttentionBackend
 from omnistage.models.layers.attention_metadata import AttentionMetadata
+from omnistage.models.layers.linear import fuse_linears
 from omnistage.models.layers.norm import RMSNorm
 from omnistage.models.layers.rotary import apply_rotary
 
@@ -37,12 +38,7 @@ class Attention(nn.Module):
     def fuse_projections(self) -> None:
         """One [q; k; v] weight, one GEMM per step; the three parameters become views of it (same names,
         no extra memory), so loading and state_dict still speak the checkpoint's names."""
-        fused = torch.cat([self.q_proj.weight, self.k_proj.weight, self.v_proj.weight]).detach()
-        q_rows, kv_rows = self.q_proj.weight.shape[0], self.k_proj.weight.shape[0]
-        self.q_proj.weight.data = fused[:q_rows]
-        self.k_proj.weight.data = fused[q_rows : q_rows + kv_rows]
-        self.v_proj.weight.data = fused[q_rows + kv_rows :]
-        self.qkv_weight = fused
+        self.qkv_weight = fuse_linears(self.q_proj, self.k_proj, self.v_proj)
 
     def forward(
         self,

@@ -17,6 +17,7 @@ from torch import nn
 from omnistage.models.layers.attention import Attention
 from omnistage.models.layers.attention_backend import AttentionBackend
 from omnistage.models.layers.attention_metadata import AttentionMetadata
+from omnistage.models.layers.linear import fuse_projections
 from omnistage.models.layers.moe import GatedMLP
 from omnistage.models.layers.norm import RMSNorm
 from omnistage.models.layers.rotary import MRotaryEmbedding
@@ -141,6 +142,5 @@ def load_decoder(
     if cfg.text.tie_word_embeddings:
         decoder.tie_weights()
     decoder.requires_grad_(False).eval()
-    for layer in decoder.model.layers:
-        layer.self_attn.fuse_projections()
+    fuse_projections(decoder)
     return decoder

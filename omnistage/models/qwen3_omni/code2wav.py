@@ -19,6 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from omnistage.models.layers.linear import fuse_projections
 from omnistage.models.layers.moe import GatedMLP
 from omnistage.models.layers.norm import RMSNorm
 from omnistage.models.layers.rotary import MRotaryEmbedding, apply_rotary
@@ -346,6 +347,8 @@ def load_code2wav(
     cfg = Qwen3OmniConfig.from_dir(checkpoint_dir).code2wav
     with torch.device("meta"):
         model = Code2Wav(cfg)
-    return load_module(
+    load_module(
         model, checkpoint_dir, "code2wav.", dtype=dtype, device=device, load_format=load_format, seed=seed
     )
+    fuse_projections(model)
+    return model

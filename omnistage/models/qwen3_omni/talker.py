@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from omnistage.models.layers.linear import fuse_projections
 from omnistage.models.layers.norm import RMSNorm
 from omnistage.models.layers.rotary import MRotaryEmbedding
 from omnistage.models.loader import load_module
@@ -115,6 +116,5 @@ def load_talker(
         seed=seed,
         exclude=(CODE_PREDICTOR_PREFIX,),
     )
-    for layer in talker.model.layers:
-        layer.self_attn.fuse_projections()
+    fuse_projections(talker)
     return talker

@@ -14,6 +14,7 @@ from torch import nn
 
 from omnistage.models.layers.attention_backend import AttentionBackend
 from omnistage.models.layers.attention_metadata import AttentionMetadata
+from omnistage.models.layers.linear import fuse_projections
 from omnistage.models.layers.norm import RMSNorm
 from omnistage.models.layers.rotary import MRotaryEmbedding
 from omnistage.models.loader import load_module
@@ -109,6 +110,5 @@ def load_thinker(
             module, checkpoint_dir, prefix, dtype=dtype, device=device, load_format=load_format, seed=seed
         )
     thinker.requires_grad_(False).eval()
-    for layer in thinker.model.layers:
-        layer.self_attn.fuse_projections()
+    fuse_projections(thinker.model)
     return thinker
