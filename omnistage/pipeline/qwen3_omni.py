@@ -67,6 +67,7 @@ from omnistage.models.qwen3_omni.talker_input import (
 )
 from omnistage.models.qwen3_omni.thinker import load_thinker
 from omnistage.outputs import CompletionOutput, RequestOutput
+from omnistage.pipeline.side_stream import SideStream
 
 log = logging.getLogger(__name__)
 
@@ -227,6 +228,10 @@ class Qwen3OmniPipeline:
         self.model_path, self.max_model_len = self.thinker.model_path, self.thinker.max_model_len
         self.device, self.dtype = device, dtype
         self._speaking: dict[str, _Speech] = {}
+        # on a GPU the Thinker runs on a stream of its own; its steps run beside the speech stages' (`step`)
+        self._thinker_side = SideStream(device, "thinker") if self.speaks and device.type == "cuda" else None
+        self.overlap = True
+        self._deferred_aborts: list[str] | None = None  # while a Thinker step runs beside: aborts wait for it
         if self.speaks:
             with torch.inference_mode():
                 self.tts: TtsEmbeds = tts_embeds(self.talker, self._embedding, self.tokens)
@@ -441,6 +446,11 @@ class Qwen3OmniPipeline:
 
     def add_requests(self, requests: list[NewRequest]) -> list[Exception | None]:
         """Admit several requests (their media encoded together); per request, None or what kept it out."""
+        if self._thinker_side is None:
+            return self._add_requests(requests)
+        return self._thinker_side.run(lambda: self._add_requests(requests))
+
+    def _add_requests(self, requests: list[NewRequest]) -> list[Exception | None]:
         errors: list[Exception | None] = [None] * len(requests)
         thinker_requests, indices = [], []
         for i, r in enumerate(requests):
@@ -548,26 +558,60 @@ class Qwen3OmniPipeline:
     # -- one step -----------------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
+        """A Thinker step, then a speaking step on the text known so far. On a GPU, once every speaking request's
+        Talker runs, the two run at once (`side_stream.py`), the Talker reading the text of the steps before:
+        it is a step behind the Thinker anyway (row k is token k + 1). Before that, the Thinker's step comes
+        first, so that a new request's Talker starts on its first token in the same step."""
         outputs: list[RequestOutput] = []
         touched: dict[str, _Speech] = {}
+        beside = None
         if self.thinker.has_unfinished():
-            for out in self.thinker.step():
-                speech = self._speaking.get(out.request_id)
-                if speech is None:
-                    outputs.append(out)
-                    continue
-                self._on_text(speech, out)
-                touched[out.request_id] = speech
-        if self._speaking:
-            chunks = self._speak()
-            for request_id, speech in self._speaking.items():
-                if request_id in chunks or speech.finished:
-                    touched[request_id] = speech
-            for request_id, speech in touched.items():
-                outputs.append(self._output(speech, chunks.get(request_id, [])))
-                if speech.finished:
-                    self._speaking.pop(request_id, None)
+            if self._beside():
+                self._deferred_aborts = []
+                beside = self._thinker_side.submit(self.thinker.step)
+            else:
+                self._on_thinker(self._thinker_step(), outputs, touched)
+        chunks = self._speak() if self._speaking else {}
+        if beside is not None:
+            self._on_thinker(self._thinker_side.join(beside), outputs, touched)
+            aborts, self._deferred_aborts = self._deferred_aborts, None
+            for request_id in aborts:
+                self.thinker.abort(request_id)
+        for request_id, speech in self._speaking.items():
+            if request_id in chunks or speech.finished:
+                touched[request_id] = speech
+        for request_id, speech in touched.items():
+            outputs.append(self._output(speech, chunks.get(request_id, [])))
+            if speech.finished:
+                self._speaking.pop(request_id, None)
         return outputs
+
+    def _beside(self) -> bool:
+        """Whether this step's Thinker step runs beside the speaking step (every Talker has started)."""
+        return (
+            self._thinker_side is not None
+            and self.overlap
+            and bool(self._speaking)
+            and all(s.talker_started or s.error is not None for s in self._speaking.values())
+        )
+
+    def _thinker_step(self) -> list[RequestOutput]:
+        if self._thinker_side is None:
+            return self.thinker.step()
+        return self._thinker_side.run(self.thinker.step)
+
+    def _on_thinker(
+        self, thinker_outputs: list[RequestOutput], outputs: list[RequestOutput], touched: dict[str, _Speech]
+    ) -> None:
+        """A Thinker step's outputs: text-only ones go out as they are; a speaking request's update its text."""
+        for out in thinker_outputs:
+            speech = self._speaking.get(out.request_id)
+            if speech is None:
+                outputs.append(out)
+                continue
+            if speech.error is None:  # one failed meanwhile, in the speaking step beside, keeps its error
+                self._on_text(speech, out)
+            touched[out.request_id] = speech
 
     def _on_text(self, speech: _Speech, out: RequestOutput) -> None:
         completion = out.outputs[0]
@@ -590,7 +634,10 @@ class Qwen3OmniPipeline:
 
     def _fail(self, speech: _Speech, error: str) -> None:
         speech.error = error
-        self.thinker.abort(speech.request_id)
+        if self._deferred_aborts is not None:  # the Thinker is mid-step on its thread
+            self._deferred_aborts.append(speech.request_id)
+        else:
+            self.thinker.abort(speech.request_id)
         self.talker_stage.abort(speech.request_id)
         self.streamer.cancel(speech.request_id)
 
@@ -671,6 +718,10 @@ class Qwen3OmniPipeline:
         accept = embeds.new_zeros(embeds.shape)
         if speech.tap is not None:
             accept[speech.tap.rows] = speech.tap.values
+            if self.device.type == "cuda" and self._thinker_side is not None:
+                # made on the Thinker's stream, read on this one (side_stream.py)
+                for made in (speech.tap.rows, speech.tap.values):
+                    made.record_stream(torch.cuda.current_stream(self.device))
         first = self._embedding(torch.tensor(spoken[0], device=self.device))
         to = self.speech_device
         prompt = talker_prompt(

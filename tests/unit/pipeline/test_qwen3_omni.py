@@ -15,6 +15,7 @@ from omnistage.engine.sampling import SpeechParams, talker_sampling_defaults
 from omnistage.errors import InvalidRequest
 from omnistage.pipeline.async_engine import AsyncEngine
 from omnistage.pipeline.qwen3_omni import default_frame_cap
+from omnistage.pipeline.side_stream import SideStream
 
 QUESTIONS = ["Say hello.", "Name a colour.", "Count to three.", "What is rain?", "Tell a joke.", "Why?"]
 VOICES = ["ethan", "chelsie", "aiden", "Ethan", "chelsie", "aiden"]
@@ -285,3 +286,40 @@ def test_the_speech_device_is_checked_against_the_machine(tiny_checkpoint):
         LLM(str(tiny_checkpoint), device="cpu", speech_device="tpu")
     llm = LLM(str(tiny_checkpoint), device="cpu", dtype="float32", speech_device="cpu")
     assert llm.pipeline.speech_device == torch.device("cpu")
+
+
+def test_thinker_steps_beside_the_speaking_steps_change_nothing_but_timing(llm, monkeypatch):
+    """The GPU's overlap (the Thinker's step on its own thread while the speech stages step, side_stream.py),
+    run on the CPU: the same text and codes as one after the other, a failure during an overlapped step fails
+    its request alone (its Thinker abort waits for the step), and every pool is full after."""
+    pipeline = llm.pipeline
+    specs = [speak(llm, i, frames=10, text_tokens=14) for i in range(3)]
+    sequential = run(llm, requests(llm, specs, first_id=200))
+    side = SideStream(torch.device("cpu"), "thinker")
+    submitted = []
+    submit = side.submit
+    monkeypatch.setattr(side, "submit", lambda work: submitted.append(work) or submit(work))
+    monkeypatch.setattr(pipeline, "_thinker_side", side)
+    beside = run(llm, requests(llm, specs, first_id=300))
+    assert submitted, "no Thinker step ran beside a speaking step"
+    for i in range(3):
+        ours, theirs = beside[str(300 + i)][-1], sequential[str(200 + i)][-1]
+        assert ours.error is None and ours.outputs[0].token_ids == theirs.outputs[0].token_ids
+        assert ours.audio_codes == theirs.audio_codes and len(ours.audio_codes) == 10
+    assert_pools_full(llm)
+
+    predict = pipeline._predict_frames
+
+    def failing_for_401_at_its_fourth_frame(frames):
+        if any(speech.request_id == "401" and len(speech.codes) == 3 for speech, _ in frames):
+            assert pipeline._deferred_aborts is not None  # a Thinker step is running beside this one
+            raise RuntimeError("injected failure")
+        predict(frames)
+
+    monkeypatch.setattr(pipeline, "_predict_frames", failing_for_401_at_its_fourth_frame)
+    outs = run(llm, requests(llm, specs[:2], first_id=400))
+    assert "injected failure" in outs["401"][-1].error and len(outs["401"][-1].outputs[0].token_ids) < 14
+    assert outs["400"][-1].audio_codes == sequential["200"][-1].audio_codes
+    assert sum(out.finished for out in outs["401"]) == 1
+    assert_pools_full(llm)
+    side.close()
