@@ -3,9 +3,10 @@
     python benchmarks/speech_profile.py --concurrency 1,16 --out-dir $OUT     # on the GPU machine
 
 Builds the released sizes with random bf16 weights (as `omnistage bench t2s` does), starts c text-to-speech
-requests with their lengths forced (40 text tokens, 125 frames), and once every Talker decodes, times
+requests with their lengths forced (100 text tokens, 125 frames), and once every Talker decodes, times
 `--steps` pipeline steps two ways:
-- plain: the wall time of each `pipeline.step()` (median), nothing added;
+- plain: the wall time of each `pipeline.step()` (median), nothing added; also with `pipeline.overlap` off
+  (the Thinker's step before the speech stages' instead of beside them, pipeline/side_stream.py);
 - by phase: each phase of the step (Thinker step, Talker step, code predictor, Talker input rows,
   Code2Wav, the rest) wrapped in a CUDA synchronisation and a host clock. The syncs cost a little and stop
   the GPU from running ahead, so the phases add up to slightly more than the plain step.
@@ -32,7 +33,9 @@ from omnistage.engine.llm_engine import NewRequest
 from omnistage.engine.sampling import SamplingParams, SpeechParams, talker_sampling_defaults
 from omnistage.pipeline.family import build_pipeline
 
-TEXT_TOKENS, FRAMES = 40, 125
+# the Thinker still decodes through every measured step (three sets of --steps): it does for the first 40 frames
+# of the benchmarks' requests
+TEXT_TOKENS, FRAMES = 100, 125
 
 
 def _sync() -> None:
@@ -77,13 +80,16 @@ def profile(pipeline: Any, concurrency: int, steps: int) -> dict[str, Any]:
     errors = pipeline.add_requests(_requests(pipeline, concurrency, f"plain{concurrency}"))
     assert not any(errors), errors
     _until_all_speak(pipeline, concurrency)
-    plain = []
-    for _ in range(steps):
-        _sync()
-        start = time.perf_counter()
-        pipeline.step()
-        _sync()
-        plain.append(time.perf_counter() - start)
+    plain, sequential = [], []
+    for overlap, times in ((False, sequential), (True, plain)):
+        pipeline.overlap = overlap
+        for _ in range(steps):
+            _sync()
+            start = time.perf_counter()
+            pipeline.step()
+            _sync()
+            times.append(time.perf_counter() - start)
+    pipeline.overlap = False  # the phases' syncs would serialise the overlapped Thinker step anyway
     frames_before = sum(len(s.codes) for s in pipeline._speaking.values())
     phases: dict[str, list[float]] = {}
     originals = {}
@@ -109,6 +115,7 @@ def profile(pipeline: Any, concurrency: int, steps: int) -> dict[str, Any]:
     ) as prof:
         pipeline.step()
         _sync()
+    pipeline.overlap = True
     kernels = sorted((e for e in prof.key_averages() if _time(e) > 0), key=lambda e: -_time(e))
     launches = sum(e.count for e in kernels)
     while pipeline.has_unfinished():
@@ -119,6 +126,7 @@ def profile(pipeline: Any, concurrency: int, steps: int) -> dict[str, Any]:
         "concurrency": concurrency,
         "steps": steps,
         "plain_step_median_ms": round(statistics.median(plain) * 1e3, 3),
+        "sequential_step_median_ms": round(statistics.median(sequential) * 1e3, 3),
         "frames_per_step": round(frames / steps, 2),
         "phases_median_ms": {k: round(v, 3) for k, v in per_step.items()},
         "cuda_launches_one_step": launches,
@@ -135,7 +143,8 @@ def markdown(results: list[dict[str, Any]]) -> str:
         lines += [
             f"### c = {r['concurrency']} ({r['frames_per_step']} frames per step, median of {r['steps']} steps)",
             "",
-            f"Plain step: {r['plain_step_median_ms']:.2f} ms. One step on the GPU: {r['cuda_launches_one_step']:,} "
+            f"Plain step: {r['plain_step_median_ms']:.2f} ms ({r['sequential_step_median_ms']:.2f} ms with the Thinker's "
+            f"step before the speech stages', not beside). One step on the GPU: {r['cuda_launches_one_step']:,} "
             f"kernel launches, {r['cuda_time_one_step_ms']:.2f} ms of kernel time.",
             "",
             "| phase | median ms |",
