@@ -15,7 +15,14 @@ from transformers import Qwen3OmniMoeForConditionalGeneration, WhisperFeatureExt
 
 from omnistage.errors import InvalidMedia
 from omnistage.models.qwen3_omni.audio_encoder import audio_output_tokens, load_audio_encoder
-from omnistage.models.qwen3_omni.audio_features import decode_audio, log_mel, resample
+from omnistage.models.qwen3_omni.audio_features import (
+    CPU_FRAMES_PER_CALL,
+    GPU_FRAMES_PER_CALL,
+    _log_mel,
+    decode_audio,
+    log_mel,
+    resample,
+)
 from omnistage.models.qwen3_omni.tiny import PREPROCESSOR_CONFIG, make_tiny
 
 SPEECH = Path(__file__).parents[1] / "data" / "speech_en.wav"
@@ -90,6 +97,25 @@ def test_mel_of_a_list_is_each_clip_alone():
     clips = [sine_and_noise(1.01, seed=1), speech_fixture()]
     for batched, clip in zip(log_mel([torch.from_numpy(c) for c in clips]), clips):
         assert torch.equal(batched, log_mel(torch.from_numpy(clip)))
+
+
+def test_mel_on_the_cpu_device_argument_equals_the_default():
+    clip = torch.from_numpy(speech_fixture())
+    assert torch.equal(log_mel(clip, device="cpu"), log_mel(clip))
+    assert torch.equal(log_mel(clip, device=torch.device("cpu")), log_mel(clip.numpy()))
+
+
+@pytest.mark.parametrize("per_call", [7, GPU_FRAMES_PER_CALL])
+def test_mel_in_same_size_calls_equals_the_cpu_calls(per_call):
+    """The GPU's plan of STFT calls (every call `per_call` frames, the last padded with silence) on the CPU:
+    the same frames as the CPU's plan and transformers', at any length against a call's size."""
+    for samples in (4000, 160 * 3 * per_call, 160 * 3 * per_call + 159, 160 * (3 * per_call + 1) + 17):
+        clip = sine_and_noise(samples / 16000, seed=samples)
+        ours = _log_mel(torch.from_numpy(clip), per_call, same_size_calls=True)
+        cpu = _log_mel(torch.from_numpy(clip), CPU_FRAMES_PER_CALL, same_size_calls=False)
+        assert ours.shape == cpu.shape == (128, samples // 160)
+        assert (ours - cpu).abs().max() <= 1e-6  # the same arithmetic per frame; only the FFT batch differs
+        assert np.abs(ours.numpy() - whisper_features(clip)).max() <= MEL_TOLERANCE
 
 
 def test_bad_audio_raises_invalid_media():
