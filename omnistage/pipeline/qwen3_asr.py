@@ -38,7 +38,7 @@ class Qwen3ASRPipeline:
         started = time.perf_counter()
         decoder = load_decoder(path, dtype, device, backend_for(device), config.load_format, config.seed)
         tower = load_audio_encoder(path, dtype, device, config.load_format, config.seed)
-        processor = ASRProcessor(path)
+        processor = ASRProcessor(path, device)  # the features are made where the encoder reads them
         stage = StageModels(
             model=decoder,
             text=self.model_config.text,

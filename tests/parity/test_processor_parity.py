@@ -136,6 +136,15 @@ def test_clip_frames_are_batch_free(ours, hf_processor):
     assert got.mm.audio_features[0].shape[1] == len(clip) // 160 == int(ref["feature_attention_mask"].sum())
 
 
+def test_features_are_made_on_the_processor_device(tiny_checkpoint):
+    messages = CASES["one_audio"]()
+    default, on_cpu = Processor(tiny_checkpoint), Processor(tiny_checkpoint, device="cpu")
+    assert default.device == on_cpu.device == torch.device("cpu")
+    a, b = default.process_chat(messages), on_cpu.process_chat(messages)
+    assert a.token_ids == b.token_ids
+    assert torch.equal(a.mm.audio_features[0], b.mm.audio_features[0])
+
+
 def test_limits_and_malformed_parts(tiny_checkpoint):
     processor = Processor(tiny_checkpoint, max_audios=2, max_images=1)
     short = tones(0.1)
@@ -150,6 +159,14 @@ def test_limits_and_malformed_parts(tiny_checkpoint):
         processor.process_chat([{"role": "user", "content": [audio(np.zeros(16000 * 301, np.float32))]}])
     with pytest.raises(InvalidMedia, match="NaN"):
         processor.process_chat([{"role": "user", "content": [audio(np.full(1600, np.nan, np.float32))]}])
+    for bad in ([np.inf], [np.inf, -np.inf], [-np.inf, np.nan]):
+        samples = np.concatenate([tones(0.1), np.array(bad, np.float32)])
+        with pytest.raises(InvalidMedia, match="NaN or infinite"):
+            processor.process_chat([{"role": "user", "content": [audio(samples)]}])
+    loud = np.full(1600, 3e38, np.float32)  # finite samples whose sum overflows: accepted
+    assert processor.process_chat([{"role": "user", "content": [audio(loud)]}]).mm.audio_features[
+        0
+    ].shape == (128, 10)
     with pytest.raises(InvalidMedia, match="aspect ratio"):
         processor.process_chat([{"role": "user", "content": [image(picture(2000, 4))]}])
     with pytest.raises(InvalidMedia, match="must be a PIL image"):

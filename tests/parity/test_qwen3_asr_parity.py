@@ -32,6 +32,7 @@ from omnistage.models.qwen3_asr.config import EOS_TOKEN_IDS
 from omnistage.models.qwen3_asr.config import Qwen3ASRConfig as OurConfig
 from omnistage.models.qwen3_asr.decoder import load_decoder
 from omnistage.models.qwen3_asr.output import Transcription, parse_transcription
+from omnistage.models.qwen3_asr.processor import ASRProcessor
 from omnistage.models.qwen3_asr.prompt import prompt_ids
 from omnistage.models.qwen3_asr.tiny import hf_config, make_tiny, tiny_config
 from omnistage.models.qwen3_asr.tokenizer import CHAT_TEMPLATE
@@ -156,6 +157,16 @@ def test_features_match_transformers_extractor():
         assert (ours - ref).abs().max().item() <= MEL_TOLERANCE, seconds
 
 
+def test_processor_features_on_its_device_equal_the_default(tmp_path):
+    directory = make_tiny(tmp_path / "asr")
+    default, on_cpu = ASRProcessor(directory), ASRProcessor(directory, device="cpu")
+    assert default.device == on_cpu.device == torch.device("cpu")
+    a, b = default.transcription(clip(7.3), "en", None), on_cpu.transcription(clip(7.3), "en", None)
+    assert a.token_ids == b.token_ids
+    assert torch.equal(a.mm.audio_features[0], b.mm.audio_features[0])
+    assert torch.equal(a.mm.audio_features[0], log_mel(clip(7.3)))
+
+
 def test_released_and_hf_layouts_load_the_same_weights(ours):
     released, hf = ours["make-tiny released"], ours["make-tiny hf"]
     for part in ("encoder", "decoder"):
@@ -239,6 +250,7 @@ def test_the_served_pipeline_transcribes_as_generate(checkpoints, processor, lan
     directory, hf = checkpoints["make-tiny released"]
     llm = LLM(str(directory), device="cpu", dtype="float32", page_size=PAGE)
     ours = llm.pipeline.processor
+    assert ours.device == llm.pipeline.device  # the features are made where the encoder reads them
     params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0)
     prompts = [ours.transcription(clip(seconds), language, None) for seconds in SECONDS]
     requests = [

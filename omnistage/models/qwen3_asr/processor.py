@@ -10,6 +10,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import numpy as np
+import torch
 from tokenizers import Tokenizer
 
 from omnistage.errors import InvalidRequest, RequestTooLarge
@@ -23,8 +24,10 @@ from omnistage.models.qwen3_omni.processor import MultimodalInputs, ProcessedPro
 class ASRProcessor:
     max_audios, max_images = 1, 0
 
-    def __init__(self, checkpoint_dir: str | Path) -> None:
+    def __init__(self, checkpoint_dir: str | Path, device: torch.device | str | None = None) -> None:
+        """`device`: where the features are computed and left, the engine's (default: the CPU)."""
         self.cfg = Qwen3ASRConfig.from_dir(checkpoint_dir)
+        self.device = torch.device("cpu" if device is None else device)
         self.tokenizer = Tokenizer.from_file(str(Path(checkpoint_dir) / "tokenizer.json"))
         self.max_token_bytes = longest_token_bytes(self.tokenizer)
 
@@ -34,7 +37,7 @@ class ASRProcessor:
         """The prompt of transcribing `audio` (16 kHz mono); a `language` the model does not know is an
         InvalidRequest listing those it does."""
         name = language_name(language, self.cfg.languages) if language else None
-        features = log_mel(audio)
+        features = log_mel(audio, self.device)
         ids = prompt_ids(self.tokenizer, self.cfg, features.shape[-1], context or "", name)
         if max_model_len is not None and len(ids) >= max_model_len:
             raise RequestTooLarge(

@@ -52,7 +52,7 @@ _SENTINEL = "\ue000{nonce}{index}\ue001"
 class MultimodalInputs:
     """What the encoders of one prompt read, every list in prompt order."""
 
-    audio_features: list[torch.Tensor]  # [128, frames] log-mel per clip (float32, CPU)
+    audio_features: list[torch.Tensor]  # [128, frames] log-mel per clip (float32, on the processor's device)
     num_audio_tokens: list[int]  # audio_pad placeholders per clip
     pixel_values: torch.Tensor | None  # [patches, C*T*P*P] of every image, packed (float32, CPU)
     image_grid_thw: torch.Tensor | None  # [images, 3] int64
@@ -72,7 +72,14 @@ class ProcessedPrompt:
 class Processor:
     """Renders chat messages with the checkpoint's template and encodes them with its tokenizer."""
 
-    def __init__(self, checkpoint_dir: str | Path, max_audios: int = 8, max_images: int = 8) -> None:
+    def __init__(
+        self,
+        checkpoint_dir: str | Path,
+        max_audios: int = 8,
+        max_images: int = 8,
+        device: torch.device | str | None = None,
+    ) -> None:
+        """`device`: where the mel features are computed and left, the engine's (default: the CPU)."""
         directory = Path(checkpoint_dir)
         try:
             self.tokenizer = Tokenizer.from_file(str(directory / "tokenizer.json"))
@@ -91,6 +98,7 @@ class Processor:
         self._control = re.compile("|".join(map(re.escape, longest_first))) if control else None
         self.max_token_bytes = longest_token_bytes(self.tokenizer)
         self.max_audios, self.max_images = max_audios, max_images
+        self.device = torch.device("cpu" if device is None else device)
         self._directory = directory
         self._thinker = None
         self._image_cfg = None
@@ -235,7 +243,7 @@ class Processor:
         features, patches, grids = [], [], []
         for where, audio in audios:
             with _part(where):
-                features.append(log_mel(_waveform(audio)))
+                features.append(log_mel(_waveform(audio), self.device))
         for where, image in images:
             with _part(where):
                 pixels, grid = preprocess_images([_image(image)], self._image_config())
@@ -348,7 +356,9 @@ def _waveform(audio: object) -> torch.Tensor:
     x = torch.as_tensor(audio)
     if not x.is_floating_point():
         raise InvalidMedia(f"audio must hold float samples, got {x.dtype}")
-    if not torch.isfinite(x).all():
+    # a sum is finite unless a sample is not (or the sum overflows: then the test of every sample decides),
+    # and 30 times faster than that test on one thread (0.08 ms against 2.7 ms for 2 minutes of audio)
+    if not torch.isfinite(x.sum()) and not torch.isfinite(x).all():
         raise InvalidMedia("audio holds NaN or infinite samples")
     return x
 
