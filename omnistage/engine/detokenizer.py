@@ -75,6 +75,8 @@ class IncrementalDetokenizer:
     def _extend(self, new_text: str, final: bool) -> str:
         old_length = len(self._text)
         self._text += new_text
+        if not self.stop:
+            return self._release(len(self._text))
         hit = self._find_stop(old_length)
         if hit is not None:
             start, stop = hit

@@ -57,9 +57,10 @@ class PagePool:
 
     def ensure_capacity(self, seq: Sequence, num_tokens: int) -> bool:
         """Grow `seq.page_ids` to cover `num_tokens` tokens; all or nothing, False if pages are short."""
-        missing = self.pages_for(num_tokens) - len(seq.page_ids)
-        if missing <= 0:
+        # the common case (asked for every running sequence every step): its pages already cover them
+        if num_tokens <= len(seq.page_ids) * self.page_size:
             return True
+        missing = self.pages_for(num_tokens) - len(seq.page_ids)
         if missing > len(self._free):
             return False
         seq.page_ids.extend(self.allocate(missing))

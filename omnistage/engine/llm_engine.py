@@ -402,8 +402,8 @@ class LLMEngine:
 
     def _after_sample(self, seq: Sequence, token: int) -> RequestOutput:
         state: RequestState = seq.data
-        now = time.monotonic()
-        state.metrics.setdefault("first_token", now)
+        if "first_token" not in state.metrics:
+            state.metrics["first_token"] = time.monotonic()
         delta = ""
         if token in state.params.stop_token_ids:
             state.stop_reason = token
@@ -456,7 +456,7 @@ def _row(seq: Sequence) -> SamplingRow:
     state: RequestState = seq.data
     return SamplingRow(
         params=state.params,
-        token_ids=seq.all_token_ids,
+        token_ids=seq.prompt_token_ids,  # the output ids are the other half of what the repetition penalty reads
         output_token_ids=seq.output_token_ids,
         generator=state.generator,
         eos_token_ids=state.eos_token_ids,

@@ -11,13 +11,13 @@ import logging
 import time
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from omnistage.engine.attention import AttentionMetadata
 from omnistage.engine.gpu_memory import device_peak
 from omnistage.engine.graphs import DecodeGraphRunner, PrefillGraphRunner
 from omnistage.engine.scheduler import ScheduledChunk, SchedulerOutput
-from omnistage.models.layers.attention_metadata import to_device
 from omnistage.models.layers.rotary import PromptPositions
 from omnistage.models.qwen3_omni.config import TextConfig
 from omnistage.models.qwen3_omni.thinker import Thinker
@@ -145,24 +145,45 @@ class ModelRunner:
                 self.profile_peak(tokens, seqs)
         log.info("warmed up %d step shapes in %.1f s", len(WARM_UP_SHAPES), time.perf_counter() - started)
 
-    def prepare(self, chunks: list[ScheduledChunk]) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
+    def prepare(
+        self, chunks: list[ScheduledChunk]
+    ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, torch.Tensor]:
+        """The step's token ids `[T]`, positions `[3, T]`, attention metadata and the rows whose logits are
+        sampled (the last of each sampling chunk, in chunk order), built on the host and moved in one copy."""
         ids: list[int] = []
-        positions = []
+        positions = np.empty((3, sum(c.num_tokens for c in chunks)), dtype=np.int64)
+        sample_rows: list[int] = []
+        row = 0
         for chunk in chunks:
-            ids += chunk.seq.all_token_ids[chunk.start : chunk.start + chunk.num_tokens]
-            positions.append(positions_for(chunk.start, chunk.num_tokens, _mrope(chunk)))
+            start, count = chunk.start, chunk.num_tokens
+            ids += chunk.seq.token_ids(start, start + count)
+            mrope = _mrope(chunk)
+            if mrope is not None and start < mrope.positions.shape[1]:
+                positions[:, row : row + count] = positions_for(start, count, mrope).numpy()
+            else:  # text: one position in all three streams (numpy, not a tensor per chunk)
+                first = start + (mrope.delta if mrope is not None else 0)
+                positions[:, row : row + count] = np.arange(first, first + count)
+            row += count
+            if chunk.samples:
+                sample_rows.append(row - 1)
         meta = AttentionMetadata.build(
-            [(c.start, c.num_tokens, c.seq.page_ids) for c in chunks], self.page_size, self.device
+            [(c.start, c.num_tokens, c.seq.page_ids) for c in chunks], self.page_size
         )
-        input_ids = to_device(torch.tensor(ids, dtype=torch.long), self.device)
-        return input_ids, to_device(torch.cat(positions, dim=1), self.device), meta
+        meta, (input_ids, positions, sample_rows) = meta.to_device(
+            self.device,
+            torch.from_numpy(np.array(ids, dtype=np.int64)),
+            torch.from_numpy(positions),
+            torch.from_numpy(np.array(sample_rows, dtype=np.int64)),
+        )
+        return input_ids, positions, meta, sample_rows
 
     @torch.inference_mode()
     def execute(self, step: SchedulerOutput) -> torch.Tensor:
         """Logits `[n, vocab]` (float32) for the n chunks of `step` that end in a sample, in chunk order."""
-        input_ids, positions, meta = self.prepare(step.chunks)
+        input_ids, positions, meta, sample_rows = self.prepare(step.chunks)
         taps = [(i, tap) for i, c in enumerate(step.chunks) if (tap := _tap(c)) is not None]
-        if self.graphs is not None and step.is_pure_decode and not taps:
+        pure_decode = step.is_pure_decode
+        if self.graphs is not None and pure_decode and not taps:
             return self.graphs.run(input_ids, positions, meta)
         embeds, deepstack = self._merge_multimodal(step.chunks, input_ids)
         if self.prefill_graphs is not None and deepstack is None and len(step.chunks) == 1 and not taps:
@@ -179,9 +200,8 @@ class ModelRunner:
                 chunk = step.chunks[i]
                 inside = (tap.rows >= chunk.start) & (tap.rows < chunk.start + chunk.num_tokens)
                 tap.values[inside] = tapped[starts[i] + tap.rows[inside] - chunk.start].to(tap.values.dtype)
-        last_rows = meta.query_start_loc[1:].long() - 1
-        sampling = to_device(torch.tensor([c.samples for c in step.chunks]), self.device)
-        return self.model.compute_logits(hidden[last_rows[sampling]])
+        # a decode step samples every row, in order
+        return self.model.compute_logits(hidden if pure_decode else hidden.index_select(0, sample_rows))
 
     def _merge_multimodal(
         self, chunks: list[ScheduledChunk], input_ids: torch.Tensor

@@ -2,16 +2,18 @@
 
 from __future__ import annotations
 
+import itertools
 import math
 import numbers
 import reprlib
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 from torch import Tensor
 
 from omnistage.errors import InvalidRequest
-from omnistage.models.layers.attention_metadata import to_device
+from omnistage.models.layers.attention_metadata import to_device, to_device_together
 
 # Below this a temperature counts as greedy: dividing logits by it would only amplify float noise (vLLM's bound).
 GREEDY_TEMPERATURE = 1e-5
@@ -154,7 +156,8 @@ class SamplingRow:
     """One batch row as the sampler sees it: the request's parameters and its tokens so far."""
 
     params: SamplingParams
-    token_ids: list[int]  # prompt + output, for the repetition penalty
+    # with output_token_ids, what the repetition penalty looks at: the prompt (the output ids may repeat here)
+    token_ids: list[int]
     output_token_ids: list[int]  # output only, for presence/frequency penalties and min_tokens
     generator: torch.Generator | None = None
     eos_token_ids: list[int] = field(default_factory=list)
@@ -170,24 +173,32 @@ def make_generator(params: SamplingParams, device: torch.device | str) -> torch.
     return generator
 
 
-def _token_counts(id_lists: list[list[int]], vocab: int, device: torch.device) -> Tensor:
-    """[len(id_lists), vocab] float32 occurrence counts, built with one scatter."""
-    longest = max(len(ids) for ids in id_lists)
-    # Pad with `vocab`, an extra column dropped after the scatter; out-of-vocab ids land there too.
-    padded = torch.tensor([ids + [vocab] * (longest - len(ids)) for ids in id_lists], dtype=torch.long)
-    padded = to_device(padded.clamp_(0, vocab), device)
-    counts = torch.zeros(len(id_lists), vocab + 1, dtype=torch.float32, device=device)
-    counts.scatter_add_(1, padded, torch.ones_like(padded, dtype=torch.float32))
-    return counts[:, :vocab]
+def _token_counts(id_lists: list[list[list[int]]], vocab: int, device: torch.device) -> Tensor:
+    """[len(id_lists), vocab] float32 occurrence counts: row i counts the ids of every list in id_lists[i]."""
+    lengths = [sum(len(ids) for ids in lists) for lists in id_lists]
+    # numpy reads lists of ints several times faster than torch.tensor; out-of-vocab ids land in an extra
+    # column `vocab`, dropped below
+    flat = np.fromiter(
+        itertools.chain.from_iterable(itertools.chain.from_iterable(id_lists)), np.int64, sum(lengths)
+    )
+    rows = np.repeat(np.arange(len(id_lists), dtype=np.int64), lengths)
+    index = to_device(torch.from_numpy(rows * (vocab + 1) + flat.clip(0, vocab)), device)
+    counts = torch.zeros(len(id_lists) * (vocab + 1), dtype=torch.float32, device=device)
+    counts.index_add_(0, index, torch.ones_like(index, dtype=torch.float32))
+    return counts.view(len(id_lists), vocab + 1)[:, :vocab]
 
 
 def apply_penalties(logits: Tensor, rows: list[SamplingRow]) -> Tensor:
-    """Repetition (HF) over prompt+output, then presence and frequency (OpenAI) over output tokens.
+    """Repetition (HF) over prompt and output, then presence and frequency (OpenAI) over output tokens.
 
     Only rows whose parameters ask for a penalty are touched; returns `logits` itself when none do,
     else a new tensor.
     """
-    repetition = [i for i, r in enumerate(rows) if r.params.repetition_penalty != 1.0 and r.token_ids]
+    repetition = [
+        i
+        for i, r in enumerate(rows)
+        if r.params.repetition_penalty != 1.0 and (r.token_ids or r.output_token_ids)
+    ]
     additive = [
         i
         for i, r in enumerate(rows)
@@ -199,7 +210,10 @@ def apply_penalties(logits: Tensor, rows: list[SamplingRow]) -> Tensor:
     vocab, device = logits.shape[1], logits.device
     if repetition:
         index = to_device(torch.tensor(repetition), device)
-        seen = _token_counts([rows[i].token_ids for i in repetition], vocab, device) > 0
+        seen = (
+            _token_counts([[rows[i].token_ids, rows[i].output_token_ids] for i in repetition], vocab, device)
+            > 0
+        )
         penalty = to_device(torch.tensor([rows[i].params.repetition_penalty for i in repetition]), device)[
             :, None
         ]
@@ -208,7 +222,7 @@ def apply_penalties(logits: Tensor, rows: list[SamplingRow]) -> Tensor:
         logits[index] = torch.where(seen, penalised, sub)
     if additive:
         index = to_device(torch.tensor(additive), device)
-        counts = _token_counts([rows[i].output_token_ids for i in additive], vocab, device)
+        counts = _token_counts([[rows[i].output_token_ids] for i in additive], vocab, device)
         frequency = to_device(torch.tensor([rows[i].params.frequency_penalty for i in additive]), device)[
             :, None
         ]
@@ -273,8 +287,28 @@ def _apply_min_p(logits: Tensor, min_p: Tensor) -> Tensor:
     return logits.masked_fill(logits < threshold, -math.inf)
 
 
+@dataclass
+class _BatchSettings:
+    """A batch's per-row settings on the device; None where no row uses the setting."""
+
+    temperature: Tensor  # 1.0 on greedy rows
+    greedy: Tensor | None  # bool: rows that take the argmax (None: no row does)
+    top_k: Tensor | None
+    top_p: Tensor | None
+    head: int | None  # see _apply_top_k_top_p
+    min_p: Tensor | None
+
+
 class Sampler:
-    """Turns one step's logits into next tokens, each row under its own SamplingParams."""
+    """Turns one step's logits into next tokens, each row under its own SamplingParams.
+
+    The settings tensors of a batch are kept from one step to the next while every row's settings stay the
+    same, as they do from one decode step to the next: no tensor is built and copied for them then.
+    """
+
+    def __init__(self) -> None:
+        self._key: tuple | None = None
+        self._settings: _BatchSettings | None = None
 
     def __call__(self, logits: Tensor, rows: list[SamplingRow]) -> Tensor:
         return self.sample(logits, rows)
@@ -289,28 +323,21 @@ class Sampler:
             raise ValueError(f"logits have {logits.shape[0]} rows but {len(rows)} SamplingRows were given")
         logits = apply_min_tokens(apply_penalties(logits.float(), rows), rows)
         greedy_ids = logits.argmax(dim=-1)
-        greedy = [r.params.greedy for r in rows]
-        if all(greedy):
-            return greedy_ids
-        device = logits.device
         params = [r.params for r in rows]
+        if all(p.greedy for p in params):
+            return greedy_ids
+        settings = self._settings_for(params, logits.shape[1], logits.device)
 
         # Greedy rows ride along with neutral settings; their draws are discarded below.
-        temperature = to_device(torch.tensor([1.0 if p.greedy else p.temperature for p in params]), device)
-        logits = logits / temperature[:, None]
-        if any(p.top_k > 0 or p.top_p < 1.0 for p in params):
-            vocab = logits.shape[1]
-            # inf, not 1.0: a cumulative sum can round past 1 and must not cut a row that asked for no top-p.
-            top_k = to_device(torch.tensor([p.top_k if p.top_k > 0 else vocab for p in params]), device)
-            top_p = to_device(torch.tensor([p.top_p if p.top_p < 1.0 else math.inf for p in params]), device)
-            head = max(p.top_k for p in params) if all(0 < p.top_k < vocab for p in params) else None
-            logits = _apply_top_k_top_p(logits, top_k, top_p, head)
-        if any(p.min_p > 0.0 for p in params):
-            logits = _apply_min_p(logits, to_device(torch.tensor([p.min_p for p in params]), device))
+        logits = logits / settings.temperature[:, None]
+        if settings.top_k is not None:
+            logits = _apply_top_k_top_p(logits, settings.top_k, settings.top_p, settings.head)
+        if settings.min_p is not None:
+            logits = _apply_min_p(logits, settings.min_p)
         probs = logits.softmax(dim=-1)
 
         # argmax(p / q) with q ~ Exp(1) is an exact draw from p (the exponential-race trick).
-        seeded = [i for i, r in enumerate(rows) if r.generator is not None and not greedy[i]]
+        seeded = [i for i, r in enumerate(rows) if r.generator is not None and not r.params.greedy]
         if len(seeded) < len(rows):
             q = torch.empty_like(probs).exponential_()
         else:
@@ -319,4 +346,30 @@ class Sampler:
             q[i].exponential_(generator=rows[i].generator)  # in place: no row copy
         # exponential_ may return exactly 0; 0/0 would make NaN, which argmax would pick.
         sampled = probs.div_(q.clamp_min_(torch.finfo(q.dtype).tiny)).argmax(dim=-1)
-        return torch.where(to_device(torch.tensor(greedy), device), greedy_ids, sampled)
+        return sampled if settings.greedy is None else torch.where(settings.greedy, greedy_ids, sampled)
+
+    def _settings_for(self, params: list[SamplingParams], vocab: int, device: torch.device) -> _BatchSettings:
+        """The batch's settings: the last step's when the rows' settings and the device are the same."""
+        key = (vocab, device, [(p.temperature, p.top_k, p.top_p, p.min_p) for p in params])
+        if key == self._key:
+            return self._settings
+        greedy = [p.greedy for p in params]
+        truncates = any(p.top_k > 0 or p.top_p < 1.0 for p in params)
+        host = {
+            "temperature": torch.tensor([1.0 if p.greedy else p.temperature for p in params]),
+            "greedy": torch.tensor(greedy) if any(greedy) else None,
+            "top_k": torch.tensor([p.top_k if p.top_k > 0 else vocab for p in params]) if truncates else None,
+            # inf, not 1.0: a cumulative sum can round past 1 and must not cut a row that asked for no top-p.
+            "top_p": torch.tensor([p.top_p if p.top_p < 1.0 else math.inf for p in params])
+            if truncates
+            else None,
+            "min_p": torch.tensor([p.min_p for p in params]) if any(p.min_p > 0.0 for p in params) else None,
+        }
+        used = [name for name, tensor in host.items() if tensor is not None]
+        moved = dict(zip(used, to_device_together([host[name] for name in used], device)))
+        head = (
+            max(p.top_k for p in params) if truncates and all(0 < p.top_k < vocab for p in params) else None
+        )
+        self._settings = _BatchSettings(**{name: moved.get(name) for name in host}, head=head)
+        self._key = key
+        return self._settings

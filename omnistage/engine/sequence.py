@@ -15,7 +15,10 @@ class SequenceStatus(Enum):
 
     @property
     def is_finished(self) -> bool:
-        return self.name.startswith("FINISHED_")
+        return self in _FINISHED  # a set, not the name: this is asked several times per sequence per step
+
+
+_FINISHED = frozenset(s for s in SequenceStatus if s.name.startswith("FINISHED_"))
 
 
 # eq=False: a sequence is an identity (hashable, compared by object), not a value.
@@ -49,6 +52,15 @@ class Sequence:
     @property
     def all_token_ids(self) -> list[int]:
         return self.prompt_token_ids + self.output_token_ids
+
+    def token_ids(self, start: int, end: int) -> list[int]:
+        """`all_token_ids[start:end]` without copying the whole prompt (a decode step asks for one token)."""
+        prompt_len = len(self.prompt_token_ids)
+        if start >= prompt_len:
+            return self.output_token_ids[start - prompt_len : end - prompt_len]
+        if end <= prompt_len:
+            return self.prompt_token_ids[start:end]
+        return self.prompt_token_ids[start:] + self.output_token_ids[: end - prompt_len]
 
     @property
     def is_finished(self) -> bool:

@@ -9,9 +9,10 @@ its last `n_b` context positions (`seq_lens[b] - n_b` onwards). Its K/V live in 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import NamedTuple
 
+import numpy as np
 import torch
 
 
@@ -23,6 +24,32 @@ def to_device(host: torch.Tensor, device: torch.device | str) -> torch.Tensor:
     if device.type != "cuda":
         return host.to(device)
     return host.pin_memory().to(device, non_blocking=True)
+
+
+def to_device_together(hosts: Sequence[torch.Tensor], device: torch.device | str) -> list[torch.Tensor]:
+    """Host-built tensors on `device` through one copy: to a GPU their bytes are packed into one pinned buffer,
+    copied without blocking (as `to_device`) and viewed back as each tensor, where a copy per tensor would
+    cost a pinned allocation and a copy launch each."""
+    device = torch.device(device)
+    if device.type == "cpu":
+        return [host.to(device) for host in hosts]
+    return _through_one_buffer(hosts, device, pin=device.type == "cuda")
+
+
+def _through_one_buffer(hosts: Sequence[torch.Tensor], device: torch.device, pin: bool) -> list[torch.Tensor]:
+    if not hosts:
+        return []
+    # widest elements first: each piece then starts at a multiple of its element size, as view(dtype) needs
+    order = sorted(range(len(hosts)), key=lambda i: -hosts[i].element_size())
+    pieces = [hosts[i].contiguous().view(-1).view(torch.uint8) for i in order]
+    packed = torch.empty(sum(p.numel() for p in pieces), dtype=torch.uint8, pin_memory=pin)
+    on_device = torch.cat(pieces, out=packed).to(device, non_blocking=pin)
+    out: list[torch.Tensor] = [on_device] * len(hosts)
+    offset = 0
+    for i, piece in zip(order, pieces):
+        out[i] = on_device[offset : offset + piece.numel()].view(hosts[i].dtype).view(hosts[i].shape)
+        offset += piece.numel()
+    return out
 
 
 class Chunk(NamedTuple):
@@ -76,25 +103,41 @@ class AttentionMetadata:
             slots += [pages[p // page_size] * page_size + p % page_size for p in range(start, seq_len)]
             starts.append(starts[-1] + num_new)
             seq_lens.append(seq_len)
-            tables.append(list(pages))
+            tables.append(pages)
         for _ in range(pad_seqs):
             slots.append(-1)
             starts.append(starts[-1] + 1)
             seq_lens.append(0)
-            tables.append([])
+            tables.append(())
         slots += [-1] * pad_rows
         width = max([len(t) for t in tables] + [1]) if max_pages is None else max_pages
         if any(len(t) > width for t in tables):
             raise ValueError(f"a sequence holds more than max_pages={width} pages")
-        block_tables = torch.zeros(len(tables), width, dtype=torch.int32)
+        # numpy turns lists of ints into arrays several times faster than torch.tensor does
+        block_tables = np.zeros((len(tables), width), dtype=np.int32)
         for b, table in enumerate(tables):
-            block_tables[b, : len(table)] = torch.tensor(table, dtype=torch.int32)
-        query_lens = [b - a for a, b in zip(starts, starts[1:], strict=False)]
-        return cls(
-            slot_mapping=to_device(torch.tensor(slots, dtype=torch.int64), device),
-            query_start_loc=to_device(torch.tensor(starts, dtype=torch.int32), device),
-            seq_lens=to_device(torch.tensor(seq_lens, dtype=torch.int32), device),
-            block_tables=to_device(block_tables, device),
-            max_query_len=max(query_lens, default=0),
+            block_tables[b, : len(table)] = table
+        meta = cls(
+            slot_mapping=torch.from_numpy(np.array(slots, dtype=np.int64)),
+            query_start_loc=torch.from_numpy(np.array(starts, dtype=np.int32)),
+            seq_lens=torch.from_numpy(np.array(seq_lens, dtype=np.int32)),
+            block_tables=torch.from_numpy(block_tables),
+            max_query_len=max(b - a for a, b in zip(starts, starts[1:])) if seq_lens else 0,
             max_seq_len=max(seq_lens, default=0),
         )
+        return meta.to_device(device)[0]
+
+    def to_device(
+        self, device: torch.device | str, *tensors: torch.Tensor
+    ) -> tuple[AttentionMetadata, list[torch.Tensor]]:
+        """This host-built metadata on `device`, and `tensors` with it, in one copy (`to_device_together`)."""
+        fields = (self.slot_mapping, self.query_start_loc, self.seq_lens, self.block_tables)
+        moved = to_device_together([*fields, *tensors], device)
+        meta = replace(
+            self,
+            slot_mapping=moved[0],
+            query_start_loc=moved[1],
+            seq_lens=moved[2],
+            block_tables=moved[3],
+        )
+        return meta, moved[len(fields) :]

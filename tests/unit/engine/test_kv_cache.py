@@ -25,6 +25,16 @@ def test_sequence_properties():
     assert seq != Sequence("a", [5, 6, 7], max_tokens=3, output_token_ids=[8])  # identity, not value
 
 
+def test_token_ids_slices_prompt_and_output_as_one_list():
+    seq = Sequence("a", [5, 6, 7], max_tokens=3, output_token_ids=[8, 9])
+    for start in range(6):
+        for end in range(start, 7):
+            assert seq.token_ids(start, end) == seq.all_token_ids[start:end], (start, end)
+    piece = seq.token_ids(3, 5)
+    piece.append(0)  # a copy: the sequence's own lists are untouched
+    assert seq.output_token_ids == [8, 9]
+
+
 @pytest.mark.parametrize(("tokens", "pages"), [(0, 0), (1, 1), (15, 1), (16, 1), (17, 2), (160, 10)])
 def test_pages_for_rounds_up(tokens, pages):
     assert PagePool(num_pages=4, page_size=16).pages_for(tokens) == pages

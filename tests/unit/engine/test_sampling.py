@@ -187,6 +187,55 @@ def test_mixed_batch_applies_each_rows_own_parameters():
         assert set(tokens[:, i].tolist()) == allowed[i]
 
 
+def test_one_sampler_follows_each_steps_settings():
+    """The settings of one step are kept for the next only while every row's are the same."""
+    logits = torch.randn(4, VOCAB, generator=torch.Generator().manual_seed(5)) * 2
+    n = 1000
+    batch = logits.repeat(n, 1)
+    steps = [
+        [SamplingParams(top_k=1)] * 4,
+        [SamplingParams(top_k=3)] * 4,
+        [SamplingParams(top_k=3)] * 4,
+        [
+            SamplingParams(top_k=3),
+            SamplingParams(temperature=0.0),
+            SamplingParams(min_p=0.3),
+            SamplingParams(top_p=0.5),
+        ],
+        [SamplingParams(top_p=0.5)] * 4,
+    ]
+    sampler = Sampler()
+    for params in steps:
+        tokens = sampler(batch, [row(params[i % 4]) for i in range(4 * n)]).view(n, 4)
+        for i, p in enumerate(params):
+            if p.greedy:
+                allowed = {logits[i].argmax().item()}
+            elif p.top_k:
+                allowed = allowed_top_k(logits[i], p.top_k)
+            elif p.min_p:
+                allowed = allowed_min_p(logits[i], p.min_p)
+            else:
+                allowed = allowed_top_p(logits[i], p.top_p)
+            assert set(tokens[:, i].tolist()) == allowed, (params, i)
+    # a kept sampler draws what a new one draws from the same seed
+    params = SamplingParams(seed=7, temperature=0.8, top_k=20)
+    kept, fresh = seeded(params), seeded(params)
+    assert [sampler(logits[:1], [kept]).item() for _ in range(5)] == [
+        Sampler()(logits[:1], [fresh]).item() for _ in range(5)
+    ]
+
+
+def test_repetition_penalty_reads_the_prompt_and_the_output_together():
+    logits = torch.tensor([[2.0, -2.0, 1.0, -1.0, 0.5]])
+    params = SamplingParams(repetition_penalty=2.0)
+    joined = apply_penalties(logits, [row(params, tokens=[0, 1, 1, 4], output=[4])])
+    apart = apply_penalties(logits, [row(params, tokens=[0, 1, 1], output=[4])])  # as the engine passes them
+    assert torch.equal(apart, joined)
+    assert torch.equal(apart[0], torch.tensor([1.0, -4.0, 1.0, -1.0, 0.25]))
+    # ids outside the vocabulary count for nothing
+    assert torch.equal(apply_penalties(logits, [row(params, tokens=[0, 1, 99], output=[4, 7])]), joined)
+
+
 def test_samples_follow_softmax_and_temperature_sharpens():
     logits = torch.tensor([2.0, 1.0, 0.5, 0.0, -1.0, -2.0])
     n = 20000

@@ -1,0 +1,36 @@
+"""Host-built step tensors reach the GPU through one pinned copy, with the values the CPU path has."""
+
+import pytest
+import torch
+
+from omnistage.models.layers.attention_metadata import AttentionMetadata, to_device_together
+
+pytestmark = pytest.mark.gpu
+
+
+def test_tensors_arrive_whole_through_one_buffer():
+    hosts = [
+        torch.tensor([True, False, True]),
+        torch.arange(6, dtype=torch.int32).view(2, 3),
+        torch.randn(5),
+        torch.arange(4).expand(3, 4),
+        torch.zeros(0, dtype=torch.int64),
+        torch.tensor([[1.5]], dtype=torch.float64),
+    ]
+    moved = to_device_together(hosts, "cuda")
+    torch.cuda.synchronize()
+    for host, out in zip(hosts, moved):
+        assert out.is_cuda and (out.dtype, out.shape) == (host.dtype, host.shape)
+        assert torch.equal(out.cpu(), host)
+
+
+def test_metadata_on_the_gpu_equals_the_host_build():
+    chunks = [(5, 3, [7, 2]), (0, 1, [4]), (9, 1, [1, 3, 6])]
+    host = AttentionMetadata.build(chunks, 4, pad_seqs=2, pad_rows=1, max_pages=5)
+    ids = torch.tensor([11, 12, 13, 14, 15])
+    meta, (ids_out,) = host.to_device("cuda", ids)
+    built = AttentionMetadata.build(chunks, 4, "cuda", pad_seqs=2, pad_rows=1, max_pages=5)
+    for name in ("slot_mapping", "query_start_loc", "seq_lens", "block_tables"):
+        assert torch.equal(getattr(meta, name).cpu(), getattr(host, name)), name
+        assert torch.equal(getattr(built, name).cpu(), getattr(host, name)), name
+    assert torch.equal(ids_out.cpu(), ids)

@@ -1,0 +1,48 @@
+"""A step's host-built inputs: token ids, M-RoPE positions, attention metadata and the rows sampled."""
+
+from types import SimpleNamespace
+
+import torch
+
+from omnistage.engine.model_runner import ModelRunner, positions_for
+from omnistage.engine.scheduler import ScheduledChunk
+from omnistage.engine.sequence import Sequence
+from omnistage.models.layers.attention_metadata import AttentionMetadata
+from omnistage.models.layers.rotary import PromptPositions
+
+PAGE = 4
+
+
+def sequence(prompt_len: int, outputs: int, mrope: PromptPositions | None, first_page: int) -> Sequence:
+    seq = Sequence(f"r{first_page}", list(range(100, 100 + prompt_len)), max_tokens=8)
+    seq.output_token_ids = list(range(500, 500 + outputs))
+    seq.page_ids = list(range(first_page, first_page + -(-seq.num_tokens // PAGE)))
+    seq.data = SimpleNamespace(mrope=mrope)
+    return seq
+
+
+def image_positions(prompt_len: int, delta: int) -> PromptPositions:
+    """Positions that differ between the three streams, as an image's do."""
+    return PromptPositions(torch.arange(3 * prompt_len).view(3, prompt_len) % 7, delta)
+
+
+def test_prepare_lays_out_every_kind_of_chunk():
+    chunks = [
+        ScheduledChunk(sequence(6, 0, image_positions(6, -2), 0), 2, 3),  # inside an image prompt: no sample
+        ScheduledChunk(sequence(6, 2, image_positions(6, -2), 10), 7, 1),  # decoding past an image prompt
+        ScheduledChunk(sequence(5, 0, None, 20), 0, 5),  # a whole text prompt
+        ScheduledChunk(sequence(4, 2, image_positions(4, 3), 30), 2, 4),  # the prompt's end and the outputs
+        ScheduledChunk(sequence(3, 4, None, 40), 6, 1),  # text decode
+    ]
+    runner = ModelRunner(None, None, PAGE, torch.device("cpu"), torch.float32)
+    ids, positions, meta, sample_rows = runner.prepare(chunks)
+
+    assert ids.tolist() == [t for c in chunks for t in c.seq.all_token_ids[c.start : c.start + c.num_tokens]]
+    assert ids.dtype == positions.dtype == sample_rows.dtype == torch.int64
+    expected = torch.cat([positions_for(c.start, c.num_tokens, c.seq.data.mrope) for c in chunks], dim=1)
+    assert torch.equal(positions, expected)
+    assert sample_rows.tolist() == [3, 8, 12, 13]  # the last row of each chunk that samples
+    reference = AttentionMetadata.build([(c.start, c.num_tokens, c.seq.page_ids) for c in chunks], PAGE)
+    for name in ("slot_mapping", "query_start_loc", "seq_lens", "block_tables"):
+        assert torch.equal(getattr(meta, name), getattr(reference, name)), name
+    assert (meta.max_query_len, meta.max_seq_len) == (reference.max_query_len, reference.max_seq_len)

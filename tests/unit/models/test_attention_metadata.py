@@ -1,0 +1,63 @@
+"""Host-built step tensors reach the device in one copy, each with its dtype, shape and values."""
+
+import torch
+
+from omnistage.models.layers.attention_metadata import (
+    AttentionMetadata,
+    _through_one_buffer,
+    to_device_together,
+)
+
+PAGE = 4
+
+
+def mixed_tensors() -> list[torch.Tensor]:
+    return [
+        torch.tensor([True, False, True]),
+        torch.arange(6, dtype=torch.int32).view(2, 3),
+        torch.randn(5, generator=torch.Generator().manual_seed(0)),
+        torch.arange(4).expand(3, 4),  # not contiguous
+        torch.zeros(0, dtype=torch.int64),
+        torch.tensor([[1.5]], dtype=torch.float64),
+    ]
+
+
+def test_one_buffer_gives_back_every_tensor():
+    hosts = mixed_tensors()
+    moved = _through_one_buffer(hosts, torch.device("cpu"), pin=False)
+    assert len(moved) == len(hosts)
+    for host, out in zip(hosts, moved):
+        assert (out.dtype, out.shape) == (host.dtype, host.shape)
+        assert torch.equal(out, host)
+    # one buffer: every non-empty tensor is a view of the same storage
+    assert len({t.untyped_storage().data_ptr() for t in moved if t.numel()}) == 1
+    assert _through_one_buffer([], torch.device("cpu"), pin=False) == []
+
+
+def test_to_device_together_on_the_cpu_is_the_tensors_themselves():
+    hosts = mixed_tensors()
+    assert all(out is host for out, host in zip(to_device_together(hosts, "cpu"), hosts))
+
+
+def test_metadata_moves_with_the_step_tensors():
+    host = AttentionMetadata.build([(5, 3, [7, 2]), (0, 1, [4])], PAGE, pad_seqs=1)
+    ids, positions = torch.tensor([3, 1, 4, 1]), torch.arange(12).view(3, 4)
+    meta, (ids_out, positions_out) = host.to_device("cpu", ids, positions)
+    assert torch.equal(ids_out, ids) and torch.equal(positions_out, positions)
+    assert meta.slot_mapping.tolist() == [2 * PAGE + 1, 2 * PAGE + 2, 2 * PAGE + 3, 4 * PAGE, -1]
+    assert meta.query_start_loc.tolist() == [0, 3, 4, 5]
+    assert meta.seq_lens.tolist() == [8, 1, 0]
+    assert meta.block_tables.tolist() == [[7, 2], [4, 0], [0, 0]]
+    assert (meta.max_query_len, meta.max_seq_len) == (3, 8)
+
+
+def test_block_tables_take_a_fixed_width_and_padding_only_steps():
+    meta = AttentionMetadata.build([(0, 1, [3])], PAGE, max_pages=4)
+    assert meta.block_tables.tolist() == [[3, 0, 0, 0]] and meta.block_tables.dtype == torch.int32
+    padding = AttentionMetadata.build([], PAGE, pad_seqs=2, pad_rows=1)
+    assert padding.slot_mapping.tolist() == [-1, -1, -1]
+    assert padding.query_start_loc.tolist() == [0, 1, 2]
+    assert padding.block_tables.tolist() == [[0], [0]]
+    assert (padding.max_query_len, padding.max_seq_len) == (1, 0)
+    empty = AttentionMetadata.build([], PAGE)
+    assert empty.block_tables.shape == (0, 1) and (empty.max_query_len, empty.max_seq_len) == (0, 0)
