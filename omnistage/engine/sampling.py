@@ -13,7 +13,7 @@ import torch
 from torch import Tensor
 
 from omnistage.errors import InvalidRequest
-from omnistage.models.layers.attention_metadata import to_device, to_device_together
+from omnistage.models.layers.attention_metadata import to_device_together
 
 # Below this a temperature counts as greedy: dividing logits by it would only amplify float noise (vLLM's bound).
 GREEDY_TEMPERATURE = 1e-5
@@ -173,26 +173,30 @@ def make_generator(params: SamplingParams, device: torch.device | str) -> torch.
     return generator
 
 
-def _token_counts(id_lists: list[list[list[int]]], vocab: int, device: torch.device) -> Tensor:
-    """[len(id_lists), vocab] float32 occurrence counts: row i counts the ids of every list in id_lists[i]."""
+def _count_index(id_lists: list[list[list[int]]], vocab: int) -> Tensor:
+    """Host int64 indices into a flat `[len(id_lists), vocab + 1]` table: one per id of every list of
+    id_lists[i] in row i; out-of-vocab ids land in the extra column `vocab`, which `_counts` drops."""
     lengths = [sum(len(ids) for ids in lists) for lists in id_lists]
-    # numpy reads lists of ints several times faster than torch.tensor; out-of-vocab ids land in an extra
-    # column `vocab`, dropped below
+    # numpy reads lists of ints several times faster than torch.tensor
     flat = np.fromiter(
         itertools.chain.from_iterable(itertools.chain.from_iterable(id_lists)), np.int64, sum(lengths)
     )
     rows = np.repeat(np.arange(len(id_lists), dtype=np.int64), lengths)
-    index = to_device(torch.from_numpy(rows * (vocab + 1) + flat.clip(0, vocab)), device)
-    counts = torch.zeros(len(id_lists) * (vocab + 1), dtype=torch.float32, device=device)
+    return torch.from_numpy(rows * (vocab + 1) + flat.clip(0, vocab))
+
+
+def _counts(index: Tensor, num_rows: int, vocab: int) -> Tensor:
+    """`[num_rows, vocab]` float32 occurrence counts from `_count_index`'s indices (on the device)."""
+    counts = torch.zeros(num_rows * (vocab + 1), dtype=torch.float32, device=index.device)
     counts.index_add_(0, index, torch.ones_like(index, dtype=torch.float32))
-    return counts.view(len(id_lists), vocab + 1)[:, :vocab]
+    return counts.view(num_rows, vocab + 1)[:, :vocab]
 
 
 def apply_penalties(logits: Tensor, rows: list[SamplingRow]) -> Tensor:
     """Repetition (HF) over prompt and output, then presence and frequency (OpenAI) over output tokens.
 
     Only rows whose parameters ask for a penalty are touched; returns `logits` itself when none do,
-    else a new tensor.
+    else a new tensor. Every index and setting reaches the device in one copy.
     """
     repetition = [
         i
@@ -206,29 +210,32 @@ def apply_penalties(logits: Tensor, rows: list[SamplingRow]) -> Tensor:
     ]
     if not repetition and not additive:
         return logits
-    logits = logits.clone()
-    vocab, device = logits.shape[1], logits.device
+    vocab = logits.shape[1]
+    host: list[Tensor] = []
     if repetition:
-        index = to_device(torch.tensor(repetition), device)
-        seen = (
-            _token_counts([[rows[i].token_ids, rows[i].output_token_ids] for i in repetition], vocab, device)
-            > 0
-        )
-        penalty = to_device(torch.tensor([rows[i].params.repetition_penalty for i in repetition]), device)[
-            :, None
+        host += [
+            torch.tensor(repetition),
+            _count_index([[rows[i].token_ids, rows[i].output_token_ids] for i in repetition], vocab),
+            torch.tensor([rows[i].params.repetition_penalty for i in repetition])[:, None],
         ]
+    if additive:
+        host += [
+            torch.tensor(additive),
+            _count_index([[rows[i].output_token_ids] for i in additive], vocab),
+            torch.tensor([rows[i].params.frequency_penalty for i in additive])[:, None],
+            torch.tensor([rows[i].params.presence_penalty for i in additive])[:, None],
+        ]
+    moved = iter(to_device_together(host, logits.device))
+    logits = logits.clone()
+    if repetition:
+        index, ids, penalty = next(moved), next(moved), next(moved)
+        seen = _counts(ids, len(repetition), vocab) > 0
         sub = logits[index]
         penalised = torch.where(sub > 0, sub / penalty, sub * penalty)
         logits[index] = torch.where(seen, penalised, sub)
     if additive:
-        index = to_device(torch.tensor(additive), device)
-        counts = _token_counts([[rows[i].output_token_ids] for i in additive], vocab, device)
-        frequency = to_device(torch.tensor([rows[i].params.frequency_penalty for i in additive]), device)[
-            :, None
-        ]
-        presence = to_device(torch.tensor([rows[i].params.presence_penalty for i in additive]), device)[
-            :, None
-        ]
+        index, ids, frequency, presence = next(moved), next(moved), next(moved), next(moved)
+        counts = _counts(ids, len(additive), vocab)
         logits[index] = logits[index] - frequency * counts - presence * (counts > 0).float()
     return logits
 
@@ -250,11 +257,11 @@ def apply_min_tokens(logits: Tensor, rows: list[SamplingRow]) -> Tensor:
             token_index += blocked
     if not row_index:
         return logits
+    at_rows, at_tokens = to_device_together(
+        [torch.tensor(row_index), torch.tensor(token_index)], logits.device
+    )
     logits = logits.clone()
-    device = logits.device
-    logits[
-        to_device(torch.tensor(row_index), device), to_device(torch.tensor(token_index), device)
-    ] = -math.inf
+    logits[at_rows, at_tokens] = -math.inf
     return logits
 
 

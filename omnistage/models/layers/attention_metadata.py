@@ -84,7 +84,8 @@ class AttentionMetadata:
         pad_rows: int = 0,
         max_pages: int | None = None,
     ) -> AttentionMetadata:
-        """Metadata for `chunks` (start position, new tokens, page ids per sequence), built on the host.
+        """Metadata for `chunks` (start position, new tokens, page ids per sequence), built on the host and
+        moved to `device` in one copy (`to_device` moves other tensors with it).
 
         `pad_seqs` appends sequences of one row each with seq_len 0 (a padded decode batch); `pad_rows`
         appends rows that belong to no sequence (a padded token count). Both write nothing and read zeros.
@@ -125,7 +126,7 @@ class AttentionMetadata:
             max_query_len=max(b - a for a, b in zip(starts, starts[1:])) if seq_lens else 0,
             max_seq_len=max(seq_lens, default=0),
         )
-        return meta.to_device(device)[0]
+        return meta if torch.device(device).type == "cpu" else meta.to_device(device)[0]
 
     def to_device(
         self, device: torch.device | str, *tensors: torch.Tensor
