@@ -6,19 +6,23 @@ fixed random table picked by the input token (a deterministic chain of ordinary 
 special token, no partial UTF-8), then times `pipeline.step()` over pure decode steps at each batch size, for
 greedy requests (ASR's) and for sampled ones (temperature, top-k, top-p, repetition penalty). What is left is
 the scheduler, the attention metadata, the copies to the device, the sampler, the token's read-back, the
-detokenizer and the outputs. A cProfile of the same steps says where that time goes, by function.
+detokenizer and the outputs. A cProfile of the same steps says where that time goes, by function. Last, the
+same requests stream through the in-process server's AsyncEngine (its engine thread, the event loop taking
+each output): the "served ms" column is the median time between a request's outputs there, so the
+difference from "step ms" is what the serving loop adds to every step.
 
-How to run it: on this CPU, `python benchmarks/host_overhead.py` (a minute or two); on a GPU,
+How to run it: on this CPU, `python benchmarks/host_overhead.py` (a minute); on a GPU,
 `python benchmarks/host_overhead.py --device cuda`, where the stand-in's decode steps are captured in CUDA
 graphs as the real decoder's are, so the figures are a step's host work plus a few microseconds of kernels.
 On the CPU the logits table is 4,096 tokens wide (`--logits-width`) so that the sampler's arithmetic, GPU work
 on the real machine, does not swamp the host work; on a GPU it is the whole vocabulary. `--profile-top 0`
-skips the profiles; `--json FILE` writes the table.
+skips the profiles, `--no-served` the AsyncEngine; `--json FILE` writes the table.
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import cProfile
 import json
 import pstats
@@ -31,6 +35,7 @@ import torch
 
 from omnistage import LLM, SamplingParams
 from omnistage.engine.llm_engine import LLMEngine, NewRequest
+from omnistage.pipeline.async_engine import AsyncEngine
 
 CHAIN_ROWS = 64  # rows of the logits table: the next token depends on the current one modulo this
 SAMPLED = SamplingParams(temperature=0.7, top_p=0.8, top_k=20, repetition_penalty=1.05)
@@ -84,6 +89,7 @@ def build(args: argparse.Namespace, workdir: Path) -> LLM:
     common = dict(
         device=args.device,
         dtype="float32" if args.device == "cpu" else "bfloat16",
+        page_size=16,
         max_num_seqs=max_batch,
         max_num_batched_tokens=max(2048, args.prompt_len),
         max_graph_batch=max_batch,
@@ -105,47 +111,63 @@ def is_pure_decode(engine: LLMEngine) -> bool:
     )
 
 
-def measure(llm: LLM, batch: int, params: SamplingParams, args: argparse.Namespace, tag: str):
-    """Step times (seconds) of `args.steps` pure decode steps of `batch` requests, and their profile."""
-    engine, pipeline = llm.engine, llm.pipeline
+def requests(batch: int, params: SamplingParams, args: argparse.Namespace, tag: str) -> list[NewRequest]:
+    """`batch` requests of random prompts that all decode through `args.warmup + args.steps` steps together."""
     # the first requests decode while the later ones prefill (at most one prefill step each)
     max_tokens = batch + args.warmup + args.steps + 1
     params = SamplingParams(**{**vars(params), "max_tokens": max_tokens, "seed": None})
     generator = torch.Generator().manual_seed(batch)
-    ids = [f"{tag}-{i}" for i in range(batch)]
-    for request_id in ids:
-        prompt = torch.randint(1000, 100_000, (args.prompt_len,), generator=generator).tolist()
-        assert pipeline.add_requests([NewRequest(request_id, prompt, params)]) == [None]
+    return [
+        NewRequest(
+            f"{tag}-{i}",
+            torch.randint(1000, 100_000, (args.prompt_len,), generator=generator).tolist(),
+            params,
+        )
+        for i in range(batch)
+    ]
+
+
+def decode_steps(
+    llm: LLM, batch: int, params: SamplingParams, args: argparse.Namespace, tag: str, timed: bool
+):
+    """Run `args.steps` pure decode steps of `batch` requests (after the prefills and `args.warmup` steps):
+    their wall times (seconds) if `timed`, else their cProfile."""
+    engine, pipeline = llm.engine, llm.pipeline
+    batch_requests = requests(batch, params, args, tag)
+    assert pipeline.add_requests(batch_requests) == [None] * batch
     while not is_pure_decode(engine):
         pipeline.step()
     for _ in range(args.warmup):
         pipeline.step()
-    times = []
+    times, profile = [], cProfile.Profile()
     for _ in range(args.steps):
         started = time.perf_counter()
+        if not timed:
+            profile.enable()
         pipeline.step()
+        if not timed:
+            profile.disable()
         times.append(time.perf_counter() - started)
-    profile = None
-    if args.profile_top:
-        profile = cProfile.Profile()
-        for request_id in ids:
-            pipeline.abort(request_id)
-        for request_id in ids:
-            prompt = torch.randint(1000, 100_000, (args.prompt_len,), generator=generator).tolist()
-            pipeline.add_requests([NewRequest(f"{request_id}-p", prompt, params)])
-        while not is_pure_decode(engine):
-            pipeline.step()
-        for _ in range(args.warmup):
-            pipeline.step()
-        profile.enable()
-        for _ in range(args.steps):
-            pipeline.step()
-        profile.disable()
-        ids = [f"{request_id}-p" for request_id in ids]
-    for request_id in ids:
-        pipeline.abort(request_id)
+    for request in batch_requests:
+        pipeline.abort(request.request_id)
     assert engine.pool.num_free == engine.pool.num_pages
-    return times, profile
+    return times if timed else profile
+
+
+def served_gaps(engine: AsyncEngine, batch: int, params: SamplingParams, args: argparse.Namespace, tag: str):
+    """Seconds between a request's consecutive outputs, streamed through the in-process server's AsyncEngine,
+    while all `batch` requests decode."""
+
+    async def stream(request: NewRequest) -> list[float]:
+        outputs = engine.generate(request.request_id, None, request.prompt_token_ids, request.params)
+        return [time.perf_counter() async for _ in outputs]
+
+    async def run() -> list[list[float]]:
+        return await asyncio.gather(*(stream(r) for r in requests(batch, params, args, tag)))
+
+    stamps = asyncio.run(run())
+    start, end = max(s[0] for s in stamps), min(s[-1] for s in stamps)
+    return [b - a for s in stamps for a, b in zip(s, s[1:]) if start <= a and b <= end]
 
 
 def print_profile(profile: cProfile.Profile, steps: int, top: int) -> None:
@@ -160,7 +182,7 @@ def print_profile(profile: cProfile.Profile, steps: int, top: int) -> None:
         )
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> list[dict]:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--device", default="cpu", help="cpu or cuda")
     p.add_argument("--family", choices=["asr", "omni"], default="asr")
@@ -173,10 +195,11 @@ def main() -> None:
         "--logits-width", type=int, default=None, help="default: 4096 on a CPU, the vocabulary on a GPU"
     )
     p.add_argument("--profile-top", type=int, default=20, help="functions listed per profile (0: no profile)")
+    p.add_argument("--served", action=argparse.BooleanOptionalAction, default=True,
+                   help="also time the steps through the in-process server's AsyncEngine")  # fmt: skip
     p.add_argument("--json", type=Path, default=None)
-    args = p.parse_args()
+    args = p.parse_args(argv)
     args.batches = [int(b) for b in args.batches.split(",")]
-    torch.set_num_threads(1)  # the host work is one thread; torch's CPU kernels would hide it behind others
 
     with tempfile.TemporaryDirectory() as workdir:
         llm = build(args, Path(workdir))
@@ -189,26 +212,33 @@ def main() -> None:
         results = []
         for mode in args.modes.split(","):
             for batch in args.batches:
-                times, profile = measure(llm, batch, MODES[mode], args, f"{mode}{batch}")
+                times = decode_steps(llm, batch, MODES[mode], args, f"{mode}{batch}", timed=True)
                 median = statistics.median(times)
-                p90 = statistics.quantiles(times, n=10)[-1]
-                results.append(dict(mode=mode, batch=batch, median_ms=median * 1e3, p90_ms=p90 * 1e3,
+                results.append(dict(mode=mode, batch=batch, median_ms=median * 1e3,
+                                    p90_ms=statistics.quantiles(times, n=10)[-1] * 1e3,
                                     us_per_token=median / batch * 1e6))  # fmt: skip
-                print(
-                    f"\n{mode} batch {batch}: median {median * 1e3:.3f} ms, p90 {p90 * 1e3:.3f} ms per step"
-                )
-                if profile is not None:
+                print(f"\n{mode} batch {batch}: median {median * 1e3:.3f} ms per step")
+                if args.profile_top:
+                    profile = decode_steps(llm, batch, MODES[mode], args, f"{mode}{batch}p", timed=False)
                     print_profile(profile, args.steps, args.profile_top)
-    print(f"\n{'mode':>8} {'batch':>5} {'median ms':>10} {'p90 ms':>8} {'us/token':>9}")
+        if args.served:
+            served = AsyncEngine(llm.pipeline)  # last: it starts a thread that steps the pipeline from now on
+            for r in results:
+                gaps = served_gaps(served, r["batch"], MODES[r["mode"]], args, f"{r['mode']}{r['batch']}s")
+                r["served_median_ms"] = statistics.median(gaps) * 1e3
+            served.shutdown()
+    print(f"\n{'mode':>8} {'batch':>5} {'step ms':>8} {'p90 ms':>8} {'us/token':>9} {'served ms':>10}")
     for r in results:
-        print(
-            f"{r['mode']:>8} {r['batch']:>5} {r['median_ms']:10.3f} {r['p90_ms']:8.3f} {r['us_per_token']:9.1f}"
-        )
+        served_ms = f"{r['served_median_ms']:10.3f}" if "served_median_ms" in r else f"{'-':>10}"
+        print(f"{r['mode']:>8} {r['batch']:>5} {r['median_ms']:8.3f} {r['p90_ms']:8.3f} {r['us_per_token']:9.1f} "
+              f"{served_ms}")  # fmt: skip
     if args.json:
         args.json.write_text(
             json.dumps(dict(device=str(args.device), family=args.family, results=results), indent=1)
         )
+    return results
 
 
 if __name__ == "__main__":
+    torch.set_num_threads(1)  # the host work is one thread; torch's CPU kernels would hide it behind others
     main()
