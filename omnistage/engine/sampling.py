@@ -314,8 +314,7 @@ class Sampler:
     """
 
     def __init__(self) -> None:
-        self._key: tuple | None = None
-        self._settings: _BatchSettings | None = None
+        self._cached: tuple[tuple, _BatchSettings] | None = None  # (the rows' settings, their tensors)
 
     def __call__(self, logits: Tensor, rows: list[SamplingRow]) -> Tensor:
         return self.sample(logits, rows)
@@ -358,8 +357,9 @@ class Sampler:
     def _settings_for(self, params: list[SamplingParams], vocab: int, device: torch.device) -> _BatchSettings:
         """The batch's settings: the last step's when the rows' settings and the device are the same."""
         key = (vocab, device, [(p.temperature, p.top_k, p.top_p, p.min_p) for p in params])
-        if key == self._key:
-            return self._settings
+        cached = self._cached
+        if cached is not None and cached[0] == key:
+            return cached[1]
         greedy = [p.greedy for p in params]
         truncates = any(p.top_k > 0 or p.top_p < 1.0 for p in params)
         host = {
@@ -377,6 +377,6 @@ class Sampler:
         head = (
             max(p.top_k for p in params) if truncates and all(0 < p.top_k < vocab for p in params) else None
         )
-        self._settings = _BatchSettings(**{name: moved.get(name) for name in host}, head=head)
-        self._key = key
-        return self._settings
+        settings = _BatchSettings(**{name: moved.get(name) for name in host}, head=head)
+        self._cached = (key, settings)
+        return settings
