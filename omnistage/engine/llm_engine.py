@@ -343,6 +343,15 @@ class LLMEngine:
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
 
+    def replays_next_step(self) -> bool:
+        """The next step is a decode step whose batch a captured graph holds: no eager (compiled) code runs."""
+        graphs = self.runner.graphs
+        return (
+            graphs is not None
+            and self.scheduler.decodes_only
+            and 0 < self.scheduler.num_running <= max(graphs.captured_buckets, default=0)
+        )
+
     @property
     def num_waiting(self) -> int:
         return self.scheduler.num_waiting

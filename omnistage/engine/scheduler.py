@@ -71,6 +71,12 @@ class Scheduler:
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
 
+    @property
+    def decodes_only(self) -> bool:
+        """The next step can only be a decode step: none waits, and every running sequence has one token left
+        to compute (its last sampled one)."""
+        return not self.waiting and all(seq.num_tokens - seq.num_computed_tokens == 1 for seq in self.running)
+
     def get(self, request_id: str) -> Sequence | None:
         """The unfinished sequence of `request_id`, if any."""
         return self._unfinished.get(request_id)

@@ -587,12 +587,15 @@ class Qwen3OmniPipeline:
         return outputs
 
     def _beside(self) -> bool:
-        """Whether this step's Thinker step runs beside the speaking step (every Talker has started)."""
+        """Whether this step's Thinker step runs beside the speaking step: every Talker has started, and the
+        Thinker's step replays a decode graph. Its eager steps (prefills) call the layers torch.compile wraps,
+        as the Talker's eager steps do: dynamo's caches of one code object are not entered from two threads."""
         return (
             self._thinker_side is not None
             and self.overlap
             and bool(self._speaking)
             and all(s.talker_started or s.error is not None for s in self._speaking.values())
+            and self.thinker.replays_next_step()
         )
 
     def _thinker_step(self) -> list[RequestOutput]:

@@ -458,3 +458,21 @@ def test_soak_random_arrivals_aborts_and_stops(seed):
         else:
             assert s.status in (S.FINISHED_STOPPED, S.FINISHED_ABORTED)
             assert s.output_token_ids == expected[: s.num_output_tokens]
+
+
+def test_decodes_only_foretells_a_pure_decode_step():
+    """Through arrivals, chunked prefills and finishes, `decodes_only` before a step says whether the step will be
+    a pure decode one (the pipeline runs the Thinker beside the speech stages only then)."""
+    _, sched, model = setup(num_pages=32, budget=5)
+    arrivals = {0: [make("a", 7, 4)], 3: [make("b", 3, 5, base=40)], 6: [make("c", 12, 2, base=80)]}
+    seen = set()
+    for n in range(100):
+        for seq in arrivals.get(n, []):
+            sched.add(seq)
+        if not sched.has_unfinished():
+            break
+        foretold = sched.decodes_only
+        out = step(sched, model)
+        assert foretold == out.is_pure_decode, n
+        seen.add(foretold)
+    assert seen == {True, False}
