@@ -26,9 +26,11 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import faulthandler
 import gc
 import json
 import logging
+import sys
 import time
 import traceback
 from collections.abc import Callable
@@ -273,6 +275,7 @@ def run_batch(pipeline: Any, planned: list[Planned], inputs: Inputs, timeout_s: 
                 record.setdefault("first_audio_s", round(now, 3))
             if item.finished:
                 finals[request_id], record["wall_s"] = item, round(now, 3)
+                print(f"  {now:7.2f} s  {request_id} finished", flush=True)
 
     devices = cuda_devices(pipeline)
     for d in devices:
@@ -283,10 +286,14 @@ def run_batch(pipeline: Any, planned: list[Planned], inputs: Inputs, timeout_s: 
     logging.getLogger().addHandler(handler)
     logging.captureWarnings(True)
     loop = StepLoop(pipeline, deliver)
+    # a batch that stops making progress: every thread's stack on stderr, at most once a minute
+    faulthandler.dump_traceback_later(60, repeat=True, file=sys.__stderr__)
     try:
         loop.handle([Add(r) for r in new])
         steps = 0
         while pipeline.has_unfinished():
+            if steps % 100 == 0:
+                print(f"  {time.perf_counter() - added:7.2f} s  step {steps}: {pipeline.stats()}", flush=True)
             if time.perf_counter() - added > timeout_s:
                 for request_id in {r.request_id for r in new} - set(finals):
                     pipeline.abort(request_id)
@@ -297,6 +304,7 @@ def run_batch(pipeline: Any, planned: list[Planned], inputs: Inputs, timeout_s: 
         for d in devices:
             torch.cuda.synchronize(d)
     finally:
+        faulthandler.cancel_dump_traceback_later()
         logging.captureWarnings(False)
         logging.getLogger().removeHandler(handler)
     for request_id, out in finals.items():
