@@ -126,8 +126,17 @@ class EncoderEngine:
         rows: list[torch.Tensor] = []
         tower = self.audio_graphs.run if self.audio_graphs is not None else self.audio_encoder
         for group in _groups([f.shape[-1] for f in clips], self.max_audio_frames):
-            rows += tower([clips[i].to(self.device) for i in group])
+            rows += tower([self._on_device(clips[i]) for i in group])
         return rows
+
+    def _on_device(self, features: torch.Tensor) -> torch.Tensor:
+        """A clip's features on the encoder's device. Features a processor made there on a stream of its own
+        (audio_features.log_mel) are marked as read on this one: their memory is not reused before the read,
+        whenever the request drops them."""
+        moved = features.to(self.device)
+        if moved is features and features.is_cuda:
+            features.record_stream(torch.cuda.current_stream(features.device))
+        return moved
 
     def _image_rows(self, prompts: list[MultimodalInputs]) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """Per prompt, the rows [n, H] and deepstack levels [levels, n, H] of all its images; the images go
