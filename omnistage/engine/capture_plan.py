@@ -16,7 +16,9 @@ The order of claims on a device's memory:
 3. a reserve for what the measurements do not see;
 4. each KV pool's minimum, one request of its stage's longest length (or the pages the config fixes): a graph
    never takes the memory one request needs;
-5. CUDA graphs, within a budget (default: a share of what is left): first the sets replayed on every
+5. CUDA graphs, within a budget (default: all that is left; a graph is priced at the measured eager peak of
+   its step, as if it had a pool of its own, where the graphs of a stage share one, so the plan overstates
+   them and leaves KV pages the difference): first the sets replayed on every
    generated step (kind "decode": Thinker and Talker decode, code predictor frames, Code2Wav chunks), then
    those replayed once per prompt chunk or input (kind "prefill": prefill chunks, audio windows, vision
    patches). A decode-kind step recurs for every token or frame of every request and is small, so its
@@ -39,9 +41,6 @@ MiB = 1 << 20
 # Covers allocator fragmentation, cuBLAS/NCCL workspaces and Triton's launch scratch that the floor
 # measurement does not see. A guess until benchmarks/RESULTS.md measures it.
 DEFAULT_RESERVE = 512 * MiB
-# Share of the memory left after the floor that graphs may take before KV pages get the rest. Graph costs are
-# priced as if each graph had its own pool (they share one), so they overstate; a quarter still leaves KV most.
-DEFAULT_GRAPH_FRACTION = 0.25
 
 Row = tuple[str, int, str]  # (name, bytes, what): one line of the plan
 Bucket = int | tuple[int, ...]  # a batch or token count, or e.g. Code2Wav's (chunk frames, streams)
@@ -423,8 +422,8 @@ def plan_device(
     """Split what `device` has left after loading between the floor, the reserve, KV pages and CUDA graphs of
     every stage on it (the order of claims is in the module's docstring).
 
-    graph_budget: bytes graphs may take (default: DEFAULT_GRAPH_FRACTION of what the floor, the reserve and
-    the pools' minimums leave). Raises ConfigError, naming the stages' needs, when they do not fit.
+    graph_budget: bytes graphs may take (default: all that the floor, the reserve and the pools' minimums
+    leave). Raises ConfigError, naming the stages' needs, when they do not fit.
     """
     resident = tuple(row for s in stages for row in s.resident)
     phases = tuple(row for s in stages for row in s.peaks)
@@ -437,7 +436,7 @@ def plan_device(
     if available < needed:
         raise ConfigError(_does_not_fit(device, phases, floor, reserve, pools))
     spare = available - needed
-    budget = int(DEFAULT_GRAPH_FRACTION * spare) if graph_budget is None else graph_budget
+    budget = spare if graph_budget is None else graph_budget
     graphs = tuple(
         GraphPlan(c, captured)
         for c, captured in zip(sets, _claim(sets, max(0, min(budget, spare))), strict=True)

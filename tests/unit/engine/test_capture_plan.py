@@ -160,8 +160,8 @@ def test_cheapest_first_all_or_nothing():
     assert bucket_for(1, plan.captured_buckets) == 2
 
 
-def test_default_graph_budget_is_a_share_of_spare_memory():
-    costs = {b: 200 * MiB for b in decode_buckets(128)}
+def test_graphs_claim_what_the_minimums_leave_before_kv_pages_beyond_them():
+    costs = {b: 600 * MiB for b in decode_buckets(128)}
     plan = plan_memory(
         total=80 * GiB,
         free_after_weights=5 * GiB + 512 * MiB,
@@ -170,11 +170,12 @@ def test_default_graph_budget_is_a_share_of_spare_memory():
         kv_bytes_per_page=12 * MiB,
         graph_cost_per_bucket=costs,
         reserve=0,
-        min_kv_pages=0,
+        min_kv_pages=100,
     )
-    # 5 GiB spare, 25% = 1,280 MiB -> 6 graphs of 200 MiB.
-    assert len(plan.captured_buckets) == 6
-    assert plan.captured_buckets == (1, 2, 4, 8, 16, 24)  # equal costs: smaller buckets first
+    # 5 GiB spare, 1,200 MiB of it the pool's minimum: 6 graphs of 600 MiB (3,600 MiB), smaller buckets first
+    # at equal costs; the pool gets its minimum and the 320 MiB left (26 pages)
+    assert plan.captured_buckets == (1, 2, 4, 8, 16, 24)
+    assert plan.kv_pages == 100 + 320 // 12
 
 
 def test_limit_caps_the_plan():
