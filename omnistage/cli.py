@@ -89,6 +89,7 @@ def _engine_config(args: argparse.Namespace) -> EngineConfig:
     overrides = {key: getattr(args, key) for _, key, _, _ in _ENGINE_FLAGS}
     overrides["enforce_eager"] = args.enforce_eager
     overrides["compile"] = False if args.no_compile else None
+    overrides["overlap_stages"] = False if args.no_overlap_stages else None
     if args.config:
         return load_config(args.config, **overrides)
     return engine_config("command line", **{k: v for k, v in overrides.items() if v is not None})
@@ -242,6 +243,11 @@ def _add_load_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--no-compile", action="store_true", help="leave the decoder layers uncompiled on a GPU"
     )
+    parser.add_argument(
+        "--no-overlap-stages",
+        action="store_true",
+        help="run the Thinker's steps before the speech stages', not beside them, on a GPU",
+    )
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -315,6 +321,11 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--enforce-eager", action="store_true", default=None, help="run without CUDA graphs")
     serve.add_argument(
         "--no-compile", action="store_true", help="leave the decoder layers uncompiled on a GPU"
+    )
+    serve.add_argument(
+        "--no-overlap-stages",
+        action="store_true",
+        help="run the Thinker's steps before the speech stages', not beside them, on a GPU",
     )
     serve.add_argument(
         "--engine-process",

@@ -241,6 +241,11 @@ class EngineConfig(BaseModel):
     compile: bool = Field(
         True, description="torch.compile the decoder layers on a GPU (fuses the glue kernels)"
     )
+    overlap_stages: bool = Field(
+        True,
+        description="on a GPU, run the Thinker's decode steps beside the speech stages' (a thread and stream of "
+        "its own)",
+    )
     moe_kernel: Literal["auto", "grouped_mm", "triton"] = Field(
         "auto", description="GPU MoE kernel: auto takes Triton for decode-sized batches, grouped GEMMs above"
     )

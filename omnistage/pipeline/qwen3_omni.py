@@ -230,7 +230,7 @@ class Qwen3OmniPipeline:
         self._speaking: dict[str, _Speech] = {}
         # on a GPU the Thinker runs on a stream of its own; its steps run beside the speech stages' (`step`)
         self._thinker_side = SideStream(device, "thinker") if self.speaks and device.type == "cuda" else None
-        self.overlap = True
+        self.overlap = config.overlap_stages
         self._deferred_aborts: list[str] | None = None  # while a Thinker step runs beside: aborts wait for it
         if self.speaks:
             with torch.inference_mode():

@@ -126,3 +126,17 @@ def test_memory_report_on_the_cpu_says_so_and_lists_what_the_stages_hold(tiny_ch
     owners = {(row[1], row[2]) for row in rows}
     assert {("weights", "thinker.model"), ("KV", "thinker.runner"), ("weights", "talker")} <= owners, printed
     assert "KV pool 32 pages" in printed
+
+
+def test_no_overlap_stages_reaches_the_engine_config(tmp_path):
+    from omnistage.cli import _engine_config
+
+    for command in ("serve", "plan"):
+        assert _engine_config(build_parser().parse_args([command])).overlap_stages is True
+        args = build_parser().parse_args([command, "--no-overlap-stages"])
+        assert _engine_config(args).overlap_stages is False
+    config = tmp_path / "c.yaml"
+    config.write_text("engine:\n  overlap_stages: false\n")
+    assert (
+        _engine_config(build_parser().parse_args(["serve", "--config", str(config)])).overlap_stages is False
+    )
