@@ -316,7 +316,7 @@ class EmbeddingStage:
             SamplingRow(
                 params=c.seq.data.params,
                 # the repetition penalty reads the generated ids only: the prompt rows have none
-                token_ids=c.seq.output_token_ids,
+                token_ids=[],
                 output_token_ids=c.seq.output_token_ids,
                 generator=c.seq.data.generator,
                 eos_token_ids=c.seq.data.eos_token_ids,
