@@ -2,7 +2,9 @@
 
 Every step is a list of chunks (sequence, first token, number of tokens). Running sequences go first in
 arrival order, then waiting ones in FCFS order while the step has token budget, a free slot and free
-pages. The waiting queue is strictly FCFS: a head that does not fit the free pages blocks the requests
+pages. A running prompt's prefill chunk leaves a token for each newer running sequence that decodes, and
+half the budget when a waiting request could be admitted: a long prompt is prefilled over more steps, but
+nothing else waits for all of it. The waiting queue is strictly FCFS: a head that does not fit the free pages blocks the requests
 behind it (no overtaking), so a large request is never starved by a stream of small ones.
 
 Invariant: every running sequence arrived before every waiting one, and only running sequences own
@@ -101,6 +103,12 @@ class Scheduler:
         is not ready sits this step out, keeping its pages (a waiting head that is not ready waits, FCFS)."""
         out = SchedulerOutput()
         budget = self.max_num_batched_tokens
+        # A prefill chunk leaves room in the step: a token for every newer running sequence that decodes, and
+        # half the step when a waiting request could be admitted. Neither then waits for a long prompt's whole
+        # prefill (a decode's next token, a new request's first one: a spoken reply's first packet).
+        admitting = bool(self.waiting) and len(self.running) < self.max_num_seqs
+        prefill_cap = max(1, budget // 2) if admitting else budget
+        decodes_after = self._decodes_after()
 
         i = 0
         while i < len(self.running) and budget > 0:
@@ -108,7 +116,9 @@ class Scheduler:
             if ready is not None and not ready(seq):
                 i += 1
                 continue
-            n = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            left = seq.num_tokens - seq.num_computed_tokens
+            n = 1 if left == 1 else min(left, prefill_cap, max(1, budget - decodes_after[i]))
+            n = min(n, budget)
             while not self.pool.ensure_capacity(seq, seq.num_computed_tokens + n):
                 victim = self.running.pop()  # the newest, possibly `seq` itself
                 self._preempt(victim)
@@ -128,6 +138,8 @@ class Scheduler:
             if ready is not None and not ready(seq):
                 break
             n = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            if len(self.waiting) > 1 and len(self.running) + 1 < self.max_num_seqs:
+                n = min(n, max(1, self.max_num_batched_tokens // 2))  # as above, for the ones behind it
             if not self.pool.ensure_capacity(seq, seq.num_computed_tokens + n):
                 break  # FCFS: the head waits for pages, and so does everyone behind it
             self.waiting.popleft()
@@ -136,6 +148,15 @@ class Scheduler:
             out.chunks.append(ScheduledChunk(seq, seq.num_computed_tokens, n))
             budget -= n
         return out
+
+    def _decodes_after(self) -> list[int]:
+        """For each running sequence, how many newer running ones have a single token to compute."""
+        counts, newer = [0] * len(self.running), 0
+        for i in range(len(self.running) - 1, -1, -1):
+            counts[i] = newer
+            seq = self.running[i]
+            newer += seq.num_tokens - seq.num_computed_tokens == 1
+        return counts
 
     def update(self, output: SchedulerOutput, sampled: dict[str, int]) -> None:
         """Record a finished step: `sampled` maps request id to the token drawn after each sampling chunk.

@@ -476,3 +476,27 @@ def test_decodes_only_foretells_a_pure_decode_step():
         assert foretold == out.is_pure_decode, n
         seen.add(foretold)
     assert seen == {True, False}
+
+
+def test_a_long_prefill_starves_neither_newer_decodes_nor_a_new_request():
+    """An old request's long prompt is prefilled in chunks beside a newer request's decodes (one token each
+    step) and leaves half the step to a request that arrives meanwhile: its first token comes in the step it
+    is admitted, not after the whole long prefill."""
+    pool, sched, model = setup(num_pages=64, page_size=16, budget=32)
+    long, short = make("long", 200, 2), make("short", 4, 8, base=300)
+    sched.add(long)
+    sched.add(short)
+    first = step(sched, model)
+    assert shape(first) == [("long", 0, 16), ("short", 0, 4)]  # half the step while short waited
+    for _ in range(3):
+        out = step(sched, model)
+        assert shape(out) == [("long", out.chunks[0].start, 31), ("short", out.chunks[1].start, 1)]
+    late = make("late", 6, 2, base=600)
+    sched.add(late)
+    out = step(sched, model)
+    assert shape(out)[1:] == [("short", 7, 1), ("late", 0, 6)] and out.chunks[2].samples
+    assert out.chunks[0].num_tokens == 16
+    run_to_end(sched, model)
+    for seq in (long, short, late):
+        assert_done(seq)
+    assert pool.num_free == pool.num_pages
