@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import io
 import json
+import logging
 import math
 from dataclasses import dataclass
 from pathlib import Path
@@ -19,6 +20,8 @@ import torch
 from PIL import Image, UnidentifiedImageError
 
 from omnistage.errors import InvalidMedia
+
+log = logging.getLogger(__name__)
 
 MAX_ASPECT_RATIO = 200
 # A decompression-bomb guard: 10x the released max_pixels, which is all the encoder keeps after resizing.
@@ -119,6 +122,11 @@ def preprocess_image(
     image = image.convert("RGB")
     _, grid_h, grid_w = image_grid(image.height, image.width, cfg)
     p, m, t = cfg.patch_size, cfg.merge_size, cfg.temporal_patch_size
+    if image.height * image.width > cfg.max_pixels:  # what the memory plan's vision floor was measured on
+        log.info(
+            "an image of %dx%d is resized to %dx%d (max_pixels %d)",
+            image.width, image.height, grid_w * p, grid_h * p, cfg.max_pixels,
+        )  # fmt: skip
     image = image.resize((grid_w * p, grid_h * p), resample=Image.Resampling.BICUBIC)
     pixels = (np.asarray(image, dtype=np.float64) * cfg.rescale_factor).astype(np.float32)  # [H, W, C]
     pixels = (pixels - np.asarray(cfg.image_mean, np.float32)) / np.asarray(cfg.image_std, np.float32)
