@@ -446,11 +446,6 @@ class Qwen3OmniPipeline:
 
     def add_requests(self, requests: list[NewRequest]) -> list[Exception | None]:
         """Admit several requests (their media encoded together); per request, None or what kept it out."""
-        if self._thinker_side is None:
-            return self._add_requests(requests)
-        return self._thinker_side.run(lambda: self._add_requests(requests))
-
-    def _add_requests(self, requests: list[NewRequest]) -> list[Exception | None]:
         errors: list[Exception | None] = [None] * len(requests)
         thinker_requests, indices = [], []
         for i, r in enumerate(requests):
@@ -599,9 +594,10 @@ class Qwen3OmniPipeline:
         )
 
     def _thinker_step(self) -> list[RequestOutput]:
-        if self._thinker_side is None:
-            return self.thinker.step()
-        return self._thinker_side.run(self.thinker.step)
+        outputs = self.thinker.step()
+        if self._thinker_side is not None:  # a Thinker step beside starts after this one's KV writes
+            self._thinker_side.mark()
+        return outputs
 
     def _on_thinker(
         self, thinker_outputs: list[RequestOutput], outputs: list[RequestOutput], touched: dict[str, _Speech]
@@ -721,10 +717,6 @@ class Qwen3OmniPipeline:
         accept = embeds.new_zeros(embeds.shape)
         if speech.tap is not None:
             accept[speech.tap.rows] = speech.tap.values
-            if self.device.type == "cuda" and self._thinker_side is not None:
-                # made on the Thinker's stream, read on this one (side_stream.py)
-                for made in (speech.tap.rows, speech.tap.values):
-                    made.record_stream(torch.cuda.current_stream(self.device))
         first = self._embedding(torch.tensor(spoken[0], device=self.device))
         to = self.speech_device
         prompt = talker_prompt(

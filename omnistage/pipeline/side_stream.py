@@ -5,17 +5,20 @@ and the Talker, code predictor and Code2Wav (hundreds of small kernels). One aft
 each waits for the other; on two streams their kernels interleave. Each side's host work runs while the
 other's kernels do: torch releases the GIL inside its ops, so the two threads' Python work interleaves too.
 
-The stage's device work all goes to its stream (its steps here, and whatever the caller runs `inside()`, as
-its admissions), and the caller's stream waits for the stage's at `join`, before it reads anything the stage
-made. A tensor made on the stage's stream and read on the caller's must be marked with `record_stream` before
-it is dropped, so that the allocator does not hand its memory back to the stage while the caller's reads are
-queued.
+Only the steps run beside go to the side stream (the caller keeps to steps that allocate little: decode
+graph replays). Everything else of the stage (its prefills, its admissions) stays on the caller's stream.
+The caching allocator keeps each stream's freed blocks for that stream: a stage whose large eager steps
+alternated between two streams would need its peak twice, and under a memory plan that leaves nothing spare
+every switch would free the other stream's cache (a device synchronisation, then new allocations).
+
+Ordering: the side stream starts a step after the stage's work the caller marked (`mark`, recorded after the
+stage's last step or admission on the caller's stream, not after the caller's other work queued since), and
+the caller's stream waits for the side stream at `join`, before it reads anything the step made.
 """
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import TypeVar
 
@@ -29,45 +32,35 @@ class SideStream:
         """Off CUDA there is no stream, only the thread (the step order is the same: tests)."""
         self.device = device
         self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+        self._marked: torch.cuda.Event | None = None
         self._thread = ThreadPoolExecutor(1, thread_name_prefix=name)
 
-    @contextlib.contextmanager
-    def inside(self) -> Iterator[None]:
-        """The calling thread's work on the stage's stream (e.g. admitting requests between steps)."""
-        if self.stream is None:
-            yield
-            return
-        with torch.cuda.device(self.device), torch.cuda.stream(self.stream):
-            yield
-
-    def _order_after(self) -> None:
+    def mark(self) -> None:
+        """The stage's work queued so far on the caller's stream: the next `submit` starts after it."""
         if self.stream is not None:
-            torch.cuda.current_stream(self.device).wait_stream(self.stream)
+            self._marked = torch.cuda.current_stream(self.device).record_event()
 
     def submit(self, work: Callable[[], T]) -> Future[T]:
-        """`work()` on the stage's thread and stream; `join` its future."""
+        """`work()` on the stage's thread and stream, after what was marked; `join` its future."""
+        if self.stream is not None and self._marked is not None:
+            self.stream.wait_event(self._marked)
 
         def run() -> T:
-            with self.inside(), torch.inference_mode():
+            if self.stream is None:
+                with torch.inference_mode():
+                    return work()
+            with torch.cuda.device(self.device), torch.cuda.stream(self.stream), torch.inference_mode():
                 return work()
 
         return self._thread.submit(run)
 
-    def run(self, work: Callable[[], T]) -> T:
-        """`work()` on the calling thread, on the stage's stream; the calling thread's stream then orders after it
-        (a step with nothing to run beside it: no thread hop)."""
-        try:
-            with self.inside():
-                return work()
-        finally:
-            self._order_after()
-
     def join(self, future: Future[T]) -> T:
-        """The work's result (or its exception); the calling thread's stream then orders after it."""
+        """The work's result (or its exception); the caller's stream then orders after it."""
         try:
             return future.result()
         finally:
-            self._order_after()
+            if self.stream is not None:
+                torch.cuda.current_stream(self.device).wait_stream(self.stream)
 
     def close(self) -> None:
         self._thread.shutdown(wait=True)

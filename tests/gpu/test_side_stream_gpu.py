@@ -1,0 +1,40 @@
+"""SideStream on a GPU: a step submitted beside starts after the marked work of the caller's stream (not after
+the caller's later work), runs on its own stream, and the caller's stream reads its results after `join`."""
+
+import pytest
+import torch
+
+from omnistage.pipeline.side_stream import SideStream
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"),
+]
+
+
+def test_marked_work_before_the_step_beside_and_the_join_after_it():
+    device = torch.device("cuda", torch.cuda.current_device())
+    side = SideStream(device, "test")
+    kv = torch.zeros(1 << 20, device=device)
+    torch.cuda._sleep(50_000_000)  # ~tens of ms of GPU time queued before the write the step must see
+    kv.fill_(3.0)
+    side.mark()
+    later = torch.zeros(1, device=device)
+    torch.cuda._sleep(200_000_000)  # the caller's own later work: the step must not wait for it
+    later.fill_(1.0)
+
+    def step() -> torch.Tensor:
+        assert torch.cuda.current_stream(device) == side.stream
+        out = kv * 2
+        done = torch.cuda.Event()
+        done.record()
+        done.synchronize()
+        # the step is done while the caller's later sleep still runs: it waited for the mark, not for that
+        assert not torch.cuda.default_stream(device).query()
+        return out
+
+    out = side.join(side.submit(step))
+    assert torch.cuda.current_stream(device) != side.stream
+    assert torch.equal(out, torch.full_like(kv, 6.0))
+    assert later.item() == 1.0
+    side.close()
