@@ -583,8 +583,9 @@ class Qwen3OmniPipeline:
 
     def _beside(self) -> bool:
         """Whether this step's Thinker step runs beside the speaking step: every Talker has started, and the
-        Thinker's step replays a decode graph. Its eager steps (prefills) call the layers torch.compile wraps,
-        as the Talker's eager steps do: dynamo's caches of one code object are not entered from two threads."""
+        Thinker's step replays a decode graph, which allocates little on the side stream (side_stream.py).
+        Its eager steps (prefills) also call the layers torch.compile wraps, as the Talker's eager steps do:
+        dynamo's caches of one code object are not entered from two threads."""
         return (
             self._thinker_side is not None
             and self.overlap
