@@ -293,7 +293,12 @@ def run_batch(pipeline: Any, planned: list[Planned], inputs: Inputs, timeout_s: 
         steps = 0
         while pipeline.has_unfinished():
             if steps % 100 == 0:
-                print(f"  {time.perf_counter() - added:7.2f} s  step {steps}: {pipeline.stats()}", flush=True)
+                retries = {str(d): torch.cuda.memory_stats(d).get("num_alloc_retries", 0) for d in devices}
+                print(
+                    f"  {time.perf_counter() - added:7.2f} s  step {steps}: {pipeline.stats()}, allocator "
+                    f"retries {retries}",
+                    flush=True,
+                )
             if time.perf_counter() - added > timeout_s:
                 for request_id in {r.request_id for r in new} - set(finals):
                     pipeline.abort(request_id)
