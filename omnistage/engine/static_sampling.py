@@ -2,10 +2,15 @@
 
 The engine's Sampler draws a seeded row from its own torch.Generator, one call per row, with settings built
 from Python lists each step: right for the Thinker, but a graph replays neither. Here a row's noise is a pure
-function of (its seed, its draw number, the token): the same for the row alone or in any batch, from one
-kernel for the whole batch, and the draw numbers advance on the device. The hash is SplitMix64's finaliser
-over int64 arithmetic (wrapping, as torch's integer ops do), whose top 23 bits make a uniform in (0, 1);
-`-log(u)` is then an Exp(1) draw for the exponential race (argmax of p / q is an exact draw from p).
+function of (its seed, its draw number, the token's rank): the same for the row alone or in any batch, and the
+draw numbers advance on the device. The hash is SplitMix64's finaliser over int64 arithmetic (wrapping, as
+torch's integer ops do), whose top 23 bits make a uniform in (0, 1); `-log(u)` is then an Exp(1) draw for the
+exponential race (argmax of p / q is an exact draw from p).
+
+Every step is defined so that any order of evaluation gives the same bits, which is what lets one Triton
+kernel per call on CUDA (sample_kernel.py) draw exactly what the torch path here draws: ranks come from
+distinct int64 keys (tied logits rank by token id, lower first), and top-p sums the kept weights as integers
+(fixed point, 2**-40 of the top weight), so no float sum's order matters; the rest is elementwise.
 """
 
 from __future__ import annotations
@@ -77,22 +82,52 @@ class StaticRows:
             target[:n].copy_(torch.tensor(values, dtype=target.dtype), non_blocking=True)
 
 
+def sort_keys(x: torch.Tensor) -> torch.Tensor:
+    """int64 keys `[B, V]` of float32 `x` in x's order, ties towards the lower column: the float's bits as an
+    order-keeping int32 in the high half, V - 1 - column in the low half. A row's keys are distinct, so its top
+    k are one set in one order, however they are selected."""
+    bits = x.view(torch.int32)
+    # a negative float's magnitude bits flipped: the larger float, the larger int
+    ordered = bits ^ ((bits >> 31) & 0x7FFFFFFF)
+    reverse = torch.arange(x.shape[-1] - 1, -1, -1, device=x.device)
+    return (ordered.long() << 32) | reverse
+
+
+# top-p sums the kept weights (the top one is 1) in this fixed point; up to MAX_TOP_K of them stay under 2**52,
+# exact as int64 and as float64 (top-p's threshold is one float64 product)
+MASS_SCALE = 2.0**40
+MAX_TOP_K = 4096
+
+
+def check_top_k(top_k: int, vocab: int) -> None:
+    if not 0 < top_k <= min(vocab, MAX_TOP_K):
+        raise ValueError(f"top_k {top_k} is not in [1, min(vocab {vocab}, {MAX_TOP_K})]")
+
+
 def sample_static(logits: torch.Tensor, rows: StaticRows, top_k: int) -> torch.Tensor:
     """Ids `[B]` from float32 logits `[B, V]`: greedy rows take the argmax; the others temperature, their top
     `top_k` (the same for every row: a static shape), top-p, then the exponential race on hashed noise. No host
-    synchronisation; `rows.draws` advances by one."""
-    batch = logits.shape[0]
-    greedy_ids = logits.argmax(dim=-1)
-    head, order = (logits / rows.temperature[:batch, None]).topk(top_k, dim=-1)
-    probs = head.softmax(dim=-1)
-    mass_before = probs.cumsum(dim=-1) - probs
-    probs = probs.masked_fill(mass_before >= rows.top_p[:batch, None], 0.0)
-    if probs.is_cuda:  # one kernel for the noise, the race and the draw numbers (race_kernel.py)
-        from omnistage.engine.race_kernel import race
+    synchronisation; `rows.draws` advances by one. On CUDA one Triton kernel (sample_kernel.py), elsewhere
+    `sample_torch`: the same draws."""
+    if logits.is_cuda:  # ~12 kernels a call in torch, 15 calls a code-predictor frame: launches set its time
+        from omnistage.engine.sample_kernel import sample_kernel
 
-        choice = race(probs, rows.seeds[:batch], rows.draws[:batch])
-    else:
-        noise = -uniform_noise(rows.seeds[:batch], rows.draws[:batch], top_k).log()
-        choice = (probs / noise).argmax(dim=-1)
-        rows.draws[:batch] += 1
-    return torch.where(rows.greedy[:batch], greedy_ids, order.gather(1, choice[:, None])[:, 0])
+        return sample_kernel(logits, rows, top_k)
+    return sample_torch(logits, rows, top_k)
+
+
+def sample_torch(logits: torch.Tensor, rows: StaticRows, top_k: int) -> torch.Tensor:
+    """`sample_static` in torch ops. A greedy row's id is its top key's (the argmax, the lowest id on a tie)."""
+    batch, vocab = logits.shape
+    check_top_k(top_k, vocab)
+    scaled = logits / torch.where(rows.greedy[:batch, None], 1.0, rows.temperature[:batch, None])
+    order = vocab - 1 - (sort_keys(scaled).topk(top_k, dim=-1).values & 0xFFFFFFFF)
+    head = scaled.gather(1, order)
+    weights = (head - head[:, :1]).exp()
+    mass = (weights * MASS_SCALE).long()
+    total = mass.sum(dim=-1, keepdim=True).double()
+    cut = (mass.cumsum(dim=-1) - mass).double() >= rows.top_p[:batch, None].double() * total
+    noise = -uniform_noise(rows.seeds[:batch], rows.draws[:batch], top_k).log()
+    choice = (weights.masked_fill(cut, 0.0) / noise).argmax(dim=-1)
+    rows.draws[:batch] += 1
+    return torch.where(rows.greedy[:batch], order[:, 0], order.gather(1, choice[:, None])[:, 0])

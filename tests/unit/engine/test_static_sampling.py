@@ -70,3 +70,19 @@ def test_rows_are_independent_of_their_batch_and_greedy_rows_take_the_argmax():
     assert (both[:, 1] == logits[1].argmax()).all()
     assert together.draws[:4].tolist() == [25, 15, 18, 18] and together.draws[4:].tolist() == [0, 0]
     assert not math.isnan(both.float().sum().item())
+
+
+def test_tied_logits_rank_by_token_id():
+    """bf16 logits tie often. Tied logits rank by token id, lower first, so which of them top-k keeps and which
+    noise column each one races with is defined (torch.topk leaves both open): with 100 tokens tied for the
+    top and k = 50, rank r is the r-th lowest tied id."""
+    g = torch.Generator().manual_seed(3)
+    batch, vocab, top_k = 8, 256, 50
+    logits = torch.randn(batch, vocab, generator=g) - 10
+    tied = torch.stack([torch.randperm(vocab, generator=g)[:100].sort().values for _ in range(batch)])
+    logits.scatter_(1, tied, 2.0)
+    rows = rows_for(batch, temperature=0.8, seed=9)
+    seeds, draws = rows.seeds.clone(), rows.draws.clone()
+    # equal weights: the race's winner is the rank whose noise is least
+    want = tied.gather(1, uniform_noise(seeds, draws, top_k).log().argmax(dim=-1, keepdim=True))[:, 0]
+    assert torch.equal(sample_static(logits, rows, top_k), want)
