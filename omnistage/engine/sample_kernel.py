@@ -9,9 +9,10 @@ them against the same hashed noise and writes the id and the row's next draw num
 It draws what `sample_torch` draws, bit for bit, because every float step is one IEEE operation or one call
 of the CUDA math library's expf/logf (libdevice: what torch's exp and log call): divisions round to nearest
 (`div_rn`; Triton's `/` is approximate), the uniform's scale is a power-of-two product, and the only sums are
-of integers. Triton flushes denormal results of libdevice to zero where torch keeps them; that changes a
-weight below 2**-126 of the top one, which neither top-p's fixed point nor the race (won by a weight of at
-least 1 / 17) can see. GPU only: a CPU install has no Triton and takes the torch path.
+of integers. Triton flushes denormal results of libdevice to zero where torch keeps them; that changes only a
+weight below 2**-126 of the top one, which is no mass in top-p's fixed point and cannot win the race (the top
+rank scores at least 1 / 17, and no noise the hash makes lifts a weight below 2**-29 that high). GPU only: a
+CPU install has no Triton and takes the torch path.
 """
 
 from __future__ import annotations
