@@ -15,10 +15,13 @@ distinct int64 keys (tied logits rank by token id, lower first), and top-p sums 
 
 from __future__ import annotations
 
+import logging
 import math
 from dataclasses import dataclass
 
 import torch
+
+log = logging.getLogger(__name__)
 
 _GOLDEN = -0x61C8864680B583EB  # 0x9E3779B97F4A7C15 as a signed int64
 _MIX1 = -0x40A7B892E31B1A47  # 0xBF58476D1CE4E5B9
@@ -109,11 +112,20 @@ def sample_static(logits: torch.Tensor, rows: StaticRows, top_k: int) -> torch.T
     `top_k` (the same for every row: a static shape), top-p, then the exponential race on hashed noise. No host
     synchronisation; `rows.draws` advances by one. On CUDA one Triton kernel (sample_kernel.py), elsewhere
     `sample_torch`: the same draws."""
-    if logits.is_cuda:  # ~12 kernels a call in torch, 15 calls a code-predictor frame: launches set its time
+    global _kernel_failed
+    if logits.is_cuda and not _kernel_failed:
+        # ~12 kernels a call in torch, 15 calls a code-predictor frame: launches set its time
         from omnistage.engine.sample_kernel import sample_kernel
 
-        return sample_kernel(logits, rows, top_k)
+        try:
+            return sample_kernel(logits, rows, top_k)
+        except Exception:  # a Triton build that cannot compile it: the torch path draws the same, slower
+            log.exception("the sampling kernel failed; code-predictor sampling runs in torch ops from now on")
+            _kernel_failed = True
     return sample_torch(logits, rows, top_k)
+
+
+_kernel_failed = False
 
 
 def sample_torch(logits: torch.Tensor, rows: StaticRows, top_k: int) -> torch.Tensor:

@@ -110,3 +110,20 @@ def test_the_kernels_float_operations_are_torchs():
     assert torch.equal(exp, x.exp())
     assert torch.equal(log, y.log())
     assert torch.equal(div, x / y)
+
+
+def test_a_kernel_that_cannot_build_falls_back_to_the_same_draws_in_torch(monkeypatch, caplog):
+    import omnistage.engine.sample_kernel as sample_kernel_module
+    import omnistage.engine.static_sampling as static_sampling
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("no kernel on this build")
+
+    monkeypatch.setattr(sample_kernel_module, "sample_kernel", broken)
+    monkeypatch.setattr(static_sampling, "_kernel_failed", False)
+    logits = torch.randn(4, VOCAB, device=DEV)
+    ours, theirs = settings(4, 7), settings(4, 7)
+    with caplog.at_level("ERROR", logger="omnistage.engine.static_sampling"):
+        ids = sample_static(logits, ours, TOP_K)
+    assert torch.equal(ids, sample_torch(logits, theirs, TOP_K)) and torch.equal(ours.draws, theirs.draws)
+    assert static_sampling._kernel_failed and "sampling kernel failed" in caplog.text
