@@ -16,9 +16,10 @@ The order of claims on a device's memory:
 3. a reserve for what the measurements do not see;
 4. each KV pool's minimum, one request of its stage's longest length (or the pages the config fixes): a graph
    never takes the memory one request needs;
-5. CUDA graphs, within a budget (default: all that is left; a graph is priced at the measured eager peak of
-   its step, as if it had a pool of its own, where the graphs of a stage share one, so the plan overstates
-   them and leaves KV pages the difference): first the sets replayed on every
+5. CUDA graphs, within a budget (default: all that is left). A graph is priced at what its step keeps (its
+   outputs and static buffers) plus what its memory pool's scratch must grow by for it: the graphs of one
+   pool, replayed one at a time, share their scratch (a set that does not measure what it keeps is priced
+   at its whole peak). First the sets replayed on every
    generated step (kind "decode": Thinker and Talker decode, code predictor frames, Code2Wav chunks), then
    those replayed once per prompt chunk or input (kind "prefill": prefill chunks, audio windows, vision
    patches). A decode-kind step recurs for every token or frame of every request and is small, so its
@@ -139,14 +140,21 @@ class Floor:
 
 @dataclass(frozen=True)
 class GraphCandidates:
-    """One stage's CUDA graphs to choose from: each bucket with the bytes its capture adds to the device
-    (measured, e.g. by a graph runner's `graph_costs`). `kind` says when a graph replays (see the module's
-    docstring), `unit` what a bucket counts (batch, tokens, frames, windows, patches, chunk x streams)."""
+    """One stage's CUDA graphs to choose from: each bucket with the bytes its step takes at its peak (measured,
+    e.g. by a graph runner's `graph_costs`). `kind` says when a graph replays (see the module's docstring),
+    `unit` what a bucket counts (batch, tokens, frames, windows, patches, chunk x streams).
+
+    `pool`: the graph memory pool the set is captured into (default: one of its own). A graph keeps in its
+    pool what its step still holds at the end (`kept`: its outputs and static buffers; default: all of its
+    peak); the rest is scratch, which the graphs of one pool, replayed one at a time, share: a pool costs the
+    sum of what its graphs keep plus the largest scratch of any of them."""
 
     stage: str
     kind: GraphKind
     unit: str
     costs: Mapping[Bucket, int]
+    pool: str = ""
+    kept: Mapping[Bucket, int] | None = None
 
     def __post_init__(self) -> None:
         if self.kind not in KINDS:
@@ -154,10 +162,26 @@ class GraphCandidates:
         bad = [b for b, cost in self.costs.items() if cost < 0]
         if bad:
             raise ValueError(f"{self.stage} {self.kind}: negative graph costs for buckets {bad}")
+        if self.kept is not None and (
+            set(self.kept) != set(self.costs)
+            or any(not 0 <= self.kept[b] <= c for b, c in self.costs.items())
+        ):
+            raise ValueError(
+                f"{self.stage} {self.kind}: kept bytes must be given per bucket, within its cost"
+            )
 
     @property
     def label(self) -> str:
         return f"{self.stage} {self.kind}"
+
+    @property
+    def pool_name(self) -> str:
+        return self.pool or self.label
+
+    def split(self, bucket: Bucket) -> tuple[int, int]:
+        """(kept, scratch) bytes of a bucket's graph."""
+        kept = self.costs[bucket] if self.kept is None else self.kept[bucket]
+        return kept, self.costs[bucket] - kept
 
 
 @dataclass(frozen=True)
@@ -224,18 +248,16 @@ class DeviceMemory:
 
 @dataclass(frozen=True)
 class GraphPlan:
-    """What the plan decided for one candidate set: the buckets to capture; the others run eagerly."""
+    """What the plan decided for one candidate set: the buckets to capture (the others run eagerly), and the
+    bytes the plan gave them (what they keep, and the scratch their pool grew by for them)."""
 
     candidates: GraphCandidates
     captured: tuple[Bucket, ...]  # ascending
+    bytes: int
 
     @property
     def eager(self) -> tuple[Bucket, ...]:
         return tuple(sorted(set(self.candidates.costs) - set(self.captured)))
-
-    @property
-    def bytes(self) -> int:
-        return sum(self.candidates.costs[b] for b in self.captured)
 
 
 @dataclass(frozen=True)
@@ -438,8 +460,8 @@ def plan_device(
     spare = available - needed
     budget = spare if graph_budget is None else graph_budget
     graphs = tuple(
-        GraphPlan(c, captured)
-        for c, captured in zip(sets, _claim(sets, max(0, min(budget, spare))), strict=True)
+        GraphPlan(c, captured, paid)
+        for c, (captured, paid) in zip(sets, _claim(sets, max(0, min(budget, spare))), strict=True)
     )
     kv = _size_pools(pools, spare - sum(g.bytes for g in graphs))
     return MemoryPlan(
@@ -470,25 +492,34 @@ def _check(pools: list[KVPool], sets: list[GraphCandidates]) -> None:
         raise ValueError(f"one graph set per stage and kind, got {labels}")
 
 
-def _claim(sets: list[GraphCandidates], budget: int) -> list[tuple[Bucket, ...]]:
-    """Per set, the buckets taken (ascending): by kind in KINDS' order, cheapest first across the sets of the
-    kind (ties: the set listed first, then the smaller bucket), each while it fits `budget` whole."""
+def _claim(sets: list[GraphCandidates], budget: int) -> list[tuple[tuple[Bucket, ...], int]]:
+    """Per set, the buckets taken (ascending) and the bytes paid for them: by kind in KINDS' order, cheapest
+    first across the sets of the kind (ties: the set listed first, then the smaller bucket), each while it
+    fits `budget` whole. A bucket's price is what it keeps plus what its pool's scratch must grow by for it
+    (GraphCandidates): prices only fall as a pool's scratch grows, so when the cheapest does not fit, none do."""
     taken: list[list[Bucket]] = [[] for _ in sets]
+    paid = [0] * len(sets)
+    scratch: dict[str, int] = {}  # per pool: the largest scratch of the graphs taken into it
     used = 0
+
+    def price(i: int, bucket: Bucket) -> int:
+        kept, own = sets[i].split(bucket)
+        return kept + max(0, own - scratch.get(sets[i].pool_name, 0))
+
     for kind in KINDS:
-        # buckets are compared only within a set (same cost and index), where they are of one type
-        offers = sorted(
-            (cost, i, bucket)
-            for i, c in enumerate(sets)
-            if c.kind == kind
-            for bucket, cost in c.costs.items()
-        )
-        for cost, i, bucket in offers:
+        offers = [(i, bucket) for i, c in enumerate(sets) if c.kind == kind for bucket in c.costs]
+        while offers:
+            # buckets are compared only within a set (same price and index), where they are of one type
+            cost, i, bucket = min((price(i, b), i, b) for i, b in offers)
             if used + cost > budget:
-                break  # sorted by cost: nothing after this fits either
+                break
+            offers.remove((i, bucket))
             taken[i].append(bucket)
+            paid[i] += cost
             used += cost
-    return [tuple(sorted(buckets)) for buckets in taken]
+            pool = sets[i].pool_name
+            scratch[pool] = max(scratch.get(pool, 0), sets[i].split(bucket)[1])
+    return [(tuple(sorted(buckets)), cost) for buckets, cost in zip(taken, paid)]
 
 
 def _size_pools(pools: list[KVPool], extra: int) -> tuple[KVPlan, ...]:

@@ -24,7 +24,7 @@ from typing import Any
 import torch
 
 from omnistage.engine.capture_plan import decode_buckets, scaled_costs
-from omnistage.engine.gpu_memory import device_peak
+from omnistage.engine.gpu_memory import Peak, device_peak
 from omnistage.engine.graphs import GraphSet
 from omnistage.models.qwen3_omni.code2wav import Code2Wav
 
@@ -115,19 +115,25 @@ class Code2WavGraphs:
         return {(size, b): n for size, graphs in self.sets.items() for b, n in graphs.graph_bytes.items()}
 
     @torch.inference_mode()
-    def graph_costs(self) -> dict[GraphKey, int]:
-        """Graph memory per (chunk size, bucket) for the planner, priced as the LLM stages' graphs are
-        (`scaled_costs` of each chunk size's measured eager call at the largest bucket; conservative, as one
-        pool holds them all). Off CUDA or eager nothing is captured, so nothing is priced."""
+    def graph_costs(self) -> dict[GraphKey, Peak]:
+        """Graph memory per (chunk size, bucket) for the planner: each chunk size's measured eager call at the
+        largest bucket, scaled by streams as the LLM stages' graphs are (`scaled_costs`), and what the call
+        keeps (its waveform; the rest, the convolutions' activations over the whole window, is scratch that
+        the graphs of one pool share). Off CUDA or eager nothing is captured, so nothing is priced."""
         if self.device.type != "cuda" or self.enforce_eager:
             return {}
         costs = {}
         for size, graphs in self.sets.items():
             codes, starts = graphs.buffers.args(max(self.buckets))
             with device_peak(self.device) as peak:
-                self.model.decode_window(codes, starts)
+                out = self.model.decode_window(codes, starts)
+            del out
             torch.cuda.empty_cache()
-            costs |= {(size, b): cost for b, cost in scaled_costs(peak.bytes, self.buckets).items()}
+            kept = scaled_costs(peak.kept, self.buckets)
+            costs |= {
+                (size, b): Peak(cost, min(cost, kept[b]))
+                for b, cost in scaled_costs(peak.bytes, self.buckets).items()
+            }
         return costs
 
     @torch.inference_mode()

@@ -29,7 +29,7 @@ from omnistage.engine.encoder_graphs import (
     graph_peaks,
     vision_buckets,
 )
-from omnistage.engine.gpu_memory import device_peak
+from omnistage.engine.gpu_memory import Peak, device_peak
 from omnistage.errors import InvalidRequest
 from omnistage.models.qwen3_omni.audio_encoder import AudioEncoder, audio_output_tokens, load_audio_encoder
 from omnistage.models.qwen3_omni.audio_features import HOP_LENGTH, MAX_SECONDS, NUM_MEL_BINS, SAMPLE_RATE
@@ -178,10 +178,10 @@ class EncoderEngine:
             return audio, []
         return audio, vision_buckets(self.max_image_patches, self.spatial_merge_size)
 
-    def graph_costs(self, audio: list[int], vision: list[int]) -> dict[str, dict[int, int]]:
-        """Bytes each bucket's graph holds per tower ("audio", "vision"), from the measured eager peaks of their
-        padded steps (GPU only; before capture). Graphs of one pool share their scratch, so the sum over
-        buckets is an upper bound."""
+    def graph_costs(self, audio: list[int], vision: list[int]) -> dict[str, dict[int, Peak]]:
+        """Per tower ("audio", "vision") and bucket, the measured eager peak of its padded step and what the
+        step keeps (its rows and static buffers; GPU only, before capture): graphs of one pool share the
+        rest, their scratch (capture_plan.GraphCandidates)."""
         costs = {"audio": graph_peaks(lambda b: AudioGraphs(self.audio_encoder, b), audio, self.device)}
         if self.vision_encoder is not None:
             costs["vision"] = graph_peaks(

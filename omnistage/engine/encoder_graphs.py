@@ -26,7 +26,7 @@ from collections.abc import Callable
 import torch
 
 from omnistage.engine.capture_plan import decode_buckets
-from omnistage.engine.gpu_memory import device_peak
+from omnistage.engine.gpu_memory import Peak, device_peak
 from omnistage.engine.graphs import GraphSet
 from omnistage.models.layers.varlen_attention import Segments
 from omnistage.models.qwen3_omni.audio_encoder import (
@@ -230,10 +230,10 @@ class VisionGraphs(GraphSet):
         return merged[:rows].clone(), torch.stack([level[:rows] for level in deepstack])
 
 
-def graph_peaks(make: Callable[[int], GraphSet], buckets: list[int], device: torch.device) -> dict[int, int]:
-    """Bytes a graph of each bucket holds, measured (GPU only): the eager peak of the bucket's step on a graph
-    set made for that bucket alone (`make(bucket)`), its static buffers included."""
-    costs = {}
+def graph_peaks(make: Callable[[int], GraphSet], buckets: list[int], device: torch.device) -> dict[int, Peak]:
+    """What a graph of each bucket takes, measured (GPU only): the eager peak of the bucket's step on a graph
+    set made for that bucket alone (`make(bucket)`), and what it keeps (its static buffers and outputs)."""
+    peaks = {}
     for bucket in buckets:
         with torch.inference_mode(), device_peak(device) as peak:
             graphs = make(bucket)
@@ -241,5 +241,5 @@ def graph_peaks(make: Callable[[int], GraphSet], buckets: list[int], device: tor
             out = graphs.step(*graphs.buffers.args(bucket))
         del graphs, out
         torch.cuda.empty_cache()
-        costs[bucket] = peak.bytes
-    return costs
+        peaks[bucket] = peak
+    return peaks

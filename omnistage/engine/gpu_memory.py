@@ -12,6 +12,7 @@ import torch
 @dataclass
 class Peak:
     bytes: int = 0
+    kept: int = 0  # of those, what the block still holds at its end (its outputs)
 
 
 @contextmanager
@@ -29,6 +30,7 @@ def device_peak(device: torch.device) -> Iterator[Peak]:
     peak.bytes = max(
         torch.cuda.max_memory_allocated(device) - allocated, torch.cuda.max_memory_reserved(device) - reserved
     )
+    peak.kept = min(peak.bytes, max(0, torch.cuda.memory_allocated(device) - allocated))
 
 
 def allocator_stats(device: torch.device) -> dict[str, int]:

@@ -79,7 +79,7 @@ def plan_stage_memory(
     if not cfg.enforce_eager and runner.dtype != torch.bfloat16:
         log.warning("CUDA graphs need bfloat16 (grouped-GEMM MoE); %s steps run eagerly", runner.dtype)
     elif not cfg.enforce_eager:
-        graphs = _graph_candidates(runner, cfg, stage) + _encoder_candidates(encoders, cfg)
+        graphs = _graph_candidates(runner, cfg, stage) + _encoder_candidates(encoders, cfg, stage)
     runner.warm_up(cfg.max_num_batched_tokens)
     fixed = cfg.num_kv_pages
     if fixed is None and cfg.kv_cache_memory_gib is not None:
@@ -113,16 +113,17 @@ def _graph_candidates(runner: ModelRunner, cfg: EngineConfig, stage: str) -> tup
     graphs = []
     if buckets := thinker.graphs.sizes(decode_buckets):
         peak = runner.profile_peak(max(buckets), max(buckets))
-        graphs.append(GraphCandidates(stage, "decode", "batch", scaled_costs(peak, buckets)))
+        graphs.append(GraphCandidates(stage, "decode", "batch", scaled_costs(peak, buckets), pool=stage))
     if prefill := thinker.prefill_graphs.sizes(prefill_buckets):
         peak = runner.profile_peak(max(prefill), 1)
-        graphs.append(GraphCandidates(stage, "prefill", "tokens", scaled_costs(peak, prefill)))
+        graphs.append(GraphCandidates(stage, "prefill", "tokens", scaled_costs(peak, prefill), pool=stage))
     return tuple(graphs)
 
 
-def _encoder_candidates(encoders: EncoderEngine, cfg: EngineConfig) -> tuple[GraphCandidates, ...]:
+def _encoder_candidates(encoders: EncoderEngine, cfg: EngineConfig, pool: str) -> tuple[GraphCandidates, ...]:
     """The towers' graphs (audio per bucket of windows, vision per bucket of patches): the configured buckets,
-    else the encoders' defaults. Prefill-kind: a request pays for them once, not per token."""
+    else the encoders' defaults. Prefill-kind: a request pays for them once, not per token. They are captured
+    into the LLM stage's graph pool (`pool`)."""
     stage = cfg.stage("encoders")
     if stage.enforce_eager:
         return ()
@@ -132,12 +133,19 @@ def _encoder_candidates(encoders: EncoderEngine, cfg: EngineConfig) -> tuple[Gra
         return graphs.sizes(lambda top: [b for b in default if b <= top], max(default, default=0))
 
     audio, vision = sizes(stage.audio_graphs, default_audio), sizes(stage.vision_graphs, default_vision)
-    costs = encoders.graph_costs(audio, vision)
+    peaks = encoders.graph_costs(audio, vision)
     towers = (
-        ("audio encoder", "windows", costs.get("audio")),
-        ("vision encoder", "patches", costs.get("vision")),
+        ("audio encoder", "windows", peaks.get("audio")),
+        ("vision encoder", "patches", peaks.get("vision")),
     )
-    return tuple(GraphCandidates(name, "prefill", unit, c) for name, unit, c in towers if c)
+    return tuple(
+        GraphCandidates(
+            name, "prefill", unit, {b: p.bytes for b, p in measured.items()}, pool=pool,
+            kept={b: p.kept for b, p in measured.items()},
+        )
+        for name, unit, measured in towers
+        if measured
+    )  # fmt: skip
 
 
 def _bytes(module: torch.nn.Module) -> int:

@@ -356,21 +356,21 @@ class Qwen3OmniPipeline:
         talker_graphs = (
             talker.graphs.sizes(decode_buckets) if self.talker_stage.dtype == torch.bfloat16 else []
         )
+        c2w_peaks = {k: v for k, v in self.code2wav_graphs.graph_costs().items() if k[1] in streams}
+        # one pool holds the three sets' graphs (_allocate_speech)
         graphs = (
-            GraphCandidates("Talker", "decode", "batch", self.talker_stage.graph_costs(talker_graphs)),
             GraphCandidates(
-                "code predictor",
-                "decode",
-                "frames",
-                self.frame_graphs.graph_costs(predictor.graphs.sizes(decode_buckets)),
+                "Talker", "decode", "batch", self.talker_stage.graph_costs(talker_graphs), pool="speech"
             ),
             GraphCandidates(
-                "Code2Wav",
-                "decode",
-                "chunk x streams",
-                {k: v for k, v in self.code2wav_graphs.graph_costs().items() if k[1] in streams},
+                "code predictor", "decode", "frames",
+                self.frame_graphs.graph_costs(predictor.graphs.sizes(decode_buckets)), pool="speech",
             ),
-        )
+            GraphCandidates(
+                "Code2Wav", "decode", "chunk x streams", {k: p.bytes for k, p in c2w_peaks.items()},
+                pool="speech", kept={k: p.kept for k, p in c2w_peaks.items()},
+            ),
+        )  # fmt: skip
         return StageMemory(
             resident=(
                 ("Talker", _bytes(self.talker), "weights"),

@@ -49,9 +49,10 @@ def encode_twice(encoders: EncoderEngine, prompts: list, audio: list[int], visio
     inputs = [(p.token_ids, p.mm) for p in prompts]
     eager = encoders.encode_many(inputs)
     costs = encoders.graph_costs(audio, vision)
-    assert sorted(costs["audio"]) == audio and all(c > 0 for c in costs["audio"].values()), costs
-    if vision:
-        assert sorted(costs["vision"]) == vision and all(c > 0 for c in costs["vision"].values()), costs
+    for tower, buckets in (("audio", audio), ("vision", vision)):
+        if buckets:  # every graph takes memory, keeps its rows, and most of its peak is scratch
+            peaks = costs[tower]
+            assert sorted(peaks) == buckets and all(0 < p.kept < p.bytes for p in peaks.values()), costs
     encoders.capture_graphs(audio, vision, pool=torch.cuda.graph_pool_handle())
     assert encoders.captured == {"audio": audio, "vision": vision}
     assert len(encoders.audio_graphs._graphs) == len(audio)  # real CUDA graphs, not static-eager calls

@@ -203,3 +203,45 @@ def test_pools_and_sets_that_cannot_be_planned_are_refused():
         GraphCandidates("Talker", "encode", "batch", {1: MiB})  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="a share or fixed pages, not both"):
         KVPool("Talker", TALKER_PAGE, 64, share=0.5, pages=10)
+
+
+def encoders(pool: str, kept: bool = True) -> StageMemory:
+    """Two towers whose graphs keep little of their peak (their rows), the rest being scratch."""
+    audio = {8: 300 * MiB, 32: 1200 * MiB}
+    vision = {1024: 200 * MiB, 8192: 1600 * MiB}
+    return StageMemory(
+        resident=(("towers", 2 * GiB, "weights"),),
+        peaks=(("vision encoder", GiB, "image"),),
+        kv=(KVPool("Thinker", THINKER_PAGE, 16),),
+        graphs=(
+            GraphCandidates("audio encoder", "prefill", "windows", audio, pool=pool,
+                            kept={8: 4 * MiB, 32: 16 * MiB} if kept else None),
+            GraphCandidates("vision encoder", "prefill", "patches", vision, pool="thinker",
+                            kept={1024: 8 * MiB, 8192: 64 * MiB} if kept else None),
+        ),
+    )  # fmt: skip
+
+
+def test_graphs_of_one_pool_pay_what_they_keep_and_the_largest_scratch_once():
+    budget = 1700 * MiB  # under the 3,300 MiB of the four peaks, over 92 MiB kept + 1,536 MiB of scratch
+    shared = plan_device(device(67 * GiB, "cuda:0"), [encoders("thinker")], graph_budget=budget)
+    assert shared.captured("audio encoder", "prefill") == (8, 32)
+    assert shared.captured("vision encoder", "prefill") == (1024, 8192)
+    # cheapest first: vision 1024 (200), audio 8 (4 + 104 more scratch), audio 32 (16 + 888), vision 8192
+    # (64 + 352): 1,628 MiB, every graph's rows and the largest scratch (1,536) once
+    assert sum(g.bytes for g in shared.graphs) == (4 + 16 + 8 + 64) * MiB + 1536 * MiB
+    # apart, each pool needs its own scratch: the largest vision graph no longer fits
+    apart = plan_device(device(67 * GiB, "cuda:0"), [encoders("audio")], graph_budget=budget)
+    assert apart.captured("audio encoder", "prefill") == (8, 32)
+    assert apart.captured("vision encoder", "prefill") == (1024,)
+    assert sum(g.bytes for g in apart.graphs) <= budget
+    # without kept bytes a graph is priced at its whole peak, as before
+    whole = plan_device(device(67 * GiB, "cuda:0"), [encoders("thinker", kept=False)], graph_budget=budget)
+    assert sum(g.bytes for g in whole.graphs) == 300 * MiB + 200 * MiB + 1200 * MiB
+
+
+def test_kept_bytes_are_per_bucket_and_within_its_cost():
+    with pytest.raises(ValueError, match="kept bytes"):
+        GraphCandidates("Code2Wav", "decode", "streams", {1: 10, 2: 20}, kept={1: 11, 2: 0})
+    with pytest.raises(ValueError, match="kept bytes"):
+        GraphCandidates("Code2Wav", "decode", "streams", {1: 10, 2: 20}, kept={1: 1})

@@ -9,6 +9,7 @@ import torch
 
 from omnistage.config import engine_config
 from omnistage.engine.capture_plan import Floor, GiB, StageMemory, scaled_costs
+from omnistage.engine.gpu_memory import Peak
 from omnistage.engine.stage_plan import plan_stage_memory
 from omnistage.errors import ConfigError
 
@@ -42,9 +43,9 @@ class FakeEncoders:
     def default_graph_buckets(self) -> tuple[list[int], list[int]]:
         return [1, 2, 4, 8], []
 
-    def graph_costs(self, audio: list[int], vision: list[int]) -> dict[str, dict[int, int]]:
+    def graph_costs(self, audio: list[int], vision: list[int]) -> dict[str, dict[int, Peak]]:
         self.priced = (audio, vision)
-        return {"audio": {b: b << 20 for b in audio}}
+        return {"audio": {b: Peak(b << 20, b << 10) for b in audio}}
 
 
 @pytest.fixture
@@ -96,6 +97,10 @@ def test_the_audio_encoder_graphs_compete_in_the_plan(device):
     result, _, encoders = plan()
     assert encoders.priced == ([1, 2, 4, 8], [])
     assert result.captured("audio encoder", "prefill") == (1, 2, 4, 8)
+    # in the LLM stage's pool, each keeping 1 KiB per window and sharing the largest scratch (8 MiB - 8 KiB)
+    audio = result.graph_set("audio encoder", "prefill")
+    assert audio.candidates.pool_name == result.graph_set("Thinker", "decode").candidates.pool_name
+    assert audio.bytes == ((1 + 2 + 4 + 8) << 10) + (8 << 20) - (8 << 10)
     limited, _, encoders = plan(stages={"encoders": {"audio_graphs": {"max": 2}}})
     assert encoders.priced == ([1, 2], []) and limited.captured("audio encoder", "prefill") == (1, 2)
     eager, _, _ = plan(stages={"encoders": {"enforce_eager": True}})
