@@ -21,6 +21,8 @@ from dataclasses import dataclass
 
 import torch
 
+from omnistage.models.layers.attention_metadata import to_device_together
+
 log = logging.getLogger(__name__)
 
 _GOLDEN = -0x61C8864680B583EB  # 0x9E3779B97F4A7C15 as a signed int64
@@ -73,16 +75,19 @@ class StaticRows:
         seeds: list[int],
         draws: list[int],
     ) -> None:
-        """Set the first len(greedy) rows (one host-to-device copy per field; the rest keep their values)."""
+        """Set the first len(greedy) rows (the rest keep their values) from one pinned host-to-device copy: a
+        copy from pageable memory waits for the stream's queued work first, once per field."""
         n = len(greedy)
-        for target, values in (
+        fields = (
             (self.greedy, greedy),
             (self.temperature, [1.0 if g else t for g, t in zip(greedy, temperature)]),
             (self.top_p, [p if p < 1.0 else math.inf for p in top_p]),
             (self.seeds, seeds),
             (self.draws, draws),
-        ):
-            target[:n].copy_(torch.tensor(values, dtype=target.dtype), non_blocking=True)
+        )
+        hosts = [torch.tensor(values, dtype=target.dtype) for target, values in fields]
+        for (target, _), values in zip(fields, to_device_together(hosts, self.seeds.device)):
+            target[:n].copy_(values)
 
 
 def sort_keys(x: torch.Tensor) -> torch.Tensor:
