@@ -22,6 +22,7 @@ import json
 import logging
 import random
 import time
+from concurrent.futures import Future
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
@@ -566,12 +567,11 @@ class Qwen3OmniPipeline:
                 beside = self._thinker_side.submit(self.thinker.step)
             else:
                 self._on_thinker(self._thinker_step(), outputs, touched)
-        chunks = self._speak() if self._speaking else {}
-        if beside is not None:
-            self._on_thinker(self._thinker_side.join(beside), outputs, touched)
-            aborts, self._deferred_aborts = self._deferred_aborts, None
-            for request_id in aborts:
-                self.thinker.abort(request_id)
+        try:
+            chunks = self._speak() if self._speaking else {}
+        finally:  # the Thinker's step ends before anything else touches it, also when the speaking step raised
+            thinker_outputs = self._join(beside) if beside is not None else []
+        self._on_thinker(thinker_outputs, outputs, touched)
         for request_id, speech in self._speaking.items():
             if request_id in chunks or speech.finished:
                 touched[request_id] = speech
@@ -580,6 +580,15 @@ class Qwen3OmniPipeline:
             if speech.finished:
                 self._speaking.pop(request_id, None)
         return outputs
+
+    def _join(self, beside: Future[list[RequestOutput]]) -> list[RequestOutput]:
+        """The Thinker's step beside, then the aborts that waited for it (also when it raised)."""
+        try:
+            return self._thinker_side.join(beside)
+        finally:
+            aborts, self._deferred_aborts = self._deferred_aborts, None
+            for request_id in aborts:
+                self.thinker.abort(request_id)
 
     def _beside(self) -> bool:
         """Whether this step's Thinker step runs beside the speaking step: every Talker has started, and the

@@ -327,3 +327,36 @@ def test_thinker_steps_beside_the_speaking_steps_change_nothing_but_timing(llm, 
     assert sum(out.finished for out in outs["401"]) == 1
     assert_pools_full(llm)
     side.close()
+
+
+def test_a_speaking_step_that_raises_beside_the_thinker_waits_for_its_step(llm, monkeypatch):
+    """The step loop meets the error and aborts everything: by then the Thinker's step on its thread has ended
+    and the aborts it deferred have run, so nothing touches the Thinker from two threads and every pool empties."""
+    pipeline = llm.pipeline
+    side = SideStream(torch.device("cpu"), "thinker")
+    monkeypatch.setattr(pipeline, "_thinker_side", side)
+    monkeypatch.setattr(
+        pipeline.thinker, "replays_next_step", lambda: pipeline.thinker.scheduler.decodes_only
+    )
+    new = requests(llm, [speak(llm, i, frames=10, text_tokens=14) for i in range(2)], first_id=500)
+    assert pipeline.add_requests(new) == [None, None]
+    while not pipeline._beside():
+        pipeline.step()
+    speak_here, finished = pipeline._speak_here, []
+
+    def failing():
+        pipeline._fail(pipeline._speaking["500"], "speech failed: injected")  # deferred: the Thinker is busy
+        speak_here()
+        raise RuntimeError("injected failure in the speaking step")
+
+    submit = side.submit
+    monkeypatch.setattr(side, "submit", lambda work: submit(lambda: finished.append(work()) or finished[-1]))
+    monkeypatch.setattr(pipeline, "_speak_here", failing)
+    with pytest.raises(RuntimeError, match="injected failure"):
+        pipeline.step()
+    assert finished and pipeline._deferred_aborts is None
+    assert pipeline.thinker.scheduler.get("500") is None  # its deferred abort ran
+    for request in new:
+        pipeline.abort(request.request_id)
+    assert_pools_full(llm)
+    side.close()
