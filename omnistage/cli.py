@@ -235,10 +235,8 @@ def _add_engine_flags(parser: argparse.ArgumentParser) -> None:
         )
 
 
-def _add_load_flags(parser: argparse.ArgumentParser) -> None:
-    """The flags of a command that loads the checkpoint as serve would."""
-    parser.add_argument("--config", help="YAML file with an `engine:` section; the flags below override it")
-    _add_engine_flags(parser)
+def _add_switches(parser: argparse.ArgumentParser) -> None:
+    """The engine's on/off flags, beside its valued ones (`_add_engine_flags`)."""
     parser.add_argument("--enforce-eager", action="store_true", default=None, help="run without CUDA graphs")
     parser.add_argument(
         "--no-compile", action="store_true", help="leave the decoder layers uncompiled on a GPU"
@@ -248,6 +246,13 @@ def _add_load_flags(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="run the Thinker's steps before the speech stages', not beside them, on a GPU",
     )
+
+
+def _add_load_flags(parser: argparse.ArgumentParser) -> None:
+    """The flags of a command that loads the checkpoint as serve would."""
+    parser.add_argument("--config", help="YAML file with an `engine:` section; the flags below override it")
+    _add_engine_flags(parser)
+    _add_switches(parser)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -318,15 +323,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="(default: %(default)s)",
     )
     _add_engine_flags(serve)
-    serve.add_argument("--enforce-eager", action="store_true", default=None, help="run without CUDA graphs")
-    serve.add_argument(
-        "--no-compile", action="store_true", help="leave the decoder layers uncompiled on a GPU"
-    )
-    serve.add_argument(
-        "--no-overlap-stages",
-        action="store_true",
-        help="run the Thinker's steps before the speech stages', not beside them, on a GPU",
-    )
+    _add_switches(serve)
     serve.add_argument(
         "--engine-process",
         action=argparse.BooleanOptionalAction,
