@@ -20,21 +20,22 @@ def test_marked_work_before_the_step_beside_and_the_join_after_it():
     kv.fill_(3.0)
     side.mark()
     later = torch.zeros(1, device=device)
-    torch.cuda._sleep(200_000_000)  # the caller's own later work: the step must not wait for it
+    torch.cuda._sleep(2_000_000_000)  # the caller's own later work (~1 s): the step must not wait for it
     later.fill_(1.0)
+    later_done = torch.cuda.Event(enable_timing=True)
+    later_done.record()
+    step_done = torch.cuda.Event(enable_timing=True)
 
     def step() -> torch.Tensor:
         assert torch.cuda.current_stream(device) == side.stream
         out = kv * 2
-        done = torch.cuda.Event()
-        done.record()
-        done.synchronize()
-        # the step is done while the caller's later sleep still runs: it waited for the mark, not for that
-        assert not torch.cuda.default_stream(device).query()
+        step_done.record()
         return out
 
     out = side.join(side.submit(step))
     assert torch.cuda.current_stream(device) != side.stream
-    assert torch.equal(out, torch.full_like(kv, 6.0))
+    assert torch.equal(out, torch.full_like(kv, 6.0))  # it waited for the marked write
     assert later.item() == 1.0
+    # the step ended well before the caller's later sleep did: it waited for the mark, not for that sleep
+    assert step_done.elapsed_time(later_done) > 100.0
     side.close()
