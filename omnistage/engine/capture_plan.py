@@ -43,6 +43,12 @@ MiB = 1 << 20
 # measurement does not see. A guess until benchmarks/RESULTS.md measures it.
 DEFAULT_RESERVE = 512 * MiB
 
+# The graph memory pool of the sets that replay on a device's main stream, one graph at a time: the Thinker's
+# prefill chunks, the encoders and the speech stages share their scratch in it. The Thinker's decode graphs
+# keep a pool of their own: they replay on a stream of their own beside the speech stages
+# (pipeline/side_stream.py), and two graphs running at once must not share scratch.
+MAIN_POOL = "main stream"
+
 Row = tuple[str, int, str]  # (name, bytes, what): one line of the plan
 Bucket = int | tuple[int, ...]  # a batch or token count, or e.g. Code2Wav's (chunk frames, streams)
 GraphKind = Literal["decode", "prefill"]

@@ -20,9 +20,14 @@ def device_peak(device: torch.device) -> Iterator[Peak]:
     """The bytes the work inside the block takes from the device at its peak, as the caching allocator
     reserves them: its block rounding and splits included, not only the tensors' own bytes. A floor counted
     in allocated bytes alone left the allocator short under a memory cap, where it then freed its cache and
-    retried (synchronising) during serving."""
+    retried (synchronising) during serving.
+
+    Measured from an empty cache: blocks the cache already held would hide part of the peak, so the same
+    step measured less on a warm cache than under a memory cap (whose retries empty it), and less than a
+    graph takes from its pool, whose first capture gets fresh segments too."""
     peak = Peak()
     torch.cuda.synchronize(device)
+    torch.cuda.empty_cache()
     allocated, reserved = torch.cuda.memory_allocated(device), torch.cuda.memory_reserved(device)
     torch.cuda.reset_peak_memory_stats(device)
     yield peak

@@ -11,7 +11,7 @@ import logging
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -155,6 +155,9 @@ class LLMEngine:
         )
         self.runner = ModelRunner(self.model, text, self.page_size, self.device, self.dtype)
         self.plan: MemoryPlan | None = None
+        # the device's main-stream graph pool (`capture_plan.MAIN_POOL`): this stage's prefill graphs and its
+        # encoders' graphs; the pipeline captures the other stages of the device into it too
+        self.graph_pool: Any = None
         if self.device.type == "cuda":
             self.plan = plan_stage_memory(
                 self.runner,
@@ -176,17 +179,19 @@ class LLMEngine:
         self.runner.allocate_kv(num_pages)
         if self.plan is not None:
             started = time.perf_counter()
+            self.graph_pool = torch.cuda.graph_pool_handle()
             self.runner.capture_graphs(
                 list(self.plan.captured_buckets),
                 self.max_model_len,
                 config.enforce_eager,
                 prefill_buckets=list(self.plan.prefill_captured),
+                prefill_pool=self.graph_pool,
             )
-            # the towers run between this stage's steps and their rows are copied out at once: one pool
+            # the towers run between this stage's steps and their rows are copied out at once
             self.encoders.capture_graphs(
                 list(self.plan.captured("audio encoder", "prefill")),
                 list(self.plan.captured("vision encoder", "prefill")),
-                pool=self.runner.graphs.pool if self.runner.graphs else None,
+                pool=self.graph_pool,
             )
             self.capture_seconds = time.perf_counter() - started
         self.scheduler = Scheduler(self.pool, config.max_num_seqs, config.max_num_batched_tokens)

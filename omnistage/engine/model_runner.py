@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
@@ -89,10 +90,16 @@ class ModelRunner:
         return self.model.compute_logits(hidden.index_select(0, last_row))
 
     def capture_graphs(
-        self, buckets: list[int], max_model_len: int, enforce_eager: bool, prefill_buckets: list[int] = ()
+        self,
+        buckets: list[int],
+        max_model_len: int,
+        enforce_eager: bool,
+        prefill_buckets: list[int] = (),
+        prefill_pool: Any = None,
     ) -> None:
-        """Decode graphs for batch `buckets` and prefill graphs for token `prefill_buckets`, in one memory
-        pool; steps beyond them run eagerly."""
+        """Decode graphs for batch `buckets` in a memory pool of their own, and prefill graphs for token
+        `prefill_buckets` in `prefill_pool` (the device's main-stream pool, `capture_plan.MAIN_POOL`; default:
+        a new one); steps beyond them run eagerly."""
         max_pages = -(-max_model_len // self.page_size)
         if buckets:
             self.graphs = DecodeGraphRunner(
@@ -111,7 +118,7 @@ class ModelRunner:
                 self.dtype, self.device, enforce_eager=enforce_eager,
             )  # fmt: skip
             with torch.inference_mode():
-                self.prefill_graphs.capture(prefill_buckets, pool=self.graphs.pool if self.graphs else None)
+                self.prefill_graphs.capture(prefill_buckets, pool=prefill_pool)
 
     @torch.inference_mode()
     def profile_peak(self, num_tokens: int, num_seqs: int) -> int:

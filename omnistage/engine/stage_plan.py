@@ -15,6 +15,7 @@ import torch
 
 from omnistage.config import EngineConfig, Graphs
 from omnistage.engine.capture_plan import (
+    MAIN_POOL,
     NO_OTHER_STAGES,
     DeviceMemory,
     GiB,
@@ -79,7 +80,7 @@ def plan_stage_memory(
     if not cfg.enforce_eager and runner.dtype != torch.bfloat16:
         log.warning("CUDA graphs need bfloat16 (grouped-GEMM MoE); %s steps run eagerly", runner.dtype)
     elif not cfg.enforce_eager:
-        graphs = _graph_candidates(runner, cfg, stage) + _encoder_candidates(encoders, cfg, stage)
+        graphs = _graph_candidates(runner, cfg, stage) + _encoder_candidates(encoders, cfg)
     runner.warm_up(cfg.max_num_batched_tokens)
     fixed = cfg.num_kv_pages
     if fixed is None and cfg.kv_cache_memory_gib is not None:
@@ -116,14 +117,16 @@ def _graph_candidates(runner: ModelRunner, cfg: EngineConfig, stage: str) -> tup
         graphs.append(GraphCandidates(stage, "decode", "batch", scaled_costs(peak, buckets), pool=stage))
     if prefill := thinker.prefill_graphs.sizes(prefill_buckets):
         peak = runner.profile_peak(max(prefill), 1)
-        graphs.append(GraphCandidates(stage, "prefill", "tokens", scaled_costs(peak, prefill), pool=stage))
+        graphs.append(
+            GraphCandidates(stage, "prefill", "tokens", scaled_costs(peak, prefill), pool=MAIN_POOL)
+        )
     return tuple(graphs)
 
 
-def _encoder_candidates(encoders: EncoderEngine, cfg: EngineConfig, pool: str) -> tuple[GraphCandidates, ...]:
+def _encoder_candidates(encoders: EncoderEngine, cfg: EngineConfig) -> tuple[GraphCandidates, ...]:
     """The towers' graphs (audio per bucket of windows, vision per bucket of patches): the configured buckets,
     else the encoders' defaults. Prefill-kind: a request pays for them once, not per token. They are captured
-    into the LLM stage's graph pool (`pool`)."""
+    into the device's main-stream pool (`MAIN_POOL`), with the LLM stage's prefill graphs."""
     stage = cfg.stage("encoders")
     if stage.enforce_eager:
         return ()
@@ -140,7 +143,7 @@ def _encoder_candidates(encoders: EncoderEngine, cfg: EngineConfig, pool: str) -
     )
     return tuple(
         GraphCandidates(
-            name, "prefill", unit, {b: p.bytes for b, p in measured.items()}, pool=pool,
+            name, "prefill", unit, {b: p.bytes for b, p in measured.items()}, pool=MAIN_POOL,
             kept={b: p.kept for b, p in measured.items()},
         )
         for name, unit, measured in towers

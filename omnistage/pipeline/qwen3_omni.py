@@ -32,6 +32,7 @@ import torch
 from omnistage.config import STAGES, EngineConfig, validate_topology
 from omnistage.engine.attention import backend_for
 from omnistage.engine.capture_plan import (
+    MAIN_POOL,
     NO_OTHER_STAGES,
     Gauge,
     GiB,
@@ -292,13 +293,16 @@ class Qwen3OmniPipeline:
 
     def _allocate_speech(self, plan: MemoryPlan) -> None:
         """The Talker's pages and the speech stages' graphs as `plan` has them (the graphs record the pages'
-        addresses, so the pool comes first). The three run one after another: one graph memory pool."""
+        addresses, so the pool comes first). The three run one after another on the device's main stream: one
+        graph memory pool, the Thinker's main-stream pool where they share its device (`MAIN_POOL`)."""
         self.talker_stage = replace(self.talker_stage, num_pages=plan.kv_pool("Talker").pages)
         # as the Thinker's: a first burst of prompts would otherwise pay the Talker's kernel builds (likely why
         # the H200's first c=4 pass had a 518 ms first packet, against 80 ms at c=1)
         self.talker_stage.warm_up(self.config.max_num_batched_tokens)
-        self.talker_stage.capture_graphs(plan.captured("Talker", "decode"), self.talker_max_len)
-        pool = self.talker_stage.graphs.pool if self.talker_stage.graphs is not None else None
+        pool = self.thinker.graph_pool if self.speech_device == self.thinker.device else None
+        self.talker_stage.capture_graphs(plan.captured("Talker", "decode"), self.talker_max_len, pool=pool)
+        if pool is None and self.talker_stage.graphs is not None:
+            pool = self.talker_stage.graphs.pool
         self.frame_graphs.capture(plan.captured("code predictor", "decode"), pool=pool)
         self.code2wav_graphs.capture(plan.captured("Code2Wav", "decode"), pool=pool or self.frame_graphs.pool)
 
@@ -358,18 +362,18 @@ class Qwen3OmniPipeline:
             talker.graphs.sizes(decode_buckets) if self.talker_stage.dtype == torch.bfloat16 else []
         )
         c2w_peaks = {k: v for k, v in self.code2wav_graphs.graph_costs().items() if k[1] in streams}
-        # one pool holds the three sets' graphs (_allocate_speech)
+        # the device's main-stream pool holds the three sets' graphs (_allocate_speech)
         graphs = (
             GraphCandidates(
-                "Talker", "decode", "batch", self.talker_stage.graph_costs(talker_graphs), pool="speech"
+                "Talker", "decode", "batch", self.talker_stage.graph_costs(talker_graphs), pool=MAIN_POOL
             ),
             GraphCandidates(
                 "code predictor", "decode", "frames",
-                self.frame_graphs.graph_costs(predictor.graphs.sizes(decode_buckets)), pool="speech",
+                self.frame_graphs.graph_costs(predictor.graphs.sizes(decode_buckets)), pool=MAIN_POOL,
             ),
             GraphCandidates(
                 "Code2Wav", "decode", "chunk x streams", {k: p.bytes for k, p in c2w_peaks.items()},
-                pool="speech", kept={k: p.kept for k, p in c2w_peaks.items()},
+                pool=MAIN_POOL, kept={k: p.kept for k, p in c2w_peaks.items()},
             ),
         )  # fmt: skip
         return StageMemory(

@@ -16,6 +16,10 @@ def test_marked_work_before_the_step_beside_and_the_join_after_it():
     device = torch.device("cuda", torch.cuda.current_device())
     side = SideStream(device, "test")
     kv = torch.zeros(1 << 20, device=device)
+    # a step beside allocates from the side stream's cached blocks, as a warm pipeline's does: a block the
+    # allocator had to get from the driver first (cudaMalloc) would wait for the device's queued work
+    warm = side.join(side.submit(lambda: kv * 2))
+    del warm
     torch.cuda._sleep(50_000_000)  # ~tens of ms of GPU time queued before the write the step must see
     kv.fill_(3.0)
     side.mark()

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from omnistage.config import engine_config
-from omnistage.engine.capture_plan import Floor, GiB, StageMemory, scaled_costs
+from omnistage.engine.capture_plan import MAIN_POOL, Floor, GiB, StageMemory, scaled_costs
 from omnistage.engine.gpu_memory import Peak
 from omnistage.engine.stage_plan import plan_stage_memory
 from omnistage.errors import ConfigError
@@ -97,9 +97,13 @@ def test_the_audio_encoder_graphs_compete_in_the_plan(device):
     result, _, encoders = plan()
     assert encoders.priced == ([1, 2, 4, 8], [])
     assert result.captured("audio encoder", "prefill") == (1, 2, 4, 8)
-    # in the LLM stage's pool, each keeping 1 KiB per window and sharing the largest scratch (8 MiB - 8 KiB)
+    # in the main-stream pool with the prefill graphs (the decode graphs, replayed beside the speech stages,
+    # keep theirs), each keeping 1 KiB per window and sharing the largest scratch (8 MiB - 8 KiB)
     audio = result.graph_set("audio encoder", "prefill")
-    assert audio.candidates.pool_name == result.graph_set("Thinker", "decode").candidates.pool_name
+    assert (
+        audio.candidates.pool_name == result.graph_set("Thinker", "prefill").candidates.pool_name == MAIN_POOL
+    )
+    assert result.graph_set("Thinker", "decode").candidates.pool_name != MAIN_POOL
     assert audio.bytes == ((1 + 2 + 4 + 8) << 10) + (8 << 20) - (8 << 10)
     limited, _, encoders = plan(stages={"encoders": {"audio_graphs": {"max": 2}}})
     assert encoders.priced == ([1, 2], []) and limited.captured("audio encoder", "prefill") == (1, 2)
