@@ -23,8 +23,8 @@ from typing import Any
 
 import torch
 
-from omnistage.engine.capture_plan import decode_buckets, scaled_costs
-from omnistage.engine.gpu_memory import Peak, device_peak
+from omnistage.engine.capture_plan import decode_buckets
+from omnistage.engine.gpu_memory import Peak, device_peak, scaled_peaks
 from omnistage.engine.graphs import GraphSet
 from omnistage.models.qwen3_omni.code2wav import Code2Wav
 
@@ -117,7 +117,7 @@ class Code2WavGraphs:
     @torch.inference_mode()
     def graph_costs(self) -> dict[GraphKey, Peak]:
         """Graph memory per (chunk size, bucket) for the planner: each chunk size's measured eager call at the
-        largest bucket, scaled by streams as the LLM stages' graphs are (`scaled_costs`), and what the call
+        largest bucket, scaled by streams as the LLM stages' graphs are (`scaled_peaks`), and what the call
         keeps (its waveform; the rest, the convolutions' activations over the whole window, is scratch that
         the graphs of one pool share). Off CUDA or eager nothing is captured, so nothing is priced."""
         if self.device.type != "cuda" or self.enforce_eager:
@@ -129,11 +129,7 @@ class Code2WavGraphs:
                 out = self.model.decode_window(codes, starts)
             del out
             torch.cuda.empty_cache()
-            kept = scaled_costs(peak.kept, self.buckets)
-            costs |= {
-                (size, b): Peak(cost, min(cost, kept[b]))
-                for b, cost in scaled_costs(peak.bytes, self.buckets).items()
-            }
+            costs |= {(size, b): scaled for b, scaled in scaled_peaks(peak, self.buckets).items()}
         return costs
 
     @torch.inference_mode()

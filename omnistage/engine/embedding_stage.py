@@ -22,8 +22,7 @@ from typing import Any, Protocol
 
 import torch
 
-from omnistage.engine.capture_plan import scaled_costs
-from omnistage.engine.gpu_memory import device_peak
+from omnistage.engine.gpu_memory import Peak, device_peak, scaled_peaks
 from omnistage.engine.graphs import DecodeGraphRunner
 from omnistage.engine.isolation import run_isolated
 from omnistage.engine.kv_cache import PagePool
@@ -119,9 +118,10 @@ class EmbeddingStage:
         ]
 
     @torch.inference_mode()
-    def profile_peak(self, num_tokens: int, num_seqs: int = 1) -> int:
+    def profile_peak(self, num_tokens: int, num_seqs: int = 1) -> Peak:
         """Bytes an eager step of `num_seqs` prompts sharing `num_tokens` rows allocates at its peak, with the
-        logits of each one's last row (scratch KV, freed after). As many prompts as rows: a decode step."""
+        logits of each one's last row (scratch KV, freed after), and what it keeps at its end (the hidden
+        states and logits: a graph's outputs). As many prompts as rows: a decode step."""
         per_seq = -(-num_tokens // num_seqs)
         pages = -(-per_seq // self.page_size)
         kv = self._allocate(num_seqs * pages)
@@ -131,9 +131,9 @@ class EmbeddingStage:
         positions = torch.arange(per_seq, device=self.device).repeat(num_seqs).expand(3, -1)
         with device_peak(self.device) as peak:
             hidden = self.model(embeds, positions, kv, meta)
-            self._logits(hidden[meta.query_start_loc[1:].long() - 1])
-        del kv, hidden
-        return peak.bytes
+            logits = self._logits(hidden[meta.query_start_loc[1:].long() - 1])
+        del kv, hidden, logits
+        return peak
 
     def warm_up(self, max_tokens: int) -> None:
         """Run the eager step shapes traffic brings (the Thinker's list), so that kernel builds and compiled
@@ -144,13 +144,13 @@ class EmbeddingStage:
 
     # -- decode graphs ------------------------------------------------------------------------------
 
-    def graph_costs(self, buckets: Iterable[int]) -> dict[int, int]:
-        """Bytes each bucket's decode graph is expected to add, for the memory plan: the measured peak of the
-        largest bucket's eager decode step, scaled by batch (as the Thinker's, `capture_plan.scaled_costs`)."""
+    def graph_costs(self, buckets: Iterable[int]) -> dict[int, Peak]:
+        """What each bucket's decode graph is expected to take, for the memory plan: the measured peak of the
+        largest bucket's eager decode step and what it keeps, scaled by batch (as the Thinker's)."""
         buckets = sorted(set(buckets))
         if not buckets:
             return {}
-        return scaled_costs(self.profile_peak(buckets[-1], buckets[-1]), buckets)
+        return scaled_peaks(self.profile_peak(buckets[-1], buckets[-1]), buckets)
 
     def capture_graphs(self, buckets: Iterable[int], max_seq_len: int, pool: Any = None) -> list[int]:
         """Capture a decode graph per batch bucket for requests up to `max_seq_len` rows (prompt and fed rows);

@@ -19,8 +19,7 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
-from omnistage.engine.capture_plan import scaled_costs
-from omnistage.engine.gpu_memory import device_peak
+from omnistage.engine.gpu_memory import Peak, device_peak, scaled_peaks
 from omnistage.engine.graphs import GraphSet
 from omnistage.engine.static_sampling import StaticRows, sample_static
 from omnistage.models.qwen3_omni.code_predictor import CodePredictor
@@ -126,18 +125,19 @@ class FrameGraphRunner(GraphSet):
         codes, sums = self._outputs[bucket]
         return codes[:batch], sums[:batch]
 
-    def profile_peak(self, batch: int) -> int:
-        """Bytes an eager frame of `batch` rows over the static buffers allocates at its peak (CUDA only)."""
+    def profile_peak(self, batch: int) -> Peak:
+        """Bytes an eager frame of `batch` rows over the static buffers allocates at its peak, and what it keeps
+        (its codes and sums: a graph's outputs; CUDA only)."""
         self.buffers.clear(batch)
         with device_peak(self.device) as peak:
             out = self._frame(*self.buffers.args(batch))
         del out
         torch.cuda.empty_cache()
-        return peak.bytes
+        return peak
 
-    def graph_costs(self, buckets: list[int]) -> dict[int, int]:
-        """Graph memory per bucket for the planner, priced as the LLM stages' graphs are (`scaled_costs` of
+    def graph_costs(self, buckets: list[int]) -> dict[int, Peak]:
+        """Graph memory per bucket for the planner, priced as the LLM stages' graphs are (`scaled_peaks` of
         the largest bucket's measured eager frame). Off CUDA nothing is captured, so nothing is priced."""
         if self.device.type != "cuda" or not buckets:
             return {}
-        return scaled_costs(self.profile_peak(max(buckets)), buckets)
+        return scaled_peaks(self.profile_peak(max(buckets)), buckets)

@@ -8,6 +8,8 @@ from dataclasses import dataclass
 
 import torch
 
+from omnistage.engine.capture_plan import Bucket, GraphCandidates, GraphKind, scaled_costs
+
 
 @dataclass
 class Peak:
@@ -36,6 +38,27 @@ def device_peak(device: torch.device) -> Iterator[Peak]:
         torch.cuda.max_memory_allocated(device) - allocated, torch.cuda.max_memory_reserved(device) - reserved
     )
     peak.kept = min(peak.bytes, max(0, torch.cuda.memory_allocated(device) - allocated))
+
+
+def scaled_peaks(largest: Peak, buckets: list[int]) -> dict[int, Peak]:
+    """Each bucket's graph from the largest bucket's measured step, scaled by size (`scaled_costs`): its bytes
+    and what it keeps (outputs and static buffers; the rest is scratch its pool shares)."""
+    costs, kept = scaled_costs(largest.bytes, buckets), scaled_costs(largest.kept, buckets)
+    return {b: Peak(cost, min(cost, kept[b])) for b, cost in costs.items()}
+
+
+def graph_candidates(
+    stage: str, kind: GraphKind, unit: str, peaks: dict[Bucket, Peak], pool: str
+) -> GraphCandidates:
+    """A stage's graph set for the plan from its measured peaks per bucket."""
+    return GraphCandidates(
+        stage,
+        kind,
+        unit,
+        {b: p.bytes for b, p in peaks.items()},
+        pool=pool,
+        kept={b: p.kept for b, p in peaks.items()},
+    )
 
 
 def allocator_stats(device: torch.device) -> dict[str, int]:

@@ -16,7 +16,7 @@ import numpy as np
 import torch
 
 from omnistage.engine.attention import AttentionMetadata
-from omnistage.engine.gpu_memory import device_peak
+from omnistage.engine.gpu_memory import Peak, device_peak
 from omnistage.engine.graphs import DecodeGraphRunner, PrefillGraphRunner
 from omnistage.engine.scheduler import ScheduledChunk, SchedulerOutput
 from omnistage.models.layers.rotary import PromptPositions
@@ -121,8 +121,9 @@ class ModelRunner:
                 self.prefill_graphs.capture(prefill_buckets, pool=prefill_pool)
 
     @torch.inference_mode()
-    def profile_peak(self, num_tokens: int, num_seqs: int) -> int:
-        """Bytes the eager step of `num_seqs` sequences sharing `num_tokens` new tokens allocates at its peak.
+    def profile_peak(self, num_tokens: int, num_seqs: int) -> Peak:
+        """Bytes the eager step of `num_seqs` sequences sharing `num_tokens` new tokens allocates at its peak,
+        and what it keeps at its end (its hidden states and logits: a graph's outputs).
 
         Runs on scratch KV pages that are freed afterwards; the caller holds no KV yet.
         """
@@ -137,11 +138,11 @@ class ModelRunner:
         positions = torch.arange(per_seq, device=self.device).repeat(num_seqs).expand(3, -1)
         with device_peak(self.device) as peak:
             hidden = self.model(input_ids, positions, self.kv_caches, meta)
-            self.model.compute_logits(hidden[meta.query_start_loc[1:].long() - 1])
+            logits = self.model.compute_logits(hidden[meta.query_start_loc[1:].long() - 1])
         self.kv_caches = []
-        del hidden
+        del hidden, logits
         torch.cuda.empty_cache()
-        return peak.bytes
+        return peak
 
     def warm_up(self, max_tokens: int) -> None:
         """Run eager steps of the shapes traffic brings, so that Triton's per-shape-class kernel builds and

@@ -26,9 +26,9 @@ from omnistage.engine.capture_plan import (
     decode_buckets,
     plan_device,
     prefill_buckets,
-    scaled_costs,
 )
 from omnistage.engine.encoder_engine import EncoderEngine
+from omnistage.engine.gpu_memory import graph_candidates, scaled_peaks
 from omnistage.engine.model_runner import ModelRunner
 
 log = logging.getLogger(__name__)
@@ -71,7 +71,7 @@ def plan_stage_memory(
     of the longest length. A runner not in bfloat16 gets no graphs (the grouped-GEMM MoE needs it)."""
     device = read_device(runner.device, cfg.gpu_memory_limit_gib)
     floor = encoders.profile_floor(
-        runner.profile_peak(cfg.max_num_batched_tokens, 1),
+        runner.profile_peak(cfg.max_num_batched_tokens, 1).bytes,
         cfg.max_num_batched_tokens,
         max_prompt_tokens,
         *max_media,
@@ -108,18 +108,16 @@ def plan_stage_memory(
 
 def _graph_candidates(runner: ModelRunner, cfg: EngineConfig, stage: str) -> tuple[GraphCandidates, ...]:
     """The stage's decode and prefill graphs as the config's stages section sizes them (none when eager)."""
-    # a graph keeps its step's activations and logits in the shared pool; scale the largest step's measured
-    # peak by batch (conservative: graphs captured largest-first reuse that memory)
+    # a graph keeps its outputs (hidden states, logits) in its pool and shares the rest (scratch) with the
+    # pool's other graphs; the largest step's measured peak, scaled by batch
     thinker = cfg.stage("thinker")
     graphs = []
     if buckets := thinker.graphs.sizes(decode_buckets):
-        peak = runner.profile_peak(max(buckets), max(buckets))
-        graphs.append(GraphCandidates(stage, "decode", "batch", scaled_costs(peak, buckets), pool=stage))
+        peaks = scaled_peaks(runner.profile_peak(max(buckets), max(buckets)), buckets)
+        graphs.append(graph_candidates(stage, "decode", "batch", peaks, pool=stage))
     if prefill := thinker.prefill_graphs.sizes(prefill_buckets):
-        peak = runner.profile_peak(max(prefill), 1)
-        graphs.append(
-            GraphCandidates(stage, "prefill", "tokens", scaled_costs(peak, prefill), pool=MAIN_POOL)
-        )
+        peaks = scaled_peaks(runner.profile_peak(max(prefill), 1), prefill)
+        graphs.append(graph_candidates(stage, "prefill", "tokens", peaks, pool=MAIN_POOL))
     return tuple(graphs)
 
 
@@ -142,13 +140,10 @@ def _encoder_candidates(encoders: EncoderEngine, cfg: EngineConfig) -> tuple[Gra
         ("vision encoder", "patches", peaks.get("vision")),
     )
     return tuple(
-        GraphCandidates(
-            name, "prefill", unit, {b: p.bytes for b, p in measured.items()}, pool=MAIN_POOL,
-            kept={b: p.kept for b, p in measured.items()},
-        )
+        graph_candidates(name, "prefill", unit, measured, pool=MAIN_POOL)
         for name, unit, measured in towers
         if measured
-    )  # fmt: skip
+    )
 
 
 def _bytes(module: torch.nn.Module) -> int:

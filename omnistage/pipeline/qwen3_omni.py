@@ -36,7 +36,6 @@ from omnistage.engine.capture_plan import (
     NO_OTHER_STAGES,
     Gauge,
     GiB,
-    GraphCandidates,
     KVPool,
     MemoryPlan,
     StageMemory,
@@ -47,6 +46,7 @@ from omnistage.engine.code2wav_graphs import Code2WavGraphs
 from omnistage.engine.embedding_stage import EmbeddingStage, Sampled
 from omnistage.engine.encoder_engine import EncoderEngine
 from omnistage.engine.frame_graphs import FrameGraphRunner
+from omnistage.engine.gpu_memory import graph_candidates
 from omnistage.engine.llm_engine import LLMEngine, NewRequest, StageModels, resolve_device, resolve_dtype
 from omnistage.engine.model_runner import HiddenTap
 from omnistage.engine.sampling import SamplingParams, SpeechParams
@@ -330,7 +330,7 @@ class Qwen3OmniPipeline:
 
         cfg, streamer, text = self.config, self.streamer, self.model_config.talker.text
         talker, predictor, c2w = (cfg.stage(s) for s in ("talker", "code_predictor", "code2wav"))
-        prefill = self.talker_stage.profile_peak(cfg.max_num_batched_tokens)
+        prefill = self.talker_stage.profile_peak(cfg.max_num_batched_tokens).bytes
         window = self.code2wav.left_context + streamer.chunk
         codes = torch.zeros(
             streamer.max_batch,
@@ -364,17 +364,12 @@ class Qwen3OmniPipeline:
         c2w_peaks = {k: v for k, v in self.code2wav_graphs.graph_costs().items() if k[1] in streams}
         # the device's main-stream pool holds the three sets' graphs (_allocate_speech)
         graphs = (
-            GraphCandidates(
-                "Talker", "decode", "batch", self.talker_stage.graph_costs(talker_graphs), pool=MAIN_POOL
-            ),
-            GraphCandidates(
+            graph_candidates("Talker", "decode", "batch", self.talker_stage.graph_costs(talker_graphs), MAIN_POOL),
+            graph_candidates(
                 "code predictor", "decode", "frames",
-                self.frame_graphs.graph_costs(predictor.graphs.sizes(decode_buckets)), pool=MAIN_POOL,
+                self.frame_graphs.graph_costs(predictor.graphs.sizes(decode_buckets)), MAIN_POOL,
             ),
-            GraphCandidates(
-                "Code2Wav", "decode", "chunk x streams", {k: p.bytes for k, p in c2w_peaks.items()},
-                pool=MAIN_POOL, kept={k: p.kept for k, p in c2w_peaks.items()},
-            ),
+            graph_candidates("Code2Wav", "decode", "chunk x streams", c2w_peaks, MAIN_POOL),
         )  # fmt: skip
         return StageMemory(
             resident=(

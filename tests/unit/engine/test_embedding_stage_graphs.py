@@ -10,6 +10,7 @@ import torch
 from omnistage.engine.attention import TorchReferenceBackend
 from omnistage.engine.capture_plan import bucket_for, scaled_costs
 from omnistage.engine.embedding_stage import EmbeddingStage
+from omnistage.engine.gpu_memory import Peak
 from omnistage.engine.sampling import SamplingParams, talker_sampling_defaults
 from omnistage.engine.scheduler import SchedulerOutput
 from omnistage.models.layers.rotary import PromptPositions
@@ -160,8 +161,10 @@ def test_a_prompts_last_row_alone_replays_a_graph_at_its_prompt_position(talker,
 def test_graph_costs_scale_the_largest_buckets_eager_decode_peak(talker, cfg):
     stage = make_stage(talker, cfg)
     asked = []
-    stage.profile_peak = lambda tokens, seqs=1: asked.append((tokens, seqs)) or 3 << 20
-    assert stage.graph_costs([1, 2, 4, 8]) == scaled_costs(3 << 20, [1, 2, 4, 8])
+    stage.profile_peak = lambda tokens, seqs=1: asked.append((tokens, seqs)) or Peak(3 << 20, 1 << 20)
+    costs = stage.graph_costs([1, 2, 4, 8])
+    assert {b: p.bytes for b, p in costs.items()} == scaled_costs(3 << 20, [1, 2, 4, 8])
+    assert {b: p.kept for b, p in costs.items()} == scaled_costs(1 << 20, [1, 2, 4, 8])
     assert asked == [(8, 8)]  # one decode step of the largest bucket: 8 sequences of one row
     assert stage.graph_costs([]) == {} and asked == [(8, 8)]
 

@@ -23,8 +23,8 @@ class FakeRunner:
     warmed: int = 0
     model: torch.nn.Module = field(default_factory=lambda: torch.nn.Linear(256, 256, bias=False))
 
-    def profile_peak(self, tokens: int, seqs: int) -> int:
-        return 1000 * tokens
+    def profile_peak(self, tokens: int, seqs: int) -> Peak:
+        return Peak(1000 * tokens, 10 * tokens)
 
     def warm_up(self, max_tokens: int) -> None:
         self.warmed = max_tokens
