@@ -1,0 +1,165 @@
+"""What a projection of a few rows costs on the GPU: cuBLAS (`F.linear`) against a Triton GEMV, in CUDA graphs.
+
+A code-predictor frame is 15 steps of 5 layers at the batch's few rows, and its profile (benchmarks/RESULTS.md,
+"Where a speaking step's time goes") has its GEMMs at ~8.6 µs each for weights of 2-12 MB, a fifth of what the
+H200's memory could stream; a Qwen3-ASR or Thinker decode step at c=1 is the same kind of GEMM. This times, for
+each projection of the released stages (fused q/k/v and gate/up as the models run them) and each row count:
+- cuBLAS: `F.linear`, as every stage calls it today;
+- GEMV: one Triton program per block of output columns, each streaming its weight rows once for all the rows
+  of the input (`_gemv_kernel` below; a candidate, not used by the stages);
+each captured 20 times in one CUDA graph and replayed, so that the figure is a kernel's time in a graph, launch
+gaps included, as the stages' graphs run them. It checks the GEMV's output against cuBLAS's first.
+
+    python3 benchmarks/small_gemm.py --out $OUT/small_gemm.json     # GPU machine, about a minute
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+
+# (stage, projection, out features, in features) at the released sizes (omnistage/data/*.config.json)
+SHAPES = [
+    ("code predictor", "qkv", 4096, 1024),
+    ("code predictor", "o", 1024, 2048),
+    ("code predictor", "gate_up", 6144, 1024),
+    ("code predictor", "down", 1024, 3072),
+    ("code predictor", "lm_head", 2048, 1024),
+    ("Talker", "qkv", 2560, 1024),
+    ("Talker", "o", 1024, 2048),
+    ("Talker", "shared gate_up", 1536, 1024),
+    ("Talker", "shared down", 1024, 768),
+    ("Thinker", "qkv", 5120, 2048),
+    ("Thinker", "o", 2048, 4096),
+    ("Qwen3-ASR 1.7B", "qkv", 4096, 2048),
+    ("Qwen3-ASR 1.7B", "o", 2048, 2048),
+    ("Qwen3-ASR 1.7B", "gate_up", 12288, 2048),
+    ("Qwen3-ASR 1.7B", "down", 2048, 6144),
+]
+ROWS = [1, 2, 4, 8, 16]
+COPIES = 20  # GEMMs per graph: a replay's time over them is one GEMM's
+
+
+@triton.jit
+def _gemv_kernel(
+    x_ptr, w_ptr, out_ptr, rows, out_features, in_features,
+    ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):  # fmt: skip
+    """out[r, n] = sum_k x[r, k] w[n, k] for BLOCK_N columns n: the weight block is read once for every row."""
+    cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    row_ids = tl.arange(0, ROWS)
+    acc = tl.zeros((ROWS, BLOCK_N), dtype=tl.float32)
+    for start in range(0, in_features, BLOCK_K):
+        ks = start + tl.arange(0, BLOCK_K)
+        w = tl.load(
+            w_ptr + cols[:, None] * in_features + ks[None, :],
+            mask=(cols[:, None] < out_features) & (ks[None, :] < in_features),
+            other=0.0,
+        ).to(tl.float32)
+        x = tl.load(
+            x_ptr + row_ids[:, None] * in_features + ks[None, :],
+            mask=(row_ids[:, None] < rows) & (ks[None, :] < in_features),
+            other=0.0,
+        ).to(tl.float32)
+        acc += tl.sum(x[:, None, :] * w[None, :, :], axis=2)
+    tl.store(
+        out_ptr + row_ids[:, None] * out_features + cols[None, :],
+        acc.to(out_ptr.dtype.element_ty),
+        mask=(row_ids[:, None] < rows) & (cols[None, :] < out_features),
+    )
+
+
+def gemv(x: torch.Tensor, weight: torch.Tensor, block_n: int = 16) -> torch.Tensor:
+    """`F.linear(x, weight)` for a contiguous `x` of a few rows, by `_gemv_kernel`; the product block held in
+    registers (rows x BLOCK_N x BLOCK_K) is kept to 8,192 values."""
+    rows, in_features = x.shape
+    out_features = weight.shape[0]
+    padded_rows = max(1, triton.next_power_of_2(rows))
+    block_k = max(16, min(256, 8192 // (padded_rows * block_n)))
+    out = torch.empty(rows, out_features, dtype=x.dtype, device=x.device)
+    grid = (triton.cdiv(out_features, block_n),)
+    _gemv_kernel[grid](
+        x, weight, out, rows, out_features, in_features,
+        ROWS=padded_rows, BLOCK_N=block_n, BLOCK_K=block_k,
+    )  # fmt: skip
+    return out
+
+
+def _graph_us(call, reps: int = 30) -> float:
+    """Median µs of one call, over replays of a graph of COPIES calls."""
+    stream = torch.cuda.Stream()
+    with torch.cuda.stream(stream):
+        for _ in range(3):
+            call()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(COPIES):
+            call()
+    graph.replay()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 1000 / COPIES)
+    return statistics.median(times)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--out", type=Path, default=Path("small_gemm.json"))
+    parser.add_argument("--block-n", type=int, nargs="+", default=[8, 16, 32])
+    args = parser.parse_args()
+    torch.manual_seed(0)
+    results = []
+    print(
+        f"{'stage':16} {'proj':14} {'rows':>4} {'MB':>6} {'cuBLAS us':>9} {'GEMV us':>8} {'block':>5} {'GB/s':>6}"
+    )
+    for stage, name, out_features, in_features in SHAPES:
+        weight = (
+            torch.randn(out_features, in_features, dtype=torch.bfloat16, device="cuda") / in_features**0.5
+        )
+        megabytes = weight.numel() * weight.element_size() / 1e6
+        for rows in ROWS:
+            x = torch.randn(rows, in_features, dtype=torch.bfloat16, device="cuda")
+            want = F.linear(x, weight)
+            cublas = _graph_us(lambda x=x, w=weight: F.linear(x, w))
+            best = None
+            for block_n in args.block_n:
+                got = gemv(x, weight, block_n)
+                error = (got.float() - want.float()).abs().max().item()
+                if error > 2e-2 * want.float().abs().max().item():
+                    raise AssertionError(f"{stage} {name} rows {rows} block {block_n}: GEMV off by {error}")
+                us = _graph_us(lambda x=x, w=weight, b=block_n: gemv(x, w, b))
+                if best is None or us < best[0]:
+                    best = (us, block_n)
+            row = {
+                "stage": stage, "projection": name, "out_features": out_features, "in_features": in_features,
+                "rows": rows, "weight_mb": round(megabytes, 2), "cublas_us": round(cublas, 2),
+                "gemv_us": round(best[0], 2), "gemv_block_n": best[1],
+                "gemv_gb_per_s": round(megabytes * 1e3 / best[0], 1),
+                "cublas_gb_per_s": round(megabytes * 1e3 / cublas, 1),
+            }  # fmt: skip
+            results.append(row)
+            print(
+                f"{stage:16} {name:14} {rows:>4} {megabytes:>6.1f} {cublas:>9.2f} {best[0]:>8.2f} "
+                f"{best[1]:>5} {row['gemv_gb_per_s']:>6.0f}"
+            )
+    args.out.write_text(json.dumps({"gpu": torch.cuda.get_device_name(), "results": results}, indent=1))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,43 @@
+"""benchmarks/small_gemm.py's GEMV kernel on the CPU through Triton's interpreter (tests/triton_interpreter.py):
+for any row count up to the padded block and widths that are not multiples of its blocks, it computes
+`F.linear`, so the GPU's timings compare two kernels that give the same product."""
+
+import importlib.util
+import sys
+from pathlib import Path
+
+import pytest
+from triton_interpreter import INTERPRETING, patch_interpreter, run_in_interpreter
+
+pytest.importorskip("triton")
+
+if not INTERPRETING:
+
+    def test_kernel_in_the_interpreter():
+        run_in_interpreter(__file__)
+
+else:
+    patch_interpreter()
+
+    import torch
+    import torch.nn.functional as F
+
+    SCRIPT = Path(__file__).parents[1] / "benchmarks" / "small_gemm.py"
+
+    @pytest.fixture(scope="module")
+    def small_gemm():
+        spec = importlib.util.spec_from_file_location("small_gemm", SCRIPT)
+        module = importlib.util.module_from_spec(spec)
+        sys.modules["small_gemm"] = module
+        spec.loader.exec_module(module)
+        return module
+
+    @pytest.mark.parametrize("rows", [1, 3, 4, 5])
+    @pytest.mark.parametrize("block_n", [8, 32])
+    def test_gemv_is_the_linear_product(small_gemm, rows, block_n):
+        torch.manual_seed(rows * 100 + block_n)
+        out_features, in_features = 70, 300  # neither a multiple of the blocks
+        weight = torch.randn(out_features, in_features)
+        x = torch.randn(rows, in_features)
+        got = small_gemm.gemv(x, weight, block_n)
+        torch.testing.assert_close(got, F.linear(x, weight), rtol=1e-5, atol=1e-4)
