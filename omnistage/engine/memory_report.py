@@ -138,7 +138,11 @@ class DeviceReport:
         lines = [head, f"  {'what':<16}{'held by':<40}{'held':>12}{'accounted':>12}"]
         for row in self.rows:
             accounted = _gib(row.accounted) if row.accounted else ""
-            lines.append(f"  {row.group:<16}{row.owner:<40}{_gib(row.held):>12}{accounted:>12}")
+            group, owner = row.group, row.owner
+            if len(owner) >= 40:  # a pool several sets share: its owners on a line of their own
+                lines.append(f"  {group:<16}{owner}")
+                group = owner = ""
+            lines.append(f"  {group:<16}{owner:<40}{_gib(row.held):>12}{accounted:>12}")
         for name, size in (
             ("other graph pools", self.other_pools),
             ("not accounted", self.unaccounted),
@@ -154,11 +158,12 @@ def group_snapshot(
     device_memory: dict[int, tuple[int, int]] | None = None,
 ) -> list[DeviceReport]:
     """Per device in `segments` (`torch.cuda.memory_snapshot()`), its memory by holding: a block in use goes to
-    the holding one of whose tensors starts in it, a graph pool's segments whole to its GraphSet (pools shared
-    by several sets go to the first). `device_memory`: (free, total) per device, from mem_get_info."""
+    the holding one of whose tensors starts in it, a graph pool's segments whole to its GraphSet (a pool the
+    sets of several stages share is one row naming them all). `device_memory`: (free, total) per device, from
+    mem_get_info."""
     reports = []
     for device in sorted({s["device"] for s in segments}):
-        mine = [h for h in held if h.device == device]
+        mine = _one_per_pool([h for h in held if h.device == device])
         on_device = [s for s in segments if s["device"] == device]
         pooled = sorted(
             (s["address"], s["address"] + s["total_size"])
@@ -213,6 +218,22 @@ def group_snapshot(
             )
         )
     return reports
+
+
+def _one_per_pool(held: list[Holding]) -> list[Holding]:
+    """The holdings with the graph sets of one pool merged: their paths joined, their accounting summed."""
+    merged: dict[tuple[int, int], Holding] = {}
+    out = []
+    for h in held:
+        if h.pool is None:
+            out.append(h)
+        elif (first := merged.get(h.pool)) is None:
+            merged[h.pool] = Holding(h.group, h.owner, h.device, pool=h.pool, accounted=h.accounted)
+            out.append(merged[h.pool])
+        else:
+            first.owner = f"{first.owner}, {h.owner}"
+            first.accounted += h.accounted
+    return out
 
 
 def _within(address: int, ranges: list[tuple[int, int]]) -> bool:

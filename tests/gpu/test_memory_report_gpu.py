@@ -29,7 +29,10 @@ def test_the_snapshot_of_a_started_pipeline_is_grouped(tiny_checkpoint, capsys):
     for key in (("weights", "thinker.model"), ("KV", "thinker.runner")):
         row, tensors = rows[key], len(held_by[key].spans)
         assert row.accounted <= row.held <= row.accounted + tensors * (2 << 20)  # a block rounds a tensor up
-    assert rows[("graph pool", "thinker.runner.graphs")].held > 0  # decode and prefill graphs share it
+    assert rows[("graph pool", "thinker.runner.graphs")].held > 0  # the decode graphs' own pool
+    # the main-stream pool: the prefill graphs and every other set replayed on the main stream, one row
+    (main,) = [r for r in report.rows if r.group == "graph pool" and "prefill_graphs" in r.owner]
+    assert main.held > 0 and "talker_stage.graphs" in main.owner
 
     from omnistage.cli import main
 

@@ -68,6 +68,8 @@ def test_a_snapshot_is_grouped_by_what_holds_it():
     # a static output that lives in the graph pool is the pool's, not its holder's
     outputs = Holding("buffers", "thinker.runner.graphs", 0, [(9000, 100), (5000, 64)], accounted=164)
     graphs = Holding("graph pool", "thinker.runner.graphs", 0, pool=(1, 7), accounted=900)
+    # another stage's graphs captured into the same pool: one row for the pool, naming both
+    talker_graphs = Holding("graph pool", "talker_stage.graphs", 0, pool=(1, 7), accounted=100)
     elsewhere = Holding("weights", "talker", 1, [(1000, 64)], accounted=64)
     segments = [
         segment(1000, [block(1000, 600), block(1600, 512), block(2112, 888, "inactive")]),
@@ -77,14 +79,15 @@ def test_a_snapshot_is_grouped_by_what_holds_it():
         segment(5000, [block(5000, 512)]),
         segment(1000, [block(1000, 512)], device=1),
     ]
-    report, other = group_snapshot(segments, [weights, kv, outputs, graphs, elsewhere], {0: (100, 10_000)})
+    held = [weights, kv, outputs, graphs, talker_graphs, elsewhere]
+    report, other = group_snapshot(segments, held, {0: (100, 10_000)})
     assert report.device == 0 and other.device == 1
     rows = {(r.group, r.owner): (r.held, r.accounted) for r in report.rows}
     assert rows == {
         ("weights", "thinker.model"): (1112, 1000),
         ("KV", "thinker.runner"): (2048, 2048),
         ("buffers", "thinker.runner.graphs"): (512, 64),
-        ("graph pool", "thinker.runner.graphs"): (1024, 900),
+        ("graph pool", "thinker.runner.graphs, talker_stage.graphs"): (1024, 1000),
     }
     assert [r.group for r in report.rows] == ["weights", "KV", "buffers", "graph pool"]
     assert (report.reserved, report.allocated) == (
@@ -100,4 +103,8 @@ def test_a_snapshot_is_grouped_by_what_holds_it():
     assert "outside the allocator (CUDA context, libraries, other processes)" in table
     for name in ("thinker.model", "graph pool", "not accounted", "allocator cache", "other graph pools"):
         assert name in table
+    # the shared pool's owners on their own line, its bytes aligned on the next
+    lines = table.splitlines()
+    at = lines.index("  graph pool      thinker.runner.graphs, talker_stage.graphs")
+    assert lines[at + 1].startswith(" " * 58) and lines[at + 1].split() == ["0.0", "MiB", "0.0", "MiB"]
     assert "outside the allocator" not in other.table()
