@@ -8,7 +8,10 @@ each projection of the released stages (fused q/k/v and gate/up as the models ru
 - GEMV: one Triton program per block of output columns, each streaming its weight rows once for all the rows
   of the input (`_gemv_kernel` below; a candidate, not used by the stages);
 each captured 20 times in one CUDA graph and replayed, so that the figure is a kernel's time in a graph, launch
-gaps included, as the stages' graphs run them. It checks the GEMV's output against cuBLAS's first.
+gaps included, as the stages' graphs run them. It checks the GEMV's output against cuBLAS's first. Then the
+whole code-predictor frame (`FrameGraphRunner`, released size, random weights, its layers not compiled in
+either case) replayed with every projection of up to 16 rows on cuBLAS, then on the GEMV (`F.linear` patched
+for the capture): what the GEMV would change in a speaking step.
 
     python3 benchmarks/small_gemm.py --out $OUT/small_gemm.json     # GPU machine, about a minute
 """
@@ -16,14 +19,17 @@ gaps included, as the stages' graphs run them. It checks the GEMV's output again
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import statistics
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 import triton
 import triton.language as tl
+from torch import nn
 
 # (stage, projection, out features, in features) at the released sizes (omnistage/data/*.config.json)
 SHAPES = [
@@ -116,6 +122,68 @@ def _graph_us(call, reps: int = 30) -> float:
     return statistics.median(times)
 
 
+@contextlib.contextmanager
+def gemv_projections(max_rows: int = 16) -> Iterator[None]:
+    """`F.linear` (and so every `nn.Linear`) on the GEMV for inputs of up to `max_rows` rows without a bias."""
+    original = F.linear
+
+    def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        rows = x.numel() // x.shape[-1]
+        if bias is None and rows <= max_rows and weight.is_contiguous():
+            out = gemv(x.reshape(rows, x.shape[-1]).contiguous(), weight)
+            return out.reshape(*x.shape[:-1], weight.shape[0])
+        return original(x, weight, bias)
+
+    F.linear = linear
+    try:
+        yield
+    finally:
+        F.linear = original
+
+
+def frame_ms(buckets: list[int]) -> list[dict]:
+    """A code-predictor frame's replay per bucket, cuBLAS against the GEMV; ms, median of 50 replays."""
+    from omnistage.bench.a2t import released_skeleton
+    from omnistage.engine.frame_graphs import FrameGraphRunner
+    from omnistage.models.loader import fill_random_
+    from omnistage.models.qwen3_omni.code_predictor import load_code_predictor
+    from omnistage.models.qwen3_omni.config import Qwen3OmniConfig
+
+    checkpoint = released_skeleton()
+    predictor = load_code_predictor(checkpoint, torch.bfloat16, "cuda", load_format="dummy").eval()
+    talker = Qwen3OmniConfig.from_dir(checkpoint).talker.text
+    code0 = nn.Embedding(talker.vocab_size, talker.hidden_size, device="cuda", dtype=torch.bfloat16)
+    fill_random_(code0, seed=1)
+    code0.requires_grad_(False)
+    rows = []
+    for name, patch in (("cuBLAS", contextlib.nullcontext), ("GEMV", gemv_projections)):
+        runner = FrameGraphRunner(predictor, code0, 50, max(buckets))
+        with patch():
+            runner.capture(buckets)
+        for batch in buckets:
+            hidden = torch.randn(batch, predictor.config.hidden_size, device="cuda", dtype=torch.bfloat16)
+            ids = torch.randint(0, talker.vocab_size, (batch,), device="cuda")
+
+            def run(hidden=hidden, ids=ids, batch=batch, runner=runner) -> None:
+                runner.run(hidden, ids, greedy=[False] * batch, temperature=[1.0] * batch, top_p=[0.8] * batch,
+                           seeds=list(range(batch)), draws=[0] * batch)  # fmt: skip
+
+            for _ in range(5):
+                run()
+            torch.cuda.synchronize()
+            times = []
+            for _ in range(50):
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start.record()
+                run()
+                end.record()
+                end.synchronize()
+                times.append(start.elapsed_time(end))
+            rows.append({"projections": name, "batch": batch, "frame_ms": round(statistics.median(times), 3)})
+            print(f"code-predictor frame, batch {batch:>2}, {name:6}: {rows[-1]['frame_ms']:.3f} ms")
+    return rows
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -158,7 +226,9 @@ def main() -> None:
                 f"{stage:16} {name:14} {rows:>4} {megabytes:>6.1f} {cublas:>9.2f} {best[0]:>8.2f} "
                 f"{best[1]:>5} {row['gemv_gb_per_s']:>6.0f}"
             )
-    args.out.write_text(json.dumps({"gpu": torch.cuda.get_device_name(), "results": results}, indent=1))
+    frames = frame_ms([1, 16])
+    payload = {"gpu": torch.cuda.get_device_name(), "results": results, "code_predictor_frames": frames}
+    args.out.write_text(json.dumps(payload, indent=1))
 
 
 if __name__ == "__main__":

@@ -41,3 +41,19 @@ else:
         x = torch.randn(rows, in_features)
         got = small_gemm.gemv(x, weight, block_n)
         torch.testing.assert_close(got, F.linear(x, weight), rtol=1e-5, atol=1e-4)
+
+    def test_linears_under_the_patch_take_the_gemv_for_few_rows_only(small_gemm, monkeypatch):
+        calls = []
+        gemv = small_gemm.gemv
+        monkeypatch.setattr(small_gemm, "gemv", lambda x, w: calls.append(x.shape[0]) or gemv(x, w))
+        torch.manual_seed(0)
+        layer = torch.nn.Linear(40, 24, bias=False)
+        few, many = torch.randn(2, 3, 40), torch.randn(20, 40)  # 6 rows in a batch of sequences; 20 rows
+        want_few, want_many = F.linear(few, layer.weight), F.linear(many, layer.weight)
+        original = F.linear
+        with small_gemm.gemv_projections(max_rows=16):
+            got_few, got_many = layer(few), layer(many)
+        assert calls == [6]  # the 20-row call stayed on F.linear
+        torch.testing.assert_close(got_few, want_few, rtol=1e-5, atol=1e-4)
+        assert torch.equal(got_many, want_many)
+        assert F.linear is original  # restored after the block
