@@ -146,9 +146,9 @@ def graph_report(pipeline: Any) -> dict[str, dict[str, Any]]:
     }
     if pipeline.speaks:
         runners |= {
-            "talker": pipeline.talker_stage.graphs,
-            "code_predictor": pipeline.frame_graphs,
-            "code2wav": pipeline.code2wav_graphs,
+            "talker": pipeline.speech_stages.talker_stage.graphs,
+            "code_predictor": pipeline.speech_stages.frame_graphs,
+            "code2wav": pipeline.speech_stages.code2wav_graphs,
         }
     plans = [p for p in (thinker.plan, pipeline.speech_plan) if p is not None]
     report = {}

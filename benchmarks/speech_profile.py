@@ -95,10 +95,10 @@ def profile(pipeline: Any, concurrency: int, steps: int) -> dict[str, Any]:
     originals = {}
     targets = {
         "Thinker step": (pipeline.thinker, "step"),
-        "Talker step": (pipeline.talker_stage, "step"),
+        "Talker step": (pipeline.speech_stages.talker_stage, "step"),
         "code predictor": (pipeline, "_predict_isolated"),
         "Talker input rows": (pipeline, "_feed_text"),
-        "Code2Wav": (pipeline.streamer, "step"),
+        "Code2Wav": (pipeline.speech_stages.streamer, "step"),
     }
     for name, (owner, attr) in targets.items():
         originals[name] = getattr(owner, attr)

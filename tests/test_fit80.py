@@ -100,9 +100,9 @@ def test_graph_report_two_devices(fit80):
             encoders=SimpleNamespace(audio_graphs=None, vision_graphs=runner([1024], 4 * MiB)),
         ),
         speech_plan=plan_device(replace(device, name="cuda:1"), [speech]),
-        talker_stage=SimpleNamespace(graphs=None),
-        frame_graphs=runner([], 0),
-        code2wav_graphs=code2wav,
+        speech_stages=SimpleNamespace(
+            talker_stage=SimpleNamespace(graphs=None), frame_graphs=runner([], 0), code2wav_graphs=code2wav
+        ),
     )
     report = fit80.graph_report(pipeline)
     assert list(report) == [key for key, _, _ in fit80.GRAPH_SETS]

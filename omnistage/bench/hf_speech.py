@@ -40,9 +40,9 @@ def build_hf_omni(pipeline: Any, config_dict: dict) -> tuple[torch.nn.Module, di
     with torch.device("meta"):
         hf = Qwen3OmniMoeForConditionalGeneration(config)
     hf.thinker, sources = build_hf_thinker(pipeline.thinker, config_dict)
-    share_parameters(hf.talker, pipeline.talker, skip="code_predictor.")
-    share_parameters(hf.talker.code_predictor, pipeline.code_predictor)
-    share_parameters(hf.code2wav, pipeline.code2wav)
+    share_parameters(hf.talker, pipeline.speech_stages.talker, skip="code_predictor.")
+    share_parameters(hf.talker.code_predictor, pipeline.speech_stages.code_predictor)
+    share_parameters(hf.code2wav, pipeline.speech_stages.code2wav)
     with torch.device(pipeline.device):  # a meta build leaves these buffers empty: make them again
         for owner in (hf.talker.model, hf.talker.code_predictor.model, hf.code2wav.pre_transformer):
             owner.rotary_emb = type(owner.rotary_emb)(owner.rotary_emb.config)

@@ -17,7 +17,6 @@ The hand-off streams, by the rules of `models/qwen3_omni/talker_input.py` (equal
 
 from __future__ import annotations
 
-import contextlib
 import json
 import logging
 import random
@@ -32,35 +31,22 @@ import torch
 from omnistage.config import STAGES, EngineConfig, validate_topology
 from omnistage.engine.attention import backend_for
 from omnistage.engine.capture_plan import (
-    MAIN_POOL,
     NO_OTHER_STAGES,
     Gauge,
-    GiB,
-    KVPool,
     MemoryPlan,
-    StageMemory,
-    decode_buckets,
     plan_device,
 )
-from omnistage.engine.code2wav_graphs import Code2WavGraphs
-from omnistage.engine.embedding_stage import EmbeddingStage, Sampled
+from omnistage.engine.embedding_stage import Sampled
 from omnistage.engine.encoder_engine import EncoderEngine
-from omnistage.engine.frame_graphs import FrameGraphRunner
-from omnistage.engine.gpu_memory import graph_candidates
 from omnistage.engine.llm_engine import LLMEngine, NewRequest, StageModels, resolve_device, resolve_dtype
 from omnistage.engine.model_runner import HiddenTap
 from omnistage.engine.sampling import SamplingParams, SpeechParams
 from omnistage.engine.stage_plan import read_device
 from omnistage.errors import InvalidRequest
 from omnistage.models.layers.attention_metadata import to_device
-from omnistage.models.qwen3_omni.code2wav import load_code2wav
-from omnistage.models.qwen3_omni.code2wav_streamer import Code2WavStreamer
-from omnistage.models.qwen3_omni.code_predictor import load_code_predictor
 from omnistage.models.qwen3_omni.config import Qwen3OmniConfig
 from omnistage.models.qwen3_omni.processor import Processor
-from omnistage.models.qwen3_omni.talker import load_talker
 from omnistage.models.qwen3_omni.talker_input import (
-    SpeechTokens,
     TtsEmbeds,
     talker_positions,
     talker_prompt,
@@ -70,10 +56,10 @@ from omnistage.models.qwen3_omni.talker_input import (
 from omnistage.models.qwen3_omni.thinker import load_thinker
 from omnistage.outputs import CompletionOutput, RequestOutput
 from omnistage.pipeline.side_stream import SideStream
+from omnistage.pipeline.speech_stages import PREDICTOR_TEMPERATURE, PREDICTOR_TOP_P, SpeechStages
 
 log = logging.getLogger(__name__)
 
-_CPU_TALKER_KV_GIB = 0.25
 ASSISTANT_ROWS = 9  # the Talker prompt's rows after the user turns (talker_input.talker_prompt)
 # The audio cap when a request sets none: 2 s, plus 8 frames (0.64 s) per spoken token, about twice a
 # speaker's pace, and never past transformers' own talker limit of 4096 frames (327.7 s).
@@ -82,11 +68,6 @@ CAP_BASE_FRAMES, CAP_FRAMES_PER_TOKEN, MAX_AUDIO_FRAMES = 25, 8, 4096
 
 def default_frame_cap(text_tokens: int) -> int:
     return min(MAX_AUDIO_FRAMES, CAP_BASE_FRAMES + CAP_FRAMES_PER_TOKEN * text_tokens)
-
-
-# The released code predictor's sampling (transformers' subtalker defaults): top-k 50, top-p 0.8, temperature 1;
-# greedy with a greedy Talker, as transformers ties them.
-PREDICTOR_TOP_K, PREDICTOR_TOP_P, PREDICTOR_TEMPERATURE = 50, 0.8, 1.0
 
 
 @dataclass(frozen=True)
@@ -125,17 +106,6 @@ def eos_token_ids(checkpoint_dir: Path, processor: Processor) -> list[int]:
         if eos is not None:
             return [eos] if isinstance(eos, int) else list(eos)
     return [processor.tokenizer.token_to_id("<|im_end|>")]
-
-
-def _captured(what: str, unit: str, buckets: list[int]) -> str:
-    """What a stage captured, for the start-up summary."""
-    if not buckets:
-        return f"{what} steps eager"
-    return f"{what} CUDA graphs for {unit} {', '.join(map(str, buckets))}"
-
-
-def _bytes(module: torch.nn.Module) -> int:
-    return sum(p.numel() * p.element_size() for p in module.parameters())
 
 
 def tts_prompt(processor: Processor, text: str, max_model_len: int) -> TtsPrompt:
@@ -195,37 +165,38 @@ class Qwen3OmniPipeline:
         validate_topology(config, gpus, stages=STAGES if self.speaks else STAGES[:2])
         device = resolve_device(config.stage("thinker").device)
         dtype = resolve_dtype(config.dtype, device)
-        self.talker = None
         self.speech_plan: MemoryPlan | None = None  # the speech device's own plan (two-GPU topology)
         text = cfg.thinker.text
         thinker_len = min(config.max_model_len or text.max_position_embeddings, text.max_position_embeddings)
-        # the longest Talker sequence: the user turns of the longest prompt, its assistant rows, the audio cap
-        self.talker_max_len = thinker_len + ASSISTANT_ROWS + MAX_AUDIO_FRAMES
-        speech = NO_OTHER_STAGES
+        memory = NO_OTHER_STAGES
         # the two-GPU topology: the speech stages on a device of their own (hand-offs cross with .to)
         self.speech_device = resolve_device(config.stage("talker").device)
         shared = self.speech_device == device
+        self.speech_stages: SpeechStages | None = None
         if self.speaks:
-            # loaded and measured before the Thinker plans its memory: a shared device has one plan for all
-            with self._on_speech_device():
-                self._load_speech(path, cfg, dtype)
-                if self.speech_device.type == "cuda":
-                    speech = self._speech_memory(shared)
+            # loaded and measured before the Thinker plans its memory: a shared device has one plan for all.
+            # The longest Talker sequence: the user turns of the longest prompt, its assistant rows, the audio cap
+            self.speech_stages = SpeechStages(
+                config, path, cfg, dtype, thinker_len + ASSISTANT_ROWS + MAX_AUDIO_FRAMES
+            )
+            if self.speech_device.type == "cuda":
+                with self.speech_stages.on_device():
+                    memory = self.speech_stages.memory(shared)
         self.thinker = LLMEngine(
             config,
             load_thinker_stage(config, path, cfg, device, dtype),
             device,
             dtype,
-            speech if shared else NO_OTHER_STAGES,
+            memory if shared else NO_OTHER_STAGES,
         )
-        if speech is not NO_OTHER_STAGES:
-            with self._on_speech_device():
+        if self.speech_stages is not None and memory is not NO_OTHER_STAGES:
+            with self.speech_stages.on_device():
                 plan = self.thinker.plan
                 if not shared:
                     device_memory = read_device(self.speech_device, config.gpu_memory_limit_gib)
-                    plan = self.speech_plan = plan_device(device_memory, [speech])
+                    plan = self.speech_plan = plan_device(device_memory, [memory])
                     log.info("%s", plan.table())
-                self._allocate_speech(plan)
+                self.speech_stages.allocate(plan, self.thinker.graph_pool if shared else None)
         self.processor, self.tokenizer = self.thinker.processor, self.thinker.tokenizer
         self.model_path, self.max_model_len = self.thinker.model_path, self.thinker.max_model_len
         self.device, self.dtype = device, dtype
@@ -236,81 +207,9 @@ class Qwen3OmniPipeline:
         self._deferred_aborts: list[str] | None = None  # while a Thinker step runs beside: aborts wait for it
         if self.speaks:
             with torch.inference_mode():
-                self.tts: TtsEmbeds = tts_embeds(self.talker, self._embedding, self.tokens)
-
-    def _load_speech(self, path: Path, cfg: Qwen3OmniConfig, dtype: torch.dtype) -> None:
-        """The Talker, code predictor and Code2Wav, and the Talker's pages, on the speech device; on a GPU, their
-        CUDA graphs (captured before the Thinker plans its memory, so that the plan sees them held)."""
-        config, device = self.config, self.speech_device
-        talker, predictor, c2w = (config.stage(s) for s in ("talker", "code_predictor", "code2wav"))
-        self.talker = load_talker(path, dtype, device, backend_for(device), config.load_format, config.seed)
-        self.code_predictor = load_code_predictor(path, dtype, device, config.load_format, config.seed)
-        compiled = device.type == "cuda" and config.compile
-        if compiled:
-            # as the Thinker's: the layers' norms, rotary and residual glue fused. A frame of the code predictor
-            # is 15 steps of 5 small layers, hundreds of kernels even in a graph, where each costs microseconds.
-            # The Talker's layers are the Thinker's code at other sizes: their variants join the Thinker's under
-            # one code object, past dynamo's default limit of 8, beyond which calls silently run eagerly.
-            torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 32)
-            for layer in (*self.talker.model.layers, *self.code_predictor.model.layers):
-                layer.compile(dynamic=True)
-        self.code2wav = load_code2wav(path, dtype, device, config.load_format, config.seed)
-        text = cfg.talker.text
-        page_bytes = text.kv_bytes_per_token * config.page_size
-        # on a GPU the plan sizes the pool (`_allocate_speech`); until then it has one page
-        pages = talker.kv.pages or max(1, int((talker.kv.gib or _CPU_TALKER_KV_GIB) * GiB) // page_bytes)
-        vocab = text.vocab_size
-        self.talker_stage = EmbeddingStage(
-            self.talker,
-            text,
-            num_pages=1 if device.type == "cuda" else pages,
-            page_size=config.page_size,
-            device=device,
-            dtype=dtype,
-            max_num_seqs=talker.max_batch,
-            max_num_batched_tokens=config.max_num_batched_tokens,
-            eos_token_id=cfg.talker.codec_eos_token_id,
-            # the codec's top 1024 ids are control codes, never audio; EOS among them ends the speech
-            suppressed_ids=[i for i in range(vocab - 1024, vocab) if i != cfg.talker.codec_eos_token_id],
-        )
-        self.frame_graphs = FrameGraphRunner(
-            self.code_predictor,
-            self.talker.model.codec_embedding,
-            PREDICTOR_TOP_K,
-            max_batch=predictor.max_batch,
-            enforce_eager=predictor.enforce_eager,
-        )
-        self.code2wav_graphs = Code2WavGraphs(
-            self.code2wav,
-            sorted({c2w.first_chunk, c2w.chunk}),
-            c2w.max_streams,
-            enforce_eager=c2w.enforce_eager,
-        )
-        self.streamer = Code2WavStreamer(
-            self.code2wav, c2w.first_chunk, c2w.chunk, max_batch=c2w.max_streams, decode=self.code2wav_graphs
-        )
-        self.tokens = SpeechTokens.from_config(cfg)
-
-    def _allocate_speech(self, plan: MemoryPlan) -> None:
-        """The Talker's pages and the speech stages' graphs as `plan` has them (the graphs record the pages'
-        addresses, so the pool comes first). The three run one after another on the device's main stream: one
-        graph memory pool, the Thinker's main-stream pool where they share its device (`MAIN_POOL`)."""
-        self.talker_stage = replace(self.talker_stage, num_pages=plan.kv_pool("Talker").pages)
-        # as the Thinker's: a first burst of prompts would otherwise pay the Talker's kernel builds (likely why
-        # the H200's first c=4 pass had a 518 ms first packet, against 80 ms at c=1)
-        self.talker_stage.warm_up(self.config.max_num_batched_tokens)
-        pool = self.thinker.graph_pool if self.speech_device == self.thinker.device else None
-        self.talker_stage.capture_graphs(plan.captured("Talker", "decode"), self.talker_max_len, pool=pool)
-        if pool is None and self.talker_stage.graphs is not None:
-            pool = self.talker_stage.graphs.pool
-        self.frame_graphs.capture(plan.captured("code predictor", "decode"), pool=pool)
-        self.code2wav_graphs.capture(plan.captured("Code2Wav", "decode"), pool=pool or self.frame_graphs.pool)
-
-    def _on_speech_device(self) -> contextlib.AbstractContextManager:
-        """The speech device as the current one: Triton launches on the current device, not the tensors'."""
-        if self.speech_device.type == "cuda":
-            return torch.cuda.device(self.speech_device)
-        return contextlib.nullcontext()
+                self.tts: TtsEmbeds = tts_embeds(
+                    self.speech_stages.talker, self._embedding, self.speech_stages.tokens
+                )
 
     @property
     def _embedding(self) -> torch.nn.Embedding:
@@ -319,71 +218,7 @@ class Qwen3OmniPipeline:
     @property
     def voices(self) -> tuple[str, ...]:
         """The released speakers' names (lower case); empty when this pipeline cannot speak."""
-        return tuple(sorted(self.tokens.speakers)) if self.speaks else ()
-
-    def _speech_memory(self, shared: bool) -> StageMemory:
-        """What the speech stages bring to their device's plan: their weights, the peak bytes of their largest
-        steps (a Talker prefill of a whole step's rows, a full Code2Wav call), the Talker's KV pool (one request
-        of its longest length at least; on a device shared with the Thinker, a share of the KV memory that
-        gives both pools about as many tokens, unless the config sizes it) and their graphs' measured costs."""
-        from omnistage.engine.gpu_memory import device_peak
-
-        cfg, streamer, text = self.config, self.streamer, self.model_config.talker.text
-        talker, predictor, c2w = (cfg.stage(s) for s in ("talker", "code_predictor", "code2wav"))
-        prefill = self.talker_stage.profile_peak(cfg.max_num_batched_tokens).bytes
-        window = self.code2wav.left_context + streamer.chunk
-        codes = torch.zeros(
-            streamer.max_batch,
-            self.code2wav.config.num_quantizers,
-            window,
-            dtype=torch.long,
-            device=streamer.device,
-        )
-        with torch.inference_mode(), device_peak(streamer.device) as peak:
-            self.code2wav.decode_window(
-                codes, torch.zeros(streamer.max_batch, dtype=torch.long, device=streamer.device)
-            )
-        torch.cuda.empty_cache()
-        page_bytes = text.kv_bytes_per_token * cfg.page_size
-        min_pages = -(-self.talker_max_len // cfg.page_size)
-        fixed = talker.kv.pages or (int(talker.kv.gib * GiB) // page_bytes if talker.kv.gib else None)
-        share = None
-        if fixed is None and shared:
-            thinker_pool = cfg.stage("thinker").kv
-            thinker = self.model_config.thinker.text.kv_bytes_per_token
-            if thinker_pool.pages or thinker_pool.gib:  # a fixed Thinker pool: as many tokens in the Talker's
-                thinker_pages = thinker_pool.pages or int(thinker_pool.gib * GiB) // (thinker * cfg.page_size)
-                fixed = max(min_pages, thinker_pages)
-            else:
-                share = talker.kv.share or text.kv_bytes_per_token / (thinker + text.kv_bytes_per_token)
-        pool = KVPool("Talker", page_bytes, min_pages=min_pages, share=share, pages=fixed)
-        streams = set(c2w.graphs.sizes(decode_buckets))
-        talker_graphs = (
-            talker.graphs.sizes(decode_buckets) if self.talker_stage.dtype == torch.bfloat16 else []
-        )
-        c2w_peaks = {k: v for k, v in self.code2wav_graphs.graph_costs().items() if k[1] in streams}
-        # the device's main-stream pool holds the three sets' graphs (_allocate_speech)
-        graphs = (
-            graph_candidates("Talker", "decode", "batch", self.talker_stage.graph_costs(talker_graphs), MAIN_POOL),
-            graph_candidates(
-                "code predictor", "decode", "frames",
-                self.frame_graphs.graph_costs(predictor.graphs.sizes(decode_buckets)), MAIN_POOL,
-            ),
-            graph_candidates("Code2Wav", "decode", "chunk x streams", c2w_peaks, MAIN_POOL),
-        )  # fmt: skip
-        return StageMemory(
-            resident=(
-                ("Talker", _bytes(self.talker), "weights"),
-                ("code predictor", _bytes(self.code_predictor), "weights"),
-                ("Code2Wav", _bytes(self.code2wav), "weights"),
-            ),
-            peaks=(
-                ("Talker prefill", prefill, f"{cfg.max_num_batched_tokens:,} rows"),
-                ("Code2Wav", peak.bytes, f"{streamer.max_batch} streams × {window} frames"),
-            ),
-            kv=(pool,),
-            graphs=tuple(g for g in graphs if g.costs),
-        )
+        return tuple(sorted(self.speech_stages.tokens.speakers)) if self.speaks else ()
 
     def plan_gauges(self) -> list[Gauge]:
         """Every device's memory plan as gauge samples (none on a CPU), for `/metrics`."""
@@ -392,17 +227,9 @@ class Qwen3OmniPipeline:
 
     def memory_summary(self) -> str:
         summary = self.thinker.memory_summary()
-        if not self.speaks:
-            return summary + "; speech off"
-        pool, streamer = self.talker_stage.pool, self.streamer
-        return (
-            f"{summary}; speech: Talker KV {pool.num_pages:,} pages x {pool.page_size} tokens, "
-            f"{_captured('Talker decode', 'batch', self.talker_stage.captured_buckets)}, "
-            f"{_captured('code predictor frame', 'batch', self.frame_graphs.captured_buckets)}, "
-            f"Code2Wav chunks of {streamer.first_chunk} then {streamer.chunk} frames, up to "
-            f"{streamer.max_batch} streams a call: "
-            f"{_captured('Code2Wav', 'streams', sorted({n for _, n in self.code2wav_graphs.captured}))}"
-        )
+        if self.speech_stages is None:
+            return f"{summary}; speech off"
+        return f"{summary}; {self.speech_stages.summary()}"
 
     # -- requests -----------------------------------------------------------------------------------
 
@@ -420,7 +247,7 @@ class Qwen3OmniPipeline:
                 "this server does not speak: the checkpoint has no talker, or speech is off in its config"
             )
         try:
-            self.tokens.speaker_id(speech.voice)
+            self.speech_stages.tokens.speaker_id(speech.voice)
         except ValueError as exc:
             raise InvalidRequest(str(exc)) from None
         if speech.reply_token_ids is None:
@@ -432,13 +259,15 @@ class Qwen3OmniPipeline:
             max_tokens = self.thinker.validate(prompt_token_ids, SamplingParams(max_tokens=1))
             text_tokens = len(speech.reply_token_ids)
         ids = torch.tensor(prompt_token_ids)
-        tokens = self.tokens
+        tokens = self.speech_stages.tokens
         if len(ids) < 3 or ids[-3:].tolist() != [tokens.im_start, tokens.assistant, ids[-1].item()]:
             raise InvalidRequest(
                 "a spoken reply needs a chat prompt that ends by opening the assistant's turn"
             )
         talker_prompt_len = int(user_turn_mask(ids, tokens).sum()) + ASSISTANT_ROWS
-        self.talker_stage.pool.check_admissible(talker_prompt_len + self._frame_cap(speech, text_tokens))
+        self.speech_stages.talker_stage.pool.check_admissible(
+            talker_prompt_len + self._frame_cap(speech, text_tokens)
+        )
         return max_tokens
 
     def _frame_cap(self, speech: SpeechParams, text_tokens: int) -> int:
@@ -475,7 +304,7 @@ class Qwen3OmniPipeline:
             [] if mm is None or mm.image_grid_thw is None else [tuple(g) for g in mm.image_grid_thw.tolist()]
         )
         ids = torch.tensor(r.prompt_token_ids)
-        media_rows = torch.isin(ids, torch.tensor(self.tokens.placeholders)).nonzero()[:, 0]
+        media_rows = torch.isin(ids, torch.tensor(self.speech_stages.tokens.placeholders)).nonzero()[:, 0]
         tap = None
         if len(media_rows) and r.speech.reply_token_ids is None:
             width = self.model_config.thinker.text.hidden_size
@@ -495,7 +324,7 @@ class Qwen3OmniPipeline:
         speech = _Speech(
             request_id=r.request_id,
             params=r.speech,
-            speaker=self.tokens.speaker_id(r.speech.voice),
+            speaker=self.speech_stages.tokens.speaker_id(r.speech.voice),
             prompt_ids=list(r.prompt_token_ids),
             grids=grids,
             audio_tokens=[] if mm is None else list(mm.num_audio_tokens),
@@ -522,8 +351,8 @@ class Qwen3OmniPipeline:
     def abort(self, request_id: str) -> RequestOutput | None:
         speech = self._speaking.pop(request_id, None)
         if speech is not None and self.speaks:
-            self.talker_stage.abort(request_id)
-            self.streamer.cancel(request_id)
+            self.speech_stages.talker_stage.abort(request_id)
+            self.speech_stages.streamer.cancel(request_id)
         out = self.thinker.abort(request_id)
         if out is None and speech is not None:
             completion = replace(
@@ -542,7 +371,7 @@ class Qwen3OmniPipeline:
     def stats(self) -> dict[str, int]:
         stats = self.thinker.stats()
         if self.speaks:
-            pool = self.talker_stage.pool
+            pool = self.speech_stages.talker_stage.pool
             stats |= {
                 "talker_kv_pages_total": pool.num_pages,
                 "talker_kv_pages_free": pool.num_free,
@@ -636,7 +465,7 @@ class Qwen3OmniPipeline:
             if (
                 speech.talker_started
                 and not speech.talker_done
-                and self.talker_stage.cap(speech.request_id, speech.frame_cap)
+                and self.speech_stages.talker_stage.cap(speech.request_id, speech.frame_cap)
             ):
                 self._end_talker(speech)
 
@@ -646,11 +475,11 @@ class Qwen3OmniPipeline:
             self._deferred_aborts.append(speech.request_id)
         else:
             self.thinker.abort(speech.request_id)
-        self.talker_stage.abort(speech.request_id)
-        self.streamer.cancel(speech.request_id)
+        self.speech_stages.talker_stage.abort(speech.request_id)
+        self.speech_stages.streamer.cancel(speech.request_id)
 
     def _speak(self) -> dict[str, list[np.ndarray]]:
-        with torch.inference_mode(), self._on_speech_device():
+        with torch.inference_mode(), self.speech_stages.on_device():
             return self._speak_here()
 
     def _speak_here(self) -> dict[str, list[np.ndarray]]:
@@ -664,8 +493,9 @@ class Qwen3OmniPipeline:
                     log.error("request %s: the Talker could not start", speech.request_id, exc_info=exc)
                     self._fail(speech, f"speech failed: {type(exc).__name__}: {exc}")
         self._feed_text()
+        talker, streamer = self.speech_stages.talker_stage, self.speech_stages.streamer
         frames: list[tuple[_Speech, Sampled]] = []
-        for sampled in self.talker_stage.step() if self.talker_stage.has_unfinished() else []:
+        for sampled in talker.step() if talker.has_unfinished() else []:
             speech = self._speaking.get(sampled.request_id)
             if speech is None:
                 continue
@@ -679,8 +509,8 @@ class Qwen3OmniPipeline:
             self._predict_isolated(frames)
             self._feed_text()
         chunks: dict[str, list[np.ndarray]] = {}
-        streaming = [s for s in self._speaking.values() if s.request_id in self.streamer.streams]
-        for chunk in self._guarded(streaming, self.streamer.step) or []:
+        streaming = [s for s in self._speaking.values() if s.request_id in streamer.streams]
+        for chunk in self._guarded(streaming, streamer.step) or []:
             speech = self._speaking.get(chunk.request_id)
             if speech is None:
                 continue
@@ -727,24 +557,18 @@ class Qwen3OmniPipeline:
         if speech.tap is not None:
             accept[speech.tap.rows] = speech.tap.values
         first = self._embedding(torch.tensor(spoken[0], device=self.device))
-        to = self.speech_device
+        to, stages = self.speech_device, self.speech_stages
         prompt = talker_prompt(
-            self.talker,
-            self.tokens,
-            self.tts,
-            ids.to(to),
-            embeds.to(to),
-            accept.to(to),
-            first.to(to),
+            stages.talker, stages.tokens, self.tts, ids.to(to), embeds.to(to), accept.to(to), first.to(to),
             speech.speaker,
-        )
+        )  # fmt: skip
         positions = talker_positions(prompt, self.model_config, speech.grids, speech.audio_tokens)
-        self.talker_stage.add(
+        stages.talker_stage.add(
             speech.request_id, prompt.embeds, positions, speech.params.talker, speech.frame_cap
         )
         speech.talker_started = True
         speech.tap = None
-        self.streamer.open(speech.request_id)
+        stages.streamer.open(speech.request_id)
 
     def _feed_text(self) -> None:
         """Give each Talker waiting with a finished frame its next input row, where the text row is known."""
@@ -763,13 +587,13 @@ class Qwen3OmniPipeline:
         projected = iter(())
         if token_rows:
             projected = iter(
-                self.talker.text_projection(
+                self.speech_stages.talker.text_projection(
                     self._embedding(to_device(torch.tensor(token_rows), self.device)).to(self.speech_device)
                 )
             )
         for speech, text_row in ready:
             row = next(projected) if text_row is None else text_row
-            self.talker_stage.feed(speech.request_id, speech.codec_sum + row)
+            self.speech_stages.talker_stage.feed(speech.request_id, speech.codec_sum + row)
             speech.codec_sum = None
             speech.rows_fed += 1
 
@@ -780,7 +604,7 @@ class Qwen3OmniPipeline:
         hidden = torch.stack([s.hidden for _, s in frames])
         speeches = [speech for speech, _ in frames]
         count = len(frames)
-        residual, sums = self.frame_graphs.run(
+        residual, sums = self.speech_stages.frame_graphs.run(
             hidden,
             code0,
             greedy=[s.params.talker.greedy for s in speeches],
@@ -795,10 +619,9 @@ class Qwen3OmniPipeline:
             speech.predictor_draws += self.model_config.talker.num_code_groups - 1
         frame_codes = torch.cat((code0[:, None], residual), dim=1)
         for (speech, sampled), codes, codec_sum in zip(frames, frame_codes, sums):
-            speech.codes.append(
-                codes
-            )  # on the device: read back once, when the request ends (no sync per step)
-            self.streamer.feed(speech.request_id, codes[:, None])
+            # on the device: read back once, when the request ends (no sync per step)
+            speech.codes.append(codes)
+            self.speech_stages.streamer.feed(speech.request_id, codes[:, None])
             if sampled.finished:
                 self._end_talker(speech)
             else:
@@ -807,7 +630,7 @@ class Qwen3OmniPipeline:
     def _end_talker(self, speech: _Speech) -> None:
         speech.talker_done = True
         speech.codec_sum = None
-        self.streamer.finish(speech.request_id)
+        self.speech_stages.streamer.finish(speech.request_id)
 
     def _output(self, speech: _Speech, chunks: list[np.ndarray]) -> RequestOutput:
         text = speech.text

@@ -133,7 +133,11 @@ def test_transformers_runs_on_our_very_tensors_and_speaks_our_greedy_codes(engin
     assert sources == {"audio_tower": "shared with ours", "visual": "shared with ours"}
     ours = {
         p.data_ptr()
-        for m in (pipeline.talker, pipeline.code_predictor, pipeline.code2wav)
+        for m in (
+            pipeline.speech_stages.talker,
+            pipeline.speech_stages.code_predictor,
+            pipeline.speech_stages.code2wav,
+        )
         for p in m.parameters()
     }
     theirs = [p for name, p in hf.named_parameters() if not name.startswith("thinker.")]

@@ -75,8 +75,11 @@ def assert_pools_full(llm: LLM) -> None:
     pipeline = llm.pipeline
     assert not pipeline.has_unfinished()
     assert pipeline.thinker.pool.num_free == pipeline.thinker.pool.num_pages
-    assert pipeline.talker_stage.pool.num_free == pipeline.talker_stage.pool.num_pages
-    assert not pipeline.streamer.streams
+    assert (
+        pipeline.speech_stages.talker_stage.pool.num_free
+        == pipeline.speech_stages.talker_stage.pool.num_pages
+    )
+    assert not pipeline.speech_stages.streamer.streams
 
 
 def test_six_speaking_requests_together_equal_each_alone(llm):
@@ -125,8 +128,8 @@ def test_streamed_chunks_make_up_the_audio_and_the_talker_waits_for_text(llm):
     deltas = [o.audio_delta for o in outputs if o.audio_delta is not None]
     assert len(deltas) >= 2
     assert np.array_equal(np.concatenate(deltas), final.audio)
-    samples_per_frame = pipeline.code2wav.config.samples_per_frame
-    assert len(final.audio) == samples_per_frame * 30 - pipeline.code2wav.lookahead
+    samples_per_frame = pipeline.speech_stages.code2wav.config.samples_per_frame
+    assert len(final.audio) == samples_per_frame * 30 - pipeline.speech_stages.code2wav.lookahead
     assert "".join(o.outputs[0].delta_text for o in outputs) == final.outputs[0].text
     assert_pools_full(llm)
 
@@ -149,7 +152,10 @@ def test_a_one_token_reply_says_nothing(llm):
 def test_text_to_speech_speaks_the_given_reply_without_the_thinker(llm, monkeypatch):
     pipeline = llm.pipeline
     tts = pipeline.tts_prompt("Good morning, and welcome.")
-    assert tts.token_ids[-3:-1] == [pipeline.tokens.im_start, pipeline.tokens.assistant]
+    assert tts.token_ids[-3:-1] == [
+        pipeline.speech_stages.tokens.im_start,
+        pipeline.speech_stages.tokens.assistant,
+    ]
     monkeypatch.setattr(pipeline.thinker, "step", lambda: pytest.fail("the Thinker ran"))
     speech = SpeechParams(
         "aiden", talker(12, seed=3, ignore_eos=True, min_tokens=12), reply_token_ids=tts.reply_token_ids
@@ -229,14 +235,14 @@ def test_ignore_eos_never_draws_the_codec_end(llm, monkeypatch):
     """A Talker that would say its end at once: with ignore_eos it speaks every frame asked for, else nothing."""
     pipeline = llm.pipeline
     eos = pipeline.model_config.talker.codec_eos_token_id
-    logits = pipeline.talker.compute_logits
+    logits = pipeline.speech_stages.talker.compute_logits
 
     def eager_to_end(hidden):
         out = logits(hidden)
         out[:, eos] = out.max() + 100
         return out
 
-    monkeypatch.setattr(pipeline.talker, "compute_logits", eager_to_end)
+    monkeypatch.setattr(pipeline.speech_stages.talker, "compute_logits", eager_to_end)
     spec = speak(llm, 0, frames=7, text_tokens=3)
     assert run(llm, requests(llm, [spec]))["0"][-1].num_audio_frames == 7
     spec["speech"] = SpeechParams("ethan", talker(7, seed=1))
@@ -256,7 +262,7 @@ def test_talkers_preempted_for_pages_speak_as_alone(tiny_checkpoint):
     small = LLM(
         str(tiny_checkpoint), device="cpu", dtype="float32", page_size=4, talker_kv_cache_memory_gib=gib
     )
-    assert small.pipeline.talker_stage.pool.num_pages == 16
+    assert small.pipeline.speech_stages.talker_stage.pool.num_pages == 16
     specs = [speak(small, i, frames=20, text_tokens=6) for i in range(3)]
     for spec in specs:
         spec[
@@ -266,7 +272,7 @@ def test_talkers_preempted_for_pages_speak_as_alone(tiny_checkpoint):
         run(small, requests(small, [spec], first_id=10 * i))[str(10 * i)][-1] for i, spec in enumerate(specs)
     ]
     preempted = []
-    stage = small.pipeline.talker_stage
+    stage = small.pipeline.speech_stages.talker_stage
     original = stage.scheduler._preempt
     stage.scheduler._preempt = lambda seq: preempted.append(seq.request_id) or original(seq)
     together = run(small, requests(small, specs, first_id=100))

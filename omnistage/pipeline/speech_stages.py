@@ -1,0 +1,204 @@
+"""Qwen3-Omni's speech stages on their device: the Talker (an EmbeddingStage over its paged KV), the code
+predictor (a frame per call, `FrameGraphRunner`) and streaming Code2Wav (`Code2WavStreamer` over
+`Code2WavGraphs`). Loaded, measured for their device's memory plan (their weights, largest steps, the Talker's
+KV pool and their graphs' costs), then allocated and captured as the plan says. The pipeline
+(`qwen3_omni.py`) hands each speaking request's text rows and frames across them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from omnistage.config import EngineConfig
+from omnistage.engine.attention import backend_for
+from omnistage.engine.capture_plan import MAIN_POOL, GiB, KVPool, MemoryPlan, StageMemory, decode_buckets
+from omnistage.engine.code2wav_graphs import Code2WavGraphs
+from omnistage.engine.embedding_stage import EmbeddingStage
+from omnistage.engine.frame_graphs import FrameGraphRunner
+from omnistage.engine.gpu_memory import device_peak, graph_candidates
+from omnistage.engine.llm_engine import resolve_device
+from omnistage.models.qwen3_omni.code2wav import load_code2wav
+from omnistage.models.qwen3_omni.code2wav_streamer import Code2WavStreamer
+from omnistage.models.qwen3_omni.code_predictor import load_code_predictor
+from omnistage.models.qwen3_omni.config import Qwen3OmniConfig
+from omnistage.models.qwen3_omni.talker import load_talker
+from omnistage.models.qwen3_omni.talker_input import SpeechTokens
+
+_CPU_TALKER_KV_GIB = 0.25
+# The released code predictor's sampling (transformers' subtalker defaults): top-k 50, top-p 0.8, temperature 1;
+# greedy with a greedy Talker, as transformers ties them.
+PREDICTOR_TOP_K, PREDICTOR_TOP_P, PREDICTOR_TEMPERATURE = 50, 0.8, 1.0
+
+
+def _captured(what: str, unit: str, buckets: list[int]) -> str:
+    """What a stage captured, for the start-up summary."""
+    if not buckets:
+        return f"{what} steps eager"
+    return f"{what} CUDA graphs for {unit} {', '.join(map(str, buckets))}"
+
+
+def _bytes(module: torch.nn.Module) -> int:
+    return sum(p.numel() * p.element_size() for p in module.parameters())
+
+
+class SpeechStages:
+    def __init__(
+        self, config: EngineConfig, path: Path, cfg: Qwen3OmniConfig, dtype: torch.dtype, max_len: int
+    ) -> None:
+        """The Talker, code predictor and Code2Wav on the talker stage's device, and the Talker's pages (one
+        page on a GPU until the plan sizes them, `allocate`). `max_len`: the longest Talker sequence."""
+        self.config, self.model_config, self.max_len = config, cfg, max_len
+        self.device = resolve_device(config.stage("talker").device)
+        with self.on_device():
+            self._load(path, dtype)
+
+    def _load(self, path: Path, dtype: torch.dtype) -> None:
+        config, cfg, device = self.config, self.model_config, self.device
+        talker, predictor, c2w = (config.stage(s) for s in ("talker", "code_predictor", "code2wav"))
+        self.talker = load_talker(path, dtype, device, backend_for(device), config.load_format, config.seed)
+        self.code_predictor = load_code_predictor(path, dtype, device, config.load_format, config.seed)
+        compiled = device.type == "cuda" and config.compile
+        if compiled:
+            # as the Thinker's: the layers' norms, rotary and residual glue fused. A frame of the code predictor
+            # is 15 steps of 5 small layers, hundreds of kernels even in a graph, where each costs microseconds.
+            # The Talker's layers are the Thinker's code at other sizes: their variants join the Thinker's under
+            # one code object, past dynamo's default limit of 8, beyond which calls silently run eagerly.
+            torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 32)
+            for layer in (*self.talker.model.layers, *self.code_predictor.model.layers):
+                layer.compile(dynamic=True)
+        self.code2wav = load_code2wav(path, dtype, device, config.load_format, config.seed)
+        text = cfg.talker.text
+        page_bytes = text.kv_bytes_per_token * config.page_size
+        # on a GPU the plan sizes the pool (`allocate`); until then it has one page
+        pages = talker.kv.pages or max(1, int((talker.kv.gib or _CPU_TALKER_KV_GIB) * GiB) // page_bytes)
+        vocab = text.vocab_size
+        self.talker_stage = EmbeddingStage(
+            self.talker,
+            text,
+            num_pages=1 if device.type == "cuda" else pages,
+            page_size=config.page_size,
+            device=device,
+            dtype=dtype,
+            max_num_seqs=talker.max_batch,
+            max_num_batched_tokens=config.max_num_batched_tokens,
+            eos_token_id=cfg.talker.codec_eos_token_id,
+            # the codec's top 1024 ids are control codes, never audio; EOS among them ends the speech
+            suppressed_ids=[i for i in range(vocab - 1024, vocab) if i != cfg.talker.codec_eos_token_id],
+        )
+        self.frame_graphs = FrameGraphRunner(
+            self.code_predictor,
+            self.talker.model.codec_embedding,
+            PREDICTOR_TOP_K,
+            max_batch=predictor.max_batch,
+            enforce_eager=predictor.enforce_eager,
+        )
+        self.code2wav_graphs = Code2WavGraphs(
+            self.code2wav,
+            sorted({c2w.first_chunk, c2w.chunk}),
+            c2w.max_streams,
+            enforce_eager=c2w.enforce_eager,
+        )
+        self.streamer = Code2WavStreamer(
+            self.code2wav, c2w.first_chunk, c2w.chunk, max_batch=c2w.max_streams, decode=self.code2wav_graphs
+        )
+        self.tokens = SpeechTokens.from_config(cfg)
+
+    def on_device(self) -> contextlib.AbstractContextManager:
+        """The speech device as the current one: Triton launches on the current device, not the tensors'."""
+        if self.device.type == "cuda":
+            return torch.cuda.device(self.device)
+        return contextlib.nullcontext()
+
+    def memory(self, shared: bool) -> StageMemory:
+        """What the three stages bring to their device's plan: their weights, the peak bytes of their largest
+        steps (a Talker prefill of a whole step's rows, a full Code2Wav call), the Talker's KV pool (one request
+        of its longest length at least; on a device shared with the Thinker, a share of the KV memory that
+        gives both pools about as many tokens, unless the config sizes it) and their graphs' measured costs."""
+        cfg, streamer, text = self.config, self.streamer, self.model_config.talker.text
+        talker, predictor, c2w = (cfg.stage(s) for s in ("talker", "code_predictor", "code2wav"))
+        prefill = self.talker_stage.profile_peak(cfg.max_num_batched_tokens).bytes
+        window = self.code2wav.left_context + streamer.chunk
+        codes = torch.zeros(
+            streamer.max_batch,
+            self.code2wav.config.num_quantizers,
+            window,
+            dtype=torch.long,
+            device=streamer.device,
+        )
+        with torch.inference_mode(), device_peak(streamer.device) as peak:
+            self.code2wav.decode_window(
+                codes, torch.zeros(streamer.max_batch, dtype=torch.long, device=streamer.device)
+            )
+        torch.cuda.empty_cache()
+        page_bytes = text.kv_bytes_per_token * cfg.page_size
+        min_pages = -(-self.max_len // cfg.page_size)
+        fixed = talker.kv.pages or (int(talker.kv.gib * GiB) // page_bytes if talker.kv.gib else None)
+        share = None
+        if fixed is None and shared:
+            thinker_pool = cfg.stage("thinker").kv
+            thinker = self.model_config.thinker.text.kv_bytes_per_token
+            if thinker_pool.pages or thinker_pool.gib:  # a fixed Thinker pool: as many tokens in the Talker's
+                thinker_pages = thinker_pool.pages or int(thinker_pool.gib * GiB) // (thinker * cfg.page_size)
+                fixed = max(min_pages, thinker_pages)
+            else:
+                share = talker.kv.share or text.kv_bytes_per_token / (thinker + text.kv_bytes_per_token)
+        pool = KVPool("Talker", page_bytes, min_pages=min_pages, share=share, pages=fixed)
+        streams = set(c2w.graphs.sizes(decode_buckets))
+        talker_graphs = (
+            talker.graphs.sizes(decode_buckets) if self.talker_stage.dtype == torch.bfloat16 else []
+        )
+        c2w_peaks = {k: v for k, v in self.code2wav_graphs.graph_costs().items() if k[1] in streams}
+        # the device's main-stream pool holds the three sets' graphs (`allocate`)
+        graphs = (
+            graph_candidates("Talker", "decode", "batch", self.talker_stage.graph_costs(talker_graphs), MAIN_POOL),
+            graph_candidates(
+                "code predictor", "decode", "frames",
+                self.frame_graphs.graph_costs(predictor.graphs.sizes(decode_buckets)), MAIN_POOL,
+            ),
+            graph_candidates("Code2Wav", "decode", "chunk x streams", c2w_peaks, MAIN_POOL),
+        )  # fmt: skip
+        return StageMemory(
+            resident=(
+                ("Talker", _bytes(self.talker), "weights"),
+                ("code predictor", _bytes(self.code_predictor), "weights"),
+                ("Code2Wav", _bytes(self.code2wav), "weights"),
+            ),
+            peaks=(
+                ("Talker prefill", prefill, f"{cfg.max_num_batched_tokens:,} rows"),
+                ("Code2Wav", peak.bytes, f"{streamer.max_batch} streams × {window} frames"),
+            ),
+            kv=(pool,),
+            graphs=tuple(g for g in graphs if g.costs),
+        )
+
+    def allocate(self, plan: MemoryPlan, pool: Any = None) -> None:
+        """The Talker's pages and the three stages' graphs as `plan` has them (the graphs record the pages'
+        addresses, so the pool comes first). The three run one after another on the device's main stream: one
+        graph memory pool, `pool` (the Thinker's main-stream pool where they share its device, `MAIN_POOL`)
+        or a new one."""
+        self.talker_stage = replace(self.talker_stage, num_pages=plan.kv_pool("Talker").pages)
+        # as the Thinker's: a first burst of prompts would otherwise pay the Talker's kernel builds (likely why
+        # the H200's first c=4 pass had a 518 ms first packet, against 80 ms at c=1)
+        self.talker_stage.warm_up(self.config.max_num_batched_tokens)
+        self.talker_stage.capture_graphs(plan.captured("Talker", "decode"), self.max_len, pool=pool)
+        if pool is None and self.talker_stage.graphs is not None:
+            pool = self.talker_stage.graphs.pool
+        self.frame_graphs.capture(plan.captured("code predictor", "decode"), pool=pool)
+        self.code2wav_graphs.capture(plan.captured("Code2Wav", "decode"), pool=pool or self.frame_graphs.pool)
+
+    def summary(self) -> str:
+        """What the start-up line says of the three stages."""
+        pool, streamer = self.talker_stage.pool, self.streamer
+        return (
+            f"speech: Talker KV {pool.num_pages:,} pages x {pool.page_size} tokens, "
+            f"{_captured('Talker decode', 'batch', self.talker_stage.captured_buckets)}, "
+            f"{_captured('code predictor frame', 'batch', self.frame_graphs.captured_buckets)}, "
+            f"Code2Wav chunks of {streamer.first_chunk} then {streamer.chunk} frames, up to "
+            f"{streamer.max_batch} streams a call: "
+            f"{_captured('Code2Wav', 'streams', sorted({n for _, n in self.code2wav_graphs.captured}))}"
+        )
