@@ -124,7 +124,11 @@ def test_memory_report_on_the_cpu_says_so_and_lists_what_the_stages_hold(tiny_ch
     assert "no CUDA: the stages run on the CPU, where torch's allocator keeps no snapshot" in printed
     rows = [line.split() for line in printed.splitlines() if line.startswith("  cpu ")]
     owners = {(row[1], row[2]) for row in rows}
-    assert {("weights", "thinker.model"), ("KV", "thinker.runner"), ("weights", "talker")} <= owners, printed
+    assert {
+        ("weights", "thinker.model"),
+        ("KV", "thinker.runner"),
+        ("weights", "speech_stages.talker"),
+    } <= owners, printed
     assert "KV pool 32 pages" in printed
 
 
