@@ -96,8 +96,8 @@ def profile(pipeline: Any, concurrency: int, steps: int) -> dict[str, Any]:
     targets = {
         "Thinker step": (pipeline.thinker, "step"),
         "Talker step": (pipeline.speech_stages.talker_stage, "step"),
-        "code predictor": (pipeline, "_predict_isolated"),
-        "Talker input rows": (pipeline, "_feed_text"),
+        "code predictor": (pipeline.handoff, "predict_isolated"),
+        "Talker input rows": (pipeline.handoff, "feed_text"),
         "Code2Wav": (pipeline.speech_stages.streamer, "step"),
     }
     for name, (owner, attr) in targets.items():

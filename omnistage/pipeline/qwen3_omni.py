@@ -1,19 +1,7 @@
 """Qwen3-Omni's stages wired together: the encoders and Thinker (an LLMEngine), then, for a request that
-speaks, the Talker (an EmbeddingStage), the code predictor and streaming Code2Wav. The one facade the server
-and the offline `LLM` talk to: requests in, `RequestOutput`s out, text and audio side by side.
-
-The hand-off streams, by the rules of `models/qwen3_omni/talker_input.py` (equal to transformers' offline
-`generate(return_audio=True)`):
-- the Thinker keeps the hidden states after `accept_hidden_layer` layers at its prompt's media rows;
-- the Thinker's last token is never spoken, and the Thinker knows a token is its last when it yields it (it
-  finishes there): every token it yields unfinished is spoken. The Talker's prompt is built as soon as the
-  first one is known, with the Thinker's first token;
-- the Talker's decode step k reads text row k (spoken token k + 1, then tts_eos once, then tts_pad) and waits
-  until the Thinker has yielded that token (or ended);
-- every code 0 the Talker samples but codec EOS becomes a frame through the code predictor, whose 16-embedding
-  sum plus the next text row is the Talker's next input; frames stream into Code2Wav, and its chunks go out
-  with the request's outputs. A request finishes when its text and its audio have.
-"""
+speaks, the Talker, the code predictor and streaming Code2Wav (`speech_stages.py`), the text and frames handed
+across them step by step (`handoff.py`). The one facade the server and the offline `LLM` talk to: requests in,
+`RequestOutput`s out, text and audio side by side."""
 
 from __future__ import annotations
 
@@ -22,7 +10,7 @@ import logging
 import random
 import time
 from concurrent.futures import Future
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import numpy as np
@@ -36,27 +24,23 @@ from omnistage.engine.capture_plan import (
     MemoryPlan,
     plan_device,
 )
-from omnistage.engine.embedding_stage import Sampled
 from omnistage.engine.encoder_engine import EncoderEngine
 from omnistage.engine.llm_engine import LLMEngine, NewRequest, StageModels, resolve_device, resolve_dtype
 from omnistage.engine.model_runner import HiddenTap
 from omnistage.engine.sampling import SamplingParams, SpeechParams
 from omnistage.engine.stage_plan import read_device
 from omnistage.errors import InvalidRequest
-from omnistage.models.layers.attention_metadata import to_device
 from omnistage.models.qwen3_omni.config import Qwen3OmniConfig
 from omnistage.models.qwen3_omni.processor import Processor
 from omnistage.models.qwen3_omni.talker_input import (
-    TtsEmbeds,
-    talker_positions,
-    talker_prompt,
     tts_embeds,
     user_turn_mask,
 )
 from omnistage.models.qwen3_omni.thinker import load_thinker
 from omnistage.outputs import CompletionOutput, RequestOutput
+from omnistage.pipeline.handoff import Handoff, Speech
 from omnistage.pipeline.side_stream import SideStream
-from omnistage.pipeline.speech_stages import PREDICTOR_TEMPERATURE, PREDICTOR_TOP_P, SpeechStages
+from omnistage.pipeline.speech_stages import SpeechStages
 
 log = logging.getLogger(__name__)
 
@@ -114,45 +98,6 @@ def tts_prompt(processor: Processor, text: str, max_model_len: int) -> TtsPrompt
     return TtsPrompt(prompt, token_ids, processor.encode(text, max_model_len))
 
 
-@dataclass
-class _Speech:
-    """One speaking request's progress across the stages."""
-
-    request_id: str
-    params: SpeechParams
-    speaker: int
-    prompt_ids: list[int]
-    grids: list[tuple[int, int, int]]
-    audio_tokens: list[int]
-    frame_cap: int
-    tap: HiddenTap | None
-    text: RequestOutput  # the latest text-side output (the Thinker's, or the given reply's)
-    generated: list[int] = field(default_factory=list)  # the Thinker's tokens so far
-    text_done: bool = False
-    talker_started: bool = False
-    predictor_seed: int = (
-        0  # the code predictor's draws: a function of (seed, draw number), see static_sampling
-    )
-    predictor_draws: int = 0
-    rows_fed: int = 0  # the Talker's decode rows given so far = text rows consumed
-    codec_sum: torch.Tensor | None = None  # the last frame's embedding sum, waiting for its text row
-    codes: list[torch.Tensor] = field(default_factory=list)  # one [num_code_groups] row per frame
-    talker_done: bool = False
-    audio: list[np.ndarray] = field(default_factory=list)
-    audio_done: bool = False
-    error: str | None = None
-    first_audio: float = 0.0  # monotonic seconds of the first audio chunk
-
-    @property
-    def finished(self) -> bool:
-        return self.error is not None or (self.text_done and self.audio_done)
-
-    @property
-    def spoken(self) -> list[int]:
-        """The reply's tokens known to be spoken: all the Thinker has yielded, but its last once it has ended."""
-        return self.generated[:-1] if self.text_done else self.generated
-
-
 class Qwen3OmniPipeline:
     def __init__(self, config: EngineConfig) -> None:
         from omnistage.models.qwen3_omni.tiny import default_checkpoint
@@ -200,16 +145,17 @@ class Qwen3OmniPipeline:
         self.processor, self.tokenizer = self.thinker.processor, self.thinker.tokenizer
         self.model_path, self.max_model_len = self.thinker.model_path, self.thinker.max_model_len
         self.device, self.dtype = device, dtype
-        self._speaking: dict[str, _Speech] = {}
+        self._speaking: dict[str, Speech] = {}
         # on a GPU the Thinker runs on a stream of its own; its steps run beside the speech stages' (`step`)
         self._thinker_side = SideStream(device, "thinker") if self.speaks and device.type == "cuda" else None
         self.overlap = config.overlap_stages
         self._deferred_aborts: list[str] | None = None  # while a Thinker step runs beside: aborts wait for it
-        if self.speaks:
+        if self.speech_stages is not None:
             with torch.inference_mode():
-                self.tts: TtsEmbeds = tts_embeds(
-                    self.speech_stages.talker, self._embedding, self.speech_stages.tokens
-                )
+                tts = tts_embeds(self.speech_stages.talker, self._embedding, self.speech_stages.tokens)
+            self.handoff = Handoff(
+                self.speech_stages, tts, self._embedding, device, cfg, self._speaking, self._fail
+            )
 
     @property
     def _embedding(self) -> torch.nn.Embedding:
@@ -298,7 +244,7 @@ class Qwen3OmniPipeline:
                 self._speaking.pop(requests[i].request_id, None)
         return errors
 
-    def _new_speech(self, r: NewRequest, max_tokens: int) -> _Speech:
+    def _new_speech(self, r: NewRequest, max_tokens: int) -> Speech:
         mm = r.mm
         grids = (
             [] if mm is None or mm.image_grid_thw is None else [tuple(g) for g in mm.image_grid_thw.tolist()]
@@ -321,7 +267,7 @@ class Qwen3OmniPipeline:
             [CompletionOutput(0, "", [])],
             metrics={"arrival": time.monotonic()},
         )
-        speech = _Speech(
+        speech = Speech(
             request_id=r.request_id,
             params=r.speech,
             speaker=self.speech_stages.tokens.speaker_id(r.speech.voice),
@@ -387,7 +333,7 @@ class Qwen3OmniPipeline:
         it is a step behind the Thinker anyway (row k is token k + 1). Before that, the Thinker's step comes
         first, so that a new request's Talker starts on its first token in the same step."""
         outputs: list[RequestOutput] = []
-        touched: dict[str, _Speech] = {}
+        touched: dict[str, Speech] = {}
         beside = None
         if self.thinker.has_unfinished():
             if self._beside():
@@ -438,7 +384,7 @@ class Qwen3OmniPipeline:
         return outputs
 
     def _on_thinker(
-        self, thinker_outputs: list[RequestOutput], outputs: list[RequestOutput], touched: dict[str, _Speech]
+        self, thinker_outputs: list[RequestOutput], outputs: list[RequestOutput], touched: dict[str, Speech]
     ) -> None:
         """A Thinker step's outputs: text-only ones go out as they are; a speaking request's update its text."""
         for out in thinker_outputs:
@@ -450,7 +396,7 @@ class Qwen3OmniPipeline:
                 self._on_text(speech, out)
             touched[out.request_id] = speech
 
-    def _on_text(self, speech: _Speech, out: RequestOutput) -> None:
+    def _on_text(self, speech: Speech, out: RequestOutput) -> None:
         completion = out.outputs[0]
         speech.text = out
         speech.generated = completion.token_ids
@@ -467,9 +413,9 @@ class Qwen3OmniPipeline:
                 and not speech.talker_done
                 and self.speech_stages.talker_stage.cap(speech.request_id, speech.frame_cap)
             ):
-                self._end_talker(speech)
+                self.handoff.end_talker(speech)
 
-    def _fail(self, speech: _Speech, error: str) -> None:
+    def _fail(self, speech: Speech, error: str) -> None:
         speech.error = error
         if self._deferred_aborts is not None:  # the Thinker is mid-step on its thread
             self._deferred_aborts.append(speech.request_id)
@@ -480,159 +426,9 @@ class Qwen3OmniPipeline:
 
     def _speak(self) -> dict[str, list[np.ndarray]]:
         with torch.inference_mode(), self.speech_stages.on_device():
-            return self._speak_here()
+            return self.handoff.step()
 
-    def _speak_here(self) -> dict[str, list[np.ndarray]]:
-        """Start the Talkers that can start, run one Talker step and the code predictor on what it sampled,
-        then one Code2Wav step; returns the audio chunks per request."""
-        for speech in list(self._speaking.values()):
-            if not speech.talker_started and speech.error is None:
-                try:
-                    self._start_talker(speech)
-                except Exception as exc:  # this request's hand-off failed: it fails alone
-                    log.error("request %s: the Talker could not start", speech.request_id, exc_info=exc)
-                    self._fail(speech, f"speech failed: {type(exc).__name__}: {exc}")
-        self._feed_text()
-        talker, streamer = self.speech_stages.talker_stage, self.speech_stages.streamer
-        frames: list[tuple[_Speech, Sampled]] = []
-        for sampled in talker.step() if talker.has_unfinished() else []:
-            speech = self._speaking.get(sampled.request_id)
-            if speech is None:
-                continue
-            if sampled.error is not None:
-                self._fail(speech, f"speech failed: {sampled.error}")
-            elif sampled.token == self.model_config.talker.codec_eos_token_id:
-                self._end_talker(speech)
-            else:
-                frames.append((speech, sampled))
-        if frames:
-            self._predict_isolated(frames)
-            self._feed_text()
-        chunks: dict[str, list[np.ndarray]] = {}
-        streaming = [s for s in self._speaking.values() if s.request_id in streamer.streams]
-        for chunk in self._guarded(streaming, streamer.step) or []:
-            speech = self._speaking.get(chunk.request_id)
-            if speech is None:
-                continue
-            chunks.setdefault(chunk.request_id, []).append(chunk.samples.float().cpu().numpy())
-            speech.first_audio = speech.first_audio or time.monotonic()
-            speech.audio_done = chunk.final
-        return chunks
-
-    def _predict_isolated(self, frames: list[tuple[_Speech, Sampled]]) -> None:
-        """The frames in one call; if it fails, one at a time, so that only the request at fault fails (a
-        frame's draws depend on its request's draw count alone, which advances only on success)."""
-        if len(frames) == 1:
-            self._guarded([frames[0][0]], lambda: self._predict_frames(frames))
-            return
-        try:
-            self._predict_frames(frames)
-        except Exception as exc:
-            log.warning("a code-predictor batch of %d frames failed (%s); one at a time", len(frames), exc)
-            for frame in frames:
-                self._predict_isolated([frame])
-
-    def _guarded(self, speeches: list[_Speech], work):
-        """`work()`, or, if it raises, None with every request it served failed (and the others untouched)."""
-        try:
-            return work()
-        except Exception as exc:
-            if isinstance(exc, torch.OutOfMemoryError):
-                torch.cuda.empty_cache()
-            log.error("a speech step of %d requests failed", len(speeches), exc_info=exc)
-            for speech in speeches:
-                self._fail(speech, f"speech failed: {type(exc).__name__}: {exc}")
-            return None
-
-    def _start_talker(self, speech: _Speech) -> None:
-        """Queue the Talker's prompt once the first spoken token is known (or end a reply with none)."""
-        spoken = speech.spoken
-        if not spoken:
-            if speech.text_done:  # a one-token reply: nothing to say
-                speech.talker_started = speech.talker_done = speech.audio_done = True
-            return
-        ids = torch.tensor(speech.prompt_ids, device=self.device)
-        embeds = self._embedding(ids)
-        accept = embeds.new_zeros(embeds.shape)
-        if speech.tap is not None:
-            accept[speech.tap.rows] = speech.tap.values
-        first = self._embedding(torch.tensor(spoken[0], device=self.device))
-        to, stages = self.speech_device, self.speech_stages
-        prompt = talker_prompt(
-            stages.talker, stages.tokens, self.tts, ids.to(to), embeds.to(to), accept.to(to), first.to(to),
-            speech.speaker,
-        )  # fmt: skip
-        positions = talker_positions(prompt, self.model_config, speech.grids, speech.audio_tokens)
-        stages.talker_stage.add(
-            speech.request_id, prompt.embeds, positions, speech.params.talker, speech.frame_cap
-        )
-        speech.talker_started = True
-        speech.tap = None
-        stages.streamer.open(speech.request_id)
-
-    def _feed_text(self) -> None:
-        """Give each Talker waiting with a finished frame its next input row, where the text row is known."""
-        waiting = [s for s in self._speaking.values() if s.codec_sum is not None and s.error is None]
-        ready, token_rows = [], []
-        for speech in waiting:
-            index = speech.rows_fed + 1  # text row k is spoken token k + 1
-            spoken = speech.spoken
-            if index < len(spoken):
-                ready.append((speech, None))
-                token_rows.append(spoken[index])
-            elif speech.text_done:
-                ready.append((speech, self.tts.eos if index == len(spoken) else self.tts.pad))
-        if not ready:
-            return
-        projected = iter(())
-        if token_rows:
-            projected = iter(
-                self.speech_stages.talker.text_projection(
-                    self._embedding(to_device(torch.tensor(token_rows), self.device)).to(self.speech_device)
-                )
-            )
-        for speech, text_row in ready:
-            row = next(projected) if text_row is None else text_row
-            self.speech_stages.talker_stage.feed(speech.request_id, speech.codec_sum + row)
-            speech.codec_sum = None
-            speech.rows_fed += 1
-
-    def _predict_frames(self, frames: list[tuple[_Speech, Sampled]]) -> None:
-        """Codes 1..15 of every new frame in one batched call (a graph replay on a GPU); the frames go to
-        Code2Wav."""
-        code0 = to_device(torch.tensor([s.token for _, s in frames]), self.speech_device)
-        hidden = torch.stack([s.hidden for _, s in frames])
-        speeches = [speech for speech, _ in frames]
-        count = len(frames)
-        residual, sums = self.speech_stages.frame_graphs.run(
-            hidden,
-            code0,
-            greedy=[s.params.talker.greedy for s in speeches],
-            temperature=[PREDICTOR_TEMPERATURE] * count,
-            top_p=[PREDICTOR_TOP_P] * count,
-            seeds=[s.predictor_seed for s in speeches],
-            draws=[s.predictor_draws for s in speeches],
-        )
-        # the graph's outputs are overwritten by its next replay; a request waiting for its text row keeps its sum
-        sums = sums.clone()
-        for speech in speeches:
-            speech.predictor_draws += self.model_config.talker.num_code_groups - 1
-        frame_codes = torch.cat((code0[:, None], residual), dim=1)
-        for (speech, sampled), codes, codec_sum in zip(frames, frame_codes, sums):
-            # on the device: read back once, when the request ends (no sync per step)
-            speech.codes.append(codes)
-            self.speech_stages.streamer.feed(speech.request_id, codes[:, None])
-            if sampled.finished:
-                self._end_talker(speech)
-            else:
-                speech.codec_sum = codec_sum
-
-    def _end_talker(self, speech: _Speech) -> None:
-        speech.talker_done = True
-        speech.codec_sum = None
-        self.speech_stages.streamer.finish(speech.request_id)
-
-    def _output(self, speech: _Speech, chunks: list[np.ndarray]) -> RequestOutput:
+    def _output(self, speech: Speech, chunks: list[np.ndarray]) -> RequestOutput:
         text = speech.text
         finished = speech.finished
         completion = text.outputs[0]

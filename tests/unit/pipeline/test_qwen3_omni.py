@@ -214,14 +214,14 @@ def test_cancelled_and_failed_speaking_requests_leave_every_pool_full(llm, monke
     pipeline = llm.pipeline
     specs = [speak(llm, 4, frames=8, text_tokens=4), speak(llm, 5, frames=8, text_tokens=4)]
     alone = run(llm, requests(llm, specs[1:], first_id=50))["50"][-1]
-    predict = pipeline._predict_frames
+    predict = pipeline.handoff.predict_frames
 
     def failing_for_60(frames):
         if any(speech.request_id == "60" for speech, _ in frames):
             raise RuntimeError("injected failure")
         predict(frames)
 
-    monkeypatch.setattr(pipeline, "_predict_frames", failing_for_60)
+    monkeypatch.setattr(pipeline.handoff, "predict_frames", failing_for_60)
     outs = run(llm, requests(llm, specs, first_id=60))
     victim, neighbour = outs["60"][-1], outs["61"][-1]
     assert (
@@ -318,7 +318,7 @@ def test_thinker_steps_beside_the_speaking_steps_change_nothing_but_timing(llm, 
         assert ours.audio_codes == theirs.audio_codes and len(ours.audio_codes) == 10
     assert_pools_full(llm)
 
-    predict = pipeline._predict_frames
+    predict = pipeline.handoff.predict_frames
 
     def failing_for_401_at_its_fourth_frame(frames):
         if any(speech.request_id == "401" and len(speech.codes) == 3 for speech, _ in frames):
@@ -326,7 +326,7 @@ def test_thinker_steps_beside_the_speaking_steps_change_nothing_but_timing(llm, 
             raise RuntimeError("injected failure")
         predict(frames)
 
-    monkeypatch.setattr(pipeline, "_predict_frames", failing_for_401_at_its_fourth_frame)
+    monkeypatch.setattr(pipeline.handoff, "predict_frames", failing_for_401_at_its_fourth_frame)
     outs = run(llm, requests(llm, specs[:2], first_id=400))
     assert "injected failure" in outs["401"][-1].error and len(outs["401"][-1].outputs[0].token_ids) < 14
     assert outs["400"][-1].audio_codes == sequential["200"][-1].audio_codes
@@ -348,7 +348,7 @@ def test_a_speaking_step_that_raises_beside_the_thinker_waits_for_its_step(llm, 
     assert pipeline.add_requests(new) == [None, None]
     while not pipeline._beside():
         pipeline.step()
-    speak_here, finished = pipeline._speak_here, []
+    speak_here, finished = pipeline.handoff.step, []
 
     def failing():
         pipeline._fail(pipeline._speaking["500"], "speech failed: injected")  # deferred: the Thinker is busy
@@ -357,7 +357,7 @@ def test_a_speaking_step_that_raises_beside_the_thinker_waits_for_its_step(llm, 
 
     submit = side.submit
     monkeypatch.setattr(side, "submit", lambda work: submit(lambda: finished.append(work()) or finished[-1]))
-    monkeypatch.setattr(pipeline, "_speak_here", failing)
+    monkeypatch.setattr(pipeline.handoff, "step", failing)
     with pytest.raises(RuntimeError, match="injected failure"):
         pipeline.step()
     assert finished and pipeline._deferred_aborts is None

@@ -1,0 +1,243 @@
+"""The hand-off across Qwen3-Omni's stages, one speaking step at a time, by the rules of
+`models/qwen3_omni/talker_input.py` (equal to transformers' offline `generate(return_audio=True)`):
+- the Thinker keeps the hidden states after `accept_hidden_layer` layers at its prompt's media rows;
+- the Thinker's last token is never spoken, and the Thinker knows a token is its last when it yields it (it
+  finishes there): every token it yields unfinished is spoken. The Talker's prompt is built as soon as the
+  first one is known, with the Thinker's first token;
+- the Talker's decode step k reads text row k (spoken token k + 1, then tts_eos once, then tts_pad) and waits
+  until the Thinker has yielded that token (or ended);
+- every code 0 the Talker samples but codec EOS becomes a frame through the code predictor, whose 16-embedding
+  sum plus the next text row is the Talker's next input; frames stream into Code2Wav, and its chunks go out
+  with the request's outputs. A request finishes when its text and its audio have.
+
+Each speaking request's progress is a `Speech`; the pipeline (`qwen3_omni.py`) feeds it the Thinker's text and
+builds the request's outputs, `Handoff.step` moves every speaking request on by one Talker step.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from omnistage.engine.embedding_stage import Sampled
+from omnistage.engine.model_runner import HiddenTap
+from omnistage.engine.sampling import SpeechParams
+from omnistage.models.layers.attention_metadata import to_device
+from omnistage.models.qwen3_omni.config import Qwen3OmniConfig
+from omnistage.models.qwen3_omni.talker_input import TtsEmbeds, talker_positions, talker_prompt
+from omnistage.outputs import RequestOutput
+from omnistage.pipeline.speech_stages import PREDICTOR_TEMPERATURE, PREDICTOR_TOP_P, SpeechStages
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Speech:
+    """One speaking request's progress across the stages."""
+
+    request_id: str
+    params: SpeechParams
+    speaker: int
+    prompt_ids: list[int]
+    grids: list[tuple[int, int, int]]
+    audio_tokens: list[int]
+    frame_cap: int
+    tap: HiddenTap | None
+    text: RequestOutput  # the latest text-side output (the Thinker's, or the given reply's)
+    generated: list[int] = field(default_factory=list)  # the Thinker's tokens so far
+    text_done: bool = False
+    talker_started: bool = False
+    # the code predictor's draws: a function of (seed, draw number), see static_sampling
+    predictor_seed: int = 0
+    predictor_draws: int = 0
+    rows_fed: int = 0  # the Talker's decode rows given so far = text rows consumed
+    codec_sum: torch.Tensor | None = None  # the last frame's embedding sum, waiting for its text row
+    codes: list[torch.Tensor] = field(default_factory=list)  # one [num_code_groups] row per frame
+    talker_done: bool = False
+    audio: list[np.ndarray] = field(default_factory=list)
+    audio_done: bool = False
+    error: str | None = None
+    first_audio: float = 0.0  # monotonic seconds of the first audio chunk
+
+    @property
+    def finished(self) -> bool:
+        return self.error is not None or (self.text_done and self.audio_done)
+
+    @property
+    def spoken(self) -> list[int]:
+        """The reply's tokens known to be spoken: all the Thinker has yielded, but its last once it has ended."""
+        return self.generated[:-1] if self.text_done else self.generated
+
+
+class Handoff:
+    """The speaking step over `speaking` (the pipeline's dict of speaking requests, shared): the Talker's prompt
+    from the Thinker's rows on the Thinker's `device`, text rows from its `embedding`, and `fail(speech, error)`
+    for a request that fails (the pipeline stops its Thinker side too)."""
+
+    def __init__(
+        self,
+        stages: SpeechStages,
+        tts: TtsEmbeds,
+        embedding: torch.nn.Embedding,
+        device: torch.device,
+        model_config: Qwen3OmniConfig,
+        speaking: dict[str, Speech],
+        fail: Callable[[Speech, str], None],
+    ) -> None:
+        self.stages, self.tts, self.embedding, self.device = stages, tts, embedding, device
+        self.model_config, self.speaking, self.fail = model_config, speaking, fail
+
+    def step(self) -> dict[str, list[np.ndarray]]:
+        """Start the Talkers that can start, run one Talker step and the code predictor on what it sampled,
+        then one Code2Wav step; returns the audio chunks per request."""
+        for speech in list(self.speaking.values()):
+            if not speech.talker_started and speech.error is None:
+                try:
+                    self.start_talker(speech)
+                except Exception as exc:  # this request's hand-off failed: it fails alone
+                    log.error("request %s: the Talker could not start", speech.request_id, exc_info=exc)
+                    self.fail(speech, f"speech failed: {type(exc).__name__}: {exc}")
+        self.feed_text()
+        talker, streamer = self.stages.talker_stage, self.stages.streamer
+        frames: list[tuple[Speech, Sampled]] = []
+        for sampled in talker.step() if talker.has_unfinished() else []:
+            speech = self.speaking.get(sampled.request_id)
+            if speech is None:
+                continue
+            if sampled.error is not None:
+                self.fail(speech, f"speech failed: {sampled.error}")
+            elif sampled.token == self.model_config.talker.codec_eos_token_id:
+                self.end_talker(speech)
+            else:
+                frames.append((speech, sampled))
+        if frames:
+            self.predict_isolated(frames)
+            self.feed_text()
+        chunks: dict[str, list[np.ndarray]] = {}
+        streaming = [s for s in self.speaking.values() if s.request_id in streamer.streams]
+        for chunk in self.guarded(streaming, streamer.step) or []:
+            speech = self.speaking.get(chunk.request_id)
+            if speech is None:
+                continue
+            chunks.setdefault(chunk.request_id, []).append(chunk.samples.float().cpu().numpy())
+            speech.first_audio = speech.first_audio or time.monotonic()
+            speech.audio_done = chunk.final
+        return chunks
+
+    def predict_isolated(self, frames: list[tuple[Speech, Sampled]]) -> None:
+        """The frames in one call; if it fails, one at a time, so that only the request at fault fails (a
+        frame's draws depend on its request's draw count alone, which advances only on success)."""
+        if len(frames) == 1:
+            self.guarded([frames[0][0]], lambda: self.predict_frames(frames))
+            return
+        try:
+            self.predict_frames(frames)
+        except Exception as exc:
+            log.warning("a code-predictor batch of %d frames failed (%s); one at a time", len(frames), exc)
+            for frame in frames:
+                self.predict_isolated([frame])
+
+    def guarded(self, speeches: list[Speech], work):
+        """`work()`, or, if it raises, None with every request it served failed (and the others untouched)."""
+        try:
+            return work()
+        except Exception as exc:
+            if isinstance(exc, torch.OutOfMemoryError):
+                torch.cuda.empty_cache()
+            log.error("a speech step of %d requests failed", len(speeches), exc_info=exc)
+            for speech in speeches:
+                self.fail(speech, f"speech failed: {type(exc).__name__}: {exc}")
+            return None
+
+    def start_talker(self, speech: Speech) -> None:
+        """Queue the Talker's prompt once the first spoken token is known (or end a reply with none)."""
+        spoken = speech.spoken
+        if not spoken:
+            if speech.text_done:  # a one-token reply: nothing to say
+                speech.talker_started = speech.talker_done = speech.audio_done = True
+            return
+        ids = torch.tensor(speech.prompt_ids, device=self.device)
+        embeds = self.embedding(ids)
+        accept = embeds.new_zeros(embeds.shape)
+        if speech.tap is not None:
+            accept[speech.tap.rows] = speech.tap.values
+        first = self.embedding(torch.tensor(spoken[0], device=self.device))
+        to, stages = self.stages.device, self.stages
+        prompt = talker_prompt(
+            stages.talker, stages.tokens, self.tts, ids.to(to), embeds.to(to), accept.to(to), first.to(to),
+            speech.speaker,
+        )  # fmt: skip
+        positions = talker_positions(prompt, self.model_config, speech.grids, speech.audio_tokens)
+        stages.talker_stage.add(
+            speech.request_id, prompt.embeds, positions, speech.params.talker, speech.frame_cap
+        )
+        speech.talker_started = True
+        speech.tap = None
+        stages.streamer.open(speech.request_id)
+
+    def feed_text(self) -> None:
+        """Give each Talker waiting with a finished frame its next input row, where the text row is known."""
+        waiting = [s for s in self.speaking.values() if s.codec_sum is not None and s.error is None]
+        ready, token_rows = [], []
+        for speech in waiting:
+            index = speech.rows_fed + 1  # text row k is spoken token k + 1
+            spoken = speech.spoken
+            if index < len(spoken):
+                ready.append((speech, None))
+                token_rows.append(spoken[index])
+            elif speech.text_done:
+                ready.append((speech, self.tts.eos if index == len(spoken) else self.tts.pad))
+        if not ready:
+            return
+        projected = iter(())
+        if token_rows:
+            projected = iter(
+                self.stages.talker.text_projection(
+                    self.embedding(to_device(torch.tensor(token_rows), self.device)).to(self.stages.device)
+                )
+            )
+        for speech, text_row in ready:
+            row = next(projected) if text_row is None else text_row
+            self.stages.talker_stage.feed(speech.request_id, speech.codec_sum + row)
+            speech.codec_sum = None
+            speech.rows_fed += 1
+
+    def predict_frames(self, frames: list[tuple[Speech, Sampled]]) -> None:
+        """Codes 1..15 of every new frame in one batched call (a graph replay on a GPU); the frames go to
+        Code2Wav."""
+        code0 = to_device(torch.tensor([s.token for _, s in frames]), self.stages.device)
+        hidden = torch.stack([s.hidden for _, s in frames])
+        speeches = [speech for speech, _ in frames]
+        count = len(frames)
+        residual, sums = self.stages.frame_graphs.run(
+            hidden,
+            code0,
+            greedy=[s.params.talker.greedy for s in speeches],
+            temperature=[PREDICTOR_TEMPERATURE] * count,
+            top_p=[PREDICTOR_TOP_P] * count,
+            seeds=[s.predictor_seed for s in speeches],
+            draws=[s.predictor_draws for s in speeches],
+        )
+        # the graph's outputs are overwritten by its next replay; a request waiting for its text row keeps its sum
+        sums = sums.clone()
+        for speech in speeches:
+            speech.predictor_draws += self.model_config.talker.num_code_groups - 1
+        frame_codes = torch.cat((code0[:, None], residual), dim=1)
+        for (speech, sampled), codes, codec_sum in zip(frames, frame_codes, sums):
+            # on the device: read back once, when the request ends (no sync per step)
+            speech.codes.append(codes)
+            self.stages.streamer.feed(speech.request_id, codes[:, None])
+            if sampled.finished:
+                self.end_talker(speech)
+            else:
+                speech.codec_sum = codec_sum
+
+    def end_talker(self, speech: Speech) -> None:
+        speech.talker_done = True
+        speech.codec_sum = None
+        self.stages.streamer.finish(speech.request_id)
