@@ -111,14 +111,19 @@ def _graph_us(call, reps: int = 30) -> float:
             call()
     graph.replay()
     torch.cuda.synchronize()
+    return _median_ms(graph.replay, reps) * 1000 / COPIES
+
+
+def _median_ms(call, reps: int) -> float:
+    """Median ms of `call()` on the GPU over `reps` calls, by CUDA events."""
     times = []
     for _ in range(reps):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
-        graph.replay()
+        call()
         end.record()
         end.synchronize()
-        times.append(start.elapsed_time(end) * 1000 / COPIES)
+        times.append(start.elapsed_time(end))
     return statistics.median(times)
 
 
@@ -171,15 +176,7 @@ def frame_ms(buckets: list[int]) -> list[dict]:
             for _ in range(5):
                 run()
             torch.cuda.synchronize()
-            times = []
-            for _ in range(50):
-                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                start.record()
-                run()
-                end.record()
-                end.synchronize()
-                times.append(start.elapsed_time(end))
-            rows.append({"projections": name, "batch": batch, "frame_ms": round(statistics.median(times), 3)})
+            rows.append({"projections": name, "batch": batch, "frame_ms": round(_median_ms(run, 50), 3)})
             print(f"code-predictor frame, batch {batch:>2}, {name:6}: {rows[-1]['frame_ms']:.3f} ms")
     return rows
 
