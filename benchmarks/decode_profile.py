@@ -1,0 +1,164 @@
+"""Where a decode step's time goes on the GPU: the step's wall time against its kernels' time and launches.
+
+    python3 benchmarks/decode_profile.py --skeleton qwen3-asr-1.7b --seconds 120 --out-dir $OUT   # GPU machine
+
+Builds the released sizes with random bf16 weights (`--skeleton`, as `omnistage bench a2t` does), admits
+`--batch` transcriptions of one synthetic clip with their lengths forced, steps until every request has its
+first token, then over `--steps` pure decode steps measures:
+- the wall time of each `engine.step()` (median), nothing added: what a token costs;
+- one run of the same number of steps under torch.profiler: the kernels' summed time per step, their launches
+  per step, and the GPU's busy time (the union of the kernels' intervals) against the span from the first
+  kernel to the last, whose difference is the GPU waiting between kernels (launch gaps in a graph, or the
+  host); the top kernels by total time; the host's top operators by their own time.
+Writes `decode_profile_<skeleton>_b<batch>.{json,md}` under --out-dir. `--model DIR --device cpu` is a smoke run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from omnistage.bench.a2t import SKELETONS, released_skeleton
+from omnistage.bench.clips import synth_clips
+from omnistage.config import engine_config
+from omnistage.engine.llm_engine import NewRequest
+from omnistage.engine.sampling import SamplingParams
+from omnistage.pipeline.family import build_pipeline
+
+
+def _busy_us(intervals: list[tuple[float, float]]) -> float:
+    """Microseconds covered by the union of `(start, end)` intervals."""
+    busy, reach = 0.0, float("-inf")
+    for start, end in sorted(intervals):
+        if end > reach:
+            busy += end - max(start, reach)
+            reach = end
+    return busy
+
+
+def _kernel_time(event: Any) -> float:
+    return event.device_time_total if event.device_time_total > 0 else event.self_cpu_time_total
+
+
+def profile_decode(engine: Any, audio: Any, batch: int, steps: int, output_tokens: int) -> dict[str, Any]:
+    params = SamplingParams(
+        max_tokens=output_tokens, min_tokens=output_tokens, ignore_eos=True, temperature=0.0
+    )
+    prompt = engine.processor.transcription(audio, None, None)
+    requests = [
+        NewRequest(f"decode-{i}", prompt.token_ids, params, prompt.prompt, mrope=prompt.mrope, mm=prompt.mm)
+        for i in range(batch)
+    ]
+    assert not any(engine.add_requests(requests))
+    while engine.num_waiting or any(s.num_output_tokens == 0 for s in engine.scheduler.running):
+        engine.step()
+    walls = []
+    for _ in range(steps):
+        start = time.perf_counter()
+        engine.step()
+        walls.append((time.perf_counter() - start) * 1e3)
+    activities = [torch.profiler.ProfilerActivity.CPU]
+    if torch.cuda.is_available():
+        activities.append(torch.profiler.ProfilerActivity.CUDA)
+    with torch.profiler.profile(activities=activities) as prof:
+        for _ in range(steps):
+            engine.step()
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+    while engine.has_unfinished():
+        engine.step()
+    kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    intervals = [(e.time_range.start, e.time_range.end) for e in kernels]
+    span = (max(i[1] for i in intervals) - min(i[0] for i in intervals)) if intervals else 0.0
+    by_kernel = sorted(
+        (e for e in prof.key_averages() if e.device_time_total > 0), key=lambda e: -e.device_time_total
+    )
+    host = sorted(prof.key_averages(), key=lambda e: -e.self_cpu_time_total)
+    return {
+        "batch": batch,
+        "steps": steps,
+        "prompt_tokens": len(prompt.token_ids),
+        "step_wall_median_ms": round(statistics.median(walls), 3),
+        "kernel_ms_per_step": round(sum(_kernel_time(e) for e in kernels) / steps / 1e3, 3),
+        "gpu_busy_ms_per_step": round(_busy_us(intervals) / steps / 1e3, 3),
+        "gpu_span_ms_per_step": round(span / steps / 1e3, 3),
+        "launches_per_step": round(len(kernels) / steps, 1),
+        "top_kernels": [
+            {"name": e.key[:90], "per_step": round(e.count / steps, 1), "us_per_step": round(e.device_time_total / steps, 1)}
+            for e in by_kernel[:20]
+        ],
+        "top_host_ops": [
+            {"name": e.key[:90], "per_step": round(e.count / steps, 1), "us_per_step": round(e.self_cpu_time_total / steps, 1)}
+            for e in host[:15]
+        ],
+    }  # fmt: skip
+
+
+def markdown(name: str, r: dict[str, Any]) -> str:
+    return "\n".join(
+        [
+            f"### {name}, batch {r['batch']}, {r['prompt_tokens']:,}-token prompt ({r['steps']} decode steps)",
+            "",
+            f"Step wall time (median): {r['step_wall_median_ms']:.3f} ms. Under the profiler, per step: "
+            f"{r['launches_per_step']:,} kernels, {r['kernel_ms_per_step']:.3f} ms of kernel time, the GPU busy "
+            f"{r['gpu_busy_ms_per_step']:.3f} ms of a {r['gpu_span_ms_per_step']:.3f} ms span.",
+            "",
+            "| kernel | per step | µs per step |",
+            "| --- | --- | --- |",
+            *[f"| `{k['name']}` | {k['per_step']} | {k['us_per_step']} |" for k in r["top_kernels"]],
+            "",
+            "| host operator | per step | own µs per step |",
+            "| --- | --- | --- |",
+            *[f"| `{k['name']}` | {k['per_step']} | {k['us_per_step']} |" for k in r["top_host_ops"]],
+            "",
+        ]
+    )
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--skeleton", choices=sorted(SKELETONS), default="qwen3-asr-1.7b")
+    parser.add_argument(
+        "--model", help="a checkpoint directory instead of the released sizes with dummy weights"
+    )
+    parser.add_argument("--device", default="cuda")
+    parser.add_argument("--seconds", type=float, default=120.0)
+    parser.add_argument("--batch", type=int, default=1)
+    parser.add_argument("--steps", type=int, default=50)
+    parser.add_argument("--out-dir", default=".")
+    args = parser.parse_args(argv)
+    where = (
+        {"model": args.model}
+        if args.model
+        else {"model": str(released_skeleton(args.skeleton)), "load_format": "dummy"}
+    )
+    config = engine_config(
+        "decode profile", device=args.device, max_num_seqs=args.batch, speech=False,
+        **({"kv_cache_memory_gib": 16.0} if args.device == "cuda" else {}), **where,
+    )  # fmt: skip
+    engine = build_pipeline(config).thinker
+    audio = synth_clips((args.seconds,), seed=0, espeak=False)[0].audio
+    output_tokens = 2 * args.steps + 8
+    profile_decode(engine, audio, args.batch, 4, 16)  # warm-up
+    result = profile_decode(engine, audio, args.batch, args.steps, output_tokens)
+    result["skeleton"] = "model" if args.model else args.skeleton
+    out = Path(args.out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    stem = f"decode_profile_{result['skeleton']}_b{args.batch}"
+    (out / f"{stem}.json").write_text(json.dumps(result, indent=2) + "\n")
+    text = markdown(result["skeleton"], result)
+    (out / f"{stem}.md").write_text(text)
+    print(text, flush=True)
+    return result
+
+
+if __name__ == "__main__":
+    main()
