@@ -75,6 +75,7 @@ class FrameGraphRunner(GraphSet):
 
     kind = "code predictor"
     unit = "batch"
+    route_by_speed = True
 
     def __init__(
         self,

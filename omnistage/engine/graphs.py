@@ -26,10 +26,12 @@ from typing import Any
 import torch
 from tqdm import tqdm
 
-from omnistage.engine.capture_plan import bucket_for
+from omnistage.engine.capture_plan import bucket_for, faster_buckets
 from omnistage.models.layers.attention_metadata import AttentionMetadata
 
 logger = logging.getLogger(__name__)
+
+TIMED_REPLAYS = 5  # per bucket, after one untimed, when a set routes batches by measured speed
 
 StepFn = Callable[..., Any]
 
@@ -201,11 +203,14 @@ class GraphSet:
     """One captured graph per bucket of a step function over static buffers (`buffers.args(bucket)`).
 
     Graphs are captured largest first into one memory pool, which the smaller ones (and other sets given
-    the same `pool`) reuse: only one step runs at a time.
+    the same `pool`) reuse: only one step runs at a time. A set with `route_by_speed` times each bucket's
+    replay after capture and sends a batch to a larger bucket whose graph replays faster
+    (`capture_plan.faster_buckets`); `routes` holds what it chose.
     """
 
     kind = "step"
     unit = "rows"
+    route_by_speed = False
 
     def __init__(self, step: StepFn, buffers: Any, device: torch.device | str, enforce_eager: bool = False):
         self.step = step
@@ -217,6 +222,8 @@ class GraphSet:
         self._graphs: list[Any] = []
         self.pool = None
         self.graph_bytes: dict[int, int] = {}
+        self.replay_ms: dict[int, float] = {}
+        self.routes: dict[int, int] = {}
 
     @property
     def captured_buckets(self) -> list[int]:
@@ -225,7 +232,15 @@ class GraphSet:
     def bucket_for(self, size: int) -> int | None:
         if self.enforce_eager:
             return None
-        return bucket_for(size, self._replays)
+        bucket = bucket_for(size, self._replays)
+        return self.routes.get(bucket, bucket) if bucket is not None else None
+
+    def routes_note(self) -> str:
+        """The routes that pad to a larger bucket, for the start-up summary ("" when none does)."""
+        moved = [(b, r) for b, r in sorted(self.routes.items()) if r != b]
+        if not moved:
+            return ""
+        return " (" + ", ".join(f"{b} replays {r}" for b, r in moved) + ": measured faster)"
 
     def capture(self, buckets: Iterable[int], pool: Any = None) -> list[int]:
         """Capture one graph per bucket, largest first; records each capture's added bytes in `graph_bytes`."""
@@ -253,11 +268,31 @@ class GraphSet:
             self._replays[bucket] = graph.replay
             self.graph_bytes[bucket] = torch.cuda.memory_reserved(self.device) - before
         torch.cuda.synchronize(self.device)
+        if self.route_by_speed:
+            self.replay_ms = self._time_replays(buckets)
+            self.routes = faster_buckets(self.replay_ms)
         logger.info(
-            "captured %d %s graphs (%s %d..%d) in %.1f s",
+            "captured %d %s graphs (%s %d..%d) in %.1f s%s",
             len(buckets), self.kind, self.unit, buckets[-1], buckets[0], time.perf_counter() - start,
+            self.routes_note(),
         )  # fmt: skip
         return sorted(buckets)
+
+    def _time_replays(self, buckets: list[int]) -> dict[int, float]:
+        """Milliseconds of one replay per bucket, over padding rows (as captured: they touch no state)."""
+        times = {}
+        for bucket in buckets:
+            self.buffers.clear(bucket)
+            replay = self._replays[bucket]
+            replay()
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            for _ in range(TIMED_REPLAYS):
+                replay()
+            end.record()
+            end.synchronize()
+            times[bucket] = start.elapsed_time(end) / TIMED_REPLAYS
+        return times
 
     def _static_eager(self, bucket: int) -> Callable[[], None]:
         def replay() -> None:
@@ -288,6 +323,7 @@ class DecodeGraphRunner(GraphSet):
 
     kind = "decode"
     unit = "batch"
+    route_by_speed = True
 
     def __init__(
         self,

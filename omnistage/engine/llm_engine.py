@@ -217,6 +217,7 @@ class LLMEngine:
             graphs = (
                 f"; decode CUDA graphs for batch {', '.join(map(str, decode))} "
                 f"(eager: larger batches{', ' + ', '.join(map(str, eager)) if eager else ''})"
+                f"{self.runner.graphs.routes_note()}"
                 if decode
                 else "; decode steps run eagerly"
             )

@@ -13,6 +13,7 @@ from omnistage.engine.capture_plan import (
     StageMemory,
     bucket_for,
     decode_buckets,
+    faster_buckets,
     kv_bytes_per_page,
     plan_device,
     prefill_buckets,
@@ -110,6 +111,19 @@ def test_bucket_for_and_padding():
     assert bucket_for(3, [1, 8]) == 8
     with pytest.raises(ValueError):
         bucket_for(0, buckets)
+
+
+def test_faster_buckets_pad_only_to_a_clearly_faster_larger_bucket():
+    # measured like the code predictor's frames on an H200: 8 rows beat 1, 2 and 4; 16 and 32 cost more
+    replay_ms = {1: 4.9, 2: 4.8, 4: 4.3, 8: 3.6, 16: 3.8, 32: 4.6}
+    assert faster_buckets(replay_ms) == {1: 8, 2: 8, 4: 8, 8: 8, 16: 16, 32: 32}
+    # a MoE decode: every padding row costs, nothing moves
+    assert faster_buckets({1: 2.0, 2: 2.4, 4: 3.1}) == {1: 1, 2: 2, 4: 4}
+    # within the margin (noise) a batch keeps its own bucket; the fastest larger one wins, not the first
+    assert faster_buckets({1: 1.0, 2: 0.97, 4: 0.9, 8: 0.5}) == {1: 8, 2: 8, 4: 8, 8: 8}
+    assert faster_buckets({1: 1.0, 2: 0.97}) == {1: 1, 2: 2}
+    assert faster_buckets({1: 1.0, 2: 0.9}, margin=0.2) == {1: 1, 2: 2}
+    assert faster_buckets({}) == {}
 
 
 def test_kv_bytes_per_page_thinker():

@@ -79,6 +79,22 @@ def test_padded_frames_equal_the_eager_frames(models):
     assert torch.isfinite(runner.buffers.hidden[:4]).all()  # the padding row was zeroed
 
 
+def test_a_batch_routed_to_a_faster_larger_bucket_equals_the_eager_frames(models):
+    predictor, code0_embedding = models
+    runner = FrameGraphRunner(predictor, code0_embedding, TOP_K, max_batch=8)
+    runner.capture([1, 2, 4, 8])
+    runner.routes = {1: 8, 2: 8, 4: 8, 8: 8}  # what a GPU's timing picks where 8 rows replay fastest
+    assert runner.bucket_for(3) == 8
+    assert runner.routes_note() == " (1 replays 8, 2 replays 8, 4 replays 8: measured faster)"
+    runner.buffers.hidden.fill_(float("nan"))
+    hidden, code0 = frame_inputs(predictor, code0_embedding, 3)
+    (want_codes, want_sums), _ = eager_frames(predictor, code0_embedding, hidden, code0, frames=2)
+    codes, sums = run_frame(runner, hidden, code0, FIRST_DRAWS)
+    assert torch.equal(codes, want_codes)
+    torch.testing.assert_close(sums, want_sums, rtol=1e-6, atol=1e-6)
+    assert torch.isfinite(runner.buffers.hidden[:8]).all()  # all five padding rows were zeroed
+
+
 def test_a_batch_past_every_bucket_runs_eagerly(models):
     predictor, code0_embedding = models
     runner = FrameGraphRunner(predictor, code0_embedding, TOP_K, max_batch=2)
