@@ -84,12 +84,14 @@ class Handoff:
         stages: SpeechStages,
         tts: TtsEmbeds,
         embedding: torch.nn.Embedding,
+        text_rows: torch.Tensor,
         device: torch.device,
         model_config: Qwen3OmniConfig,
         speaking: dict[str, Speech],
         fail: Callable[[Speech, str], None],
     ) -> None:
         self.stages, self.tts, self.embedding, self.device = stages, tts, embedding, device
+        self.text_rows = text_rows  # talker_input.text_rows: the projected row of every text token
         self.model_config, self.speaking, self.fail = model_config, speaking, fail
 
     def step(self) -> dict[str, list[np.ndarray]]:
@@ -196,11 +198,7 @@ class Handoff:
             return
         projected = iter(())
         if token_rows:
-            projected = iter(
-                self.stages.talker.text_projection(
-                    self.embedding(to_device(torch.tensor(token_rows), self.device)).to(self.stages.device)
-                )
-            )
+            projected = iter(self.text_rows[to_device(torch.tensor(token_rows), self.stages.device)])
         for speech, text_row in ready:
             row = next(projected) if text_row is None else text_row
             self.stages.talker_stage.feed(speech.request_id, speech.codec_sum + row)

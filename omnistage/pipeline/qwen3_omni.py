@@ -32,10 +32,7 @@ from omnistage.engine.stage_plan import read_device
 from omnistage.errors import InvalidRequest
 from omnistage.models.qwen3_omni.config import Qwen3OmniConfig
 from omnistage.models.qwen3_omni.processor import Processor
-from omnistage.models.qwen3_omni.talker_input import (
-    tts_embeds,
-    user_turn_mask,
-)
+from omnistage.models.qwen3_omni.talker_input import text_rows, tts_embeds, user_turn_mask
 from omnistage.models.qwen3_omni.thinker import load_thinker
 from omnistage.outputs import CompletionOutput, RequestOutput
 from omnistage.pipeline.handoff import Handoff, Speech
@@ -127,13 +124,14 @@ class Qwen3OmniPipeline:
             if self.speech_device.type == "cuda":
                 with self.speech_stages.on_device():
                     memory = self.speech_stages.memory(shared)
-        self.thinker = LLMEngine(
-            config,
-            load_thinker_stage(config, path, cfg, device, dtype),
-            device,
-            dtype,
-            memory if shared else NO_OTHER_STAGES,
-        )
+        thinker_stage = load_thinker_stage(config, path, cfg, device, dtype)
+        if self.speech_stages is not None:
+            # before the Thinker reads the device for its plan: the table is the speech stages' resident memory
+            with torch.inference_mode(), self.speech_stages.on_device():
+                embedding = thinker_stage.model.model.embed_tokens
+                tts = tts_embeds(self.speech_stages.talker, embedding, self.speech_stages.tokens)
+                table = text_rows(self.speech_stages.talker, embedding)
+        self.thinker = LLMEngine(config, thinker_stage, device, dtype, memory if shared else NO_OTHER_STAGES)
         if self.speech_stages is not None and memory is not NO_OTHER_STAGES:
             with self.speech_stages.on_device():
                 plan = self.thinker.plan
@@ -151,10 +149,8 @@ class Qwen3OmniPipeline:
         self.overlap = config.overlap_stages
         self._deferred_aborts: list[str] | None = None  # while a Thinker step runs beside: aborts wait for it
         if self.speech_stages is not None:
-            with torch.inference_mode():
-                tts = tts_embeds(self.speech_stages.talker, self._embedding, self.speech_stages.tokens)
             self.handoff = Handoff(
-                self.speech_stages, tts, self._embedding, device, cfg, self._speaking, self._fail
+                self.speech_stages, tts, self._embedding, table, device, cfg, self._speaking, self._fail
             )
 
     @property

@@ -35,11 +35,11 @@ _CPU_TALKER_KV_GIB = 0.25
 PREDICTOR_TOP_K, PREDICTOR_TOP_P, PREDICTOR_TEMPERATURE = 50, 0.8, 1.0
 
 
-def _captured(what: str, unit: str, buckets: list[int]) -> str:
-    """What a stage captured, for the start-up summary."""
+def _captured(what: str, unit: str, buckets: list[int], note: str = "") -> str:
+    """What a stage captured, for the start-up summary (`note`: GraphSet.routes_note)."""
     if not buckets:
         return f"{what} steps eager"
-    return f"{what} CUDA graphs for {unit} {', '.join(map(str, buckets))}"
+    return f"{what} CUDA graphs for {unit} {', '.join(map(str, buckets))}{note}"
 
 
 def _bytes(module: torch.nn.Module) -> int:
@@ -165,6 +165,7 @@ class SpeechStages:
         return StageMemory(
             resident=(
                 ("Talker", _bytes(self.talker), "weights"),
+                ("Talker text rows", self._text_rows_bytes(), "talker_input.text_rows"),
                 ("code predictor", _bytes(self.code_predictor), "weights"),
                 ("Code2Wav", _bytes(self.code2wav), "weights"),
             ),
@@ -174,6 +175,15 @@ class SpeechStages:
             ),
             kv=(pool,),
             graphs=tuple(g for g in graphs if g.costs),
+        )
+
+    def _text_rows_bytes(self) -> int:
+        """The table of projected text rows (talker_input.text_rows), built once the Thinker's embedding loads."""
+        weight = self.talker.codec_head.weight
+        return (
+            self.model_config.thinker.text.vocab_size
+            * self.model_config.talker.text.hidden_size
+            * weight.element_size()
         )
 
     def allocate(self, plan: MemoryPlan, pool: Any = None) -> None:
@@ -193,11 +203,12 @@ class SpeechStages:
 
     def summary(self) -> str:
         """What the start-up line says of the three stages."""
-        pool, streamer = self.talker_stage.pool, self.streamer
+        pool, streamer, frames = self.talker_stage.pool, self.streamer, self.frame_graphs
+        talker_note = self.talker_stage.graphs.routes_note() if self.talker_stage.graphs is not None else ""
         return (
             f"speech: Talker KV {pool.num_pages:,} pages x {pool.page_size} tokens, "
-            f"{_captured('Talker decode', 'batch', self.talker_stage.captured_buckets)}, "
-            f"{_captured('code predictor frame', 'batch', self.frame_graphs.captured_buckets)}, "
+            f"{_captured('Talker decode', 'batch', self.talker_stage.captured_buckets, talker_note)}, "
+            f"{_captured('code predictor frame', 'batch', frames.captured_buckets, frames.routes_note())}, "
             f"Code2Wav chunks of {streamer.first_chunk} then {streamer.chunk} frames, up to "
             f"{streamer.max_batch} streams a call: "
             f"{_captured('Code2Wav', 'streams', sorted({n for _, n in self.code2wav_graphs.captured}))}"

@@ -13,6 +13,7 @@ from omnistage.models.qwen3_omni.talker_input import (
     step_text,
     talker_positions,
     talker_prompt,
+    text_rows,
     trailing_text,
     user_turn_mask,
 )
@@ -115,3 +116,17 @@ def test_trailing_text_then_eos_then_pad(setup):
     projected = talker.text_projection(later)
     for got, expected in zip(steps, [projected[0], projected[1], tts.eos, tts.pad, tts.pad], strict=True):
         torch.testing.assert_close(got, expected)
+
+
+@torch.no_grad()
+def test_text_rows_are_each_tokens_projected_embedding(setup, monkeypatch):
+    _, _, talker = setup
+    generator = torch.Generator().manual_seed(2)
+    embedding = torch.nn.Embedding(37, talker.config.thinker_hidden_size)
+    embedding.weight.copy_(torch.randn(embedding.weight.shape, generator=generator))
+    # several calls of a few rows each, the last one short: the table is whole and in order
+    monkeypatch.setattr("omnistage.models.qwen3_omni.talker_input.TEXT_ROWS_PER_CALL", 8)
+    table = text_rows(talker, embedding)
+    assert table.shape == (37, talker.config.text.hidden_size)
+    ids = torch.tensor([0, 5, 8, 31, 36])
+    torch.testing.assert_close(table[ids], talker.text_projection(embedding(ids)), rtol=1e-6, atol=1e-6)
