@@ -243,14 +243,17 @@ def paged_attention(
     num_kv_heads = kv_cache.shape[3]
     group = num_heads // num_kv_heads
     group_pad = triton.next_power_of_2(group)
-    if out is None:
-        out = torch.zeros_like(q)
     num_seqs = meta.seq_lens.shape[0]
+    decode = meta.max_query_len == 1
+    if out is None:
+        # A decode step's rows are its sequences' (a graph's padding rows are padding sequences'), and the
+        # kernels write every one of them; a padded prefill chunk has rows of no sequence, which stay zero.
+        covered = decode and num_rows == num_seqs
+        out = torch.empty_like(q) if covered else torch.zeros_like(q)
     if num_rows == 0 or num_seqs == 0 or meta.max_query_len == 0:
         return out
     if q.stride(-1) != 1:
         q = q.contiguous()
-    decode = meta.max_query_len == 1
     if num_splits is None:
         num_splits = decode_splits(num_seqs, num_kv_heads, q.device) if decode else 1
     if num_splits > 1 and not decode:

@@ -86,10 +86,14 @@ else:
         case = _case(chunks, 8, 2, 32, page_size, 40, seed=3, pad_seqs=2)
         _check(cuda_mod, case, num_splits=num_splits)
 
-    def test_padding_sequences_read_nothing(cuda_mod):
-        # A padded decode batch: the padding sequences' rows (slot -1, seq_len 0) come back as zeros.
+    @pytest.mark.parametrize("num_splits", [1, 4])
+    def test_padding_sequences_read_nothing(cuda_mod, monkeypatch, num_splits):
+        # A padded decode batch: the padding sequences' rows (slot -1, seq_len 0) come back as zeros, written
+        # by the kernels (a decode step's output is not zero-filled first: poison what it allocates).
         q, k, v, cache, meta = _case([(5, 1, [0, 1])], 4, 2, 16, 4, 4, seed=4, pad_seqs=3)
-        out = cuda_mod.CudaAttentionBackend().forward(q, k, v, cache, meta, 0.25)
+        monkeypatch.setattr(torch, "empty_like", lambda t: torch.full_like(t, float("nan")))
+        cuda_mod.write_kv(cache, k, v, meta.slot_mapping)
+        out = cuda_mod.paged_attention(q, cache, meta, 0.25, num_splits=num_splits)
         assert torch.equal(out[1:], torch.zeros_like(out[1:]))
         assert out[0].abs().sum() > 0
 
