@@ -80,9 +80,9 @@ def _sample_kernel(
     tl.store(draws_ptr + row, draw + 1)
 
 
-def sample_kernel(logits: torch.Tensor, rows: StaticRows, top_k: int) -> torch.Tensor:
+def sample_kernel(logits: torch.Tensor, rows: StaticRows, top_k: int, num_warps: int = 4) -> torch.Tensor:
     """`sample_static` for float32 `logits` `[B, V]` (unit column stride) on CUDA: ids `[B]` (int64); the first
-    B of `rows.draws` advance by one in place."""
+    B of `rows.draws` advance by one in place. One program per row, of `num_warps` warps."""
     batch, vocab = logits.shape
     check_top_k(top_k, vocab)
     if logits.stride(1) != 1 or logits.dtype != torch.float32:
@@ -92,6 +92,6 @@ def sample_kernel(logits: torch.Tensor, rows: StaticRows, top_k: int) -> torch.T
     _sample_kernel[(batch,)](
         logits, rows.greedy, rows.temperature, rows.top_p, rows.seeds, rows.draws, out,
         vocab, logits.stride(0), top_k, MASS_SCALE, _GOLDEN, _MIX1, _MIX2, LOWEST_KEY=_LOWEST_KEY,
-        V_BLOCK=triton.next_power_of_2(vocab), K_BLOCK=k_block,
+        V_BLOCK=triton.next_power_of_2(vocab), K_BLOCK=k_block, num_warps=num_warps,
     )  # fmt: skip
     return out
