@@ -9,8 +9,23 @@ from torch import nn
 from omnistage.models.layers.attention_backend import AttentionBackend
 from omnistage.models.layers.attention_metadata import AttentionMetadata
 from omnistage.models.layers.linear import fuse_linears
-from omnistage.models.layers.norm import RMSNorm
+from omnistage.models.layers.norm import RMSNorm, rms_norm
 from omnistage.models.layers.rotary import apply_rotary
+
+
+def norm_rotate_qk(
+    qk: torch.Tensor, q_norm: RMSNorm, k_norm: RMSNorm, num_heads: int, cos: torch.Tensor, sin: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """q `[..., Hq, D]` and k `[..., Hkv, D]` from their heads side by side before the norm `[..., Hq + Hkv, D]`
+    (as the fused q/k/v GEMM lays them out): the per-head RMSNorm, each head with its norm's weight, then RoPE,
+    in one pass over all heads. The arithmetic of every head is the same as normalising and rotating q and k
+    apart; compiled, it is one kernel a layer instead of one for q and one for k."""
+    if q_norm.eps != k_norm.eps:
+        raise ValueError(f"q_norm eps {q_norm.eps} differs from k_norm eps {k_norm.eps}")
+    kv_heads = qk.shape[-2] - num_heads
+    weight = torch.cat((q_norm.weight.expand(num_heads, -1), k_norm.weight.expand(kv_heads, -1)))
+    q, k = apply_rotary(rms_norm(qk, weight, q_norm.eps), cos, sin).split([num_heads, kv_heads], dim=-2)
+    return q, k
 
 
 class Attention(nn.Module):
@@ -50,13 +65,16 @@ class Attention(nn.Module):
     ) -> torch.Tensor:
         tokens = x.shape[0]
         if self.qkv_weight is not None:
-            q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-            q, k, v = F.linear(x, self.qkv_weight).split([q_size, kv_size, kv_size], dim=-1)
+            qkv = F.linear(x, self.qkv_weight)
+            heads = self.num_heads + self.num_kv_heads
+            qk = qkv[:, : heads * self.head_dim].reshape(tokens, heads, self.head_dim)
+            q, k = norm_rotate_qk(qk, self.q_norm, self.k_norm, self.num_heads, cos, sin)
+            v = qkv[:, heads * self.head_dim :].reshape(tokens, self.num_kv_heads, self.head_dim)
         else:
             q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
-        q = self.q_norm(q.reshape(tokens, self.num_heads, self.head_dim))
-        k = self.k_norm(k.reshape(tokens, self.num_kv_heads, self.head_dim))
-        v = v.reshape(tokens, self.num_kv_heads, self.head_dim)
-        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+            q = self.q_norm(q.reshape(tokens, self.num_heads, self.head_dim))
+            k = self.k_norm(k.reshape(tokens, self.num_kv_heads, self.head_dim))
+            v = v.reshape(tokens, self.num_kv_heads, self.head_dim)
+            q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         out = self.backend.forward(q, k, v, kv_cache, meta, self.scale)
         return self.o_proj(out.reshape(tokens, self.num_heads * self.head_dim))

@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from omnistage.errors import ConfigError
+from omnistage.models.layers.attention import norm_rotate_qk
 from omnistage.models.layers.linear import fuse_linears, fuse_projections
 from omnistage.models.layers.moe import GatedMLP
 from omnistage.models.layers.norm import RMSNorm
@@ -72,14 +73,17 @@ class CodePredictorAttention(nn.Module):
         A flag, not `S > 1`: under torch.compile a bool of a symbolic size breaks the graph at the attention."""
         batch, length, _ = x.shape
         if self.qkv_weight is not None:
-            q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-            q, k, v = F.linear(x, self.qkv_weight).split([q_size, kv_size, kv_size], dim=-1)
+            qkv = F.linear(x, self.qkv_weight)
+            heads = self.num_heads + self.num_kv_heads
+            qk = qkv[..., : heads * self.head_dim].reshape(batch, length, heads, self.head_dim)
+            q, k = norm_rotate_qk(qk, self.q_norm, self.k_norm, self.num_heads, cos, sin)
+            v = qkv[..., heads * self.head_dim :].reshape(batch, length, self.num_kv_heads, self.head_dim)
         else:
             q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
-        q = self.q_norm(q.reshape(batch, length, self.num_heads, self.head_dim))
-        k = self.k_norm(k.reshape(batch, length, self.num_kv_heads, self.head_dim))
-        v = v.reshape(batch, length, self.num_kv_heads, self.head_dim)
-        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+            q = self.q_norm(q.reshape(batch, length, self.num_heads, self.head_dim))
+            k = self.k_norm(k.reshape(batch, length, self.num_kv_heads, self.head_dim))
+            v = v.reshape(batch, length, self.num_kv_heads, self.head_dim)
+            q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         end = start + length
         kv[0, :, :, start:end] = k.transpose(1, 2)
         kv[1, :, :, start:end] = v.transpose(1, 2)
