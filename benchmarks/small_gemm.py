@@ -6,7 +6,7 @@ H200's memory could stream; a Qwen3-ASR or Thinker decode step at c=1 is the sam
 each projection of the released stages (fused q/k/v and gate/up as the models run them) and each row count:
 - cuBLAS: `F.linear`, as every stage calls it today;
 - GEMV: one Triton program per block of output columns, each streaming its weight rows once for all the rows
-  of the input (`_gemv_kernel` below; a candidate, not used by the stages);
+  of the input (`omnistage/models/layers/gemv.py`, which the speech stages adopt per shape where it wins);
 each captured 20 times in one CUDA graph and replayed, so that the figure is a kernel's time in a graph, launch
 gaps included, as the stages' graphs run them. It checks the GEMV's output against cuBLAS's first. Then the
 whole code-predictor frame (`FrameGraphRunner`, released size, random weights, its layers not compiled in
@@ -27,9 +27,9 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-import triton
-import triton.language as tl
 from torch import nn
+
+from omnistage.models.layers.gemv import gemv, graph_us
 
 # (stage, projection, out features, in features) at the released sizes (omnistage/data/*.config.json)
 SHAPES = [
@@ -50,68 +50,6 @@ SHAPES = [
     ("Qwen3-ASR 1.7B", "down", 2048, 6144),
 ]
 ROWS = [1, 2, 4, 8, 16]
-COPIES = 20  # GEMMs per graph: a replay's time over them is one GEMM's
-
-
-@triton.jit
-def _gemv_kernel(
-    x_ptr, w_ptr, out_ptr, rows, out_features, in_features,
-    ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-):  # fmt: skip
-    """out[r, n] = sum_k x[r, k] w[n, k] for BLOCK_N columns n: the weight block is read once for every row."""
-    cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    row_ids = tl.arange(0, ROWS)
-    acc = tl.zeros((ROWS, BLOCK_N), dtype=tl.float32)
-    for start in range(0, in_features, BLOCK_K):
-        ks = start + tl.arange(0, BLOCK_K)
-        w = tl.load(
-            w_ptr + cols[:, None] * in_features + ks[None, :],
-            mask=(cols[:, None] < out_features) & (ks[None, :] < in_features),
-            other=0.0,
-        ).to(tl.float32)
-        x = tl.load(
-            x_ptr + row_ids[:, None] * in_features + ks[None, :],
-            mask=(row_ids[:, None] < rows) & (ks[None, :] < in_features),
-            other=0.0,
-        ).to(tl.float32)
-        acc += tl.sum(x[:, None, :] * w[None, :, :], axis=2)
-    tl.store(
-        out_ptr + row_ids[:, None] * out_features + cols[None, :],
-        acc.to(out_ptr.dtype.element_ty),
-        mask=(row_ids[:, None] < rows) & (cols[None, :] < out_features),
-    )
-
-
-def gemv(x: torch.Tensor, weight: torch.Tensor, block_n: int = 16) -> torch.Tensor:
-    """`F.linear(x, weight)` for a contiguous `x` of a few rows, by `_gemv_kernel`; the product block held in
-    registers (rows x BLOCK_N x BLOCK_K) is kept to 8,192 values."""
-    rows, in_features = x.shape
-    out_features = weight.shape[0]
-    padded_rows = max(1, triton.next_power_of_2(rows))
-    block_k = max(16, min(256, 8192 // (padded_rows * block_n)))
-    out = torch.empty(rows, out_features, dtype=x.dtype, device=x.device)
-    grid = (triton.cdiv(out_features, block_n),)
-    _gemv_kernel[grid](
-        x, weight, out, rows, out_features, in_features,
-        ROWS=padded_rows, BLOCK_N=block_n, BLOCK_K=block_k,
-    )  # fmt: skip
-    return out
-
-
-def _graph_us(call, reps: int = 30) -> float:
-    """Median µs of one call, over replays of a graph of COPIES calls."""
-    stream = torch.cuda.Stream()
-    with torch.cuda.stream(stream):
-        for _ in range(3):
-            call()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(COPIES):
-            call()
-    graph.replay()
-    torch.cuda.synchronize()
-    return _median_ms(graph.replay, reps) * 1000 / COPIES
 
 
 def _median_ms(call, reps: int) -> float:
@@ -201,14 +139,14 @@ def main() -> None:
         for rows in ROWS:
             x = torch.randn(rows, in_features, dtype=torch.bfloat16, device="cuda")
             want = F.linear(x, weight)
-            cublas = _graph_us(lambda x=x, w=weight: F.linear(x, w))
+            cublas = graph_us(lambda x=x, w=weight: F.linear(x, w))
             best = None
             for block_n in args.block_n:
                 got = gemv(x, weight, block_n)
                 error = (got.float() - want.float()).abs().max().item()
                 if error > 2e-2 * want.float().abs().max().item():
                     raise AssertionError(f"{stage} {name} rows {rows} block {block_n}: GEMV off by {error}")
-                us = _graph_us(lambda x=x, w=weight, b=block_n: gemv(x, w, b))
+                us = graph_us(lambda x=x, w=weight, b=block_n: gemv(x, w, b))
                 if best is None or us < best[0]:
                     best = (us, block_n)
             row = {

@@ -8,6 +8,7 @@ KV pool and their graphs' costs), then allocated and captured as the plan says. 
 from __future__ import annotations
 
 import contextlib
+import logging
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -22,12 +23,15 @@ from omnistage.engine.embedding_stage import EmbeddingStage
 from omnistage.engine.frame_graphs import FrameGraphRunner
 from omnistage.engine.gpu_memory import device_peak, graph_candidates
 from omnistage.engine.llm_engine import resolve_device
+from omnistage.models.layers.linear import adopt_gemv
 from omnistage.models.qwen3_omni.code2wav import load_code2wav
 from omnistage.models.qwen3_omni.code2wav_streamer import Code2WavStreamer
 from omnistage.models.qwen3_omni.code_predictor import load_code_predictor
 from omnistage.models.qwen3_omni.config import Qwen3OmniConfig
 from omnistage.models.qwen3_omni.talker import load_talker
 from omnistage.models.qwen3_omni.talker_input import SpeechTokens
+
+log = logging.getLogger(__name__)
 
 _CPU_TALKER_KV_GIB = 0.25
 # The released code predictor's sampling (transformers' subtalker defaults): top-k 50, top-p 0.8, temperature 1;
@@ -62,6 +66,11 @@ class SpeechStages:
         talker, predictor, c2w = (config.stage(s) for s in ("talker", "code_predictor", "code2wav"))
         self.talker = load_talker(path, dtype, device, backend_for(device), config.load_format, config.seed)
         self.code_predictor = load_code_predictor(path, dtype, device, config.load_format, config.seed)
+        if device.type == "cuda":
+            adopted = adopt_gemv(self.talker) + adopt_gemv(self.code_predictor)
+            log.info(
+                "one-row projections on the Triton GEMV (measured faster than cuBLAS): %s", adopted or "none"
+            )
         compiled = device.type == "cuda" and config.compile
         if compiled:
             # as the Thinker's: the layers' norms, rotary and residual glue fused. A frame of the code predictor

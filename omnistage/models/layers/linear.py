@@ -27,3 +27,48 @@ def fuse_projections(model: nn.Module) -> None:
     for module in model.modules():
         if module is not model and callable(getattr(module, "fuse_projections", None)):
             module.fuse_projections()
+
+
+class GemvLinear(nn.Linear):
+    """An `nn.Linear` without bias whose one-row calls on the GPU take the Triton GEMV (`gemv.py`): what
+    `adopt_gemv` puts where it measured the GEMV faster than cuBLAS for the projection's shape."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.is_cuda and x.numel() == x.shape[-1]:
+            from omnistage.models.layers.gemv import gemv
+
+            return gemv(x.reshape(1, -1), self.weight).reshape(*x.shape[:-1], self.out_features)
+        return super().forward(x)
+
+
+GEMV_MARGIN = 0.15  # the GEMV replaces cuBLAS where it is this much faster: not for noise
+
+
+def adopt_gemv(model: nn.Module) -> list[str]:
+    """Make every bias-free `nn.Linear` of `model` on CUDA a `GemvLinear` where, timed here on one row in a CUDA
+    graph, the GEMV beats cuBLAS by more than GEMV_MARGIN (each shape timed once); returns their names. The
+    weight parameter moves over as it is: same name, same storage."""
+    from omnistage.models.layers.gemv import gemv, graph_us
+
+    faster: dict[tuple[int, int, torch.dtype], bool] = {}
+    adopted = []
+    for name, linear in list(model.named_modules()):
+        if type(linear) is not nn.Linear or linear.bias is not None or not linear.weight.is_cuda:
+            continue
+        weight = linear.weight
+        if not weight.is_contiguous():
+            continue
+        shape = (*weight.shape, weight.dtype)
+        if shape not in faster:
+            x = torch.randn(1, weight.shape[1], dtype=weight.dtype, device=weight.device)
+            with torch.inference_mode():
+                cublas = graph_us(lambda x=x, w=weight: torch.nn.functional.linear(x, w))
+                ours = graph_us(lambda x=x, w=weight: gemv(x, w))
+            faster[shape] = ours < cublas * (1 - GEMV_MARGIN)
+        if faster[shape]:
+            replacement = GemvLinear(linear.in_features, linear.out_features, bias=False, device="meta")
+            replacement.weight = weight
+            parent_name, _, child = name.rpartition(".")
+            setattr(model.get_submodule(parent_name), child, replacement)
+            adopted.append(name)
+    return adopted

@@ -1,0 +1,94 @@
+"""A projection of one row on the GPU as a Triton GEMV, for the shapes where cuBLAS picks a slow kernel.
+
+At one row a projection streams its weight once, so its time should be the weight's bytes over the memory's
+bandwidth. For most shapes cuBLAS gets close; for a few it does not: on an H200 the 2,048-to-1,024 `o_proj`
+of the Talker and the code predictor takes 12.5 µs in a CUDA graph and the Talker's 768-to-1,024 shared-expert
+`down_proj` 6.2 µs, where this kernel takes 6.9 and 3.4 (`benchmarks/small_gemm.py`). Which shapes those are
+depends on the GPU and the cuBLAS build, so `linear.adopt_gemv` times both on the device at start and keeps
+the faster.
+
+`gemv` is a custom op (`torch.library.triton_op`), so a compiled layer keeps it as one kernel and a CUDA graph
+captures it. GPU only: imported where it runs.
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections.abc import Callable
+
+import torch
+import triton
+import triton.language as tl
+from torch.library import triton_op, wrap_triton
+
+BLOCK_N = 8  # output columns a program: one row's product block is BLOCK_N x BLOCK_K values in registers
+COPIES = 20  # calls in the graph `graph_us` times
+
+
+@triton.jit
+def _gemv_kernel(
+    x_ptr, w_ptr, out_ptr, rows, out_features, in_features,
+    ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):  # fmt: skip
+    """out[r, n] = sum_k x[r, k] w[n, k] for BLOCK_N columns n: the weight block is read once for every row."""
+    cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    row_ids = tl.arange(0, ROWS)
+    acc = tl.zeros((ROWS, BLOCK_N), dtype=tl.float32)
+    for start in range(0, in_features, BLOCK_K):
+        ks = start + tl.arange(0, BLOCK_K)
+        w = tl.load(
+            w_ptr + cols[:, None] * in_features + ks[None, :],
+            mask=(cols[:, None] < out_features) & (ks[None, :] < in_features),
+            other=0.0,
+        ).to(tl.float32)
+        x = tl.load(
+            x_ptr + row_ids[:, None] * in_features + ks[None, :],
+            mask=(row_ids[:, None] < rows) & (ks[None, :] < in_features),
+            other=0.0,
+        ).to(tl.float32)
+        acc += tl.sum(x[:, None, :] * w[None, :, :], axis=2)
+    tl.store(
+        out_ptr + row_ids[:, None] * out_features + cols[None, :],
+        acc.to(out_ptr.dtype.element_ty),
+        mask=(row_ids[:, None] < rows) & (cols[None, :] < out_features),
+    )
+
+
+@triton_op("omnistage::gemv", mutates_args=())
+def gemv(x: torch.Tensor, weight: torch.Tensor, block_n: int = BLOCK_N) -> torch.Tensor:
+    """`F.linear(x, weight)` for `x` `[rows, in]` of a few rows and a contiguous `weight` `[out, in]`; the product
+    block a program holds (rows x block_n x BLOCK_K) is kept to 8,192 values."""
+    rows, in_features = x.shape
+    out_features = weight.shape[0]
+    padded_rows = max(1, triton.next_power_of_2(rows))
+    block_k = max(16, min(256, 8192 // (padded_rows * block_n)))
+    out = torch.empty(rows, out_features, dtype=x.dtype, device=x.device)
+    wrap_triton(_gemv_kernel)[(triton.cdiv(out_features, block_n),)](
+        x.contiguous(), weight, out, rows, out_features, in_features,
+        ROWS=padded_rows, BLOCK_N=block_n, BLOCK_K=block_k,
+    )  # fmt: skip
+    return out
+
+
+def graph_us(call: Callable[[], object], reps: int = 20) -> float:
+    """Median µs of one `call` in a CUDA graph of COPIES calls (warmed up on a side stream first)."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(3):
+            call()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(COPIES):
+            call()
+    graph.replay()
+    times = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 1e3 / COPIES)
+    return statistics.median(times)
