@@ -53,6 +53,17 @@ def test_adopted_projections_keep_their_weights_and_their_product():
     assert torch.equal(model.o_proj(many), F.linear(many, model.o_proj.weight))
 
 
+def test_projections_fused_into_a_larger_gemm_are_left_alone():
+    from omnistage.models.layers.linear import fuse_linears
+
+    model = nn.ModuleDict({"a": nn.Linear(2048, 1024, bias=False), "b": nn.Linear(2048, 1024, bias=False)})
+    model = model.to(DEV, torch.bfloat16).requires_grad_(False)
+    fuse_linears(
+        model["a"], model["b"]
+    )  # as q/k/v are: called as one GEMM over the fused weight, never alone
+    assert adopt_gemv(model) == []
+
+
 def test_a_compiled_gemv_linear_replays_in_a_graph():
     layer = GemvLinear(2048, 1024, bias=False, device=DEV, dtype=torch.bfloat16).requires_grad_(False)
     compiled = torch.compile(layer, dynamic=True, fullgraph=True)

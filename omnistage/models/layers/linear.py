@@ -56,7 +56,12 @@ def adopt_gemv(model: nn.Module) -> list[str]:
         if type(linear) is not nn.Linear or linear.bias is not None or not linear.weight.is_cuda:
             continue
         weight = linear.weight
-        if not weight.is_contiguous():
+        # a projection fused into a larger GEMM (`fuse_linears`: its weight is part of another's storage) is
+        # not called alone
+        if (
+            not weight.is_contiguous()
+            or weight.untyped_storage().nbytes() != weight.numel() * weight.element_size()
+        ):
             continue
         shape = (*weight.shape, weight.dtype)
         if shape not in faster:
