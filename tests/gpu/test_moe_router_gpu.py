@@ -4,7 +4,7 @@ replayed in a captured CUDA graph."""
 
 import pytest
 import torch
-import torch.nn.functional as F
+from routing_oracle import assert_routes_alike, lower_ids_first
 
 from omnistage.models.layers import moe
 from omnistage.models.layers.moe import SparseMoeBlock, route_torch
@@ -16,31 +16,6 @@ pytestmark = [
 
 DEV = "cuda"
 EXPERTS, TOP_K, HIDDEN = 128, 8, 2048  # the released Thinker's router
-# float32 weights within a few ulps; bf16 ones within one bf16 ulp, the most by which the roundings of two
-# float32 weights a few ulps apart differ
-RTOL = {torch.float32: 1e-6, torch.bfloat16: 2**-7}
-
-
-def lower_ids_first(logits, top_k, renormalize, dtype):
-    """`route_torch` with equal weights taken in the order of their ids, as the kernel takes them; torch.topk
-    takes any of them."""
-    probs = F.softmax(logits, dim=-1, dtype=torch.float32)
-    ids = probs.sort(dim=-1, descending=True, stable=True).indices[:, :top_k]
-    weights = probs.gather(1, ids)
-    if renormalize:
-        weights = weights / weights.sum(dim=-1, keepdim=True)
-    return weights.to(dtype), ids
-
-
-def assert_routes_alike(got, want):
-    """The same experts in each row, in any order, each of the same weight."""
-    (weights, ids), (want_weights, want_ids) = got, want
-    assert weights.dtype == want_weights.dtype and ids.dtype == torch.int64
-    ids, order = ids.sort(dim=-1)
-    want_ids, want_order = want_ids.sort(dim=-1)
-    assert torch.equal(ids, want_ids)
-    weights, want_weights = weights.gather(1, order), want_weights.gather(1, want_order)
-    torch.testing.assert_close(weights, want_weights, rtol=RTOL[weights.dtype], atol=0)
 
 
 def distinct_bf16_logits(num_tokens, seed):
