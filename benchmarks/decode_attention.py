@@ -3,8 +3,8 @@
 `engine/attention/cuda.py` splits each sequence's keys across programs in a decode step (`decode_splits`
 picks the count from the batch's shape only, so that a captured graph replays with it). This times the K/V
 write and the attention of one layer (`CudaAttentionBackend.forward`, what a decoder layer calls), captured
-`COPIES` times in one CUDA graph and replayed, for the released stages' head layouts, context lengths and
-batches, at each split count, and marks the one `decode_splits` picks.
+20 times in one CUDA graph (`gemv.graph_us`) and replayed, for the released stages' head layouts, context
+lengths and batches, at each split count, and marks the one `decode_splits` picks.
 
     python3 benchmarks/decode_attention.py --out $OUT/decode_attention.json     # GPU machine, under a minute
 """
@@ -13,43 +13,19 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 from pathlib import Path
 
 import torch
 
 from omnistage.engine.attention.cuda import decode_splits, paged_attention, write_kv
 from omnistage.models.layers.attention_metadata import AttentionMetadata
+from omnistage.models.layers.gemv import graph_us
 
 # (stage, query heads, KV heads, head dim) at the released sizes (omnistage/data/*.config.json)
 LAYOUTS = [("Qwen3-ASR", 16, 8, 128), ("Thinker", 32, 4, 128), ("Talker", 16, 2, 128)]
 CASES = [(1, 256), (1, 1600), (1, 4096), (16, 1600), (64, 400)]  # (batch, context tokens)
 SPLITS = [1, 2, 4, 8, 16, 32, 64]
 PAGE = 16
-COPIES = 20
-
-
-def _graph_us(call, reps: int = 20) -> float:
-    """Microseconds of one `call` in a CUDA graph holding COPIES of it (median over replays)."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        call()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(COPIES):
-            call()
-    graph.replay()
-    times = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1e3 / COPIES)
-    return statistics.median(times)
 
 
 def case(heads: int, kv_heads: int, dim: int, batch: int, context: int) -> dict[str, float]:
@@ -71,7 +47,7 @@ def case(heads: int, kv_heads: int, dim: int, batch: int, context: int) -> dict[
             write_kv(cache, k, v, meta.slot_mapping)
             paged_attention(q, cache, meta, scale, out=out, num_splits=splits)
 
-        times[splits] = round(_graph_us(call), 2)
+        times[splits] = round(graph_us(call), 2)
     return times
 
 

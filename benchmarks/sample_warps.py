@@ -2,8 +2,8 @@
 
 `engine/sample_kernel.py` draws a row's code in one program: a top-k of the 2,048-entry codebook's int64 keys,
 top-p and the exponential race. A code-predictor frame calls it 15 times, one after another. This times the
-kernel over released-size logits (1, 8 and 16 rows, top-k 50, sampled rows) captured `COPIES` times in one
-graph, at 2 to 16 warps, and checks that every warp count draws the same ids.
+kernel over released-size logits (1, 8 and 16 rows, top-k 50, sampled rows) captured 20 times in one
+graph (`gemv.graph_us`), at 2 to 16 warps, and checks that every warp count draws the same ids.
 
     python3 benchmarks/sample_warps.py --out $OUT/sample_warps.json      # GPU machine, seconds
 """
@@ -12,15 +12,15 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 from pathlib import Path
 
 import torch
 
 from omnistage.engine.sample_kernel import sample_kernel
 from omnistage.engine.static_sampling import StaticRows
+from omnistage.models.layers.gemv import graph_us
 
-VOCAB, TOP_K, COPIES = 2048, 50, 20
+VOCAB, TOP_K = 2048, 50
 WARPS = [2, 4, 8, 16]
 
 
@@ -30,24 +30,9 @@ def _rows(batch: int) -> StaticRows:
     return rows
 
 
-def graph_us(logits: torch.Tensor, warps: int) -> float:
+def call_us(logits: torch.Tensor, warps: int) -> float:
     rows = _rows(logits.shape[0])
-    sample_kernel(logits, rows, TOP_K, warps)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(COPIES):
-            sample_kernel(logits, rows, TOP_K, warps)
-    graph.replay()
-    times = []
-    for _ in range(20):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1e3 / COPIES)
-    return statistics.median(times)
+    return graph_us(lambda: sample_kernel(logits, rows, TOP_K, warps))
 
 
 def main() -> None:
@@ -63,7 +48,7 @@ def main() -> None:
         )
         draws = {w: sample_kernel(logits, _rows(batch), TOP_K, w).tolist() for w in WARPS}
         assert all(d == draws[WARPS[0]] for d in draws.values()), draws
-        us = {w: round(graph_us(logits, w), 2) for w in WARPS}
+        us = {w: round(call_us(logits, w), 2) for w in WARPS}
         results.append({"rows": batch, "us": us})
         print(f"rows {batch:2}: " + "  ".join(f"{w} warps {t:6.2f} us" for w, t in us.items()), flush=True)
     Path(args.out).write_text(json.dumps(results, indent=2) + "\n")
