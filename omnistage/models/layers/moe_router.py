@@ -22,9 +22,8 @@ import triton.language as tl
 from torch.library import triton_op, wrap_triton
 
 _LOWEST_KEY = -(2**63)  # columns past the experts: below every real key, so never in the top k
-# Rows a program and its warps, timed on an H200 in a CUDA graph at E = 128, k = 8: one row in two warps takes
-# ~1.9 µs a call for T = 1..32 (the torch path, compiled: 7-11 µs). One warp, or blocks of 2-8 rows, were
-# up to 0.2 µs slower at those T and at most a quarter quicker at 4096-16384 rows, where steps take ms.
+# One row a program, in two warps: the quickest at decode sizes of the variants tried on an H200 (one warp;
+# blocks of 2-8 rows). Its effect on a speaking step is in benchmarks/RESULTS.md (the speech profile at ef1cb7f).
 ROWS, NUM_WARPS = 1, 2
 
 
