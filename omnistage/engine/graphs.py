@@ -258,18 +258,26 @@ class GraphSet:
             return sorted(buckets)
         self._warm_up(buckets)
         self.pool = pool or self.pool or torch.cuda.graph_pool_handle()
+        # torch.cuda.graph's default capture stream is made once per process, on the device current at the
+        # first capture: with stages on two GPUs a set on the other one would capture on a foreign stream
+        # (its kernels then not captured, its allocations refused), so each set captures on its device's.
+        capture_stream = torch.cuda.Stream(self.device)
         for bucket in tqdm(buckets, desc=f"capturing {self.kind} graphs", unit="graph"):
             before = torch.cuda.memory_reserved(self.device)
             self.buffers.clear(bucket)
             graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=self.pool):
+            with (
+                torch.cuda.device(self.device),
+                torch.cuda.graph(graph, pool=self.pool, stream=capture_stream),
+            ):
                 self._outputs[bucket] = self.step(*self.buffers.args(bucket))
             self._graphs.append(graph)
             self._replays[bucket] = graph.replay
             self.graph_bytes[bucket] = torch.cuda.memory_reserved(self.device) - before
         torch.cuda.synchronize(self.device)
         if self.route_by_speed:
-            self.replay_ms = self._time_replays(buckets)
+            with torch.cuda.device(self.device):  # the events' stream: the one the graphs replay on
+                self.replay_ms = self._time_replays(buckets)
             self.routes = faster_buckets(self.replay_ms)
         logger.info(
             "captured %d %s graphs (%s %d..%d) in %.1f s%s",
