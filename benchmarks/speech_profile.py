@@ -5,8 +5,9 @@
 Builds the released sizes with random bf16 weights (as `omnistage bench t2s` does), starts c text-to-speech
 requests with their lengths forced (100 text tokens, 125 frames), and once every Talker decodes, times
 `--steps` pipeline steps two ways:
-- plain: the wall time of each `pipeline.step()` (median), nothing added; also with `pipeline.overlap` off
-  (the Thinker's step before the speech stages' instead of beside them, pipeline/side_stream.py);
+- plain: the wall time of each `pipeline.step()` (median), nothing added; also with `pipeline.overlap` on
+  (the Thinker's step beside the speech stages' instead of before them, pipeline/side_stream.py; off by
+  default, README);
 - by phase: each phase of the step (Thinker step, Talker step, code predictor, Talker input rows,
   Code2Wav, the rest) wrapped in a CUDA synchronisation and a host clock. The syncs cost a little and stop
   the GPU from running ahead, so the phases add up to slightly more than the plain step.
@@ -80,8 +81,8 @@ def profile(pipeline: Any, concurrency: int, steps: int) -> dict[str, Any]:
     errors = pipeline.add_requests(_requests(pipeline, concurrency, f"plain{concurrency}"))
     assert not any(errors), errors
     _until_all_speak(pipeline, concurrency)
-    plain, sequential = [], []
-    for overlap, times in ((False, sequential), (True, plain)):
+    plain, beside = [], []
+    for overlap, times in ((True, beside), (False, plain)):
         pipeline.overlap = overlap
         for _ in range(steps):
             _sync()
@@ -89,7 +90,6 @@ def profile(pipeline: Any, concurrency: int, steps: int) -> dict[str, Any]:
             pipeline.step()
             _sync()
             times.append(time.perf_counter() - start)
-    pipeline.overlap = False  # the phases' syncs would serialise the overlapped Thinker step anyway
     frames_before = sum(len(s.codes) for s in pipeline._speaking.values())
     phases: dict[str, list[float]] = {}
     originals = {}
@@ -115,7 +115,6 @@ def profile(pipeline: Any, concurrency: int, steps: int) -> dict[str, Any]:
     ) as prof:
         pipeline.step()
         _sync()
-    pipeline.overlap = True
     kernels = sorted((e for e in prof.key_averages() if _time(e) > 0), key=lambda e: -_time(e))
     launches = sum(e.count for e in kernels)
     while pipeline.has_unfinished():
@@ -126,7 +125,7 @@ def profile(pipeline: Any, concurrency: int, steps: int) -> dict[str, Any]:
         "concurrency": concurrency,
         "steps": steps,
         "plain_step_median_ms": round(statistics.median(plain) * 1e3, 3),
-        "sequential_step_median_ms": round(statistics.median(sequential) * 1e3, 3),
+        "beside_step_median_ms": round(statistics.median(beside) * 1e3, 3),
         "frames_per_step": round(frames / steps, 2),
         "phases_median_ms": {k: round(v, 3) for k, v in per_step.items()},
         "cuda_launches_one_step": launches,
@@ -143,8 +142,8 @@ def markdown(results: list[dict[str, Any]]) -> str:
         lines += [
             f"### c = {r['concurrency']} ({r['frames_per_step']} frames per step, median of {r['steps']} steps)",
             "",
-            f"Plain step: {r['plain_step_median_ms']:.2f} ms ({r['sequential_step_median_ms']:.2f} ms with the Thinker's "
-            f"step before the speech stages', not beside). One step on the GPU: {r['cuda_launches_one_step']:,} "
+            f"Plain step: {r['plain_step_median_ms']:.2f} ms ({r['beside_step_median_ms']:.2f} ms with the Thinker's "
+            f"step beside the speech stages', --overlap-stages). One step on the GPU: {r['cuda_launches_one_step']:,} "
             f"kernel launches, {r['cuda_time_one_step_ms']:.2f} ms of kernel time.",
             "",
             "| phase | median ms |",

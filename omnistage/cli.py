@@ -89,7 +89,7 @@ def _engine_config(args: argparse.Namespace) -> EngineConfig:
     overrides = {key: getattr(args, key) for _, key, _, _ in _ENGINE_FLAGS}
     overrides["enforce_eager"] = args.enforce_eager
     overrides["compile"] = False if args.no_compile else None
-    overrides["overlap_stages"] = False if args.no_overlap_stages else None
+    overrides["overlap_stages"] = True if args.overlap_stages else None
     if args.config:
         return load_config(args.config, **overrides)
     return engine_config("command line", **{k: v for k, v in overrides.items() if v is not None})
@@ -242,9 +242,9 @@ def _add_switches(parser: argparse.ArgumentParser) -> None:
         "--no-compile", action="store_true", help="leave the decoder layers uncompiled on a GPU"
     )
     parser.add_argument(
-        "--no-overlap-stages",
+        "--overlap-stages",
         action="store_true",
-        help="run the Thinker's steps before the speech stages', not beside them, on a GPU",
+        help="on a GPU, run the Thinker's decode steps beside the speech stages' (off by default: README)",
     )
 
 

@@ -242,9 +242,9 @@ class EngineConfig(BaseModel):
         True, description="torch.compile the decoder layers on a GPU (fuses the glue kernels)"
     )
     overlap_stages: bool = Field(
-        True,
+        False,
         description="on a GPU, run the Thinker's decode steps beside the speech stages' (a thread and stream of "
-        "its own)",
+        "its own); off by default: on an H200 a process so run stalled for minutes (README)",
     )
     moe_kernel: Literal["auto", "grouped_mm", "triton"] = Field(
         "auto", description="GPU MoE kernel: auto takes Triton for decode-sized batches, grouped GEMMs above"

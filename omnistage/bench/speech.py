@@ -156,6 +156,7 @@ def run_speech(args: argparse.Namespace) -> dict[str, dict[str, Any]]:
         "kv_cache_memory_gib": args.kv_cache_memory_gib
         or (BASELINE_KV_GIB if args.baseline and gpu else None),
         "enforce_eager": args.enforce_eager or None,
+        "overlap_stages": True if args.overlap_stages else None,
     }
     config = engine_config(
         f"bench {args.workload}",
@@ -335,6 +336,8 @@ def _add_options(p: argparse.ArgumentParser, workload: str) -> None:
     target.add_argument("--kv-cache-memory-gib", type=float,
                         help=f"in-process: the Thinker's KV pool (default: the engine's; {BASELINE_KV_GIB:g} with --baseline)")  # fmt: skip
     target.add_argument("--enforce-eager", action="store_true", help="in-process: no CUDA graphs")
+    target.add_argument("--overlap-stages", action="store_true",
+                        help="in-process: the Thinker's decode steps beside the speech stages' (off by default)")  # fmt: skip
     target.add_argument("--baseline", choices=["transformers"],
                         help="also time transformers' generate(return_audio=True) on the same weights, c=1")  # fmt: skip
     target.add_argument("--baseline-requests", type=int, default=2,

@@ -132,15 +132,15 @@ def test_memory_report_on_the_cpu_says_so_and_lists_what_the_stages_hold(tiny_ch
     assert "KV pool 32 pages" in printed
 
 
-def test_no_overlap_stages_reaches_the_engine_config(tmp_path):
+def test_overlap_stages_is_off_unless_asked_for(tmp_path):
     from omnistage.cli import _engine_config
 
     for command in ("serve", "plan"):
-        assert _engine_config(build_parser().parse_args([command])).overlap_stages is True
-        args = build_parser().parse_args([command, "--no-overlap-stages"])
-        assert _engine_config(args).overlap_stages is False
+        assert _engine_config(build_parser().parse_args([command])).overlap_stages is False
+        args = build_parser().parse_args([command, "--overlap-stages"])
+        assert _engine_config(args).overlap_stages is True
     config = tmp_path / "c.yaml"
-    config.write_text("engine:\n  overlap_stages: false\n")
+    config.write_text("engine:\n  overlap_stages: true\n")
     assert (
-        _engine_config(build_parser().parse_args(["serve", "--config", str(config)])).overlap_stages is False
+        _engine_config(build_parser().parse_args(["serve", "--config", str(config)])).overlap_stages is True
     )

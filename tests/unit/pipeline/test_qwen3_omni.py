@@ -306,6 +306,7 @@ def test_thinker_steps_beside_the_speaking_steps_change_nothing_but_timing(llm, 
     submit = side.submit
     monkeypatch.setattr(side, "submit", lambda work: submitted.append(work) or submit(work))
     monkeypatch.setattr(pipeline, "_thinker_side", side)
+    monkeypatch.setattr(pipeline, "overlap", True)
     # the CPU captures no graphs: a decode step stands in for a replay
     monkeypatch.setattr(
         pipeline.thinker, "replays_next_step", lambda: pipeline.thinker.scheduler.decodes_only
@@ -341,6 +342,7 @@ def test_a_speaking_step_that_raises_beside_the_thinker_waits_for_its_step(llm, 
     pipeline = llm.pipeline
     side = SideStream(torch.device("cpu"), "thinker")
     monkeypatch.setattr(pipeline, "_thinker_side", side)
+    monkeypatch.setattr(pipeline, "overlap", True)
     monkeypatch.setattr(
         pipeline.thinker, "replays_next_step", lambda: pipeline.thinker.scheduler.decodes_only
     )
