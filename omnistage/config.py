@@ -3,7 +3,7 @@
 An unknown or mistyped key fails at start with its path and the reason. The `stages:` section is the
 topology: where each stage (Thinker, encoders, Talker, code predictor, Code2Wav) runs, its KV pool, its
 batch limit, its CUDA graph sizes and its workspaces. `EngineConfig.stage(name)` gives one stage's settings
-with every default resolved, and `validate_topology` checks them against the machine at start.
+with every default resolved; `pipeline/topology.py` checks them against the machine at start.
 
 The flat keys that predate the section (`num_kv_pages`, `max_graph_batch`, `speech_device`, ...) are the
 same settings under their old names (`_ALIASES`): either may be given, and a stage's value is copied onto
@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import copy
 import typing
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated, Literal, overload
@@ -44,7 +44,7 @@ _ALIASES: dict[str, str] = {
     "speech_device": "talker.device",
 }
 _FLAT_NAME = {path: flat for flat, path in _ALIASES.items()}
-_TITLES = {
+STAGE_TITLES = {
     "thinker": "Thinker",
     "encoders": "encoders",
     "talker": "Talker",
@@ -278,7 +278,7 @@ class EngineConfig(BaseModel):
     stages: StagesSection = Field(
         default_factory=StagesSection, description="the topology: each stage's device, pool, batch and graphs"
     )
-    _source: str | None = PrivateAttr(None)  # the YAML file, for validate_topology's messages
+    _source: str | None = PrivateAttr(None)  # the YAML file, for the messages of pipeline/topology.py
 
     @model_validator(mode="after")
     def _check(self) -> EngineConfig:
@@ -294,11 +294,11 @@ class EngineConfig(BaseModel):
                 )
             setattr(self, flat, value)
         for name in ("thinker", "talker"):
-            given = [key for key, value in _kv_sizing(self, name) if value is not None]
+            given = [key for key, value in self.kv_sizing(name) if value is not None]
             if len(given) > 1:
                 raise SettingError(
                     given[1],
-                    f"the {_TITLES[name]}'s KV pool is already sized by {given[0]}: give one of "
+                    f"the {STAGE_TITLES[name]}'s KV pool is already sized by {given[0]}: give one of "
                     f"stages.{name}.num_kv_pages, kv_cache_memory_gib or kv_share",
                 )
         self._check_graph_bounds()
@@ -346,6 +346,39 @@ class EngineConfig(BaseModel):
                     f"lower it to {limit} or raise {limit_key}",
                 )
 
+    @property
+    def source(self) -> str | None:
+        """The YAML file this config was read from, if any."""
+        return self._source
+
+    def device_of(self, name: StageName) -> tuple[str, str]:
+        """A stage's device and the key that sets it (a stage's own, a flat key, or the stage it follows)."""
+        own = getattr(self.stages, name).device
+        if own is not None:
+            return own, f"stages.{name}.device"
+        if name == "thinker":
+            return self.device, "device"
+        if name == "encoders":
+            return self.device_of("thinker")
+        if name == "talker":
+            if self.speech_device is not None:
+                return self.speech_device, "speech_device"
+            return self.device_of("thinker")
+        return self.device_of("talker")
+
+    def kv_sizing(self, name: str) -> list[tuple[str, float | None]]:
+        """The (pages, GiB, share) of the Thinker's or the Talker's pool, each with the key it is written under:
+        the stage's own, else its flat name."""
+        section = getattr(self.stages, name)
+        out = []
+        for key in _KV_KEYS:
+            flat = _FLAT_NAME.get(f"{name}.{key}")
+            if getattr(section, key) is None and flat is not None:
+                out.append((flat, getattr(self, flat)))
+            else:
+                out.append((f"stages.{name}.{key}", getattr(section, key)))
+        return out
+
     @overload
     def stage(self, name: Literal["thinker"]) -> ThinkerStage: ...
     @overload
@@ -363,7 +396,7 @@ class EngineConfig(BaseModel):
         s = self.stages
         section = getattr(s, name)
         eager = self.enforce_eager if section.enforce_eager is None else section.enforce_eager
-        common = {"device": _device_of(self, name)[0], "enforce_eager": eager}
+        common = {"device": self.device_of(name)[0], "enforce_eager": eager}
 
         def graphs(given: GraphsSection | None, default_max: int | None) -> Graphs:
             if given is not None and given.buckets is not None:
@@ -379,7 +412,7 @@ class EngineConfig(BaseModel):
             return ThinkerStage(
                 **common,
                 max_batch=thinker_batch,
-                kv=KvSize(*(v for _, v in _kv_sizing(self, "thinker"))),
+                kv=KvSize(*(v for _, v in self.kv_sizing("thinker"))),
                 graphs=graphs(s.thinker.graphs, min(self.max_graph_batch, thinker_batch)),
                 prefill_graphs=graphs(s.thinker.prefill_graphs, prefill or None),
             )
@@ -393,7 +426,7 @@ class EngineConfig(BaseModel):
             return TalkerStage(
                 **common,
                 max_batch=talker_batch,
-                kv=KvSize(*(v for _, v in _kv_sizing(self, "talker"))),
+                kv=KvSize(*(v for _, v in self.kv_sizing("talker"))),
                 graphs=graphs(s.talker.graphs, talker_batch),
             )
         if name == "code_predictor":
@@ -420,121 +453,6 @@ def _lookup(section: BaseModel, path: str) -> object:
             return None
         value = getattr(value, key)
     return value
-
-
-def _kv_sizing(config: EngineConfig, name: str) -> list[tuple[str, float | None]]:
-    """The (pages, GiB, share) of the Thinker's or the Talker's pool, each with the key it is written under:
-    the stage's own, else its flat name."""
-    section = getattr(config.stages, name)
-    out = []
-    for key in _KV_KEYS:
-        flat = _FLAT_NAME.get(f"{name}.{key}")
-        if getattr(section, key) is None and flat is not None:
-            out.append((flat, getattr(config, flat)))
-        else:
-            out.append((f"stages.{name}.{key}", getattr(section, key)))
-    return out
-
-
-def _device_of(config: EngineConfig, name: StageName) -> tuple[str, str]:
-    """A stage's device and the key that sets it (a stage's own, a flat key, or the stage it follows)."""
-    own = getattr(config.stages, name).device
-    if own is not None:
-        return own, f"stages.{name}.device"
-    if name == "thinker":
-        return config.device, "device"
-    if name == "encoders":
-        return _device_of(config, "thinker")
-    if name == "talker":
-        if config.speech_device is not None:
-            return config.speech_device, "speech_device"
-        return _device_of(config, "thinker")
-    return _device_of(config, "talker")
-
-
-def validate_topology(
-    config: EngineConfig,
-    device_count: int,
-    max_len: Mapping[str, int] | None = None,
-    stages: Iterable[StageName] | None = None,
-) -> dict[StageName, str]:
-    """Check the placement against a machine with `device_count` GPUs and return each stage's device
-    ("cpu" or "cuda:N"; "auto" and "cuda" are taken as cuda:0 when there is a GPU).
-
-    `max_len` is the longest request each stage must hold, in tokens (default: the Thinker's max_model_len
-    where the config gives one); `stages` are those the pipeline loads (default: all, or the Thinker and
-    encoders when speech is off). Raises ConfigError naming the YAML key and what to do.
-    """
-    names = list(stages) if stages is not None else list(STAGES if config.speech else STAGES[:2])
-    where = f"{config._source}: " if config._source else ""
-
-    def fail(key: str, text: str) -> typing.NoReturn:
-        raise ConfigError(f"{where}engine.{key}: {text}")
-
-    placed: dict[StageName, str] = {}
-    for name in names:
-        device, key = _device_of(config, name)
-        if device == "auto":
-            device = "cuda" if device_count else "cpu"
-        if device.startswith("cuda"):
-            index = int(device.partition(":")[2] or 0)
-            if index >= device_count:
-                have = {0: "no GPU", 1: "1 GPU (cuda:0)"}.get(
-                    device_count, f"{device_count} GPUs (cuda:0 to cuda:{device_count - 1})"
-                )
-                fail(
-                    key, f"{device}, but this machine has {have}: place the stage on a GPU it has, or on cpu"
-                )
-            device = f"cuda:{index}"
-        placed[name] = device
-    for follower, leader, why in (
-        ("encoders", "thinker", "their rows go straight into the Thinker's prefill"),
-        ("code_predictor", "talker", "it runs inside every Talker step"),
-    ):
-        if follower in placed and leader in placed and placed[follower] != placed[leader]:
-            fail(
-                _device_of(config, follower)[1],
-                f"{placed[follower]}, but the {_TITLES[leader]} is on {placed[leader]} and {why}: "
-                f"put both on the same device",
-            )
-    shares: dict[str, float] = {}
-    for name in names:
-        stage = config.stage(name)
-        section = getattr(config.stages, name)
-        if placed[name] == "cpu" and not stage.enforce_eager:
-            for field in ("graphs", "prefill_graphs", "audio_graphs", "vision_graphs"):
-                given = getattr(section, field, None)
-                if given is not None and given.top is not None:
-                    fail(
-                        f"stages.{name}.{field}",
-                        "CUDA graphs need a GPU and this stage runs on the CPU: "
-                        f"remove the key or set stages.{name}.enforce_eager: true",
-                    )
-        kv = getattr(stage, "kv", None)
-        if kv is None:
-            continue
-        longest = (max_len or {}).get(name, config.max_model_len if name == "thinker" else None)
-        if kv.pages is not None and longest is not None and kv.pages * config.page_size < longest:
-            need = -(-longest // config.page_size)
-            fail(
-                _kv_sizing(config, name)[0][0],
-                f"{kv.pages:,} pages of {config.page_size} tokens hold {kv.pages * config.page_size:,} tokens, "
-                f"less than one request of {longest:,}: give at least {need:,} pages, or a shorter max_model_len",
-            )
-        if kv.share is not None:
-            if placed[name] == "cpu":
-                fail(
-                    f"stages.{name}.kv_share",
-                    "a share of the planned memory needs a GPU; on the CPU give num_kv_pages or kv_cache_memory_gib",
-                )
-            shares[placed[name]] = shares.get(placed[name], 0.0) + kv.share
-            if shares[placed[name]] > 1 + 1e-9:
-                fail(
-                    f"stages.{name}.kv_share",
-                    f"the KV shares of the stages on {placed[name]} add up to {shares[placed[name]]:g}, more than "
-                    "all of it: lower them to a sum of at most 1",
-                )
-    return placed
 
 
 def _describe(exc: ValidationError, source: str, prefix: str = "") -> str:

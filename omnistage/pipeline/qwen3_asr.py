@@ -8,7 +8,7 @@ from pathlib import Path
 
 import torch
 
-from omnistage.config import STAGES, EngineConfig, validate_topology
+from omnistage.config import STAGES, EngineConfig
 from omnistage.engine.attention import backend_for
 from omnistage.engine.capture_plan import Gauge
 from omnistage.engine.encoder_engine import EncoderEngine
@@ -21,6 +21,7 @@ from omnistage.models.qwen3_asr.decoder import load_decoder
 from omnistage.models.qwen3_asr.processor import ASRProcessor
 from omnistage.outputs import RequestOutput
 from omnistage.pipeline.qwen3_omni import TtsPrompt, eos_token_ids
+from omnistage.pipeline.topology import validate_topology
 
 NO_SPEECH = "this model transcribes audio; it does not speak (a Qwen3-Omni checkpoint does)"
 

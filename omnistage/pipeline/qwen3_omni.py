@@ -16,7 +16,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from omnistage.config import STAGES, EngineConfig, validate_topology
+from omnistage.config import STAGES, EngineConfig
 from omnistage.engine.attention import backend_for
 from omnistage.engine.capture_plan import (
     NO_OTHER_STAGES,
@@ -38,6 +38,7 @@ from omnistage.outputs import CompletionOutput, RequestOutput
 from omnistage.pipeline.handoff import Handoff, Speech
 from omnistage.pipeline.side_stream import SideStream
 from omnistage.pipeline.speech_stages import SpeechStages
+from omnistage.pipeline.topology import validate_topology
 
 log = logging.getLogger(__name__)
 

@@ -9,9 +9,10 @@ from pathlib import Path
 import pytest
 
 from omnistage.cli import main
-from omnistage.config import EngineConfig, engine_config, load_config, validate_topology
+from omnistage.config import EngineConfig, engine_config, load_config
 from omnistage.engine.capture_plan import decode_buckets, prefill_buckets
 from omnistage.errors import ConfigError
+from omnistage.pipeline.topology import validate_topology
 
 CONFIGS = Path(__file__).parents[2] / "configs"
 COLOCATED, TWO_GPU, TINY = (CONFIGS / f"{n}.yaml" for n in ("qwen3omni_colocated", "qwen3omni_2gpu", "tiny"))
