@@ -45,7 +45,7 @@ DEFAULT_RESERVE = 512 * MiB
 
 # The graph memory pool of the sets that replay on a device's main stream, one graph at a time: the Thinker's
 # prefill chunks, the encoders and the speech stages share their scratch in it. The Thinker's decode graphs
-# keep a pool of their own: they replay on a stream of their own beside the speech stages
+# keep a pool of their own: with overlap_stages they replay on a stream of their own beside the speech stages
 # (pipeline/side_stream.py), and two graphs running at once must not share scratch.
 MAIN_POOL = "main stream"
 
