@@ -4,8 +4,11 @@ Starts `omnistage serve` on random weights at the released sizes, runs `omnistag
 it, stops it, then runs the in-process benchmark with the same engine settings, clips, concurrencies and
 forced output length, and prints both side by side (RTF and TTFT medians). `--server NAME=FLAGS` adds a
 server variant with extra `serve` flags (e.g. `cap80='--gpu-memory-limit-gib 80'`), each started and timed
-in turn; `--py-spy` records where each server's threads spend the time (raw py-spy stacks). Writes every
-benchmark's JSON and each server's log under --out-dir.
+in turn; `--py-spy` records where each server's threads spend the time (raw py-spy stacks). Each server runs
+one benchmark per concurrency, and its /metrics are read before and after each: the mean of every phase of a
+request's time to first token at that concurrency (prepare: the body in to the hand-over; to_engine;
+first_token; delivery), printed beside the in-process run's stage medians. Writes every benchmark's JSON,
+each server's log and last /metrics, and `phases.json` under --out-dir.
 
     python benchmarks/serving_overhead.py --out-dir $OUT --concurrency 1,16 --server cap80='--gpu-memory-limit-gib 80'
 """
@@ -32,6 +35,9 @@ def _cli(*args: str) -> list[str]:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out-dir", type=Path, required=True)
+    p.add_argument(
+        "--model", help="checkpoint directory (default: the released sizes' skeleton, random weights)"
+    )
     p.add_argument("--concurrency", default="1,16")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--output-tokens", type=int, default=33)
@@ -45,14 +51,18 @@ def main() -> None:
     args = p.parse_args()
     args.out_dir.mkdir(parents=True, exist_ok=True)
 
-    model = released_skeleton()
+    model = args.model or released_skeleton()
     max_seqs = str(max(int(c) for c in args.concurrency.split(",")))
     engine = ["--load-format", "dummy", "--device", "cuda", "--dtype", "bfloat16", *args.engine_args.split()]
-    bench = ["bench", "a2t", "--synth", args.synth, "--concurrency", args.concurrency,
-             "--repeats", str(args.repeats), "--output-tokens", str(args.output_tokens)]  # fmt: skip
+    concurrencies = [int(c) for c in args.concurrency.split(",")]
+
+    def bench(concurrency: str) -> list[str]:
+        return ["bench", "a2t", "--synth", args.synth, "--concurrency", concurrency,
+                "--repeats", str(args.repeats), "--output-tokens", str(args.output_tokens)]  # fmt: skip
 
     variants = {"http": "", **dict(v.split("=", 1) for v in args.server)}
-    outputs = {}
+    results: dict[str, list[dict]] = {}
+    phases: dict[str, dict[int, dict[str, float]]] = {}
     for name, flags in variants.items():
         words = flags.split()
         env = dict(w.split("=", 1) for w in words if "=" in w and w[0].isupper())  # leading VAR=value words
@@ -65,11 +75,16 @@ def main() -> None:
             if args.py_spy:
                 spy = subprocess.Popen(["py-spy", "record", "-p", str(server.process.pid), "-f", "raw", "--threads",
                                         "-r", "200", "-o", str(args.out_dir / f"pyspy_{name}.txt")])  # fmt: skip
-            outputs[name] = args.out_dir / f"a2t_{name}.json"
-            subprocess.run(
-                _cli(*bench, "--url", server.url, "--endpoint", args.endpoint, "--out", str(outputs[name])),
-                check=True,
-            )
+            results[name], phases[name] = [], {}
+            for c in concurrencies:
+                out = args.out_dir / f"a2t_{name}_c{c}.json"
+                before = _phase_totals(server.url)
+                subprocess.run(
+                    _cli(*bench(str(c)), "--url", server.url, "--endpoint", args.endpoint, "--out", str(out)),
+                    check=True,
+                )
+                phases[name][c] = _phase_means(before, _phase_totals(server.url))
+                results[name] += json.loads(out.read_text())["ours"]
             (args.out_dir / f"metrics_{name}.txt").write_text(
                 httpx.get(f"{server.url}/metrics", timeout=10).text
             )
@@ -79,13 +94,12 @@ def main() -> None:
                 spy.wait(timeout=60)
             server.stop()
 
-    outputs["in-process"] = args.out_dir / "a2t_inprocess.json"
+    inprocess = args.out_dir / "a2t_inprocess.json"
     subprocess.run(
-        _cli(*bench, "--model", str(model), *engine, "--out", str(outputs["in-process"])), check=True
+        _cli(*bench(args.concurrency), "--model", str(model), *engine, "--out", str(inprocess)), check=True
     )
-
-    results = {name: json.loads(path.read_text())["ours"] for name, path in outputs.items()}
-    inproc = results["in-process"]
+    results["in-process"] = inproc = json.loads(inprocess.read_text())["ours"]
+    (args.out_dir / "phases.json").write_text(json.dumps(phases, indent=1))
     print("\n| target | c | RTF (x real time) | / in-process | TTFT median ms | TPOT median ms |")
     print("| --- | --- | --- | --- | --- | --- |")
     for name, passes in results.items():
@@ -94,6 +108,38 @@ def main() -> None:
                 f"| {name} | {p['concurrency']} | {p['rtf']:.1f} | {p['rtf'] / i['rtf']:.3f} | "
                 f"{p['ttft_median_ms']:.1f} | {p['tpot_median_ms']:.2f} |"
             )
+    print(
+        "\nTo the first token, mean ms per phase (servers, from /metrics) and median ms per stage (in-process):"
+    )
+    for name, by_c in phases.items():
+        for c, means in by_c.items():
+            print(f"  {name} c={c}: " + ", ".join(f"{phase} {ms:.2f}" for phase, ms in means.items()))
+    for p in inproc:
+        stages = p.get("stages_median_ms", {})
+        print(f"  in-process c={p['concurrency']}: " + ", ".join(f"{k} {v:.2f}" for k, v in stages.items()))
+
+
+def _phase_totals(url: str) -> dict[str, tuple[float, float]]:
+    """(sum, count) of each phase of `omnistage_request_phase_seconds` on the server's /metrics now."""
+    totals: dict[str, list[float]] = {}
+    for line in httpx.get(f"{url}/metrics", timeout=10).text.splitlines():
+        for field, index in (("_sum{", 0), ("_count{", 1)):
+            if line.startswith(f"omnistage_request_phase_seconds{field}"):
+                phase = line.split('phase="', 1)[1].split('"', 1)[0]
+                totals.setdefault(phase, [0.0, 0.0])[index] = float(line.rsplit(" ", 1)[1])
+    return {phase: (total, count) for phase, (total, count) in totals.items()}
+
+
+def _phase_means(
+    before: dict[str, tuple[float, float]], after: dict[str, tuple[float, float]]
+) -> dict[str, float]:
+    """Mean ms of each phase over the requests observed between two readings."""
+    means = {}
+    for phase, (total, count) in after.items():
+        total_before, count_before = before.get(phase, (0.0, 0.0))
+        if count > count_before:
+            means[phase] = (total - total_before) / (count - count_before) * 1e3
+    return means
 
 
 if __name__ == "__main__":

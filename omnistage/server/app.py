@@ -185,6 +185,7 @@ class _Server:
         # The Thinker does not run: its params need only be valid (an empty reply is the pipeline's 400).
         params = SamplingParams(max_tokens=max(1, len(tts.reply_token_ids)))
         request_id = f"speech-{uuid.uuid4().hex}"
+        self.metrics.prepared(getattr(request.state, "received", None))
         outputs = self.engine.generate(request_id, tts.prompt, tts.token_ids, params, speech=speech)
         encoding = ENCODINGS[body.response_format]
         if body.stream_format == "sse" or encoding.format == "RAW":
@@ -352,6 +353,7 @@ class _Server:
         extra: dict[str, Any] = {k: v for k in ("mrope", "mm") if (v := getattr(prompt, k, None)) is not None}
         if speech is not None:
             extra["speech"] = speech
+        self.metrics.prepared(getattr(request.state, "received", None))
         outputs = self.engine.generate(fmt.id, prompt.prompt, prompt.token_ids, params, **extra)
         if stream:
             # Wait for the first output so that admission errors still get their status code.

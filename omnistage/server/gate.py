@@ -1,12 +1,14 @@
 """The door of the app, as plain ASGI: the API key on /v1/*, and the body size limit on everything.
 
 Both run before FastAPI reads or parses a byte, so a wrong key is a 401 whatever the body, and an
-oversized body is refused (413) without being held in memory.
+oversized body is refused (413) without being held in memory. A body let through is stamped with the time
+it was complete (`received` in the request's state), where the server's timing of a request starts.
 """
 
 from __future__ import annotations
 
 import secrets
+import time
 from collections.abc import Callable
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
@@ -45,6 +47,8 @@ class Gate:
         if over:
             await self._reject(scope, receive, send, self._too_large(None))
             return
+        # the whole body is in: a request's "prepare" phase (server/metrics.py) starts here
+        scope.setdefault("state", {})["received"] = time.monotonic()
         await self.app(scope, _replay(body, receive), send)
 
     def _authorized(self, scope: Scope) -> bool:

@@ -7,6 +7,8 @@ at start: its gauges are set once (`set_plan`).
 
 from __future__ import annotations
 
+import time
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 from omnistage.engine.capture_plan import GAUGE_HELP
@@ -54,9 +56,9 @@ class ServerMetrics:
         self.pages_free = Gauge("omnistage_kv_pages_free", "KV cache pages free", registry=r)
         self.phases = Histogram(
             "omnistage_request_phase_seconds",
-            "Where a request's time to first token goes: to_engine (handed over to admitted), first_token "
-            "(admitted to first token: encoders, queue, prefill), delivery (first token to the request's "
-            "handler)",
+            "Where a request's time to first token goes: prepare (body received to handed over: parsing, "
+            "media decoding, the prompt's layout), to_engine (handed over to admitted), first_token (admitted "
+            "to first token: encoders, queue, prefill), delivery (first token to the request's handler)",
             ["phase"],
             buckets=_TTFT_BUCKETS,
             registry=r,
@@ -97,6 +99,11 @@ class ServerMetrics:
 
     def count(self, endpoint: str, status: int | str) -> None:
         self.requests.labels(endpoint, str(status)).inc()
+
+    def prepared(self, received: float | None) -> None:
+        """A request handed over to the engine: its prepare phase, from when its body was in (gate.py)."""
+        if received is not None:
+            self.phases.labels("prepare").observe(time.monotonic() - received)
 
     def observe(self, output: RequestOutput) -> None:
         """Token counts and latencies of a request that has ended (finished or cancelled)."""

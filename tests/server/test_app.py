@@ -70,6 +70,27 @@ def test_engine_error_output_is_500_and_next_works(client, fake_engine):
     assert 'omnistage_requests_total{endpoint="/v1/chat/completions",status="200"} 1.0' in metrics
 
 
+def test_the_prepare_phase_runs_from_the_whole_body_to_the_hand_over(client, fake_engine, monkeypatch):
+    """/metrics' prepare phase: from the moment the body is in (the gate) to the engine's generate, so the
+    prompt's layout counts; a request refused before the hand-over is not counted."""
+    processor = fake_engine.engine.processor
+    encode_chat = processor.encode_chat
+
+    def slow_encode_chat(*args, **kwargs):
+        time.sleep(0.05)
+        return encode_chat(*args, **kwargs)
+
+    monkeypatch.setattr(processor, "encode_chat", slow_encode_chat)
+    assert chat(client, "hello", stream=True).status_code == 200
+    assert chat(client, "hello", model="another").status_code == 404
+    metrics = client.get("/metrics").text
+    samples = dict(
+        line.rsplit(" ", 1) for line in metrics.splitlines() if line.startswith("omnistage_request_phase")
+    )
+    assert float(samples['omnistage_request_phase_seconds_count{phase="prepare"}']) == 1
+    assert 0.05 <= float(samples['omnistage_request_phase_seconds_sum{phase="prepare"}']) < 5
+
+
 def test_queue_full_is_503(client):
     error = assert_error(chat(client, "queue-full"), 503, "server_overloaded", "queue is full")
     assert error["code"] == "queue_full"
