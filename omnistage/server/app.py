@@ -50,13 +50,11 @@ from omnistage.server.metrics import ServerMetrics
 from omnistage.server.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
-    ModelCard,
-    ModelList,
     SpeechRequest,
-    Usage,
     invalid_text,
     may_hold_surrogates,
 )
+from omnistage.server.responses import ModelCard, ModelList, Usage
 from omnistage.server.speech import (
     CHAT_FORMATS,
     ENCODINGS,

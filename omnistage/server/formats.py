@@ -9,7 +9,7 @@ from typing import Any, Protocol, runtime_checkable
 import numpy as np
 from fastapi.responses import Response
 
-from omnistage.server.protocol import (
+from omnistage.server.responses import (
     AssistantMessage,
     ChatChoice,
     ChatChunkChoice,

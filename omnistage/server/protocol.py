@@ -1,4 +1,4 @@
-"""The OpenAI HTTP protocol as pydantic models: requests checked field by field, responses as OpenAI sends them.
+"""The OpenAI HTTP protocol's requests as pydantic models, checked field by field (responses.py: the replies).
 
 Requests are strict: an unknown field is a 400 naming it, and so is a value of the wrong JSON type
 (`"stream": "yes"`, `"temperature": true`; an integer is still a number), an integer beyond int64 or a
@@ -12,7 +12,6 @@ them through `extra_body` unchanged; the Talker's take the same names beside `ma
 from __future__ import annotations
 
 import re
-import time
 from collections.abc import Callable
 from dataclasses import replace
 from typing import Annotated, Any, Literal
@@ -23,11 +22,8 @@ from pydantic import (
     ConfigDict,
     Discriminator,
     Field,
-    SerializerFunctionWrapHandler,
     Tag,
-    field_serializer,
     field_validator,
-    model_serializer,
     model_validator,
 )
 
@@ -411,153 +407,3 @@ class SpeechRequest(_TalkerFields):
     ] = None
     seed: Int64 | None = None  # this server's: seeds the Talker and the code predictor
     user: str | None = None  # OpenAI's end-user tag: ignored
-
-
-# -- responses --------------------------------------------------------------------------------------------
-
-
-def _now() -> int:
-    return int(time.time())
-
-
-class CompletionTokensDetails(BaseModel):
-    text_tokens: int
-    audio_tokens: int  # codec frames (12.5 per second of audio)
-
-
-def _drop_if_none(data: dict[str, Any], name: str) -> dict[str, Any]:
-    # OpenAI leaves the field out where it does not apply; a text reply reads exactly as before speech.
-    if name in data and data[name] is None:
-        del data[name]
-    return data
-
-
-class Usage(BaseModel):
-    prompt_tokens: int
-    completion_tokens: int
-    total_tokens: int
-    completion_tokens_details: CompletionTokensDetails | None = None  # with speech: text and audio tokens
-
-    @model_serializer(mode="wrap")
-    def _serialize(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
-        return _drop_if_none(handler(self), "completion_tokens_details")
-
-    @classmethod
-    def of(cls, prompt_tokens: int, completion_tokens: int, audio_tokens: int | None = None) -> Usage:
-        """Usage of `completion_tokens` text tokens, plus `audio_tokens` codec frames when the reply spoke
-        (counted in completion_tokens too, as OpenAI counts them)."""
-        details = None
-        if audio_tokens is not None:
-            details = CompletionTokensDetails(text_tokens=completion_tokens, audio_tokens=audio_tokens)
-            completion_tokens += audio_tokens
-        return cls(
-            prompt_tokens=prompt_tokens,
-            completion_tokens=completion_tokens,
-            total_tokens=prompt_tokens + completion_tokens,
-            completion_tokens_details=details,
-        )
-
-
-class AssistantAudio(BaseModel):
-    """A spoken reply. Nothing is kept, so `expires_at` is the response's creation: the audio cannot be
-    referred to by its id in a later turn."""
-
-    id: str
-    data: str  # base64 of the audio in the requested format
-    expires_at: int
-    transcript: str
-
-
-class AssistantMessage(BaseModel):
-    role: Literal["assistant"] = "assistant"
-    content: str | None  # None when the reply is spoken: its text is the audio's transcript (as OpenAI)
-    audio: AssistantAudio | None = None
-
-    @model_serializer(mode="wrap")
-    def _serialize(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
-        return _drop_if_none(handler(self), "audio")
-
-
-class ChatChoice(BaseModel):
-    index: int = 0
-    message: AssistantMessage
-    logprobs: None = None
-    finish_reason: str | None
-
-
-class ChatCompletionResponse(BaseModel):
-    id: str
-    object: Literal["chat.completion"] = "chat.completion"
-    created: int = Field(default_factory=_now)
-    model: str
-    choices: list[ChatChoice]
-    usage: Usage
-
-
-class DeltaAudio(BaseModel):
-    """A piece of a streamed spoken reply: the id on the first, then transcript text or base64 pcm16, and
-    `expires_at` alone on the last (as OpenAI streams audio)."""
-
-    id: str | None = None
-    transcript: str | None = None
-    data: str | None = None
-    expires_at: int | None = None
-
-
-class ChatDelta(BaseModel):
-    role: Literal["assistant"] | None = None
-    content: str | None = None
-    audio: DeltaAudio | None = None
-
-
-class ChatChunkChoice(BaseModel):
-    index: int = 0
-    delta: ChatDelta
-    logprobs: None = None
-    finish_reason: str | None = None
-
-    @field_serializer("delta")
-    def _delta(self, delta: ChatDelta) -> dict[str, Any]:
-        # OpenAI leaves unset delta fields out: {"content": "Hi"}, and {} on the finishing chunk.
-        return delta.model_dump(exclude_none=True)
-
-
-class ChatCompletionChunk(BaseModel):
-    id: str
-    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
-    created: int
-    model: str
-    choices: list[ChatChunkChoice]
-    usage: Usage | None = None
-
-
-class CompletionChoice(BaseModel):
-    index: int = 0
-    text: str
-    logprobs: None = None
-    finish_reason: str | None = None
-
-
-class CompletionResponse(BaseModel):
-    """Both the whole response and, with `object` "text_completion" too, each streamed chunk (as OpenAI)."""
-
-    id: str
-    object: Literal["text_completion"] = "text_completion"
-    created: int = Field(default_factory=_now)
-    model: str
-    choices: list[CompletionChoice]
-    usage: Usage | None = None
-
-
-class ModelCard(BaseModel):
-    id: str
-    object: Literal["model"] = "model"
-    created: int
-    owned_by: str = "omnistage"
-    root: str
-    max_model_len: int
-
-
-class ModelList(BaseModel):
-    object: Literal["list"] = "list"
-    data: list[ModelCard]

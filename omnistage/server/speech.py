@@ -23,7 +23,8 @@ from omnistage.errors import OmnistageError
 from omnistage.outputs import AUDIO_SAMPLE_RATE
 from omnistage.server.errors import ErrorKind, InvalidField, error_body
 from omnistage.server.formats import ChatFormat, sse
-from omnistage.server.protocol import (
+from omnistage.server.protocol import VoiceRef
+from omnistage.server.responses import (
     AssistantAudio,
     AssistantMessage,
     ChatChoice,
@@ -32,7 +33,6 @@ from omnistage.server.protocol import (
     ChatDelta,
     DeltaAudio,
     Usage,
-    VoiceRef,
 )
 
 

@@ -18,7 +18,7 @@ from omnistage.errors import InvalidRequest
 from omnistage.models.qwen3_omni.audio_features import SAMPLE_RATE
 from omnistage.models.qwen3_omni.transcription import language_name
 from omnistage.server.formats import sse
-from omnistage.server.protocol import Usage
+from omnistage.server.responses import Usage
 
 RESPONSE_FORMATS = ("json", "text", "verbose_json")
 Transcript = Callable[[str], tuple[str | None, str]]

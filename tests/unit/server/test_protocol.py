@@ -8,13 +8,12 @@ from pydantic import ValidationError
 from omnistage.errors import InvalidRequest
 from omnistage.server.protocol import (
     MAX_SPEECH_INPUT,
-    AssistantMessage,
     ChatAudioParams,
     ChatCompletionRequest,
     SpeechRequest,
-    Usage,
     VoiceRef,
 )
+from omnistage.server.responses import AssistantMessage, Usage
 
 SPEECH = {"model": "tiny", "input": "Hello there.", "voice": "ethan"}
 CHAT = {"model": "tiny", "messages": [{"role": "user", "content": "Hi"}]}

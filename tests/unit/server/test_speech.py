@@ -14,7 +14,8 @@ from omnistage.engine.sampling import talker_sampling_defaults
 from omnistage.errors import QueueFull
 from omnistage.outputs import AUDIO_SAMPLE_RATE
 from omnistage.server.errors import InvalidField, kind_of
-from omnistage.server.protocol import Usage, VoiceRef
+from omnistage.server.protocol import VoiceRef
+from omnistage.server.responses import Usage
 from omnistage.server.speech import (
     CHAT_FORMATS,
     SPEECH_FORMATS,

@@ -1,0 +1,156 @@
+"""The OpenAI HTTP protocol's responses as pydantic models: bodies and stream chunks as OpenAI sends them
+(the requests are in protocol.py)."""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Literal
+
+from pydantic import BaseModel, Field, SerializerFunctionWrapHandler, field_serializer, model_serializer
+
+
+def _now() -> int:
+    return int(time.time())
+
+
+class CompletionTokensDetails(BaseModel):
+    text_tokens: int
+    audio_tokens: int  # codec frames (12.5 per second of audio)
+
+
+def _drop_if_none(data: dict[str, Any], name: str) -> dict[str, Any]:
+    # OpenAI leaves the field out where it does not apply; a text reply reads exactly as before speech.
+    if name in data and data[name] is None:
+        del data[name]
+    return data
+
+
+class Usage(BaseModel):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+    completion_tokens_details: CompletionTokensDetails | None = None  # with speech: text and audio tokens
+
+    @model_serializer(mode="wrap")
+    def _serialize(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        return _drop_if_none(handler(self), "completion_tokens_details")
+
+    @classmethod
+    def of(cls, prompt_tokens: int, completion_tokens: int, audio_tokens: int | None = None) -> Usage:
+        """Usage of `completion_tokens` text tokens, plus `audio_tokens` codec frames when the reply spoke
+        (counted in completion_tokens too, as OpenAI counts them)."""
+        details = None
+        if audio_tokens is not None:
+            details = CompletionTokensDetails(text_tokens=completion_tokens, audio_tokens=audio_tokens)
+            completion_tokens += audio_tokens
+        return cls(
+            prompt_tokens=prompt_tokens,
+            completion_tokens=completion_tokens,
+            total_tokens=prompt_tokens + completion_tokens,
+            completion_tokens_details=details,
+        )
+
+
+class AssistantAudio(BaseModel):
+    """A spoken reply. Nothing is kept, so `expires_at` is the response's creation: the audio cannot be
+    referred to by its id in a later turn."""
+
+    id: str
+    data: str  # base64 of the audio in the requested format
+    expires_at: int
+    transcript: str
+
+
+class AssistantMessage(BaseModel):
+    role: Literal["assistant"] = "assistant"
+    content: str | None  # None when the reply is spoken: its text is the audio's transcript (as OpenAI)
+    audio: AssistantAudio | None = None
+
+    @model_serializer(mode="wrap")
+    def _serialize(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        return _drop_if_none(handler(self), "audio")
+
+
+class ChatChoice(BaseModel):
+    index: int = 0
+    message: AssistantMessage
+    logprobs: None = None
+    finish_reason: str | None
+
+
+class ChatCompletionResponse(BaseModel):
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int = Field(default_factory=_now)
+    model: str
+    choices: list[ChatChoice]
+    usage: Usage
+
+
+class DeltaAudio(BaseModel):
+    """A piece of a streamed spoken reply: the id on the first, then transcript text or base64 pcm16, and
+    `expires_at` alone on the last (as OpenAI streams audio)."""
+
+    id: str | None = None
+    transcript: str | None = None
+    data: str | None = None
+    expires_at: int | None = None
+
+
+class ChatDelta(BaseModel):
+    role: Literal["assistant"] | None = None
+    content: str | None = None
+    audio: DeltaAudio | None = None
+
+
+class ChatChunkChoice(BaseModel):
+    index: int = 0
+    delta: ChatDelta
+    logprobs: None = None
+    finish_reason: str | None = None
+
+    @field_serializer("delta")
+    def _delta(self, delta: ChatDelta) -> dict[str, Any]:
+        # OpenAI leaves unset delta fields out: {"content": "Hi"}, and {} on the finishing chunk.
+        return delta.model_dump(exclude_none=True)
+
+
+class ChatCompletionChunk(BaseModel):
+    id: str
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    created: int
+    model: str
+    choices: list[ChatChunkChoice]
+    usage: Usage | None = None
+
+
+class CompletionChoice(BaseModel):
+    index: int = 0
+    text: str
+    logprobs: None = None
+    finish_reason: str | None = None
+
+
+class CompletionResponse(BaseModel):
+    """Both the whole response and, with `object` "text_completion" too, each streamed chunk (as OpenAI)."""
+
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int = Field(default_factory=_now)
+    model: str
+    choices: list[CompletionChoice]
+    usage: Usage | None = None
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: Literal["model"] = "model"
+    created: int
+    owned_by: str = "omnistage"
+    root: str
+    max_model_len: int
+
+
+class ModelList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]
