@@ -18,6 +18,7 @@ capture itself needs a GPU.
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
 from collections.abc import Callable, Iterable
@@ -191,6 +192,20 @@ class StaticPrefillBuffers:
         self.last_row.zero_()
 
 
+def capture_stream(device: torch.device) -> torch.cuda.Stream:
+    """The stream every graph set of `device` captures on. Not torch.cuda.graph's default, which is made once
+    per process on the device current at the first capture: with stages on two GPUs a set on the other one
+    would capture on a foreign stream (its kernels then not captured, its allocations refused). One stream for
+    all the sets of a device, as the caching allocator gives a pool's freed blocks only to allocations on the
+    stream that freed them: the sets sharing a pool share their scratch only if captured on one stream."""
+    return _capture_stream(device.index if device.index is not None else torch.cuda.current_device())
+
+
+@functools.cache
+def _capture_stream(index: int) -> torch.cuda.Stream:
+    return torch.cuda.Stream(torch.device("cuda", index))
+
+
 def _first_rows(out: Any, rows: int) -> Any:
     if isinstance(out, torch.Tensor):
         return out[:rows]
@@ -258,17 +273,14 @@ class GraphSet:
             return sorted(buckets)
         self._warm_up(buckets)
         self.pool = pool or self.pool or torch.cuda.graph_pool_handle()
-        # torch.cuda.graph's default capture stream is made once per process, on the device current at the
-        # first capture: with stages on two GPUs a set on the other one would capture on a foreign stream
-        # (its kernels then not captured, its allocations refused), so each set captures on its device's.
-        capture_stream = torch.cuda.Stream(self.device)
+        stream = capture_stream(self.device)
         for bucket in tqdm(buckets, desc=f"capturing {self.kind} graphs", unit="graph"):
             before = torch.cuda.memory_reserved(self.device)
             self.buffers.clear(bucket)
             graph = torch.cuda.CUDAGraph()
             with (
                 torch.cuda.device(self.device),
-                torch.cuda.graph(graph, pool=self.pool, stream=capture_stream),
+                torch.cuda.graph(graph, pool=self.pool, stream=stream),
             ):
                 self._outputs[bucket] = self.step(*self.buffers.args(bucket))
             self._graphs.append(graph)

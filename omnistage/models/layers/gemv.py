@@ -79,7 +79,7 @@ def graph_us(call: Callable[[], object], reps: int = 20) -> float:
             call()
     torch.cuda.current_stream().wait_stream(stream)
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph, stream=stream):  # not torch's default: see graphs.GraphSet.capture
+    with torch.cuda.graph(graph, stream=stream):  # not torch's default: see engine/graphs.capture_stream
         for _ in range(COPIES):
             call()
     graph.replay()

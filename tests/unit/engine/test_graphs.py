@@ -207,3 +207,21 @@ def test_prefill_runner_declines_what_it_cannot_hold():
         enforce_eager=True,
     )  # fmt: skip
     assert eager.capture([16, 32]) == [] and eager.run(*_prefill_chunk(8, 0, seed=4)) is None
+
+
+def test_one_capture_stream_per_device(monkeypatch):
+    """Every graph set of a device captures on one stream (the allocator shares a pool's scratch only within
+    a stream), and a set on another device on that device's own; "cuda" is the current device."""
+    import omnistage.engine.graphs as graphs
+
+    made = []
+    monkeypatch.setattr(torch.cuda, "Stream", lambda device: made.append(device) or object())
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 1)
+    graphs._capture_stream.cache_clear()
+    try:
+        first = graphs.capture_stream(torch.device("cuda", 1))
+        assert graphs.capture_stream(torch.device("cuda")) is first
+        assert graphs.capture_stream(torch.device("cuda", 0)) is not first
+        assert made == [torch.device("cuda", 1), torch.device("cuda", 0)]
+    finally:
+        graphs._capture_stream.cache_clear()
