@@ -145,9 +145,15 @@ class Qwen3OmniPipeline:
         self.model_path, self.max_model_len = self.thinker.model_path, self.thinker.max_model_len
         self.device, self.dtype = device, dtype
         self._speaking: dict[str, Speech] = {}
-        # on a GPU the Thinker runs on a stream of its own; its steps run beside the speech stages' (`step`)
+        # on a GPU the Thinker has a stream of its own, for its steps beside the speech stages' (`step`) when
+        # overlap_stages is on (speech_profile.py times both ways)
         self._thinker_side = SideStream(device, "thinker") if self.speaks and device.type == "cuda" else None
         self.overlap = config.overlap_stages
+        if self.overlap and self._thinker_side is not None:
+            log.warning(
+                "overlap_stages: the Thinker's steps run beside the speech stages'; on an H200 with driver "
+                "580.159.04 a process so run stalled for minutes (README, 'Speech out')"
+            )
         self._deferred_aborts: list[str] | None = None  # while a Thinker step runs beside: aborts wait for it
         if self.speech_stages is not None:
             self.handoff = Handoff(
