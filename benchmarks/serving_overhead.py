@@ -52,9 +52,9 @@ def main() -> None:
     args.out_dir.mkdir(parents=True, exist_ok=True)
 
     model = args.model or released_skeleton()
-    max_seqs = str(max(int(c) for c in args.concurrency.split(",")))
-    engine = ["--load-format", "dummy", "--device", "cuda", "--dtype", "bfloat16", *args.engine_args.split()]
     concurrencies = [int(c) for c in args.concurrency.split(",")]
+    max_seqs = str(max(concurrencies))
+    engine = ["--load-format", "dummy", "--device", "cuda", "--dtype", "bfloat16", *args.engine_args.split()]
 
     def bench(concurrency: str) -> list[str]:
         return ["bench", "a2t", "--synth", args.synth, "--concurrency", concurrency,

@@ -278,10 +278,8 @@ class GraphSet:
             before = torch.cuda.memory_reserved(self.device)
             self.buffers.clear(bucket)
             graph = torch.cuda.CUDAGraph()
-            with (
-                torch.cuda.device(self.device),
-                torch.cuda.graph(graph, pool=self.pool, stream=stream),
-            ):
+            # capturing on `stream` also makes its device the current one
+            with torch.cuda.graph(graph, pool=self.pool, stream=stream):
                 self._outputs[bucket] = self.step(*self.buffers.args(bucket))
             self._graphs.append(graph)
             self._replays[bucket] = graph.replay
