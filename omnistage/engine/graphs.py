@@ -275,6 +275,10 @@ class GraphSet:
         self.pool = pool or self.pool or torch.cuda.graph_pool_handle()
         stream = capture_stream(self.device)
         for bucket in tqdm(buckets, desc=f"capturing {self.kind} graphs", unit="graph"):
+            # what torch.cuda.graph does on entering; done before measuring, the cached blocks it frees (the
+            # warm-up's) are not taken off what the capture adds
+            torch.cuda.synchronize(self.device)
+            torch.cuda.empty_cache()
             before = torch.cuda.memory_reserved(self.device)
             self.buffers.clear(bucket)
             graph = torch.cuda.CUDAGraph()
