@@ -41,7 +41,7 @@ def _through_one_buffer(hosts: Sequence[torch.Tensor], device: torch.device, pin
         return []
     # widest elements first: each piece then starts at a multiple of its element size, as view(dtype) needs
     order = sorted(range(len(hosts)), key=lambda i: -hosts[i].element_size())
-    pieces = [hosts[i].contiguous().view(-1).view(torch.uint8) for i in order]
+    pieces = [_as_bytes(hosts[i]) for i in order]
     packed = torch.empty(sum(p.numel() for p in pieces), dtype=torch.uint8, pin_memory=pin)
     on_device = torch.cat(pieces, out=packed).to(device, non_blocking=pin)
     out: list[torch.Tensor] = [on_device] * len(hosts)
@@ -50,6 +50,13 @@ def _through_one_buffer(hosts: Sequence[torch.Tensor], device: torch.device, pin
         out[i] = on_device[offset : offset + piece.numel()].view(hosts[i].dtype).view(hosts[i].shape)
         offset += piece.numel()
     return out
+
+
+def _as_bytes(host: torch.Tensor) -> torch.Tensor:
+    """The bytes of `host` as a flat uint8 tensor (an empty one may have stride 0, which `view` refuses)."""
+    if not host.numel():
+        return torch.empty(0, dtype=torch.uint8)
+    return host.contiguous().view(-1).view(torch.uint8)
 
 
 class Chunk(NamedTuple):

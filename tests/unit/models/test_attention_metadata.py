@@ -1,5 +1,6 @@
 """Host-built step tensors reach the device in one copy, each with its dtype, shape and values."""
 
+import numpy as np
 import torch
 
 from omnistage.models.layers.attention_metadata import (
@@ -18,6 +19,7 @@ def mixed_tensors() -> list[torch.Tensor]:
         torch.randn(5, generator=torch.Generator().manual_seed(0)),
         torch.arange(4).expand(3, 4),  # not contiguous
         torch.zeros(0, dtype=torch.int64),
+        torch.from_numpy(np.array([], dtype=np.int64)),  # empty with stride 0
         torch.tensor([[1.5]], dtype=torch.float64),
     ]
 
