@@ -90,6 +90,7 @@ def _engine_config(args: argparse.Namespace) -> EngineConfig:
     overrides["enforce_eager"] = args.enforce_eager
     overrides["compile"] = False if args.no_compile else None
     overrides["overlap_stages"] = True if args.overlap_stages else None
+    overrides["decode_ahead"] = False if args.no_decode_ahead else None
     if args.config:
         return load_config(args.config, **overrides)
     return engine_config("command line", **{k: v for k, v in overrides.items() if v is not None})
@@ -245,6 +246,11 @@ def _add_switches(parser: argparse.ArgumentParser) -> None:
         "--overlap-stages",
         action="store_true",
         help="on a GPU, run the Thinker's decode steps beside the speech stages' (off by default: README)",
+    )
+    parser.add_argument(
+        "--no-decode-ahead",
+        action="store_true",
+        help="read each decode step's tokens back before launching the next (default: launch it first)",
     )
 
 

@@ -246,6 +246,11 @@ class EngineConfig(BaseModel):
         description="on a GPU, run the Thinker's decode steps beside the speech stages' (a thread and stream of "
         "its own); off by default: on an H200 a process so run stalled for minutes (README)",
     )
+    decode_ahead: bool = Field(
+        True,
+        description="launch the next decode step before the last one's tokens are read back, so that the host's "
+        "work per step runs while the GPU computes (the Thinker's steps beside the speech stages' run without)",
+    )
     moe_kernel: Literal["auto", "grouped_mm", "triton"] = Field(
         "auto", description="GPU MoE kernel: auto takes Triton for decode-sized batches, grouped GEMMs above"
     )

@@ -2,7 +2,8 @@
 
 `LLMEngine.step()` runs one scheduler step and returns what each touched request gained. Everything a
 request does stays inside that request: a failing step fails the requests in it, frees their pages and
-the engine goes on.
+the engine goes on. With `decode_ahead` (decode_ahead.py), a decode step's tokens come out of the `step()`
+call after the one that launched it, which launches the next step first.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import torch
 
 from omnistage.config import EngineConfig
 from omnistage.engine.capture_plan import NO_OTHER_STAGES, GiB, MemoryPlan, StageMemory, kv_bytes_per_page
+from omnistage.engine.decode_ahead import PLACEHOLDER, Launched, decodes_ahead, may_run_ahead
 from omnistage.engine.detokenizer import IncrementalDetokenizer
 from omnistage.engine.encoder_engine import EncoderEngine, MultimodalEmbeds
 from omnistage.engine.gpu_memory import allocator_stats
@@ -75,6 +77,7 @@ class RequestState:
     mrope: PromptPositions | None = None
     mm: MultimodalEmbeds | None = None  # encoder outputs for the prompt's placeholders, until it finishes
     tap: HiddenTap | None = None
+    decodes_ahead: bool = False  # decode_ahead.decodes_ahead
     stop_reason: int | str | None = None
     error: str | None = None
     metrics: dict[str, float] = field(default_factory=dict)
@@ -196,6 +199,9 @@ class LLMEngine:
             self.capture_seconds = time.perf_counter() - started
         self.scheduler = Scheduler(self.pool, config.max_num_seqs, config.max_num_batched_tokens)
         self.sampler = Sampler()
+        self.decode_ahead = config.decode_ahead
+        self._launched: Launched | None = None  # the decode step in flight (decode_ahead)
+        self._launch_failed = False  # the next step runs where a failure fails only the requests at fault
         log.debug("%s", self.memory_summary())
 
     def set_moe_kernel(self, kernel: str) -> None:
@@ -318,6 +324,7 @@ class LLMEngine:
                 mrope=r.mrope,
                 mm=embeds.get(i),
                 tap=r.tap,
+                decodes_ahead=decodes_ahead(params, feeds_a_stage=r.speech is not None),
                 metrics={"arrival": arrival, "encoded": encoded},
             )
             self.scheduler.add(Sequence(r.request_id, list(r.prompt_token_ids), max_tokens[i], data=state))
@@ -344,10 +351,16 @@ class LLMEngine:
 
     def abort(self, request_id: str) -> RequestOutput | None:
         seq = self.scheduler.abort(request_id)
-        return None if seq is None else self._output(seq, "", [])
+        if seq is None:
+            return None
+        while seq.output_token_ids and seq.output_token_ids[-1] == PLACEHOLDER:  # its token in flight
+            seq.output_token_ids.pop()
+        if self._launched is not None and all(c.seq.is_finished for c in self._launched.chunks):
+            self._launched = None  # nothing in flight is wanted; its KV writes precede any later step's
+        return self._output(seq, "", [])
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_unfinished()
+        return self.scheduler.has_unfinished() or self._launched is not None
 
     def replays_next_step(self) -> bool:
         """The next step is a decode step whose batch a captured graph holds: no eager (compiled) code runs."""
@@ -377,6 +390,16 @@ class LLMEngine:
     # -- one step -----------------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
+        if (
+            self.decode_ahead
+            and not self._launch_failed
+            and may_run_ahead(self.scheduler, self._launched, _decodes_ahead)
+        ):
+            return self._step_ahead()
+        if self._launched is not None:  # the next step needs the tokens of the one in flight
+            launched, self._launched = self._launched, None
+            return self._settle(launched)
+        self._launch_failed = False
         step = self.scheduler.schedule()
         if not step.chunks:
             return []
@@ -384,6 +407,61 @@ class LLMEngine:
         for chunk in step.chunks:
             chunk.seq.data.metrics.setdefault("scheduled", now)
         return self._run(step.chunks)
+
+    def _step_ahead(self) -> list[RequestOutput]:
+        """Launch a decode step on the ids of the one in flight, then apply those (decode_ahead.py)."""
+        previous, self._launched = self._launched, None
+        step = self.scheduler.schedule()
+        if previous is None and not (step.is_pure_decode and not step.preempted):
+            return self._run(step.chunks)
+        if step.is_pure_decode and not step.preempted:
+            saved = [(g, g.get_state()) for g in _generators(step.chunks)]
+            try:
+                self._launched = self._launch(step.chunks, previous)
+            except Exception:
+                for generator, state in saved:  # the step runs again: its draws start where they stood
+                    generator.set_state(state)
+                if previous is None:  # run it again here, where a failure fails only the requests at fault
+                    return self._run(step.chunks)
+                log.warning(
+                    "a decode step failed to launch ahead; it runs again after the step in flight",
+                    exc_info=True,
+                )
+                self._launch_failed = True
+        return self._settle(previous) if previous is not None else []
+
+    def _launch(self, chunks: list[ScheduledChunk], previous: Launched | None) -> Launched:
+        """Launch a decode step without waiting for its ids; its sequences get a placeholder token each."""
+        rows = [_row(c.seq) for c in chunks]
+        input_ids = previous.input_ids(chunks) if previous is not None else None
+        launched = Launched.start(
+            chunks, self.sampler(self.runner.execute(SchedulerOutput(chunks), input_ids), rows)
+        )
+        self.scheduler.update(SchedulerOutput(chunks), {c.seq.request_id: PLACEHOLDER for c in chunks})
+        return launched
+
+    def _settle(self, launched: Launched) -> list[RequestOutput]:
+        """Read back a launched step's ids and apply them in place of its placeholders. A sequence finished
+        since (stopped on an earlier token, aborted) drops its token."""
+        try:
+            tokens = launched.tokens()
+        except Exception as exc:
+            return [out for c in launched.chunks if not c.seq.is_finished for out in self._fail(c.seq, exc)]
+        outputs = []
+        for chunk, token in zip(launched.chunks, tokens):
+            seq = chunk.seq
+            if seq.is_finished:
+                continue
+            at = chunk.start + 1 - seq.num_prompt_tokens  # this token's index among the outputs
+            later = seq.output_token_ids[at + 1 :]  # the placeholder of the step launched after this one
+            seq.output_token_ids[at:] = [token]
+            try:
+                outputs.append(self._after_sample(seq, token))
+            except Exception as exc:
+                outputs += self._fail(seq, exc)
+            if not seq.is_finished:
+                seq.output_token_ids += later
+        return outputs
 
     def _run(self, chunks: list[ScheduledChunk]) -> list[RequestOutput]:
         """Run `chunks` as one model step and apply what it sampled; a failure fails only the requests at
@@ -393,7 +471,7 @@ class LLMEngine:
             self._sample_step,
             self._apply,
             lambda chunk, exc: self._fail(chunk.seq, exc),
-            lambda chunks: [g for c in chunks if c.samples and (g := c.seq.data.generator) is not None],
+            _generators,
         )
 
     def _sample_step(self, chunks: list[ScheduledChunk]) -> list[int]:
@@ -465,6 +543,15 @@ class LLMEngine:
             error=state.error,
             metrics=dict(state.metrics),
         )
+
+
+def _decodes_ahead(seq: Sequence) -> bool:
+    return seq.data.decodes_ahead
+
+
+def _generators(chunks: list[ScheduledChunk]) -> list[torch.Generator]:
+    """The seeded generators the sampling chunks draw from."""
+    return [g for c in chunks if c.samples and (g := c.seq.data.generator) is not None]
 
 
 def _row(seq: Sequence) -> SamplingRow:

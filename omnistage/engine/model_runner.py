@@ -154,17 +154,19 @@ class ModelRunner:
         log.info("warmed up %d step shapes in %.1f s", len(WARM_UP_SHAPES), time.perf_counter() - started)
 
     def prepare(
-        self, chunks: list[ScheduledChunk]
+        self, chunks: list[ScheduledChunk], input_ids: torch.Tensor | None = None
     ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, torch.Tensor]:
         """The step's token ids `[T]`, positions `[3, T]`, attention metadata and the rows whose logits are
-        sampled (the last of each sampling chunk, in chunk order), built on the host and moved in one copy."""
+        sampled (the last of each sampling chunk, in chunk order), built on the host and moved in one copy.
+        `input_ids` (on the device) stand for the chunks' tokens when the host does not know them yet."""
         ids: list[int] = []
         positions = np.empty((3, sum(c.num_tokens for c in chunks)), dtype=np.int64)
         sample_rows: list[int] = []
         row = 0
         for chunk in chunks:
             start, count = chunk.start, chunk.num_tokens
-            ids += chunk.seq.token_ids(start, start + count)
+            if input_ids is None:
+                ids += chunk.seq.token_ids(start, start + count)
             mrope = _mrope(chunk)
             if mrope is not None and start < mrope.positions.shape[1]:
                 positions[:, row : row + count] = positions_for(start, count, mrope).numpy()
@@ -177,18 +179,19 @@ class ModelRunner:
         meta = AttentionMetadata.build(
             [(c.start, c.num_tokens, c.seq.page_ids) for c in chunks], self.page_size
         )
-        meta, (input_ids, positions, sample_rows) = meta.to_device(
+        meta, (host_ids, positions, sample_rows) = meta.to_device(
             self.device,
             torch.from_numpy(np.array(ids, dtype=np.int64)),
             torch.from_numpy(positions),
             torch.from_numpy(np.array(sample_rows, dtype=np.int64)),
         )
-        return input_ids, positions, meta, sample_rows
+        return (host_ids if input_ids is None else input_ids), positions, meta, sample_rows
 
     @torch.inference_mode()
-    def execute(self, step: SchedulerOutput) -> torch.Tensor:
-        """Logits `[n, vocab]` (float32) for the n chunks of `step` that end in a sample, in chunk order."""
-        input_ids, positions, meta, sample_rows = self.prepare(step.chunks)
+    def execute(self, step: SchedulerOutput, input_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """Logits `[n, vocab]` (float32) for the n chunks of `step` that end in a sample, in chunk order;
+        `input_ids` as `prepare` takes them."""
+        input_ids, positions, meta, sample_rows = self.prepare(step.chunks, input_ids)
         taps = [(i, tap) for i, c in enumerate(step.chunks) if (tap := _tap(c)) is not None]
         pure_decode = step.is_pure_decode
         if self.graphs is not None and pure_decode and not taps:

@@ -150,6 +150,7 @@ class Qwen3OmniPipeline:
         self._thinker_side = SideStream(device, "thinker") if self.speaks and device.type == "cuda" else None
         self.overlap = config.overlap_stages
         if self.overlap and self._thinker_side is not None:
+            self.thinker.decode_ahead = False  # its steps beside are overlapped already, on a thread
             log.warning(
                 "overlap_stages: the Thinker's steps run beside the speech stages'; on an H200 with driver "
                 "580.159.04 a process so run stalled for minutes (README, 'Speech out')"

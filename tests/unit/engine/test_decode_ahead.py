@@ -1,0 +1,200 @@
+"""Decoding ahead (engine/decode_ahead.py) on the tiny checkpoint (CPU, float32): the same tokens, texts, stops
+and pages as stepping in lockstep; aborts and arrivals while a step is in flight; when a step may run ahead."""
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from omnistage import LLM, SamplingParams
+from omnistage.engine.decode_ahead import PLACEHOLDER, Launched, may_run_ahead
+from omnistage.engine.kv_cache import PagePool
+from omnistage.engine.scheduler import ScheduledChunk, Scheduler
+from omnistage.engine.sequence import Sequence
+
+PROMPTS = [
+    "Hello",
+    "The capital of France is",
+    "def fibonacci(n):",
+    "Q: What is the boiling point of water?\nA:",
+]
+GREEDY = SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True)
+
+
+def make_llm(checkpoint, ahead):
+    return LLM(
+        model=str(checkpoint),
+        device="cpu",
+        dtype="float32",
+        page_size=4,
+        num_kv_pages=256,
+        decode_ahead=ahead,
+    )
+
+
+@pytest.fixture(scope="module")
+def lockstep(tiny_checkpoint):
+    return make_llm(tiny_checkpoint, False)
+
+
+@pytest.fixture(scope="module")
+def ahead(tiny_checkpoint):
+    return make_llm(tiny_checkpoint, True)
+
+
+def assert_idle(llm):
+    engine = llm.engine
+    assert not engine.has_unfinished() and engine._launched is None
+    assert engine.pool.num_free == engine.pool.num_pages
+
+
+def run(llm, requests, late=(), after=3):
+    """Every request's outputs in order; `late` ones are added after `after` steps, with steps in flight."""
+    engine = llm.engine
+    streams = {}
+    for rid, prompt, params in requests:
+        engine.add_request(rid, engine.processor.encode(prompt), params)
+    steps = 0
+    while engine.has_unfinished() or late:
+        if steps == after:
+            for rid, prompt, params in late:
+                engine.add_request(rid, engine.processor.encode(prompt), params)
+            late = ()
+        for out in engine.step():
+            streams.setdefault(out.request_id, []).append(out)
+        steps += 1
+    return streams
+
+
+def summary(outputs):
+    final = outputs[-1].outputs[0]
+    deltas = [t for o in outputs for t in o.outputs[0].delta_token_ids]
+    text = "".join(o.outputs[0].delta_text for o in outputs)
+    assert outputs[-1].finished and not any(o.finished for o in outputs[:-1])
+    assert PLACEHOLDER not in final.token_ids
+    return final.token_ids, deltas, final.text, text, final.finish_reason, final.stop_reason
+
+
+def test_decoding_ahead_gives_what_lockstep_gives(lockstep, ahead, monkeypatch):
+    """Greedy, seeded sampling, a stop token, a stop string, min_tokens with eos, a penalised request (which
+    holds its batch in lockstep while it runs), requests arriving mid-decode: the same tokens, deltas, texts
+    and finish reasons, every page back; and steps did launch ahead."""
+    reference = lockstep.generate(PROMPTS[1], GREEDY)[0].outputs[0]
+    stop_token = reference.token_ids[6]
+    stop_string = reference.text[len(reference.text) // 2 :][:3]
+    requests = [
+        ("greedy", PROMPTS[0], GREEDY),
+        (
+            "seeded",
+            PROMPTS[2],
+            SamplingParams(max_tokens=15, temperature=1.0, top_k=20, seed=3, ignore_eos=True),
+        ),
+        (
+            "stop-token",
+            PROMPTS[1],
+            SamplingParams(max_tokens=20, temperature=0.0, stop_token_ids=[stop_token]),
+        ),
+    ]
+    late = [
+        ("stop-string", PROMPTS[1], SamplingParams(max_tokens=20, temperature=0.0, stop=[stop_string])),
+        ("min-tokens", PROMPTS[3], SamplingParams(max_tokens=12, min_tokens=9, temperature=0.8, seed=5)),
+        ("one-token", PROMPTS[0], SamplingParams(max_tokens=1, temperature=0.0)),
+    ]
+    expected = {rid: summary(outs) for rid, outs in run(lockstep, requests, late).items()}
+    launches = []
+    launch = ahead.engine._launch
+    monkeypatch.setattr(
+        ahead.engine, "_launch", lambda chunks, prev: launches.append(len(chunks)) or launch(chunks, prev)
+    )
+    got = {rid: summary(outs) for rid, outs in run(ahead, requests, late).items()}
+    assert got == expected
+    assert expected["stop-token"][4] == "stop" and expected["stop-string"][4] == "stop"
+    assert len(launches) >= 10 and max(launches) >= 4
+    penalised = [
+        (
+            "penalised",
+            PROMPTS[0],
+            SamplingParams(max_tokens=24, temperature=0.0, repetition_penalty=1.3, ignore_eos=True),
+        )
+    ]
+    launches.clear()
+    both = requests[:1] + penalised
+    assert {r: summary(o) for r, o in run(ahead, both).items()} == {
+        r: summary(o) for r, o in run(lockstep, both).items()
+    }
+    assert not launches  # the greedy request's batch-mate decodes in lockstep, so the batch does
+    assert_idle(ahead)
+    assert_idle(lockstep)
+
+
+def test_an_abort_with_a_token_in_flight(lockstep, ahead):
+    """Aborted while its step is in flight: its output has the tokens read back so far, no placeholder; no page
+    is kept and nothing is left in flight; the next request is unaffected."""
+    engine = ahead.engine
+    reference = lockstep.generate(PROMPTS[2], GREEDY)[0].outputs[0].token_ids
+    engine.add_request("x", engine.processor.encode(PROMPTS[2]), GREEDY)
+    seen = []
+    while engine._launched is None or len(seen) < 5:
+        seen += [t for o in engine.step() for t in o.outputs[0].delta_token_ids]
+    assert engine.scheduler.get("x").output_token_ids[-1] == PLACEHOLDER
+    out = engine.abort("x")
+    assert out.finished and out.outputs[0].finish_reason == "abort"
+    assert out.outputs[0].token_ids == seen == reference[: len(seen)]
+    assert_idle(ahead)
+    assert ahead.generate(PROMPTS[2], GREEDY)[0].outputs[0].token_ids == reference
+
+
+def _seq(rid, output_tokens, max_tokens, left=1, eligible=True):
+    seq = Sequence(rid, [1, 2, 3], max_tokens, data=SimpleNamespace(decodes_ahead=eligible))
+    seq.output_token_ids = [7] * output_tokens
+    seq.num_computed_tokens = seq.num_tokens - left
+    return seq
+
+
+def _scheduler(seqs, num_pages=8, page_size=4):
+    pool = PagePool(num_pages, page_size)
+    scheduler = Scheduler(pool, max_num_seqs=8, max_num_batched_tokens=64)
+    for seq in seqs:
+        seq.page_ids = pool.allocate(pool.pages_for(seq.num_tokens - 1))
+        seq.status = seq.status.RUNNING
+        scheduler.running.append(seq)
+    return scheduler
+
+
+def _launched(seqs):
+    chunks = [ScheduledChunk(seq, seq.num_computed_tokens - 1, 1) for seq in seqs]
+    return Launched.start(chunks, torch.arange(10, 10 + len(seqs)))
+
+
+def eligible(seq):
+    return seq.data.decodes_ahead
+
+
+def test_when_a_step_may_run_ahead():
+    a, b = _seq("a", 2, 10), _seq("b", 3, 10)
+    assert may_run_ahead(_scheduler([a, b]), None, eligible)
+    assert may_run_ahead(_scheduler([a, b]), _launched([a, b]), eligible)
+    assert not may_run_ahead(_scheduler([a, b]), _launched([b]), eligible)  # a's input is on the host only
+    assert not may_run_ahead(_scheduler([]), None, eligible)
+    assert not may_run_ahead(_scheduler([a, _seq("p", 0, 10, left=3)]), None, eligible)  # a prefill
+    assert not may_run_ahead(_scheduler([a, _seq("last", 9, 10)]), None, eligible)  # its 10th token ends it
+    assert may_run_ahead(_scheduler([a, _seq("two-left", 8, 10)]), None, eligible)
+    assert not may_run_ahead(_scheduler([a, _seq("penalised", 2, 10, eligible=False)]), None, eligible)
+    waiting = _scheduler([a])
+    waiting.waiting.append(_seq("w", 0, 10, left=3))
+    assert not may_run_ahead(waiting, None, eligible)
+    # 5 tokens each at 4 a page: the sixth needs a second page; two sequences, one page free
+    crowded = _scheduler([_seq("c", 2, 10), _seq("d", 2, 10)], num_pages=3)
+    assert not may_run_ahead(crowded, None, eligible)
+    assert may_run_ahead(_scheduler([_seq("c", 2, 10), _seq("d", 2, 10)], num_pages=4), None, eligible)
+
+
+def test_the_next_inputs_are_the_ids_sampled_for_the_same_sequences():
+    a, b, c = _seq("a", 2, 10), _seq("b", 2, 10), _seq("c", 2, 10)
+    launched = _launched([a, b, c])
+    assert launched.tokens() == [10, 11, 12]
+    assert launched.input_ids(launched.chunks).tolist() == [10, 11, 12]
+    assert launched.input_ids([ScheduledChunk(s, s.num_computed_tokens, 1) for s in (a, c)]).tolist() == [
+        10,
+        12,
+    ]
