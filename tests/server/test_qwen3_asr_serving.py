@@ -1,4 +1,5 @@
-"""A Qwen3-ASR checkpoint served by `build_app` as readily as a Qwen3-Omni one (tiny checkpoint, CPU)."""
+"""A Qwen3-ASR checkpoint served by `build_app` as readily as a Qwen3-Omni one (tiny checkpoint, CPU), and by a live
+`omnistage serve` to the openai client."""
 
 from __future__ import annotations
 
@@ -7,10 +8,12 @@ import io
 import json
 
 import numpy as np
+import openai
 import pytest
 import soundfile
 from fastapi.testclient import TestClient
 
+from omnistage.bench.server_process import ServerProcess
 from omnistage.config import engine_config
 from omnistage.models.qwen3_asr.tiny import make_tiny
 from omnistage.pipeline.async_engine import AsyncEngine
@@ -29,9 +32,13 @@ def wav(seconds: float) -> bytes:
 
 
 @pytest.fixture(scope="module")
-def client(tmp_path_factory):
-    directory = make_tiny(tmp_path_factory.mktemp("asr"))
-    engine = AsyncEngine.from_config(engine_config(model=str(directory), device="cpu", num_kv_pages=256))
+def checkpoint(tmp_path_factory):
+    return make_tiny(tmp_path_factory.mktemp("asr"))
+
+
+@pytest.fixture(scope="module")
+def client(checkpoint):
+    engine = AsyncEngine.from_config(engine_config(model=str(checkpoint), device="cpu", num_kv_pages=256))
     try:
         yield TestClient(build_app(engine, MODEL))
     finally:
@@ -89,3 +96,37 @@ def test_chat_with_audio_transcribes_and_other_asks_are_400s(client):
     assert response.status_code == 400
     response = client.post("/v1/audio/speech", json={"model": MODEL, "input": "hi", "voice": "ethan"})
     assert response.status_code == 400
+
+
+def test_the_openai_client_transcribes_through_a_live_server(checkpoint, client, tmp_path):
+    """`omnistage serve --model <a Qwen3-ASR checkpoint>` in a process of its own, the openai client over HTTP:
+    the transcript, language and duration the in-process app gives for the same clip."""
+    args = [
+        "--model",
+        str(checkpoint),
+        "--device",
+        "cpu",
+        "--served-model-name",
+        MODEL,
+        "--log-level",
+        "warning",
+    ]
+    server = ServerProcess(args, tmp_path / "server.log")
+    try:
+        api = openai.OpenAI(base_url=f"{server.wait_ready().url}/v1", api_key="none", max_retries=0)
+        result = api.audio.transcriptions.create(
+            model=MODEL,
+            file=("clip.wav", wav(1.5), "audio/wav"),
+            language="en",
+            response_format="verbose_json",
+            extra_body={"max_tokens": 8},
+        )
+    finally:
+        server.stop()
+    expected = transcribe(client, language="en", response_format="verbose_json")
+    assert (result.text, result.language, result.duration) == (
+        expected["text"],
+        expected["language"],
+        expected["duration"],
+    )
+    assert result.language == "english" and result.text
