@@ -42,7 +42,9 @@ class MRotaryEmbedding(nn.Module):
         )
         inv_freq = 1.0 / (self.theta**exponent)
         angles = positions.float()[:, :, None] * inv_freq  # [3, T, head_dim/2]
-        merged = angles[0].clone()
+        # Stream 0's angles, overwritten in place where another stream's frequencies go: `angles` is this call's
+        # own tensor and those writes read only its other streams, so no clone (a device copy a step) is needed.
+        merged = angles[0]
         for stream in (1, 2):
             picked = slice(stream, 3 * self.mrope_section[stream], 3)
             merged[:, picked] = angles[stream, :, picked]

@@ -32,7 +32,14 @@ PREFIXES = {
 
 
 class DenseDecoderLayer(nn.Module):
-    """Pre-norm attention (q/k norm, RoPE, GQA) then a SwiGLU MLP."""
+    """Pre-norm attention (q/k norm, RoPE, GQA) then a SwiGLU MLP.
+
+    The MLP's residual add is left to the next layer (or the final norm): a layer returns the MLP's output and
+    the residual apart, and adds the previous layer's pair before its input norm. The sum is the same bf16 add;
+    compiled, it fuses into the input norm's kernel. Done at the end of the layer instead, Inductor folds it into
+    the down projection as `addmm(residual, ...)`, which on a GPU first copies the residual into the output (a
+    device-to-device memcpy a layer) and then accumulates onto it.
+    """
 
     def __init__(self, cfg: DenseTextConfig, backend: AttentionBackend) -> None:
         super().__init__()
@@ -51,13 +58,18 @@ class DenseDecoderLayer(nn.Module):
     def forward(
         self,
         x: torch.Tensor,
+        residual: torch.Tensor | None,
         cos: torch.Tensor,
         sin: torch.Tensor,
         kv_cache: torch.Tensor,
         meta: AttentionMetadata,
-    ) -> torch.Tensor:
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(MLP output, residual) of the layer whose input is `residual + x` (`x` for the first layer, whose
+        `residual` is None); their sum is the layer's output."""
+        if residual is not None:
+            x = residual + x
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, kv_cache, meta)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        return self.mlp(self.post_attention_layernorm(x)), x
 
 
 class DecoderModel(nn.Module):
@@ -76,9 +88,10 @@ class DecoderModel(nn.Module):
         meta: AttentionMetadata,
     ) -> torch.Tensor:
         cos, sin = self.rotary_emb(positions)
+        residual = None
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
-            hidden = layer(hidden, cos, sin, kv_cache, meta)
-        return self.norm(hidden)
+            hidden, residual = layer(hidden, residual, cos, sin, kv_cache, meta)
+        return self.norm(hidden if residual is None else residual + hidden)
 
 
 class Qwen3ASRDecoder(nn.Module):
