@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from omnistage.engine.capture_plan import decode_buckets
+from omnistage.engine.buckets import decode_buckets
 from omnistage.engine.gpu_memory import Peak, device_peak, scaled_peaks
 from omnistage.engine.graphs import GraphSet
 from omnistage.models.qwen3_omni.code2wav import Code2Wav

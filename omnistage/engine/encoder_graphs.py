@@ -25,7 +25,7 @@ from collections.abc import Callable
 
 import torch
 
-from omnistage.engine.capture_plan import decode_buckets
+from omnistage.engine.buckets import decode_buckets
 from omnistage.engine.gpu_memory import Peak, device_peak
 from omnistage.engine.graphs import GraphSet
 from omnistage.models.layers.varlen_attention import Segments

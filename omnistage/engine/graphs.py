@@ -27,7 +27,7 @@ from typing import Any
 import torch
 from tqdm import tqdm
 
-from omnistage.engine.capture_plan import bucket_for, faster_buckets
+from omnistage.engine.buckets import bucket_for, faster_buckets
 from omnistage.models.layers.attention_metadata import AttentionMetadata
 
 logger = logging.getLogger(__name__)
@@ -220,7 +220,7 @@ class GraphSet:
     Graphs are captured largest first into one memory pool, which the smaller ones (and other sets given
     the same `pool`) reuse: only one step runs at a time. A set with `route_by_speed` times each bucket's
     replay after capture and sends a batch to a larger bucket whose graph replays faster
-    (`capture_plan.faster_buckets`); `routes` holds what it chose.
+    (`buckets.faster_buckets`); `routes` holds what it chose.
     """
 
     kind = "step"

@@ -14,6 +14,7 @@ import logging
 import torch
 
 from omnistage.config import EngineConfig, Graphs
+from omnistage.engine.buckets import decode_buckets, prefill_buckets
 from omnistage.engine.capture_plan import (
     MAIN_POOL,
     NO_OTHER_STAGES,
@@ -23,9 +24,7 @@ from omnistage.engine.capture_plan import (
     KVPool,
     MemoryPlan,
     StageMemory,
-    decode_buckets,
     plan_device,
-    prefill_buckets,
 )
 from omnistage.engine.encoder_engine import EncoderEngine
 from omnistage.engine.gpu_memory import graph_candidates, scaled_peaks

@@ -17,7 +17,8 @@ import torch
 
 from omnistage.config import EngineConfig
 from omnistage.engine.attention import backend_for
-from omnistage.engine.capture_plan import MAIN_POOL, GiB, KVPool, MemoryPlan, StageMemory, decode_buckets
+from omnistage.engine.buckets import decode_buckets
+from omnistage.engine.capture_plan import MAIN_POOL, GiB, KVPool, MemoryPlan, StageMemory
 from omnistage.engine.code2wav_graphs import Code2WavGraphs
 from omnistage.engine.embedding_stage import EmbeddingStage
 from omnistage.engine.frame_graphs import FrameGraphRunner

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from omnistage.engine.attention import AttentionMetadata, TorchReferenceBackend
-from omnistage.engine.capture_plan import decode_buckets
+from omnistage.engine.buckets import decode_buckets
 from omnistage.models.layers.moe_experts import fused_experts
 
 pytestmark = [

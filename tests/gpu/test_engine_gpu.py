@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from omnistage import LLM, SamplingParams
-from omnistage.engine.capture_plan import prefill_buckets
+from omnistage.engine.buckets import prefill_buckets
 
 pytestmark = pytest.mark.gpu
 

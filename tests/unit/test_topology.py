@@ -10,7 +10,7 @@ import pytest
 
 from omnistage.cli import main
 from omnistage.config import EngineConfig, engine_config, load_config
-from omnistage.engine.capture_plan import decode_buckets, prefill_buckets
+from omnistage.engine.buckets import decode_buckets, prefill_buckets
 from omnistage.errors import ConfigError
 from omnistage.pipeline.topology import validate_topology
 

@@ -2,6 +2,7 @@ from dataclasses import replace
 
 import pytest
 
+from omnistage.engine.buckets import bucket_for, decode_buckets
 from omnistage.engine.capture_plan import (
     DEFAULT_RESERVE,
     DeviceMemory,
@@ -11,12 +12,8 @@ from omnistage.engine.capture_plan import (
     KVPool,
     MiB,
     StageMemory,
-    bucket_for,
-    decode_buckets,
-    faster_buckets,
     kv_bytes_per_page,
     plan_device,
-    prefill_buckets,
 )
 from omnistage.errors import ConfigError
 
@@ -46,19 +43,6 @@ def plan_memory(
     return plan_device(device, [thinker], reserve=reserve, graph_budget=graph_budget)
 
 
-def test_default_buckets():
-    assert decode_buckets() == [1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128]
-    assert decode_buckets(512)[-4:] == [192, 256, 384, 512]
-
-
-def test_prefill_buckets():
-    assert prefill_buckets() == [16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512]
-    assert prefill_buckets(100) == [16, 24, 32, 48, 64, 96, 100]
-    assert prefill_buckets(8) == [8]
-    with pytest.raises(ValueError):
-        prefill_buckets(0)
-
-
 def test_decode_graphs_claim_the_budget_before_prefill_graphs():
     plan = plan_memory(
         total=80 * GiB,
@@ -82,48 +66,6 @@ def test_decode_graphs_claim_the_budget_before_prefill_graphs():
     ):
         assert f"{line}\n" in table, table
     assert "  eager Thinker prefill (tokens): 512" in table
-
-
-def test_buckets_end_at_max():
-    assert decode_buckets(1) == [1]
-    assert decode_buckets(6) == [1, 2, 4, 6]
-    assert decode_buckets(20) == [1, 2, 4, 8, 16, 20]
-    assert decode_buckets(24) == [1, 2, 4, 8, 16, 24]
-    with pytest.raises(ValueError):
-        decode_buckets(0)
-
-
-def test_bucket_for_and_padding():
-    buckets = decode_buckets(64)
-    assert [bucket_for(b, buckets) for b in (1, 2, 3, 5, 9, 17, 25, 33, 64)] == [
-        1,
-        2,
-        4,
-        8,
-        16,
-        24,
-        32,
-        48,
-        64,
-    ]
-    assert bucket_for(65, buckets) is None
-    # Not every bucket captured: the next captured one up is used.
-    assert bucket_for(3, [1, 8]) == 8
-    with pytest.raises(ValueError):
-        bucket_for(0, buckets)
-
-
-def test_faster_buckets_pad_only_to_a_clearly_faster_larger_bucket():
-    # measured like the code predictor's frames on an H200: 8 rows beat 1, 2 and 4; 16 and 32 cost more
-    replay_ms = {1: 4.9, 2: 4.8, 4: 4.3, 8: 3.6, 16: 3.8, 32: 4.6}
-    assert faster_buckets(replay_ms) == {1: 8, 2: 8, 4: 8, 8: 8, 16: 16, 32: 32}
-    # a MoE decode: every padding row costs, nothing moves
-    assert faster_buckets({1: 2.0, 2: 2.4, 4: 3.1}) == {1: 1, 2: 2, 4: 4}
-    # within the margin (noise) a batch keeps its own bucket; the fastest larger one wins, not the first
-    assert faster_buckets({1: 1.0, 2: 0.97, 4: 0.9, 8: 0.5}) == {1: 8, 2: 8, 4: 8, 8: 8}
-    assert faster_buckets({1: 1.0, 2: 0.97}) == {1: 1, 2: 2}
-    assert faster_buckets({1: 1.0, 2: 0.9}, margin=0.2) == {1: 1, 2: 2}
-    assert faster_buckets({}) == {}
 
 
 def test_kv_bytes_per_page_thinker():

@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from omnistage.engine.attention import TorchReferenceBackend
-from omnistage.engine.capture_plan import bucket_for, scaled_costs
+from omnistage.engine.buckets import bucket_for
+from omnistage.engine.capture_plan import scaled_costs
 from omnistage.engine.embedding_stage import EmbeddingStage
 from omnistage.engine.gpu_memory import Peak
 from omnistage.engine.sampling import SamplingParams, talker_sampling_defaults

@@ -3,7 +3,7 @@
 import torch
 
 from omnistage.engine.attention import AttentionMetadata, TorchReferenceBackend
-from omnistage.engine.capture_plan import decode_buckets, prefill_buckets
+from omnistage.engine.buckets import decode_buckets, prefill_buckets
 from omnistage.engine.graphs import DecodeGraphRunner, PrefillGraphRunner, StaticDecodeBuffers
 
 PAGE, PAGES, HEADS, KV_HEADS, DIM = 4, 80, 4, 2, 8

@@ -284,7 +284,7 @@ def test_prefill_graph_path_equals_eager(tiny_checkpoint, llm, alone):
     first chunks sample nothing, and an audio prompt whose embeddings carry the encoder's rows."""
     import numpy as np
 
-    from omnistage.engine.capture_plan import prefill_buckets
+    from omnistage.engine.buckets import prefill_buckets
 
     chunked = make_llm(tiny_checkpoint, num_kv_pages=256, max_num_batched_tokens=8)
     for graphs in (make_llm(tiny_checkpoint, num_kv_pages=256), chunked):

@@ -96,7 +96,7 @@ def test_its_layers_compile_whole_for_every_batch_bucket():
     buckets that dynamo never falls back to eager (its limit is 8 per code object)."""
     from torch._dynamo.utils import counters
 
-    from omnistage.engine.capture_plan import decode_buckets
+    from omnistage.engine.buckets import decode_buckets
     from omnistage.engine.static_sampling import StaticRows, sample_static
 
     model = CodePredictor(CONFIG)
