@@ -71,6 +71,12 @@ class Launched:
         return self.host.tolist()
 
 
+def drop_placeholders(token_ids: list[int]) -> None:
+    """End a finished sequence's tokens at the last one read back: its tokens in flight are not its."""
+    while token_ids and token_ids[-1] == PLACEHOLDER:
+        token_ids.pop()
+
+
 def decodes_ahead(params: SamplingParams, feeds_a_stage: bool) -> bool:
     """Whether a request may decode ahead: its sampling reads the count of its tokens, not their values (no
     penalty), and no later stage reads its tokens as they come (a spoken reply's feed the Talker, whose first

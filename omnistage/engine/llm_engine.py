@@ -18,7 +18,13 @@ import torch
 
 from omnistage.config import EngineConfig
 from omnistage.engine.capture_plan import NO_OTHER_STAGES, GiB, MemoryPlan, StageMemory, kv_bytes_per_page
-from omnistage.engine.decode_ahead import PLACEHOLDER, Launched, decodes_ahead, may_run_ahead
+from omnistage.engine.decode_ahead import (
+    PLACEHOLDER,
+    Launched,
+    decodes_ahead,
+    drop_placeholders,
+    may_run_ahead,
+)
 from omnistage.engine.detokenizer import IncrementalDetokenizer
 from omnistage.engine.encoder_engine import EncoderEngine, MultimodalEmbeds
 from omnistage.engine.gpu_memory import allocator_stats
@@ -353,8 +359,6 @@ class LLMEngine:
         seq = self.scheduler.abort(request_id)
         if seq is None:
             return None
-        while seq.output_token_ids and seq.output_token_ids[-1] == PLACEHOLDER:  # its token in flight
-            seq.output_token_ids.pop()
         if self._launched is not None and all(c.seq.is_finished for c in self._launched.chunks):
             self._launched = None  # nothing in flight is wanted; its KV writes precede any later step's
         return self._output(seq, "", [])
@@ -523,6 +527,7 @@ class LLMEngine:
         state: RequestState = seq.data
         finished = seq.is_finished
         if finished:
+            drop_placeholders(seq.output_token_ids)  # ended with a token in flight (aborted, failed)
             state.metrics.setdefault("finished", time.monotonic())
             state.mm = None
         completion = CompletionOutput(

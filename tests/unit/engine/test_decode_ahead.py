@@ -144,6 +144,36 @@ def test_an_abort_with_a_token_in_flight(lockstep, ahead):
     assert ahead.generate(PROMPTS[2], GREEDY)[0].outputs[0].token_ids == reference
 
 
+def test_a_step_whose_ids_cannot_be_read_back_fails_its_requests(ahead, monkeypatch):
+    """Reading a launched step's ids back raises (say, a device fault): its requests end with an error, their
+    tokens those read back before it, no placeholder; every page is back and the engine serves on."""
+    engine = ahead.engine
+    reference = ahead.generate(PROMPTS[3], GREEDY)[0].outputs[0].token_ids
+    for rid in ("a", "b"):
+        engine.add_request(rid, engine.processor.encode(PROMPTS[3]), GREEDY)
+    calls = {"n": 0}
+    tokens = Launched.tokens
+
+    def failing(launched):
+        calls["n"] += 1
+        if calls["n"] == 4:
+            raise RuntimeError("device fault")
+        return tokens(launched)
+
+    monkeypatch.setattr(Launched, "tokens", failing)
+    finals = {}
+    while engine.has_unfinished():
+        finals |= {o.request_id: o for o in engine.step() if o.finished}
+    for rid in ("a", "b"):
+        out = finals[rid]
+        assert out.outputs[0].finish_reason == "error" and "device fault" in out.error
+        token_ids = out.outputs[0].token_ids
+        assert 0 < len(token_ids) < len(reference) and token_ids == reference[: len(token_ids)]
+    assert_idle(ahead)
+    monkeypatch.undo()
+    assert ahead.generate(PROMPTS[3], GREEDY)[0].outputs[0].token_ids == reference
+
+
 def _seq(rid, output_tokens, max_tokens, left=1, eligible=True):
     seq = Sequence(rid, [1, 2, 3], max_tokens, data=SimpleNamespace(decodes_ahead=eligible))
     seq.output_token_ids = [7] * output_tokens
