@@ -13,8 +13,8 @@ sequences that all ran in the step in flight (their inputs are its ids), none of
 (its length check would end the sequence before the token before it is known), each of which decodes ahead
 (`decodes_ahead`: its sampling reads no token values, and no later stage waits for its tokens), and no page
 shortage (a preemption would recompute a placeholder). Anything else waits until the step in flight has been
-applied. A sequence that stops on a token is past its end in the
-step launched after it: that step's token for it is dropped.
+applied. A sequence that stops on a token is past its end in the step launched after it: that step's token
+for it is dropped.
 """
 
 from __future__ import annotations
