@@ -38,7 +38,9 @@ class DenseDecoderLayer(nn.Module):
     the residual apart, and adds the previous layer's pair before its input norm. The sum is the same bf16 add;
     compiled, it fuses into the input norm's kernel. Done at the end of the layer instead, Inductor folds it into
     the down projection as `addmm(residual, ...)`, which on a GPU first copies the residual into the output (a
-    device-to-device memcpy a layer) and then accumulates onto it.
+    device-to-device memcpy a layer) and then accumulates onto it. The first layer gets a zero residual, not
+    None: every layer then calls the compiled code with the same argument types, and none doubles its variants
+    (a None on one layer took dynamo past its recompile limit, and the layers ran eagerly).
     """
 
     def __init__(self, cfg: DenseTextConfig, backend: AttentionBackend) -> None:
@@ -58,16 +60,14 @@ class DenseDecoderLayer(nn.Module):
     def forward(
         self,
         x: torch.Tensor,
-        residual: torch.Tensor | None,
+        residual: torch.Tensor,
         cos: torch.Tensor,
         sin: torch.Tensor,
         kv_cache: torch.Tensor,
         meta: AttentionMetadata,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """(MLP output, residual) of the layer whose input is `residual + x` (`x` for the first layer, whose
-        `residual` is None); their sum is the layer's output."""
-        if residual is not None:
-            x = residual + x
+        """(MLP output, residual) of the layer whose input is `residual + x`; their sum is the layer's output."""
+        x = residual + x
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, kv_cache, meta)
         return self.mlp(self.post_attention_layernorm(x)), x
 
@@ -88,10 +88,10 @@ class DecoderModel(nn.Module):
         meta: AttentionMetadata,
     ) -> torch.Tensor:
         cos, sin = self.rotary_emb(positions)
-        residual = None
+        residual = torch.zeros_like(hidden)
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
             hidden, residual = layer(hidden, residual, cos, sin, kv_cache, meta)
-        return self.norm(hidden if residual is None else residual + hidden)
+        return self.norm(residual + hidden)
 
 
 class Qwen3ASRDecoder(nn.Module):

@@ -1,6 +1,7 @@
 """The Qwen3-ASR decoder's layers compiled as the GPU engine compiles them, here with Inductor on the CPU."""
 
 import torch
+from torch._dynamo.utils import counters
 from torch._inductor.utils import run_and_get_code
 
 from omnistage.engine.attention import AttentionMetadata, TorchReferenceBackend
@@ -49,3 +50,43 @@ def test_compiled_layers_add_no_residual_into_a_projection(tmp_path):
     assert codes and not any("addmm" in code for code in codes)
     for ours, want in zip(compiled, eager, strict=True):
         torch.testing.assert_close(ours, want, rtol=1e-5, atol=1e-5)
+
+
+def test_every_layer_calls_the_same_compiled_variants(tmp_path):
+    """The engine compiles every layer with `dynamic=True`: the layers share one code object, whose variants dynamo
+    caps (8 by default); past the cap, calls silently run eagerly. The first layer must be called with arguments of
+    the same types as the others (a None residual there made variants of its own, and the H200 run hit the cap):
+    over a server's step shapes, the whole stack compiles no more variants than one layer does."""
+    decoder = load_decoder(make_tiny(tmp_path), torch.float32, "cpu", OpaqueBackend())
+    cfg, layers = decoder.config, decoder.model.layers
+    assert len(layers) > 1
+    ids = torch.randint(0, cfg.vocab_size, (64,), generator=torch.Generator().manual_seed(0))
+    shapes = [[(0, n, [0, 1, 2, 3])] for n in (64, 17, 2, 1)] + [
+        [(5, 1, [b]) for b in range(n)] for n in (8, 4, 1)
+    ]
+
+    def variants() -> int:
+        torch._dynamo.reset()
+        counters.clear()
+        for layer in decoder.model.layers:
+            layer.compile(dynamic=True, backend="eager")  # the guards are dynamo's, whatever the backend
+        with torch.inference_mode():
+            for chunks in shapes:
+                kv = [
+                    torch.zeros(2, 8, PAGE, cfg.num_key_value_heads, cfg.head_dim)
+                    for _ in decoder.model.layers
+                ]
+                tokens = sum(count for _, count, _ in chunks)
+                positions = torch.cat([torch.arange(start, start + n) for start, n, _ in chunks]).expand(
+                    3, -1
+                )
+                decoder(ids[:tokens], positions, kv, AttentionMetadata.build(chunks, PAGE))
+        return counters["stats"]["unique_graphs"]
+
+    try:
+        stack = variants()
+        decoder.model.layers = layers[:1]
+        assert stack == variants()
+    finally:
+        decoder.model.layers = layers
+        torch._dynamo.reset()
