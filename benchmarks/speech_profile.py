@@ -8,8 +8,9 @@ requests with their lengths forced (100 text tokens, 125 frames), and once every
 - plain: the wall time of each `pipeline.step()` (median), nothing added; also with `pipeline.overlap` on
   (the Thinker's step beside the speech stages' instead of before them, pipeline/side_stream.py; off by
   default, README);
-- by phase: each phase of the step (Thinker step, Talker step, code predictor, Talker input rows,
-  Code2Wav, the rest) wrapped in a CUDA synchronisation and a host clock. The syncs cost a little and stop
+- by phase: each phase of the step (Thinker step, Talker step, code predictor on the Talker's device-side
+  ids, the ids' read-back, the code predictor after it (a failure's retry), Talker input rows, Code2Wav, the
+  rest) wrapped in a CUDA synchronisation and a host clock. The syncs cost a little and stop
   the GPU from running ahead, so the phases add up to slightly more than the plain step.
 Then one step under torch.profiler: the CUDA kernels with the most total time, the count of launches, how
 long the GPU sat idle between the step's first and last kernel and the longest such gaps (each with the
@@ -144,8 +145,10 @@ def profile(pipeline: Any, concurrency: int, steps: int, text_tokens: int, out_d
     originals = {}
     targets = {
         "Thinker step": (pipeline.thinker, "step"),
-        "Talker step": (pipeline.speech_stages.talker_stage, "step"),
-        "code predictor": (pipeline.handoff, "predict_isolated"),
+        "Talker step": (pipeline.speech_stages.talker_stage, "launch"),
+        "code predictor": (pipeline.handoff, "launch_frames"),
+        "Talker ids read back": (pipeline.speech_stages.talker_stage, "settle"),
+        "code predictor after the read-back": (pipeline.handoff, "predict_isolated"),
         "Talker input rows": (pipeline.handoff, "feed_text"),
         "Code2Wav": (pipeline.speech_stages.streamer, "step"),
     }

@@ -22,6 +22,7 @@ from typing import Any, Protocol
 
 import torch
 
+from omnistage.engine.decode_ahead import Launched
 from omnistage.engine.gpu_memory import Peak, device_peak, scaled_peaks
 from omnistage.engine.graphs import DecodeGraphRunner
 from omnistage.engine.isolation import run_isolated
@@ -79,6 +80,18 @@ class Sampled:
     finished: bool
     reason: str | None = None  # "stop", "length" or "error" once finished
     error: str | None = None
+
+
+@dataclass
+class InFlight:
+    """A launched step (`EmbeddingStage.launch`) not yet applied: its chunks, the final hidden states `[n, H]` of
+    its n sampling chunks and their sampled ids (`ids.sampled` on the device, row b the b-th sampling chunk's;
+    None when no chunk samples), or the error that failed its one chunk."""
+
+    chunks: list[ScheduledChunk]
+    hidden: torch.Tensor | None
+    ids: Launched | None
+    error: Exception | None = None
 
 
 _REASONS = {
@@ -240,26 +253,41 @@ class EmbeddingStage:
     # -- one step -----------------------------------------------------------------------------------
 
     def step(self) -> list[Sampled]:
-        out = self.scheduler.schedule(ready=_ready)
-        return self._run(out.chunks) if out.chunks else []
+        return self.settle(self.launch())
 
-    def _run(self, chunks: list[ScheduledChunk]) -> list[Sampled]:
-        """One model step over `chunks`; a failure fails only its request (see isolation.run_isolated)."""
+    def launch(self) -> list[InFlight]:
+        """Schedule and launch one model step, its sampled ids left on their way to the host (`settle` applies
+        them), so that the caller may launch work on them (`InFlight.ids`) before the host waits for them. A
+        failure fails only its request (isolation.run_isolated): the step is then several, a chunk each."""
+        out = self.scheduler.schedule(ready=_ready)
+        if not out.chunks:
+            return []
         return run_isolated(
-            chunks,
-            self._sample_step,
-            self._apply,
-            lambda chunk, exc: [self._fail(chunk.seq, exc)],
+            out.chunks,
+            self._compute,
+            lambda chunks, result: [InFlight(chunks, *result)],
+            lambda chunk, exc: [InFlight([chunk], None, None, exc)],
             lambda chunks: [g for c in chunks if c.samples and (g := c.seq.data.generator) is not None],
         )
 
-    def _sample_step(self, chunks: list[ScheduledChunk]) -> tuple[torch.Tensor, list[int]]:
+    def settle(self, flights: list[InFlight]) -> list[Sampled]:
+        """Wait for the launched steps' ids and apply them: per sampling chunk, in order, what it got."""
+        results = []
+        for flight in flights:
+            if flight.error is not None:
+                results.append(self._fail(flight.chunks[0].seq, flight.error))
+            else:
+                results += self._apply(
+                    flight.chunks, flight.hidden, flight.ids.tokens() if flight.ids else []
+                )
+        return results
+
+    def _compute(self, chunks: list[ScheduledChunk]) -> tuple[torch.Tensor, Launched | None]:
         sampling = [c for c in chunks if c.samples]
         hidden, logits = self._execute(chunks)
-        return hidden, self._sample(logits, sampling).tolist() if sampling else []
+        return hidden, Launched.start(sampling, self._sample(logits, sampling)) if sampling else None
 
-    def _apply(self, chunks: list[ScheduledChunk], result: tuple[torch.Tensor, list[int]]) -> list[Sampled]:
-        hidden, tokens = result
+    def _apply(self, chunks: list[ScheduledChunk], hidden: torch.Tensor, tokens: list[int]) -> list[Sampled]:
         sampling = [c for c in chunks if c.samples]
         self.scheduler.update(
             SchedulerOutput(chunks), {c.seq.request_id: t for c, t in zip(sampling, tokens)}

@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from omnistage.engine.embedding_stage import Sampled
+from omnistage.engine.embedding_stage import InFlight, Sampled
 from omnistage.engine.model_runner import HiddenTap
 from omnistage.engine.sampling import SpeechParams
 from omnistage.models.layers.attention_metadata import to_device
@@ -74,6 +74,22 @@ class Speech:
         return self.generated[:-1] if self.text_done else self.generated
 
 
+@dataclass
+class EarlyFrames:
+    """Frames the code predictor computed on a Talker step's ids before they reached the host
+    (`Handoff.launch_frames`): frames `[B, G]` and codec embedding sums `[B, H]`, and for each sampling row of
+    the step that was predicted, its request and its row in them."""
+
+    rows: dict[int, tuple[Speech, int]]
+    codes: torch.Tensor
+    sums: torch.Tensor
+
+    def row_of(self, row: int, speech: Speech) -> int | None:
+        """Where the step's sampling row `row` has its frame, if it was predicted for `speech`."""
+        predicted, at = self.rows.get(row, (None, 0))
+        return at if predicted is speech else None
+
+
 class Handoff:
     """The speaking step over `speaking` (the pipeline's dict of speaking requests, shared): the Talker's prompt
     from the Thinker's rows on the Thinker's `device`, text rows from its `embedding`, and `fail(speech, error)`
@@ -106,8 +122,10 @@ class Handoff:
                     self.fail(speech, f"speech failed: {type(exc).__name__}: {exc}")
         self.feed_text()
         talker, streamer = self.stages.talker_stage, self.stages.streamer
+        flights = talker.launch() if talker.has_unfinished() else []
+        early = self.launch_frames(flights)
         frames: list[tuple[Speech, Sampled]] = []
-        for sampled in talker.step() if talker.has_unfinished() else []:
+        for row, sampled in enumerate(talker.settle(flights)):
             speech = self.speaking.get(sampled.request_id)
             if speech is None:
                 continue
@@ -115,10 +133,13 @@ class Handoff:
                 self.fail(speech, f"speech failed: {sampled.error}")
             elif sampled.token == self.model_config.talker.codec_eos_token_id:
                 self.end_talker(speech)
+            elif early is not None and (at := early.row_of(row, speech)) is not None:
+                self.accept_frames([(speech, sampled)], early.codes[at : at + 1], early.sums[at : at + 1])
             else:
                 frames.append((speech, sampled))
         if frames:
             self.predict_isolated(frames)
+        if early is not None or frames:
             self.feed_text()
         chunks: dict[str, list[np.ndarray]] = {}
         streaming = [s for s in self.speaking.values() if s.request_id in streamer.streams]
@@ -205,13 +226,45 @@ class Handoff:
             speech.codec_sum = None
             speech.rows_fed += 1
 
+    def launch_frames(self, flights: list[InFlight]) -> EarlyFrames | None:
+        """The code predictor on a Talker step's sampled ids while they are still on their way to the host, so that
+        the host waits for them with both stages queued on the GPU. Every row is predicted: a row that sampled
+        codec EOS gets a frame that is then dropped. Only for a step that launched whole (one flight); a failure
+        here leaves the frames to `predict_isolated`, after the ids are read back."""
+        if len(flights) != 1 or flights[0].ids is None:
+            return None
+        flight = flights[0]
+        speeches = [self.speaking.get(chunk.seq.request_id) for chunk in flight.ids.chunks]
+        rows = [row for row, speech in enumerate(speeches) if speech is not None and speech.error is None]
+        if not rows:
+            return None
+        hidden, code0 = flight.hidden, flight.ids.sampled
+        if len(rows) < len(speeches):
+            index = to_device(torch.tensor(rows), code0.device)
+            hidden, code0 = hidden.index_select(0, index), code0.index_select(0, index)
+        try:
+            codes, sums = self.run_frames([speeches[row] for row in rows], hidden, code0)
+        except Exception as exc:
+            log.warning(
+                "the code predictor on a Talker step's ids failed (%s); it runs again once they are read", exc
+            )
+            return None
+        return EarlyFrames({row: (speeches[row], i) for i, row in enumerate(rows)}, codes, sums)
+
     def predict_frames(self, frames: list[tuple[Speech, Sampled]]) -> None:
         """Codes 1..15 of every new frame in one batched call (a graph replay on a GPU); the frames go to
         Code2Wav."""
         code0 = to_device(torch.tensor([s.token for _, s in frames]), self.stages.device)
         hidden = torch.stack([s.hidden for _, s in frames])
-        speeches = [speech for speech, _ in frames]
-        count = len(frames)
+        self.accept_frames(frames, *self.run_frames([speech for speech, _ in frames], hidden, code0))
+
+    def run_frames(
+        self, speeches: list[Speech], hidden: torch.Tensor, code0: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The frames `[B, G]` (code 0 first) and codec embedding sums `[B, H]` of B speaking requests from the
+        Talker's hidden states `[B, H]` and code-0 ids `[B]` (device tensors), each request's draws where they
+        stand. Copies of the graph's outputs, which its next replay overwrites."""
+        count = len(speeches)
         residual, sums = self.stages.frame_graphs.run(
             hidden,
             code0,
@@ -221,12 +274,15 @@ class Handoff:
             seeds=[s.predictor_seed for s in speeches],
             draws=[s.predictor_draws for s in speeches],
         )
-        # the graph's outputs are overwritten by its next replay; a request waiting for its text row keeps its sum
-        sums = sums.clone()
-        for speech in speeches:
-            speech.predictor_draws += self.model_config.talker.num_code_groups - 1
-        frame_codes = torch.cat((code0[:, None], residual), dim=1)
+        return torch.cat((code0[:, None], residual), dim=1), sums.clone()
+
+    def accept_frames(
+        self, frames: list[tuple[Speech, Sampled]], frame_codes: torch.Tensor, sums: torch.Tensor
+    ) -> None:
+        """Each request's new frame to its codes and Code2Wav; its draws advance. A request waiting for its text
+        row keeps the frame's sum (`feed_text`)."""
         for (speech, sampled), codes, codec_sum in zip(frames, frame_codes, sums):
+            speech.predictor_draws += self.model_config.talker.num_code_groups - 1
             # on the device: read back once, when the request ends (no sync per step)
             speech.codes.append(codes)
             self.stages.streamer.feed(speech.request_id, codes[:, None])

@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from omnistage.models.layers.gemv import gemv
+from omnistage.models.layers.gemv import gemv, one_row_configs
 from omnistage.models.layers.linear import GemvLinear, adopt_gemv
 
 pytestmark = [
@@ -26,6 +26,18 @@ def test_gemv_is_the_linear_product(out_features, in_features, rows):
     x = torch.randn(rows, in_features, device=DEV, generator=g).to(torch.bfloat16)
     want = F.linear(x.float(), weight.float())
     torch.testing.assert_close(gemv(x, weight).float(), want, rtol=2e-2, atol=5e-2)
+
+
+@pytest.mark.parametrize(("out_features", "in_features"), [(1024, 2048), (1024, 3072), (6144, 1024)])
+def test_every_one_row_configuration_is_the_linear_product(out_features, in_features):
+    g = torch.Generator(device=DEV).manual_seed(in_features)
+    weight = torch.randn(out_features, in_features, device=DEV, generator=g).to(torch.bfloat16)
+    x = torch.randn(1, in_features, device=DEV, generator=g).to(torch.bfloat16)
+    want = F.linear(x.float(), weight.float())
+    for config in one_row_configs(in_features):
+        torch.testing.assert_close(
+            gemv(x, weight, *config).float(), want, rtol=2e-2, atol=5e-2, msg=str(config)
+        )
 
 
 class Projections(nn.Module):

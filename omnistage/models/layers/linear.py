@@ -7,8 +7,12 @@ The fused weight is the projections' weights stacked; each `nn.Linear` keeps its
 
 from __future__ import annotations
 
+import logging
+
 import torch
 from torch import nn
+
+log = logging.getLogger(__name__)
 
 
 def fuse_linears(*linears: nn.Linear) -> torch.Tensor:
@@ -30,14 +34,17 @@ def fuse_projections(model: nn.Module) -> None:
 
 
 class GemvLinear(nn.Linear):
-    """An `nn.Linear` without bias whose one-row calls on the GPU take the Triton GEMV (`gemv.py`): what
-    `adopt_gemv` puts where it measured the GEMV faster than cuBLAS for the projection's shape."""
+    """An `nn.Linear` without bias whose one-row calls on the GPU take the Triton GEMV (`gemv.py`) with the
+    configuration `adopt_gemv` measured fastest (block_n, block_k, num_warps): what it puts where the GEMV beat
+    cuBLAS for the projection's shape."""
+
+    config: tuple[int, int, int] = (8, 0, 4)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.is_cuda and x.numel() == x.shape[-1]:
             from omnistage.models.layers.gemv import gemv
 
-            return gemv(x.reshape(1, -1), self.weight).reshape(*x.shape[:-1], self.out_features)
+            return gemv(x.reshape(1, -1), self.weight, *self.config).reshape(*x.shape[:-1], self.out_features)
         return super().forward(x)
 
 
@@ -46,11 +53,12 @@ GEMV_MARGIN = 0.15  # the GEMV replaces cuBLAS where it is this much faster: not
 
 def adopt_gemv(model: nn.Module) -> list[str]:
     """Make every bias-free `nn.Linear` of `model` on CUDA a `GemvLinear` where, timed here on one row in a CUDA
-    graph, the GEMV beats cuBLAS by more than GEMV_MARGIN (each shape timed once); returns their names. The
-    weight parameter moves over as it is: same name, same storage."""
-    from omnistage.models.layers.gemv import gemv, graph_us
+    graph, the GEMV's fastest configuration beats cuBLAS by more than GEMV_MARGIN (each shape timed once);
+    returns their names, and logs each shape's choice and times. The weight parameter moves over as it is: same
+    name, same storage."""
+    from omnistage.models.layers.gemv import fastest_config, graph_us
 
-    faster: dict[tuple[int, int, torch.dtype], bool] = {}
+    chosen: dict[tuple[int, int, torch.dtype], tuple[int, int, int] | None] = {}
     adopted = []
     for name, linear in list(model.named_modules()):
         if type(linear) is not nn.Linear or linear.bias is not None or not linear.weight.is_cuda:
@@ -64,15 +72,23 @@ def adopt_gemv(model: nn.Module) -> list[str]:
         ):
             continue
         shape = (*weight.shape, weight.dtype)
-        if shape not in faster:
+        if shape not in chosen:
             x = torch.randn(1, weight.shape[1], dtype=weight.dtype, device=weight.device)
             with torch.inference_mode():
                 cublas = graph_us(lambda x=x, w=weight: torch.nn.functional.linear(x, w))
-                ours = graph_us(lambda x=x, w=weight: gemv(x, w))
-            faster[shape] = ours < cublas * (1 - GEMV_MARGIN)
-        if faster[shape]:
+                best = fastest_config(weight)
+            chosen[shape] = None
+            if best is not None and best[1] < cublas * (1 - GEMV_MARGIN):
+                chosen[shape] = best[0]
+            log.info(
+                "one row through %s: cuBLAS %.1f µs, GEMV %s; %s",
+                tuple(weight.shape), cublas, "failed" if best is None else f"{best[1]:.1f} µs at {best[0]}",
+                "GEMV" if chosen[shape] else "cuBLAS",
+            )  # fmt: skip
+        if chosen[shape] is not None:
             replacement = GemvLinear(linear.in_features, linear.out_features, bias=False, device="meta")
             replacement.weight = weight
+            replacement.config = chosen[shape]
             parent_name, _, child = name.rpartition(".")
             setattr(model.get_submodule(parent_name), child, replacement)
             adopted.append(name)

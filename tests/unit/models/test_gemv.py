@@ -36,3 +36,15 @@ else:
         weight = torch.randn(out_features, in_features)
         x = torch.randn(rows, in_features)
         torch.testing.assert_close(gemv(x, weight, block_n), F.linear(x, weight), rtol=1e-5, atol=1e-4)
+
+    @pytest.mark.parametrize("config", [(8, 256, 4), (2, 1024, 4), (1, 512, 4), (16, 64, 8)])
+    def test_every_one_row_configuration_is_the_linear_product(config):
+        """One row accumulates elementwise and reduces once; blocks longer than the row, and a row that is not a
+        multiple of the block, are masked."""
+        from omnistage.models.layers.gemv import one_row_configs
+
+        torch.manual_seed(sum(config))
+        weight = torch.randn(70, 300)
+        x = torch.randn(1, 300)
+        torch.testing.assert_close(gemv(x, weight, *config), F.linear(x, weight), rtol=1e-5, atol=1e-4)
+        assert all(block_k <= 512 for _, block_k, _ in one_row_configs(300))

@@ -214,14 +214,15 @@ def test_cancelled_and_failed_speaking_requests_leave_every_pool_full(llm, monke
     pipeline = llm.pipeline
     specs = [speak(llm, 4, frames=8, text_tokens=4), speak(llm, 5, frames=8, text_tokens=4)]
     alone = run(llm, requests(llm, specs[1:], first_id=50))["50"][-1]
-    predict = pipeline.handoff.predict_frames
+    predict = pipeline.handoff.run_frames
 
-    def failing_for_60(frames):
-        if any(speech.request_id == "60" for speech, _ in frames):
+    def failing_for_60(speeches, hidden, code0):
+        if any(speech.request_id == "60" for speech in speeches):
             raise RuntimeError("injected failure")
-        predict(frames)
+        return predict(speeches, hidden, code0)
 
-    monkeypatch.setattr(pipeline.handoff, "predict_frames", failing_for_60)
+    # the batch fails on the Talker's device-side ids, then again once they are read back, then 60 fails alone
+    monkeypatch.setattr(pipeline.handoff, "run_frames", failing_for_60)
     outs = run(llm, requests(llm, specs, first_id=60))
     victim, neighbour = outs["60"][-1], outs["61"][-1]
     assert (
@@ -319,15 +320,15 @@ def test_thinker_steps_beside_the_speaking_steps_change_nothing_but_timing(llm, 
         assert ours.audio_codes == theirs.audio_codes and len(ours.audio_codes) == 10
     assert_pools_full(llm)
 
-    predict = pipeline.handoff.predict_frames
+    predict = pipeline.handoff.run_frames
 
-    def failing_for_401_at_its_fourth_frame(frames):
-        if any(speech.request_id == "401" and len(speech.codes) == 3 for speech, _ in frames):
+    def failing_for_401_at_its_fourth_frame(speeches, hidden, code0):
+        if any(speech.request_id == "401" and len(speech.codes) == 3 for speech in speeches):
             assert pipeline._deferred_aborts is not None  # a Thinker step is running beside this one
             raise RuntimeError("injected failure")
-        predict(frames)
+        return predict(speeches, hidden, code0)
 
-    monkeypatch.setattr(pipeline.handoff, "predict_frames", failing_for_401_at_its_fourth_frame)
+    monkeypatch.setattr(pipeline.handoff, "run_frames", failing_for_401_at_its_fourth_frame)
     outs = run(llm, requests(llm, specs[:2], first_id=400))
     assert "injected failure" in outs["401"][-1].error and len(outs["401"][-1].outputs[0].token_ids) < 14
     assert outs["400"][-1].audio_codes == sequential["200"][-1].audio_codes
@@ -368,3 +369,40 @@ def test_a_speaking_step_that_raises_beside_the_thinker_waits_for_its_step(llm, 
         pipeline.abort(request.request_id)
     assert_pools_full(llm)
     side.close()
+
+
+def test_code_predictor_on_the_talkers_device_side_ids_changes_nothing(llm, monkeypatch):
+    """Each speaking step launches the code predictor on the ids the Talker sampled before they reach the host
+    (`Handoff.launch_frames`). Against the frames predicted after the read-back: the same codes, audio and text,
+    also for a request that samples codec EOS mid-way (its frame of that step is dropped) beside others that go
+    on, and every pool is full after."""
+    pipeline = llm.pipeline
+    stage = pipeline.speech_stages.talker_stage
+    eos = llm.pipeline.model_config.talker.codec_eos_token_id
+    sample = stage._sample
+
+    def eos_at_frame_five_for_request_one(logits, sampling):
+        ids = sample(logits, sampling)
+        for row, chunk in enumerate(sampling):
+            if chunk.seq.request_id.endswith("1") and chunk.seq.num_output_tokens == 5:
+                ids[row] = eos
+        return ids
+
+    monkeypatch.setattr(stage, "_sample", eos_at_frame_five_for_request_one)
+    specs = [speak(llm, i, frames=9, text_tokens=6) for i in range(3)]
+    specs[1]["speech"] = SpeechParams(VOICES[1], talker(9, seed=101))  # EOS ends it (the others ignore it)
+    launched = []
+    launch = pipeline.handoff.launch_frames
+    monkeypatch.setattr(pipeline.handoff, "launch_frames", lambda f: launched.append(out := launch(f)) or out)
+    early = run(llm, requests(llm, specs, first_id=500))
+    assert any(frames is not None for frames in launched)
+    monkeypatch.setattr(pipeline.handoff, "launch_frames", lambda flights: None)
+    after = run(llm, requests(llm, specs, first_id=600))
+    for i in range(3):
+        ours, theirs = early[str(500 + i)][-1], after[str(600 + i)][-1]
+        assert ours.error is None and theirs.error is None
+        assert ours.outputs[0].token_ids == theirs.outputs[0].token_ids
+        assert ours.audio_codes == theirs.audio_codes
+        assert len(ours.audio_codes) == (5 if i == 1 else 9)
+        np.testing.assert_array_equal(ours.audio, theirs.audio)
+    assert_pools_full(llm)
