@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import statistics
 import time
 from collections.abc import Callable
@@ -243,6 +244,7 @@ def main() -> None:
         "--tiny", action="store_true", help="the embedded tiny model on the CPU (a smoke run)"
     )
     args = parser.parse_args()
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     concurrencies = [int(c) for c in args.concurrency.split(",")]
     where = (
         {"device": "cpu"}
