@@ -36,6 +36,7 @@ from omnistage.engine.scheduler import ScheduledChunk, Scheduler, SchedulerOutpu
 from omnistage.engine.sequence import Sequence, SequenceStatus
 from omnistage.engine.stage_plan import plan_stage_memory
 from omnistage.errors import ConfigError, InvalidRequest, RequestTooLarge
+from omnistage.models.layers.linear import adopt_gemv
 from omnistage.models.layers.moe import SparseMoeBlock
 from omnistage.models.layers.rotary import PromptPositions
 from omnistage.models.qwen3_omni.config import TextConfig
@@ -144,6 +145,10 @@ class LLMEngine:
         text = models.text
         self.vocab_size = text.vocab_size
         self.set_moe_kernel(config.moe_kernel)
+        if self.device.type == "cuda":
+            # a decode step at one row: each projection where the Triton GEMV streams it faster than cuBLAS
+            adopted = adopt_gemv(self.model)
+            log.info("one-row projections on the Triton GEMV: %d (%s)", len(adopted), ", ".join(adopted[:4]))
         self.compiled = self.device.type == "cuda" and config.compile
         if self.compiled:
             # Regional compilation: the 48 identical decoder layers share one compiled graph, which fuses

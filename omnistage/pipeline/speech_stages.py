@@ -69,9 +69,7 @@ class SpeechStages:
         self.code_predictor = load_code_predictor(path, dtype, device, config.load_format, config.seed)
         if device.type == "cuda":
             adopted = adopt_gemv(self.talker) + adopt_gemv(self.code_predictor)
-            log.info(
-                "one-row projections on the Triton GEMV (measured faster than cuBLAS): %s", adopted or "none"
-            )
+            log.info("one-row projections on the Triton GEMV: %d (%s)", len(adopted), ", ".join(adopted[:4]))
         compiled = device.type == "cuda" and config.compile
         if compiled:
             # as the Thinker's: the layers' norms, rotary and residual glue fused. A frame of the code predictor

@@ -76,6 +76,27 @@ def test_projections_fused_into_a_larger_gemm_are_left_alone():
     assert adopt_gemv(model) == []
 
 
+def test_a_fused_projection_takes_the_gemv_where_it_is_faster_and_keeps_its_product():
+    """The code predictor's MLP (gate/up fused, 1,024 to 2 x 3,072): its fused GEMM is timed as a shape of its
+    own; whichever wins, one row gives cuBLAS's product within bf16 tolerance, compiled and in a graph."""
+    from omnistage.models.layers.moe import GatedMLP
+
+    mlp = GatedMLP(1024, 3072).to(DEV, torch.bfloat16).requires_grad_(False)
+    mlp.fuse_projections()
+    x = torch.randn(1, 1024, device=DEV, dtype=torch.bfloat16)
+    want = mlp(x).float()
+    adopted = adopt_gemv(mlp)
+    assert set(adopted) <= {"gate_up", "down_proj"}
+    assert (mlp.gate_up.gemv_config is not None) == ("gate_up" in adopted)
+    compiled = torch.compile(mlp, dynamic=True)
+    compiled(x)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = compiled(x)
+    graph.replay()
+    torch.testing.assert_close(out.float(), want, rtol=2e-2, atol=5e-2)
+
+
 def test_a_compiled_gemv_linear_replays_in_a_graph():
     layer = GemvLinear(2048, 1024, bias=False, device=DEV, dtype=torch.bfloat16).requires_grad_(False)
     compiled = torch.compile(layer, dynamic=True, fullgraph=True)

@@ -3,12 +3,11 @@
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from omnistage.models.layers.attention_backend import AttentionBackend
 from omnistage.models.layers.attention_metadata import AttentionMetadata
-from omnistage.models.layers.linear import fuse_linears
+from omnistage.models.layers.linear import FusedProjection, fuse_linears
 from omnistage.models.layers.norm import RMSNorm, rms_norm
 from omnistage.models.layers.rotary import apply_rotary
 
@@ -48,12 +47,12 @@ class Attention(nn.Module):
         self.o_proj = nn.Linear(num_heads * head_dim, hidden_size, bias=False)
         self.q_norm = RMSNorm(head_dim, rms_norm_eps)
         self.k_norm = RMSNorm(head_dim, rms_norm_eps)
-        self.qkv_weight: torch.Tensor | None = None
+        self.qkv: FusedProjection | None = None
 
     def fuse_projections(self) -> None:
         """One [q; k; v] weight, one GEMM per step; the three parameters become views of it (same names,
         no extra memory), so loading and state_dict still speak the checkpoint's names."""
-        self.qkv_weight = fuse_linears(self.q_proj, self.k_proj, self.v_proj)
+        self.qkv = FusedProjection(fuse_linears(self.q_proj, self.k_proj, self.v_proj))
 
     def forward(
         self,
@@ -64,8 +63,8 @@ class Attention(nn.Module):
         meta: AttentionMetadata,
     ) -> torch.Tensor:
         tokens = x.shape[0]
-        if self.qkv_weight is not None:
-            qkv = F.linear(x, self.qkv_weight)
+        if self.qkv is not None:
+            qkv = self.qkv(x)
             heads = self.num_heads + self.num_kv_heads
             qk = qkv[:, : heads * self.head_dim].reshape(tokens, heads, self.head_dim)
             q, k = norm_rotate_qk(qk, self.q_norm, self.k_norm, self.num_heads, cos, sin)

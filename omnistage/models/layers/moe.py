@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from omnistage.models.layers.linear import fuse_linears
+from omnistage.models.layers.linear import FusedProjection, fuse_linears
 from omnistage.models.layers.moe_experts import fused_experts
 
 # Token-expert pairs up to which "auto" takes the Triton kernel (decode batches); grouped GEMMs above.
@@ -33,15 +33,15 @@ class GatedMLP(nn.Module):
         self.gate_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
         self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
         self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
-        self.gate_up_weight: torch.Tensor | None = None
+        self.gate_up: FusedProjection | None = None
 
     def fuse_projections(self) -> None:
         """gate and up as one GEMM (`linear.fuse_linears`)."""
-        self.gate_up_weight = fuse_linears(self.gate_proj, self.up_proj)
+        self.gate_up = FusedProjection(fuse_linears(self.gate_proj, self.up_proj))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.gate_up_weight is not None:
-            gate, up = F.linear(x, self.gate_up_weight).chunk(2, dim=-1)
+        if self.gate_up is not None:
+            gate, up = self.gate_up(x).chunk(2, dim=-1)
         else:
             gate, up = self.gate_proj(x), self.up_proj(x)
         return self.down_proj(F.silu(gate) * up)

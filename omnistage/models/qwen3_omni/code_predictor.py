@@ -20,7 +20,7 @@ from torch import nn
 
 from omnistage.errors import ConfigError
 from omnistage.models.layers.attention import norm_rotate_qk
-from omnistage.models.layers.linear import fuse_linears, fuse_projections
+from omnistage.models.layers.linear import FusedProjection, fuse_linears, fuse_projections
 from omnistage.models.layers.moe import GatedMLP
 from omnistage.models.layers.norm import RMSNorm
 from omnistage.models.layers.rotary import MRotaryEmbedding, apply_rotary
@@ -53,11 +53,11 @@ class CodePredictorAttention(nn.Module):
         self.o_proj = nn.Linear(cfg.num_attention_heads * cfg.head_dim, cfg.hidden_size, bias=False)
         self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
         self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
-        self.qkv_weight: torch.Tensor | None = None
+        self.qkv: FusedProjection | None = None
 
     def fuse_projections(self) -> None:
         """q, k and v as one GEMM (`linear.fuse_linears`): 15 steps of 5 layers per frame."""
-        self.qkv_weight = fuse_linears(self.q_proj, self.k_proj, self.v_proj)
+        self.qkv = FusedProjection(fuse_linears(self.q_proj, self.k_proj, self.v_proj))
 
     def forward(
         self,
@@ -72,8 +72,8 @@ class CodePredictorAttention(nn.Module):
         `causal`: the S rows attend causally (the first step's, from position 0); else one row attends to all.
         A flag, not `S > 1`: under torch.compile a bool of a symbolic size breaks the graph at the attention."""
         batch, length, _ = x.shape
-        if self.qkv_weight is not None:
-            qkv = F.linear(x, self.qkv_weight)
+        if self.qkv is not None:
+            qkv = self.qkv(x)
             heads = self.num_heads + self.num_kv_heads
             qk = qkv[..., : heads * self.head_dim].reshape(batch, length, heads, self.head_dim)
             q, k = norm_rotate_qk(qk, self.q_norm, self.k_norm, self.num_heads, cos, sin)

@@ -24,7 +24,7 @@ def test_gated_mlp_gives_the_same_output_fused():
     x = torch.randn(5, 16)
     expected = mlp(x)
     fuse_projections(nn.Sequential(mlp))
-    assert mlp.gate_up_weight is not None
+    assert mlp.gate_up is not None
     torch.testing.assert_close(mlp(x), expected, rtol=1e-5, atol=1e-6)
 
 
