@@ -76,6 +76,8 @@ _ENGINE_FLAGS: list[tuple[str, str, type, str]] = [
     ("--moe-kernel", "moe_kernel", str,
      "GPU MoE kernel; auto: Triton for decode-sized batches, grouped GEMMs above"),
     ("--seed", "seed", int, "seed of the random weights of --load-format dummy"),
+    ("--admission-window-ms", "admission_window_ms", float,
+     "longest an idle engine holds a request for others its server is still preparing (0: never)"),
     ("--max-tokens-default", "max_tokens_default", int,
      "max_tokens of a request that gives none (default: up to the context; 256 on the embedded model)"),
 ]

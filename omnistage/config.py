@@ -251,6 +251,12 @@ class EngineConfig(BaseModel):
         description="launch the next decode step before the last one's tokens are read back, so that the host's "
         "work per step runs while the GPU computes (the Thinker's steps beside the speech stages' run without)",
     )
+    admission_window_ms: float = Field(
+        50.0,
+        ge=0,
+        description="an idle engine holds a request while its server is still preparing others that came with "
+        "it, up to this long, so that the burst is encoded and prefilled together (0: never held)",
+    )
     moe_kernel: Literal["auto", "grouped_mm", "triton"] = Field(
         "auto", description="GPU MoE kernel: auto takes Triton for decode-sized batches, grouped GEMMs above"
     )

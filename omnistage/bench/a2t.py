@@ -6,9 +6,11 @@ the sweep; a pass reports the real-time factor (all clips' audio seconds / the p
 TTFT and TPOT medians. Targets:
 
 - a running server (`--url`): chat completions with `input_audio` (streamed; TTFT is the first chunk,
-  which the server sends once the first token exists) or `/v1/audio/transcriptions` (streamed events);
+  which the server sends once the first token exists) or `/v1/audio/transcriptions` (streamed events); the
+  body (the clip's base64, its JSON) is encoded before the clock starts;
 - this process (`--model DIR`, or `--load-format dummy` for random weights at the released sizes): the
-  engine behind an AsyncEngine, TTFT and TPOT from each RequestOutput's metrics plus the preprocessing;
+  engine behind an AsyncEngine, from the preprocessing on; TTFT when the consumer gets the first token (as a
+  client gets its first chunk), TPOT from each RequestOutput's metrics;
 - `--baseline transformers` (in-process only): transformers' Thinker on the same weights and clips.
 
 Random weights say nothing useful at the end of a sentence, so `--output-tokens N` forces every request
@@ -94,9 +96,11 @@ def server_runner(
             "stream_options": {"include_usage": True},
             **fields,
         }
+        # encoded before the clock starts, as the clip's base64: the in-process runner builds no body either
+        payload = json.dumps(body).encode()
         start = time.perf_counter()
         first, tokens = None, 0
-        async for event in _events(client, "/v1/chat/completions", json=body):
+        async for event in _events(client, "/v1/chat/completions", content=payload, headers=_JSON):
             first = first or time.perf_counter()
             if event.get("usage"):
                 tokens = event["usage"]["completion_tokens"]
@@ -142,6 +146,9 @@ async def _events(client: httpx.AsyncClient, path: str, **request: Any) -> Async
             yield event
 
 
+_JSON = {"content-type": "application/json"}
+
+
 def _error_message(text: str) -> str:
     """The message of an OpenAI-shaped error body, else the body as it is."""
     try:
@@ -166,10 +173,12 @@ def inprocess_runner(engine: Any, output_tokens: int | None, max_tokens: int) ->
         prompt = await asyncio.to_thread(processor.transcription, clip.audio, None, None)
         prepared = time.perf_counter() - start
         submitted = time.monotonic()
-        final = None
+        final, received = None, None
         async for output in engine.generate(
             f"a2t-{number}", prompt.prompt, prompt.token_ids, params, mrope=prompt.mrope, mm=prompt.mm
         ):
+            # the first token as this consumer gets it, as a client over HTTP gets its first chunk
+            received = received or (time.monotonic() if output.outputs[0].token_ids else None)
             final = output
         if final is None or final.outputs[0].finish_reason in ("error", "abort"):
             raise RuntimeError(f"{clip.name}: the engine failed it: {final and final.error}")
@@ -183,7 +192,7 @@ def inprocess_runner(engine: Any, output_tokens: int | None, max_tokens: int) ->
         }
         return RequestTiming(
             clip.seconds,
-            m["first_token"] - submitted + prepared,
+            (received or m["first_token"]) - submitted + prepared,
             m["finished"] - submitted + prepared,
             len(final.outputs[0].token_ids),
             stages,

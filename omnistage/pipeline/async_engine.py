@@ -40,7 +40,8 @@ class AsyncEngine:
         self.max_queue = max_queue
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
         self._lock = threading.Lock()  # guards _streams and the queued count
-        self._added = 0  # Adds sent; the engine side has picked up `_picked()` of them
+        self._added = 0  # Adds sent; the engine side has picked up `_queued()` fewer
+        self._preparing = 0  # requests the caller is preparing (`preparing`), told with each Add
         self._stopping = threading.Event()
         # Everything loaded so far (the model's modules, torch, the tokenizer) lives as long as the process:
         # moved out of the collector's view, a full collection triggered by serving's garbage no longer
@@ -67,6 +68,19 @@ class AsyncEngine:
         engine = EngineProcess(config) if engine_process else build_pipeline(config)
         return cls(engine, max_queue)
 
+    def preparing(self) -> Preparing:
+        """A request its caller is preparing for `generate` (parsing, media decoding, the processor): until its
+        `done()`, each request handed over says one more is coming, and an idle engine holds it for the burst
+        (step_loop.py). Give it to `generate`, which marks it done as the request goes in; mark it done also
+        when the request fails before."""
+        with self._lock:
+            self._preparing += 1
+        return Preparing(self)
+
+    def _prepared(self) -> None:
+        with self._lock:
+            self._preparing -= 1
+
     @property
     def ready(self) -> bool:
         alive = self._process is None or self._process.process.is_alive()
@@ -91,10 +105,14 @@ class AsyncEngine:
         mrope: PromptPositions | None = None,
         mm: MultimodalInputs | None = None,
         speech: SpeechParams | None = None,
+        preparing: Preparing | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """Outputs of one request, one per engine step that touched it; the last has finished=True.
 
-        With `speech`, the reply is also spoken: outputs carry `audio_delta` chunks as they are decoded."""
+        With `speech`, the reply is also spoken: outputs carry `audio_delta` chunks as they are decoded.
+        `preparing`: the request's count among those being prepared (`preparing()`), done as it is sent."""
+        if preparing is not None:
+            preparing.done()
         self.engine.validate(prompt_token_ids, params, speech)
         submitted, delivered = time.monotonic(), None
         out_queue: asyncio.Queue = asyncio.Queue()
@@ -108,7 +126,9 @@ class AsyncEngine:
                 )
             self._streams[request_id] = (asyncio.get_running_loop(), out_queue)
             self._added += 1
-        self._send(Add(NewRequest(request_id, prompt_token_ids, params, prompt, mrope, mm, speech)))
+            more_coming = self._preparing
+        request = NewRequest(request_id, prompt_token_ids, params, prompt, mrope, mm, speech)
+        self._send(Add(request, more_coming))
         finished = False
         try:
             while True:
@@ -166,17 +186,18 @@ class AsyncEngine:
             with self._lock:
                 return request_id in self._streams
 
-        StepLoop(self.engine, self._deliver_all, wanted).run(self._take, self._stopping.is_set)
+        window = self.engine.config.admission_window_ms / 1e3
+        StepLoop(self.engine, self._deliver_all, wanted, window).run(self._take, self._stopping.is_set)
 
-    def _take(self, block: bool) -> list[Add | Abort]:
-        """The commands queued so far; when `block`, waits for one (up to half a second)."""
+    def _take(self, timeout: float | None) -> list[Add | Abort]:
+        """The commands queued so far; with a `timeout`, waits up to that many seconds for the first."""
         commands = []
         while True:
             try:
-                command = self._commands.get(block=block, timeout=0.5 if block else None)
+                command = self._commands.get(block=timeout is not None, timeout=timeout)
             except queue.Empty:
                 break
-            block = False
+            timeout = None
             if command is not None:
                 commands.append(command)
                 self._taken += isinstance(command, Add)
@@ -194,6 +215,18 @@ class AsyncEngine:
             )
 
         self._process.receive_forever(self._deliver_all, engine_gone)
+
+
+class Preparing:
+    """`AsyncEngine.preparing`'s count of one request; `done()` takes it off (once, however often called)."""
+
+    def __init__(self, engine: AsyncEngine) -> None:
+        self._engine: AsyncEngine | None = engine
+
+    def done(self) -> None:
+        engine, self._engine = self._engine, None
+        if engine is not None:
+            engine._prepared()
 
 
 def _put_all(batch: list[tuple[asyncio.Queue, RequestOutput | Exception]]) -> None:

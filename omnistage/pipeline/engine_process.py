@@ -42,7 +42,6 @@ from omnistage.pipeline.step_loop import Abort, Add, Delivery, StepLoop
 
 log = logging.getLogger(__name__)
 
-_IDLE_POLL_S = 0.5
 # torch intra-op threads of the engine process, and of a server beside it (cli.py): two processes of 16-thread
 # pools spinning between ops took the cores from each other (H200: c=1 TTFT 65 ms with the default pools, 48 ms
 # with one thread each, as with the engine on a thread; benchmarks/RESULTS.md)
@@ -123,17 +122,17 @@ def _engine_main(config_json: str, conn: Connection, log_level: int) -> None:
             stats, stats_sent = pipeline.stats(), now
         _send(conn, Outputs(slim(items), stats, admitted))
 
-    def receive(block: bool) -> list[Add | Abort]:
+    def receive(timeout: float | None) -> list[Add | Abort]:
         nonlocal admitted, stopped, stale
         if stale:  # no step followed them (an abort left the pipeline idle): the pages it freed, now
             deliver([])
         commands: list[Add | Abort] = []
         while True:
             try:
-                command = inbox.get(block=block, timeout=_IDLE_POLL_S if block else None)
+                command = inbox.get(block=timeout is not None, timeout=timeout)
             except queue.Empty:
                 break
-            block = False
+            timeout = None
             if command is None:  # shut down, or the server's process is gone
                 stopped = True
                 break
@@ -161,7 +160,9 @@ def _engine_main(config_json: str, conn: Connection, log_level: int) -> None:
             out.append((request_id, item))
         return out
 
-    StepLoop(pipeline, deliver).run(receive, lambda: stopped)
+    StepLoop(pipeline, deliver, admission_window_s=pipeline.config.admission_window_ms / 1e3).run(
+        receive, lambda: stopped
+    )
 
 
 def _drain(conn: Connection, inbox: queue.SimpleQueue) -> None:

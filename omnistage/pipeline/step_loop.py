@@ -2,11 +2,18 @@
 
 It runs on a thread of the server's process or as the main loop of an engine process (`engine_process.py`);
 the two differ only in where commands come from and where outputs go.
+
+A burst is admitted together: when the pipeline is idle and a request arrives while its caller is still
+preparing others (`Add.more_coming`, e.g. a server parsing and decoding the media of requests that came in
+with it), it is held until the last of them arrives or the admission window passes, so that their media go
+through the encoders in one pass and their prompts prefill in one step. Otherwise each group that happened
+to be ready first would take a prefill of its own, and the later ones would wait for it.
 """
 
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -17,11 +24,13 @@ from omnistage.pipeline.family import Pipeline
 log = logging.getLogger(__name__)
 
 Delivery = list[tuple[str, RequestOutput | Exception]]
+IDLE_POLL_S = 0.5  # how long an idle loop waits for a command before it looks at `stopping` again
 
 
 @dataclass(frozen=True)
 class Add:
     request: NewRequest
+    more_coming: int = 0  # requests its caller was still preparing when it sent this one
 
 
 @dataclass(frozen=True)
@@ -35,28 +44,43 @@ class StepLoop:
         pipeline: Pipeline,
         deliver: Callable[[Delivery], None],
         wanted: Callable[[str], bool] = lambda request_id: True,
+        admission_window_s: float = 0.0,
     ) -> None:
         """`deliver` gets each step's outputs (and admission errors); `wanted` says whether a request's client
-        is still there when the loop picks its Add up (one that left is not admitted)."""
+        is still there when the loop picks its Add up (one that left is not admitted); `admission_window_s`:
+        the longest a request is held for a burst (see the module's docstring; 0: never held)."""
         self.pipeline = pipeline
         self.deliver = deliver
         self.wanted = wanted
+        self.admission_window_s = admission_window_s
         self._live: set[str] = set()
+        self._held: list[NewRequest] = []
+        self._held_until = 0.0
 
-    def run(self, receive: Callable[[bool], list[Add | Abort]], stopping: Callable[[], bool]) -> None:
-        """Until `stopping()`: the commands `receive(block)` returns (block: the pipeline is idle), then a step."""
+    def run(self, receive: Callable[[float | None], list[Add | Abort]], stopping: Callable[[], bool]) -> None:
+        """Until `stopping()`: the commands `receive(timeout)` returns (None: those queued, without waiting;
+        else waiting up to `timeout` seconds for the first), then a step."""
         while not stopping():
             try:
-                self.handle(receive(not self.pipeline.has_unfinished()))
+                self.handle(receive(self._timeout()))
                 if self.pipeline.has_unfinished():
                     self.step()
             except Exception:  # a bug in the loop itself: fail what is running, keep serving
                 log.exception("engine loop error")
                 failed = [(request_id, RuntimeError("internal engine error")) for request_id in self._live]
+                failed += [(r.request_id, RuntimeError("internal engine error")) for r in self._held]
                 for request_id, _ in failed:
                     self.pipeline.abort(request_id)
                 self._live.clear()
+                self._held.clear()
                 self.deliver(failed)
+
+    def _timeout(self) -> float | None:
+        if self.pipeline.has_unfinished():
+            return None
+        if self._held:
+            return max(0.0, self._held_until - time.monotonic())
+        return IDLE_POLL_S
 
     def step(self) -> None:
         outputs = self.pipeline.step()
@@ -66,17 +90,25 @@ class StepLoop:
         self.deliver([(output.request_id, output) for output in outputs])
 
     def handle(self, commands: list[Add | Abort]) -> None:
-        """Commands in arrival order; consecutive adds are admitted as one batch (media encoded together)."""
-        adds: list[NewRequest] = []
+        """Commands in arrival order; the adds are admitted as one batch (media encoded together), or held for
+        the rest of a burst while the pipeline is idle. An abort drops its request wherever it is."""
+        burst_complete = None  # as the newest add says, if any came
         for command in commands:
             if isinstance(command, Add):
-                adds.append(command.request)
+                if not self._held:
+                    self._held_until = time.monotonic() + self.admission_window_s
+                self._held.append(command.request)
+                burst_complete = command.more_coming == 0
                 continue
-            self._admit(adds)
-            adds = []
+            self._held = [r for r in self._held if r.request_id != command.request_id]
             self.pipeline.abort(command.request_id)
             self._live.discard(command.request_id)
-        self._admit(adds)
+        if self._held and (burst_complete or not self._may_hold() or time.monotonic() >= self._held_until):
+            held, self._held = self._held, []
+            self._admit(held)
+
+    def _may_hold(self) -> bool:
+        return self.admission_window_s > 0 and not self.pipeline.has_unfinished()
 
     def _admit(self, requests: list[NewRequest]) -> None:
         requests = [r for r in requests if self.wanted(r.request_id)]

@@ -33,7 +33,7 @@ from omnistage.errors import InvalidMedia, InvalidRequest, OmnistageError
 from omnistage.media import MediaPolicy, decode_messages, load_audio
 from omnistage.models.qwen3_omni.transcription import max_transcription_tokens
 from omnistage.outputs import RequestOutput
-from omnistage.pipeline.async_engine import AsyncEngine
+from omnistage.pipeline.async_engine import AsyncEngine, Preparing
 from omnistage.server.errors import (
     CatchAll,
     ClientGone,
@@ -95,7 +95,14 @@ def build_app(
     app = FastAPI(title="omnistage", version=_version())
     app.state.server = server
     install_error_handlers(app, lambda request, status: server.count(request.url.path, status))
-    app.add_middleware(Gate, api_key=api_key, max_body_bytes=max_body_bytes, on_reject=server.count)
+    app.add_middleware(
+        Gate,
+        api_key=api_key,
+        max_body_bytes=max_body_bytes,
+        on_reject=server.count,
+        preparing=engine.preparing,
+        preparing_paths=frozenset({CHAT, COMPLETIONS, TRANSCRIPTIONS, SPEECH}),
+    )
     app.add_middleware(CatchAll, on_error=server.count)  # added last: the outermost
 
     v1 = APIRouter(prefix="/v1")
@@ -183,8 +190,10 @@ class _Server:
         # The Thinker does not run: its params need only be valid (an empty reply is the pipeline's 400).
         params = SamplingParams(max_tokens=max(1, len(tts.reply_token_ids)))
         request_id = f"speech-{uuid.uuid4().hex}"
-        self.metrics.prepared(getattr(request.state, "received", None))
-        outputs = self.engine.generate(request_id, tts.prompt, tts.token_ids, params, speech=speech)
+        preparing = self._handing_over(request)
+        outputs = self.engine.generate(
+            request_id, tts.prompt, tts.token_ids, params, speech=speech, preparing=preparing
+        )
         encoding = ENCODINGS[body.response_format]
         if body.stream_format == "sse" or encoding.format == "RAW":
             stream = SpeechStream(request_id, body.response_format, sse=body.stream_format == "sse")
@@ -267,6 +276,12 @@ class _Server:
         return Response(text, media_type="text/plain; version=0.0.4; charset=utf-8")
 
     # -- the shared path ----------------------------------------------------------------------------
+
+    def _handing_over(self, request: Request) -> Preparing | None:
+        """The request is prepared: its prepare phase ends; returns its count among the requests being prepared,
+        for `generate` to end as it hands the request over (gate.py)."""
+        self.metrics.prepared(getattr(request.state, "received", None))
+        return getattr(request.state, "preparing", None)
 
     def _check_model(self, name: str) -> None:
         if name != self.served_model_name:
@@ -351,7 +366,7 @@ class _Server:
         extra: dict[str, Any] = {k: v for k in ("mrope", "mm") if (v := getattr(prompt, k, None)) is not None}
         if speech is not None:
             extra["speech"] = speech
-        self.metrics.prepared(getattr(request.state, "received", None))
+        extra["preparing"] = self._handing_over(request)
         outputs = self.engine.generate(fmt.id, prompt.prompt, prompt.token_ids, params, **extra)
         if stream:
             # Wait for the first output so that admission errors still get their status code.

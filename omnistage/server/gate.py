@@ -2,7 +2,9 @@
 
 Both run before FastAPI reads or parses a byte, so a wrong key is a 401 whatever the body, and an
 oversized body is refused (413) without being held in memory. A body let through is stamped with the time
-it was complete (`received` in the request's state), where the server's timing of a request starts.
+it was complete (`received` in the request's state), where the server's timing of a request starts, and a
+request to a generating path (`preparing_paths`) is counted as being prepared from then (`preparing`, the
+engine's count: an idle engine waits for a burst's last request) until its handler hands it over or it ends.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ from collections.abc import Callable
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from omnistage.pipeline.async_engine import Preparing
 from omnistage.server.errors import BodyTooLarge, Unauthorized, error_response
 
 DEFAULT_MAX_BODY_BYTES = 32 * 1024 * 1024
@@ -25,8 +28,11 @@ class Gate:
         api_key: str | None,
         max_body_bytes: int,
         on_reject: Callable[[str, int], None],
+        preparing: Callable[[], Preparing] | None = None,
+        preparing_paths: frozenset[str] = frozenset(),
     ) -> None:
         self.app = app
+        self.preparing, self.preparing_paths = preparing, preparing_paths
         # Compared as bytes: a header is bytes on the wire, and compare_digest refuses non-ASCII str.
         self.api_key = None if api_key is None else api_key.encode()
         self.max_body_bytes = max_body_bytes
@@ -48,8 +54,16 @@ class Gate:
             await self._reject(scope, receive, send, self._too_large(None))
             return
         # the whole body is in: a request's "prepare" phase (server/metrics.py) starts here
-        scope.setdefault("state", {})["received"] = time.monotonic()
-        await self.app(scope, _replay(body, receive), send)
+        state = scope.setdefault("state", {})
+        state["received"] = time.monotonic()
+        if self.preparing is None or scope["path"] not in self.preparing_paths:
+            await self.app(scope, _replay(body, receive), send)
+            return
+        state["preparing"] = ticket = self.preparing()
+        try:
+            await self.app(scope, _replay(body, receive), send)
+        finally:
+            ticket.done()
 
     def _authorized(self, scope: Scope) -> bool:
         header = _raw_header(scope, b"authorization") or b""

@@ -20,7 +20,7 @@ from omnistage.engine.sampling import SamplingParams
 from omnistage.errors import InvalidMedia, QueueFull
 from omnistage.models.qwen3_omni.transcription import transcription_messages
 from omnistage.outputs import CompletionOutput, RequestOutput
-from omnistage.pipeline.async_engine import AsyncEngine
+from omnistage.pipeline.async_engine import AsyncEngine, Preparing
 
 
 class LiveServer(ServerProcess):
@@ -171,6 +171,15 @@ class FakeEngine:
         self.running: set[str] = set()
         self.closed: list[str] = []
         self.last_media: tuple[object | None, object | None] = (None, None)
+        self.in_preparation = 0  # the server's count of requests being prepared (`preparing`)
+        self.coming_at_generate: list[int] = []  # that count when each request was handed over
+
+    def preparing(self) -> Preparing:
+        self.in_preparation += 1
+        return Preparing(self)
+
+    def _prepared(self) -> None:
+        self.in_preparation -= 1
 
     def stats(self) -> dict[str, int]:
         used = 2 * len(self.running)
@@ -190,8 +199,12 @@ class FakeEngine:
         params: SamplingParams,
         mrope: object | None = None,
         mm: object | None = None,
+        preparing: Preparing | None = None,
     ) -> AsyncIterator[RequestOutput]:
+        if preparing is not None:
+            preparing.done()
         self.last_media = (mrope, mm)
+        self.coming_at_generate.append(self.in_preparation)
         text = prompt or ""
         if "queue-full" in text:
             raise QueueFull("the server's queue is full (1 requests waiting, the limit is 1)")

@@ -91,6 +91,27 @@ def test_the_prepare_phase_runs_from_the_whole_body_to_the_hand_over(client, fak
     assert 0.05 <= float(samples['omnistage_request_phase_seconds_sum{phase="prepare"}']) < 5
 
 
+def test_a_request_counts_as_being_prepared_from_its_body_to_its_hand_over(client, fake_engine, monkeypatch):
+    """The engine's count of requests being prepared (what an idle engine waits for: step_loop.py) holds a
+    generating request from the gate to the hand-over, excluding itself when it is handed over; a request
+    refused in its preparation, or one to a path that generates nothing, leaves it at 0."""
+    processor = fake_engine.engine.processor
+    encode_chat = processor.encode_chat
+    during = []
+
+    def observed_encode_chat(*args, **kwargs):
+        during.append(fake_engine.in_preparation)
+        return encode_chat(*args, **kwargs)
+
+    monkeypatch.setattr(processor, "encode_chat", observed_encode_chat)
+    assert chat(client, "hello", stream=True).status_code == 200
+    assert during == [1] and fake_engine.coming_at_generate == [0]
+    assert chat(client, "hello", model="another").status_code == 404
+    assert chat(client, "boom").status_code == 500  # the processor raised
+    assert client.get("/v1/models", headers=AUTH).status_code == 200
+    assert fake_engine.in_preparation == 0 and fake_engine.coming_at_generate == [0]
+
+
 def test_queue_full_is_503(client):
     error = assert_error(chat(client, "queue-full"), 503, "server_overloaded", "queue is full")
     assert error["code"] == "queue_full"

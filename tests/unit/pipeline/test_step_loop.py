@@ -1,0 +1,111 @@
+"""The StepLoop's admission (pipeline/step_loop.py) over a fake pipeline: a burst's requests, told as still being
+prepared by their caller, are held while the pipeline is idle and admitted in one batch; the admission window
+bounds the hold; a busy pipeline or a zero window admits at once; an abort drops a held request."""
+
+from __future__ import annotations
+
+import time
+
+from omnistage.engine.llm_engine import NewRequest
+from omnistage.engine.sampling import SamplingParams
+from omnistage.outputs import CompletionOutput, RequestOutput
+from omnistage.pipeline.step_loop import Abort, Add, StepLoop
+
+
+class FakePipeline:
+    """Each admitted request runs `steps` steps, then finishes."""
+
+    def __init__(self, steps: int = 2) -> None:
+        self.steps = steps
+        self.batches: list[list[str]] = []
+        self.running: dict[str, int] = {}
+        self.aborted: list[str] = []
+
+    def add_requests(self, requests: list[NewRequest]) -> list[Exception | None]:
+        self.batches.append([r.request_id for r in requests])
+        self.running.update((r.request_id, self.steps) for r in requests)
+        return [None] * len(requests)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.running)
+
+    def step(self) -> list[RequestOutput]:
+        outputs = []
+        for request_id in list(self.running):
+            self.running[request_id] -= 1
+            finished = not self.running[request_id]
+            if finished:
+                del self.running[request_id]
+            outputs.append(
+                RequestOutput(request_id, None, [], [CompletionOutput(0, "", [])], finished=finished)
+            )
+        return outputs
+
+    def abort(self, request_id: str) -> None:
+        self.aborted.append(request_id)
+        self.running.pop(request_id, None)
+
+
+def add(request_id: str, more_coming: int) -> Add:
+    return Add(NewRequest(request_id, [1, 2, 3], SamplingParams(max_tokens=2)), more_coming)
+
+
+def run(loop: StepLoop, script: list[list[Add | Abort]], pause_s: float = 0.0) -> list[float | None]:
+    """Feed `script`'s command lists, one per `receive` call (then nothing until the pipeline is idle, then stop);
+    `pause_s`: each call first waits that long or its timeout, whichever is shorter. Returns the timeouts."""
+    timeouts: list[float | None] = []
+    remaining = list(script)
+    stop = [False]
+
+    def receive(timeout: float | None) -> list[Add | Abort]:
+        timeouts.append(timeout)
+        if timeout is not None:
+            time.sleep(min(timeout, pause_s))
+        if remaining:
+            return remaining.pop(0)
+        if not loop.pipeline.has_unfinished() and not loop._held:
+            stop[0] = True
+        return []
+
+    loop.run(receive, lambda: stop[0])
+    return timeouts
+
+
+def test_a_burst_is_held_while_idle_and_admitted_in_one_batch():
+    pipeline = FakePipeline()
+    loop = StepLoop(pipeline, lambda items: None, admission_window_s=60.0)
+    timeouts = run(loop, [[add("a", 2)], [add("b", 1), add("c", 1)], [add("d", 0)]])
+    assert pipeline.batches == [["a", "b", "c", "d"]]
+    # while holding, each wait is bounded by what is left of the window, not the idle poll
+    assert all(t is not None and 59.0 < t <= 60.0 for t in timeouts[1:3])
+
+
+def test_the_window_bounds_the_hold():
+    """The burst's last request never comes (it failed in its preparation): the first goes in once the window
+    has passed, the late one on its own."""
+    pipeline = FakePipeline()
+    loop = StepLoop(pipeline, lambda items: None, admission_window_s=0.05)
+    start = time.monotonic()
+    run(loop, [[add("a", 1)], [], [], [], [], [add("late", 0)]], pause_s=0.02)
+    assert pipeline.batches == [["a"], ["late"]]
+    assert time.monotonic() - start >= 0.05
+
+
+def test_a_busy_pipeline_or_a_zero_window_admits_at_once():
+    pipeline = FakePipeline(steps=3)
+    loop = StepLoop(pipeline, lambda items: None, admission_window_s=60.0)
+    run(loop, [[add("a", 0)], [add("b", 5)], [add("c", 5)]])
+    assert pipeline.batches == [["a"], ["b"], ["c"]]  # a is running when b and c come: no wait
+
+    pipeline = FakePipeline()
+    run(StepLoop(pipeline, lambda items: None, admission_window_s=0.0), [[add("a", 3)], [add("b", 2)]])
+    assert pipeline.batches == [["a"], ["b"]]
+
+
+def test_an_abort_drops_a_held_request():
+    pipeline = FakePipeline()
+    delivered = []
+    loop = StepLoop(pipeline, delivered.extend, admission_window_s=60.0)
+    run(loop, [[add("a", 1)], [Abort("a")], [add("b", 0)]])
+    assert pipeline.batches == [["b"]]
+    assert {request_id for request_id, _ in delivered} == {"b"}
