@@ -45,6 +45,16 @@ ONE_ROW_CONFIGS = (
 
 
 @triton.jit
+def _weight_block(w_ptr, cols, ks, out_features, in_features):
+    """The weight's rows `cols`, columns `ks`, in float32 (zeros past its edges)."""
+    return tl.load(
+        w_ptr + cols[:, None] * in_features + ks[None, :],
+        mask=(cols[:, None] < out_features) & (ks[None, :] < in_features),
+        other=0.0,
+    ).to(tl.float32)
+
+
+@triton.jit
 def _gemv_kernel(
     x_ptr, w_ptr, out_ptr, rows, out_features, in_features,
     ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
@@ -57,11 +67,7 @@ def _gemv_kernel(
         partial = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
         for start in range(0, in_features, BLOCK_K):
             ks = start + tl.arange(0, BLOCK_K)
-            w = tl.load(
-                w_ptr + cols[:, None] * in_features + ks[None, :],
-                mask=(cols[:, None] < out_features) & (ks[None, :] < in_features),
-                other=0.0,
-            ).to(tl.float32)
+            w = _weight_block(w_ptr, cols, ks, out_features, in_features)
             x = tl.load(x_ptr + ks, mask=ks < in_features, other=0.0).to(tl.float32)
             partial += w * x[None, :]
         acc = tl.sum(partial, axis=1)[None, :]
@@ -69,11 +75,7 @@ def _gemv_kernel(
         acc = tl.zeros((ROWS, BLOCK_N), dtype=tl.float32)
         for start in range(0, in_features, BLOCK_K):
             ks = start + tl.arange(0, BLOCK_K)
-            w = tl.load(
-                w_ptr + cols[:, None] * in_features + ks[None, :],
-                mask=(cols[:, None] < out_features) & (ks[None, :] < in_features),
-                other=0.0,
-            ).to(tl.float32)
+            w = _weight_block(w_ptr, cols, ks, out_features, in_features)
             x = tl.load(
                 x_ptr + row_ids[:, None] * in_features + ks[None, :],
                 mask=(row_ids[:, None] < rows) & (ks[None, :] < in_features),
