@@ -118,6 +118,10 @@ def _url(part: dict[str, Any], key: str) -> str:
 
 def _base64(data: str) -> bytes:
     try:
+        return binascii.a2b_base64(data, strict_mode=True)  # one pass, no copy: what clients send
+    except (binascii.Error, ValueError):
+        pass
+    try:
         # Line breaks and spaces are common in pasted base64; anything else outside the alphabet is an error.
         return base64.b64decode("".join(data.split()), validate=True)
     except (binascii.Error, ValueError) as exc:

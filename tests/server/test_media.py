@@ -81,6 +81,19 @@ def test_audio_and_image_reach_the_processor_decoded(client, fake_engine):
     assert mm[0].dtype == np.float32 and len(mm[0]) == 47676  # the file's 2.98 s at 16 kHz
 
 
+def test_base64_with_line_breaks_and_spaces_decodes_as_without(client, fake_engine):
+    """Clean base64 takes the one-pass strict decoder; pasted base64 (wrapped lines, spaces) the tolerant path,
+    to the same samples."""
+    data = b64(SPEECH.read_bytes())
+    wrapped = "\n".join(data[i : i + 76] for i in range(0, len(data), 76)) + " "
+    decoded = []
+    for text in (data, wrapped):
+        part = {"type": "input_audio", "input_audio": {"data": text, "format": "wav"}}
+        assert chat(client, part).status_code == 200
+        decoded.append(fake_engine.last_media[1][0])
+    np.testing.assert_array_equal(*decoded)
+
+
 def test_audio_is_resampled_to_16k_and_flac_and_ogg_decode(client, fake_engine):
     for fmt, container in (("wav", "WAV"), ("flac", "FLAC"), ("ogg", "OGG")):
         r = chat(client, audio_part(wav_bytes(1.5, rate=44100, fmt=container), fmt))
