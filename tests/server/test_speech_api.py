@@ -24,6 +24,7 @@ from fastapi.testclient import TestClient
 from omnistage.engine.sampling import SamplingParams, SpeechParams
 from omnistage.errors import InvalidRequest
 from omnistage.outputs import AUDIO_SAMPLE_RATE, CompletionOutput, RequestOutput
+from omnistage.pipeline.async_engine import Preparing
 from omnistage.server import build_app
 from omnistage.server.speech import AudioCut
 
@@ -76,6 +77,12 @@ class SpeakingEngine:
     def __post_init__(self) -> None:
         self.engine = SpeakingFacade(self.voices)
 
+    def preparing(self) -> Preparing:
+        return Preparing(self)
+
+    def _prepared(self) -> None:
+        """The server's count of requests being prepared: an engine that never holds a burst keeps none."""
+
     def stats(self) -> dict[str, int]:
         return {
             "num_waiting": 0,
@@ -94,7 +101,10 @@ class SpeakingEngine:
         mrope: object | None = None,
         mm: object | None = None,
         speech: SpeechParams | None = None,
+        preparing: Preparing | None = None,
     ) -> AsyncIterator[RequestOutput]:
+        if preparing is not None:
+            preparing.done()
         self.calls.append((prompt_token_ids, params, speech))
         if speech is not None and speech.voice not in self.voices:
             raise InvalidRequest(f"unknown voice {speech.voice!r}")
