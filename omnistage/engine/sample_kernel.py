@@ -40,7 +40,9 @@ def _flip_negative(bits):
     return bits ^ ((bits >> 31) & 0x7FFFFFFF)
 
 
-@triton.jit
+# top_k varies from batch to batch: unspecialized, one build serves every value (Triton would build again,
+# mid-request, for a value divisible by 16 or equal to 1 that the warm-up did not bring).
+@triton.jit(do_not_specialize=["top_k"])
 def _sample_kernel(
     logits_ptr, greedy_ptr, temperature_ptr, top_p_ptr, seeds_ptr, draws_ptr, out_ptr,
     vocab, stride, top_k, mass_scale, golden, mix1, mix2, LOWEST_KEY: tl.constexpr,

@@ -52,7 +52,9 @@ def _write_kv(
     tl.store(dst + stride_cache_kv, v.to(cache_ptr.dtype.element_ty), mask=mask)
 
 
-@triton.jit
+# The block table's width varies from step to step: unspecialized, one build serves every value (Triton would build again,
+# mid-request, for a value divisible by 16 or equal to 1 that the warm-up did not bring).
+@triton.jit(do_not_specialize=["stride_bt"])
 def _paged_attention(
     q_ptr,
     cache_ptr,

@@ -54,7 +54,9 @@ def _weight_block(w_ptr, cols, ks, out_features, in_features):
     ).to(tl.float32)
 
 
-@triton.jit
+# The count varies from step to step: unspecialized, one build serves every value (Triton would build again,
+# mid-request, for a value divisible by 16 or equal to 1 that the warm-up did not bring).
+@triton.jit(do_not_specialize=["rows"])
 def _gemv_kernel(
     x_ptr, w_ptr, out_ptr, rows, out_features, in_features,
     ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,

@@ -55,7 +55,9 @@ def default_config(num_pairs: int, num_experts: int) -> MoeKernelConfig:
     )
 
 
-@triton.jit
+# The count varies from step to step: unspecialized, one build serves every value (Triton would build again,
+# mid-request, for a value divisible by 16 or equal to 1 that the warm-up did not bring).
+@triton.jit(do_not_specialize=["num_pairs"])
 def _gate_up_kernel(
     x_ptr,
     w13_ptr,
@@ -117,7 +119,7 @@ def _gate_up_kernel(
     tl.store(out_ptrs, act.to(hidden_ptr.dtype.element_ty), mask=col_ok[None, :])
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_pairs"])
 def _down_kernel(
     hidden_ptr,
     w2_ptr,
