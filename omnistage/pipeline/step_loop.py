@@ -17,6 +17,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from omnistage.engine.compile_watch import watch_compiles
 from omnistage.engine.llm_engine import NewRequest
 from omnistage.outputs import RequestOutput
 from omnistage.pipeline.family import Pipeline
@@ -59,7 +60,9 @@ class StepLoop:
 
     def run(self, receive: Callable[[float | None], list[Add | Abort]], stopping: Callable[[], bool]) -> None:
         """Until `stopping()`: the commands `receive(timeout)` returns (None: those queued, without waiting;
-        else waiting up to `timeout` seconds for the first), then a step."""
+        else waiting up to `timeout` seconds for the first), then a step. From here on, a kernel or graph built for a
+        step is logged (compile_watch.py)."""
+        watch_compiles()
         while not stopping():
             try:
                 self.handle(receive(self._timeout()))

@@ -1,0 +1,79 @@
+"""Builds while serving: each kernel or graph compiled after start-up is logged, with the time it took.
+
+Start-up warms the step shapes traffic brings and captures the graphs, so that nothing is compiled inside a
+request. Anything built later stalls the step that needs it and every request in that step: a Triton kernel
+for a specialization no warm-up reached (tenths of a second), a torch.compile graph for a new guard (seconds).
+`watch_compiles()` (called as serving starts) logs each one as a warning naming the kernel or the graph, so a
+shape the warm-up misses shows in the log instead of as an unexplained slow request.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import logging
+import threading
+import time
+from typing import Any
+
+log = logging.getLogger(__name__)
+
+
+class CompileWatch:
+    """Times each build between its start and end hooks and reports it (`builds` keeps them, newest last)."""
+
+    def __init__(self) -> None:
+        self.builds: list[tuple[str, float]] = []  # (what was built, seconds)
+        self._started: dict[Any, float] = {}
+        self._lock = threading.Lock()
+
+    def triton_started(self, *, key: Any, **_: Any) -> None:
+        """Triton's jit_cache_hook: a kernel is about to be built (None: let Triton build it)."""
+        with self._lock:
+            self._started[("triton", repr(key))] = time.perf_counter()
+
+    def triton_built(self, *, key: Any, **hook: Any) -> None:
+        """Triton's jit_post_compile_hook (`repr` names the kernel and its argument types)."""
+        self._report(f"Triton kernel {hook['repr']}", ("triton", repr(key)))
+
+    def graph_started(self, args: Any) -> None:
+        """torch.compile's start callback (a frame is being traced, compiled or recorded)."""
+        with self._lock:
+            self._started[("graph", args.compile_id)] = time.perf_counter()
+
+    def graph_built(self, args: Any) -> None:
+        trigger = getattr(args.callback_trigger, "name", args.callback_trigger)
+        self._report(f"torch.compile graph {args.compile_id} ({trigger})", ("graph", args.compile_id))
+
+    def _report(self, what: str, key: tuple) -> None:
+        now = time.perf_counter()
+        with self._lock:
+            seconds = now - self._started.pop(key, now)
+            self.builds.append((what, seconds))
+        log.warning(
+            "built while serving, in %.0f ms: %s (a shape start-up did not warm; the step waited for it)",
+            seconds * 1e3,
+            what,
+        )
+
+
+_watch: CompileWatch | None = None
+
+
+def watch_compiles() -> CompileWatch:
+    """Install the process's CompileWatch (once) on Triton's JIT hooks, where Triton is installed, and on
+    torch.compile's callbacks; returns it."""
+    global _watch
+    if _watch is not None:
+        return _watch
+    watch = CompileWatch()
+    if importlib.util.find_spec("triton") is not None:
+        import triton
+
+        triton.knobs.runtime.jit_cache_hook = watch.triton_started
+        triton.knobs.runtime.jit_post_compile_hook = watch.triton_built
+    from torch._dynamo.callback import callback_handler
+
+    callback_handler.register_start_callback(watch.graph_started)
+    callback_handler.register_end_callback(watch.graph_built)
+    _watch = watch
+    return watch

@@ -1,0 +1,45 @@
+"""Builds while serving are logged with their time (compile_watch.py)."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+
+from omnistage.engine.compile_watch import watch_compiles
+
+
+def test_a_graph_compiled_after_serving_started_is_logged(caplog: pytest.LogCaptureFixture) -> None:
+    watch = watch_compiles()
+    before = len(watch.builds)
+
+    @torch.compile(backend="eager")
+    def double(x: torch.Tensor) -> torch.Tensor:
+        return x * 2
+
+    with caplog.at_level(logging.WARNING, logger="omnistage.engine.compile_watch"):
+        assert torch.equal(double(torch.ones(3)), torch.full((3,), 2.0))
+        double(torch.ones(3))  # compiled already: nothing new
+    built = watch.builds[before:]
+    assert len(built) == 1 and built[0][0].startswith("torch.compile graph")
+    assert built[0][1] > 0
+    assert "built while serving" in caplog.text and "torch.compile graph" in caplog.text
+
+
+def test_a_triton_build_is_timed_from_its_start_hook_to_its_end_hook(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    triton = pytest.importorskip("triton")
+    watch = watch_compiles()
+    assert triton.knobs.runtime.jit_cache_hook == watch.triton_started
+    before = len(watch.builds)
+    key = (("i32", True), "options")
+    with caplog.at_level(logging.WARNING, logger="omnistage.engine.compile_watch"):
+        # Triton calls them with these keywords around a build; the start hook must not return True (that skips it)
+        assert triton.knobs.runtime.jit_cache_hook(key=key, repr="_k[num_warps=4](n: i32)", fn=None) is None
+        triton.knobs.runtime.jit_post_compile_hook(key=key, repr="_k[num_warps=4](n: i32)", fn=None)
+    ((what, seconds),) = watch.builds[before:]
+    assert what == "Triton kernel _k[num_warps=4](n: i32)" and 0 <= seconds < 1
+    assert "_k[num_warps=4](n: i32)" in caplog.text
+    assert watch_compiles() is watch  # installed once
