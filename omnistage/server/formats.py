@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 import time
+from collections.abc import Callable
+from json.encoder import encode_basestring
 from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
@@ -26,6 +28,18 @@ DONE = "data: [DONE]\n\n"
 
 def sse(payload: dict[str, Any]) -> str:
     return f"data: {json.dumps(payload, ensure_ascii=False, separators=(',', ':'))}\n\n"
+
+
+def _around_text(render: Callable[[str], str]) -> tuple[str, str]:
+    """The chunk `render` spells for a text, split around that text's JSON string.
+
+    A token's chunk differs from the next one only in its text, so it is spelled once per stream from the
+    models and each token encodes its text alone (0.11 against 9.7 us a token). The split is at the last
+    occurrence: only fixed fields follow the text, while the id and model before it are anyone's strings.
+    """
+    marker = "<text>"
+    head, _, tail = render(marker).rpartition(encode_basestring(marker))
+    return head, tail
 
 
 class Format(Protocol):
@@ -56,6 +70,9 @@ class ChatFormat:
     def __init__(self, request_id: str, model: str, include_usage: bool) -> None:
         self.id, self.model, self.include_usage = request_id, model, include_usage
         self.created = int(time.time())
+        self._text_head, self._text_tail = _around_text(
+            lambda text: self._chunk([ChatChunkChoice(delta=ChatDelta(content=text))])
+        )
 
     def _chunk(self, choices: list[ChatChunkChoice], usage: Usage | None = None) -> str:
         chunk = ChatCompletionChunk(
@@ -67,7 +84,8 @@ class ChatFormat:
         return [self._chunk([ChatChunkChoice(delta=ChatDelta(role="assistant", content=""))])]
 
     def delta(self, text: str, finish_reason: str | None) -> list[str]:
-        return [self._chunk([ChatChunkChoice(delta=ChatDelta(content=text))])] if text else []
+        # encode_basestring is how json.dumps(ensure_ascii=False) spells a str, without its 0.6 us of setup.
+        return [f"{self._text_head}{encode_basestring(text)}{self._text_tail}"] if text else []
 
     def closing(self, finish_reason: str) -> list[str]:
         return [self._chunk([ChatChunkChoice(delta=ChatDelta(), finish_reason=finish_reason)])]
@@ -86,6 +104,9 @@ class CompletionFormat:
     def __init__(self, request_id: str, model: str, include_usage: bool) -> None:
         self.id, self.model, self.include_usage = request_id, model, include_usage
         self.created = int(time.time())
+        self._text_head, self._text_tail = _around_text(
+            lambda text: self._chunk([CompletionChoice(text=text)])
+        )
 
     def _chunk(self, choices: list[CompletionChoice], usage: Usage | None = None) -> str:
         chunk = CompletionResponse(
@@ -97,9 +118,9 @@ class CompletionFormat:
         return []
 
     def delta(self, text: str, finish_reason: str | None) -> list[str]:
+        if finish_reason is None:
+            return [f"{self._text_head}{encode_basestring(text)}{self._text_tail}"] if text else []
         # OpenAI puts finish_reason on the chunk with the last text, which may be empty.
-        if not text and finish_reason is None:
-            return []
         return [self._chunk([CompletionChoice(text=text, finish_reason=finish_reason)])]
 
     def closing(self, finish_reason: str) -> list[str]:
