@@ -168,6 +168,7 @@ class _Server:
     # -- endpoints ----------------------------------------------------------------------------------
 
     async def chat(self, body: ChatCompletionRequest, request: Request) -> Response:
+        self._parsed(request)
         self._check_model(body.model)
         speech = self._chat_speech(body)
         params = body.sampling_params(body.requested_max_tokens)
@@ -181,6 +182,7 @@ class _Server:
 
     async def speech(self, body: SpeechRequest, request: Request) -> Response:
         """Speak exactly `input`: the Talker reads the text's token embeddings; the Thinker does not run."""
+        self._parsed(request)
         self._check_model(body.model)
         check_format(body.response_format, SPEECH_FORMATS, "response_format")
         engine = self.engine.engine
@@ -205,6 +207,7 @@ class _Server:
         return Response(data, media_type=encoding.content_type)
 
     async def completions(self, body: CompletionRequest, request: Request) -> Response:
+        self._parsed(request)
         self._check_model(body.model)
         params = body.sampling_params(body.max_tokens)
         given = body.single_prompt()
@@ -237,6 +240,7 @@ class _Server:
         ignore_eos: Annotated[bool | None, Form()] = None,
         seed: Annotated[int | None, Form(**INT64)] = None,
     ) -> Response:
+        self._parsed(request)
         self._check_model(model)
         check_response_format(response_format)
         if timestamp_granularities:
@@ -276,6 +280,10 @@ class _Server:
         return Response(text, media_type="text/plain; version=0.0.4; charset=utf-8")
 
     # -- the shared path ----------------------------------------------------------------------------
+
+    def _parsed(self, request: Request) -> None:
+        """The request's body is parsed and validated (its handler starts): the parse phase ends."""
+        self.metrics.parsed(getattr(request.state, "received", None))
 
     def _handing_over(self, request: Request) -> Preparing | None:
         """The request is prepared: its prepare phase ends; returns its count among the requests being prepared,
@@ -405,38 +413,40 @@ class _Server:
         self, endpoint: str, fmt: Format, outputs: AsyncIterator[RequestOutput], first: RequestOutput
     ) -> AsyncIterator[str]:
         """The SSE body: opening chunk, deltas (text, and audio when spoken), the finishing chunk, usage if
-        asked, then [DONE]."""
+        asked, then [DONE].
+
+        The chunks of one engine output go out as one string: each yield is a send through every middleware
+        and a socket write. `pending` holds those not yet yielded, so a failure sends them before its error.
+        """
         last, status = first, "cancelled"
         spoken = fmt if isinstance(fmt, SpeakingFormat) else None
+        pending: list[str] = []
         try:
-            for chunk in fmt.opening():
-                yield chunk
+            pending += fmt.opening()
             while True:
                 completion = last.outputs[0]
                 if last.finished:
                     break
-                for chunk in fmt.delta(completion.delta_text, None):
-                    yield chunk
-                for chunk in _audio_chunks(spoken, last):
-                    yield chunk
+                pending += fmt.delta(completion.delta_text, None)
+                pending += _audio_chunks(spoken, last)
+                if pending:
+                    body, pending = "".join(pending), []
+                    yield body
                 last = await anext(outputs)
             _raise_if_failed(last)
-            for chunk in fmt.delta(completion.delta_text, completion.finish_reason):
-                yield chunk
-            for chunk in _audio_chunks(spoken, last):
-                yield chunk
-            for chunk in fmt.closing(completion.finish_reason):
-                yield chunk
+            pending += fmt.delta(completion.delta_text, completion.finish_reason)
+            pending += _audio_chunks(spoken, last)
+            pending += fmt.closing(completion.finish_reason)
             if fmt.include_usage:
-                yield fmt.usage_chunk(_usage(last, spoken=spoken is not None))
-            yield DONE
+                pending.append(fmt.usage_chunk(_usage(last, spoken=spoken is not None)))
+            body, pending = "".join([*pending, DONE]), []
+            yield body
             status = 200
         except Exception as exc:  # after the 200 went out, a failure can only be told in the stream
             failure = _typed(exc, fmt.id)
             kind = kind_of(failure)
             status = kind.status
-            yield sse(error_body(str(failure), kind))
-            yield DONE
+            yield "".join([*pending, sse(error_body(str(failure), kind)), DONE])
         finally:
             await outputs.aclose()
             self.count(endpoint, status)

@@ -57,7 +57,8 @@ class ServerMetrics:
         self.phases = Histogram(
             "omnistage_request_phase_seconds",
             "Where a request's time to first token goes: prepare (body received to handed over: parsing, "
-            "media decoding, the prompt's layout), to_engine (handed over to admitted), first_token (admitted "
+            "media decoding, the prompt's layout; parse is its first part, the body's JSON or form parsed and "
+            "validated), to_engine (handed over to admitted), first_token (admitted "
             "to first token: encoders, queue, prefill), delivery (first token to the request's handler)",
             ["phase"],
             buckets=_TTFT_BUCKETS,
@@ -99,6 +100,11 @@ class ServerMetrics:
 
     def count(self, endpoint: str, status: int | str) -> None:
         self.requests.labels(endpoint, str(status)).inc()
+
+    def parsed(self, received: float | None) -> None:
+        """A request's handler starts: its parse phase (the body parsed and validated), from when its body was in."""
+        if received is not None:
+            self.phases.labels("parse").observe(time.monotonic() - received)
 
     def prepared(self, received: float | None) -> None:
         """A request handed over to the engine: its prepare phase, from when its body was in (gate.py)."""

@@ -72,7 +72,8 @@ def test_engine_error_output_is_500_and_next_works(client, fake_engine):
 
 def test_the_prepare_phase_runs_from_the_whole_body_to_the_hand_over(client, fake_engine, monkeypatch):
     """/metrics' prepare phase: from the moment the body is in (the gate) to the engine's generate, so the
-    prompt's layout counts; a request refused before the hand-over is not counted."""
+    prompt's layout counts; a request refused before the hand-over is not counted. Its parse part ends where
+    the handler starts: every parsed request counts, and the prompt's layout is not in it."""
     processor = fake_engine.engine.processor
     encode_chat = processor.encode_chat
 
@@ -89,6 +90,8 @@ def test_the_prepare_phase_runs_from_the_whole_body_to_the_hand_over(client, fak
     )
     assert float(samples['omnistage_request_phase_seconds_count{phase="prepare"}']) == 1
     assert 0.05 <= float(samples['omnistage_request_phase_seconds_sum{phase="prepare"}']) < 5
+    assert float(samples['omnistage_request_phase_seconds_count{phase="parse"}']) == 2
+    assert 0 < float(samples['omnistage_request_phase_seconds_sum{phase="parse"}']) < 0.05
 
 
 def test_a_request_counts_as_being_prepared_from_its_body_to_its_hand_over(client, fake_engine, monkeypatch):
