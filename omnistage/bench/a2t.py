@@ -33,6 +33,7 @@ from typing import TYPE_CHECKING, Any
 
 from omnistage.bench.clips import SYNTH_SETS, Clip, load_dir, synth_clips, total_seconds
 from omnistage.bench.stats import RequestTiming, summarize
+from omnistage.bench.sweep import run as run_async
 from omnistage.bench.sweep import sweep as generic_sweep
 
 if TYPE_CHECKING:
@@ -253,7 +254,7 @@ def run_a2t(args: argparse.Namespace) -> dict[str, Any]:
     if args.url:
         model = args.served_model or _first_model(args.url, args.api_key)
         results["target"] = {"url": args.url, "model": model, "endpoint": args.endpoint}
-        results["ours"] = asyncio.run(_over_http(args, model, clips, concurrencies, output_tokens))
+        results["ours"] = run_async(_over_http(args, model, clips, concurrencies, output_tokens))
         return results
 
     from omnistage.config import engine_config
@@ -286,7 +287,7 @@ def run_a2t(args: argparse.Namespace) -> dict[str, Any]:
     results["engine"] = engine.engine.memory_summary()
     try:
         run = inprocess_runner(engine, output_tokens, args.max_tokens)
-        results["ours"] = asyncio.run(sweep(run, clips, concurrencies, args.warmup, args.repeats))
+        results["ours"] = run_async(sweep(run, clips, concurrencies, args.warmup, args.repeats))
         if args.baseline == "transformers":
             results["transformers"] = _transformers(
                 engine.engine.thinker, clips, output_tokens, args.max_tokens, args.repeats

@@ -27,7 +27,6 @@ can be sent (`max_frames`), so each request's frames are read from its usage and
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
 import logging
 import math
@@ -46,6 +45,7 @@ from omnistage.bench.speech_targets import (
     speech_inputs,
 )
 from omnistage.bench.stats import median, percentile
+from omnistage.bench.sweep import run as run_async
 from omnistage.bench.sweep import sweep as generic_sweep
 
 log = logging.getLogger("omnistage.bench")
@@ -136,7 +136,7 @@ def run_speech(args: argparse.Namespace) -> dict[str, dict[str, Any]]:
         for workload, concurrencies in workloads.items():
             result = results[workload]
             result["target"] = {"url": args.url, "model": model}
-            result["ours"] = asyncio.run(
+            result["ours"] = run_async(
                 _over_http(args, model, workload, inputs[workload], concurrencies, forced)
             )
             save(args, results)
@@ -178,7 +178,7 @@ def run_speech(args: argparse.Namespace) -> dict[str, dict[str, Any]]:
             run = inprocess_runner(
                 engine, args.tts and workload == "t2s", args.text_tokens, args.frames, args.voice, forced
             )
-            result["ours"] = asyncio.run(
+            result["ours"] = run_async(
                 sweep(run, inputs[workload], concurrencies, args.requests, args.warmup, args.repeats)
             )
             result["pools_after"] = pools = _pools(engine.engine.stats())

@@ -3,15 +3,29 @@
 from __future__ import annotations
 
 import asyncio
+import importlib.util
 import logging
 import time
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Coroutine, Sequence
 from typing import Any, TypeVar
 
 log = logging.getLogger("omnistage.bench")
 
 Item = TypeVar("Item")
 Timing = TypeVar("Timing")
+T = TypeVar("T")
+
+
+def run(main: Coroutine[Any, Any, T]) -> T:
+    """`asyncio.run(main)` on the event loop the server runs on: uvloop where it is installed (uvicorn picks it
+    then), so that clients and in-process consumers pay for their loop what the server pays for its own."""
+    factory = None
+    if importlib.util.find_spec("uvloop") is not None:
+        import uvloop
+
+        factory = uvloop.new_event_loop
+    with asyncio.Runner(loop_factory=factory) as runner:
+        return runner.run(main)
 
 
 async def sweep(
