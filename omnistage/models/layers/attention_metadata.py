@@ -36,20 +36,30 @@ def to_device_together(hosts: Sequence[torch.Tensor], device: torch.device | str
     return _through_one_buffer(hosts, device, pin=device.type == "cuda")
 
 
+# Where each tensor starts in the buffer, in bytes: Triton specializes a kernel on whether each pointer is 16-byte
+# aligned, so a tensor starting wherever the previous one ended would need a new build mid-request whenever a
+# step's sizes moved it.
+ALIGN = 16
+
+
 def _through_one_buffer(hosts: Sequence[torch.Tensor], device: torch.device, pin: bool) -> list[torch.Tensor]:
     if not hosts:
         return []
-    # widest elements first: each piece then starts at a multiple of its element size, as view(dtype) needs
-    order = sorted(range(len(hosts)), key=lambda i: -hosts[i].element_size())
-    pieces = [_as_bytes(hosts[i]) for i in order]
-    packed = torch.empty(sum(p.numel() for p in pieces), dtype=torch.uint8, pin_memory=pin)
+    pieces, offsets, size = [], [], 0
+    for host in hosts:
+        pad = -size % ALIGN
+        if pad:
+            pieces.append(torch.zeros(pad, dtype=torch.uint8))
+        offsets.append(size + pad)
+        piece = _as_bytes(host)
+        pieces.append(piece)
+        size += pad + piece.numel()
+    packed = torch.empty(size, dtype=torch.uint8, pin_memory=pin)
     on_device = torch.cat(pieces, out=packed).to(device, non_blocking=pin)
-    out: list[torch.Tensor] = [on_device] * len(hosts)
-    offset = 0
-    for i, piece in zip(order, pieces):
-        out[i] = on_device[offset : offset + piece.numel()].view(hosts[i].dtype).view(hosts[i].shape)
-        offset += piece.numel()
-    return out
+    return [
+        on_device[offset : offset + host.numel() * host.element_size()].view(host.dtype).view(host.shape)
+        for host, offset in zip(hosts, offsets)
+    ]
 
 
 def _as_bytes(host: torch.Tensor) -> torch.Tensor:

@@ -36,6 +36,21 @@ def test_one_buffer_gives_back_every_tensor():
     assert _through_one_buffer([], torch.device("cpu"), pin=False) == []
 
 
+def test_every_tensor_starts_16_byte_aligned_in_the_buffer():
+    """Triton specializes a pointer on 16-byte alignment: a tensor starting wherever the one before ended would
+    build a new kernel variant mid-request whenever a step's sizes moved it (a block table after a batch of an odd
+    number of int32 sequence lengths, measured on the H200: 0.7-1 s)."""
+    for batch in range(1, 6):
+        hosts = [
+            torch.zeros(batch + 1, dtype=torch.int32),
+            torch.ones(batch, 3, dtype=torch.int32),
+            *mixed_tensors(),
+        ]
+        moved = _through_one_buffer(hosts, torch.device("cpu"), pin=False)
+        assert all(t.data_ptr() % 16 == 0 for t in moved if t.numel())
+        assert all(torch.equal(out, host) for out, host in zip(moved, hosts))
+
+
 def test_to_device_together_on_the_cpu_is_the_tensors_themselves():
     hosts = mixed_tensors()
     assert all(out is host for out, host in zip(to_device_together(hosts, "cpu"), hosts))
