@@ -31,9 +31,9 @@ class CompileWatch:
         with self._lock:
             self._started[("triton", repr(key))] = time.perf_counter()
 
-    def triton_built(self, *, key: Any, **hook: Any) -> None:
-        """Triton's jit_post_compile_hook (`repr` names the kernel and its argument types)."""
-        self._report(f"Triton kernel {hook['repr']}", ("triton", repr(key)))
+    def triton_built(self, *, key: Any, fn: Any, compile: dict[str, Any], **_: Any) -> None:
+        """Triton's jit_post_compile_hook."""
+        self._report(f"Triton kernel {_specialization(fn.name, compile)}", ("triton", repr(key)))
 
     def graph_started(self, args: Any) -> None:
         """torch.compile's start callback (a frame is being traced, compiled or recorded)."""
@@ -77,3 +77,13 @@ def watch_compiles() -> CompileWatch:
     callback_handler.register_end_callback(watch.graph_built)
     _watch = watch
     return watch
+
+
+def _specialization(name: str, compile: dict[str, Any]) -> str:
+    """A Triton build as `name(constexprs; which arguments it took as 16-divisible or, pointers, 16-byte aligned)`:
+    what tells one build of a kernel from another."""
+    names = list(compile["signature"])
+    constants = ", ".join(f"{names[path[0]]}={value}" for path, value in compile["constants"].items())
+    (attrs,) = compile["configs"]
+    marked = ", ".join(names[path[0]] for path in attrs) or "none"
+    return f"{name}({constants}; 16-divisible or aligned: {marked})"

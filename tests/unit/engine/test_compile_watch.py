@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -34,12 +35,23 @@ def test_a_triton_build_is_timed_from_its_start_hook_to_its_end_hook(
     watch = watch_compiles()
     assert triton.knobs.runtime.jit_cache_hook == watch.triton_started
     before = len(watch.builds)
-    key = (("i32", True), "options")
+    # what Triton passes its hooks around a build (triton/runtime/jit.py, _call_hook)
+    key = (("*bf16", "D"), ("i32", ""), "options")
+    signature = {"x_ptr": "*bf16", "n": "i32", "BLOCK": "constexpr"}
+    hook = {
+        "key": key,
+        "repr": "_k[num_warps=4]",
+        "fn": SimpleNamespace(name="_k"),
+        "compile": {
+            "signature": signature,
+            "constants": {(2,): 64},
+            "configs": [{(0,): [["tt.divisibility", 16]]}],
+        },
+    }
     with caplog.at_level(logging.WARNING, logger="omnistage.engine.compile_watch"):
-        # Triton calls them with these keywords around a build; the start hook must not return True (that skips it)
-        assert triton.knobs.runtime.jit_cache_hook(key=key, repr="_k[num_warps=4](n: i32)", fn=None) is None
-        triton.knobs.runtime.jit_post_compile_hook(key=key, repr="_k[num_warps=4](n: i32)", fn=None)
+        assert triton.knobs.runtime.jit_cache_hook(**hook) is None  # True would skip the build
+        triton.knobs.runtime.jit_post_compile_hook(**hook)
     ((what, seconds),) = watch.builds[before:]
-    assert what == "Triton kernel _k[num_warps=4](n: i32)" and 0 <= seconds < 1
-    assert "_k[num_warps=4](n: i32)" in caplog.text
+    assert what == "Triton kernel _k(BLOCK=64; 16-divisible or aligned: x_ptr)" and 0 <= seconds < 1
+    assert what in caplog.text
     assert watch_compiles() is watch  # installed once
