@@ -283,7 +283,8 @@ class _Server:
 
     def _parsed(self, request: Request) -> None:
         """The request's body is parsed and validated (its handler starts): the parse phase ends."""
-        self.metrics.parsed(getattr(request.state, "received", None))
+        state = request.state
+        self.metrics.parsed(getattr(state, "arrived", None), getattr(state, "received", None))
 
     def _handing_over(self, request: Request) -> Preparing | None:
         """The request is prepared: its prepare phase ends; returns its count among the requests being prepared,

@@ -2,9 +2,10 @@
 
 Both run before FastAPI reads or parses a byte, so a wrong key is a 401 whatever the body, and an
 oversized body is refused (413) without being held in memory. A body let through is stamped with the time
-it was complete (`received` in the request's state), where the server's timing of a request starts, and a
-request to a generating path (`preparing_paths`) is counted as being prepared from then (`preparing`, the
-engine's count: an idle engine waits for a burst's last request) until its handler hands it over or it ends.
+it was complete (`received` in the request's state, beside `arrived`, when its headers were), where the
+server's timing of a request starts, and a request to a generating path (`preparing_paths`) is counted as
+being prepared from then (`preparing`, the engine's count: an idle engine waits for a burst's last request)
+until its handler hands it over or it ends.
 """
 
 from __future__ import annotations
@@ -49,13 +50,14 @@ class Gate:
         if length is not None and length.isdigit() and int(length) > self.max_body_bytes:
             await self._reject(scope, receive, send, self._too_large(int(length)))
             return
+        arrived = time.monotonic()  # the request line and headers are in
         body, over = await self._read_body(receive)
         if over:
             await self._reject(scope, receive, send, self._too_large(None))
             return
         # the whole body is in: a request's "prepare" phase (server/metrics.py) starts here
         state = scope.setdefault("state", {})
-        state["received"] = time.monotonic()
+        state["arrived"], state["received"] = arrived, time.monotonic()
         if self.preparing is None or scope["path"] not in self.preparing_paths:
             await self.app(scope, _replay(body, receive), send)
             return
