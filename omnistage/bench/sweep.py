@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import importlib.util
 import logging
 import time
 from collections.abc import Awaitable, Callable, Coroutine, Sequence
@@ -19,10 +18,11 @@ T = TypeVar("T")
 def run(main: Coroutine[Any, Any, T]) -> T:
     """`asyncio.run(main)` on the event loop the server runs on: uvloop where it is installed (uvicorn picks it
     then), so that clients and in-process consumers pay for their loop what the server pays for its own."""
-    factory = None
-    if importlib.util.find_spec("uvloop") is not None:
+    try:
         import uvloop
-
+    except ImportError:
+        factory = None
+    else:
         factory = uvloop.new_event_loop
     with asyncio.Runner(loop_factory=factory) as runner:
         return runner.run(main)

@@ -9,7 +9,6 @@ shape the warm-up misses shows in the log instead of as an unexplained slow requ
 
 from __future__ import annotations
 
-import importlib.util
 import logging
 import threading
 import time
@@ -66,9 +65,11 @@ def watch_compiles() -> CompileWatch:
     if _watch is not None:
         return _watch
     watch = CompileWatch()
-    if importlib.util.find_spec("triton") is not None:
+    try:
         import triton
-
+    except ImportError:  # a CPU machine without Triton: nothing of ours is built with it
+        pass
+    else:
         triton.knobs.runtime.jit_cache_hook = watch.triton_started
         triton.knobs.runtime.jit_post_compile_hook = watch.triton_built
     from torch._dynamo.callback import callback_handler
