@@ -81,10 +81,11 @@ def watch_compiles() -> CompileWatch:
 
 
 def _specialization(name: str, compile: dict[str, Any]) -> str:
-    """A Triton build as `name(constexprs; which arguments it took as 16-divisible or, pointers, 16-byte aligned)`:
-    what tells one build of a kernel from another."""
+    """A Triton build as `name[warps, stages](constexprs; which arguments it took as 16-divisible or, pointers,
+    16-byte aligned)`: what tells one build of a kernel from another."""
     names = list(compile["signature"])
     constants = ", ".join(f"{names[path[0]]}={value}" for path, value in compile["constants"].items())
     (attrs,) = compile["configs"]
     marked = ", ".join(names[path[0]] for path in attrs) or "none"
-    return f"{name}({constants}; 16-divisible or aligned: {marked})"
+    launch = f"num_warps={compile['num_warps']}, num_stages={compile['num_stages']}"
+    return f"{name}[{launch}]({constants}; 16-divisible or aligned: {marked})"

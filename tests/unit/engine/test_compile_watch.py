@@ -46,12 +46,15 @@ def test_a_triton_build_is_timed_from_its_start_hook_to_its_end_hook(
             "signature": signature,
             "constants": {(2,): 64},
             "configs": [{(0,): [["tt.divisibility", 16]]}],
+            "num_warps": 4,
+            "num_stages": 3,
         },
     }
     with caplog.at_level(logging.WARNING, logger="omnistage.engine.compile_watch"):
         assert triton.knobs.runtime.jit_cache_hook(**hook) is None  # True would skip the build
         triton.knobs.runtime.jit_post_compile_hook(**hook)
     ((what, seconds),) = watch.builds[before:]
-    assert what == "Triton kernel _k(BLOCK=64; 16-divisible or aligned: x_ptr)" and 0 <= seconds < 1
+    assert what == "Triton kernel _k[num_warps=4, num_stages=3](BLOCK=64; 16-divisible or aligned: x_ptr)"
+    assert 0 <= seconds < 1
     assert what in caplog.text
     assert watch_compiles() is watch  # installed once
