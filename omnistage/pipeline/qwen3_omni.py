@@ -68,7 +68,7 @@ def load_thinker_stage(
     started = time.perf_counter()
     model = load_thinker(path, dtype, device, backend_for(device), config.load_format, seed=config.seed)
     encoders = EncoderEngine.qwen3_omni(path, cfg.thinker, dtype, device, config.load_format, config.seed)
-    processor = Processor(path, device=device)  # the mel features are made where the audio encoder reads them
+    processor = Processor(path)
     return StageModels(
         model=model,
         text=cfg.thinker.text,

@@ -26,12 +26,6 @@ def llm(tiny_checkpoint):
     return LLM(str(tiny_checkpoint), device="cpu", dtype="float32", page_size=4)
 
 
-def test_the_processor_makes_features_on_the_thinkers_device_and_keeps_its_media_limits(llm):
-    processor = llm.pipeline.processor
-    assert processor.device == torch.device("cpu")
-    assert (processor.max_audios, processor.max_images) == (8, 8)
-
-
 def talker(frames: int | None, seed: int | None = None, **kw) -> SamplingParams:
     fields = {**vars(talker_sampling_defaults()), "max_tokens": frames, "seed": seed, **kw}
     return SamplingParams(**fields)
