@@ -25,7 +25,7 @@ from pathlib import Path
 import httpx
 
 from omnistage.bench.a2t import released_skeleton
-from omnistage.bench.server_process import ServerProcess
+from omnistage.bench.server_process import ServerProcess, phase_means, phase_totals
 
 
 def _cli(*args: str) -> list[str]:
@@ -78,12 +78,12 @@ def main() -> None:
             results[name], phases[name] = [], {}
             for c in concurrencies:
                 out = args.out_dir / f"a2t_{name}_c{c}.json"
-                before = _phase_totals(server.url)
+                before = phase_totals(server.url)
                 subprocess.run(
                     _cli(*bench(str(c)), "--url", server.url, "--endpoint", args.endpoint, "--out", str(out)),
                     check=True,
                 )
-                phases[name][c] = _phase_means(before, _phase_totals(server.url))
+                phases[name][c] = phase_means(before, phase_totals(server.url))
                 results[name] += json.loads(out.read_text())["ours"]
             (args.out_dir / f"metrics_{name}.txt").write_text(
                 httpx.get(f"{server.url}/metrics", timeout=10).text
@@ -117,29 +117,6 @@ def main() -> None:
     for p in inproc:
         stages = p.get("stages_median_ms", {})
         print(f"  in-process c={p['concurrency']}: " + ", ".join(f"{k} {v:.2f}" for k, v in stages.items()))
-
-
-def _phase_totals(url: str) -> dict[str, tuple[float, float]]:
-    """(sum, count) of each phase of `omnistage_request_phase_seconds` on the server's /metrics now."""
-    totals: dict[str, list[float]] = {}
-    for line in httpx.get(f"{url}/metrics", timeout=10).text.splitlines():
-        for field, index in (("_sum{", 0), ("_count{", 1)):
-            if line.startswith(f"omnistage_request_phase_seconds{field}"):
-                phase = line.split('phase="', 1)[1].split('"', 1)[0]
-                totals.setdefault(phase, [0.0, 0.0])[index] = float(line.rsplit(" ", 1)[1])
-    return {phase: (total, count) for phase, (total, count) in totals.items()}
-
-
-def _phase_means(
-    before: dict[str, tuple[float, float]], after: dict[str, tuple[float, float]]
-) -> dict[str, float]:
-    """Mean ms of each phase over the requests observed between two readings."""
-    means = {}
-    for phase, (total, count) in after.items():
-        total_before, count_before = before.get(phase, (0.0, 0.0))
-        if count > count_before:
-            means[phase] = (total - total_before) / (count - count_before) * 1e3
-    return means
 
 
 if __name__ == "__main__":

@@ -27,7 +27,7 @@ from types import SimpleNamespace
 
 import httpx
 
-from omnistage.bench.server_process import ServerProcess
+from omnistage.bench.server_process import ServerProcess, phase_means, phase_totals
 from omnistage.bench.sweep import run as run_async
 from omnistage.engine.sampling import SamplingParams
 from omnistage.outputs import CompletionOutput, RequestOutput
@@ -112,8 +112,9 @@ def serve(args: argparse.Namespace) -> None:
     uvicorn.run(app, port=args.port, log_level="warning", loop=args.loop, http=args.http)
 
 
-async def over_http(url: str, concurrency: int, tokens: int) -> list[tuple[float, float]]:
-    body = json.dumps({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "stream": True,
+async def over_http(url: str, concurrency: int, tokens: int, body_kb: int) -> list[tuple[float, float]]:
+    content = "hi " + "x" * (body_kb * 1000)  # the stand-in's processor reads none of it
+    body = json.dumps({"model": MODEL, "messages": [{"role": "user", "content": content}], "stream": True,
                        "max_tokens": tokens}).encode()  # fmt: skip
     limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
 
@@ -171,6 +172,9 @@ def main() -> None:
     p.add_argument("--step-ms", type=float, default=5.0, help="the stand-in step's time asleep")
     p.add_argument("--host-ms", type=float, default=1.0, help="the stand-in step's GIL-holding work first")
     p.add_argument("--repeats", type=int, default=3)
+    p.add_argument(
+        "--body-kb", type=int, default=0, help="KB of text each request's body carries (a clip's base64)"
+    )
     p.add_argument("--loop", default="asyncio", help="uvicorn's event loop (asyncio, uvloop)")
     p.add_argument("--http", default="h11", help="uvicorn's HTTP protocol (h11, httptools)")
     p.add_argument("--port", type=int, default=8013)
@@ -184,15 +188,18 @@ def main() -> None:
     rows = []
     command = [sys.executable, __file__, "--serve", "--port", str(args.port), "--step-ms", str(args.step_ms),
                "--host-ms", str(args.host_ms), "--loop", args.loop, "--http", args.http]  # fmt: skip
-    server = subprocess.Popen(command)
+    server, url = subprocess.Popen(command), f"http://127.0.0.1:{args.port}"
     try:
-        ServerProcess.wait_ready(SimpleNamespace(process=server, url=f"http://127.0.0.1:{args.port}",
+        ServerProcess.wait_ready(SimpleNamespace(process=server, url=url,
                                                  log_tail=lambda: ""), timeout=60)  # fmt: skip
         for _ in range(args.repeats):
-            before = _cpu_seconds(server.pid)
-            timings = run_async(over_http(f"http://127.0.0.1:{args.port}", args.concurrency, args.tokens))
+            before, phases = _cpu_seconds(server.pid), phase_totals(url)
+            timings = run_async(over_http(url, args.concurrency, args.tokens, args.body_kb))
             cpu = _cpu_seconds(server.pid) - before
             rows.append(_summary(f"http ({args.loop}, {args.http})", timings, cpu, args.tokens))
+            rows[-1]["phases_mean_ms"] = {
+                k: round(v, 2) for k, v in phase_means(phases, phase_totals(url)).items()
+            }
             print(rows[-1], flush=True)
     finally:
         server.terminate()

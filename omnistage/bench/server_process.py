@@ -1,4 +1,5 @@
-"""An `omnistage serve` subprocess that benchmarks and tests start, wait for and stop."""
+"""An `omnistage serve` subprocess that benchmarks and tests start, wait for and stop, and the request phases
+its /metrics report."""
 
 from __future__ import annotations
 
@@ -55,3 +56,26 @@ class ServerProcess:
         except subprocess.TimeoutExpired:
             self.process.kill()
             self.process.wait()
+
+
+def phase_totals(url: str) -> dict[str, tuple[float, float]]:
+    """(sum, count) of each phase of `omnistage_request_phase_seconds` on the server's /metrics now."""
+    totals: dict[str, list[float]] = {}
+    for line in httpx.get(f"{url}/metrics", timeout=10).text.splitlines():
+        for field, index in (("_sum{", 0), ("_count{", 1)):
+            if line.startswith(f"omnistage_request_phase_seconds{field}"):
+                phase = line.split('phase="', 1)[1].split('"', 1)[0]
+                totals.setdefault(phase, [0.0, 0.0])[index] = float(line.rsplit(" ", 1)[1])
+    return {phase: (total, count) for phase, (total, count) in totals.items()}
+
+
+def phase_means(
+    before: dict[str, tuple[float, float]], after: dict[str, tuple[float, float]]
+) -> dict[str, float]:
+    """Mean ms of each phase over the requests observed between two readings."""
+    means = {}
+    for phase, (total, count) in after.items():
+        total_before, count_before = before.get(phase, (0.0, 0.0))
+        if count > count_before:
+            means[phase] = (total - total_before) / (count - count_before) * 1e3
+    return means
