@@ -184,16 +184,18 @@ def inprocess_runner(engine: Any, output_tokens: int | None, max_tokens: int) ->
         if final is None or final.outputs[0].finish_reason in ("error", "abort"):
             raise RuntimeError(f"{clip.name}: the engine failed it: {final and final.error}")
         m = final.metrics
+        received = received or m["first_token"]
         stages = {
             "preprocess": prepared,
             "to_engine": m["arrival"] - submitted,
             "encode": m["encoded"] - m["arrival"],
             "queue": m["scheduled"] - m["encoded"],
             "prefill": m["first_token"] - m["scheduled"],
+            "delivery": received - m["first_token"],  # the engine's thread to this consumer
         }
         return RequestTiming(
             clip.seconds,
-            (received or m["first_token"]) - submitted + prepared,
+            received - submitted + prepared,
             m["finished"] - submitted + prepared,
             len(final.outputs[0].token_ids),
             stages,

@@ -142,7 +142,7 @@ def test_in_process_smoke_with_the_transformers_baseline(tiny_checkpoint, tmp_pa
     # busy CPU only roughly (the queue stage varies most at c=2)
     for p in ours:
         stages = p["stages_median_ms"]
-        assert set(stages) == {"preprocess", "to_engine", "encode", "queue", "prefill"}
+        assert set(stages) == {"preprocess", "to_engine", "encode", "queue", "prefill", "delivery"}
         assert all(v >= 0 for v in stages.values()) and stages["encode"] > 0 and stages["prefill"] > 0
         assert sum(stages.values()) == pytest.approx(p["ttft_median_ms"], rel=0.5)
     assert results["transformers"]["towers"] == {
