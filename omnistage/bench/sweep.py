@@ -16,8 +16,8 @@ T = TypeVar("T")
 
 
 def run(main: Coroutine[Any, Any, T]) -> T:
-    """`asyncio.run(main)` on the event loop the server runs on: uvloop where it is installed (uvicorn picks it
-    then), so that clients and in-process consumers pay for their loop what the server pays for its own."""
+    """`asyncio.run(main)` on the event loop the server runs on: uvloop where it is installed (uvicorn picks
+    it then), so that clients and in-process consumers pay for their loop what the server pays for its own."""
     try:
         import uvloop
     except ImportError:

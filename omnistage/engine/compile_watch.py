@@ -81,8 +81,8 @@ def watch_compiles() -> CompileWatch:
 
 
 def _specialization(name: str, compile: dict[str, Any]) -> str:
-    """A Triton build as `name[warps, stages](constexprs; which arguments it took as 16-divisible or, pointers,
-    16-byte aligned)`: what tells one build of a kernel from another."""
+    """A Triton build as `name[warps, stages](constexprs; which arguments it took as 16-divisible or,
+    pointers, 16-byte aligned)`: what tells one build of a kernel from another."""
     names = list(compile["signature"])
     constants = ", ".join(f"{names[path[0]]}={value}" for path, value in compile["constants"].items())
     (attrs,) = compile["configs"]

@@ -40,8 +40,7 @@ def _flip_negative(bits):
     return bits ^ ((bits >> 31) & 0x7FFFFFFF)
 
 
-# top_k varies from batch to batch: unspecialized, one build serves every value (Triton would build again,
-# mid-request, for a value divisible by 16 or equal to 1 that the warm-up did not bring).
+# Unspecialized: top_k varies per batch; a new divisibility class would build mid-request (compile_watch.py).
 @triton.jit(do_not_specialize=["top_k"])
 def _sample_kernel(
     logits_ptr, greedy_ptr, temperature_ptr, top_p_ptr, seeds_ptr, draws_ptr, out_ptr,

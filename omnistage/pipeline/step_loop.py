@@ -60,8 +60,8 @@ class StepLoop:
 
     def run(self, receive: Callable[[float | None], list[Add | Abort]], stopping: Callable[[], bool]) -> None:
         """Until `stopping()`: the commands `receive(timeout)` returns (None: those queued, without waiting;
-        else waiting up to `timeout` seconds for the first), then a step. From here on, a kernel or graph built for a
-        step is logged (compile_watch.py)."""
+        else waiting up to `timeout` seconds for the first), then a step. From here on, a kernel or graph built
+        for a step is logged (compile_watch.py)."""
         watch_compiles()
         while not stopping():
             try:

@@ -30,16 +30,18 @@ def sse(payload: dict[str, Any]) -> str:
     return f"data: {json.dumps(payload, ensure_ascii=False, separators=(',', ':'))}\n\n"
 
 
-def _around_text(render: Callable[[str], str]) -> tuple[str, str]:
-    """The chunk `render` spells for a text, split around that text's JSON string.
+def _text_chunks(render: Callable[[str], str]) -> Callable[[str], str]:
+    """The chunk `render` spells for a text, spelled by splicing the text into it.
 
     A token's chunk differs from the next one only in its text, so it is spelled once per stream from the
-    models and each token encodes its text alone (0.11 against 9.7 us a token). The split is at the last
-    occurrence: only fixed fields follow the text, while the id and model before it are anyone's strings.
+    models, split around a marker text's JSON string, and each token encodes its text alone (0.11 against
+    9.7 us a token). The split is at the last occurrence: only fixed fields follow the text, while the id and
+    model before it are anyone's strings. encode_basestring is how json.dumps(ensure_ascii=False) spells a
+    str, without its 0.6 us of setup.
     """
     marker = "<text>"
     head, _, tail = render(marker).rpartition(encode_basestring(marker))
-    return head, tail
+    return lambda text: f"{head}{encode_basestring(text)}{tail}"
 
 
 class Format(Protocol):
@@ -70,7 +72,7 @@ class ChatFormat:
     def __init__(self, request_id: str, model: str, include_usage: bool) -> None:
         self.id, self.model, self.include_usage = request_id, model, include_usage
         self.created = int(time.time())
-        self._text_head, self._text_tail = _around_text(
+        self._text_chunk = _text_chunks(
             lambda text: self._chunk([ChatChunkChoice(delta=ChatDelta(content=text))])
         )
 
@@ -84,8 +86,7 @@ class ChatFormat:
         return [self._chunk([ChatChunkChoice(delta=ChatDelta(role="assistant", content=""))])]
 
     def delta(self, text: str, finish_reason: str | None) -> list[str]:
-        # encode_basestring is how json.dumps(ensure_ascii=False) spells a str, without its 0.6 us of setup.
-        return [f"{self._text_head}{encode_basestring(text)}{self._text_tail}"] if text else []
+        return [self._text_chunk(text)] if text else []
 
     def closing(self, finish_reason: str) -> list[str]:
         return [self._chunk([ChatChunkChoice(delta=ChatDelta(), finish_reason=finish_reason)])]
@@ -104,9 +105,7 @@ class CompletionFormat:
     def __init__(self, request_id: str, model: str, include_usage: bool) -> None:
         self.id, self.model, self.include_usage = request_id, model, include_usage
         self.created = int(time.time())
-        self._text_head, self._text_tail = _around_text(
-            lambda text: self._chunk([CompletionChoice(text=text)])
-        )
+        self._text_chunk = _text_chunks(lambda text: self._chunk([CompletionChoice(text=text)]))
 
     def _chunk(self, choices: list[CompletionChoice], usage: Usage | None = None) -> str:
         chunk = CompletionResponse(
@@ -119,7 +118,7 @@ class CompletionFormat:
 
     def delta(self, text: str, finish_reason: str | None) -> list[str]:
         if finish_reason is None:
-            return [f"{self._text_head}{encode_basestring(text)}{self._text_tail}"] if text else []
+            return [self._text_chunk(text)] if text else []
         # OpenAI puts finish_reason on the chunk with the last text, which may be empty.
         return [self._chunk([CompletionChoice(text=text, finish_reason=finish_reason)])]
 

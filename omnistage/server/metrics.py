@@ -56,11 +56,11 @@ class ServerMetrics:
         self.pages_free = Gauge("omnistage_kv_pages_free", "KV cache pages free", registry=r)
         self.phases = Histogram(
             "omnistage_request_phase_seconds",
-            "Where a request's time to first token goes: receive (headers in to the whole body in), "
-            "prepare (body received to handed over: parsing, "
-            "media decoding, the prompt's layout; parse is its first part, the body's JSON or form parsed and "
-            "validated), to_engine (handed over to admitted), first_token (admitted "
-            "to first token: encoders, queue, prefill), delivery (first token to the request's handler)",
+            "Where a request's time to first token goes: receive (headers in to the whole body in), prepare "
+            "(body received to handed over: parsing, media decoding, the prompt's layout), parse (prepare's "
+            "first part: the body's JSON or form parsed and validated), to_engine (handed over to admitted), "
+            "first_token (admitted to first token: encoders, queue, prefill), delivery (first token to the "
+            "request's handler)",
             ["phase"],
             buckets=_TTFT_BUCKETS,
             registry=r,
@@ -103,8 +103,8 @@ class ServerMetrics:
         self.requests.labels(endpoint, str(status)).inc()
 
     def parsed(self, arrived: float | None, received: float | None) -> None:
-        """A request's handler starts: its receive phase (its headers in to its body in) and its parse phase (the
-        body parsed and validated, from when it was in)."""
+        """A request's handler starts: its receive phase (its headers in to its body in) and its parse phase
+        (the body parsed and validated, from when it was in)."""
         if arrived is not None and received is not None:
             self.phases.labels("receive").observe(received - arrived)
             self.phases.labels("parse").observe(time.monotonic() - received)

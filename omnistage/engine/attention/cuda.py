@@ -52,8 +52,7 @@ def _write_kv(
     tl.store(dst + stride_cache_kv, v.to(cache_ptr.dtype.element_ty), mask=mask)
 
 
-# The block table's width varies from step to step: unspecialized, one build serves every value (Triton would build again,
-# mid-request, for a value divisible by 16 or equal to 1 that the warm-up did not bring).
+# Unspecialized: the block table's width varies per step; a new divisibility class would build mid-request.
 @triton.jit(do_not_specialize=["stride_bt"])
 def _paged_attention(
     q_ptr,

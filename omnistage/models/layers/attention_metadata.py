@@ -36,10 +36,11 @@ def to_device_together(hosts: Sequence[torch.Tensor], device: torch.device | str
     return _through_one_buffer(hosts, device, pin=device.type == "cuda")
 
 
-# Where each tensor starts in the buffer, in bytes: Triton specializes a kernel on whether each pointer is 16-byte
-# aligned, so a tensor starting wherever the previous one ended would need a new build mid-request whenever a
-# step's sizes moved it.
+# Where each tensor starts in the buffer, in bytes: Triton specializes a kernel on whether each pointer is
+# 16-byte aligned, so a tensor starting wherever the previous one ended would need a new build mid-request
+# whenever a step's sizes moved it.
 ALIGN = 16
+_PADDING = torch.zeros(ALIGN, dtype=torch.uint8)
 
 
 def _through_one_buffer(hosts: Sequence[torch.Tensor], device: torch.device, pin: bool) -> list[torch.Tensor]:
@@ -49,7 +50,7 @@ def _through_one_buffer(hosts: Sequence[torch.Tensor], device: torch.device, pin
     for host in hosts:
         pad = -size % ALIGN
         if pad:
-            pieces.append(torch.zeros(pad, dtype=torch.uint8))
+            pieces.append(_PADDING[:pad])
         offsets.append(size + pad)
         piece = _as_bytes(host)
         pieces.append(piece)

@@ -54,8 +54,7 @@ def _weight_block(w_ptr, cols, ks, out_features, in_features):
     ).to(tl.float32)
 
 
-# The count varies from step to step: unspecialized, one build serves every value (Triton would build again,
-# mid-request, for a value divisible by 16 or equal to 1 that the warm-up did not bring).
+# Unspecialized: the count varies per step; a new divisibility class would build mid-request.
 @triton.jit(do_not_specialize=["rows"])
 def _gemv_kernel(
     x_ptr, w_ptr, out_ptr, rows, out_features, in_features,

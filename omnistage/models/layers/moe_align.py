@@ -77,8 +77,7 @@ def align_pairs_torch(flat_ids: torch.Tensor, num_experts: int, block_m: int) ->
     return ExpertAlignment(pair_ids, block_expert, ends, block_m, num_pairs)
 
 
-# The count varies from step to step: unspecialized, one build serves every value (Triton would build again,
-# mid-request, for a value divisible by 16 or equal to 1 that the warm-up did not bring).
+# Unspecialized: the count varies per step; a new divisibility class would build mid-request.
 @triton.jit(do_not_specialize=["num_pairs", "num_blocks"])
 def _align_kernel(
     ids_ptr,

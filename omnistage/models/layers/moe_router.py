@@ -33,8 +33,7 @@ def _float_order(bits):
     return bits ^ ((bits >> 31) & 0x7FFFFFFF)
 
 
-# The count varies from step to step: unspecialized, one build serves every value (Triton would build again,
-# mid-request, for a value divisible by 16 or equal to 1 that the warm-up did not bring).
+# Unspecialized: the count varies per step; a new divisibility class would build mid-request.
 @triton.jit(do_not_specialize=["num_tokens"])
 def _route_kernel(
     logits_ptr, weights_ptr, ids_ptr, num_tokens, num_experts, stride, top_k, LOWEST_KEY: tl.constexpr,

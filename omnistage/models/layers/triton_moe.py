@@ -55,8 +55,7 @@ def default_config(num_pairs: int, num_experts: int) -> MoeKernelConfig:
     )
 
 
-# The count varies from step to step: unspecialized, one build serves every value (Triton would build again,
-# mid-request, for a value divisible by 16 or equal to 1 that the warm-up did not bring).
+# Unspecialized: the count varies per step; a new divisibility class would build mid-request.
 @triton.jit(do_not_specialize=["num_pairs"])
 def _gate_up_kernel(
     x_ptr,
