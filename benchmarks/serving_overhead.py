@@ -7,8 +7,9 @@ server variant with extra `serve` flags (e.g. `cap80='--gpu-memory-limit-gib 80'
 in turn; `--py-spy` records where each server's threads spend the time (raw py-spy stacks). Each server runs
 one benchmark per concurrency, and its /metrics are read before and after each: the mean of every phase of a
 request's time to first token at that concurrency (prepare: the body in to the hand-over; to_engine;
-first_token; delivery), printed beside the in-process run's stage medians. Writes every benchmark's JSON,
-each server's log and last /metrics, and `phases.json` under --out-dir.
+first_token; delivery; respond: to the first chunk written), printed beside the in-process run's stage
+medians, with the client's own split of its TTFT (upload, response, first_chunk; from httpcore's trace events).
+Writes every benchmark's JSON, each server's log and last /metrics, and `phases.json` under --out-dir.
 
     python benchmarks/serving_overhead.py --out-dir $OUT --concurrency 1,16 --server cap80='--gpu-memory-limit-gib 80'
 """
@@ -117,6 +118,13 @@ def main() -> None:
     for p in inproc:
         stages = p.get("stages_median_ms", {})
         print(f"  in-process c={p['concurrency']}: " + ", ".join(f"{k} {v:.2f}" for k, v in stages.items()))
+    print(
+        "\nThe servers' TTFT as their client saw it, mean ms per stage (upload, response: to the headers, first_chunk):"
+    )
+    for name, passes in results.items():
+        for p in passes if name != "in-process" else ():
+            stages = p.get("stages_mean_ms", {})
+            print(f"  {name} c={p['concurrency']}: " + ", ".join(f"{k} {v:.2f}" for k, v in stages.items()))
 
 
 if __name__ == "__main__":

@@ -99,14 +99,19 @@ def server_runner(
         }
         # encoded before the clock starts, as the clip's base64: the in-process runner builds no body either
         payload = json.dumps(body).encode()
+        stamps = _Stamps()
         start = time.perf_counter()
         first, tokens = None, 0
-        async for event in _events(client, "/v1/chat/completions", content=payload, headers=_JSON):
+        async for event in _events(
+            client, "/v1/chat/completions", content=payload, headers=_JSON, extensions={"trace": stamps.trace}
+        ):
             first = first or time.perf_counter()
             if event.get("usage"):
                 tokens = event["usage"]["completion_tokens"]
         end = time.perf_counter()
-        return RequestTiming(clip.seconds, (first or end) - start, end - start, tokens)
+        return RequestTiming(
+            clip.seconds, (first or end) - start, end - start, tokens, stamps.stages(start, first)
+        )
 
     async def transcribe(clip: Clip, number: int) -> RequestTiming:
         form = {"model": model, "stream": "true", **{k: _form_value(v) for k, v in fields.items()}}
@@ -148,6 +153,31 @@ async def _events(client: httpx.AsyncClient, path: str, **request: Any) -> Async
 
 
 _JSON = {"content-type": "application/json"}
+
+
+class _Stamps:
+    """When the client's HTTP layer sent a request's body and read its response's headers (httpcore's trace
+    events), to split a TTFT seen from the client into the upload, the server's answer and the first chunk."""
+
+    _EVENTS = {
+        "http11.send_request_body.complete": "sent",
+        "http11.receive_response_headers.complete": "headers",
+    }
+
+    def __init__(self) -> None:
+        self.at: dict[str, float] = {}
+
+    async def trace(self, event: str, info: dict[str, Any]) -> None:
+        if event in self._EVENTS:
+            self.at[self._EVENTS[event]] = time.perf_counter()
+
+    def stages(self, start: float, first: float | None) -> dict[str, float]:
+        """upload (the clock's start to the body sent), response (to the headers in), first_chunk (to the first
+        event parsed); empty when the request did not get that far."""
+        sent, headers = self.at.get("sent"), self.at.get("headers")
+        if sent is None or headers is None or first is None:
+            return {}
+        return {"upload": sent - start, "response": headers - sent, "first_chunk": first - headers}
 
 
 def _error_message(text: str) -> str:

@@ -41,6 +41,11 @@ def median(values: list[float]) -> float:
     return percentile(values, 50)
 
 
+def _mean(values: list[float]) -> float:
+    data = [v for v in values if not math.isnan(v)]
+    return sum(data) / len(data) if data else math.nan
+
+
 def real_time_factor(audio_s: float, wall_s: float) -> float:
     """Seconds of input audio handled per wall-clock second (20 means twenty times faster than real time)."""
     if wall_s <= 0:
@@ -78,9 +83,10 @@ def summarize(
     }
     if len(walls) > 1:
         summary["rtf_per_pass"] = [round(real_time_factor(audio, w), 3) for w in walls]
-    names = [name for name in timings[0].stages] if timings else []
+    names = list(dict.fromkeys(name for t in timings for name in t.stages))
     if names:
-        summary["stages_median_ms"] = {
-            name: round(median([t.stages.get(name, math.nan) for t in timings]) * ms, 2) for name in names
-        }
+        by_name = {name: [t.stages.get(name, math.nan) for t in timings] for name in names}
+        summary["stages_median_ms"] = {name: round(median(v) * ms, 2) for name, v in by_name.items()}
+        # means too: the server's /metrics phases are means, and a burst's stages are far from symmetric
+        summary["stages_mean_ms"] = {name: round(_mean(v) * ms, 2) for name, v in by_name.items()}
     return summary

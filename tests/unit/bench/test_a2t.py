@@ -190,6 +190,18 @@ def test_over_http_with_the_runtime_dependencies_only(server_url, endpoint, monk
     for p in results["ours"]:
         assert p["requests"] == 2 and p["output_tokens"] == 8  # from the streams' usage
         assert 0 < p["ttft_median_ms"] < p["latency_median_ms"] and p["tpot_median_ms"] > 0
+    if (
+        endpoint == "chat"
+    ):  # the client's split of a chat's TTFT: upload, the server's answer, the first chunk
+        for p in results["ours"]:
+            stages = p["stages_mean_ms"]
+            assert set(stages) == {"upload", "response", "first_chunk"} and all(
+                v >= 0 for v in stages.values()
+            )
+            assert (
+                stages["response"] > stages["upload"]
+            )  # the answer waits for a token; the upload is a local write
+            assert sum(stages.values()) == pytest.approx(p["ttft_median_ms"], rel=0.5)
 
 
 @pytest.mark.parametrize("endpoint", ["chat", "transcriptions"])

@@ -57,5 +57,6 @@ def test_summarize_several_passes_takes_the_median_pass_wall():
     assert s["rtf_per_pass"] == [20.0, pytest.approx(16.129), 25.0]
     assert s["ttft_median_ms"] == 80.0 and s["output_tokens"] == 33
     assert s["stages_median_ms"] == {"encode": 4.0, "prefill": 50.0}
+    assert s["stages_mean_ms"] == {"encode": 4.0, "prefill": pytest.approx(53.33, abs=0.01)}
     with pytest.raises(ValueError, match="3 requests do not split into 2 equal passes"):
         summarize(one_pass + slower + faster, wall_s=[0.2, 0.3], concurrency=1)
