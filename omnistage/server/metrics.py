@@ -60,7 +60,7 @@ class ServerMetrics:
             "(body received to handed over: parsing, media decoding, the prompt's layout), parse (prepare's "
             "first part: the body's JSON or form parsed and validated), to_engine (handed over to admitted), "
             "first_token (admitted to first token: encoders, queue, prefill), delivery (first token to the "
-            "request's handler)",
+            "request's handler), respond (a stream's first output in its handler to its first chunk written)",
             ["phase"],
             buckets=_TTFT_BUCKETS,
             registry=r,
@@ -113,6 +113,11 @@ class ServerMetrics:
         """A request handed over to the engine: its prepare phase, from when its body was in (gate.py)."""
         if received is not None:
             self.phases.labels("prepare").observe(time.monotonic() - received)
+
+    def responded(self, delivered: float | None) -> None:
+        """A stream's first chunk is written: its respond phase, from its first output reaching the handler."""
+        if delivered is not None:
+            self.phases.labels("respond").observe(time.monotonic() - delivered)
 
     def observe(self, output: RequestOutput) -> None:
         """Token counts and latencies of a request that has ended (finished or cancelled)."""

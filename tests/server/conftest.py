@@ -235,7 +235,13 @@ class FakeEngine:
                     [out],
                     finished=done,
                     error="OutOfMemoryError: pretend" if failed else None,
-                    metrics={"arrival": 0.0, "first_token": 0.01, "finished": 0.02},
+                    # delivered: when this output reached its consumer, as AsyncEngine stamps it
+                    metrics={
+                        "arrival": 0.0,
+                        "first_token": 0.01,
+                        "finished": 0.02,
+                        "delivered": time.monotonic(),
+                    },
                 )
                 if done:
                     return

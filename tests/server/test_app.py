@@ -93,6 +93,9 @@ def test_the_prepare_phase_runs_from_the_whole_body_to_the_hand_over(client, fak
     assert float(samples['omnistage_request_phase_seconds_count{phase="parse"}']) == 2
     assert 0 < float(samples['omnistage_request_phase_seconds_sum{phase="parse"}']) < 0.05
     assert float(samples['omnistage_request_phase_seconds_count{phase="receive"}']) == 2
+    # the stream's first output in its handler to its first chunk written: once, and short
+    assert float(samples['omnistage_request_phase_seconds_count{phase="respond"}']) == 1
+    assert 0 < float(samples['omnistage_request_phase_seconds_sum{phase="respond"}']) < 0.05
 
 
 def test_a_request_counts_as_being_prepared_from_its_body_to_its_hand_over(client, fake_engine, monkeypatch):
