@@ -9,7 +9,6 @@ problem is an InvalidMedia naming the part and, where a flag would allow it, the
 
 from __future__ import annotations
 
-import base64
 import binascii
 import urllib.parse
 from dataclasses import dataclass
@@ -17,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import pybase64
 
 from omnistage.errors import InvalidMedia
 from omnistage.models.qwen3_omni.audio_features import MAX_SECONDS, SAMPLE_RATE, decode_audio, resample
@@ -118,12 +118,12 @@ def _url(part: dict[str, Any], key: str) -> str:
 
 def _base64(data: str) -> bytes:
     try:
-        return binascii.a2b_base64(data, strict_mode=True)  # one pass, no copy: what clients send
+        return pybase64.b64decode(data, validate=True)  # one strict pass: what clients send
     except (binascii.Error, ValueError):
         pass
     try:
         # Line breaks and spaces are common in pasted base64; anything else outside the alphabet is an error.
-        return base64.b64decode("".join(data.split()), validate=True)
+        return pybase64.b64decode("".join(data.split()), validate=True)
     except (binascii.Error, ValueError) as exc:
         raise InvalidMedia(f"the data is not valid base64 ({exc})") from None
 
