@@ -8,10 +8,11 @@ in turn; `--py-spy` records where each server's threads spend the time (raw py-s
 one benchmark per concurrency, and its /metrics are read before and after each: the mean of every phase of a
 request's time to first token at that concurrency (prepare: the body in to the hand-over; to_engine;
 first_token; delivery; respond: to the first chunk written), printed beside the in-process run's stage
-medians, with the client's own split of its TTFT (upload, response, first_chunk; from httpcore's trace events).
+medians, with the client's own split of its TTFT (upload, response, first_event).
 Writes every benchmark's JSON, each server's log and last /metrics, and `phases.json` under --out-dir.
 
     python benchmarks/serving_overhead.py --out-dir $OUT --concurrency 1,16 --server cap80='--gpu-memory-limit-gib 80'
+    python benchmarks/serving_overhead.py --out-dir $OUT --http-clients h11,httpx --server proc=--engine-process
 """
 
 from __future__ import annotations
@@ -49,6 +50,9 @@ def main() -> None:
     p.add_argument("--server", action="append", default=[], metavar="NAME=FLAGS",
                    help="another server variant: extra `serve` flags, after any VAR=value words for its environment")  # fmt: skip
     p.add_argument("--py-spy", action="store_true", help="record each server with py-spy (on PATH)")
+    p.add_argument("--http-clients", default="h11",
+                   help="the benchmark's HTTP clients, each timed against every server in turn (h11, httpx); a "
+                        "server's rows with a client after the first are named NAME+CLIENT")  # fmt: skip
     args = p.parse_args()
     args.out_dir.mkdir(parents=True, exist_ok=True)
 
@@ -62,6 +66,7 @@ def main() -> None:
                 "--repeats", str(args.repeats), "--output-tokens", str(args.output_tokens)]  # fmt: skip
 
     variants = {"http": "", **dict(v.split("=", 1) for v in args.server)}
+    clients = args.http_clients.split(",")
     results: dict[str, list[dict]] = {}
     phases: dict[str, dict[int, dict[str, float]]] = {}
     for name, flags in variants.items():
@@ -76,16 +81,19 @@ def main() -> None:
             if args.py_spy:
                 spy = subprocess.Popen(["py-spy", "record", "-p", str(server.process.pid), "-f", "raw", "--threads",
                                         "-r", "200", "-o", str(args.out_dir / f"pyspy_{name}.txt")])  # fmt: skip
-            results[name], phases[name] = [], {}
-            for c in concurrencies:
-                out = args.out_dir / f"a2t_{name}_c{c}.json"
-                before = phase_totals(server.url)
-                subprocess.run(
-                    _cli(*bench(str(c)), "--url", server.url, "--endpoint", args.endpoint, "--out", str(out)),
-                    check=True,
-                )
-                phases[name][c] = phase_means(before, phase_totals(server.url))
-                results[name] += json.loads(out.read_text())["ours"]
+            for client in clients:
+                target = name if client == clients[0] else f"{name}+{client}"
+                results[target], phases[target] = [], {}
+                for c in concurrencies:
+                    out = args.out_dir / f"a2t_{target}_c{c}.json"
+                    before = phase_totals(server.url)
+                    subprocess.run(
+                        _cli(*bench(str(c)), "--url", server.url, "--endpoint", args.endpoint,
+                             "--http-client", client, "--out", str(out)),
+                        check=True,
+                    )  # fmt: skip
+                    phases[target][c] = phase_means(before, phase_totals(server.url))
+                    results[target] += json.loads(out.read_text())["ours"]
             (args.out_dir / f"metrics_{name}.txt").write_text(
                 httpx.get(f"{server.url}/metrics", timeout=10).text
             )
@@ -119,7 +127,7 @@ def main() -> None:
         stages = p.get("stages_median_ms", {})
         print(f"  in-process c={p['concurrency']}: " + ", ".join(f"{k} {v:.2f}" for k, v in stages.items()))
     print(
-        "\nThe servers' TTFT as their client saw it, mean ms per stage (upload, response: to the headers, first_chunk):"
+        "\nThe servers' TTFT as their client saw it, mean ms per stage (upload, response: to the headers, first_event):"
     )
     for name, passes in results.items():
         for p in passes if name != "in-process" else ():

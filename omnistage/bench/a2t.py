@@ -32,6 +32,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from omnistage.bench.clips import SYNTH_SETS, Clip, load_dir, synth_clips, total_seconds
+from omnistage.bench.sse_client import StreamClient, error_message
 from omnistage.bench.stats import RequestTiming, summarize
 from omnistage.bench.sweep import run as run_async
 from omnistage.bench.sweep import sweep as generic_sweep
@@ -79,13 +80,47 @@ def forced(output_tokens: int | None, max_tokens: int) -> dict[str, Any]:
 
 
 def server_runner(
-    client: httpx.AsyncClient, model: str, endpoint: str, output_tokens: int | None, max_tokens: int
+    client: StreamClient | httpx.AsyncClient,
+    model: str,
+    endpoint: str,
+    output_tokens: int | None,
+    max_tokens: int,
 ) -> Runner:
     """Streamed requests to a running server through `client` (based at its URL); TTFT is the first chunk
-    of a chat stream (the server sends it once the first token exists), the first delta of a transcription."""
+    of a chat stream (the server sends it once the first token exists), the first delta of a transcription.
+
+    A request's body is built before its clock starts (the clip's base64 and JSON, or the multipart form): the
+    in-process runner builds none either. Its stages split the TTFT as the client saw it: upload (the clock's
+    start to the request written), response (to the response's headers in), first_event (to the event that
+    counts as the first token)."""
+    import httpx
+
     from omnistage.models.qwen3_omni.transcription import INSTRUCTION
 
     fields = forced(output_tokens, max_tokens)
+
+    async def timed(
+        clip: Clip, path: str, body: bytes, headers: dict[str, str], first_token: str
+    ) -> RequestTiming:
+        stamps: dict[str, float] = {}
+        start = time.perf_counter()
+        first, tokens, deltas = None, 0, 0
+        async for event in events(client, path, body, headers, stamps):
+            if first_token in ("", event.get("type")):
+                first = first or time.perf_counter()
+                deltas += 1
+            usage = event.get("usage") or {}
+            tokens = usage.get("completion_tokens") or usage.get("output_tokens") or tokens
+        end = stamps.get("done") or time.perf_counter()
+        sent, headers_in = stamps.get("sent"), stamps.get("headers")
+        stages = {}
+        if sent is not None and headers_in is not None and first is not None:
+            stages = {
+                "upload": sent - start,
+                "response": headers_in - sent,
+                "first_event": first - headers_in,
+            }
+        return RequestTiming(clip.seconds, (first or end) - start, end - start, tokens or deltas, stages)
 
     async def chat(clip: Clip, number: int) -> RequestTiming:
         audio = {"data": base64.b64encode(clip.wav_bytes()).decode(), "format": "wav"}
@@ -97,54 +132,53 @@ def server_runner(
             "stream_options": {"include_usage": True},
             **fields,
         }
-        # encoded before the clock starts, as the clip's base64: the in-process runner builds no body either
-        payload = json.dumps(body).encode()
-        stamps = _Stamps()
-        start = time.perf_counter()
-        first, tokens = None, 0
-        async for event in _events(
-            client, "/v1/chat/completions", content=payload, headers=_JSON, extensions={"trace": stamps.trace}
-        ):
-            first = first or time.perf_counter()
-            if event.get("usage"):
-                tokens = event["usage"]["completion_tokens"]
-        end = time.perf_counter()
-        return RequestTiming(
-            clip.seconds, (first or end) - start, end - start, tokens, stamps.stages(start, first)
+        return await timed(
+            clip, "/v1/chat/completions", json.dumps(body).encode(), JSON_HEADERS, first_token=""
         )
 
     async def transcribe(clip: Clip, number: int) -> RequestTiming:
         form = {"model": model, "stream": "true", **{k: _form_value(v) for k, v in fields.items()}}
         files = {"file": (f"{clip.name}.wav", clip.wav_bytes(), "audio/wav")}
-        start = time.perf_counter()
-        first, tokens, deltas = None, 0, 0
-        async for event in _events(client, "/v1/audio/transcriptions", data=form, files=files):
-            if event.get("type") == "transcript.text.delta":
-                first = first or time.perf_counter()
-                deltas += 1
-            elif event.get("type") == "transcript.text.done":
-                tokens = (event.get("usage") or {}).get("output_tokens") or deltas
-        end = time.perf_counter()
-        return RequestTiming(clip.seconds, (first or end) - start, end - start, tokens)
+        request = httpx.Request("POST", "http://server/", data=form, files=files)
+        headers = {"content-type": request.headers["content-type"]}
+        return await timed(clip, "/v1/audio/transcriptions", request.read(), headers, "transcript.text.delta")
 
     return chat if endpoint == "chat" else transcribe
 
 
-async def _events(client: httpx.AsyncClient, path: str, **request: Any) -> AsyncIterator[dict[str, Any]]:
-    """The JSON payloads of a POST's server-sent events up to `[DONE]`, each as soon as it arrives.
+async def events(
+    client: StreamClient | httpx.AsyncClient,
+    path: str,
+    body: bytes,
+    headers: dict[str, str],
+    stamps: dict[str, float],
+) -> AsyncIterator[dict[str, Any]]:
+    """The JSON payloads of a POST's server-sent events up to `[DONE]`, each as soon as it arrives; `stamps` as
+    StreamClient.events fills it (httpx's from httpcore's trace events).
 
     A refused request (HTTP status other than 200) or an error event in the stream raises RuntimeError with
     the server's message.
     """
+    if isinstance(client, StreamClient):
+        async for event in client.events(path, body, headers, stamps):
+            yield event
+        return
+
+    async def trace(event: str, info: dict[str, Any]) -> None:
+        if event in _HTTPCORE_STAMPS:
+            stamps[_HTTPCORE_STAMPS[event]] = time.perf_counter()
+
+    request = {"content": body, "headers": headers, "extensions": {"trace": trace}}
     async with client.stream("POST", path, **request) as response:
         if response.status_code != 200:
             await response.aread()
-            raise RuntimeError(f"{path}: HTTP {response.status_code}: {_error_message(response.text)}")
+            raise RuntimeError(f"{path}: HTTP {response.status_code}: {error_message(response.text)}")
         async for line in response.aiter_lines():
             if not line.startswith("data:"):
                 continue  # blank separators, comments and other SSE fields carry nothing we time
             data = line.removeprefix("data:").strip()
             if data == "[DONE]":
+                stamps["done"] = time.perf_counter()
                 return
             event = json.loads(data)
             if "error" in event:
@@ -152,40 +186,11 @@ async def _events(client: httpx.AsyncClient, path: str, **request: Any) -> Async
             yield event
 
 
-_JSON = {"content-type": "application/json"}
-
-
-class _Stamps:
-    """When the client's HTTP layer sent a request's body and read its response's headers (httpcore's trace
-    events), to split a TTFT seen from the client into the upload, the server's answer and the first chunk."""
-
-    _EVENTS = {
-        "http11.send_request_body.complete": "sent",
-        "http11.receive_response_headers.complete": "headers",
-    }
-
-    def __init__(self) -> None:
-        self.at: dict[str, float] = {}
-
-    async def trace(self, event: str, info: dict[str, Any]) -> None:
-        if event in self._EVENTS:
-            self.at[self._EVENTS[event]] = time.perf_counter()
-
-    def stages(self, start: float, first: float | None) -> dict[str, float]:
-        """upload (the clock's start to the body sent), response (to the headers in), first_chunk (to the first
-        event parsed); empty when the request did not get that far."""
-        sent, headers = self.at.get("sent"), self.at.get("headers")
-        if sent is None or headers is None or first is None:
-            return {}
-        return {"upload": sent - start, "response": headers - sent, "first_chunk": first - headers}
-
-
-def _error_message(text: str) -> str:
-    """The message of an OpenAI-shaped error body, else the body as it is."""
-    try:
-        return json.loads(text)["error"]["message"]
-    except (ValueError, KeyError, TypeError):
-        return text
+JSON_HEADERS = {"content-type": "application/json"}
+_HTTPCORE_STAMPS = {
+    "http11.send_request_body.complete": "sent",
+    "http11.receive_response_headers.complete": "headers",
+}
 
 
 def _form_value(value: float | bool) -> str:
@@ -285,7 +290,12 @@ def run_a2t(args: argparse.Namespace) -> dict[str, Any]:
     }
     if args.url:
         model = args.served_model or _first_model(args.url, args.api_key)
-        results["target"] = {"url": args.url, "model": model, "endpoint": args.endpoint}
+        results["target"] = {
+            "url": args.url,
+            "model": model,
+            "endpoint": args.endpoint,
+            "client": args.http_client,
+        }
         results["ours"] = run_async(_over_http(args, model, clips, concurrencies, output_tokens))
         return results
 
@@ -369,15 +379,23 @@ async def _over_http(
 ) -> list[dict]:
     import httpx
 
+    url = args.url.rstrip("/")
+    if args.http_client == "h11":
+        client = StreamClient(url, _auth(args.api_key))
+        try:
+            run = server_runner(client, model, args.endpoint, output_tokens, args.max_tokens)
+            return await sweep(run, clips, concurrencies, args.warmup, args.repeats)
+        finally:
+            client.close()
     # A connection per request in flight: a smaller pool would queue requests here and count it as latency.
     most = max(concurrencies)
     async with httpx.AsyncClient(
-        base_url=args.url.rstrip("/"),
+        base_url=url,
         headers=_auth(args.api_key),
         timeout=httpx.Timeout(600.0, connect=10.0),
         limits=httpx.Limits(max_connections=most, max_keepalive_connections=most),
-    ) as client:
-        run = server_runner(client, model, args.endpoint, output_tokens, args.max_tokens)
+    ) as httpx_client:
+        run = server_runner(httpx_client, model, args.endpoint, output_tokens, args.max_tokens)
         return await sweep(run, clips, concurrencies, args.warmup, args.repeats)
 
 
@@ -390,7 +408,7 @@ def _first_model(url: str, api_key: str | None) -> str:
 
     response = httpx.get(f"{url.rstrip('/')}/v1/models", headers=_auth(api_key), timeout=10)
     if response.status_code != 200:
-        raise RuntimeError(f"/v1/models: HTTP {response.status_code}: {_error_message(response.text)}")
+        raise RuntimeError(f"/v1/models: HTTP {response.status_code}: {error_message(response.text)}")
     return response.json()["data"][0]["id"]
 
 
@@ -463,6 +481,13 @@ def add_parser(sub: Any) -> None:
     )
     target.add_argument("--served-model", help="the model name the server serves (default: its first)")
     target.add_argument("--api-key", help="with --url: the server's API key (default: none)")
+    target.add_argument(
+        "--http-client",
+        choices=["h11", "httpx"],
+        default="h11",
+        help="with --url: h11, a thin client on asyncio streams (omnistage/bench/sse_client.py), or httpx "
+        "(its layers cost each request ~1-1.5 ms) (default: %(default)s)",
+    )
     target.add_argument(
         "--model", help="in-process: checkpoint directory (default: released sizes when dummy)"
     )

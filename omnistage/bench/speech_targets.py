@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import json
 import logging
 import math
 import time
@@ -16,7 +17,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
-from omnistage.bench.a2t import _events
+from omnistage.bench.a2t import JSON_HEADERS, events
 from omnistage.bench.clips import Clip, synth_clips
 from omnistage.outputs import AUDIO_SAMPLE_RATE
 
@@ -195,9 +196,10 @@ def server_runner(
             "stream_options": {"include_usage": True},
             **text_fields(text_tokens, forced),
         }
+        payload = json.dumps(body).encode()
         start = time.perf_counter()
         first, pcm_bytes, usage = None, 0, {}
-        async for event in _events(client, "/v1/chat/completions", json=body):
+        async for event in events(client, "/v1/chat/completions", payload, JSON_HEADERS, {}):
             for choice in event.get("choices") or []:
                 data = ((choice.get("delta") or {}).get("audio") or {}).get("data")
                 if data:
@@ -215,9 +217,10 @@ def server_runner(
             "stream_format": "sse",
             **frame_fields(frames, forced),
         }
+        payload = json.dumps(body).encode()
         start = time.perf_counter()
         first, pcm_bytes, usage = None, 0, {}
-        async for event in _events(client, "/v1/audio/speech", json=body):
+        async for event in events(client, "/v1/audio/speech", payload, JSON_HEADERS, {}):
             if event.get("type") == "speech.audio.delta" and event.get("audio"):
                 first = first or time.perf_counter()
                 pcm_bytes += len(base64.b64decode(event["audio"]))

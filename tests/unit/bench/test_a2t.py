@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 import uvicorn
 
-from omnistage.bench import a2t
+from omnistage.bench import a2t, sse_client
 from omnistage.bench.clips import Clip
 from omnistage.bench.stats import RequestTiming
 from omnistage.cli import bind, build_parser
@@ -182,32 +182,58 @@ def over_http(url: str, *extra: str) -> dict:
     return a2t.run_a2t(args)
 
 
+@pytest.mark.parametrize("http_client", ["h11", "httpx"])
 @pytest.mark.parametrize("endpoint", ["chat", "transcriptions"])
-def test_over_http_with_the_runtime_dependencies_only(server_url, endpoint, monkeypatch):
+def test_over_http_with_the_runtime_dependencies_only(server_url, endpoint, http_client, monkeypatch):
     monkeypatch.setitem(sys.modules, "openai", None)  # a plain `pip install omnistage` has no openai
-    results = over_http(server_url, "--endpoint", endpoint, "--concurrency", "1,2")
-    assert results["target"] == {"url": server_url, "model": "tiny", "endpoint": endpoint}
+    opened = []
+    connect = sse_client._Connection.open
+
+    async def counted(*args):
+        opened.append(args)
+        return await connect(*args)
+
+    monkeypatch.setattr(sse_client._Connection, "open", counted)
+    results = over_http(
+        server_url, "--endpoint", endpoint, "--concurrency", "1,2", "--http-client", http_client
+    )
+    assert results["target"] == {
+        "url": server_url,
+        "model": "tiny",
+        "endpoint": endpoint,
+        "client": http_client,
+    }
     for p in results["ours"]:
         assert p["requests"] == 2 and p["output_tokens"] == 8  # from the streams' usage
         assert 0 < p["ttft_median_ms"] < p["latency_median_ms"] and p["tpot_median_ms"] > 0
-    if (
-        endpoint == "chat"
-    ):  # the client's split of a chat's TTFT: upload, the server's answer, the first chunk
-        for p in results["ours"]:
-            stages = p["stages_mean_ms"]
-            assert set(stages) == {"upload", "response", "first_chunk"} and all(
-                v >= 0 for v in stages.values()
-            )
-            assert (
-                stages["response"] > stages["upload"]
-            )  # the answer waits for a token; the upload is a local write
-            assert sum(stages.values()) == pytest.approx(p["ttft_median_ms"], rel=0.5)
+        # the client's split of the TTFT: upload, the server's answer, the first event
+        stages = p["stages_mean_ms"]
+        assert set(stages) == {"upload", "response", "first_event"} and all(v >= 0 for v in stages.values())
+        assert (
+            stages["response"] > stages["upload"]
+        )  # the answer waits for a token; the upload is a local write
+        assert sum(stages.values()) == pytest.approx(p["ttft_median_ms"], rel=0.5)
+    # h11: a connection per request in flight, kept alive from one request to the next (4 requests, 2 at most)
+    assert len(opened) == (2 if http_client == "h11" else 0)
 
 
+@pytest.mark.parametrize("http_client", ["h11", "httpx"])
 @pytest.mark.parametrize("endpoint", ["chat", "transcriptions"])
-def test_over_http_a_refused_request_stops_the_run_with_the_servers_message(server_url, endpoint):
+def test_over_http_a_refused_request_stops_the_run_with_the_servers_message(
+    server_url, endpoint, http_client
+):
     with pytest.raises(RuntimeError, match="HTTP 404.*the model 'nope' does not exist"):
-        over_http(server_url, "--endpoint", endpoint, "--served-model", "nope", "--limit", "1")
+        over_http(
+            server_url,
+            "--endpoint",
+            endpoint,
+            "--served-model",
+            "nope",
+            "--limit",
+            "1",
+            "--http-client",
+            http_client,
+        )
 
 
 @pytest.mark.parametrize("skeleton,layers", [("qwen3-asr-0.6b", 18), ("qwen3-asr-1.7b", 24)])
