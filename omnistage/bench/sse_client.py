@@ -28,6 +28,7 @@ class StreamClient:
     """POSTs whose responses are streams of server-sent events, to one server (`url`: http://host:port)."""
 
     def __init__(self, url: str, headers: dict[str, str] | None = None, timeout: float = 600.0) -> None:
+        """`timeout`: the longest wait, in seconds, for a connection, a write or a read, as httpx's timeouts."""
         parts = urllib.parse.urlsplit(url)
         if parts.scheme != "http" or not parts.hostname:
             raise ValueError(f"the benchmark's client speaks plain http://host:port, not {url!r}")
@@ -45,22 +46,24 @@ class StreamClient:
         headers were read ("headers") and `[DONE]` arrived ("done"). A status other than 200, or an error event,
         raises RuntimeError with the server's message.
         """
-        connection = self._idle.pop() if self._idle else await _Connection.open(self.host, self.port)
+        if self._idle:
+            connection = self._idle.pop()
+        else:
+            connection = await _Connection.open(self.host, self.port, self.timeout)
         reusable = False
         try:
-            async with asyncio.timeout(self.timeout):
-                status, chunks = await connection.post(path, [*self.headers, *headers.items()], body, stamps)
-                if status != 200:
-                    text = b"".join([chunk async for chunk in chunks]).decode(errors="replace")
-                    reusable = connection.next_cycle()
-                    raise RuntimeError(f"{path}: HTTP {status}: {error_message(text)}")
-                async for event in _sse(chunks, stamps):
-                    if "error" in event:
-                        raise RuntimeError(f"{path}: error in the stream: {event['error'].get('message')}")
-                    yield event
-                async for _ in chunks:  # the end of the body, so that the connection serves the next request
-                    pass
+            status, chunks = await connection.post(path, [*self.headers, *headers.items()], body, stamps)
+            if status != 200:
+                text = b"".join([chunk async for chunk in chunks]).decode(errors="replace")
                 reusable = connection.next_cycle()
+                raise RuntimeError(f"{path}: HTTP {status}: {error_message(text)}")
+            async for event in _sse(chunks, stamps):
+                if "error" in event:
+                    raise RuntimeError(f"{path}: error in the stream: {event['error'].get('message')}")
+                yield event
+            async for _ in chunks:  # the end of the body, so that the connection serves the next request
+                pass
+            reusable = connection.next_cycle()
         finally:
             if reusable:
                 self._idle.append(connection)
@@ -74,15 +77,16 @@ class StreamClient:
 
 
 class _Connection:
-    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        self.reader, self.writer = reader, writer
+    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, timeout: float) -> None:
+        self.reader, self.writer, self.timeout = reader, writer, timeout
         self.h11 = h11.Connection(h11.CLIENT)
 
     @classmethod
-    async def open(cls, host: str, port: int) -> _Connection:
-        reader, writer = await asyncio.open_connection(host, port)
+    async def open(cls, host: str, port: int, timeout: float) -> _Connection:
+        async with asyncio.timeout(timeout):
+            reader, writer = await asyncio.open_connection(host, port)
         writer.get_extra_info("socket").setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        return cls(reader, writer)
+        return cls(reader, writer, timeout)
 
     async def post(
         self, path: str, headers: list[tuple[str, str]], body: bytes, stamps: dict[str, float]
@@ -94,7 +98,8 @@ class _Connection:
         self.writer.write(self.h11.send(request) or b"")
         self.writer.write(self.h11.send(h11.Data(data=body)) or b"")
         self.writer.write(self.h11.send(h11.EndOfMessage()) or b"")
-        await self.writer.drain()
+        async with asyncio.timeout(self.timeout):
+            await self.writer.drain()
         stamps["sent"] = time.perf_counter()
         event = await self._next()
         if not isinstance(event, h11.Response):
@@ -117,7 +122,9 @@ class _Connection:
                 if isinstance(event, h11.ConnectionClosed):
                     raise ConnectionError("the server closed the connection mid-response")
                 return event
-            self.h11.receive_data(await self.reader.read(_READ))
+            async with asyncio.timeout(self.timeout):
+                data = await self.reader.read(_READ)
+            self.h11.receive_data(data)
 
     def next_cycle(self) -> bool:
         """Ready the connection for another request; False when the server is closing it."""
