@@ -130,7 +130,7 @@ def test_bench_a2t_against_the_server(server, model, endpoint):
          "--output-tokens", "4", "--concurrency", "1,3"]
     )  # fmt: skip
     results = a2t.run_a2t(args)
-    assert results["target"] == {"url": server.url, "model": model, "endpoint": endpoint}
+    assert results["target"] == {"url": server.url, "model": model, "endpoint": endpoint, "client": "h11"}
     for p in results["ours"]:
         assert p["requests"] == 3 and p["output_tokens"] == 12
         assert p["rtf"] > 0 and 0 < p["ttft_median_ms"] <= p["latency_median_ms"]
