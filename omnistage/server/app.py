@@ -23,6 +23,7 @@ from importlib.metadata import PackageNotFoundError, version
 from typing import Annotated, Any, TypeVar
 
 import jinja2
+import pydantic_core
 from fastapi import APIRouter, FastAPI, File, Form, Request, UploadFile
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from fastapi.routing import APIRoute
@@ -134,19 +135,31 @@ def _version() -> str:
 class _JSONRoute(APIRoute):
     """A JSON route whose body may hold only valid Unicode: a JSON escape of a lone surrogate ("\\ud800"),
     which json.loads accepts but no tokenizer or response can encode, is a 400 naming its field, before
-    anything else sees the body. This is the one place text from a JSON body is checked for it."""
+    anything else sees the body. This is the one place text from a JSON body is checked for it.
+
+    A body without any is parsed by pydantic-core's JSON parser, ten times json.loads' speed on a clip's
+    body (16 against 165 µs for 300 KB on the CPU machine, on the event loop), and kept where Starlette keeps
+    a parsed body, so that FastAPI does not parse it again; it gives the same values as json.loads for any
+    JSON it accepts, and whatever it refuses (invalid JSON, a byte-order mark, nesting beyond its limit) is
+    left to FastAPI's json.loads and its errors, as before."""
 
     def get_route_handler(self) -> Callable[[Request], Coroutine[Any, Any, Response]]:
         handler = super().get_route_handler()
 
         async def checked(request: Request) -> Response:
-            if may_hold_surrogates(await request.body()):
+            body = await request.body()
+            if may_hold_surrogates(body):
                 try:
                     data = await request.json()  # kept on the request: the handler does not parse it again
                 except ValueError:
                     data = None  # not JSON: the handler reports that
                 if (found := invalid_text(data)) is not None:
                     raise InvalidField(*found)
+            else:
+                try:
+                    request._json = pydantic_core.from_json(body)  # Request.json()'s own cache
+                except ValueError:
+                    pass
             return await handler(request)
 
         return checked

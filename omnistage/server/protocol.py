@@ -119,13 +119,15 @@ class _SamplingRequest(_Strict):
 
 # A lone UTF-16 surrogate, which no UTF-8 text (the tokenizer's, a response's) can hold, reaches json.loads spelled
 # as a \u escape or as the three bytes UTF-8 would give it (json.loads decodes with "surrogatepass"). The raw
-# body is scanned for either first (two patterns: one alternation of both scans 31 MB in 90 ms, these in 25).
-_MAYBE_SURROGATE = (re.compile(rb"\\u[dD][89a-fA-F]"), re.compile(rb"\xed[\xa0-\xbf]"))
+# body is scanned for either first (two patterns: one alternation of both scans 31 MB in 90 ms, these in 25),
+# each only where its first byte occurs at all: a byte is found at memchr's speed (a clip's 300 KB of base64 has
+# neither, and its regex scan took 0.15 ms on the CPU machine).
+_MAYBE_SURROGATE = ((b"\\", re.compile(rb"\\u[dD][89a-fA-F]")), (b"\xed", re.compile(rb"\xed[\xa0-\xbf]")))
 _SURROGATE = re.compile("[\ud800-\udfff]")
 
 
 def may_hold_surrogates(body: bytes) -> bool:
-    return any(pattern.search(body) for pattern in _MAYBE_SURROGATE)
+    return any(first in body and pattern.search(body) for first, pattern in _MAYBE_SURROGATE)
 
 
 def invalid_text(data: Any) -> tuple[str, str] | None:

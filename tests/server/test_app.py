@@ -303,3 +303,37 @@ def test_metrics_carry_the_memory_plan(fake_engine):
     )
     eager = 'omnistage_memory_plan_graphs{device="cuda:0",kind="decode",stage="Thinker",state="eager"} 1.0'
     assert captured in metrics and eager in metrics
+
+
+def test_a_json_body_is_parsed_once_by_pydantic_core_and_what_it_refuses_by_json_loads(client, monkeypatch):
+    """A chat body without surrogates is parsed by pydantic-core's parser and not again by FastAPI's
+    json.loads; a body it refuses (here one starting with a byte-order mark, which json.loads takes) still
+    parses, through json.loads, as before."""
+    import starlette.requests
+
+    loads, calls = starlette.requests.json.loads, []
+    monkeypatch.setattr(starlette.requests.json, "loads", lambda *a, **k: calls.append(1) or loads(*a, **k))
+    raw = json.dumps({"model": MODEL, "messages": [{"role": "user", "content": "hello"}], "max_tokens": 3})
+    headers = {**AUTH, "content-type": "application/json"}
+    r = client.post("/v1/chat/completions", content=raw.encode(), headers=headers)
+    assert (r.status_code, len(calls)) == (200, 0)
+    r = client.post("/v1/chat/completions", content=b"\xef\xbb\xbf" + raw.encode(), headers=headers)
+    assert (r.status_code, len(calls)) == (200, 1)
+    assert r.json()["choices"][0]["message"]["content"] == "hel"
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        '{"top_k": 123456789012345678901234567890, "n": -0.0, "x": 1e400, "y": NaN, "z": 0.1}',
+        '{"a": 1, "a": 2, "b": [true, false, null, 1.5E3, -7]}',
+        '{"s": "\\u00e9\\ud83d\\ude00 \\" \\\\ \\n \\t", "t": "\xc3\xa9"}',
+    ],
+)
+def test_pydantic_cores_json_gives_what_json_loads_gives(text):
+    """The values the fast parse hands FastAPI are json.loads' (big integers whole, floats, escapes, pairs)."""
+    import pydantic_core
+
+    ours, theirs = pydantic_core.from_json(text.encode()), json.loads(text.encode())
+    assert json.dumps(ours) == json.dumps(theirs)  # NaN compares unequal to itself; its spelling does not
+    assert all(type(ours[k]) is type(theirs[k]) for k in theirs)
