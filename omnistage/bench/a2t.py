@@ -32,7 +32,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from omnistage.bench.clips import SYNTH_SETS, Clip, load_dir, synth_clips, total_seconds
-from omnistage.bench.sse_client import StreamClient, error_message
+from omnistage.bench.sse_client import StreamClient, error_message, sse_events
 from omnistage.bench.stats import RequestTiming, summarize
 from omnistage.bench.sweep import run as run_async
 from omnistage.bench.sweep import sweep as generic_sweep
@@ -173,16 +173,7 @@ async def events(
         if response.status_code != 200:
             await response.aread()
             raise RuntimeError(f"{path}: HTTP {response.status_code}: {error_message(response.text)}")
-        async for line in response.aiter_lines():
-            if not line.startswith("data:"):
-                continue  # blank separators, comments and other SSE fields carry nothing we time
-            data = line.removeprefix("data:").strip()
-            if data == "[DONE]":
-                stamps["done"] = time.perf_counter()
-                return
-            event = json.loads(data)
-            if "error" in event:
-                raise RuntimeError(f"{path}: error in the stream: {event['error'].get('message')}")
+        async for event in sse_events(path, response.aiter_bytes(), stamps):
             yield event
 
 

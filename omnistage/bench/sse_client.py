@@ -57,9 +57,7 @@ class StreamClient:
                 text = b"".join([chunk async for chunk in chunks]).decode(errors="replace")
                 reusable = connection.next_cycle()
                 raise RuntimeError(f"{path}: HTTP {status}: {error_message(text)}")
-            async for event in _sse(chunks, stamps):
-                if "error" in event:
-                    raise RuntimeError(f"{path}: error in the stream: {event['error'].get('message')}")
+            async for event in sse_events(path, chunks, stamps):
                 yield event
             async for _ in chunks:  # the end of the body, so that the connection serves the next request
                 pass
@@ -137,8 +135,11 @@ class _Connection:
         self.writer.close()
 
 
-async def _sse(chunks: AsyncIterator[bytes], stamps: dict[str, float]) -> AsyncIterator[dict[str, Any]]:
-    """The JSON payloads of the `data:` lines in `chunks` up to `[DONE]` (blank lines and other fields skipped)."""
+async def sse_events(
+    path: str, chunks: AsyncIterator[bytes], stamps: dict[str, float]
+) -> AsyncIterator[dict[str, Any]]:
+    """The JSON payloads of the `data:` lines in a response's `chunks` up to `[DONE]` (its time goes into
+    `stamps["done"]`); blank lines and other fields are skipped, an error event raises RuntimeError."""
     pending = b""
     async for chunk in chunks:
         lines = (pending + chunk).split(b"\n")
@@ -150,7 +151,10 @@ async def _sse(chunks: AsyncIterator[bytes], stamps: dict[str, float]) -> AsyncI
             if data == b"[DONE]":
                 stamps["done"] = time.perf_counter()
                 return
-            yield json.loads(data)
+            event = json.loads(data)
+            if "error" in event:
+                raise RuntimeError(f"{path}: error in the stream: {event['error'].get('message')}")
+            yield event
 
 
 def error_message(text: str) -> str:
