@@ -1,10 +1,10 @@
 """A thin HTTP/1.1 client for streamed benchmark requests: h11 over asyncio streams, a keep-alive connection
 per request in flight.
 
-A server benchmark should time the server, not its client. httpx (httpcore and anyio beneath it) cost a
-streamed request ~1-1.5 ms on the way to its first token against a raw socket, and its layers queued a burst's
-uploads: bodies of ~300 KB each took a 16-request burst 27 ms on average to send from its one event loop,
-where a socket takes one in well under a millisecond (benchmarks/RESULTS.md). Here a request is its bytes,
+A server benchmark should time the server, not its client. Against the same server on the H200's host, httpx
+(httpcore and anyio beneath it) added 2.3 ms to a lone request's first token and 40 ms to a 16-request burst's:
+writing a clip's ~300 KB body took it 1.96 ms against 0.26 here, and 23.75 against 2.01 ms in the burst, from
+its one event loop (benchmarks/RESULTS.md, "The client's share"). Here a request is its bytes,
 framed by h11, written at once; the response's chunks are read as they come and split into server-sent
 events. `omnistage bench a2t --http-client httpx` keeps the httpx client, to measure the difference.
 """
