@@ -31,6 +31,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from omnistage.bench import builds
 from omnistage.bench.clips import SYNTH_SETS, Clip, load_dir, synth_clips, total_seconds
 from omnistage.bench.sse_client import StreamClient, error_message, sse_events
 from omnistage.bench.stats import RequestTiming, summarize
@@ -287,7 +288,9 @@ def run_a2t(args: argparse.Namespace) -> dict[str, Any]:
             "endpoint": args.endpoint,
             "client": args.http_client,
         }
+        before = builds.on_server(args.url)
         results["ours"] = run_async(_over_http(args, model, clips, concurrencies, output_tokens))
+        results["builds_while_serving"] = builds.on_server(args.url) - before
         return results
 
     from omnistage.config import engine_config
@@ -321,6 +324,7 @@ def run_a2t(args: argparse.Namespace) -> dict[str, Any]:
     try:
         run = inprocess_runner(engine, output_tokens, args.max_tokens)
         results["ours"] = run_async(sweep(run, clips, concurrencies, args.warmup, args.repeats))
+        results["builds_while_serving"] = builds.in_process()
         if args.baseline == "transformers":
             results["transformers"] = _transformers(
                 engine.engine.thinker, clips, output_tokens, args.max_tokens, args.repeats
@@ -445,6 +449,7 @@ def main(args: argparse.Namespace) -> None:
     if args.out:
         Path(args.out).write_text(json.dumps(_json_safe(results), indent=2) + "\n")
         log.info("wrote %s", args.out)
+    builds.check(args, results.get("builds_while_serving", []))
 
 
 def add_parser(sub: Any) -> None:
@@ -525,4 +530,5 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--repeats", type=int, default=3,
                    help="timed passes per concurrency (and for the baseline); figures are their medians (default: %(default)s)")  # fmt: skip
     p.add_argument("--out", help="write the results as JSON here")
+    builds.add_argument(p)
     p.set_defaults(func=main)

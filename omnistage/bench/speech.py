@@ -34,6 +34,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from omnistage.bench import builds
 from omnistage.bench.a2t import _auth, _first_model, _json_safe, released_skeleton
 from omnistage.bench.speech_targets import (
     FRAMES_PER_SECOND,
@@ -136,9 +137,11 @@ def run_speech(args: argparse.Namespace) -> dict[str, dict[str, Any]]:
         for workload, concurrencies in workloads.items():
             result = results[workload]
             result["target"] = {"url": args.url, "model": model}
+            before = builds.on_server(args.url)
             result["ours"] = run_async(
                 _over_http(args, model, workload, inputs[workload], concurrencies, forced)
             )
+            result["builds_while_serving"] = builds.on_server(args.url) - before
             save(args, results)
         return results
 
@@ -181,6 +184,7 @@ def run_speech(args: argparse.Namespace) -> dict[str, dict[str, Any]]:
             result["ours"] = run_async(
                 sweep(run, inputs[workload], concurrencies, args.requests, args.warmup, args.repeats)
             )
+            result["builds_while_serving"] = builds.in_process()
             result["pools_after"] = pools = _pools(engine.engine.stats())
             log.info("%s: pools after the run: %s", workload, pools)
             save(args, results)
@@ -303,6 +307,8 @@ def main(args: argparse.Namespace) -> None:
     empty = [w for w, r in results.items() if not r.get("pools_after", {"full": True})["full"]]
     if empty:
         raise SystemExit(f"omnistage bench: pages still held after the {', '.join(empty)} run")
+    for result in results.values():
+        builds.check(args, result.get("builds_while_serving", []))
 
 
 def add_parsers(sub: Any) -> None:
@@ -369,3 +375,4 @@ def _add_options(p: argparse.ArgumentParser, workload: str) -> None:
         "--repeats", type=int, default=1, help="timed passes per concurrency (default: %(default)s)"
     )
     p.add_argument("--out-dir", help="write each workload's results as JSON here (t2s.json, s2s.json)")
+    builds.add_argument(p)

@@ -58,6 +58,11 @@ class CompileWatch:
 _watch: CompileWatch | None = None
 
 
+def builds_while_serving() -> list[tuple[str, float]]:
+    """What the process's watch has seen built since serving started (none before `watch_compiles`)."""
+    return list(_watch.builds) if _watch is not None else []
+
+
 def watch_compiles() -> CompileWatch:
     """Install the process's CompileWatch (once) on Triton's JIT hooks, where Triton is installed, and on
     torch.compile's callbacks; returns it."""

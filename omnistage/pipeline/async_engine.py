@@ -27,7 +27,7 @@ from omnistage.models.layers.rotary import PromptPositions
 from omnistage.outputs import RequestOutput
 from omnistage.pipeline.engine_process import EngineProcess, RemotePipeline
 from omnistage.pipeline.family import Pipeline, build_pipeline
-from omnistage.pipeline.step_loop import Abort, Add, Delivery, StepLoop
+from omnistage.pipeline.step_loop import Abort, Add, Delivery, StepLoop, serving_stats
 
 if TYPE_CHECKING:
     from omnistage.models.qwen3_omni.processor import MultimodalInputs
@@ -92,7 +92,8 @@ class AsyncEngine:
         return self._added - taken
 
     def stats(self) -> dict[str, int]:
-        stats = self.engine.stats()
+        # an engine process sends its stats with the builds counted on its side
+        stats = self.engine.stats() if self._process is not None else serving_stats(self.engine)
         stats["num_waiting"] += self._queued()
         return stats
 

@@ -38,7 +38,7 @@ from omnistage.errors import ConfigError
 from omnistage.outputs import RequestOutput
 from omnistage.pipeline.family import build_pipeline, processor_for
 from omnistage.pipeline.qwen3_omni import TtsPrompt, tts_prompt
-from omnistage.pipeline.step_loop import Abort, Add, Delivery, StepLoop
+from omnistage.pipeline.step_loop import Abort, Add, Delivery, StepLoop, serving_stats
 
 log = logging.getLogger(__name__)
 
@@ -97,7 +97,7 @@ def _engine_main(config_json: str, conn: Connection, log_level: int) -> None:
         pipeline.max_model_len,
         pipeline.voices,
         pipeline.memory_summary(),
-        pipeline.stats(),
+        serving_stats(pipeline),
         pipeline.plan_gauges(),
     )
     _send(conn, info)
@@ -119,7 +119,7 @@ def _engine_main(config_json: str, conn: Connection, log_level: int) -> None:
         now = time.monotonic()
         stats = None
         if now - stats_sent > _STATS_EVERY_S or not pipeline.has_unfinished():
-            stats, stats_sent = pipeline.stats(), now
+            stats, stats_sent = serving_stats(pipeline), now
         _send(conn, Outputs(slim(items), stats, admitted))
 
     def receive(timeout: float | None) -> list[Add | Abort]:

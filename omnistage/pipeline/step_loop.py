@@ -17,7 +17,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from omnistage.engine.compile_watch import watch_compiles
+from omnistage.engine.compile_watch import builds_while_serving, watch_compiles
 from omnistage.engine.llm_engine import NewRequest
 from omnistage.outputs import RequestOutput
 from omnistage.pipeline.family import Pipeline
@@ -26,6 +26,12 @@ log = logging.getLogger(__name__)
 
 Delivery = list[tuple[str, RequestOutput | Exception]]
 IDLE_POLL_S = 0.5  # how long an idle loop waits for a command before it looks at `stopping` again
+
+
+def serving_stats(pipeline: Pipeline) -> dict[str, int]:
+    """The pipeline's stats and the count of kernels and graphs built since serving began (compile_watch.py):
+    what the engine's side reports to the server's /metrics."""
+    return pipeline.stats() | {"builds_while_serving": len(builds_while_serving())}
 
 
 @dataclass(frozen=True)

@@ -89,6 +89,13 @@ class ServerMetrics:
             registry=r,
         )
 
+        self.builds = Gauge(
+            "omnistage_builds_while_serving",
+            "Triton kernels and torch.compile graphs built after start-up: each stalled the step that needed "
+            "it (the log names them)",
+            registry=r,
+        )
+
     def set_plan(self, samples: list[PlanGauge]) -> None:
         """The memory plans' samples: one gauge per name (each name has one set of labels)."""
         gauges: dict[str, Gauge] = {}
@@ -154,4 +161,5 @@ class ServerMetrics:
         if "gpu_alloc_retries" in stats:
             self.gpu_reserved.set(stats["gpu_memory_reserved_bytes"])
             self.gpu_retries.set(stats["gpu_alloc_retries"])
+        self.builds.set(stats.get("builds_while_serving", 0))
         return generate_latest(self.registry)

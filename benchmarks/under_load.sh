@@ -1,0 +1,34 @@
+#!/usr/bin/env bash
+# What lags under load (issue 27), in one call on the H200 at the released sizes (random bf16 weights):
+#
+#   OUT=/path bash benchmarks/under_load.sh      # on the GPU machine; OUT defaults to ./load-out
+#
+# 1. `omnistage bench t2s` in-process at c = 1, 4, 16, 32, 64, then s2s at c = 1, with the compile watch's
+#    --fail-on-build and dynamo's recompile reasons in the log (TORCH_LOGS=recompiles): a shape start-up did
+#    not warm shows as a build with its guard.
+# 2. `omnistage bench a2t` on Qwen3-ASR 0.6B and 1.7B at c = 64, 128 (and 256 for the 0.6B), 33 tokens
+#    forced, with --fail-on-build.
+# Under $OUT: env.txt, t2s.json, s2s.json, speech_bench.log, asr_{0p6b,1p7b}.{json,log}.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-load-out}
+mkdir -p "$OUT"
+source benchmarks/gpu_env.sh
+{
+  nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
+  python3 -c 'import sys, torch, transformers; print("python", sys.version.split()[0], "torch", torch.__version__, "transformers", transformers.__version__)'
+  git rev-parse HEAD 2>/dev/null
+} >"$OUT/env.txt" 2>&1
+failed=0
+TORCH_LOGS=${TORCH_LOGS:-recompiles} timeout "${SPEECH_S:-390}" python3 -m omnistage.cli bench t2s --load-format dummy \
+  --device cuda --dtype bfloat16 --concurrency "${T2S_C:-1,4,16,32,64}" --requests 2 --also s2s --also-concurrency 1 \
+  --fail-on-build --out-dir "$OUT" >"$OUT/speech_bench.log" 2>&1 || failed=1
+grep -E "^\| |built while|Recompiling|guard|engine start|Error" "$OUT/speech_bench.log" | head -60
+for spec in ${ASR:-0.6b:64,128,256 1.7b:64,128}; do
+  size=${spec%%:*}
+  name=asr_${size/./p}
+  timeout 150 python3 -m omnistage.cli bench a2t --load-format dummy --skeleton "qwen3-asr-$size" --device cuda \
+    --concurrency "${spec#*:}" --repeats 2 --fail-on-build --out "$OUT/$name.json" >"$OUT/$name.log" 2>&1 || failed=1
+  grep -E "^\| |built while|Error" "$OUT/$name.log" | head -20
+done
+exit $failed
