@@ -154,6 +154,10 @@ def _serve(args: argparse.Namespace) -> None:
     media_dir = Path(args.media_dir).resolve() if args.media_dir else None
     if media_dir is not None and not media_dir.is_dir():
         raise ConfigError(f"--media-dir {args.media_dir}: not a directory")
+    if args.header_timeout <= 0:
+        raise ConfigError(f"--header-timeout {args.header_timeout}: must be above 0 seconds")
+    if args.max_connections < 1:
+        raise ConfigError(f"--max-connections {args.max_connections}: must be at least 1")
 
     listener = bind(args.host, args.port)
     try:
@@ -170,6 +174,7 @@ def _load_and_serve(
     from omnistage.media import MediaPolicy
     from omnistage.pipeline.async_engine import AsyncEngine
     from omnistage.server import build_app
+    from omnistage.server.http_protocol import with_header_timeout
 
     media = MediaPolicy(allow_remote=args.allow_remote_media, media_dir=media_dir)
     if args.engine_process:  # the server's torch work is then per request, on worker threads
@@ -182,15 +187,27 @@ def _load_and_serve(
     try:
         app = build_app(engine, name, api_key=args.api_key, max_body_bytes=args.max_body_bytes, media=media)
         logging.getLogger("omnistage.serve").info(
-            "serving '%s' at http://%s:%d/v1 (API key %s, max queue %s)\n  %s",
+            "serving '%s' at http://%s:%d/v1 (API key %s, max queue %s, max %d connections, header timeout "
+            "%g s)\n  %s",
             name,
             args.host,
             listener.getsockname()[1],
             "required" if args.api_key else "off",
             args.max_queue if args.max_queue is not None else "unbounded",
+            args.max_connections,
+            args.header_timeout,
             engine.engine.memory_summary(),
         )
-        server = uvicorn.Server(uvicorn.Config(app, log_level=args.log_level, timeout_graceful_shutdown=5))
+        http_config = uvicorn.Config(
+            app,
+            log_level=args.log_level,
+            timeout_graceful_shutdown=5,
+            http=with_header_timeout(args.header_timeout),
+            # uvicorn answers 503 once its open connections (the asking one among them) or running requests
+            # reach the limit: N + 1 serves N connections.
+            limit_concurrency=args.max_connections + 1,
+        )
+        server = uvicorn.Server(http_config)
         server.run(sockets=[listener])
     finally:
         engine.shutdown()
@@ -315,6 +332,21 @@ def build_parser() -> argparse.ArgumentParser:
     )
     serve.add_argument(
         "--max-body-bytes", type=int, default=32 * 1024 * 1024, help="largest request body (default: 32 MiB)"
+    )
+    serve.add_argument(
+        "--max-connections",
+        type=int,
+        default=1024,
+        help="most open connections served; a request beyond them gets 503 and its connection is closed "
+        "(default: %(default)s)",
+    )
+    serve.add_argument(
+        "--header-timeout",
+        type=float,
+        default=10.0,
+        help="seconds a request's line and headers may take to arrive, from the connection's opening (or "
+        "the request's first byte on a kept-alive one); later, 408 and the connection is closed (default: "
+        "%(default)s)",
     )
     serve.add_argument(
         "--allow-remote-media", action="store_true", help="let requests name http(s) URLs of audio and images"

@@ -59,3 +59,12 @@ def test_a_pool_too_small_for_one_request_of_the_context_stops_the_server(capsys
     assert "engine.num_kv_pages: 64 pages of 16 tokens hold 1,024 tokens, less than one request of 2,048" in (
         capsys.readouterr().err
     )
+
+
+def test_connection_flags(capsys):
+    args = build_parser().parse_args(["serve"])
+    assert (args.max_connections, args.header_timeout) == (1024, 10.0)
+    assert main(["serve", "--header-timeout", "0"]) == 2
+    assert "--header-timeout 0.0: must be above 0 seconds" in capsys.readouterr().err
+    assert main(["serve", "--max-connections", "0"]) == 2
+    assert "--max-connections 0: must be at least 1" in capsys.readouterr().err
