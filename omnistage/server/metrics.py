@@ -1,4 +1,5 @@
-"""Prometheus metrics of one server, in its own registry (two apps in one process never collide).
+"""Prometheus metrics of one server, in its own registry (two apps in one process never collide), with the
+process_* gauges of its process (resident memory, CPU seconds, open files).
 
 Request counters and latency histograms are fed as requests end; the engine gauges (queue, KV pages) are
 read from `engine.stats()` at scrape time, so they are never stale. The memory plan of each device is fixed
@@ -9,7 +10,7 @@ from __future__ import annotations
 
 import time
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector, generate_latest
 
 from omnistage.engine.capture_plan import GAUGE_HELP
 from omnistage.engine.capture_plan import Gauge as PlanGauge
@@ -24,6 +25,9 @@ class ServerMetrics:
     def __init__(self) -> None:
         self.registry = CollectorRegistry()
         r = self.registry
+        # process_resident_memory_bytes and the other process_* gauges the default registry has: what a soak
+        # watches for leaks through /metrics (benchmarks/soak.py)
+        ProcessCollector(registry=r)
         self.requests = Counter(
             "omnistage_requests",
             "Requests by endpoint and outcome (HTTP status, or 'cancelled' when the client left)",

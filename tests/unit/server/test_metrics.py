@@ -1,3 +1,6 @@
+import sys
+
+import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from omnistage.server.metrics import ServerMetrics
@@ -24,3 +27,8 @@ def test_gpu_allocator_gauges_appear_with_a_gpu_engine():
     assert found["omnistage_gpu_memory_reserved_bytes"] == 3 << 30
     assert found["omnistage_gpu_alloc_retries"] == 5
     assert samples(ServerMetrics().render(ENGINE))["omnistage_gpu_alloc_retries"] == 0
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="prometheus-client reads /proc")
+def test_the_process_resident_memory_is_a_gauge():
+    assert samples(ServerMetrics().render(ENGINE))["process_resident_memory_bytes"] > 0
