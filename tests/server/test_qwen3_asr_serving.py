@@ -3,14 +3,20 @@
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import io
 import json
+import random
+import re
+import time
 
+import httpx
 import numpy as np
 import openai
 import pytest
 import soundfile
+from fastapi import FastAPI
 from fastapi.testclient import TestClient
 
 from omnistage.bench.server_process import ServerProcess
@@ -21,6 +27,8 @@ from omnistage.server import build_app
 
 MODEL = "asr"
 TRANSCRIPTIONS = "/v1/audio/transcriptions"
+CONTEXT = 65_536  # the tiny checkpoint's, the released one's
+BOUND = CONTEXT * 128  # bytes of text the context can hold: 128 spaces are Qwen's longest token
 
 
 def wav(seconds: float) -> bytes:
@@ -43,6 +51,50 @@ def client(checkpoint):
         yield TestClient(build_app(engine, MODEL))
     finally:
         engine.shutdown()
+
+
+def words(size: int) -> str:
+    """`size` characters of random lowercase words: about two characters per token, no tokenizer cache luck."""
+    rng = random.Random(0)
+    vocabulary = [
+        "".join(rng.choices("abcdefghijklmnopqrstuvwxyz", k=rng.randint(1, 12))) for _ in range(20000)
+    ]
+    text = " ".join(rng.choices(vocabulary, k=size // 6))
+    return (text * (size // len(text) + 1))[:size]
+
+
+def audio_part(seconds: float) -> dict:
+    return {
+        "type": "input_audio",
+        "input_audio": {"data": base64.b64encode(wav(seconds)).decode(), "format": "wav"},
+    }
+
+
+def text_request(endpoint: str, text: str) -> tuple[str, dict]:
+    """The path and body of a request carrying `text`: a chat's context (its system turn) or a completions prompt."""
+    if endpoint == "completions":
+        return "/v1/completions", {"model": MODEL, "prompt": text, "max_tokens": 1}
+    messages = [{"role": "system", "content": text}, {"role": "user", "content": [audio_part(1.0)]}]
+    return "/v1/chat/completions", {"model": MODEL, "messages": messages, "max_tokens": 1}
+
+
+def probing_health(app: FastAPI, path: str, body: dict) -> tuple[float, float, httpx.Response]:
+    """Send `body` to `path`, probing /health every 20 ms until it is answered: its seconds, the longest wait
+    between /health's answers, and its response."""
+
+    async def scenario() -> tuple[float, float, httpx.Response]:
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://t", timeout=120) as probe:
+            started = time.monotonic()
+            request = asyncio.create_task(probe.post(path, json=body))
+            gap, last = 0.0, time.monotonic()
+            while not request.done():
+                assert (await probe.get("/health")).status_code == 200
+                gap, last = max(gap, time.monotonic() - last), time.monotonic()
+                await asyncio.sleep(0.02)
+            return time.monotonic() - started, gap, await request
+
+    return asyncio.run(scenario())
 
 
 def transcribe(client: TestClient, **form) -> dict | str:
@@ -130,3 +182,30 @@ def test_the_openai_client_transcribes_through_a_live_server(checkpoint, client,
         expected["duration"],
     )
     assert result.language == "english" and result.text
+
+
+@pytest.mark.parametrize("endpoint", ["chat", "completions"])
+def test_text_that_cannot_fit_the_context_is_refused_before_tokenizing(client, endpoint):
+    """As a Qwen3-Omni server does (test_prompt_size.py): a 400 by the text's size, at once, /health answering."""
+    took, gap, response = probing_health(client.app, *text_request(endpoint, words(BOUND + 1)))
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert error["code"] == "request_too_large"
+    size = re.match(
+        rf"the prompt is ([\d,]+) bytes of text; the model's context of {CONTEXT:,} tokens holds at most {BOUND:,}",
+        error["message"],
+    )
+    assert size and int(size[1].replace(",", "")) > BOUND, error
+    # Tokenizing 8 MiB took 5.5-8.4 s on the CPU machine; reading and measuring it takes little.
+    assert took < 2, took
+    assert gap < 1, gap
+
+
+@pytest.mark.parametrize("endpoint", ["chat", "completions"])
+def test_health_answers_while_a_large_text_is_tokenized(client, endpoint):
+    text = words(3_000_000)  # within the bound, so it is tokenized (for a few CPU seconds), over the context
+    took, gap, response = probing_health(client.app, *text_request(endpoint, text))
+    assert response.status_code == 400, response.text
+    assert f"tokens; the model's context is {CONTEXT:,} tokens" in response.json()["error"]["message"]
+    assert took > 0.5, took  # long enough for the probes to overlap the tokenizing
+    assert gap < 0.5, f"/health went unanswered for {gap:.2f} s during a {took:.2f} s tokenization"

@@ -13,12 +13,18 @@ import numpy as np
 import torch
 from tokenizers import Tokenizer
 
-from omnistage.errors import InvalidRequest, RequestTooLarge
+from omnistage.errors import InvalidRequest
 from omnistage.models.qwen3_asr.audio_features import log_mel
 from omnistage.models.qwen3_asr.config import Qwen3ASRConfig
 from omnistage.models.qwen3_asr.output import parse_transcription
 from omnistage.models.qwen3_asr.prompt import language_name, prompt_ids, prompt_text
-from omnistage.models.qwen3_omni.processor import MultimodalInputs, ProcessedPrompt, longest_token_bytes
+from omnistage.models.qwen3_omni.processor import (
+    MultimodalInputs,
+    ProcessedPrompt,
+    check_text_size,
+    encode_texts,
+    longest_token_bytes,
+)
 
 
 class ASRProcessor:
@@ -35,14 +41,13 @@ class ASRProcessor:
         self, audio: np.ndarray, language: str | None, context: str | None, max_model_len: int | None = None
     ) -> ProcessedPrompt:
         """The prompt of transcribing `audio` (16 kHz mono); a `language` the model does not know is an
-        InvalidRequest listing those it does."""
+        InvalidRequest listing those it does. `max_model_len` refuses text that cannot fit the context before it
+        is tokenized, as the Qwen3-Omni processor does (the same check and encoding)."""
         name = language_name(language, self.cfg.languages) if language else None
+        text = prompt_text(context or "", name)
+        check_text_size(text, self.tokenizer, self.max_token_bytes, max_model_len)
         features = log_mel(audio, self.device)
-        ids = prompt_ids(self.tokenizer, self.cfg, features.shape[-1], context or "", name)
-        if max_model_len is not None and len(ids) >= max_model_len:
-            raise RequestTooLarge(
-                f"the clip and context take {len(ids):,} tokens; the context is {max_model_len:,}"
-            )
+        ids = prompt_ids(self.tokenizer, self.cfg, features.shape[-1], context or "", name, max_model_len)
         mm = MultimodalInputs(
             audio_features=[features],
             num_audio_tokens=[ids.count(self.cfg.audio_token_id)],
@@ -50,7 +55,7 @@ class ASRProcessor:
             image_grid_thw=None,
             num_image_tokens=[],
         )
-        return ProcessedPrompt(prompt_text(context or "", name), ids, None, mm)
+        return ProcessedPrompt(text, ids, None, mm)
 
     def transcript(self, text: str) -> tuple[str | None, str]:
         """The language the model wrote (None for no speech, or when it was forced) and the transcript."""
@@ -88,9 +93,8 @@ class ASRProcessor:
 
     def encode(self, text: str, max_model_len: int | None = None) -> list[int]:
         """Token ids of a raw prompt (completions): the model's own notation, control tokens included."""
-        if max_model_len is not None and len(text.encode()) > max_model_len * self.max_token_bytes:
-            raise RequestTooLarge(f"the prompt cannot fit the model's context of {max_model_len:,} tokens")
-        return self.tokenizer.encode(text, add_special_tokens=False).ids
+        check_text_size(text, self.tokenizer, self.max_token_bytes, max_model_len)
+        return encode_texts(self.tokenizer, [text], max_model_len)[0].ids
 
     def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
         return self.tokenizer.decode(token_ids, skip_special_tokens=skip_special_tokens)

@@ -15,6 +15,7 @@ from tokenizers import Tokenizer
 from omnistage.errors import InvalidRequest
 from omnistage.models.qwen3_asr.config import Qwen3ASRConfig
 from omnistage.models.qwen3_omni.audio_encoder import audio_output_tokens
+from omnistage.models.qwen3_omni.processor import encode_texts
 
 ASR_TEXT = "<asr_text>"
 # ISO 639 codes (as Whisper clients send them) of the 30 languages Qwen3-ASR names, to the names it writes.
@@ -85,13 +86,17 @@ def prompt_ids(
     mel_frames: int,
     context: str = "",
     language: str | None = None,
+    max_model_len: int | None = None,
 ) -> list[int]:
-    """Token ids of the prompt for a clip of `mel_frames` frames, its placeholder expanded to one per audio token."""
+    """Token ids of the prompt for a clip of `mel_frames` frames, its placeholder expanded to one per audio token.
+
+    With `max_model_len`, a prompt that leaves no room for one generated token is a RequestTooLarge."""
     if any(
         token.content in context for token in tokenizer.get_added_tokens_decoder().values() if token.special
     ):
         raise InvalidRequest("the context holds a control token (such as <|im_end|>); send plain text")
-    ids = tokenizer.encode(prompt_text(context, language), add_special_tokens=False).ids
-    at = ids.index(cfg.audio_token_id)
     count = audio_output_tokens(mel_frames, cfg.audio.n_window)
+    (encoded,) = encode_texts(tokenizer, [prompt_text(context, language)], max_model_len, count - 1)
+    ids = encoded.ids
+    at = ids.index(cfg.audio_token_id)
     return ids[:at] + [cfg.audio_token_id] * count + ids[at + 1 :]

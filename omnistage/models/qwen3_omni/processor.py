@@ -23,7 +23,7 @@ import numpy as np
 import torch
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from PIL import Image
-from tokenizers import Tokenizer, decoders, normalizers
+from tokenizers import Encoding, Tokenizer, decoders, normalizers
 
 from omnistage.errors import CheckpointError, InvalidMedia, InvalidRequest, RequestTooLarge
 from omnistage.models.layers.rotary import PromptPositions
@@ -120,7 +120,7 @@ class Processor:
         """Token ids of a raw prompt, in which control-token literals are control tokens (the model's own
         notation, as a completions prompt is written). With `max_model_len`, a prompt that cannot leave room
         for one generated token is a RequestTooLarge, refused by its size before it is tokenized."""
-        self._check_size(text, max_model_len)
+        check_text_size(text, self.tokenizer, self.max_token_bytes, max_model_len)
         return self._encode([text], [], max_model_len)
 
     def encode_chat(
@@ -149,7 +149,7 @@ class Processor:
         pieces = re.split(sentinel, rendered)  # text, index, text, index, ..., text
         texts, literals = pieces[0::2], [typed[int(i)] for i in pieces[1::2]]
         prompt = "".join(t + lit for t, lit in zip(texts, [*literals, ""]))
-        self._check_size(prompt, max_model_len)
+        check_text_size(prompt, self.tokenizer, self.max_token_bytes, max_model_len)
         return prompt, self._encode(texts, literals, max_model_len)
 
     def transcription(
@@ -201,34 +201,10 @@ class Processor:
         mrope = rope_positions(expanded, grids, mm.num_audio_tokens, cfg) if images else None
         return ProcessedPrompt(prompt, expanded, mrope, mm)
 
-    def _check_size(self, text: str, max_model_len: int | None) -> None:
-        """Refuse text longer in bytes than `max_model_len` of the vocabulary's longest tokens could hold."""
-        if max_model_len is None:
-            return
-        limit = max_model_len * self.max_token_bytes
-        size = len(text.encode())
-        if size > limit:
-            size = _normalized_size(text, self.tokenizer.normalizer, size)
-        if size > limit:
-            raise RequestTooLarge(
-                f"the prompt is {size:,} bytes of text; the model's context of {max_model_len:,} tokens holds at "
-                f"most {limit:,} bytes ({self.max_token_bytes} per token at most)"
-            )
-
     def _encode(self, texts: list[str], literals: list[str], max_model_len: int | None) -> list[int]:
-        """texts[0] literals[0] texts[1] ... texts[-1] as one list of ids, the literals spelled as plain text.
-
-        encode_batch, not encode: it lets go of the GIL while it works, where encode holds it (the event loop
-        then stops for as long as a long prompt takes; tests/server/test_prompt_size.py). A prompt over the
-        context is refused before its ids become a Python list.
-        """
-        encoded = self.tokenizer.encode_batch(texts, add_special_tokens=False)
+        """texts[0] literals[0] texts[1] ... texts[-1] as one list of ids, the literals spelled as plain text."""
         spelled = self._plain.encode_batch(literals, add_special_tokens=False) if literals else []
-        count = sum(map(len, encoded)) + sum(map(len, spelled))
-        if max_model_len is not None and count >= max_model_len:
-            raise RequestTooLarge(
-                f"the prompt has {count:,} tokens; the model's context is {max_model_len:,} tokens"
-            )
+        encoded = encode_texts(self.tokenizer, texts, max_model_len, sum(map(len, spelled)))
         ids: list[int] = []
         for i, encoding in enumerate(encoded):
             if i:
@@ -277,6 +253,41 @@ class Processor:
                     f"vision encoder's spatial_merge_size {merge}"
                 )
         return self._image_cfg
+
+
+def check_text_size(text: str, tokenizer: Tokenizer, max_token_bytes: int, max_model_len: int | None) -> None:
+    """Refuse text longer in bytes than `max_model_len` of the vocabulary's longest tokens could hold, before it
+    is tokenized: every family's processor checks its prompt's text here."""
+    if max_model_len is None:
+        return
+    limit = max_model_len * max_token_bytes
+    size = len(text.encode())
+    if size > limit:
+        size = _normalized_size(text, tokenizer.normalizer, size)
+    if size > limit:
+        raise RequestTooLarge(
+            f"the prompt is {size:,} bytes of text; the model's context of {max_model_len:,} tokens holds at "
+            f"most {limit:,} bytes ({max_token_bytes} per token at most)"
+        )
+
+
+def encode_texts(
+    tokenizer: Tokenizer, texts: list[str], max_model_len: int | None, others: int = 0
+) -> list[Encoding]:
+    """The encodings of `texts` (no special tokens added), for every family's processor. With `max_model_len`, a
+    prompt of them and `others` tokens more that leaves no room for one generated token is a RequestTooLarge,
+    refused before its ids become Python lists.
+
+    encode_batch, not encode: it lets go of the GIL while it works, where encode holds it (the event loop
+    then stops for as long as a long prompt takes; tests/server/test_prompt_size.py).
+    """
+    encoded = tokenizer.encode_batch(texts, add_special_tokens=False)
+    count = sum(map(len, encoded)) + others
+    if max_model_len is not None and count >= max_model_len:
+        raise RequestTooLarge(
+            f"the prompt has {count:,} tokens; the model's context is {max_model_len:,} tokens"
+        )
+    return encoded
 
 
 def longest_token_bytes(tokenizer: Tokenizer) -> int:
