@@ -9,6 +9,12 @@ answer; anything else (an HTTP error, a reset connection, a stream cut short, a 
 lost. After the run every KV page must be free again and nothing running or waiting (/metrics), and the
 server's resident memory may have grown by at most --max-rss-growth-mib since the warm-up.
 
+The server's RSS is sampled every --rss-every requests (from /metrics' process_resident_memory_bytes, else
+/proc/<--pid>) and printed as a series with a verdict: it "plateaus" when the run's second half grew it by at
+most 16 MiB or at under half the first half's rate per request (a warm-up: allocator arenas, caches filling),
+else it is "still growing" (a leak), which fails the soak with --require-plateau. Under `serve
+--engine-process` that is the HTTP process's memory only, not the engine's.
+
 Prints a summary; writes it as JSON with --json; exits 1 if anything failed.
 
     python benchmarks/soak.py --requests 1000 --concurrency 64            # starts a tiny-model server
@@ -240,6 +246,43 @@ def rss_bytes(pid: int) -> int:
     return int(re.search(r"^VmRSS:\s+(\d+) kB", status, re.MULTILINE)[1]) * 1024
 
 
+PLATEAU_NOISE_MIB = 16  # what a second 1,000-request CPU soak grew a warm server by (issue 27)
+
+
+class RssSampler:
+    """The server's resident memory: /metrics' process_resident_memory_bytes where the server exports it,
+    else /proc/<pid> for a server on this machine; `series` holds (requests done, bytes) samples."""
+
+    def __init__(self, client: httpx.Client, pid: int | None) -> None:
+        self.client, self.pid = client, pid
+        self.source = "/metrics" if "process_resident_memory_bytes" in metrics(client) else None
+        if self.source is None and pid:
+            self.source = f"/proc/{pid}"
+        self.series: list[tuple[int, int]] = []
+
+    def read(self) -> int:
+        if self.source == "/metrics":
+            return int(metrics(self.client)["process_resident_memory_bytes"])
+        return rss_bytes(self.pid)
+
+    def sample(self, done: int) -> int:
+        rss = self.read()
+        self.series.append((done, rss))
+        return rss
+
+
+def plateau(series: list[tuple[int, float]]) -> tuple[float, float, str]:
+    """Growth over the series' first half and over its second (split at its middle sample), and the verdict:
+    "plateaus" when the second half grew at most PLATEAU_NOISE_MIB or at under half the first half's rate
+    per request, else "still growing"; "too few samples" under three."""
+    if len(series) < 3:
+        return 0.0, 0.0, "too few samples"
+    (n0, r0), (nm, rm), (n1, r1) = series[0], series[len(series) // 2], series[-1]
+    early, late = rm - r0, r1 - rm
+    growing = late > PLATEAU_NOISE_MIB and late / (n1 - nm) >= 0.5 * early / (nm - n0)
+    return early, late, "still growing" if growing else "plateaus"
+
+
 def settle(client: httpx.Client, timeout: float) -> tuple[dict[str, float], float]:
     """/metrics once no page is used and nothing runs or waits (or at the timeout), and the seconds it took."""
     start = time.monotonic()
@@ -310,14 +353,20 @@ def soak(args: argparse.Namespace) -> dict[str, Any]:
         # A warm-up of each kind, whole, so that first-use allocations count in the baseline memory.
         warm = Workload(model, args.max_tokens, 0.0, random.Random(args.seed + 1))
         warmed = asyncio.run(run_requests(args.url, headers, warm, list(KINDS), 1, args.timeout))
-        rss_start = rss_bytes(args.pid) if args.pid else None
+        rss = RssSampler(client, args.pid)
+        rss_start = rss.sample(0) if rss.source else None
         kinds = rng.choices(list(KINDS), weights=list(KINDS.values()), k=args.requests)
         peak = rss_start or 0
+        done = 0
 
         def sample_rss() -> None:
-            nonlocal peak
-            if args.pid:
+            nonlocal peak, done
+            done += 1
+            if args.pid:  # every request, where /proc is cheap to read
                 peak = max(peak, rss_bytes(args.pid))
+            # a blocking /metrics read in the clients' event loop, once per --rss-every requests
+            if rss.source and done % args.rss_every == 0 and done < args.requests:
+                peak = max(peak, rss.sample(done))
 
         start = time.perf_counter()
         outcomes = asyncio.run(
@@ -325,7 +374,7 @@ def soak(args: argparse.Namespace) -> dict[str, Any]:
         )
         wall = time.perf_counter() - start
         after, settle_s = settle(client, args.settle_s)
-        rss_end = rss_bytes(args.pid) if args.pid else None
+        rss_end = rss.sample(args.requests) if rss.source else None
 
     result = summarize(outcomes, wall)
     result["warmup_lost"] = [f"{o.kind}: {o.reason}" for o in warmed if o.result != "ok"]
@@ -341,6 +390,13 @@ def soak(args: argparse.Namespace) -> dict[str, Any]:
         result["rss_peak_mib"] = round(peak / mib, 1)
         result["rss_end_mib"] = round(rss_end / mib, 1)
         result["rss_growth_mib"] = round((rss_end - rss_start) / mib, 1)
+        result["rss_source"] = rss.source
+        result["rss_every"] = args.rss_every
+        result["rss_series_mib"] = [[done, round(value / mib, 1)] for done, value in rss.series]
+        early, late, verdict = plateau(result["rss_series_mib"])
+        result["rss_first_half_growth_mib"] = round(early, 1)
+        result["rss_second_half_growth_mib"] = round(late, 1)
+        result["rss_verdict"] = verdict
 
     failures = []
     if result["lost"] or result["warmup_lost"]:
@@ -353,6 +409,10 @@ def soak(args: argparse.Namespace) -> dict[str, Any]:
     if "rss_growth_mib" in result and result["rss_growth_mib"] > args.max_rss_growth_mib:
         failures.append(
             f"RSS grew {result['rss_growth_mib']} MiB, over the bound of {args.max_rss_growth_mib}"
+        )
+    if args.require_plateau and result.get("rss_verdict") == "still growing":
+        failures.append(
+            f"RSS still growing: {result['rss_second_half_growth_mib']} MiB over the run's second half"
         )
     result["failures"] = failures
     return result
@@ -374,8 +434,16 @@ def report(result: dict[str, Any]) -> str:
             f"server RSS: {result['rss_start_mib']} MiB after the warm-up, peak {result['rss_peak_mib']}, "
             f"end {result['rss_end_mib']} (growth {result['rss_growth_mib']} MiB)"
         )
+        series = ", ".join(f"{done}: {mib}" for done, mib in result["rss_series_mib"])
+        lines.append(
+            f"server RSS every {result['rss_every']} requests (requests done: MiB, from {result['rss_source']}): "
+            f"{series}; first half +{result['rss_first_half_growth_mib']} MiB, second half "
+            f"+{result['rss_second_half_growth_mib']} MiB: {result['rss_verdict']}"
+        )
     else:
-        lines.append("server RSS: not measured (give --pid, or let the soak start the server)")
+        lines.append(
+            "server RSS: not measured (its /metrics has no process_resident_memory_bytes: give --pid)"
+        )
     lines += [f"lost: {reason}" for reason in result["lost_reasons"] + result["warmup_lost"]]
     lines.append("FAILED: " + "; ".join(result["failures"]) if result["failures"] else "PASSED")
     return "\n".join(lines)
@@ -384,7 +452,9 @@ def report(result: dict[str, Any]) -> str:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--url", help="a running server's base URL (default: start a tiny-model server)")
-    p.add_argument("--pid", type=int, help="the --url server's process id, to read its RSS from /proc")
+    p.add_argument("--pid", type=int,
+                   help="the --url server's process id: its RSS from /proc where its /metrics has no "
+                   "process_resident_memory_bytes, and the peak read after every request")  # fmt: skip
     p.add_argument("--api-key", help="the --url server's API key")
     p.add_argument("--model", help="checkpoint of the server it starts (default: the embedded tiny model)")
     p.add_argument("--server-args", default="--num-kv-pages 512",
@@ -396,12 +466,18 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-tokens", type=int, default=8,
                    help="each request forces 1 to this many output tokens (default: %(default)s)")  # fmt: skip
     p.add_argument("--max-rss-growth-mib", type=float, default=256.0, help="(default: %(default)s)")
+    p.add_argument("--rss-every", type=int, default=200,
+                   help="sample the server's RSS every this many requests (default: %(default)s)")  # fmt: skip
+    p.add_argument("--require-plateau", action="store_true",
+                   help="fail when the RSS is still growing over the run's second half")  # fmt: skip
     p.add_argument("--settle-s", type=float, default=10.0,
                    help="how long the KV pages may take to come back after the run (default: %(default)s)")  # fmt: skip
     p.add_argument("--timeout", type=float, default=120.0, help="per request, seconds (default: %(default)s)")
     p.add_argument("--seed", type=int, default=0, help="(default: %(default)s)")
     p.add_argument("--json", type=Path, help="write the summary here")
     args = p.parse_args(argv)
+    if args.rss_every < 1:
+        p.error("--rss-every: at least 1")
 
     server = None
     if args.url is None:
