@@ -1,4 +1,9 @@
-"""The engine on a GPU over the tiny checkpoint: graphs equal eager, GPU equals the CPU reference."""
+"""The engine on a GPU over the tiny checkpoint: graphs equal eager, GPU equals the CPU reference.
+
+Each engine takes a while to start on a GPU (the floor measured on the largest inputs, graphs captured,
+layers compiled), so tests of one configuration share one engine, and the two that need an engine each of
+their own with compiled layers are marked slow (benchmarks/gpu_tests.sh leaves them out unless asked).
+"""
 
 import numpy as np
 import pytest
@@ -49,6 +54,7 @@ def test_graphs_equal_eager(tiny_checkpoint):
     assert alone == [eager.generate(p, GREEDY)[0].outputs[0].token_ids for p in PROMPTS]
 
 
+@pytest.mark.slow
 def test_serving_compiles_nothing_after_start(tiny_checkpoint):
     """Start-up runs every compiled variant traffic needs: prompts of new lengths, alone and batched, with
     audio, chunked, and decode batches beyond the graphs add no compiled graph."""
@@ -84,17 +90,26 @@ def test_gpu_float32_agrees_with_the_cpu_reference(tiny_checkpoint):
     assert agree >= 0.9, f"only {agree:.0%} of greedy tokens agree with the CPU reference"
 
 
-def test_memory_limit_caps_the_plan(tiny_checkpoint):
+CAPPED = dict(device="cuda", dtype="bfloat16", gpu_memory_limit_gib=2.0)
+
+
+@pytest.fixture(scope="module")
+def capped(tiny_checkpoint):
+    """One engine under a 2 GiB cap, for the plan's own test and for `omnistage plan`'s."""
     try:
-        llm = LLM(model=str(tiny_checkpoint), device="cuda", dtype="bfloat16", gpu_memory_limit_gib=2.0)
+        return LLM(model=str(tiny_checkpoint), **CAPPED)
     finally:  # the cap is process-wide: give later tests the whole card back
         torch.cuda.set_per_process_memory_fraction(1.0)
-    plan = llm.engine.plan
+
+
+def test_memory_limit_caps_the_plan(capped):
+    plan = capped.engine.plan
     assert plan.limit == 2 << 30
     assert plan.weights + plan.floor + plan.reserve + plan.kv_bytes + plan.graph_bytes <= 2 << 30
     assert "memory plan (gpu_memory_limit: 2.00 GiB)" in plan.table()
 
 
+@pytest.mark.slow
 def test_the_floor_holds_the_encoders_on_the_largest_inputs(tiny_checkpoint):
     """The plan's floor counts each tower on the largest input the processor admits (a 300 s clip, a
     3584x3584 image) and the prefill beside the encoder rows a request holds; a request with a 290 s clip
@@ -123,12 +138,23 @@ def test_the_floor_holds_the_encoders_on_the_largest_inputs(tiny_checkpoint):
     assert torch.cuda.max_memory_allocated() - base <= plan.floor
 
 
-def test_plan_prints_the_gpu_plan_under_a_cap(tiny_checkpoint, capsys):
+def test_plan_prints_the_gpu_plan_under_a_cap(tiny_checkpoint, capped, capsys, monkeypatch):
+    """`omnistage plan` parses its flags into the capped engine's configuration; what it then builds is
+    that engine (one start for both tests), whose plan it prints."""
+    import omnistage.pipeline.family
     from omnistage.cli import main
+    from omnistage.config import engine_config
 
-    assert (
-        main(["plan", "--model", str(tiny_checkpoint), "--device", "cuda", "--gpu-memory-limit-gib", "2"])
-        == 0
-    )
+    built = []
+
+    def build_pipeline(config):
+        built.append(config)
+        return capped.pipeline
+
+    monkeypatch.setattr(omnistage.pipeline.family, "build_pipeline", build_pipeline)
+    argv = ["plan", "--model", str(tiny_checkpoint), "--device", "cuda", "--dtype", "bfloat16",
+            "--gpu-memory-limit-gib", "2"]  # fmt: skip
+    assert main(argv) == 0
+    assert built == [engine_config(model=str(tiny_checkpoint), **CAPPED)]
     printed = capsys.readouterr().out
     assert "memory plan (gpu_memory_limit: 2.00 GiB)" in printed and "Talker KV pages" in printed

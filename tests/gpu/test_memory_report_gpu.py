@@ -1,5 +1,8 @@
 """The memory report of a started pipeline on a GPU: the allocator's snapshot grouped by what holds it adds up,
-and the weights, KV pages and graph pools it finds are what the stages account for."""
+and the weights, KV pages and graph pools it finds are what the stages account for.
+
+One started pipeline serves both tests: `omnistage memory-report` is handed it instead of starting its own.
+"""
 
 import pytest
 import torch
@@ -11,11 +14,15 @@ from omnistage.pipeline.family import build_pipeline
 pytestmark = pytest.mark.gpu
 
 
-def test_the_snapshot_of_a_started_pipeline_is_grouped(tiny_checkpoint, capsys):
-    config = engine_config(
-        model=str(tiny_checkpoint), device="cuda", dtype="bfloat16", page_size=4, kv_cache_memory_gib=0.05
-    )
-    pipeline = build_pipeline(config)
+SETTINGS = dict(device="cuda", dtype="bfloat16", page_size=4, kv_cache_memory_gib=0.05)
+
+
+@pytest.fixture(scope="module")
+def pipeline(tiny_checkpoint):
+    return build_pipeline(engine_config(model=str(tiny_checkpoint), **SETTINGS))
+
+
+def test_the_snapshot_of_a_started_pipeline_is_grouped(pipeline):
     torch.cuda.synchronize()
     device = torch.cuda.current_device()
     held_by = {(h.group, h.owner): h for h in holdings(pipeline)}
@@ -34,18 +41,25 @@ def test_the_snapshot_of_a_started_pipeline_is_grouped(tiny_checkpoint, capsys):
     (main,) = [r for r in report.rows if r.group == "graph pool" and "prefill_graphs" in r.owner]
     assert main.held > 0 and "talker_stage.graphs" in main.owner
 
+
+def test_memory_report_prints_it(tiny_checkpoint, pipeline, capsys, monkeypatch):
+    """`omnistage memory-report` parses its flags into the pipeline's configuration; what it then builds is
+    that pipeline, whose report it prints."""
+    import omnistage.pipeline.family
     from omnistage.cli import main
 
-    argv = [
-        "memory-report",
-        "--model",
-        str(tiny_checkpoint),
-        "--device",
-        "cuda",
-        "--kv-cache-memory-gib",
-        "0.05",
-    ]
+    built = []
+
+    def build(config):
+        built.append(config)
+        return pipeline
+
+    monkeypatch.setattr(omnistage.pipeline.family, "build_pipeline", build)
+    argv = ["memory-report", "--model", str(tiny_checkpoint), "--device", "cuda", "--dtype", "bfloat16",
+            "--page-size", "4", "--kv-cache-memory-gib", "0.05"]  # fmt: skip
     assert main(argv) == 0
+    assert built == [engine_config(model=str(tiny_checkpoint), **SETTINGS)]
+    device = torch.cuda.current_device()
     printed = capsys.readouterr().out
     assert f"memory report of cuda:{device}: allocator" in printed and "memory plan" in printed
     assert "thinker.model" in printed and "not accounted" in printed
