@@ -117,3 +117,22 @@ def test_connections_past_the_cap_get_503(server):
     finally:
         for sock in held:
             sock.close()
+
+
+def test_a_kept_alive_connection_trickling_its_next_head_is_cut_off(server):
+    with socket.create_connection(("127.0.0.1", server.port), timeout=5) as sock:
+        assert request(sock) == b"HTTP/1.1 200 OK"
+        time.sleep(HEADER_TIMEOUT + 0.2)  # idle between requests: uvicorn's keep-alive (5 s), not the head's
+        sock.settimeout(TRICKLE_S)
+        start, answer = time.monotonic(), b""
+        for byte in SLOW_HEAD:
+            try:
+                sock.sendall(bytes([byte]))
+                answer = sock.recv(256)
+            except TimeoutError:
+                continue
+            except ConnectionError:
+                break
+            break  # the server answered (or closed)
+        seconds = time.monotonic() - start
+    assert answer.startswith(b"HTTP/1.1 408 ") and HEADER_TIMEOUT - 0.1 <= seconds <= HEADER_TIMEOUT + SLACK
