@@ -191,6 +191,8 @@ class _Server:
             fmt = SpokenChatFormat(request_id, name, body.include_usage, body.audio.format)
         work = self._process_media_chat if body.has_media() else self._encode_chat
         prompt = await asyncio.to_thread(work, body.message_dicts(), body.add_generation_prompt)
+        if params.max_tokens is None:  # a chat to Qwen3-ASR is capped as its clip's transcription is
+            params.max_tokens = getattr(prompt, "max_tokens", None)
         return await self._generate(request, CHAT, fmt, prompt, params, bool(body.stream), speech)
 
     async def speech(self, body: SpeechRequest, request: Request) -> Response:

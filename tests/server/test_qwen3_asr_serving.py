@@ -22,6 +22,7 @@ from fastapi.testclient import TestClient
 from omnistage.bench.server_process import ServerProcess
 from omnistage.config import engine_config
 from omnistage.models.qwen3_asr.tiny import make_tiny
+from omnistage.models.qwen3_omni.transcription import max_transcription_tokens
 from omnistage.pipeline.async_engine import AsyncEngine
 from omnistage.server import build_app
 
@@ -209,3 +210,20 @@ def test_health_answers_while_a_large_text_is_tokenized(client, endpoint):
     assert f"tokens; the model's context is {CONTEXT:,} tokens" in response.json()["error"]["message"]
     assert took > 0.5, took  # long enough for the probes to overlap the tokenizing
     assert gap < 0.5, f"/health went unanswered for {gap:.2f} s during a {took:.2f} s tokenization"
+
+
+def test_a_chat_without_max_tokens_is_capped_as_the_transcription_of_its_clip(client):
+    """A chat to Qwen3-ASR is a transcription: without max_tokens it stops where the clip's transcription does,
+    not at the context; a max_tokens given is honoured."""
+    forced = {"ignore_eos": True, "temperature": 0}
+    chat = {"model": MODEL, "messages": [{"role": "user", "content": [audio_part(1.5)]}], **forced}
+    response = client.post("/v1/chat/completions", json=chat)
+    assert response.status_code == 200, response.text
+    assert response.json()["usage"]["completion_tokens"] == max_transcription_tokens(1.5)
+    files = {"file": ("clip.wav", wav(1.5), "audio/wav")}
+    form = {"model": MODEL, "stream": "true", "ignore_eos": "true"}
+    events = client.post(TRANSCRIPTIONS, data=form, files=files).text.split("\n\n")
+    done = json.loads([e for e in events if e.startswith("data: {")][-1].removeprefix("data: "))
+    assert done["usage"]["output_tokens"] == max_transcription_tokens(1.5)
+    response = client.post("/v1/chat/completions", json=chat | {"max_tokens": 5})
+    assert response.json()["usage"]["completion_tokens"] == 5

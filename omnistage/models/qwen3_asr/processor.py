@@ -7,6 +7,7 @@ the context, its one audio part the clip.
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -18,6 +19,7 @@ from omnistage.models.qwen3_asr.audio_features import log_mel
 from omnistage.models.qwen3_asr.config import Qwen3ASRConfig
 from omnistage.models.qwen3_asr.output import parse_transcription
 from omnistage.models.qwen3_asr.prompt import language_name, prompt_ids, prompt_text
+from omnistage.models.qwen3_omni.audio_features import SAMPLE_RATE
 from omnistage.models.qwen3_omni.processor import (
     MultimodalInputs,
     ProcessedPrompt,
@@ -25,6 +27,7 @@ from omnistage.models.qwen3_omni.processor import (
     encode_texts,
     longest_token_bytes,
 )
+from omnistage.models.qwen3_omni.transcription import max_transcription_tokens
 
 
 class ASRProcessor:
@@ -66,7 +69,8 @@ class ASRProcessor:
         self, messages: list[dict], add_generation_prompt: bool = True, max_model_len: int | None = None
     ) -> ProcessedPrompt:
         """A chat of decoded parts as a transcription: the system turns' text is the context, and the user turns
-        must hold exactly one audio part (their text is not read: the model takes no instruction)."""
+        must hold exactly one audio part (their text is not read: the model takes no instruction). Its reply is
+        capped by the clip's length, as the clip's transcription is, unless the request gives max_tokens."""
         context, clips = [], []
         for message in messages:
             content = message.get("content")
@@ -82,9 +86,9 @@ class ASRProcessor:
             raise InvalidRequest(
                 f"this model transcribes one audio clip per request; the messages hold {len(clips)}"
             )
-        return self.transcription(
-            np.asarray(clips[0], dtype=np.float32), None, "\n".join(context), max_model_len
-        )
+        clip = np.asarray(clips[0], dtype=np.float32)
+        prompt = self.transcription(clip, None, "\n".join(context), max_model_len)
+        return replace(prompt, max_tokens=max_transcription_tokens(len(clip) / SAMPLE_RATE))
 
     def encode_chat(
         self, messages: list[dict], add_generation_prompt: bool, max_model_len: int | None

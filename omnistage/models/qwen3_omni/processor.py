@@ -67,6 +67,8 @@ class ProcessedPrompt:
     token_ids: list[int]
     mrope: PromptPositions | None  # None where every position is its own index (no images)
     mm: MultimodalInputs | None  # None without attachments
+    # The reply's cap for a request that gives none, where the prompt implies one (a chat that is a transcription)
+    max_tokens: int | None = None
 
 
 class Processor:
