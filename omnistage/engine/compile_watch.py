@@ -9,9 +9,11 @@ shape the warm-up misses shows in the log instead of as an unexplained slow requ
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import time
+from collections.abc import Iterator
 from typing import Any
 
 log = logging.getLogger(__name__)
@@ -24,6 +26,19 @@ class CompileWatch:
         self.builds: list[tuple[str, float]] = []  # (what was built, seconds)
         self._started: dict[Any, float] = {}
         self._lock = threading.Lock()
+        self._starting_up = 0  # pipelines being built (`starting_up`): their builds are start-up's
+
+    @contextlib.contextmanager
+    def starting_up(self) -> Iterator[None]:
+        """While a pipeline starts (e.g. a second one in a process that already serves): what it builds is
+        its warm-up's and capture's, logged at debug level and not counted as built while serving."""
+        with self._lock:
+            self._starting_up += 1
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._starting_up -= 1
 
     def triton_started(self, *, key: Any, **_: Any) -> None:
         """Triton's jit_cache_hook: a kernel is about to be built (None: let Triton build it)."""
@@ -47,6 +62,9 @@ class CompileWatch:
         now = time.perf_counter()
         with self._lock:
             seconds = now - self._started.pop(key, now)
+            if self._starting_up:
+                log.debug("built during a start-up, in %.0f ms: %s", seconds * 1e3, what)
+                return
             self.builds.append((what, seconds))
         log.warning(
             "built while serving, in %.0f ms: %s (a shape start-up did not warm; the step waited for it)",
@@ -56,6 +74,11 @@ class CompileWatch:
 
 
 _watch: CompileWatch | None = None
+
+
+def starting_up() -> contextlib.AbstractContextManager[None]:
+    """`CompileWatch.starting_up` of the process's watch, where one is installed (else nothing to pause)."""
+    return _watch.starting_up() if _watch is not None else contextlib.nullcontext()
 
 
 def builds_while_serving() -> list[tuple[str, float]]:

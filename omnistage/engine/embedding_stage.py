@@ -27,7 +27,7 @@ from omnistage.engine.gpu_memory import Peak, device_peak, scaled_peaks
 from omnistage.engine.graphs import DecodeGraphRunner
 from omnistage.engine.isolation import run_isolated
 from omnistage.engine.kv_cache import PagePool
-from omnistage.engine.model_runner import WARM_UP_SHAPES, positions_for
+from omnistage.engine.model_runner import positions_for, warm_up_shapes
 from omnistage.engine.sampling import Sampler, SamplingParams, SamplingRow, make_generator
 from omnistage.engine.scheduler import ScheduledChunk, Scheduler, SchedulerOutput
 from omnistage.engine.sequence import Sequence, SequenceStatus
@@ -149,11 +149,10 @@ class EmbeddingStage:
         return peak
 
     def warm_up(self, max_tokens: int) -> None:
-        """Run the eager step shapes traffic brings (the Thinker's list), so that kernel builds and compiled
+        """Run the eager step shapes traffic brings (`model_runner.warm_up_shapes`), so that kernel builds and compiled
         variants happen at start, not in the first requests' prefills (GPU only)."""
-        for tokens, seqs in WARM_UP_SHAPES:
-            if tokens <= max_tokens:
-                self.profile_peak(tokens, seqs)
+        for tokens, seqs in warm_up_shapes(max_tokens, self.cfg.num_experts_per_tok):
+            self.profile_peak(tokens, seqs)
 
     # -- decode graphs ------------------------------------------------------------------------------
 

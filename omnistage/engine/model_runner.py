@@ -19,16 +19,42 @@ from omnistage.engine.attention import AttentionMetadata
 from omnistage.engine.gpu_memory import Peak, device_peak
 from omnistage.engine.graphs import DecodeGraphRunner, PrefillGraphRunner
 from omnistage.engine.scheduler import ScheduledChunk, SchedulerOutput
+from omnistage.models.layers.moe import kernel_switches
 from omnistage.models.layers.rotary import PromptPositions
 from omnistage.models.qwen3_omni.config import TextConfig
 from omnistage.models.qwen3_omni.thinker import Thinker
 
 log = logging.getLogger(__name__)
 
-# (tokens, sequences) of the eager steps run at start: odd and even counts (Triton specialises integer
-# arguments divisible by 16), decode-sized batches that take the Triton MoE, and prefill sizes that take
-# grouped GEMMs
-WARM_UP_SHAPES = ((2, 1), (3, 1), (17, 1), (33, 1), (64, 1), (65, 1), (130, 1), (257, 1), (72, 8), (600, 1))
+# (tokens, sequences) of the eager steps run at start whatever the model: odd and even counts (Triton
+# specialises integer arguments divisible by 16), one row and more (dynamo specialises 0 and 1), a step of
+# several sequences; `warm_up_shapes` adds each MoE path's bounds and the largest step
+WARM_UP_SHAPES = (
+    (1, 1),
+    (2, 1),
+    (3, 1),
+    (17, 1),
+    (33, 1),
+    (64, 1),
+    (65, 1),
+    (130, 1),
+    (257, 1),
+    (72, 8),
+    (600, 1),
+)
+
+
+def warm_up_shapes(max_tokens: int, top_k: int | None) -> list[tuple[int, int]]:
+    """The eager step shapes a stage runs at start so that no step of up to `max_tokens` rows builds a kernel or
+    a compiled variant while serving: WARM_UP_SHAPES, and for a MoE decoder routing each token to `top_k`
+    experts (None: a dense one) the largest count of each kernel path and the one after it, then the largest
+    step (a Talker prefill of 838 rows built a variant mid-serving on the H200 when 600 was the largest
+    warmed: benchmarks/RESULTS.md, "Builds while serving")."""
+    tokens = [count for count, _ in WARM_UP_SHAPES]
+    if top_k is not None:
+        tokens += [n for bound in kernel_switches(top_k) for n in (bound, bound + 1)]
+    shapes = set(WARM_UP_SHAPES) | {(n, 1) for n in tokens} | {(max_tokens, 1)}
+    return sorted(shape for shape in shapes if shape[0] <= max_tokens)
 
 
 def positions_for(start: int, count: int, mrope: PromptPositions | None) -> torch.Tensor:
@@ -148,10 +174,10 @@ class ModelRunner:
         """Run eager steps of the shapes traffic brings, so that Triton's per-shape-class kernel builds and
         torch.compile's graphs happen at start, not inside the first requests (measured: a 3 s TTFT at c=16)."""
         started = time.perf_counter()
-        for tokens, seqs in WARM_UP_SHAPES:
-            if tokens <= max_tokens:
-                self.profile_peak(tokens, seqs)
-        log.info("warmed up %d step shapes in %.1f s", len(WARM_UP_SHAPES), time.perf_counter() - started)
+        shapes = warm_up_shapes(max_tokens, getattr(self.cfg, "num_experts_per_tok", None))
+        for tokens, seqs in shapes:
+            self.profile_peak(tokens, seqs)
+        log.info("warmed up %d step shapes in %.1f s", len(shapes), time.perf_counter() - started)
 
     def prepare(
         self, chunks: list[ScheduledChunk], input_ids: torch.Tensor | None = None

@@ -6,6 +6,7 @@ import json
 from pathlib import Path
 
 from omnistage.config import EngineConfig
+from omnistage.engine.compile_watch import starting_up
 from omnistage.models.qwen3_asr.processor import ASRProcessor
 from omnistage.models.qwen3_omni.processor import Processor
 from omnistage.pipeline.qwen3_asr import Qwen3ASRPipeline
@@ -32,7 +33,9 @@ def processor_for(checkpoint_dir: str | Path) -> Processor | ASRProcessor:
 
 
 def build_pipeline(config: EngineConfig) -> Pipeline:
-    """A Qwen3-ASR checkpoint's pipeline, or Qwen3-Omni's (the embedded tiny model's too)."""
-    if config.model is not None and model_type(config.model) == "qwen3_asr":
-        return Qwen3ASRPipeline(config)
-    return Qwen3OmniPipeline(config)
+    """A Qwen3-ASR checkpoint's pipeline, or Qwen3-Omni's (the embedded tiny model's too). Its warm-up's and
+    capture's builds are start-up's, also in a process that already serves (compile_watch.py)."""
+    with starting_up():
+        if config.model is not None and model_type(config.model) == "qwen3_asr":
+            return Qwen3ASRPipeline(config)
+        return Qwen3OmniPipeline(config)

@@ -11,6 +11,16 @@ from omnistage.models.layers.moe_experts import fused_experts
 
 # Token-expert pairs up to which "auto" takes the Triton kernel (decode batches); grouped GEMMs above.
 TRITON_MAX_PAIRS = 512
+# Pairs up to which the grouped GEMMs' alignment runs as one Triton program (moe_align.py); past them (prefill)
+# the torch version's parallel cumsum is quicker than the program's loop.
+ALIGN_KERNEL_MAX_PAIRS = 4096
+
+
+def kernel_switches(top_k: int) -> tuple[int, ...]:
+    """The largest token counts of each GPU path but the last: the Triton experts, then the grouped GEMMs with
+    the alignment kernel (above them, with the torch alignment). A compiled layer keeps a variant per path, so
+    a warm-up that runs each count and the next builds them all before serving."""
+    return (TRITON_MAX_PAIRS // top_k, ALIGN_KERNEL_MAX_PAIRS // top_k)
 
 
 def route_torch(

@@ -19,9 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
-# One program walks the pairs in chunks; past this many pairs (prefill) the torch version's parallel
-# cumsum is quicker than the loop.
-_MAX_KERNEL_PAIRS = 4096
+from omnistage.models.layers.moe import ALIGN_KERNEL_MAX_PAIRS
 
 
 @dataclass
@@ -54,7 +52,7 @@ def align_pairs(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> Exper
     """Group the pairs of `topk_ids` `[T, k]` by expert, each expert padded to a multiple of `block_m`."""
     flat_ids = topk_ids.reshape(-1)
     num_pairs = flat_ids.shape[0]
-    if flat_ids.is_cuda and num_pairs <= _MAX_KERNEL_PAIRS:
+    if flat_ids.is_cuda and num_pairs <= ALIGN_KERNEL_MAX_PAIRS:
         return align_pairs_triton(flat_ids, num_experts, block_m)
     return align_pairs_torch(flat_ids, num_experts, block_m)
 

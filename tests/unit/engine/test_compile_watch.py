@@ -8,7 +8,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from omnistage.engine.compile_watch import watch_compiles
+from omnistage.engine.compile_watch import builds_while_serving, starting_up, watch_compiles
 
 
 def test_a_graph_compiled_after_serving_started_is_logged(caplog: pytest.LogCaptureFixture) -> None:
@@ -58,3 +58,19 @@ def test_a_triton_build_is_timed_from_its_start_hook_to_its_end_hook(
     assert 0 <= seconds < 1
     assert what in caplog.text
     assert watch_compiles() is watch  # installed once
+
+
+def test_what_a_pipeline_builds_while_it_starts_is_not_counted_as_serving() -> None:
+    watch = watch_compiles()
+    before = len(builds_while_serving())
+
+    @torch.compile(backend="eager")
+    def triple(x: torch.Tensor) -> torch.Tensor:
+        return x * 3
+
+    with starting_up():  # a second pipeline built in a process that already serves
+        triple(torch.ones(2))
+    assert len(builds_while_serving()) == before
+    triple(torch.ones(2, 2, 2))  # a new rank: a new graph, now while serving
+    assert len(builds_while_serving()) == before + 1
+    assert watch.builds[-1][0].startswith("torch.compile graph")

@@ -2,12 +2,14 @@
 
 from types import SimpleNamespace
 
+import pytest
 import torch
 
-from omnistage.engine.model_runner import ModelRunner, positions_for
+from omnistage.engine.model_runner import ModelRunner, positions_for, warm_up_shapes
 from omnistage.engine.scheduler import ScheduledChunk
 from omnistage.engine.sequence import Sequence
 from omnistage.models.layers.attention_metadata import AttentionMetadata
+from omnistage.models.layers.moe import ALIGN_KERNEL_MAX_PAIRS, TRITON_MAX_PAIRS
 from omnistage.models.layers.rotary import PromptPositions
 
 PAGE = 4
@@ -46,3 +48,28 @@ def test_prepare_lays_out_every_kind_of_chunk():
     for name in ("slot_mapping", "query_start_loc", "seq_lens", "block_tables"):
         assert torch.equal(getattr(meta, name), getattr(reference, name)), name
     assert (meta.max_query_len, meta.max_seq_len) == (reference.max_query_len, reference.max_seq_len)
+
+
+def _moe_path(tokens: int, top_k: int) -> tuple[bool, bool, bool]:
+    """Which code a compiled MoE layer runs for a step of `tokens` rows: what moe.py and moe_align.py branch
+    on (and dynamo's 0/1 specialisation of one row)."""
+    pairs = tokens * top_k
+    return tokens == 1, pairs <= TRITON_MAX_PAIRS, pairs <= ALIGN_KERNEL_MAX_PAIRS
+
+
+@pytest.mark.parametrize("top_k", [6, 8])  # the Talker's and the Thinker's
+@pytest.mark.parametrize("max_tokens", [512, 2048])
+def test_the_warm_up_runs_every_moe_path_a_step_can_take(top_k: int, max_tokens: int) -> None:
+    shapes = warm_up_shapes(max_tokens, top_k)
+    warmed = {_moe_path(tokens, top_k) for tokens, _ in shapes}
+    reachable = {_moe_path(tokens, top_k) for tokens in range(1, max_tokens + 1)}
+    assert warmed == reachable
+    # the Talker's prefill of 32 prompts that built a variant mid-serving on the H200 (838 rows, top-k 6)
+    assert _moe_path(838, 6) in {_moe_path(tokens, 6) for tokens, _ in warm_up_shapes(2048, 6)}
+    assert max(tokens for tokens, _ in shapes) == max_tokens
+
+
+def test_a_dense_decoder_warms_the_common_shapes_up_to_its_budget() -> None:
+    shapes = warm_up_shapes(100, None)
+    assert (2, 1) in shapes and (65, 1) in shapes and (72, 8) in shapes and (100, 1) in shapes
+    assert all(tokens <= 100 for tokens, _ in shapes)
