@@ -123,6 +123,9 @@ class StageModels:
     eos_token_ids: list[int]
     model_path: Path
     load_seconds: float
+    # the layer whose hidden states a later stage reads from prompt rows (the Talker's accept_hidden_layer), if
+    # one does: the prefill graphs record it too, so that a prompt with media a reply is spoken for replays them
+    tap_layer: int | None = None
 
 
 class LLMEngine:
@@ -167,7 +170,7 @@ class LLMEngine:
         self.max_model_len = min(
             config.max_model_len or text.max_position_embeddings, text.max_position_embeddings
         )
-        self.runner = ModelRunner(self.model, text, self.page_size, self.device, self.dtype)
+        self.runner = ModelRunner(self.model, text, self.page_size, self.device, self.dtype, models.tap_layer)
         self.plan: MemoryPlan | None = None
         # the device's main-stream graph pool (`capture_plan.MAIN_POOL`): this stage's prefill graphs and its
         # encoders' graphs; the pipeline captures the other stages of the device into it too

@@ -84,9 +84,18 @@ class ModelRunner:
     """Owns the KV tensors of every layer and, on a GPU, the decode graphs."""
 
     def __init__(
-        self, model: Thinker, cfg: TextConfig, page_size: int, device: torch.device, dtype: torch.dtype
+        self,
+        model: Thinker,
+        cfg: TextConfig,
+        page_size: int,
+        device: torch.device,
+        dtype: torch.dtype,
+        tap_layer: int | None = None,
     ):
+        """`tap_layer`: the layer every HiddenTap reads (StageModels.tap_layer), which the prefill graphs then
+        also return; None: no tap, a prompt with one runs eagerly."""
         self.model = model
+        self.tap_layer = tap_layer
         self.cfg = cfg
         self.page_size = page_size
         self.device = device
@@ -111,9 +120,15 @@ class ModelRunner:
 
     def _prefill_logits(
         self, embeds: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata, last_row: torch.Tensor
-    ) -> torch.Tensor:
-        hidden = self.model(None, positions, self.kv_caches, meta, inputs_embeds=embeds)
-        return self.model.compute_logits(hidden.index_select(0, last_row))
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """The logits of the chunk's last row, with every row's hidden states after `tap_layer` when set."""
+        out = self.model(
+            None, positions, self.kv_caches, meta, inputs_embeds=embeds, tap_layer=self.tap_layer
+        )
+        if self.tap_layer is None:
+            return self.model.compute_logits(out.index_select(0, last_row))
+        hidden, tapped = out
+        return self.model.compute_logits(hidden.index_select(0, last_row)), tapped
 
     def capture_graphs(
         self,
@@ -223,10 +238,14 @@ class ModelRunner:
         if self.graphs is not None and pure_decode and not taps:
             return self.graphs.run(input_ids, positions, meta)
         embeds, deepstack = self._merge_multimodal(step.chunks, input_ids)
-        if self.prefill_graphs is not None and deepstack is None and len(step.chunks) == 1 and not taps:
+        graph_taps = not taps or all(tap.layer == self.tap_layer for _, tap in taps)
+        if self.prefill_graphs is not None and deepstack is None and len(step.chunks) == 1 and graph_taps:
             chunk = embeds if embeds is not None else self.model.model.embed_tokens(input_ids)
-            logits = self.prefill_graphs.run(chunk, positions, meta)
-            if logits is not None:
+            out = self.prefill_graphs.run(chunk, positions, meta)
+            if out is not None:
+                logits = out if self.tap_layer is None else out[0]
+                if taps:
+                    _write_tap(taps[0][1], step.chunks[0], out[1])
                 return logits if step.chunks[0].samples else logits[:0]
         tap_layer = taps[0][1].layer if taps else None
         hidden = self.model(input_ids, positions, self.kv_caches, meta, embeds, deepstack, tap_layer)
@@ -234,9 +253,7 @@ class ModelRunner:
             hidden, tapped = hidden
             starts = meta.query_start_loc.tolist()
             for i, tap in taps:
-                chunk = step.chunks[i]
-                inside = (tap.rows >= chunk.start) & (tap.rows < chunk.start + chunk.num_tokens)
-                tap.values[inside] = tapped[starts[i] + tap.rows[inside] - chunk.start].to(tap.values.dtype)
+                _write_tap(tap, step.chunks[i], tapped[starts[i] :])
         # a decode step samples every row, in order
         return self.model.compute_logits(hidden if pure_decode else hidden.index_select(0, sample_rows))
 
@@ -268,6 +285,12 @@ class ModelRunner:
                         )
             offset += chunk.num_tokens
         return embeds, deepstack
+
+
+def _write_tap(tap: HiddenTap, chunk: ScheduledChunk, tapped: torch.Tensor) -> None:
+    """The tap's rows inside `chunk` from `tapped`, the chunk's hidden states from its first row on."""
+    inside = (tap.rows >= chunk.start) & (tap.rows < chunk.start + chunk.num_tokens)
+    tap.values[inside] = tapped[tap.rows[inside] - chunk.start].to(tap.values.dtype)
 
 
 def _tap(chunk: ScheduledChunk) -> HiddenTap | None:

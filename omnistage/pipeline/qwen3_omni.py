@@ -127,6 +127,8 @@ class Qwen3OmniPipeline:
                     memory = self.speech_stages.memory(shared)
         thinker_stage = load_thinker_stage(config, path, cfg, device, dtype)
         if self.speech_stages is not None:
+            # the Talker reads these hidden states of a spoken reply's media rows (`_new_speech`)
+            thinker_stage = replace(thinker_stage, tap_layer=cfg.talker.accept_hidden_layer)
             # before the Thinker reads the device for its plan: the table is the speech stages' resident memory
             with torch.inference_mode(), self.speech_stages.on_device():
                 embedding = thinker_stage.model.model.embed_tokens

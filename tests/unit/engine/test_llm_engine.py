@@ -591,3 +591,36 @@ def test_a_client_leaving_during_a_long_prefill_stops_it_within_a_step(tiny_chec
     assert short.outputs[0].finish_reason == "length"
     assert all(sum(s.values()) <= 64 for s in steps)
     assert engine.stats()["kv_pages_free"] == 1024
+
+
+def test_a_prompt_whose_hidden_states_are_tapped_replays_a_prefill_graph(tiny_checkpoint):
+    """A spoken reply's prompt with media (its rows tapped for the Talker) replays a prefill graph that records
+    the tap layer too, and taps what the eager step taps."""
+    from omnistage.engine.llm_engine import NewRequest
+    from omnistage.engine.model_runner import HiddenTap
+
+    results = []
+    for graphs in (False, True):
+        llm = make_llm(tiny_checkpoint, num_kv_pages=256)
+        engine = llm.pipeline.thinker
+        layer = llm.pipeline.model_config.talker.accept_hidden_layer
+        assert engine.runner.tap_layer == layer  # the pipeline speaks: its Thinker's prefill graphs record it
+        replays = []
+        if graphs:
+            engine.runner.capture_graphs([], engine.max_model_len, False, prefill_buckets=[16, 64, 128])
+            step = engine.runner.prefill_graphs.step
+            engine.runner.prefill_graphs.step = lambda *args, seen=replays, run=step: (
+                seen.append(args[0].shape[0]) or run(*args)
+            )
+        (prompt,) = _audio_prompts(engine.processor, [1.5])
+        rows = torch.arange(3, len(prompt.token_ids) - 2)
+        tap = HiddenTap(layer, rows, torch.zeros(len(rows), engine.runner.cfg.hidden_size))
+        request = NewRequest("tapped", prompt.token_ids, GREEDY, mrope=prompt.mrope, mm=prompt.mm, tap=tap)
+        assert engine.add_requests([request]) == [None]
+        tokens = llm._run(["tapped"])[0].outputs[0].token_ids
+        assert bool(replays) == graphs
+        results.append((tokens, tap.values))
+    (eager_tokens, eager_tap), (graph_tokens, graph_tap) = results
+    assert graph_tokens == eager_tokens
+    assert eager_tap.abs().sum() > 0
+    torch.testing.assert_close(graph_tap, eager_tap, rtol=1e-5, atol=1e-5)
