@@ -1,0 +1,155 @@
+"""Where a benchmark's engine time goes, step by step: every model step of every stage, its shape and its time.
+
+    python benchmarks/step_trace.py --out $OUT/trace_asr.json -- bench a2t --load-format dummy \
+        --skeleton qwen3-asr-0.6b --device cuda --concurrency 128 --repeats 2
+
+Runs the `omnistage` command after `--` in this process with the stages' step functions wrapped: the Thinker's
+(or Qwen3-ASR decoder's) `ModelRunner.execute`, the Talker's `EmbeddingStage._execute`, the code predictor's
+frames (`Handoff.launch_frames`) and Code2Wav's decode calls (`Code2WavStreamer._decode`). Each call is timed between CUDA
+synchronisations (`--no-sync`: host time only, the GPU left to run ahead), so a step's time is its GPU work
+and the host's launches together; the synchronisations cost the decode-ahead overlap, so the benchmark's own
+figures in the same run are slower than without the trace. Each call is classified by its shape: a pure
+decode step (graphs replay those up to the largest bucket), one sequence's prefill chunk (prefill graphs up
+to theirs), or a step of several chunks with prompt rows (always eager). Writes every call and a summary per
+stage and class (count, total, mean and median ms, rows) to --out and prints the summary.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from omnistage.cli import main as omnistage_main
+from omnistage.engine.embedding_stage import EmbeddingStage
+from omnistage.engine.model_runner import ModelRunner
+from omnistage.models.qwen3_omni.code2wav_streamer import Code2WavStreamer
+from omnistage.pipeline.handoff import Handoff
+
+Record = dict[str, Any]
+
+
+def shape(chunks: list[Any]) -> tuple[str, int, int]:
+    """(class, rows, chunks) of a step over `chunks`."""
+    rows = sum(c.num_tokens for c in chunks)
+    if all(c.num_tokens == 1 and c.start >= c.seq.num_prompt_tokens for c in chunks):
+        return "decode", rows, len(chunks)
+    return ("one prefill chunk" if len(chunks) == 1 else "mixed, several chunks"), rows, len(chunks)
+
+
+def _timed(records: list[Record], stage: str, sync: bool, describe: Callable[..., tuple[str, int, int]]):
+    def wrap(fn: Callable) -> Callable:
+        def timed(*args: Any, **kwargs: Any) -> Any:
+            kind, rows, chunks = describe(*args, **kwargs)
+            if sync and torch.cuda.is_available():
+                torch.cuda.synchronize()
+            start = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                if sync and torch.cuda.is_available():
+                    torch.cuda.synchronize()
+                end = time.perf_counter()
+                records.append(
+                    {
+                        "stage": stage,
+                        "kind": kind,
+                        "rows": rows,
+                        "chunks": chunks,
+                        "at": end,
+                        "ms": (end - start) * 1e3,
+                    }
+                )
+
+        return timed
+
+    return wrap
+
+
+def install(records: list[Record], sync: bool) -> None:
+    """Wrap the stages' step functions (class attributes: every instance the command builds is traced)."""
+    ModelRunner.execute = _timed(records, "Thinker", sync, lambda self, step, *a, **k: shape(step.chunks))(
+        ModelRunner.execute
+    )
+    EmbeddingStage._execute = _timed(records, "Talker", sync, lambda self, chunks: shape(chunks))(
+        EmbeddingStage._execute
+    )
+    Handoff.launch_frames = _timed(
+        records,
+        "code predictor",
+        sync,
+        lambda self, flights: ("frames", sum(len(f.chunks) for f in flights), 0),
+    )(Handoff.launch_frames)
+    Code2WavStreamer._decode = _timed(
+        records, "Code2Wav", sync, lambda self, size, ids: (f"{size}-frame chunks", len(ids), 0)
+    )(Code2WavStreamer._decode)
+
+
+def summarize(records: list[Record]) -> list[dict[str, Any]]:
+    groups: dict[tuple[str, str], list[Record]] = {}
+    for r in records:
+        groups.setdefault((r["stage"], r["kind"]), []).append(r)
+    rows = []
+    for (stage, kind), items in sorted(groups.items(), key=lambda kv: -sum(r["ms"] for r in kv[1])):
+        times = [r["ms"] for r in items]
+        rows.append(
+            {
+                "stage": stage,
+                "kind": kind,
+                "count": len(items),
+                "total_ms": round(sum(times), 1),
+                "mean_ms": round(statistics.mean(times), 3),
+                "median_ms": round(statistics.median(times), 3),
+                "rows_median": statistics.median(r["rows"] for r in items),
+                "rows_max": max(r["rows"] for r in items),
+            }
+        )
+    return rows
+
+
+def table(summary: list[dict[str, Any]]) -> str:
+    lines = [
+        "| stage | step | count | total ms | mean ms | median ms | rows median | rows max |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    for s in summary:
+        lines.append(
+            f"| {s['stage']} | {s['kind']} | {s['count']} | {s['total_ms']:.1f} | {s['mean_ms']:.2f} | "
+            f"{s['median_ms']:.2f} | {s['rows_median']:g} | {s['rows_max']} |"
+        )
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--out", required=True, help="JSON file for every call and the summary")
+    parser.add_argument("--no-sync", dest="sync", action="store_false", help="host time only")
+    parser.add_argument("command", nargs=argparse.REMAINDER, help="-- then the omnistage command")
+    args = parser.parse_args()
+    command = args.command[1:] if args.command[:1] == ["--"] else args.command
+    records: list[Record] = []
+    install(records, args.sync)
+    sys.argv = ["omnistage", *command]
+    failure = None
+    try:
+        omnistage_main()
+    except SystemExit as exit:  # the benchmark's own verdicts (--fail-on-build) still leave the trace
+        failure = exit
+    summary = summarize(records)
+    with open(args.out, "w") as f:
+        json.dump({"command": command, "sync": args.sync, "summary": summary, "calls": records}, f)
+    print(table(summary))
+    if failure is not None and failure.code not in (None, 0):
+        raise failure
+
+
+if __name__ == "__main__":
+    main()
