@@ -5,13 +5,16 @@ bucket: padding rows get input 0 (token id 0, or a zero embedding for a stage fe
 slot -1 (write nothing), seq_len 0 (read nothing) and an all-zero block table, so they cost a little
 compute and touch no real KV.
 
-Prefill: one graph per token bucket for a step that is one sequence's chunk (a prompt arriving while
-nothing else runs: the time to the first token at low load). The chunk's embeddings (encoder outputs
-already merged) are padded to the bucket with rows that belong to no sequence (slot -1, no attention), and
-the graph returns the logits of the chunk's last row. Eagerly, a 100-token prefill of the released Thinker
-spends ~45 ms launching ~13 ms of GPU work.
+Prefill: one graph per token bucket for a step with prompt rows: one sequence's chunk (a prompt arriving
+while nothing else runs: the time to the first token at low load), a burst of prompts prefilled together,
+or prompt chunks beside decode rows (a server under load admits requests while others decode). The step's
+embeddings (encoder outputs already merged) are padded to the bucket with rows that belong to no sequence
+(slot -1, no attention), its sequences to the bucket's slots with empty ones, and the graph returns the
+logits of the rows it samples. Eagerly, a 100-token prefill of the released Thinker spends ~45 ms
+launching ~13 ms of GPU work.
 
-Steps that fit no captured bucket, mixed steps and `enforce_eager` run eagerly. Off CUDA, `capture` binds
+Steps that fit no captured bucket (more rows, more sequences, images' deepstack rows) and `enforce_eager`
+run eagerly. Off CUDA, `capture` binds
 eager calls over the same static buffers, so the padding paths are tested on the CPU; only the graph
 capture itself needs a GPU.
 """
@@ -118,8 +121,11 @@ class StaticDecodeBuffers:
 
 
 class StaticPrefillBuffers:
-    """Inputs of one sequence's prefill chunk sized for the largest token bucket; a bucket uses the first
-    rows. Rows past the chunk belong to no sequence: slot -1, outside query_start_loc."""
+    """Inputs of a step of up to `max_seqs` sequences' chunks (prompt chunks, decode rows beside them) sized for
+    the largest token bucket; a bucket of P tokens uses the first P rows and min(P, max_seqs) sequence slots (a
+    step of P rows has at most P chunks). Rows past the step's belong to no sequence (slot -1, outside
+    query_start_loc); slots past its sequences are empty ones (no rows, seq_len 0); `sample_rows` names the
+    rows whose logits are sampled, padded with row 0."""
 
     def __init__(
         self,
@@ -130,66 +136,90 @@ class StaticPrefillBuffers:
         dtype: torch.dtype,
         device: torch.device | str,
         position_rows: int = 3,
+        max_seqs: int = 1,
     ) -> None:
         self.max_tokens = self.capacity = max_tokens
+        self.max_seqs = max_seqs
         self.max_pages = max_pages
         self.max_seq_len = max_seq_len
         self.embeds = torch.zeros(max_tokens, hidden_size, dtype=dtype, device=device)
         self.positions = torch.zeros(position_rows, max_tokens, dtype=torch.long, device=device)
         self.slot_mapping = torch.full((max_tokens,), -1, dtype=torch.long, device=device)
-        self.query_start_loc = torch.zeros(2, dtype=torch.int32, device=device)
-        self.seq_lens = torch.zeros(1, dtype=torch.int32, device=device)
-        self.block_tables = torch.zeros(1, max_pages, dtype=torch.int32, device=device)
-        self.last_row = torch.zeros(1, dtype=torch.long, device=device)
+        self.query_start_loc = torch.zeros(max_seqs + 1, dtype=torch.int32, device=device)
+        self.seq_lens = torch.zeros(max_seqs, dtype=torch.int32, device=device)
+        self.block_tables = torch.zeros(max_seqs, max_pages, dtype=torch.int32, device=device)
+        self.sample_rows = torch.zeros(max_seqs, dtype=torch.long, device=device)
+
+    def slots(self, bucket: int) -> int:
+        """The sequence slots of a bucket of `bucket` tokens."""
+        return min(self.max_seqs, bucket)
 
     def meta(self, bucket: int) -> AttentionMetadata:
+        slots = self.slots(bucket)
         return AttentionMetadata(
             slot_mapping=self.slot_mapping[:bucket],
-            query_start_loc=self.query_start_loc,
-            seq_lens=self.seq_lens,
-            block_tables=self.block_tables,
+            query_start_loc=self.query_start_loc[: slots + 1],
+            seq_lens=self.seq_lens[:slots],
+            block_tables=self.block_tables[:slots],
             max_query_len=bucket,
             max_seq_len=self.max_seq_len,
         )
 
     def args(self, bucket: int) -> tuple:
-        return self.embeds[:bucket], self.positions[:, :bucket], self.meta(bucket), self.last_row
+        return (
+            self.embeds[:bucket],
+            self.positions[:, :bucket],
+            self.meta(bucket),
+            self.sample_rows[: self.slots(bucket)],
+        )
 
     def fits(self, embeds: torch.Tensor, meta: AttentionMetadata) -> bool:
-        """Whether the step is one sequence's chunk these buffers can hold (host ints only)."""
+        """Whether the step is one these buffers can hold (host ints only)."""
         return (
-            meta.seq_lens.shape[0] == 1
+            1 <= meta.seq_lens.shape[0] <= self.max_seqs
             and meta.slot_mapping.shape[0] == embeds.shape[0]
             and meta.block_tables.shape[1] <= self.max_pages
             and 1 <= embeds.shape[0] <= self.max_tokens
         )
 
     def fill(
-        self, embeds: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata, bucket: int
+        self,
+        embeds: torch.Tensor,
+        positions: torch.Tensor,
+        meta: AttentionMetadata,
+        sample_rows: torch.Tensor,
+        bucket: int,
     ) -> None:
-        """Copy a chunk of T rows into rows [0, T) and pad rows [T, bucket); device copies, no sync."""
-        tokens, width = embeds.shape[0], meta.block_tables.shape[1]
+        """Copy a step of T rows of n sequences into rows [0, T) and slots [0, n), pad the rest of the bucket;
+        device copies, no sync."""
+        tokens, seqs, width = embeds.shape[0], meta.seq_lens.shape[0], meta.block_tables.shape[1]
+        slots, samples = self.slots(bucket), sample_rows.shape[0]
         self.embeds[:tokens].copy_(embeds)
         self.embeds[tokens:bucket].zero_()
         self.positions[:, :tokens].copy_(positions)
         self.positions[:, tokens:bucket].zero_()
         self.slot_mapping[:tokens].copy_(meta.slot_mapping)
         self.slot_mapping[tokens:bucket].fill_(-1)
-        self.query_start_loc.copy_(meta.query_start_loc)
-        self.seq_lens.copy_(meta.seq_lens)
-        self.block_tables[:, :width].copy_(meta.block_tables)
-        self.block_tables[:, width:].zero_()
-        self.last_row.fill_(tokens - 1)
+        self.query_start_loc[: seqs + 1].copy_(meta.query_start_loc)
+        self.query_start_loc[seqs + 1 : slots + 1].fill_(tokens)
+        self.seq_lens[:seqs].copy_(meta.seq_lens)
+        self.seq_lens[seqs:slots].zero_()
+        self.block_tables[:seqs, :width].copy_(meta.block_tables)
+        self.block_tables[:seqs, width:].zero_()
+        self.block_tables[seqs:slots].zero_()
+        self.sample_rows[:samples].copy_(sample_rows)
+        self.sample_rows[samples:slots].zero_()
 
     def clear(self, bucket: int) -> None:
-        """A chunk of no tokens (used before warm-up and capture: nothing is written to KV)."""
+        """A step of no tokens (used before warm-up and capture: nothing is written to KV)."""
+        slots = self.slots(bucket)
         self.embeds[:bucket].zero_()
         self.positions[:, :bucket].zero_()
         self.slot_mapping[:bucket].fill_(-1)
-        self.query_start_loc.zero_()
-        self.seq_lens.zero_()
-        self.block_tables.zero_()
-        self.last_row.zero_()
+        self.query_start_loc[: slots + 1].zero_()
+        self.seq_lens[:slots].zero_()
+        self.block_tables[:slots].zero_()
+        self.sample_rows[:slots].zero_()
 
 
 def capture_stream(device: torch.device) -> torch.cuda.Stream:
@@ -376,11 +406,13 @@ class DecodeGraphRunner(GraphSet):
 
 
 class PrefillGraphRunner(GraphSet):
-    """Replays a captured graph per token bucket for a step that is one sequence's chunk.
+    """Replays a captured graph per token bucket for a step of up to `max_seqs` sequences' chunks: prompt
+    chunks, with decode rows beside them or not (a step that is all decode rows replays the decode graphs).
 
-    `step(embeds [P, H], positions [3, P], meta, last_row [1]) -> logits [1, V]` of the chunk's last row.
-    `run` returns None when the chunk fits no captured bucket (the caller runs it eagerly); its result is
-    a view of the graph's static output: use it before the next `run`.
+    `step(embeds [P, H], positions [3, P], meta, sample_rows [S]) -> logits [S, V]` of the sampled rows (or a
+    tuple whose first item they are), S the bucket's sequence slots. `run` returns None when the step fits no
+    captured bucket (the caller runs it eagerly); its result is a view of the graph's static output: use it
+    before the next `run`.
     """
 
     kind = "prefill"
@@ -397,18 +429,23 @@ class PrefillGraphRunner(GraphSet):
         device: torch.device | str,
         position_rows: int = 3,
         enforce_eager: bool = False,
+        max_seqs: int = 1,
     ) -> None:
         buffers = StaticPrefillBuffers(
-            max_tokens, max_pages, max_seq_len, hidden_size, dtype, device, position_rows
+            max_tokens, max_pages, max_seq_len, hidden_size, dtype, device, position_rows, max_seqs
         )
         super().__init__(step, buffers, device, enforce_eager)
 
     def run(
-        self, embeds: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata
-    ) -> torch.Tensor | None:
+        self,
+        embeds: torch.Tensor,
+        positions: torch.Tensor,
+        meta: AttentionMetadata,
+        sample_rows: torch.Tensor,
+    ) -> Any:
         bucket = self.bucket_for(embeds.shape[0]) if embeds.shape[0] else None
         if bucket is None or not self.buffers.fits(embeds, meta):
             return None
-        self.buffers.fill(embeds, positions, meta, bucket)
+        self.buffers.fill(embeds, positions, meta, sample_rows, bucket)
         self._replays[bucket]()
         return self._outputs[bucket]

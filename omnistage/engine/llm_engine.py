@@ -203,6 +203,7 @@ class LLMEngine:
                 config.enforce_eager,
                 prefill_buckets=list(self.plan.prefill_captured),
                 prefill_pool=self.graph_pool,
+                max_seqs=config.max_num_seqs,
             )
             # the towers run between this stage's steps and their rows are copied out at once
             self.encoders.capture_graphs(

@@ -119,16 +119,22 @@ class ModelRunner:
         return self.model.compute_logits(self.model(input_ids, positions, self.kv_caches, meta))
 
     def _prefill_logits(
-        self, embeds: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata, last_row: torch.Tensor
+        self,
+        embeds: torch.Tensor,
+        positions: torch.Tensor,
+        meta: AttentionMetadata,
+        sample_rows: torch.Tensor,
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-        """The logits of the chunk's last row, with every row's hidden states after `tap_layer` when set."""
+        """The logits of the sampled rows, in the one buffer every prefill graph writes them to (a graph's own
+        outputs stay in memory: [64 rows, 152,064] float32 is 39 MB a bucket at the released size), with every
+        row's hidden states after `tap_layer` when set."""
         out = self.model(
             None, positions, self.kv_caches, meta, inputs_embeds=embeds, tap_layer=self.tap_layer
         )
-        if self.tap_layer is None:
-            return self.model.compute_logits(out.index_select(0, last_row))
-        hidden, tapped = out
-        return self.model.compute_logits(hidden.index_select(0, last_row)), tapped
+        hidden, tapped = (out, None) if self.tap_layer is None else out
+        logits = self.model.compute_logits(hidden.index_select(0, sample_rows))
+        logits = self._prefill_logits_out[: logits.shape[0]].copy_(logits)
+        return logits if tapped is None else (logits, tapped)
 
     def capture_graphs(
         self,
@@ -137,10 +143,11 @@ class ModelRunner:
         enforce_eager: bool,
         prefill_buckets: list[int] = (),
         prefill_pool: Any = None,
+        max_seqs: int = 1,
     ) -> None:
         """Decode graphs for batch `buckets` in a memory pool of their own, and prefill graphs for token
-        `prefill_buckets` in `prefill_pool` (the device's main-stream pool, `capture_plan.MAIN_POOL`; default:
-        a new one); steps beyond them run eagerly."""
+        `prefill_buckets` of steps of up to `max_seqs` sequences in `prefill_pool` (the device's main-stream
+        pool, `capture_plan.MAIN_POOL`; default: a new one); steps beyond them run eagerly."""
         max_pages = -(-max_model_len // self.page_size)
         if buckets:
             self.graphs = DecodeGraphRunner(
@@ -154,9 +161,13 @@ class ModelRunner:
             with torch.inference_mode():
                 self.graphs.capture(buckets)
         if prefill_buckets:
+            slots = min(max_seqs, max(prefill_buckets))
+            self._prefill_logits_out = torch.empty(
+                slots, self.cfg.vocab_size, dtype=torch.float32, device=self.device
+            )
             self.prefill_graphs = PrefillGraphRunner(
                 self._prefill_logits, max(prefill_buckets), max_pages, max_model_len, self.cfg.hidden_size,
-                self.dtype, self.device, enforce_eager=enforce_eager,
+                self.dtype, self.device, enforce_eager=enforce_eager, max_seqs=slots,
             )  # fmt: skip
             with torch.inference_mode():
                 self.prefill_graphs.capture(prefill_buckets, pool=prefill_pool)
@@ -235,18 +246,19 @@ class ModelRunner:
         input_ids, positions, meta, sample_rows = self.prepare(step.chunks, input_ids)
         taps = [(i, tap) for i, c in enumerate(step.chunks) if (tap := _tap(c)) is not None]
         pure_decode = step.is_pure_decode
-        if self.graphs is not None and pure_decode and not taps:
+        if self.graphs is not None and pure_decode and self.graphs.bucket_for(len(step.chunks)) is not None:
             return self.graphs.run(input_ids, positions, meta)
         embeds, deepstack = self._merge_multimodal(step.chunks, input_ids)
-        graph_taps = not taps or all(tap.layer == self.tap_layer for _, tap in taps)
-        if self.prefill_graphs is not None and deepstack is None and len(step.chunks) == 1 and graph_taps:
-            chunk = embeds if embeds is not None else self.model.model.embed_tokens(input_ids)
-            out = self.prefill_graphs.run(chunk, positions, meta)
+        graph_taps = all(tap.layer == self.tap_layer for _, tap in taps)
+        if self.prefill_graphs is not None and deepstack is None and graph_taps:
+            rows = embeds if embeds is not None else self.model.model.embed_tokens(input_ids)
+            out = self.prefill_graphs.run(rows, positions, meta, sample_rows)
             if out is not None:
                 logits = out if self.tap_layer is None else out[0]
-                if taps:
-                    _write_tap(taps[0][1], step.chunks[0], out[1])
-                return logits if step.chunks[0].samples else logits[:0]
+                offsets = np.cumsum([0] + [c.num_tokens for c in step.chunks]).tolist()
+                for i, tap in taps:
+                    _write_tap(tap, step.chunks[i], out[1][offsets[i] :])
+                return logits[: sample_rows.shape[0]]
         tap_layer = taps[0][1].layer if taps else None
         hidden = self.model(input_ids, positions, self.kv_caches, meta, embeds, deepstack, tap_layer)
         if taps:

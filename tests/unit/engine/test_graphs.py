@@ -144,20 +144,37 @@ def test_enforce_eager_captures_nothing():
 
 
 class TinyPrefillStep(TinyStep):
-    """The same layer over embeddings, returning the logits of `last_row` as the engine's prefill step does."""
+    """The same layer over embeddings, returning the logits of `sample_rows` as the engine's prefill step does."""
 
-    def __call__(self, embeds, positions, meta, last_row=None):
+    def __call__(self, embeds, positions, meta, sample_rows):
         logits, _ = self.forward(embeds, positions, meta)
-        return logits[-1:] if last_row is None else logits.index_select(0, last_row)
+        return logits.index_select(0, sample_rows)
 
 
 def _prefill_chunk(tokens: int, start: int, seed: int):
+    """One sequence's chunk and its last row, to sample."""
     g = torch.Generator().manual_seed(seed)
     pages = [(seed * 7 + i) % PAGES for i in range(-(-(start + tokens) // PAGE))]
     meta = AttentionMetadata.build([(start, tokens, pages)], PAGE)
     embeds = torch.randn(tokens, HEADS * DIM, generator=g)
     positions = torch.arange(start, start + tokens).expand(3, -1)
-    return embeds, positions, meta
+    return embeds, positions, meta, torch.tensor([tokens - 1])
+
+
+def _mixed_step(lengths: list[int], seed: int):
+    """Several sequences' chunks (a length of 1 after cached context: a decode row), each on pages of its own,
+    every chunk's last row sampled but the first's (a prompt chunk that does not end its prompt)."""
+    g = torch.Generator().manual_seed(seed)
+    chunks, positions = [], []
+    for i, tokens in enumerate(lengths):
+        start = int(torch.randint(0, 9, (1,), generator=g))
+        pages = [(i * 5 + p) % PAGES for p in range(-(-(start + tokens) // PAGE))]
+        chunks.append((start, tokens, pages))
+        positions.append(torch.arange(start, start + tokens))
+    meta = AttentionMetadata.build(chunks, PAGE)
+    embeds = torch.randn(sum(lengths), HEADS * DIM, generator=g)
+    ends = torch.tensor(lengths).cumsum(0) - 1
+    return embeds, torch.cat(positions).expand(3, -1), meta, ends[1:]
 
 
 def test_prefill_replay_equals_eager_for_every_chunk_length():
@@ -169,9 +186,9 @@ def test_prefill_replay_equals_eager_for_every_chunk_length():
     assert runner.capture(prefill_buckets(48)) == [16, 24, 32, 48]
     for tokens in range(1, 49):
         start = (tokens * 5) % 23  # chunks after cached context too
-        embeds, positions, meta = _prefill_chunk(tokens, start, seed=tokens)
-        got = runner.run(embeds, positions, meta)
-        want = eager_step(embeds, positions, meta)
+        embeds, positions, meta, last = _prefill_chunk(tokens, start, seed=tokens)
+        got = runner.run(embeds, positions, meta, last)
+        want = eager_step(embeds, positions, meta, last)
         assert got.shape == (1, 50)
         torch.testing.assert_close(got, want)
         # The padding rows wrote nothing: both caches hold the chunk's keys and values and nothing else
@@ -198,15 +215,37 @@ def test_prefill_runner_declines_what_it_cannot_hold():
     runner.capture([16, 32])
     assert runner.run(*_prefill_chunk(33, 0, seed=1)) is None  # longer than the largest bucket
     assert runner.run(*_prefill_chunk(8, 12, seed=2)) is None  # 20 tokens need 5 pages: wider than the table
-    embeds, positions, _ = _prefill_chunk(8, 0, seed=3)
+    embeds, positions, _, last = _prefill_chunk(8, 0, seed=3)
     two = AttentionMetadata.build([(0, 4, [0]), (0, 4, [1])], PAGE)
-    assert runner.run(embeds, positions, two) is None  # two sequences
+    assert runner.run(embeds, positions, two, last) is None  # two sequences: the runner holds one
     assert step.calls == []  # nothing ran
     eager = PrefillGraphRunner(
         step, max_tokens=32, max_pages=4, max_seq_len=80, hidden_size=HEADS * DIM, dtype=torch.float32, device="cpu",
         enforce_eager=True,
     )  # fmt: skip
     assert eager.capture([16, 32]) == [] and eager.run(*_prefill_chunk(8, 0, seed=4)) is None
+
+
+def test_a_step_of_several_sequences_replays_what_eager_computes():
+    """Prompt chunks of several sequences, with decode rows beside them or alone, padded to a bucket's rows and
+    sequence slots: the sampled rows' logits and the cache equal the eager step's."""
+    eager_step, graph_step = TinyPrefillStep(), TinyPrefillStep()
+    runner = PrefillGraphRunner(
+        graph_step, max_tokens=48, max_pages=12, max_seq_len=80, hidden_size=HEADS * DIM, dtype=torch.float32,
+        device="cpu", max_seqs=6,
+    )  # fmt: skip
+    runner.capture([16, 48])
+    assert [runner.buffers.slots(b) for b in (16, 48)] == [6, 6]
+    steps = [[5, 1, 1], [1, 1, 1, 1], [12, 7], [20, 1, 3, 1, 9, 1], [2], [30, 1]]
+    for seed, lengths in enumerate(steps):
+        embeds, positions, meta, sampled = _mixed_step(lengths, seed)
+        out = runner.run(embeds, positions, meta, sampled)
+        want = eager_step(embeds, positions, meta, sampled)
+        # the bucket's slots, the sampled rows first (the caller takes those)
+        assert out.shape == (6, 50) and graph_step.calls[-1] == runner.bucket_for(sum(lengths))
+        torch.testing.assert_close(out[: len(lengths) - 1], want)
+        torch.testing.assert_close(graph_step.kv_cache, eager_step.kv_cache, rtol=1e-5, atol=1e-6)
+    assert runner.run(*_mixed_step([1] * 7, seed=9)) is None  # seven sequences: more than the slots
 
 
 def test_one_capture_stream_per_device(monkeypatch):

@@ -279,9 +279,9 @@ def test_async_engine_streams_and_cancels(tiny_checkpoint, alone):
 
 
 def test_prefill_graph_path_equals_eager(tiny_checkpoint, llm, alone):
-    """One-sequence prefills through the prefill graph runner's padded static buffers (bound eagerly on the
-    CPU, captured on a GPU) give the tokens of the plain eager step: text prompts, chunked prompts whose
-    first chunks sample nothing, and an audio prompt whose embeddings carry the encoder's rows."""
+    """Prefills through the prefill graph runner's padded static buffers (bound eagerly on the CPU, captured on
+    a GPU) give the tokens of the plain eager step: text prompts, chunked prompts whose first chunks sample
+    nothing, several prompts at once, and an audio prompt whose embeddings carry the encoder's rows."""
     import numpy as np
 
     from omnistage.engine.buckets import prefill_buckets
@@ -301,6 +301,18 @@ def test_prefill_graph_path_equals_eager(tiny_checkpoint, llm, alone):
     assert replays.count(16) > len(
         PROMPTS
     )  # the chunked engine replayed chunks of 8 several times per prompt
+
+    # the prompts at once: their prefills in one step, then chunks beside decode rows, in graphs of several
+    # sequences; each sequence's tokens as alone
+    together = make_llm(tiny_checkpoint, num_kv_pages=256, max_num_batched_tokens=24)
+    runner = together.engine.runner
+    runner.capture_graphs([], together.engine.max_model_len, False, prefill_buckets=[16, 24], max_seqs=4)
+    slots = []
+    step = runner.prefill_graphs.step
+    runner.prefill_graphs.step = lambda *args, run=step: slots.append(args[2].seq_lens.shape[0]) or run(*args)
+    assert [out.outputs[0].token_ids for out in together.generate(PROMPTS, GREEDY)] == alone
+    assert slots and set(slots) == {4}
+    assert_pool_full(together)
 
     clip = (0.3 * np.sin(np.arange(32000) / 16000 * 2 * np.pi * 440)).astype(np.float32)
     messages = [
