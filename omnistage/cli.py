@@ -72,7 +72,7 @@ _ENGINE_FLAGS: list[tuple[str, str, type, str]] = [
     ("--max-model-len", "max_model_len", int, "context limit (default: the model's)"),
     ("--max-graph-batch", "max_graph_batch", int, "largest decode batch captured in a CUDA graph"),
     ("--max-prefill-graph-tokens", "max_prefill_graph_tokens", int,
-     "largest one-sequence prefill chunk captured in a CUDA graph; 0 for none"),
+     "largest prefill step (tokens) captured in a CUDA graph; 0 for none"),
     ("--moe-kernel", "moe_kernel", str,
      "GPU MoE kernel; auto: Triton for decode-sized batches, grouped GEMMs above"),
     ("--seed", "seed", int, "seed of the random weights of --load-format dummy"),

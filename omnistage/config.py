@@ -112,7 +112,7 @@ class ThinkerSection(_StageSection, _KvSection):
     max_batch: int | None = Field(None, ge=1, description="most sequences running at once (max_num_seqs)")
     graphs: GraphsSection | None = Field(None, description="decode batch sizes (max_graph_batch)")
     prefill_graphs: GraphsSection | None = Field(
-        None, description="one-sequence prefill chunk sizes in tokens (max_prefill_graph_tokens)"
+        None, description="prefill step sizes in tokens (max_prefill_graph_tokens)"
     )
 
 
@@ -189,7 +189,7 @@ class ThinkerStage(Stage):
     max_batch: int
     kv: KvSize
     graphs: Graphs  # decode batch sizes
-    prefill_graphs: Graphs  # one-sequence prefill chunk sizes, tokens
+    prefill_graphs: Graphs  # prefill step sizes, tokens
 
 
 @dataclass(frozen=True)
@@ -264,7 +264,7 @@ class EngineConfig(BaseModel):
         128, ge=1, description="largest decode batch captured in a CUDA graph (the plan may capture fewer)"
     )
     max_prefill_graph_tokens: int = Field(
-        512, ge=0, description="largest one-sequence prefill chunk captured in a CUDA graph (0: none)"
+        512, ge=0, description="largest prefill step (tokens) captured in a CUDA graph (0: none)"
     )
     seed: int = Field(0, description="seed of the random weights of load_format dummy")
     speech: bool = Field(

@@ -25,7 +25,7 @@ def decode_buckets(max_batch: int = 128) -> list[int]:
 
 
 def prefill_buckets(max_tokens: int = 512) -> list[int]:
-    """Token counts of one-sequence prefill chunks to capture: 16, 24, 32, 48, 64, 96, ... up to `max_tokens`.
+    """Token counts of prefill steps to capture: 16, 24, 32, 48, 64, 96, ... up to `max_tokens`.
 
     Smaller chunks take the 16-token graph; `max_tokens` itself is the last bucket.
     """

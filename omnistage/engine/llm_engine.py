@@ -243,8 +243,9 @@ class LLMEngine:
                 else "; decode steps run eagerly"
             )
             graphs += (
-                f"; prefill CUDA graphs for one-sequence chunks of {prefill[0]}..{prefill[-1]} tokens "
-                f"({len(prefill)} buckets; longer and batched prefills run eagerly)"
+                f"; prefill CUDA graphs for steps of {prefill[0]}..{prefill[-1]} tokens of up to "
+                f"{self.runner.prefill_graphs.buffers.max_seqs} sequences ({len(prefill)} buckets; longer steps "
+                "and images' run eagerly)"
                 if prefill
                 else "; prefill steps run eagerly"
             )
