@@ -11,7 +11,7 @@ and the host's launches together; the synchronisations cost the decode-ahead ove
 figures in the same run are slower than without the trace. Each call is classified by its shape: a pure
 decode step (graphs replay those up to the largest bucket), one sequence's prefill chunk (prefill graphs up
 to theirs), or a step of several chunks with prompt rows (always eager). Writes every call and a summary per
-stage and class (count, total, mean and median ms, rows) to --out and prints the summary.
+stage and class (count, total, mean and median ms, rows) to --out and prints the summary; and whether each step offered to the prefill graphs replayed one.
 """
 
 from __future__ import annotations
@@ -28,6 +28,7 @@ import torch
 
 from omnistage.cli import main as omnistage_main
 from omnistage.engine.embedding_stage import EmbeddingStage
+from omnistage.engine.graphs import PrefillGraphRunner
 from omnistage.engine.model_runner import ModelRunner
 from omnistage.models.qwen3_omni.code2wav_streamer import Code2WavStreamer
 from omnistage.pipeline.handoff import Handoff
@@ -72,6 +73,20 @@ def _timed(records: list[Record], stage: str, sync: bool, describe: Callable[...
     return wrap
 
 
+def _count_replays(records: list[Record], runner: type) -> None:
+    """Record whether each prefill graph `run` replayed a graph or declined the step (run eagerly then)."""
+    run = runner.run
+
+    def counted(self: Any, embeds: torch.Tensor, positions: torch.Tensor, meta: Any, *rest: Any) -> Any:
+        out = run(self, embeds, positions, meta, *rest)
+        kind = "replayed" if out is not None else "declined"
+        rows, chunks = embeds.shape[0], meta.seq_lens.shape[0]
+        records.append({"stage": "prefill graphs", "kind": kind, "rows": rows, "chunks": chunks, "ms": 0.0})
+        return out
+
+    runner.run = counted
+
+
 def install(records: list[Record], sync: bool) -> None:
     """Wrap the stages' step functions (class attributes: every instance the command builds is traced)."""
     ModelRunner.execute = _timed(records, "Thinker", sync, lambda self, step, *a, **k: shape(step.chunks))(
@@ -86,6 +101,7 @@ def install(records: list[Record], sync: bool) -> None:
         sync,
         lambda self, flights: ("frames", sum(len(f.chunks) for f in flights), 0),
     )(Handoff.launch_frames)
+    _count_replays(records, PrefillGraphRunner)
     Code2WavStreamer._decode = _timed(
         records, "Code2Wav", sync, lambda self, size, ids: (f"{size}-frame chunks", len(ids), 0)
     )(Code2WavStreamer._decode)
@@ -108,6 +124,7 @@ def summarize(records: list[Record]) -> list[dict[str, Any]]:
                 "median_ms": round(statistics.median(times), 3),
                 "rows_median": statistics.median(r["rows"] for r in items),
                 "rows_max": max(r["rows"] for r in items),
+                "chunks_max": max(r["chunks"] for r in items),
             }
         )
     return rows
@@ -115,13 +132,13 @@ def summarize(records: list[Record]) -> list[dict[str, Any]]:
 
 def table(summary: list[dict[str, Any]]) -> str:
     lines = [
-        "| stage | step | count | total ms | mean ms | median ms | rows median | rows max |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- |",
+        "| stage | step | count | total ms | mean ms | median ms | rows median | rows max | chunks max |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for s in summary:
         lines.append(
             f"| {s['stage']} | {s['kind']} | {s['count']} | {s['total_ms']:.1f} | {s['mean_ms']:.2f} | "
-            f"{s['median_ms']:.2f} | {s['rows_median']:g} | {s['rows_max']} |"
+            f"{s['median_ms']:.2f} | {s['rows_median']:g} | {s['rows_max']} | {s['chunks_max']} |"
         )
     return "\n".join(lines)
 
