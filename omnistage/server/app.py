@@ -57,15 +57,13 @@ from omnistage.server.protocol import (
 )
 from omnistage.server.responses import ModelCard, ModelList, Usage
 from omnistage.server.speech import (
-    CHAT_FORMATS,
     ENCODINGS,
-    SPEECH_FORMATS,
     SpeechStream,
     SpokenChatFormat,
-    check_format,
+    chat_speech_params,
+    check_reply,
     encode,
-    require_talker,
-    speech_params,
+    speech_request_params,
 )
 from omnistage.server.transcriptions import TranscriptionFormat, check_response_format
 
@@ -183,7 +181,7 @@ class _Server:
     async def chat(self, body: ChatCompletionRequest, request: Request) -> Response:
         self._parsed(request)
         self._check_model(body.model)
-        speech = self._chat_speech(body)
+        speech = chat_speech_params(body, self.engine.engine.voices)
         params = body.sampling_params(body.requested_max_tokens)
         request_id, name = f"chatcmpl-{uuid.uuid4().hex}", self.served_model_name
         fmt: Format = ChatFormat(request_id, name, body.include_usage)
@@ -199,10 +197,10 @@ class _Server:
         """Speak exactly `input`: the Talker reads the text's token embeddings; the Thinker does not run."""
         self._parsed(request)
         self._check_model(body.model)
-        check_format(body.response_format, SPEECH_FORMATS, "response_format")
         engine = self.engine.engine
-        speech = speech_params(body.voice, engine.voices, "voice", body.talker_params(body.seed))
+        speech = speech_request_params(body, engine.voices)
         tts = await asyncio.to_thread(engine.tts_prompt, body.input)
+        check_reply(tts.reply_token_ids)
         speech.reply_token_ids = tts.reply_token_ids
         # The Thinker does not run: its params need only be valid (an empty reply is the pipeline's 400).
         params = SamplingParams(max_tokens=max(1, len(tts.reply_token_ids)))
@@ -312,30 +310,6 @@ class _Server:
             raise ModelNotFound(
                 f"the model '{name}' does not exist; this server serves '{self.served_model_name}'"
             )
-
-    def _chat_speech(self, body: ChatCompletionRequest) -> SpeechParams | None:
-        """The chat request's SpeechParams, or None when it asks for text alone."""
-        if not body.asks_for_audio():
-            return None
-        asked_by = "modalities" if "audio" in (body.modalities or ()) else "audio"
-        voices = self.engine.engine.voices
-        require_talker(voices, asked_by)
-        if body.audio is None:
-            raise InvalidField("audio", "is required when modalities has 'audio': give its voice and format")
-        if asked_by == "audio":
-            raise InvalidField("modalities", "must include 'audio' for the reply to be spoken (audio is set)")
-        check_format(body.audio.format, CHAT_FORMATS, "audio.format")
-        if body.stream and body.audio.format != "pcm16":
-            raise InvalidField(
-                "audio.format",
-                "a streamed reply's audio is pcm16 (raw 16-bit little-endian samples, 24 kHz mono), as "
-                f"OpenAI streams it; ask for 'pcm16', got {body.audio.format!r}",
-            )
-        try:
-            talker = body.audio.talker_params(body.seed)
-        except InvalidRequest as exc:
-            raise InvalidField("audio", str(exc)) from None
-        return speech_params(body.audio.voice, voices, "audio.voice", talker)
 
     def _card(self) -> ModelCard:
         return ModelCard(

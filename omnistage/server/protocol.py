@@ -29,6 +29,8 @@ from pydantic import (
 
 from omnistage.engine.sampling import SamplingParams, talker_sampling_defaults
 from omnistage.errors import InvalidRequest
+from omnistage.pipeline.qwen3_omni import MAX_AUDIO_FRAMES
+from omnistage.server.errors import InvalidField
 
 Int64 = Annotated[int, Field(ge=-(2**63), le=2**63 - 1)]
 TokenId = Annotated[int, Field(ge=0, le=2**63 - 1)]
@@ -243,25 +245,47 @@ class VoiceRef(_Strict):
     id: str
 
 
+def _voice_kind(value: Any) -> str | None:
+    if isinstance(value, str):
+        return "str"
+    return "dict[str, str]" if isinstance(value, dict | VoiceRef) else None
+
+
+# Tagged by the JSON shape, as Prompt is, so that an error's path is the client's (`voice`, `voice.id`) and never
+# names this class (the tags are left out of paths).
+Voice = Annotated[
+    Annotated[str, Tag("str")] | Annotated[VoiceRef, Tag("dict[str, str]")],
+    Discriminator(
+        _voice_kind,
+        custom_error_type="voice_type",
+        custom_error_message='Input should be a voice\'s name or an object naming it ({"id": name})',
+    ),
+]
+# The pipeline's cap on the audio of one request; above it a request is refused here, naming its field.
+Frames = Annotated[Int64, Field(le=MAX_AUDIO_FRAMES)]
+
+
 class _TalkerFields(_Strict):
     """This server's controls of the Talker (not OpenAI's): the most codec frames to speak (12.5 per
     second of audio; unset, a cap proportional to the text) and sampling over the released defaults."""
 
-    max_frames: Annotated[Int64, Field(ge=1)] | None = None
+    max_frames: Annotated[Frames, Field(ge=1)] | None = None
     # benchmarks on random weights, as vLLM's min_tokens and ignore_eos for text: the codec's end is not drawn
     # before min_frames, or never with ignore_eos
-    min_frames: Annotated[Int64, Field(ge=0)] | None = None
+    min_frames: Annotated[Frames, Field(ge=0)] | None = None
     ignore_eos: bool | None = None
     temperature: float | None = None
     top_p: float | None = None
     top_k: Int64 | None = None
     repetition_penalty: float | None = None
 
-    def talker_params(self, seed: int | None) -> SamplingParams:
-        """The Talker's SamplingParams; `seed` also seeds the code predictor. Raises InvalidRequest."""
+    def talker_params(self, seed: int | None, prefix: str = "") -> SamplingParams:
+        """The Talker's SamplingParams; `seed` also seeds the code predictor. Raises InvalidField naming the
+        field at fault below `prefix` (chat's "audio.")."""
         if self.min_frames and self.max_frames is not None and self.min_frames > self.max_frames:
-            raise InvalidRequest(
-                f"min_frames ({self.min_frames}) must not exceed max_frames ({self.max_frames})"
+            raise InvalidField(
+                f"{prefix}min_frames",
+                f"min_frames ({self.min_frames}) must not exceed max_frames ({self.max_frames})",
             )
         defaults = talker_sampling_defaults()
         given = {
@@ -271,13 +295,26 @@ class _TalkerFields(_Strict):
         }
         if self.min_frames is not None:
             given["min_tokens"] = self.min_frames
+        for (
+            name,
+            value,
+        ) in given.items():  # one at a time, so that the error names the field that broke a rule
+            try:
+                replace(defaults, **{name: value})
+            except InvalidRequest as exc:
+                raise InvalidField(prefix + _TALKER_FIELD.get(name, name), str(exc)) from None
         return replace(defaults, max_tokens=self.max_frames, seed=seed, **given)
+
+
+_TALKER_FIELD = {
+    "min_tokens": "min_frames"
+}  # SamplingParams' names of the request's fields, where they differ
 
 
 class ChatAudioParams(_TalkerFields):
     """A chat request's `audio`: OpenAI's voice and format, and the Talker's controls."""
 
-    voice: str | VoiceRef
+    voice: Voice
     format: str  # checked against what this server can encode, so an unknown one is a 400 naming those
 
 
@@ -396,7 +433,7 @@ class SpeechRequest(_TalkerFields):
 
     model: str
     input: str = Field(min_length=1, max_length=MAX_SPEECH_INPUT)
-    voice: str | VoiceRef
+    voice: Voice
     response_format: str = "mp3"  # OpenAI's default; checked against what this server can encode
     stream_format: Literal["audio", "sse"] = "audio"
     speed: Annotated[

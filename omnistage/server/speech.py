@@ -23,7 +23,7 @@ from omnistage.errors import OmnistageError
 from omnistage.outputs import AUDIO_SAMPLE_RATE
 from omnistage.server.errors import ErrorKind, InvalidField, error_body
 from omnistage.server.formats import ChatFormat, sse
-from omnistage.server.protocol import VoiceRef
+from omnistage.server.protocol import ChatCompletionRequest, SpeechRequest, VoiceRef
 from omnistage.server.responses import (
     AssistantAudio,
     AssistantMessage,
@@ -93,6 +93,42 @@ def speech_params(
     if name.lower() not in voices:
         raise InvalidField(param, f"unknown voice {name!r}; this model speaks with {', '.join(voices)}")
     return SpeechParams(voice=name.lower(), talker=talker)
+
+
+def speech_request_params(body: SpeechRequest, voices: tuple[str, ...]) -> SpeechParams:
+    """A /v1/audio/speech request's SpeechParams, every refusal naming its field."""
+    check_format(body.response_format, SPEECH_FORMATS, "response_format")
+    return speech_params(body.voice, voices, "voice", body.talker_params(body.seed))
+
+
+def check_reply(reply_token_ids: list[int]) -> None:
+    if not reply_token_ids:
+        raise InvalidField("input", "there is no text to speak: it holds no token")
+
+
+def chat_speech_params(body: ChatCompletionRequest, voices: tuple[str, ...]) -> SpeechParams | None:
+    """A chat request's SpeechParams, or None when it asks for text alone; every refusal names its field."""
+    if not body.asks_for_audio():
+        return None
+    asked_by = "modalities" if "audio" in (body.modalities or ()) else "audio"
+    require_talker(voices, asked_by)
+    if body.audio is None:
+        raise InvalidField("audio", "is required when modalities has 'audio': give its voice and format")
+    if asked_by == "audio":
+        raise InvalidField("modalities", "must include 'audio' for the reply to be spoken (audio is set)")
+    if not body.add_generation_prompt:
+        raise InvalidField(
+            "add_generation_prompt", "must be true for a spoken reply: the Talker speaks the turn it opens"
+        )
+    check_format(body.audio.format, CHAT_FORMATS, "audio.format")
+    if body.stream and body.audio.format != "pcm16":
+        raise InvalidField(
+            "audio.format",
+            "a streamed reply's audio is pcm16 (raw 16-bit little-endian samples, 24 kHz mono), as "
+            f"OpenAI streams it; ask for 'pcm16', got {body.audio.format!r}",
+        )
+    talker = body.audio.talker_params(body.seed, prefix="audio.")
+    return speech_params(body.audio.voice, voices, "audio.voice", talker)
 
 
 def _b64(data: bytes) -> str:

@@ -300,7 +300,40 @@ CHAT_REFUSALS = [
         "audio.max_frames",
         "greater than or equal to 1",
     ),
-    ({"audio": {"voice": "ethan", "format": "wav", "temperature": -1}}, "audio", "temperature must be >= 0"),
+    (
+        {"audio": {"voice": "ethan", "format": "wav", "temperature": -1}},
+        "audio.temperature",
+        "temperature must be >= 0",
+    ),
+    ({"audio": {"voice": "ethan", "format": "wav", "top_p": 0}}, "audio.top_p", "top_p must be in (0, 1]"),
+    (
+        {"audio": {"voice": "ethan", "format": "wav", "repetition_penalty": 0}},
+        "audio.repetition_penalty",
+        "repetition_penalty must be > 0",
+    ),
+    (
+        {"audio": {"voice": "ethan", "format": "wav", "max_frames": 3, "min_frames": 5}},
+        "audio.min_frames",
+        "min_frames (5) must not exceed max_frames (3)",
+    ),
+    (
+        {"audio": {"voice": "ethan", "format": "wav", "max_frames": 4097}},
+        "audio.max_frames",
+        "or equal to 4096",
+    ),
+    (
+        {"audio": {"voice": "ethan", "format": "wav", "max_frames": 2_000_000}},
+        "audio.max_frames",
+        "or equal to 4096",
+    ),
+    (
+        {"audio": {"voice": "ethan", "format": "wav", "min_frames": 4097}},
+        "audio.min_frames",
+        "or equal to 4096",
+    ),
+    ({"audio": {"voice": {"name": "ethan"}, "format": "wav"}}, "audio.voice.id", "Field required"),
+    ({"audio": {"voice": 5, "format": "wav"}}, "audio.voice", "a voice's name or an object naming it"),
+    ({"add_generation_prompt": False}, "add_generation_prompt", "must be true for a spoken reply"),
     ({"audio": {"voice": "ethan", "format": "wav", "top_k": 2**64}}, "audio.top_k", "less than or equal to"),
     ({"audio": {"voice": "ethan", "format": "wav", "seed": 1}}, "audio.seed", "unknown field"),
 ]
@@ -442,7 +475,17 @@ SPEECH_REFUSALS = [
     ({"max_frames": 0}, "max_frames", "greater than or equal to 1"),
     ({"seed": 2**63}, "seed", "less than or equal to"),
     ({"temperature": float("inf")}, "temperature", "finite number"),
-    ({"top_p": 0}, None, "top_p must be in (0, 1]"),
+    ({"top_p": 0}, "top_p", "top_p must be in (0, 1]"),
+    ({"temperature": -1}, "temperature", "temperature must be >= 0"),
+    ({"max_frames": 3, "min_frames": 9}, "min_frames", "min_frames (9) must not exceed max_frames (3)"),
+    ({"max_frames": 4097}, "max_frames", "less than or equal to 4096"),
+    ({"max_frames": 100_000}, "max_frames", "less than or equal to 4096"),
+    ({"max_frames": 2_000_000}, "max_frames", "less than or equal to 4096"),
+    ({"min_frames": 4097}, "min_frames", "less than or equal to 4096"),
+    ({"voice": {"name": "ethan"}}, "voice.id", "Field required"),
+    ({"voice": {"id": 5}}, "voice.id", "valid string"),
+    ({"voice": 5}, "voice", "a voice's name or an object naming it"),
+    ({"voice": None}, "voice", "a voice's name or an object naming it"),
     ({"model": "tts-1"}, None, "the model 'tts-1' does not exist"),
 ]
 
@@ -583,6 +626,8 @@ def test_live_audio_in_and_audio_out(live_client, live_model):
         ({"response_format": "aac"}, "'aac' is not supported; this server encodes mp3, opus, flac, wav, pcm"),
         ({"speed": 2.0}, "speed must be 1.0"),
         ({"input": "x" * 4097}, "at most 4096 characters"),
+        ({"extra_body": {"max_frames": 100_000}}, "max_frames: Input should be less than or equal to 4096"),
+        ({"extra_body": {"max_frames": 2_000_000}}, "max_frames: Input should be less than or equal to 4096"),
     ],
 )
 def test_live_bad_speech_is_400(live_client, live_model, kwargs, needle):
