@@ -274,6 +274,13 @@ class EngineConfig(BaseModel):
         None, gt=0, description="memory for the Talker's KV pages; default: 0.25 GiB on CPU, 2 GiB on a GPU"
     )
     code2wav_max_batch: int = Field(16, ge=1, description="most audio streams in one Code2Wav decode call")
+    max_num_speaking: int | None = Field(
+        None,
+        ge=1,
+        description="most speaking requests in flight; more wait their turn in arrival order, counted by "
+        "--max-queue (text requests never wait for them); default: the Talker's max_batch or Code2Wav's "
+        "max_streams, whichever is smaller",
+    )
     speech_device: str | None = Field(
         None,
         pattern=_DEVICE_PATTERN,

@@ -9,6 +9,7 @@ import json
 import logging
 import random
 import time
+from collections import deque
 from concurrent.futures import Future
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -29,7 +30,7 @@ from omnistage.engine.llm_engine import LLMEngine, NewRequest, StageModels, reso
 from omnistage.engine.model_runner import HiddenTap
 from omnistage.engine.sampling import SamplingParams, SpeechParams
 from omnistage.engine.stage_plan import read_device
-from omnistage.errors import InvalidRequest
+from omnistage.errors import InvalidRequest, RequestTooLarge
 from omnistage.models.qwen3_omni.config import Qwen3OmniConfig
 from omnistage.models.qwen3_omni.processor import Processor
 from omnistage.models.qwen3_omni.talker_input import text_rows, tts_embeds, user_turn_mask
@@ -43,13 +44,40 @@ from omnistage.pipeline.topology import validate_topology
 log = logging.getLogger(__name__)
 
 ASSISTANT_ROWS = 9  # the Talker prompt's rows after the user turns (talker_input.talker_prompt)
+# The most codec frames one request speaks: transformers' own talker limit (327.7 s), and the length the Talker's
+# sequences are planned for (its pages, its graphs). The server refuses more at its edge (protocol.py).
+MAX_AUDIO_FRAMES = 4096
 # The audio cap when a request sets none: 2 s, plus 8 frames (0.64 s) per spoken token, about twice a
-# speaker's pace, and never past transformers' own talker limit of 4096 frames (327.7 s).
-CAP_BASE_FRAMES, CAP_FRAMES_PER_TOKEN, MAX_AUDIO_FRAMES = 25, 8, 4096
+# speaker's pace, never past MAX_AUDIO_FRAMES.
+CAP_BASE_FRAMES, CAP_FRAMES_PER_TOKEN = 25, 8
 
 
 def default_frame_cap(text_tokens: int) -> int:
     return min(MAX_AUDIO_FRAMES, CAP_BASE_FRAMES + CAP_FRAMES_PER_TOKEN * text_tokens)
+
+
+def max_speaking(config: EngineConfig) -> int:
+    """The most speaking requests in flight: the config's, else as many as a Talker step and a Code2Wav call
+    take at once. More would only stretch every step, a text request's with it, until all end together."""
+    if config.max_num_speaking is not None:
+        return config.max_num_speaking
+    return min(config.stage("talker").max_batch, config.stage("code2wav").max_streams)
+
+
+def _about(exc: InvalidRequest, field: str) -> InvalidRequest:
+    """`exc`, marked with the part of a speaking request it is about (`max_frames`, `text`: the reply's length,
+    `voice`), which the server spells as the route's field (server/errors.py)."""
+    exc.field = field
+    return exc
+
+
+@dataclass(frozen=True)
+class _Waiting:
+    """A speaking request checked and waiting for its turn (`max_speaking`)."""
+
+    request: NewRequest
+    max_tokens: int  # the Thinker's effective max_tokens
+    arrival: float
 
 
 @dataclass(frozen=True)
@@ -147,6 +175,10 @@ class Qwen3OmniPipeline:
         self.model_path, self.max_model_len = self.thinker.model_path, self.thinker.max_model_len
         self.device, self.dtype = device, dtype
         self._speaking: dict[str, Speech] = {}
+        # speaking requests beyond max_speaking wait here, in arrival order; text requests never do
+        self.max_speaking = max_speaking(config)
+        self._waiting: deque[_Waiting] = deque()
+        self._refused: list[RequestOutput] = []  # waiting requests the Thinker refused when their turn came
         # on a GPU the Thinker has a stream of its own, for its steps beside the speech stages' (`step`) when
         # overlap_stages is on (speech_profile.py times both ways)
         self._thinker_side = SideStream(device, "thinker") if self.speaks and device.type == "cuda" else None
@@ -201,14 +233,23 @@ class Qwen3OmniPipeline:
         try:
             self.speech_stages.tokens.speaker_id(speech.voice)
         except ValueError as exc:
-            raise InvalidRequest(str(exc)) from None
+            raise _about(InvalidRequest(str(exc)), "voice") from None
+        frames = speech.talker.max_tokens
+        if frames is not None and frames > MAX_AUDIO_FRAMES:
+            raise _about(
+                InvalidRequest(f"max_frames must be at most {MAX_AUDIO_FRAMES:,} (327.7 s), got {frames:,}"),
+                "max_frames",
+            )
         if speech.reply_token_ids is None:
             max_tokens = self.thinker.validate(prompt_token_ids, params)
             text_tokens = max_tokens
         else:
             if not speech.reply_token_ids:
-                raise InvalidRequest("there is no text to speak")
-            max_tokens = self.thinker.validate(prompt_token_ids, SamplingParams(max_tokens=1))
+                raise _about(InvalidRequest("there is no text to speak"), "text")
+            try:
+                max_tokens = self.thinker.validate(prompt_token_ids, SamplingParams(max_tokens=1))
+            except InvalidRequest as exc:  # the prompt is the text, as the user's turn
+                raise _about(exc, "text") from None
             text_tokens = len(speech.reply_token_ids)
         ids = torch.tensor(prompt_token_ids)
         tokens = self.speech_stages.tokens
@@ -217,40 +258,63 @@ class Qwen3OmniPipeline:
                 "a spoken reply needs a chat prompt that ends by opening the assistant's turn"
             )
         talker_prompt_len = int(user_turn_mask(ids, tokens).sum()) + ASSISTANT_ROWS
-        self.speech_stages.talker_stage.pool.check_admissible(
-            talker_prompt_len + self._frame_cap(speech, text_tokens)
-        )
+        try:
+            self.speech_stages.talker_stage.pool.check_admissible(
+                talker_prompt_len + self._frame_cap(speech, text_tokens)
+            )
+        except RequestTooLarge as exc:
+            raise _about(exc, "text" if frames is None else "max_frames") from None
         return max_tokens
 
     def _frame_cap(self, speech: SpeechParams, text_tokens: int) -> int:
         return speech.talker.max_tokens or default_frame_cap(text_tokens)
 
     def add_requests(self, requests: list[NewRequest]) -> list[Exception | None]:
-        """Admit several requests (their media encoded together); per request, None or what kept it out."""
+        """Admit several requests (their media encoded together); per request, None or what kept it out. A
+        speaking request is checked at once, then waits its turn if max_speaking already speak."""
         errors: list[Exception | None] = [None] * len(requests)
-        thinker_requests, indices = [], []
+        index = {r.request_id: i for i, r in enumerate(requests)}
+        text_requests = []
         for i, r in enumerate(requests):
             if r.speech is None:
-                thinker_requests.append(r)
-                indices.append(i)
+                text_requests.append(r)
                 continue
             try:
                 max_tokens = self.validate(r.prompt_token_ids, r.params, r.speech)
             except Exception as exc:
                 errors[i] = exc
                 continue
-            speech = self._new_speech(r, max_tokens)
-            if r.speech.reply_token_ids is None:
-                thinker_requests.append(replace(r, tap=speech.tap))
-                indices.append(i)
-            self._speaking[r.request_id] = speech
-        for i, error in zip(indices, self.thinker.add_requests(thinker_requests)):
-            if error is not None:
-                errors[i] = error
-                self._speaking.pop(requests[i].request_id, None)
+            self._waiting.append(_Waiting(r, max_tokens, time.monotonic()))
+        for request_id, error in self._admit(text_requests, set(index)).items():
+            errors[index[request_id]] = error
         return errors
 
-    def _new_speech(self, r: NewRequest, max_tokens: int) -> Speech:
+    def _admit(self, text_requests: list[NewRequest], batch: set[str] = frozenset()) -> dict[str, Exception]:
+        """Text requests, and the waiting speaking ones while fewer than max_speaking speak, to the Thinker in
+        one call; what kept out each of `batch` (the ids being added). One refused that waited from an earlier
+        batch ends in the next step's outputs."""
+        thinker_requests = list(text_requests)
+        while self._waiting and len(self._speaking) < self.max_speaking:
+            waiting = self._waiting.popleft()
+            r = waiting.request
+            speech = self._new_speech(r, waiting.max_tokens, waiting.arrival)
+            if r.speech.reply_token_ids is None:
+                thinker_requests.append(replace(r, tap=speech.tap))
+            self._speaking[r.request_id] = speech
+        errors = {}
+        for r, error in zip(
+            thinker_requests, self.thinker.add_requests(thinker_requests) if thinker_requests else []
+        ):
+            if error is None:
+                continue
+            speech = self._speaking.pop(r.request_id, None)
+            if r.request_id in batch:
+                errors[r.request_id] = error
+            elif speech is not None:
+                self._refused.append(_failed(speech.text, f"{type(error).__name__}: {error}"))
+        return errors
+
+    def _new_speech(self, r: NewRequest, max_tokens: int, arrival: float) -> Speech:
         mm = r.mm
         grids = (
             [] if mm is None or mm.image_grid_thw is None else [tuple(g) for g in mm.image_grid_thw.tolist()]
@@ -271,7 +335,7 @@ class Qwen3OmniPipeline:
             r.prompt,
             r.prompt_token_ids,
             [CompletionOutput(0, "", [])],
-            metrics={"arrival": time.monotonic()},
+            metrics={"arrival": arrival},
         )
         speech = Speech(
             request_id=r.request_id,
@@ -301,6 +365,14 @@ class Qwen3OmniPipeline:
         return speech
 
     def abort(self, request_id: str) -> RequestOutput | None:
+        for waiting in self._waiting:
+            if waiting.request.request_id == request_id:
+                self._waiting.remove(waiting)
+                r = waiting.request
+                text = RequestOutput(
+                    r.request_id, r.prompt, r.prompt_token_ids, [CompletionOutput(0, "", [])]
+                )
+                return replace(text, outputs=[replace(text.outputs[0], finish_reason="abort")], finished=True)
         speech = self._speaking.pop(request_id, None)
         if speech is not None and self.speaks:
             self.speech_stages.talker_stage.abort(request_id)
@@ -314,14 +386,16 @@ class Qwen3OmniPipeline:
         return out
 
     def has_unfinished(self) -> bool:
-        return self.thinker.has_unfinished() or bool(self._speaking)
+        return self.thinker.has_unfinished() or bool(self._speaking or self._waiting or self._refused)
 
     @property
     def num_waiting(self) -> int:
-        return self.thinker.num_waiting
+        """Requests not started: the Thinker's, and the speaking ones waiting for their turn."""
+        return self.thinker.num_waiting + len(self._waiting)
 
     def stats(self) -> dict[str, int]:
         stats = self.thinker.stats()
+        stats["num_waiting"] = self.num_waiting
         if self.speaks:
             pool = self.speech_stages.talker_stage.pool
             stats |= {
@@ -338,7 +412,9 @@ class Qwen3OmniPipeline:
         Talker runs, the two run at once (`side_stream.py`), the Talker reading the text of the steps before:
         it is a step behind the Thinker anyway (row k is token k + 1). Before that, the Thinker's step comes
         first, so that a new request's Talker starts on its first token in the same step."""
-        outputs: list[RequestOutput] = []
+        if self._waiting and len(self._speaking) < self.max_speaking:
+            self._admit([])
+        outputs, self._refused = self._refused, []
         touched: dict[str, Speech] = {}
         beside = None
         if self.thinker.has_unfinished():
@@ -458,3 +534,8 @@ class Qwen3OmniPipeline:
             out.audio = np.concatenate(speech.audio) if speech.audio else np.zeros(0, dtype=np.float32)
             out.audio_codes = torch.stack(speech.codes).tolist() if speech.codes else []
         return out
+
+
+def _failed(text: RequestOutput, error: str) -> RequestOutput:
+    completion = replace(text.outputs[0], finish_reason="error", delta_text="", delta_token_ids=[])
+    return replace(text, outputs=[completion], finished=True, error=error)

@@ -72,6 +72,15 @@ _KINDS: list[tuple[type[Exception], ErrorKind]] = [
     (ClientGone, ErrorKind(499, "client_closed_request")),
 ]
 _INTERNAL = ErrorKind(500, "server_error", "internal_error")
+# A full queue moves at the engine's pace; a client told to come back in a second (OpenAI's client honours
+# Retry-After) does not hammer it meanwhile.
+RETRY_AFTER_S = 1
+# The pipeline marks an error of a speaking request with the part it is about (`field`); each route that
+# speaks names the client's field for it.
+_SPEECH_FIELDS = {
+    "/v1/audio/speech": {"voice": "voice", "max_frames": "max_frames", "text": "input"},
+    "/v1/chat/completions": {"voice": "audio.voice", "max_frames": "audio.max_frames", "text": "max_tokens"},
+}
 
 
 def kind_of(exc: Exception) -> ErrorKind:
@@ -85,11 +94,14 @@ def error_body(message: str, kind: ErrorKind, param: str | None = None) -> dict[
     return {"error": {"message": message, "type": kind.type, "param": param, "code": kind.code}}
 
 
-def error_response(exc: OmnistageError) -> JSONResponse:
-    """The HTTP response for one of our errors (one without a kind of its own is a 500 keeping its message)."""
+def error_response(exc: OmnistageError, path: str = "") -> JSONResponse:
+    """The HTTP response for one of our errors (one without a kind of its own is a 500 keeping its message);
+    `path`, the request's, names the field of a speaking request's error."""
     kind = kind_of(exc)
     message = str(exc) or type(exc).__name__
-    return JSONResponse(error_body(message, kind, getattr(exc, "param", None)), status_code=kind.status)
+    param = getattr(exc, "param", None) or _SPEECH_FIELDS.get(path, {}).get(getattr(exc, "field", None))
+    headers = {"Retry-After": str(RETRY_AFTER_S)} if isinstance(exc, QueueFull) else None
+    return JSONResponse(error_body(message, kind, param), status_code=kind.status, headers=headers)
 
 
 def internal_error_response() -> JSONResponse:
@@ -162,7 +174,7 @@ def install_error_handlers(app: FastAPI, on_error: Callable[[Request, int], None
 
     @app.exception_handler(OmnistageError)
     async def _ours(request: Request, exc: OmnistageError) -> JSONResponse:
-        response = error_response(exc)
+        response = error_response(exc, request.url.path)
         on_error(request, response.status_code)
         return response
 

@@ -14,7 +14,7 @@ from omnistage.engine.llm_engine import NewRequest
 from omnistage.engine.sampling import SpeechParams, talker_sampling_defaults
 from omnistage.errors import InvalidRequest
 from omnistage.pipeline.async_engine import AsyncEngine
-from omnistage.pipeline.qwen3_omni import default_frame_cap
+from omnistage.pipeline.qwen3_omni import MAX_AUDIO_FRAMES, default_frame_cap
 from omnistage.pipeline.side_stream import SideStream
 
 QUESTIONS = ["Say hello.", "Name a colour.", "Count to three.", "What is rain?", "Tell a joke.", "Why?"]
@@ -178,8 +178,10 @@ def test_speech_requests_are_checked_before_anything_runs(llm, tiny_checkpoint):
         pipeline.validate(pipeline.processor.encode("plain text"), params, SpeechParams())
     with pytest.raises(InvalidRequest, match="no text to speak"):
         pipeline.validate(ids, params, SpeechParams(reply_token_ids=[]))
-    with pytest.raises(InvalidRequest, match="could never fit|needs"):
-        pipeline.validate(ids, params, SpeechParams(talker=talker(10**9)))
+    for frames in (MAX_AUDIO_FRAMES + 1, 100_000, 10**9):  # the Talker's sequences are planned for the cap
+        with pytest.raises(InvalidRequest, match="max_frames must be at most 4,096") as refused:
+            pipeline.validate(ids, params, SpeechParams(talker=talker(frames)))
+        assert refused.value.field == "max_frames"  # what the server names as the route's field
     quiet = LLM(str(tiny_checkpoint), device="cpu", dtype="float32", speech=False)
     assert quiet.pipeline.voices == ()
     with pytest.raises(InvalidRequest, match="does not speak"):
@@ -406,3 +408,58 @@ def test_code_predictor_on_the_talkers_device_side_ids_changes_nothing(llm, monk
         assert len(ours.audio_codes) == (5 if i == 1 else 9)
         np.testing.assert_array_equal(ours.audio, theirs.audio)
     assert_pools_full(llm)
+
+
+def assert_nothing_held(llm: LLM) -> None:
+    """Every pool full and no speaking request's state left anywhere (its audio, codes, stream, sequence)."""
+    assert_pools_full(llm)
+    pipeline = llm.pipeline
+    assert not pipeline._speaking and not pipeline._waiting and not pipeline._refused
+    assert not pipeline.speech_stages.talker_stage.scheduler._unfinished
+
+
+def test_speaking_requests_beyond_the_bound_wait_their_turn(llm, monkeypatch):
+    """With two speaking at a time, four speeches and a text request: the text request is never held, the later
+    speeches wait (counted as waiting) and start as the first end, first come first served, and every one
+    speaks the same codes as with all four at once."""
+    pipeline = llm.pipeline
+    specs = [speak(llm, i, frames=6, text_tokens=3) for i in range(4)]
+    together = run(llm, requests(llm, specs, first_id=200))
+    monkeypatch.setattr(pipeline, "max_speaking", 2)
+    new = requests(llm, specs, first_id=300)
+    text = requests(llm, [{**speak(llm, 5, 1, 3), "speech": None}], first_id=400)
+    assert pipeline.add_requests(new + text) == [None] * 5
+    assert pipeline.num_waiting == 2 + pipeline.thinker.num_waiting and pipeline.stats()["num_speaking"] == 2
+    seen: dict[str, list] = {r.request_id: [] for r in new + text}
+    started, steps, text_done = [], 0, None
+    while pipeline.has_unfinished():
+        assert len(pipeline._speaking) <= 2
+        for out in pipeline.step():
+            seen[out.request_id].append(out)
+            if out.request_id == "400" and out.finished:
+                text_done = steps
+        started += [i for i in pipeline._speaking if i not in started]
+        steps += 1
+    assert started == ["300", "301", "302", "303"]
+    assert text_done is not None and text_done < steps // 2  # done while the first two still spoke
+    for i in range(4):
+        final, alone = seen[str(300 + i)][-1], together[str(200 + i)][-1]
+        assert final.finished and final.error is None and final.num_audio_frames == 6
+        assert final.audio_codes == alone.audio_codes
+    assert_nothing_held(llm)
+
+
+def test_a_waiting_speaking_request_can_be_aborted(llm, monkeypatch):
+    pipeline = llm.pipeline
+    monkeypatch.setattr(pipeline, "max_speaking", 1)
+    new = requests(llm, [speak(llm, i, frames=4, text_tokens=2) for i in range(3)], first_id=500)
+    assert pipeline.add_requests(new) == [None] * 3
+    aborted = pipeline.abort("502")
+    assert aborted.finished and aborted.outputs[0].finish_reason == "abort"
+    assert pipeline.num_waiting == 1 + pipeline.thinker.num_waiting
+    seen = {"500": [], "501": []}
+    while pipeline.has_unfinished():
+        for out in pipeline.step():
+            seen[out.request_id].append(out)
+    assert [seen[i][-1].num_audio_frames for i in ("500", "501")] == [4, 4]
+    assert_nothing_held(llm)
