@@ -387,11 +387,11 @@ class _Server:
         self, request: Request, outputs: AsyncIterator[RequestOutput], request_id: str
     ) -> RequestOutput:
         """The request's finished output (raising if it failed), once the engine is done with it."""
-        seen: list[RequestOutput] = []
+        seen: list[RequestOutput] = []  # the latest only: a spoken reply's earlier ones hold its audio chunks
 
         async def collect() -> RequestOutput:
             async for output in outputs:
-                seen.append(output)
+                seen[:] = [output]
             return seen[-1]
 
         try:
