@@ -5,7 +5,6 @@ from __future__ import annotations
 from pathlib import Path
 
 import numpy as np
-import transformers
 from PIL import Image
 
 from omnistage.models.qwen3_omni.audio_features import decode_audio
@@ -24,9 +23,9 @@ MEDIA_TOKENS = {
 }
 
 
-class VideoProcessorStub(transformers.BaseVideoProcessor):
-    """transformers' video processors need torchvision; without it the processor's class check wants the
-    dummy BaseVideoProcessor. No video is processed here: the processor only reads `merge_size`."""
+class VideoProcessorStub:
+    """transformers' video processors need torchvision, which we do not install. No video is processed here:
+    the processor only reads `merge_size` (conftest's ProcessorWithoutVideo lets it through the class check)."""
 
     def __init__(self) -> None:
         self.merge_size = PREPROCESSOR_CONFIG["merge_size"]
