@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 import soundfile as sf
 import torch
+from hf_layout import audio_tower
 from transformers import Qwen3OmniMoeForConditionalGeneration, WhisperFeatureExtractor
 
 from omnistage.errors import InvalidMedia
@@ -38,7 +39,7 @@ def checkpoint(tmp_path_factory) -> Path:
 @pytest.fixture(scope="module")
 def hf_tower(checkpoint):
     model = Qwen3OmniMoeForConditionalGeneration.from_pretrained(checkpoint, dtype=torch.float32)
-    return model.thinker.audio_tower.eval()
+    return audio_tower(model.thinker).eval()
 
 
 @pytest.fixture(scope="module")

@@ -11,6 +11,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from hf_layout import rope_deltas, text_model
 from media_samples import audio, image, media, picture, reference, speech, text, tones
 
 from omnistage.engine.model_runner import positions_for
@@ -109,14 +110,14 @@ def test_rope_positions_prefill_and_decode(case, ours, hf_processor, hf_thinker,
         assert torch.equal(got.mrope.positions, mine.positions) and got.mrope.delta == mine.delta
 
     seen = []  # the [4, 1, n] position ids (text row, then the 3 rope streams) of every forward
-    hook = hf_thinker.model.register_forward_pre_hook(
+    hook = text_model(hf_thinker).register_forward_pre_hook(
         lambda module, args, kwargs: seen.append(kwargs["position_ids"].clone()), with_kwargs=True
     )
     try:
         hf_thinker.generate(**ref, max_new_tokens=GENERATED, min_new_tokens=GENERATED, do_sample=False)
     finally:
         hook.remove()
-    assert int(hf_thinker.rope_deltas.item()) == mine.delta
+    assert int(rope_deltas(hf_thinker).item()) == mine.delta
     prompt_len = len(got.token_ids)
     assert torch.equal(seen[0][1:, 0].long(), mine.positions)
     for k, step in enumerate(seen[1:]):

@@ -5,6 +5,7 @@ float32 on the CPU: logits within 1e-4 of max |logit|, greedy tokens identical.
 
 import pytest
 import torch
+from hf_layout import text_model
 
 from omnistage.engine.attention import AttentionMetadata, Chunk, TorchReferenceBackend
 from omnistage.models.qwen3_omni.thinker import Thinker, load_thinker
@@ -152,7 +153,7 @@ def test_embeds_deepstack_and_mrope_positions(models):
     positions[:, 3:9] = torch.tensor([[3] * 6, [3, 3, 3, 4, 4, 4], [3, 4, 5, 3, 4, 5]])
     positions[:, 9:] = torch.arange(6, 6 + length - 9)
 
-    ref = theirs.model(
+    ref = text_model(theirs)(
         inputs_embeds=embeds[None],
         position_ids=positions[:, None, :],
         visual_pos_masks=visual[None],

@@ -14,6 +14,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from hf_layout import visual
 from PIL import Image
 from transformers import Qwen3OmniMoeForConditionalGeneration
 from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
@@ -42,7 +43,7 @@ def checkpoint(tmp_path_factory) -> Path:
 @pytest.fixture(scope="module")
 def hf_visual(checkpoint):
     model = Qwen3OmniMoeForConditionalGeneration.from_pretrained(checkpoint, dtype=torch.float32)
-    return model.thinker.visual.eval()
+    return visual(model.thinker).eval()
 
 
 @pytest.fixture(scope="module")
