@@ -122,11 +122,19 @@ def reference(model, inputs: dict, voice: str, thinker_steps: int, talker_steps:
         sequences=sequences[0].tolist(),
         prefill_embeds=kwargs["inputs_embeds"][0],
         rope_ids=kwargs["talker_input_ids"][0].tolist(),
-        positions=seen["positions"][:, 0],
+        positions=rope_streams(seen["positions"][:, 0]),
         trailing=kwargs["trailing_text_hidden"][0],
         codes=codes,
         waveform=waveform.reshape(-1),
     )
+
+
+def rope_streams(positions: torch.Tensor) -> torch.Tensor:
+    """The three M-RoPE streams `[3, L]` of the position ids the talker's model got: transformers 5.17 passes
+    those alone, 5.24 a text row above them, in float where `get_rope_index` laid them out (a prompt with media)."""
+    streams = positions[-3:]
+    assert torch.equal(streams, streams.round())
+    return streams.long()
 
 
 class PagedSequence:
@@ -303,6 +311,9 @@ CASES = {
     ],
     "image": lambda: [{"role": "user", "content": [image(picture(128, 64, seed=2)), text("What is this?")]}],
 }
+# TALKER_STEPS is transformers' `talker_max_new_tokens`: the code 0s its talker samples, not frames. A frame is
+# completed (its residual codes drawn) when its code 0 is fed back, in the talker's `prepare_inputs_for_generation`;
+# the code 0 sampled at the cap is never fed back, so N give N - 1 frames, in 5.17 as in 5.24. Ours counts frames.
 THINKER_STEPS, TALKER_STEPS = 6, 12
 
 
