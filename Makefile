@@ -6,7 +6,7 @@ BIN := $(VENV)/bin
 # PyPI's default build. Set TORCH to pick another, e.g. TORCH="torch==2.11.0".
 TORCH ?= torch>=2.11,<2.14
 
-.PHONY: setup serve test lint tiny soak
+.PHONY: setup serve test lint tiny soak parity-newest
 
 $(BIN)/omnistage: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -34,3 +34,20 @@ lint: setup
 # Mixed requests against a tiny-model server it starts (or ARGS="--url ..."); see benchmarks/soak.py.
 soak: setup
 	$(BIN)/python benchmarks/soak.py $(ARGS)
+
+# The parity suite against the newest transformers our dependency range admits, in a venv of its own (the dev
+# extra pins the GPU machine's version, which `make test` runs); transformers is upgraded on every run. Not in CI:
+# about 5 minutes on 2 cores, past CI's budget (README, Testing).
+NEWEST ?= .venv-newest
+
+$(NEWEST)/bin/omnistage: pyproject.toml
+	$(PYTHON) -m venv $(NEWEST)
+	$(NEWEST)/bin/python -m pip install -q --upgrade pip
+	$(NEWEST)/bin/python -m pip install -q "$(TORCH)"
+	$(NEWEST)/bin/python -m pip install -q -e ".[dev]"
+	touch $@
+
+parity-newest: $(NEWEST)/bin/omnistage
+	$(NEWEST)/bin/python -m pip install -q --upgrade "transformers<6"
+	$(NEWEST)/bin/python -c "import transformers; print('transformers', transformers.__version__)"
+	$(NEWEST)/bin/python -m pytest -q tests/parity $(ARGS)
