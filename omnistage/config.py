@@ -263,8 +263,13 @@ class EngineConfig(BaseModel):
     max_graph_batch: int = Field(
         128, ge=1, description="largest decode batch captured in a CUDA graph (the plan may capture fewer)"
     )
+    # a step of 547 to 2,048 rows of Qwen3-ASR 0.6B prompts took 37-86 ms eagerly on the H200 where one of
+    # 188-488 rows replayed in 7-12 ms (benchmarks/RESULTS.md, "Where a loaded step's time goes")
     max_prefill_graph_tokens: int = Field(
-        512, ge=0, description="largest prefill step (tokens) captured in a CUDA graph (0: none)"
+        2048,
+        ge=0,
+        description="largest prefill step (tokens) captured in a CUDA graph, at most max_num_batched_tokens "
+        "(0: none)",
     )
     seed: int = Field(0, description="seed of the random weights of load_format dummy")
     speech: bool = Field(

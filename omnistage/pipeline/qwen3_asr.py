@@ -24,6 +24,16 @@ from omnistage.pipeline.qwen3_omni import TtsPrompt, eos_token_ids
 from omnistage.pipeline.topology import validate_topology
 
 NO_SPEECH = "this model transcribes audio; it does not speak (a Qwen3-Omni checkpoint does)"
+# Qwen3-ASR is served for many short clips at once: this many sequences (and decode graphs up to them) where the
+# config sets none, against Qwen3-Omni's 64
+ASR_MAX_NUM_SEQS = 128
+
+
+def asr_defaults(config: EngineConfig) -> EngineConfig:
+    """`config` with Qwen3-ASR's own defaults where it leaves a setting to the default."""
+    if "max_num_seqs" in config.model_fields_set or config.stages.thinker.max_batch is not None:
+        return config
+    return config.model_copy(update={"max_num_seqs": ASR_MAX_NUM_SEQS})
 
 
 class Qwen3ASRPipeline:
@@ -31,6 +41,7 @@ class Qwen3ASRPipeline:
 
     def __init__(self, config: EngineConfig) -> None:
         path = Path(config.model)
+        config = asr_defaults(config)
         self.config, self.model_config = config, Qwen3ASRConfig.from_dir(path)
         gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
         validate_topology(config, gpus, stages=STAGES[:2])  # no speech stages

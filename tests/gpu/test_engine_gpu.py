@@ -36,10 +36,10 @@ def test_graphs_equal_eager(tiny_checkpoint):
     )
     graphs = LLM(device="cuda", **common)
     assert graphs.engine.runner.graphs.captured_buckets == [1, 2, 4, 8]
-    assert graphs.engine.runner.prefill_graphs.captured_buckets == prefill_buckets(512)
+    assert graphs.engine.runner.prefill_graphs.captured_buckets == prefill_buckets(2048)
     summary = graphs.engine.memory_summary()
     assert "decode CUDA graphs for batch 1, 2, 4, 8" in summary
-    assert "prefill CUDA graphs for steps of 16..512 tokens of up to 64 sequences (11 buckets" in summary
+    assert "prefill CUDA graphs for steps of 16..2048 tokens of up to 64 sequences (15 buckets" in summary
     eager = LLM(device="cuda", enforce_eager=True, **common)
     assert eager.engine.runner.graphs is None and eager.engine.runner.prefill_graphs is None
     assert "no CUDA graphs (enforce_eager)" in eager.engine.memory_summary()
