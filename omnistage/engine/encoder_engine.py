@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 
 from omnistage.engine.capture_plan import Floor
@@ -45,11 +46,14 @@ log = logging.getLogger(__name__)
 class MultimodalEmbeds:
     """Encoder outputs of one prompt: the prompt rows they replace, and the deepstack levels of images."""
 
-    audio_rows: torch.Tensor  # long [Na] prompt positions of audio placeholders
+    audio_rows: torch.Tensor  # long [Na] prompt positions of audio placeholders, ascending, on the device
     audio_embeds: torch.Tensor | None  # [Na, H]
     image_rows: torch.Tensor  # long [Ni]
     image_embeds: torch.Tensor | None  # [Ni, H]
     deepstack: torch.Tensor | None  # [levels, Ni, H]
+    # the rows on the host: a prompt chunk finds its share of them without waiting for the device
+    audio_rows_host: np.ndarray
+    image_rows_host: np.ndarray
 
 
 class EncoderEngine:
@@ -286,7 +290,13 @@ class EncoderEngine:
                     f"the prompt has {len(rows)} {kind} placeholder tokens but its {kind} gives {found}"
                 )
         return MultimodalEmbeds(
-            audio_rows.to(self.device), audio, image_rows.to(self.device), image, deepstack
+            audio_rows.to(self.device),
+            audio,
+            image_rows.to(self.device),
+            image,
+            deepstack,
+            audio_rows.numpy(),
+            image_rows.numpy(),
         )
 
 

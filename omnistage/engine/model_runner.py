@@ -57,6 +57,12 @@ def warm_up_shapes(max_tokens: int, top_k: int | None) -> list[tuple[int, int]]:
     return sorted(shape for shape in shapes if shape[0] <= max_tokens)
 
 
+def rows_within(rows_host: np.ndarray, start: int, end: int) -> slice:
+    """The share of ascending prompt rows that falls in [start, end), found on the host: a boolean mask of the
+    device's copy would make the host wait for the device (a sync per chunk and kind of media in a step)."""
+    return slice(int(np.searchsorted(rows_host, start)), int(np.searchsorted(rows_host, end)))
+
+
 def positions_for(start: int, count: int, mrope: PromptPositions | None) -> torch.Tensor:
     """`[3, count]` positions of tokens start..start+count: text tokens share one position in all streams."""
     if mrope is None:
@@ -76,8 +82,9 @@ class HiddenTap:
     written into `values` `[n, H]` as the prompt's chunks run (again, identically, after a preemption)."""
 
     layer: int
-    rows: torch.Tensor
+    rows: torch.Tensor  # ascending
     values: torch.Tensor
+    rows_host: np.ndarray  # `rows` on the host
 
 
 class ModelRunner:
@@ -282,13 +289,17 @@ class ModelRunner:
             mm = getattr(chunk.seq.data, "mm", None)
             if mm is not None and chunk.start < chunk.seq.num_prompt_tokens:
                 end = chunk.start + chunk.num_tokens
-                for rows, values in ((mm.audio_rows, mm.audio_embeds), (mm.image_rows, mm.image_embeds)):
+                media = (
+                    (mm.audio_rows, mm.audio_rows_host, mm.audio_embeds),
+                    (mm.image_rows, mm.image_rows_host, mm.image_embeds),
+                )
+                for rows, host, values in media:
                     if values is None:
                         continue
-                    inside = (rows >= chunk.start) & (rows < end)
+                    inside = rows_within(host, chunk.start, end)
                     embeds[offset + rows[inside] - chunk.start] = values[inside].to(embeds.dtype)
                 if mm.deepstack is not None:
-                    inside = (mm.image_rows >= chunk.start) & (mm.image_rows < end)
+                    inside = rows_within(mm.image_rows_host, chunk.start, end)
                     if deepstack is None:
                         deepstack = [torch.zeros_like(embeds) for _ in range(mm.deepstack.shape[0])]
                     for level, target in enumerate(deepstack):
@@ -301,7 +312,7 @@ class ModelRunner:
 
 def _write_tap(tap: HiddenTap, chunk: ScheduledChunk, tapped: torch.Tensor) -> None:
     """The tap's rows inside `chunk` from `tapped`, the chunk's hidden states from its first row on."""
-    inside = (tap.rows >= chunk.start) & (tap.rows < chunk.start + chunk.num_tokens)
+    inside = rows_within(tap.rows_host, chunk.start, chunk.start + chunk.num_tokens)
     tap.values[inside] = tapped[tap.rows[inside] - chunk.start].to(tap.values.dtype)
 
 

@@ -328,6 +328,7 @@ class Qwen3OmniPipeline:
                 self.model_config.talker.accept_hidden_layer,
                 media_rows.to(self.device),
                 torch.zeros(len(media_rows), width, dtype=self.dtype, device=self.device),
+                media_rows.numpy(),
             )
         reply = r.speech.reply_token_ids
         text = RequestOutput(

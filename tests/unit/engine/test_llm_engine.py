@@ -626,7 +626,7 @@ def test_a_prompt_whose_hidden_states_are_tapped_replays_a_prefill_graph(tiny_ch
             )
         (prompt,) = _audio_prompts(engine.processor, [1.5])
         rows = torch.arange(3, len(prompt.token_ids) - 2)
-        tap = HiddenTap(layer, rows, torch.zeros(len(rows), engine.runner.cfg.hidden_size))
+        tap = HiddenTap(layer, rows, torch.zeros(len(rows), engine.runner.cfg.hidden_size), rows.numpy())
         request = NewRequest("tapped", prompt.token_ids, GREEDY, mrope=prompt.mrope, mm=prompt.mm, tap=tap)
         assert engine.add_requests([request]) == [None]
         tokens = llm._run(["tapped"])[0].outputs[0].token_ids

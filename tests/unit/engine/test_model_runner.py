@@ -2,10 +2,11 @@
 
 from types import SimpleNamespace
 
+import numpy as np
 import pytest
 import torch
 
-from omnistage.engine.model_runner import ModelRunner, positions_for, warm_up_shapes
+from omnistage.engine.model_runner import ModelRunner, positions_for, rows_within, warm_up_shapes
 from omnistage.engine.scheduler import ScheduledChunk
 from omnistage.engine.sequence import Sequence
 from omnistage.models.layers.attention_metadata import AttentionMetadata
@@ -73,3 +74,10 @@ def test_a_dense_decoder_warms_the_common_shapes_up_to_its_budget() -> None:
     shapes = warm_up_shapes(100, None)
     assert (2, 1) in shapes and (65, 1) in shapes and (72, 8) in shapes and (100, 1) in shapes
     assert all(tokens <= 100 for tokens, _ in shapes)
+
+
+def test_rows_within_finds_a_chunks_share_of_the_media_rows() -> None:
+    rows = np.array([3, 4, 5, 9, 10, 20])
+    for start, end in [(0, 3), (0, 4), (4, 10), (5, 21), (11, 20), (20, 21), (21, 30), (0, 100)]:
+        want = [r for r in rows.tolist() if start <= r < end]
+        assert rows[rows_within(rows, start, end)].tolist() == want
