@@ -110,6 +110,7 @@ def _engine_main(config_json: str, conn: Connection, log_level: int) -> None:
     threading.Thread(target=_drain, args=(conn, inbox), name="omnistage-commands", daemon=True).start()
 
     stats_sent = 0.0
+    outputs = SlimOutputs()
 
     def deliver(items: Delivery) -> None:
         """The outputs, with fresh stats when the last are older than _STATS_EVERY_S or the pipeline is idle
@@ -120,7 +121,7 @@ def _engine_main(config_json: str, conn: Connection, log_level: int) -> None:
         stats = None
         if now - stats_sent > _STATS_EVERY_S or not pipeline.has_unfinished():
             stats, stats_sent = serving_stats(pipeline), now
-        _send(conn, Outputs(slim(items), stats, admitted))
+        _send(conn, Outputs(outputs.slim(items), stats, admitted))
 
     def receive(timeout: float | None) -> list[Add | Abort]:
         nonlocal admitted, stopped, stale
@@ -141,28 +142,32 @@ def _engine_main(config_json: str, conn: Connection, log_level: int) -> None:
         stale = bool(commands)
         return commands
 
-    sent_prompt: set[str] = set()
+    StepLoop(pipeline, deliver, admission_window_s=pipeline.config.admission_window_ms / 1e3).run(
+        receive, lambda: stopped
+    )
 
-    def slim(items: Delivery) -> Delivery:
-        """Outputs without what the server already has: the prompt ids after the first, the cumulative
-        text and ids before the last (RemoteOutputs puts them back)."""
+
+class SlimOutputs:
+    """Outputs without what the server already has: the prompt ids after the first, the cumulative text and
+    ids before the last (RemoteOutputs puts them back)."""
+
+    def __init__(self) -> None:
+        self._sent_prompt: set[str] = set()
+
+    def slim(self, items: Delivery) -> Delivery:
         out: Delivery = []
         for request_id, item in items:
             if isinstance(item, RequestOutput):
-                first = request_id not in sent_prompt
-                sent_prompt.add(request_id)
+                first = request_id not in self._sent_prompt
+                self._sent_prompt.add(request_id)
                 if item.finished:
-                    sent_prompt.discard(request_id)
+                    self._sent_prompt.discard(request_id)
                 else:
                     item = replace(item, outputs=[replace(c, text="", token_ids=[]) for c in item.outputs])
                 if not first:
                     item = replace(item, prompt_token_ids=[], prompt=None)
             out.append((request_id, item))
         return out
-
-    StepLoop(pipeline, deliver, admission_window_s=pipeline.config.admission_window_ms / 1e3).run(
-        receive, lambda: stopped
-    )
 
 
 def _drain(conn: Connection, inbox: queue.SimpleQueue) -> None:
@@ -273,6 +278,7 @@ class EngineProcess:
             raise exc
         self.view = RemotePipeline(reply)
         self.admitted = 0
+        self.outputs = RemoteOutputs()
         # commands are pickled and written on a thread: a write waits for the engine process to read, and the
         # event loop that sends them must never wait (at c=16 it did, and every stream's delivery with it)
         self._outbox: queue.SimpleQueue = queue.SimpleQueue()
@@ -295,16 +301,14 @@ class EngineProcess:
 
     def receive_forever(self, deliver: Callable[[Delivery], None], on_exit: Callable[[], None]) -> None:
         """Read the engine's messages until it exits (run on a thread of its own)."""
-        outputs = RemoteOutputs()
+        rebuild = self.outputs.rebuild
         try:
             while True:
                 message: Outputs = _recv(self._conn)
                 if message.stats is not None:
                     self.view.latest_stats = message.stats
                 self.admitted = message.admitted
-                deliver(
-                    [(request_id, outputs.rebuild(request_id, item)) for request_id, item in message.items]
-                )
+                deliver([(request_id, rebuild(request_id, item)) for request_id, item in message.items])
         except (EOFError, OSError):
             pass
         finally:
