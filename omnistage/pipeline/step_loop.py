@@ -100,8 +100,11 @@ class StepLoop:
 
     def handle(self, commands: list[Add | Abort]) -> None:
         """Commands in arrival order; the adds are admitted as one batch (media encoded together), or held for
-        the rest of a burst while the pipeline is idle. An abort drops its request wherever it is."""
+        the rest of a burst while the pipeline is idle. An abort drops its request wherever it is, and its
+        final output (finish_reason "abort") is delivered: an engine process's bookkeeping of a request, and
+        the server's, end with its finished output."""
         burst_complete = None  # as the newest add says, if any came
+        aborted: Delivery = []
         for command in commands:
             if isinstance(command, Add):
                 if not self._held:
@@ -110,8 +113,12 @@ class StepLoop:
                 burst_complete = command.more_coming == 0
                 continue
             self._held = [r for r in self._held if r.request_id != command.request_id]
-            self.pipeline.abort(command.request_id)
+            out = self.pipeline.abort(command.request_id)
+            if out is not None:
+                aborted.append((command.request_id, out))
             self._live.discard(command.request_id)
+        if aborted:
+            self.deliver(aborted)
         if self._held and (burst_complete or not self._may_hold() or time.monotonic() >= self._held_until):
             held, self._held = self._held, []
             self._admit(held)

@@ -11,11 +11,14 @@ import numpy as np
 import pytest
 
 from omnistage.config import engine_config
+from omnistage.engine.llm_engine import NewRequest
 from omnistage.engine.sampling import SamplingParams, SpeechParams, talker_sampling_defaults
 from omnistage.errors import ConfigError, InvalidRequest
 from omnistage.outputs import CompletionOutput, RequestOutput
 from omnistage.pipeline.async_engine import AsyncEngine
-from omnistage.pipeline.engine_process import RemoteOutputs
+from omnistage.pipeline.engine_process import RemoteOutputs, SlimOutputs
+from omnistage.pipeline.family import build_pipeline
+from omnistage.pipeline.step_loop import Abort, Add, StepLoop
 
 TEXT = SamplingParams(max_tokens=7, temperature=0.8, seed=11)
 TALKER = SamplingParams(**{**vars(talker_sampling_defaults()), "max_tokens": 9, "min_tokens": 9, "seed": 5})
@@ -135,3 +138,98 @@ def test_remote_outputs_rebuild_the_cumulative_fields():
     assert (second.outputs[0].text, second.outputs[0].token_ids, second.prompt) == ("Hello", [1, 2], "p")
     final = rebuild("r", out("!", [3], True, text="Hello!", token_ids=[1, 2, 3]))
     assert (final.outputs[0].text, final.prompt_token_ids) == ("Hello!", [7, 8])
+
+
+def test_aborted_requests_leave_no_bookkeeping_on_either_side(engines):
+    """Streams that stop iterating or are cancelled mid-stream, beside streams that finish: afterwards no
+    request's partial output is kept on the server's side, and every page is back (on a thread too)."""
+    long = SamplingParams(max_tokens=400, min_tokens=400, seed=3)
+    short = SamplingParams(max_tokens=5, min_tokens=5, seed=4)
+
+    async def run(engine: AsyncEngine) -> None:
+        prompt = engine.engine.processor.process_chat([{"role": "user", "content": "Talk for a while."}])
+
+        async def leave(request_id: str, after: int) -> None:
+            stream = engine.generate(request_id, prompt.prompt, prompt.token_ids, long)
+            seen = 0
+            async for _ in stream:
+                seen += 1
+                if seen == after:
+                    break
+            await stream.aclose()
+
+        async def finish(request_id: str) -> None:
+            outputs = [o async for o in engine.generate(request_id, prompt.prompt, prompt.token_ids, short)]
+            assert outputs[-1].finished
+
+        async def cancelled(request_id: str) -> None:
+            streaming = asyncio.Event()
+
+            async def consume() -> None:
+                async for _ in engine.generate(request_id, prompt.prompt, prompt.token_ids, long):
+                    streaming.set()
+
+            task = asyncio.create_task(consume())
+            await streaming.wait()
+            task.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await task
+
+        await asyncio.gather(leave("l1", 1), leave("l3", 3), finish("f1"), finish("f2"), cancelled("c1"))
+
+    for engine in engines:
+        asyncio.run(run(engine))
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline and (
+            engine.stats()["kv_pages_used"]
+            or (engine._process is not None and engine._process.outputs._partial)
+        ):
+            time.sleep(0.02)
+        stats = engine.stats()
+        assert stats["kv_pages_free"] == stats["kv_pages_total"] and stats["kv_pages_used"] == 0
+        assert stats["num_waiting"] == stats["num_running"] == 0
+        assert not engine._streams
+        if engine._process is None:
+            assert not engine.engine.has_unfinished()
+        else:
+            assert engine._process.outputs._partial == {}
+
+
+def test_the_engine_side_keeps_nothing_of_aborted_requests(tiny_checkpoint):
+    """What the engine process runs (a StepLoop delivering through SlimOutputs), here on this thread, its
+    deliveries rebuilt by RemoteOutputs: aborted mid-stream, waiting or held, no request is kept on either side."""
+    pipeline = build_pipeline(config(tiny_checkpoint))
+    slim, remote = SlimOutputs(), RemoteOutputs()
+    got: dict[str, list[RequestOutput]] = {}
+
+    def deliver(items):
+        for request_id, item in slim.slim(items):
+            got.setdefault(request_id, []).append(remote.rebuild(request_id, item))
+
+    prompt = pipeline.processor.process_chat([{"role": "user", "content": "Talk for a while."}])
+    long, short = SamplingParams(max_tokens=400, min_tokens=400), SamplingParams(max_tokens=4, min_tokens=4)
+
+    def add(request_id: str, params: SamplingParams) -> Add:
+        return Add(NewRequest(request_id, prompt.token_ids, params, prompt.prompt))
+
+    loop = StepLoop(pipeline, deliver)
+    loop.handle([add("a", long), add("b", long), add("f", short)])
+    for _ in range(3):
+        loop.step()
+    loop.handle([add("waiting", long)])
+    loop.handle([Abort("a"), Abort("waiting"), add("held", long), Abort("held")])
+    while not got["f"][-1].finished:
+        loop.step()
+    loop.handle([Abort("b"), Abort("f"), Abort("unknown")])
+    while pipeline.has_unfinished():
+        loop.step()
+    assert slim._sent_prompt == set() and remote._partial == {}
+    assert got["f"][-1].finished and got["f"][-1].outputs[0].finish_reason == "length"
+    for request_id in "a", "b", "waiting":  # the abort's output, whole: the deltas so far, the prompt
+        *streamed, last = got[request_id]
+        assert last.finished and last.outputs[0].finish_reason == "abort"
+        assert last.outputs[0].token_ids == [t for o in streamed for t in o.outputs[0].delta_token_ids]
+        assert last.prompt_token_ids == prompt.token_ids
+    assert "held" not in got
+    stats = pipeline.stats()
+    assert stats["kv_pages_free"] == stats["kv_pages_total"]
