@@ -157,7 +157,9 @@ class SlimOutputs:
     def slim(self, items: Delivery) -> Delivery:
         out: Delivery = []
         for request_id, item in items:
-            if isinstance(item, RequestOutput):
+            if not isinstance(item, RequestOutput):  # a request's error ends its stream
+                self._sent_prompt.discard(request_id)
+            else:
                 first = request_id not in self._sent_prompt
                 self._sent_prompt.add(request_id)
                 if item.finished:

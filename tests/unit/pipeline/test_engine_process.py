@@ -233,3 +233,14 @@ def test_the_engine_side_keeps_nothing_of_aborted_requests(tiny_checkpoint):
     assert "held" not in got
     stats = pipeline.stats()
     assert stats["kv_pages_free"] == stats["kv_pages_total"]
+
+
+def test_a_failed_request_leaves_nothing_on_either_side():
+    """A request that fails after its first output (the engine loop's own error fails all it runs): its error
+    ends its entries in SlimOutputs and RemoteOutputs alike."""
+    completion = CompletionOutput(0, "He", [1], delta_text="He", delta_token_ids=[1])
+    slim, remote = SlimOutputs(), RemoteOutputs()
+    for items in [[("r", RequestOutput("r", "p", [7, 8], [completion], False))], [("r", RuntimeError("x"))]]:
+        for request_id, item in slim.slim(items):
+            remote.rebuild(request_id, item)
+    assert slim._sent_prompt == set() and remote._partial == {}
