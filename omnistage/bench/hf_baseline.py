@@ -18,6 +18,7 @@ from typing import Any
 import torch
 
 from omnistage.bench.clips import Clip, total_seconds
+from omnistage.bench.hf_layout import audio_tower, parts, released_name, text_model, visual
 from omnistage.bench.stats import RequestTiming, summarize
 
 log = logging.getLogger(__name__)
@@ -43,9 +44,9 @@ def build_hf_thinker(engine: Any, config_dict: dict) -> tuple[torch.nn.Module, d
         hf = Qwen3OmniMoeThinkerForConditionalGeneration(config)
     ours = dict(engine.model.named_parameters())
     for name, param in list(hf.named_parameters()):
-        if name.startswith(("audio_tower.", "visual.")):
+        mine = released_name(name)
+        if mine.startswith(("audio_tower.", "visual.")):
             continue
-        mine = name
         for theirs, our_name in _RENAMES:
             mine = mine.replace(theirs, our_name)
         if mine not in ours:
@@ -55,12 +56,13 @@ def build_hf_thinker(engine: Any, config_dict: dict) -> tuple[torch.nn.Module, d
         module_name, _, leaf = name.rpartition(".")
         setattr(hf.get_submodule(module_name), leaf, torch.nn.Parameter(ours[mine], requires_grad=False))
     with torch.device(device):  # a meta build leaves the rotary frequencies empty: make them again
-        hf.model.rotary_emb = type(hf.model.rotary_emb)(hf.model.rotary_emb.config)
-        hf.audio_tower = Qwen3OmniMoeAudioEncoder._from_config(config.audio_config).to(dtype)
-        hf.visual = Qwen3OmniMoeVisionEncoder._from_config(config.vision_config).to(dtype)
+        text = text_model(hf)
+        text.rotary_emb = type(text.rotary_emb)(text.rotary_emb.config)
+        parts(hf).audio_tower = Qwen3OmniMoeAudioEncoder._from_config(config.audio_config).to(dtype)
+        parts(hf).visual = Qwen3OmniMoeVisionEncoder._from_config(config.vision_config).to(dtype)
     sources = {
-        "audio_tower": _fill_tower(hf.audio_tower, getattr(engine.encoders, "audio_encoder", None)),
-        "visual": _fill_tower(hf.visual, getattr(engine.encoders, "vision_encoder", None)),
+        "audio_tower": _fill_tower(audio_tower(hf), getattr(engine.encoders, "audio_encoder", None)),
+        "visual": _fill_tower(visual(hf), getattr(engine.encoders, "vision_encoder", None)),
     }
     left = [n for n, t in [*hf.named_parameters(), *hf.named_buffers()] if t.is_meta]
     if left:
@@ -110,7 +112,7 @@ def run_hf(
         out = hf.generate(
             input_ids=torch.tensor([ids], device=device),
             attention_mask=torch.ones(1, len(ids), dtype=torch.long, device=device),
-            input_features=features[None].to(hf.audio_tower.dtype),
+            input_features=features[None].to(audio_tower(hf).dtype),
             feature_attention_mask=torch.ones(1, features.shape[-1], dtype=torch.long, device=device),
             max_new_tokens=new_tokens,
             do_sample=False,

@@ -23,6 +23,7 @@ from typing import Any
 import torch
 
 from omnistage.bench.hf_baseline import _RENAMES, _sync, build_hf_thinker
+from omnistage.bench.hf_layout import audio_tower
 from omnistage.bench.speech_targets import SpeechInput, SpeechTiming
 from omnistage.outputs import AUDIO_SAMPLE_RATE
 
@@ -119,7 +120,7 @@ def run_hf_speech(
         }
         if item.clip is not None:  # the mel features are computed inside the timing, as ours are
             features = log_mel(item.clip.audio, device=device)
-            kwargs["input_features"] = features[None].to(hf.thinker.audio_tower.dtype)
+            kwargs["input_features"] = features[None].to(audio_tower(hf.thinker).dtype)
             kwargs["feature_attention_mask"] = torch.ones(
                 1, features.shape[-1], dtype=torch.long, device=device
             )
