@@ -11,9 +11,9 @@ import numpy as np
 import pytest
 import soundfile as sf
 import torch
-from hf_layout import audio_tower
 from transformers import Qwen3OmniMoeForConditionalGeneration, WhisperFeatureExtractor
 
+from omnistage.bench.hf_layout import audio_tower
 from omnistage.errors import InvalidMedia
 from omnistage.models.qwen3_omni.audio_encoder import audio_output_tokens, load_audio_encoder
 from omnistage.models.qwen3_omni.audio_features import (

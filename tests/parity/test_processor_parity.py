@@ -11,9 +11,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from hf_layout import rope_deltas, text_model
 from media_samples import audio, image, media, picture, reference, speech, text, tones
 
+from omnistage.bench.hf_layout import rope_deltas, text_model
 from omnistage.engine.model_runner import positions_for
 from omnistage.errors import InvalidMedia, InvalidRequest
 from omnistage.models.qwen3_omni.config import Qwen3OmniConfig

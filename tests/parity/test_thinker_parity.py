@@ -5,8 +5,8 @@ float32 on the CPU: logits within 1e-4 of max |logit|, greedy tokens identical.
 
 import pytest
 import torch
-from hf_layout import text_model
 
+from omnistage.bench.hf_layout import text_model
 from omnistage.engine.attention import AttentionMetadata, Chunk, TorchReferenceBackend
 from omnistage.models.qwen3_omni.thinker import Thinker, load_thinker
 from omnistage.models.qwen3_omni.tiny import tiny_config, write_weights

@@ -14,11 +14,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from hf_layout import visual
 from PIL import Image
 from transformers import Qwen3OmniMoeForConditionalGeneration
 from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
+from omnistage.bench.hf_layout import visual
 from omnistage.errors import InvalidMedia
 from omnistage.models.qwen3_omni.image_processing import (
     ImageProcessorConfig,
