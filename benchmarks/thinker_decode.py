@@ -21,6 +21,7 @@ from pathlib import Path
 import torch
 
 from omnistage import LLM, SamplingParams
+from omnistage.bench.hf_layout import released_name, text_model
 from omnistage.models.qwen3_omni.tiny import released_config, tiny_config
 from omnistage.models.qwen3_omni.tokenizer import write_tokenizer_files
 
@@ -172,8 +173,10 @@ def hf_thinker(llm: LLM, config_dict: dict, device: str):
         hf = Qwen3OmniMoeThinkerForConditionalGeneration(config)
     ours = dict(llm.engine.model.named_parameters())
     for name, param in list(hf.named_parameters()):
-        mine = name.replace(".experts.gate_up_proj", ".experts.w13").replace(
-            ".experts.down_proj", ".experts.w2"
+        mine = (
+            released_name(name)
+            .replace(".experts.gate_up_proj", ".experts.w13")
+            .replace(".experts.down_proj", ".experts.w2")
         )
         module_name, _, leaf = name.rpartition(".")
         module = hf.get_submodule(module_name)
@@ -185,8 +188,9 @@ def hf_thinker(llm: LLM, config_dict: dict, device: str):
             fresh = torch.empty(param.shape, dtype=param.dtype, device=device).normal_(0, 0.02)
             setattr(module, leaf, torch.nn.Parameter(fresh, requires_grad=False))
     with torch.device(device):  # a meta build leaves the rotary frequencies empty: make them again
-        hf.model.rotary_emb = type(hf.model.rotary_emb)(hf.model.rotary_emb.config)
-    left = [n for n, b in hf.model.named_buffers() if b.is_meta] + [
+        text = text_model(hf)
+        text.rotary_emb = type(text.rotary_emb)(text.rotary_emb.config)
+    left = [n for n, b in text.named_buffers() if b.is_meta] + [
         n for n, p in hf.named_parameters() if p.is_meta
     ]
     if left:
