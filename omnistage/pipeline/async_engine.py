@@ -43,6 +43,7 @@ class AsyncEngine:
         self._added = 0  # Adds sent; the engine side has picked up `_queued()` fewer
         self._preparing = 0  # requests the caller is preparing (`preparing`), told with each Add
         self._stopping = threading.Event()
+        self._gone = threading.Event()  # the engine process exited: not ready, before its reader thread ends
         # Everything loaded so far (the model's modules, torch, the tokenizer) lives as long as the process:
         # moved out of the collector's view, a full collection triggered by serving's garbage no longer
         # walks it while every thread, the engine's included, waits on the GIL.
@@ -84,7 +85,7 @@ class AsyncEngine:
     @property
     def ready(self) -> bool:
         alive = self._process is None or self._process.process.is_alive()
-        return alive and self._thread.is_alive() and not self._stopping.is_set()
+        return alive and self._thread.is_alive() and not (self._stopping.is_set() or self._gone.is_set())
 
     def _queued(self) -> int:
         """Adds the engine side has not picked up yet."""
@@ -208,6 +209,7 @@ class AsyncEngine:
         def engine_gone() -> None:
             if self._stopping.is_set():
                 return
+            self._gone.set()
             log.error("the engine process exited (code %s)", self._process.process.exitcode)
             with self._lock:
                 gone = list(self._streams)
