@@ -256,21 +256,20 @@ class ModelRunner:
         if self.graphs is not None and pure_decode and self.graphs.bucket_for(len(step.chunks)) is not None:
             return self.graphs.run(input_ids, positions, meta)
         embeds, deepstack = self._merge_multimodal(step.chunks, input_ids)
+        starts = np.cumsum([0] + [c.num_tokens for c in step.chunks]).tolist()  # each chunk's first row
         graph_taps = all(tap.layer == self.tap_layer for _, tap in taps)
         if self.prefill_graphs is not None and deepstack is None and graph_taps:
             rows = embeds if embeds is not None else self.model.model.embed_tokens(input_ids)
             out = self.prefill_graphs.run(rows, positions, meta, sample_rows)
             if out is not None:
                 logits = out if self.tap_layer is None else out[0]
-                offsets = np.cumsum([0] + [c.num_tokens for c in step.chunks]).tolist()
                 for i, tap in taps:
-                    _write_tap(tap, step.chunks[i], out[1][offsets[i] :])
+                    _write_tap(tap, step.chunks[i], out[1][starts[i] :])
                 return logits[: sample_rows.shape[0]]
         tap_layer = taps[0][1].layer if taps else None
         hidden = self.model(input_ids, positions, self.kv_caches, meta, embeds, deepstack, tap_layer)
         if taps:
             hidden, tapped = hidden
-            starts = meta.query_start_loc.tolist()
             for i, tap in taps:
                 _write_tap(tap, step.chunks[i], tapped[starts[i] :])
         # a decode step samples every row, in order
