@@ -1,7 +1,8 @@
 """CUDA graphs for streamed Code2Wav: one per (chunk size, streams bucket) of `Code2Wav.decode_window`.
 
-A streamer's decode call has shape `[streams, num_quantizers, left_context + chunk]`, and a stream uses
-only two chunk sizes (its first chunk, then the later ones), so a few graphs cover every call. Eagerly, a
+A streamer's decode call has shape `[streams, num_quantizers, left_context + chunk]` (a first chunk's
+`[streams, num_quantizers, chunk]`: its stream's first frames alone), and a stream uses only two chunk sizes
+(its first chunk, then the later ones), so a few graphs cover every call. Eagerly, a
 call at the released sizes runs about 900 ATen ops (counted with a dispatch mode: 8 transformer layers,
 then 4 decoder blocks of SnakeBeta, a transposed conv and three residual units), each a kernel launch of
 several microseconds of host time, whatever the number of streams.
@@ -60,9 +61,10 @@ class _ChunkGraphs(GraphSet):
 
     unit = "streams"
 
-    def __init__(self, model: Code2Wav, size: int, max_streams: int, enforce_eager: bool) -> None:
+    def __init__(
+        self, model: Code2Wav, size: int, max_streams: int, enforce_eager: bool, window: int
+    ) -> None:
         device = model.code_embedding.weight.device
-        window = model.left_context + size
         buffers = _WindowBuffers(max_streams, model.config.num_quantizers, window, device)
         super().__init__(model.decode_window, buffers, device, enforce_eager)
         self.kind = f"Code2Wav {size}-frame chunk"
@@ -87,17 +89,27 @@ class Code2WavGraphs:
     """
 
     def __init__(
-        self, model: Code2Wav, sizes: Iterable[int], max_streams: int, enforce_eager: bool = False
+        self,
+        model: Code2Wav,
+        sizes: Iterable[int],
+        max_streams: int,
+        enforce_eager: bool = False,
+        prefix: int | None = None,
     ) -> None:
+        """`prefix`: the one of `sizes` that is a stream's first chunk decoded from its first frames alone
+        (`code2wav_streamer.decodes_first_as_prefix`): its windows hold the chunk only."""
         self.model = model
         self.device = model.code_embedding.weight.device
         self.enforce_eager = enforce_eager
         self.buckets = decode_buckets(max_streams)
         # largest chunk first: its graphs take the most memory, which the smaller ones then reuse
         self.sets = {
-            size: _ChunkGraphs(model, size, max_streams, enforce_eager)
+            size: _ChunkGraphs(
+                model, size, max_streams, enforce_eager, size if size == prefix else model.left_context + size
+            )
             for size in sorted(set(sizes), reverse=True)
         }
+        self._by_window = {graphs.buffers.codes.shape[-1]: graphs for graphs in self.sets.values()}
         self.pool = None
 
     @property
@@ -148,6 +160,6 @@ class Code2WavGraphs:
 
     @torch.inference_mode()
     def __call__(self, codes: torch.Tensor, starts: torch.Tensor) -> torch.Tensor:
-        chunk_graphs = self.sets.get(codes.shape[-1] - self.model.left_context)
+        chunk_graphs = self._by_window.get(codes.shape[-1])
         wav = chunk_graphs.run(codes, starts) if chunk_graphs is not None else None
         return self.model.decode_window(codes, starts) if wav is None else wav

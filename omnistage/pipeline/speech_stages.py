@@ -26,7 +26,7 @@ from omnistage.engine.gpu_memory import device_peak, graph_candidates
 from omnistage.engine.llm_engine import resolve_device
 from omnistage.models.layers.linear import adopt_gemv
 from omnistage.models.qwen3_omni.code2wav import load_code2wav
-from omnistage.models.qwen3_omni.code2wav_streamer import Code2WavStreamer
+from omnistage.models.qwen3_omni.code2wav_streamer import Code2WavStreamer, decodes_first_as_prefix
 from omnistage.models.qwen3_omni.code_predictor import load_code_predictor
 from omnistage.models.qwen3_omni.config import Qwen3OmniConfig
 from omnistage.models.qwen3_omni.talker import load_talker
@@ -105,11 +105,13 @@ class SpeechStages:
             max_batch=predictor.max_batch,
             enforce_eager=predictor.enforce_eager,
         )
+        prefix = decodes_first_as_prefix(self.code2wav, c2w.first_chunk, c2w.chunk)
         self.code2wav_graphs = Code2WavGraphs(
             self.code2wav,
             sorted({c2w.first_chunk, c2w.chunk}),
             c2w.max_streams,
             enforce_eager=c2w.enforce_eager,
+            prefix=c2w.first_chunk if prefix else None,
         )
         self.streamer = Code2WavStreamer(
             self.code2wav, c2w.first_chunk, c2w.chunk, max_batch=c2w.max_streams, decode=self.code2wav_graphs

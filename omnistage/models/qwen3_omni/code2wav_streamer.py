@@ -1,15 +1,18 @@
 """Streaming Code2Wav: many streams of codec frames decoded chunk by chunk in batched calls, each stream's
 chunks together equal to its one-shot decode (see `Code2Wav.decode_window` for the window arithmetic).
 
-Chunk sizes: a first chunk of 2 frames, then 25. Every decode call runs the transformer over `left_context`
-frames before the chunk and the convolutions over `decoder_context` frames before it (released: 578 and
-10), whatever the chunk's size. Counted with torch's FLOP counter at the released sizes, a call of one
-stream costs 185 GFLOP of context plus about 5.2 per chunk frame: 190 for 1 frame, 195 for 2, 313 for 25.
-- First chunk, 2 frames (the first packet's latency): a 2-frame call costs what a 1-frame one does, and
-  the second frame costs one more Talker and code-predictor step. In return the first packet holds more
-  than twice the audio, because the decoder's look-ahead (555 samples, 29% of a frame) comes off a
-  stream's first chunk only: 1 frame gives 1,365 samples (57 ms), 2 give 3,285 (137 ms), which play while
-  the next 25 frames are generated.
+Chunk sizes: a first chunk of 2 frames, then 25. Every later chunk's decode call runs the transformer over
+`left_context` frames before the chunk and the convolutions over `decoder_context` frames before it
+(released: 578 and 10), whatever the chunk's size. Counted with torch's FLOP counter at the released sizes, a
+call of one stream costs 185 GFLOP of context plus about 5.2 per chunk frame: 190 for 1 frame, 195 for 2,
+313 for 25. A first chunk has nothing before it: its call decodes the stream's first frames alone, as a
+one-shot prefix (`Code2Wav.decode_window`), ~10 GFLOP for 2 frames instead of 195 (a call of 16 streams'
+first chunks took 21-30 ms on the H200 with the context, benchmarks/RESULTS.md "Where a loaded step's time
+goes": four of them at c=64 before every stream had its first packet).
+- First chunk, 2 frames (the first packet's latency): the second frame costs one more Talker and
+  code-predictor step. In return the first packet holds more than twice the audio, because the decoder's
+  look-ahead (555 samples, 29% of a frame) comes off a stream's first chunk only: 1 frame gives 1,365
+  samples (57 ms), 2 give 3,285 (137 ms), which play while the next 25 frames are generated.
 - Later chunks, 25 frames (throughput): the fixed context work is 59% of a 25-frame call (75% at 12
   frames, 42% at 50). Larger chunks would save less per frame than they delay every packet after the first
   and grow a call's activations (streams × window frames).
@@ -27,6 +30,12 @@ import torch.nn.functional as F
 from omnistage.models.qwen3_omni.code2wav import Code2Wav
 
 DecodeWindow = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+def decodes_first_as_prefix(model: Code2Wav, first_chunk: int, chunk: int) -> bool:
+    """Whether a stream's first chunk is decoded from its first frames alone (a window without the context
+    every later chunk carries): where the first chunk has a size of its own, shorter than the context."""
+    return first_chunk != chunk and first_chunk <= model.left_context
 
 
 @dataclass(frozen=True)
@@ -55,8 +64,8 @@ class Code2WavStreamer:
     A stream's first chunk holds `first_chunk` frames (small: the first packet's latency), later ones `chunk`,
     the last one what remains at `finish` (right-padded; no emitted sample reads past the stream's last
     frame). One decode call holds at most `max_batch` streams. Each chunk is decoded in a window of the
-    model's fixed `left_context` earlier frames plus the chunk, so a call's shapes depend only on (streams,
-    chunk size).
+    model's fixed `left_context` earlier frames plus the chunk (a first chunk of its own size in its frames
+    alone, `decodes_first_as_prefix`), so a call's shapes depend only on (streams, chunk size).
 
     `decode` runs each call as `Code2Wav.decode_window` does (a CUDA graph runner, say); None calls the
     model's own, looked up per call (so a wrapper set on the model later is the one called). Its result must be a tensor no later call overwrites: the chunks of
@@ -77,6 +86,7 @@ class Code2WavStreamer:
                 f"max_batch={max_batch}"
             )
         self.model, self.first_chunk, self.chunk, self.max_batch = model, first_chunk, chunk, max_batch
+        self.prefix_first = decodes_first_as_prefix(model, first_chunk, chunk)
         self.decode = decode
         self.device, self.dtype = model.code_embedding.weight.device, model.code_embedding.weight.dtype
         self.streams: dict[Hashable, _Stream] = {}
@@ -121,7 +131,9 @@ class Code2WavStreamer:
         return out
 
     def _decode(self, size: int, ids: list[Hashable]) -> list[AudioChunk]:
-        context, spf = self.model.left_context, self.model.config.samples_per_frame
+        spf = self.model.config.samples_per_frame
+        # first chunks are their streams' first frames alone (`Code2Wav.decode_window`'s prefix windows)
+        context = 0 if size == self.first_chunk and self.prefix_first else self.model.left_context
         windows, starts = [], []
         for request_id in ids:
             stream = self.streams[request_id]
@@ -144,7 +156,7 @@ class Code2WavStreamer:
             if final:
                 del self.streams[request_id]
             else:
-                keep_from = max(stream.first, stream.decoded - context)
+                keep_from = max(stream.first, stream.decoded - self.model.left_context)
                 stream.codes = stream.codes[:, keep_from - stream.first :]
                 stream.first = keep_from
         return out

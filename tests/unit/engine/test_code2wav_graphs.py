@@ -120,7 +120,8 @@ def test_streamer_through_the_runner_equals_plain(model, rows):
     lengths, rates = [31, 9, 60, 27, 2], [3, 2, 5, 4, 2]
     plain = stream(Code2WavStreamer(model, FIRST, CHUNK, max_batch=3), lengths, rates)
     eager_rows = sorted(set(rows))
-    runner = Code2WavGraphs(model, (FIRST, CHUNK), max_streams=4)
+    runner = Code2WavGraphs(model, (FIRST, CHUNK), max_streams=4, prefix=FIRST)
+    assert runner.sets[FIRST].buffers.codes.shape[-1] == FIRST  # a first chunk's window: its frames alone
     runner.capture()
     rows.clear()
     graphed = stream(Code2WavStreamer(model, FIRST, CHUNK, max_batch=3, decode=runner), lengths, rates)

@@ -109,7 +109,7 @@ def test_streamer_calls_the_decode_it_is_given(model):
     got = [given.step(), given.step()]
     context, quantizers = model.left_context, CONFIG.num_quantizers
     assert calls == [
-        ((1, quantizers, context + 1), [-context]),
+        ((1, quantizers, 1), [0]),  # the first chunk: its stream's first frame alone
         ((1, quantizers, context + 2), [1 - context]),
     ]
     for want, out in zip(expected, got, strict=True):
