@@ -124,6 +124,9 @@ class EncodersSection(_StageSection):
 class TalkerSection(_StageSection, _KvSection):
     max_batch: int | None = Field(None, ge=1, description="most Talker sequences at once")
     graphs: GraphsSection | None = Field(None, description="decode batch sizes")
+    prefill_graphs: GraphsSection | None = Field(
+        None, description="prefill step sizes in tokens (default: the Thinker's)"
+    )
 
 
 class CodePredictorSection(_StageSection):
@@ -203,6 +206,7 @@ class TalkerStage(Stage):
     max_batch: int
     kv: KvSize
     graphs: Graphs  # decode batch sizes
+    prefill_graphs: Graphs  # prefill step sizes, tokens
 
 
 @dataclass(frozen=True)
@@ -349,6 +353,12 @@ class EngineConfig(BaseModel):
             ),
             ("talker.graphs", s.talker.graphs, talker.max_batch, "stages.talker.max_batch"),
             (
+                "talker.prefill_graphs",
+                s.talker.prefill_graphs,
+                self.max_num_batched_tokens,
+                "max_num_batched_tokens",
+            ),
+            (
                 "code_predictor.graphs",
                 s.code_predictor.graphs,
                 self.stage("code_predictor").max_batch,
@@ -446,11 +456,17 @@ class EngineConfig(BaseModel):
                 vision_graphs=graphs(s.encoders.vision_graphs, None),
             )
         if name == "talker":
+            thinker_prefill = self.stage("thinker").prefill_graphs
             return TalkerStage(
                 **common,
                 max_batch=talker_batch,
                 kv=KvSize(*(v for _, v in self.kv_sizing("talker"))),
                 graphs=graphs(s.talker.graphs, talker_batch),
+                prefill_graphs=(
+                    graphs(s.talker.prefill_graphs, None)
+                    if s.talker.prefill_graphs is not None
+                    else Graphs(eager, thinker_prefill.buckets, thinker_prefill.max)
+                ),
             )
         if name == "code_predictor":
             frames = s.code_predictor.max_batch or talker_batch

@@ -24,7 +24,7 @@ import torch
 
 from omnistage.engine.decode_ahead import Launched
 from omnistage.engine.gpu_memory import Peak, device_peak, scaled_peaks
-from omnistage.engine.graphs import DecodeGraphRunner
+from omnistage.engine.graphs import DecodeGraphRunner, PrefillGraphRunner
 from omnistage.engine.isolation import run_isolated
 from omnistage.engine.kv_cache import PagePool
 from omnistage.engine.model_runner import positions_for, warm_up_shapes
@@ -121,6 +121,7 @@ class EmbeddingStage:
         self.kv_caches = self._allocate(self.num_pages)
         self._suppressed = torch.tensor(self.suppressed_ids, dtype=torch.long, device=self.device)
         self.graphs: DecodeGraphRunner | None = None
+        self.prefill_graphs: PrefillGraphRunner | None = None
 
     @torch.inference_mode()
     def _allocate(self, num_pages: int) -> list[torch.Tensor]:
@@ -184,9 +185,45 @@ class EmbeddingStage:
         with torch.inference_mode():
             return self.graphs.capture(buckets, pool=pool)
 
+    # -- prefill graphs ------------------------------------------------------------------------------
+
+    def prefill_graph_costs(self, buckets: Iterable[int]) -> dict[int, Peak]:
+        """What each token bucket's prefill graph is expected to take: the largest one's eager step with as many
+        prompts as it holds (`graphs.StaticPrefillBuffers`), scaled by tokens."""
+        buckets = sorted(set(buckets))
+        if not buckets:
+            return {}
+        return scaled_peaks(self.profile_peak(buckets[-1], min(buckets[-1], self.max_num_seqs)), buckets)
+
+    def capture_prefill_graphs(self, buckets: Iterable[int], max_seq_len: int, pool: Any = None) -> list[int]:
+        """Capture a prefill graph per token bucket for steps of up to `max_num_seqs` prompts' rows (with fed
+        rows beside them or not), into `pool` as `capture_graphs` does; returns the buckets captured. A
+        Talker prompt's eager prefill took 42-69 ms on the H200 whatever its rows (benchmarks/RESULTS.md,
+        "Where a loaded step's time goes"), most of a lone request's first packet."""
+        buckets = sorted(set(buckets))
+        if not buckets or (self.device.type == "cuda" and self.dtype != torch.bfloat16):
+            return []
+        self.prefill_graphs = PrefillGraphRunner(
+            self._prefill_step, buckets[-1], -(-max_seq_len // self.page_size), max_seq_len, self.cfg.hidden_size,
+            self.dtype, self.device, max_seqs=min(self.max_num_seqs, buckets[-1]),
+        )  # fmt: skip
+        with torch.inference_mode():
+            return self.prefill_graphs.capture(buckets, pool=pool)
+
     @property
     def captured_buckets(self) -> list[int]:
         return self.graphs.captured_buckets if self.graphs is not None else []
+
+    def _prefill_step(
+        self,
+        embeds: torch.Tensor,
+        positions: torch.Tensor,
+        meta: AttentionMetadata,
+        sample_rows: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Final hidden states `[S, H]` and masked logits `[S, V]` of the rows a prefill graph samples."""
+        hidden = self.model(embeds, positions, self.kv_caches, meta).index_select(0, sample_rows)
+        return hidden, self._logits(hidden)
 
     def _decode_step(
         self, embeds: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata
@@ -311,14 +348,20 @@ class EmbeddingStage:
             [(c.start, c.num_tokens, c.seq.page_ids) for c in chunks], self.page_size, self.device
         )
         positions = self._positions(chunks, decode)
-        if decode and self.graphs is not None:
+        if decode and self.graphs is not None and self.graphs.bucket_for(len(chunks)) is not None:
             hidden, logits = self.graphs.run(embeds, positions, meta)
             return hidden.clone(), logits  # the hidden states outlive the step; the logits do not
+        ends = accumulate(c.num_tokens for c in chunks)  # a row that samples ends its chunk
+        sampled = [end - 1 for end, c in zip(ends, chunks) if c.samples]
+        rows = to_device(torch.tensor(sampled, dtype=torch.long), self.device)
+        if self.prefill_graphs is not None:
+            out = self.prefill_graphs.run(embeds, positions, meta, rows)
+            if out is not None:
+                hidden, logits = out
+                return hidden[: len(sampled)].clone(), logits[: len(sampled)] if sampled else None
         hidden = self.model(embeds, positions, self.kv_caches, meta)
-        if not decode:  # a row that samples ends its chunk
-            ends = accumulate(c.num_tokens for c in chunks)
-            rows = torch.tensor([end - 1 for end, c in zip(ends, chunks) if c.samples], dtype=torch.long)
-            hidden = hidden.index_select(0, to_device(rows, self.device))
+        if not decode:
+            hidden = hidden.index_select(0, rows)
         return hidden, self._logits(hidden) if len(hidden) else None
 
     def _positions(self, chunks: list[ScheduledChunk], decode: bool) -> torch.Tensor:

@@ -17,7 +17,7 @@ import torch
 
 from omnistage.config import EngineConfig
 from omnistage.engine.attention import backend_for
-from omnistage.engine.buckets import decode_buckets
+from omnistage.engine.buckets import decode_buckets, prefill_buckets
 from omnistage.engine.capture_plan import MAIN_POOL, GiB, KVPool, MemoryPlan, StageMemory
 from omnistage.engine.code2wav_graphs import Code2WavGraphs
 from omnistage.engine.embedding_stage import EmbeddingStage
@@ -159,13 +159,16 @@ class SpeechStages:
                 share = talker.kv.share or text.kv_bytes_per_token / (thinker + text.kv_bytes_per_token)
         pool = KVPool("Talker", page_bytes, min_pages=min_pages, share=share, pages=fixed)
         streams = set(c2w.graphs.sizes(decode_buckets))
-        talker_graphs = (
-            talker.graphs.sizes(decode_buckets) if self.talker_stage.dtype == torch.bfloat16 else []
-        )
+        bf16 = self.talker_stage.dtype == torch.bfloat16
+        talker_graphs = talker.graphs.sizes(decode_buckets) if bf16 else []
+        talker_prefill = talker.prefill_graphs.sizes(prefill_buckets) if bf16 else []
         c2w_peaks = {k: v for k, v in self.code2wav_graphs.graph_costs().items() if k[1] in streams}
         # the device's main-stream pool holds the three sets' graphs (`allocate`)
         graphs = (
             graph_candidates("Talker", "decode", "batch", self.talker_stage.graph_costs(talker_graphs), MAIN_POOL),
+            graph_candidates(
+                "Talker", "prefill", "tokens", self.talker_stage.prefill_graph_costs(talker_prefill), MAIN_POOL
+            ),
             graph_candidates(
                 "code predictor", "decode", "frames",
                 self.frame_graphs.graph_costs(predictor.graphs.sizes(decode_buckets)), MAIN_POOL,
@@ -208,6 +211,9 @@ class SpeechStages:
         self.talker_stage.capture_graphs(plan.captured("Talker", "decode"), self.max_len, pool=pool)
         if pool is None and self.talker_stage.graphs is not None:
             pool = self.talker_stage.graphs.pool
+        self.talker_stage.capture_prefill_graphs(plan.captured("Talker", "prefill"), self.max_len, pool=pool)
+        if pool is None and self.talker_stage.prefill_graphs is not None:
+            pool = self.talker_stage.prefill_graphs.pool
         self.frame_graphs.capture(plan.captured("code predictor", "decode"), pool=pool)
         self.code2wav_graphs.capture(plan.captured("Code2Wav", "decode"), pool=pool or self.frame_graphs.pool)
 
@@ -215,9 +221,11 @@ class SpeechStages:
         """What the start-up line says of the three stages."""
         pool, streamer, frames = self.talker_stage.pool, self.streamer, self.frame_graphs
         talker_note = self.talker_stage.graphs.routes_note() if self.talker_stage.graphs is not None else ""
+        prefill = self.talker_stage.prefill_graphs
         return (
             f"speech: Talker KV {pool.num_pages:,} pages x {pool.page_size} tokens, "
             f"{_captured('Talker decode', 'batch', self.talker_stage.captured_buckets, talker_note)}, "
+            f"{_captured('Talker prefill', 'tokens', prefill.captured_buckets if prefill else [])}, "
             f"{_captured('code predictor frame', 'batch', frames.captured_buckets, frames.routes_note())}, "
             f"Code2Wav chunks of {streamer.first_chunk} then {streamer.chunk} frames, up to "
             f"{streamer.max_batch} streams a call: "

@@ -77,6 +77,12 @@ def test_stages_follow_the_engine_and_each_other_by_default():
     assert eager.stage("talker").graphs.sizes(decode_buckets) == decode_buckets(64)
     listed = engine_config(stages={"code_predictor": {"graphs": {"buckets": [1, 3, 5]}}})
     assert listed.stage("code_predictor").graphs.sizes(decode_buckets) == [1, 3, 5]
+    # the Talker's prefill graphs follow the Thinker's unless given their own
+    follows = engine_config(max_prefill_graph_tokens=64)
+    assert follows.stage("talker").prefill_graphs.sizes(prefill_buckets) == prefill_buckets(64)
+    own = engine_config(stages={"talker": {"prefill_graphs": {"buckets": [16, 48]}}})
+    assert own.stage("talker").prefill_graphs.sizes(prefill_buckets) == [16, 48]
+    assert eager.stage("talker").prefill_graphs.sizes(prefill_buckets) == prefill_buckets(2048)
     assert listed.stage("encoders").audio_graphs.sizes(decode_buckets, default_max=4) == [1, 2, 4]
 
 
@@ -139,6 +145,10 @@ def test_a_mistyped_stage_key_stops_the_server_with_its_path(tmp_path, capsys):
         (
             {"thinker": {"prefill_graphs": {"max": 4096}}},
             r"stages.thinker.prefill_graphs.max: 4096 is above max_num_batched_tokens \(2048\)",
+        ),
+        (
+            {"talker": {"prefill_graphs": {"max": 4096}}},
+            r"stages.talker.prefill_graphs.max: 4096 is above max_num_batched_tokens \(2048\)",
         ),
         (
             {"talker": {"num_kv_pages": 64, "kv_share": 0.2}},

@@ -174,3 +174,42 @@ def test_no_buckets_capture_nothing(talker, cfg):
     stage = make_stage(talker, cfg)
     assert stage.capture_graphs([], max_seq_len=32) == [] == stage.captured_buckets
     assert bucket_for(1, stage.captured_buckets) is None
+
+
+def _with_prefill_graphs(talker, cfg, num_pages: int) -> tuple[EmbeddingStage, list[int]]:
+    """A stage with decode graphs for 1 and 2 rows and prefill graphs, and the slots of each prefill replay."""
+    stage = make_stage(talker, cfg, num_pages)
+    stage.capture_graphs([1, 2], max_seq_len=32)
+    assert stage.capture_prefill_graphs([16, 32, 64], max_seq_len=32) == [16, 32, 64]
+    assert stage.prefill_graphs.buffers.max_seqs == 8  # the stage's max_num_seqs
+    prefills: list[int] = []
+    run = stage.prefill_graphs.run
+    stage.prefill_graphs.run = lambda *a: (prefills.append(a[2].seq_lens.shape[0]), run(*a))[1]
+    return stage, prefills
+
+
+def test_prompts_and_steps_beside_them_replay_prefill_graphs_as_eager_computes(talker, cfg):
+    """The Talker's prefill graphs: prompts of several requests in one step and a decode batch past the decode
+    graphs, padded to token buckets and sequence slots, give the tokens and hidden states of the plain path."""
+    params = [sampled(40 + i, n, ignore_eos=True) for i, n in enumerate([3, 5, 6, 6, 4])]
+    want = speak(make_stage(talker, cfg), params)
+    stage, prefills = _with_prefill_graphs(talker, cfg, 64)
+    outputs = schedules_of(stage)
+    got = speak(stage, params)
+    assert_same_steps(got, want)
+    offered = [o for o in outputs if o.chunks and not (o.is_pure_decode and len(o.chunks) <= 2)]
+    assert len(prefills) == len(offered) > 0  # every step but the decode graphs' went to the prefill graphs
+    assert any(len(o.chunks) > 1 and not o.is_pure_decode for o in offered)  # prompts together
+    assert any(o.is_pure_decode for o in offered)  # five rows: past the decode graphs
+    assert stage.pool.num_free == stage.pool.num_pages
+
+
+def test_a_recompute_after_a_preemption_replays_a_prefill_graph(talker, cfg):
+    params = [sampled(11, 8), sampled(12, 8, ignore_eos=True), sampled(13, 5, temperature=0.0)]
+    want = speak(make_stage(talker, cfg, 8), params)
+    stage, prefills = _with_prefill_graphs(talker, cfg, 8)
+    outputs = schedules_of(stage)
+    got = speak(stage, params)
+    assert_same_steps(got, want)
+    assert any(o.preempted for o in outputs) and prefills
+    assert stage.pool.num_free == stage.pool.num_pages
