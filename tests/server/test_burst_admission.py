@@ -7,7 +7,7 @@ from __future__ import annotations
 import asyncio
 import io
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import httpx
 import numpy as np
@@ -98,6 +98,14 @@ def assert_nothing_held(engine: AsyncEngine) -> None:
     assert not engine._streams and engine._queued() == 0
 
 
+async def until(condition: Callable[[], bool], timeout: float = 10.0) -> None:
+    """Wait for `condition`, failing the test (not hanging it) after `timeout` seconds."""
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, "the condition did not come about in time"
+        await asyncio.sleep(0.005)
+
+
 def wait_idle(engine: AsyncEngine, timeout: float = 5.0) -> None:
     deadline = time.monotonic() + timeout
     while engine.engine.has_unfinished() and time.monotonic() < deadline:
@@ -113,8 +121,8 @@ def test_a_text_chat_is_not_queued_behind_long_speeches(speaking_engine):
     finished: dict[int, float] = {}
 
     async def speak(client: httpx.AsyncClient, i: int) -> bytes:
-        while len(pipeline._speaking) + len(pipeline._waiting) + len(finished) < i:  # they arrive in order
-            await asyncio.sleep(0.005)
+        # they arrive in their order
+        await until(lambda: len(pipeline._speaking) + len(pipeline._waiting) + len(finished) >= i)
         response = await client.post("/v1/audio/speech", json=speech_body(seed=i))
         assert response.status_code == 200, response.text
         finished[i] = time.monotonic()
@@ -128,8 +136,7 @@ def test_a_text_chat_is_not_queued_behind_long_speeches(speaking_engine):
             await asyncio.sleep(0.01)
 
     async def chat(client: httpx.AsyncClient) -> float:
-        while pipeline.stats()["num_speaking"] < 2:  # the speeches are under way
-            await asyncio.sleep(0.01)
+        await until(lambda: pipeline.stats()["num_speaking"] >= 2)  # the speeches are under way
         body = {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 3}
         start = time.monotonic()
         response = await client.post("/v1/chat/completions", json=body)
@@ -164,17 +171,18 @@ def test_a_full_queue_is_503_with_retry_after(speaking_engine, monkeypatch):
     """Two speaking and one waiting fill a queue of one: the next request (speech or text) is a 503 that
     says when to come back; the three still finish."""
     app = build_app(speaking_engine, MODEL)
+    pipeline = speaking_engine.engine
     monkeypatch.setattr(speaking_engine, "max_queue", 1)
 
     async def main() -> list[httpx.Response]:
         async with httpx.AsyncClient(
             transport=httpx.ASGITransport(app=app), base_url="http://t", timeout=60
         ) as client:
-            running = [
-                asyncio.ensure_future(client.post("/v1/audio/speech", json=speech_body(i))) for i in range(3)
-            ]
-            while speaking_engine.stats()["num_waiting"] < 1:
-                await asyncio.sleep(0.01)
+            running = []
+            for i in range(3):  # each once the one before is in: none meets a queue still holding another
+                running.append(asyncio.ensure_future(client.post("/v1/audio/speech", json=speech_body(i))))
+                await until(lambda n=i + 1: len(pipeline._speaking) + len(pipeline._waiting) >= n)
+            assert speaking_engine.stats()["num_waiting"] == 1
             refused = [
                 await client.post("/v1/audio/speech", json=speech_body(9)),
                 await client.post(
