@@ -19,10 +19,7 @@ cd "$(dirname "$0")/.."
 OUT=${OUT:-speech-out}
 mkdir -p "$OUT"
 source benchmarks/gpu_env.sh
-{
-  nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
-  python3 -c 'import sys, torch, transformers; print("python", sys.version.split()[0], "torch", torch.__version__, "transformers", transformers.__version__)'
-} >"$OUT/env.txt" 2>&1
+gpu_env_txt >"$OUT/env.txt"
 
 failed=0
 timeout 400 python3 -m omnistage.cli bench t2s --load-format dummy --device cuda --dtype bfloat16 \

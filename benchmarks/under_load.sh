@@ -14,11 +14,7 @@ cd "$(dirname "$0")/.."
 OUT=${OUT:-load-out}
 mkdir -p "$OUT"
 source benchmarks/gpu_env.sh
-{
-  nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
-  python3 -c 'import sys, torch, transformers; print("python", sys.version.split()[0], "torch", torch.__version__, "transformers", transformers.__version__)'
-  git rev-parse HEAD 2>/dev/null
-} >"$OUT/env.txt" 2>&1
+{ gpu_env_txt; git rev-parse HEAD 2>/dev/null; } >"$OUT/env.txt"
 failed=0
 TORCH_LOGS=${TORCH_LOGS:-recompiles} timeout "${SPEECH_S:-390}" python3 -m omnistage.cli bench t2s --load-format dummy \
   --device cuda --dtype bfloat16 --concurrency "${T2S_C:-1,4,16,32,64}" --requests 2 --also s2s --also-concurrency 1 \
