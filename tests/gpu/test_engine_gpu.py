@@ -33,6 +33,7 @@ def test_graphs_equal_eager(tiny_checkpoint):
         kv_cache_memory_gib=0.05,
         max_graph_batch=8,
         compile=False,
+        speech=False,  # the Thinker's graphs alone: the speech stages' have tests of their own
     )
     graphs = LLM(device="cuda", **common)
     assert graphs.engine.runner.graphs.captured_buckets == [1, 2, 4, 8]
@@ -80,11 +81,10 @@ def test_serving_compiles_nothing_after_start(tiny_checkpoint):
 
 def test_gpu_float32_agrees_with_the_cpu_reference(tiny_checkpoint):
     torch.backends.cuda.matmul.allow_tf32 = False
-    gpu = LLM(
-        model=str(tiny_checkpoint), device="cuda", dtype="float32", page_size=4, kv_cache_memory_gib=0.05
-    )
+    text_only = dict(model=str(tiny_checkpoint), dtype="float32", page_size=4, speech=False)
+    gpu = LLM(device="cuda", kv_cache_memory_gib=0.05, **text_only)
     assert gpu.engine.runner.graphs is None  # float32 MoE is the host-syncing loop: eager, and it says so
-    cpu = LLM(model=str(tiny_checkpoint), device="cpu", dtype="float32", page_size=4, num_kv_pages=256)
+    cpu = LLM(device="cpu", num_kv_pages=256, **text_only)
     ours, reference = tokens(gpu), tokens(cpu)
     agree = sum(a == b for x, y in zip(ours, reference) for a, b in zip(x, y)) / sum(len(x) for x in ours)
     assert agree >= 0.9, f"only {agree:.0%} of greedy tokens agree with the CPU reference"
