@@ -71,7 +71,7 @@ _ENGINE_FLAGS: list[tuple[str, str, type, str]] = [
      "per-step token budget; a longer prefill runs in chunks"),
     ("--max-model-len", "max_model_len", int, "context limit (default: the model's)"),
     ("--max-num-speaking", "max_num_speaking", int,
-     "most speaking requests in flight; more wait their turn (default: min(Talker max_batch, Code2Wav streams))"),
+     "most speaking requests in flight; more wait their turn (default: the Talker max_batch on a GPU; eager: at most the Code2Wav streams)"),
     ("--max-graph-batch", "max_graph_batch", int, "largest decode batch captured in a CUDA graph"),
     ("--max-prefill-graph-tokens", "max_prefill_graph_tokens", int,
      "largest prefill step (tokens) captured in a CUDA graph; 0 for none"),

@@ -287,8 +287,8 @@ class EngineConfig(BaseModel):
         None,
         ge=1,
         description="most speaking requests in flight; more wait their turn in arrival order, counted by "
-        "--max-queue (text requests never wait for them); default: the Talker's max_batch or Code2Wav's "
-        "max_streams, whichever is smaller",
+        "--max-queue (text requests never wait for them); default: the Talker's max_batch on a GPU, "
+        "eagerly at most Code2Wav's max_streams",
     )
     speech_device: str | None = Field(
         None,

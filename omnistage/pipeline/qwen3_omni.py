@@ -56,12 +56,18 @@ def default_frame_cap(text_tokens: int) -> int:
     return min(MAX_AUDIO_FRAMES, CAP_BASE_FRAMES + CAP_FRAMES_PER_TOKEN * text_tokens)
 
 
-def max_speaking(config: EngineConfig) -> int:
-    """The most speaking requests in flight: the config's, else as many as a Talker step and a Code2Wav call
-    take at once. More would only stretch every step, a text request's with it, until all end together."""
+def max_speaking(config: EngineConfig, device: torch.device) -> int:
+    """The most speaking requests in flight: the config's, else as many as one speaking step serves at about
+    the cost of one. On a GPU that is the Talker's batch, its graphs' largest: a bound of Code2Wav's 16 streams
+    per call held the H200 at ~100 audio s/s from c=16 on and queued c=64's first packets for 2.5 s
+    (benchmarks/RESULTS.md, "Under load"). Eagerly a step's cost grows with its rows: there it is also no more
+    than a Code2Wav call's streams, so that the first speeches finish first and a chat keeps its pace."""
     if config.max_num_speaking is not None:
         return config.max_num_speaking
-    return min(config.stage("talker").max_batch, config.stage("code2wav").max_streams)
+    talker = config.stage("talker").max_batch
+    if device.type == "cuda" and not config.stage("talker").enforce_eager:
+        return talker
+    return min(talker, config.stage("code2wav").max_streams)
 
 
 def _about(exc: InvalidRequest, field: str) -> InvalidRequest:
@@ -176,7 +182,7 @@ class Qwen3OmniPipeline:
         self.device, self.dtype = device, dtype
         self._speaking: dict[str, Speech] = {}
         # speaking requests beyond max_speaking wait here, in arrival order; text requests never do
-        self.max_speaking = max_speaking(config)
+        self.max_speaking = max_speaking(config, self.speech_device)
         self._waiting: deque[_Waiting] = deque()
         self._refused: list[RequestOutput] = []  # waiting requests the Thinker refused when their turn came
         # on a GPU the Thinker has a stream of its own, for its steps beside the speech stages' (`step`) when

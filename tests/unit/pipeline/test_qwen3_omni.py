@@ -10,11 +10,12 @@ import pytest
 import torch
 
 from omnistage import LLM, SamplingParams
+from omnistage.config import engine_config
 from omnistage.engine.llm_engine import NewRequest
 from omnistage.engine.sampling import SpeechParams, talker_sampling_defaults
 from omnistage.errors import InvalidRequest
 from omnistage.pipeline.async_engine import AsyncEngine
-from omnistage.pipeline.qwen3_omni import MAX_AUDIO_FRAMES, default_frame_cap
+from omnistage.pipeline.qwen3_omni import MAX_AUDIO_FRAMES, default_frame_cap, max_speaking
 from omnistage.pipeline.side_stream import SideStream
 
 QUESTIONS = ["Say hello.", "Name a colour.", "Count to three.", "What is rain?", "Tell a joke.", "Why?"]
@@ -463,3 +464,17 @@ def test_a_waiting_speaking_request_can_be_aborted(llm, monkeypatch):
             seen[out.request_id].append(out)
     assert [seen[i][-1].num_audio_frames for i in ("500", "501")] == [4, 4]
     assert_nothing_held(llm)
+
+
+def test_every_talker_row_may_speak_on_a_gpu_by_default(tiny_checkpoint):
+    """The bound on speaking requests defaults to the Talker's batch on a GPU, not Code2Wav's streams per call:
+    on the H200 a bound of 16 (Code2Wav's) held T2S at ~100 audio s/s from c=16 on and queued c=64's first
+    packets for 2.5 s (benchmarks/RESULTS.md, "Under load"). Eagerly, where a step's cost grows with its rows,
+    it stays the smaller of the two."""
+    config = engine_config(model=str(tiny_checkpoint), max_num_seqs=64, code2wav_max_batch=16)
+    assert max_speaking(config, torch.device("cuda", 0)) == config.stage("talker").max_batch == 64
+    assert max_speaking(config, torch.device("cpu")) == 16
+    eager = engine_config(model=str(tiny_checkpoint), max_num_seqs=64, enforce_eager=True)
+    assert max_speaking(eager, torch.device("cuda", 0)) == 16
+    given = engine_config(model=str(tiny_checkpoint), max_num_speaking=3)
+    assert max_speaking(given, torch.device("cuda", 0)) == max_speaking(given, torch.device("cpu")) == 3
