@@ -1,5 +1,5 @@
 """Log-mel features on a GPU: the CPU's features, made on a stream of their own without waiting for the work
-queued on the engine's stream, from several threads at once; the Qwen3-ASR processor leaves them on the GPU."""
+queued on the engine's stream, from several threads at once and in batches; the Qwen3-ASR processor leaves them on the GPU."""
 
 from __future__ import annotations
 
@@ -58,6 +58,23 @@ def test_mels_from_many_threads_are_each_their_clip():
     clips = [clip(seconds, seed=i) for i, seconds in enumerate((3.0, 120.0, 0.7, 45.5, 9.1, 61.0))]
     with ThreadPoolExecutor(4) as pool:
         got = list(pool.map(lambda w: log_mel(w, device="cuda"), clips))
+    for waveform, features in zip(clips, got):
+        assert (features.cpu() - log_mel(waveform)).abs().max().item() <= MEL_TOLERANCE
+
+
+def test_a_burst_of_clips_is_featurised_in_batches(monkeypatch):
+    """Clips arriving together from many threads share batches (one copy, one run of STFT calls), each still
+    its own clip's features."""
+    import omnistage.models.qwen3_omni.audio_features as af
+
+    sizes, run = [], af._log_mels
+    monkeypatch.setattr(af, "_log_mels", lambda clips, *a: sizes.append(len(clips)) or run(clips, *a))
+    clips = [clip(2.0 + (i % 7), seed=i) for i in range(64)]
+    log_mel(clips[0], device="cuda")
+    sizes.clear()
+    with ThreadPoolExecutor(32) as pool:
+        got = list(pool.map(lambda w: log_mel(w, device="cuda"), clips))
+    assert sum(sizes) == len(clips) and len(sizes) < len(clips) // 2, sizes
     for waveform, features in zip(clips, got):
         assert (features.cpu() - log_mel(waveform)).abs().max().item() <= MEL_TOLERANCE
 

@@ -19,7 +19,10 @@ from omnistage.models.qwen3_omni.audio_encoder import audio_output_tokens, load_
 from omnistage.models.qwen3_omni.audio_features import (
     CPU_FRAMES_PER_CALL,
     GPU_FRAMES_PER_CALL,
+    _Clip,
+    _first_within,
     _log_mel,
+    _log_mels,
     decode_audio,
     log_mel,
     resample,
@@ -117,6 +120,30 @@ def test_mel_in_same_size_calls_equals_the_cpu_calls(per_call):
         assert ours.shape == cpu.shape == (128, samples // 160)
         assert (ours - cpu).abs().max() <= 1e-6  # the same arithmetic per frame; only the FFT batch differs
         assert np.abs(ours.numpy() - whisper_features(clip)).max() <= MEL_TOLERANCE
+
+
+@pytest.mark.parametrize("per_call", [7, GPU_FRAMES_PER_CALL])
+def test_clips_laid_end_to_end_are_each_their_own_features(per_call):
+    """The GPU's batch of clips (`_log_mels`) on the CPU: each clip's frames, and its own floor, exactly as the
+    clip alone in the same calls, whatever its length against a hop and a call (the loudest next to the
+    quietest: a shared max would floor the quiet one)."""
+    lengths = (201, 4000, 160 * 3 * per_call + 159, 16000 * 7 + 17, 160 * per_call)
+    clips = [sine_and_noise(n / 16000, seed=n) * (0.01 if i == 1 else 1.0) for i, n in enumerate(lengths)]
+    clips = [c.astype(np.float32) for c in clips]
+    together = _log_mels(clips, torch.device("cpu"), per_call)
+    for clip, features in zip(clips, together):
+        alone = _log_mel(torch.from_numpy(clip), per_call, same_size_calls=True)
+        assert features.shape == alone.shape == (128, clip.size // 160) and features.is_contiguous()
+        assert (
+            features - alone
+        ).abs().max() <= 1e-6  # the same arithmetic per frame; only the FFT batch differs
+
+
+def test_a_batch_of_mels_is_bounded_by_its_audio():
+    clips = [_Clip(np.zeros(n, np.float32)) for n in (300, 500, 200, 900)]
+    assert _first_within(clips, 1000) == clips[:3]
+    assert _first_within(clips, 100) == clips[:1]  # the first clip always, however long
+    assert _first_within(clips, 10_000) == clips and _first_within([], 10) == []
 
 
 def test_bad_audio_raises_invalid_media():

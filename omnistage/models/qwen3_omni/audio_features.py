@@ -10,6 +10,7 @@ from __future__ import annotations
 import io
 import math
 import threading
+from dataclasses import dataclass
 from functools import lru_cache
 
 import numpy as np
@@ -36,6 +37,8 @@ MIN_SAMPLES = N_FFT // 2 + 1
 # of once per clip length, and the scratch stays ~40 MB however long the clip.
 CPU_FRAMES_PER_CALL = 500
 GPU_FRAMES_PER_CALL = 6000
+# The most audio one batch of GPU mels holds (_MelBatches): the longest clip's, whose scratch one clip needs anyway.
+MAX_BATCH_SECONDS = MAX_SECONDS
 
 
 def decode_audio(data: bytes, max_seconds: float = MAX_SECONDS) -> tuple[np.ndarray, int]:
@@ -94,24 +97,123 @@ def log_mel(
     x = x.to(dtype=torch.float32)  # before the copy: a float64 waveform would cross at twice the bytes
     if device.type != "cuda":
         return _log_mel(x.to(device), CPU_FRAMES_PER_CALL, same_size_calls=False)
-    # On a GPU the processor calls this from the server's threads while the engine's thread runs steps on its
-    # stream. The mel runs on a stream of its own and this thread then waits for that stream alone (the copy
-    # and a few dozen kernels, under a millisecond for 2 minutes of audio): the engine's stream is never
-    # synchronised, so no step stalls, and the mel does not queue behind a step (a copy from pageable memory
-    # waits for its own stream only). After the wait any stream may read the features; their memory returns
-    # to this stream's pool when the last holder drops them, the request's caller once the request ended,
-    # long after the encoder read them. One clip at a time per device: the mel's scratch, which the memory
-    # plan does not count, stays one clip's.
     if device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())
-    stream, lock = _mel_stream(device)
-    with lock:
-        if x.is_cuda:  # made on the caller's stream
-            stream.wait_stream(torch.cuda.current_stream(x.device))
-        with torch.cuda.stream(stream):
-            features = _log_mel(x.to(device), GPU_FRAMES_PER_CALL, same_size_calls=True)
-        stream.synchronize()
-    return features
+    return _mel_batches(device).features(x)
+
+
+class _MelBatches:
+    """The log-mel features of clips from many threads, made together on one device's stream of their own.
+
+    The processor calls `log_mel` from the server's threads while the engine's thread runs steps on its
+    stream. The mel runs on a stream of its own and its caller then waits for that stream alone: the engine's
+    stream is never synchronised, so no step stalls, and the mel does not queue behind a step. After the wait
+    any stream may read the features; their memory returns to this stream's pool when the last holder drops
+    them, the request's caller once the request ended, long after the encoder read them.
+
+    Clips that arrive while a batch runs wait for the next one, which the first of their threads runs for
+    all of them (`_log_mels`): at c=128 on the H200, one clip at a time under a lock took a median 193 ms of
+    a request's 236 ms TTFT (benchmarks/RESULTS.md, "Under load"), its few dozen launches and a stream wait
+    per clip taking turns for the GIL with every other thread. A batch holds at most `MAX_BATCH_SECONDS` of
+    audio, so the mel's scratch, which the memory plan does not count, stays one longest clip's.
+    """
+
+    def __init__(self, device: torch.device) -> None:
+        # high priority: the mel's few kernels start ahead of a long prefill's queued kernels, not after them
+        self.stream = torch.cuda.Stream(device, priority=-1)
+        self.device = device
+        self._turn = threading.Lock()  # one batch at a time on the stream
+        self._queue = threading.Lock()
+        self._pending: list[_Clip] = []
+
+    def features(self, x: torch.Tensor) -> torch.Tensor:
+        if x.is_cuda:  # made on the caller's stream: a batch of its own, after that stream's work
+            with self._turn:
+                self.stream.wait_stream(torch.cuda.current_stream(x.device))
+                with torch.cuda.stream(self.stream):
+                    features = _log_mel(x.to(self.device), GPU_FRAMES_PER_CALL, same_size_calls=True)
+                self.stream.synchronize()
+            return features
+        clip = _Clip(x.numpy())
+        with self._queue:
+            self._pending.append(clip)
+        while clip.features is None and clip.error is None:
+            with self._turn:
+                with self._queue:
+                    batch = _first_within(self._pending, MAX_BATCH_SECONDS * SAMPLE_RATE)
+                    del self._pending[: len(batch)]
+                if batch:
+                    self._run(batch)
+        if clip.error is not None:
+            raise clip.error
+        assert clip.features is not None
+        return clip.features
+
+    def _run(self, batch: list[_Clip]) -> None:
+        try:
+            with torch.cuda.stream(self.stream):
+                features = _log_mels([c.samples for c in batch], self.device, GPU_FRAMES_PER_CALL)
+            self.stream.synchronize()
+        except Exception as exc:  # a device error: every clip of the batch gets it
+            for c in batch:
+                c.error = exc
+        else:
+            for c, f in zip(batch, features):
+                c.features = f
+
+
+@dataclass
+class _Clip:
+    samples: np.ndarray
+    features: torch.Tensor | None = None
+    error: Exception | None = None
+
+
+def _first_within(clips: list[_Clip], samples: int) -> list[_Clip]:
+    """The longest run of `clips` from the first holding at most `samples` in all (the first one always)."""
+    total = 0
+    for i, clip in enumerate(clips):
+        total += clip.samples.size
+        if total > samples and i > 0:
+            return clips[:i]
+    return clips[:]
+
+
+def _log_mels(clips: list[np.ndarray], device: torch.device, per_call: int) -> list[torch.Tensor]:
+    """The features of several float32 waveforms, each equal to `_log_mel(clip, per_call, same_size_calls=True)`,
+    from one copy to `device` and one run of same-size STFT calls.
+
+    Each clip is padded as torch.stft centres it and the clips are laid end to end, each starting at a whole
+    hop: then a clip's frames are frames of the joint signal (a frame reads its 400 samples, all within its
+    clip's padding), and the frames across two clips are computed and dropped. Each clip keeps its own max
+    for the -8 floor.
+    """
+    half = N_FFT // 2
+    frames = [c.size // HOP_LENGTH for c in clips]  # Whisper drops the last frame of the centred STFT
+    spans = [-(-(c.size + N_FFT) // HOP_LENGTH) for c in clips]  # each clip's padded length, in whole hops
+    starts = np.concatenate([[0], np.cumsum(spans)])
+    calls = -(-int(starts[-1]) // per_call)
+    joint = np.zeros((calls * per_call - 1) * HOP_LENGTH + N_FFT, dtype=np.float32)
+    owner = np.full(calls * per_call, len(clips), dtype=np.int64)  # frames across two clips: an extra slot
+    for i, (clip, start, n) in enumerate(zip(clips, starts, frames)):
+        offset = int(start) * HOP_LENGTH
+        joint[offset : offset + clip.size + N_FFT] = np.pad(clip, half, mode="reflect")
+        owner[start : start + n] = i
+    x, owner_t = torch.from_numpy(joint).to(device), torch.from_numpy(owner).to(device)
+    window, filters = _window(str(device)), _mel_filters(NUM_MEL_BINS, str(device))
+    log_spec = torch.empty(NUM_MEL_BINS, calls * per_call, device=device)
+    for call in range(calls):
+        first = call * per_call
+        piece = x[first * HOP_LENGTH : (first + per_call - 1) * HOP_LENGTH + N_FFT]
+        spec = torch.stft(piece, N_FFT, HOP_LENGTH, window=window, center=False, return_complex=True)
+        ri = torch.view_as_real(spec.mT)  # |z|^2 as in _log_mel
+        power = torch.addcmul(ri[..., 0].square(), ri[..., 1], ri[..., 1])
+        log_spec[:, first : first + per_call] = (filters @ power.mT).clamp_(min=1e-10).log10_()
+    peaks = torch.full((len(clips) + 1,), -torch.inf, device=device)
+    peaks.scatter_reduce_(0, owner_t, log_spec.amax(dim=0), "amax")
+    torch.maximum(log_spec, (peaks - 8.0)[owner_t][None], out=log_spec)
+    log_spec.add_(4.0).div_(4.0)
+    return [log_spec[:, int(s) : int(s) + n].contiguous() for s, n in zip(starts, frames)]
 
 
 def _log_mel(x: torch.Tensor, per_call: int, same_size_calls: bool) -> torch.Tensor:
@@ -146,10 +248,8 @@ def _check_duration(num_samples: int, sample_rate: int, max_seconds: float) -> N
 
 
 @lru_cache(maxsize=8)
-def _mel_stream(device: torch.device) -> tuple[torch.cuda.Stream, threading.Lock]:
-    """The stream the mel runs on, and the lock that lets one clip at a time use it. High priority: the
-    mel's few kernels start ahead of a long prefill's queued kernels, not after them."""
-    return torch.cuda.Stream(device, priority=-1), threading.Lock()
+def _mel_batches(device: torch.device) -> _MelBatches:
+    return _MelBatches(device)
 
 
 @lru_cache(maxsize=8)
