@@ -150,7 +150,7 @@ def graph_report(pipeline: Any) -> dict[str, dict[str, Any]]:
             "code_predictor": pipeline.speech_stages.frame_graphs,
             "code2wav": pipeline.speech_stages.code2wav_graphs,
         }
-    plans = [p for p in (thinker.plan, pipeline.speech_plan) if p is not None]
+    plans = list(pipeline.plans.values())
     report = {}
     for key, stage, kind in GRAPH_SETS:
         if key not in runners:
@@ -180,7 +180,7 @@ def start(config: EngineConfig) -> tuple[Any, dict[str, Any]]:
     started = time.perf_counter()
     pipeline = build_pipeline(config)
     record: dict[str, Any] = {"start_s": round(time.perf_counter() - started, 2)}
-    plans = [p for p in (pipeline.thinker.plan, pipeline.speech_plan) if p is not None]
+    plans = list(pipeline.plans.values())
     record["plans"] = {p.device.name: p.table() for p in plans}
     record["graphs"] = graph_report(pipeline)
     record["summary"] = pipeline.memory_summary()

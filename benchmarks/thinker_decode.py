@@ -331,7 +331,9 @@ def main() -> None:
         # the same engine and weights with the other MoE kernel: switch, recapture the graphs, measure again
         engine = llm.engine
         engine.set_moe_kernel("grouped_mm")
-        engine.runner.capture_graphs(list(engine.plan.captured_buckets), engine.max_model_len, False)
+        engine.runner.capture_graphs(
+            list(engine.plan.captured(engine.name, "decode")), engine.max_model_len, False
+        )
         results["ours_grouped_mm_tpot_ms"] = {}
         for b in map(int, args.batches.split(",")):
             results["ours_grouped_mm_tpot_ms"][b] = ours_tpot(llm, b, args.prompt_len, args.steps) * 1e3
@@ -339,7 +341,9 @@ def main() -> None:
                 "ours with grouped_mm MoE: batch %d TPOT %.2f ms", b, results["ours_grouped_mm_tpot_ms"][b]
             )
         engine.set_moe_kernel(args.moe_kernel)
-        engine.runner.capture_graphs(list(engine.plan.captured_buckets), engine.max_model_len, False)
+        engine.runner.capture_graphs(
+            list(engine.plan.captured(engine.name, "decode")), engine.max_model_len, False
+        )
     if DEVICE == "cuda" and llm.engine.runner.graphs:
         results["ours_step_breakdown_ms"] = {b: step_breakdown(llm, b, args.prompt_len) for b in (1, 32)}
         log.info("step breakdown (ms): %s", results["ours_step_breakdown_ms"])

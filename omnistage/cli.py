@@ -110,8 +110,8 @@ def _plan(args: argparse.Namespace) -> None:
 
 
 def _print_plans(pipeline: object) -> None:
-    from omnistage.engine.capture_plan import MemoryPlan
-    from omnistage.engine.memory_report import reachable
+    from omnistage.engine.memory.plan import MemoryPlan
+    from omnistage.engine.memory.report import reachable
 
     plans = [obj for _, obj in reachable(pipeline) if isinstance(obj, MemoryPlan)]
     for plan in plans:
@@ -124,7 +124,7 @@ def _memory_report(args: argparse.Namespace) -> None:
     """Load the checkpoint as serve would, and print where each device's memory went, grouped by what holds it."""
     import torch
 
-    from omnistage.engine.memory_report import accounting_table, group_snapshot, holdings
+    from omnistage.engine.memory.report import accounting_table, group_snapshot, holdings
     from omnistage.pipeline.family import build_pipeline
 
     pipeline = build_pipeline(_engine_config(args))

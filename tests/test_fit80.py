@@ -11,8 +11,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from omnistage.engine.capture_plan import DeviceMemory, GraphCandidates, KVPool, MiB, StageMemory, plan_device
 from omnistage.engine.code2wav_graphs import Code2WavGraphs
+from omnistage.engine.memory.plan import DeviceMemory, GraphCandidates, KVPool, MiB, StageMemory, plan_device
 
 SCRIPT = Path(__file__).parents[1] / "benchmarks" / "fit80.py"
 
@@ -95,11 +95,13 @@ def test_graph_report_two_devices(fit80):
     pipeline = SimpleNamespace(
         speaks=True,
         thinker=SimpleNamespace(
-            plan=plan_device(device, [thinker], graph_budget=40 * MiB),
             runner=SimpleNamespace(graphs=runner([1, 2], 8 * MiB), prefill_graphs=None),
             encoders=SimpleNamespace(audio_graphs=None, vision_graphs=runner([1024], 4 * MiB)),
         ),
-        speech_plan=plan_device(replace(device, name="cuda:1"), [speech]),
+        plans={
+            "cuda:0": plan_device(device, [thinker], graph_budget=40 * MiB),
+            "cuda:1": plan_device(replace(device, name="cuda:1"), [speech]),
+        },
         speech_stages=SimpleNamespace(
             talker_stage=SimpleNamespace(graphs=None), frame_graphs=runner([], 0), code2wav_graphs=code2wav
         ),

@@ -1,5 +1,5 @@
 """The buckets of a graph set: which batch sizes (or prompt-chunk lengths) are captured, and which captured graph a
-step of a given size replays. Plain arithmetic; `capture_plan` decides how many of them memory allows."""
+step of a given size replays. Plain arithmetic; `memory.plan` decides how many of them memory allows."""
 
 from collections.abc import Iterable
 

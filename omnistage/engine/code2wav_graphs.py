@@ -25,8 +25,8 @@ from typing import Any
 import torch
 
 from omnistage.engine.buckets import decode_buckets
-from omnistage.engine.gpu_memory import Peak, device_peak, scaled_peaks
 from omnistage.engine.graphs import GraphSet
+from omnistage.engine.memory.measure import Peak, device_peak, scaled_peaks
 from omnistage.models.qwen3_omni.code2wav import Code2Wav
 
 GraphKey = tuple[int, int]  # (chunk frames, streams bucket)

@@ -23,10 +23,10 @@ from typing import Any, Protocol
 import torch
 
 from omnistage.engine.decode_ahead import Launched
-from omnistage.engine.gpu_memory import Peak, device_peak, scaled_peaks
 from omnistage.engine.graphs import DecodeGraphRunner, PrefillGraphRunner
 from omnistage.engine.isolation import run_isolated
 from omnistage.engine.kv_cache import PagePool
+from omnistage.engine.memory.measure import Peak, device_peak, scaled_peaks
 from omnistage.engine.model_runner import positions_for, warm_up_shapes
 from omnistage.engine.sampling import Sampler, SamplingParams, SamplingRow, make_generator
 from omnistage.engine.scheduler import ScheduledChunk, Scheduler, SchedulerOutput

@@ -22,7 +22,6 @@ from typing import Any
 import numpy as np
 import torch
 
-from omnistage.engine.capture_plan import Floor
 from omnistage.engine.encoder_graphs import (
     AudioGraphs,
     VisionGraphs,
@@ -30,7 +29,8 @@ from omnistage.engine.encoder_graphs import (
     graph_peaks,
     vision_buckets,
 )
-from omnistage.engine.gpu_memory import Peak, device_peak
+from omnistage.engine.memory.floor import Floor
+from omnistage.engine.memory.measure import Peak, device_peak
 from omnistage.errors import InvalidRequest
 from omnistage.models.qwen3_omni.audio_encoder import AudioEncoder, audio_output_tokens, load_audio_encoder
 from omnistage.models.qwen3_omni.audio_features import HOP_LENGTH, MAX_SECONDS, NUM_MEL_BINS, SAMPLE_RATE
@@ -185,7 +185,7 @@ class EncoderEngine:
     def graph_costs(self, audio: list[int], vision: list[int]) -> dict[str, dict[int, Peak]]:
         """Per tower ("audio", "vision") and bucket, the measured eager peak of its padded step and what the
         step keeps (its rows and static buffers; GPU only, before capture): graphs of one pool share the
-        rest, their scratch (capture_plan.GraphCandidates)."""
+        rest, their scratch (memory.plan.GraphCandidates)."""
         costs = {"audio": graph_peaks(lambda b: AudioGraphs(self.audio_encoder, b), audio, self.device)}
         if self.vision_encoder is not None:
             costs["vision"] = graph_peaks(

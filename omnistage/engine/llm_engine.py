@@ -17,7 +17,6 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from omnistage.config import EngineConfig
-from omnistage.engine.capture_plan import NO_OTHER_STAGES, GiB, MemoryPlan, StageMemory, kv_bytes_per_page
 from omnistage.engine.decode_ahead import (
     PLACEHOLDER,
     Launched,
@@ -27,14 +26,15 @@ from omnistage.engine.decode_ahead import (
 )
 from omnistage.engine.detokenizer import IncrementalDetokenizer
 from omnistage.engine.encoder_engine import EncoderEngine, MultimodalEmbeds
-from omnistage.engine.gpu_memory import allocator_stats
 from omnistage.engine.isolation import run_isolated
 from omnistage.engine.kv_cache import PagePool
+from omnistage.engine.memory.measure import allocator_stats, module_bytes
+from omnistage.engine.memory.plan import GiB, MemoryPlan, StageMemory, kv_bytes_per_page
 from omnistage.engine.model_runner import HiddenTap, ModelRunner
 from omnistage.engine.sampling import Sampler, SamplingParams, SamplingRow, SpeechParams, make_generator
 from omnistage.engine.scheduler import ScheduledChunk, Scheduler, SchedulerOutput
 from omnistage.engine.sequence import Sequence, SequenceStatus
-from omnistage.engine.stage_plan import plan_stage_memory
+from omnistage.engine.stage_memory import llm_stage_memory
 from omnistage.errors import ConfigError, InvalidRequest, RequestTooLarge
 from omnistage.models.layers.linear import adopt_gemv
 from omnistage.models.layers.moe import SparseMoeBlock
@@ -126,20 +126,16 @@ class StageModels:
     # the layer whose hidden states a later stage reads from prompt rows (the Talker's accept_hidden_layer), if
     # one does: the prefill graphs record it too, so that a prompt with media a reply is spoken for replays them
     tap_layer: int | None = None
+    name: str = "Thinker"  # the stage's name in its device's memory plan
 
 
 class LLMEngine:
     def __init__(
-        self,
-        config: EngineConfig,
-        models: StageModels,
-        device: torch.device,
-        dtype: torch.dtype,
-        others: StageMemory = NO_OTHER_STAGES,
+        self, config: EngineConfig, models: StageModels, device: torch.device, dtype: torch.dtype
     ) -> None:
-        """`others`: what the other stages on this device hold and their largest steps, which run between this
-        stage's steps (the memory floor is the largest of all; the plan lists them)."""
-        self.config = config
+        """The stage over its loaded models. On the CPU its KV pages are allocated at once; on a GPU they and
+        its graphs wait for its device's plan, which its `memory()` joins (`allocate`)."""
+        self.config, self.name = config, models.name
         self.device, self.dtype = device, dtype
         self.model, self.encoders, self.processor = models.model, models.encoders, models.processor
         self.model_path, self.load_seconds = models.model_path, models.load_seconds
@@ -158,7 +154,6 @@ class LLMEngine:
             # the norms, rotary, routing and activation glue around the attention and MoE kernels.
             for layer in self.model.model.layers:
                 layer.compile(dynamic=True)
-
         self.page_size = config.page_size
         self.kv_bytes_per_page = kv_bytes_per_page(
             text.num_hidden_layers,
@@ -171,53 +166,60 @@ class LLMEngine:
             config.max_model_len or text.max_position_embeddings, text.max_position_embeddings
         )
         self.runner = ModelRunner(self.model, text, self.page_size, self.device, self.dtype, models.tap_layer)
-        self.plan: MemoryPlan | None = None
-        # the device's main-stream graph pool (`capture_plan.MAIN_POOL`): this stage's prefill graphs and its
+        self.plan: MemoryPlan | None = None  # its device's, once granted (`allocate`)
+        # the device's main-stream graph pool (`memory.plan.MAIN_POOL`): this stage's prefill graphs and its
         # encoders' graphs; the pipeline captures the other stages of the device into it too
         self.graph_pool: Any = None
-        if self.device.type == "cuda":
-            self.plan = plan_stage_memory(
-                self.runner,
-                self.encoders,
-                config,
-                self.kv_bytes_per_page,
-                max_prompt_tokens=self.max_model_len - 1,
-                max_media=(self.processor.max_audios, self.processor.max_images),
-                others=others,
-            )
-            num_pages = self.plan.kv_pages
-        elif config.num_kv_pages is not None:
-            num_pages = config.num_kv_pages
-        else:
-            num_pages = max(
-                1, int((config.kv_cache_memory_gib or _CPU_KV_GIB) * GiB) // self.kv_bytes_per_page
-            )
-        self.pool = PagePool(num_pages, self.page_size)
-        self.runner.allocate_kv(num_pages)
-        if self.plan is not None:
-            started = time.perf_counter()
-            self.graph_pool = torch.cuda.graph_pool_handle()
-            self.runner.capture_graphs(
-                list(self.plan.captured_buckets),
-                self.max_model_len,
-                config.enforce_eager,
-                prefill_buckets=list(self.plan.prefill_captured),
-                prefill_pool=self.graph_pool,
-                max_seqs=config.max_num_seqs,
-            )
-            # the towers run between this stage's steps and their rows are copied out at once
-            self.encoders.capture_graphs(
-                list(self.plan.captured("audio encoder", "prefill")),
-                list(self.plan.captured("vision encoder", "prefill")),
-                pool=self.graph_pool,
-            )
-            self.capture_seconds = time.perf_counter() - started
-        self.scheduler = Scheduler(self.pool, config.max_num_seqs, config.max_num_batched_tokens)
+        self.capture_seconds = 0.0
         self.sampler = Sampler()
         self.decode_ahead = config.decode_ahead
         self._launched: Launched | None = None  # the decode step in flight (decode_ahead)
         self._launch_failed = False  # the next step runs where a failure fails only the requests at fault
+        if self.device.type != "cuda":
+            cpu_gib = config.kv_cache_memory_gib or _CPU_KV_GIB
+            self._allocate_pages(config.num_kv_pages or max(1, int(cpu_gib * GiB) // self.kv_bytes_per_page))
+
+    def memory(self) -> StageMemory:
+        """What the stage needs of its GPU's plan: its weights and encoders', its floor, its KV pool and its
+        graphs' prices, measured now (the runner warms up on the way)."""
+        return llm_stage_memory(
+            self.runner,
+            self.encoders,
+            self.config,
+            self.kv_bytes_per_page,
+            max_prompt_tokens=self.max_model_len - 1,
+            max_media=(self.processor.max_audios, self.processor.max_images),
+            stage=self.name,
+        )
+
+    def allocate(self, plan: MemoryPlan) -> None:
+        """Its KV pages and CUDA graphs (its own and its encoders') as its device's `plan` grants them; the
+        graphs record the pages' addresses, so the pages come first."""
+        self.plan = plan
+        self._allocate_pages(plan.kv_pool(self.name).pages)
+        started = time.perf_counter()
+        self.graph_pool = torch.cuda.graph_pool_handle()
+        self.runner.capture_graphs(
+            list(plan.captured(self.name, "decode")),
+            self.max_model_len,
+            self.config.enforce_eager,
+            prefill_buckets=list(plan.captured(self.name, "prefill")),
+            prefill_pool=self.graph_pool,
+            max_seqs=self.config.max_num_seqs,
+        )
+        # the towers run between this stage's steps and their rows are copied out at once
+        self.encoders.capture_graphs(
+            list(plan.captured("audio encoder", "prefill")),
+            list(plan.captured("vision encoder", "prefill")),
+            pool=self.graph_pool,
+        )
+        self.capture_seconds = time.perf_counter() - started
         log.debug("%s", self.memory_summary())
+
+    def _allocate_pages(self, num_pages: int) -> None:
+        self.pool = PagePool(num_pages, self.page_size)
+        self.runner.allocate_kv(num_pages)
+        self.scheduler = Scheduler(self.pool, self.config.max_num_seqs, self.config.max_num_batched_tokens)
 
     def set_moe_kernel(self, kernel: str) -> None:
         """Choose the GPU MoE kernel of every layer (captured decode graphs keep the one they recorded)."""
@@ -227,14 +229,15 @@ class LLMEngine:
 
     def memory_summary(self) -> str:
         kv_gib = self.pool.num_pages * self.kv_bytes_per_page / GiB
-        weights_gib = sum(p.numel() * p.element_size() for p in self.model.parameters()) / GiB
+        weights_gib = module_bytes(self.model) / GiB
         graphs = ""
         if self.device.type == "cuda" and self.config.enforce_eager:
             graphs = "; no CUDA graphs (enforce_eager): every step runs eagerly"
         elif self.device.type == "cuda":
             decode = self.runner.graphs.captured_buckets if self.runner.graphs else []
             prefill = self.runner.prefill_graphs.captured_buckets if self.runner.prefill_graphs else []
-            eager = self.plan.skipped_buckets if self.plan else ()
+            planned = self.plan.graph_set(self.name, "decode") if self.plan else None
+            eager = planned.eager if planned else ()
             graphs = (
                 f"; decode CUDA graphs for batch {', '.join(map(str, decode))} "
                 f"(eager: larger batches{', ' + ', '.join(map(str, eager)) if eager else ''})"

@@ -16,8 +16,8 @@ import numpy as np
 import torch
 
 from omnistage.engine.attention import AttentionMetadata
-from omnistage.engine.gpu_memory import Peak, device_peak
 from omnistage.engine.graphs import DecodeGraphRunner, PrefillGraphRunner
+from omnistage.engine.memory.measure import Peak, device_peak
 from omnistage.engine.scheduler import ScheduledChunk, SchedulerOutput
 from omnistage.models.layers.moe import kernel_switches
 from omnistage.models.layers.rotary import PromptPositions
@@ -154,7 +154,7 @@ class ModelRunner:
     ) -> None:
         """Decode graphs for batch `buckets` in a memory pool of their own, and prefill graphs for token
         `prefill_buckets` of steps of up to `max_seqs` sequences in `prefill_pool` (the device's main-stream
-        pool, `capture_plan.MAIN_POOL`; default: a new one); steps beyond them run eagerly."""
+        pool, `memory.plan.MAIN_POOL`; default: a new one); steps beyond them run eagerly."""
         max_pages = -(-max_model_len // self.page_size)
         if buckets:
             self.graphs = DecodeGraphRunner(

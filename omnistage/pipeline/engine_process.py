@@ -32,7 +32,7 @@ from typing import Any
 import torch
 
 from omnistage.config import EngineConfig
-from omnistage.engine.capture_plan import Gauge
+from omnistage.engine.memory.gauges import Gauge
 from omnistage.engine.sampling import SamplingParams, SpeechParams
 from omnistage.errors import ConfigError
 from omnistage.outputs import RequestOutput

@@ -10,9 +10,9 @@ import torch
 
 from omnistage.config import STAGES, EngineConfig
 from omnistage.engine.attention import backend_for
-from omnistage.engine.capture_plan import Gauge
 from omnistage.engine.encoder_engine import EncoderEngine
 from omnistage.engine.llm_engine import LLMEngine, NewRequest, StageModels, resolve_device, resolve_dtype
+from omnistage.engine.memory.gauges import Gauge, plan_gauges
 from omnistage.engine.sampling import SamplingParams, SpeechParams
 from omnistage.errors import InvalidRequest
 from omnistage.models.qwen3_asr.audio_encoder import load_audio_encoder
@@ -20,6 +20,7 @@ from omnistage.models.qwen3_asr.config import Qwen3ASRConfig
 from omnistage.models.qwen3_asr.decoder import load_decoder
 from omnistage.models.qwen3_asr.processor import ASRProcessor
 from omnistage.outputs import RequestOutput
+from omnistage.pipeline.planning import plan_devices
 from omnistage.pipeline.qwen3_omni import TtsPrompt, eos_token_ids
 from omnistage.pipeline.topology import validate_topology
 
@@ -62,13 +63,17 @@ class Qwen3ASRPipeline:
         )
         # the released checkpoints call the encoder and decoder the thinker, as Qwen3-Omni's
         self.thinker = LLMEngine(config, stage, device, dtype)
+        needs = [(device, self.thinker.memory())] if device.type == "cuda" else []
+        self.plans = plan_devices(needs, config.gpu_memory_limit_gib)
+        if device in self.plans:
+            self.thinker.allocate(self.plans[device])
         self.processor, self.tokenizer = processor, processor.tokenizer
         self.model_path, self.max_model_len = path, self.thinker.max_model_len
         self.device, self.dtype = device, dtype
 
     def plan_gauges(self) -> list[Gauge]:
         """The device's memory plan as gauge samples (none on a CPU), for `/metrics`."""
-        return self.thinker.plan.gauges() if self.thinker.plan is not None else []
+        return [gauge for plan in self.plans.values() for gauge in plan_gauges(plan)]
 
     def memory_summary(self) -> str:
         return self.thinker.memory_summary() + "; Qwen3-ASR: transcription only"

@@ -19,17 +19,12 @@ import torch
 
 from omnistage.config import STAGES, EngineConfig
 from omnistage.engine.attention import backend_for
-from omnistage.engine.capture_plan import (
-    NO_OTHER_STAGES,
-    Gauge,
-    MemoryPlan,
-    plan_device,
-)
 from omnistage.engine.encoder_engine import EncoderEngine
 from omnistage.engine.llm_engine import LLMEngine, NewRequest, StageModels, resolve_device, resolve_dtype
+from omnistage.engine.memory.gauges import Gauge, plan_gauges
+from omnistage.engine.memory.plan import MemoryPlan
 from omnistage.engine.model_runner import HiddenTap
 from omnistage.engine.sampling import SamplingParams, SpeechParams
-from omnistage.engine.stage_plan import read_device
 from omnistage.errors import InvalidRequest, RequestTooLarge
 from omnistage.models.qwen3_omni.config import Qwen3OmniConfig
 from omnistage.models.qwen3_omni.processor import Processor
@@ -37,6 +32,7 @@ from omnistage.models.qwen3_omni.talker_input import text_rows, tts_embeds, user
 from omnistage.models.qwen3_omni.thinker import load_thinker
 from omnistage.outputs import CompletionOutput, RequestOutput
 from omnistage.pipeline.handoff import Handoff, Speech
+from omnistage.pipeline.planning import plan_devices
 from omnistage.pipeline.side_stream import SideStream
 from omnistage.pipeline.speech_stages import SpeechStages
 from omnistage.pipeline.topology import validate_topology
@@ -142,41 +138,28 @@ class Qwen3OmniPipeline:
         validate_topology(config, gpus, stages=STAGES if self.speaks else STAGES[:2])
         device = resolve_device(config.stage("thinker").device)
         dtype = resolve_dtype(config.dtype, device)
-        self.speech_plan: MemoryPlan | None = None  # the speech device's own plan (two-GPU topology)
         text = cfg.thinker.text
         thinker_len = min(config.max_model_len or text.max_position_embeddings, text.max_position_embeddings)
-        memory = NO_OTHER_STAGES
         # the two-GPU topology: the speech stages on a device of their own (hand-offs cross with .to)
         self.speech_device = resolve_device(config.stage("talker").device)
         shared = self.speech_device == device
         self.speech_stages: SpeechStages | None = None
         if self.speaks:
-            # loaded and measured before the Thinker plans its memory: a shared device has one plan for all.
-            # The longest Talker sequence: the user turns of the longest prompt, its assistant rows, the audio cap
+            # the longest Talker sequence: the user turns of the longest prompt, its assistant rows, the audio cap
             self.speech_stages = SpeechStages(
                 config, path, cfg, dtype, thinker_len + ASSISTANT_ROWS + MAX_AUDIO_FRAMES
             )
-            if self.speech_device.type == "cuda":
-                with self.speech_stages.on_device():
-                    memory = self.speech_stages.memory(shared)
         thinker_stage = load_thinker_stage(config, path, cfg, device, dtype)
         if self.speech_stages is not None:
             # the Talker reads these hidden states of a spoken reply's media rows (`_new_speech`)
             thinker_stage = replace(thinker_stage, tap_layer=cfg.talker.accept_hidden_layer)
-            # before the Thinker reads the device for its plan: the table is the speech stages' resident memory
+            # before the devices are read for their plans: the table is the speech stages' resident memory
             with torch.inference_mode(), self.speech_stages.on_device():
                 embedding = thinker_stage.model.model.embed_tokens
                 tts = tts_embeds(self.speech_stages.talker, embedding, self.speech_stages.tokens)
                 table = text_rows(self.speech_stages.talker, embedding)
-        self.thinker = LLMEngine(config, thinker_stage, device, dtype, memory if shared else NO_OTHER_STAGES)
-        if self.speech_stages is not None and memory is not NO_OTHER_STAGES:
-            with self.speech_stages.on_device():
-                plan = self.thinker.plan
-                if not shared:
-                    device_memory = read_device(self.speech_device, config.gpu_memory_limit_gib)
-                    plan = self.speech_plan = plan_device(device_memory, [memory])
-                    log.info("%s", plan.table())
-                self.speech_stages.allocate(plan, self.thinker.graph_pool if shared else None)
+        self.thinker = LLMEngine(config, thinker_stage, device, dtype)
+        self.plans = self._plan(shared)
         self.processor, self.tokenizer = self.thinker.processor, self.thinker.tokenizer
         self.model_path, self.max_model_len = self.thinker.model_path, self.thinker.max_model_len
         self.device, self.dtype = device, dtype
@@ -210,10 +193,25 @@ class Qwen3OmniPipeline:
         """The released speakers' names (lower case); empty when this pipeline cannot speak."""
         return tuple(sorted(self.speech_stages.tokens.speakers)) if self.speaks else ()
 
+    def _plan(self, shared: bool) -> dict[torch.device, MemoryPlan]:
+        """Each GPU's plan, for every stage on it at once, and each stage's grant taken: the Thinker's first,
+        whose main-stream graph pool the speech stages join on a device they share with it."""
+        needs = [(self.thinker.device, self.thinker.memory())] if self.thinker.device.type == "cuda" else []
+        speech = self.speech_stages
+        if speech is not None and speech.device.type == "cuda":
+            with speech.on_device():
+                needs.append((speech.device, speech.memory(shared)))
+        plans = plan_devices(needs, self.config.gpu_memory_limit_gib)
+        if self.thinker.device in plans:
+            self.thinker.allocate(plans[self.thinker.device])
+        if speech is not None and speech.device in plans:
+            with speech.on_device():
+                speech.allocate(plans[speech.device], self.thinker.graph_pool if shared else None)
+        return plans
+
     def plan_gauges(self) -> list[Gauge]:
         """Every device's memory plan as gauge samples (none on a CPU), for `/metrics`."""
-        plans = [plan for plan in (self.thinker.plan, self.speech_plan) if plan is not None]
-        return [gauge for plan in plans for gauge in plan.gauges()]
+        return [gauge for plan in self.plans.values() for gauge in plan_gauges(plan)]
 
     def memory_summary(self) -> str:
         summary = self.thinker.memory_summary()

@@ -18,12 +18,12 @@ import torch
 from omnistage.config import EngineConfig
 from omnistage.engine.attention import backend_for
 from omnistage.engine.buckets import decode_buckets, prefill_buckets
-from omnistage.engine.capture_plan import MAIN_POOL, GiB, KVPool, MemoryPlan, StageMemory
 from omnistage.engine.code2wav_graphs import Code2WavGraphs
 from omnistage.engine.embedding_stage import EmbeddingStage
 from omnistage.engine.frame_graphs import FrameGraphRunner
-from omnistage.engine.gpu_memory import device_peak, graph_candidates
 from omnistage.engine.llm_engine import resolve_device
+from omnistage.engine.memory.measure import device_peak, graph_candidates, module_bytes
+from omnistage.engine.memory.plan import MAIN_POOL, GiB, KVPool, MemoryPlan, StageMemory
 from omnistage.models.layers.linear import adopt_gemv
 from omnistage.models.qwen3_omni.code2wav import load_code2wav
 from omnistage.models.qwen3_omni.code2wav_streamer import Code2WavStreamer, decodes_first_as_prefix
@@ -45,10 +45,6 @@ def _captured(what: str, unit: str, buckets: list[int], note: str = "") -> str:
     if not buckets:
         return f"{what} steps eager"
     return f"{what} CUDA graphs for {unit} {', '.join(map(str, buckets))}{note}"
-
-
-def _bytes(module: torch.nn.Module) -> int:
-    return sum(p.numel() * p.element_size() for p in module.parameters())
 
 
 class SpeechStages:
@@ -177,10 +173,10 @@ class SpeechStages:
         )  # fmt: skip
         return StageMemory(
             resident=(
-                ("Talker", _bytes(self.talker), "weights"),
+                ("Talker", module_bytes(self.talker), "weights"),
                 ("Talker text rows", self._text_rows_bytes(), "talker_input.text_rows"),
-                ("code predictor", _bytes(self.code_predictor), "weights"),
-                ("Code2Wav", _bytes(self.code2wav), "weights"),
+                ("code predictor", module_bytes(self.code_predictor), "weights"),
+                ("Code2Wav", module_bytes(self.code2wav), "weights"),
             ),
             peaks=(
                 ("Talker prefill", prefill, f"{cfg.max_num_batched_tokens:,} rows"),

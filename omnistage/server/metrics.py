@@ -12,8 +12,8 @@ import time
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector, generate_latest
 
-from omnistage.engine.capture_plan import GAUGE_HELP
-from omnistage.engine.capture_plan import Gauge as PlanGauge
+from omnistage.engine.memory.gauges import GAUGE_HELP
+from omnistage.engine.memory.gauges import Gauge as PlanGauge
 from omnistage.outputs import RequestOutput
 
 _TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)

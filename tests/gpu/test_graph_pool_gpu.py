@@ -1,5 +1,5 @@
 """Graph sets captured into one memory pool share their scratch: the plan prices a device's main-stream pool at
-the largest scratch of its sets, not their sum (capture_plan.MAIN_POOL)."""
+the largest scratch of its sets, not their sum (memory.plan.MAIN_POOL)."""
 
 from __future__ import annotations
 

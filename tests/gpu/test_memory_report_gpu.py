@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from omnistage.config import engine_config
-from omnistage.engine.memory_report import group_snapshot, holdings
+from omnistage.engine.memory.report import group_snapshot, holdings
 from omnistage.pipeline.family import build_pipeline
 
 pytestmark = pytest.mark.gpu

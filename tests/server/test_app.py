@@ -273,7 +273,8 @@ def test_ten_thousand_bad_fields_are_answered_at_once(fake_engine):
 
 
 def test_metrics_carry_the_memory_plan(fake_engine):
-    from omnistage.engine.capture_plan import (
+    from omnistage.engine.memory.gauges import plan_gauges
+    from omnistage.engine.memory.plan import (
         DeviceMemory,
         GiB,
         GraphCandidates,
@@ -290,9 +291,10 @@ def test_metrics_carry_the_memory_plan(fake_engine):
     )
     device = DeviceMemory(total=40 * GiB, free=30 * GiB, allocated=10 * GiB, name="cuda:0")
     plan = plan_device(device, [stage], graph_budget=64 << 20)
-    fake_engine.engine.gauges = plan.gauges()
+    fake_engine.engine.gauges = plan_gauges(plan)
     metrics = TestClient(build_app(fake_engine, MODEL)).get("/metrics").text
-    pages = f'omnistage_memory_plan_kv_pages{{device="cuda:0",stage="Thinker"}} {float(plan.kv_pages)}'
+    thinker_pages = float(plan.kv_pool("Thinker").pages)
+    pages = f'omnistage_memory_plan_kv_pages{{device="cuda:0",stage="Thinker"}} {thinker_pages}'
     assert pages in metrics
     assert (
         'omnistage_memory_plan_bytes{device="cuda:0",part="weights",stage="Thinker"} 1.073741824e+10'

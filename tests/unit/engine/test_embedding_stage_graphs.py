@@ -9,9 +9,9 @@ import torch
 
 from omnistage.engine.attention import TorchReferenceBackend
 from omnistage.engine.buckets import bucket_for
-from omnistage.engine.capture_plan import scaled_costs
 from omnistage.engine.embedding_stage import EmbeddingStage
-from omnistage.engine.gpu_memory import Peak
+from omnistage.engine.memory.measure import Peak
+from omnistage.engine.memory.plan import scaled_costs
 from omnistage.engine.sampling import SamplingParams, talker_sampling_defaults
 from omnistage.engine.scheduler import SchedulerOutput
 from omnistage.models.layers.rotary import PromptPositions

@@ -8,7 +8,7 @@ from transformers import Qwen3OmniMoeForConditionalGeneration
 
 from omnistage import LLM, SamplingParams
 from omnistage.config import engine_config
-from omnistage.engine.capture_plan import GiB
+from omnistage.engine.memory.plan import GiB
 from omnistage.errors import InvalidRequest, RequestTooLarge
 from omnistage.models.qwen3_omni.config import Qwen3OmniConfig
 from omnistage.pipeline.async_engine import AsyncEngine

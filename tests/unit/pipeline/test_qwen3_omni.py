@@ -258,7 +258,7 @@ def test_ignore_eos_never_draws_the_codec_end(llm, monkeypatch):
 def test_talkers_preempted_for_pages_speak_as_alone(tiny_checkpoint):
     """A Talker pool of 16 pages for three requests of ~10 pages each: the newest Talkers are preempted and
     recomputed from their kept input rows, and every request still speaks the codes it speaks alone."""
-    from omnistage.engine.capture_plan import GiB
+    from omnistage.engine.memory.plan import GiB
 
     probe = LLM(str(tiny_checkpoint), device="cpu", dtype="float32", page_size=4, speech=False)
     text = probe.pipeline.model_config.talker.text

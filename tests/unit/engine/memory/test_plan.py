@@ -3,10 +3,10 @@ from dataclasses import replace
 import pytest
 
 from omnistage.engine.buckets import bucket_for, decode_buckets
-from omnistage.engine.capture_plan import (
+from omnistage.engine.memory.floor import Floor
+from omnistage.engine.memory.plan import (
     DEFAULT_RESERVE,
     DeviceMemory,
-    Floor,
     GiB,
     GraphCandidates,
     KVPool,
@@ -54,8 +54,10 @@ def test_decode_graphs_claim_the_budget_before_prefill_graphs():
         prefill_graph_costs={16: 10 * MiB, 32: 20 * MiB, 512: 300 * MiB},
         graph_budget=450 * MiB,
     )
-    assert plan.captured_buckets == (1, 2, 4)  # 400 MiB, although prefill 16 is cheaper
-    assert plan.prefill_captured == (16, 32) and plan.graph_set("Thinker", "prefill").eager == (512,)
+    assert plan.captured("Thinker", "decode") == (1, 2, 4)  # 400 MiB, although prefill 16 is cheaper
+    assert plan.captured("Thinker", "prefill") == (16, 32) and plan.graph_set("Thinker", "prefill").eager == (
+        512,
+    )
     assert plan.graph_bytes == 430 * MiB
     assert plan.floor + plan.reserve + plan.graph_bytes + plan.kv_bytes + plan.free == 12 * GiB
     table = plan.table()
@@ -85,16 +87,16 @@ def test_plan_arithmetic():
         reserve=512 * MiB,
         graph_budget=320 * MiB,
     )
-    assert plan.captured_buckets == (1, 2, 4)
-    assert plan.skipped_buckets == (8,)
+    assert plan.captured("Thinker", "decode") == (1, 2, 4)
+    assert plan.graph_set("Thinker", "decode").eager == (8,)
     assert plan.graph_bytes == 310 * MiB
     spare = 12 * GiB - 2 * GiB - 512 * MiB - 310 * MiB
-    assert plan.kv_pages == spare // (12 * MiB)
-    assert plan.kv_bytes == plan.kv_pages * 12 * MiB
+    assert plan.kv_pool("Thinker").pages == spare // (12 * MiB)
+    assert plan.kv_bytes == plan.kv_pool("Thinker").pages * 12 * MiB
     assert 0 <= plan.free < 12 * MiB
     assert plan.floor + plan.reserve + plan.graph_bytes + plan.kv_bytes + plan.free == 12 * GiB
-    assert bucket_for(3, plan.captured_buckets) == 4
-    assert bucket_for(5, plan.captured_buckets) is None
+    assert bucket_for(3, plan.captured("Thinker", "decode")) == 4
+    assert bucket_for(5, plan.captured("Thinker", "decode")) is None
 
 
 def test_cheapest_first_all_or_nothing():
@@ -110,10 +112,10 @@ def test_cheapest_first_all_or_nothing():
         graph_cost_per_bucket=costs,
         graph_budget=320 * MiB,
     )
-    assert plan.captured_buckets == (2, 4, 8)
-    assert plan.skipped_buckets == (1,)
+    assert plan.captured("Thinker", "decode") == (2, 4, 8)
+    assert plan.graph_set("Thinker", "decode").eager == (1,)
     assert plan.graph_bytes == 310 * MiB
-    assert bucket_for(1, plan.captured_buckets) == 2
+    assert bucket_for(1, plan.captured("Thinker", "decode")) == 2
 
 
 def test_graphs_claim_what_the_minimums_leave_before_kv_pages_beyond_them():
@@ -130,8 +132,8 @@ def test_graphs_claim_what_the_minimums_leave_before_kv_pages_beyond_them():
     )
     # 5 GiB spare, 1,200 MiB of it the pool's minimum: 6 graphs of 600 MiB (3,600 MiB), smaller buckets first
     # at equal costs; the pool gets its minimum and the 320 MiB left (26 pages)
-    assert plan.captured_buckets == (1, 2, 4, 8, 16, 24)
-    assert plan.kv_pages == 100 + 320 // 12
+    assert plan.captured("Thinker", "decode") == (1, 2, 4, 8, 16, 24)
+    assert plan.kv_pool("Thinker").pages == 100 + 320 // 12
 
 
 def test_limit_caps_the_plan():
@@ -147,7 +149,7 @@ def test_limit_caps_the_plan():
     )
     free = plan_memory(**kwargs)
     capped = plan_memory(**kwargs, limit=80 * GiB)
-    assert capped.kv_pages < free.kv_pages
+    assert capped.kv_pool("Thinker").pages < free.kv_pool("Thinker").pages
     used = capped.weights + capped.floor + capped.graph_bytes + capped.kv_bytes + capped.free
     assert used == 80 * GiB
     assert capped.total == 80 * GiB
@@ -163,8 +165,8 @@ def test_no_graphs_when_budget_is_zero():
         graph_cost_per_bucket={1: MiB, 2: MiB},
         graph_budget=0,
     )
-    assert plan.captured_buckets == ()
-    assert plan.skipped_buckets == (1, 2)
+    assert plan.captured("Thinker", "decode") == ()
+    assert plan.graph_set("Thinker", "decode").eager == (1, 2)
 
 
 def test_error_says_the_numbers():
@@ -212,7 +214,7 @@ def test_table_fits_one_screen():
     assert len(lines) <= 24 and all(len(line) <= 100 for line in lines)
     for word in ("weights", "KV pages", "CUDA graphs", "floor", "free", "66.00 GiB", "2/3 buckets"):
         assert word in table
-    assert f"Thinker: {plan.kv_pages:,} pages × 12.00 MiB" in table
+    assert f"Thinker: {plan.kv_pool('Thinker').pages:,} pages × 12.00 MiB" in table
     assert "eager Thinker decode (batch): 128" in table
 
 
@@ -237,7 +239,12 @@ def test_floor_is_the_largest_phase_of_the_largest_requests():
     images = replace(images, audio_clips=2, images=2)
     plain, planned = plan_memory(floor_peak=GiB, **kwargs), plan_memory(floor_peak=images, **kwargs)
     assert planned.floor == images.peak == 6 * GiB and plain.floor == GiB
-    assert 0 <= (plain.kv_pages - planned.kv_pages) * 12 * MiB - (images.peak - GiB) < 12 * MiB
+    assert (
+        0
+        <= (plain.kv_pool("Thinker").pages - planned.kv_pool("Thinker").pages) * 12 * MiB
+        - (images.peak - GiB)
+        < 12 * MiB
+    )
     assert planned.floor + planned.reserve + planned.kv_bytes + planned.free == 12 * GiB
     table = planned.table()
     for line in (

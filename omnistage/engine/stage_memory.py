@@ -1,10 +1,7 @@
-"""An LLM stage's memory at start on a GPU: read what the device offers, measure the stage's floor and its
-graphs' costs with the runner, warm the runner up, and let `capture_plan.plan_device` split what is left
-between the graphs and KV pages of this stage and of the others on the device (`others`).
-
-The measuring lives here and in the runner (`profile_peak`, `warm_up`); the stage only asks for the plan.
-`read_device` is what a device without an LLM stage (the speech device of the two-GPU topology) reads
-before the pipeline plans it with `plan_device`.
+"""What an LLM stage needs of its device's memory plan, measured at start on a GPU: its floor (its largest text
+prefill step and its encoders on their largest inputs), its graphs' costs, its weights and its KV pool. The
+runner and the encoders measure (`profile_peak`, `graph_costs`), the runner warms up; the pipeline plans the
+device with every stage's needs (`pipeline/planning.py`).
 """
 
 from __future__ import annotations
@@ -15,60 +12,27 @@ import torch
 
 from omnistage.config import EngineConfig, Graphs
 from omnistage.engine.buckets import decode_buckets, prefill_buckets
-from omnistage.engine.capture_plan import (
-    MAIN_POOL,
-    NO_OTHER_STAGES,
-    DeviceMemory,
-    GiB,
-    GraphCandidates,
-    KVPool,
-    MemoryPlan,
-    StageMemory,
-    plan_device,
-)
 from omnistage.engine.encoder_engine import EncoderEngine
-from omnistage.engine.gpu_memory import graph_candidates, scaled_peaks
+from omnistage.engine.memory.measure import graph_candidates, module_bytes, scaled_peaks
+from omnistage.engine.memory.plan import MAIN_POOL, GiB, GraphCandidates, KVPool, StageMemory
 from omnistage.engine.model_runner import ModelRunner
 
 log = logging.getLogger(__name__)
 
 
-def read_device(device: torch.device, limit_gib: float | None) -> DeviceMemory:
-    """What `device` offers this process now that the stages placed on it are loaded; caps the caching
-    allocator there at `limit_gib` (gpu_memory_limit), which the plan then fills."""
-    torch.cuda.synchronize(device)
-    torch.cuda.empty_cache()  # blocks this process freed while loading are free for the plan too
-    allocated = torch.cuda.memory_allocated(device)
-    free, total = torch.cuda.mem_get_info(device)
-    log.info(
-        "after loading: %.2f GiB allocated on %s by this process, %.2f GiB free (%.2f GiB held by other "
-        "processes or the driver)",
-        allocated / GiB,
-        device,
-        free / GiB,
-        (total - free - torch.cuda.memory_reserved(device)) / GiB,
-    )
-    limit = int(limit_gib * GiB) if limit_gib else None
-    if limit is not None:
-        torch.cuda.set_per_process_memory_fraction(min(1.0, limit / total), device)
-    return DeviceMemory(total=total, free=free, allocated=allocated, limit=limit, name=str(device))
-
-
-def plan_stage_memory(
+def llm_stage_memory(
     runner: ModelRunner,
     encoders: EncoderEngine,
     cfg: EngineConfig,
     kv_bytes_per_page: int,
     max_prompt_tokens: int,
     max_media: tuple[int, int],
-    others: StageMemory = NO_OTHER_STAGES,
     stage: str = "Thinker",
-) -> MemoryPlan:
+) -> StageMemory:
     """Measure the floor (the stage's text prefill step and its encoders on their largest inputs, `max_media` =
-    most audios and images per prompt; the `others` on this device bring their own steps), price the graphs,
-    warm up, then plan the device. The stage's KV pool is fixed by the config or holds at least one request
-    of the longest length. A runner not in bfloat16 gets no graphs (the grouped-GEMM MoE needs it)."""
-    device = read_device(runner.device, cfg.gpu_memory_limit_gib)
+    most audios and images per prompt), price the graphs and warm up. The stage's KV pool is fixed by the config
+    or holds at least one request of the longest length. A runner not in bfloat16 gets no graphs (the
+    grouped-GEMM MoE needs it)."""
     floor = encoders.profile_floor(
         runner.profile_peak(cfg.max_num_batched_tokens, 1).bytes,
         cfg.max_num_batched_tokens,
@@ -85,12 +49,12 @@ def plan_stage_memory(
     if fixed is None and cfg.kv_cache_memory_gib is not None:
         fixed = int(cfg.kv_cache_memory_gib * GiB) // kv_bytes_per_page
     resident = [
-        (stage, _bytes(runner.model), "weights"),
-        ("audio encoder", _bytes(encoders.audio_encoder), "weights"),
+        (stage, module_bytes(runner.model), "weights"),
+        ("audio encoder", module_bytes(encoders.audio_encoder), "weights"),
     ]
     if encoders.vision_encoder is not None:
-        resident.append(("vision encoder", _bytes(encoders.vision_encoder), "weights"))
-    own = StageMemory(
+        resident.append(("vision encoder", module_bytes(encoders.vision_encoder), "weights"))
+    return StageMemory(
         resident=tuple(resident),
         peaks=tuple(floor.phases()),
         kv=(
@@ -100,9 +64,6 @@ def plan_stage_memory(
         ),
         graphs=graphs,
     )
-    plan = plan_device(device, [own, others])
-    log.info("%s", plan.table())
-    return plan
 
 
 def _graph_candidates(runner: ModelRunner, cfg: EngineConfig, stage: str) -> tuple[GraphCandidates, ...]:
@@ -144,7 +105,3 @@ def _encoder_candidates(encoders: EncoderEngine, cfg: EngineConfig) -> tuple[Gra
         for name, unit, measured in towers
         if measured
     )
-
-
-def _bytes(module: torch.nn.Module) -> int:
-    return sum(p.numel() * p.element_size() for p in module.parameters())

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import torch
 
-from omnistage.engine.capture_plan import MiB
 from omnistage.engine.graphs import GraphSet
-from omnistage.engine.memory_report import Holding, group_snapshot, holdings, reachable
+from omnistage.engine.memory.plan import MiB
+from omnistage.engine.memory.report import Holding, group_snapshot, holdings, reachable
 
 PACKAGES = ("omnistage", __name__.split(".")[0])
 

@@ -17,8 +17,8 @@ from typing import Any
 
 import torch
 
-from omnistage.engine.capture_plan import GiB, MiB
 from omnistage.engine.graphs import GraphSet
+from omnistage.engine.memory.plan import GiB, MiB
 
 GROUPS = ("weights", "module buffers", "KV", "buffers", "graph pool")
 _KV_ATTRIBUTE = "kv_caches"

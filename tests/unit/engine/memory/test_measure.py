@@ -1,8 +1,8 @@
-"""gpu_memory's pricing helpers: a measured step scaled to each bucket, split into what a graph keeps and the
+"""memory.measure's pricing helpers: a measured step scaled to each bucket, split into what a graph keeps and the
 scratch its pool shares."""
 
-from omnistage.engine.capture_plan import MAIN_POOL, MiB, scaled_costs
-from omnistage.engine.gpu_memory import Peak, graph_candidates, scaled_peaks
+from omnistage.engine.memory.measure import Peak, graph_candidates, scaled_peaks
+from omnistage.engine.memory.plan import MAIN_POOL, MiB, scaled_costs
 
 
 def test_scaled_peaks_scale_bytes_and_kept_and_keep_kept_within_bytes():

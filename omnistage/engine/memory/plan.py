@@ -1,7 +1,7 @@
 """Memory-aware capture planning for every stage on a device: the split of the device's memory between the
 floor, KV pages and the CUDA graphs of all the stages placed there. Plain arithmetic over measured numbers
-(bytes), so it is unit-tested without a GPU; `stage_plan` measures, the pipeline places the stages and captures
-what the plan says.
+(bytes), so it is unit-tested without a GPU: each stage measures what it needs (`memory.measure`), the pipeline
+plans each device once for all its stages (`pipeline/planning.py`) and every stage takes what it was granted.
 
 What each stage brings to the plan of its device is a `StageMemory`: what it holds for good (weights), the
 measured eager peaks of its largest steps, its KV pool (`KVPool`) and its candidate graph sets
@@ -30,9 +30,9 @@ The order of claims on a device's memory:
 What is not captured runs eagerly; the plan says which buckets, per stage.
 """
 
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Literal, NamedTuple
+from typing import Literal
 
 from omnistage.errors import ConfigError
 
@@ -58,52 +58,6 @@ KINDS: tuple[GraphKind, ...] = ("decode", "prefill")  # the order in which they 
 def scaled_costs(largest_peak: int, buckets: list[int]) -> dict[int, int]:
     """Graph memory per bucket: the largest bucket's measured step peak scaled by size, plus 2 MiB."""
     return {b: -(-largest_peak * b // max(buckets)) + (2 << 20) for b in buckets}
-
-
-@dataclass(frozen=True)
-class Floor:
-    """Measured eager peaks beyond the weights of the phases of the largest requests, in bytes.
-
-    The towers take one largest input per call (`*_encoder`: the peak of one call on the longest clip or the
-    largest image the processor admits, its rows included). A request brings up to `audio_clips` such clips
-    and `images` such images (what its context holds), encoded one call after another, and holds every
-    one's rows (`*_outputs` each) while its prompt prefills in steps no larger than the largest text
-    prefill step (`prefill`). The floor is the largest phase.
-    """
-
-    prefill: int
-    prefill_tokens: int = 0
-    audio_encoder: int = 0
-    audio_outputs: int = 0
-    audio_clips: int = 1
-    audio_seconds: float = 0.0
-    vision_encoder: int = 0
-    image_outputs: int = 0
-    images: int = 1
-    image_size: tuple[int, int] = (0, 0)  # width x height in pixels
-
-    def phases(self) -> list[Row]:
-        """(name, bytes, what it runs on) of every phase measured."""
-        rows = [("text prefill", self.prefill, f"{self.prefill_tokens:,} tokens")]
-        for kind, tower, peak, each, count, what in (
-            ("audio", "audio encoder", self.audio_encoder, self.audio_outputs, self.audio_clips,
-             f"{self.audio_seconds:g} s clip"),
-            ("image", "vision encoder", self.vision_encoder, self.image_outputs, self.images,
-             f"{self.image_size[0]}x{self.image_size[1]} image"),
-        ):  # fmt: skip
-            if not peak:
-                continue
-            held = f"{count * each / MiB:,.0f} MiB of encoder rows held"
-            rows += [
-                (tower, peak + (count - 1) * each, what if count == 1 else f"{count} x {what}, one call each"),
-                (f"{kind} prefill", self.prefill + count * each, f"with the {what}'s {held}" if count == 1
-                 else f"with {count} x {what}: {held}"),
-            ]  # fmt: skip
-        return rows
-
-    @property
-    def peak(self) -> int:
-        return max(size for _, size, _ in self.phases())
 
 
 @dataclass(frozen=True)
@@ -238,24 +192,6 @@ class KVPlan:
         return self.pages * self.pool.bytes_per_page
 
 
-class Gauge(NamedTuple):
-    """One Prometheus gauge sample of a plan (see GAUGE_HELP)."""
-
-    name: str
-    labels: dict[str, str]
-    value: float
-
-
-GAUGE_HELP = {
-    "omnistage_memory_plan_bytes": "A device's memory plan: bytes per part (total, weights, kv, graphs, "
-    "floor, reserve, free) and stage ('' for a part of the whole device)",
-    "omnistage_memory_plan_kv_pages": "KV pages the memory plan gives a stage",
-    "omnistage_memory_plan_graphs": "CUDA graph buckets of a stage's set, captured or run eagerly",
-    "omnistage_memory_plan_graph_bytes": "Bytes the memory plan gives a stage's captured CUDA graphs",
-    "omnistage_memory_plan_floor_phase_bytes": "Measured eager peak of a step the memory floor holds",
-}
-
-
 @dataclass(frozen=True)
 class MemoryPlan:
     """How one device's memory is split between the stages placed on it. Every size in bytes."""
@@ -306,28 +242,6 @@ class MemoryPlan:
         graphs = self.graph_set(stage, kind)
         return graphs.captured if graphs else ()
 
-    # The LLM stage whose start made the plan, as llm_engine reads it: the stage of the first KV pool.
-    @property
-    def stage(self) -> str:
-        return self.kv[0].pool.stage if self.kv else ""
-
-    @property
-    def kv_pages(self) -> int:
-        return self.kv[0].pages if self.kv else 0
-
-    @property
-    def captured_buckets(self) -> tuple[Bucket, ...]:
-        return self.captured(self.stage, "decode")
-
-    @property
-    def skipped_buckets(self) -> tuple[Bucket, ...]:
-        graphs = self.graph_set(self.stage, "decode")
-        return graphs.eager if graphs else ()
-
-    @property
-    def prefill_captured(self) -> tuple[Bucket, ...]:
-        return self.captured(self.stage, "prefill")
-
     def table(self) -> str:
         """The plan per part and per stage: weights, KV pages, CUDA graphs, the floor's phases, reserve, free."""
         rows: list[Row] = [("weights", self.weights, "")]
@@ -366,41 +280,6 @@ class MemoryPlan:
             if g.eager
         ]
         return "\n".join(lines)
-
-    def gauges(self) -> list[Gauge]:
-        """The plan as gauge samples (GAUGE_HELP names them), every one labelled with the device."""
-        device = self.device.name
-        bytes_rows = [
-            ("total", "", self.total),
-            *[("weights", name, size) for name, size, _ in self.resident],
-            *[("kv", kv.pool.stage, kv.bytes) for kv in self.kv],
-            *[("graphs", stage, size) for stage, size in _per_stage(self.graphs).items()],
-            ("floor", "", self.floor),
-            ("reserve", "", self.reserve),
-            ("free", "", self.free),
-        ]
-        if not self.resident:
-            bytes_rows.insert(1, ("weights", "", self.weights))
-        out = [
-            Gauge("omnistage_memory_plan_bytes", {"device": device, "part": part, "stage": stage}, size)
-            for part, stage, size in bytes_rows
-        ]
-        out += [
-            Gauge("omnistage_memory_plan_kv_pages", {"device": device, "stage": kv.pool.stage}, kv.pages)
-            for kv in self.kv
-        ]
-        for g in self.graphs:
-            labels = {"device": device, "stage": g.candidates.stage, "kind": g.candidates.kind}
-            out += [
-                Gauge("omnistage_memory_plan_graphs", {**labels, "state": "captured"}, len(g.captured)),
-                Gauge("omnistage_memory_plan_graphs", {**labels, "state": "eager"}, len(g.eager)),
-                Gauge("omnistage_memory_plan_graph_bytes", labels, g.bytes),
-            ]
-        out += [
-            Gauge("omnistage_memory_plan_floor_phase_bytes", {"device": device, "phase": name}, size)
-            for name, size, _ in self.phases
-        ]
-        return out
 
 
 def plan_device(
@@ -545,13 +424,6 @@ def _kv_terms(pool: KVPool) -> str:
     if pool.pages is not None:
         return ", fixed"
     return f", share {pool.share:.0%}" if pool.share is not None else ""
-
-
-def _per_stage(graphs: Iterable[GraphPlan]) -> dict[str, int]:
-    out: dict[str, int] = {}
-    for g in graphs:
-        out[g.candidates.stage] = out.get(g.candidates.stage, 0) + g.bytes
-    return out
 
 
 def kv_bytes_per_page(

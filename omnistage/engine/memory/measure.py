@@ -1,14 +1,39 @@
-"""Reading what a piece of GPU work costs the memory plan (GPU only; the plan itself is capture_plan)."""
+"""Reading a device and what a piece of GPU work costs it, for the memory plan (GPU only; the plan itself is
+memory.plan)."""
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
 
-from omnistage.engine.capture_plan import Bucket, GraphCandidates, GraphKind, scaled_costs
+from omnistage.engine.memory.plan import Bucket, DeviceMemory, GiB, GraphCandidates, GraphKind, scaled_costs
+
+log = logging.getLogger(__name__)
+
+
+def read_device(device: torch.device, limit_gib: float | None) -> DeviceMemory:
+    """What `device` offers this process now that the stages placed on it are loaded; caps the caching
+    allocator there at `limit_gib` (gpu_memory_limit), which the plan then fills."""
+    torch.cuda.synchronize(device)
+    torch.cuda.empty_cache()  # blocks this process freed while loading are free for the plan too
+    allocated = torch.cuda.memory_allocated(device)
+    free, total = torch.cuda.mem_get_info(device)
+    log.info(
+        "after loading: %.2f GiB allocated on %s by this process, %.2f GiB free (%.2f GiB held by other "
+        "processes or the driver)",
+        allocated / GiB,
+        device,
+        free / GiB,
+        (total - free - torch.cuda.memory_reserved(device)) / GiB,
+    )
+    limit = int(limit_gib * GiB) if limit_gib else None
+    if limit is not None:
+        torch.cuda.set_per_process_memory_fraction(min(1.0, limit / total), device)
+    return DeviceMemory(total=total, free=free, allocated=allocated, limit=limit, name=str(device))
 
 
 @dataclass
@@ -68,3 +93,8 @@ def allocator_stats(device: torch.device) -> dict[str, int]:
         "gpu_memory_reserved_bytes": stats.get("reserved_bytes.all.current", 0),
         "gpu_alloc_retries": stats.get("num_alloc_retries", 0),
     }
+
+
+def module_bytes(module: torch.nn.Module) -> int:
+    """What a module's parameters hold: a stage's weights, as its `StageMemory.resident` lists them."""
+    return sum(p.numel() * p.element_size() for p in module.parameters())

@@ -1,4 +1,5 @@
-"""plan_stage_memory's decisions on fake measurements: the CUDA calls are stubbed with a device's numbers."""
+"""An LLM stage's needs (`llm_stage_memory`) planned with another stage's on their device (`plan_devices`), on fake
+measurements: the CUDA calls are stubbed with a device's numbers."""
 
 from __future__ import annotations
 
@@ -8,10 +9,12 @@ import pytest
 import torch
 
 from omnistage.config import engine_config
-from omnistage.engine.capture_plan import MAIN_POOL, Floor, GiB, StageMemory, scaled_costs
-from omnistage.engine.gpu_memory import Peak
-from omnistage.engine.stage_plan import plan_stage_memory
+from omnistage.engine.memory.floor import Floor
+from omnistage.engine.memory.measure import Peak
+from omnistage.engine.memory.plan import MAIN_POOL, GiB, StageMemory, scaled_costs
+from omnistage.engine.stage_memory import llm_stage_memory
 from omnistage.errors import ConfigError
+from omnistage.pipeline.planning import plan_devices
 
 PAGE_BYTES = 1 << 20
 
@@ -69,7 +72,9 @@ def plan(**config):
         resident=(("Talker", 2 * GiB, "weights"), ("Talker KV pages", GiB, "64 pages")),
         peaks=(("Code2Wav", 3 * 10**9, "16 streams"),),
     )
-    result = plan_stage_memory(runner, encoders, cfg, PAGE_BYTES, 4095, (8, 5), others=others)
+    need = llm_stage_memory(runner, encoders, cfg, PAGE_BYTES, 4095, (8, 5))
+    gpu = torch.device("cuda", 0)
+    result = plan_devices([(gpu, need), (gpu, others)], cfg.gpu_memory_limit_gib)[gpu]
     return result, runner, encoders
 
 
@@ -88,9 +93,10 @@ def test_the_floor_takes_the_largest_of_the_stage_and_the_other_stages(device):
     assert "memory plan (device: 40.00 GiB) on cuda:0" in table
     assert "  Talker KV pages" in table and "  Code2Wav  " in table
     assert runner.warmed == 2048
-    assert result.captured_buckets == (1, 2, 4, 8) and result.prefill_captured == (16, 24, 32, 48, 64)
+    assert result.captured("Thinker", "decode") == (1, 2, 4, 8)
+    assert result.captured("Thinker", "prefill") == (16, 24, 32, 48, 64)
     # at least a request of the longest length: 4,096 tokens in 16-token pages
-    assert result.kv_pool("Thinker").pool.min_pages == 256 and result.kv_pages > 256
+    assert result.kv_pool("Thinker").pool.min_pages == 256 and result.kv_pool("Thinker").pages > 256
 
 
 def test_the_audio_encoder_graphs_compete_in_the_plan(device):
@@ -108,15 +114,20 @@ def test_the_audio_encoder_graphs_compete_in_the_plan(device):
     limited, _, encoders = plan(stages={"encoders": {"audio_graphs": {"max": 2}}})
     assert encoders.priced == ([1, 2], []) and limited.captured("audio encoder", "prefill") == (1, 2)
     eager, _, _ = plan(stages={"encoders": {"enforce_eager": True}})
-    assert eager.graph_set("audio encoder", "prefill") is None and eager.captured_buckets == (1, 2, 4, 8)
+    assert eager.graph_set("audio encoder", "prefill") is None and eager.captured("Thinker", "decode") == (
+        1,
+        2,
+        4,
+        8,
+    )
 
 
 def test_fixed_pages_beyond_what_fits_name_the_stage(device):
     with pytest.raises(ConfigError, match=r"\+ Thinker KV 976.56 GiB \(1,000,000 pages asked for\) = "):
         plan(num_kv_pages=10**6)
     fixed = plan(num_kv_pages=100)[0]
-    assert fixed.kv_pages == 100 and fixed.free > 10 * GiB
-    assert plan(kv_cache_memory_gib=0.5)[0].kv_pages == 512
+    assert fixed.kv_pool("Thinker").pages == 100 and fixed.free > 10 * GiB
+    assert plan(kv_cache_memory_gib=0.5)[0].kv_pool("Thinker").pages == 512
 
 
 def test_no_graphs_without_bfloat16(device, caplog):
