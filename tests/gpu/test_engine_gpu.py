@@ -5,6 +5,8 @@ layers compiled), so tests of one configuration share one engine, and the two th
 their own with compiled layers are marked slow (benchmarks/gpu_tests.sh leaves them out unless asked).
 """
 
+import re
+
 import numpy as np
 import pytest
 import torch
@@ -157,4 +159,5 @@ def test_plan_prints_the_gpu_plan_under_a_cap(tiny_checkpoint, capped, capsys, m
     assert main(argv) == 0
     assert built == [engine_config(model=str(tiny_checkpoint), **CAPPED)]
     printed = capsys.readouterr().out
-    assert "memory plan (gpu_memory_limit: 2.00 GiB)" in printed and "Talker KV pages" in printed
+    assert "memory plan (gpu_memory_limit: 2.00 GiB)" in printed
+    assert re.search(r"^ {4}Talker +\d+\.\d\d GiB  [\d,]+ pages ×", printed, re.M)  # its pool, planned beside
