@@ -33,7 +33,7 @@ from omnistage.engine.memory.plan import GiB, MemoryPlan, StageMemory, kv_bytes_
 from omnistage.engine.model_runner import HiddenTap, ModelRunner
 from omnistage.engine.sampling import Sampler, SamplingParams, SamplingRow, SpeechParams, make_generator
 from omnistage.engine.scheduler import ScheduledChunk, Scheduler, SchedulerOutput
-from omnistage.engine.sequence import Sequence, SequenceStatus
+from omnistage.engine.sequence import PromptInputs, Sequence, SequenceStatus
 from omnistage.engine.stage_memory import llm_stage_memory
 from omnistage.errors import ConfigError, InvalidRequest, RequestTooLarge
 from omnistage.models.layers.linear import adopt_gemv
@@ -72,18 +72,16 @@ class NewRequest:
     tap: HiddenTap | None = None  # hidden states of prompt rows that a later stage reads
 
 
-@dataclass
-class RequestState:
-    """What the engine keeps per request beside the scheduler's Sequence."""
+@dataclass(kw_only=True)
+class RequestState(PromptInputs):
+    """What the stage keeps per request beside the scheduler's Sequence; its `mm`, the encoder outputs for the
+    prompt's placeholders, until it finishes."""
 
     params: SamplingParams
     prompt: str | None
     detokenizer: IncrementalDetokenizer
     generator: torch.Generator | None
     eos_token_ids: list[int]
-    mrope: PromptPositions | None = None
-    mm: MultimodalEmbeds | None = None  # encoder outputs for the prompt's placeholders, until it finishes
-    tap: HiddenTap | None = None
     decodes_ahead: bool = False  # decode_ahead.decodes_ahead
     stop_reason: int | str | None = None
     error: str | None = None

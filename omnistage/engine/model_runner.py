@@ -19,6 +19,7 @@ from omnistage.engine.attention import AttentionMetadata
 from omnistage.engine.graphs import DecodeGraphRunner, PrefillGraphRunner
 from omnistage.engine.memory.measure import Peak, device_peak
 from omnistage.engine.scheduler import ScheduledChunk, SchedulerOutput
+from omnistage.engine.sequence import PromptInputs
 from omnistage.models.layers.moe import kernel_switches
 from omnistage.models.layers.rotary import PromptPositions
 from omnistage.models.qwen3_omni.config import TextConfig
@@ -279,13 +280,13 @@ class ModelRunner:
         self, chunks: list[ScheduledChunk], input_ids: torch.Tensor
     ) -> tuple[torch.Tensor | None, list[torch.Tensor] | None]:
         """Token embeddings with encoder outputs at the placeholder rows the chunks cover, and deepstack."""
-        if not any(getattr(c.seq.data, "mm", None) is not None for c in chunks):
+        if not any(_inputs(c).mm is not None for c in chunks):
             return None, None
         embeds = self.model.model.embed_tokens(input_ids)
         deepstack = None
         offset = 0
         for chunk in chunks:
-            mm = getattr(chunk.seq.data, "mm", None)
+            mm = _inputs(chunk).mm
             if mm is not None and chunk.start < chunk.seq.num_prompt_tokens:
                 end = chunk.start + chunk.num_tokens
                 media = (
@@ -317,9 +318,15 @@ def _write_tap(tap: HiddenTap, chunk: ScheduledChunk, tapped: torch.Tensor) -> N
 
 def _tap(chunk: ScheduledChunk) -> HiddenTap | None:
     """The chunk's tap while it runs prompt rows."""
-    tap = getattr(chunk.seq.data, "tap", None)
+    tap = _inputs(chunk).tap
     return tap if tap is not None and chunk.start < chunk.seq.num_prompt_tokens else None
 
 
 def _mrope(chunk: ScheduledChunk) -> PromptPositions | None:
-    return getattr(chunk.seq.data, "mrope", None)
+    return _inputs(chunk).mrope
+
+
+def _inputs(chunk: ScheduledChunk) -> PromptInputs:
+    """The request's inputs beyond its ids: its stage keeps them in its state (`llm_engine.RequestState`)."""
+    inputs: PromptInputs = chunk.seq.data
+    return inputs

@@ -1,8 +1,16 @@
-"""One request's token state inside an LLM stage: plain data, no tensors."""
+"""One request's token state inside an LLM stage: plain data, no tensors; and what a token runner reads of a
+request beyond its ids (`PromptInputs`), the base of the stage's own state of it."""
+
+from __future__ import annotations
 
 from dataclasses import dataclass, field
 from enum import Enum, auto
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from omnistage.engine.encoder_engine import MultimodalEmbeds
+    from omnistage.engine.model_runner import HiddenTap
+    from omnistage.models.layers.rotary import PromptPositions
 
 
 class SequenceStatus(Enum):
@@ -35,7 +43,7 @@ class Sequence:
     status: SequenceStatus = SequenceStatus.WAITING
     page_ids: list[int] = field(default_factory=list)
     num_preemptions: int = 0
-    data: Any = None
+    data: Any = None  # the stage's state of the request: `PromptInputs` and more for a token runner's stage
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -65,3 +73,13 @@ class Sequence:
     @property
     def is_finished(self) -> bool:
         return self.status.is_finished
+
+
+@dataclass
+class PromptInputs:
+    """What a token runner reads of a request beyond its ids: its M-RoPE positions, its media's encoder rows for
+    the placeholders, and the hidden states of prompt rows a later stage reads; none of them for plain text."""
+
+    mrope: PromptPositions | None = None
+    mm: MultimodalEmbeds | None = None
+    tap: HiddenTap | None = None

@@ -1,14 +1,12 @@
 """A step's host-built inputs: token ids, M-RoPE positions, attention metadata and the rows sampled."""
 
-from types import SimpleNamespace
-
 import numpy as np
 import pytest
 import torch
 
 from omnistage.engine.model_runner import ModelRunner, positions_for, rows_within, warm_up_shapes
 from omnistage.engine.scheduler import ScheduledChunk
-from omnistage.engine.sequence import Sequence
+from omnistage.engine.sequence import PromptInputs, Sequence
 from omnistage.models.layers.attention_metadata import AttentionMetadata
 from omnistage.models.layers.moe import ALIGN_KERNEL_MAX_PAIRS, TRITON_MAX_PAIRS
 from omnistage.models.layers.rotary import PromptPositions
@@ -20,7 +18,7 @@ def sequence(prompt_len: int, outputs: int, mrope: PromptPositions | None, first
     seq = Sequence(f"r{first_page}", list(range(100, 100 + prompt_len)), max_tokens=8)
     seq.output_token_ids = list(range(500, 500 + outputs))
     seq.page_ids = list(range(first_page, first_page + -(-seq.num_tokens // PAGE)))
-    seq.data = SimpleNamespace(mrope=mrope)
+    seq.data = PromptInputs(mrope=mrope)
     return seq
 
 
