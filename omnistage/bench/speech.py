@@ -146,7 +146,7 @@ def run_speech(args: argparse.Namespace) -> dict[str, dict[str, Any]]:
         return results
 
     from omnistage.config import engine_config
-    from omnistage.engine.llm_engine import resolve_device
+    from omnistage.engine.devices import resolve_device
     from omnistage.pipeline.async_engine import AsyncEngine
 
     model_dir = args.model or (str(released_skeleton()) if args.load_format == "dummy" else None)

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -21,7 +21,6 @@ from omnistage.engine.decode_ahead import (
     PLACEHOLDER,
     Launched,
     decodes_ahead,
-    drop_placeholders,
     may_run_ahead,
 )
 from omnistage.engine.detokenizer import IncrementalDetokenizer
@@ -31,30 +30,25 @@ from omnistage.engine.kv_cache import PagePool
 from omnistage.engine.memory.measure import allocator_stats, module_bytes
 from omnistage.engine.memory.plan import GiB, MemoryPlan, StageMemory, kv_bytes_per_page
 from omnistage.engine.model_runner import HiddenTap, ModelRunner
+from omnistage.engine.output_processor import RequestState, request_output, stop_and_text
 from omnistage.engine.sampling import Sampler, SamplingParams, SamplingRow, SpeechParams, make_generator
 from omnistage.engine.scheduler import ScheduledChunk, Scheduler, SchedulerOutput
-from omnistage.engine.sequence import PromptInputs, Sequence, SequenceStatus
+from omnistage.engine.sequence import Sequence, SequenceStatus
 from omnistage.engine.stage_memory import llm_stage_memory
-from omnistage.errors import ConfigError, InvalidRequest, RequestTooLarge
+from omnistage.errors import InvalidRequest, RequestTooLarge
 from omnistage.models.layers.linear import adopt_gemv
 from omnistage.models.layers.moe import SparseMoeBlock
 from omnistage.models.layers.rotary import PromptPositions
 from omnistage.models.qwen3_omni.config import TextConfig
 from omnistage.models.qwen3_omni.processor import Processor
 from omnistage.models.qwen3_omni.thinker import Thinker
-from omnistage.outputs import CompletionOutput, RequestOutput
+from omnistage.outputs import RequestOutput
 
 if TYPE_CHECKING:
     from omnistage.models.qwen3_omni.processor import MultimodalInputs
 
 log = logging.getLogger(__name__)
 
-_FINISH_REASONS = {
-    SequenceStatus.FINISHED_STOPPED: "stop",
-    SequenceStatus.FINISHED_LENGTH: "length",
-    SequenceStatus.FINISHED_ABORTED: "abort",
-    SequenceStatus.FINISHED_ERROR: "error",
-}
 _CPU_KV_GIB = 0.25
 
 
@@ -70,43 +64,6 @@ class NewRequest:
     mm: MultimodalInputs | None = None
     speech: SpeechParams | None = None  # speak the reply: the pipeline's business
     tap: HiddenTap | None = None  # hidden states of prompt rows that a later stage reads
-
-
-@dataclass(kw_only=True)
-class RequestState(PromptInputs):
-    """What the stage keeps per request beside the scheduler's Sequence; its `mm`, the encoder outputs for the
-    prompt's placeholders, until it finishes."""
-
-    params: SamplingParams
-    prompt: str | None
-    detokenizer: IncrementalDetokenizer
-    generator: torch.Generator | None
-    eos_token_ids: list[int]
-    decodes_ahead: bool = False  # decode_ahead.decodes_ahead
-    stop_reason: int | str | None = None
-    error: str | None = None
-    metrics: dict[str, float] = field(default_factory=dict)
-
-
-def resolve_device(device: str) -> torch.device:
-    """ "auto", "cpu", "cuda" (the current GPU) or "cuda:N", checked against the machine."""
-    if device == "auto":
-        device = "cuda" if torch.cuda.is_available() else "cpu"
-    if device.startswith("cuda"):
-        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
-        index = (
-            torch.cuda.current_device() if device == "cuda" and count else int(device.partition(":")[2] or 0)
-        )
-        if index >= count:
-            raise ConfigError(f"device {device!r} was asked for but torch sees {count} CUDA device(s)")
-        return torch.device("cuda", index)
-    return torch.device(device)
-
-
-def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
-    if dtype == "auto":
-        return torch.bfloat16 if device.type == "cuda" else torch.float32
-    return getattr(torch, dtype)
 
 
 @dataclass
@@ -372,7 +329,7 @@ class LLMEngine:
             return None
         if self._launched is not None and all(c.seq.is_finished for c in self._launched.chunks):
             self._launched = None  # nothing in flight is wanted; its KV writes precede any later step's
-        return self._output(seq, "", [])
+        return request_output(seq, "", [])
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished() or self._launched is not None
@@ -512,53 +469,19 @@ class LLMEngine:
         state: RequestState = seq.data
         if "first_token" not in state.metrics:
             state.metrics["first_token"] = time.monotonic()
-        delta = ""
-        if token in state.params.stop_token_ids:
-            state.stop_reason = token
-            self.scheduler.finish(seq, SequenceStatus.FINISHED_STOPPED)
-        elif token in state.eos_token_ids:
-            self.scheduler.finish(seq, SequenceStatus.FINISHED_STOPPED)
-        else:
-            delta = state.detokenizer.add(token)
-            if state.detokenizer.stopped:
-                state.stop_reason = state.detokenizer.stop_str
-                self.scheduler.finish(seq, SequenceStatus.FINISHED_STOPPED)
+        status, delta = stop_and_text(state, token)
+        if status is not None:
+            self.scheduler.finish(seq, status)
         if seq.is_finished and not state.detokenizer.stopped:
             delta += state.detokenizer.flush()
-        return self._output(seq, delta, [token])
+        return request_output(seq, delta, [token])
 
     def _fail(self, seq: Sequence, exc: Exception) -> list[RequestOutput]:
         """End `seq` with finish_reason "error" (a no-op on its status if it had just finished) and its error."""
         log.error("request %s failed", seq.request_id, exc_info=exc)
         seq.data.error = f"{type(exc).__name__}: {exc}"
         self.scheduler.finish(seq, SequenceStatus.FINISHED_ERROR)
-        return [self._output(seq, "", [])]
-
-    def _output(self, seq: Sequence, delta_text: str, delta_ids: list[int]) -> RequestOutput:
-        state: RequestState = seq.data
-        finished = seq.is_finished
-        if finished:
-            drop_placeholders(seq.output_token_ids)  # ended with a token in flight (aborted, failed)
-            state.metrics.setdefault("finished", time.monotonic())
-            state.mm = None
-        completion = CompletionOutput(
-            index=0,
-            text=state.detokenizer.text,
-            token_ids=list(seq.output_token_ids),
-            finish_reason=_FINISH_REASONS.get(seq.status) if finished else None,
-            stop_reason=state.stop_reason,
-            delta_text=delta_text,
-            delta_token_ids=delta_ids,
-        )
-        return RequestOutput(
-            request_id=seq.request_id,
-            prompt=state.prompt,
-            prompt_token_ids=seq.prompt_token_ids,
-            outputs=[completion],
-            finished=finished,
-            error=state.error,
-            metrics=dict(state.metrics),
-        )
+        return [request_output(seq, "", [])]
 
 
 def _decodes_ahead(seq: Sequence) -> bool:

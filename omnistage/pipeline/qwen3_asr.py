@@ -10,8 +10,9 @@ import torch
 
 from omnistage.config import STAGES, EngineConfig
 from omnistage.engine.attention import backend_for
+from omnistage.engine.devices import resolve_device, resolve_dtype
 from omnistage.engine.encoder_engine import EncoderEngine
-from omnistage.engine.llm_engine import LLMEngine, NewRequest, StageModels, resolve_device, resolve_dtype
+from omnistage.engine.llm_engine import LLMEngine, NewRequest, StageModels
 from omnistage.engine.memory.gauges import Gauge, plan_gauges
 from omnistage.engine.sampling import SamplingParams, SpeechParams
 from omnistage.errors import InvalidRequest

@@ -1,0 +1,83 @@
+"""A stage's outputs beside the stage, as vLLM v1 keeps them: each sampled id checked against the request's
+stops and detokenized (`stop_and_text`), and the RequestOutput its caller gets (`request_output`). The state the
+stage keeps per request (`RequestState`) holds the detokenizer and the stops.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from omnistage.engine.decode_ahead import drop_placeholders
+from omnistage.engine.detokenizer import IncrementalDetokenizer
+from omnistage.engine.sampling import SamplingParams
+from omnistage.engine.sequence import PromptInputs, Sequence, SequenceStatus
+from omnistage.outputs import CompletionOutput, RequestOutput
+
+_FINISH_REASONS = {
+    SequenceStatus.FINISHED_STOPPED: "stop",
+    SequenceStatus.FINISHED_LENGTH: "length",
+    SequenceStatus.FINISHED_ABORTED: "abort",
+    SequenceStatus.FINISHED_ERROR: "error",
+}
+
+
+@dataclass(kw_only=True)
+class RequestState(PromptInputs):
+    """What the stage keeps per request beside the scheduler's Sequence; its `mm`, the encoder outputs for the
+    prompt's placeholders, until it finishes."""
+
+    params: SamplingParams
+    prompt: str | None
+    detokenizer: IncrementalDetokenizer
+    generator: torch.Generator | None
+    eos_token_ids: list[int]
+    decodes_ahead: bool = False  # decode_ahead.decodes_ahead
+    stop_reason: int | str | None = None
+    error: str | None = None
+    metrics: dict[str, float] = field(default_factory=dict)
+
+
+def stop_and_text(state: RequestState, token: int) -> tuple[SequenceStatus | None, str]:
+    """A sampled id against the request's stops (its stop ids, the model's end tokens, its stop strings): the
+    status it ends the request with, if it does, and the text it adds."""
+    if token in state.params.stop_token_ids:
+        state.stop_reason = token
+        return SequenceStatus.FINISHED_STOPPED, ""
+    if token in state.eos_token_ids:
+        return SequenceStatus.FINISHED_STOPPED, ""
+    delta = state.detokenizer.add(token)
+    if state.detokenizer.stopped:
+        state.stop_reason = state.detokenizer.stop_str
+        return SequenceStatus.FINISHED_STOPPED, delta
+    return None, delta
+
+
+def request_output(seq: Sequence, delta_text: str, delta_ids: list[int]) -> RequestOutput:
+    """What the caller gets of `seq` after a step: its delta and, once it finished, all of it."""
+    state: RequestState = seq.data
+    finished = seq.is_finished
+    if finished:
+        drop_placeholders(seq.output_token_ids)  # ended with a token in flight (aborted, failed)
+        state.metrics.setdefault("finished", time.monotonic())
+        state.mm = None
+    completion = CompletionOutput(
+        index=0,
+        text=state.detokenizer.text,
+        token_ids=list(seq.output_token_ids),
+        finish_reason=_FINISH_REASONS.get(seq.status) if finished else None,
+        stop_reason=state.stop_reason,
+        delta_text=delta_text,
+        delta_token_ids=delta_ids,
+    )
+    return RequestOutput(
+        request_id=seq.request_id,
+        prompt=state.prompt,
+        prompt_token_ids=seq.prompt_token_ids,
+        outputs=[completion],
+        finished=finished,
+        error=state.error,
+        metrics=dict(state.metrics),
+    )
