@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-from omnistage.engine.attention.cuda import decode_splits, paged_attention, write_kv
+from omnistage.kernels.attention import decode_splits, paged_attention, write_kv
 from omnistage.models.layers.attention_metadata import AttentionMetadata
 from omnistage.models.layers.gemv import graph_us
 

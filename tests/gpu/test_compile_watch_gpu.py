@@ -47,7 +47,7 @@ def test_moe_kernels_build_once_per_tile_configuration_whatever_the_token_count(
 
 
 def test_paged_attention_builds_once_whatever_the_block_tables_width():
-    from omnistage.engine.attention.cuda import paged_attention, write_kv
+    from omnistage.kernels.attention import paged_attention, write_kv
 
     watch = watch_compiles()
     cache = torch.randn(2, 512, 16, 4, 128, device=DEV).bfloat16()

@@ -22,7 +22,7 @@ if not INTERPRETING:
 else:
     patch_interpreter()
 
-    from omnistage.engine.attention import cuda as _cuda
+    from omnistage.kernels import attention as _cuda
 
     @pytest.fixture
     def cuda_mod():
@@ -98,7 +98,7 @@ else:
         assert out[0].abs().sum() > 0
 
     def test_decode_splits_are_static():
-        from omnistage.engine.attention.cuda import decode_splits
+        from omnistage.kernels.attention import decode_splits
 
         cpu = torch.device("cpu")
         assert decode_splits(1, 4, cpu) == decode_splits(1, 4, cpu)
