@@ -1,6 +1,6 @@
 """What a decode step's paged attention costs per layer on the GPU, by the number of KV splits.
 
-`engine/attention/cuda.py` splits each sequence's keys across programs in a decode step (`decode_splits`
+`kernels/attention.py` splits each sequence's keys across programs in a decode step (`decode_splits`
 picks the count from the batch's shape only, so that a captured graph replays with it). This times the K/V
 write and the attention of one layer (`CudaAttentionBackend.forward`, what a decoder layer calls), captured
 20 times in one CUDA graph (`gemv.graph_us`) and replayed, for the released stages' head layouts, context

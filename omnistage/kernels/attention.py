@@ -7,19 +7,29 @@ Decode (one new token) and ragged prefill chunks over cached pages are the same 
 height differs. Decode also splits each sequence's keys across programs (split-KV, so a batch of one
 still fills the GPU) and `_combine_splits` merges the partials by their log-sum-exp. Nothing reads a device value on the host and the grid depends only on host
 ints of the metadata, so a decode step captures into a CUDA graph. Runs on the CPU too under
-TRITON_INTERPRET=1, which is how the unit tests check it.
+TRITON_INTERPRET=1, which is how the unit tests check it. The attention backend that calls them is
+`engine/attention/cuda.py`.
 """
 
 from __future__ import annotations
 
 import functools
 import math
+from typing import Protocol
 
 import torch
 import triton
 import triton.language as tl
 
-from omnistage.models.layers.attention_metadata import AttentionMetadata
+
+class PagedMetadata(Protocol):
+    """What the kernels read of a step's `AttentionMetadata` (models/layers/attention_metadata.py): its int
+    tensors, on q's device, and `max_query_len`, a host int."""
+
+    query_start_loc: torch.Tensor
+    seq_lens: torch.Tensor
+    block_tables: torch.Tensor
+    max_query_len: int
 
 
 @triton.jit
@@ -230,7 +240,7 @@ def decode_splits(num_seqs: int, num_kv_heads: int, device: torch.device) -> int
 def paged_attention(
     q: torch.Tensor,
     kv_cache: torch.Tensor,
-    meta: AttentionMetadata,
+    meta: PagedMetadata,
     scale: float,
     out: torch.Tensor | None = None,
     num_splits: int | None = None,
@@ -312,26 +322,3 @@ def paged_attention(
             NUM_SPLITS=num_splits,
         )
     return out
-
-
-class CudaAttentionBackend:
-    """The GPU attention backend: Triton K/V write and paged attention, no host syncs.
-
-    Expects `kv_cache` `[2, num_pages, page_size, Hkv, D]` contiguous in its last three dims and the
-    metadata's int tensors on the same device. Decode steps (max_query_len 1) are graph safe.
-    """
-
-    # Kept out of torch.compile: the kernels pick tiles from host ints of the metadata, which would make
-    # a compiled layer recompile for every new prefill length.
-    @torch.compiler.disable
-    def forward(
-        self,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        kv_cache: torch.Tensor,
-        meta: AttentionMetadata,
-        scale: float,
-    ) -> torch.Tensor:
-        write_kv(kv_cache, k, v, meta.slot_mapping)
-        return paged_attention(q, kv_cache, meta, scale)

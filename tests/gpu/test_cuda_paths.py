@@ -32,7 +32,8 @@ def _attention_case(chunks, heads, kv_heads, dim, page_size, num_pages, seed, **
 
 
 def _compare_backends(case, **kwargs):
-    from omnistage.kernels.attention import CudaAttentionBackend, paged_attention, write_kv
+    from omnistage.engine.attention.cuda import CudaAttentionBackend
+    from omnistage.kernels.attention import paged_attention, write_kv
 
     q, k, v, cache, meta = case
     scale = q.shape[-1] ** -0.5
@@ -98,7 +99,7 @@ class SmallDecoder:
     """Embedding → attention over paged KV (Triton backend) → top-2 MoE (grouped GEMM) → logits."""
 
     def __init__(self, num_pages: int, page_size: int) -> None:
-        from omnistage.kernels.attention import CudaAttentionBackend
+        from omnistage.engine.attention.cuda import CudaAttentionBackend
 
         g = torch.Generator(device=DEV).manual_seed(0)
         self.heads, self.kv_heads, self.dim, hidden = 8, 2, 64, 256

@@ -15,7 +15,7 @@ def backend_for(device: torch.device) -> AttentionBackend:
     The Triton one is imported here, only where it runs: a CPU install may have no Triton.
     """
     if device.type == "cuda":
-        from omnistage.kernels.attention import CudaAttentionBackend
+        from omnistage.engine.attention.cuda import CudaAttentionBackend
 
         return CudaAttentionBackend()
     return TorchReferenceBackend()

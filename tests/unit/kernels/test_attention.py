@@ -1,9 +1,10 @@
-"""The Triton paged-attention kernels of `engine/attention/cuda.py`, run on the CPU by Triton's interpreter.
+"""The Triton paged-attention kernels of `kernels/attention.py` and the backend that calls them
+(`engine/attention/cuda.py`), run on the CPU by Triton's interpreter.
 
 Triton picks interpreted or compiled kernels when `triton.language` is first imported, so the kernels
 run in a child pytest with TRITON_INTERPRET=1 set from its start; in the parent this file is one test
 that launches it (a process with compiled kernels, e.g. the GPU tests, stays untouched). Run directly:
-`TRITON_INTERPRET=1 pytest tests/unit/engine/test_triton_attention_interpret.py`.
+`TRITON_INTERPRET=1 pytest tests/unit/kernels/test_attention.py`.
 """
 
 import pytest
@@ -22,11 +23,8 @@ if not INTERPRETING:
 else:
     patch_interpreter()
 
-    from omnistage.kernels import attention as _cuda
-
-    @pytest.fixture
-    def cuda_mod():
-        return _cuda
+    from omnistage.engine.attention.cuda import CudaAttentionBackend
+    from omnistage.kernels.attention import decode_splits, paged_attention, write_kv
 
     def _case(chunks, heads, kv_heads, dim, page_size, num_pages, seed, pad_seqs=0, pad_rows=0):
         g = torch.Generator().manual_seed(seed)
@@ -44,16 +42,16 @@ else:
         out = TorchReferenceBackend().forward(q.double(), k.double(), v.double(), cache64, meta, scale)
         return out, cache64
 
-    def _check(cuda_mod, case, num_splits=None):
+    def _check(case, num_splits=None):
         q, k, v, cache, meta = case
         scale = q.shape[-1] ** -0.5
         expected, expected_cache = _reference(q, k, v, cache, meta, scale)
         cache = cache.clone()
-        cuda_mod.write_kv(cache, k, v, meta.slot_mapping)
+        write_kv(cache, k, v, meta.slot_mapping)
         assert torch.equal(cache.double(), expected_cache)
         # Poisoned output: every row of a sequence must be written, rows of none keep the poison.
         out = torch.full_like(q, float("nan"))
-        cuda_mod.paged_attention(q, cache, meta, scale, out=out, num_splits=num_splits)
+        paged_attention(q, cache, meta, scale, out=out, num_splits=num_splits)
         in_seq = torch.zeros(q.shape[0], dtype=torch.bool)
         in_seq[: int(meta.query_start_loc[-1])] = True
         assert not out[in_seq].isnan().any()
@@ -62,44 +60,42 @@ else:
         want = expected[in_seq]
         assert ((got - want).norm() / want.norm()).item() < 1e-5
         # The backend as the model calls it: padding rows are zeros.
-        full = cuda_mod.CudaAttentionBackend().forward(q, k, v, case[3].clone(), meta, scale)
+        full = CudaAttentionBackend().forward(q, k, v, case[3].clone(), meta, scale)
         assert torch.allclose(full.double(), expected, atol=1e-5, rtol=1e-5)
 
-    def test_ragged_prefill_over_cached_pages(cuda_mod):
+    def test_ragged_prefill_over_cached_pages():
         # Fresh prompt, a chunk after cached tokens crossing page borders, a decode row, out-of-order pages.
         chunks = [(0, 7, [3, 5]), (5, 9, [0, 9, 11, 2]), (10, 1, [1, 4, 6]), (0, 1, [7])]
-        _check(cuda_mod, _case(chunks, 8, 2, 32, 4, 16, seed=0, pad_rows=3))
+        _check(_case(chunks, 8, 2, 32, 4, 16, seed=0, pad_rows=3))
 
-    def test_prefill_longer_than_a_tile(cuda_mod):
+    def test_prefill_longer_than_a_tile():
         chunks = [(3, 70, list(range(0, 19))), (0, 20, list(range(19, 24)))]
-        _check(cuda_mod, _case(chunks, 4, 4, 16, 4, 32, seed=1))
+        _check(_case(chunks, 4, 4, 16, 4, 32, seed=1))
 
-    def test_odd_group_and_head_dim(cuda_mod):
+    def test_odd_group_and_head_dim():
         # 6 query heads over 2 KV heads (group 3, padded to 4), head_dim 24 (padded to 32).
         chunks = [(4, 6, [2, 0, 1]), (0, 3, [3])]
-        _check(cuda_mod, _case(chunks, 6, 2, 24, 4, 8, seed=2))
+        _check(_case(chunks, 6, 2, 24, 4, 8, seed=2))
 
     @pytest.mark.parametrize("num_splits", [None, 1, 2, 8])
-    def test_decode_split_kv(cuda_mod, num_splits):
+    def test_decode_split_kv(num_splits):
         page_size = 16
         chunks = [(100, 1, list(range(0, 7))), (200, 1, list(range(7, 20))), (3, 1, [30]), (0, 1, [31])]
         case = _case(chunks, 8, 2, 32, page_size, 40, seed=3, pad_seqs=2)
-        _check(cuda_mod, case, num_splits=num_splits)
+        _check(case, num_splits=num_splits)
 
     @pytest.mark.parametrize("num_splits", [1, 4])
-    def test_padding_sequences_read_nothing(cuda_mod, monkeypatch, num_splits):
+    def test_padding_sequences_read_nothing(monkeypatch, num_splits):
         # A padded decode batch: the padding sequences' rows (slot -1, seq_len 0) come back as zeros, written
         # by the kernels (a decode step's output is not zero-filled first: poison what it allocates).
         q, k, v, cache, meta = _case([(5, 1, [0, 1])], 4, 2, 16, 4, 4, seed=4, pad_seqs=3)
         monkeypatch.setattr(torch, "empty_like", lambda t: torch.full_like(t, float("nan")))
-        cuda_mod.write_kv(cache, k, v, meta.slot_mapping)
-        out = cuda_mod.paged_attention(q, cache, meta, 0.25, num_splits=num_splits)
+        write_kv(cache, k, v, meta.slot_mapping)
+        out = paged_attention(q, cache, meta, 0.25, num_splits=num_splits)
         assert torch.equal(out[1:], torch.zeros_like(out[1:]))
         assert out[0].abs().sum() > 0
 
     def test_decode_splits_are_static():
-        from omnistage.kernels.attention import decode_splits
-
         cpu = torch.device("cpu")
         assert decode_splits(1, 4, cpu) == decode_splits(1, 4, cpu)
         assert 1 <= decode_splits(128, 4, cpu) <= decode_splits(1, 4, cpu) <= 16
