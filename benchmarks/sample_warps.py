@@ -1,6 +1,6 @@
 """What the code predictor's sampling kernel costs per call by its warps per program, in a CUDA graph.
 
-`engine/sample_kernel.py` draws a row's code in one program: a top-k of the 2,048-entry codebook's int64 keys,
+`kernels/sampling.py` draws a row's code in one program: a top-k of the 2,048-entry codebook's int64 keys,
 top-p and the exponential race. A code-predictor frame calls it 15 times, one after another. This times the
 kernel over released-size logits (1, 8 and 16 rows, top-k 50, sampled rows) captured 20 times in one
 graph (`gemv.graph_us`), at 2 to 16 warps, and checks that every warp count draws the same ids.
@@ -16,8 +16,8 @@ from pathlib import Path
 
 import torch
 
-from omnistage.engine.sample_kernel import sample_kernel
 from omnistage.engine.static_sampling import StaticRows
+from omnistage.kernels.sampling import sample_kernel
 from omnistage.models.layers.gemv import graph_us
 
 VOCAB, TOP_K = 2048, 50

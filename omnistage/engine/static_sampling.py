@@ -8,7 +8,7 @@ torch's integer ops do), whose top 23 bits make a uniform in (0, 1); `-log(u)` i
 exponential race (argmax of p / q is an exact draw from p).
 
 Every step is defined so that any order of evaluation gives the same bits, which is what lets one Triton
-kernel per call on CUDA (sample_kernel.py) draw exactly what the torch path here draws: ranks come from
+kernel per call on CUDA (kernels/sampling.py) draw exactly what the torch path here draws: ranks come from
 distinct int64 keys (tied logits rank by token id, lower first), and top-p sums the kept weights as integers
 (fixed point, 2**-40 of the top weight), so no float sum's order matters; the rest is elementwise.
 """
@@ -21,27 +21,24 @@ from dataclasses import dataclass
 
 import torch
 
+from omnistage.kernels.sampling_spec import GOLDEN, MASS_SCALE, MIX1, MIX2, check_top_k
 from omnistage.models.layers.attention_metadata import to_device_together
 
 log = logging.getLogger(__name__)
 
-_GOLDEN = -0x61C8864680B583EB  # 0x9E3779B97F4A7C15 as a signed int64
-_MIX1 = -0x40A7B892E31B1A47  # 0xBF58476D1CE4E5B9
-_MIX2 = -0x6B2FB644ECCEEE15  # 0x94D049BB133111EB
-
 
 def _mix(x: torch.Tensor) -> torch.Tensor:
     """SplitMix64's finaliser on int64 (logical shifts emulated by masking the sign-extended bits)."""
-    x = (x ^ ((x >> 30) & ((1 << 34) - 1))) * _MIX1
-    x = (x ^ ((x >> 27) & ((1 << 37) - 1))) * _MIX2
+    x = (x ^ ((x >> 30) & ((1 << 34) - 1))) * MIX1
+    x = (x ^ ((x >> 27) & ((1 << 37) - 1))) * MIX2
     return x ^ ((x >> 31) & ((1 << 33) - 1))
 
 
 def uniform_noise(seeds: torch.Tensor, draws: torch.Tensor, vocab: int) -> torch.Tensor:
     """`[B, vocab]` float32 uniforms in (0, 1): row b's depend only on (seeds[b], draws[b]) and the column."""
     columns = torch.arange(vocab, device=seeds.device, dtype=torch.int64)
-    key = _mix(seeds * _GOLDEN + draws)  # [B]
-    bits = _mix(key[:, None] + (columns[None, :] + 1) * _GOLDEN)
+    key = _mix(seeds * GOLDEN + draws)  # [B]
+    bits = _mix(key[:, None] + (columns[None, :] + 1) * GOLDEN)
     # the top 23 bits: (k + 0.5) / 2**23 is exact in float32 and lies in [2**-24, 1 - 2**-24]
     top23 = (bits >> 41) & ((1 << 23) - 1)
     return (top23.float() + 0.5) / float(1 << 23)
@@ -101,26 +98,15 @@ def sort_keys(x: torch.Tensor) -> torch.Tensor:
     return (ordered.long() << 32) | reverse
 
 
-# top-p sums the kept weights (the top one is 1) in this fixed point; up to MAX_TOP_K of them stay under 2**52,
-# exact as int64 and as float64 (top-p's threshold is one float64 product)
-MASS_SCALE = 2.0**40
-MAX_TOP_K = 4096
-
-
-def check_top_k(top_k: int, vocab: int) -> None:
-    if not 0 < top_k <= min(vocab, MAX_TOP_K):
-        raise ValueError(f"top_k {top_k} is not in [1, min(vocab {vocab}, {MAX_TOP_K})]")
-
-
 def sample_static(logits: torch.Tensor, rows: StaticRows, top_k: int) -> torch.Tensor:
     """Ids `[B]` from float32 logits `[B, V]`: greedy rows take the argmax; the others temperature, their top
     `top_k` (the same for every row: a static shape), top-p, then the exponential race on hashed noise. No host
-    synchronisation; `rows.draws` advances by one. On CUDA one Triton kernel (sample_kernel.py), elsewhere
+    synchronisation; `rows.draws` advances by one. On CUDA one Triton kernel (kernels/sampling.py), elsewhere
     `sample_torch`: the same draws."""
     global _kernel_failed
     if logits.is_cuda and not _kernel_failed:
         # ~12 kernels a call in torch, 15 calls a code-predictor frame: launches set its time
-        from omnistage.engine.sample_kernel import sample_kernel
+        from omnistage.kernels.sampling import sample_kernel
 
         try:
             return sample_kernel(logits, rows, top_k)

@@ -1,4 +1,4 @@
-"""The compiled sampling kernel (engine/sample_kernel.py) at the code predictor's released sizes: the same ids
+"""The compiled sampling kernel (kernels/sampling.py) at the code predictor's released sizes: the same ids
 and draw numbers as static_sampling's torch path, called eagerly and replayed in a captured CUDA graph."""
 
 import math
@@ -52,7 +52,7 @@ def copy(rows: StaticRows) -> StaticRows:
 
 @pytest.mark.parametrize("batch", [1, 2, 8, 33, 64])
 def test_the_kernel_draws_what_the_torch_path_draws(batch):
-    from omnistage.engine.sample_kernel import sample_kernel
+    from omnistage.kernels.sampling import sample_kernel
 
     rows = settings(batch, seed=batch)
     by_kernel, by_torch = copy(rows), copy(rows)
@@ -113,8 +113,8 @@ def test_the_kernels_float_operations_are_torchs():
 
 
 def test_a_kernel_that_cannot_build_falls_back_to_the_same_draws_in_torch(monkeypatch, caplog):
-    import omnistage.engine.sample_kernel as sample_kernel_module
     import omnistage.engine.static_sampling as static_sampling
+    import omnistage.kernels.sampling as sample_kernel_module
 
     def broken(*args, **kwargs):
         raise RuntimeError("no kernel on this build")

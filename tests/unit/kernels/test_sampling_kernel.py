@@ -1,4 +1,4 @@
-"""`engine/sample_kernel.py` on the CPU through Triton's interpreter (tests/triton_interpreter.py): the one
+"""`kernels/sampling.py` on the CPU through Triton's interpreter (tests/triton_interpreter.py): the one
 kernel draws what `static_sampling.sample_torch` draws, id for id, and advances the draw numbers alike.
 
 The interpreter has no libdevice, so here the kernel's expf/logf are torch's CPU exp/log, the functions the
@@ -26,8 +26,8 @@ else:
     from triton.language.extra import libdevice
     from triton.runtime.interpreter import ReduceOps, TensorHandle
 
-    from omnistage.engine.sample_kernel import sample_kernel
     from omnistage.engine.static_sampling import StaticRows, sample_torch
+    from omnistage.kernels.sampling import sample_kernel
 
     def _torch_elementwise(fn):
         def call(x):

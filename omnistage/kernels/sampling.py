@@ -12,19 +12,32 @@ of the CUDA math library's expf/logf (libdevice: what torch's exp and log call):
 of integers. Triton flushes denormal results of libdevice to zero where torch keeps them; that changes only a
 weight below 2**-126 of the top one, which is no mass in top-p's fixed point and cannot win the race (the top
 rank scores at least 1 / 17, and no noise the hash makes lifts a weight below 2**-29 that high). GPU only: a
-CPU install has no Triton and takes the torch path.
+CPU install has no Triton and takes the torch path (`engine/static_sampling.py`); the numbers both paths use
+are in `sampling_spec.py`.
 """
 
 from __future__ import annotations
+
+from typing import Protocol
 
 import torch
 import triton
 import triton.language as tl
 from triton.language.extra import libdevice
 
-from omnistage.engine.static_sampling import _GOLDEN, _MIX1, _MIX2, MASS_SCALE, StaticRows, check_top_k
+from omnistage.kernels.sampling_spec import GOLDEN, MASS_SCALE, MIX1, MIX2, check_top_k
 
 _LOWEST_KEY = -(2**63)  # columns past the vocabulary: below every real key, so never in the top k
+
+
+class SamplingRows(Protocol):
+    """What the kernel reads of `static_sampling.StaticRows`: a batch's settings as device tensors `[B]`."""
+
+    greedy: torch.Tensor
+    temperature: torch.Tensor
+    top_p: torch.Tensor
+    seeds: torch.Tensor
+    draws: torch.Tensor
 
 
 @triton.jit
@@ -81,7 +94,7 @@ def _sample_kernel(
     tl.store(draws_ptr + row, draw + 1)
 
 
-def sample_kernel(logits: torch.Tensor, rows: StaticRows, top_k: int, num_warps: int = 4) -> torch.Tensor:
+def sample_kernel(logits: torch.Tensor, rows: SamplingRows, top_k: int, num_warps: int = 4) -> torch.Tensor:
     """`sample_static` for float32 `logits` `[B, V]` (unit column stride) on CUDA: ids `[B]` (int64); the first
     B of `rows.draws` advance by one in place. One program per row, of `num_warps` warps."""
     batch, vocab = logits.shape
@@ -92,7 +105,7 @@ def sample_kernel(logits: torch.Tensor, rows: StaticRows, top_k: int, num_warps:
     k_block = max(2, triton.next_power_of_2(top_k))  # tl.topk takes k >= 2
     _sample_kernel[(batch,)](
         logits, rows.greedy, rows.temperature, rows.top_p, rows.seeds, rows.draws, out,
-        vocab, logits.stride(0), top_k, MASS_SCALE, _GOLDEN, _MIX1, _MIX2, LOWEST_KEY=_LOWEST_KEY,
+        vocab, logits.stride(0), top_k, MASS_SCALE, GOLDEN, MIX1, MIX2, LOWEST_KEY=_LOWEST_KEY,
         V_BLOCK=triton.next_power_of_2(vocab), K_BLOCK=k_block, num_warps=num_warps,
     )  # fmt: skip
     return out
