@@ -18,8 +18,8 @@ from pathlib import Path
 import torch
 
 from omnistage.kernels.attention import decode_splits, paged_attention, write_kv
+from omnistage.kernels.gemv import graph_us
 from omnistage.models.layers.attention_metadata import AttentionMetadata
-from omnistage.models.layers.gemv import graph_us
 
 # (stage, query heads, KV heads, head dim) at the released sizes (omnistage/data/*.config.json)
 LAYOUTS = [("Qwen3-ASR", 16, 8, 128), ("Thinker", 32, 4, 128), ("Talker", 16, 2, 128)]

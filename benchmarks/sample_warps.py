@@ -17,8 +17,8 @@ from pathlib import Path
 import torch
 
 from omnistage.engine.static_sampling import StaticRows
+from omnistage.kernels.gemv import graph_us
 from omnistage.kernels.sampling import sample_kernel
-from omnistage.models.layers.gemv import graph_us
 
 VOCAB, TOP_K = 2048, 50
 WARPS = [2, 4, 8, 16]

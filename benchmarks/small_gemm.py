@@ -6,7 +6,7 @@ H200's memory could stream; a Qwen3-ASR or Thinker decode step at c=1 is the sam
 each projection of the released stages (fused q/k/v and gate/up as the models run them) and each row count:
 - cuBLAS: `F.linear`, as every stage calls it today;
 - GEMV: one Triton program per block of output columns, each streaming its weight rows once for all the rows
-  of the input (`omnistage/models/layers/gemv.py`, which the speech stages adopt per shape where it wins);
+  of the input (`omnistage/kernels/gemv.py`, which the speech stages adopt per shape where it wins);
 each captured 20 times in one CUDA graph and replayed, so that the figure is a kernel's time in a graph, launch
 gaps included, as the stages' graphs run them. It checks the GEMV's output against cuBLAS's first. Then the
 whole code-predictor frame (`FrameGraphRunner`, released size, random weights, its layers not compiled in
@@ -29,7 +29,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from omnistage.models.layers.gemv import gemv, graph_us
+from omnistage.kernels.gemv import gemv, graph_us
 
 # (stage, projection, out features, in features) at the released sizes (omnistage/data/*.config.json)
 SHAPES = [

@@ -1,4 +1,4 @@
-"""benchmarks/small_gemm.py's patch of `F.linear` onto the GEMV (the kernel's own test: tests/unit/models/test_gemv.py),
+"""benchmarks/small_gemm.py's patch of `F.linear` onto the GEMV (the kernel's own test: tests/unit/kernels/test_gemv.py),
 on the CPU through Triton's interpreter (tests/triton_interpreter.py)."""
 
 import importlib.util

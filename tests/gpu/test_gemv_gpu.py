@@ -1,4 +1,4 @@
-"""The one-row GEMV (models/layers/gemv.py) against cuBLAS at the speech stages' shapes, `adopt_gemv`'s swap of
+"""The one-row GEMV (kernels/gemv.py) against cuBLAS at the speech stages' shapes, `adopt_gemv`'s swap of
 the projections it measures faster, and a `GemvLinear` in a region compiled with dynamic shapes and replayed in a
 captured CUDA graph."""
 
@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from omnistage.models.layers.gemv import gemv, one_row_configs
+from omnistage.kernels.gemv import gemv, one_row_configs
 from omnistage.models.layers.linear import GemvLinear, adopt_gemv
 
 pytestmark = [

@@ -9,7 +9,7 @@ import torch
 from omnistage import LLM, SamplingParams
 from omnistage.engine.attention import AttentionMetadata
 from omnistage.engine.graphs import DecodeGraphRunner
-from omnistage.models.layers.gemv import graph_us
+from omnistage.kernels.gemv import graph_us
 
 pytestmark = [
     pytest.mark.gpu,

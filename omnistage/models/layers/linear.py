@@ -35,10 +35,10 @@ def fuse_projections(model: nn.Module) -> None:
 
 
 def project(x: torch.Tensor, weight: torch.Tensor, gemv_config: tuple[int, int, int] | None) -> torch.Tensor:
-    """`F.linear(x, weight)`; one row on the GPU through the Triton GEMV (`gemv.py`) when `gemv_config`
-    (block_n, block_k, num_warps) is set: where `adopt_gemv` measured it faster than cuBLAS."""
+    """`F.linear(x, weight)`; one row on the GPU through the Triton GEMV (`kernels/gemv.py`) when
+    `gemv_config` (block_n, block_k, num_warps) is set: where `adopt_gemv` measured it faster than cuBLAS."""
     if gemv_config is not None and x.is_cuda and x.numel() == x.shape[-1]:
-        from omnistage.models.layers.gemv import gemv
+        from omnistage.kernels.gemv import gemv
 
         return gemv(x.reshape(1, -1), weight, *gemv_config).reshape(*x.shape[:-1], weight.shape[0])
     return F.linear(x, weight)
@@ -57,9 +57,9 @@ class FusedProjection:
 
 
 class GemvLinear(nn.Linear):
-    """An `nn.Linear` without bias whose one-row calls on the GPU take the Triton GEMV (`gemv.py`) with the
-    configuration `adopt_gemv` measured fastest (block_n, block_k, num_warps): what it puts where the GEMV beat
-    cuBLAS for the projection's shape."""
+    """An `nn.Linear` without bias whose one-row calls on the GPU take the Triton GEMV (`kernels/gemv.py`)
+    with the configuration `adopt_gemv` measured fastest (block_n, block_k, num_warps): what it puts where the
+    GEMV beat cuBLAS for the projection's shape."""
 
     gemv_config: tuple[int, int, int] = (8, 0, 4)
 
@@ -108,7 +108,7 @@ def _fastest(
     weight: torch.Tensor, chosen: dict[tuple[int, int, torch.dtype], tuple[int, int, int] | None]
 ) -> tuple[int, int, int] | None:
     """The GEMV configuration for one row through `weight`, None where cuBLAS is as fast (memoised by shape)."""
-    from omnistage.models.layers.gemv import fastest_config, graph_us
+    from omnistage.kernels.gemv import fastest_config, graph_us
 
     shape = (*weight.shape, weight.dtype)
     if shape not in chosen:

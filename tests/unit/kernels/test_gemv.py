@@ -1,4 +1,4 @@
-"""The one-row GEMV kernel (models/layers/gemv.py) on the CPU through Triton's interpreter, and `GemvLinear`
+"""The one-row GEMV kernel (kernels/gemv.py) on the CPU through Triton's interpreter, and `GemvLinear`
 and `adopt_gemv` off CUDA: the product of `F.linear` for any row count and widths that are not multiples of the
 blocks; on a CPU nothing is adopted and a GemvLinear is a Linear."""
 
@@ -26,7 +26,7 @@ if not INTERPRETING:
 else:
     patch_interpreter()
 
-    from omnistage.models.layers.gemv import gemv
+    from omnistage.kernels.gemv import gemv
 
     @pytest.mark.parametrize("rows", [1, 3, 4, 5])
     @pytest.mark.parametrize("block_n", [8, 32])
@@ -41,7 +41,7 @@ else:
     def test_every_one_row_configuration_is_the_linear_product(config):
         """One row accumulates elementwise and reduces once; blocks longer than the row, and a row that is not a
         multiple of the block, are masked."""
-        from omnistage.models.layers.gemv import one_row_configs
+        from omnistage.kernels.gemv import one_row_configs
 
         torch.manual_seed(sum(config))
         weight = torch.randn(70, 300)
