@@ -1,4 +1,4 @@
-"""The routing kernel's oracle (models/layers/moe_router.py), shared by its interpreter and GPU tests."""
+"""The routing kernel's oracle (kernels/moe_router.py), shared by its interpreter and GPU tests."""
 
 import torch
 import torch.nn.functional as F

@@ -1,4 +1,4 @@
-"""The compiled routing kernel (models/layers/moe_router.py) at the Thinker's sizes against the torch path
+"""The compiled routing kernel (kernels/moe_router.py) at the Thinker's sizes against the torch path
 (`moe.route_torch`): alone, through `SparseMoeBlock.route`, and in a region compiled with dynamic shapes and
 replayed in a captured CUDA graph."""
 
@@ -28,7 +28,7 @@ def distinct_bf16_logits(num_tokens, seed):
 @pytest.mark.parametrize("num_tokens", [1, 7, 32, 300, 4096])
 @pytest.mark.parametrize("renormalize", [True, False])
 def test_the_kernel_routes_as_the_torch_path(num_tokens, renormalize):
-    from omnistage.models.layers.moe_router import route_topk
+    from omnistage.kernels.moe_router import route_topk
 
     g = torch.Generator(device=DEV).manual_seed(num_tokens)
     cases = {
@@ -41,7 +41,7 @@ def test_the_kernel_routes_as_the_torch_path(num_tokens, renormalize):
 
 
 def test_ties_go_to_the_lower_ids():
-    from omnistage.models.layers.moe_router import route_topk
+    from omnistage.kernels.moe_router import route_topk
 
     g = torch.Generator(device=DEV).manual_seed(0)
     logits = torch.randint(-3, 4, (64, EXPERTS), generator=g, device=DEV).bfloat16()

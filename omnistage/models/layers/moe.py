@@ -27,7 +27,8 @@ def route_torch(
     logits: torch.Tensor, top_k: int, renormalize: bool, dtype: torch.dtype
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Top-k expert weights (`dtype`) and ids `[T, k]` from a float32 softmax over router `logits` `[T, E]`,
-    divided by their sum if `renormalize`: the CPU's routing and the oracle of `moe_router.route_topk`."""
+    divided by their sum if `renormalize`: the CPU's routing and the oracle of
+    `kernels.moe_router.route_topk`."""
     probs = F.softmax(logits, dim=-1, dtype=torch.float32)
     weights, ids = torch.topk(probs, top_k, dim=-1, sorted=False)  # order is irrelevant to the sum
     if renormalize:
@@ -109,12 +110,12 @@ class SparseMoeBlock(nn.Module):
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Top-k expert weights (x's dtype) and ids `[T, k]` from a float32 softmax over the router logits.
 
-        On the GPU one Triton kernel (`moe_router`) instead of torch's four or five, imported here for the
-        reason `_experts` gives.
+        On the GPU one Triton kernel (`kernels.moe_router`) instead of torch's four or five, imported here for
+        the reason `_experts` gives.
         """
         logits = self.gate(x)
         if x.is_cuda:
-            from omnistage.models.layers.moe_router import route_topk
+            from omnistage.kernels.moe_router import route_topk
 
             return route_topk(logits, self.top_k, self.norm_topk_prob, x.dtype)
         return route_torch(logits, self.top_k, self.norm_topk_prob, x.dtype)

@@ -1,4 +1,4 @@
-"""`models/layers/moe_router.py` on the CPU, against the torch path (`moe.route_torch`).
+"""`kernels/moe_router.py` on the CPU, against the torch path (`moe.route_torch`).
 
 Under Triton's interpreter (tests/triton_interpreter.py) the kernel selects the torch path's experts with the
 same weights, equal logits going to the lower expert id. There `wrap_triton` hands back the bare kernel, which
@@ -25,7 +25,7 @@ if not INTERPRETING:
         from torch._dynamo.exc import BackendCompilerFailed
         from torch._functorch.aot_autograd import aot_module_simplified
 
-        from omnistage.models.layers.moe_router import route_topk
+        from omnistage.kernels.moe_router import route_topk
 
         graphs = []
 
@@ -53,7 +53,7 @@ if not INTERPRETING:
 else:
     patch_interpreter()
 
-    from omnistage.models.layers.moe_router import route_topk
+    from omnistage.kernels.moe_router import route_topk
 
     def random_logits(num_tokens, num_experts, seed, dtype=torch.float32):
         """float32: normal, so no two equal; bf16: each row a shuffle of distinct values, so again no tie."""
