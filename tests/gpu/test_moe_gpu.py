@@ -66,7 +66,7 @@ def test_grouped_experts_matches_fp32_loop(weights, reference):
 @pytest.mark.parametrize("num_tokens", [1, 64, 600])  # 600·8 pairs: more than align_pairs gives the kernel
 @pytest.mark.parametrize("block_m", [1, 16, 64])
 def test_align_kernel_equals_torch(num_tokens, block_m):
-    from omnistage.models.layers.moe_align import align_pairs_torch, align_pairs_triton
+    from omnistage.kernels.moe_align import align_pairs_torch, align_pairs_triton
 
     _, _, topk_ids = _routing(num_tokens, seed=7)
     got = align_pairs_triton(topk_ids.reshape(-1), EXPERTS, block_m)

@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from omnistage.models.layers.moe_align import align_pairs
+from omnistage.kernels.moe_align import align_pairs
 
 
 def grouped_experts(

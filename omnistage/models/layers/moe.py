@@ -6,14 +6,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from omnistage.kernels.moe_bounds import ALIGN_KERNEL_MAX_PAIRS, TRITON_MAX_PAIRS
 from omnistage.models.layers.linear import FusedProjection, fuse_linears
 from omnistage.models.layers.moe_experts import fused_experts
-
-# Token-expert pairs up to which "auto" takes the Triton kernel (decode batches); grouped GEMMs above.
-TRITON_MAX_PAIRS = 512
-# Pairs up to which the grouped GEMMs' alignment runs as one Triton program (moe_align.py); past them (prefill)
-# the torch version's parallel cumsum is quicker than the program's loop.
-ALIGN_KERNEL_MAX_PAIRS = 4096
 
 
 def kernel_switches(top_k: int) -> tuple[int, ...]:

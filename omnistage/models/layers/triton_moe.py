@@ -22,7 +22,7 @@ import torch
 import triton
 import triton.language as tl
 
-from omnistage.models.layers.moe_align import ExpertAlignment, align_pairs
+from omnistage.kernels.moe_align import ExpertAlignment, align_pairs
 
 
 @dataclass(frozen=True)

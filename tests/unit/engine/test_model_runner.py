@@ -7,8 +7,8 @@ import torch
 from omnistage.engine.model_runner import ModelRunner, positions_for, rows_within, warm_up_shapes
 from omnistage.engine.scheduler import ScheduledChunk
 from omnistage.engine.sequence import PromptInputs, Sequence
+from omnistage.kernels.moe_bounds import ALIGN_KERNEL_MAX_PAIRS, TRITON_MAX_PAIRS
 from omnistage.models.layers.attention_metadata import AttentionMetadata
-from omnistage.models.layers.moe import ALIGN_KERNEL_MAX_PAIRS, TRITON_MAX_PAIRS
 from omnistage.models.layers.rotary import PromptPositions
 
 PAGE = 4

@@ -22,7 +22,7 @@ if not INTERPRETING:
 else:
     patch_interpreter()
 
-    from omnistage.models.layers.moe_align import align_pairs_torch, align_pairs_triton
+    from omnistage.kernels.moe_align import align_pairs_torch, align_pairs_triton
     from omnistage.models.layers.triton_moe import MoeKernelConfig, default_config, triton_experts
 
     def _inputs(num_tokens, hidden, inter, experts, top_k, seed, dtype=torch.float32):

@@ -19,7 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
-from omnistage.models.layers.moe import ALIGN_KERNEL_MAX_PAIRS
+from omnistage.kernels.moe_bounds import ALIGN_KERNEL_MAX_PAIRS
 
 
 @dataclass

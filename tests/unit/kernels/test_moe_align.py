@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from omnistage.models.layers.moe_align import align_pairs, max_blocks
+from omnistage.kernels.moe_align import align_pairs, max_blocks
 
 
 def _ids(num_tokens, experts, top_k, seed):
