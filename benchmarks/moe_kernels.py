@@ -22,10 +22,10 @@ from dataclasses import dataclass, field
 
 import torch
 
+from omnistage.kernels.moe import MoeKernelConfig, default_config, triton_experts
 from omnistage.kernels.moe_align import align_pairs
 from omnistage.models.layers.grouped_moe import grouped_experts
 from omnistage.models.layers.moe_experts import fused_experts
-from omnistage.models.layers.triton_moe import MoeKernelConfig, default_config, triton_experts
 
 log = logging.getLogger("bench")
 

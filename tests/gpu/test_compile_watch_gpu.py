@@ -18,7 +18,7 @@ EXPERTS, HIDDEN, INTER, TOP_K = 128, 2048, 768, 8
 
 
 def _experts(num_tokens: int, w13: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
-    from omnistage.models.layers.triton_moe import triton_experts
+    from omnistage.kernels.moe import triton_experts
 
     g = torch.Generator(device=DEV).manual_seed(num_tokens)
     x = torch.randn(num_tokens, HIDDEN, generator=g, device=DEV).bfloat16()
@@ -75,7 +75,7 @@ def test_the_watch_sees_a_kernel_built_for_a_new_configuration():
     watch = watch_compiles()
     w13 = torch.randn(EXPERTS, 2 * INTER, HIDDEN, device=DEV).bfloat16()
     w2 = torch.randn(EXPERTS, HIDDEN, INTER, device=DEV).bfloat16()
-    from omnistage.models.layers.triton_moe import MoeKernelConfig, triton_experts
+    from omnistage.kernels.moe import MoeKernelConfig, triton_experts
 
     before = len(watch.builds)
     x = torch.randn(8, HIDDEN, device=DEV).bfloat16()

@@ -44,7 +44,7 @@ def _routing(num_tokens, seed):
 # 300 and 1024 tokens: the taller tiles; 1024·8 pairs are aligned by torch, not the kernel
 @pytest.mark.parametrize("num_tokens", [1, 7, 32, 64, 300, 1024])
 def test_triton_experts_matches_fp32_loop(weights, reference, num_tokens):
-    from omnistage.models.layers.triton_moe import triton_experts
+    from omnistage.kernels.moe import triton_experts
 
     w13, w2 = weights
     x, topk_weights, topk_ids = _routing(num_tokens, seed=num_tokens)
@@ -78,8 +78,8 @@ def test_align_kernel_equals_torch(num_tokens, block_m):
 
 @pytest.mark.parametrize("impl", ["triton", "grouped"])
 def test_graph_replay_equals_eager(weights, impl):
+    from omnistage.kernels.moe import triton_experts
     from omnistage.models.layers.grouped_moe import grouped_experts
-    from omnistage.models.layers.triton_moe import triton_experts
 
     experts = triton_experts if impl == "triton" else grouped_experts
     w13, w2 = weights

@@ -95,7 +95,7 @@ class SparseMoeBlock(nn.Module):
         if not (x.is_cuda and x.dtype == torch.bfloat16):
             return fused_experts
         if self.kernel == "triton" or (self.kernel == "auto" and x.shape[0] * self.top_k <= TRITON_MAX_PAIRS):
-            from omnistage.models.layers.triton_moe import triton_experts
+            from omnistage.kernels.moe import triton_experts
 
             return triton_experts
         from omnistage.models.layers.grouped_moe import grouped_experts

@@ -1,9 +1,9 @@
-"""`models/layers/triton_moe.py` and the Triton alignment kernel of `moe_align.py`, run on the CPU by
+"""`kernels/moe.py` and the Triton alignment kernel of `moe_align.py`, run on the CPU by
 Triton's interpreter, against the reference loop `fused_experts` in float32.
 
 Triton picks interpreted or compiled kernels when `triton.language` is first imported, so the kernels
 run in a child pytest with TRITON_INTERPRET=1 set from its start (tests/triton_interpreter.py).
-Run directly: `TRITON_INTERPRET=1 pytest tests/unit/models/test_triton_moe.py`.
+Run directly: `TRITON_INTERPRET=1 pytest tests/unit/kernels/test_moe.py`.
 """
 
 import pytest
@@ -22,8 +22,8 @@ if not INTERPRETING:
 else:
     patch_interpreter()
 
+    from omnistage.kernels.moe import MoeKernelConfig, default_config, triton_experts
     from omnistage.kernels.moe_align import align_pairs_torch, align_pairs_triton
-    from omnistage.models.layers.triton_moe import MoeKernelConfig, default_config, triton_experts
 
     def _inputs(num_tokens, hidden, inter, experts, top_k, seed, dtype=torch.float32):
         g = torch.Generator().manual_seed(seed)

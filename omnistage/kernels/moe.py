@@ -11,7 +11,7 @@ Shapes depend only on T, so a decode step captures into a CUDA graph; unused blo
 is above the real count) exit at once. Decode reads each active expert's weights once per block, so
 the kernels are memory bound: tiles are narrow in N so a batch of one still has hundreds of programs
 for the 132 SMs, and weights are read along K, their contiguous axis. Same function as
-`moe_experts.fused_experts`; runs on the CPU under TRITON_INTERPRET=1 (float32/float16).
+`models/layers/moe_experts.fused_experts`; runs on the CPU under TRITON_INTERPRET=1 (float32/float16).
 """
 
 from __future__ import annotations
