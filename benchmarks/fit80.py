@@ -52,7 +52,7 @@ from omnistage.bench.a2t import (
 from omnistage.bench.clips import SYNTH_SETS, speech_like, synth_clips, total_seconds
 from omnistage.bench.speech_targets import talker_params, text_fields
 from omnistage.config import EngineConfig, load_config
-from omnistage.engine.code2wav_graphs import Code2WavGraphs
+from omnistage.engine.graphs.code2wav import Code2WavGraphs
 from omnistage.engine.llm_engine import NewRequest
 from omnistage.engine.sampling import SamplingParams, SpeechParams
 from omnistage.outputs import AUDIO_SAMPLE_RATE, RequestOutput

@@ -11,7 +11,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from omnistage.engine.code2wav_graphs import Code2WavGraphs
+from omnistage.engine.graphs.code2wav import Code2WavGraphs
 from omnistage.engine.memory.plan import DeviceMemory, GraphCandidates, KVPool, MiB, StageMemory, plan_device
 
 SCRIPT = Path(__file__).parents[1] / "benchmarks" / "fit80.py"

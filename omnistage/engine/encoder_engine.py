@@ -22,7 +22,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from omnistage.engine.encoder_graphs import (
+from omnistage.engine.graphs.encoders import (
     AudioGraphs,
     VisionGraphs,
     audio_buckets,

@@ -18,9 +18,9 @@ import torch
 from omnistage.config import EngineConfig
 from omnistage.engine.attention import backend_for
 from omnistage.engine.buckets import decode_buckets, prefill_buckets
-from omnistage.engine.code2wav_graphs import Code2WavGraphs
 from omnistage.engine.embedding_stage import EmbeddingStage
-from omnistage.engine.frame_graphs import FrameGraphRunner
+from omnistage.engine.graphs.code2wav import Code2WavGraphs
+from omnistage.engine.graphs.frames import FrameGraphRunner
 from omnistage.engine.llm_engine import resolve_device
 from omnistage.engine.memory.measure import device_peak, graph_candidates, module_bytes
 from omnistage.engine.memory.plan import MAIN_POOL, GiB, KVPool, MemoryPlan, StageMemory

@@ -4,7 +4,7 @@ a replay gives what an eager call gives, and a returned waveform outlives later 
 import pytest
 import torch
 
-from omnistage.engine.code2wav_graphs import Code2WavGraphs
+from omnistage.engine.graphs.code2wav import Code2WavGraphs
 from omnistage.models.loader import load_module
 from omnistage.models.qwen3_omni.code2wav import Code2Wav
 from omnistage.models.qwen3_omni.config import Qwen3OmniConfig

@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 from omnistage.bench.a2t import released_skeleton
-from omnistage.engine.frame_graphs import FrameGraphRunner
+from omnistage.engine.graphs.frames import FrameGraphRunner
 from omnistage.engine.static_sampling import StaticRows, sample_static
 from omnistage.models.loader import fill_random_
 from omnistage.models.qwen3_omni.code_predictor import load_code_predictor

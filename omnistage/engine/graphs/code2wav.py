@@ -25,7 +25,7 @@ from typing import Any
 import torch
 
 from omnistage.engine.buckets import decode_buckets
-from omnistage.engine.graphs import GraphSet
+from omnistage.engine.graphs.base import GraphSet
 from omnistage.engine.memory.measure import Peak, device_peak, scaled_peaks
 from omnistage.models.qwen3_omni.code2wav import Code2Wav
 

@@ -4,7 +4,7 @@ padded calls give what `decode_window` gives, and a streamer driven through the 
 import pytest
 import torch
 
-from omnistage.engine.code2wav_graphs import Code2WavGraphs
+from omnistage.engine.graphs.code2wav import Code2WavGraphs
 from omnistage.models.loader import fill_random_
 from omnistage.models.qwen3_omni.code2wav import Code2Wav
 from omnistage.models.qwen3_omni.code2wav_streamer import Code2WavStreamer

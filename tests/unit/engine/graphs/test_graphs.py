@@ -4,7 +4,7 @@ import torch
 
 from omnistage.engine.attention import AttentionMetadata, TorchReferenceBackend
 from omnistage.engine.buckets import decode_buckets, prefill_buckets
-from omnistage.engine.graphs import DecodeGraphRunner, PrefillGraphRunner, StaticDecodeBuffers
+from omnistage.engine.graphs.base import DecodeGraphRunner, PrefillGraphRunner, StaticDecodeBuffers
 
 PAGE, PAGES, HEADS, KV_HEADS, DIM = 4, 80, 4, 2, 8
 
@@ -251,7 +251,7 @@ def test_a_step_of_several_sequences_replays_what_eager_computes():
 def test_one_capture_stream_per_device(monkeypatch):
     """Every graph set of a device captures on one stream (the allocator shares a pool's scratch only within
     a stream), and a set on another device on that device's own; "cuda" is the current device."""
-    import omnistage.engine.graphs as graphs
+    import omnistage.engine.graphs.base as graphs
 
     made = []
     monkeypatch.setattr(torch.cuda, "Stream", lambda device: made.append(device) or object())

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import torch
 
-from omnistage.engine.encoder_graphs import AudioGraphs, VisionGraphs, audio_buckets, vision_buckets
+from omnistage.engine.graphs.encoders import AudioGraphs, VisionGraphs, audio_buckets, vision_buckets
 from omnistage.models.layers.varlen_attention import Segments, varlen_attention
 from omnistage.models.qwen3_asr.audio_encoder import load_audio_encoder as load_asr_audio_encoder
 from omnistage.models.qwen3_asr.tiny import make_tiny as make_tiny_asr

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from omnistage.engine.attention import TorchReferenceBackend
-from omnistage.engine.frame_graphs import FrameGraphRunner
+from omnistage.engine.graphs.frames import FrameGraphRunner
 from omnistage.engine.static_sampling import StaticRows, sample_static
 from omnistage.models.qwen3_omni.code_predictor import load_code_predictor
 from omnistage.models.qwen3_omni.talker import load_talker

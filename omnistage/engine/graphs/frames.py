@@ -19,7 +19,7 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
-from omnistage.engine.graphs import GraphSet
+from omnistage.engine.graphs.base import GraphSet
 from omnistage.engine.memory.measure import Peak, device_peak, scaled_peaks
 from omnistage.engine.static_sampling import StaticRows, sample_static
 from omnistage.models.qwen3_omni.code_predictor import CodePredictor

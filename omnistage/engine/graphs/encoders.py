@@ -26,7 +26,7 @@ from collections.abc import Callable
 import torch
 
 from omnistage.engine.buckets import decode_buckets
-from omnistage.engine.graphs import GraphSet
+from omnistage.engine.graphs.base import GraphSet
 from omnistage.engine.memory.measure import Peak, device_peak
 from omnistage.models.layers.varlen_attention import Segments
 from omnistage.models.qwen3_omni.audio_encoder import (
