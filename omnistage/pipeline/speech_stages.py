@@ -1,5 +1,5 @@
 """Qwen3-Omni's speech stages on their device: the Talker (an EmbeddingStage over its paged KV), the code
-predictor (a frame per call, `FrameGraphRunner`) and streaming Code2Wav (`Code2WavStreamer` over
+predictor (a frame per call, `FrameGraphs`) and streaming Code2Wav (`Code2WavStreamer` over
 `Code2WavGraphs`). Loaded, measured for their device's memory plan (their weights, largest steps, the Talker's
 KV pool and their graphs' costs), then allocated and captured as the plan says. The pipeline
 (`qwen3_omni.py`) hands each speaking request's text rows and frames across them.
@@ -20,7 +20,7 @@ from omnistage.engine.attention import backend_for
 from omnistage.engine.buckets import decode_buckets, prefill_buckets
 from omnistage.engine.embedding_stage import EmbeddingStage
 from omnistage.engine.graphs.code2wav import Code2WavGraphs
-from omnistage.engine.graphs.frames import FrameGraphRunner
+from omnistage.engine.graphs.frames import FrameGraphs
 from omnistage.engine.llm_engine import resolve_device
 from omnistage.engine.memory.measure import device_peak, graph_candidates, module_bytes
 from omnistage.engine.memory.plan import MAIN_POOL, GiB, KVPool, MemoryPlan, StageMemory
@@ -94,7 +94,7 @@ class SpeechStages:
             # the codec's top 1024 ids are control codes, never audio; EOS among them ends the speech
             suppressed_ids=[i for i in range(vocab - 1024, vocab) if i != cfg.talker.codec_eos_token_id],
         )
-        self.frame_graphs = FrameGraphRunner(
+        self.frame_graphs = FrameGraphs(
             self.code_predictor,
             self.talker.model.codec_embedding,
             PREDICTOR_TOP_K,

@@ -65,7 +65,7 @@ class StaticFrameBuffers:
         self.rows.draws[:bucket] = 0
 
 
-class FrameGraphRunner(GraphSet):
+class FrameGraphs(GraphSet):
     """Codes 1..G-1 and the codec embedding sum of one frame per row, a captured graph per batch bucket.
 
     `code0_embedding` is the Talker's `codec_embedding` (code 0's table; the predictor embeds codes 1..G-1).
