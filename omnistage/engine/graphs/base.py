@@ -13,7 +13,7 @@ import functools
 import logging
 import time
 from collections.abc import Callable, Iterable
-from typing import Any
+from typing import Any, Generic, Protocol, TypeVar
 
 import torch
 from tqdm import tqdm
@@ -25,6 +25,28 @@ logger = logging.getLogger(__name__)
 TIMED_REPLAYS = 5  # per bucket, after one untimed, when a set routes batches by measured speed
 
 StepFn = Callable[..., Any]
+
+
+class Buffers(Protocol):
+    """A step's static inputs, sized for a set's largest bucket; a bucket uses their leading part."""
+
+    capacity: int  # the largest bucket they hold, in the set's unit
+
+    def args(self, bucket: int) -> tuple:
+        """The step's arguments for a graph of `bucket`: views of the buffers, the same tensors every call."""
+        ...
+
+    def clear(self, bucket: int) -> None:
+        """Make `bucket`'s part padding (before warm-up, capture and timing: a step over it changes no state)."""
+        ...
+
+    def fill(self, *args: Any, **kwargs: Any) -> Any:
+        """`fill(*inputs, bucket)`: copy a call's inputs into the leading rows and pad the rest of `bucket`
+        (device copies, no sync)."""
+        ...
+
+
+B = TypeVar("B", bound=Buffers)
 
 
 def capture_stream(device: torch.device) -> torch.cuda.Stream:
@@ -41,24 +63,27 @@ def _capture_stream(index: int) -> torch.cuda.Stream:
     return torch.cuda.Stream(torch.device("cuda", index))
 
 
-class GraphSet:
+class GraphSet(Generic[B]):
     """One captured graph per bucket of a step function over static buffers (`buffers.args(bucket)`).
 
-    Graphs are captured largest first into one memory pool, which the smaller ones (and other sets given
-    the same `pool`) reuse: only one step runs at a time. A set with `route_by_speed` times each bucket's
-    replay after capture and sends a batch to a larger bucket whose graph replays faster
-    (`buckets.faster_buckets`); `routes` holds what it chose.
+    `replay(bucket, *inputs)` is the one way a call reaches a graph: a set's `run` (or `__call__`) picks the
+    bucket, or runs eagerly where none fits, and takes its rows of what `replay` returns. Graphs are captured
+    largest first into one memory pool, which the smaller ones (and other sets given the same `pool`) reuse:
+    only one step runs at a time. A set with `route_by_speed` times each bucket's replay after capture and
+    sends a batch to a larger bucket whose graph replays faster (`buckets.faster_buckets`); `routes` holds
+    what it chose. `on_replay`, when set, is called with each bucket `replay` replays (tests, traces).
     """
 
     kind = "step"
     unit = "rows"
     route_by_speed = False
 
-    def __init__(self, step: StepFn, buffers: Any, device: torch.device | str, enforce_eager: bool = False):
+    def __init__(self, step: StepFn, buffers: B, device: torch.device | str, enforce_eager: bool = False):
         self.step = step
         self.buffers = buffers
         self.device = torch.device(device)
         self.enforce_eager = enforce_eager
+        self.on_replay: Callable[[int], None] | None = None
         self._replays: dict[int, Callable[[], None]] = {}
         self._outputs: dict[int, Any] = {}
         self._graphs: list[Any] = []
@@ -70,6 +95,11 @@ class GraphSet:
     @property
     def captured_buckets(self) -> list[int]:
         return sorted(self._replays)
+
+    @property
+    def graph_count(self) -> int:
+        """CUDA graphs captured (off CUDA none: the buckets replay static-eager calls)."""
+        return len(self._graphs)
 
     def bucket_for(self, size: int) -> int | None:
         if self.enforce_eager:
@@ -83,6 +113,17 @@ class GraphSet:
         if not moved:
             return ""
         return " (" + ", ".join(f"{b} replays {r}" for b, r in moved) + ": measured faster)"
+
+    def replay(self, bucket: int, *inputs: Any) -> Any:
+        """Fill the buffers with a call's `inputs` for `bucket` (none given: replay what they hold), replay the
+        bucket's graph (off CUDA its static-eager call) and return the bucket's outputs: static tensors, which
+        the next replay of any graph of the pool may overwrite."""
+        if inputs:
+            self.buffers.fill(*inputs, bucket)
+        if self.on_replay is not None:
+            self.on_replay(bucket)
+        self._replays[bucket]()
+        return self._outputs[bucket]
 
     def capture(self, buckets: Iterable[int], pool: Any = None) -> list[int]:
         """Capture one graph per bucket, largest first; records each capture's added bytes in `graph_bytes`."""
@@ -118,7 +159,7 @@ class GraphSet:
         torch.cuda.synchronize(self.device)
         if self.route_by_speed:
             with torch.cuda.device(self.device):  # the events' stream: the one the graphs replay on
-                self.replay_ms = self._time_replays(buckets)
+                self.replay_ms = self.time_replays(buckets)
             self.routes = faster_buckets(self.replay_ms)
         logger.info(
             "captured %d %s graphs (%s %d..%d) in %.1f s%s",
@@ -127,8 +168,9 @@ class GraphSet:
         )  # fmt: skip
         return sorted(buckets)
 
-    def _time_replays(self, buckets: list[int]) -> dict[int, float]:
-        """Milliseconds of one replay per bucket, over padding rows (as captured: they touch no state)."""
+    def time_replays(self, buckets: Iterable[int]) -> dict[int, float]:
+        """Milliseconds of one replay per captured bucket, over padding rows (as captured: they touch no state;
+        CUDA only)."""
         times = {}
         for bucket in buckets:
             self.buffers.clear(bucket)

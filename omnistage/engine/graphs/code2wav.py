@@ -75,9 +75,7 @@ class _ChunkGraphs(GraphSet):
         bucket = self.bucket_for(streams)
         if bucket is None:
             return None
-        self.buffers.fill(codes, starts, bucket)
-        self._replays[bucket]()
-        return self._outputs[bucket][:streams].clone()
+        return self.replay(bucket, codes, starts)[:streams].clone()
 
 
 class Code2WavGraphs:

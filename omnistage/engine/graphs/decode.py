@@ -104,7 +104,7 @@ def _first_rows(out: Any, rows: int) -> Any:
     return out
 
 
-class DecodeGraphs(GraphSet):
+class DecodeGraphs(GraphSet[StaticDecodeBuffers]):
     """Replays a captured graph per decode bucket; runs the step eagerly when no bucket fits.
 
     `step(inputs, positions [3, B], meta) -> Tensor or tuple of Tensors` with B leading rows, where inputs
@@ -139,6 +139,4 @@ class DecodeGraphs(GraphSet):
         bucket = self.bucket_for(batch)
         if bucket is None or not self.buffers.fits(inputs, meta):
             return self.step(inputs, positions, meta)
-        self.buffers.fill(inputs, positions, meta, bucket)
-        self._replays[bucket]()
-        return _first_rows(self._outputs[bucket], batch)
+        return _first_rows(self.replay(bucket, inputs, positions, meta), batch)

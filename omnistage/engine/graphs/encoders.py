@@ -115,7 +115,7 @@ class AudioGraphBuffers:
         return torch.tensor(rows, device=packed.device)
 
 
-class AudioGraphs(GraphSet):
+class AudioGraphs(GraphSet[AudioGraphBuffers]):
     """One graph of the audio tower per bucket of windows; `run` encodes clips in pieces of captured buckets."""
 
     kind = "audio encoder"
@@ -145,8 +145,7 @@ class AudioGraphs(GraphSet):
             piece = windows[first : first + largest]
             bucket = self.bucket_for(len(piece))
             real = self.buffers.fill(packed, piece, bucket)
-            self._replays[bucket]()
-            rows.append(self._outputs[bucket].index_select(0, real))  # a copy: the next replay overwrites
+            rows.append(self.replay(bucket).index_select(0, real))  # a copy: the next replay overwrites
         tokens = [audio_output_tokens(n, cfg.n_window) for n in frames]
         return list((rows[0] if len(rows) == 1 else torch.cat(rows)).split(tokens))
 
@@ -193,7 +192,7 @@ class VisionGraphBuffers:
         self.cu_seqlens[bucket].copy_(torch.tensor(bounds, dtype=torch.int32))
 
 
-class VisionGraphs(GraphSet):
+class VisionGraphs(GraphSet[VisionGraphBuffers]):
     """One graph of the vision tower per patch bucket; `run` answers None for what no captured graph holds."""
 
     kind = "vision encoder"
@@ -223,9 +222,7 @@ class VisionGraphs(GraphSet):
         bucket = self.bucket_for(patches) if patches else None
         if bucket is None or sum(t for t, _, _ in grids) > self.buffers.max_frames:
             return None
-        self.buffers.fill(pixel_values, grids, bucket)
-        self._replays[bucket]()
-        merged, deepstack = self._outputs[bucket]
+        merged, deepstack = self.replay(bucket, pixel_values, grids)
         rows = patches // self.encoder.cfg.spatial_merge_size**2
         return merged[:rows].clone(), torch.stack([level[:rows] for level in deepstack])
 

@@ -65,7 +65,7 @@ class StaticFrameBuffers:
         self.rows.draws[:bucket] = 0
 
 
-class FrameGraphs(GraphSet):
+class FrameGraphs(GraphSet[StaticFrameBuffers]):
     """Codes 1..G-1 and the codec embedding sum of one frame per row, a captured graph per batch bucket.
 
     `code0_embedding` is the Talker's `codec_embedding` (code 0's table; the predictor embeds codes 1..G-1).
@@ -121,9 +121,7 @@ class FrameGraphs(GraphSet):
             rows = StaticRows.empty(batch, self.device)
             rows.fill(*sampling)
             return self._frame(hidden, code0, rows, self.predictor.new_kv(batch))
-        self.buffers.fill(hidden, code0, sampling, bucket)
-        self._replays[bucket]()
-        codes, sums = self._outputs[bucket]
+        codes, sums = self.replay(bucket, hidden, code0, sampling)
         return codes[:batch], sums[:batch]
 
     def profile_peak(self, batch: int) -> Peak:

@@ -121,7 +121,7 @@ class StaticPrefillBuffers:
         self.sample_rows[:slots].zero_()
 
 
-class PrefillGraphs(GraphSet):
+class PrefillGraphs(GraphSet[StaticPrefillBuffers]):
     """Replays a captured graph per token bucket for a step of up to `max_seqs` sequences' chunks: prompt
     chunks, with decode rows beside them or not (a step that is all decode rows replays the decode graphs).
 
@@ -162,6 +162,4 @@ class PrefillGraphs(GraphSet):
         bucket = self.bucket_for(embeds.shape[0]) if embeds.shape[0] else None
         if bucket is None or not self.buffers.fits(embeds, meta):
             return None
-        self.buffers.fill(embeds, positions, meta, sample_rows, bucket)
-        self._replays[bucket]()
-        return self._outputs[bucket]
+        return self.replay(bucket, embeds, positions, meta, sample_rows)
