@@ -225,5 +225,5 @@ class SpeechStages:
             f"{_captured('code predictor frame', 'batch', frames.captured_buckets, frames.routes_note())}, "
             f"Code2Wav chunks of {streamer.first_chunk} then {streamer.chunk} frames, up to "
             f"{streamer.max_batch} streams a call: "
-            f"{_captured('Code2Wav', 'streams', sorted({n for _, n in self.code2wav_graphs.captured}))}"
+            f"{_captured('Code2Wav', 'streams', sorted({n for _, n in self.code2wav_graphs.captured_buckets}))}"
         )

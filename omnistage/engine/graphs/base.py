@@ -25,18 +25,38 @@ logger = logging.getLogger(__name__)
 TIMED_REPLAYS = 5  # per bucket, after one untimed, when a set routes batches by measured speed
 
 StepFn = Callable[..., Any]
+# A bucket is its size in the set's unit, or a tuple whose last item is (a set of several shapes: Code2Wav's
+# (chunk frames, streams)); the leading items name the bucket's group, whose sizes form one ladder.
+Bucket = int | tuple[int, ...]
+
+
+def size_of(bucket: Bucket) -> int:
+    return bucket if isinstance(bucket, int) else bucket[-1]
+
+
+def group_of(bucket: Bucket) -> tuple[int, ...]:
+    return () if isinstance(bucket, int) else bucket[:-1]
+
+
+def groups(buckets: Iterable[Bucket]) -> dict[tuple[int, ...], list[Bucket]]:
+    """Buckets by group, largest group first (as captured), each group's buckets ascending."""
+    grouped: dict[tuple[int, ...], list[Bucket]] = {}
+    for bucket in sorted(set(buckets), reverse=True):
+        grouped.setdefault(group_of(bucket), []).insert(0, bucket)
+    return grouped
 
 
 class Buffers(Protocol):
-    """A step's static inputs, sized for a set's largest bucket; a bucket uses their leading part."""
+    """A step's static inputs, sized for a set's largest bucket; a bucket uses their leading part. (Buckets
+    are typed Any here so that a set of int buckets may say `int`.)"""
 
-    capacity: int  # the largest bucket they hold, in the set's unit
+    capacity: int  # the largest bucket size they hold, in the set's unit
 
-    def args(self, bucket: int) -> tuple:
+    def args(self, bucket: Any) -> tuple:
         """The step's arguments for a graph of `bucket`: views of the buffers, the same tensors every call."""
         ...
 
-    def clear(self, bucket: int) -> None:
+    def clear(self, bucket: Any) -> None:
         """Make `bucket`'s part padding (before warm-up, capture and timing: a step over it changes no state)."""
         ...
 
@@ -83,17 +103,17 @@ class GraphSet(Generic[B]):
         self.buffers = buffers
         self.device = torch.device(device)
         self.enforce_eager = enforce_eager
-        self.on_replay: Callable[[int], None] | None = None
-        self._replays: dict[int, Callable[[], None]] = {}
-        self._outputs: dict[int, Any] = {}
+        self.on_replay: Callable[[Bucket], None] | None = None
+        self._replays: dict[Bucket, Callable[[], None]] = {}
+        self._outputs: dict[Bucket, Any] = {}
         self._graphs: list[Any] = []
         self.pool = None
-        self.graph_bytes: dict[int, int] = {}
-        self.replay_ms: dict[int, float] = {}
-        self.routes: dict[int, int] = {}
+        self.graph_bytes: dict[Bucket, int] = {}
+        self.replay_ms: dict[Bucket, float] = {}
+        self.routes: dict[Bucket, Bucket] = {}
 
     @property
-    def captured_buckets(self) -> list[int]:
+    def captured_buckets(self) -> list[Bucket]:
         return sorted(self._replays)
 
     @property
@@ -101,11 +121,16 @@ class GraphSet(Generic[B]):
         """CUDA graphs captured (off CUDA none: the buckets replay static-eager calls)."""
         return len(self._graphs)
 
-    def bucket_for(self, size: int) -> int | None:
+    def bucket_for(self, size: int, group: tuple[int, ...] = ()) -> Bucket | None:
+        """The captured bucket a call of `size` replays (of `group`, for tuple buckets): the smallest that
+        holds it, or the larger one measured faster (`routes`); None when none holds it."""
         if self.enforce_eager:
             return None
-        bucket = bucket_for(size, self._replays)
-        return self.routes.get(bucket, bucket) if bucket is not None else None
+        fitting = bucket_for(size, [size_of(b) for b in self._replays if group_of(b) == group])
+        if fitting is None:
+            return None
+        bucket = (*group, fitting) if group else fitting
+        return self.routes.get(bucket, bucket)
 
     def routes_note(self) -> str:
         """The routes that pad to a larger bucket, for the start-up summary ("" when none does)."""
@@ -114,7 +139,7 @@ class GraphSet(Generic[B]):
             return ""
         return " (" + ", ".join(f"{b} replays {r}" for b, r in moved) + ": measured faster)"
 
-    def replay(self, bucket: int, *inputs: Any) -> Any:
+    def replay(self, bucket: Bucket, *inputs: Any) -> Any:
         """Fill the buffers with a call's `inputs` for `bucket` (none given: replay what they hold), replay the
         bucket's graph (off CUDA its static-eager call) and return the bucket's outputs: static tensors, which
         the next replay of any graph of the pool may overwrite."""
@@ -125,14 +150,15 @@ class GraphSet(Generic[B]):
         self._replays[bucket]()
         return self._outputs[bucket]
 
-    def capture(self, buckets: Iterable[int], pool: Any = None) -> list[int]:
+    def capture(self, buckets: Iterable[Bucket], pool: Any = None) -> list[Bucket]:
         """Capture one graph per bucket, largest first; records each capture's added bytes in `graph_bytes`."""
         buckets = sorted(set(buckets), reverse=True)
         if self.enforce_eager or not buckets:
             return []
-        if buckets[0] > self.buffers.capacity:
+        largest = max(buckets, key=size_of)
+        if size_of(largest) > self.buffers.capacity:
             raise ValueError(
-                f"bucket {buckets[0]} exceeds the static buffers' {self.buffers.capacity} {self.unit}"
+                f"bucket {largest} exceeds the static buffers' {self.buffers.capacity} {self.unit}"
             )
         start = time.perf_counter()
         if self.device.type != "cuda":
@@ -160,15 +186,18 @@ class GraphSet(Generic[B]):
         if self.route_by_speed:
             with torch.cuda.device(self.device):  # the events' stream: the one the graphs replay on
                 self.replay_ms = self.time_replays(buckets)
-            self.routes = faster_buckets(self.replay_ms)
+            routes: dict[Bucket, Bucket] = {}
+            for members in groups(buckets).values():  # a group's buckets are one ladder of sizes
+                routes |= faster_buckets({b: self.replay_ms[b] for b in members})
+            self.routes = routes
         logger.info(
-            "captured %d %s graphs (%s %d..%d) in %.1f s%s",
+            "captured %d %s graphs (%s %s..%s) in %.1f s%s",
             len(buckets), self.kind, self.unit, buckets[-1], buckets[0], time.perf_counter() - start,
             self.routes_note(),
         )  # fmt: skip
         return sorted(buckets)
 
-    def time_replays(self, buckets: Iterable[int]) -> dict[int, float]:
+    def time_replays(self, buckets: Iterable[Bucket]) -> dict[Bucket, float]:
         """Milliseconds of one replay per captured bucket, over padding rows (as captured: they touch no state;
         CUDA only)."""
         times = {}
@@ -185,16 +214,17 @@ class GraphSet(Generic[B]):
             times[bucket] = start.elapsed_time(end) / TIMED_REPLAYS
         return times
 
-    def _static_eager(self, bucket: int) -> Callable[[], None]:
+    def _static_eager(self, bucket: Bucket) -> Callable[[], None]:
         def replay() -> None:
             self._outputs[bucket] = self.step(*self.buffers.args(bucket))
 
         return replay
 
-    def _warm_up(self, buckets: list[int]) -> None:
+    def _warm_up(self, buckets: list[Bucket]) -> None:
         # cuBLAS creates its handle and workspace, and Triton compiles a kernel per shape class, on first
         # use; graph capture cannot record either, so every bucket runs once on a side stream first.
-        self.buffers.clear(max(buckets))
+        for members in groups(buckets).values():
+            self.buffers.clear(members[-1])
         stream = torch.cuda.Stream(self.device)
         stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(stream):

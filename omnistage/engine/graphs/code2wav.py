@@ -32,59 +32,47 @@ from omnistage.models.qwen3_omni.code2wav import Code2Wav
 GraphKey = tuple[int, int]  # (chunk frames, streams bucket)
 
 
-class _WindowBuffers:
-    """Decode windows of one chunk size for up to `capacity` streams; a bucket uses the first rows."""
+class WindowBuffers:
+    """Decode windows of each chunk size for up to `capacity` streams; bucket (chunk, n) uses the first n
+    rows of the chunk's windows."""
 
-    def __init__(self, capacity: int, quantizers: int, window: int, device: torch.device) -> None:
+    def __init__(self, capacity: int, quantizers: int, windows: dict[int, int], device: torch.device) -> None:
+        """`windows`: each chunk size's window, in frames."""
         self.capacity = capacity
-        self.codes = torch.zeros(capacity, quantizers, window, dtype=torch.long, device=device)
-        self.starts = torch.zeros(capacity, dtype=torch.long, device=device)
+        self.codes = {
+            size: torch.zeros(capacity, quantizers, window, dtype=torch.long, device=device)
+            for size, window in windows.items()
+        }
+        self.starts = {size: torch.zeros(capacity, dtype=torch.long, device=device) for size in windows}
 
-    def args(self, bucket: int) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.codes[:bucket], self.starts[:bucket]
+    def args(self, bucket: GraphKey) -> tuple[torch.Tensor, torch.Tensor]:
+        size, streams = bucket
+        return self.codes[size][:streams], self.starts[size][:streams]
 
-    def fill(self, codes: torch.Tensor, starts: torch.Tensor, bucket: int) -> None:
+    def fill(self, codes: torch.Tensor, starts: torch.Tensor, bucket: GraphKey) -> None:
         """Rows [0, n) the call's windows, rows [n, bucket) padding; device copies, no sync."""
-        streams = codes.shape[0]
-        self.codes[:streams].copy_(codes)
-        self.starts[:streams].copy_(starts)
+        size, streams = bucket[0], codes.shape[0]
+        self.codes[size][:streams].copy_(codes)
+        self.starts[size][:streams].copy_(starts)
         self.clear(bucket, streams)
 
-    def clear(self, bucket: int, start: int = 0) -> None:
+    def clear(self, bucket: GraphKey, start: int = 0) -> None:
         """Rows [start, bucket) padding: zero codes in a window at frame 0."""
-        self.codes[start:bucket].zero_()
-        self.starts[start:bucket].zero_()
+        size, streams = bucket
+        self.codes[size][start:streams].zero_()
+        self.starts[size][start:streams].zero_()
 
 
-class _ChunkGraphs(GraphSet):
-    """The graphs of one chunk size, one per streams bucket."""
-
-    unit = "streams"
-
-    def __init__(
-        self, model: Code2Wav, size: int, max_streams: int, enforce_eager: bool, window: int
-    ) -> None:
-        device = model.code_embedding.weight.device
-        buffers = _WindowBuffers(max_streams, model.config.num_quantizers, window, device)
-        super().__init__(model.decode_window, buffers, device, enforce_eager)
-        self.kind = f"Code2Wav {size}-frame chunk"
-
-    def run(self, codes: torch.Tensor, starts: torch.Tensor) -> torch.Tensor | None:
-        """The waveform of the call (a copy), or None when no captured bucket holds its streams."""
-        streams = codes.shape[0]
-        bucket = self.bucket_for(streams)
-        if bucket is None:
-            return None
-        return self.replay(bucket, codes, starts)[:streams].clone()
-
-
-class Code2WavGraphs:
+class Code2WavGraphs(GraphSet[WindowBuffers]):
     """`decode_window` for chunks of `sizes` frames and up to `max_streams` streams, replayed from graphs.
 
     Called as `decode_window` is: `(codes [B, num_quantizers, left_context + n], starts [B]) -> [B, spf·n]`,
     and returns a tensor no later call overwrites. Before `capture` (or with `enforce_eager`) every call
     runs eagerly; off CUDA `capture` binds eager calls over the same static buffers and padding.
     """
+
+    kind = "Code2Wav"
+    unit = "streams"
 
     def __init__(
         self,
@@ -96,33 +84,13 @@ class Code2WavGraphs:
     ) -> None:
         """`prefix`: the one of `sizes` that is a stream's first chunk decoded from its first frames alone
         (`code2wav_streamer.decodes_first_as_prefix`): its windows hold the chunk only."""
-        self.model = model
-        self.device = model.code_embedding.weight.device
-        self.enforce_eager = enforce_eager
-        self.buckets = decode_buckets(max_streams)
-        # largest chunk first: its graphs take the most memory, which the smaller ones then reuse
-        self.sets = {
-            size: _ChunkGraphs(
-                model, size, max_streams, enforce_eager, size if size == prefix else model.left_context + size
-            )
-            for size in sorted(set(sizes), reverse=True)
-        }
-        self._by_window = {graphs.buffers.codes.shape[-1]: graphs for graphs in self.sets.values()}
-        self.pool = None
-
-    @property
-    def graphs(self) -> list[GraphKey]:
-        """Every (chunk size, streams bucket) this runner can capture."""
-        return [(size, bucket) for size in sorted(self.sets) for bucket in self.buckets]
-
-    @property
-    def captured(self) -> list[GraphKey]:
-        return [(size, b) for size in sorted(self.sets) for b in self.sets[size].captured_buckets]
-
-    @property
-    def graph_bytes(self) -> dict[GraphKey, int]:
-        """Pool bytes each captured graph added (CUDA only)."""
-        return {(size, b): n for size, graphs in self.sets.items() for b, n in graphs.graph_bytes.items()}
+        device = model.code_embedding.weight.device
+        windows = {size: size if size == prefix else model.left_context + size for size in sorted(set(sizes))}
+        buffers = WindowBuffers(max_streams, model.config.num_quantizers, windows, device)
+        super().__init__(model.decode_window, buffers, device, enforce_eager)
+        # every (chunk size, streams bucket) the set can capture
+        self.buckets: list[GraphKey] = [(size, b) for size in windows for b in decode_buckets(max_streams)]
+        self._sizes = {window: size for size, window in windows.items()}  # a call's chunk, by its window
 
     @torch.inference_mode()
     def graph_costs(self) -> dict[GraphKey, Peak]:
@@ -133,31 +101,31 @@ class Code2WavGraphs:
         if self.device.type != "cuda" or self.enforce_eager:
             return {}
         costs = {}
-        for size, graphs in self.sets.items():
-            codes, starts = graphs.buffers.args(max(self.buckets))
+        streams = decode_buckets(self.buffers.capacity)
+        for size in sorted(self.buffers.codes, reverse=True):
+            codes, starts = self.buffers.args((size, max(streams)))
             with device_peak(self.device) as peak:
-                out = self.model.decode_window(codes, starts)
+                out = self.step(codes, starts)
             del out
             torch.cuda.empty_cache()
-            costs |= {(size, b): scaled for b, scaled in scaled_peaks(peak, self.buckets).items()}
+            costs |= {(size, b): scaled for b, scaled in scaled_peaks(peak, streams).items()}
         return costs
 
     @torch.inference_mode()
-    def capture(self, graphs: Iterable[GraphKey] | None = None, pool: Any = None) -> list[GraphKey]:
-        """Capture `graphs` (default: all of them) into `pool` (default: a new one, then `self.pool`);
-        returns what is captured."""
-        wanted = set(self.graphs if graphs is None else graphs)
-        unknown = sorted(size for size, _ in wanted if size not in self.sets)
+    def capture(self, buckets: Iterable[GraphKey] | None = None, pool: Any = None) -> list[GraphKey]:
+        """Capture `buckets` (default: all of them, `buckets`) into `pool` as GraphSet does; returns what is
+        captured."""
+        wanted = set(self.buckets if buckets is None else buckets)
+        unknown = sorted(size for size, _ in wanted if size not in self.buffers.codes)
         if unknown:
-            raise ValueError(f"no chunk size {unknown} in this runner's {sorted(self.sets)}")
-        self.pool = pool or self.pool
-        for size, chunk_graphs in self.sets.items():
-            chunk_graphs.capture([b for s, b in wanted if s == size], pool=self.pool)
-            self.pool = self.pool or chunk_graphs.pool
-        return self.captured
+            raise ValueError(f"no chunk size {unknown} in this set's {sorted(self.buffers.codes)}")
+        super().capture(wanted, pool)
+        return self.captured_buckets
 
     @torch.inference_mode()
     def __call__(self, codes: torch.Tensor, starts: torch.Tensor) -> torch.Tensor:
-        chunk_graphs = self._by_window.get(codes.shape[-1])
-        wav = chunk_graphs.run(codes, starts) if chunk_graphs is not None else None
-        return self.model.decode_window(codes, starts) if wav is None else wav
+        size = self._sizes.get(codes.shape[-1])
+        bucket = self.bucket_for(codes.shape[0], (size,)) if size is not None else None
+        if bucket is None:
+            return self.step(codes, starts)
+        return self.replay(bucket, codes, starts)[: codes.shape[0]].clone()
