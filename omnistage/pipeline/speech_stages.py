@@ -158,7 +158,8 @@ class SpeechStages:
         bf16 = self.talker_stage.dtype == torch.bfloat16
         talker_graphs = talker.graphs.sizes(decode_buckets) if bf16 else []
         talker_prefill = talker.prefill_graphs.sizes(prefill_buckets) if bf16 else []
-        c2w_peaks = {k: v for k, v in self.code2wav_graphs.graph_costs().items() if k[1] in streams}
+        c2w = self.code2wav_graphs  # priced on its whole ladder of streams, as it measures the largest
+        c2w_peaks = {k: v for k, v in c2w.graph_costs(c2w.buckets).items() if k[1] in streams}
         # the device's main-stream pool holds the three sets' graphs (`allocate`)
         graphs = (
             graph_candidates("Talker", "decode", "batch", self.talker_stage.graph_costs(talker_graphs), MAIN_POOL),

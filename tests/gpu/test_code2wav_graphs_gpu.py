@@ -57,7 +57,7 @@ def test_every_graph_captured_and_priced(model, runner):
         == [(s, b) for s in (FIRST, CHUNK) for b in (1, 2, 4, 8, 16)]
     )
     assert set(runner.graph_bytes) == set(runner.buckets)
-    costs = runner.graph_costs()
+    costs = runner.graph_costs(runner.buckets)
     assert set(costs) == set(runner.buckets) and all(0 < c.kept < c.bytes for c in costs.values())
     assert costs[(CHUNK, 16)].bytes > costs[(FIRST, 16)].bytes > costs[(FIRST, 1)].bytes
     assert costs[(CHUNK, 16)].kept > costs[(FIRST, 16)].kept  # the waveform: 25 frames against 2

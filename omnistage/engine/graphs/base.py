@@ -19,6 +19,7 @@ import torch
 from tqdm import tqdm
 
 from omnistage.engine.buckets import bucket_for, faster_buckets
+from omnistage.engine.memory.measure import Peak, device_peak, scaled_peaks
 
 logger = logging.getLogger(__name__)
 
@@ -97,6 +98,7 @@ class GraphSet(Generic[B]):
     kind = "step"
     unit = "rows"
     route_by_speed = False
+    scaled_costs = True  # `graph_peaks` measures a group's largest bucket and scales the others by size
 
     def __init__(self, step: StepFn, buffers: B, device: torch.device | str, enforce_eager: bool = False):
         self.step = step
@@ -149,6 +151,13 @@ class GraphSet(Generic[B]):
             self.on_replay(bucket)
         self._replays[bucket]()
         return self._outputs[bucket]
+
+    def graph_costs(self, buckets: Iterable[Bucket]) -> dict[Bucket, Peak]:
+        """What capturing each of `buckets` costs the memory plan, measured before capture over this set's
+        buffers (`graph_peaks`); {} off CUDA or eager, where nothing is captured."""
+        if self.device.type != "cuda" or self.enforce_eager:
+            return {}
+        return graph_peaks(lambda _: self, buckets, self.device, self.scaled_costs)
 
     def capture(self, buckets: Iterable[Bucket], pool: Any = None) -> list[Bucket]:
         """Capture one graph per bucket, largest first; records each capture's added bytes in `graph_bytes`."""
@@ -232,3 +241,33 @@ class GraphSet(Generic[B]):
                 self.step(*self.buffers.args(b))
         torch.cuda.current_stream(self.device).wait_stream(stream)
         torch.cuda.synchronize(self.device)
+
+
+def graph_peaks(
+    make: Callable[[Bucket], GraphSet], buckets: Iterable[Bucket], device: torch.device, scaled: bool = True
+) -> dict[Bucket, Peak]:
+    """What a graph of each bucket takes, measured the one way (GPU only): the peak of the bucket's eager step
+    over the static buffers of the set `make(bucket)` gives, from an empty cache (`memory.measure.device_peak`),
+    and what the step keeps (its outputs: a graph keeps them; the rest is scratch its pool shares). `make`
+    returns the set itself, or builds one for the bucket alone where the set is made only at capture: its
+    buffers are then counted among what the graph keeps. `scaled`: each group's largest bucket is measured
+    and the others scaled by size (`scaled_peaks`: steps whose memory grows with their rows); else every
+    bucket is measured (the encoder towers, whose scratch does not)."""
+    peaks: dict[Bucket, Peak] = {}
+    for members in groups(buckets).values():
+        measured = {b: _peak(make, b, device) for b in (members[-1:] if scaled else members)}
+        if scaled:
+            by_size = scaled_peaks(measured[members[-1]], [size_of(b) for b in members])
+            measured = {b: by_size[size_of(b)] for b in members}
+        peaks |= measured
+    return peaks
+
+
+def _peak(make: Callable[[Bucket], GraphSet], bucket: Bucket, device: torch.device) -> Peak:
+    with torch.inference_mode(), device_peak(device) as peak:
+        graphs = make(bucket)
+        graphs.buffers.clear(bucket)
+        out = graphs.step(*graphs.buffers.args(bucket))
+    del graphs, out
+    torch.cuda.empty_cache()
+    return peak

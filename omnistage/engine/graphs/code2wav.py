@@ -26,7 +26,6 @@ import torch
 
 from omnistage.engine.buckets import decode_buckets
 from omnistage.engine.graphs.base import GraphSet
-from omnistage.engine.memory.measure import Peak, device_peak, scaled_peaks
 from omnistage.models.qwen3_omni.code2wav import Code2Wav
 
 GraphKey = tuple[int, int]  # (chunk frames, streams bucket)
@@ -91,25 +90,6 @@ class Code2WavGraphs(GraphSet[WindowBuffers]):
         # every (chunk size, streams bucket) the set can capture
         self.buckets: list[GraphKey] = [(size, b) for size in windows for b in decode_buckets(max_streams)]
         self._sizes = {window: size for size, window in windows.items()}  # a call's chunk, by its window
-
-    @torch.inference_mode()
-    def graph_costs(self) -> dict[GraphKey, Peak]:
-        """Graph memory per (chunk size, bucket) for the planner: each chunk size's measured eager call at the
-        largest bucket, scaled by streams as the LLM stages' graphs are (`scaled_peaks`), and what the call
-        keeps (its waveform; the rest, the convolutions' activations over the whole window, is scratch that
-        the graphs of one pool share). Off CUDA or eager nothing is captured, so nothing is priced."""
-        if self.device.type != "cuda" or self.enforce_eager:
-            return {}
-        costs = {}
-        streams = decode_buckets(self.buffers.capacity)
-        for size in sorted(self.buffers.codes, reverse=True):
-            codes, starts = self.buffers.args((size, max(streams)))
-            with device_peak(self.device) as peak:
-                out = self.step(codes, starts)
-            del out
-            torch.cuda.empty_cache()
-            costs |= {(size, b): scaled for b, scaled in scaled_peaks(peak, streams).items()}
-        return costs
 
     @torch.inference_mode()
     def capture(self, buckets: Iterable[GraphKey] | None = None, pool: Any = None) -> list[GraphKey]:

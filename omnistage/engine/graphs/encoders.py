@@ -21,13 +21,10 @@ Off CUDA, GraphSet binds static-eager calls over the same buffers, so this paddi
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import torch
 
 from omnistage.engine.buckets import decode_buckets
 from omnistage.engine.graphs.base import GraphSet
-from omnistage.engine.memory.measure import Peak, device_peak
 from omnistage.models.layers.varlen_attention import Segments
 from omnistage.models.qwen3_omni.audio_encoder import (
     AudioEncoder,
@@ -120,6 +117,7 @@ class AudioGraphs(GraphSet[AudioGraphBuffers]):
 
     kind = "audio encoder"
     unit = "windows"
+    scaled_costs = False  # the convolutions run GRAPH_CONV_CHUNKS chunks at a time: scratch stops growing
 
     def __init__(self, encoder: AudioEncoder, max_windows: int, enforce_eager: bool = False) -> None:
         self.encoder = encoder
@@ -197,6 +195,7 @@ class VisionGraphs(GraphSet[VisionGraphBuffers]):
 
     kind = "vision encoder"
     unit = "patches"
+    scaled_costs = False  # attention within an image: its scratch is not in proportion to the patches
 
     def __init__(
         self,
@@ -225,18 +224,3 @@ class VisionGraphs(GraphSet[VisionGraphBuffers]):
         merged, deepstack = self.replay(bucket, pixel_values, grids)
         rows = patches // self.encoder.cfg.spatial_merge_size**2
         return merged[:rows].clone(), torch.stack([level[:rows] for level in deepstack])
-
-
-def graph_peaks(make: Callable[[int], GraphSet], buckets: list[int], device: torch.device) -> dict[int, Peak]:
-    """What a graph of each bucket takes, measured (GPU only): the eager peak of the bucket's step on a graph
-    set made for that bucket alone (`make(bucket)`), and what it keeps (its static buffers and outputs)."""
-    peaks = {}
-    for bucket in buckets:
-        with torch.inference_mode(), device_peak(device) as peak:
-            graphs = make(bucket)
-            graphs.buffers.clear(bucket)
-            out = graphs.step(*graphs.buffers.args(bucket))
-        del graphs, out
-        torch.cuda.empty_cache()
-        peaks[bucket] = peak
-    return peaks

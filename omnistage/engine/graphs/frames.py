@@ -20,7 +20,6 @@ import torch
 from torch import nn
 
 from omnistage.engine.graphs.base import GraphSet
-from omnistage.engine.memory.measure import Peak, device_peak, scaled_peaks
 from omnistage.engine.static_sampling import StaticRows, sample_static
 from omnistage.models.qwen3_omni.code_predictor import CodePredictor
 
@@ -123,20 +122,3 @@ class FrameGraphs(GraphSet[StaticFrameBuffers]):
             return self._frame(hidden, code0, rows, self.predictor.new_kv(batch))
         codes, sums = self.replay(bucket, hidden, code0, sampling)
         return codes[:batch], sums[:batch]
-
-    def profile_peak(self, batch: int) -> Peak:
-        """Bytes an eager frame of `batch` rows over the static buffers allocates at its peak, and what it keeps
-        (its codes and sums: a graph's outputs; CUDA only)."""
-        self.buffers.clear(batch)
-        with device_peak(self.device) as peak:
-            out = self._frame(*self.buffers.args(batch))
-        del out
-        torch.cuda.empty_cache()
-        return peak
-
-    def graph_costs(self, buckets: list[int]) -> dict[int, Peak]:
-        """Graph memory per bucket for the planner, priced as the LLM stages' graphs are (`scaled_peaks` of
-        the largest bucket's measured eager frame). Off CUDA nothing is captured, so nothing is priced."""
-        if self.device.type != "cuda" or not buckets:
-            return {}
-        return scaled_peaks(self.profile_peak(max(buckets)), buckets)
