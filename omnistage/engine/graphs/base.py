@@ -39,6 +39,10 @@ def group_of(bucket: Bucket) -> tuple[int, ...]:
     return () if isinstance(bucket, int) else bucket[:-1]
 
 
+def bucket_in(group: tuple[int, ...], size: int) -> Bucket:
+    return (*group, size) if group else size
+
+
 def groups(buckets: Iterable[Bucket]) -> dict[tuple[int, ...], list[Bucket]]:
     """Buckets by group, largest group first (as captured), each group's buckets ascending."""
     grouped: dict[tuple[int, ...], list[Bucket]] = {}
@@ -109,7 +113,7 @@ class GraphSet(Generic[B]):
         self._replays: dict[Bucket, Callable[[], None]] = {}
         self._outputs: dict[Bucket, Any] = {}
         self._graphs: list[Any] = []
-        self.pool = None
+        self.pool: Any = None
         self.graph_bytes: dict[Bucket, int] = {}
         self.replay_ms: dict[Bucket, float] = {}
         self.routes: dict[Bucket, Bucket] = {}
@@ -131,7 +135,7 @@ class GraphSet(Generic[B]):
         fitting = bucket_for(size, [size_of(b) for b in self._replays if group_of(b) == group])
         if fitting is None:
             return None
-        bucket = (*group, fitting) if group else fitting
+        bucket = bucket_in(group, fitting)
         return self.routes.get(bucket, bucket)
 
     def routes_note(self) -> str:
@@ -196,8 +200,9 @@ class GraphSet(Generic[B]):
             with torch.cuda.device(self.device):  # the events' stream: the one the graphs replay on
                 self.replay_ms = self.time_replays(buckets)
             routes: dict[Bucket, Bucket] = {}
-            for members in groups(buckets).values():  # a group's buckets are one ladder of sizes
-                routes |= faster_buckets({b: self.replay_ms[b] for b in members})
+            for group, members in groups(buckets).items():  # a group's buckets are one ladder of sizes
+                faster = faster_buckets({size_of(b): self.replay_ms[b] for b in members})
+                routes |= {bucket_in(group, b): bucket_in(group, r) for b, r in faster.items()}
             self.routes = routes
         logger.info(
             "captured %d %s graphs (%s %s..%s) in %.1f s%s",

@@ -19,16 +19,33 @@ static output of another while the caller still slices and reads it.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
-from typing import Any
+from collections.abc import Iterable, Iterator
+from typing import Any, Protocol, cast
 
 import torch
+from torch import nn
 
 from omnistage.engine.buckets import decode_buckets
-from omnistage.engine.graphs.base import GraphSet
-from omnistage.models.qwen3_omni.code2wav import Code2Wav
+from omnistage.engine.graphs.base import Bucket, GraphSet
 
 GraphKey = tuple[int, int]  # (chunk frames, streams bucket)
+
+
+class Quantizers(Protocol):
+    @property
+    def num_quantizers(self) -> int: ...
+
+
+class WindowDecoder(Protocol):
+    """A codec decoder's call shape (Qwen3-Omni's `Code2Wav` is one): the samples of windows of codes, each the
+    `left_context` frames before a chunk and the chunk; its first parameter is on its device."""
+
+    @property
+    def config(self) -> Quantizers: ...
+    @property
+    def left_context(self) -> int: ...
+    def parameters(self) -> Iterator[nn.Parameter]: ...
+    def decode_window(self, codes: torch.Tensor, first_frame: torch.Tensor) -> torch.Tensor: ...
 
 
 class WindowBuffers:
@@ -75,7 +92,7 @@ class Code2WavGraphs(GraphSet[WindowBuffers]):
 
     def __init__(
         self,
-        model: Code2Wav,
+        model: WindowDecoder,
         sizes: Iterable[int],
         max_streams: int,
         enforce_eager: bool = False,
@@ -83,7 +100,7 @@ class Code2WavGraphs(GraphSet[WindowBuffers]):
     ) -> None:
         """`prefix`: the one of `sizes` that is a stream's first chunk decoded from its first frames alone
         (`code2wav_streamer.decodes_first_as_prefix`): its windows hold the chunk only."""
-        device = model.code_embedding.weight.device
+        device = next(model.parameters()).device
         windows = {size: size if size == prefix else model.left_context + size for size in sorted(set(sizes))}
         buffers = WindowBuffers(max_streams, model.config.num_quantizers, windows, device)
         super().__init__(model.decode_window, buffers, device, enforce_eager)
@@ -92,10 +109,10 @@ class Code2WavGraphs(GraphSet[WindowBuffers]):
         self._sizes = {window: size for size, window in windows.items()}  # a call's chunk, by its window
 
     @torch.inference_mode()
-    def capture(self, buckets: Iterable[GraphKey] | None = None, pool: Any = None) -> list[GraphKey]:
+    def capture(self, buckets: Iterable[Bucket] | None = None, pool: Any = None) -> list[Bucket]:
         """Capture `buckets` (default: all of them, `buckets`) into `pool` as GraphSet does; returns what is
         captured."""
-        wanted = set(self.buckets if buckets is None else buckets)
+        wanted = set(cast(Iterable[GraphKey], self.buckets if buckets is None else buckets))
         unknown = sorted(size for size, _ in wanted if size not in self.buffers.codes)
         if unknown:
             raise ValueError(f"no chunk size {unknown} in this set's {sorted(self.buffers.codes)}")
