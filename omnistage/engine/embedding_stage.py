@@ -189,7 +189,7 @@ class EmbeddingStage:
 
     def prefill_graph_costs(self, buckets: Iterable[int]) -> dict[int, Peak]:
         """What each token bucket's prefill graph is expected to take: the largest one's eager step with as many
-        prompts as it holds (`graphs.StaticPrefillBuffers`), scaled by tokens."""
+        prompts as it holds (`graphs.prefill.StaticPrefillBuffers`), scaled by tokens."""
         buckets = sorted(set(buckets))
         if not buckets:
             return {}

@@ -6,7 +6,7 @@ so a request's rows do not depend on its neighbours), each call holding at most 
 the processor admits: the input the memory plan measures the towers on. The outputs replace the prompts'
 placeholder embeddings during prefill (see ModelRunner) and, for images, feed the deepstack levels.
 
-With CUDA graphs captured (`capture_graphs`, see encoder_graphs.py) the clips go through the audio graphs in
+With CUDA graphs captured (`capture_graphs`, see graphs/encoders.py) the clips go through the audio graphs in
 pieces of windows, and the images through the vision graphs in calls of at most the largest patch bucket;
 an image larger than that runs eagerly.
 """
@@ -172,7 +172,7 @@ class EncoderEngine:
         return -(-self.max_audio_frames // self.audio_encoder.cfg.n_window_infer)
 
     def default_graph_buckets(self) -> tuple[list[int], list[int]]:
-        """The audio window buckets and vision patch buckets to capture unless configured (encoder_graphs.py)."""
+        """The audio window buckets and vision patch buckets to capture unless configured (graphs/encoders.py)."""
         audio = audio_buckets(self.max_audio_windows)
         if self.vision_encoder is None:
             return audio, []

@@ -82,8 +82,9 @@ def test_replay_equals_eager(model, runner, size, streams):
     assert runner.bucket_for(streams, (size,)) is not None
     got = runner(codes, starts)
     # eager over the same padded batch (zero codes, start 0): the kernels the graph recorded, so only replay
-    # differs. Padding itself is shown exact in float32 on the CPU (tests/unit/engine/graphs/test_code2wav_graphs.py):
-    # in bf16 a batch of 3 and one of 4 take other GEMM kernels, which random weights amplify to ~5% here.
+    # differs. Padding itself is shown exact in float32 on the CPU
+    # (tests/unit/engine/graphs/test_code2wav_graphs.py): in bf16 a batch of 3 and one of 4 take other GEMM
+    # kernels, which random weights amplify to ~5% here.
     pad = runner.bucket_for(streams, (size,))[-1] - streams
     padded = (
         torch.cat([codes, codes.new_zeros(pad, *codes.shape[1:])]),
