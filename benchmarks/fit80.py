@@ -52,7 +52,6 @@ from omnistage.bench.a2t import (
 from omnistage.bench.clips import SYNTH_SETS, speech_like, synth_clips, total_seconds
 from omnistage.bench.speech_targets import talker_params, text_fields
 from omnistage.config import EngineConfig, load_config
-from omnistage.engine.code2wav_graphs import Code2WavGraphs
 from omnistage.engine.llm_engine import NewRequest
 from omnistage.engine.sampling import SamplingParams, SpeechParams
 from omnistage.outputs import AUDIO_SAMPLE_RATE, RequestOutput
@@ -131,7 +130,7 @@ def _held(graphs: Any) -> tuple[list, int]:
     """A graph runner's captured buckets and the pool bytes their captures measured (none: nothing)."""
     if graphs is None:
         return [], 0
-    buckets = graphs.captured if isinstance(graphs, Code2WavGraphs) else graphs.captured_buckets
+    buckets = graphs.captured_buckets
     return [list(b) if isinstance(b, tuple) else b for b in buckets], sum(graphs.graph_bytes.values())
 
 

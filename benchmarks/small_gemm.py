@@ -9,7 +9,7 @@ each projection of the released stages (fused q/k/v and gate/up as the models ru
   of the input (`omnistage/kernels/gemv.py`, which the speech stages adopt per shape where it wins);
 each captured 20 times in one CUDA graph and replayed, so that the figure is a kernel's time in a graph, launch
 gaps included, as the stages' graphs run them. It checks the GEMV's output against cuBLAS's first. Then the
-whole code-predictor frame (`FrameGraphRunner`, released size, random weights, its layers not compiled in
+whole code-predictor frame (`FrameGraphs`, released size, random weights, its layers not compiled in
 either case) replayed with every projection of up to 16 rows on cuBLAS, then on the GEMV (`F.linear` patched
 for the capture): what the GEMV would change in a speaking step.
 
@@ -87,7 +87,7 @@ def gemv_projections(max_rows: int = 16) -> Iterator[None]:
 def frame_ms(buckets: list[int]) -> list[dict]:
     """A code-predictor frame's replay per bucket, cuBLAS against the GEMV; ms, median of 50 replays."""
     from omnistage.bench.a2t import released_skeleton
-    from omnistage.engine.frame_graphs import FrameGraphRunner
+    from omnistage.engine.graphs.frames import FrameGraphs
     from omnistage.models.loader import fill_random_
     from omnistage.models.qwen3_omni.code_predictor import load_code_predictor
     from omnistage.models.qwen3_omni.config import Qwen3OmniConfig
@@ -100,7 +100,7 @@ def frame_ms(buckets: list[int]) -> list[dict]:
     code0.requires_grad_(False)
     rows = []
     for name, patch in (("cuBLAS", contextlib.nullcontext), ("GEMV", gemv_projections)):
-        runner = FrameGraphRunner(predictor, code0, 50, max(buckets))
+        runner = FrameGraphs(predictor, code0, 50, max(buckets))
         with patch():
             runner.capture(buckets)
         for batch in buckets:

@@ -124,7 +124,7 @@ def graphs_alone(pipeline: Any, concurrency: int) -> dict[str, float]:
         bucket = graphs.bucket_for(concurrency) if graphs is not None else None
         if bucket is not None and torch.cuda.is_available():
             with stages.on_device():
-                out[f"{name} (bucket {bucket})"] = round(graphs._time_replays([bucket])[bucket], 3)
+                out[f"{name} (bucket {bucket})"] = round(graphs.time_replays([bucket])[bucket], 3)
     return out
 
 

@@ -28,7 +28,7 @@ import torch
 
 from omnistage.cli import main as omnistage_main
 from omnistage.engine.embedding_stage import EmbeddingStage
-from omnistage.engine.graphs import PrefillGraphRunner
+from omnistage.engine.graphs import PrefillGraphs
 from omnistage.engine.model_runner import ModelRunner
 from omnistage.models.qwen3_omni.code2wav_streamer import Code2WavStreamer
 from omnistage.pipeline.handoff import Handoff
@@ -101,7 +101,7 @@ def install(records: list[Record], sync: bool) -> None:
         sync,
         lambda self, flights: ("frames", sum(len(f.chunks) for f in flights), 0),
     )(Handoff.launch_frames)
-    _count_replays(records, PrefillGraphRunner)
+    _count_replays(records, PrefillGraphs)
     Code2WavStreamer._decode = _timed(
         records, "Code2Wav", sync, lambda self, size, ids: (f"{size}-frame chunks", len(ids), 0)
     )(Code2WavStreamer._decode)

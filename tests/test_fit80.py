@@ -11,7 +11,6 @@ from types import SimpleNamespace
 
 import pytest
 
-from omnistage.engine.code2wav_graphs import Code2WavGraphs
 from omnistage.engine.memory.plan import DeviceMemory, GraphCandidates, KVPool, MiB, StageMemory, plan_device
 
 SCRIPT = Path(__file__).parents[1] / "benchmarks" / "fit80.py"
@@ -90,8 +89,7 @@ def test_graph_report_two_devices(fit80):
         graphs=(GraphCandidates("Code2Wav", "decode", "chunk x streams", {(2, 1): MiB, (25, 1): 2 * MiB}),),
     )
     device = DeviceMemory(1 << 40, 1 << 40, 0, None, "cuda:0")
-    code2wav = Code2WavGraphs.__new__(Code2WavGraphs)  # its bookkeeping only: no model behind it
-    code2wav.sets = {2: runner([1], MiB), 25: runner([], 0)}
+    code2wav = runner([(2, 1)], MiB)
     pipeline = SimpleNamespace(
         speaks=True,
         thinker=SimpleNamespace(

@@ -23,7 +23,7 @@ from typing import Any, Protocol
 import torch
 
 from omnistage.engine.decode_ahead import Launched
-from omnistage.engine.graphs import DecodeGraphRunner, PrefillGraphRunner
+from omnistage.engine.graphs import DecodeGraphs, PrefillGraphs
 from omnistage.engine.isolation import run_isolated
 from omnistage.engine.kv_cache import PagePool
 from omnistage.engine.memory.measure import Peak, device_peak, scaled_peaks
@@ -120,8 +120,8 @@ class EmbeddingStage:
         self.sampler = Sampler()
         self.kv_caches = self._allocate(self.num_pages)
         self._suppressed = torch.tensor(self.suppressed_ids, dtype=torch.long, device=self.device)
-        self.graphs: DecodeGraphRunner | None = None
-        self.prefill_graphs: PrefillGraphRunner | None = None
+        self.graphs: DecodeGraphs | None = None
+        self.prefill_graphs: PrefillGraphs | None = None
 
     @torch.inference_mode()
     def _allocate(self, num_pages: int) -> list[torch.Tensor]:
@@ -178,7 +178,7 @@ class EmbeddingStage:
                 "CUDA graphs need bfloat16 (grouped-GEMM MoE); Talker steps in %s run eagerly", self.dtype
             )
             return []
-        self.graphs = DecodeGraphRunner(
+        self.graphs = DecodeGraphs(
             self._decode_step, buckets[-1], -(-max_seq_len // self.page_size), max_seq_len, self.device,
             row_shape=(self.cfg.hidden_size,), dtype=self.dtype,
         )  # fmt: skip
@@ -189,7 +189,7 @@ class EmbeddingStage:
 
     def prefill_graph_costs(self, buckets: Iterable[int]) -> dict[int, Peak]:
         """What each token bucket's prefill graph is expected to take: the largest one's eager step with as many
-        prompts as it holds (`graphs.StaticPrefillBuffers`), scaled by tokens."""
+        prompts as it holds (`graphs.prefill.StaticPrefillBuffers`), scaled by tokens."""
         buckets = sorted(set(buckets))
         if not buckets:
             return {}
@@ -203,7 +203,7 @@ class EmbeddingStage:
         buckets = sorted(set(buckets))
         if not buckets or (self.device.type == "cuda" and self.dtype != torch.bfloat16):
             return []
-        self.prefill_graphs = PrefillGraphRunner(
+        self.prefill_graphs = PrefillGraphs(
             self._prefill_step, buckets[-1], -(-max_seq_len // self.page_size), max_seq_len, self.cfg.hidden_size,
             self.dtype, self.device, max_seqs=min(self.max_num_seqs, buckets[-1]),
         )  # fmt: skip

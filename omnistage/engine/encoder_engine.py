@@ -6,13 +6,14 @@ so a request's rows do not depend on its neighbours), each call holding at most 
 the processor admits: the input the memory plan measures the towers on. The outputs replace the prompts'
 placeholder embeddings during prefill (see ModelRunner) and, for images, feed the deepstack levels.
 
-With CUDA graphs captured (`capture_graphs`, see encoder_graphs.py) the clips go through the audio graphs in
+With CUDA graphs captured (`capture_graphs`, see graphs/encoders.py) the clips go through the audio graphs in
 pieces of windows, and the images through the vision graphs in calls of at most the largest patch bucket;
 an image larger than that runs eagerly.
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
 from dataclasses import dataclass
@@ -22,13 +23,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from omnistage.engine.encoder_graphs import (
-    AudioGraphs,
-    VisionGraphs,
-    audio_buckets,
-    graph_peaks,
-    vision_buckets,
-)
+from omnistage.engine.graphs.base import graph_peaks
+from omnistage.engine.graphs.encoders import AudioGraphs, VisionGraphs, audio_buckets, vision_buckets
 from omnistage.engine.memory.floor import Floor
 from omnistage.engine.memory.measure import Peak, device_peak
 from omnistage.errors import InvalidRequest
@@ -176,7 +172,7 @@ class EncoderEngine:
         return -(-self.max_audio_frames // self.audio_encoder.cfg.n_window_infer)
 
     def default_graph_buckets(self) -> tuple[list[int], list[int]]:
-        """The audio window buckets and vision patch buckets to capture unless configured (encoder_graphs.py)."""
+        """The audio window buckets and vision patch buckets to capture unless configured (graphs/encoders.py)."""
         audio = audio_buckets(self.max_audio_windows)
         if self.vision_encoder is None:
             return audio, []
@@ -185,11 +181,16 @@ class EncoderEngine:
     def graph_costs(self, audio: list[int], vision: list[int]) -> dict[str, dict[int, Peak]]:
         """Per tower ("audio", "vision") and bucket, the measured eager peak of its padded step and what the
         step keeps (its rows and static buffers; GPU only, before capture): graphs of one pool share the
-        rest, their scratch (memory.plan.GraphCandidates)."""
-        costs = {"audio": graph_peaks(lambda b: AudioGraphs(self.audio_encoder, b), audio, self.device)}
+        rest, their scratch (memory.plan.GraphCandidates). The sets are made at capture, so each bucket's is
+        measured on a set of its own, its buffers counted."""
+        audio_set = functools.partial(AudioGraphs, self.audio_encoder)
+        costs = {"audio": graph_peaks(audio_set, audio, self.device, AudioGraphs.scaled_costs)}
         if self.vision_encoder is not None:
             costs["vision"] = graph_peaks(
-                lambda b: VisionGraphs(self.vision_encoder, [b]), vision, self.device
+                lambda b: VisionGraphs(self.vision_encoder, [b]),
+                vision,
+                self.device,
+                VisionGraphs.scaled_costs,
             )
         return costs
 

@@ -16,7 +16,7 @@ import numpy as np
 import torch
 
 from omnistage.engine.attention import AttentionMetadata
-from omnistage.engine.graphs import DecodeGraphRunner, PrefillGraphRunner
+from omnistage.engine.graphs import DecodeGraphs, PrefillGraphs
 from omnistage.engine.memory.measure import Peak, device_peak
 from omnistage.engine.scheduler import ScheduledChunk, SchedulerOutput
 from omnistage.engine.sequence import PromptInputs
@@ -109,8 +109,8 @@ class ModelRunner:
         self.device = device
         self.dtype = dtype
         self.kv_caches: list[torch.Tensor] = []
-        self.graphs: DecodeGraphRunner | None = None
-        self.prefill_graphs: PrefillGraphRunner | None = None
+        self.graphs: DecodeGraphs | None = None
+        self.prefill_graphs: PrefillGraphs | None = None
 
     @torch.inference_mode()
     def allocate_kv(self, num_pages: int) -> None:
@@ -158,7 +158,7 @@ class ModelRunner:
         pool, `memory.plan.MAIN_POOL`; default: a new one); steps beyond them run eagerly."""
         max_pages = -(-max_model_len // self.page_size)
         if buckets:
-            self.graphs = DecodeGraphRunner(
+            self.graphs = DecodeGraphs(
                 self._decode_logits,
                 max(buckets),
                 max_pages,
@@ -173,7 +173,7 @@ class ModelRunner:
             self._prefill_logits_out = torch.empty(
                 slots, self.cfg.vocab_size, dtype=torch.float32, device=self.device
             )
-            self.prefill_graphs = PrefillGraphRunner(
+            self.prefill_graphs = PrefillGraphs(
                 self._prefill_logits, max(prefill_buckets), max_pages, max_model_len, self.cfg.hidden_size,
                 self.dtype, self.device, enforce_eager=enforce_eager, max_seqs=slots,
             )  # fmt: skip

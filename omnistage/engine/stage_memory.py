@@ -76,7 +76,7 @@ def _graph_candidates(runner: ModelRunner, cfg: EngineConfig, stage: str) -> tup
         peaks = scaled_peaks(runner.profile_peak(max(buckets), max(buckets)), buckets)
         graphs.append(graph_candidates(stage, "decode", "batch", peaks, pool=stage))
     if prefill := thinker.prefill_graphs.sizes(prefill_buckets):
-        # the largest holds as many sequences as it may (`graphs.StaticPrefillBuffers`): a burst of prompts
+        # the largest holds as many sequences as it may (`graphs.prefill.StaticPrefillBuffers`): a burst of prompts
         peaks = scaled_peaks(runner.profile_peak(max(prefill), min(max(prefill), thinker.max_batch)), prefill)
         graphs.append(graph_candidates(stage, "prefill", "tokens", peaks, pool=MAIN_POOL))
     return tuple(graphs)

@@ -1,5 +1,5 @@
 """Qwen3-Omni's speech stages on their device: the Talker (an EmbeddingStage over its paged KV), the code
-predictor (a frame per call, `FrameGraphRunner`) and streaming Code2Wav (`Code2WavStreamer` over
+predictor (a frame per call, `FrameGraphs`) and streaming Code2Wav (`Code2WavStreamer` over
 `Code2WavGraphs`). Loaded, measured for their device's memory plan (their weights, largest steps, the Talker's
 KV pool and their graphs' costs), then allocated and captured as the plan says. The pipeline
 (`qwen3_omni.py`) hands each speaking request's text rows and frames across them.
@@ -18,10 +18,10 @@ import torch
 from omnistage.config import EngineConfig
 from omnistage.engine.attention import backend_for
 from omnistage.engine.buckets import decode_buckets, prefill_buckets
-from omnistage.engine.code2wav_graphs import Code2WavGraphs
 from omnistage.engine.devices import resolve_device
 from omnistage.engine.embedding_stage import EmbeddingStage
-from omnistage.engine.frame_graphs import FrameGraphRunner
+from omnistage.engine.graphs.code2wav import Code2WavGraphs
+from omnistage.engine.graphs.frames import FrameGraphs
 from omnistage.engine.memory.measure import device_peak, graph_candidates, module_bytes
 from omnistage.engine.memory.plan import MAIN_POOL, GiB, KVPool, MemoryPlan, StageMemory
 from omnistage.models.layers.linear import adopt_gemv
@@ -94,7 +94,7 @@ class SpeechStages:
             # the codec's top 1024 ids are control codes, never audio; EOS among them ends the speech
             suppressed_ids=[i for i in range(vocab - 1024, vocab) if i != cfg.talker.codec_eos_token_id],
         )
-        self.frame_graphs = FrameGraphRunner(
+        self.frame_graphs = FrameGraphs(
             self.code_predictor,
             self.talker.model.codec_embedding,
             PREDICTOR_TOP_K,
@@ -158,7 +158,8 @@ class SpeechStages:
         bf16 = self.talker_stage.dtype == torch.bfloat16
         talker_graphs = talker.graphs.sizes(decode_buckets) if bf16 else []
         talker_prefill = talker.prefill_graphs.sizes(prefill_buckets) if bf16 else []
-        c2w_peaks = {k: v for k, v in self.code2wav_graphs.graph_costs().items() if k[1] in streams}
+        c2w = self.code2wav_graphs  # priced on its whole ladder of streams, as it measures the largest
+        c2w_peaks = {k: v for k, v in c2w.graph_costs(c2w.buckets).items() if k[1] in streams}
         # the device's main-stream pool holds the three sets' graphs (`allocate`)
         graphs = (
             graph_candidates("Talker", "decode", "batch", self.talker_stage.graph_costs(talker_graphs), MAIN_POOL),
@@ -225,5 +226,5 @@ class SpeechStages:
             f"{_captured('code predictor frame', 'batch', frames.captured_buckets, frames.routes_note())}, "
             f"Code2Wav chunks of {streamer.first_chunk} then {streamer.chunk} frames, up to "
             f"{streamer.max_batch} streams a call: "
-            f"{_captured('Code2Wav', 'streams', sorted({n for _, n in self.code2wav_graphs.captured}))}"
+            f"{_captured('Code2Wav', 'streams', sorted({n for _, n in self.code2wav_graphs.captured_buckets}))}"
         )

@@ -4,7 +4,7 @@ a replay gives what an eager call gives, and a returned waveform outlives later 
 import pytest
 import torch
 
-from omnistage.engine.code2wav_graphs import Code2WavGraphs
+from omnistage.engine.graphs.code2wav import Code2WavGraphs
 from omnistage.models.loader import load_module
 from omnistage.models.qwen3_omni.code2wav import Code2Wav
 from omnistage.models.qwen3_omni.config import Qwen3OmniConfig
@@ -51,10 +51,14 @@ def windows(model: Code2Wav, size: int, streams: int, seed: int) -> tuple[torch.
 
 
 def test_every_graph_captured_and_priced(model, runner):
-    assert runner.captured == runner.graphs == [(s, b) for s in (FIRST, CHUNK) for b in (1, 2, 4, 8, 16)]
-    assert set(runner.graph_bytes) == set(runner.graphs)
-    costs = runner.graph_costs()
-    assert set(costs) == set(runner.graphs) and all(0 < c.kept < c.bytes for c in costs.values())
+    assert (
+        runner.captured_buckets
+        == runner.buckets
+        == [(s, b) for s in (FIRST, CHUNK) for b in (1, 2, 4, 8, 16)]
+    )
+    assert set(runner.graph_bytes) == set(runner.buckets)
+    costs = runner.graph_costs(runner.buckets)
+    assert set(costs) == set(runner.buckets) and all(0 < c.kept < c.bytes for c in costs.values())
     assert costs[(CHUNK, 16)].bytes > costs[(FIRST, 16)].bytes > costs[(FIRST, 1)].bytes
     assert costs[(CHUNK, 16)].kept > costs[(FIRST, 16)].kept  # the waveform: 25 frames against 2
 
@@ -75,12 +79,13 @@ def _ms(fn, reps: int = 10) -> float:
 @torch.inference_mode()
 def test_replay_equals_eager(model, runner, size, streams):
     codes, starts = windows(model, size, streams, seed=streams * 100 + size)
-    assert runner.sets[size].bucket_for(streams) is not None
+    assert runner.bucket_for(streams, (size,)) is not None
     got = runner(codes, starts)
     # eager over the same padded batch (zero codes, start 0): the kernels the graph recorded, so only replay
-    # differs. Padding itself is shown exact in float32 on the CPU (tests/unit/engine/test_code2wav_graphs.py):
-    # in bf16 a batch of 3 and one of 4 take other GEMM kernels, which random weights amplify to ~5% here.
-    pad = runner.sets[size].bucket_for(streams) - streams
+    # differs. Padding itself is shown exact in float32 on the CPU
+    # (tests/unit/engine/graphs/test_code2wav_graphs.py): in bf16 a batch of 3 and one of 4 take other GEMM
+    # kernels, which random weights amplify to ~5% here.
+    pad = runner.bucket_for(streams, (size,))[-1] - streams
     padded = (
         torch.cat([codes, codes.new_zeros(pad, *codes.shape[1:])]),
         torch.cat([starts, starts.new_zeros(pad)]),

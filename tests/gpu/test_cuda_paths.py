@@ -132,14 +132,14 @@ class SmallDecoder:
 
 
 def test_graph_replay_equals_eager_for_every_bucket():
-    from omnistage.engine.graphs import DecodeGraphRunner
+    from omnistage.engine.graphs import DecodeGraphs
 
     page_size, max_pages, max_batch = 16, 8, 64
     over = max_batch + 3  # one eager batch above the largest bucket
     num_pages = over * max_pages
     model_graph = SmallDecoder(num_pages, page_size)
     model_eager = SmallDecoder(num_pages, page_size)
-    runner = DecodeGraphRunner(model_graph, max_batch, max_pages, max_pages * page_size, DEV)
+    runner = DecodeGraphs(model_graph, max_batch, max_pages, max_pages * page_size, DEV)
     buckets = runner.capture(decode_buckets(max_batch))
     assert buckets == decode_buckets(max_batch) and set(runner.graph_bytes) == set(buckets)
     g = torch.Generator().manual_seed(0)

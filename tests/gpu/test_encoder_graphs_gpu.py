@@ -55,7 +55,7 @@ def encode_twice(encoders: EncoderEngine, prompts: list, audio: list[int], visio
             assert sorted(peaks) == buckets and all(0 < p.kept < p.bytes for p in peaks.values()), costs
     encoders.capture_graphs(audio, vision, pool=torch.cuda.graph_pool_handle())
     assert encoders.captured == {"audio": audio, "vision": vision}
-    assert len(encoders.audio_graphs._graphs) == len(audio)  # real CUDA graphs, not static-eager calls
+    assert encoders.audio_graphs.graph_count == len(audio)  # real CUDA graphs, not static-eager calls
     graphs = encoders.encode_many(inputs)
     again = encoders.encode_many(inputs)  # replays are deterministic
     for g, a in zip(graphs, again):
@@ -81,7 +81,7 @@ def test_qwen3_omni_graphs_equal_eager(tiny_checkpoint):
     processor = Processor(tiny_checkpoint)
     prompts = [processor.process_chat([{"role": "user", "content": c}]) for c in contents]
     eager, graphs = encode_twice(encoders, prompts, AUDIO_BUCKETS, [256, 512])
-    assert len(encoders.vision_graphs._graphs) == 2
+    assert encoders.vision_graphs.graph_count == 2
     for g, e in zip(graphs, eager):
         assert torch.equal(g.audio_rows, e.audio_rows) and torch.equal(g.image_rows, e.image_rows)
         for name in ("audio_embeds", "image_embeds", "deepstack"):

@@ -50,8 +50,7 @@ def test_graphs_equal_eager(tiny_checkpoint):
     # each prompt alone: its prefill replays a prefill graph
     replays = []
     runner = graphs.engine.runner.prefill_graphs
-    for bucket, replay in list(runner._replays.items()):
-        runner._replays[bucket] = lambda b=bucket, r=replay: replays.append(b) or r()
+    runner.on_replay = replays.append
     alone = [graphs.generate(p, GREEDY)[0].outputs[0].token_ids for p in PROMPTS]
     assert replays == [16] * 4  # "Hello" is one token: a decode-shaped step, which a decode graph takes
     assert alone == [eager.generate(p, GREEDY)[0].outputs[0].token_ids for p in PROMPTS]

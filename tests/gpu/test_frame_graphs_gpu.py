@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 from omnistage.bench.a2t import released_skeleton
-from omnistage.engine.frame_graphs import FrameGraphRunner
+from omnistage.engine.graphs.frames import FrameGraphs
 from omnistage.engine.static_sampling import StaticRows, sample_static
 from omnistage.models.loader import fill_random_
 from omnistage.models.qwen3_omni.code_predictor import load_code_predictor
@@ -24,14 +24,14 @@ BUCKETS = [1, 2, 4, 8]
 
 
 @pytest.fixture(scope="module")
-def runner() -> FrameGraphRunner:
+def runner() -> FrameGraphs:
     checkpoint = released_skeleton()
     predictor = load_code_predictor(checkpoint, torch.bfloat16, DEV, load_format="dummy").eval()
     talker = Qwen3OmniConfig.from_dir(checkpoint).talker.text
     # only the Talker's code-0 table enters a frame; the rest of the Talker is not needed here
     code0_embedding = nn.Embedding(talker.vocab_size, talker.hidden_size, device=DEV, dtype=torch.bfloat16)
     fill_random_(code0_embedding, seed=1)
-    runner = FrameGraphRunner(predictor, code0_embedding.requires_grad_(False), TOP_K, max(BUCKETS))
+    runner = FrameGraphs(predictor, code0_embedding.requires_grad_(False), TOP_K, max(BUCKETS))
     assert runner.capture(BUCKETS) == BUCKETS and runner.captured_buckets == BUCKETS
     return runner
 

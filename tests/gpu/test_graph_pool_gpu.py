@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from omnistage.engine.attention import AttentionMetadata
-from omnistage.engine.graphs import DecodeGraphRunner
+from omnistage.engine.graphs import DecodeGraphs
 
 pytestmark = [
     pytest.mark.gpu,
@@ -33,8 +33,7 @@ def test_graph_sets_of_one_pool_share_their_scratch():
     weight = torch.randn(SCRATCH // 4, device=device)
     pool = torch.cuda.graph_pool_handle()
     runners = [
-        DecodeGraphRunner(_step(weight), max_batch=2, max_pages=1, max_seq_len=16, device=device)
-        for _ in range(2)
+        DecodeGraphs(_step(weight), max_batch=2, max_pages=1, max_seq_len=16, device=device) for _ in range(2)
     ]
     with torch.inference_mode():
         for runner in runners:

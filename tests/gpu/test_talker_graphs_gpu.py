@@ -71,8 +71,7 @@ def test_replay_equals_eager():
     assert stage.capture_graphs([1, 2, 4], max_seq_len=64, pool=pool) == [1, 2, 4] == stage.captured_buckets
     assert stage.graphs.pool is pool and sorted(stage.graphs.graph_bytes) == [1, 2, 4]
     replayed = []
-    for bucket, replay in list(stage.graphs._replays.items()):
-        stage.graphs._replays[bucket] = lambda b=bucket, r=replay: replayed.append(b) or r()
+    stage.graphs.on_replay = replayed.append
     got, got_logits = speak(stage)
 
     # the prompts run eagerly; 4 steps of 3 rows replay bucket 4, then 3 steps of 2 rows bucket 2, unless

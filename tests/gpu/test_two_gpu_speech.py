@@ -8,7 +8,7 @@ import torch
 
 from omnistage import LLM, SamplingParams
 from omnistage.engine.attention import AttentionMetadata
-from omnistage.engine.graphs import DecodeGraphRunner
+from omnistage.engine.graphs import DecodeGraphs
 from omnistage.kernels.gemv import graph_us
 
 pytestmark = [
@@ -55,7 +55,7 @@ def test_a_graph_set_captures_on_its_own_gpu_whatever_the_first_capture(monkeypa
     def step(ids, positions, meta):
         return (weight[ids] * positions[0, :, None] + meta.seq_lens[:, None]).sum(1)
 
-    runner = DecodeGraphRunner(step, max_batch=8, max_pages=2, max_seq_len=32, device="cuda:0")
+    runner = DecodeGraphs(step, max_batch=8, max_pages=2, max_seq_len=32, device="cuda:0")
     assert runner.capture([1, 2, 4, 8]) == [1, 2, 4, 8]
     for batch in (1, 3, 8):
         ids = torch.arange(batch, device="cuda:0")

@@ -4,8 +4,9 @@ Each clip is cut into 1 s chunks (2 * n_window mel frames); three stride-2 convo
 13 tokens with sinusoidal positions restarting per chunk; transformer layers attend within windows of
 n_window_infer frames (8 s, 104 tokens) of the same clip; ln_post and a two-layer MLP project to the
 thinker's width. Many clips of different lengths go through one call as a ragged batch. The host-side layout
-(audio_layout, audio_windows, gather_chunks) stays apart from the math (conv_embed, encode), which the
-engine's CUDA graphs also run over padded windows.
+(audio_layout, audio_windows, gather_chunks; the tower's `windows`, `output_tokens` and `gather_chunks` at its
+sizes) stays apart from the math (conv_embed, encode), which the engine's CUDA graphs also run over padded
+windows.
 
 Every chunk is zero-padded to the full chunk length before the convolutions. transformers pads to the
 longest chunk of its batch instead, so a clip under 1 s encoded alone there differs from ours (through
@@ -168,6 +169,18 @@ class AudioEncoder(nn.Module):
     def layout(self, frames: list[int]) -> AudioLayout:
         return audio_layout(frames, self.cfg.n_window, self.cfg.n_window_infer)
 
+    def windows(self, frames: list[int]) -> list[AudioWindow]:
+        """The attention windows of packed clips of `frames` mel frames each (`audio_windows`)."""
+        return audio_windows(frames, self.cfg.n_window, self.cfg.n_window_infer)
+
+    def output_tokens(self, frames: int) -> int:
+        """The tokens of `frames` mel frames: a clip's, a window's or a chunk's (`audio_output_tokens`)."""
+        return audio_output_tokens(frames, self.cfg.n_window)
+
+    def gather_chunks(self, packed: torch.Tensor, starts: list[int], lengths: list[int]) -> torch.Tensor:
+        """Zero-padded chunks of packed features at this tower's chunk size (`gather_chunks`)."""
+        return gather_chunks(packed, starts, lengths, 2 * self.cfg.n_window)
+
     def forward(
         self, features: list[torch.Tensor] | torch.Tensor, lengths: list[int] | torch.Tensor | None = None
     ) -> list[torch.Tensor] | torch.Tensor:
@@ -194,7 +207,7 @@ class AudioEncoder(nn.Module):
     def embed_chunks(self, packed: torch.Tensor, layout: AudioLayout) -> torch.Tensor:
         """Packed features [mel, total] to packed chunk tokens [sum tokens, d_model], positions added."""
         starts = [0, *itertools.accumulate(layout.chunk_frames[:-1])]
-        x = self.conv_embed(gather_chunks(packed, starts, layout.chunk_frames, 2 * self.cfg.n_window))
+        x = self.conv_embed(self.gather_chunks(packed, starts, layout.chunk_frames))
         chunk_tokens = torch.tensor(layout.chunk_tokens, device=x.device)
         keep = torch.arange(x.shape[1], device=x.device) < chunk_tokens[:, None]
         return x[keep]

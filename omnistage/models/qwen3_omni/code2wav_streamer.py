@@ -16,7 +16,7 @@ goes": four of them at c=64 before every stream had its first packet).
 - Later chunks, 25 frames (throughput): the fixed context work is 59% of a 25-frame call (75% at 12
   frames, 42% at 50). Larger chunks would save less per frame than they delay every packet after the first
   and grow a call's activations (streams × window frames).
-Two sizes also mean two shapes per streams bucket to capture as CUDA graphs (`engine/code2wav_graphs.py`).
+Two sizes also mean two shapes per streams bucket to capture as CUDA graphs (`engine/graphs/code2wav.py`).
 """
 
 from __future__ import annotations

@@ -83,9 +83,7 @@ def schedules_of(stage: EmbeddingStage) -> list[SchedulerOutput]:
 def replays_of(stage: EmbeddingStage) -> list[int]:
     """The buckets the stage's graphs replay from now on, in order."""
     replayed = []
-    runner = stage.graphs
-    for bucket, replay in list(runner._replays.items()):
-        runner._replays[bucket] = lambda b=bucket, r=replay: replayed.append(b) or r()
+    stage.graphs.on_replay = replayed.append
     return replayed
 
 

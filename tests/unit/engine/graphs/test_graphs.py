@@ -4,7 +4,8 @@ import torch
 
 from omnistage.engine.attention import AttentionMetadata, TorchReferenceBackend
 from omnistage.engine.buckets import decode_buckets, prefill_buckets
-from omnistage.engine.graphs import DecodeGraphRunner, PrefillGraphRunner, StaticDecodeBuffers
+from omnistage.engine.graphs import DecodeGraphs, PrefillGraphs
+from omnistage.engine.graphs.decode import StaticDecodeBuffers
 
 PAGE, PAGES, HEADS, KV_HEADS, DIM = 4, 80, 4, 2, 8
 
@@ -85,7 +86,7 @@ def test_fill_pads_embedding_rows():
 
 def test_padded_replay_of_embedding_rows_equals_eager():
     eager_step, graph_step = TinyStep(), TinyStep()
-    runner = DecodeGraphRunner(
+    runner = DecodeGraphs(
         graph_step.forward, max_batch=8, max_pages=6, max_seq_len=24, device="cpu", row_shape=(HEADS * DIM,),
         dtype=torch.float32,
     )  # fmt: skip
@@ -103,7 +104,7 @@ def test_padded_replay_of_embedding_rows_equals_eager():
 
 def test_padded_replay_equals_eager_for_every_batch():
     eager_step, graph_step = TinyStep(), TinyStep()
-    runner = DecodeGraphRunner(graph_step, max_batch=24, max_pages=6, max_seq_len=24, device="cpu")
+    runner = DecodeGraphs(graph_step, max_batch=24, max_pages=6, max_seq_len=24, device="cpu")
     assert runner.capture(decode_buckets(24)) == [1, 2, 4, 8, 16, 24]
     for batch in range(1, 25):
         input_ids, positions, meta = _decode_batch(batch, seed=batch)
@@ -120,7 +121,7 @@ def test_padded_replay_equals_eager_for_every_batch():
 
 def test_eager_fallbacks():
     step = TinyStep()
-    runner = DecodeGraphRunner(step, max_batch=8, max_pages=6, max_seq_len=24, device="cpu")
+    runner = DecodeGraphs(step, max_batch=8, max_pages=6, max_seq_len=24, device="cpu")
     runner.capture([1, 2, 4])
     runner.run(*_decode_batch(6, seed=1))  # above the largest captured bucket
     assert step.calls[-1] == 6
@@ -134,9 +135,7 @@ def test_eager_fallbacks():
 
 def test_enforce_eager_captures_nothing():
     step = TinyStep()
-    runner = DecodeGraphRunner(
-        step, max_batch=8, max_pages=6, max_seq_len=24, device="cpu", enforce_eager=True
-    )
+    runner = DecodeGraphs(step, max_batch=8, max_pages=6, max_seq_len=24, device="cpu", enforce_eager=True)
     assert runner.capture([1, 2, 4, 8]) == []
     assert runner.bucket_for(1) is None
     runner.run(*_decode_batch(3, seed=3))
@@ -179,7 +178,7 @@ def _mixed_step(lengths: list[int], seed: int):
 
 def test_prefill_replay_equals_eager_for_every_chunk_length():
     eager_step, graph_step = TinyPrefillStep(), TinyPrefillStep()
-    runner = PrefillGraphRunner(
+    runner = PrefillGraphs(
         graph_step, max_tokens=48, max_pages=20, max_seq_len=80, hidden_size=HEADS * DIM, dtype=torch.float32,
         device="cpu",
     )  # fmt: skip
@@ -203,7 +202,7 @@ def test_prefill_replay_equals_eager_for_every_chunk_length():
 
 def test_prefill_runner_declines_what_it_cannot_hold():
     step = TinyPrefillStep()
-    runner = PrefillGraphRunner(
+    runner = PrefillGraphs(
         step,
         max_tokens=32,
         max_pages=4,
@@ -219,7 +218,7 @@ def test_prefill_runner_declines_what_it_cannot_hold():
     two = AttentionMetadata.build([(0, 4, [0]), (0, 4, [1])], PAGE)
     assert runner.run(embeds, positions, two, last) is None  # two sequences: the runner holds one
     assert step.calls == []  # nothing ran
-    eager = PrefillGraphRunner(
+    eager = PrefillGraphs(
         step, max_tokens=32, max_pages=4, max_seq_len=80, hidden_size=HEADS * DIM, dtype=torch.float32, device="cpu",
         enforce_eager=True,
     )  # fmt: skip
@@ -230,7 +229,7 @@ def test_a_step_of_several_sequences_replays_what_eager_computes():
     """Prompt chunks of several sequences, with decode rows beside them or alone, padded to a bucket's rows and
     sequence slots: the sampled rows' logits and the cache equal the eager step's."""
     eager_step, graph_step = TinyPrefillStep(), TinyPrefillStep()
-    runner = PrefillGraphRunner(
+    runner = PrefillGraphs(
         graph_step, max_tokens=48, max_pages=12, max_seq_len=80, hidden_size=HEADS * DIM, dtype=torch.float32,
         device="cpu", max_seqs=6,
     )  # fmt: skip
@@ -246,21 +245,3 @@ def test_a_step_of_several_sequences_replays_what_eager_computes():
         torch.testing.assert_close(out[: len(lengths) - 1], want)
         torch.testing.assert_close(graph_step.kv_cache, eager_step.kv_cache, rtol=1e-5, atol=1e-6)
     assert runner.run(*_mixed_step([1] * 7, seed=9)) is None  # seven sequences: more than the slots
-
-
-def test_one_capture_stream_per_device(monkeypatch):
-    """Every graph set of a device captures on one stream (the allocator shares a pool's scratch only within
-    a stream), and a set on another device on that device's own; "cuda" is the current device."""
-    import omnistage.engine.graphs as graphs
-
-    made = []
-    monkeypatch.setattr(torch.cuda, "Stream", lambda device: made.append(device) or object())
-    monkeypatch.setattr(torch.cuda, "current_device", lambda: 1)
-    graphs._capture_stream.cache_clear()
-    try:
-        first = graphs.capture_stream(torch.device("cuda", 1))
-        assert graphs.capture_stream(torch.device("cuda")) is first
-        assert graphs.capture_stream(torch.device("cuda", 0)) is not first
-        assert made == [torch.device("cuda", 1), torch.device("cuda", 0)]
-    finally:
-        graphs._capture_stream.cache_clear()

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from omnistage.engine.attention import TorchReferenceBackend
-from omnistage.engine.frame_graphs import FrameGraphRunner
+from omnistage.engine.graphs.frames import FrameGraphs
 from omnistage.engine.static_sampling import StaticRows, sample_static
 from omnistage.models.qwen3_omni.code_predictor import load_code_predictor
 from omnistage.models.qwen3_omni.talker import load_talker
@@ -56,7 +56,7 @@ def run_frame(runner, hidden, code0, draws):
 def test_padded_frames_equal_the_eager_frames(models):
     predictor, code0_embedding = models
     steps = predictor.config.num_code_groups - 1
-    runner = FrameGraphRunner(predictor, code0_embedding, TOP_K, max_batch=8)
+    runner = FrameGraphs(predictor, code0_embedding, TOP_K, max_batch=8)
     assert runner.capture([1, 2, 4, 8]) == [1, 2, 4, 8]
     assert runner.bucket_for(3) == 4
     # stale padding row and cache: whatever it computes must not reach the real rows
@@ -81,7 +81,7 @@ def test_padded_frames_equal_the_eager_frames(models):
 
 def test_a_batch_routed_to_a_faster_larger_bucket_equals_the_eager_frames(models):
     predictor, code0_embedding = models
-    runner = FrameGraphRunner(predictor, code0_embedding, TOP_K, max_batch=8)
+    runner = FrameGraphs(predictor, code0_embedding, TOP_K, max_batch=8)
     runner.capture([1, 2, 4, 8])
     runner.routes = {1: 8, 2: 8, 4: 8, 8: 8}  # what a GPU's timing picks where 8 rows replay fastest
     assert runner.bucket_for(3) == 8
@@ -97,7 +97,7 @@ def test_a_batch_routed_to_a_faster_larger_bucket_equals_the_eager_frames(models
 
 def test_a_batch_past_every_bucket_runs_eagerly(models):
     predictor, code0_embedding = models
-    runner = FrameGraphRunner(predictor, code0_embedding, TOP_K, max_batch=2)
+    runner = FrameGraphs(predictor, code0_embedding, TOP_K, max_batch=2)
     runner.capture([1, 2])
     assert runner.bucket_for(3) is None
     hidden, code0 = frame_inputs(predictor, code0_embedding, 3)
@@ -109,4 +109,4 @@ def test_a_batch_past_every_bucket_runs_eagerly(models):
 
 def test_no_graph_costs_off_cuda(models):
     predictor, code0_embedding = models
-    assert FrameGraphRunner(predictor, code0_embedding, TOP_K, max_batch=4).graph_costs([1, 2, 4]) == {}
+    assert FrameGraphs(predictor, code0_embedding, TOP_K, max_batch=4).graph_costs([1, 2, 4]) == {}

@@ -8,7 +8,8 @@ of W windows holds W window slots of 8 zero-padded chunks each. Each slot's real
 104 token rows (only a clip's last chunk is short, and it ends its window): the slot is two attention
 segments, its real tokens and its padding (empty for a full window; a padding slot is all padding), so
 cu_seqlens has the fixed length 2W + 1 and padding never reaches a real token. More windows than the
-largest bucket run as pieces of it.
+largest bucket run as pieces of it. This layout follows Qwen3-Omni's AuT (Qwen3-ASR's tower is the same); a
+tower of that shape is an `AudioTower`, whose own methods cut clips into windows and count their tokens.
 
 Vision: a bucket of P patches holds up to `max_frames` images (frames) packed from row 0, then padding
 patches (zero, in one segment of their own, last); the unused segments are empty. The learned positions and
@@ -21,22 +22,16 @@ Off CUDA, GraphSet binds static-eager calls over the same buffers, so this paddi
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import itertools
+from collections.abc import Iterator, Sequence
+from typing import Protocol, cast
 
 import torch
+from torch import nn
 
 from omnistage.engine.buckets import decode_buckets
-from omnistage.engine.graphs import GraphSet
-from omnistage.engine.memory.measure import Peak, device_peak
+from omnistage.engine.graphs.base import GraphSet, size_of
 from omnistage.models.layers.varlen_attention import Segments
-from omnistage.models.qwen3_omni.audio_encoder import (
-    AudioEncoder,
-    AudioWindow,
-    audio_output_tokens,
-    audio_windows,
-    gather_chunks,
-)
-from omnistage.models.qwen3_omni.vision_encoder import VisionEncoder, frame_bounds
 
 # Windows in the largest audio graph (256 s of audio). Pieces of it are exact, and a call this large (3,328
 # tokens through every layer, ~4 TFLOP at the released sizes) should be bound by its GPU work, not its
@@ -53,6 +48,71 @@ MIN_VISION_PATCHES = 256
 # Images (frames) one vision graph call holds. Each segment, empty ones included, launches the attention
 # kernel's blocks for the bucket's longest possible segment, so the count stays small; more go in further calls.
 MAX_VISION_FRAMES = 8
+
+
+class AudioWindow(Protocol):
+    """One attention window of a clip: its first mel frame in the packed features, its frames and tokens."""
+
+    @property
+    def start(self) -> int: ...
+    @property
+    def frames(self) -> int: ...
+    @property
+    def tokens(self) -> int: ...
+
+
+class AudioSizes(Protocol):
+    @property
+    def num_mel_bins(self) -> int: ...
+    @property
+    def n_window(self) -> int: ...  # a chunk is 2 * n_window mel frames, convolved alone
+    @property
+    def n_window_infer(self) -> int: ...  # a window, whole chunks: its tokens attend only within it
+
+
+class AudioTower(Protocol):
+    """What AudioGraphs needs of an audio tower that encodes clips in windows of whole chunks, each window apart
+    (Qwen3-Omni's AuT, its `AudioEncoder`, which Qwen3-ASR's tower is). How clips cut into windows and how many
+    tokens frames give follow the tower's convolutions: the family's arithmetic, reached through the tower's
+    methods, so that the engine names no family."""
+
+    @property
+    def cfg(self) -> AudioSizes: ...
+    def parameters(self) -> Iterator[nn.Parameter]: ...
+    def windows(self, frames: list[int]) -> Sequence[AudioWindow]: ...
+    def output_tokens(self, frames: int) -> int: ...
+    def gather_chunks(self, packed: torch.Tensor, starts: list[int], lengths: list[int]) -> torch.Tensor: ...
+    def conv_embed(self, chunks: torch.Tensor, group_size: int | None = None) -> torch.Tensor: ...
+    def encode(self, x: torch.Tensor, segments: Segments) -> torch.Tensor: ...
+
+
+class VisionSizes(Protocol):
+    @property
+    def hidden_size(self) -> int: ...
+    @property
+    def num_heads(self) -> int: ...
+    @property
+    def spatial_merge_size(self) -> int: ...
+
+
+class VisionTower(Protocol):
+    """What VisionGraphs needs of a vision tower over packed patches (Qwen3-Omni's `VisionEncoder` is one): its
+    grids and positions computed on the host side, its math (`encode`) in the graph. Its first parameter is
+    the patch embedding's weight, whose rows are as wide as a patch."""
+
+    @property
+    def cfg(self) -> VisionSizes: ...
+    def parameters(self) -> Iterator[nn.Parameter]: ...
+    def grids(
+        self, pixel_values: torch.Tensor, grid_thw: torch.Tensor | list[tuple[int, int, int]]
+    ) -> list[tuple[int, int, int]]: ...
+    def positions(
+        self, grids: list[tuple[int, int, int]], device: torch.device
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]: ...
+    def encode(
+        self, pixel_values: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+        segments: Segments,
+    ) -> tuple[torch.Tensor, list[torch.Tensor]]: ...  # fmt: skip
 
 
 def audio_buckets(max_windows: int) -> list[int]:
@@ -72,12 +132,12 @@ def vision_buckets(max_patches: int, merge: int = 2) -> list[int]:
 class AudioGraphBuffers:
     """The audio tower's inputs for up to `max_windows` window slots; a bucket uses the first slots."""
 
-    def __init__(self, encoder: AudioEncoder, max_windows: int) -> None:
-        cfg, weight = encoder.cfg, encoder.conv2d1.weight
-        self.capacity = max_windows
+    def __init__(self, encoder: AudioTower, max_windows: int) -> None:
+        cfg, weight = encoder.cfg, next(encoder.parameters())
+        self.encoder, self.capacity = encoder, max_windows
         self.chunk = 2 * cfg.n_window
         self.chunks_per_window = cfg.n_window_infer // self.chunk
-        self.window_tokens = self.chunks_per_window * audio_output_tokens(self.chunk, cfg.n_window)
+        self.window_tokens = self.chunks_per_window * encoder.output_tokens(self.chunk)
         slots = max_windows * self.chunks_per_window
         self.chunks = torch.zeros(
             slots, cfg.num_mel_bins, self.chunk, dtype=weight.dtype, device=weight.device
@@ -95,35 +155,39 @@ class AudioGraphBuffers:
         slot = torch.arange(2 * bucket + 1, dtype=torch.int32, device=self.cu_seqlens.device) // 2
         self.cu_seqlens[: 2 * bucket + 1].copy_(slot * self.window_tokens)
 
-    def fill(self, packed: torch.Tensor, windows: list[AudioWindow], bucket: int) -> torch.Tensor:
+    def fill(self, packed: torch.Tensor, windows: Sequence[AudioWindow], bucket: int) -> torch.Tensor:
         """Lay `windows` of packed features [mel, total] into the first slots and pad the rest of `bucket`;
         returns the output rows of their real tokens, in order (on the device)."""
-        starts, lengths, bounds, rows = [], [], [0], []
+        starts, lengths, bounds = [], [], [0]
+        rows: list[int] = []
         for slot in range(bucket):
-            window = windows[slot] if slot < len(windows) else AudioWindow(0, 0, 0)
+            start, length, tokens = (0, 0, 0)  # a padding slot
+            if slot < len(windows):
+                start, length, tokens = windows[slot].start, windows[slot].frames, windows[slot].tokens
             for c in range(self.chunks_per_window):
-                frames = min(self.chunk, max(0, window.frames - c * self.chunk))
-                starts.append(window.start + c * self.chunk if frames else 0)
+                frames = min(self.chunk, max(0, length - c * self.chunk))
+                starts.append(start + c * self.chunk if frames else 0)
                 lengths.append(frames)
             first = slot * self.window_tokens
-            bounds += [first + window.tokens, first + self.window_tokens]
-            rows += range(first, first + window.tokens)
+            bounds += [first + tokens, first + self.window_tokens]
+            rows += range(first, first + tokens)
         self.chunks[: bucket * self.chunks_per_window].copy_(
-            gather_chunks(packed, starts, lengths, self.chunk)
+            self.encoder.gather_chunks(packed, starts, lengths)
         )
         self.cu_seqlens[: 2 * bucket + 1].copy_(torch.tensor(bounds, dtype=torch.int32))
         return torch.tensor(rows, device=packed.device)
 
 
-class AudioGraphs(GraphSet):
+class AudioGraphs(GraphSet[AudioGraphBuffers]):
     """One graph of the audio tower per bucket of windows; `run` encodes clips in pieces of captured buckets."""
 
     kind = "audio encoder"
     unit = "windows"
+    scaled_costs = False  # the convolutions run GRAPH_CONV_CHUNKS chunks at a time: scratch stops growing
 
-    def __init__(self, encoder: AudioEncoder, max_windows: int, enforce_eager: bool = False) -> None:
+    def __init__(self, encoder: AudioTower, max_windows: int, enforce_eager: bool = False) -> None:
         self.encoder = encoder
-        device = encoder.conv2d1.weight.device
+        device = next(encoder.parameters()).device
         super().__init__(self._step, AudioGraphBuffers(encoder, max_windows), device, enforce_eager)
 
     def _step(self, chunks: torch.Tensor, segments: Segments) -> torch.Tensor:
@@ -135,19 +199,17 @@ class AudioGraphs(GraphSet):
         as the eager tower gives them: every window through a captured graph, in pieces of the largest."""
         if not self.captured_buckets:
             raise RuntimeError("no audio encoder graph is captured")
-        cfg = self.encoder.cfg
         frames = [f.shape[-1] for f in features]
         packed = features[0] if len(features) == 1 else torch.cat(features, dim=-1)
-        windows = audio_windows(frames, cfg.n_window, cfg.n_window_infer)
-        largest = self.captured_buckets[-1]
-        rows = []
+        windows = self.encoder.windows(frames)
+        largest = size_of(self.captured_buckets[-1])
+        rows: list[torch.Tensor] = []
         for first in range(0, len(windows), largest):
             piece = windows[first : first + largest]
-            bucket = self.bucket_for(len(piece))
+            bucket = cast(int, self.bucket_for(len(piece)))  # a piece is no larger than the largest
             real = self.buffers.fill(packed, piece, bucket)
-            self._replays[bucket]()
-            rows.append(self._outputs[bucket].index_select(0, real))  # a copy: the next replay overwrites
-        tokens = [audio_output_tokens(n, cfg.n_window) for n in frames]
+            rows.append(self.replay(bucket).index_select(0, real))  # a copy: the next replay overwrites
+        tokens = [self.encoder.output_tokens(n) for n in frames]
         return list((rows[0] if len(rows) == 1 else torch.cat(rows)).split(tokens))
 
 
@@ -155,8 +217,8 @@ class VisionGraphBuffers:
     """The vision tower's inputs for patch buckets `buckets`: patch rows shared (a bucket uses the first), and
     per bucket the segment boundaries (their last is the bucket's own size)."""
 
-    def __init__(self, encoder: VisionEncoder, buckets: list[int], max_frames: int) -> None:
-        cfg, weight = encoder.cfg, encoder.patch_embed.proj.weight
+    def __init__(self, encoder: VisionTower, buckets: list[int], max_frames: int) -> None:
+        cfg, weight = encoder.cfg, next(encoder.parameters())
         device, dtype = weight.device, weight.dtype
         self.encoder, self.max_frames = encoder, max_frames
         self.capacity = max(buckets)
@@ -188,20 +250,21 @@ class VisionGraphBuffers:
                              (self.sin, sin)):  # fmt: skip
             buffer[:patches].copy_(real)
             buffer[patches:bucket].zero_()
-        bounds = frame_bounds(grids)
+        bounds = [0, *itertools.accumulate(h * w for t, h, w in grids for _ in range(t))]  # a segment a frame
         bounds += [patches] * (self.max_frames + 1 - len(bounds)) + [bucket]
         self.cu_seqlens[bucket].copy_(torch.tensor(bounds, dtype=torch.int32))
 
 
-class VisionGraphs(GraphSet):
+class VisionGraphs(GraphSet[VisionGraphBuffers]):
     """One graph of the vision tower per patch bucket; `run` answers None for what no captured graph holds."""
 
     kind = "vision encoder"
     unit = "patches"
+    scaled_costs = False  # attention within an image: its scratch is not in proportion to the patches
 
     def __init__(
         self,
-        encoder: VisionEncoder,
+        encoder: VisionTower,
         buckets: list[int],
         max_frames: int = MAX_VISION_FRAMES,
         enforce_eager: bool = False,
@@ -211,7 +274,7 @@ class VisionGraphs(GraphSet):
             raise ValueError(f"vision buckets must be multiples of {merge} patches, got {buckets}")
         self.encoder = encoder
         buffers = VisionGraphBuffers(encoder, buckets, max_frames)
-        super().__init__(encoder.encode, buffers, encoder.patch_embed.proj.weight.device, enforce_eager)
+        super().__init__(encoder.encode, buffers, next(encoder.parameters()).device, enforce_eager)
 
     def run(
         self, pixel_values: torch.Tensor, grid_thw: torch.Tensor | list[tuple[int, int, int]]
@@ -223,23 +286,6 @@ class VisionGraphs(GraphSet):
         bucket = self.bucket_for(patches) if patches else None
         if bucket is None or sum(t for t, _, _ in grids) > self.buffers.max_frames:
             return None
-        self.buffers.fill(pixel_values, grids, bucket)
-        self._replays[bucket]()
-        merged, deepstack = self._outputs[bucket]
+        merged, deepstack = self.replay(bucket, pixel_values, grids)
         rows = patches // self.encoder.cfg.spatial_merge_size**2
         return merged[:rows].clone(), torch.stack([level[:rows] for level in deepstack])
-
-
-def graph_peaks(make: Callable[[int], GraphSet], buckets: list[int], device: torch.device) -> dict[int, Peak]:
-    """What a graph of each bucket takes, measured (GPU only): the eager peak of the bucket's step on a graph
-    set made for that bucket alone (`make(bucket)`), and what it keeps (its static buffers and outputs)."""
-    peaks = {}
-    for bucket in buckets:
-        with torch.inference_mode(), device_peak(device) as peak:
-            graphs = make(bucket)
-            graphs.buffers.clear(bucket)
-            out = graphs.step(*graphs.buffers.args(bucket))
-        del graphs, out
-        torch.cuda.empty_cache()
-        peaks[bucket] = peak
-    return peaks

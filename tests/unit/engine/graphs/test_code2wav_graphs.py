@@ -4,7 +4,7 @@ padded calls give what `decode_window` gives, and a streamer driven through the 
 import pytest
 import torch
 
-from omnistage.engine.code2wav_graphs import Code2WavGraphs
+from omnistage.engine.graphs.code2wav import Code2WavGraphs
 from omnistage.models.loader import fill_random_
 from omnistage.models.qwen3_omni.code2wav import Code2Wav
 from omnistage.models.qwen3_omni.code2wav_streamer import Code2WavStreamer
@@ -65,8 +65,8 @@ def test_padded_call_equals_decode_window(model, rows, size):
     """3 streams (a new one, one younger than the context, an old one) in the bucket of 4."""
     runner = Code2WavGraphs(model, (FIRST, CHUNK), max_streams=4)
     assert runner.capture() == [(FIRST, 1), (FIRST, 2), (FIRST, 4), (CHUNK, 1), (CHUNK, 2), (CHUNK, 4)]
-    runner.sets[size].buffers.codes.fill_(CONFIG.codebook_size - 1)  # stale rows from an earlier call
-    runner.sets[size].buffers.starts.fill_(-7)
+    runner.buffers.codes[size].fill_(CONFIG.codebook_size - 1)  # stale rows from an earlier call
+    runner.buffers.starts[size].fill_(-7)
     codes, starts = windows(model, size, [-model.left_context, 3 - model.left_context, 40], seed=size)
     rows.clear()
     got = runner(codes, starts)
@@ -81,7 +81,7 @@ def test_padded_call_equals_decode_window(model, rows, size):
 def test_calls_no_graph_fits_run_eagerly(model, rows):
     runner = Code2WavGraphs(model, (FIRST, CHUNK), max_streams=4)
     runner.capture([(CHUNK, 2)])
-    assert runner.captured == [(CHUNK, 2)]
+    assert runner.captured_buckets == [(CHUNK, 2)]
     for (size, streams), called in ((CHUNK, 1), 2), ((CHUNK, 3), 3), ((FIRST, 1), 1), ((7, 2), 2):
         codes, starts = windows(model, size, list(range(streams)), seed=streams)
         rows.clear()
@@ -121,7 +121,7 @@ def test_streamer_through_the_runner_equals_plain(model, rows):
     plain = stream(Code2WavStreamer(model, FIRST, CHUNK, max_batch=3), lengths, rates)
     eager_rows = sorted(set(rows))
     runner = Code2WavGraphs(model, (FIRST, CHUNK), max_streams=4, prefix=FIRST)
-    assert runner.sets[FIRST].buffers.codes.shape[-1] == FIRST  # a first chunk's window: its frames alone
+    assert runner.buffers.codes[FIRST].shape[-1] == FIRST  # a first chunk's window: its frames alone
     runner.capture()
     rows.clear()
     graphed = stream(Code2WavStreamer(model, FIRST, CHUNK, max_batch=3, decode=runner), lengths, rates)

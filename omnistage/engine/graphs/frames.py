@@ -14,28 +14,41 @@ same buffers (`GraphSet`), so the padding is tested on the CPU.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import Protocol
 
 import torch
 from torch import nn
 
-from omnistage.engine.graphs import GraphSet
-from omnistage.engine.memory.measure import Peak, device_peak, scaled_peaks
+from omnistage.engine.graphs.base import GraphSet
 from omnistage.engine.static_sampling import StaticRows, sample_static
-from omnistage.models.qwen3_omni.code_predictor import CodePredictor
+
+
+class FramePredictor(Protocol):
+    """A code predictor's call shape (Qwen3-Omni's `CodePredictor` is one): codes 1..G-1 of one frame per row
+    and their embedding sum, over a per-frame K/V cache it makes (in its dtype, on its device)."""
+
+    def new_kv(self, batch: int) -> torch.Tensor: ...
+    def predict_frame(
+        self,
+        talker_hidden: torch.Tensor,
+        code0_embeds: torch.Tensor,
+        sample: Callable[[torch.Tensor], torch.Tensor],
+        kv: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]: ...
 
 
 class StaticFrameBuffers:
     """A frame's inputs, sampling settings and per-frame K/V sized for the largest bucket; a bucket uses the
-    first rows (the K/V as a view of its batch dimension)."""
+    first rows (the K/V as a view of its batch dimension). Hidden states are `width` wide, in the K/V's dtype."""
 
-    def __init__(self, predictor: CodePredictor, max_batch: int, device: torch.device | str) -> None:
+    def __init__(self, predictor: FramePredictor, width: int, max_batch: int) -> None:
         self.capacity = max_batch
-        weight = predictor.lm_head[0].weight
-        self.hidden = torch.zeros(max_batch, weight.shape[1], dtype=weight.dtype, device=device)
+        self.kv = predictor.new_kv(max_batch)
+        device = self.kv.device
+        self.hidden = torch.zeros(max_batch, width, dtype=self.kv.dtype, device=device)
         self.code0 = torch.zeros(max_batch, dtype=torch.long, device=device)
         self.rows = StaticRows.empty(max_batch, device)
-        self.kv = predictor.new_kv(max_batch)
 
     def args(self, bucket: int) -> tuple:
         """The frame's arguments for a graph of `bucket` rows (`rows` whole: the sampler reads its first rows)."""
@@ -65,7 +78,7 @@ class StaticFrameBuffers:
         self.rows.draws[:bucket] = 0
 
 
-class FrameGraphRunner(GraphSet):
+class FrameGraphs(GraphSet[StaticFrameBuffers]):
     """Codes 1..G-1 and the codec embedding sum of one frame per row, a captured graph per batch bucket.
 
     `code0_embedding` is the Talker's `codec_embedding` (code 0's table; the predictor embeds codes 1..G-1).
@@ -79,7 +92,7 @@ class FrameGraphRunner(GraphSet):
 
     def __init__(
         self,
-        predictor: CodePredictor,
+        predictor: FramePredictor,
         code0_embedding: nn.Embedding,
         top_k: int,
         max_batch: int,
@@ -88,8 +101,8 @@ class FrameGraphRunner(GraphSet):
         self.predictor = predictor
         self.code0_embedding = code0_embedding
         self.top_k = top_k
-        device = predictor.lm_head[0].weight.device
-        super().__init__(self._frame, StaticFrameBuffers(predictor, max_batch, device), device, enforce_eager)
+        buffers = StaticFrameBuffers(predictor, code0_embedding.embedding_dim, max_batch)
+        super().__init__(self._frame, buffers, buffers.kv.device, enforce_eager)
 
     @torch.inference_mode()
     def _frame(
@@ -121,24 +134,5 @@ class FrameGraphRunner(GraphSet):
             rows = StaticRows.empty(batch, self.device)
             rows.fill(*sampling)
             return self._frame(hidden, code0, rows, self.predictor.new_kv(batch))
-        self.buffers.fill(hidden, code0, sampling, bucket)
-        self._replays[bucket]()
-        codes, sums = self._outputs[bucket]
+        codes, sums = self.replay(bucket, hidden, code0, sampling)
         return codes[:batch], sums[:batch]
-
-    def profile_peak(self, batch: int) -> Peak:
-        """Bytes an eager frame of `batch` rows over the static buffers allocates at its peak, and what it keeps
-        (its codes and sums: a graph's outputs; CUDA only)."""
-        self.buffers.clear(batch)
-        with device_peak(self.device) as peak:
-            out = self._frame(*self.buffers.args(batch))
-        del out
-        torch.cuda.empty_cache()
-        return peak
-
-    def graph_costs(self, buckets: list[int]) -> dict[int, Peak]:
-        """Graph memory per bucket for the planner, priced as the LLM stages' graphs are (`scaled_peaks` of
-        the largest bucket's measured eager frame). Off CUDA nothing is captured, so nothing is priced."""
-        if self.device.type != "cuda" or not buckets:
-            return {}
-        return scaled_peaks(self.profile_peak(max(buckets)), buckets)

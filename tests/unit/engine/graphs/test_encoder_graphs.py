@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import torch
 
-from omnistage.engine.encoder_graphs import AudioGraphs, VisionGraphs, audio_buckets, vision_buckets
+from omnistage.engine.graphs.encoders import AudioGraphs, VisionGraphs, audio_buckets, vision_buckets
 from omnistage.models.layers.varlen_attention import Segments, varlen_attention
 from omnistage.models.qwen3_asr.audio_encoder import load_audio_encoder as load_asr_audio_encoder
 from omnistage.models.qwen3_asr.tiny import make_tiny as make_tiny_asr
@@ -42,8 +42,7 @@ def clips() -> list[torch.Tensor]:
 def recording(graphs) -> list[int]:
     """The buckets `graphs` replays, in order."""
     calls: list[int] = []
-    for bucket, replay in list(graphs._replays.items()):
-        graphs._replays[bucket] = lambda b=bucket, r=replay: calls.append(b) or r()
+    graphs.on_replay = calls.append
     return calls
 
 
@@ -78,14 +77,12 @@ def test_audio_padding_cannot_reach_real_tokens(audio_towers, clips):
     windows = audio_windows([c.shape[-1] for c in clips[:3]], cfg.n_window, cfg.n_window_infer)
     with torch.inference_mode():
         real = graphs.buffers.fill(packed, windows, 8)
-        graphs._replays[8]()
-        clean = graphs._outputs[8][real].clone()
+        clean = graphs.replay(8)[real].clone()
         chunks = graphs.buffers.chunks
         empty = chunks.abs().sum((1, 2)) == 0
         assert empty.sum() == 8 * 8 - (1 + 7 + 8 + 1)  # every chunk slot no clip fills
         chunks[empty] = 100 * torch.randn_like(chunks[empty])
-        graphs._replays[8]()
-        close(graphs._outputs[8][real], clean)
+        close(graphs.replay(8)[real], clean)
         close(clean, torch.cat(tower(clips[:3])))
 
 
@@ -127,8 +124,7 @@ def test_vision_padding_cannot_reach_real_patches(vision_tower):
         graphs.buffers.fill(pixels, grids, 128)
         for buffer in (graphs.buffers.pixels, graphs.buffers.positions, graphs.buffers.cos):
             buffer[72:] = 100 * torch.randn_like(buffer[72:])
-        graphs._replays[128]()
-        embeds, deepstack = graphs._outputs[128]
+        embeds, deepstack = graphs.replay(128)
         want, want_deepstack = vision_tower(pixels, grids)
     close(embeds[:18], want)
     close(torch.stack([d[:18] for d in deepstack]), torch.stack(want_deepstack))
