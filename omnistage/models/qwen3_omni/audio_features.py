@@ -12,6 +12,7 @@ import math
 import threading
 from dataclasses import dataclass
 from functools import lru_cache
+from typing import overload
 
 import numpy as np
 import soundfile as sf
@@ -71,6 +72,18 @@ def resample(x: np.ndarray, sample_rate: int, target_rate: int = SAMPLE_RATE) ->
     if sample_rate == target_rate:
         return x.astype(np.float32, copy=False)
     return soxr.resample(x, sample_rate, target_rate, quality="HQ").astype(np.float32, copy=False)
+
+
+@overload
+def log_mel(
+    waveform: torch.Tensor | np.ndarray, device: torch.device | str | None = ..., max_seconds: float = ...
+) -> torch.Tensor: ...
+@overload
+def log_mel(
+    waveform: list[torch.Tensor | np.ndarray],
+    device: torch.device | str | None = ...,
+    max_seconds: float = ...,
+) -> list[torch.Tensor]: ...
 
 
 def log_mel(
