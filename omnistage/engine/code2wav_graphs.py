@@ -134,7 +134,7 @@ class Code2WavGraphs:
         the graphs of one pool share). Off CUDA or eager nothing is captured, so nothing is priced."""
         if self.device.type != "cuda" or self.enforce_eager:
             return {}
-        costs = {}
+        costs: dict[GraphKey, Peak] = {}
         for size, graphs in self.sets.items():
             codes, starts = graphs.buffers.args(max(self.buckets))
             with device_peak(self.device) as peak:

@@ -313,6 +313,7 @@ class EmbeddingStage:
             if flight.error is not None:
                 results.append(self._fail(flight.chunks[0].seq, flight.error))
             else:
+                assert flight.hidden is not None  # a step that did not fail has its hidden states
                 results += self._apply(
                     flight.chunks, flight.hidden, flight.ids.tokens() if flight.ids else []
                 )
@@ -321,7 +322,8 @@ class EmbeddingStage:
     def _compute(self, chunks: list[ScheduledChunk]) -> tuple[torch.Tensor, Launched | None]:
         sampling = [c for c in chunks if c.samples]
         hidden, logits = self._execute(chunks)
-        return hidden, Launched.start(sampling, self._sample(logits, sampling)) if sampling else None
+        launched = Launched.start(sampling, self._sample(logits, sampling)) if logits is not None else None
+        return hidden, launched
 
     def _apply(self, chunks: list[ScheduledChunk], hidden: torch.Tensor, tokens: list[int]) -> list[Sampled]:
         sampling = [c for c in chunks if c.samples]

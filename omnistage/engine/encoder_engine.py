@@ -90,7 +90,7 @@ class EncoderEngine:
         seed: int = 0,
     ) -> EncoderEngine:
         """Qwen3-Omni's audio and vision towers from a checkpoint directory."""
-        towers = dict(dtype=dtype, device=device, load_format=load_format, seed=seed)
+        towers: dict[str, Any] = dict(dtype=dtype, device=device, load_format=load_format, seed=seed)
         found = (Path(checkpoint_dir) / "preprocessor_config.json").exists()
         return cls(
             load_audio_encoder(checkpoint_dir, **towers),
@@ -148,6 +148,7 @@ class EncoderEngine:
         bucket and as many images as its graph holds)."""
         pixels, grids, owners = [], [], []
         for p, mm in enumerate(prompts):
+            assert mm.image_grid_thw is not None and mm.pixel_values is not None  # prompts with images
             grid = [tuple(g) for g in mm.image_grid_thw.tolist()]
             pixels += mm.pixel_values.split([math.prod(g) for g in grid])
             grids += grid
@@ -162,6 +163,7 @@ class EncoderEngine:
             group_grids = [grids[i] for i in group]
             out = graphs.run(batch, group_grids) if graphs is not None else None
             if out is None:
+                assert self.vision_encoder is not None  # images reach only a stage with a vision tower
                 image, deepstack = self.vision_encoder(batch, group_grids)
                 out = image, torch.stack(deepstack)
             sizes = [image_tokens(g, self.spatial_merge_size) for g in group_grids]
@@ -187,10 +189,8 @@ class EncoderEngine:
         step keeps (its rows and static buffers; GPU only, before capture): graphs of one pool share the
         rest, their scratch (capture_plan.GraphCandidates)."""
         costs = {"audio": graph_peaks(lambda b: AudioGraphs(self.audio_encoder, b), audio, self.device)}
-        if self.vision_encoder is not None:
-            costs["vision"] = graph_peaks(
-                lambda b: VisionGraphs(self.vision_encoder, [b]), vision, self.device
-            )
+        if (encoder := self.vision_encoder) is not None:
+            costs["vision"] = graph_peaks(lambda b: VisionGraphs(encoder, [b]), vision, self.device)
         return costs
 
     def capture_graphs(self, audio: list[int], vision: list[int], pool: Any = None) -> None:
@@ -250,6 +250,7 @@ class EncoderEngine:
                 image_grid_thw=torch.tensor([grid]),
                 num_image_tokens=[tokens],
             )
+            assert self.image_token_id is not None  # a checkpoint with a vision tower names its image token
             vision_peak, image_bytes = self._measure([self.image_token_id] * tokens, image)
         return Floor(
             prefill=prefill,

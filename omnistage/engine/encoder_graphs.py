@@ -98,7 +98,8 @@ class AudioGraphBuffers:
     def fill(self, packed: torch.Tensor, windows: list[AudioWindow], bucket: int) -> torch.Tensor:
         """Lay `windows` of packed features [mel, total] into the first slots and pad the rest of `bucket`;
         returns the output rows of their real tokens, in order (on the device)."""
-        starts, lengths, bounds, rows = [], [], [0], []
+        starts, lengths, bounds = [], [], [0]
+        rows: list[int] = []
         for slot in range(bucket):
             window = windows[slot] if slot < len(windows) else AudioWindow(0, 0, 0)
             for c in range(self.chunks_per_window):
@@ -144,6 +145,7 @@ class AudioGraphs(GraphSet):
         for first in range(0, len(windows), largest):
             piece = windows[first : first + largest]
             bucket = self.bucket_for(len(piece))
+            assert bucket is not None  # a piece is at most the largest captured bucket
             real = self.buffers.fill(packed, piece, bucket)
             self._replays[bucket]()
             rows.append(self._outputs[bucket].index_select(0, real))  # a copy: the next replay overwrites

@@ -15,6 +15,7 @@ same buffers (`GraphSet`), so the padding is tested on the CPU.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import cast
 
 import torch
 from torch import nn
@@ -31,7 +32,7 @@ class StaticFrameBuffers:
 
     def __init__(self, predictor: CodePredictor, max_batch: int, device: torch.device | str) -> None:
         self.capacity = max_batch
-        weight = predictor.lm_head[0].weight
+        weight = cast(nn.Linear, predictor.lm_head[0]).weight
         self.hidden = torch.zeros(max_batch, weight.shape[1], dtype=weight.dtype, device=device)
         self.code0 = torch.zeros(max_batch, dtype=torch.long, device=device)
         self.rows = StaticRows.empty(max_batch, device)
@@ -88,7 +89,7 @@ class FrameGraphRunner(GraphSet):
         self.predictor = predictor
         self.code0_embedding = code0_embedding
         self.top_k = top_k
-        device = predictor.lm_head[0].weight.device
+        device = cast(nn.Linear, predictor.lm_head[0]).weight.device
         super().__init__(self._frame, StaticFrameBuffers(predictor, max_batch, device), device, enforce_eager)
 
     @torch.inference_mode()

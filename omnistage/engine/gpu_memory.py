@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
+from typing import TypeVar
 
 import torch
 
 from omnistage.engine.capture_plan import Bucket, GraphCandidates, GraphKind, scaled_costs
+
+B = TypeVar("B", bound=Bucket)  # one set's bucket type: a batch size, or e.g. Code2Wav's (frames, streams)
 
 
 @dataclass
@@ -48,7 +51,7 @@ def scaled_peaks(largest: Peak, buckets: list[int]) -> dict[int, Peak]:
 
 
 def graph_candidates(
-    stage: str, kind: GraphKind, unit: str, peaks: dict[Bucket, Peak], pool: str
+    stage: str, kind: GraphKind, unit: str, peaks: Mapping[B, Peak], pool: str
 ) -> GraphCandidates:
     """A stage's graph set for the plan from its measured peaks per bucket."""
     return GraphCandidates(

@@ -265,7 +265,7 @@ class GraphSet:
         self._replays: dict[int, Callable[[], None]] = {}
         self._outputs: dict[int, Any] = {}
         self._graphs: list[Any] = []
-        self.pool = None
+        self.pool: Any = None  # a CUDA graph pool handle, once captured
         self.graph_bytes: dict[int, int] = {}
         self.replay_ms: dict[int, float] = {}
         self.routes: dict[int, int] = {}

@@ -12,7 +12,7 @@ import logging
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 
@@ -197,18 +197,19 @@ class LLMEngine:
         if self.plan is not None:
             started = time.perf_counter()
             self.graph_pool = torch.cuda.graph_pool_handle()
+            # this stage's and its towers' buckets are batch and token counts: ints, never Code2Wav's tuples
             self.runner.capture_graphs(
-                list(self.plan.captured_buckets),
+                list(cast("tuple[int, ...]", self.plan.captured_buckets)),
                 self.max_model_len,
                 config.enforce_eager,
-                prefill_buckets=list(self.plan.prefill_captured),
+                prefill_buckets=list(cast("tuple[int, ...]", self.plan.prefill_captured)),
                 prefill_pool=self.graph_pool,
                 max_seqs=config.max_num_seqs,
             )
             # the towers run between this stage's steps and their rows are copied out at once
             self.encoders.capture_graphs(
-                list(self.plan.captured("audio encoder", "prefill")),
-                list(self.plan.captured("vision encoder", "prefill")),
+                list(cast("tuple[int, ...]", self.plan.captured("audio encoder", "prefill"))),
+                list(cast("tuple[int, ...]", self.plan.captured("vision encoder", "prefill"))),
                 pool=self.graph_pool,
             )
             self.capture_seconds = time.perf_counter() - started
@@ -239,14 +240,14 @@ class LLMEngine:
                 f"; decode CUDA graphs for batch {', '.join(map(str, decode))} "
                 f"(eager: larger batches{', ' + ', '.join(map(str, eager)) if eager else ''})"
                 f"{self.runner.graphs.routes_note()}"
-                if decode
+                if decode and self.runner.graphs is not None
                 else "; decode steps run eagerly"
             )
             graphs += (
                 f"; prefill CUDA graphs for steps of {prefill[0]}..{prefill[-1]} tokens of up to "
                 f"{self.runner.prefill_graphs.buffers.max_seqs} sequences ({len(prefill)} buckets; longer steps "
                 "and images' run eagerly)"
-                if prefill
+                if prefill and self.runner.prefill_graphs is not None
                 else "; prefill steps run eagerly"
             )
             towers = self.encoders.captured
@@ -325,20 +326,23 @@ class LLMEngine:
         for i, r in enumerate(requests):
             if i not in max_tokens:
                 continue
-            if isinstance(embeds.get(i), Exception):
-                errors[i] = embeds[i]
+            if isinstance(mm := embeds.get(i), Exception):
+                errors[i] = mm
                 continue
             params = r.params
             state = RequestState(
                 params=params,
                 prompt=r.prompt,
                 detokenizer=IncrementalDetokenizer(
-                    self.tokenizer, params.skip_special_tokens, params.stop, params.include_stop_str_in_output
+                    self.tokenizer,
+                    params.skip_special_tokens,
+                    params.stop or [],
+                    params.include_stop_str_in_output,
                 ),
                 generator=make_generator(params, self.device),
                 eos_token_ids=[] if params.ignore_eos else self.eos_token_ids,
                 mrope=r.mrope,
-                mm=embeds.get(i),
+                mm=mm,
                 tap=r.tap,
                 decodes_ahead=decodes_ahead(params, feeds_a_stage=r.speech is not None),
                 metrics={"arrival": arrival, "encoded": encoded},
@@ -352,7 +356,8 @@ class LLMEngine:
         if not requests:
             return {}
         try:
-            outputs = self.encoders.encode_many([(r.prompt_token_ids, r.mm) for r in requests.values()])
+            inputs = [(r.prompt_token_ids, r.mm) for r in requests.values()]  # each with its media
+            outputs = self.encoders.encode_many(cast("list[tuple[list[int], MultimodalInputs]]", inputs))
             return dict(zip(requests, outputs))
         except Exception as exc:
             if len(requests) == 1:
@@ -360,6 +365,7 @@ class LLMEngine:
         results: dict[int, MultimodalEmbeds | Exception] = {}
         for i, r in requests.items():
             try:
+                assert r.mm is not None
                 results[i] = self.encoders.encode(r.prompt_token_ids, r.mm)
             except Exception as exc:
                 results[i] = exc
@@ -512,7 +518,7 @@ class LLMEngine:
         if "first_token" not in state.metrics:
             state.metrics["first_token"] = time.monotonic()
         delta = ""
-        if token in state.params.stop_token_ids:
+        if token in (state.params.stop_token_ids or ()):
             state.stop_reason = token
             self.scheduler.finish(seq, SequenceStatus.FINISHED_STOPPED)
         elif token in state.eos_token_ids:
