@@ -11,7 +11,7 @@ import contextlib
 import logging
 from dataclasses import replace
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 
@@ -64,7 +64,11 @@ class SpeechStages:
 
     def _load(self, path: Path, dtype: torch.dtype) -> None:
         config, cfg, device = self.config, self.model_config, self.device
-        talker, predictor, c2w = (config.stage(s) for s in ("talker", "code_predictor", "code2wav"))
+        talker, predictor, c2w = (
+            config.stage("talker"),
+            config.stage("code_predictor"),
+            config.stage("code2wav"),
+        )
         self.talker = load_talker(path, dtype, device, backend_for(device), config.load_format, config.seed)
         self.code_predictor = load_code_predictor(path, dtype, device, config.load_format, config.seed)
         if device.type == "cuda":
@@ -130,7 +134,7 @@ class SpeechStages:
         of its longest length at least; on a device shared with the Thinker, a share of the KV memory that
         gives both pools about as many tokens, unless the config sizes it) and their graphs' measured costs."""
         cfg, streamer, text = self.config, self.streamer, self.model_config.talker.text
-        talker, predictor, c2w = (cfg.stage(s) for s in ("talker", "code_predictor", "code2wav"))
+        talker, predictor, c2w = cfg.stage("talker"), cfg.stage("code_predictor"), cfg.stage("code2wav")
         prefill = self.talker_stage.profile_peak(cfg.max_num_batched_tokens).bytes
         window = self.code2wav.left_context + streamer.chunk
         codes = torch.zeros(
@@ -153,7 +157,9 @@ class SpeechStages:
             thinker_pool = cfg.stage("thinker").kv
             thinker = self.model_config.thinker.text.kv_bytes_per_token
             if thinker_pool.pages or thinker_pool.gib:  # a fixed Thinker pool: as many tokens in the Talker's
-                thinker_pages = thinker_pool.pages or int(thinker_pool.gib * GiB) // (thinker * cfg.page_size)
+                thinker_pages = thinker_pool.pages or int((thinker_pool.gib or 0) * GiB) // (
+                    thinker * cfg.page_size
+                )
                 fixed = max(min_pages, thinker_pages)
             else:
                 share = talker.kv.share or text.kv_bytes_per_token / (thinker + text.kv_bytes_per_token)
@@ -208,14 +214,24 @@ class SpeechStages:
         # as the Thinker's: a first burst of prompts would otherwise pay the Talker's kernel builds (likely why
         # the H200's first c=4 pass had a 518 ms first packet, against 80 ms at c=1)
         self.talker_stage.warm_up(self.config.max_num_batched_tokens)
-        self.talker_stage.capture_graphs(plan.captured("Talker", "decode"), self.max_len, pool=pool)
+        # the plan's buckets are typed for every set: batch and token counts here, (frames, streams) for Code2Wav
+        self.talker_stage.capture_graphs(
+            cast("tuple[int, ...]", plan.captured("Talker", "decode")), self.max_len, pool=pool
+        )
         if pool is None and self.talker_stage.graphs is not None:
             pool = self.talker_stage.graphs.pool
-        self.talker_stage.capture_prefill_graphs(plan.captured("Talker", "prefill"), self.max_len, pool=pool)
+        self.talker_stage.capture_prefill_graphs(
+            cast("tuple[int, ...]", plan.captured("Talker", "prefill")), self.max_len, pool=pool
+        )
         if pool is None and self.talker_stage.prefill_graphs is not None:
             pool = self.talker_stage.prefill_graphs.pool
-        self.frame_graphs.capture(plan.captured("code predictor", "decode"), pool=pool)
-        self.code2wav_graphs.capture(plan.captured("Code2Wav", "decode"), pool=pool or self.frame_graphs.pool)
+        self.frame_graphs.capture(
+            cast("tuple[int, ...]", plan.captured("code predictor", "decode")), pool=pool
+        )
+        self.code2wav_graphs.capture(
+            cast("tuple[tuple[int, int], ...]", plan.captured("Code2Wav", "decode")),
+            pool=pool or self.frame_graphs.pool,
+        )
 
     def summary(self) -> str:
         """What the start-up line says of the three stages."""
