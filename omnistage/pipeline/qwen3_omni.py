@@ -31,7 +31,7 @@ from omnistage.engine.llm_engine import LLMEngine, NewRequest, StageModels, reso
 from omnistage.engine.model_runner import HiddenTap
 from omnistage.engine.sampling import SamplingParams, SpeechParams
 from omnistage.engine.stage_plan import read_device
-from omnistage.errors import InvalidRequest, RequestTooLarge
+from omnistage.errors import CheckpointError, InvalidRequest, RequestTooLarge
 from omnistage.models.qwen3_omni.config import Qwen3OmniConfig
 from omnistage.models.qwen3_omni.processor import Processor
 from omnistage.models.qwen3_omni.talker_input import text_rows, tts_embeds, user_turn_mask
@@ -122,7 +122,12 @@ def eos_token_ids(checkpoint_dir: Path, processor: Processor) -> list[int]:
         eos = json.loads(path.read_text()).get("eos_token_id")
         if eos is not None:
             return [eos] if isinstance(eos, int) else list(eos)
-    return [processor.tokenizer.token_to_id("<|im_end|>")]
+    im_end = processor.tokenizer.token_to_id("<|im_end|>")
+    if im_end is None:
+        raise CheckpointError(
+            f"{checkpoint_dir}: no generation_config.json eos_token_id, nor <|im_end|> to end on"
+        )
+    return [im_end]
 
 
 def tts_prompt(processor: Processor, text: str, max_model_len: int) -> TtsPrompt:
