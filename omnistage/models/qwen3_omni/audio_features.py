@@ -182,7 +182,7 @@ class _Clip:
     error: Exception | None = None
 
 
-def _first_within(clips: list[_Clip], samples: int) -> list[_Clip]:
+def _first_within(clips: list[_Clip], samples: float) -> list[_Clip]:
     """The longest run of `clips` from the first holding at most `samples` in all (the first one always)."""
     total = 0
     for i, clip in enumerate(clips):
