@@ -6,7 +6,7 @@ BIN := $(VENV)/bin
 # PyPI's default build. Set TORCH to pick another, e.g. TORCH="torch==2.11.0".
 TORCH ?= torch>=2.11,<2.14
 
-.PHONY: setup serve test lint tiny soak parity-newest
+.PHONY: setup serve test lint typecheck tiny soak parity-newest
 
 $(BIN)/omnistage: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -30,6 +30,10 @@ test: setup
 lint: setup
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
+
+# mypy over omnistage/ as pyproject's [tool.mypy] has it; .mypy_cache makes a second run take seconds.
+typecheck: setup
+	$(BIN)/mypy
 
 # Mixed requests against a tiny-model server it starts (or ARGS="--url ..."); see benchmarks/soak.py.
 soak: setup

@@ -18,7 +18,7 @@ import typing
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Annotated, Literal, overload
+from typing import Annotated, Any, Literal, overload
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, model_validator
@@ -399,9 +399,9 @@ class EngineConfig(BaseModel):
             return self.device_of("thinker")
         return self.device_of("talker")
 
-    def kv_sizing(self, name: str) -> list[tuple[str, float | None]]:
+    def kv_sizing(self, name: str) -> list[tuple[str, Any]]:
         """The (pages, GiB, share) of the Thinker's or the Talker's pool, each with the key it is written under:
-        the stage's own, else its flat name."""
+        the stage's own, else its flat name (the values typed as `KvSize`'s fields)."""
         section = getattr(self.stages, name)
         out = []
         for key in _KV_KEYS:
@@ -429,7 +429,7 @@ class EngineConfig(BaseModel):
         s = self.stages
         section = getattr(s, name)
         eager = self.enforce_eager if section.enforce_eager is None else section.enforce_eager
-        common = {"device": self.device_of(name)[0], "enforce_eager": eager}
+        common: dict[str, Any] = {"device": self.device_of(name)[0], "enforce_eager": eager}
 
         def graphs(given: GraphsSection | None, default_max: int | None) -> Graphs:
             if given is not None and given.buckets is not None:
@@ -530,9 +530,10 @@ def _replaced_by(key: str) -> list[str]:
 def _drop(section: dict, path: str) -> None:
     *parents, last = path.split(".")
     for key in parents:
-        section = section.get(key)
-        if not isinstance(section, dict):
+        child = section.get(key)
+        if not isinstance(child, dict):
             return
+        section = child
     section.pop(last, None)
 
 

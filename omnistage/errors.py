@@ -16,6 +16,9 @@ class ConfigError(OmnistageError):
 class InvalidRequest(OmnistageError):
     """A request is malformed or asks for something impossible (the client's fault, HTTP 400)."""
 
+    # the part of a speaking request it is about, which the server spells as the route's field (server/errors.py)
+    field: str | None = None
+
 
 class RequestTooLarge(InvalidRequest):
     """A request can never fit the KV page pool or the model's context."""

@@ -5,6 +5,7 @@ from __future__ import annotations
 import itertools
 from collections.abc import Sequence
 from pathlib import Path
+from typing import cast
 
 from omnistage.config import engine_config
 from omnistage.engine.llm_engine import LLMEngine, NewRequest
@@ -78,7 +79,8 @@ class LLM:
         mono PCM at 24 kHz) and `.audio_codes`; `talker_params` sets the Talker's sampling (default: the released
         model's) and `talker_params.max_tokens` the most codec frames (12.5 per second of audio).
         """
-        conversations = messages if messages and isinstance(messages[0], list) else [messages]
+        batch = bool(messages) and isinstance(messages[0], list)
+        conversations = cast(list[list[dict]], messages) if batch else [cast(list[dict], messages)]
         params = sampling_params or SamplingParams()
         if set(modalities) not in ({"text"}, {"text", "audio"}):
             raise InvalidRequest(f"modalities must be ['text'] or ['text', 'audio'], got {list(modalities)}")

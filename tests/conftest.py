@@ -3,8 +3,15 @@ import torch
 
 from omnistage.models.qwen3_omni.tiny import make_tiny
 
+# A test marked slow starts an engine of its own on the GPU: past the suite's per-test timeout (pyproject's
+# `timeout`), within this one.
+SLOW_TIMEOUT_S = 1800
+
 
 def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if "slow" in item.keywords and item.get_closest_marker("timeout") is None:
+            item.add_marker(pytest.mark.timeout(SLOW_TIMEOUT_S))
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA device")

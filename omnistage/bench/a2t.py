@@ -169,7 +169,7 @@ async def events(
         if event in _HTTPCORE_STAMPS:
             stamps[_HTTPCORE_STAMPS[event]] = time.perf_counter()
 
-    request = {"content": body, "headers": headers, "extensions": {"trace": trace}}
+    request: dict[str, Any] = {"content": body, "headers": headers, "extensions": {"trace": trace}}
     async with client.stream("POST", path, **request) as response:
         if response.status_code != 200:
             await response.aread()
@@ -257,10 +257,11 @@ SKELETONS = {
 def released_skeleton(name: str = "qwen3-omni") -> Path:
     """A checkpoint directory at a released model's sizes with no weights, for `--load-format dummy`."""
     directory = Path(tempfile.mkdtemp(prefix="omnistage-released-"))
-    if SKELETONS[name] is not None:
+    skeleton = SKELETONS[name]
+    if skeleton is not None:
         from omnistage.models.qwen3_asr.tiny import released_skeleton as asr_skeleton
 
-        return asr_skeleton(directory, SKELETONS[name])
+        return asr_skeleton(directory, skeleton)
     from omnistage.models.qwen3_omni.tiny import PREPROCESSOR_CONFIG, released_config
     from omnistage.models.qwen3_omni.tokenizer import write_tokenizer_files
 
@@ -317,7 +318,8 @@ def run_a2t(args: argparse.Namespace) -> dict[str, Any]:
         **{k: v for k, v in overrides.items() if v is not None},
     )
     started = time.perf_counter()
-    engine = AsyncEngine(build_pipeline(config))
+    pipeline = build_pipeline(config)
+    engine = AsyncEngine(pipeline)
     results["engine_start_s"] = round(time.perf_counter() - started, 2)
     results["target"] = {"model": str(engine.engine.model_path), "load_format": args.load_format}
     results["engine"] = engine.engine.memory_summary()
@@ -327,7 +329,7 @@ def run_a2t(args: argparse.Namespace) -> dict[str, Any]:
         results["builds_while_serving"] = builds.in_process()
         if args.baseline == "transformers":
             results["transformers"] = _transformers(
-                engine.engine.thinker, clips, output_tokens, args.max_tokens, args.repeats
+                pipeline.thinker, clips, output_tokens, args.max_tokens, args.repeats
             )
     finally:
         engine.shutdown()

@@ -60,7 +60,7 @@ def build_hf_asr(stage: Any, config_dict: dict) -> torch.nn.Module:
 
 @torch.inference_mode()
 def run_hf_asr(
-    hf: torch.nn.Module,
+    hf: Any,
     processor: Any,
     clips: list[Clip],
     output_tokens: int | None,

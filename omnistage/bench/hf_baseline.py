@@ -37,7 +37,8 @@ def build_hf_thinker(engine: Any, config_dict: dict) -> tuple[torch.nn.Module, d
     )
 
     device, dtype = engine.device, engine.dtype
-    config = Qwen3OmniMoeConfig(**config_dict).thinker_config
+    # Any: transformers types it `dict | PreTrainedConfig | None`
+    config: Any = Qwen3OmniMoeConfig(**config_dict).thinker_config
     for sub in (config, config.text_config, config.audio_config, config.vision_config):
         sub._attn_implementation = "sdpa"
     with torch.device("meta"):
@@ -90,7 +91,7 @@ def _sync(device: torch.device) -> None:
 
 @torch.inference_mode()
 def run_hf(
-    hf: torch.nn.Module,
+    hf: Any,
     processor: Any,
     clips: list[Clip],
     messages_for: Any,
@@ -150,7 +151,7 @@ def timed_passes(
             log.info("transformers: %s (%.1f s) TTFT %.1f ms, %d tokens in %.3f s", clip.name, clip.seconds,
                      t.ttft_s * 1e3, t.output_tokens, t.latency_s)  # fmt: skip
         walls.append(sum(t.latency_s for t in timings[-len(clips) :]))
-    summary = summarize(timings, walls, 1)
+    summary: dict[str, Any] = summarize(timings, walls, 1)
     summary["note"] = (
         f"one request at a time over {total_seconds(clips):.1f} s of audio; wall = sum of latencies"
     )

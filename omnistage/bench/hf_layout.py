@@ -5,7 +5,7 @@ gain that `model.`. The bench baselines and the parity tests reach them through 
 
 from __future__ import annotations
 
-from torch import nn
+from typing import Any
 
 # 5.24's parameter name prefixes, and the released checkpoint's (5.17's) for the same tensors.
 _MOVED = (
@@ -15,25 +15,29 @@ _MOVED = (
 )
 
 
-def parts(thinker) -> nn.Module:
+# transformers' modules are typed `Any` here: torch types a submodule attribute as `Tensor | Module`, which
+# hides the model classes' own attributes (`generate`, `dtype`, `rope_deltas`).
+
+
+def parts(thinker: Any) -> Any:
     """The module holding `audio_tower`, `visual` and `rope_deltas`: the Thinker itself under 5.17."""
     return thinker.model if hasattr(thinker.model, "language_model") else thinker
 
 
-def text_model(thinker) -> nn.Module:
+def text_model(thinker: Any) -> Any:
     """The Thinker's text decoder (Qwen3OmniMoeThinkerTextModel)."""
     return getattr(thinker.model, "language_model", thinker.model)
 
 
-def audio_tower(thinker) -> nn.Module:
+def audio_tower(thinker: Any) -> Any:
     return parts(thinker).audio_tower
 
 
-def visual(thinker) -> nn.Module:
+def visual(thinker: Any) -> Any:
     return parts(thinker).visual
 
 
-def rope_deltas(thinker):
+def rope_deltas(thinker: Any) -> Any:
     """The M-RoPE delta of the last prompt generate() laid out."""
     return parts(thinker).rope_deltas
 

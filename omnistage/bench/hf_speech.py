@@ -34,7 +34,8 @@ def build_hf_omni(pipeline: Any, config_dict: dict) -> tuple[torch.nn.Module, di
     """transformers' whole model on `pipeline`'s weights; also says where the Thinker's towers came from."""
     from transformers import Qwen3OmniMoeConfig, Qwen3OmniMoeForConditionalGeneration
 
-    config = Qwen3OmniMoeConfig(**config_dict)
+    # Any: its sub-configs are typed `dict | PreTrainedConfig | None`
+    config: Any = Qwen3OmniMoeConfig(**config_dict)
     talker = config.talker_config
     for sub in (config, talker, talker.text_config, talker.code_predictor_config, config.code2wav_config):
         sub._attn_implementation = "sdpa"
@@ -76,7 +77,7 @@ def share_parameters(theirs: torch.nn.Module, ours: torch.nn.Module, skip: str |
 
 
 @contextmanager
-def counting_frames(hf: torch.nn.Module) -> Iterator[list[int]]:
+def counting_frames(hf: Any) -> Iterator[list[int]]:
     """The frames of each talker run inside the block (a talker step that carries a frame has its codes as
     its last hidden state, as transformers' generate reads them)."""
     counts: list[int] = []
@@ -96,7 +97,7 @@ def counting_frames(hf: torch.nn.Module) -> Iterator[list[int]]:
 
 @torch.inference_mode()
 def run_hf_speech(
-    hf: torch.nn.Module,
+    hf: Any,
     processor: Any,
     inputs: list[SpeechInput],
     text_tokens: int,

@@ -198,7 +198,8 @@ def server_runner(
         }
         payload = json.dumps(body).encode()
         start = time.perf_counter()
-        first, pcm_bytes, usage = None, 0, {}
+        first, pcm_bytes = None, 0
+        usage: dict[str, Any] = {}
         async for event in events(client, "/v1/chat/completions", payload, JSON_HEADERS, {}):
             for choice in event.get("choices") or []:
                 data = ((choice.get("delta") or {}).get("audio") or {}).get("data")
@@ -219,7 +220,8 @@ def server_runner(
         }
         payload = json.dumps(body).encode()
         start = time.perf_counter()
-        first, pcm_bytes, usage = None, 0, {}
+        first, pcm_bytes = None, 0
+        usage: dict[str, Any] = {}
         async for event in events(client, "/v1/audio/speech", payload, JSON_HEADERS, {}):
             if event.get("type") == "speech.audio.delta" and event.get("audio"):
                 first = first or time.perf_counter()

@@ -24,6 +24,7 @@ import torch
 
 from omnistage.engine.decode_ahead import Launched
 from omnistage.engine.graphs import DecodeGraphs, PrefillGraphs
+from omnistage.engine.graphs.base import int_buckets
 from omnistage.engine.isolation import run_isolated
 from omnistage.engine.kv_cache import PagePool
 from omnistage.engine.memory.measure import Peak, device_peak, scaled_peaks
@@ -183,7 +184,7 @@ class EmbeddingStage:
             row_shape=(self.cfg.hidden_size,), dtype=self.dtype,
         )  # fmt: skip
         with torch.inference_mode():
-            return self.graphs.capture(buckets, pool=pool)
+            return int_buckets(self.graphs.capture(buckets, pool=pool))
 
     # -- prefill graphs ------------------------------------------------------------------------------
 
@@ -208,11 +209,11 @@ class EmbeddingStage:
             self.dtype, self.device, max_seqs=min(self.max_num_seqs, buckets[-1]),
         )  # fmt: skip
         with torch.inference_mode():
-            return self.prefill_graphs.capture(buckets, pool=pool)
+            return int_buckets(self.prefill_graphs.capture(buckets, pool=pool))
 
     @property
     def captured_buckets(self) -> list[int]:
-        return self.graphs.captured_buckets if self.graphs is not None else []
+        return int_buckets(self.graphs.captured_buckets) if self.graphs is not None else []
 
     def _prefill_step(
         self,
@@ -313,6 +314,7 @@ class EmbeddingStage:
             if flight.error is not None:
                 results.append(self._fail(flight.chunks[0].seq, flight.error))
             else:
+                assert flight.hidden is not None  # a step that did not fail has its hidden states
                 results += self._apply(
                     flight.chunks, flight.hidden, flight.ids.tokens() if flight.ids else []
                 )
@@ -321,7 +323,8 @@ class EmbeddingStage:
     def _compute(self, chunks: list[ScheduledChunk]) -> tuple[torch.Tensor, Launched | None]:
         sampling = [c for c in chunks if c.samples]
         hidden, logits = self._execute(chunks)
-        return hidden, Launched.start(sampling, self._sample(logits, sampling)) if sampling else None
+        launched = Launched.start(sampling, self._sample(logits, sampling)) if logits is not None else None
+        return hidden, launched
 
     def _apply(self, chunks: list[ScheduledChunk], hidden: torch.Tensor, tokens: list[int]) -> list[Sampled]:
         sampling = [c for c in chunks if c.samples]

@@ -23,7 +23,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from omnistage.engine.graphs.base import graph_peaks
+from omnistage.engine.graphs.base import Bucket, graph_peaks, int_buckets
 from omnistage.engine.graphs.encoders import AudioGraphs, VisionGraphs, audio_buckets, vision_buckets
 from omnistage.engine.memory.floor import Floor
 from omnistage.engine.memory.measure import Peak, device_peak
@@ -86,7 +86,7 @@ class EncoderEngine:
         seed: int = 0,
     ) -> EncoderEngine:
         """Qwen3-Omni's audio and vision towers from a checkpoint directory."""
-        towers = dict(dtype=dtype, device=device, load_format=load_format, seed=seed)
+        towers: dict[str, Any] = dict(dtype=dtype, device=device, load_format=load_format, seed=seed)
         found = (Path(checkpoint_dir) / "preprocessor_config.json").exists()
         return cls(
             load_audio_encoder(checkpoint_dir, **towers),
@@ -144,6 +144,7 @@ class EncoderEngine:
         bucket and as many images as its graph holds)."""
         pixels, grids, owners = [], [], []
         for p, mm in enumerate(prompts):
+            assert mm.image_grid_thw is not None and mm.pixel_values is not None  # prompts with images
             grid = [tuple(g) for g in mm.image_grid_thw.tolist()]
             pixels += mm.pixel_values.split([math.prod(g) for g in grid])
             grids += grid
@@ -151,13 +152,14 @@ class EncoderEngine:
         graphs = self.vision_graphs
         budget, most = self.max_image_patches, None
         if graphs is not None:
-            budget, most = graphs.captured_buckets[-1], graphs.buffers.max_frames
+            budget, most = int_buckets(graphs.captured_buckets)[-1], graphs.buffers.max_frames
         rows, levels = [], []
         for group in _groups([len(x) for x in pixels], budget, most):
             batch = torch.cat([pixels[i] for i in group]).to(self.device)
             group_grids = [grids[i] for i in group]
             out = graphs.run(batch, group_grids) if graphs is not None else None
             if out is None:
+                assert self.vision_encoder is not None  # images reach only a stage with a vision tower
                 image, deepstack = self.vision_encoder(batch, group_grids)
                 out = image, torch.stack(deepstack)
             sizes = [image_tokens(g, self.spatial_merge_size) for g in group_grids]
@@ -178,16 +180,16 @@ class EncoderEngine:
             return audio, []
         return audio, vision_buckets(self.max_image_patches, self.spatial_merge_size)
 
-    def graph_costs(self, audio: list[int], vision: list[int]) -> dict[str, dict[int, Peak]]:
+    def graph_costs(self, audio: list[int], vision: list[int]) -> dict[str, dict[Bucket, Peak]]:
         """Per tower ("audio", "vision") and bucket, the measured eager peak of its padded step and what the
         step keeps (its rows and static buffers; GPU only, before capture): graphs of one pool share the
         rest, their scratch (memory.plan.GraphCandidates). The sets are made at capture, so each bucket's is
         measured on a set of its own, its buffers counted."""
         audio_set = functools.partial(AudioGraphs, self.audio_encoder)
         costs = {"audio": graph_peaks(audio_set, audio, self.device, AudioGraphs.scaled_costs)}
-        if self.vision_encoder is not None:
+        if (encoder := self.vision_encoder) is not None:
             costs["vision"] = graph_peaks(
-                lambda b: VisionGraphs(self.vision_encoder, [b]),
+                lambda b: VisionGraphs(encoder, int_buckets([b])),
                 vision,
                 self.device,
                 VisionGraphs.scaled_costs,
@@ -217,8 +219,8 @@ class EncoderEngine:
     def captured(self) -> dict[str, list[int]]:
         """The captured buckets per tower: audio in windows, vision in patches."""
         return {
-            "audio": self.audio_graphs.captured_buckets if self.audio_graphs else [],
-            "vision": self.vision_graphs.captured_buckets if self.vision_graphs else [],
+            "audio": int_buckets(self.audio_graphs.captured_buckets) if self.audio_graphs else [],
+            "vision": int_buckets(self.vision_graphs.captured_buckets) if self.vision_graphs else [],
         }
 
     def profile_floor(
@@ -251,6 +253,7 @@ class EncoderEngine:
                 image_grid_thw=torch.tensor([grid]),
                 num_image_tokens=[tokens],
             )
+            assert self.image_token_id is not None  # a checkpoint with a vision tower names its image token
             vision_peak, image_bytes = self._measure([self.image_token_id] * tokens, image)
         return Floor(
             prefill=prefill,

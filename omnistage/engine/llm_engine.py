@@ -12,7 +12,7 @@ import logging
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 
@@ -25,6 +25,7 @@ from omnistage.engine.decode_ahead import (
 )
 from omnistage.engine.detokenizer import IncrementalDetokenizer
 from omnistage.engine.encoder_engine import EncoderEngine, MultimodalEmbeds
+from omnistage.engine.graphs.base import int_buckets
 from omnistage.engine.isolation import run_isolated
 from omnistage.engine.kv_cache import PagePool
 from omnistage.engine.memory.measure import allocator_stats, module_bytes
@@ -155,17 +156,17 @@ class LLMEngine:
         started = time.perf_counter()
         self.graph_pool = torch.cuda.graph_pool_handle()
         self.runner.capture_graphs(
-            list(plan.captured(self.name, "decode")),
+            int_buckets(plan.captured(self.name, "decode")),
             self.max_model_len,
             self.config.enforce_eager,
-            prefill_buckets=list(plan.captured(self.name, "prefill")),
+            prefill_buckets=int_buckets(plan.captured(self.name, "prefill")),
             prefill_pool=self.graph_pool,
             max_seqs=self.config.max_num_seqs,
         )
         # the towers run between this stage's steps and their rows are copied out at once
         self.encoders.capture_graphs(
-            list(plan.captured("audio encoder", "prefill")),
-            list(plan.captured("vision encoder", "prefill")),
+            int_buckets(plan.captured("audio encoder", "prefill")),
+            int_buckets(plan.captured("vision encoder", "prefill")),
             pool=self.graph_pool,
         )
         self.capture_seconds = time.perf_counter() - started
@@ -197,14 +198,14 @@ class LLMEngine:
                 f"; decode CUDA graphs for batch {', '.join(map(str, decode))} "
                 f"(eager: larger batches{', ' + ', '.join(map(str, eager)) if eager else ''})"
                 f"{self.runner.graphs.routes_note()}"
-                if decode
+                if decode and self.runner.graphs is not None
                 else "; decode steps run eagerly"
             )
             graphs += (
                 f"; prefill CUDA graphs for steps of {prefill[0]}..{prefill[-1]} tokens of up to "
                 f"{self.runner.prefill_graphs.buffers.max_seqs} sequences ({len(prefill)} buckets; longer steps "
                 "and images' run eagerly)"
-                if prefill
+                if prefill and self.runner.prefill_graphs is not None
                 else "; prefill steps run eagerly"
             )
             towers = self.encoders.captured
@@ -283,20 +284,23 @@ class LLMEngine:
         for i, r in enumerate(requests):
             if i not in max_tokens:
                 continue
-            if isinstance(embeds.get(i), Exception):
-                errors[i] = embeds[i]
+            if isinstance(mm := embeds.get(i), Exception):
+                errors[i] = mm
                 continue
             params = r.params
             state = RequestState(
                 params=params,
                 prompt=r.prompt,
                 detokenizer=IncrementalDetokenizer(
-                    self.tokenizer, params.skip_special_tokens, params.stop, params.include_stop_str_in_output
+                    self.tokenizer,
+                    params.skip_special_tokens,
+                    params.stop or [],
+                    params.include_stop_str_in_output,
                 ),
                 generator=make_generator(params, self.device),
                 eos_token_ids=[] if params.ignore_eos else self.eos_token_ids,
                 mrope=r.mrope,
-                mm=embeds.get(i),
+                mm=mm,
                 tap=r.tap,
                 decodes_ahead=decodes_ahead(params, feeds_a_stage=r.speech is not None),
                 metrics={"arrival": arrival, "encoded": encoded},
@@ -310,7 +314,8 @@ class LLMEngine:
         if not requests:
             return {}
         try:
-            outputs = self.encoders.encode_many([(r.prompt_token_ids, r.mm) for r in requests.values()])
+            inputs = [(r.prompt_token_ids, r.mm) for r in requests.values()]  # each with its media
+            outputs = self.encoders.encode_many(cast("list[tuple[list[int], MultimodalInputs]]", inputs))
             return dict(zip(requests, outputs))
         except Exception as exc:
             if len(requests) == 1:
@@ -318,6 +323,7 @@ class LLMEngine:
         results: dict[int, MultimodalEmbeds | Exception] = {}
         for i, r in requests.items():
             try:
+                assert r.mm is not None
                 results[i] = self.encoders.encode(r.prompt_token_ids, r.mm)
             except Exception as exc:
                 results[i] = exc
@@ -340,7 +346,7 @@ class LLMEngine:
         return (
             graphs is not None
             and self.scheduler.decodes_only
-            and 0 < self.scheduler.num_running <= max(graphs.captured_buckets, default=0)
+            and 0 < self.scheduler.num_running <= max(int_buckets(graphs.captured_buckets), default=0)
         )
 
     @property

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -149,7 +150,7 @@ class ModelRunner:
         buckets: list[int],
         max_model_len: int,
         enforce_eager: bool,
-        prefill_buckets: list[int] = (),
+        prefill_buckets: Sequence[int] = (),
         prefill_pool: Any = None,
         max_seqs: int = 1,
     ) -> None:
@@ -239,13 +240,13 @@ class ModelRunner:
         meta = AttentionMetadata.build(
             [(c.start, c.num_tokens, c.seq.page_ids) for c in chunks], self.page_size
         )
-        meta, (host_ids, positions, sample_rows) = meta.to_device(
+        meta, (host_ids, device_positions, device_rows) = meta.to_device(
             self.device,
             torch.from_numpy(np.array(ids, dtype=np.int64)),
             torch.from_numpy(positions),
             torch.from_numpy(np.array(sample_rows, dtype=np.int64)),
         )
-        return (host_ids if input_ids is None else input_ids), positions, meta, sample_rows
+        return (host_ids if input_ids is None else input_ids), device_positions, meta, device_rows
 
     @torch.inference_mode()
     def execute(self, step: SchedulerOutput, input_ids: torch.Tensor | None = None) -> torch.Tensor:

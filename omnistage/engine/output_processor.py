@@ -43,7 +43,7 @@ class RequestState(PromptInputs):
 def stop_and_text(state: RequestState, token: int) -> tuple[SequenceStatus | None, str]:
     """A sampled id against the request's stops (its stop ids, the model's end tokens, its stop strings): the
     status it ends the request with, if it does, and the text it adds."""
-    if token in state.params.stop_token_ids:
+    if token in (state.params.stop_token_ids or ()):
         state.stop_reason = token
         return SequenceStatus.FINISHED_STOPPED, ""
     if token in state.eos_token_ids:

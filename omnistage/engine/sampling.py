@@ -64,7 +64,7 @@ class SamplingParams:
         for name in _INT_FIELDS:
             if (value := getattr(self, name)) is not None or name not in _OPTIONAL:
                 _check_int64(name, value)
-        for value in self.stop_token_ids:
+        for value in self.stop_token_ids or []:
             _check_int64("stop_token_ids", value)
         for name in _FLOAT_FIELDS:
             if not _is_number(getattr(self, name)):
@@ -93,9 +93,9 @@ class SamplingParams:
             _invalid(f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty}")
         for name in _FLOAT_FIELDS:
             _check_finite(name, getattr(self, name))
-        if not all(isinstance(s, str) and s for s in self.stop):
+        if not all(isinstance(s, str) and s for s in self.stop or []):
             _invalid(f"stop must hold only non-empty strings, got {self.stop!r}")
-        if not all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids):
+        if not all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids or []):
             _invalid(f"stop_token_ids must be non-negative token ids, got {self.stop_token_ids!r}")
 
 
@@ -251,7 +251,7 @@ def apply_min_tokens(logits: Tensor, rows: list[SamplingRow]) -> Tensor:
     token_index: list[int] = []
     for i, r in enumerate(rows):
         if len(r.output_token_ids) < r.params.min_tokens:
-            blocked = sorted({*r.eos_token_ids, *r.params.stop_token_ids})
+            blocked = sorted({*r.eos_token_ids, *(r.params.stop_token_ids or [])})
             blocked = [t for t in blocked if 0 <= t < vocab]
             row_index += [i] * len(blocked)
             token_index += blocked
@@ -336,7 +336,7 @@ class Sampler:
 
         # Greedy rows ride along with neutral settings; their draws are discarded below.
         logits = logits / settings.temperature[:, None]
-        if settings.top_k is not None:
+        if settings.top_k is not None and settings.top_p is not None:  # set together
             logits = _apply_top_k_top_p(logits, settings.top_k, settings.top_p, settings.head)
         if settings.min_p is not None:
             logits = _apply_min_p(logits, settings.min_p)
@@ -372,11 +372,18 @@ class Sampler:
             else None,
             "min_p": torch.tensor([p.min_p for p in params]) if any(p.min_p > 0.0 for p in params) else None,
         }
-        used = [name for name, tensor in host.items() if tensor is not None]
-        moved = dict(zip(used, to_device_together([host[name] for name in used], device)))
+        used = {name: tensor for name, tensor in host.items() if tensor is not None}
+        moved = dict(zip(used, to_device_together(list(used.values()), device)))
         head = (
             max(p.top_k for p in params) if truncates and all(0 < p.top_k < vocab for p in params) else None
         )
-        settings = _BatchSettings(**{name: moved.get(name) for name in host}, head=head)
+        settings = _BatchSettings(
+            temperature=moved["temperature"],
+            greedy=moved.get("greedy"),
+            top_k=moved.get("top_k"),
+            top_p=moved.get("top_p"),
+            head=head,
+            min_p=moved.get("min_p"),
+        )
         self._cached = (key, settings)
         return settings

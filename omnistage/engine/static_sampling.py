@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import logging
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -66,11 +67,11 @@ class StaticRows:
 
     def fill(
         self,
-        greedy: list[bool],
-        temperature: list[float],
-        top_p: list[float],
-        seeds: list[int],
-        draws: list[int],
+        greedy: Sequence[bool],
+        temperature: Sequence[float],
+        top_p: Sequence[float],
+        seeds: Sequence[int],
+        draws: Sequence[int],
     ) -> None:
         """Set the first len(greedy) rows (the rest keep their values) from one pinned host-to-device copy: a
         copy from pageable memory waits for the stream's queued work first, once per field."""

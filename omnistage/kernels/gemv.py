@@ -14,6 +14,7 @@ captures it. GPU only: imported where it runs.
 
 from __future__ import annotations
 
+import functools
 import logging
 import statistics
 from collections.abc import Callable
@@ -119,15 +120,15 @@ def fastest_config(weight: torch.Tensor) -> tuple[tuple[int, int, int], float] |
     """The fastest of `one_row_configs` for one row through `weight` on its GPU and its µs in a CUDA graph (None
     when none ran: a configuration that fails to build or launch is passed over)."""
     x = torch.randn(1, weight.shape[1], dtype=weight.dtype, device=weight.device)
-    times = {}
+    times: dict[tuple[int, int, int], float] = {}
     for config in one_row_configs(weight.shape[1]):
         try:
-            times[config] = graph_us(lambda config=config: gemv(x, weight, *config))
+            times[config] = graph_us(functools.partial(gemv, x, weight, *config))
         except Exception as exc:  # e.g. a block the GPU's registers or shared memory cannot hold
             log.warning("GEMV %s for a %s weight failed: %s", config, tuple(weight.shape), exc)
     if not times:
         return None
-    best = min(times, key=times.get)
+    best = min(times, key=times.__getitem__)
     return best, times[best]
 
 

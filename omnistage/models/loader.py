@@ -14,12 +14,15 @@ import re
 from collections.abc import Iterator
 from contextlib import ExitStack
 from pathlib import Path
+from typing import TypeVar
 
 import torch
 from safetensors import SafetensorError, safe_open
 from tqdm import tqdm
 
 from omnistage.errors import CheckpointError
+
+M = TypeVar("M", bound=torch.nn.Module)
 
 log = logging.getLogger(__name__)
 
@@ -66,7 +69,7 @@ def _open(path: Path):
 def _targets(module: torch.nn.Module, prefix: str, names: list[str]) -> dict[str, tuple[str, tuple]]:
     """File name -> (parameter name, index into it) for every file tensor under `prefix`."""
     params = module.state_dict(keep_vars=True)
-    targets = {}
+    targets: dict[str, tuple[str, tuple]] = {}
     for name in names:
         local = name[len(prefix) :]
         if local in params:
@@ -85,7 +88,7 @@ def _targets(module: torch.nn.Module, prefix: str, names: list[str]) -> dict[str
 
 
 def _expected_file_names(module: torch.nn.Module, prefix: str) -> set[str]:
-    names = set()
+    names: set[str] = set()
     for local, param in module.state_dict(keep_vars=True).items():
         if local.endswith(".experts.w13") or local.endswith(".experts.w2"):
             moe = local.rsplit(".", 1)[0]
@@ -116,9 +119,7 @@ def load_weights(
     """
     if any(p.is_meta for p in module.parameters()):
         module.to_empty(device=device or "cpu")
-        for sub in module.modules():
-            if hasattr(sub, "init_buffers"):
-                sub.init_buffers()
+        _init_buffers(module)
     elif device is not None:
         module.to(device)
     if dtype is not None:
@@ -188,8 +189,16 @@ def fill_random_(module: torch.nn.Module, seed: int = 0) -> None:
             param.normal_(generator=generator).mul_(fan_in**-0.5)
 
 
+def _init_buffers(module: torch.nn.Module) -> None:
+    """Recompute the derived buffers of each submodule that has an `init_buffers()` method."""
+    for sub in module.modules():
+        init_buffers = getattr(sub, "init_buffers", None)
+        if init_buffers is not None:
+            init_buffers()
+
+
 def load_module(
-    module: torch.nn.Module,
+    module: M,
     directory: str | Path,
     prefix: str,
     *,
@@ -198,16 +207,14 @@ def load_module(
     load_format: str = "safetensors",
     seed: int = 0,
     exclude: tuple[str, ...] = (),
-) -> torch.nn.Module:
+) -> M:
     """A meta-built module with the checkpoint's weights, or random ones (`load_format="dummy"`), in eval mode.
 
     `exclude`: file tensors under these prefixes belong to another module (see `load_weights`).
     """
     if load_format == "dummy":
         module.to_empty(device=device)
-        for sub in module.modules():
-            if hasattr(sub, "init_buffers"):
-                sub.init_buffers()
+        _init_buffers(module)
         for param in module.parameters():
             param.data = param.data.to(dtype)
         fill_random_(module, seed)

@@ -16,8 +16,8 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import AsyncIterator
-from typing import TYPE_CHECKING
+from collections.abc import AsyncGenerator
+from typing import TYPE_CHECKING, cast
 
 from omnistage.config import EngineConfig
 from omnistage.engine.llm_engine import NewRequest
@@ -94,7 +94,10 @@ class AsyncEngine:
 
     def stats(self) -> dict[str, int]:
         # an engine process sends its stats with the builds counted on its side
-        stats = self.engine.stats() if self._process is not None else serving_stats(self.engine)
+        # in-process (no engine process), `engine` is the pipeline itself
+        stats = (
+            self.engine.stats() if self._process is not None else serving_stats(cast("Pipeline", self.engine))
+        )
         stats["num_waiting"] += self._queued()
         return stats
 
@@ -108,7 +111,7 @@ class AsyncEngine:
         mm: MultimodalInputs | None = None,
         speech: SpeechParams | None = None,
         preparing: Preparing | None = None,
-    ) -> AsyncIterator[RequestOutput]:
+    ) -> AsyncGenerator[RequestOutput, None]:
         """Outputs of one request, one per engine step that touched it; the last has finished=True.
 
         With `speech`, the reply is also spoken: outputs carry `audio_delta` chunks as they are decoded.
@@ -188,8 +191,9 @@ class AsyncEngine:
             with self._lock:
                 return request_id in self._streams
 
-        window = self.engine.config.admission_window_ms / 1e3
-        StepLoop(self.engine, self._deliver_all, wanted, window).run(self._take, self._stopping.is_set)
+        pipeline = cast("Pipeline", self.engine)  # this thread runs only in-process: never the remote view
+        window = pipeline.config.admission_window_ms / 1e3
+        StepLoop(pipeline, self._deliver_all, wanted, window).run(self._take, self._stopping.is_set)
 
     def _take(self, timeout: float | None) -> list[Add | Abort]:
         """The commands queued so far; with a `timeout`, waits up to that many seconds for the first."""
@@ -206,18 +210,21 @@ class AsyncEngine:
         return commands
 
     def _receive_from_process(self) -> None:
+        process = self._process
+        assert process is not None  # this thread runs only beside an engine process
+
         def engine_gone() -> None:
             if self._stopping.is_set():
                 return
             self._gone.set()
-            log.error("the engine process exited (code %s)", self._process.process.exitcode)
+            log.error("the engine process exited (code %s)", process.process.exitcode)
             with self._lock:
                 gone = list(self._streams)
             self._deliver_all(
                 [(request_id, RuntimeError("the engine process exited")) for request_id in gone]
             )
 
-        self._process.receive_forever(self._deliver_all, engine_gone)
+        process.receive_forever(self._deliver_all, engine_gone)
 
 
 class Preparing:

@@ -27,7 +27,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from multiprocessing.connection import Connection
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 
@@ -39,6 +39,9 @@ from omnistage.outputs import RequestOutput
 from omnistage.pipeline.family import build_pipeline, processor_for
 from omnistage.pipeline.qwen3_omni import TtsPrompt, tts_prompt
 from omnistage.pipeline.step_loop import Abort, Add, Delivery, StepLoop, serving_stats
+
+if TYPE_CHECKING:
+    from omnistage.models.qwen3_omni.processor import Processor
 
 log = logging.getLogger(__name__)
 
@@ -236,7 +239,8 @@ class RemotePipeline:
         return list(self.info.plan_gauges)
 
     def tts_prompt(self, text: str) -> TtsPrompt:
-        return tts_prompt(self.processor, text, self.max_model_len)
+        # a Qwen3-ASR processor has the same encode_chat, which refuses (InvalidRequest): it does not speak
+        return tts_prompt(cast("Processor", self.processor), text, self.max_model_len)
 
     def validate(
         self, prompt_token_ids: list[int], params: SamplingParams, speech: SpeechParams | None = None

@@ -18,8 +18,9 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from typing import cast
 
 import numpy as np
 import torch
@@ -113,6 +114,7 @@ class Handoff:
     def step(self) -> dict[str, list[np.ndarray]]:
         """Start the Talkers that can start, run one Talker step and the code predictor on what it sampled,
         then one Code2Wav step; returns the audio chunks per request."""
+        speech: Speech | None
         for speech in list(self.speaking.values()):
             if not speech.talker_started and speech.error is None:
                 try:
@@ -206,7 +208,8 @@ class Handoff:
     def feed_text(self) -> None:
         """Give each Talker waiting with a finished frame its next input row, where the text row is known."""
         waiting = [s for s in self.speaking.values() if s.codec_sum is not None and s.error is None]
-        ready, token_rows = [], []
+        ready: list[tuple[Speech, torch.Tensor | None]] = []
+        token_rows: list[int] = []
         for speech in waiting:
             index = speech.rows_fed + 1  # text row k is spoken token k + 1
             spoken = speech.spoken
@@ -217,11 +220,12 @@ class Handoff:
                 ready.append((speech, self.tts.eos if index == len(spoken) else self.tts.pad))
         if not ready:
             return
-        projected = iter(())
+        projected: Iterator[torch.Tensor] = iter(())
         if token_rows:
             projected = iter(self.text_rows[to_device(torch.tensor(token_rows), self.stages.device)])
         for speech, text_row in ready:
             row = next(projected) if text_row is None else text_row
+            assert speech.codec_sum is not None  # `waiting` holds those with a finished frame
             self.stages.talker_stage.feed(speech.request_id, speech.codec_sum + row)
             speech.codec_sum = None
             speech.rows_fed += 1
@@ -231,11 +235,12 @@ class Handoff:
         the host waits for them with both stages queued on the GPU. Every row is predicted: a row that sampled
         codec EOS gets a frame that is then dropped. Only for a step that launched whole (one flight); a failure
         here leaves the frames to `predict_isolated`, after the ids are read back."""
-        if len(flights) != 1 or flights[0].ids is None:
+        flight = flights[0] if len(flights) == 1 else None
+        if flight is None or flight.ids is None or flight.hidden is None:  # a failed step has neither
             return None
-        flight = flights[0]
         speeches = [self.speaking.get(chunk.seq.request_id) for chunk in flight.ids.chunks]
-        rows = [row for row, speech in enumerate(speeches) if speech is not None and speech.error is None]
+        live = {row: s for row, s in enumerate(speeches) if s is not None and s.error is None}
+        rows = list(live)
         if not rows:
             return None
         hidden, code0 = flight.hidden, flight.ids.sampled
@@ -243,19 +248,19 @@ class Handoff:
             index = to_device(torch.tensor(rows), code0.device)
             hidden, code0 = hidden.index_select(0, index), code0.index_select(0, index)
         try:
-            codes, sums = self.run_frames([speeches[row] for row in rows], hidden, code0)
+            codes, sums = self.run_frames(list(live.values()), hidden, code0)
         except Exception as exc:
             log.warning(
                 "the code predictor on a Talker step's ids failed (%s); it runs again once they are read", exc
             )
             return None
-        return EarlyFrames({row: (speeches[row], i) for i, row in enumerate(rows)}, codes, sums)
+        return EarlyFrames({row: (speech, i) for i, (row, speech) in enumerate(live.items())}, codes, sums)
 
     def predict_frames(self, frames: list[tuple[Speech, Sampled]]) -> None:
         """Codes 1..15 of every new frame in one batched call (a graph replay on a GPU); the frames go to
         Code2Wav."""
         code0 = to_device(torch.tensor([s.token for _, s in frames]), self.stages.device)
-        hidden = torch.stack([s.hidden for _, s in frames])
+        hidden = torch.stack(cast("list[torch.Tensor]", [s.hidden for _, s in frames]))  # sampled: not failed
         self.accept_frames(frames, *self.run_frames([speech for speech, _ in frames], hidden, code0))
 
     def run_frames(

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING, cast
 
 import torch
 
@@ -25,6 +26,11 @@ from omnistage.pipeline.planning import plan_devices
 from omnistage.pipeline.qwen3_omni import TtsPrompt, eos_token_ids
 from omnistage.pipeline.topology import validate_topology
 
+if TYPE_CHECKING:
+    from omnistage.models.qwen3_omni.config import TextConfig
+    from omnistage.models.qwen3_omni.processor import Processor
+    from omnistage.models.qwen3_omni.thinker import Thinker
+
 NO_SPEECH = "this model transcribes audio; it does not speak (a Qwen3-Omni checkpoint does)"
 # Qwen3-ASR is served for many short clips at once: this many sequences (and decode graphs up to them) where the
 # config sets none, against Qwen3-Omni's 64
@@ -42,6 +48,7 @@ class Qwen3ASRPipeline:
     voices: tuple[str, ...] = ()
 
     def __init__(self, config: EngineConfig) -> None:
+        assert config.model is not None  # family.py picks this pipeline by the checkpoint's model type
         path = Path(config.model)
         config = asr_defaults(config)
         self.config, self.model_config = config, Qwen3ASRConfig.from_dir(path)
@@ -53,12 +60,14 @@ class Qwen3ASRPipeline:
         decoder = load_decoder(path, dtype, device, backend_for(device), config.load_format, config.seed)
         tower = load_audio_encoder(path, dtype, device, config.load_format, config.seed)
         processor = ASRProcessor(path, device)  # the features are made where the encoder reads them
+        # StageModels names Qwen3-Omni's classes; Qwen3-ASR's decoder, text sizes and processor have the
+        # interface of theirs that the engine uses
         stage = StageModels(
-            model=decoder,
-            text=self.model_config.text,
-            processor=processor,
+            model=cast("Thinker", decoder),
+            text=cast("TextConfig", self.model_config.text),
+            processor=cast("Processor", processor),
             encoders=EncoderEngine(tower, None, self.model_config.audio_token_id, None, device),
-            eos_token_ids=eos_token_ids(path, processor),
+            eos_token_ids=eos_token_ids(path, cast("Processor", processor)),
             model_path=path,
             load_seconds=time.perf_counter() - started,
         )

@@ -10,6 +10,7 @@ import logging
 import random
 import time
 from collections import deque
+from collections.abc import Collection
 from concurrent.futures import Future
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -26,7 +27,7 @@ from omnistage.engine.memory.gauges import Gauge, plan_gauges
 from omnistage.engine.memory.plan import MemoryPlan
 from omnistage.engine.model_runner import HiddenTap
 from omnistage.engine.sampling import SamplingParams, SpeechParams
-from omnistage.errors import InvalidRequest, RequestTooLarge
+from omnistage.errors import CheckpointError, InvalidRequest, RequestTooLarge
 from omnistage.models.qwen3_omni.config import Qwen3OmniConfig
 from omnistage.models.qwen3_omni.processor import Processor
 from omnistage.models.qwen3_omni.talker_input import text_rows, tts_embeds, user_turn_mask
@@ -118,7 +119,12 @@ def eos_token_ids(checkpoint_dir: Path, processor: Processor) -> list[int]:
         eos = json.loads(path.read_text()).get("eos_token_id")
         if eos is not None:
             return [eos] if isinstance(eos, int) else list(eos)
-    return [processor.tokenizer.token_to_id("<|im_end|>")]
+    im_end = processor.tokenizer.token_to_id("<|im_end|>")
+    if im_end is None:
+        raise CheckpointError(
+            f"{checkpoint_dir}: no generation_config.json eos_token_id, nor <|im_end|> to end on"
+        )
+    return [im_end]
 
 
 def tts_prompt(processor: Processor, text: str, max_model_len: int) -> TtsPrompt:
@@ -192,7 +198,7 @@ class Qwen3OmniPipeline:
     @property
     def voices(self) -> tuple[str, ...]:
         """The released speakers' names (lower case); empty when this pipeline cannot speak."""
-        return tuple(sorted(self.speech_stages.tokens.speakers)) if self.speaks else ()
+        return tuple(sorted(self.speech_stages.tokens.speakers)) if self.speech_stages is not None else ()
 
     def _plan(self, shared: bool) -> dict[torch.device, MemoryPlan]:
         """Each GPU's plan, for every stage on it at once, and each stage's grant taken: the Thinker's first,
@@ -231,7 +237,7 @@ class Qwen3OmniPipeline:
         """Check a request against every stage it needs; return the Thinker's effective max_tokens."""
         if speech is None:
             return self.thinker.validate(prompt_token_ids, params)
-        if not self.speaks:
+        if self.speech_stages is None:
             raise InvalidRequest(
                 "this server does not speak: the checkpoint has no talker, or speech is off in its config"
             )
@@ -294,7 +300,9 @@ class Qwen3OmniPipeline:
             errors[index[request_id]] = error
         return errors
 
-    def _admit(self, text_requests: list[NewRequest], batch: set[str] = frozenset()) -> dict[str, Exception]:
+    def _admit(
+        self, text_requests: list[NewRequest], batch: Collection[str] = frozenset()
+    ) -> dict[str, Exception]:
         """Text requests, and the waiting speaking ones while fewer than max_speaking speak, to the Thinker in
         one call; what kept out each of `batch` (the ids being added). One refused that waited from an earlier
         batch ends in the next step's outputs."""
@@ -302,6 +310,7 @@ class Qwen3OmniPipeline:
         while self._waiting and len(self._speaking) < self.max_speaking:
             waiting = self._waiting.popleft()
             r = waiting.request
+            assert r.speech is not None  # only speaking requests wait
             speech = self._new_speech(r, waiting.max_tokens, waiting.arrival)
             if r.speech.reply_token_ids is None:
                 thinker_requests.append(replace(r, tap=speech.tap))
@@ -312,14 +321,16 @@ class Qwen3OmniPipeline:
         ):
             if error is None:
                 continue
-            speech = self._speaking.pop(r.request_id, None)
+            refused = self._speaking.pop(r.request_id, None)
             if r.request_id in batch:
                 errors[r.request_id] = error
-            elif speech is not None:
-                self._refused.append(_failed(speech.text, f"{type(error).__name__}: {error}"))
+            elif refused is not None:
+                self._refused.append(_failed(refused.text, f"{type(error).__name__}: {error}"))
         return errors
 
     def _new_speech(self, r: NewRequest, max_tokens: int, arrival: float) -> Speech:
+        # a speaking request, to a pipeline that speaks
+        assert self.speech_stages is not None and r.speech is not None
         mm = r.mm
         grids = (
             [] if mm is None or mm.image_grid_thw is None else [tuple(g) for g in mm.image_grid_thw.tolist()]
@@ -380,7 +391,7 @@ class Qwen3OmniPipeline:
                 )
                 return replace(text, outputs=[replace(text.outputs[0], finish_reason="abort")], finished=True)
         speech = self._speaking.pop(request_id, None)
-        if speech is not None and self.speaks:
+        if speech is not None and self.speech_stages is not None:
             self.speech_stages.talker_stage.abort(request_id)
             self.speech_stages.streamer.cancel(request_id)
         out = self.thinker.abort(request_id)
@@ -402,7 +413,7 @@ class Qwen3OmniPipeline:
     def stats(self) -> dict[str, int]:
         stats = self.thinker.stats()
         stats["num_waiting"] = self.num_waiting
-        if self.speaks:
+        if self.speech_stages is not None:
             pool = self.speech_stages.talker_stage.pool
             stats |= {
                 "talker_kv_pages_total": pool.num_pages,
@@ -425,6 +436,7 @@ class Qwen3OmniPipeline:
         beside = None
         if self.thinker.has_unfinished():
             if self._beside():
+                assert self._thinker_side is not None  # `_beside` says there is one
                 self._deferred_aborts = []
                 beside = self._thinker_side.submit(self.thinker.step)
             else:
@@ -445,11 +457,12 @@ class Qwen3OmniPipeline:
 
     def _join(self, beside: Future[list[RequestOutput]]) -> list[RequestOutput]:
         """The Thinker's step beside, then the aborts that waited for it (also when it raised)."""
+        assert self._thinker_side is not None
         try:
             return self._thinker_side.join(beside)
         finally:
             aborts, self._deferred_aborts = self._deferred_aborts, None
-            for request_id in aborts:
+            for request_id in aborts or []:
                 self.thinker.abort(request_id)
 
     def _beside(self) -> bool:
@@ -485,6 +498,7 @@ class Qwen3OmniPipeline:
             touched[out.request_id] = speech
 
     def _on_text(self, speech: Speech, out: RequestOutput) -> None:
+        assert self.speech_stages is not None  # a speaking request's text
         completion = out.outputs[0]
         speech.text = out
         speech.generated = completion.token_ids
@@ -504,6 +518,7 @@ class Qwen3OmniPipeline:
                 self.handoff.end_talker(speech)
 
     def _fail(self, speech: Speech, error: str) -> None:
+        assert self.speech_stages is not None  # a speaking request's failure
         speech.error = error
         if self._deferred_aborts is not None:  # the Thinker is mid-step on its thread
             self._deferred_aborts.append(speech.request_id)
@@ -513,6 +528,7 @@ class Qwen3OmniPipeline:
         self.speech_stages.streamer.cancel(speech.request_id)
 
     def _speak(self) -> dict[str, list[np.ndarray]]:
+        assert self.speech_stages is not None  # requests speak
         with torch.inference_mode(), self.speech_stages.on_device():
             return self.handoff.step()
 

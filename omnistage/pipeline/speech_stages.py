@@ -11,7 +11,7 @@ import contextlib
 import logging
 from dataclasses import replace
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 
@@ -20,6 +20,7 @@ from omnistage.engine.attention import backend_for
 from omnistage.engine.buckets import decode_buckets, prefill_buckets
 from omnistage.engine.devices import resolve_device
 from omnistage.engine.embedding_stage import EmbeddingStage
+from omnistage.engine.graphs.base import int_buckets
 from omnistage.engine.graphs.code2wav import Code2WavGraphs
 from omnistage.engine.graphs.frames import FrameGraphs
 from omnistage.engine.memory.measure import device_peak, graph_candidates, module_bytes
@@ -60,7 +61,11 @@ class SpeechStages:
 
     def _load(self, path: Path, dtype: torch.dtype) -> None:
         config, cfg, device = self.config, self.model_config, self.device
-        talker, predictor, c2w = (config.stage(s) for s in ("talker", "code_predictor", "code2wav"))
+        talker, predictor, c2w = (
+            config.stage("talker"),
+            config.stage("code_predictor"),
+            config.stage("code2wav"),
+        )
         self.talker = load_talker(path, dtype, device, backend_for(device), config.load_format, config.seed)
         self.code_predictor = load_code_predictor(path, dtype, device, config.load_format, config.seed)
         if device.type == "cuda":
@@ -126,7 +131,7 @@ class SpeechStages:
         of its longest length at least; on a device shared with the Thinker, a share of the KV memory that
         gives both pools about as many tokens, unless the config sizes it) and their graphs' measured costs."""
         cfg, streamer, text = self.config, self.streamer, self.model_config.talker.text
-        talker, predictor, c2w = (cfg.stage(s) for s in ("talker", "code_predictor", "code2wav"))
+        talker, predictor, c2w = cfg.stage("talker"), cfg.stage("code_predictor"), cfg.stage("code2wav")
         prefill = self.talker_stage.profile_peak(cfg.max_num_batched_tokens).bytes
         window = self.code2wav.left_context + streamer.chunk
         codes = torch.zeros(
@@ -149,7 +154,9 @@ class SpeechStages:
             thinker_pool = cfg.stage("thinker").kv
             thinker = self.model_config.thinker.text.kv_bytes_per_token
             if thinker_pool.pages or thinker_pool.gib:  # a fixed Thinker pool: as many tokens in the Talker's
-                thinker_pages = thinker_pool.pages or int(thinker_pool.gib * GiB) // (thinker * cfg.page_size)
+                thinker_pages = thinker_pool.pages or int((thinker_pool.gib or 0) * GiB) // (
+                    thinker * cfg.page_size
+                )
                 fixed = max(min_pages, thinker_pages)
             else:
                 share = talker.kv.share or text.kv_bytes_per_token / (thinker + text.kv_bytes_per_token)
@@ -158,8 +165,12 @@ class SpeechStages:
         bf16 = self.talker_stage.dtype == torch.bfloat16
         talker_graphs = talker.graphs.sizes(decode_buckets) if bf16 else []
         talker_prefill = talker.prefill_graphs.sizes(prefill_buckets) if bf16 else []
-        c2w = self.code2wav_graphs  # priced on its whole ladder of streams, as it measures the largest
-        c2w_peaks = {k: v for k, v in c2w.graph_costs(c2w.buckets).items() if k[1] in streams}
+        c2w_graphs = self.code2wav_graphs  # priced on its whole ladder of streams, as it measures the largest
+        c2w_peaks = {
+            k: v
+            for k, v in c2w_graphs.graph_costs(c2w_graphs.buckets).items()
+            if isinstance(k, tuple) and k[1] in streams
+        }
         # the device's main-stream pool holds the three sets' graphs (`allocate`)
         graphs = (
             graph_candidates("Talker", "decode", "batch", self.talker_stage.graph_costs(talker_graphs), MAIN_POOL),
@@ -205,26 +216,38 @@ class SpeechStages:
         # as the Thinker's: a first burst of prompts would otherwise pay the Talker's kernel builds (likely why
         # the H200's first c=4 pass had a 518 ms first packet, against 80 ms at c=1)
         self.talker_stage.warm_up(self.config.max_num_batched_tokens)
-        self.talker_stage.capture_graphs(plan.captured("Talker", "decode"), self.max_len, pool=pool)
+        # the plan's buckets are typed for every set: batch and token counts here, (frames, streams) for Code2Wav
+        self.talker_stage.capture_graphs(
+            cast("tuple[int, ...]", plan.captured("Talker", "decode")), self.max_len, pool=pool
+        )
         if pool is None and self.talker_stage.graphs is not None:
             pool = self.talker_stage.graphs.pool
-        self.talker_stage.capture_prefill_graphs(plan.captured("Talker", "prefill"), self.max_len, pool=pool)
+        self.talker_stage.capture_prefill_graphs(
+            cast("tuple[int, ...]", plan.captured("Talker", "prefill")), self.max_len, pool=pool
+        )
         if pool is None and self.talker_stage.prefill_graphs is not None:
             pool = self.talker_stage.prefill_graphs.pool
-        self.frame_graphs.capture(plan.captured("code predictor", "decode"), pool=pool)
-        self.code2wav_graphs.capture(plan.captured("Code2Wav", "decode"), pool=pool or self.frame_graphs.pool)
+        self.frame_graphs.capture(
+            cast("tuple[int, ...]", plan.captured("code predictor", "decode")), pool=pool
+        )
+        self.code2wav_graphs.capture(
+            cast("tuple[tuple[int, int], ...]", plan.captured("Code2Wav", "decode")),
+            pool=pool or self.frame_graphs.pool,
+        )
 
     def summary(self) -> str:
         """What the start-up line says of the three stages."""
         pool, streamer, frames = self.talker_stage.pool, self.streamer, self.frame_graphs
         talker_note = self.talker_stage.graphs.routes_note() if self.talker_stage.graphs is not None else ""
         prefill = self.talker_stage.prefill_graphs
+        frame_buckets = int_buckets(frames.captured_buckets)
+        streams = sorted({b[1] for b in self.code2wav_graphs.captured_buckets if isinstance(b, tuple)})
         return (
             f"speech: Talker KV {pool.num_pages:,} pages x {pool.page_size} tokens, "
             f"{_captured('Talker decode', 'batch', self.talker_stage.captured_buckets, talker_note)}, "
-            f"{_captured('Talker prefill', 'tokens', prefill.captured_buckets if prefill else [])}, "
-            f"{_captured('code predictor frame', 'batch', frames.captured_buckets, frames.routes_note())}, "
+            f"{_captured('Talker prefill', 'tokens', int_buckets(prefill.captured_buckets) if prefill else [])}, "
+            f"{_captured('code predictor frame', 'batch', frame_buckets, frames.routes_note())}, "
             f"Code2Wav chunks of {streamer.first_chunk} then {streamer.chunk} frames, up to "
             f"{streamer.max_batch} streams a call: "
-            f"{_captured('Code2Wav', 'streams', sorted({n for _, n in self.code2wav_graphs.captured_buckets}))}"
+            f"{_captured('Code2Wav', 'streams', streams)}"
         )

@@ -76,7 +76,9 @@ class StepLoop:
                     self.step()
             except Exception:  # a bug in the loop itself: fail what is running, keep serving
                 log.exception("engine loop error")
-                failed = [(request_id, RuntimeError("internal engine error")) for request_id in self._live]
+                failed: Delivery = [
+                    (request_id, RuntimeError("internal engine error")) for request_id in self._live
+                ]
                 failed += [(r.request_id, RuntimeError("internal engine error")) for r in self._held]
                 for request_id, _ in failed:
                     self.pipeline.abort(request_id)

@@ -17,10 +17,10 @@ import asyncio
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine
+from collections.abc import AsyncGenerator, Awaitable, Callable, Coroutine
 from dataclasses import dataclass
 from importlib.metadata import PackageNotFoundError, version
-from typing import Annotated, Any, TypeVar
+from typing import Annotated, Any, TypeVar, cast
 
 import jinja2
 import pydantic_core
@@ -215,6 +215,7 @@ class _Server:
             first = await _engine_call(_unless_disconnected(request, anext(outputs)), outputs, request_id)
             return _Stream(self._speech_events(stream, outputs, first), media_type=stream.media_type)
         final = await self._final(request, outputs, request_id)
+        assert final.audio is not None  # a finished spoken reply has its audio (empty when it said nothing)
         data = await asyncio.to_thread(encode, final.audio, body.response_format)
         self.count(SPEECH, 200)
         return Response(data, media_type=encoding.content_type)
@@ -260,7 +261,7 @@ class _Server:
             raise InvalidField("timestamp_granularities[]", "timestamps are not supported yet")
         if include:
             raise InvalidField("include[]", "logprobs are not supported yet")
-        extras = {"min_tokens": min_tokens, "ignore_eos": ignore_eos, "seed": seed}
+        extras: dict[str, Any] = {"min_tokens": min_tokens, "ignore_eos": ignore_eos, "seed": seed}
         extras = {k: v for k, v in extras.items() if v is not None}
         data = await file.read()
         audio, processed = await asyncio.to_thread(self._process_transcription, data, language, prompt)
@@ -375,7 +376,9 @@ class _Server:
             )
         final = await self._final(request, outputs, fmt.id)
         text, reason = final.outputs[0].text, final.outputs[0].finish_reason
+        assert reason is not None  # a finished output has its finish_reason
         if isinstance(fmt, SpeakingFormat):
+            assert final.audio is not None
             usage = _usage(final, spoken=True)
             body = await asyncio.to_thread(fmt.spoken_response, text, reason, usage, final.audio)
         else:
@@ -384,7 +387,7 @@ class _Server:
         return body if isinstance(body, Response) else JSONResponse(body)
 
     async def _final(
-        self, request: Request, outputs: AsyncIterator[RequestOutput], request_id: str
+        self, request: Request, outputs: AsyncGenerator[RequestOutput, None], request_id: str
     ) -> RequestOutput:
         """The request's finished output (raising if it failed), once the engine is done with it."""
         seen: list[RequestOutput] = []  # the latest only: a spoken reply's earlier ones hold its audio chunks
@@ -403,14 +406,15 @@ class _Server:
         return final
 
     async def _events(
-        self, endpoint: str, fmt: Format, outputs: AsyncIterator[RequestOutput], first: RequestOutput
-    ) -> AsyncIterator[str]:
+        self, endpoint: str, fmt: Format, outputs: AsyncGenerator[RequestOutput, None], first: RequestOutput
+    ) -> AsyncGenerator[str, None]:
         """The SSE body: opening chunk, deltas (text, and audio when spoken), the finishing chunk, usage if
         asked, then [DONE].
 
         The chunks of one engine output go out as one string: each yield is a send through every middleware
         and a socket write. `pending` holds those not yet yielded, so a failure sends them before its error.
         """
+        status: int | str
         last, status = first, "cancelled"
         spoken = fmt if isinstance(fmt, SpeakingFormat) else None
         pending: list[str] = []
@@ -427,6 +431,7 @@ class _Server:
                     yield body
                 last = await anext(outputs)
             _raise_if_failed(last)
+            assert completion.finish_reason is not None  # a finished output has its finish_reason
             pending += fmt.delta(completion.delta_text, completion.finish_reason)
             pending += _audio_chunks(spoken, last)
             pending += fmt.closing(completion.finish_reason)
@@ -446,9 +451,10 @@ class _Server:
             self.metrics.observe(last)
 
     async def _speech_events(
-        self, stream: SpeechStream, outputs: AsyncIterator[RequestOutput], first: RequestOutput
-    ) -> AsyncIterator[str | bytes]:
+        self, stream: SpeechStream, outputs: AsyncGenerator[RequestOutput, None], first: RequestOutput
+    ) -> AsyncGenerator[str | bytes, None]:
         """The streamed body of /v1/audio/speech: audio as it is decoded, then the end `stream` writes."""
+        status: int | str
         last, status = first, "cancelled"
         try:
             while True:
@@ -504,7 +510,9 @@ def _raise_if_failed(output: RequestOutput) -> None:
         raise EngineFailure("the engine aborted this request")
 
 
-async def _engine_call(call: Awaitable[T], outputs: AsyncIterator[RequestOutput], request_id: str) -> T:
+async def _engine_call(
+    call: Awaitable[T], outputs: AsyncGenerator[RequestOutput, None], request_id: str
+) -> T:
     """Await an engine call; anything but our typed errors becomes an EngineFailure (500) for this request.
 
     On any failure the engine stream is closed, so nothing of the request stays behind.
@@ -563,7 +571,7 @@ class _Stream(StreamingResponse):
 
     def __init__(
         self,
-        chunks: AsyncIterator[Any],
+        chunks: AsyncGenerator[Any, None],
         on_first_chunk: Callable[[], None] | None = None,
         media_type: str = "text/event-stream",
     ) -> None:
@@ -582,7 +590,7 @@ class _Stream(StreamingResponse):
             nonlocal pending
             await send(message)
             if pending is not None and message["type"] == "http.response.body":
-                pending, told = None, pending
+                told, pending = pending, None
                 told()
 
         async def watch() -> None:
@@ -603,4 +611,5 @@ class _Stream(StreamingResponse):
         finally:
             over = True
             watcher.cancel()
-            await self.body_iterator.aclose()
+            # starlette types it as any async iterable; it is `chunks`, our async generator
+            await cast("AsyncGenerator[Any, None]", self.body_iterator).aclose()

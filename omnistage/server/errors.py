@@ -99,7 +99,7 @@ def error_response(exc: OmnistageError, path: str = "") -> JSONResponse:
     `path`, the request's, names the field of a speaking request's error."""
     kind = kind_of(exc)
     message = str(exc) or type(exc).__name__
-    param = getattr(exc, "param", None) or _SPEECH_FIELDS.get(path, {}).get(getattr(exc, "field", None))
+    param = getattr(exc, "param", None) or _SPEECH_FIELDS.get(path, {}).get(getattr(exc, "field", None) or "")
     headers = {"Retry-After": str(RETRY_AFTER_S)} if isinstance(exc, QueueFull) else None
     return JSONResponse(error_body(message, kind, param), status_code=kind.status, headers=headers)
 

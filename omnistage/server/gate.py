@@ -16,6 +16,7 @@ from collections.abc import Callable
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from omnistage.errors import OmnistageError
 from omnistage.pipeline.async_engine import Preparing
 from omnistage.server.errors import BodyTooLarge, Unauthorized, error_response
 
@@ -91,7 +92,7 @@ class Gate:
             if not message.get("more_body", False):
                 return b"".join(chunks), False
 
-    async def _reject(self, scope: Scope, receive: Receive, send: Send, exc: Exception) -> None:
+    async def _reject(self, scope: Scope, receive: Receive, send: Send, exc: OmnistageError) -> None:
         response = error_response(exc)
         self.on_reject(scope["path"], response.status_code)
         await response(scope, receive, send)

@@ -14,7 +14,7 @@ from __future__ import annotations
 import re
 from collections.abc import Callable
 from dataclasses import replace
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, cast
 
 from pydantic import (
     AfterValidator,
@@ -223,7 +223,7 @@ class ChatMessage(_Strict):
 
     def template_dict(self) -> dict[str, Any]:
         """The message as the chat template takes it: OpenAI's developer role is the template's system."""
-        content = self.content
+        content: object = self.content
         if isinstance(content, list):
             content = [part.model_dump(exclude_none=True) for part in content]
         return {"role": "system" if self.role == "developer" else self.role, "content": content}
@@ -422,7 +422,7 @@ class CompletionRequest(_SamplingRequest):
             prompt = prompt[0]
         if not prompt:
             raise InvalidRequest("prompt: must not be empty")
-        return prompt
+        return cast("str | list[int]", prompt)  # a batch's one prompt is a str or a list of ids
 
 
 # -- speech ---------------------------------------------------------------------------------------------

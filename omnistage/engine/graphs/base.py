@@ -31,6 +31,11 @@ StepFn = Callable[..., Any]
 Bucket = int | tuple[int, ...]
 
 
+def int_buckets(buckets: Iterable[Bucket]) -> list[int]:
+    """The buckets of a set keyed by one count (a batch, tokens, windows, patches), as the ints they are."""
+    return [b for b in buckets if isinstance(b, int)]
+
+
 def size_of(bucket: Bucket) -> int:
     return bucket if isinstance(bucket, int) else bucket[-1]
 

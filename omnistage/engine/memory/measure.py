@@ -4,7 +4,7 @@ memory.plan)."""
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
 
@@ -73,7 +73,11 @@ def scaled_peaks(largest: Peak, buckets: list[int]) -> dict[int, Peak]:
 
 
 def graph_candidates(
-    stage: str, kind: GraphKind, unit: str, peaks: dict[Bucket, Peak], pool: str
+    stage: str,
+    kind: GraphKind,
+    unit: str,
+    peaks: Mapping[int, Peak] | Mapping[tuple[int, ...], Peak] | Mapping[Bucket, Peak],
+    pool: str,
 ) -> GraphCandidates:
     """A stage's graph set for the plan from its measured peaks per bucket."""
     return GraphCandidates(

@@ -30,8 +30,9 @@ def fuse_linears(*linears: nn.Linear) -> torch.Tensor:
 def fuse_projections(model: nn.Module) -> None:
     """Fuse every submodule of `model` that can (those with a `fuse_projections` method), after loading."""
     for module in model.modules():
-        if module is not model and callable(getattr(module, "fuse_projections", None)):
-            module.fuse_projections()
+        fuse = getattr(module, "fuse_projections", None)
+        if module is not model and callable(fuse):
+            fuse()
 
 
 def project(x: torch.Tensor, weight: torch.Tensor, gemv_config: tuple[int, int, int] | None) -> torch.Tensor:

@@ -81,6 +81,7 @@ class SparseMoeBlock(nn.Module):
         self.kernel = "auto"
         self.gate = nn.Linear(hidden_size, num_experts, bias=False)
         self.experts = StackedExperts(num_experts, hidden_size, intermediate_size)
+        self.shared_expert: GatedMLP | None
         if shared_expert_intermediate_size:
             self.shared_expert = GatedMLP(hidden_size, shared_expert_intermediate_size)
             self.shared_expert_gate = nn.Linear(hidden_size, 1, bias=False)

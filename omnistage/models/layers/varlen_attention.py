@@ -3,11 +3,14 @@ image patches)."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 
+_flash_varlen: Callable[..., Any] | None
 try:  # FlashAttention's varlen kernel, in torch since 2.10 (CUDA, half precision)
     from torch.nn.attention.varlen import varlen_attn as _flash_varlen
 except ImportError:  # pragma: no cover - older torch builds
@@ -40,7 +43,10 @@ class Segments:
 
     def host_bounds(self) -> list[int]:
         """The boundaries as host ints (for static segments a read of the device tensor: not in a capture)."""
-        return self.bounds if self.bounds is not None else self.device_bounds.tolist()
+        if self.bounds is not None:
+            return self.bounds
+        assert self.device_bounds is not None  # static segments: `static` always gives the device tensor
+        return self.device_bounds.tolist()
 
 
 def varlen_attention(
@@ -54,9 +60,9 @@ def varlen_attention(
     """
     if not isinstance(segments, Segments):
         segments = Segments.of(segments, q.device)
-    fused = segments.device_bounds is not None and _flash_varlen is not None and q.is_cuda
-    if fused and q.dtype in (torch.bfloat16, torch.float16):
-        cu = segments.device_bounds
+    cu = segments.device_bounds
+    half = q.dtype in (torch.bfloat16, torch.float16)
+    if _flash_varlen is not None and cu is not None and q.is_cuda and half:
         return _flash_varlen(q, k, v, cu, cu, segments.max_len, segments.max_len)
     return _grouped_sdpa(q, k, v, segments.host_bounds())
 
@@ -70,13 +76,13 @@ def _grouped_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens:
     tiled = [length * len(starts) for length, starts in starts_by_length.items()] == [tokens]
     if tiled:  # equal segments tile the packed tokens: a view, no copies
         ((length, starts),) = starts_by_length.items()
-        split = [t.view(len(starts), length, heads, dim).transpose(1, 2) for t in (q, k, v)]
-        return F.scaled_dot_product_attention(*split).transpose(1, 2).reshape(tokens, heads, dim)
+        sq, sk, sv = (t.view(len(starts), length, heads, dim).transpose(1, 2) for t in (q, k, v))
+        return F.scaled_dot_product_attention(sq, sk, sv).transpose(1, 2).reshape(tokens, heads, dim)
     out = torch.empty_like(q)
     for length, starts in starts_by_length.items():
         index = (
             torch.tensor(starts, device=q.device)[:, None] + torch.arange(length, device=q.device)
         ).flatten()
-        split = [t[index].view(len(starts), length, heads, dim).transpose(1, 2) for t in (q, k, v)]
-        out[index] = F.scaled_dot_product_attention(*split).transpose(1, 2).reshape(-1, heads, dim)
+        sq, sk, sv = (t[index].view(len(starts), length, heads, dim).transpose(1, 2) for t in (q, k, v))
+        out[index] = F.scaled_dot_product_attention(sq, sk, sv).transpose(1, 2).reshape(-1, heads, dim)
     return out

@@ -47,7 +47,7 @@ def load_audio_encoder(
     with torch.device("meta"):
         encoder = AudioEncoder(cfg.audio)
     if cfg.layout == "released" or load_format == "dummy":
-        parts = [(encoder, RELEASED_PREFIX)]
+        parts: list[tuple[nn.Module, str]] = [(encoder, RELEASED_PREFIX)]
     else:
         parts = _hf_views(encoder)
     for module, prefix in parts:

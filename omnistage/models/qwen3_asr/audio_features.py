@@ -7,6 +7,8 @@ axis is then padded to whole 1 s chunks with zeros, which our encoder does per c
 
 from __future__ import annotations
 
+from typing import overload
+
 import numpy as np
 import torch
 
@@ -14,6 +16,14 @@ from omnistage.models.qwen3_omni.audio_features import SAMPLE_RATE
 from omnistage.models.qwen3_omni.audio_features import log_mel as omni_log_mel
 
 MIN_SAMPLES = SAMPLE_RATE // 2
+
+
+@overload
+def log_mel(waveform: torch.Tensor | np.ndarray, device: torch.device | str | None = ...) -> torch.Tensor: ...
+@overload
+def log_mel(
+    waveform: list[torch.Tensor | np.ndarray], device: torch.device | str | None = ...
+) -> list[torch.Tensor]: ...
 
 
 def log_mel(

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 from pathlib import Path
+from typing import NoReturn
 
 import numpy as np
 import torch
@@ -92,7 +93,7 @@ class ASRProcessor:
 
     def encode_chat(
         self, messages: list[dict], add_generation_prompt: bool, max_model_len: int | None
-    ) -> None:
+    ) -> NoReturn:
         raise InvalidRequest("this model transcribes audio: a chat to it needs one audio part")
 
     def encode(self, text: str, max_model_len: int | None = None) -> list[int]:

@@ -188,8 +188,8 @@ class AudioEncoder(nn.Module):
 
         A list gives a list of [tokens_i, output_dim]; a packed input gives packed [sum tokens_i, output_dim].
         """
-        packed_input = not isinstance(features, (list, tuple))
-        if packed_input:
+        packed_input = isinstance(features, torch.Tensor)
+        if isinstance(features, torch.Tensor):
             if lengths is None:
                 raise ValueError("packed audio features need their per-clip lengths")
             frames = [int(n) for n in lengths]

@@ -12,6 +12,7 @@ import math
 import threading
 from dataclasses import dataclass
 from functools import lru_cache
+from typing import overload
 
 import numpy as np
 import soundfile as sf
@@ -71,6 +72,18 @@ def resample(x: np.ndarray, sample_rate: int, target_rate: int = SAMPLE_RATE) ->
     if sample_rate == target_rate:
         return x.astype(np.float32, copy=False)
     return soxr.resample(x, sample_rate, target_rate, quality="HQ").astype(np.float32, copy=False)
+
+
+@overload
+def log_mel(
+    waveform: torch.Tensor | np.ndarray, device: torch.device | str | None = ..., max_seconds: float = ...
+) -> torch.Tensor: ...
+@overload
+def log_mel(
+    waveform: list[torch.Tensor | np.ndarray],
+    device: torch.device | str | None = ...,
+    max_seconds: float = ...,
+) -> list[torch.Tensor]: ...
 
 
 def log_mel(
@@ -169,7 +182,7 @@ class _Clip:
     error: Exception | None = None
 
 
-def _first_within(clips: list[_Clip], samples: int) -> list[_Clip]:
+def _first_within(clips: list[_Clip], samples: float) -> list[_Clip]:
     """The longest run of `clips` from the first holding at most `samples` in all (the first one always)."""
     total = 0
     for i, clip in enumerate(clips):

@@ -13,7 +13,9 @@ uses exactly this: a chunk of frames [a, b) emits samples [spf·a − lookahead,
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from pathlib import Path
+from typing import cast
 
 import torch
 import torch.nn.functional as F
@@ -299,7 +301,8 @@ class Code2Wav(nn.Module):
     def vocode(self, hidden: torch.Tensor, absent: torch.Tensor | None = None) -> torch.Tensor:
         """Transformer output `[B, T, H]` → waveform `[B, spf·T − lookahead]`; `absent` as in `decode_window`."""
         x = hidden.transpose(1, 2)
-        for upsampler, convnext in self.upsample:
+        # each entry is a ModuleList of (upsampler, ConvNeXt block): nn.ModuleList is not generic
+        for upsampler, convnext in cast("Iterable[nn.ModuleList]", self.upsample):
             x = convnext(upsampler(x), absent)
         first, *blocks, act, last = self.decoder
         x = first(x, absent)

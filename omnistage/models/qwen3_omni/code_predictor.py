@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from pathlib import Path
+from typing import cast
 
 import torch
 import torch.nn.functional as F
@@ -161,7 +162,7 @@ class CodePredictor(nn.Module):
         and codes 1..G-2 (the last code is read out, never fed back). Reusable across frames unzeroed: each
         step writes its position before any step reads it."""
         cfg = self.config
-        weight = self.lm_head[0].weight
+        weight = cast(nn.Linear, self.lm_head[0]).weight
         return torch.empty(
             cfg.num_hidden_layers,
             2,

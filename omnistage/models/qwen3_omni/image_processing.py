@@ -128,7 +128,8 @@ def preprocess_image(
             image.width, image.height, grid_w * p, grid_h * p, cfg.max_pixels,
         )  # fmt: skip
     image = image.resize((grid_w * p, grid_h * p), resample=Image.Resampling.BICUBIC)
-    pixels = (np.asarray(image, dtype=np.float64) * cfg.rescale_factor).astype(np.float32)  # [H, W, C]
+    # [H, W, C]; typed, as numpy's stubs would give the normalized pixels below a complex dtype
+    pixels: np.ndarray = (np.asarray(image, dtype=np.float64) * cfg.rescale_factor).astype(np.float32)
     pixels = (pixels - np.asarray(cfg.image_mean, np.float32)) / np.asarray(cfg.image_std, np.float32)
     c = pixels.shape[-1]
     # [H, W, C] -> (block row, block col, row in block, col in block, C, P, P): merge blocks stay contiguous.

@@ -103,7 +103,7 @@ class Processor:
         self.device = torch.device("cpu" if device is None else device)
         self._directory = directory
         self._thinker = None
-        self._image_cfg = None
+        self._image_cfg: ImageProcessorConfig | None = None
 
     def render_chat(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
         if not messages:

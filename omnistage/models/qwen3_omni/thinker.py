@@ -8,6 +8,7 @@ vision, as `deepstack_embeds`.
 from __future__ import annotations
 
 from pathlib import Path
+from typing import cast
 
 import torch
 from torch import nn
@@ -50,7 +51,8 @@ class ThinkerTextModel(nn.Module):
         hidden = self.norm(hidden)
         if tap_layer is None:
             return hidden
-        return hidden, hidden if tap_layer == len(self.layers) else tapped
+        # tap_layer is one of the layers (1..len), so the loop set `tapped` before the last
+        return hidden, hidden if tap_layer == len(self.layers) else cast(torch.Tensor, tapped)
 
 
 class Thinker(nn.Module):

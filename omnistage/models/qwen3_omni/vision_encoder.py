@@ -192,7 +192,8 @@ class VisionEncoder(nn.Module):
         quarter = torch.arange(0, head_dim // 2, 2, device=device, dtype=torch.float32)
         inv_freq = 1.0 / ROPE_THETA ** (quarter / (head_dim // 2))
         table = self.pos_embed.weight
-        learned, angles = [], []
+        learned: list[torch.Tensor] = []
+        angles: list[torch.Tensor] = []
         for t, h, w in grids:
             rows, cols = merge_block_coords(h, w, self.cfg.spatial_merge_size, device)
             row_taps, row_weights = _axis_taps(rows, h, self.side)
@@ -203,9 +204,9 @@ class VisionEncoder(nn.Module):
             # [patches, head_dim / 2]: row angles then column angles, the same frequencies on both axes.
             freqs = torch.cat([rows[:, None] * inv_freq, cols[:, None] * inv_freq], dim=-1)
             angles.append(freqs.repeat(t, 1))
-        angles = torch.cat(angles)
-        angles = torch.cat([angles, angles], dim=-1)
-        return torch.cat(learned), angles.cos(), angles.sin()
+        half = torch.cat(angles)
+        full = torch.cat([half, half], dim=-1)
+        return torch.cat(learned), full.cos(), full.sin()
 
 
 def load_vision_encoder(
