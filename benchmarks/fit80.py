@@ -53,11 +53,11 @@ from omnistage.bench.clips import SYNTH_SETS, speech_like, synth_clips, total_se
 from omnistage.bench.speech_targets import talker_params, text_fields
 from omnistage.config import EngineConfig, load_config
 from omnistage.engine.llm_engine import NewRequest
-from omnistage.engine.sampling import SamplingParams, SpeechParams
 from omnistage.outputs import AUDIO_SAMPLE_RATE, RequestOutput
 from omnistage.pipeline.async_engine import AsyncEngine
 from omnistage.pipeline.family import build_pipeline
 from omnistage.pipeline.step_loop import Add, StepLoop
+from omnistage.request import SamplingParams, SpeechParams
 
 GiB = 1 << 30
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"

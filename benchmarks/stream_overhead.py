@@ -29,9 +29,9 @@ import httpx
 
 from omnistage.bench.server_process import ServerProcess, phase_means, phase_totals
 from omnistage.bench.sweep import run as run_async
-from omnistage.engine.sampling import SamplingParams
 from omnistage.outputs import CompletionOutput, RequestOutput
 from omnistage.pipeline.async_engine import AsyncEngine
+from omnistage.request import SamplingParams
 
 MODEL = "paced"
 

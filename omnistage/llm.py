@@ -8,11 +8,11 @@ from pathlib import Path
 
 from omnistage.config import engine_config
 from omnistage.engine.llm_engine import LLMEngine, NewRequest
-from omnistage.engine.sampling import SamplingParams, SpeechParams, talker_sampling_defaults
 from omnistage.errors import InvalidRequest, OmnistageError
 from omnistage.media import MediaPolicy, decode_messages
 from omnistage.outputs import RequestOutput
 from omnistage.pipeline.family import build_pipeline
+from omnistage.request import SamplingParams, SpeechParams, talker_sampling_defaults
 
 PromptType = str | dict
 # In-process callers name their own files: local paths anywhere, nothing fetched from the network.

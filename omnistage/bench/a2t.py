@@ -191,7 +191,7 @@ def _form_value(value: float | bool) -> str:
 
 def inprocess_runner(engine: Any, output_tokens: int | None, max_tokens: int) -> Runner:
     """Requests straight into an AsyncEngine, prompts laid out by its processor as the server does."""
-    from omnistage.engine.sampling import SamplingParams
+    from omnistage.request import SamplingParams
 
     params = SamplingParams(**forced(output_tokens, max_tokens))
     processor = engine.engine.processor

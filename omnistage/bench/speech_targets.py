@@ -24,7 +24,7 @@ from omnistage.outputs import AUDIO_SAMPLE_RATE
 if TYPE_CHECKING:
     import httpx
 
-    from omnistage.engine.sampling import SamplingParams
+    from omnistage.request import SamplingParams
 
 log = logging.getLogger("omnistage.bench")
 
@@ -98,7 +98,7 @@ def text_fields(text_tokens: int, forced: bool) -> dict[str, Any]:
 
 def talker_params(frames: int, forced: bool) -> SamplingParams:
     """The Talker's sampling: the released defaults, exactly `frames` frames when forced, else at most."""
-    from omnistage.engine.sampling import talker_sampling_defaults
+    from omnistage.request import talker_sampling_defaults
 
     if forced:
         return replace(talker_sampling_defaults(), max_tokens=frames, min_tokens=frames, ignore_eos=True)
@@ -109,7 +109,7 @@ def inprocess_runner(
     engine: Any, tts: bool, text_tokens: int, frames: int, voice: str, forced: bool
 ) -> Runner:
     """Requests straight into an AsyncEngine, prompts laid out by its pipeline as the server does."""
-    from omnistage.engine.sampling import SamplingParams, SpeechParams
+    from omnistage.request import SamplingParams, SpeechParams
 
     pipeline = engine.engine
     speech = SpeechParams(voice=voice, talker=talker_params(frames, forced))

@@ -31,7 +31,7 @@ from omnistage.engine.memory.measure import allocator_stats, module_bytes
 from omnistage.engine.memory.plan import GiB, MemoryPlan, StageMemory, kv_bytes_per_page
 from omnistage.engine.model_runner import HiddenTap, ModelRunner
 from omnistage.engine.output_processor import RequestState, request_output, stop_and_text
-from omnistage.engine.sampling import Sampler, SamplingParams, SamplingRow, SpeechParams, make_generator
+from omnistage.engine.sampling import Sampler, SamplingRow, make_generator
 from omnistage.engine.scheduler import ScheduledChunk, Scheduler, SchedulerOutput
 from omnistage.engine.sequence import Sequence, SequenceStatus
 from omnistage.engine.stage_memory import llm_stage_memory
@@ -43,6 +43,7 @@ from omnistage.models.qwen3_omni.config import TextConfig
 from omnistage.models.qwen3_omni.processor import Processor
 from omnistage.models.qwen3_omni.thinker import Thinker
 from omnistage.outputs import RequestOutput
+from omnistage.request import SamplingParams, SpeechParams
 
 if TYPE_CHECKING:
     from omnistage.models.qwen3_omni.processor import MultimodalInputs

@@ -21,13 +21,13 @@ from typing import TYPE_CHECKING
 
 from omnistage.config import EngineConfig
 from omnistage.engine.llm_engine import NewRequest
-from omnistage.engine.sampling import SamplingParams, SpeechParams
 from omnistage.errors import InvalidRequest, QueueFull
 from omnistage.models.layers.rotary import PromptPositions
 from omnistage.outputs import RequestOutput
 from omnistage.pipeline.engine_process import EngineProcess, RemotePipeline
 from omnistage.pipeline.family import Pipeline, build_pipeline
 from omnistage.pipeline.step_loop import Abort, Add, Delivery, StepLoop, serving_stats
+from omnistage.request import SamplingParams, SpeechParams
 
 if TYPE_CHECKING:
     from omnistage.models.qwen3_omni.processor import MultimodalInputs

@@ -33,12 +33,12 @@ import torch
 
 from omnistage.config import EngineConfig
 from omnistage.engine.memory.gauges import Gauge
-from omnistage.engine.sampling import SamplingParams, SpeechParams
 from omnistage.errors import ConfigError
 from omnistage.outputs import RequestOutput
 from omnistage.pipeline.family import build_pipeline, processor_for
 from omnistage.pipeline.qwen3_omni import TtsPrompt, tts_prompt
 from omnistage.pipeline.step_loop import Abort, Add, Delivery, StepLoop, serving_stats
+from omnistage.request import SamplingParams, SpeechParams
 
 log = logging.getLogger(__name__)
 

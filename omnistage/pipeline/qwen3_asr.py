@@ -14,7 +14,6 @@ from omnistage.engine.devices import resolve_device, resolve_dtype
 from omnistage.engine.encoder_engine import EncoderEngine
 from omnistage.engine.llm_engine import LLMEngine, NewRequest, StageModels
 from omnistage.engine.memory.gauges import Gauge, plan_gauges
-from omnistage.engine.sampling import SamplingParams, SpeechParams
 from omnistage.errors import InvalidRequest
 from omnistage.models.qwen3_asr.audio_encoder import load_audio_encoder
 from omnistage.models.qwen3_asr.config import Qwen3ASRConfig
@@ -24,6 +23,7 @@ from omnistage.outputs import RequestOutput
 from omnistage.pipeline.planning import plan_devices
 from omnistage.pipeline.qwen3_omni import TtsPrompt, eos_token_ids
 from omnistage.pipeline.topology import validate_topology
+from omnistage.request import SamplingParams, SpeechParams
 
 NO_SPEECH = "this model transcribes audio; it does not speak (a Qwen3-Omni checkpoint does)"
 # Qwen3-ASR is served for many short clips at once: this many sequences (and decode graphs up to them) where the

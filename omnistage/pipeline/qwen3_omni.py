@@ -25,7 +25,6 @@ from omnistage.engine.llm_engine import LLMEngine, NewRequest, StageModels
 from omnistage.engine.memory.gauges import Gauge, plan_gauges
 from omnistage.engine.memory.plan import MemoryPlan
 from omnistage.engine.model_runner import HiddenTap
-from omnistage.engine.sampling import SamplingParams, SpeechParams
 from omnistage.errors import InvalidRequest, RequestTooLarge
 from omnistage.models.qwen3_omni.config import Qwen3OmniConfig
 from omnistage.models.qwen3_omni.processor import Processor
@@ -37,13 +36,11 @@ from omnistage.pipeline.planning import plan_devices
 from omnistage.pipeline.side_stream import SideStream
 from omnistage.pipeline.speech_stages import SpeechStages
 from omnistage.pipeline.topology import validate_topology
+from omnistage.request import MAX_AUDIO_FRAMES, SamplingParams, SpeechParams
 
 log = logging.getLogger(__name__)
 
 ASSISTANT_ROWS = 9  # the Talker prompt's rows after the user turns (talker_input.talker_prompt)
-# The most codec frames one request speaks: transformers' own talker limit (327.7 s), and the length the Talker's
-# sequences are planned for (its pages, its graphs). The server refuses more at its edge (protocol.py).
-MAX_AUDIO_FRAMES = 4096
 # The audio cap when a request sets none: 2 s, plus 8 frames (0.64 s) per spoken token, about twice a
 # speaker's pace, never past MAX_AUDIO_FRAMES.
 CAP_BASE_FRAMES, CAP_FRAMES_PER_TOKEN = 25, 8

@@ -29,12 +29,12 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from fastapi.routing import APIRoute
 from starlette.types import Message, Receive, Scope, Send
 
-from omnistage.engine.sampling import SamplingParams, SpeechParams
 from omnistage.errors import InvalidMedia, InvalidRequest, OmnistageError
 from omnistage.media import MediaPolicy, decode_messages, load_audio
 from omnistage.models.qwen3_omni.transcription import max_transcription_tokens
 from omnistage.outputs import RequestOutput
 from omnistage.pipeline.async_engine import AsyncEngine, Preparing
+from omnistage.request import SamplingParams, SpeechParams
 from omnistage.server.errors import (
     CatchAll,
     ClientGone,

@@ -27,9 +27,8 @@ from pydantic import (
     model_validator,
 )
 
-from omnistage.engine.sampling import SamplingParams, talker_sampling_defaults
 from omnistage.errors import InvalidRequest
-from omnistage.pipeline.qwen3_omni import MAX_AUDIO_FRAMES
+from omnistage.request import MAX_AUDIO_FRAMES, SamplingParams, talker_sampling_defaults
 from omnistage.server.errors import InvalidField
 
 Int64 = Annotated[int, Field(ge=-(2**63), le=2**63 - 1)]

@@ -18,9 +18,9 @@ from typing import Any
 import numpy as np
 import soundfile
 
-from omnistage.engine.sampling import SamplingParams, SpeechParams
 from omnistage.errors import OmnistageError
 from omnistage.outputs import AUDIO_SAMPLE_RATE
+from omnistage.request import SamplingParams, SpeechParams
 from omnistage.server.errors import ErrorKind, InvalidField, error_body
 from omnistage.server.formats import ChatFormat, sse
 from omnistage.server.protocol import ChatCompletionRequest, SpeechRequest, VoiceRef

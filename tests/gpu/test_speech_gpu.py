@@ -12,9 +12,9 @@ import pytest
 from omnistage.bench import speech_targets as targets
 from omnistage.bench.a2t import released_skeleton
 from omnistage.config import engine_config
-from omnistage.engine.sampling import SamplingParams, SpeechParams
 from omnistage.outputs import AUDIO_SAMPLE_RATE
 from omnistage.pipeline.async_engine import AsyncEngine
+from omnistage.request import SamplingParams, SpeechParams
 
 pytestmark = pytest.mark.gpu
 

@@ -16,11 +16,11 @@ import pytest
 
 from omnistage.bench.server_process import ServerProcess
 from omnistage.config import engine_config
-from omnistage.engine.sampling import SamplingParams
 from omnistage.errors import InvalidMedia, QueueFull
 from omnistage.models.qwen3_omni.transcription import transcription_messages
 from omnistage.outputs import CompletionOutput, RequestOutput
 from omnistage.pipeline.async_engine import AsyncEngine, Preparing
+from omnistage.request import SamplingParams
 
 
 class LiveServer(ServerProcess):

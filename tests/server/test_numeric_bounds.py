@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 from fastapi.testclient import TestClient
 
-from omnistage.engine.sampling import SamplingParams
 from omnistage.errors import InvalidRequest
+from omnistage.request import SamplingParams
 from omnistage.server import build_app
 
 MODEL = "tiny"

@@ -21,10 +21,10 @@ import pytest
 import soundfile
 from fastapi.testclient import TestClient
 
-from omnistage.engine.sampling import SamplingParams, SpeechParams
 from omnistage.errors import InvalidRequest
 from omnistage.outputs import AUDIO_SAMPLE_RATE, CompletionOutput, RequestOutput
 from omnistage.pipeline.async_engine import Preparing
+from omnistage.request import SamplingParams, SpeechParams
 from omnistage.server import build_app
 from omnistage.server.speech import AudioCut
 

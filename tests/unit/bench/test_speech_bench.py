@@ -20,8 +20,8 @@ from omnistage.bench.hf_speech import build_hf_omni, counting_frames
 from omnistage.bench.speech_targets import SpeechInput, SpeechTiming
 from omnistage.cli import bind, build_parser
 from omnistage.config import engine_config
-from omnistage.engine.sampling import SamplingParams, SpeechParams
 from omnistage.pipeline.async_engine import AsyncEngine
+from omnistage.request import SamplingParams, SpeechParams
 from omnistage.server import build_app
 
 TEXT_TOKENS, FRAMES = 3, 5

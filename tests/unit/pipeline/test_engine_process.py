@@ -12,13 +12,13 @@ import pytest
 
 from omnistage.config import engine_config
 from omnistage.engine.llm_engine import NewRequest
-from omnistage.engine.sampling import SamplingParams, SpeechParams, talker_sampling_defaults
 from omnistage.errors import ConfigError, InvalidRequest
 from omnistage.outputs import CompletionOutput, RequestOutput
 from omnistage.pipeline.async_engine import AsyncEngine
 from omnistage.pipeline.engine_process import RemoteOutputs, SlimOutputs
 from omnistage.pipeline.family import build_pipeline
 from omnistage.pipeline.step_loop import Abort, Add, StepLoop
+from omnistage.request import SamplingParams, SpeechParams, talker_sampling_defaults
 
 TEXT = SamplingParams(max_tokens=7, temperature=0.8, seed=11)
 TALKER = SamplingParams(**{**vars(talker_sampling_defaults()), "max_tokens": 9, "min_tokens": 9, "seed": 5})

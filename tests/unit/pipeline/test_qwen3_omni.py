@@ -12,11 +12,11 @@ import torch
 from omnistage import LLM, SamplingParams
 from omnistage.config import engine_config
 from omnistage.engine.llm_engine import NewRequest
-from omnistage.engine.sampling import SpeechParams, talker_sampling_defaults
 from omnistage.errors import InvalidRequest
 from omnistage.pipeline.async_engine import AsyncEngine
-from omnistage.pipeline.qwen3_omni import MAX_AUDIO_FRAMES, default_frame_cap, max_speaking
+from omnistage.pipeline.qwen3_omni import default_frame_cap, max_speaking
 from omnistage.pipeline.side_stream import SideStream
+from omnistage.request import MAX_AUDIO_FRAMES, SpeechParams, talker_sampling_defaults
 
 QUESTIONS = ["Say hello.", "Name a colour.", "Count to three.", "What is rain?", "Tell a joke.", "Why?"]
 VOICES = ["ethan", "chelsie", "aiden", "Ethan", "chelsie", "aiden"]
