@@ -4,7 +4,7 @@ The stand-in pipeline (`PacedPipeline`) takes `--step-ms` a step the way a threa
 sleep, the GIL let go), after `--host-ms` of Python work that holds the GIL (the engine's host work), and gives
 every running request one token a step; it has no model, no media, no tokenizer. The real app (the Gate,
 FastAPI, the SSE formats, uvicorn) serves it from a child process, and `--concurrency` clients stream chat
-completions of `--tokens` tokens each from it; then the same requests go straight into an AsyncEngine over the
+completions of `--tokens` tokens each from it; then the same requests go straight into an AsyncPipeline over the
 same stand-in in this process. The engine's step is fixed, so any step the server takes longer than the
 in-process one is what the event loop's work for the streams took from the engine thread (the GIL), and the
 server's CPU seconds per streamed token say what each token costs it.
@@ -30,7 +30,7 @@ import httpx
 from omnistage.bench.server_process import ServerProcess, phase_means, phase_totals
 from omnistage.bench.sweep import run as run_async
 from omnistage.outputs import CompletionOutput, RequestOutput
-from omnistage.pipeline.async_engine import AsyncEngine
+from omnistage.pipeline.async_pipeline import AsyncPipeline
 from omnistage.request import SamplingParams
 
 MODEL = "paced"
@@ -107,7 +107,7 @@ def serve(args: argparse.Namespace) -> None:
 
     from omnistage.server import build_app
 
-    engine = AsyncEngine(PacedPipeline(args.step_ms / 1e3, args.host_ms / 1e3))
+    engine = AsyncPipeline(PacedPipeline(args.step_ms / 1e3, args.host_ms / 1e3))
     app = build_app(engine, MODEL)
     uvicorn.run(app, port=args.port, log_level="warning", loop=args.loop, http=args.http)
 
@@ -131,7 +131,7 @@ async def over_http(url: str, concurrency: int, tokens: int, body_kb: int) -> li
         return await asyncio.gather(*(one(client) for _ in range(concurrency)))
 
 
-async def in_process(engine: AsyncEngine, concurrency: int, tokens: int) -> list[tuple[float, float]]:
+async def in_process(engine: AsyncPipeline, concurrency: int, tokens: int) -> list[tuple[float, float]]:
     params = SamplingParams(max_tokens=tokens)
 
     async def one(number: int) -> tuple[float, float]:
@@ -204,7 +204,7 @@ def main() -> None:
     finally:
         server.terminate()
         server.wait()
-    engine = AsyncEngine(PacedPipeline(args.step_ms / 1e3, args.host_ms / 1e3))
+    engine = AsyncPipeline(PacedPipeline(args.step_ms / 1e3, args.host_ms / 1e3))
     try:
         for _ in range(args.repeats):
             rows.append(_summary("in-process", run_async(in_process(engine, args.concurrency, args.tokens)),

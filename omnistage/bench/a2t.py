@@ -9,7 +9,7 @@ TTFT and TPOT medians. Targets:
   which the server sends once the first token exists) or `/v1/audio/transcriptions` (streamed events); the
   body (the clip's base64, its JSON) is encoded before the clock starts;
 - this process (`--model DIR`, or `--load-format dummy` for random weights at the released sizes): the
-  engine behind an AsyncEngine, from the preprocessing on; TTFT when the consumer gets the first token (as a
+  engine behind an AsyncPipeline, from the preprocessing on; TTFT when the consumer gets the first token (as a
   client gets its first chunk), TPOT from each RequestOutput's metrics;
 - `--baseline transformers` (in-process only): transformers' Thinker on the same weights and clips.
 
@@ -190,11 +190,11 @@ def _form_value(value: float | bool) -> str:
 
 
 def inprocess_runner(engine: Any, output_tokens: int | None, max_tokens: int) -> Runner:
-    """Requests straight into an AsyncEngine, prompts laid out by its processor as the server does."""
+    """Requests straight into an AsyncPipeline, prompts laid out by its processor as the server does."""
     from omnistage.request import SamplingParams
 
     params = SamplingParams(**forced(output_tokens, max_tokens))
-    processor = engine.engine.processor
+    processor = engine.pipeline.processor
 
     async def run(clip: Clip, number: int) -> RequestTiming:
         start = time.perf_counter()
@@ -294,7 +294,7 @@ def run_a2t(args: argparse.Namespace) -> dict[str, Any]:
         return results
 
     from omnistage.config import engine_config
-    from omnistage.pipeline.async_engine import AsyncEngine
+    from omnistage.pipeline.async_pipeline import AsyncPipeline
     from omnistage.pipeline.family import build_pipeline
 
     model_dir = args.model or (str(released_skeleton(args.skeleton)) if args.load_format == "dummy" else None)
@@ -317,17 +317,17 @@ def run_a2t(args: argparse.Namespace) -> dict[str, Any]:
         **{k: v for k, v in overrides.items() if v is not None},
     )
     started = time.perf_counter()
-    engine = AsyncEngine(build_pipeline(config))
+    engine = AsyncPipeline(build_pipeline(config))
     results["engine_start_s"] = round(time.perf_counter() - started, 2)
-    results["target"] = {"model": str(engine.engine.model_path), "load_format": args.load_format}
-    results["engine"] = engine.engine.memory_summary()
+    results["target"] = {"model": str(engine.pipeline.model_path), "load_format": args.load_format}
+    results["engine"] = engine.pipeline.memory_summary()
     try:
         run = inprocess_runner(engine, output_tokens, args.max_tokens)
         results["ours"] = run_async(sweep(run, clips, concurrencies, args.warmup, args.repeats))
         results["builds_while_serving"] = builds.in_process()
         if args.baseline == "transformers":
             results["transformers"] = _transformers(
-                engine.engine.thinker, clips, output_tokens, args.max_tokens, args.repeats
+                engine.pipeline.thinker, clips, output_tokens, args.max_tokens, args.repeats
             )
     finally:
         engine.shutdown()

@@ -1,6 +1,6 @@
 """What one spoken request is, and how it reaches each target of `omnistage bench t2s|s2s`.
 
-In-process, through an AsyncEngine over the pipeline; over HTTP, through a running server's streamed
+In-process, through an AsyncPipeline over the pipeline; over HTTP, through a running server's streamed
 OpenAI-shaped API. Each target turns a SpeechInput into its SpeechTiming: the first audio packet, the end,
 and the audio and frames produced (see `speech.py` for what is measured and why).
 """
@@ -108,10 +108,10 @@ def talker_params(frames: int, forced: bool) -> SamplingParams:
 def inprocess_runner(
     engine: Any, tts: bool, text_tokens: int, frames: int, voice: str, forced: bool
 ) -> Runner:
-    """Requests straight into an AsyncEngine, prompts laid out by its pipeline as the server does."""
+    """Requests straight into an AsyncPipeline, prompts laid out by its pipeline as the server does."""
     from omnistage.request import SamplingParams, SpeechParams
 
-    pipeline = engine.engine
+    pipeline = engine.pipeline
     speech = SpeechParams(voice=voice, talker=talker_params(frames, forced))
     chat_params = SamplingParams(**text_fields(text_tokens, forced))
 

@@ -91,7 +91,7 @@ def _engine_main(config_json: str, conn: Connection, log_level: int) -> None:
         _send(conn, (exc, traceback.format_exc()))
         return
     gc.collect()
-    gc.freeze()  # see AsyncEngine: the loaded model is never garbage
+    gc.freeze()  # see AsyncPipeline: the loaded model is never garbage
     info = PipelineInfo(
         pipeline.model_path,
         pipeline.max_model_len,

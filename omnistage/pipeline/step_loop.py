@@ -1,4 +1,4 @@
-"""The engine side of AsyncEngine: commands are taken between steps, steps run, their outputs are handed out.
+"""The engine side of AsyncPipeline: commands are taken between steps, steps run, their outputs are handed out.
 
 It runs on a thread of the server's process or as the main loop of an engine process (`engine_process.py`);
 the two differ only in where commands come from and where outputs go.

@@ -1,4 +1,4 @@
-"""The OpenAI-compatible HTTP app around one AsyncEngine.
+"""The OpenAI-compatible HTTP app around one AsyncPipeline.
 
 Each generation request renders and encodes its prompt, starts the engine's stream and waits for the
 first output before answering, so admission errors (bad parameters, too large, queue full) still become
@@ -33,7 +33,7 @@ from omnistage.errors import InvalidMedia, InvalidRequest, OmnistageError
 from omnistage.media import MediaPolicy, decode_messages, load_audio
 from omnistage.models.qwen3_omni.transcription import max_transcription_tokens
 from omnistage.outputs import RequestOutput
-from omnistage.pipeline.async_engine import AsyncEngine, Preparing
+from omnistage.pipeline.async_pipeline import AsyncPipeline, Preparing
 from omnistage.request import SamplingParams, SpeechParams
 from omnistage.server.errors import (
     CatchAll,
@@ -80,17 +80,17 @@ INT64 = {"ge": -(2**63), "le": 2**63 - 1}
 
 
 def build_app(
-    engine: AsyncEngine,
+    pipeline: AsyncPipeline,
     served_model_name: str,
     api_key: str | None = None,
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
     media: MediaPolicy | None = None,
 ) -> FastAPI:
-    """The FastAPI app serving `engine` under `served_model_name`; /v1/* needs `api_key` when one is given.
+    """The FastAPI app serving `pipeline` under `served_model_name`; /v1/* needs `api_key` when one is given.
 
     `media` says where attachments may come from (default: inline data only).
     """
-    server = _Server(engine, served_model_name, media or MediaPolicy())
+    server = _Server(pipeline, served_model_name, media or MediaPolicy())
     app = FastAPI(title="omnistage", version=_version())
     app.state.server = server
     install_error_handlers(app, lambda request, status: server.count(request.url.path, status))
@@ -99,7 +99,7 @@ def build_app(
         api_key=api_key,
         max_body_bytes=max_body_bytes,
         on_reject=server.count,
-        preparing=engine.preparing,
+        preparing=pipeline.preparing,
         preparing_paths=frozenset({CHAT, COMPLETIONS, TRANSCRIPTIONS, SPEECH}),
     )
     app.add_middleware(CatchAll, on_error=server.count)  # added last: the outermost
@@ -164,12 +164,12 @@ class _JSONRoute(APIRoute):
 
 
 class _Server:
-    def __init__(self, engine: AsyncEngine, served_model_name: str, media: MediaPolicy) -> None:
-        self.engine = engine
+    def __init__(self, pipeline: AsyncPipeline, served_model_name: str, media: MediaPolicy) -> None:
+        self.pipeline = pipeline
         self.served_model_name = served_model_name
         self.media = media
         self.metrics = ServerMetrics()
-        self.metrics.set_plan(engine.engine.plan_gauges())
+        self.metrics.set_plan(pipeline.pipeline.plan_gauges())
         self.created = int(time.time())
 
     def count(self, path: str, status: int | str) -> None:
@@ -181,7 +181,7 @@ class _Server:
     async def chat(self, body: ChatCompletionRequest, request: Request) -> Response:
         self._parsed(request)
         self._check_model(body.model)
-        speech = chat_speech_params(body, self.engine.engine.voices)
+        speech = chat_speech_params(body, self.pipeline.pipeline.voices)
         params = body.sampling_params(body.requested_max_tokens)
         request_id, name = f"chatcmpl-{uuid.uuid4().hex}", self.served_model_name
         fmt: Format = ChatFormat(request_id, name, body.include_usage)
@@ -197,16 +197,16 @@ class _Server:
         """Speak exactly `input`: the Talker reads the text's token embeddings; the Thinker does not run."""
         self._parsed(request)
         self._check_model(body.model)
-        engine = self.engine.engine
-        speech = speech_request_params(body, engine.voices)
-        tts = await asyncio.to_thread(engine.tts_prompt, body.input)
+        pipeline = self.pipeline.pipeline
+        speech = speech_request_params(body, pipeline.voices)
+        tts = await asyncio.to_thread(pipeline.tts_prompt, body.input)
         check_reply(tts.reply_token_ids)
         speech.reply_token_ids = tts.reply_token_ids
         # The Thinker does not run: its params need only be valid (an empty reply is the pipeline's 400).
         params = SamplingParams(max_tokens=max(1, len(tts.reply_token_ids)))
         request_id = f"speech-{uuid.uuid4().hex}"
         preparing = self._handing_over(request)
-        outputs = self.engine.generate(
+        outputs = self.pipeline.generate(
             request_id, tts.prompt, tts.token_ids, params, speech=speech, preparing=preparing
         )
         encoding = ENCODINGS[body.response_format]
@@ -225,7 +225,7 @@ class _Server:
         params = body.sampling_params(body.max_tokens)
         given = body.single_prompt()
         if isinstance(given, str):
-            processor, context = self.engine.engine.processor, self.engine.engine.max_model_len
+            processor, context = self.pipeline.pipeline.processor, self.pipeline.pipeline.max_model_len
             prompt = _Prompt(given, await asyncio.to_thread(processor.encode, given, context))
         else:
             prompt = _Prompt(None, list(given))
@@ -269,7 +269,7 @@ class _Server:
             response_format,
             language,
             audio,
-            self.engine.engine.processor.transcript,
+            self.pipeline.pipeline.processor.transcript,
         )
         if max_tokens is None:
             max_tokens = max_transcription_tokens(fmt.duration)
@@ -284,12 +284,12 @@ class _Server:
         return self._card()
 
     async def health(self) -> JSONResponse:
-        if self.engine.ready:
+        if self.pipeline.ready:
             return JSONResponse({"status": "ok"})
         return JSONResponse({"status": "unavailable"}, status_code=503)
 
     async def metrics_text(self) -> Response:
-        text = self.metrics.render(self.engine.stats())
+        text = self.metrics.render(self.pipeline.stats())
         return Response(text, media_type="text/plain; version=0.0.4; charset=utf-8")
 
     # -- the shared path ----------------------------------------------------------------------------
@@ -315,8 +315,8 @@ class _Server:
         return ModelCard(
             id=self.served_model_name,
             created=self.created,
-            root=str(self.engine.engine.model_path),
-            max_model_len=self.engine.engine.max_model_len,
+            root=str(self.pipeline.pipeline.model_path),
+            max_model_len=self.pipeline.pipeline.max_model_len,
         )
 
     # These run in worker threads: fetching, decoding and tokenizing let go of the GIL for the event loop.
@@ -324,16 +324,18 @@ class _Server:
     def _process_media_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool) -> Any:
         """Fetch and decode the attachments, then let the processor lay out the multimodal prompt."""
         decoded = decode_messages(messages, self.media)
-        engine = self.engine.engine
+        pipeline = self.pipeline.pipeline
         try:
-            return engine.processor.process_chat(decoded, add_generation_prompt, engine.max_model_len)
+            return pipeline.processor.process_chat(decoded, add_generation_prompt, pipeline.max_model_len)
         except jinja2.TemplateError as exc:
             raise InvalidRequest(f"messages: the chat template rejected them ({exc})") from None
 
     def _encode_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool) -> _Prompt:
-        engine = self.engine.engine
+        pipeline = self.pipeline.pipeline
         try:
-            prompt, ids = engine.processor.encode_chat(messages, add_generation_prompt, engine.max_model_len)
+            prompt, ids = pipeline.processor.encode_chat(
+                messages, add_generation_prompt, pipeline.max_model_len
+            )
         except jinja2.TemplateError as exc:
             raise InvalidRequest(f"messages: the chat template rejected them ({exc})") from None
         return _Prompt(prompt, ids)
@@ -345,8 +347,8 @@ class _Server:
             audio = load_audio(data, self.media)
         except InvalidMedia as exc:
             raise InvalidMedia(f"file: {exc}") from None
-        engine = self.engine.engine
-        return audio, engine.processor.transcription(audio, language, prompt, engine.max_model_len)
+        pipeline = self.pipeline.pipeline
+        return audio, pipeline.processor.transcription(audio, language, prompt, pipeline.max_model_len)
 
     async def _generate(
         self,
@@ -365,7 +367,7 @@ class _Server:
         if speech is not None:
             extra["speech"] = speech
         extra["preparing"] = self._handing_over(request)
-        outputs = self.engine.generate(fmt.id, prompt.prompt, prompt.token_ids, params, **extra)
+        outputs = self.pipeline.generate(fmt.id, prompt.prompt, prompt.token_ids, params, **extra)
         if stream:
             # Wait for the first output so that admission errors still get their status code.
             first = await _engine_call(_unless_disconnected(request, anext(outputs)), outputs, fmt.id)

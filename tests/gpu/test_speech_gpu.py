@@ -13,7 +13,7 @@ from omnistage.bench import speech_targets as targets
 from omnistage.bench.a2t import released_skeleton
 from omnistage.config import engine_config
 from omnistage.outputs import AUDIO_SAMPLE_RATE
-from omnistage.pipeline.async_engine import AsyncEngine
+from omnistage.pipeline.async_pipeline import AsyncPipeline
 from omnistage.request import SamplingParams, SpeechParams
 
 pytestmark = pytest.mark.gpu
@@ -22,26 +22,26 @@ TEXT_TOKENS, FRAMES = 16, 50  # 4 s of audio
 
 
 @pytest.fixture(scope="module")
-def engine() -> Iterator[AsyncEngine]:
+def engine() -> Iterator[AsyncPipeline]:
     # eager and uncompiled: this checks what runs, not how fast (the benchmark runs the default settings)
     config = engine_config(
         model=str(released_skeleton()), load_format="dummy", device="cuda", dtype="bfloat16",
         kv_cache_memory_gib=8, enforce_eager=True, compile=False,
     )  # fmt: skip
-    engine = AsyncEngine.from_config(config)
+    engine = AsyncPipeline.from_config(config)
     yield engine
     engine.shutdown()
 
 
-def assert_pools_full(engine: AsyncEngine) -> None:
-    stats = engine.engine.stats()
+def assert_pools_full(engine: AsyncPipeline) -> None:
+    stats = engine.pipeline.stats()
     assert stats["kv_pages_free"] == stats["kv_pages_total"]
     assert stats["talker_kv_pages_free"] == stats["talker_kv_pages_total"] > 0
 
 
 def test_one_s2s_request(engine):
     item = targets.speech_inputs("s2s", espeak=False)[0]
-    prompt = engine.engine.processor.process_chat(item.messages())
+    prompt = engine.pipeline.processor.process_chat(item.messages())
     talker = targets.talker_params(FRAMES, forced=True)
     thinker = SamplingParams(**targets.text_fields(TEXT_TOKENS, forced=True))
 

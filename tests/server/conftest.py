@@ -19,7 +19,7 @@ from omnistage.config import engine_config
 from omnistage.errors import InvalidMedia, QueueFull
 from omnistage.models.qwen3_omni.transcription import transcription_messages
 from omnistage.outputs import CompletionOutput, RequestOutput
-from omnistage.pipeline.async_engine import AsyncEngine, Preparing
+from omnistage.pipeline.async_pipeline import AsyncPipeline, Preparing
 from omnistage.request import SamplingParams
 
 
@@ -67,16 +67,18 @@ def launch_server(tmp_path_factory, tiny_checkpoint):
 
 
 @pytest.fixture(scope="session")
-def tiny_engine(tiny_checkpoint) -> Iterator[AsyncEngine]:
+def tiny_engine(tiny_checkpoint) -> Iterator[AsyncPipeline]:
     """The real engine over the tiny checkpoint on the CPU (the model's whole context), for in-process apps."""
-    engine = AsyncEngine.from_config(engine_config(model=str(tiny_checkpoint), device="cpu", num_kv_pages=64))
+    engine = AsyncPipeline.from_config(
+        engine_config(model=str(tiny_checkpoint), device="cpu", num_kv_pages=64)
+    )
     try:
         yield engine
     finally:
         engine.shutdown()
 
 
-# -- a fake AsyncEngine with the real one's interface, for failures a real model cannot be made to show ----
+# -- a fake AsyncPipeline with the real one's interface, for failures a real model cannot be made to show ----
 
 
 @dataclass
@@ -166,7 +168,7 @@ class FakeEngine:
     """
 
     def __init__(self) -> None:
-        self.engine = FakeLLMEngine()
+        self.pipeline = FakeLLMEngine()
         self.ready = True
         self.running: set[str] = set()
         self.closed: list[str] = []
@@ -235,7 +237,7 @@ class FakeEngine:
                     [out],
                     finished=done,
                     error="OutOfMemoryError: pretend" if failed else None,
-                    # delivered: when this output reached its consumer, as AsyncEngine stamps it
+                    # delivered: when this output reached its consumer, as AsyncPipeline stamps it
                     metrics={
                         "arrival": 0.0,
                         "first_token": 0.01,

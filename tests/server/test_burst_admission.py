@@ -18,14 +18,14 @@ from fastapi.testclient import TestClient
 from omnistage.config import engine_config
 from omnistage.models.qwen3_omni.code2wav import lookahead_samples
 from omnistage.models.qwen3_omni.config import Qwen3OmniConfig
-from omnistage.pipeline.async_engine import AsyncEngine
+from omnistage.pipeline.async_pipeline import AsyncPipeline
 from omnistage.server.app import build_app
 
 MODEL = "tiny"
 
 
 def test_a_burst_is_admitted_as_one_batch_and_a_lone_request_at_once(tiny_engine, monkeypatch):
-    pipeline = tiny_engine.engine
+    pipeline = tiny_engine.pipeline
     add_requests = pipeline.add_requests
     batches = []
     monkeypatch.setattr(
@@ -64,7 +64,7 @@ SAMPLES_PER_FRAME = 24000 * 2 // 25
 
 
 @pytest.fixture(scope="module")
-def speaking_engine(tiny_checkpoint) -> Iterator[AsyncEngine]:
+def speaking_engine(tiny_checkpoint) -> Iterator[AsyncPipeline]:
     """Two speaking at once; the Talker's pool holds 768 tokens, so longer speech is refused at admission."""
     config = engine_config(
         model=str(tiny_checkpoint),
@@ -73,7 +73,7 @@ def speaking_engine(tiny_checkpoint) -> Iterator[AsyncEngine]:
         max_num_speaking=2,
         stages={"talker": {"num_kv_pages": 48}},
     )
-    engine = AsyncEngine.from_config(config)
+    engine = AsyncPipeline.from_config(config)
     try:
         yield engine
     finally:
@@ -86,9 +86,9 @@ def speech_body(seed: int, frames: int = FRAMES) -> dict:
     return body | forced
 
 
-def assert_nothing_held(engine: AsyncEngine) -> None:
+def assert_nothing_held(engine: AsyncPipeline) -> None:
     """Every page of every stage is free again and no per-request state is left behind."""
-    pipeline = engine.engine
+    pipeline = engine.pipeline
     talker = pipeline.speech_stages.talker_stage
     assert not pipeline.has_unfinished()
     assert pipeline.thinker.pool.num_free == pipeline.thinker.pool.num_pages
@@ -106,9 +106,9 @@ async def until(condition: Callable[[], bool], timeout: float = 10.0) -> None:
         await asyncio.sleep(0.005)
 
 
-def wait_idle(engine: AsyncEngine, timeout: float = 5.0) -> None:
+def wait_idle(engine: AsyncPipeline, timeout: float = 5.0) -> None:
     deadline = time.monotonic() + timeout
-    while engine.engine.has_unfinished() and time.monotonic() < deadline:
+    while engine.pipeline.has_unfinished() and time.monotonic() < deadline:
         time.sleep(0.01)
 
 
@@ -116,7 +116,7 @@ def test_a_text_chat_is_not_queued_behind_long_speeches(speaking_engine):
     """Four speeches with two speaking at a time: the later two wait (counted as waiting), a short chat
     meanwhile finishes within a small part of their time, and every speech comes back whole."""
     app = build_app(speaking_engine, MODEL)
-    pipeline = speaking_engine.engine
+    pipeline = speaking_engine.pipeline
     seen = {"speaking": 0, "waiting": 0}
     finished: dict[int, float] = {}
 
@@ -171,7 +171,7 @@ def test_a_full_queue_is_503_with_retry_after(speaking_engine, monkeypatch):
     """Two speaking and one waiting fill a queue of one: the next request (speech or text) is a 503 that
     says when to come back; the three still finish."""
     app = build_app(speaking_engine, MODEL)
-    pipeline = speaking_engine.engine
+    pipeline = speaking_engine.pipeline
     monkeypatch.setattr(speaking_engine, "max_queue", 1)
 
     async def main() -> list[httpx.Response]:

@@ -39,7 +39,7 @@ def app(tiny_engine):
 
 @pytest.fixture(scope="module")
 def oversized(tiny_engine) -> str:
-    limit = tiny_engine.engine.max_model_len * tiny_engine.engine.processor.max_token_bytes
+    limit = tiny_engine.pipeline.max_model_len * tiny_engine.pipeline.processor.max_token_bytes
     return words(limit + 1)
 
 
@@ -56,7 +56,7 @@ def test_text_too_long_for_the_context_is_refused_before_tokenizing(app, tiny_en
     elapsed = time.monotonic() - started
     assert r.status_code == 400, r.text
     error = r.json()["error"]
-    context = tiny_engine.engine.max_model_len
+    context = tiny_engine.pipeline.max_model_len
     assert error["code"] == "request_too_large"
     assert f"the model's context of {context:,} tokens holds at most" in error["message"], error
     size = re.match(r"the prompt is ([\d,]+) bytes of text;", error["message"])

@@ -23,7 +23,7 @@ from fastapi.testclient import TestClient
 
 from omnistage.errors import InvalidRequest
 from omnistage.outputs import AUDIO_SAMPLE_RATE, CompletionOutput, RequestOutput
-from omnistage.pipeline.async_engine import Preparing
+from omnistage.pipeline.async_pipeline import Preparing
 from omnistage.request import SamplingParams, SpeechParams
 from omnistage.server import build_app
 from omnistage.server.speech import AudioCut
@@ -75,7 +75,7 @@ class SpeakingEngine:
     calls: list[tuple[list[int], SamplingParams, SpeechParams | None]] = field(default_factory=list)
 
     def __post_init__(self) -> None:
-        self.engine = SpeakingFacade(self.voices)
+        self.pipeline = SpeakingFacade(self.voices)
 
     def preparing(self) -> Preparing:
         return Preparing(self)

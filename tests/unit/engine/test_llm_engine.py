@@ -11,7 +11,7 @@ from omnistage.config import engine_config
 from omnistage.engine.memory.plan import GiB
 from omnistage.errors import InvalidRequest, RequestTooLarge
 from omnistage.models.qwen3_omni.config import Qwen3OmniConfig
-from omnistage.pipeline.async_engine import AsyncEngine
+from omnistage.pipeline.async_pipeline import AsyncPipeline
 
 PROMPTS = [
     "Hello",
@@ -240,15 +240,15 @@ def test_cancellation_frees_pages_at_once(llm):
     assert_pool_full(llm)
 
 
-def test_async_engine_streams_and_cancels(tiny_checkpoint, alone):
-    engine = AsyncEngine.from_config(
+def test_async_pipeline_streams_and_cancels(tiny_checkpoint, alone):
+    engine = AsyncPipeline.from_config(
         engine_config(
             model=str(tiny_checkpoint), device="cpu", dtype="float32", page_size=4, num_kv_pages=128
         )
     )
 
     async def run(i):
-        ids = engine.engine.processor.encode(PROMPTS[i])
+        ids = engine.pipeline.processor.encode(PROMPTS[i])
         deltas, last = [], None
         async for out in engine.generate(str(i), PROMPTS[i], ids, GREEDY):
             deltas += out.outputs[0].delta_token_ids
@@ -366,17 +366,17 @@ def test_add_requests_fails_only_the_request_at_fault(llm):
     assert_pool_full(llm)
 
 
-def test_async_engine_encodes_the_requests_waiting_together(tiny_checkpoint, monkeypatch):
+def test_async_pipeline_encodes_the_requests_waiting_together(tiny_checkpoint, monkeypatch):
     """Requests queued while a step runs are admitted at once: one encoder call for all their clips, and
     each gets the tokens it gets alone."""
     import threading
 
-    engine = AsyncEngine.from_config(
+    engine = AsyncPipeline.from_config(
         engine_config(
             model=str(tiny_checkpoint), device="cpu", dtype="float32", page_size=4, num_kv_pages=512
         )
     )
-    llm_engine = engine.engine.thinker
+    llm_engine = engine.pipeline.thinker
     prompts = _audio_prompts(llm_engine.processor, [0.6, 2.2, 4.1, 1.0])
     batches, release, stepping = [], threading.Event(), threading.Event()
     encode_many, step = llm_engine.encoders.encode_many, llm_engine.step
@@ -565,13 +565,13 @@ def test_a_client_leaving_during_a_long_prefill_stops_it_within_a_step(tiny_chec
     most max_num_batched_tokens tokens."""
     import threading
 
-    engine = AsyncEngine.from_config(
+    engine = AsyncPipeline.from_config(
         engine_config(
             model=str(tiny_checkpoint), device="cpu", dtype="float32", page_size=4, num_kv_pages=1024,
             max_num_batched_tokens=64,
         )
     )  # fmt: skip
-    runner = engine.engine.thinker.runner
+    runner = engine.pipeline.thinker.runner
     execute, steps = runner.execute, []
     inside, leave = threading.Event(), threading.Event()
 

@@ -14,7 +14,7 @@ from omnistage.config import engine_config
 from omnistage.engine.llm_engine import NewRequest
 from omnistage.errors import ConfigError, InvalidRequest
 from omnistage.outputs import CompletionOutput, RequestOutput
-from omnistage.pipeline.async_engine import AsyncEngine
+from omnistage.pipeline.async_pipeline import AsyncPipeline
 from omnistage.pipeline.engine_process import RemoteOutputs, SlimOutputs
 from omnistage.pipeline.family import build_pipeline
 from omnistage.pipeline.step_loop import Abort, Add, StepLoop
@@ -28,8 +28,8 @@ def config(checkpoint):
     return engine_config(model=str(checkpoint), device="cpu", dtype="float32", num_kv_pages=256)
 
 
-async def collect(engine: AsyncEngine, request_id: str, messages: list[dict], speech: SpeechParams | None):
-    processor = engine.engine.processor
+async def collect(engine: AsyncPipeline, request_id: str, messages: list[dict], speech: SpeechParams | None):
+    processor = engine.pipeline.processor
     prompt = processor.process_chat(messages)
     return [
         o async for o in engine.generate(request_id, prompt.prompt, prompt.token_ids, TEXT, speech=speech)
@@ -38,8 +38,8 @@ async def collect(engine: AsyncEngine, request_id: str, messages: list[dict], sp
 
 @pytest.fixture(scope="module")
 def engines(tiny_checkpoint):
-    here = AsyncEngine.from_config(config(tiny_checkpoint))
-    there = AsyncEngine.from_config(config(tiny_checkpoint), engine_process=True)
+    here = AsyncPipeline.from_config(config(tiny_checkpoint))
+    there = AsyncPipeline.from_config(config(tiny_checkpoint), engine_process=True)
     yield here, there
     here.shutdown()
     there.shutdown()
@@ -83,7 +83,7 @@ def test_admission_errors_and_a_client_leaving(engines):
         asyncio.run(refused())
 
     async def leave():
-        prompt = there.engine.processor.process_chat([{"role": "user", "content": "Talk for a while."}])
+        prompt = there.pipeline.processor.process_chat([{"role": "user", "content": "Talk for a while."}])
         stream = there.generate("leaver", prompt.prompt, prompt.token_ids, SamplingParams(max_tokens=500))
         async for _ in stream:
             break
@@ -99,16 +99,16 @@ def test_admission_errors_and_a_client_leaving(engines):
 def test_a_checkpoint_that_cannot_load_fails_the_start(tmp_path):
     (tmp_path / "config.json").write_text("{}")
     with pytest.raises(ConfigError):
-        AsyncEngine.from_config(engine_config(model=str(tmp_path), device="cpu"), engine_process=True)
+        AsyncPipeline.from_config(engine_config(model=str(tmp_path), device="cpu"), engine_process=True)
 
 
 def test_the_engine_process_dying_fails_open_streams_and_readiness(tiny_checkpoint):
-    engine = AsyncEngine.from_config(config(tiny_checkpoint), engine_process=True)
+    engine = AsyncPipeline.from_config(config(tiny_checkpoint), engine_process=True)
     try:
         assert engine.ready
 
         async def cut_short():
-            prompt = engine.engine.processor.process_chat([{"role": "user", "content": "Talk."}])
+            prompt = engine.pipeline.processor.process_chat([{"role": "user", "content": "Talk."}])
             stream = engine.generate("x", prompt.prompt, prompt.token_ids, SamplingParams(max_tokens=3000))
             await anext(stream)
             os.kill(engine._process.process.pid, signal.SIGKILL)
@@ -146,8 +146,8 @@ def test_aborted_requests_leave_no_bookkeeping_on_either_side(engines):
     long = SamplingParams(max_tokens=400, min_tokens=400, seed=3)
     short = SamplingParams(max_tokens=5, min_tokens=5, seed=4)
 
-    async def run(engine: AsyncEngine) -> None:
-        prompt = engine.engine.processor.process_chat([{"role": "user", "content": "Talk for a while."}])
+    async def run(engine: AsyncPipeline) -> None:
+        prompt = engine.pipeline.processor.process_chat([{"role": "user", "content": "Talk for a while."}])
 
         async def leave(request_id: str, after: int) -> None:
             stream = engine.generate(request_id, prompt.prompt, prompt.token_ids, long)
@@ -190,7 +190,7 @@ def test_aborted_requests_leave_no_bookkeeping_on_either_side(engines):
         assert stats["num_waiting"] == stats["num_running"] == 0
         assert not engine._streams
         if engine._process is None:
-            assert not engine.engine.has_unfinished()
+            assert not engine.pipeline.has_unfinished()
         else:
             assert engine._process.outputs._partial == {}
 

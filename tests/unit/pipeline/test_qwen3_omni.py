@@ -13,7 +13,7 @@ from omnistage import LLM, SamplingParams
 from omnistage.config import engine_config
 from omnistage.engine.llm_engine import NewRequest
 from omnistage.errors import InvalidRequest
-from omnistage.pipeline.async_engine import AsyncEngine
+from omnistage.pipeline.async_pipeline import AsyncPipeline
 from omnistage.pipeline.qwen3_omni import default_frame_cap, max_speaking
 from omnistage.pipeline.side_stream import SideStream
 from omnistage.request import MAX_AUDIO_FRAMES, SpeechParams, talker_sampling_defaults
@@ -193,7 +193,7 @@ def test_speech_requests_are_checked_before_anything_runs(llm, tiny_checkpoint):
 def test_cancelled_and_failed_speaking_requests_leave_every_pool_full(llm, monkeypatch):
     """A client leaving mid-speech, and a request whose code-predictor call fails, free everything; the
     request speaking beside the failed one is unaffected."""
-    engine = AsyncEngine(llm.pipeline)
+    engine = AsyncPipeline(llm.pipeline)
 
     async def leave_after_first_audio():
         spec = speak(llm, 3, frames=200, text_tokens=40)

@@ -1,6 +1,6 @@
 """The pipeline fed from asyncio: the event loop never waits on model work.
 
-The pipeline runs a StepLoop on a thread of this process (`AsyncEngine(pipeline)`), or in an engine process
+The pipeline runs a StepLoop on a thread of this process (`AsyncPipeline(pipeline)`), or in an engine process
 of its own (`from_config(..., engine_process=True)`, what `omnistage serve` does: see engine_process.py).
 Requests are checked on the caller's side where the pipeline is here, queued as commands, and picked up
 between steps, all those waiting at once (their media go through the encoders together); each step's
@@ -35,8 +35,10 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 
-class AsyncEngine:
-    def __init__(self, engine: Pipeline | EngineProcess, max_queue: int | None = None) -> None:
+class AsyncPipeline:
+    """A pipeline's requests as async streams of outputs: what the server and the in-process benches talk to."""
+
+    def __init__(self, pipeline: Pipeline | EngineProcess, max_queue: int | None = None) -> None:
         self.max_queue = max_queue
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
         self._lock = threading.Lock()  # guards _streams and the queued count
@@ -49,13 +51,13 @@ class AsyncEngine:
         # walks it while every thread, the engine's included, waits on the GIL.
         gc.collect()
         gc.freeze()
-        if isinstance(engine, EngineProcess):
-            self._process: EngineProcess | None = engine
-            self.engine: Pipeline | RemotePipeline = engine.view
+        if isinstance(pipeline, EngineProcess):
+            self._process: EngineProcess | None = pipeline
+            self.pipeline: Pipeline | RemotePipeline = pipeline.view
             target = self._receive_from_process
         else:
             self._process = None
-            self.engine = engine
+            self.pipeline = pipeline
             self._commands: queue.SimpleQueue = queue.SimpleQueue()
             self._taken = 0
             target = self._run_here
@@ -65,9 +67,9 @@ class AsyncEngine:
     @classmethod
     def from_config(
         cls, config: EngineConfig, max_queue: int | None = None, engine_process: bool = False
-    ) -> AsyncEngine:
-        engine = EngineProcess(config) if engine_process else build_pipeline(config)
-        return cls(engine, max_queue)
+    ) -> AsyncPipeline:
+        pipeline = EngineProcess(config) if engine_process else build_pipeline(config)
+        return cls(pipeline, max_queue)
 
     def preparing(self) -> Preparing:
         """A request its caller is preparing for `generate` (parsing, media decoding, the processor): until its
@@ -94,7 +96,7 @@ class AsyncEngine:
 
     def stats(self) -> dict[str, int]:
         # an engine process sends its stats with the builds counted on its side
-        stats = self.engine.stats() if self._process is not None else serving_stats(self.engine)
+        stats = self.pipeline.stats() if self._process is not None else serving_stats(self.pipeline)
         stats["num_waiting"] += self._queued()
         return stats
 
@@ -115,13 +117,13 @@ class AsyncEngine:
         `preparing`: the request's count among those being prepared (`preparing()`), done as it is sent."""
         if preparing is not None:
             preparing.done()
-        self.engine.validate(prompt_token_ids, params, speech)
+        self.pipeline.validate(prompt_token_ids, params, speech)
         submitted, delivered = time.monotonic(), None
         out_queue: asyncio.Queue = asyncio.Queue()
         with self._lock:
             if request_id in self._streams:
                 raise InvalidRequest(f"request id {request_id!r} is already running")
-            waiting = self.engine.num_waiting + self._queued()
+            waiting = self.pipeline.num_waiting + self._queued()
             if self.max_queue is not None and waiting >= self.max_queue:
                 raise QueueFull(
                     f"the server's queue is full ({waiting} requests waiting, the limit is {self.max_queue})"
@@ -188,8 +190,8 @@ class AsyncEngine:
             with self._lock:
                 return request_id in self._streams
 
-        window = self.engine.config.admission_window_ms / 1e3
-        StepLoop(self.engine, self._deliver_all, wanted, window).run(self._take, self._stopping.is_set)
+        window = self.pipeline.config.admission_window_ms / 1e3
+        StepLoop(self.pipeline, self._deliver_all, wanted, window).run(self._take, self._stopping.is_set)
 
     def _take(self, timeout: float | None) -> list[Add | Abort]:
         """The commands queued so far; with a `timeout`, waits up to that many seconds for the first."""
@@ -221,15 +223,15 @@ class AsyncEngine:
 
 
 class Preparing:
-    """`AsyncEngine.preparing`'s count of one request; `done()` takes it off (once, however often called)."""
+    """`AsyncPipeline.preparing`'s count of one request; `done()` takes it off (once, however often called)."""
 
-    def __init__(self, engine: AsyncEngine) -> None:
-        self._engine: AsyncEngine | None = engine
+    def __init__(self, pipeline: AsyncPipeline) -> None:
+        self._pipeline: AsyncPipeline | None = pipeline
 
     def done(self) -> None:
-        engine, self._engine = self._engine, None
-        if engine is not None:
-            engine._prepared()
+        pipeline, self._pipeline = self._pipeline, None
+        if pipeline is not None:
+            pipeline._prepared()
 
 
 def _put_all(batch: list[tuple[asyncio.Queue, RequestOutput | Exception]]) -> None:
