@@ -161,7 +161,7 @@ def served_gaps(
     while all `batch` requests decode."""
 
     async def stream(request: NewRequest) -> list[float]:
-        outputs = engine.generate(request.request_id, None, request.prompt_token_ids, request.params)
+        outputs = engine.generate(request)
         return [time.perf_counter() async for _ in outputs]
 
     async def run() -> list[list[float]]:

@@ -31,7 +31,7 @@ from omnistage.bench.server_process import ServerProcess, phase_means, phase_tot
 from omnistage.bench.sweep import run as run_async
 from omnistage.outputs import CompletionOutput, RequestOutput
 from omnistage.pipeline.async_pipeline import AsyncPipeline
-from omnistage.request import SamplingParams
+from omnistage.request import GenerationRequest, SamplingParams
 
 MODEL = "paced"
 
@@ -136,7 +136,7 @@ async def in_process(engine: AsyncPipeline, concurrency: int, tokens: int) -> li
 
     async def one(number: int) -> tuple[float, float]:
         start, stamps = time.perf_counter(), []
-        async for _ in engine.generate(f"r{number}", "prompt", [0], params):
+        async for _ in engine.generate(GenerationRequest(f"r{number}", [0], params, "prompt")):
             stamps.append(time.perf_counter())
         return stamps[0] - start, (stamps[-1] - stamps[0]) / (len(stamps) - 1)
 

@@ -1,7 +1,8 @@
-"""What a request asks of the pipeline: its sampling (vLLM's names and defaults) and, to speak, its speech.
+"""One request as it travels from where it enters to the pipeline: its prompt, its sampling (vLLM's names and
+defaults) and, to speak, its speech.
 
-Shared by the edge that builds a request (server/, llm.py) and the pipeline and stages that run it (pipeline/,
-engine/): plain Python, no tensors, so that the server imports it without the engine.
+Shared by the edge that builds and checks a request (server/, llm.py) and the pipeline and stages that run it
+(pipeline/, engine/): plain Python, so that the server imports it without the engine.
 """
 
 from __future__ import annotations
@@ -10,8 +11,13 @@ import math
 import numbers
 import reprlib
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from omnistage.errors import InvalidRequest
+
+if TYPE_CHECKING:
+    from omnistage.models.layers.rotary import PromptPositions
+    from omnistage.models.qwen3_omni.processor import MultimodalInputs
 
 # Below this a temperature counts as greedy: dividing logits by it would only amplify float noise (vLLM's bound).
 GREEDY_TEMPERATURE = 1e-5
@@ -117,6 +123,21 @@ class SpeechParams:
     voice: str = "ethan"
     talker: SamplingParams = field(default_factory=talker_sampling_defaults)
     reply_token_ids: list[int] | None = None
+
+
+@dataclass(frozen=True)
+class GenerationRequest:
+    """A request built and checked once, where it enters (the server's edge, `LLM`): a prompt laid out by the
+    processor, how to sample the reply and, with `speech`, how to speak it. It travels as it is to the pipeline,
+    which checks what only its stages know (the context, the vocabulary, the page pools) when it admits it."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    prompt: str | None = None
+    mrope: PromptPositions | None = None  # None where every position is its own index (no images)
+    mm: MultimodalInputs | None = None  # what the encoders read; None without attachments
+    speech: SpeechParams | None = None  # speak the reply too
 
 
 _INT_FIELDS = ("n", "max_tokens", "min_tokens", "top_k", "seed")

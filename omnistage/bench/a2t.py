@@ -191,7 +191,7 @@ def _form_value(value: float | bool) -> str:
 
 def inprocess_runner(engine: Any, output_tokens: int | None, max_tokens: int) -> Runner:
     """Requests straight into an AsyncPipeline, prompts laid out by its processor as the server does."""
-    from omnistage.request import SamplingParams
+    from omnistage.request import GenerationRequest, SamplingParams
 
     params = SamplingParams(**forced(output_tokens, max_tokens))
     processor = engine.pipeline.processor
@@ -202,9 +202,10 @@ def inprocess_runner(engine: Any, output_tokens: int | None, max_tokens: int) ->
         prepared = time.perf_counter() - start
         submitted = time.monotonic()
         final, received = None, None
-        async for output in engine.generate(
-            f"a2t-{number}", prompt.prompt, prompt.token_ids, params, mrope=prompt.mrope, mm=prompt.mm
-        ):
+        request = GenerationRequest(
+            f"a2t-{number}", prompt.token_ids, params, prompt.prompt, prompt.mrope, prompt.mm
+        )
+        async for output in engine.generate(request):
             # the first token as this consumer gets it, as a client over HTTP gets its first chunk
             received = received or (time.monotonic() if output.outputs[0].token_ids else None)
             final = output

@@ -109,7 +109,7 @@ def inprocess_runner(
     engine: Any, tts: bool, text_tokens: int, frames: int, voice: str, forced: bool
 ) -> Runner:
     """Requests straight into an AsyncPipeline, prompts laid out by its pipeline as the server does."""
-    from omnistage.request import SamplingParams, SpeechParams
+    from omnistage.request import GenerationRequest, SamplingParams, SpeechParams
 
     pipeline = engine.pipeline
     speech = SpeechParams(voice=voice, talker=talker_params(frames, forced))
@@ -132,9 +132,8 @@ def inprocess_runner(
             params, spoken = chat_params, speech
         prepared = time.monotonic()
         first, samples, final = None, 0, None
-        async for out in engine.generate(
-            f"speech-{number}", text, ids, params, mrope=mrope, mm=mm, speech=spoken
-        ):
+        request = GenerationRequest(f"speech-{number}", ids, params, text, mrope, mm, spoken)
+        async for out in engine.generate(request):
             if out.audio_delta is not None and len(out.audio_delta):
                 first = first or time.monotonic()
                 samples += len(out.audio_delta)

@@ -2,10 +2,11 @@
 
 The pipeline runs a StepLoop on a thread of this process (`AsyncPipeline(pipeline)`), or in an engine process
 of its own (`from_config(..., engine_process=True)`, what `omnistage serve` does: see engine_process.py).
-Requests are checked on the caller's side where the pipeline is here, queued as commands, and picked up
-between steps, all those waiting at once (their media go through the encoders together); each step's
-outputs are handed back to the loop thread-safely. A consumer that stops iterating (a client that went
-away) aborts its request, which frees its pages at once.
+Requests come in built and checked by their caller (omnistage/request.py), are queued as commands, and are
+picked up between steps, all those waiting at once (their media go through the encoders together), where the
+pipeline checks what only it can; each step's outputs, and each refused request's error, are handed back to
+the loop thread-safely. A consumer that stops iterating (a client that went away) aborts its request, which
+frees its pages at once.
 """
 
 from __future__ import annotations
@@ -17,20 +18,14 @@ import queue
 import threading
 import time
 from collections.abc import AsyncIterator
-from typing import TYPE_CHECKING
 
 from omnistage.config import EngineConfig
-from omnistage.engine.llm_engine import NewRequest
 from omnistage.errors import InvalidRequest, QueueFull
-from omnistage.models.layers.rotary import PromptPositions
 from omnistage.outputs import RequestOutput
 from omnistage.pipeline.engine_process import EngineProcess, RemotePipeline
 from omnistage.pipeline.family import Pipeline, build_pipeline
 from omnistage.pipeline.step_loop import Abort, Add, Delivery, StepLoop, serving_stats
-from omnistage.request import SamplingParams, SpeechParams
-
-if TYPE_CHECKING:
-    from omnistage.models.qwen3_omni.processor import MultimodalInputs
+from omnistage.request import GenerationRequest
 
 log = logging.getLogger(__name__)
 
@@ -101,23 +96,16 @@ class AsyncPipeline:
         return stats
 
     async def generate(
-        self,
-        request_id: str,
-        prompt: str | None,
-        prompt_token_ids: list[int],
-        params: SamplingParams,
-        mrope: PromptPositions | None = None,
-        mm: MultimodalInputs | None = None,
-        speech: SpeechParams | None = None,
-        preparing: Preparing | None = None,
+        self, request: GenerationRequest, preparing: Preparing | None = None
     ) -> AsyncIterator[RequestOutput]:
-        """Outputs of one request, one per engine step that touched it; the last has finished=True.
+        """Outputs of one request, one per engine step that touched it; the last has finished=True. What keeps
+        the request out (the pipeline's checks at admission, a full queue) is raised by the first.
 
         With `speech`, the reply is also spoken: outputs carry `audio_delta` chunks as they are decoded.
         `preparing`: the request's count among those being prepared (`preparing()`), done as it is sent."""
         if preparing is not None:
             preparing.done()
-        self.pipeline.validate(prompt_token_ids, params, speech)
+        request_id = request.request_id
         submitted, delivered = time.monotonic(), None
         out_queue: asyncio.Queue = asyncio.Queue()
         with self._lock:
@@ -131,7 +119,6 @@ class AsyncPipeline:
             self._streams[request_id] = (asyncio.get_running_loop(), out_queue)
             self._added += 1
             more_coming = self._preparing
-        request = NewRequest(request_id, prompt_token_ids, params, prompt, mrope, mm, speech)
         self._send(Add(request, more_coming))
         finished = False
         try:

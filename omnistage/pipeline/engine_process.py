@@ -38,7 +38,6 @@ from omnistage.outputs import RequestOutput
 from omnistage.pipeline.family import build_pipeline, processor_for
 from omnistage.pipeline.qwen3_omni import TtsPrompt, tts_prompt
 from omnistage.pipeline.step_loop import Abort, Add, Delivery, StepLoop, serving_stats
-from omnistage.request import SamplingParams, SpeechParams
 
 log = logging.getLogger(__name__)
 
@@ -237,12 +236,6 @@ class RemotePipeline:
 
     def tts_prompt(self, text: str) -> TtsPrompt:
         return tts_prompt(self.processor, text, self.max_model_len)
-
-    def validate(
-        self, prompt_token_ids: list[int], params: SamplingParams, speech: SpeechParams | None = None
-    ) -> None:
-        """Nothing here: the engine process checks a request when it admits it, and its error is the first
-        item of the request's stream."""
 
     @property
     def num_waiting(self) -> int:

@@ -4,6 +4,7 @@ Qwen3-Omni's pipeline (it transcribes; it does not speak)."""
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 import torch
@@ -23,7 +24,7 @@ from omnistage.outputs import RequestOutput
 from omnistage.pipeline.planning import plan_devices
 from omnistage.pipeline.qwen3_omni import TtsPrompt, eos_token_ids
 from omnistage.pipeline.topology import validate_topology
-from omnistage.request import SamplingParams, SpeechParams
+from omnistage.request import GenerationRequest, SamplingParams, SpeechParams
 
 NO_SPEECH = "this model transcribes audio; it does not speak (a Qwen3-Omni checkpoint does)"
 # Qwen3-ASR is served for many short clips at once: this many sequences (and decode graphs up to them) where the
@@ -89,10 +90,12 @@ class Qwen3ASRPipeline:
             raise InvalidRequest(NO_SPEECH)
         return self.thinker.validate(prompt_token_ids, params)
 
-    def add_requests(self, requests: list[NewRequest]) -> list[Exception | None]:
+    def add_requests(self, requests: Sequence[GenerationRequest]) -> list[Exception | None]:
         errors: list[Exception | None] = [InvalidRequest(NO_SPEECH) if r.speech else None for r in requests]
         admitted = [i for i, e in enumerate(errors) if e is None]
-        for i, error in zip(admitted, self.thinker.add_requests([requests[i] for i in admitted])):
+        for i, error in zip(
+            admitted, self.thinker.add_requests([NewRequest.of(requests[i]) for i in admitted])
+        ):
             errors[i] = error
         return errors
 

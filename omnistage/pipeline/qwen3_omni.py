@@ -10,6 +10,7 @@ import logging
 import random
 import time
 from collections import deque
+from collections.abc import Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -36,7 +37,7 @@ from omnistage.pipeline.planning import plan_devices
 from omnistage.pipeline.side_stream import SideStream
 from omnistage.pipeline.speech_stages import SpeechStages
 from omnistage.pipeline.topology import validate_topology
-from omnistage.request import MAX_AUDIO_FRAMES, SamplingParams, SpeechParams
+from omnistage.request import MAX_AUDIO_FRAMES, GenerationRequest, SamplingParams, SpeechParams
 
 log = logging.getLogger(__name__)
 
@@ -75,7 +76,7 @@ def _about(exc: InvalidRequest, field: str) -> InvalidRequest:
 class _Waiting:
     """A speaking request checked and waiting for its turn (`max_speaking`)."""
 
-    request: NewRequest
+    request: GenerationRequest
     max_tokens: int  # the Thinker's effective max_tokens
     arrival: float
 
@@ -271,7 +272,7 @@ class Qwen3OmniPipeline:
     def _frame_cap(self, speech: SpeechParams, text_tokens: int) -> int:
         return speech.talker.max_tokens or default_frame_cap(text_tokens)
 
-    def add_requests(self, requests: list[NewRequest]) -> list[Exception | None]:
+    def add_requests(self, requests: Sequence[GenerationRequest]) -> list[Exception | None]:
         """Admit several requests (their media encoded together); per request, None or what kept it out. A
         speaking request is checked at once, then waits its turn if max_speaking already speak."""
         errors: list[Exception | None] = [None] * len(requests)
@@ -291,17 +292,19 @@ class Qwen3OmniPipeline:
             errors[index[request_id]] = error
         return errors
 
-    def _admit(self, text_requests: list[NewRequest], batch: set[str] = frozenset()) -> dict[str, Exception]:
+    def _admit(
+        self, text_requests: list[GenerationRequest], batch: set[str] = frozenset()
+    ) -> dict[str, Exception]:
         """Text requests, and the waiting speaking ones while fewer than max_speaking speak, to the Thinker in
         one call; what kept out each of `batch` (the ids being added). One refused that waited from an earlier
         batch ends in the next step's outputs."""
-        thinker_requests = list(text_requests)
+        thinker_requests = [NewRequest.of(r) for r in text_requests]
         while self._waiting and len(self._speaking) < self.max_speaking:
             waiting = self._waiting.popleft()
             r = waiting.request
             speech = self._new_speech(r, waiting.max_tokens, waiting.arrival)
             if r.speech.reply_token_ids is None:
-                thinker_requests.append(replace(r, tap=speech.tap))
+                thinker_requests.append(NewRequest.of(r, speech.tap))
             self._speaking[r.request_id] = speech
         errors = {}
         for r, error in zip(
@@ -316,7 +319,7 @@ class Qwen3OmniPipeline:
                 self._refused.append(_failed(speech.text, f"{type(error).__name__}: {error}"))
         return errors
 
-    def _new_speech(self, r: NewRequest, max_tokens: int, arrival: float) -> Speech:
+    def _new_speech(self, r: GenerationRequest, max_tokens: int, arrival: float) -> Speech:
         mm = r.mm
         grids = (
             [] if mm is None or mm.image_grid_thw is None else [tuple(g) for g in mm.image_grid_thw.tolist()]

@@ -34,7 +34,7 @@ from omnistage.media import MediaPolicy, decode_messages, load_audio
 from omnistage.models.qwen3_omni.transcription import max_transcription_tokens
 from omnistage.outputs import RequestOutput
 from omnistage.pipeline.async_pipeline import AsyncPipeline, Preparing
-from omnistage.request import SamplingParams, SpeechParams
+from omnistage.request import GenerationRequest, SamplingParams, SpeechParams
 from omnistage.server.errors import (
     CatchAll,
     ClientGone,
@@ -205,10 +205,8 @@ class _Server:
         # The Thinker does not run: its params need only be valid (an empty reply is the pipeline's 400).
         params = SamplingParams(max_tokens=max(1, len(tts.reply_token_ids)))
         request_id = f"speech-{uuid.uuid4().hex}"
-        preparing = self._handing_over(request)
-        outputs = self.pipeline.generate(
-            request_id, tts.prompt, tts.token_ids, params, speech=speech, preparing=preparing
-        )
+        spoken = GenerationRequest(request_id, tts.token_ids, params, tts.prompt, speech=speech)
+        outputs = self.pipeline.generate(spoken, self._handing_over(request))
         encoding = ENCODINGS[body.response_format]
         if body.stream_format == "sse" or encoding.format == "RAW":
             stream = SpeechStream(request_id, body.response_format, sse=body.stream_format == "sse")
@@ -363,11 +361,9 @@ class _Server:
         """Run one request; `prompt` is a _Prompt or the processor's ProcessedPrompt (with mrope and mm).
 
         With `speech` the reply is spoken too, and `fmt` is a SpeakingFormat."""
-        extra: dict[str, Any] = {k: v for k in ("mrope", "mm") if (v := getattr(prompt, k, None)) is not None}
-        if speech is not None:
-            extra["speech"] = speech
-        extra["preparing"] = self._handing_over(request)
-        outputs = self.pipeline.generate(fmt.id, prompt.prompt, prompt.token_ids, params, **extra)
+        mrope, mm = getattr(prompt, "mrope", None), getattr(prompt, "mm", None)
+        new = GenerationRequest(fmt.id, prompt.token_ids, params, prompt.prompt, mrope, mm, speech)
+        outputs = self.pipeline.generate(new, self._handing_over(request))
         if stream:
             # Wait for the first output so that admission errors still get their status code.
             first = await _engine_call(_unless_disconnected(request, anext(outputs)), outputs, fmt.id)

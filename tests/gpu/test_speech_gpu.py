@@ -14,7 +14,7 @@ from omnistage.bench.a2t import released_skeleton
 from omnistage.config import engine_config
 from omnistage.outputs import AUDIO_SAMPLE_RATE
 from omnistage.pipeline.async_pipeline import AsyncPipeline
-from omnistage.request import SamplingParams, SpeechParams
+from omnistage.request import GenerationRequest, SamplingParams, SpeechParams
 
 pytestmark = pytest.mark.gpu
 
@@ -47,8 +47,11 @@ def test_one_s2s_request(engine):
 
     async def run():
         deltas, final = [], None
-        async for out in engine.generate("s2s", prompt.prompt, prompt.token_ids, thinker, mrope=prompt.mrope,
-                                         mm=prompt.mm, speech=SpeechParams(voice="ethan", talker=talker)):  # fmt: skip
+        speech = SpeechParams(voice="ethan", talker=talker)
+        request = GenerationRequest(
+            "s2s", prompt.token_ids, thinker, prompt.prompt, prompt.mrope, prompt.mm, speech
+        )
+        async for out in engine.generate(request):
             if out.audio_delta is not None:
                 deltas.append(out.audio_delta)
             final = out

@@ -20,7 +20,7 @@ from omnistage.errors import InvalidMedia, QueueFull
 from omnistage.models.qwen3_omni.transcription import transcription_messages
 from omnistage.outputs import CompletionOutput, RequestOutput
 from omnistage.pipeline.async_pipeline import AsyncPipeline, Preparing
-from omnistage.request import SamplingParams
+from omnistage.request import GenerationRequest
 
 
 class LiveServer(ServerProcess):
@@ -194,18 +194,13 @@ class FakeEngine:
         }
 
     async def generate(
-        self,
-        request_id: str,
-        prompt: str | None,
-        prompt_token_ids: list[int],
-        params: SamplingParams,
-        mrope: object | None = None,
-        mm: object | None = None,
-        preparing: Preparing | None = None,
+        self, request: GenerationRequest, preparing: Preparing | None = None
     ) -> AsyncIterator[RequestOutput]:
         if preparing is not None:
             preparing.done()
-        self.last_media = (mrope, mm)
+        request_id, prompt, prompt_token_ids = request.request_id, request.prompt, request.prompt_token_ids
+        params = request.params
+        self.last_media = (request.mrope, request.mm)
         self.coming_at_generate.append(self.in_preparation)
         text = prompt or ""
         if "queue-full" in text:

@@ -24,7 +24,7 @@ from fastapi.testclient import TestClient
 from omnistage.errors import InvalidRequest
 from omnistage.outputs import AUDIO_SAMPLE_RATE, CompletionOutput, RequestOutput
 from omnistage.pipeline.async_pipeline import Preparing
-from omnistage.request import SamplingParams, SpeechParams
+from omnistage.request import GenerationRequest, SamplingParams, SpeechParams
 from omnistage.server import build_app
 from omnistage.server.speech import AudioCut
 
@@ -93,18 +93,12 @@ class SpeakingEngine:
         }
 
     async def generate(
-        self,
-        request_id: str,
-        prompt: str | None,
-        prompt_token_ids: list[int],
-        params: SamplingParams,
-        mrope: object | None = None,
-        mm: object | None = None,
-        speech: SpeechParams | None = None,
-        preparing: Preparing | None = None,
+        self, request: GenerationRequest, preparing: Preparing | None = None
     ) -> AsyncIterator[RequestOutput]:
         if preparing is not None:
             preparing.done()
+        request_id, prompt, prompt_token_ids = request.request_id, request.prompt, request.prompt_token_ids
+        params, speech = request.params, request.speech
         self.calls.append((prompt_token_ids, params, speech))
         if speech is not None and speech.voice not in self.voices:
             raise InvalidRequest(f"unknown voice {speech.voice!r}")

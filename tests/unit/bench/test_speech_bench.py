@@ -21,7 +21,7 @@ from omnistage.bench.speech_targets import SpeechInput, SpeechTiming
 from omnistage.cli import bind, build_parser
 from omnistage.config import engine_config
 from omnistage.pipeline.async_pipeline import AsyncPipeline
-from omnistage.request import SamplingParams, SpeechParams
+from omnistage.request import GenerationRequest, SamplingParams, SpeechParams
 from omnistage.server import build_app
 
 TEXT_TOKENS, FRAMES = 3, 5
@@ -151,8 +151,10 @@ def test_transformers_runs_on_our_very_tensors_and_speaks_our_greedy_codes(engin
     thinker = SamplingParams(**speech_targets.text_fields(TEXT_TOKENS, True))
 
     async def ours_final():
-        async for out in engine.generate("greedy", prompt.prompt, prompt.token_ids, thinker,
-                                         speech=SpeechParams(voice="chelsie", talker=greedy)):  # fmt: skip
+        speech = SpeechParams(voice="chelsie", talker=greedy)
+        async for out in engine.generate(
+            GenerationRequest("greedy", prompt.token_ids, thinker, prompt.prompt, speech=speech)
+        ):
             final = out
         return final
 

@@ -12,6 +12,7 @@ from omnistage.engine.memory.plan import GiB
 from omnistage.errors import InvalidRequest, RequestTooLarge
 from omnistage.models.qwen3_omni.config import Qwen3OmniConfig
 from omnistage.pipeline.async_pipeline import AsyncPipeline
+from omnistage.request import GenerationRequest
 
 PROMPTS = [
     "Hello",
@@ -250,13 +251,15 @@ def test_async_pipeline_streams_and_cancels(tiny_checkpoint, alone):
     async def run(i):
         ids = engine.pipeline.processor.encode(PROMPTS[i])
         deltas, last = [], None
-        async for out in engine.generate(str(i), PROMPTS[i], ids, GREEDY):
+        async for out in engine.generate(GenerationRequest(str(i), ids, GREEDY, PROMPTS[i])):
             deltas += out.outputs[0].delta_token_ids
             last = out
         return deltas, last
 
     async def cancel_midway():
-        stream = engine.generate("x", None, [872] * 8, SamplingParams(max_tokens=200, ignore_eos=True))
+        stream = engine.generate(
+            GenerationRequest("x", [872] * 8, SamplingParams(max_tokens=200, ignore_eos=True))
+        )
         await stream.__anext__()
         await stream.aclose()
         for _ in range(50):
@@ -390,7 +393,12 @@ def test_async_pipeline_encodes_the_requests_waiting_together(tiny_checkpoint, m
         return step()
 
     async def run(name, p):
-        outs = [o async for o in engine.generate(name, None, p.token_ids, GREEDY, mrope=p.mrope, mm=p.mm)]
+        outs = [
+            o
+            async for o in engine.generate(
+                GenerationRequest(name, p.token_ids, GREEDY, mrope=p.mrope, mm=p.mm)
+            )
+        ]
         return outs[-1].outputs[0].token_ids
 
     async def main():
@@ -585,14 +593,14 @@ def test_a_client_leaving_during_a_long_prefill_stops_it_within_a_step(tiny_chec
     runner.execute = spy
 
     async def main():
-        stream = engine.generate("long", None, [872 + i % 300 for i in range(2000)], GREEDY)
+        stream = engine.generate(GenerationRequest("long", [872 + i % 300 for i in range(2000)], GREEDY))
         first = asyncio.ensure_future(stream.__anext__())
         while not inside.is_set():
             await asyncio.sleep(0.01)
         first.cancel()
         await asyncio.gather(first, return_exceptions=True)
         leave.set()
-        short = [o async for o in engine.generate("short", None, [872] * 8, GREEDY)]
+        short = [o async for o in engine.generate(GenerationRequest("short", [872] * 8, GREEDY))]
         return short[-1]
 
     try:

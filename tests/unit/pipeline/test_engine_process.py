@@ -18,7 +18,7 @@ from omnistage.pipeline.async_pipeline import AsyncPipeline
 from omnistage.pipeline.engine_process import RemoteOutputs, SlimOutputs
 from omnistage.pipeline.family import build_pipeline
 from omnistage.pipeline.step_loop import Abort, Add, StepLoop
-from omnistage.request import SamplingParams, SpeechParams, talker_sampling_defaults
+from omnistage.request import GenerationRequest, SamplingParams, SpeechParams, talker_sampling_defaults
 
 TEXT = SamplingParams(max_tokens=7, temperature=0.8, seed=11)
 TALKER = SamplingParams(**{**vars(talker_sampling_defaults()), "max_tokens": 9, "min_tokens": 9, "seed": 5})
@@ -32,7 +32,10 @@ async def collect(engine: AsyncPipeline, request_id: str, messages: list[dict], 
     processor = engine.pipeline.processor
     prompt = processor.process_chat(messages)
     return [
-        o async for o in engine.generate(request_id, prompt.prompt, prompt.token_ids, TEXT, speech=speech)
+        o
+        async for o in engine.generate(
+            GenerationRequest(request_id, prompt.token_ids, TEXT, prompt.prompt, speech=speech)
+        )
     ]
 
 
@@ -84,7 +87,9 @@ def test_admission_errors_and_a_client_leaving(engines):
 
     async def leave():
         prompt = there.pipeline.processor.process_chat([{"role": "user", "content": "Talk for a while."}])
-        stream = there.generate("leaver", prompt.prompt, prompt.token_ids, SamplingParams(max_tokens=500))
+        stream = there.generate(
+            GenerationRequest("leaver", prompt.token_ids, SamplingParams(max_tokens=500), prompt.prompt)
+        )
         async for _ in stream:
             break
         await stream.aclose()
@@ -109,7 +114,9 @@ def test_the_engine_process_dying_fails_open_streams_and_readiness(tiny_checkpoi
 
         async def cut_short():
             prompt = engine.pipeline.processor.process_chat([{"role": "user", "content": "Talk."}])
-            stream = engine.generate("x", prompt.prompt, prompt.token_ids, SamplingParams(max_tokens=3000))
+            stream = engine.generate(
+                GenerationRequest("x", prompt.token_ids, SamplingParams(max_tokens=3000), prompt.prompt)
+            )
             await anext(stream)
             os.kill(engine._process.process.pid, signal.SIGKILL)
             async for _ in stream:
@@ -150,7 +157,7 @@ def test_aborted_requests_leave_no_bookkeeping_on_either_side(engines):
         prompt = engine.pipeline.processor.process_chat([{"role": "user", "content": "Talk for a while."}])
 
         async def leave(request_id: str, after: int) -> None:
-            stream = engine.generate(request_id, prompt.prompt, prompt.token_ids, long)
+            stream = engine.generate(GenerationRequest(request_id, prompt.token_ids, long, prompt.prompt))
             seen = 0
             async for _ in stream:
                 seen += 1
@@ -159,14 +166,21 @@ def test_aborted_requests_leave_no_bookkeeping_on_either_side(engines):
             await stream.aclose()
 
         async def finish(request_id: str) -> None:
-            outputs = [o async for o in engine.generate(request_id, prompt.prompt, prompt.token_ids, short)]
+            outputs = [
+                o
+                async for o in engine.generate(
+                    GenerationRequest(request_id, prompt.token_ids, short, prompt.prompt)
+                )
+            ]
             assert outputs[-1].finished
 
         async def cancelled(request_id: str) -> None:
             streaming = asyncio.Event()
 
             async def consume() -> None:
-                async for _ in engine.generate(request_id, prompt.prompt, prompt.token_ids, long):
+                async for _ in engine.generate(
+                    GenerationRequest(request_id, prompt.token_ids, long, prompt.prompt)
+                ):
                     streaming.set()
 
             task = asyncio.create_task(consume())

@@ -198,7 +198,7 @@ def test_cancelled_and_failed_speaking_requests_leave_every_pool_full(llm, monke
     async def leave_after_first_audio():
         spec = speak(llm, 3, frames=200, text_tokens=40)
         (new,) = requests(llm, [spec])
-        stream = engine.generate("leaver", new.prompt, new.prompt_token_ids, new.params, speech=new.speech)
+        stream = engine.generate(new)
         async for out in stream:
             if out.audio_delta is not None:
                 break
