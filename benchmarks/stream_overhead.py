@@ -29,8 +29,10 @@ import httpx
 
 from omnistage.bench.server_process import ServerProcess, phase_means, phase_totals
 from omnistage.bench.sweep import run as run_async
+from omnistage.errors import InvalidRequest
 from omnistage.outputs import CompletionOutput, RequestOutput
 from omnistage.pipeline.async_pipeline import AsyncPipeline
+from omnistage.pipeline.base import Frontend, TtsPrompt
 from omnistage.request import GenerationRequest, SamplingParams
 
 MODEL = "paced"
@@ -43,29 +45,26 @@ class PacedProcessor:
         return "prompt", list(range(len(messages)))
 
 
+def speaks_not(text: str) -> TtsPrompt:
+    raise InvalidRequest("the paced stand-in does not speak")
+
+
 class PacedPipeline:
     """Every step: `host_s` of GIL-holding work, then `step_s` asleep, then one token for each running request."""
 
     def __init__(self, step_s: float, host_s: float) -> None:
         self.step_s, self.host_s = step_s, host_s
         self.config = SimpleNamespace(admission_window_ms=0.0)
-        self.processor = PacedProcessor()
-        self.max_model_len, self.voices, self.model_path = 4096, (), Path("/paced")
+        self.frontend = Frontend(Path("/paced"), 4096, PacedProcessor(), speaks_not)
         self.running: dict[str, tuple[SamplingParams, CompletionOutput]] = {}
         self.num_waiting = 0
 
     def memory_summary(self) -> str:
         return "paced stand-in engine"
 
-    def plan_gauges(self) -> list:
-        return []
-
     def stats(self) -> dict[str, int]:
         return {"num_waiting": 0, "num_running": len(self.running), "kv_pages_total": 0,
                 "kv_pages_free": 0, "kv_pages_used": 0}  # fmt: skip
-
-    def validate(self, prompt_token_ids: list[int], params: SamplingParams, speech: object) -> None:
-        pass
 
     def add_requests(self, requests: list) -> list[None]:
         for r in requests:

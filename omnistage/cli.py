@@ -198,7 +198,7 @@ def _load_and_serve(
             args.max_queue if args.max_queue is not None else "unbounded",
             args.max_connections,
             args.header_timeout,
-            pipeline.pipeline.memory_summary(),
+            pipeline.memory_summary(),
         )
         http_config = uvicorn.Config(
             app,

@@ -194,7 +194,7 @@ def inprocess_runner(engine: Any, output_tokens: int | None, max_tokens: int) ->
     from omnistage.request import GenerationRequest, SamplingParams
 
     params = SamplingParams(**forced(output_tokens, max_tokens))
-    processor = engine.pipeline.processor
+    processor = engine.frontend.processor
 
     async def run(clip: Clip, number: int) -> RequestTiming:
         start = time.perf_counter()
@@ -318,17 +318,18 @@ def run_a2t(args: argparse.Namespace) -> dict[str, Any]:
         **{k: v for k, v in overrides.items() if v is not None},
     )
     started = time.perf_counter()
-    engine = AsyncPipeline(build_pipeline(config))
+    pipeline = build_pipeline(config)
+    engine = AsyncPipeline(pipeline)
     results["engine_start_s"] = round(time.perf_counter() - started, 2)
-    results["target"] = {"model": str(engine.pipeline.model_path), "load_format": args.load_format}
-    results["engine"] = engine.pipeline.memory_summary()
+    results["target"] = {"model": str(engine.frontend.model_path), "load_format": args.load_format}
+    results["engine"] = engine.memory_summary()
     try:
         run = inprocess_runner(engine, output_tokens, args.max_tokens)
         results["ours"] = run_async(sweep(run, clips, concurrencies, args.warmup, args.repeats))
         results["builds_while_serving"] = builds.in_process()
         if args.baseline == "transformers":
             results["transformers"] = _transformers(
-                engine.pipeline.thinker, clips, output_tokens, args.max_tokens, args.repeats
+                pipeline.thinker, clips, output_tokens, args.max_tokens, args.repeats
             )
     finally:
         engine.shutdown()

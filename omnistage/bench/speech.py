@@ -148,6 +148,7 @@ def run_speech(args: argparse.Namespace) -> dict[str, dict[str, Any]]:
     from omnistage.config import engine_config
     from omnistage.engine.devices import resolve_device
     from omnistage.pipeline.async_pipeline import AsyncPipeline
+    from omnistage.pipeline.family import build_pipeline
 
     model_dir = args.model or (str(released_skeleton()) if args.load_format == "dummy" else None)
     gpu = resolve_device(args.device or "auto").type == "cuda"
@@ -168,11 +169,12 @@ def run_speech(args: argparse.Namespace) -> dict[str, dict[str, Any]]:
         **{k: v for k, v in overrides.items() if v is not None},
     )
     started = time.perf_counter()
-    engine = AsyncPipeline.from_config(config)
+    pipeline = build_pipeline(config)
+    engine = AsyncPipeline(pipeline)
     engine_info = {
         "engine_start_s": round(time.perf_counter() - started, 2),
-        "target": {"model": str(engine.pipeline.model_path), "load_format": args.load_format},
-        "engine": engine.pipeline.memory_summary(),
+        "target": {"model": str(engine.frontend.model_path), "load_format": args.load_format},
+        "engine": engine.memory_summary(),
     }
     try:
         for workload, concurrencies in workloads.items():
@@ -185,11 +187,11 @@ def run_speech(args: argparse.Namespace) -> dict[str, dict[str, Any]]:
                 sweep(run, inputs[workload], concurrencies, args.requests, args.warmup, args.repeats)
             )
             result["builds_while_serving"] = builds.in_process()
-            result["pools_after"] = pools = _pools(engine.pipeline.stats())
+            result["pools_after"] = pools = _pools(pipeline.stats())
             log.info("%s: pools after the run: %s", workload, pools)
             save(args, results)
         if args.baseline == "transformers":
-            _transformers(engine.pipeline, results, inputs, args)
+            _transformers(pipeline, results, inputs, args)
     finally:
         engine.shutdown()
     return results

@@ -108,10 +108,10 @@ def talker_params(frames: int, forced: bool) -> SamplingParams:
 def inprocess_runner(
     engine: Any, tts: bool, text_tokens: int, frames: int, voice: str, forced: bool
 ) -> Runner:
-    """Requests straight into an AsyncPipeline, prompts laid out by its pipeline as the server does."""
+    """Requests straight into an AsyncPipeline, prompts laid out by its Frontend as the server does."""
     from omnistage.request import GenerationRequest, SamplingParams, SpeechParams
 
-    pipeline = engine.pipeline
+    frontend = engine.frontend
     speech = SpeechParams(voice=voice, talker=talker_params(frames, forced))
     chat_params = SamplingParams(**text_fields(text_tokens, forced))
 
@@ -119,7 +119,7 @@ def inprocess_runner(
         start = time.monotonic()
         mrope = mm = None
         if tts:
-            prompt = pipeline.tts_prompt(item.text)
+            prompt = frontend.tts_prompt(item.text)
             text, ids = prompt.prompt, prompt.token_ids
             # the Thinker does not run: its sampling is never read, one token satisfies its checks
             params, spoken = (
@@ -127,7 +127,7 @@ def inprocess_runner(
                 replace(speech, reply_token_ids=prompt.reply_token_ids),
             )
         else:
-            prompt = await asyncio.to_thread(pipeline.processor.process_chat, item.messages())
+            prompt = await asyncio.to_thread(frontend.processor.process_chat, item.messages())
             text, ids, mrope, mm = prompt.prompt, prompt.token_ids, prompt.mrope, prompt.mm
             params, spoken = chat_params, speech
         prepared = time.monotonic()

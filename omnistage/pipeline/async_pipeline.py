@@ -22,8 +22,9 @@ from collections.abc import AsyncIterator
 from omnistage.config import EngineConfig
 from omnistage.errors import InvalidRequest, QueueFull
 from omnistage.outputs import RequestOutput
-from omnistage.pipeline.engine_process import EngineProcess, RemotePipeline
-from omnistage.pipeline.family import Pipeline, build_pipeline
+from omnistage.pipeline.base import Frontend, Pipeline, PipelineView
+from omnistage.pipeline.engine_process import EngineProcess
+from omnistage.pipeline.family import build_pipeline
 from omnistage.pipeline.step_loop import Abort, Add, Delivery, StepLoop, serving_stats
 from omnistage.request import GenerationRequest
 
@@ -31,7 +32,9 @@ log = logging.getLogger(__name__)
 
 
 class AsyncPipeline:
-    """A pipeline's requests as async streams of outputs: what the server and the in-process benches talk to."""
+    """A pipeline's requests as async streams of outputs: what the server and the in-process benches talk to.
+    `frontend` is what a server may know of the pipeline; `pipeline` is the pipeline itself, or, in an engine
+    process, how this process reads it."""
 
     def __init__(self, pipeline: Pipeline | EngineProcess, max_queue: int | None = None) -> None:
         self.max_queue = max_queue
@@ -48,14 +51,15 @@ class AsyncPipeline:
         gc.freeze()
         if isinstance(pipeline, EngineProcess):
             self._process: EngineProcess | None = pipeline
-            self.pipeline: Pipeline | RemotePipeline = pipeline.view
+            self.pipeline: PipelineView = pipeline.view
             target = self._receive_from_process
         else:
             self._process = None
-            self.pipeline = pipeline
+            self.pipeline = self._local = pipeline
             self._commands: queue.SimpleQueue = queue.SimpleQueue()
             self._taken = 0
             target = self._run_here
+        self.frontend: Frontend = self.pipeline.frontend
         self._thread = threading.Thread(target=target, name="omnistage-engine", daemon=True)
         self._thread.start()
 
@@ -89,9 +93,12 @@ class AsyncPipeline:
         taken = self._process.admitted if self._process is not None else self._taken
         return self._added - taken
 
+    def memory_summary(self) -> str:
+        return self.pipeline.memory_summary()
+
     def stats(self) -> dict[str, int]:
         # an engine process sends its stats with the builds counted on its side
-        stats = self.pipeline.stats() if self._process is not None else serving_stats(self.pipeline)
+        stats = self.pipeline.stats() if self._process is not None else serving_stats(self._local)
         stats["num_waiting"] += self._queued()
         return stats
 
@@ -177,8 +184,8 @@ class AsyncPipeline:
             with self._lock:
                 return request_id in self._streams
 
-        window = self.pipeline.config.admission_window_ms / 1e3
-        StepLoop(self.pipeline, self._deliver_all, wanted, window).run(self._take, self._stopping.is_set)
+        window = self._local.config.admission_window_ms / 1e3
+        StepLoop(self._local, self._deliver_all, wanted, window).run(self._take, self._stopping.is_set)
 
     def _take(self, timeout: float | None) -> list[Add | Abort]:
         """The commands queued so far; with a `timeout`, waits up to that many seconds for the first."""

@@ -13,6 +13,7 @@ from collections import deque
 from collections.abc import Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, replace
+from functools import partial
 from pathlib import Path
 
 import numpy as np
@@ -32,6 +33,7 @@ from omnistage.models.qwen3_omni.processor import Processor
 from omnistage.models.qwen3_omni.talker_input import text_rows, tts_embeds, user_turn_mask
 from omnistage.models.qwen3_omni.thinker import load_thinker
 from omnistage.outputs import CompletionOutput, RequestOutput
+from omnistage.pipeline.base import Frontend, TtsPrompt
 from omnistage.pipeline.handoff import Handoff, Speech
 from omnistage.pipeline.planning import plan_devices
 from omnistage.pipeline.side_stream import SideStream
@@ -81,15 +83,6 @@ class _Waiting:
     arrival: float
 
 
-@dataclass(frozen=True)
-class TtsPrompt:
-    """A text-to-speech request: the prompt the Talker is conditioned on, and the reply it speaks."""
-
-    prompt: str
-    token_ids: list[int]
-    reply_token_ids: list[int]
-
-
 def load_thinker_stage(
     config: EngineConfig, path: Path, cfg: Qwen3OmniConfig, device: torch.device, dtype: torch.dtype
 ) -> StageModels:
@@ -125,7 +118,21 @@ def tts_prompt(processor: Processor, text: str, max_model_len: int) -> TtsPrompt
     return TtsPrompt(prompt, token_ids, processor.encode(text, max_model_len))
 
 
+def omni_frontend(
+    processor: Processor,
+    model_path: Path,
+    max_model_len: int,
+    voices: tuple[str, ...] = (),
+    plan_gauges: tuple[Gauge, ...] = (),
+) -> Frontend:
+    """A Qwen3-Omni pipeline's Frontend: a text is spoken as the user's turn and as the reply (`tts_prompt`)."""
+    speak = partial(tts_prompt, processor, max_model_len=max_model_len)
+    return Frontend(model_path, max_model_len, processor, speak, voices, plan_gauges)
+
+
 class Qwen3OmniPipeline:
+    """Qwen3-Omni's stages behind the Pipeline interface (base.py)."""
+
     def __init__(self, config: EngineConfig) -> None:
         from omnistage.models.qwen3_omni.tiny import default_checkpoint
 
@@ -182,6 +189,10 @@ class Qwen3OmniPipeline:
             self.handoff = Handoff(
                 self.speech_stages, tts, self._embedding, table, device, cfg, self._speaking, self._fail
             )
+        gauges = tuple(gauge for plan in self.plans.values() for gauge in plan_gauges(plan))
+        self.frontend = omni_frontend(
+            self.processor, self.model_path, self.max_model_len, self.voices, gauges
+        )
 
     @property
     def _embedding(self) -> torch.nn.Embedding:
@@ -208,10 +219,6 @@ class Qwen3OmniPipeline:
                 speech.allocate(plans[speech.device], self.thinker.graph_pool if shared else None)
         return plans
 
-    def plan_gauges(self) -> list[Gauge]:
-        """Every device's memory plan as gauge samples (none on a CPU), for `/metrics`."""
-        return [gauge for plan in self.plans.values() for gauge in plan_gauges(plan)]
-
     def memory_summary(self) -> str:
         summary = self.thinker.memory_summary()
         if self.speech_stages is None:
@@ -219,9 +226,6 @@ class Qwen3OmniPipeline:
         return f"{summary}; {self.speech_stages.summary()}"
 
     # -- requests -----------------------------------------------------------------------------------
-
-    def tts_prompt(self, text: str) -> TtsPrompt:
-        return tts_prompt(self.processor, text, self.max_model_len)
 
     def validate(
         self, prompt_token_ids: list[int], params: SamplingParams, speech: SpeechParams | None = None

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 from omnistage.engine.compile_watch import builds_while_serving, watch_compiles
 from omnistage.outputs import RequestOutput
-from omnistage.pipeline.family import Pipeline
+from omnistage.pipeline.base import Pipeline
 from omnistage.request import GenerationRequest
 
 log = logging.getLogger(__name__)

@@ -30,8 +30,7 @@ from fastapi.routing import APIRoute
 from starlette.types import Message, Receive, Scope, Send
 
 from omnistage.errors import InvalidMedia, InvalidRequest, OmnistageError
-from omnistage.media import MediaPolicy, decode_messages, load_audio
-from omnistage.models.qwen3_omni.transcription import max_transcription_tokens
+from omnistage.media import MediaPolicy, audio_seconds, decode_messages, load_audio
 from omnistage.outputs import RequestOutput
 from omnistage.pipeline.async_pipeline import AsyncPipeline, Preparing
 from omnistage.request import GenerationRequest, SamplingParams, SpeechParams
@@ -169,7 +168,8 @@ class _Server:
         self.served_model_name = served_model_name
         self.media = media
         self.metrics = ServerMetrics()
-        self.metrics.set_plan(pipeline.pipeline.plan_gauges())
+        self.frontend = pipeline.frontend
+        self.metrics.set_plan(self.frontend)
         self.created = int(time.time())
 
     def count(self, path: str, status: int | str) -> None:
@@ -181,7 +181,7 @@ class _Server:
     async def chat(self, body: ChatCompletionRequest, request: Request) -> Response:
         self._parsed(request)
         self._check_model(body.model)
-        speech = chat_speech_params(body, self.pipeline.pipeline.voices)
+        speech = chat_speech_params(body, self.frontend.voices)
         params = body.sampling_params(body.requested_max_tokens)
         request_id, name = f"chatcmpl-{uuid.uuid4().hex}", self.served_model_name
         fmt: Format = ChatFormat(request_id, name, body.include_usage)
@@ -197,9 +197,9 @@ class _Server:
         """Speak exactly `input`: the Talker reads the text's token embeddings; the Thinker does not run."""
         self._parsed(request)
         self._check_model(body.model)
-        pipeline = self.pipeline.pipeline
-        speech = speech_request_params(body, pipeline.voices)
-        tts = await asyncio.to_thread(pipeline.tts_prompt, body.input)
+        frontend = self.frontend
+        speech = speech_request_params(body, frontend.voices)
+        tts = await asyncio.to_thread(frontend.tts_prompt, body.input)
         check_reply(tts.reply_token_ids)
         speech.reply_token_ids = tts.reply_token_ids
         # The Thinker does not run: its params need only be valid (an empty reply is the pipeline's 400).
@@ -223,7 +223,7 @@ class _Server:
         params = body.sampling_params(body.max_tokens)
         given = body.single_prompt()
         if isinstance(given, str):
-            processor, context = self.pipeline.pipeline.processor, self.pipeline.pipeline.max_model_len
+            processor, context = self.frontend.processor, self.frontend.max_model_len
             prompt = _Prompt(given, await asyncio.to_thread(processor.encode, given, context))
         else:
             prompt = _Prompt(None, list(given))
@@ -262,15 +262,13 @@ class _Server:
         extras = {k: v for k, v in extras.items() if v is not None}
         data = await file.read()
         audio, processed = await asyncio.to_thread(self._process_transcription, data, language, prompt)
-        fmt = TranscriptionFormat.for_audio(
-            f"trsc-{uuid.uuid4().hex}",
-            response_format,
-            language,
-            audio,
-            self.pipeline.pipeline.processor.transcript,
+        named = self.frontend.language_name(language)
+        transcript = self.frontend.processor.transcript
+        fmt = TranscriptionFormat(
+            f"trsc-{uuid.uuid4().hex}", response_format, named, audio_seconds(audio), transcript
         )
-        if max_tokens is None:
-            max_tokens = max_transcription_tokens(fmt.duration)
+        if max_tokens is None:  # the cap of the clip's length
+            max_tokens = processed.max_tokens
         params = SamplingParams(max_tokens=max_tokens, temperature=temperature, **extras)
         return await self._generate(request, TRANSCRIPTIONS, fmt, processed, params, stream)
 
@@ -313,8 +311,8 @@ class _Server:
         return ModelCard(
             id=self.served_model_name,
             created=self.created,
-            root=str(self.pipeline.pipeline.model_path),
-            max_model_len=self.pipeline.pipeline.max_model_len,
+            root=str(self.frontend.model_path),
+            max_model_len=self.frontend.max_model_len,
         )
 
     # These run in worker threads: fetching, decoding and tokenizing let go of the GIL for the event loop.
@@ -322,17 +320,17 @@ class _Server:
     def _process_media_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool) -> Any:
         """Fetch and decode the attachments, then let the processor lay out the multimodal prompt."""
         decoded = decode_messages(messages, self.media)
-        pipeline = self.pipeline.pipeline
+        frontend = self.frontend
         try:
-            return pipeline.processor.process_chat(decoded, add_generation_prompt, pipeline.max_model_len)
+            return frontend.processor.process_chat(decoded, add_generation_prompt, frontend.max_model_len)
         except jinja2.TemplateError as exc:
             raise InvalidRequest(f"messages: the chat template rejected them ({exc})") from None
 
     def _encode_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool) -> _Prompt:
-        pipeline = self.pipeline.pipeline
+        frontend = self.frontend
         try:
-            prompt, ids = pipeline.processor.encode_chat(
-                messages, add_generation_prompt, pipeline.max_model_len
+            prompt, ids = frontend.processor.encode_chat(
+                messages, add_generation_prompt, frontend.max_model_len
             )
         except jinja2.TemplateError as exc:
             raise InvalidRequest(f"messages: the chat template rejected them ({exc})") from None
@@ -345,8 +343,8 @@ class _Server:
             audio = load_audio(data, self.media)
         except InvalidMedia as exc:
             raise InvalidMedia(f"file: {exc}") from None
-        pipeline = self.pipeline.pipeline
-        return audio, pipeline.processor.transcription(audio, language, prompt, pipeline.max_model_len)
+        frontend = self.frontend
+        return audio, frontend.processor.transcription(audio, language, prompt, frontend.max_model_len)
 
     async def _generate(
         self,

@@ -11,12 +11,9 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-import numpy as np
 from fastapi.responses import PlainTextResponse, Response
 
 from omnistage.errors import InvalidRequest
-from omnistage.models.qwen3_omni.audio_features import SAMPLE_RATE
-from omnistage.models.qwen3_omni.transcription import language_name
 from omnistage.server.formats import sse
 from omnistage.server.responses import Usage
 
@@ -48,26 +45,16 @@ class TranscriptionFormat:
         duration: float,
         transcript: Transcript = lambda text: (None, text),
     ) -> None:
-        """`transcript` reads the model's reply: the language it names, if any, and the text (Qwen3-ASR writes
-        `language English<asr_text>...`; the Omni Thinker the text alone)."""
+        """`language`: the name of the language the client gave, if any; `transcript` reads the model's reply:
+        the language it names, if any, and the text (Qwen3-ASR writes `language English<asr_text>...`; the
+        Omni Thinker the text alone)."""
         self.id = request_id
         self.response_format = response_format
-        self.language = (language_name(language) or "unknown").lower()
+        self.language = (language or "unknown").lower()
         self.duration = duration
         self.transcript = transcript
         self._raw = ""
         self._text = ""
-
-    @classmethod
-    def for_audio(
-        cls,
-        request_id: str,
-        response_format: str,
-        language: str | None,
-        audio: np.ndarray,
-        transcript: Transcript = lambda text: (None, text),
-    ) -> TranscriptionFormat:
-        return cls(request_id, response_format, language, len(audio) / SAMPLE_RATE, transcript)
 
     def opening(self) -> list[str]:
         return []

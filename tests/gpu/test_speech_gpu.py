@@ -41,7 +41,7 @@ def assert_pools_full(engine: AsyncPipeline) -> None:
 
 def test_one_s2s_request(engine):
     item = targets.speech_inputs("s2s", espeak=False)[0]
-    prompt = engine.pipeline.processor.process_chat(item.messages())
+    prompt = engine.frontend.processor.process_chat(item.messages())
     talker = targets.talker_params(FRAMES, forced=True)
     thinker = SamplingParams(**targets.text_fields(TEXT_TOKENS, forced=True))
 

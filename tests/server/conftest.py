@@ -7,7 +7,7 @@ import re
 import time
 from collections.abc import AsyncIterator, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import httpx
@@ -17,9 +17,10 @@ import pytest
 from omnistage.bench.server_process import ServerProcess
 from omnistage.config import engine_config
 from omnistage.errors import InvalidMedia, QueueFull
-from omnistage.models.qwen3_omni.transcription import transcription_messages
+from omnistage.models.qwen3_omni.transcription import max_transcription_tokens, transcription_messages
 from omnistage.outputs import CompletionOutput, RequestOutput
 from omnistage.pipeline.async_pipeline import AsyncPipeline, Preparing
+from omnistage.pipeline.base import Frontend
 from omnistage.request import GenerationRequest
 
 
@@ -87,6 +88,7 @@ class FakeProcessedPrompt:
     token_ids: list[int]
     mrope: object | None
     mm: object | None
+    max_tokens: int | None = None
 
 
 class FakeProcessor:
@@ -111,7 +113,8 @@ class FakeProcessor:
     def transcription(
         self, audio: np.ndarray, language: str | None, prompt: str | None, max_model_len: int | None = None
     ) -> FakeProcessedPrompt:
-        return self.process_chat(transcription_messages(audio, language, prompt), True, max_model_len)
+        laid_out = self.process_chat(transcription_messages(audio, language, prompt), True, max_model_len)
+        return replace(laid_out, max_tokens=max_transcription_tokens(len(audio) / 16000))
 
     def transcript(self, text: str) -> tuple[str | None, str]:
         return None, text
@@ -146,18 +149,8 @@ class FakeProcessor:
         return FakeProcessedPrompt(prompt, self.encode(prompt), "mrope" if media else None, media or None)
 
 
-class FakeLLMEngine:
-    processor = FakeProcessor()
-    model_path = Path("/models/fake")
-    max_model_len = 4096
-    voices: tuple[str, ...] = ()  # a checkpoint without a talker
-    gauges: list = []  # the memory plans' samples (a CPU engine has none)
-
-    def memory_summary(self) -> str:
-        return "fake engine"
-
-    def plan_gauges(self) -> list:
-        return self.gauges
+def refuse_to_speak(text: str) -> object:
+    raise AssertionError("a checkpoint without a talker is never asked to speak")
 
 
 class FakeEngine:
@@ -168,7 +161,8 @@ class FakeEngine:
     """
 
     def __init__(self) -> None:
-        self.pipeline = FakeLLMEngine()
+        # a checkpoint without a talker, and without a memory plan (a CPU engine has none)
+        self.frontend = Frontend(Path("/models/fake"), 4096, FakeProcessor(), refuse_to_speak)
         self.ready = True
         self.running: set[str] = set()
         self.closed: list[str] = []

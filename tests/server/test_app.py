@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import time
+from dataclasses import replace
 
 import pytest
 from fastapi.testclient import TestClient
@@ -74,7 +75,7 @@ def test_the_prepare_phase_runs_from_the_whole_body_to_the_hand_over(client, fak
     """/metrics' prepare phase: from the moment the body is in (the gate) to the engine's generate, so the
     prompt's layout counts; a request refused before the hand-over is not counted. Its parse part ends where
     the handler starts: every parsed request counts, and the prompt's layout is not in it."""
-    processor = fake_engine.pipeline.processor
+    processor = fake_engine.frontend.processor
     encode_chat = processor.encode_chat
 
     def slow_encode_chat(*args, **kwargs):
@@ -102,7 +103,7 @@ def test_a_request_counts_as_being_prepared_from_its_body_to_its_hand_over(clien
     """The engine's count of requests being prepared (what an idle engine waits for: step_loop.py) holds a
     generating request from the gate to the hand-over, excluding itself when it is handed over; a request
     refused in its preparation, or one to a path that generates nothing, leaves it at 0."""
-    processor = fake_engine.pipeline.processor
+    processor = fake_engine.frontend.processor
     encode_chat = processor.encode_chat
     during = []
 
@@ -291,7 +292,7 @@ def test_metrics_carry_the_memory_plan(fake_engine):
     )
     device = DeviceMemory(total=40 * GiB, free=30 * GiB, allocated=10 * GiB, name="cuda:0")
     plan = plan_device(device, [stage], graph_budget=64 << 20)
-    fake_engine.pipeline.gauges = plan_gauges(plan)
+    fake_engine.frontend = replace(fake_engine.frontend, plan_gauges=tuple(plan_gauges(plan)))
     metrics = TestClient(build_app(fake_engine, MODEL)).get("/metrics").text
     thinker_pages = float(plan.kv_pool("Thinker").pages)
     pages = f'omnistage_memory_plan_kv_pages{{device="cuda:0",stage="Thinker"}} {thinker_pages}'

@@ -24,6 +24,7 @@ from fastapi.testclient import TestClient
 from omnistage.errors import InvalidRequest
 from omnistage.outputs import AUDIO_SAMPLE_RATE, CompletionOutput, RequestOutput
 from omnistage.pipeline.async_pipeline import Preparing
+from omnistage.pipeline.base import Frontend
 from omnistage.request import GenerationRequest, SamplingParams, SpeechParams
 from omnistage.server import build_app
 from omnistage.server.speech import AudioCut
@@ -42,26 +43,14 @@ class TtsPrompt:
     reply_token_ids: list[int]
 
 
-class SpeakingFacade:
-    model_path = Path("/models/fake")
-    max_model_len = 4096
-
-    def __init__(self, voices: tuple[str, ...]) -> None:
-        self.voices = voices
-
-    def plan_gauges(self) -> list:
-        return []  # no GPU plan
-
+class SpeakingProcessor:
     def encode_chat(self, messages: list[dict], add_generation_prompt: bool, max_model_len: int):
         prompt = "\n".join(m["content"] for m in messages)
         return prompt, [ord(c) for c in prompt]
 
-    @property
-    def processor(self) -> SpeakingFacade:
-        return self
 
-    def tts_prompt(self, text: str) -> TtsPrompt:
-        return TtsPrompt(f"<speak>{text}", [1, 2, *map(ord, text)], [ord(c) for c in text])
+def tts_prompt(text: str) -> TtsPrompt:
+    return TtsPrompt(f"<speak>{text}", [1, 2, *map(ord, text)], [ord(c) for c in text])
 
 
 @dataclass
@@ -75,7 +64,7 @@ class SpeakingEngine:
     calls: list[tuple[list[int], SamplingParams, SpeechParams | None]] = field(default_factory=list)
 
     def __post_init__(self) -> None:
-        self.pipeline = SpeakingFacade(self.voices)
+        self.frontend = Frontend(Path("/models/fake"), 4096, SpeakingProcessor(), tts_prompt, self.voices)
 
     def preparing(self) -> Preparing:
         return Preparing(self)

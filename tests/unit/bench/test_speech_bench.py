@@ -214,7 +214,7 @@ def test_in_process_tts_speaks_the_given_text(engine):
     run = speech_targets.inprocess_runner(engine, True, 40, FRAMES, "aiden", True)
     item = SpeechInput("p", "Hello there, how are you?")
     t = asyncio.run(run(item, 0))
-    assert t.frames == FRAMES and t.text_tokens == len(engine.pipeline.tts_prompt(item.text).reply_token_ids)
+    assert t.frames == FRAMES and t.text_tokens == len(engine.frontend.tts_prompt(item.text).reply_token_ids)
     assert "first_text_token" not in t.stages  # the Thinker did not run
     assert engine.pipeline.stats()["talker_kv_pages_free"] == engine.pipeline.stats()["talker_kv_pages_total"]
 

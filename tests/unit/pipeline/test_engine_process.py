@@ -29,7 +29,7 @@ def config(checkpoint):
 
 
 async def collect(engine: AsyncPipeline, request_id: str, messages: list[dict], speech: SpeechParams | None):
-    processor = engine.pipeline.processor
+    processor = engine.frontend.processor
     prompt = processor.process_chat(messages)
     return [
         o
@@ -86,7 +86,7 @@ def test_admission_errors_and_a_client_leaving(engines):
         asyncio.run(refused())
 
     async def leave():
-        prompt = there.pipeline.processor.process_chat([{"role": "user", "content": "Talk for a while."}])
+        prompt = there.frontend.processor.process_chat([{"role": "user", "content": "Talk for a while."}])
         stream = there.generate(
             GenerationRequest("leaver", prompt.token_ids, SamplingParams(max_tokens=500), prompt.prompt)
         )
@@ -113,7 +113,7 @@ def test_the_engine_process_dying_fails_open_streams_and_readiness(tiny_checkpoi
         assert engine.ready
 
         async def cut_short():
-            prompt = engine.pipeline.processor.process_chat([{"role": "user", "content": "Talk."}])
+            prompt = engine.frontend.processor.process_chat([{"role": "user", "content": "Talk."}])
             stream = engine.generate(
                 GenerationRequest("x", prompt.token_ids, SamplingParams(max_tokens=3000), prompt.prompt)
             )
@@ -154,7 +154,7 @@ def test_aborted_requests_leave_no_bookkeeping_on_either_side(engines):
     short = SamplingParams(max_tokens=5, min_tokens=5, seed=4)
 
     async def run(engine: AsyncPipeline) -> None:
-        prompt = engine.pipeline.processor.process_chat([{"role": "user", "content": "Talk for a while."}])
+        prompt = engine.frontend.processor.process_chat([{"role": "user", "content": "Talk for a while."}])
 
         async def leave(request_id: str, after: int) -> None:
             stream = engine.generate(GenerationRequest(request_id, prompt.token_ids, long, prompt.prompt))

@@ -152,7 +152,7 @@ def test_a_one_token_reply_says_nothing(llm):
 
 def test_text_to_speech_speaks_the_given_reply_without_the_thinker(llm, monkeypatch):
     pipeline = llm.pipeline
-    tts = pipeline.tts_prompt("Good morning, and welcome.")
+    tts = pipeline.frontend.tts_prompt("Good morning, and welcome.")
     assert tts.token_ids[-3:-1] == [
         pipeline.speech_stages.tokens.im_start,
         pipeline.speech_stages.tokens.assistant,
