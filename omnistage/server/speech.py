@@ -26,7 +26,7 @@ from omnistage.errors import OmnistageError
 from omnistage.outputs import AUDIO_SAMPLE_RATE, RequestOutput
 from omnistage.pipeline.base import Frontend
 from omnistage.request import GenerationRequest, SamplingParams, SpeechParams
-from omnistage.server.errors import ErrorKind, InvalidField, error_body, kind_of
+from omnistage.server.errors import ErrorKind, InvalidField, error_body
 from omnistage.server.formats import ChatFormat, sse
 from omnistage.server.protocol import SpeechRequest, VoiceRef
 from omnistage.server.responses import (
@@ -39,7 +39,7 @@ from omnistage.server.responses import (
     DeltaAudio,
     Usage,
 )
-from omnistage.server.streaming import EventStream, Responder, raise_if_failed, typed_failure
+from omnistage.server.streaming import EventStream, Responder, failure_of, raise_if_failed
 
 PATH = "/v1/audio/speech"
 
@@ -260,12 +260,9 @@ class SpeechEndpoint:
                 yield chunk
             status = 200
         except Exception as exc:  # after the 200 went out, a failure can only be told in the stream
-            failure = typed_failure(exc, stream.id)
-            kind = kind_of(failure)
+            failure, kind = failure_of(exc, stream.id)
             status = kind.status
             for chunk in stream.failed(failure, kind):
                 yield chunk
         finally:
-            await outputs.aclose()
-            self.responder.count(PATH, status)
-            self.responder.metrics.observe(last)
+            await self.responder.end(PATH, outputs, last, status)

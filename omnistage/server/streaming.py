@@ -22,7 +22,7 @@ from omnistage.errors import OmnistageError
 from omnistage.outputs import RequestOutput
 from omnistage.pipeline.async_pipeline import AsyncPipeline, Preparing
 from omnistage.request import GenerationRequest
-from omnistage.server.errors import ClientGone, EngineFailure, ModelNotFound, error_body, kind_of
+from omnistage.server.errors import ClientGone, EngineFailure, ErrorKind, ModelNotFound, error_body, kind_of
 from omnistage.server.formats import DONE, Format, SpeakingFormat, sse
 from omnistage.server.metrics import ServerMetrics
 from omnistage.server.responses import Usage
@@ -150,14 +150,20 @@ class Responder:
             yield body
             status = 200
         except Exception as exc:  # after the 200 went out, a failure can only be told in the stream
-            failure = typed_failure(exc, fmt.id)
-            kind = kind_of(failure)
+            failure, kind = failure_of(exc, fmt.id)
             status = kind.status
             yield "".join([*pending, sse(error_body(str(failure), kind)), DONE])
         finally:
-            await outputs.aclose()
-            self.count(endpoint, status)
-            self.metrics.observe(last)
+            await self.end(endpoint, outputs, last, status)
+
+    async def end(
+        self, endpoint: str, outputs: AsyncIterator[RequestOutput], last: RequestOutput, status: int | str
+    ) -> None:
+        """A streamed body is over, however it ended: the pipeline's stream closed (aborting the request if it
+        still runs), its outcome counted and its last output observed."""
+        await outputs.aclose()
+        self.count(endpoint, status)
+        self.metrics.observe(last)
 
 
 def usage_of(output: RequestOutput, spoken: bool) -> Usage:
@@ -190,6 +196,12 @@ async def pipeline_call(call: Awaitable[T], outputs: AsyncIterator[RequestOutput
         if isinstance(exc, OmnistageError) or not isinstance(exc, Exception):
             raise
         raise typed_failure(exc, request_id) from exc
+
+
+def failure_of(exc: Exception, request_id: str) -> tuple[OmnistageError, ErrorKind]:
+    """A failure after the 200 went out, typed, and its kind: it can only be told in the stream."""
+    failure = typed_failure(exc, request_id)
+    return failure, kind_of(failure)
 
 
 def typed_failure(exc: Exception, request_id: str) -> OmnistageError:
