@@ -1,4 +1,4 @@
-"""Live `omnistage serve` processes on free ports, and a fake engine for in-process app tests."""
+"""Live `omnistage serve` processes on free ports, and a fake AsyncPipeline for in-process app tests."""
 
 from __future__ import annotations
 
@@ -68,7 +68,7 @@ def launch_server(tmp_path_factory, tiny_checkpoint):
 
 
 @pytest.fixture(scope="session")
-def tiny_engine(tiny_checkpoint) -> Iterator[AsyncPipeline]:
+def tiny_pipeline(tiny_checkpoint) -> Iterator[AsyncPipeline]:
     """The real engine over the tiny checkpoint on the CPU (the model's whole context), for in-process apps."""
     engine = AsyncPipeline.from_config(
         engine_config(model=str(tiny_checkpoint), device="cpu", num_kv_pages=64)
@@ -153,7 +153,7 @@ def refuse_to_speak(text: str) -> object:
     raise AssertionError("a checkpoint without a talker is never asked to speak")
 
 
-class FakeEngine:
+class FakePipeline:
     """Echoes its prompt back one character per step; the prompt's text picks a failure to act out.
 
     "queue-full": QueueFull before the first output; "explode": an exception before the first output;
@@ -248,5 +248,5 @@ class FakeEngine:
 
 
 @pytest.fixture
-def fake_engine() -> FakeEngine:
-    return FakeEngine()
+def fake_pipeline() -> FakePipeline:
+    return FakePipeline()

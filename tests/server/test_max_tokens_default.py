@@ -67,8 +67,8 @@ def test_max_transcription_tokens_grows_with_the_audio():
     assert max_transcription_tokens(300.0) == 32 + 16 * 300
 
 
-def test_a_transcription_stops_at_the_cap_of_its_audio(tiny_engine):
-    client = TestClient(build_app(tiny_engine, "tiny"))
+def test_a_transcription_stops_at_the_cap_of_its_audio(tiny_pipeline):
+    client = TestClient(build_app(tiny_pipeline, "tiny"))
 
     def output_tokens(**fields: str) -> int:
         data = {"model": "tiny", "stream": "true", "ignore_eos": "true"} | fields

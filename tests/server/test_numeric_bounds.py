@@ -20,8 +20,8 @@ MESSAGES = [{"role": "user", "content": "Hi"}]
 
 
 @pytest.fixture(scope="module")
-def client(tiny_engine) -> TestClient:
-    return TestClient(build_app(tiny_engine, MODEL))
+def client(tiny_pipeline) -> TestClient:
+    return TestClient(build_app(tiny_pipeline, MODEL))
 
 
 def post(client: TestClient, path: str, body: dict):

@@ -1,6 +1,6 @@
 """Speech out over HTTP, as OpenAI clients ask for it: chat with `modalities` "audio" and /v1/audio/speech.
 
-In-process over a fake engine that speaks (its audio is seeded noise, one codec frame per text token), for
+In-process over a fake pipeline that speaks (its audio is seeded noise, one codec frame per text token), for
 the shapes, the checks and the failures; the live tests against `omnistage serve` follow at the end.
 """
 
@@ -54,7 +54,7 @@ def tts_prompt(text: str) -> TtsPrompt:
 
 
 @dataclass
-class SpeakingEngine:
+class SpeakingPipeline:
     """Echoes the prompt one character per step (or, given a reply, speaks it); each step of a speaking
     request carries one frame of noise drawn from the talker's seed. A prompt holding "fail" ends in an
     error after two steps, one holding "crash" raises after two steps."""
@@ -134,8 +134,8 @@ class SpeakingEngine:
 
 
 @pytest.fixture
-def engine() -> SpeakingEngine:
-    return SpeakingEngine()
+def engine() -> SpeakingPipeline:
+    return SpeakingPipeline()
 
 
 @pytest.fixture
@@ -341,7 +341,7 @@ def test_bad_chat_audio_is_400(http, engine, fields, param, needle):
     ],
 )
 def test_audio_from_a_checkpoint_without_a_talker_is_400(fields, param):
-    http = TestClient(build_app(SpeakingEngine(voices=()), MODEL))
+    http = TestClient(build_app(SpeakingPipeline(voices=()), MODEL))
     body = {"model": MODEL, "messages": MESSAGES} | fields
     assert_400(http.post("/v1/chat/completions", json=body), param, "it has no talker, so it cannot speak")
     speech = {"model": MODEL, "input": "Hi", "voice": "ethan"}
