@@ -68,7 +68,7 @@ class SamplingParams:
         for name in _INT_FIELDS:
             if (value := getattr(self, name)) is not None or name not in _OPTIONAL:
                 _check_int64(name, value)
-        for value in self.stop_token_ids:
+        for value in self.stop_token_ids or []:
             _check_int64("stop_token_ids", value)
         for name in _FLOAT_FIELDS:
             if not _is_number(getattr(self, name)):
@@ -97,9 +97,9 @@ class SamplingParams:
             _invalid(f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty}")
         for name in _FLOAT_FIELDS:
             _check_finite(name, getattr(self, name))
-        if not all(isinstance(s, str) and s for s in self.stop):
+        if not all(isinstance(s, str) and s for s in self.stop or []):
             _invalid(f"stop must hold only non-empty strings, got {self.stop!r}")
-        if not all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids):
+        if not all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids or []):
             _invalid(f"stop_token_ids must be non-negative token ids, got {self.stop_token_ids!r}")
 
 

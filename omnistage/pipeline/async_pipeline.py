@@ -17,7 +17,7 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 
 from omnistage.config import EngineConfig
 from omnistage.errors import InvalidRequest, QueueFull
@@ -104,7 +104,7 @@ class AsyncPipeline:
 
     async def generate(
         self, request: GenerationRequest, preparing: Preparing | None = None
-    ) -> AsyncIterator[RequestOutput]:
+    ) -> AsyncGenerator[RequestOutput, None]:
         """Outputs of one request, one per engine step that touched it; the last has finished=True. What keeps
         the request out (the pipeline's checks at admission, a full queue) is raised by the first.
 
@@ -202,18 +202,21 @@ class AsyncPipeline:
         return commands
 
     def _receive_from_process(self) -> None:
+        process = self._process
+        assert process is not None  # this thread runs only beside an engine process
+
         def engine_gone() -> None:
             if self._stopping.is_set():
                 return
             self._gone.set()
-            log.error("the engine process exited (code %s)", self._process.process.exitcode)
+            log.error("the engine process exited (code %s)", process.process.exitcode)
             with self._lock:
                 gone = list(self._streams)
             self._deliver_all(
                 [(request_id, RuntimeError("the engine process exited")) for request_id in gone]
             )
 
-        self._process.receive_forever(self._deliver_all, engine_gone)
+        process.receive_forever(self._deliver_all, engine_gone)
 
 
 class Preparing:

@@ -10,7 +10,7 @@ from omnistage.engine.compile_watch import starting_up
 from omnistage.engine.memory.gauges import Gauge
 from omnistage.models.qwen3_asr.processor import ASRProcessor
 from omnistage.models.qwen3_omni.processor import Processor
-from omnistage.pipeline.base import Frontend, Pipeline
+from omnistage.pipeline.base import Frontend
 from omnistage.pipeline.qwen3_asr import Qwen3ASRPipeline, asr_frontend
 from omnistage.pipeline.qwen3_omni import Qwen3OmniPipeline, omni_frontend
 
@@ -43,7 +43,7 @@ def frontend_for(
     return omni_frontend(processor, checkpoint_dir, max_model_len, voices, plan_gauges)
 
 
-def build_pipeline(config: EngineConfig) -> Pipeline:
+def build_pipeline(config: EngineConfig) -> Qwen3OmniPipeline | Qwen3ASRPipeline:
     """A Qwen3-ASR checkpoint's pipeline, or Qwen3-Omni's (the embedded tiny model's too). Its warm-up's and
     capture's builds are start-up's, also in a process that already serves (compile_watch.py)."""
     with starting_up():

@@ -13,7 +13,7 @@ import asyncio
 import base64
 import io
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 from dataclasses import dataclass
 from typing import Any
 
@@ -236,14 +236,16 @@ class SpeechEndpoint:
             first = await self.responder.first(request, outputs, request_id)
             return EventStream(self._events(stream, outputs, first), media_type=stream.media_type)
         final = await self.responder.final(request, outputs, request_id)
+        assert final.audio is not None  # a finished spoken reply has its audio (empty when it said nothing)
         data = await asyncio.to_thread(encode, final.audio, body.response_format)
         self.responder.count(PATH, 200)
         return Response(data, media_type=encoding.content_type)
 
     async def _events(
-        self, stream: SpeechStream, outputs: AsyncIterator[RequestOutput], first: RequestOutput
-    ) -> AsyncIterator[str | bytes]:
+        self, stream: SpeechStream, outputs: AsyncGenerator[RequestOutput, None], first: RequestOutput
+    ) -> AsyncGenerator[str | bytes, None]:
         """The streamed body: audio as it is decoded, then the end `stream` writes."""
+        status: int | str
         last, status = first, "cancelled"
         try:
             while True:

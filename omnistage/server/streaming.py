@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncIterator, Awaitable, Callable
-from typing import Any, TypeVar
+from collections.abc import AsyncGenerator, Awaitable, Callable
+from typing import Any, TypeVar, cast
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -62,7 +62,7 @@ class Responder:
                 f"the model '{name}' does not exist; this server serves '{self.served_model_name}'"
             )
 
-    def start(self, request: Request, new: GenerationRequest) -> AsyncIterator[RequestOutput]:
+    def start(self, request: Request, new: GenerationRequest) -> AsyncGenerator[RequestOutput, None]:
         """Hand the request over: its prepare phase ends, and so does its count among the requests being
         prepared (gate.py), as the pipeline takes it."""
         self.metrics.prepared(getattr(request.state, "received", None))
@@ -83,7 +83,11 @@ class Responder:
             )
         final = await self.final(request, outputs, fmt.id)
         text, reason = final.outputs[0].text, final.outputs[0].finish_reason
+        assert reason is not None  # a finished output has its finish_reason
         if isinstance(fmt, SpeakingFormat):
+            assert (
+                final.audio is not None
+            )  # a finished spoken reply has its audio (empty when it said nothing)
             usage = usage_of(final, spoken=True)
             body = await asyncio.to_thread(fmt.spoken_response, text, reason, usage, final.audio)
         else:
@@ -92,13 +96,13 @@ class Responder:
         return body if isinstance(body, Response) else JSONResponse(body)
 
     async def first(
-        self, request: Request, outputs: AsyncIterator[RequestOutput], request_id: str
+        self, request: Request, outputs: AsyncGenerator[RequestOutput, None], request_id: str
     ) -> RequestOutput:
         """The request's first output, for a stream to start from (raising what kept the request out)."""
         return await pipeline_call(unless_disconnected(request, anext(outputs)), outputs, request_id)
 
     async def final(
-        self, request: Request, outputs: AsyncIterator[RequestOutput], request_id: str
+        self, request: Request, outputs: AsyncGenerator[RequestOutput, None], request_id: str
     ) -> RequestOutput:
         """The request's finished output (raising if it failed), once the pipeline is done with it."""
         seen: list[RequestOutput] = []  # the latest only: a spoken reply's earlier ones hold its audio chunks
@@ -117,14 +121,15 @@ class Responder:
         return final
 
     async def _events(
-        self, endpoint: str, fmt: Format, outputs: AsyncIterator[RequestOutput], first: RequestOutput
-    ) -> AsyncIterator[str]:
+        self, endpoint: str, fmt: Format, outputs: AsyncGenerator[RequestOutput, None], first: RequestOutput
+    ) -> AsyncGenerator[str, None]:
         """The SSE body: opening chunk, deltas (text, and audio when spoken), the finishing chunk, usage if
         asked, then [DONE].
 
         The chunks of one output go out as one string: each yield is a send through every middleware and a
         socket write. `pending` holds those not yet yielded, so a failure sends them before its error.
         """
+        status: int | str
         last, status = first, "cancelled"
         spoken = fmt if isinstance(fmt, SpeakingFormat) else None
         pending: list[str] = []
@@ -141,6 +146,7 @@ class Responder:
                     yield body
                 last = await anext(outputs)
             raise_if_failed(last)
+            assert completion.finish_reason is not None  # a finished output has its finish_reason
             pending += fmt.delta(completion.delta_text, completion.finish_reason)
             pending += _audio_chunks(spoken, last)
             pending += fmt.closing(completion.finish_reason)
@@ -157,7 +163,11 @@ class Responder:
             await self.end(endpoint, outputs, last, status)
 
     async def end(
-        self, endpoint: str, outputs: AsyncIterator[RequestOutput], last: RequestOutput, status: int | str
+        self,
+        endpoint: str,
+        outputs: AsyncGenerator[RequestOutput, None],
+        last: RequestOutput,
+        status: int | str,
     ) -> None:
         """A streamed body is over, however it ended: the pipeline's stream closed (aborting the request if it
         still runs), its outcome counted and its last output observed."""
@@ -186,7 +196,9 @@ def raise_if_failed(output: RequestOutput) -> None:
         raise EngineFailure("the engine aborted this request")
 
 
-async def pipeline_call(call: Awaitable[T], outputs: AsyncIterator[RequestOutput], request_id: str) -> T:
+async def pipeline_call(
+    call: Awaitable[T], outputs: AsyncGenerator[RequestOutput, None], request_id: str
+) -> T:
     """Await a call on the request's stream; anything but our typed errors becomes an EngineFailure (500) for
     this request. On any failure the stream is closed, so nothing of the request stays behind."""
     try:
@@ -249,7 +261,7 @@ class EventStream(StreamingResponse):
 
     def __init__(
         self,
-        chunks: AsyncIterator[Any],
+        chunks: AsyncGenerator[Any, None],
         on_first_chunk: Callable[[], None] | None = None,
         media_type: str = "text/event-stream",
     ) -> None:
@@ -268,7 +280,7 @@ class EventStream(StreamingResponse):
             nonlocal pending
             await send(message)
             if pending is not None and message["type"] == "http.response.body":
-                pending, told = None, pending
+                told, pending = pending, None
                 told()
 
         async def watch() -> None:
@@ -289,4 +301,5 @@ class EventStream(StreamingResponse):
         finally:
             over = True
             watcher.cancel()
-            await self.body_iterator.aclose()
+            # starlette types it as any async iterable; it is `chunks`, an async generator
+            await cast("AsyncGenerator[Any, None]", self.body_iterator).aclose()

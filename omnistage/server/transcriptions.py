@@ -139,7 +139,7 @@ class TranscriptionsEndpoint:
             raise InvalidField("timestamp_granularities[]", "timestamps are not supported yet")
         if include:
             raise InvalidField("include[]", "logprobs are not supported yet")
-        extras = {"min_tokens": min_tokens, "ignore_eos": ignore_eos, "seed": seed}
+        extras: dict[str, Any] = {"min_tokens": min_tokens, "ignore_eos": ignore_eos, "seed": seed}
         extras = {k: v for k, v in extras.items() if v is not None}
         data = await file.read()
         audio, laid_out = await asyncio.to_thread(self._lay_out, data, language, prompt)
