@@ -23,9 +23,9 @@ from omnistage.bench.a2t import released_skeleton
 from omnistage.bench.clips import synth_clips
 from omnistage.config import engine_config
 from omnistage.engine.llm_engine import LLMEngine
-from omnistage.engine.sampling import SamplingParams
 from omnistage.models.qwen3_omni.transcription import transcription_messages
 from omnistage.pipeline.qwen3_omni import Qwen3OmniPipeline
+from omnistage.request import SamplingParams
 
 log = logging.getLogger("a2t_stages")
 

@@ -32,8 +32,8 @@ from omnistage.bench.a2t import SKELETONS, released_skeleton
 from omnistage.bench.clips import synth_clips
 from omnistage.config import engine_config
 from omnistage.engine.llm_engine import NewRequest
-from omnistage.engine.sampling import SamplingParams
 from omnistage.pipeline.family import build_pipeline
+from omnistage.request import SamplingParams
 
 
 def _busy_us(intervals: list[tuple[float, float]]) -> float:

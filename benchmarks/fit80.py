@@ -53,11 +53,11 @@ from omnistage.bench.clips import SYNTH_SETS, speech_like, synth_clips, total_se
 from omnistage.bench.speech_targets import talker_params, text_fields
 from omnistage.config import EngineConfig, load_config
 from omnistage.engine.llm_engine import NewRequest
-from omnistage.engine.sampling import SamplingParams, SpeechParams
 from omnistage.outputs import AUDIO_SAMPLE_RATE, RequestOutput
-from omnistage.pipeline.async_engine import AsyncEngine
+from omnistage.pipeline.async_pipeline import AsyncPipeline
 from omnistage.pipeline.family import build_pipeline
 from omnistage.pipeline.step_loop import Add, StepLoop
+from omnistage.request import SamplingParams, SpeechParams
 
 GiB = 1 << 30
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"
@@ -364,7 +364,7 @@ def _judge(record: dict[str, Any], out: RequestOutput, inputs: Inputs) -> None:
 
 def a2t(pipeline: Any, clips: list, output_tokens: int, passes: int) -> dict[str, Any]:
     """`omnistage bench a2t`'s in-process pass at c=1 on this pipeline: a warm-up pass, then `passes` passes."""
-    engine = AsyncEngine(pipeline)
+    engine = AsyncPipeline(pipeline)
     try:
         run = inprocess_runner(engine, output_tokens, output_tokens)
         [summary] = asyncio.run(sweep(run, clips, [1], warmup=len(clips), repeats=passes))
@@ -389,7 +389,7 @@ def release() -> dict[str, Any]:
     def held(memory: dict[str, dict[str, float]]) -> bool:
         return any(m["allocated_gib"] * GiB > RELEASED_SLACK for m in memory.values())
 
-    gc.unfreeze()  # AsyncEngine froze everything loaded so far out of the collector's view
+    gc.unfreeze()  # AsyncPipeline froze everything loaded so far out of the collector's view
     for d in devices:
         torch.cuda.set_per_process_memory_fraction(1.0, d)
     result: dict[str, Any] = {"memory_after_collect": collect()}

@@ -7,7 +7,7 @@ special token, no partial UTF-8), then times `pipeline.step()` over pure decode 
 greedy requests (ASR's) and for sampled ones (temperature, top-k, top-p, repetition penalty). What is left is
 the scheduler, the attention metadata, the copies to the device, the sampler, the token's read-back, the
 detokenizer and the outputs. A cProfile of the same steps says where that time goes, by function. Last, the
-same requests stream through the in-process server's AsyncEngine (its engine thread, the event loop taking
+same requests stream through the in-process server's AsyncPipeline (its engine thread, the event loop taking
 each output): the "served ms" column is the median time between a request's outputs there, so the
 difference from "step ms" is what the serving loop adds to every step.
 
@@ -16,7 +16,7 @@ How to run it: on this CPU, `python benchmarks/host_overhead.py` (a minute); on 
 graphs as the real decoder's are, so the figures are a step's host work plus a few microseconds of kernels.
 On the CPU the logits table is 4,096 tokens wide (`--logits-width`) so that the sampler's arithmetic, GPU work
 on the real machine, does not swamp the host work; on a GPU it is the whole vocabulary. `--profile-top 0`
-skips the profiles, `--no-served` the AsyncEngine; `--json FILE` writes the table.
+skips the profiles, `--no-served` the AsyncPipeline; `--json FILE` writes the table.
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ import torch
 
 from omnistage import LLM, SamplingParams
 from omnistage.engine.llm_engine import LLMEngine, NewRequest
-from omnistage.pipeline.async_engine import AsyncEngine
+from omnistage.pipeline.async_pipeline import AsyncPipeline
 
 CHAIN_ROWS = 64  # rows of the logits table: the next token depends on the current one modulo this
 SAMPLED = SamplingParams(temperature=0.7, top_p=0.8, top_k=20, repetition_penalty=1.05)
@@ -154,12 +154,14 @@ def decode_steps(
     return times if timed else profile
 
 
-def served_gaps(engine: AsyncEngine, batch: int, params: SamplingParams, args: argparse.Namespace, tag: str):
-    """Seconds between a request's consecutive outputs, streamed through the in-process server's AsyncEngine,
+def served_gaps(
+    engine: AsyncPipeline, batch: int, params: SamplingParams, args: argparse.Namespace, tag: str
+):
+    """Seconds between a request's consecutive outputs, streamed through the in-process server's AsyncPipeline,
     while all `batch` requests decode."""
 
     async def stream(request: NewRequest) -> list[float]:
-        outputs = engine.generate(request.request_id, None, request.prompt_token_ids, request.params)
+        outputs = engine.generate(request)
         return [time.perf_counter() async for _ in outputs]
 
     async def run() -> list[list[float]]:
@@ -196,7 +198,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     )
     p.add_argument("--profile-top", type=int, default=20, help="functions listed per profile (0: no profile)")
     p.add_argument("--served", action=argparse.BooleanOptionalAction, default=True,
-                   help="also time the steps through the in-process server's AsyncEngine")  # fmt: skip
+                   help="also time the steps through the in-process server's AsyncPipeline")  # fmt: skip
     p.add_argument("--json", type=Path, default=None)
     args = p.parse_args(argv)
     args.batches = [int(b) for b in args.batches.split(",")]
@@ -222,7 +224,9 @@ def main(argv: list[str] | None = None) -> list[dict]:
                     profile = decode_steps(llm, batch, MODES[mode], args, f"{mode}{batch}p", timed=False)
                     print_profile(profile, args.steps, args.profile_top)
         if args.served:
-            served = AsyncEngine(llm.pipeline)  # last: it starts a thread that steps the pipeline from now on
+            served = AsyncPipeline(
+                llm.pipeline
+            )  # last: it starts a thread that steps the pipeline from now on
             for r in results:
                 gaps = served_gaps(served, r["batch"], MODES[r["mode"]], args, f"{r['mode']}{r['batch']}s")
                 r["served_median_ms"] = statistics.median(gaps) * 1e3

@@ -38,8 +38,8 @@ import torch
 from omnistage.bench.a2t import released_skeleton
 from omnistage.config import engine_config
 from omnistage.engine.llm_engine import NewRequest
-from omnistage.engine.sampling import SamplingParams, SpeechParams, talker_sampling_defaults
 from omnistage.pipeline.family import build_pipeline
+from omnistage.request import SamplingParams, SpeechParams, talker_sampling_defaults
 
 # by default the Thinker still decodes through every measured step (three sets of --steps): it does for the first
 # 40 frames of the benchmarks' requests

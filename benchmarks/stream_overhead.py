@@ -4,7 +4,7 @@ The stand-in pipeline (`PacedPipeline`) takes `--step-ms` a step the way a threa
 sleep, the GIL let go), after `--host-ms` of Python work that holds the GIL (the engine's host work), and gives
 every running request one token a step; it has no model, no media, no tokenizer. The real app (the Gate,
 FastAPI, the SSE formats, uvicorn) serves it from a child process, and `--concurrency` clients stream chat
-completions of `--tokens` tokens each from it; then the same requests go straight into an AsyncEngine over the
+completions of `--tokens` tokens each from it; then the same requests go straight into an AsyncPipeline over the
 same stand-in in this process. The engine's step is fixed, so any step the server takes longer than the
 in-process one is what the event loop's work for the streams took from the engine thread (the GIL), and the
 server's CPU seconds per streamed token say what each token costs it.
@@ -29,9 +29,11 @@ import httpx
 
 from omnistage.bench.server_process import ServerProcess, phase_means, phase_totals
 from omnistage.bench.sweep import run as run_async
-from omnistage.engine.sampling import SamplingParams
+from omnistage.errors import InvalidRequest
 from omnistage.outputs import CompletionOutput, RequestOutput
-from omnistage.pipeline.async_engine import AsyncEngine
+from omnistage.pipeline.async_pipeline import AsyncPipeline
+from omnistage.pipeline.base import Frontend, TtsPrompt
+from omnistage.request import GenerationRequest, SamplingParams
 
 MODEL = "paced"
 
@@ -43,29 +45,26 @@ class PacedProcessor:
         return "prompt", list(range(len(messages)))
 
 
+def speaks_not(text: str) -> TtsPrompt:
+    raise InvalidRequest("the paced stand-in does not speak")
+
+
 class PacedPipeline:
     """Every step: `host_s` of GIL-holding work, then `step_s` asleep, then one token for each running request."""
 
     def __init__(self, step_s: float, host_s: float) -> None:
         self.step_s, self.host_s = step_s, host_s
         self.config = SimpleNamespace(admission_window_ms=0.0)
-        self.processor = PacedProcessor()
-        self.max_model_len, self.voices, self.model_path = 4096, (), Path("/paced")
+        self.frontend = Frontend(Path("/paced"), 4096, PacedProcessor(), speaks_not)
         self.running: dict[str, tuple[SamplingParams, CompletionOutput]] = {}
         self.num_waiting = 0
 
     def memory_summary(self) -> str:
         return "paced stand-in engine"
 
-    def plan_gauges(self) -> list:
-        return []
-
     def stats(self) -> dict[str, int]:
         return {"num_waiting": 0, "num_running": len(self.running), "kv_pages_total": 0,
                 "kv_pages_free": 0, "kv_pages_used": 0}  # fmt: skip
-
-    def validate(self, prompt_token_ids: list[int], params: SamplingParams, speech: object) -> None:
-        pass
 
     def add_requests(self, requests: list) -> list[None]:
         for r in requests:
@@ -107,7 +106,7 @@ def serve(args: argparse.Namespace) -> None:
 
     from omnistage.server import build_app
 
-    engine = AsyncEngine(PacedPipeline(args.step_ms / 1e3, args.host_ms / 1e3))
+    engine = AsyncPipeline(PacedPipeline(args.step_ms / 1e3, args.host_ms / 1e3))
     app = build_app(engine, MODEL)
     uvicorn.run(app, port=args.port, log_level="warning", loop=args.loop, http=args.http)
 
@@ -131,12 +130,12 @@ async def over_http(url: str, concurrency: int, tokens: int, body_kb: int) -> li
         return await asyncio.gather(*(one(client) for _ in range(concurrency)))
 
 
-async def in_process(engine: AsyncEngine, concurrency: int, tokens: int) -> list[tuple[float, float]]:
+async def in_process(engine: AsyncPipeline, concurrency: int, tokens: int) -> list[tuple[float, float]]:
     params = SamplingParams(max_tokens=tokens)
 
     async def one(number: int) -> tuple[float, float]:
         start, stamps = time.perf_counter(), []
-        async for _ in engine.generate(f"r{number}", "prompt", [0], params):
+        async for _ in engine.generate(GenerationRequest(f"r{number}", [0], params, "prompt")):
             stamps.append(time.perf_counter())
         return stamps[0] - start, (stamps[-1] - stamps[0]) / (len(stamps) - 1)
 
@@ -204,7 +203,7 @@ def main() -> None:
     finally:
         server.terminate()
         server.wait()
-    engine = AsyncEngine(PacedPipeline(args.step_ms / 1e3, args.host_ms / 1e3))
+    engine = AsyncPipeline(PacedPipeline(args.step_ms / 1e3, args.host_ms / 1e3))
     try:
         for _ in range(args.repeats):
             rows.append(_summary("in-process", run_async(in_process(engine, args.concurrency, args.tokens)),

@@ -7,9 +7,9 @@ from importlib.metadata import PackageNotFoundError, version
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from omnistage.engine.sampling import SamplingParams
     from omnistage.llm import LLM
     from omnistage.outputs import CompletionOutput, RequestOutput
+    from omnistage.request import SamplingParams
 
 try:
     __version__ = version("omnistage")
@@ -19,7 +19,7 @@ except PackageNotFoundError:  # a source tree that was never installed
 # The public names are loaded on first use: they pull in torch, which `omnistage --help` must not wait for.
 _EXPORTS = {
     "LLM": "omnistage.llm",
-    "SamplingParams": "omnistage.engine.sampling",
+    "SamplingParams": "omnistage.request",
     "RequestOutput": "omnistage.outputs",
     "CompletionOutput": "omnistage.outputs",
 }

@@ -174,7 +174,7 @@ def _load_and_serve(
     import uvicorn
 
     from omnistage.media import MediaPolicy
-    from omnistage.pipeline.async_engine import AsyncEngine
+    from omnistage.pipeline.async_pipeline import AsyncPipeline
     from omnistage.server import build_app
     from omnistage.server.http_protocol import with_header_timeout
 
@@ -185,9 +185,9 @@ def _load_and_serve(
         from omnistage.pipeline.engine_process import ONE_THREAD
 
         torch.set_num_threads(ONE_THREAD)
-    engine = AsyncEngine.from_config(config, max_queue=args.max_queue, engine_process=args.engine_process)
+    pipeline = AsyncPipeline.from_config(config, max_queue=args.max_queue, engine_process=args.engine_process)
     try:
-        app = build_app(engine, name, api_key=args.api_key, max_body_bytes=args.max_body_bytes, media=media)
+        app = build_app(pipeline, name, api_key=args.api_key, max_body_bytes=args.max_body_bytes, media=media)
         logging.getLogger("omnistage.serve").info(
             "serving '%s' at http://%s:%d/v1 (API key %s, max queue %s, max %d connections, header timeout "
             "%g s)\n  %s",
@@ -198,7 +198,7 @@ def _load_and_serve(
             args.max_queue if args.max_queue is not None else "unbounded",
             args.max_connections,
             args.header_timeout,
-            engine.engine.memory_summary(),
+            pipeline.memory_summary(),
         )
         http_config = uvicorn.Config(
             app,
@@ -212,7 +212,7 @@ def _load_and_serve(
         server = uvicorn.Server(http_config)
         server.run(sockets=[listener])
     finally:
-        engine.shutdown()
+        pipeline.shutdown()
 
 
 def bind(host: str, port: int) -> socket.socket:

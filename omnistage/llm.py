@@ -8,12 +8,12 @@ from pathlib import Path
 from typing import cast
 
 from omnistage.config import engine_config
-from omnistage.engine.llm_engine import LLMEngine, NewRequest
-from omnistage.engine.sampling import SamplingParams, SpeechParams, talker_sampling_defaults
+from omnistage.engine.llm_engine import LLMEngine
 from omnistage.errors import InvalidRequest, OmnistageError
 from omnistage.media import MediaPolicy, decode_messages
 from omnistage.outputs import RequestOutput
 from omnistage.pipeline.family import build_pipeline
+from omnistage.request import GenerationRequest, SamplingParams, SpeechParams, talker_sampling_defaults
 
 PromptType = str | dict
 # In-process callers name their own files: local paths anywhere, nothing fetched from the network.
@@ -58,7 +58,7 @@ class LLM:
         requests = []
         for prompt, p in zip(prompts, params_list):
             text, token_ids = self._tokens(prompt)
-            requests.append(NewRequest(str(next(self._ids)), token_ids, p, prompt=text))
+            requests.append(GenerationRequest(str(next(self._ids)), token_ids, p, prompt=text))
         return self._run(self._admit(requests))
 
     def chat(
@@ -93,7 +93,7 @@ class LLM:
                 decode_messages(conversation, _OFFLINE_MEDIA), add_generation_prompt
             )
             requests.append(
-                NewRequest(
+                GenerationRequest(
                     str(next(self._ids)),
                     processed.token_ids,
                     params,
@@ -105,7 +105,7 @@ class LLM:
             )
         return self._run(self._admit(requests))
 
-    def _admit(self, requests: list[NewRequest]) -> list[str]:
+    def _admit(self, requests: list[GenerationRequest]) -> list[str]:
         """Admit all the requests (their media encoded together) or none: the first error is raised."""
         errors = self.pipeline.add_requests(requests)
         failed = next((e for e in errors if e is not None), None)

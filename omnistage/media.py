@@ -91,6 +91,11 @@ def load_audio(data: bytes, policy: MediaPolicy) -> np.ndarray:
     return resample(samples, rate, SAMPLE_RATE)
 
 
+def audio_seconds(audio: np.ndarray) -> float:
+    """The length of audio `load_audio` decoded, in seconds."""
+    return len(audio) / SAMPLE_RATE
+
+
 def fetch(url: str, policy: MediaPolicy) -> bytes:
     """The bytes behind a data:, http(s), file: URL or a plain path, as the policy allows."""
     scheme = urllib.parse.urlsplit(url).scheme.lower()

@@ -9,7 +9,7 @@ TTFT and TPOT medians. Targets:
   which the server sends once the first token exists) or `/v1/audio/transcriptions` (streamed events); the
   body (the clip's base64, its JSON) is encoded before the clock starts;
 - this process (`--model DIR`, or `--load-format dummy` for random weights at the released sizes): the
-  engine behind an AsyncEngine, from the preprocessing on; TTFT when the consumer gets the first token (as a
+  engine behind an AsyncPipeline, from the preprocessing on; TTFT when the consumer gets the first token (as a
   client gets its first chunk), TPOT from each RequestOutput's metrics;
 - `--baseline transformers` (in-process only): transformers' Thinker on the same weights and clips.
 
@@ -190,11 +190,11 @@ def _form_value(value: float | bool) -> str:
 
 
 def inprocess_runner(engine: Any, output_tokens: int | None, max_tokens: int) -> Runner:
-    """Requests straight into an AsyncEngine, prompts laid out by its processor as the server does."""
-    from omnistage.engine.sampling import SamplingParams
+    """Requests straight into an AsyncPipeline, prompts laid out by its processor as the server does."""
+    from omnistage.request import GenerationRequest, SamplingParams
 
     params = SamplingParams(**forced(output_tokens, max_tokens))
-    processor = engine.engine.processor
+    processor = engine.frontend.processor
 
     async def run(clip: Clip, number: int) -> RequestTiming:
         start = time.perf_counter()
@@ -202,9 +202,10 @@ def inprocess_runner(engine: Any, output_tokens: int | None, max_tokens: int) ->
         prepared = time.perf_counter() - start
         submitted = time.monotonic()
         final, received = None, None
-        async for output in engine.generate(
-            f"a2t-{number}", prompt.prompt, prompt.token_ids, params, mrope=prompt.mrope, mm=prompt.mm
-        ):
+        request = GenerationRequest(
+            f"a2t-{number}", prompt.token_ids, params, prompt.prompt, prompt.mrope, prompt.mm
+        )
+        async for output in engine.generate(request):
             # the first token as this consumer gets it, as a client over HTTP gets its first chunk
             received = received or (time.monotonic() if output.outputs[0].token_ids else None)
             final = output
@@ -295,7 +296,7 @@ def run_a2t(args: argparse.Namespace) -> dict[str, Any]:
         return results
 
     from omnistage.config import engine_config
-    from omnistage.pipeline.async_engine import AsyncEngine
+    from omnistage.pipeline.async_pipeline import AsyncPipeline
     from omnistage.pipeline.family import build_pipeline
 
     model_dir = args.model or (str(released_skeleton(args.skeleton)) if args.load_format == "dummy" else None)
@@ -319,10 +320,10 @@ def run_a2t(args: argparse.Namespace) -> dict[str, Any]:
     )
     started = time.perf_counter()
     pipeline = build_pipeline(config)
-    engine = AsyncEngine(pipeline)
+    engine = AsyncPipeline(pipeline)
     results["engine_start_s"] = round(time.perf_counter() - started, 2)
-    results["target"] = {"model": str(engine.engine.model_path), "load_format": args.load_format}
-    results["engine"] = engine.engine.memory_summary()
+    results["target"] = {"model": str(engine.frontend.model_path), "load_format": args.load_format}
+    results["engine"] = engine.memory_summary()
     try:
         run = inprocess_runner(engine, output_tokens, args.max_tokens)
         results["ours"] = run_async(sweep(run, clips, concurrencies, args.warmup, args.repeats))

@@ -12,7 +12,7 @@ Workloads: t2s, a text chat turn whose reply is written and spoken; s2s, a 5 s c
 (`bench/clips.py`), the reply spoken; `t2s --tts`, the text spoken exactly as `/v1/audio/speech` does
 (`SpeechParams.reply_token_ids`: the Thinker's layers do not run). Targets:
 - this process (`--model DIR`, or `--load-format dummy`: random weights at the released sizes): an
-  AsyncEngine over the pipeline;
+  AsyncPipeline over the pipeline;
 - a running server (`--url`): streamed chat with `modalities: ["text", "audio"]` and pcm16 audio, or
   `/v1/audio/speech` with `stream_format: "sse"` for `--tts`;
 - `--baseline transformers` (in-process, c=1): `generate(return_audio=True)` on our very weights; it does
@@ -147,7 +147,8 @@ def run_speech(args: argparse.Namespace) -> dict[str, dict[str, Any]]:
 
     from omnistage.config import engine_config
     from omnistage.engine.devices import resolve_device
-    from omnistage.pipeline.async_engine import AsyncEngine
+    from omnistage.pipeline.async_pipeline import AsyncPipeline
+    from omnistage.pipeline.family import build_pipeline
 
     model_dir = args.model or (str(released_skeleton()) if args.load_format == "dummy" else None)
     gpu = resolve_device(args.device or "auto").type == "cuda"
@@ -168,11 +169,12 @@ def run_speech(args: argparse.Namespace) -> dict[str, dict[str, Any]]:
         **{k: v for k, v in overrides.items() if v is not None},
     )
     started = time.perf_counter()
-    engine = AsyncEngine.from_config(config)
+    pipeline = build_pipeline(config)
+    engine = AsyncPipeline(pipeline)
     engine_info = {
         "engine_start_s": round(time.perf_counter() - started, 2),
-        "target": {"model": str(engine.engine.model_path), "load_format": args.load_format},
-        "engine": engine.engine.memory_summary(),
+        "target": {"model": str(engine.frontend.model_path), "load_format": args.load_format},
+        "engine": engine.memory_summary(),
     }
     try:
         for workload, concurrencies in workloads.items():
@@ -185,11 +187,11 @@ def run_speech(args: argparse.Namespace) -> dict[str, dict[str, Any]]:
                 sweep(run, inputs[workload], concurrencies, args.requests, args.warmup, args.repeats)
             )
             result["builds_while_serving"] = builds.in_process()
-            result["pools_after"] = pools = _pools(engine.engine.stats())
+            result["pools_after"] = pools = _pools(pipeline.stats())
             log.info("%s: pools after the run: %s", workload, pools)
             save(args, results)
         if args.baseline == "transformers":
-            _transformers(engine.engine, results, inputs, args)
+            _transformers(pipeline, results, inputs, args)
     finally:
         engine.shutdown()
     return results

@@ -1,6 +1,6 @@
 """What one spoken request is, and how it reaches each target of `omnistage bench t2s|s2s`.
 
-In-process, through an AsyncEngine over the pipeline; over HTTP, through a running server's streamed
+In-process, through an AsyncPipeline over the pipeline; over HTTP, through a running server's streamed
 OpenAI-shaped API. Each target turns a SpeechInput into its SpeechTiming: the first audio packet, the end,
 and the audio and frames produced (see `speech.py` for what is measured and why).
 """
@@ -24,7 +24,7 @@ from omnistage.outputs import AUDIO_SAMPLE_RATE
 if TYPE_CHECKING:
     import httpx
 
-    from omnistage.engine.sampling import SamplingParams
+    from omnistage.request import SamplingParams
 
 log = logging.getLogger("omnistage.bench")
 
@@ -98,7 +98,7 @@ def text_fields(text_tokens: int, forced: bool) -> dict[str, Any]:
 
 def talker_params(frames: int, forced: bool) -> SamplingParams:
     """The Talker's sampling: the released defaults, exactly `frames` frames when forced, else at most."""
-    from omnistage.engine.sampling import talker_sampling_defaults
+    from omnistage.request import talker_sampling_defaults
 
     if forced:
         return replace(talker_sampling_defaults(), max_tokens=frames, min_tokens=frames, ignore_eos=True)
@@ -108,10 +108,10 @@ def talker_params(frames: int, forced: bool) -> SamplingParams:
 def inprocess_runner(
     engine: Any, tts: bool, text_tokens: int, frames: int, voice: str, forced: bool
 ) -> Runner:
-    """Requests straight into an AsyncEngine, prompts laid out by its pipeline as the server does."""
-    from omnistage.engine.sampling import SamplingParams, SpeechParams
+    """Requests straight into an AsyncPipeline, prompts laid out by its Frontend as the server does."""
+    from omnistage.request import GenerationRequest, SamplingParams, SpeechParams
 
-    pipeline = engine.engine
+    frontend = engine.frontend
     speech = SpeechParams(voice=voice, talker=talker_params(frames, forced))
     chat_params = SamplingParams(**text_fields(text_tokens, forced))
 
@@ -119,7 +119,7 @@ def inprocess_runner(
         start = time.monotonic()
         mrope = mm = None
         if tts:
-            prompt = pipeline.tts_prompt(item.text)
+            prompt = frontend.tts_prompt(item.text)
             text, ids = prompt.prompt, prompt.token_ids
             # the Thinker does not run: its sampling is never read, one token satisfies its checks
             params, spoken = (
@@ -127,14 +127,13 @@ def inprocess_runner(
                 replace(speech, reply_token_ids=prompt.reply_token_ids),
             )
         else:
-            prompt = await asyncio.to_thread(pipeline.processor.process_chat, item.messages())
+            prompt = await asyncio.to_thread(frontend.processor.process_chat, item.messages())
             text, ids, mrope, mm = prompt.prompt, prompt.token_ids, prompt.mrope, prompt.mm
             params, spoken = chat_params, speech
         prepared = time.monotonic()
         first, samples, final = None, 0, None
-        async for out in engine.generate(
-            f"speech-{number}", text, ids, params, mrope=mrope, mm=mm, speech=spoken
-        ):
+        request = GenerationRequest(f"speech-{number}", ids, params, text, mrope, mm, spoken)
+        async for out in engine.generate(request):
             if out.audio_delta is not None and len(out.audio_delta):
                 first = first or time.monotonic()
                 samples += len(out.audio_delta)

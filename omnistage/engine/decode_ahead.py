@@ -25,10 +25,10 @@ from dataclasses import dataclass, field
 import torch
 
 from omnistage.engine.kv_cache import PagePool
-from omnistage.engine.sampling import SamplingParams
 from omnistage.engine.scheduler import ScheduledChunk, Scheduler
 from omnistage.engine.sequence import Sequence
 from omnistage.models.layers.attention_metadata import to_device
+from omnistage.request import SamplingParams
 
 PLACEHOLDER = -1  # a token launched but not yet read back; no vocabulary has it
 

@@ -29,12 +29,13 @@ from omnistage.engine.isolation import run_isolated
 from omnistage.engine.kv_cache import PagePool
 from omnistage.engine.memory.measure import Peak, device_peak, scaled_peaks
 from omnistage.engine.model_runner import positions_for, warm_up_shapes
-from omnistage.engine.sampling import Sampler, SamplingParams, SamplingRow, make_generator
+from omnistage.engine.sampling import Sampler, SamplingRow, make_generator
 from omnistage.engine.scheduler import ScheduledChunk, Scheduler, SchedulerOutput
 from omnistage.engine.sequence import Sequence, SequenceStatus
 from omnistage.models.layers.attention_metadata import AttentionMetadata, to_device
 from omnistage.models.layers.rotary import PromptPositions
 from omnistage.models.qwen3_omni.config import TextConfig
+from omnistage.request import SamplingParams
 
 log = logging.getLogger(__name__)
 

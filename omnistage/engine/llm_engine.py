@@ -32,7 +32,7 @@ from omnistage.engine.memory.measure import allocator_stats, module_bytes
 from omnistage.engine.memory.plan import GiB, MemoryPlan, StageMemory, kv_bytes_per_page
 from omnistage.engine.model_runner import HiddenTap, ModelRunner
 from omnistage.engine.output_processor import RequestState, request_output, stop_and_text
-from omnistage.engine.sampling import Sampler, SamplingParams, SamplingRow, SpeechParams, make_generator
+from omnistage.engine.sampling import Sampler, SamplingRow, make_generator
 from omnistage.engine.scheduler import ScheduledChunk, Scheduler, SchedulerOutput
 from omnistage.engine.sequence import Sequence, SequenceStatus
 from omnistage.engine.stage_memory import llm_stage_memory
@@ -44,6 +44,7 @@ from omnistage.models.qwen3_omni.config import TextConfig
 from omnistage.models.qwen3_omni.processor import Processor
 from omnistage.models.qwen3_omni.thinker import Thinker
 from omnistage.outputs import RequestOutput
+from omnistage.request import GenerationRequest, SamplingParams
 
 if TYPE_CHECKING:
     from omnistage.models.qwen3_omni.processor import MultimodalInputs
@@ -53,18 +54,17 @@ log = logging.getLogger(__name__)
 _CPU_KV_GIB = 0.25
 
 
-@dataclass
-class NewRequest:
-    """A request as it arrives: a prompt laid out by the processor, and its sampling parameters."""
+@dataclass(frozen=True)
+class NewRequest(GenerationRequest):
+    """A request as the stage takes it: the caller's (speech is the pipeline's business), and what the pipeline
+    adds for a later stage."""
 
-    request_id: str
-    prompt_token_ids: list[int]
-    params: SamplingParams
-    prompt: str | None = None
-    mrope: PromptPositions | None = None
-    mm: MultimodalInputs | None = None
-    speech: SpeechParams | None = None  # speak the reply: the pipeline's business
     tap: HiddenTap | None = None  # hidden states of prompt rows that a later stage reads
+
+    @classmethod
+    def of(cls, request: GenerationRequest, tap: HiddenTap | None = None) -> NewRequest:
+        r = request
+        return cls(r.request_id, r.prompt_token_ids, r.params, r.prompt, r.mrope, r.mm, r.speech, tap)
 
 
 @dataclass

@@ -12,9 +12,9 @@ import torch
 
 from omnistage.engine.decode_ahead import drop_placeholders
 from omnistage.engine.detokenizer import IncrementalDetokenizer
-from omnistage.engine.sampling import SamplingParams
 from omnistage.engine.sequence import PromptInputs, Sequence, SequenceStatus
 from omnistage.outputs import CompletionOutput, RequestOutput
+from omnistage.request import SamplingParams
 
 _FINISH_REASONS = {
     SequenceStatus.FINISHED_STOPPED: "stop",

@@ -1,154 +1,17 @@
-"""Sampling parameters (vLLM's names and defaults) and the batched sampler that applies them row by row."""
+"""The batched sampler that applies each row's SamplingParams (omnistage/request.py)."""
 
 from __future__ import annotations
 
 import itertools
 import math
-import numbers
-import reprlib
 from dataclasses import dataclass, field
 
 import numpy as np
 import torch
 from torch import Tensor
 
-from omnistage.errors import InvalidRequest
 from omnistage.models.layers.attention_metadata import to_device_together
-
-# Below this a temperature counts as greedy: dividing logits by it would only amplify float noise (vLLM's bound).
-GREEDY_TEMPERATURE = 1e-5
-
-
-@dataclass
-class SamplingParams:
-    """Per-request decoding controls; `stop` and `stop_token_ids` are normalised to lists."""
-
-    n: int = 1
-    max_tokens: int | None = 16
-    min_tokens: int = 0
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0  # 0 or -1: off
-    min_p: float = 0.0
-    seed: int | None = None
-    repetition_penalty: float = 1.0
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    stop: list[str] | str | None = None
-    stop_token_ids: list[int] | None = None
-    ignore_eos: bool = False
-    skip_special_tokens: bool = True
-    include_stop_str_in_output: bool = False
-
-    def __post_init__(self) -> None:
-        if self.stop is None:
-            self.stop = []
-        elif isinstance(self.stop, str):
-            self.stop = [self.stop]
-        else:
-            self.stop = list(self.stop)
-        self.stop_token_ids = list(self.stop_token_ids or [])
-        self.validate()
-
-    @property
-    def greedy(self) -> bool:
-        """Whether this request takes the argmax instead of sampling."""
-        return self.temperature < GREEDY_TEMPERATURE
-
-    def validate(self) -> None:
-        """Raise InvalidRequest naming the first field that breaks its rule.
-
-        Beyond each field's rule, integers must fit int64 and floats must be finite numbers: a value the
-        sampler's tensors cannot hold would fail the sampler, and with it the whole batch.
-        """
-        for name in _INT_FIELDS:
-            if (value := getattr(self, name)) is not None or name not in _OPTIONAL:
-                _check_int64(name, value)
-        for value in self.stop_token_ids or []:
-            _check_int64("stop_token_ids", value)
-        for name in _FLOAT_FIELDS:
-            if not _is_number(getattr(self, name)):
-                _invalid(f"{name} must be a number, got {getattr(self, name)!r}")
-        if self.n != 1:
-            _invalid(f"n must be 1 (only one choice per request is supported), got {self.n}")
-        if self.max_tokens is not None and self.max_tokens < 1:
-            _invalid(f"max_tokens must be >= 1, got {self.max_tokens}")
-        if self.min_tokens < 0:
-            _invalid(f"min_tokens must be >= 0, got {self.min_tokens}")
-        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
-            _invalid(f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})")
-        if not self.temperature >= 0:  # written this way round so that NaN fails too
-            _invalid(f"temperature must be >= 0, got {self.temperature}")
-        if not 0 < self.top_p <= 1:
-            _invalid(f"top_p must be in (0, 1], got {self.top_p}")
-        if self.top_k < -1:
-            _invalid(f"top_k must be >= 1, or 0 or -1 to disable it, got {self.top_k}")
-        if not 0 <= self.min_p <= 1:
-            _invalid(f"min_p must be in [0, 1], got {self.min_p}")
-        if not 0 < self.repetition_penalty < math.inf:
-            _invalid(f"repetition_penalty must be > 0 and finite, got {self.repetition_penalty}")
-        if not -2 <= self.presence_penalty <= 2:
-            _invalid(f"presence_penalty must be in [-2, 2], got {self.presence_penalty}")
-        if not -2 <= self.frequency_penalty <= 2:
-            _invalid(f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty}")
-        for name in _FLOAT_FIELDS:
-            _check_finite(name, getattr(self, name))
-        if not all(isinstance(s, str) and s for s in self.stop or []):
-            _invalid(f"stop must hold only non-empty strings, got {self.stop!r}")
-        if not all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids or []):
-            _invalid(f"stop_token_ids must be non-negative token ids, got {self.stop_token_ids!r}")
-
-
-def talker_sampling_defaults() -> SamplingParams:
-    """The released Talker's sampling (its generation defaults); max_tokens None: the pipeline's audio cap."""
-    return SamplingParams(max_tokens=None, temperature=0.9, top_k=50, repetition_penalty=1.05)
-
-
-@dataclass
-class SpeechParams:
-    """Speak the reply. `talker.max_tokens` caps the audio in codec frames (12.5 per second; None: a cap
-    proportional to the text); `talker.seed` also seeds the code predictor's draws. `reply_token_ids` speaks
-    exactly those tokens (text-to-speech): the Thinker does not run."""
-
-    voice: str = "ethan"
-    talker: SamplingParams = field(default_factory=talker_sampling_defaults)
-    reply_token_ids: list[int] | None = None
-
-
-_INT_FIELDS = ("n", "max_tokens", "min_tokens", "top_k", "seed")
-_OPTIONAL = ("max_tokens", "seed")
-_FLOAT_FIELDS = (
-    "temperature",
-    "top_p",
-    "min_p",
-    "repetition_penalty",
-    "presence_penalty",
-    "frequency_penalty",
-)
-_INT64 = range(-(2**63), 2**63)
-
-
-def _is_number(value: object) -> bool:
-    # bool is an int to Python, but `temperature=True` is a mistake, not a 1.0. numbers.Real takes numpy's.
-    return isinstance(value, numbers.Real) and not isinstance(value, bool)
-
-
-def _check_int64(name: str, value: object) -> None:
-    if not (_is_number(value) and isinstance(value, numbers.Integral) and int(value) in _INT64):
-        _invalid(f"{name} must be an integer in [-2**63, 2**63), got {reprlib.repr(value)}")
-
-
-def _check_finite(name: str, value: float) -> None:
-    try:
-        finite = math.isfinite(value)
-    except OverflowError:  # an int too large for a float
-        finite = False
-    if not finite:
-        _invalid(f"{name} must be finite, got {reprlib.repr(value)}")
-
-
-def _invalid(message: str) -> None:
-    raise InvalidRequest(message)
+from omnistage.request import SamplingParams
 
 
 @dataclass

@@ -27,21 +27,19 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from multiprocessing.connection import Connection
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, cast
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from omnistage.config import EngineConfig
 from omnistage.engine.memory.gauges import Gauge
-from omnistage.engine.sampling import SamplingParams, SpeechParams
 from omnistage.errors import ConfigError
 from omnistage.outputs import RequestOutput
-from omnistage.pipeline.family import build_pipeline, processor_for
-from omnistage.pipeline.qwen3_omni import TtsPrompt, tts_prompt
+from omnistage.pipeline.family import build_pipeline, frontend_for
 from omnistage.pipeline.step_loop import Abort, Add, Delivery, StepLoop, serving_stats
 
 if TYPE_CHECKING:
-    from omnistage.models.qwen3_omni.processor import Processor
+    pass
 
 log = logging.getLogger(__name__)
 
@@ -54,14 +52,15 @@ _STATS_EVERY_S = 0.1
 
 @dataclass(frozen=True)
 class PipelineInfo:
-    """What the server reads of the pipeline, sent once by the engine process when it is ready."""
+    """What the server's process reads of the pipeline, sent once by the engine process when it is ready: its
+    Frontend but the processor (the server's process builds its own), its summary and its first stats."""
 
     model_path: Path
     max_model_len: int
     voices: tuple[str, ...]
+    plan_gauges: tuple[Gauge, ...]
     memory_summary: str
     stats: dict[str, int]
-    plan_gauges: list[Gauge]
 
 
 @dataclass(frozen=True)
@@ -94,14 +93,15 @@ def _engine_main(config_json: str, conn: Connection, log_level: int) -> None:
         _send(conn, (exc, traceback.format_exc()))
         return
     gc.collect()
-    gc.freeze()  # see AsyncEngine: the loaded model is never garbage
+    gc.freeze()  # see AsyncPipeline: the loaded model is never garbage
+    front = pipeline.frontend
     info = PipelineInfo(
-        pipeline.model_path,
-        pipeline.max_model_len,
-        pipeline.voices,
+        front.model_path,
+        front.max_model_len,
+        front.voices,
+        front.plan_gauges,
         pipeline.memory_summary(),
         serving_stats(pipeline),
-        pipeline.plan_gauges(),
     )
     _send(conn, info)
     admitted = 0
@@ -222,31 +222,16 @@ class RemoteOutputs:
 
 
 class RemotePipeline:
-    """The pipeline as the server's process sees it: the same attributes the server reads of a
-    Qwen3OmniPipeline, its stats as the engine process last sent them."""
+    """The pipeline in the engine process as the server's process reads it (a PipelineView, base.py): its
+    Frontend around a processor of this process's own, its stats as the engine process last sent them."""
 
     def __init__(self, info: PipelineInfo) -> None:
         self.info = info
-        self.model_path, self.max_model_len, self.voices = info.model_path, info.max_model_len, info.voices
-        self.processor = processor_for(info.model_path)
-        self.tokenizer = self.processor.tokenizer
+        self.frontend = frontend_for(info.model_path, info.max_model_len, info.voices, info.plan_gauges)
         self.latest_stats = dict(info.stats)
 
     def memory_summary(self) -> str:
         return self.info.memory_summary
-
-    def plan_gauges(self) -> list[Gauge]:
-        return list(self.info.plan_gauges)
-
-    def tts_prompt(self, text: str) -> TtsPrompt:
-        # a Qwen3-ASR processor has the same encode_chat, which refuses (InvalidRequest): it does not speak
-        return tts_prompt(cast("Processor", self.processor), text, self.max_model_len)
-
-    def validate(
-        self, prompt_token_ids: list[int], params: SamplingParams, speech: SpeechParams | None = None
-    ) -> None:
-        """Nothing here: the engine process checks a request when it admits it, and its error is the first
-        item of the request's stream."""
 
     @property
     def num_waiting(self) -> int:

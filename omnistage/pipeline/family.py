@@ -7,12 +7,12 @@ from pathlib import Path
 
 from omnistage.config import EngineConfig
 from omnistage.engine.compile_watch import starting_up
+from omnistage.engine.memory.gauges import Gauge
 from omnistage.models.qwen3_asr.processor import ASRProcessor
 from omnistage.models.qwen3_omni.processor import Processor
-from omnistage.pipeline.qwen3_asr import Qwen3ASRPipeline
-from omnistage.pipeline.qwen3_omni import Qwen3OmniPipeline
-
-Pipeline = Qwen3OmniPipeline | Qwen3ASRPipeline
+from omnistage.pipeline.base import Frontend
+from omnistage.pipeline.qwen3_asr import Qwen3ASRPipeline, asr_frontend
+from omnistage.pipeline.qwen3_omni import Qwen3OmniPipeline, omni_frontend
 
 
 def model_type(checkpoint_dir: str | Path) -> str | None:
@@ -32,7 +32,18 @@ def processor_for(checkpoint_dir: str | Path) -> Processor | ASRProcessor:
     )
 
 
-def build_pipeline(config: EngineConfig) -> Pipeline:
+def frontend_for(
+    checkpoint_dir: Path, max_model_len: int, voices: tuple[str, ...], plan_gauges: tuple[Gauge, ...]
+) -> Frontend:
+    """The Frontend of a checkpoint's pipeline running in another process (engine_process.py), around a
+    processor of this process's own."""
+    processor = processor_for(checkpoint_dir)
+    if isinstance(processor, ASRProcessor):
+        return asr_frontend(processor, checkpoint_dir, max_model_len, plan_gauges)
+    return omni_frontend(processor, checkpoint_dir, max_model_len, voices, plan_gauges)
+
+
+def build_pipeline(config: EngineConfig) -> Qwen3OmniPipeline | Qwen3ASRPipeline:
     """A Qwen3-ASR checkpoint's pipeline, or Qwen3-Omni's (the embedded tiny model's too). Its warm-up's and
     capture's builds are start-up's, also in a process that already serves (compile_watch.py)."""
     with starting_up():

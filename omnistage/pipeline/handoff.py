@@ -27,12 +27,12 @@ import torch
 
 from omnistage.engine.embedding_stage import InFlight, Sampled
 from omnistage.engine.model_runner import HiddenTap
-from omnistage.engine.sampling import SpeechParams
 from omnistage.models.layers.attention_metadata import to_device
 from omnistage.models.qwen3_omni.config import Qwen3OmniConfig
 from omnistage.models.qwen3_omni.talker_input import TtsEmbeds, talker_positions, talker_prompt
 from omnistage.outputs import RequestOutput
 from omnistage.pipeline.speech_stages import PREDICTOR_TEMPERATURE, PREDICTOR_TOP_P, SpeechStages
+from omnistage.request import SpeechParams
 
 log = logging.getLogger(__name__)
 

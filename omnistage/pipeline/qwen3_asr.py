@@ -1,9 +1,10 @@
-"""Qwen3-ASR's stages: the audio encoder and the dense decoder, one LLM stage, behind the same facade as
-Qwen3-Omni's pipeline (it transcribes; it does not speak)."""
+"""Qwen3-ASR's stages: the audio encoder and the dense decoder, one LLM stage, behind the Pipeline interface
+as Qwen3-Omni's (it transcribes; it does not speak)."""
 
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, cast
 
@@ -15,16 +16,17 @@ from omnistage.engine.devices import resolve_device, resolve_dtype
 from omnistage.engine.encoder_engine import EncoderEngine
 from omnistage.engine.llm_engine import LLMEngine, NewRequest, StageModels
 from omnistage.engine.memory.gauges import Gauge, plan_gauges
-from omnistage.engine.sampling import SamplingParams, SpeechParams
 from omnistage.errors import InvalidRequest
 from omnistage.models.qwen3_asr.audio_encoder import load_audio_encoder
 from omnistage.models.qwen3_asr.config import Qwen3ASRConfig
 from omnistage.models.qwen3_asr.decoder import load_decoder
 from omnistage.models.qwen3_asr.processor import ASRProcessor
 from omnistage.outputs import RequestOutput
+from omnistage.pipeline.base import Frontend, TtsPrompt
 from omnistage.pipeline.planning import plan_devices
-from omnistage.pipeline.qwen3_omni import TtsPrompt, eos_token_ids
+from omnistage.pipeline.qwen3_omni import eos_token_ids
 from omnistage.pipeline.topology import validate_topology
+from omnistage.request import GenerationRequest, SamplingParams, SpeechParams
 
 if TYPE_CHECKING:
     from omnistage.models.qwen3_omni.config import TextConfig
@@ -44,8 +46,19 @@ def asr_defaults(config: EngineConfig) -> EngineConfig:
     return config.model_copy(update={"max_num_seqs": ASR_MAX_NUM_SEQS})
 
 
+def asr_frontend(
+    processor: ASRProcessor, model_path: Path, max_model_len: int, plan_gauges: tuple[Gauge, ...] = ()
+) -> Frontend:
+    """A Qwen3-ASR pipeline's Frontend: no voices, and a text to speak is refused."""
+    return Frontend(model_path, max_model_len, processor, _speaks_not, (), plan_gauges)
+
+
+def _speaks_not(text: str) -> TtsPrompt:
+    raise InvalidRequest(NO_SPEECH)
+
+
 class Qwen3ASRPipeline:
-    voices: tuple[str, ...] = ()
+    """Qwen3-ASR's stages behind the Pipeline interface (base.py)."""
 
     def __init__(self, config: EngineConfig) -> None:
         assert config.model is not None  # family.py picks this pipeline by the checkpoint's model type
@@ -80,16 +93,11 @@ class Qwen3ASRPipeline:
         self.processor, self.tokenizer = processor, processor.tokenizer
         self.model_path, self.max_model_len = path, self.thinker.max_model_len
         self.device, self.dtype = device, dtype
-
-    def plan_gauges(self) -> list[Gauge]:
-        """The device's memory plan as gauge samples (none on a CPU), for `/metrics`."""
-        return [gauge for plan in self.plans.values() for gauge in plan_gauges(plan)]
+        gauges = tuple(gauge for plan in self.plans.values() for gauge in plan_gauges(plan))
+        self.frontend = asr_frontend(processor, path, self.max_model_len, gauges)
 
     def memory_summary(self) -> str:
         return self.thinker.memory_summary() + "; Qwen3-ASR: transcription only"
-
-    def tts_prompt(self, text: str) -> TtsPrompt:
-        raise InvalidRequest(NO_SPEECH)
 
     def validate(
         self, prompt_token_ids: list[int], params: SamplingParams, speech: SpeechParams | None = None
@@ -98,10 +106,12 @@ class Qwen3ASRPipeline:
             raise InvalidRequest(NO_SPEECH)
         return self.thinker.validate(prompt_token_ids, params)
 
-    def add_requests(self, requests: list[NewRequest]) -> list[Exception | None]:
+    def add_requests(self, requests: Sequence[GenerationRequest]) -> list[Exception | None]:
         errors: list[Exception | None] = [InvalidRequest(NO_SPEECH) if r.speech else None for r in requests]
         admitted = [i for i, e in enumerate(errors) if e is None]
-        for i, error in zip(admitted, self.thinker.add_requests([requests[i] for i in admitted])):
+        for i, error in zip(
+            admitted, self.thinker.add_requests([NewRequest.of(requests[i]) for i in admitted])
+        ):
             errors[i] = error
         return errors
 

@@ -10,9 +10,10 @@ import logging
 import random
 import time
 from collections import deque
-from collections.abc import Collection
+from collections.abc import Collection, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, replace
+from functools import partial
 from pathlib import Path
 
 import numpy as np
@@ -26,25 +27,23 @@ from omnistage.engine.llm_engine import LLMEngine, NewRequest, StageModels
 from omnistage.engine.memory.gauges import Gauge, plan_gauges
 from omnistage.engine.memory.plan import MemoryPlan
 from omnistage.engine.model_runner import HiddenTap
-from omnistage.engine.sampling import SamplingParams, SpeechParams
 from omnistage.errors import CheckpointError, InvalidRequest, RequestTooLarge
 from omnistage.models.qwen3_omni.config import Qwen3OmniConfig
 from omnistage.models.qwen3_omni.processor import Processor
 from omnistage.models.qwen3_omni.talker_input import text_rows, tts_embeds, user_turn_mask
 from omnistage.models.qwen3_omni.thinker import load_thinker
 from omnistage.outputs import CompletionOutput, RequestOutput
+from omnistage.pipeline.base import Frontend, TtsPrompt
 from omnistage.pipeline.handoff import Handoff, Speech
 from omnistage.pipeline.planning import plan_devices
 from omnistage.pipeline.side_stream import SideStream
 from omnistage.pipeline.speech_stages import SpeechStages
 from omnistage.pipeline.topology import validate_topology
+from omnistage.request import MAX_AUDIO_FRAMES, GenerationRequest, SamplingParams, SpeechParams
 
 log = logging.getLogger(__name__)
 
 ASSISTANT_ROWS = 9  # the Talker prompt's rows after the user turns (talker_input.talker_prompt)
-# The most codec frames one request speaks: transformers' own talker limit (327.7 s), and the length the Talker's
-# sequences are planned for (its pages, its graphs). The server refuses more at its edge (protocol.py).
-MAX_AUDIO_FRAMES = 4096
 # The audio cap when a request sets none: 2 s, plus 8 frames (0.64 s) per spoken token, about twice a
 # speaker's pace, never past MAX_AUDIO_FRAMES.
 CAP_BASE_FRAMES, CAP_FRAMES_PER_TOKEN = 25, 8
@@ -79,18 +78,9 @@ def _about(exc: InvalidRequest, field: str) -> InvalidRequest:
 class _Waiting:
     """A speaking request checked and waiting for its turn (`max_speaking`)."""
 
-    request: NewRequest
+    request: GenerationRequest
     max_tokens: int  # the Thinker's effective max_tokens
     arrival: float
-
-
-@dataclass(frozen=True)
-class TtsPrompt:
-    """A text-to-speech request: the prompt the Talker is conditioned on, and the reply it speaks."""
-
-    prompt: str
-    token_ids: list[int]
-    reply_token_ids: list[int]
 
 
 def load_thinker_stage(
@@ -133,7 +123,21 @@ def tts_prompt(processor: Processor, text: str, max_model_len: int) -> TtsPrompt
     return TtsPrompt(prompt, token_ids, processor.encode(text, max_model_len))
 
 
+def omni_frontend(
+    processor: Processor,
+    model_path: Path,
+    max_model_len: int,
+    voices: tuple[str, ...] = (),
+    plan_gauges: tuple[Gauge, ...] = (),
+) -> Frontend:
+    """A Qwen3-Omni pipeline's Frontend: a text is spoken as the user's turn and as the reply (`tts_prompt`)."""
+    speak = partial(tts_prompt, processor, max_model_len=max_model_len)
+    return Frontend(model_path, max_model_len, processor, speak, voices, plan_gauges)
+
+
 class Qwen3OmniPipeline:
+    """Qwen3-Omni's stages behind the Pipeline interface (base.py)."""
+
     def __init__(self, config: EngineConfig) -> None:
         from omnistage.models.qwen3_omni.tiny import default_checkpoint
 
@@ -190,6 +194,10 @@ class Qwen3OmniPipeline:
             self.handoff = Handoff(
                 self.speech_stages, tts, self._embedding, table, device, cfg, self._speaking, self._fail
             )
+        gauges = tuple(gauge for plan in self.plans.values() for gauge in plan_gauges(plan))
+        self.frontend = omni_frontend(
+            self.processor, self.model_path, self.max_model_len, self.voices, gauges
+        )
 
     @property
     def _embedding(self) -> torch.nn.Embedding:
@@ -216,10 +224,6 @@ class Qwen3OmniPipeline:
                 speech.allocate(plans[speech.device], self.thinker.graph_pool if shared else None)
         return plans
 
-    def plan_gauges(self) -> list[Gauge]:
-        """Every device's memory plan as gauge samples (none on a CPU), for `/metrics`."""
-        return [gauge for plan in self.plans.values() for gauge in plan_gauges(plan)]
-
     def memory_summary(self) -> str:
         summary = self.thinker.memory_summary()
         if self.speech_stages is None:
@@ -227,9 +231,6 @@ class Qwen3OmniPipeline:
         return f"{summary}; {self.speech_stages.summary()}"
 
     # -- requests -----------------------------------------------------------------------------------
-
-    def tts_prompt(self, text: str) -> TtsPrompt:
-        return tts_prompt(self.processor, text, self.max_model_len)
 
     def validate(
         self, prompt_token_ids: list[int], params: SamplingParams, speech: SpeechParams | None = None
@@ -280,7 +281,7 @@ class Qwen3OmniPipeline:
     def _frame_cap(self, speech: SpeechParams, text_tokens: int) -> int:
         return speech.talker.max_tokens or default_frame_cap(text_tokens)
 
-    def add_requests(self, requests: list[NewRequest]) -> list[Exception | None]:
+    def add_requests(self, requests: Sequence[GenerationRequest]) -> list[Exception | None]:
         """Admit several requests (their media encoded together); per request, None or what kept it out. A
         speaking request is checked at once, then waits its turn if max_speaking already speak."""
         errors: list[Exception | None] = [None] * len(requests)
@@ -301,19 +302,19 @@ class Qwen3OmniPipeline:
         return errors
 
     def _admit(
-        self, text_requests: list[NewRequest], batch: Collection[str] = frozenset()
+        self, text_requests: list[GenerationRequest], batch: Collection[str] = frozenset()
     ) -> dict[str, Exception]:
         """Text requests, and the waiting speaking ones while fewer than max_speaking speak, to the Thinker in
         one call; what kept out each of `batch` (the ids being added). One refused that waited from an earlier
         batch ends in the next step's outputs."""
-        thinker_requests = list(text_requests)
+        thinker_requests = [NewRequest.of(r) for r in text_requests]
         while self._waiting and len(self._speaking) < self.max_speaking:
             waiting = self._waiting.popleft()
             r = waiting.request
             assert r.speech is not None  # only speaking requests wait
             speech = self._new_speech(r, waiting.max_tokens, waiting.arrival)
             if r.speech.reply_token_ids is None:
-                thinker_requests.append(replace(r, tap=speech.tap))
+                thinker_requests.append(NewRequest.of(r, speech.tap))
             self._speaking[r.request_id] = speech
         errors = {}
         for r, error in zip(
@@ -328,7 +329,7 @@ class Qwen3OmniPipeline:
                 self._refused.append(_failed(refused.text, f"{type(error).__name__}: {error}"))
         return errors
 
-    def _new_speech(self, r: NewRequest, max_tokens: int, arrival: float) -> Speech:
+    def _new_speech(self, r: GenerationRequest, max_tokens: int, arrival: float) -> Speech:
         # a speaking request, to a pipeline that speaks
         assert self.speech_stages is not None and r.speech is not None
         mm = r.mm

@@ -1,4 +1,4 @@
-"""The engine side of AsyncEngine: commands are taken between steps, steps run, their outputs are handed out.
+"""The engine side of AsyncPipeline: commands are taken between steps, steps run, their outputs are handed out.
 
 It runs on a thread of the server's process or as the main loop of an engine process (`engine_process.py`);
 the two differ only in where commands come from and where outputs go.
@@ -18,9 +18,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from omnistage.engine.compile_watch import builds_while_serving, watch_compiles
-from omnistage.engine.llm_engine import NewRequest
 from omnistage.outputs import RequestOutput
-from omnistage.pipeline.family import Pipeline
+from omnistage.pipeline.base import Pipeline
+from omnistage.request import GenerationRequest
 
 log = logging.getLogger(__name__)
 
@@ -36,7 +36,7 @@ def serving_stats(pipeline: Pipeline) -> dict[str, int]:
 
 @dataclass(frozen=True)
 class Add:
-    request: NewRequest
+    request: GenerationRequest
     more_coming: int = 0  # requests its caller was still preparing when it sent this one
 
 
@@ -61,7 +61,7 @@ class StepLoop:
         self.wanted = wanted
         self.admission_window_s = admission_window_s
         self._live: set[str] = set()
-        self._held: list[NewRequest] = []
+        self._held: list[GenerationRequest] = []
         self._held_until = 0.0
 
     def run(self, receive: Callable[[float | None], list[Add | Abort]], stopping: Callable[[], bool]) -> None:
@@ -128,7 +128,7 @@ class StepLoop:
     def _may_hold(self) -> bool:
         return self.admission_window_s > 0 and not self.pipeline.has_unfinished()
 
-    def _admit(self, requests: list[NewRequest]) -> None:
+    def _admit(self, requests: list[GenerationRequest]) -> None:
         requests = [r for r in requests if self.wanted(r.request_id)]
         if not requests:
             return

@@ -17,7 +17,7 @@ from collections.abc import Callable
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from omnistage.errors import OmnistageError
-from omnistage.pipeline.async_engine import Preparing
+from omnistage.pipeline.async_pipeline import Preparing
 from omnistage.server.errors import BodyTooLarge, Unauthorized, error_response
 
 DEFAULT_MAX_BODY_BYTES = 32 * 1024 * 1024

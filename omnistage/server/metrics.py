@@ -1,9 +1,9 @@
 """Prometheus metrics of one server, in its own registry (two apps in one process never collide), with the
 process_* gauges of its process (resident memory, CPU seconds, open files).
 
-Request counters and latency histograms are fed as requests end; the engine gauges (queue, KV pages) are
-read from `engine.stats()` at scrape time, so they are never stale. The memory plan of each device is fixed
-at start: its gauges are set once (`set_plan`).
+Request counters and latency histograms are fed as requests end; the pipeline's gauges (queue, KV pages) are
+read from its stats at scrape time, so they are never stale. The memory plan of each device is fixed at start:
+its gauges are set once, from the Frontend (`set_plan`).
 """
 
 from __future__ import annotations
@@ -12,9 +12,8 @@ import time
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector, generate_latest
 
-from omnistage.engine.memory.gauges import GAUGE_HELP
-from omnistage.engine.memory.gauges import Gauge as PlanGauge
 from omnistage.outputs import RequestOutput
+from omnistage.pipeline.base import Frontend
 
 _TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 _TPOT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.25, 0.5, 1.0, 2.5)
@@ -100,13 +99,14 @@ class ServerMetrics:
             registry=r,
         )
 
-    def set_plan(self, samples: list[PlanGauge]) -> None:
-        """The memory plans' samples: one gauge per name (each name has one set of labels)."""
+    def set_plan(self, frontend: Frontend) -> None:
+        """The pipeline's memory plans: one gauge per sample name (each name has one set of labels)."""
         gauges: dict[str, Gauge] = {}
-        for sample in samples:
+        help = frontend.plan_gauge_help
+        for sample in frontend.plan_gauges:
             if sample.name not in gauges:
                 gauges[sample.name] = Gauge(
-                    sample.name, GAUGE_HELP[sample.name], sorted(sample.labels), registry=self.registry
+                    sample.name, help[sample.name], sorted(sample.labels), registry=self.registry
                 )
             gauges[sample.name].labels(**sample.labels).set(sample.value)
 

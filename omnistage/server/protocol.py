@@ -11,7 +11,6 @@ them through `extra_body` unchanged; the Talker's take the same names beside `ma
 
 from __future__ import annotations
 
-import re
 from collections.abc import Callable
 from dataclasses import replace
 from typing import Annotated, Any, Literal, cast
@@ -27,9 +26,8 @@ from pydantic import (
     model_validator,
 )
 
-from omnistage.engine.sampling import SamplingParams, talker_sampling_defaults
 from omnistage.errors import InvalidRequest
-from omnistage.pipeline.qwen3_omni import MAX_AUDIO_FRAMES
+from omnistage.request import MAX_AUDIO_FRAMES, SamplingParams, talker_sampling_defaults
 from omnistage.server.errors import InvalidField
 
 Int64 = Annotated[int, Field(ge=-(2**63), le=2**63 - 1)]
@@ -117,40 +115,6 @@ class _SamplingRequest(_Strict):
     @property
     def include_usage(self) -> bool:
         return self.stream_options is not None and bool(self.stream_options.include_usage)
-
-
-# A lone UTF-16 surrogate, which no UTF-8 text (the tokenizer's, a response's) can hold, reaches json.loads spelled
-# as a \u escape or as the three bytes UTF-8 would give it (json.loads decodes with "surrogatepass"). The raw
-# body is scanned for either first (two patterns: one alternation of both scans 31 MB in 90 ms, these in 25),
-# each only where its first byte occurs at all: a byte is found at memchr's speed (a clip's 300 KB of base64 has
-# neither, and its regex scan took 0.15 ms on the CPU machine).
-_MAYBE_SURROGATE = ((b"\\", re.compile(rb"\\u[dD][89a-fA-F]")), (b"\xed", re.compile(rb"\xed[\xa0-\xbf]")))
-_SURROGATE = re.compile("[\ud800-\udfff]")
-
-
-def may_hold_surrogates(body: bytes) -> bool:
-    return any(first in body and pattern.search(body) for first, pattern in _MAYBE_SURROGATE)
-
-
-def invalid_text(data: Any) -> tuple[str, str] | None:
-    """(path, reason) of the first string of parsed JSON that is not valid Unicode (a lone surrogate), or None.
-
-    Paths are spelled as validation errors spell them: `messages[0].content[1].text`.
-    """
-    stack: list[tuple[str, Any]] = [("", data)]
-    while stack:
-        path, value = stack.pop()
-        if isinstance(value, str):
-            if not value.isascii() and _SURROGATE.search(value):
-                return path, "not valid Unicode (it holds a lone UTF-16 surrogate)"
-        elif isinstance(value, dict):
-            for key, item in reversed(value.items()):
-                if _SURROGATE.search(key):
-                    return path, "a key is not valid Unicode (it holds a lone UTF-16 surrogate)"
-                stack.append((f"{path}.{key}" if path else key, item))
-        elif isinstance(value, list):
-            stack.extend((f"{path}[{i}]", item) for i, item in reversed(list(enumerate(value))))
-    return None
 
 
 # -- chat completions -------------------------------------------------------------------------------------

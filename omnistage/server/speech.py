@@ -1,5 +1,5 @@
-"""Speech out over HTTP: PCM encoded as clients ask for it, the Talker's parameters from a request, and the
-bodies and stream events of `/v1/audio/speech`.
+"""Speech out over HTTP: PCM encoded as clients ask for it, the Talker's parameters from a request, a spoken
+chat reply's chunks, and `/v1/audio/speech` with its bodies and stream events.
 
 Audio is encoded with soundfile (libsndfile): wav, flac, mp3 and opus (in Ogg) as files, and pcm as raw
 16-bit little-endian samples at 24 kHz mono. libsndfile has no AAC encoder, so aac is a 400 naming the
@@ -9,21 +9,26 @@ equal its pcm answer, and streamed pcm chunks concatenated equal the whole answe
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import io
 import uuid
+from collections.abc import AsyncGenerator
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 import soundfile
+from fastapi import Request
+from fastapi.responses import Response
 
-from omnistage.engine.sampling import SamplingParams, SpeechParams
 from omnistage.errors import OmnistageError
-from omnistage.outputs import AUDIO_SAMPLE_RATE
+from omnistage.outputs import AUDIO_SAMPLE_RATE, RequestOutput
+from omnistage.pipeline.base import Frontend
+from omnistage.request import GenerationRequest, SamplingParams, SpeechParams
 from omnistage.server.errors import ErrorKind, InvalidField, error_body
 from omnistage.server.formats import ChatFormat, sse
-from omnistage.server.protocol import ChatCompletionRequest, SpeechRequest, VoiceRef
+from omnistage.server.protocol import SpeechRequest, VoiceRef
 from omnistage.server.responses import (
     AssistantAudio,
     AssistantMessage,
@@ -34,6 +39,9 @@ from omnistage.server.responses import (
     DeltaAudio,
     Usage,
 )
+from omnistage.server.streaming import EventStream, Responder, failure_of, raise_if_failed
+
+PATH = "/v1/audio/speech"
 
 
 @dataclass(frozen=True)
@@ -104,31 +112,6 @@ def speech_request_params(body: SpeechRequest, voices: tuple[str, ...]) -> Speec
 def check_reply(reply_token_ids: list[int]) -> None:
     if not reply_token_ids:
         raise InvalidField("input", "there is no text to speak: it holds no token")
-
-
-def chat_speech_params(body: ChatCompletionRequest, voices: tuple[str, ...]) -> SpeechParams | None:
-    """A chat request's SpeechParams, or None when it asks for text alone; every refusal names its field."""
-    if not body.asks_for_audio():
-        return None
-    asked_by = "modalities" if "audio" in (body.modalities or ()) else "audio"
-    require_talker(voices, asked_by)
-    if body.audio is None:
-        raise InvalidField("audio", "is required when modalities has 'audio': give its voice and format")
-    if asked_by == "audio":
-        raise InvalidField("modalities", "must include 'audio' for the reply to be spoken (audio is set)")
-    if not body.add_generation_prompt:
-        raise InvalidField(
-            "add_generation_prompt", "must be true for a spoken reply: the Talker speaks the turn it opens"
-        )
-    check_format(body.audio.format, CHAT_FORMATS, "audio.format")
-    if body.stream and body.audio.format != "pcm16":
-        raise InvalidField(
-            "audio.format",
-            "a streamed reply's audio is pcm16 (raw 16-bit little-endian samples, 24 kHz mono), as "
-            f"OpenAI streams it; ask for 'pcm16', got {body.audio.format!r}",
-        )
-    talker = body.audio.talker_params(body.seed, prefix="audio.")
-    return speech_params(body.audio.voice, voices, "audio.voice", talker)
 
 
 def _b64(data: bytes) -> str:
@@ -227,3 +210,61 @@ class SpokenChatFormat(ChatFormat):
         return ChatCompletionResponse(
             id=self.id, created=self.created, model=self.model, choices=[choice], usage=usage
         ).model_dump()
+
+
+class SpeechEndpoint:
+    """`/v1/audio/speech`: speak exactly `input`; the Talker reads the text's token embeddings and the
+    Thinker does not run."""
+
+    def __init__(self, responder: Responder, frontend: Frontend) -> None:
+        self.responder, self.frontend = responder, frontend
+
+    async def create(self, body: SpeechRequest, request: Request) -> Response:
+        self.responder.begin(request, body.model)
+        speech = speech_request_params(body, self.frontend.voices)
+        tts = await asyncio.to_thread(self.frontend.tts_prompt, body.input)
+        check_reply(tts.reply_token_ids)
+        speech.reply_token_ids = tts.reply_token_ids
+        # The Thinker does not run: its params need only be valid (an empty reply is the pipeline's 400).
+        params = SamplingParams(max_tokens=max(1, len(tts.reply_token_ids)))
+        request_id = f"speech-{uuid.uuid4().hex}"
+        new = GenerationRequest(request_id, tts.token_ids, params, tts.prompt, speech=speech)
+        outputs = self.responder.start(request, new)
+        encoding = ENCODINGS[body.response_format]
+        if body.stream_format == "sse" or encoding.format == "RAW":
+            stream = SpeechStream(request_id, body.response_format, sse=body.stream_format == "sse")
+            first = await self.responder.first(request, outputs, request_id)
+            return EventStream(self._events(stream, outputs, first), media_type=stream.media_type)
+        final = await self.responder.final(request, outputs, request_id)
+        assert final.audio is not None  # a finished spoken reply has its audio (empty when it said nothing)
+        data = await asyncio.to_thread(encode, final.audio, body.response_format)
+        self.responder.count(PATH, 200)
+        return Response(data, media_type=encoding.content_type)
+
+    async def _events(
+        self, stream: SpeechStream, outputs: AsyncGenerator[RequestOutput, None], first: RequestOutput
+    ) -> AsyncGenerator[str | bytes, None]:
+        """The streamed body: audio as it is decoded, then the end `stream` writes."""
+        status: int | str
+        last, status = first, "cancelled"
+        try:
+            while True:
+                if last.finished:
+                    raise_if_failed(last)
+                if last.audio_delta is not None:
+                    for chunk in stream.audio(last.audio_delta):
+                        yield chunk
+                if last.finished:
+                    break
+                last = await anext(outputs)
+            ending = await asyncio.to_thread(stream.done, len(last.prompt_token_ids), last.num_audio_frames)
+            for chunk in ending:
+                yield chunk
+            status = 200
+        except Exception as exc:  # after the 200 went out, a failure can only be told in the stream
+            failure, kind = failure_of(exc, stream.id)
+            status = kind.status
+            for chunk in stream.failed(failure, kind):
+                yield chunk
+        finally:
+            await self.responder.end(PATH, outputs, last, status)

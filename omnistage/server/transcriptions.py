@@ -8,19 +8,28 @@ of context, and the answer goes out as json, text or verbose_json, or as `transc
 
 from __future__ import annotations
 
+import asyncio
+import uuid
 from collections.abc import Callable
-from typing import Any
+from typing import Annotated, Any
 
 import numpy as np
+from fastapi import File, Form, Request, UploadFile
 from fastapi.responses import PlainTextResponse, Response
 
-from omnistage.errors import InvalidRequest
-from omnistage.models.qwen3_omni.audio_features import SAMPLE_RATE
-from omnistage.models.qwen3_omni.transcription import language_name
+from omnistage.errors import InvalidMedia, InvalidRequest
+from omnistage.media import MediaPolicy, audio_seconds, load_audio
+from omnistage.pipeline.base import Frontend
+from omnistage.request import GenerationRequest, SamplingParams
+from omnistage.server.errors import InvalidField
 from omnistage.server.formats import sse
 from omnistage.server.responses import Usage
+from omnistage.server.streaming import Responder
+
+PATH = "/v1/audio/transcriptions"
 
 RESPONSE_FORMATS = ("json", "text", "verbose_json")
+INT64 = {"ge": -(2**63), "le": 2**63 - 1}
 Transcript = Callable[[str], tuple[str | None, str]]
 
 
@@ -48,26 +57,16 @@ class TranscriptionFormat:
         duration: float,
         transcript: Transcript = lambda text: (None, text),
     ) -> None:
-        """`transcript` reads the model's reply: the language it names, if any, and the text (Qwen3-ASR writes
-        `language English<asr_text>...`; the Omni Thinker the text alone)."""
+        """`language`: the name of the language the client gave, if any; `transcript` reads the model's reply:
+        the language it names, if any, and the text (Qwen3-ASR writes `language English<asr_text>...`; the
+        Omni Thinker the text alone)."""
         self.id = request_id
         self.response_format = response_format
-        self.language = (language_name(language) or "unknown").lower()
+        self.language = (language or "unknown").lower()
         self.duration = duration
         self.transcript = transcript
         self._raw = ""
         self._text = ""
-
-    @classmethod
-    def for_audio(
-        cls,
-        request_id: str,
-        response_format: str,
-        language: str | None,
-        audio: np.ndarray,
-        transcript: Transcript = lambda text: (None, text),
-    ) -> TranscriptionFormat:
-        return cls(request_id, response_format, language, len(audio) / SAMPLE_RATE, transcript)
 
     def opening(self) -> list[str]:
         return []
@@ -107,3 +106,60 @@ class TranscriptionFormat:
                 "segments": [],
             }
         return {"text": text}
+
+
+class TranscriptionsEndpoint:
+    def __init__(self, responder: Responder, frontend: Frontend, media: MediaPolicy) -> None:
+        self.responder, self.frontend, self.media = responder, frontend, media
+
+    async def create(
+        self,
+        request: Request,
+        file: Annotated[UploadFile, File()],
+        model: Annotated[str, Form()],
+        language: Annotated[str | None, Form()] = None,
+        prompt: Annotated[str | None, Form()] = None,
+        response_format: Annotated[str, Form()] = "json",
+        # OpenAI's default for transcriptions.
+        temperature: Annotated[float, Form(allow_inf_nan=False)] = 0.0,
+        stream: Annotated[bool, Form()] = False,
+        # Refused when asked for: this server has no timestamps and no logprobs to give. OpenAI's other
+        # form fields (chunking_strategy, keywords[], languages[], known_speaker_*[]) are ignored.
+        timestamp_granularities: Annotated[list[str] | None, Form(alias="timestamp_granularities[]")] = None,
+        include: Annotated[list[str] | None, Form(alias="include[]")] = None,
+        # Extras beyond OpenAI's form (vLLM's names), for benchmarks that force output lengths.
+        max_tokens: Annotated[int | None, Form(**INT64)] = None,
+        min_tokens: Annotated[int | None, Form(**INT64)] = None,
+        ignore_eos: Annotated[bool | None, Form()] = None,
+        seed: Annotated[int | None, Form(**INT64)] = None,
+    ) -> Response:
+        self.responder.begin(request, model)
+        check_response_format(response_format)
+        if timestamp_granularities:
+            raise InvalidField("timestamp_granularities[]", "timestamps are not supported yet")
+        if include:
+            raise InvalidField("include[]", "logprobs are not supported yet")
+        extras: dict[str, Any] = {"min_tokens": min_tokens, "ignore_eos": ignore_eos, "seed": seed}
+        extras = {k: v for k, v in extras.items() if v is not None}
+        data = await file.read()
+        audio, laid_out = await asyncio.to_thread(self._lay_out, data, language, prompt)
+        request_id = f"trsc-{uuid.uuid4().hex}"
+        named = self.frontend.language_name(language)
+        transcript = self.frontend.processor.transcript
+        fmt = TranscriptionFormat(request_id, response_format, named, audio_seconds(audio), transcript)
+        if max_tokens is None:  # the cap of the clip's length
+            max_tokens = laid_out.max_tokens
+        params = SamplingParams(max_tokens=max_tokens, temperature=temperature, **extras)
+        ids, mrope, mm = laid_out.token_ids, laid_out.mrope, laid_out.mm
+        new = GenerationRequest(request_id, ids, params, laid_out.prompt, mrope, mm)
+        return await self.responder.respond(request, PATH, fmt, new, stream)
+
+    def _lay_out(self, data: bytes, language: str | None, prompt: str | None) -> tuple[np.ndarray, Any]:
+        """The clip decoded and its transcription prompt laid out (in a worker thread: decoding and tokenizing
+        let go of the GIL for the event loop)."""
+        try:
+            audio = load_audio(data, self.media)
+        except InvalidMedia as exc:
+            raise InvalidMedia(f"file: {exc}") from None
+        processor, context = self.frontend.processor, self.frontend.max_model_len
+        return audio, processor.transcription(audio, language, prompt, context)

@@ -12,9 +12,9 @@ import pytest
 from omnistage.bench import speech_targets as targets
 from omnistage.bench.a2t import released_skeleton
 from omnistage.config import engine_config
-from omnistage.engine.sampling import SamplingParams, SpeechParams
 from omnistage.outputs import AUDIO_SAMPLE_RATE
-from omnistage.pipeline.async_engine import AsyncEngine
+from omnistage.pipeline.async_pipeline import AsyncPipeline
+from omnistage.request import GenerationRequest, SamplingParams, SpeechParams
 
 pytestmark = pytest.mark.gpu
 
@@ -22,33 +22,36 @@ TEXT_TOKENS, FRAMES = 16, 50  # 4 s of audio
 
 
 @pytest.fixture(scope="module")
-def engine() -> Iterator[AsyncEngine]:
+def engine() -> Iterator[AsyncPipeline]:
     # eager and uncompiled: this checks what runs, not how fast (the benchmark runs the default settings)
     config = engine_config(
         model=str(released_skeleton()), load_format="dummy", device="cuda", dtype="bfloat16",
         kv_cache_memory_gib=8, enforce_eager=True, compile=False,
     )  # fmt: skip
-    engine = AsyncEngine.from_config(config)
+    engine = AsyncPipeline.from_config(config)
     yield engine
     engine.shutdown()
 
 
-def assert_pools_full(engine: AsyncEngine) -> None:
-    stats = engine.engine.stats()
+def assert_pools_full(engine: AsyncPipeline) -> None:
+    stats = engine.pipeline.stats()
     assert stats["kv_pages_free"] == stats["kv_pages_total"]
     assert stats["talker_kv_pages_free"] == stats["talker_kv_pages_total"] > 0
 
 
 def test_one_s2s_request(engine):
     item = targets.speech_inputs("s2s", espeak=False)[0]
-    prompt = engine.engine.processor.process_chat(item.messages())
+    prompt = engine.frontend.processor.process_chat(item.messages())
     talker = targets.talker_params(FRAMES, forced=True)
     thinker = SamplingParams(**targets.text_fields(TEXT_TOKENS, forced=True))
 
     async def run():
         deltas, final = [], None
-        async for out in engine.generate("s2s", prompt.prompt, prompt.token_ids, thinker, mrope=prompt.mrope,
-                                         mm=prompt.mm, speech=SpeechParams(voice="ethan", talker=talker)):  # fmt: skip
+        speech = SpeechParams(voice="ethan", talker=talker)
+        request = GenerationRequest(
+            "s2s", prompt.token_ids, thinker, prompt.prompt, prompt.mrope, prompt.mm, speech
+        )
+        async for out in engine.generate(request):
             if out.audio_delta is not None:
                 deltas.append(out.audio_delta)
             final = out

@@ -8,11 +8,11 @@ import torch
 
 from omnistage.engine.attention import backend_for
 from omnistage.engine.embedding_stage import EmbeddingStage
-from omnistage.engine.sampling import SamplingParams
 from omnistage.models.layers.rotary import PromptPositions
 from omnistage.models.qwen3_omni.config import Qwen3OmniConfig
 from omnistage.models.qwen3_omni.talker import load_talker
 from omnistage.models.qwen3_omni.tiny import default_checkpoint
+from omnistage.request import SamplingParams
 
 pytestmark = [
     pytest.mark.gpu,

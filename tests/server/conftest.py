@@ -1,4 +1,4 @@
-"""Live `omnistage serve` processes on free ports, and a fake engine for in-process app tests."""
+"""Live `omnistage serve` processes on free ports, and a fake AsyncPipeline for in-process app tests."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import re
 import time
 from collections.abc import AsyncIterator, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import httpx
@@ -16,11 +16,12 @@ import pytest
 
 from omnistage.bench.server_process import ServerProcess
 from omnistage.config import engine_config
-from omnistage.engine.sampling import SamplingParams
 from omnistage.errors import InvalidMedia, QueueFull
-from omnistage.models.qwen3_omni.transcription import transcription_messages
+from omnistage.models.qwen3_omni.transcription import max_transcription_tokens, transcription_messages
 from omnistage.outputs import CompletionOutput, RequestOutput
-from omnistage.pipeline.async_engine import AsyncEngine, Preparing
+from omnistage.pipeline.async_pipeline import AsyncPipeline, Preparing
+from omnistage.pipeline.base import Frontend
+from omnistage.request import GenerationRequest
 
 
 class LiveServer(ServerProcess):
@@ -67,16 +68,18 @@ def launch_server(tmp_path_factory, tiny_checkpoint):
 
 
 @pytest.fixture(scope="session")
-def tiny_engine(tiny_checkpoint) -> Iterator[AsyncEngine]:
+def tiny_pipeline(tiny_checkpoint) -> Iterator[AsyncPipeline]:
     """The real engine over the tiny checkpoint on the CPU (the model's whole context), for in-process apps."""
-    engine = AsyncEngine.from_config(engine_config(model=str(tiny_checkpoint), device="cpu", num_kv_pages=64))
+    engine = AsyncPipeline.from_config(
+        engine_config(model=str(tiny_checkpoint), device="cpu", num_kv_pages=64)
+    )
     try:
         yield engine
     finally:
         engine.shutdown()
 
 
-# -- a fake AsyncEngine with the real one's interface, for failures a real model cannot be made to show ----
+# -- a fake AsyncPipeline with the real one's interface, for failures a real model cannot be made to show ----
 
 
 @dataclass
@@ -85,6 +88,7 @@ class FakeProcessedPrompt:
     token_ids: list[int]
     mrope: object | None
     mm: object | None
+    max_tokens: int | None = None
 
 
 class FakeProcessor:
@@ -109,7 +113,8 @@ class FakeProcessor:
     def transcription(
         self, audio: np.ndarray, language: str | None, prompt: str | None, max_model_len: int | None = None
     ) -> FakeProcessedPrompt:
-        return self.process_chat(transcription_messages(audio, language, prompt), True, max_model_len)
+        laid_out = self.process_chat(transcription_messages(audio, language, prompt), True, max_model_len)
+        return replace(laid_out, max_tokens=max_transcription_tokens(len(audio) / 16000))
 
     def transcript(self, text: str) -> tuple[str | None, str]:
         return None, text
@@ -144,21 +149,11 @@ class FakeProcessor:
         return FakeProcessedPrompt(prompt, self.encode(prompt), "mrope" if media else None, media or None)
 
 
-class FakeLLMEngine:
-    processor = FakeProcessor()
-    model_path = Path("/models/fake")
-    max_model_len = 4096
-    voices: tuple[str, ...] = ()  # a checkpoint without a talker
-    gauges: list = []  # the memory plans' samples (a CPU engine has none)
-
-    def memory_summary(self) -> str:
-        return "fake engine"
-
-    def plan_gauges(self) -> list:
-        return self.gauges
+def refuse_to_speak(text: str) -> object:
+    raise AssertionError("a checkpoint without a talker is never asked to speak")
 
 
-class FakeEngine:
+class FakePipeline:
     """Echoes its prompt back one character per step; the prompt's text picks a failure to act out.
 
     "queue-full": QueueFull before the first output; "explode": an exception before the first output;
@@ -166,7 +161,8 @@ class FakeEngine:
     """
 
     def __init__(self) -> None:
-        self.engine = FakeLLMEngine()
+        # a checkpoint without a talker, and without a memory plan (a CPU engine has none)
+        self.frontend = Frontend(Path("/models/fake"), 4096, FakeProcessor(), refuse_to_speak)
         self.ready = True
         self.running: set[str] = set()
         self.closed: list[str] = []
@@ -192,18 +188,13 @@ class FakeEngine:
         }
 
     async def generate(
-        self,
-        request_id: str,
-        prompt: str | None,
-        prompt_token_ids: list[int],
-        params: SamplingParams,
-        mrope: object | None = None,
-        mm: object | None = None,
-        preparing: Preparing | None = None,
+        self, request: GenerationRequest, preparing: Preparing | None = None
     ) -> AsyncIterator[RequestOutput]:
         if preparing is not None:
             preparing.done()
-        self.last_media = (mrope, mm)
+        request_id, prompt, prompt_token_ids = request.request_id, request.prompt, request.prompt_token_ids
+        params = request.params
+        self.last_media = (request.mrope, request.mm)
         self.coming_at_generate.append(self.in_preparation)
         text = prompt or ""
         if "queue-full" in text:
@@ -235,7 +226,7 @@ class FakeEngine:
                     [out],
                     finished=done,
                     error="OutOfMemoryError: pretend" if failed else None,
-                    # delivered: when this output reached its consumer, as AsyncEngine stamps it
+                    # delivered: when this output reached its consumer, as AsyncPipeline stamps it
                     metrics={
                         "arrival": 0.0,
                         "first_token": 0.01,
@@ -257,5 +248,5 @@ class FakeEngine:
 
 
 @pytest.fixture
-def fake_engine() -> FakeEngine:
-    return FakeEngine()
+def fake_pipeline() -> FakePipeline:
+    return FakePipeline()

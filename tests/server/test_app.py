@@ -1,9 +1,10 @@
-"""The app's error mapping and stream framing, in-process on a fake engine (failures a real model cannot show)."""
+"""The app's error mapping and stream framing, in-process on a fake pipeline (failures a real model cannot show)."""
 
 from __future__ import annotations
 
 import json
 import time
+from dataclasses import replace
 
 import pytest
 from fastapi.testclient import TestClient
@@ -14,8 +15,8 @@ MODEL = "fake-model"
 
 
 @pytest.fixture
-def client(fake_engine) -> TestClient:
-    return TestClient(build_app(fake_engine, MODEL, api_key="k", max_body_bytes=4096))
+def client(fake_pipeline) -> TestClient:
+    return TestClient(build_app(fake_pipeline, MODEL, api_key="k", max_body_bytes=4096))
 
 
 AUTH = {"Authorization": "Bearer k"}
@@ -39,7 +40,7 @@ def assert_error(response, status: int, type_: str, message: str) -> dict:
     return error
 
 
-def test_chat_echo_and_usage(client, fake_engine):
+def test_chat_echo_and_usage(client, fake_pipeline):
     r = chat(client, "hello world", max_tokens=5)
     assert r.status_code == 200
     body = r.json()
@@ -51,17 +52,17 @@ def test_chat_echo_and_usage(client, fake_engine):
         "finish_reason": "length",
     }
     assert body["usage"] == {"prompt_tokens": 11, "completion_tokens": 5, "total_tokens": 16}
-    assert fake_engine.running == set()
+    assert fake_pipeline.running == set()
 
 
-def test_engine_exception_fails_only_that_request(client, fake_engine):
+def test_engine_exception_fails_only_that_request(client, fake_pipeline):
     assert_error(
         chat(client, "explode"), 500, "server_error", "the engine failed this request: CUDA out of memory"
     )
     assert chat(client, "fine").json()["choices"][0]["message"]["content"] == "fine"
 
 
-def test_engine_error_output_is_500_and_next_works(client, fake_engine):
+def test_engine_error_output_is_500_and_next_works(client, fake_pipeline):
     error = assert_error(chat(client, "fail now"), 500, "server_error", "OutOfMemoryError: pretend")
     assert error["code"] == "engine_error"
     assert chat(client, "fine").status_code == 200
@@ -70,11 +71,11 @@ def test_engine_error_output_is_500_and_next_works(client, fake_engine):
     assert 'omnistage_requests_total{endpoint="/v1/chat/completions",status="200"} 1.0' in metrics
 
 
-def test_the_prepare_phase_runs_from_the_whole_body_to_the_hand_over(client, fake_engine, monkeypatch):
+def test_the_prepare_phase_runs_from_the_whole_body_to_the_hand_over(client, fake_pipeline, monkeypatch):
     """/metrics' prepare phase: from the moment the body is in (the gate) to the engine's generate, so the
     prompt's layout counts; a request refused before the hand-over is not counted. Its parse part ends where
     the handler starts: every parsed request counts, and the prompt's layout is not in it."""
-    processor = fake_engine.engine.processor
+    processor = fake_pipeline.frontend.processor
     encode_chat = processor.encode_chat
 
     def slow_encode_chat(*args, **kwargs):
@@ -98,25 +99,27 @@ def test_the_prepare_phase_runs_from_the_whole_body_to_the_hand_over(client, fak
     assert 0 < float(samples['omnistage_request_phase_seconds_sum{phase="respond"}']) < 0.05
 
 
-def test_a_request_counts_as_being_prepared_from_its_body_to_its_hand_over(client, fake_engine, monkeypatch):
+def test_a_request_counts_as_being_prepared_from_its_body_to_its_hand_over(
+    client, fake_pipeline, monkeypatch
+):
     """The engine's count of requests being prepared (what an idle engine waits for: step_loop.py) holds a
     generating request from the gate to the hand-over, excluding itself when it is handed over; a request
     refused in its preparation, or one to a path that generates nothing, leaves it at 0."""
-    processor = fake_engine.engine.processor
+    processor = fake_pipeline.frontend.processor
     encode_chat = processor.encode_chat
     during = []
 
     def observed_encode_chat(*args, **kwargs):
-        during.append(fake_engine.in_preparation)
+        during.append(fake_pipeline.in_preparation)
         return encode_chat(*args, **kwargs)
 
     monkeypatch.setattr(processor, "encode_chat", observed_encode_chat)
     assert chat(client, "hello", stream=True).status_code == 200
-    assert during == [1] and fake_engine.coming_at_generate == [0]
+    assert during == [1] and fake_pipeline.coming_at_generate == [0]
     assert chat(client, "hello", model="another").status_code == 404
     assert chat(client, "boom").status_code == 500  # the processor raised
     assert client.get("/v1/models", headers=AUTH).status_code == 200
-    assert fake_engine.in_preparation == 0 and fake_engine.coming_at_generate == [0]
+    assert fake_pipeline.in_preparation == 0 and fake_pipeline.coming_at_generate == [0]
 
 
 def test_queue_full_is_503(client):
@@ -129,7 +132,7 @@ def test_stream_failing_before_first_output_keeps_its_status(client):
     assert_error(chat(client, "queue-full", stream=True), 503, "server_overloaded", "queue is full")
 
 
-def test_stream_failing_midway_sends_an_error_event(client, fake_engine):
+def test_stream_failing_midway_sends_an_error_event(client, fake_pipeline):
     r = chat(client, "crash here", stream=True)
     assert r.status_code == 200
     sent = events(r)
@@ -137,7 +140,7 @@ def test_stream_failing_midway_sends_an_error_event(client, fake_engine):
     error = json.loads(sent[-2])["error"]
     assert error["message"] == "the engine failed this request: internal engine error"
     assert error["type"] == "server_error"
-    assert fake_engine.running == set()
+    assert fake_pipeline.running == set()
     assert chat(client, "fine", stream=True).status_code == 200
 
 
@@ -255,14 +258,14 @@ def test_body_over_the_limit_is_413(client):
     assert_error(r, 413, "invalid_request_error", "the limit is 4,096 bytes")
 
 
-def test_health_follows_engine_readiness(client, fake_engine):
+def test_health_follows_engine_readiness(client, fake_pipeline):
     assert client.get("/health").json() == {"status": "ok"}
-    fake_engine.ready = False
+    fake_pipeline.ready = False
     assert client.get("/health").status_code == 503
 
 
-def test_ten_thousand_bad_fields_are_answered_at_once(fake_engine):
-    client = TestClient(build_app(fake_engine, MODEL))
+def test_ten_thousand_bad_fields_are_answered_at_once(fake_pipeline):
+    client = TestClient(build_app(fake_pipeline, MODEL))
     fields = {f"x{i}": i for i in range(10_000)}
     body = {"model": MODEL, "messages": [{"role": "user", "content": "x"}], **fields}
     started = time.monotonic()
@@ -272,7 +275,7 @@ def test_ten_thousand_bad_fields_are_answered_at_once(fake_engine):
     assert error["message"].endswith("and 9997 more") and error["param"] == "x0"
 
 
-def test_metrics_carry_the_memory_plan(fake_engine):
+def test_metrics_carry_the_memory_plan(fake_pipeline):
     from omnistage.engine.memory.gauges import plan_gauges
     from omnistage.engine.memory.plan import (
         DeviceMemory,
@@ -291,8 +294,8 @@ def test_metrics_carry_the_memory_plan(fake_engine):
     )
     device = DeviceMemory(total=40 * GiB, free=30 * GiB, allocated=10 * GiB, name="cuda:0")
     plan = plan_device(device, [stage], graph_budget=64 << 20)
-    fake_engine.engine.gauges = plan_gauges(plan)
-    metrics = TestClient(build_app(fake_engine, MODEL)).get("/metrics").text
+    fake_pipeline.frontend = replace(fake_pipeline.frontend, plan_gauges=tuple(plan_gauges(plan)))
+    metrics = TestClient(build_app(fake_pipeline, MODEL)).get("/metrics").text
     thinker_pages = float(plan.kv_pool("Thinker").pages)
     pages = f'omnistage_memory_plan_kv_pages{{device="cuda:0",stage="Thinker"}} {thinker_pages}'
     assert pages in metrics

@@ -18,25 +18,25 @@ from fastapi.testclient import TestClient
 from omnistage.config import engine_config
 from omnistage.models.qwen3_omni.code2wav import lookahead_samples
 from omnistage.models.qwen3_omni.config import Qwen3OmniConfig
-from omnistage.pipeline.async_engine import AsyncEngine
+from omnistage.pipeline.async_pipeline import AsyncPipeline
 from omnistage.server.app import build_app
 
 MODEL = "tiny"
 
 
-def test_a_burst_is_admitted_as_one_batch_and_a_lone_request_at_once(tiny_engine, monkeypatch):
-    pipeline = tiny_engine.engine
+def test_a_burst_is_admitted_as_one_batch_and_a_lone_request_at_once(tiny_pipeline, monkeypatch):
+    pipeline = tiny_pipeline.pipeline
     add_requests = pipeline.add_requests
     batches = []
     monkeypatch.setattr(
         pipeline, "add_requests", lambda requests: batches.append(len(requests)) or add_requests(requests)
     )
-    send = tiny_engine._send
+    send = tiny_pipeline._send
     coming = []  # each Add's count of requests still being prepared when it was sent
     monkeypatch.setattr(
-        tiny_engine, "_send", lambda c: coming.append(getattr(c, "more_coming", None)) or send(c)
+        tiny_pipeline, "_send", lambda c: coming.append(getattr(c, "more_coming", None)) or send(c)
     )
-    app = build_app(tiny_engine, MODEL)
+    app = build_app(tiny_pipeline, MODEL)
 
     async def ask(client: httpx.AsyncClient, i: int) -> None:
         body = {"model": MODEL, "messages": [{"role": "user", "content": f"Count to {i}."}], "max_tokens": 2}
@@ -64,7 +64,7 @@ SAMPLES_PER_FRAME = 24000 * 2 // 25
 
 
 @pytest.fixture(scope="module")
-def speaking_engine(tiny_checkpoint) -> Iterator[AsyncEngine]:
+def speaking_pipeline(tiny_checkpoint) -> Iterator[AsyncPipeline]:
     """Two speaking at once; the Talker's pool holds 768 tokens, so longer speech is refused at admission."""
     config = engine_config(
         model=str(tiny_checkpoint),
@@ -73,7 +73,7 @@ def speaking_engine(tiny_checkpoint) -> Iterator[AsyncEngine]:
         max_num_speaking=2,
         stages={"talker": {"num_kv_pages": 48}},
     )
-    engine = AsyncEngine.from_config(config)
+    engine = AsyncPipeline.from_config(config)
     try:
         yield engine
     finally:
@@ -86,9 +86,9 @@ def speech_body(seed: int, frames: int = FRAMES) -> dict:
     return body | forced
 
 
-def assert_nothing_held(engine: AsyncEngine) -> None:
+def assert_nothing_held(engine: AsyncPipeline) -> None:
     """Every page of every stage is free again and no per-request state is left behind."""
-    pipeline = engine.engine
+    pipeline = engine.pipeline
     talker = pipeline.speech_stages.talker_stage
     assert not pipeline.has_unfinished()
     assert pipeline.thinker.pool.num_free == pipeline.thinker.pool.num_pages
@@ -106,17 +106,17 @@ async def until(condition: Callable[[], bool], timeout: float = 10.0) -> None:
         await asyncio.sleep(0.005)
 
 
-def wait_idle(engine: AsyncEngine, timeout: float = 5.0) -> None:
+def wait_idle(engine: AsyncPipeline, timeout: float = 5.0) -> None:
     deadline = time.monotonic() + timeout
-    while engine.engine.has_unfinished() and time.monotonic() < deadline:
+    while engine.pipeline.has_unfinished() and time.monotonic() < deadline:
         time.sleep(0.01)
 
 
-def test_a_text_chat_is_not_queued_behind_long_speeches(speaking_engine):
+def test_a_text_chat_is_not_queued_behind_long_speeches(speaking_pipeline):
     """Four speeches with two speaking at a time: the later two wait (counted as waiting), a short chat
     meanwhile finishes within a small part of their time, and every speech comes back whole."""
-    app = build_app(speaking_engine, MODEL)
-    pipeline = speaking_engine.engine
+    app = build_app(speaking_pipeline, MODEL)
+    pipeline = speaking_pipeline.pipeline
     seen = {"speaking": 0, "waiting": 0}
     finished: dict[int, float] = {}
 
@@ -130,7 +130,7 @@ def test_a_text_chat_is_not_queued_behind_long_speeches(speaking_engine):
 
     async def watch() -> None:
         while len(finished) < 4:
-            stats = speaking_engine.stats()
+            stats = speaking_pipeline.stats()
             seen["speaking"] = max(seen["speaking"], stats["num_speaking"])
             seen["waiting"] = max(seen["waiting"], stats["num_waiting"])
             await asyncio.sleep(0.01)
@@ -163,16 +163,16 @@ def test_a_text_chat_is_not_queued_behind_long_speeches(speaking_engine):
         samples, rate = soundfile.read(io.BytesIO(data), dtype="float32")
         assert rate == 24000 and len(samples) == FRAMES * SAMPLES_PER_FRAME - lookahead
         assert np.abs(samples).max() > 0
-    wait_idle(speaking_engine)
-    assert_nothing_held(speaking_engine)
+    wait_idle(speaking_pipeline)
+    assert_nothing_held(speaking_pipeline)
 
 
-def test_a_full_queue_is_503_with_retry_after(speaking_engine, monkeypatch):
+def test_a_full_queue_is_503_with_retry_after(speaking_pipeline, monkeypatch):
     """Two speaking and one waiting fill a queue of one: the next request (speech or text) is a 503 that
     says when to come back; the three still finish."""
-    app = build_app(speaking_engine, MODEL)
-    pipeline = speaking_engine.engine
-    monkeypatch.setattr(speaking_engine, "max_queue", 1)
+    app = build_app(speaking_pipeline, MODEL)
+    pipeline = speaking_pipeline.pipeline
+    monkeypatch.setattr(speaking_pipeline, "max_queue", 1)
 
     async def main() -> list[httpx.Response]:
         async with httpx.AsyncClient(
@@ -182,7 +182,7 @@ def test_a_full_queue_is_503_with_retry_after(speaking_engine, monkeypatch):
             for i in range(3):  # each once the one before is in: none meets a queue still holding another
                 running.append(asyncio.ensure_future(client.post("/v1/audio/speech", json=speech_body(i))))
                 await until(lambda n=i + 1: len(pipeline._speaking) + len(pipeline._waiting) >= n)
-            assert speaking_engine.stats()["num_waiting"] == 1
+            assert speaking_pipeline.stats()["num_waiting"] == 1
             refused = [
                 await client.post("/v1/audio/speech", json=speech_body(9)),
                 await client.post(
@@ -198,8 +198,8 @@ def test_a_full_queue_is_503_with_retry_after(speaking_engine, monkeypatch):
         assert response.headers["retry-after"] == "1"
         assert response.json()["error"]["code"] == "queue_full"
     assert [r.status_code for r in (a, b, c)] == [200, 200, 200]
-    wait_idle(speaking_engine)
-    assert_nothing_held(speaking_engine)
+    wait_idle(speaking_pipeline)
+    assert_nothing_held(speaking_pipeline)
 
 
 @pytest.mark.parametrize(
@@ -211,10 +211,10 @@ def test_a_full_queue_is_503_with_retry_after(speaking_engine, monkeypatch):
         ("/v1/chat/completions", {"max_tokens": 100}, "max_tokens"),
     ],
 )
-def test_speech_beyond_the_talkers_pool_names_its_field(speaking_engine, path, body, param):
+def test_speech_beyond_the_talkers_pool_names_its_field(speaking_pipeline, path, body, param):
     """The Talker's pool (768 tokens) cannot hold the prompt and the frame cap: refused at admission, naming
     the field that set the cap (max_frames, else the text's length)."""
-    client = TestClient(build_app(speaking_engine, MODEL))
+    client = TestClient(build_app(speaking_pipeline, MODEL))
     if path == "/v1/audio/speech":
         request = {"model": MODEL, "voice": "ethan"} | body
     else:
@@ -230,4 +230,4 @@ def test_speech_beyond_the_talkers_pool_names_its_field(speaking_engine, path, b
     assert response.status_code == 400, response.text
     assert "pool has 48 pages" in response.json()["error"]["message"]
     assert response.json()["error"]["param"] == param
-    assert_nothing_held(speaking_engine)
+    assert_nothing_held(speaking_pipeline)

@@ -13,7 +13,7 @@ from omnistage.cli import build_parser
 from omnistage.config import engine_config, load_config
 from omnistage.errors import ConfigError
 from omnistage.models.qwen3_omni.transcription import max_transcription_tokens
-from omnistage.pipeline.async_engine import AsyncEngine
+from omnistage.pipeline.async_pipeline import AsyncPipeline
 from omnistage.server import build_app
 
 SPEECH = Path(__file__).parents[1] / "data" / "speech_en.wav"  # 2.98 s
@@ -35,7 +35,7 @@ def test_the_setting_and_its_defaults():
 @pytest.fixture(scope="module")
 def bounded(tiny_checkpoint):
     config = engine_config(model=str(tiny_checkpoint), device="cpu", num_kv_pages=64, max_tokens_default=4)
-    engine = AsyncEngine.from_config(config)
+    engine = AsyncPipeline.from_config(config)
     try:
         yield TestClient(build_app(engine, "tiny"))
     finally:
@@ -67,8 +67,8 @@ def test_max_transcription_tokens_grows_with_the_audio():
     assert max_transcription_tokens(300.0) == 32 + 16 * 300
 
 
-def test_a_transcription_stops_at_the_cap_of_its_audio(tiny_engine):
-    client = TestClient(build_app(tiny_engine, "tiny"))
+def test_a_transcription_stops_at_the_cap_of_its_audio(tiny_pipeline):
+    client = TestClient(build_app(tiny_pipeline, "tiny"))
 
     def output_tokens(**fields: str) -> int:
         data = {"model": "tiny", "stream": "true", "ignore_eos": "true"} | fields

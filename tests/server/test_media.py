@@ -47,13 +47,13 @@ def image_part(url: str) -> dict:
     return {"type": "image_url", "image_url": {"url": url}}
 
 
-def app_client(fake_engine, **policy) -> TestClient:
-    return TestClient(build_app(fake_engine, MODEL, media=MediaPolicy(**policy)))
+def app_client(fake_pipeline, **policy) -> TestClient:
+    return TestClient(build_app(fake_pipeline, MODEL, media=MediaPolicy(**policy)))
 
 
 @pytest.fixture
-def client(fake_engine) -> TestClient:
-    return app_client(fake_engine, max_audio_seconds=5.0, max_attachments=4)
+def client(fake_pipeline) -> TestClient:
+    return app_client(fake_pipeline, max_audio_seconds=5.0, max_attachments=4)
 
 
 def chat(client: TestClient, *parts: dict, max_tokens: int = 200) -> object:
@@ -71,17 +71,17 @@ def assert_400(response, *needles: str) -> str:
     return error["message"]
 
 
-def test_audio_and_image_reach_the_processor_decoded(client, fake_engine):
+def test_audio_and_image_reach_the_processor_decoded(client, fake_pipeline):
     image_url = f"data:image/png;base64,{b64(png_bytes(64, 32))}"
     r = chat(client, audio_part(SPEECH.read_bytes()), image_part(image_url))
     assert r.status_code == 200, r.text
     assert r.json()["choices"][0]["message"]["content"] == "<audio 2.98s><image 64x32>What is this?"
-    mrope, mm = fake_engine.last_media
+    mrope, mm = fake_pipeline.last_media
     assert mrope == "mrope" and len(mm) == 2
     assert mm[0].dtype == np.float32 and len(mm[0]) == 47676  # the file's 2.98 s at 16 kHz
 
 
-def test_base64_with_line_breaks_and_spaces_decodes_as_without(client, fake_engine):
+def test_base64_with_line_breaks_and_spaces_decodes_as_without(client, fake_pipeline):
     """Clean base64 takes the one-pass strict decoder; pasted base64 (wrapped lines, spaces) the tolerant path,
     to the same samples."""
     data = b64(SPEECH.read_bytes())
@@ -90,15 +90,15 @@ def test_base64_with_line_breaks_and_spaces_decodes_as_without(client, fake_engi
     for text in (data, wrapped):
         part = {"type": "input_audio", "input_audio": {"data": text, "format": "wav"}}
         assert chat(client, part).status_code == 200
-        decoded.append(fake_engine.last_media[1][0])
+        decoded.append(fake_pipeline.last_media[1][0])
     np.testing.assert_array_equal(*decoded)
 
 
-def test_audio_is_resampled_to_16k_and_flac_and_ogg_decode(client, fake_engine):
+def test_audio_is_resampled_to_16k_and_flac_and_ogg_decode(client, fake_pipeline):
     for fmt, container in (("wav", "WAV"), ("flac", "FLAC"), ("ogg", "OGG")):
         r = chat(client, audio_part(wav_bytes(1.5, rate=44100, fmt=container), fmt))
         assert r.json()["choices"][0]["message"]["content"].startswith("<audio 1.50s>"), (fmt, r.text)
-        assert len(fake_engine.last_media[1][0]) == 24000
+        assert len(fake_pipeline.last_media[1][0]) == 24000
 
 
 def test_audio_url_with_a_data_url(client):
@@ -108,10 +108,10 @@ def test_audio_url_with_a_data_url(client):
     assert r.json()["choices"][0]["message"]["content"].startswith("<audio 1.00s>")
 
 
-def test_text_only_chat_keeps_the_text_path(client, fake_engine):
+def test_text_only_chat_keeps_the_text_path(client, fake_pipeline):
     body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}]}
     assert client.post("/v1/chat/completions", json=body).json()["choices"][0]["message"]["content"] == "hi"
-    assert fake_engine.last_media == (None, None)
+    assert fake_pipeline.last_media == (None, None)
 
 
 def test_streaming_with_media(client):
@@ -164,11 +164,11 @@ def test_missing_payload_names_the_field(client):
     assert message.startswith("invalid request: messages[0].content[0]")
 
 
-def test_too_many_attachments(fake_engine):
-    server_side = app_client(fake_engine, max_attachments=2)
+def test_too_many_attachments(fake_pipeline):
+    server_side = app_client(fake_pipeline, max_attachments=2)
     parts = [audio_part(wav_bytes(0.5))] * 3
     assert_400(chat(server_side, *parts), "too many attachments: 3, the limit is 2 per request")
-    processor_side = app_client(fake_engine)  # the fake processor takes at most 3
+    processor_side = app_client(fake_pipeline)  # the fake processor takes at most 3
     assert_400(chat(processor_side, *[audio_part(wav_bytes(0.5))] * 4), "too many attachments: 4")
 
 
@@ -183,8 +183,8 @@ def media_dir(tmp_path) -> Path:
     return root
 
 
-def test_local_files_only_under_media_dir(fake_engine, media_dir):
-    client = app_client(fake_engine, media_dir=media_dir)
+def test_local_files_only_under_media_dir(fake_pipeline, media_dir):
+    client = app_client(fake_pipeline, media_dir=media_dir)
     audio = {"type": "audio_url", "audio_url": {"url": "sub/clip.wav"}}
     assert chat(client, audio).json()["choices"][0]["message"]["content"].startswith("<audio 1.25s>")
     r = chat(client, image_part(f"file://{media_dir / 'pic.png'}"))
@@ -212,10 +212,10 @@ def http_media(media_dir):
     server.server_close()
 
 
-def test_remote_media_with_the_flag(fake_engine, http_media):
-    client = app_client(fake_engine, allow_remote=True, max_bytes=50_000)
+def test_remote_media_with_the_flag(fake_pipeline, http_media):
+    client = app_client(fake_pipeline, allow_remote=True, max_bytes=50_000)
     r = chat(client, image_part(f"{http_media}/pic.png"))
     assert r.json()["choices"][0]["message"]["content"].startswith("<image 40x20>")
     assert_400(chat(client, image_part(f"{http_media}/missing.png")), "answered HTTP 404")
-    big = app_client(fake_engine, allow_remote=True, max_bytes=50)
+    big = app_client(fake_pipeline, allow_remote=True, max_bytes=50)
     assert_400(chat(big, image_part(f"{http_media}/pic.png")), "larger than the limit of 50 bytes")

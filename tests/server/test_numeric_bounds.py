@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 from fastapi.testclient import TestClient
 
-from omnistage.engine.sampling import SamplingParams
 from omnistage.errors import InvalidRequest
+from omnistage.request import SamplingParams
 from omnistage.server import build_app
 
 MODEL = "tiny"
@@ -20,8 +20,8 @@ MESSAGES = [{"role": "user", "content": "Hi"}]
 
 
 @pytest.fixture(scope="module")
-def client(tiny_engine) -> TestClient:
-    return TestClient(build_app(tiny_engine, MODEL))
+def client(tiny_pipeline) -> TestClient:
+    return TestClient(build_app(tiny_pipeline, MODEL))
 
 
 def post(client: TestClient, path: str, body: dict):

@@ -19,8 +19,8 @@ MESSAGES = [{"role": "user", "content": "hello"}]
 
 
 @pytest.fixture
-def http(fake_engine) -> TestClient:
-    return TestClient(build_app(fake_engine, MODEL))
+def http(fake_pipeline) -> TestClient:
+    return TestClient(build_app(fake_pipeline, MODEL))
 
 
 @pytest.fixture
@@ -221,7 +221,7 @@ def test_completions_fields(http):
     assert_400(http.post("/v1/completions", json=body | {"echo": "no"}), "", "echo")
 
 
-def test_transcription_fields(http, fake_engine):
+def test_transcription_fields(http, fake_pipeline):
     def post(**fields):
         data = {"model": MODEL, "max_tokens": "4"} | fields
         return http.post(

@@ -33,18 +33,18 @@ def words(size: int, seed: int = 0) -> str:
 
 
 @pytest.fixture(scope="module")
-def app(tiny_engine):
-    return build_app(tiny_engine, MODEL, max_body_bytes=BODY_LIMIT)
+def app(tiny_pipeline):
+    return build_app(tiny_pipeline, MODEL, max_body_bytes=BODY_LIMIT)
 
 
 @pytest.fixture(scope="module")
-def oversized(tiny_engine) -> str:
-    limit = tiny_engine.engine.max_model_len * tiny_engine.engine.processor.max_token_bytes
+def oversized(tiny_pipeline) -> str:
+    limit = tiny_pipeline.pipeline.max_model_len * tiny_pipeline.pipeline.processor.max_token_bytes
     return words(limit + 1)
 
 
 @pytest.mark.parametrize("endpoint", ["chat", "completions", "chat-parts"])
-def test_text_too_long_for_the_context_is_refused_before_tokenizing(app, tiny_engine, oversized, endpoint):
+def test_text_too_long_for_the_context_is_refused_before_tokenizing(app, tiny_pipeline, oversized, endpoint):
     body = {
         "chat": {"messages": [{"role": "user", "content": oversized}]},
         "completions": {"prompt": oversized},
@@ -56,7 +56,7 @@ def test_text_too_long_for_the_context_is_refused_before_tokenizing(app, tiny_en
     elapsed = time.monotonic() - started
     assert r.status_code == 400, r.text
     error = r.json()["error"]
-    context = tiny_engine.engine.max_model_len
+    context = tiny_pipeline.pipeline.max_model_len
     assert error["code"] == "request_too_large"
     assert f"the model's context of {context:,} tokens holds at most" in error["message"], error
     size = re.match(r"the prompt is ([\d,]+) bytes of text;", error["message"])

@@ -23,7 +23,7 @@ from omnistage.bench.server_process import ServerProcess
 from omnistage.config import engine_config
 from omnistage.models.qwen3_asr.tiny import make_tiny
 from omnistage.models.qwen3_omni.transcription import max_transcription_tokens
-from omnistage.pipeline.async_engine import AsyncEngine
+from omnistage.pipeline.async_pipeline import AsyncPipeline
 from omnistage.server import build_app
 
 MODEL = "asr"
@@ -47,7 +47,7 @@ def checkpoint(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def client(checkpoint):
-    engine = AsyncEngine.from_config(engine_config(model=str(checkpoint), device="cpu", num_kv_pages=256))
+    engine = AsyncPipeline.from_config(engine_config(model=str(checkpoint), device="cpu", num_kv_pages=256))
     try:
         yield TestClient(build_app(engine, MODEL))
     finally:

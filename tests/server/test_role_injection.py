@@ -84,8 +84,8 @@ def test_a_transcription_language_cannot_inject(processor):
     assert processed.token_ids.count(im_end) == 2  # the system and the user message each end once
 
 
-def test_the_server_tokenizes_content_as_text(tiny_engine, processor):
-    client = TestClient(build_app(tiny_engine, "tiny"))
+def test_the_server_tokenizes_content_as_text(tiny_pipeline, processor):
+    client = TestClient(build_app(tiny_pipeline, "tiny"))
     body = {"model": "tiny", "messages": chat(INJECTION), "max_tokens": 1}
     r = client.post("/v1/chat/completions", json=body)
     assert r.status_code == 200, r.text

@@ -1,6 +1,6 @@
 """Speech out over HTTP, as OpenAI clients ask for it: chat with `modalities` "audio" and /v1/audio/speech.
 
-In-process over a fake engine that speaks (its audio is seeded noise, one codec frame per text token), for
+In-process over a fake pipeline that speaks (its audio is seeded noise, one codec frame per text token), for
 the shapes, the checks and the failures; the live tests against `omnistage serve` follow at the end.
 """
 
@@ -21,10 +21,11 @@ import pytest
 import soundfile
 from fastapi.testclient import TestClient
 
-from omnistage.engine.sampling import SamplingParams, SpeechParams
 from omnistage.errors import InvalidRequest
 from omnistage.outputs import AUDIO_SAMPLE_RATE, CompletionOutput, RequestOutput
-from omnistage.pipeline.async_engine import Preparing
+from omnistage.pipeline.async_pipeline import Preparing
+from omnistage.pipeline.base import Frontend
+from omnistage.request import GenerationRequest, SamplingParams, SpeechParams
 from omnistage.server import build_app
 from omnistage.server.speech import AudioCut
 
@@ -42,30 +43,18 @@ class TtsPrompt:
     reply_token_ids: list[int]
 
 
-class SpeakingFacade:
-    model_path = Path("/models/fake")
-    max_model_len = 4096
-
-    def __init__(self, voices: tuple[str, ...]) -> None:
-        self.voices = voices
-
-    def plan_gauges(self) -> list:
-        return []  # no GPU plan
-
+class SpeakingProcessor:
     def encode_chat(self, messages: list[dict], add_generation_prompt: bool, max_model_len: int):
         prompt = "\n".join(m["content"] for m in messages)
         return prompt, [ord(c) for c in prompt]
 
-    @property
-    def processor(self) -> SpeakingFacade:
-        return self
 
-    def tts_prompt(self, text: str) -> TtsPrompt:
-        return TtsPrompt(f"<speak>{text}", [1, 2, *map(ord, text)], [ord(c) for c in text])
+def tts_prompt(text: str) -> TtsPrompt:
+    return TtsPrompt(f"<speak>{text}", [1, 2, *map(ord, text)], [ord(c) for c in text])
 
 
 @dataclass
-class SpeakingEngine:
+class SpeakingPipeline:
     """Echoes the prompt one character per step (or, given a reply, speaks it); each step of a speaking
     request carries one frame of noise drawn from the talker's seed. A prompt holding "fail" ends in an
     error after two steps, one holding "crash" raises after two steps."""
@@ -75,7 +64,7 @@ class SpeakingEngine:
     calls: list[tuple[list[int], SamplingParams, SpeechParams | None]] = field(default_factory=list)
 
     def __post_init__(self) -> None:
-        self.engine = SpeakingFacade(self.voices)
+        self.frontend = Frontend(Path("/models/fake"), 4096, SpeakingProcessor(), tts_prompt, self.voices)
 
     def preparing(self) -> Preparing:
         return Preparing(self)
@@ -93,18 +82,12 @@ class SpeakingEngine:
         }
 
     async def generate(
-        self,
-        request_id: str,
-        prompt: str | None,
-        prompt_token_ids: list[int],
-        params: SamplingParams,
-        mrope: object | None = None,
-        mm: object | None = None,
-        speech: SpeechParams | None = None,
-        preparing: Preparing | None = None,
+        self, request: GenerationRequest, preparing: Preparing | None = None
     ) -> AsyncIterator[RequestOutput]:
         if preparing is not None:
             preparing.done()
+        request_id, prompt, prompt_token_ids = request.request_id, request.prompt, request.prompt_token_ids
+        params, speech = request.params, request.speech
         self.calls.append((prompt_token_ids, params, speech))
         if speech is not None and speech.voice not in self.voices:
             raise InvalidRequest(f"unknown voice {speech.voice!r}")
@@ -151,8 +134,8 @@ class SpeakingEngine:
 
 
 @pytest.fixture
-def engine() -> SpeakingEngine:
-    return SpeakingEngine()
+def engine() -> SpeakingPipeline:
+    return SpeakingPipeline()
 
 
 @pytest.fixture
@@ -358,7 +341,7 @@ def test_bad_chat_audio_is_400(http, engine, fields, param, needle):
     ],
 )
 def test_audio_from_a_checkpoint_without_a_talker_is_400(fields, param):
-    http = TestClient(build_app(SpeakingEngine(voices=()), MODEL))
+    http = TestClient(build_app(SpeakingPipeline(voices=()), MODEL))
     body = {"model": MODEL, "messages": MESSAGES} | fields
     assert_400(http.post("/v1/chat/completions", json=body), param, "it has no talker, so it cannot speak")
     speech = {"model": MODEL, "input": "Hi", "voice": "ethan"}

@@ -18,8 +18,8 @@ ECHO = "<audio 2.98s>Transcribe the audio into text."
 
 
 @pytest.fixture
-def http(fake_engine) -> TestClient:
-    return TestClient(build_app(fake_engine, MODEL))
+def http(fake_pipeline) -> TestClient:
+    return TestClient(build_app(fake_pipeline, MODEL))
 
 
 @pytest.fixture

@@ -76,8 +76,8 @@ def test_lone_surrogates_are_400_and_the_connection_stays_open(server):
     connection.close()
 
 
-def test_nul_byte_in_a_media_path_is_400(fake_engine, tmp_path):
-    app = build_app(fake_engine, "m", media=MediaPolicy(media_dir=tmp_path))
+def test_nul_byte_in_a_media_path_is_400(fake_pipeline, tmp_path):
+    app = build_app(fake_pipeline, "m", media=MediaPolicy(media_dir=tmp_path))
     part = {"type": "audio_url", "audio_url": {"url": "speech\x00.wav"}}
     body = {"model": "m", "messages": [{"role": "user", "content": [part]}]}
     r = TestClient(app, raise_server_exceptions=False).post("/v1/chat/completions", json=body)
@@ -85,8 +85,8 @@ def test_nul_byte_in_a_media_path_is_400(fake_engine, tmp_path):
     assert r.json()["error"]["message"] == "messages[0].content[0]: the path holds a NUL character"
 
 
-def test_an_unexpected_exception_is_a_json_500_naming_no_internals(fake_engine, caplog):
-    client = TestClient(build_app(fake_engine, "m"), raise_server_exceptions=False)
+def test_an_unexpected_exception_is_a_json_500_naming_no_internals(fake_pipeline, caplog):
+    client = TestClient(build_app(fake_pipeline, "m"), raise_server_exceptions=False)
     body = {"model": "m", "messages": [{"role": "user", "content": "boom"}]}
     with caplog.at_level(logging.ERROR):
         r = client.post("/v1/chat/completions", json=body)

@@ -12,7 +12,7 @@ import pytest
 
 from omnistage.cli import build_parser, main
 from omnistage.config import EngineConfig, engine_config
-from omnistage.pipeline.async_engine import AsyncEngine
+from omnistage.pipeline.async_pipeline import AsyncPipeline
 from omnistage.server import build_app
 
 
@@ -59,7 +59,9 @@ def test_serve_help_shows_every_default_and_the_schemas_choices():
 
 
 def test_help_lists_every_endpoint_of_the_app(tiny_checkpoint):
-    engine = AsyncEngine.from_config(engine_config(model=str(tiny_checkpoint), device="cpu", num_kv_pages=16))
+    engine = AsyncPipeline.from_config(
+        engine_config(model=str(tiny_checkpoint), device="cpu", num_kv_pages=16)
+    )
     try:
         paths = set(build_app(engine, "m").openapi()["paths"])
     finally:
@@ -87,7 +89,7 @@ def test_a_busy_port_fails_before_the_model_loads(tiny_checkpoint, monkeypatch, 
         loaded.append(True)
         raise AssertionError("the model started loading")
 
-    monkeypatch.setattr(AsyncEngine, "from_config", refuse_to_load)
+    monkeypatch.setattr(AsyncPipeline, "from_config", refuse_to_load)
     holder = subprocess.Popen(
         [sys.executable, "-c",
          "import socket, time\n"

@@ -7,7 +7,6 @@ the context, its one audio part the clip.
 
 from __future__ import annotations
 
-from dataclasses import replace
 from pathlib import Path
 from typing import NoReturn
 
@@ -46,7 +45,8 @@ class ASRProcessor:
     ) -> ProcessedPrompt:
         """The prompt of transcribing `audio` (16 kHz mono); a `language` the model does not know is an
         InvalidRequest listing those it does. `max_model_len` refuses text that cannot fit the context before it
-        is tokenized, as the Qwen3-Omni processor does (the same check and encoding)."""
+        is tokenized, as the Qwen3-Omni processor does (the same check and encoding). The reply is capped by the
+        clip's length."""
         name = language_name(language, self.cfg.languages) if language else None
         text = prompt_text(context or "", name)
         check_text_size(text, self.tokenizer, self.max_token_bytes, max_model_len)
@@ -59,7 +59,9 @@ class ASRProcessor:
             image_grid_thw=None,
             num_image_tokens=[],
         )
-        return ProcessedPrompt(text, ids, None, mm)
+        return ProcessedPrompt(
+            text, ids, None, mm, max_tokens=max_transcription_tokens(len(audio) / SAMPLE_RATE)
+        )
 
     def transcript(self, text: str) -> tuple[str | None, str]:
         """The language the model wrote (None for no speech, or when it was forced) and the transcript."""
@@ -88,11 +90,10 @@ class ASRProcessor:
                 f"this model transcribes one audio clip per request; the messages hold {len(clips)}"
             )
         clip = np.asarray(clips[0], dtype=np.float32)
-        prompt = self.transcription(clip, None, "\n".join(context), max_model_len)
-        return replace(prompt, max_tokens=max_transcription_tokens(len(clip) / SAMPLE_RATE))
+        return self.transcription(clip, None, "\n".join(context), max_model_len)
 
     def encode_chat(
-        self, messages: list[dict], add_generation_prompt: bool, max_model_len: int | None
+        self, messages: list[dict], add_generation_prompt: bool = True, max_model_len: int | None = None
     ) -> NoReturn:
         raise InvalidRequest("this model transcribes audio: a chat to it needs one audio part")
 

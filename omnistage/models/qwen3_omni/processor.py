@@ -16,7 +16,7 @@ import re
 import secrets
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import numpy as np
@@ -28,7 +28,7 @@ from tokenizers import Encoding, Tokenizer, decoders, normalizers
 from omnistage.errors import CheckpointError, InvalidMedia, InvalidRequest, RequestTooLarge
 from omnistage.models.layers.rotary import PromptPositions
 from omnistage.models.qwen3_omni.audio_encoder import audio_output_tokens
-from omnistage.models.qwen3_omni.audio_features import log_mel
+from omnistage.models.qwen3_omni.audio_features import SAMPLE_RATE, log_mel
 from omnistage.models.qwen3_omni.config import Qwen3OmniConfig
 from omnistage.models.qwen3_omni.image_processing import (
     MAX_DECODED_PIXELS,
@@ -37,7 +37,7 @@ from omnistage.models.qwen3_omni.image_processing import (
     preprocess_images,
 )
 from omnistage.models.qwen3_omni.mrope import rope_positions
-from omnistage.models.qwen3_omni.transcription import transcription_messages
+from omnistage.models.qwen3_omni.transcription import max_transcription_tokens, transcription_messages
 
 _ROLES = {"system", "user", "assistant"}
 AUDIO_PARTS = ("audio", "input_audio", "audio_url")
@@ -157,8 +157,10 @@ class Processor:
     def transcription(
         self, audio: np.ndarray, language: str | None, prompt: str | None, max_model_len: int | None = None
     ) -> ProcessedPrompt:
-        """The Thinker's transcription prompt for `audio` (16 kHz mono): see transcription.py."""
-        return self.process_chat(transcription_messages(audio, language, prompt), True, max_model_len)
+        """The Thinker's transcription prompt for `audio` (16 kHz mono), its reply capped by the clip's length:
+        see transcription.py."""
+        processed = self.process_chat(transcription_messages(audio, language, prompt), True, max_model_len)
+        return replace(processed, max_tokens=max_transcription_tokens(len(audio) / SAMPLE_RATE))
 
     def transcript(self, text: str) -> tuple[str | None, str]:
         """The Thinker answers with the transcript alone: no language of its own."""

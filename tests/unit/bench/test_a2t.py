@@ -20,7 +20,7 @@ from omnistage.bench.stats import RequestTiming
 from omnistage.cli import bind, build_parser
 from omnistage.config import engine_config
 from omnistage.models.qwen3_omni.processor import Processor
-from omnistage.pipeline.async_engine import AsyncEngine
+from omnistage.pipeline.async_pipeline import AsyncPipeline
 from omnistage.server import build_app
 
 
@@ -159,7 +159,9 @@ def test_in_process_smoke_with_the_transformers_baseline(tiny_checkpoint, tmp_pa
 @pytest.fixture(scope="module")
 def server_url(tiny_checkpoint) -> Iterator[str]:
     """The real app on the tiny checkpoint, served by uvicorn on a thread of this process."""
-    engine = AsyncEngine.from_config(engine_config(model=str(tiny_checkpoint), device="cpu", num_kv_pages=64))
+    engine = AsyncPipeline.from_config(
+        engine_config(model=str(tiny_checkpoint), device="cpu", num_kv_pages=64)
+    )
     listener = bind("127.0.0.1", 0)
     server = uvicorn.Server(uvicorn.Config(build_app(engine, "tiny", api_key="k"), log_level="warning"))
     thread = threading.Thread(target=server.run, kwargs={"sockets": [listener]}, daemon=True)

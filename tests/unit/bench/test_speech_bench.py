@@ -20,8 +20,8 @@ from omnistage.bench.hf_speech import build_hf_omni, counting_frames
 from omnistage.bench.speech_targets import SpeechInput, SpeechTiming
 from omnistage.cli import bind, build_parser
 from omnistage.config import engine_config
-from omnistage.engine.sampling import SamplingParams, SpeechParams
-from omnistage.pipeline.async_engine import AsyncEngine
+from omnistage.pipeline.async_pipeline import AsyncPipeline
+from omnistage.request import GenerationRequest, SamplingParams, SpeechParams
 from omnistage.server import build_app
 
 TEXT_TOKENS, FRAMES = 3, 5
@@ -118,8 +118,10 @@ def test_command_line():
 
 
 @pytest.fixture(scope="module")
-def engine(tiny_checkpoint) -> Iterator[AsyncEngine]:
-    engine = AsyncEngine.from_config(engine_config(model=str(tiny_checkpoint), device="cpu", num_kv_pages=64))
+def engine(tiny_checkpoint) -> Iterator[AsyncPipeline]:
+    engine = AsyncPipeline.from_config(
+        engine_config(model=str(tiny_checkpoint), device="cpu", num_kv_pages=64)
+    )
     yield engine
     engine.shutdown()
 
@@ -127,7 +129,7 @@ def engine(tiny_checkpoint) -> Iterator[AsyncEngine]:
 def test_transformers_runs_on_our_very_tensors_and_speaks_our_greedy_codes(engine):
     """Every talker, code predictor and Code2Wav parameter is our storage; with greedy Thinker and Talker,
     transformers' generate speaks the very codes our pipeline does, and the same waveform."""
-    pipeline = engine.engine
+    pipeline = engine.pipeline
     config = json.loads((pipeline.model_path / "config.json").read_text())
     hf, sources = build_hf_omni(pipeline, config)
     assert sources == {"audio_tower": "shared with ours", "visual": "shared with ours"}
@@ -149,8 +151,10 @@ def test_transformers_runs_on_our_very_tensors_and_speaks_our_greedy_codes(engin
     thinker = SamplingParams(**speech_targets.text_fields(TEXT_TOKENS, True))
 
     async def ours_final():
-        async for out in engine.generate("greedy", prompt.prompt, prompt.token_ids, thinker,
-                                         speech=SpeechParams(voice="chelsie", talker=greedy)):  # fmt: skip
+        speech = SpeechParams(voice="chelsie", talker=greedy)
+        async for out in engine.generate(
+            GenerationRequest("greedy", prompt.token_ids, thinker, prompt.prompt, speech=speech)
+        ):
             final = out
         return final
 
@@ -210,9 +214,9 @@ def test_in_process_tts_speaks_the_given_text(engine):
     run = speech_targets.inprocess_runner(engine, True, 40, FRAMES, "aiden", True)
     item = SpeechInput("p", "Hello there, how are you?")
     t = asyncio.run(run(item, 0))
-    assert t.frames == FRAMES and t.text_tokens == len(engine.engine.tts_prompt(item.text).reply_token_ids)
+    assert t.frames == FRAMES and t.text_tokens == len(engine.frontend.tts_prompt(item.text).reply_token_ids)
     assert "first_text_token" not in t.stages  # the Thinker did not run
-    assert engine.engine.stats()["talker_kv_pages_free"] == engine.engine.stats()["talker_kv_pages_total"]
+    assert engine.pipeline.stats()["talker_kv_pages_free"] == engine.pipeline.stats()["talker_kv_pages_total"]
 
 
 @pytest.fixture(scope="module")

@@ -23,7 +23,7 @@ SCRIPT = textwrap.dedent(
 
     from omnistage import LLM, SamplingParams
     from omnistage.config import engine_config
-    from omnistage.pipeline.async_engine import AsyncEngine
+    from omnistage.pipeline.async_pipeline import AsyncPipeline
     from omnistage.server import build_app
 
     checkpoint = sys.argv[1]
@@ -31,7 +31,7 @@ SCRIPT = textwrap.dedent(
     out = LLM(model=checkpoint, device="cpu", num_kv_pages=64).generate("Hello", params)[0]
     assert len(out.outputs[0].token_ids) == 4, out
 
-    engine = AsyncEngine.from_config(engine_config(model=checkpoint, device="cpu", num_kv_pages=64))
+    engine = AsyncPipeline.from_config(engine_config(model=checkpoint, device="cpu", num_kv_pages=64))
     try:
         with TestClient(build_app(engine, "tiny")) as client:
             body = {"model": "tiny", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4}

@@ -12,11 +12,11 @@ from omnistage.engine.buckets import bucket_for
 from omnistage.engine.embedding_stage import EmbeddingStage
 from omnistage.engine.memory.measure import Peak
 from omnistage.engine.memory.plan import scaled_costs
-from omnistage.engine.sampling import SamplingParams, talker_sampling_defaults
 from omnistage.engine.scheduler import SchedulerOutput
 from omnistage.models.layers.rotary import PromptPositions
 from omnistage.models.qwen3_omni.config import Qwen3OmniConfig
 from omnistage.models.qwen3_omni.talker import load_talker
+from omnistage.request import SamplingParams, talker_sampling_defaults
 
 PAGE = 4
 

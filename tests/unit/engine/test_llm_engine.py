@@ -11,7 +11,8 @@ from omnistage.config import engine_config
 from omnistage.engine.memory.plan import GiB
 from omnistage.errors import InvalidRequest, RequestTooLarge
 from omnistage.models.qwen3_omni.config import Qwen3OmniConfig
-from omnistage.pipeline.async_engine import AsyncEngine
+from omnistage.pipeline.async_pipeline import AsyncPipeline
+from omnistage.request import GenerationRequest
 
 PROMPTS = [
     "Hello",
@@ -240,23 +241,25 @@ def test_cancellation_frees_pages_at_once(llm):
     assert_pool_full(llm)
 
 
-def test_async_engine_streams_and_cancels(tiny_checkpoint, alone):
-    engine = AsyncEngine.from_config(
+def test_async_pipeline_streams_and_cancels(tiny_checkpoint, alone):
+    engine = AsyncPipeline.from_config(
         engine_config(
             model=str(tiny_checkpoint), device="cpu", dtype="float32", page_size=4, num_kv_pages=128
         )
     )
 
     async def run(i):
-        ids = engine.engine.processor.encode(PROMPTS[i])
+        ids = engine.pipeline.processor.encode(PROMPTS[i])
         deltas, last = [], None
-        async for out in engine.generate(str(i), PROMPTS[i], ids, GREEDY):
+        async for out in engine.generate(GenerationRequest(str(i), ids, GREEDY, PROMPTS[i])):
             deltas += out.outputs[0].delta_token_ids
             last = out
         return deltas, last
 
     async def cancel_midway():
-        stream = engine.generate("x", None, [872] * 8, SamplingParams(max_tokens=200, ignore_eos=True))
+        stream = engine.generate(
+            GenerationRequest("x", [872] * 8, SamplingParams(max_tokens=200, ignore_eos=True))
+        )
         await stream.__anext__()
         await stream.aclose()
         for _ in range(50):
@@ -366,17 +369,17 @@ def test_add_requests_fails_only_the_request_at_fault(llm):
     assert_pool_full(llm)
 
 
-def test_async_engine_encodes_the_requests_waiting_together(tiny_checkpoint, monkeypatch):
+def test_async_pipeline_encodes_the_requests_waiting_together(tiny_checkpoint, monkeypatch):
     """Requests queued while a step runs are admitted at once: one encoder call for all their clips, and
     each gets the tokens it gets alone."""
     import threading
 
-    engine = AsyncEngine.from_config(
+    engine = AsyncPipeline.from_config(
         engine_config(
             model=str(tiny_checkpoint), device="cpu", dtype="float32", page_size=4, num_kv_pages=512
         )
     )
-    llm_engine = engine.engine.thinker
+    llm_engine = engine.pipeline.thinker
     prompts = _audio_prompts(llm_engine.processor, [0.6, 2.2, 4.1, 1.0])
     batches, release, stepping = [], threading.Event(), threading.Event()
     encode_many, step = llm_engine.encoders.encode_many, llm_engine.step
@@ -390,7 +393,12 @@ def test_async_engine_encodes_the_requests_waiting_together(tiny_checkpoint, mon
         return step()
 
     async def run(name, p):
-        outs = [o async for o in engine.generate(name, None, p.token_ids, GREEDY, mrope=p.mrope, mm=p.mm)]
+        outs = [
+            o
+            async for o in engine.generate(
+                GenerationRequest(name, p.token_ids, GREEDY, mrope=p.mrope, mm=p.mm)
+            )
+        ]
         return outs[-1].outputs[0].token_ids
 
     async def main():
@@ -565,13 +573,13 @@ def test_a_client_leaving_during_a_long_prefill_stops_it_within_a_step(tiny_chec
     most max_num_batched_tokens tokens."""
     import threading
 
-    engine = AsyncEngine.from_config(
+    engine = AsyncPipeline.from_config(
         engine_config(
             model=str(tiny_checkpoint), device="cpu", dtype="float32", page_size=4, num_kv_pages=1024,
             max_num_batched_tokens=64,
         )
     )  # fmt: skip
-    runner = engine.engine.thinker.runner
+    runner = engine.pipeline.thinker.runner
     execute, steps = runner.execute, []
     inside, leave = threading.Event(), threading.Event()
 
@@ -585,14 +593,14 @@ def test_a_client_leaving_during_a_long_prefill_stops_it_within_a_step(tiny_chec
     runner.execute = spy
 
     async def main():
-        stream = engine.generate("long", None, [872 + i % 300 for i in range(2000)], GREEDY)
+        stream = engine.generate(GenerationRequest("long", [872 + i % 300 for i in range(2000)], GREEDY))
         first = asyncio.ensure_future(stream.__anext__())
         while not inside.is_set():
             await asyncio.sleep(0.01)
         first.cancel()
         await asyncio.gather(first, return_exceptions=True)
         leave.set()
-        short = [o async for o in engine.generate("short", None, [872] * 8, GREEDY)]
+        short = [o async for o in engine.generate(GenerationRequest("short", [872] * 8, GREEDY))]
         return short[-1]
 
     try:

@@ -5,13 +5,13 @@ import torch
 
 from omnistage.engine.sampling import (
     Sampler,
-    SamplingParams,
     SamplingRow,
     apply_min_tokens,
     apply_penalties,
     make_generator,
 )
 from omnistage.errors import InvalidRequest
+from omnistage.request import SamplingParams
 
 VOCAB = 64
 

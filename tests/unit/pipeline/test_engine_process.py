@@ -12,13 +12,13 @@ import pytest
 
 from omnistage.config import engine_config
 from omnistage.engine.llm_engine import NewRequest
-from omnistage.engine.sampling import SamplingParams, SpeechParams, talker_sampling_defaults
 from omnistage.errors import ConfigError, InvalidRequest
 from omnistage.outputs import CompletionOutput, RequestOutput
-from omnistage.pipeline.async_engine import AsyncEngine
+from omnistage.pipeline.async_pipeline import AsyncPipeline
 from omnistage.pipeline.engine_process import RemoteOutputs, SlimOutputs
 from omnistage.pipeline.family import build_pipeline
 from omnistage.pipeline.step_loop import Abort, Add, StepLoop
+from omnistage.request import GenerationRequest, SamplingParams, SpeechParams, talker_sampling_defaults
 
 TEXT = SamplingParams(max_tokens=7, temperature=0.8, seed=11)
 TALKER = SamplingParams(**{**vars(talker_sampling_defaults()), "max_tokens": 9, "min_tokens": 9, "seed": 5})
@@ -28,18 +28,21 @@ def config(checkpoint):
     return engine_config(model=str(checkpoint), device="cpu", dtype="float32", num_kv_pages=256)
 
 
-async def collect(engine: AsyncEngine, request_id: str, messages: list[dict], speech: SpeechParams | None):
-    processor = engine.engine.processor
+async def collect(engine: AsyncPipeline, request_id: str, messages: list[dict], speech: SpeechParams | None):
+    processor = engine.frontend.processor
     prompt = processor.process_chat(messages)
     return [
-        o async for o in engine.generate(request_id, prompt.prompt, prompt.token_ids, TEXT, speech=speech)
+        o
+        async for o in engine.generate(
+            GenerationRequest(request_id, prompt.token_ids, TEXT, prompt.prompt, speech=speech)
+        )
     ]
 
 
 @pytest.fixture(scope="module")
 def engines(tiny_checkpoint):
-    here = AsyncEngine.from_config(config(tiny_checkpoint))
-    there = AsyncEngine.from_config(config(tiny_checkpoint), engine_process=True)
+    here = AsyncPipeline.from_config(config(tiny_checkpoint))
+    there = AsyncPipeline.from_config(config(tiny_checkpoint), engine_process=True)
     yield here, there
     here.shutdown()
     there.shutdown()
@@ -83,8 +86,10 @@ def test_admission_errors_and_a_client_leaving(engines):
         asyncio.run(refused())
 
     async def leave():
-        prompt = there.engine.processor.process_chat([{"role": "user", "content": "Talk for a while."}])
-        stream = there.generate("leaver", prompt.prompt, prompt.token_ids, SamplingParams(max_tokens=500))
+        prompt = there.frontend.processor.process_chat([{"role": "user", "content": "Talk for a while."}])
+        stream = there.generate(
+            GenerationRequest("leaver", prompt.token_ids, SamplingParams(max_tokens=500), prompt.prompt)
+        )
         async for _ in stream:
             break
         await stream.aclose()
@@ -99,17 +104,19 @@ def test_admission_errors_and_a_client_leaving(engines):
 def test_a_checkpoint_that_cannot_load_fails_the_start(tmp_path):
     (tmp_path / "config.json").write_text("{}")
     with pytest.raises(ConfigError):
-        AsyncEngine.from_config(engine_config(model=str(tmp_path), device="cpu"), engine_process=True)
+        AsyncPipeline.from_config(engine_config(model=str(tmp_path), device="cpu"), engine_process=True)
 
 
 def test_the_engine_process_dying_fails_open_streams_and_readiness(tiny_checkpoint):
-    engine = AsyncEngine.from_config(config(tiny_checkpoint), engine_process=True)
+    engine = AsyncPipeline.from_config(config(tiny_checkpoint), engine_process=True)
     try:
         assert engine.ready
 
         async def cut_short():
-            prompt = engine.engine.processor.process_chat([{"role": "user", "content": "Talk."}])
-            stream = engine.generate("x", prompt.prompt, prompt.token_ids, SamplingParams(max_tokens=3000))
+            prompt = engine.frontend.processor.process_chat([{"role": "user", "content": "Talk."}])
+            stream = engine.generate(
+                GenerationRequest("x", prompt.token_ids, SamplingParams(max_tokens=3000), prompt.prompt)
+            )
             await anext(stream)
             os.kill(engine._process.process.pid, signal.SIGKILL)
             async for _ in stream:
@@ -146,11 +153,11 @@ def test_aborted_requests_leave_no_bookkeeping_on_either_side(engines):
     long = SamplingParams(max_tokens=400, min_tokens=400, seed=3)
     short = SamplingParams(max_tokens=5, min_tokens=5, seed=4)
 
-    async def run(engine: AsyncEngine) -> None:
-        prompt = engine.engine.processor.process_chat([{"role": "user", "content": "Talk for a while."}])
+    async def run(engine: AsyncPipeline) -> None:
+        prompt = engine.frontend.processor.process_chat([{"role": "user", "content": "Talk for a while."}])
 
         async def leave(request_id: str, after: int) -> None:
-            stream = engine.generate(request_id, prompt.prompt, prompt.token_ids, long)
+            stream = engine.generate(GenerationRequest(request_id, prompt.token_ids, long, prompt.prompt))
             seen = 0
             async for _ in stream:
                 seen += 1
@@ -159,14 +166,21 @@ def test_aborted_requests_leave_no_bookkeeping_on_either_side(engines):
             await stream.aclose()
 
         async def finish(request_id: str) -> None:
-            outputs = [o async for o in engine.generate(request_id, prompt.prompt, prompt.token_ids, short)]
+            outputs = [
+                o
+                async for o in engine.generate(
+                    GenerationRequest(request_id, prompt.token_ids, short, prompt.prompt)
+                )
+            ]
             assert outputs[-1].finished
 
         async def cancelled(request_id: str) -> None:
             streaming = asyncio.Event()
 
             async def consume() -> None:
-                async for _ in engine.generate(request_id, prompt.prompt, prompt.token_ids, long):
+                async for _ in engine.generate(
+                    GenerationRequest(request_id, prompt.token_ids, long, prompt.prompt)
+                ):
                     streaming.set()
 
             task = asyncio.create_task(consume())
@@ -190,7 +204,7 @@ def test_aborted_requests_leave_no_bookkeeping_on_either_side(engines):
         assert stats["num_waiting"] == stats["num_running"] == 0
         assert not engine._streams
         if engine._process is None:
-            assert not engine.engine.has_unfinished()
+            assert not engine.pipeline.has_unfinished()
         else:
             assert engine._process.outputs._partial == {}
 

@@ -12,11 +12,11 @@ import torch
 from omnistage import LLM, SamplingParams
 from omnistage.config import engine_config
 from omnistage.engine.llm_engine import NewRequest
-from omnistage.engine.sampling import SpeechParams, talker_sampling_defaults
 from omnistage.errors import InvalidRequest
-from omnistage.pipeline.async_engine import AsyncEngine
-from omnistage.pipeline.qwen3_omni import MAX_AUDIO_FRAMES, default_frame_cap, max_speaking
+from omnistage.pipeline.async_pipeline import AsyncPipeline
+from omnistage.pipeline.qwen3_omni import default_frame_cap, max_speaking
 from omnistage.pipeline.side_stream import SideStream
+from omnistage.request import MAX_AUDIO_FRAMES, SpeechParams, talker_sampling_defaults
 
 QUESTIONS = ["Say hello.", "Name a colour.", "Count to three.", "What is rain?", "Tell a joke.", "Why?"]
 VOICES = ["ethan", "chelsie", "aiden", "Ethan", "chelsie", "aiden"]
@@ -152,7 +152,7 @@ def test_a_one_token_reply_says_nothing(llm):
 
 def test_text_to_speech_speaks_the_given_reply_without_the_thinker(llm, monkeypatch):
     pipeline = llm.pipeline
-    tts = pipeline.tts_prompt("Good morning, and welcome.")
+    tts = pipeline.frontend.tts_prompt("Good morning, and welcome.")
     assert tts.token_ids[-3:-1] == [
         pipeline.speech_stages.tokens.im_start,
         pipeline.speech_stages.tokens.assistant,
@@ -193,12 +193,12 @@ def test_speech_requests_are_checked_before_anything_runs(llm, tiny_checkpoint):
 def test_cancelled_and_failed_speaking_requests_leave_every_pool_full(llm, monkeypatch):
     """A client leaving mid-speech, and a request whose code-predictor call fails, free everything; the
     request speaking beside the failed one is unaffected."""
-    engine = AsyncEngine(llm.pipeline)
+    engine = AsyncPipeline(llm.pipeline)
 
     async def leave_after_first_audio():
         spec = speak(llm, 3, frames=200, text_tokens=40)
         (new,) = requests(llm, [spec])
-        stream = engine.generate("leaver", new.prompt, new.prompt_token_ids, new.params, speech=new.speech)
+        stream = engine.generate(new)
         async for out in stream:
             if out.audio_delta is not None:
                 break

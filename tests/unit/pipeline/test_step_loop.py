@@ -7,9 +7,9 @@ from __future__ import annotations
 import time
 
 from omnistage.engine.llm_engine import NewRequest
-from omnistage.engine.sampling import SamplingParams
 from omnistage.outputs import CompletionOutput, RequestOutput
 from omnistage.pipeline.step_loop import Abort, Add, StepLoop
+from omnistage.request import SamplingParams
 
 
 class FakePipeline:

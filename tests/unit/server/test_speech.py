@@ -10,9 +10,9 @@ import numpy as np
 import pytest
 import soundfile
 
-from omnistage.engine.sampling import talker_sampling_defaults
 from omnistage.errors import QueueFull
 from omnistage.outputs import AUDIO_SAMPLE_RATE
+from omnistage.request import talker_sampling_defaults
 from omnistage.server.errors import InvalidField, kind_of
 from omnistage.server.protocol import VoiceRef
 from omnistage.server.responses import Usage

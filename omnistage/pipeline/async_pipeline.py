@@ -1,11 +1,12 @@
 """The pipeline fed from asyncio: the event loop never waits on model work.
 
-The pipeline runs a StepLoop on a thread of this process (`AsyncEngine(pipeline)`), or in an engine process
+The pipeline runs a StepLoop on a thread of this process (`AsyncPipeline(pipeline)`), or in an engine process
 of its own (`from_config(..., engine_process=True)`, what `omnistage serve` does: see engine_process.py).
-Requests are checked on the caller's side where the pipeline is here, queued as commands, and picked up
-between steps, all those waiting at once (their media go through the encoders together); each step's
-outputs are handed back to the loop thread-safely. A consumer that stops iterating (a client that went
-away) aborts its request, which frees its pages at once.
+Requests come in built and checked by their caller (omnistage/request.py), are queued as commands, and are
+picked up between steps, all those waiting at once (their media go through the encoders together), where the
+pipeline checks what only it can; each step's outputs, and each refused request's error, are handed back to
+the loop thread-safely. A consumer that stops iterating (a client that went away) aborts its request, which
+frees its pages at once.
 """
 
 from __future__ import annotations
@@ -17,26 +18,25 @@ import queue
 import threading
 import time
 from collections.abc import AsyncGenerator
-from typing import TYPE_CHECKING, cast
 
 from omnistage.config import EngineConfig
-from omnistage.engine.llm_engine import NewRequest
-from omnistage.engine.sampling import SamplingParams, SpeechParams
 from omnistage.errors import InvalidRequest, QueueFull
-from omnistage.models.layers.rotary import PromptPositions
 from omnistage.outputs import RequestOutput
-from omnistage.pipeline.engine_process import EngineProcess, RemotePipeline
-from omnistage.pipeline.family import Pipeline, build_pipeline
+from omnistage.pipeline.base import Frontend, Pipeline, PipelineView
+from omnistage.pipeline.engine_process import EngineProcess
+from omnistage.pipeline.family import build_pipeline
 from omnistage.pipeline.step_loop import Abort, Add, Delivery, StepLoop, serving_stats
-
-if TYPE_CHECKING:
-    from omnistage.models.qwen3_omni.processor import MultimodalInputs
+from omnistage.request import GenerationRequest
 
 log = logging.getLogger(__name__)
 
 
-class AsyncEngine:
-    def __init__(self, engine: Pipeline | EngineProcess, max_queue: int | None = None) -> None:
+class AsyncPipeline:
+    """A pipeline's requests as async streams of outputs: what the server and the in-process benches talk to.
+    `frontend` is what a server may know of the pipeline; `pipeline` is the pipeline itself, or, in an engine
+    process, how this process reads it."""
+
+    def __init__(self, pipeline: Pipeline | EngineProcess, max_queue: int | None = None) -> None:
         self.max_queue = max_queue
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
         self._lock = threading.Lock()  # guards _streams and the queued count
@@ -49,25 +49,26 @@ class AsyncEngine:
         # walks it while every thread, the engine's included, waits on the GIL.
         gc.collect()
         gc.freeze()
-        if isinstance(engine, EngineProcess):
-            self._process: EngineProcess | None = engine
-            self.engine: Pipeline | RemotePipeline = engine.view
+        if isinstance(pipeline, EngineProcess):
+            self._process: EngineProcess | None = pipeline
+            self.pipeline: PipelineView = pipeline.view
             target = self._receive_from_process
         else:
             self._process = None
-            self.engine = engine
+            self.pipeline = self._local = pipeline
             self._commands: queue.SimpleQueue = queue.SimpleQueue()
             self._taken = 0
             target = self._run_here
+        self.frontend: Frontend = self.pipeline.frontend
         self._thread = threading.Thread(target=target, name="omnistage-engine", daemon=True)
         self._thread.start()
 
     @classmethod
     def from_config(
         cls, config: EngineConfig, max_queue: int | None = None, engine_process: bool = False
-    ) -> AsyncEngine:
-        engine = EngineProcess(config) if engine_process else build_pipeline(config)
-        return cls(engine, max_queue)
+    ) -> AsyncPipeline:
+        pipeline = EngineProcess(config) if engine_process else build_pipeline(config)
+        return cls(pipeline, max_queue)
 
     def preparing(self) -> Preparing:
         """A request its caller is preparing for `generate` (parsing, media decoding, the processor): until its
@@ -92,39 +93,32 @@ class AsyncEngine:
         taken = self._process.admitted if self._process is not None else self._taken
         return self._added - taken
 
+    def memory_summary(self) -> str:
+        return self.pipeline.memory_summary()
+
     def stats(self) -> dict[str, int]:
         # an engine process sends its stats with the builds counted on its side
-        # in-process (no engine process), `engine` is the pipeline itself
-        stats = (
-            self.engine.stats() if self._process is not None else serving_stats(cast("Pipeline", self.engine))
-        )
+        stats = self.pipeline.stats() if self._process is not None else serving_stats(self._local)
         stats["num_waiting"] += self._queued()
         return stats
 
     async def generate(
-        self,
-        request_id: str,
-        prompt: str | None,
-        prompt_token_ids: list[int],
-        params: SamplingParams,
-        mrope: PromptPositions | None = None,
-        mm: MultimodalInputs | None = None,
-        speech: SpeechParams | None = None,
-        preparing: Preparing | None = None,
+        self, request: GenerationRequest, preparing: Preparing | None = None
     ) -> AsyncGenerator[RequestOutput, None]:
-        """Outputs of one request, one per engine step that touched it; the last has finished=True.
+        """Outputs of one request, one per engine step that touched it; the last has finished=True. What keeps
+        the request out (the pipeline's checks at admission, a full queue) is raised by the first.
 
         With `speech`, the reply is also spoken: outputs carry `audio_delta` chunks as they are decoded.
         `preparing`: the request's count among those being prepared (`preparing()`), done as it is sent."""
         if preparing is not None:
             preparing.done()
-        self.engine.validate(prompt_token_ids, params, speech)
+        request_id = request.request_id
         submitted, delivered = time.monotonic(), None
         out_queue: asyncio.Queue = asyncio.Queue()
         with self._lock:
             if request_id in self._streams:
                 raise InvalidRequest(f"request id {request_id!r} is already running")
-            waiting = self.engine.num_waiting + self._queued()
+            waiting = self.pipeline.num_waiting + self._queued()
             if self.max_queue is not None and waiting >= self.max_queue:
                 raise QueueFull(
                     f"the server's queue is full ({waiting} requests waiting, the limit is {self.max_queue})"
@@ -132,7 +126,6 @@ class AsyncEngine:
             self._streams[request_id] = (asyncio.get_running_loop(), out_queue)
             self._added += 1
             more_coming = self._preparing
-        request = NewRequest(request_id, prompt_token_ids, params, prompt, mrope, mm, speech)
         self._send(Add(request, more_coming))
         finished = False
         try:
@@ -191,9 +184,8 @@ class AsyncEngine:
             with self._lock:
                 return request_id in self._streams
 
-        pipeline = cast("Pipeline", self.engine)  # this thread runs only in-process: never the remote view
-        window = pipeline.config.admission_window_ms / 1e3
-        StepLoop(pipeline, self._deliver_all, wanted, window).run(self._take, self._stopping.is_set)
+        window = self._local.config.admission_window_ms / 1e3
+        StepLoop(self._local, self._deliver_all, wanted, window).run(self._take, self._stopping.is_set)
 
     def _take(self, timeout: float | None) -> list[Add | Abort]:
         """The commands queued so far; with a `timeout`, waits up to that many seconds for the first."""
@@ -228,15 +220,15 @@ class AsyncEngine:
 
 
 class Preparing:
-    """`AsyncEngine.preparing`'s count of one request; `done()` takes it off (once, however often called)."""
+    """`AsyncPipeline.preparing`'s count of one request; `done()` takes it off (once, however often called)."""
 
-    def __init__(self, engine: AsyncEngine) -> None:
-        self._engine: AsyncEngine | None = engine
+    def __init__(self, pipeline: AsyncPipeline) -> None:
+        self._pipeline: AsyncPipeline | None = pipeline
 
     def done(self) -> None:
-        engine, self._engine = self._engine, None
-        if engine is not None:
-            engine._prepared()
+        pipeline, self._pipeline = self._pipeline, None
+        if pipeline is not None:
+            pipeline._prepared()
 
 
 def _put_all(batch: list[tuple[asyncio.Queue, RequestOutput | Exception]]) -> None:
