@@ -26,8 +26,8 @@ logger = logging.getLogger(__name__)
 TIMED_REPLAYS = 5  # per bucket, after one untimed, when a set routes batches by measured speed
 
 StepFn = Callable[..., Any]
-# A bucket is its size in the set's unit, or a tuple whose last item is (a set of several shapes: Code2Wav's
-# (chunk frames, streams)); the leading items name the bucket's group, whose sizes form one ladder.
+# A bucket is its size in the set's unit, or, in a set of several shapes (Code2Wav's (chunk frames, streams)),
+# a tuple whose last item is its size and whose leading items name its group: a group's sizes are one ladder.
 Bucket = int | tuple[int, ...]
 
 
