@@ -6,7 +6,9 @@ Every `omnistage` import of every module under omnistage/ points down this stack
     server         server/, and media.py (the media parts of a request fetched and decoded, at the edge)
     pipeline       pipeline/
     engine         engine/
-    engine's data  config.py (the YAML topology the engine is built from), outputs.py (what it returns)
+    engine's data  config.py (the YAML topology the engine is built from), request.py (what a request asks
+                   for: the sampling and speech parameters, the request built at the edge), outputs.py (what
+                   it returns)
     models         models/<family>/, models/loader.py
     layers         models/layers/ (no other models package)
     kernels        kernels/ (every Triton kernel and its launcher; nothing above it)
@@ -35,6 +37,7 @@ LAYERS = {
     "models": 3,  # the families (models/qwen3_omni, models/qwen3_asr), models/loader.py, models/__init__.py
     "config": 4,
     "outputs": 4,
+    "request": 4,
     "engine": 5,
     "pipeline": 6,
     "server": 7,
