@@ -11,7 +11,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from omnistage.engine.memory.plan import DeviceMemory, GraphCandidates, KVPool, MiB, StageMemory, plan_device
+from omnistage.engine.memory.plan import DeviceMemory, GraphCandidates, KVPool, MiB, StageMemory
+from omnistage.engine.memory.planner import plan_device
 
 SCRIPT = Path(__file__).parents[1] / "benchmarks" / "fit80.py"
 

@@ -1,6 +1,6 @@
 """One memory plan per device: every stage placed on a GPU says what it needs (`StageMemory`: weights, the
 peaks of its largest steps, its KV pool, its graph candidates with their prices), each device is read once its
-stages are loaded and measured and planned once for all of them (`memory.plan.plan_device`), and each stage
+stages are loaded and measured and planned once for all of them (`memory.planner.plan_device`), and each stage
 then takes its grant (`allocate`). No stage plans a device for another.
 """
 
@@ -12,7 +12,8 @@ from collections.abc import Iterable
 import torch
 
 from omnistage.engine.memory.measure import read_device
-from omnistage.engine.memory.plan import MemoryPlan, StageMemory, plan_device
+from omnistage.engine.memory.plan import MemoryPlan, StageMemory
+from omnistage.engine.memory.planner import plan_device
 
 log = logging.getLogger(__name__)
 

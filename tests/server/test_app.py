@@ -283,8 +283,8 @@ def test_metrics_carry_the_memory_plan(fake_pipeline):
         GraphCandidates,
         KVPool,
         StageMemory,
-        plan_device,
     )
+    from omnistage.engine.memory.planner import plan_device
 
     stage = StageMemory(
         resident=(("Thinker", 10 * GiB, "weights"),),

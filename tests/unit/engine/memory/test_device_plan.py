@@ -14,8 +14,8 @@ from omnistage.engine.memory.plan import (
     KVPool,
     MiB,
     StageMemory,
-    plan_device,
 )
+from omnistage.engine.memory.planner import plan_device
 from omnistage.errors import ConfigError
 
 THINKER_PAGE, TALKER_PAGE = 12 * MiB, 2 * MiB

@@ -13,8 +13,8 @@ from omnistage.engine.memory.plan import (
     MiB,
     StageMemory,
     kv_bytes_per_page,
-    plan_device,
 )
+from omnistage.engine.memory.planner import plan_device
 from omnistage.errors import ConfigError
 
 
