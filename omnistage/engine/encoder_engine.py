@@ -28,11 +28,11 @@ from omnistage.engine.graphs.encoders import AudioGraphs, VisionGraphs, audio_bu
 from omnistage.engine.memory.floor import Floor
 from omnistage.engine.memory.measure import Peak, device_peak
 from omnistage.errors import InvalidRequest
+from omnistage.models.multimodal import MultimodalInputs
 from omnistage.models.qwen3_omni.audio_encoder import AudioEncoder, audio_output_tokens, load_audio_encoder
 from omnistage.models.qwen3_omni.audio_features import HOP_LENGTH, MAX_SECONDS, NUM_MEL_BINS, SAMPLE_RATE
 from omnistage.models.qwen3_omni.config import ThinkerConfig
 from omnistage.models.qwen3_omni.image_processing import ImageProcessorConfig, image_tokens, largest_grid
-from omnistage.models.qwen3_omni.processor import MultimodalInputs
 from omnistage.models.qwen3_omni.vision_encoder import VisionEncoder, load_vision_encoder
 
 log = logging.getLogger(__name__)

@@ -47,7 +47,7 @@ from omnistage.outputs import RequestOutput
 from omnistage.request import GenerationRequest, SamplingParams
 
 if TYPE_CHECKING:
-    from omnistage.models.qwen3_omni.processor import MultimodalInputs
+    from omnistage.models.multimodal import MultimodalInputs
 
 log = logging.getLogger(__name__)
 
