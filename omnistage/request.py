@@ -17,7 +17,7 @@ from omnistage.errors import InvalidRequest
 
 if TYPE_CHECKING:
     from omnistage.models.layers.rotary import PromptPositions
-    from omnistage.models.qwen3_omni.processor import MultimodalInputs
+    from omnistage.models.multimodal import MultimodalInputs
 
 # Below this a temperature counts as greedy: dividing logits by it would only amplify float noise (vLLM's bound).
 GREEDY_TEMPERATURE = 1e-5

@@ -24,7 +24,6 @@ from omnistage.engine.decode_ahead import (
     may_run_ahead,
 )
 from omnistage.engine.detokenizer import IncrementalDetokenizer
-from omnistage.engine.encoder_engine import EncoderEngine, MultimodalEmbeds
 from omnistage.engine.graphs.base import int_buckets
 from omnistage.engine.isolation import run_isolated
 from omnistage.engine.kv_cache import PagePool
@@ -36,6 +35,7 @@ from omnistage.engine.sampling import Sampler, SamplingRow, make_generator
 from omnistage.engine.scheduler import ScheduledChunk, Scheduler, SchedulerOutput
 from omnistage.engine.sequence import Sequence, SequenceStatus
 from omnistage.engine.stage_memory import llm_stage_memory
+from omnistage.engine.stages.encoders import EncoderStage, MultimodalEmbeds
 from omnistage.errors import InvalidRequest, RequestTooLarge
 from omnistage.models.layers.linear import adopt_gemv
 from omnistage.models.layers.moe import SparseMoeBlock
@@ -47,7 +47,7 @@ from omnistage.outputs import RequestOutput
 from omnistage.request import GenerationRequest, SamplingParams
 
 if TYPE_CHECKING:
-    from omnistage.models.qwen3_omni.processor import MultimodalInputs
+    from omnistage.models.multimodal import MultimodalInputs
 
 log = logging.getLogger(__name__)
 
@@ -75,7 +75,7 @@ class StageModels:
     model: Thinker
     text: TextConfig
     processor: Processor
-    encoders: EncoderEngine
+    encoders: EncoderStage
     eos_token_ids: list[int]
     model_path: Path
     load_seconds: float

@@ -8,8 +8,8 @@ from enum import Enum, auto
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from omnistage.engine.encoder_engine import MultimodalEmbeds
     from omnistage.engine.model_runner import HiddenTap
+    from omnistage.engine.stages.encoders import MultimodalEmbeds
     from omnistage.models.layers.rotary import PromptPositions
 
 

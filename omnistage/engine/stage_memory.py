@@ -12,17 +12,17 @@ import torch
 
 from omnistage.config import EngineConfig, Graphs
 from omnistage.engine.buckets import decode_buckets, prefill_buckets
-from omnistage.engine.encoder_engine import EncoderEngine
 from omnistage.engine.memory.measure import graph_candidates, module_bytes, scaled_peaks
 from omnistage.engine.memory.plan import MAIN_POOL, GiB, GraphCandidates, KVPool, StageMemory
 from omnistage.engine.model_runner import ModelRunner
+from omnistage.engine.stages.encoders import EncoderStage
 
 log = logging.getLogger(__name__)
 
 
 def llm_stage_memory(
     runner: ModelRunner,
-    encoders: EncoderEngine,
+    encoders: EncoderStage,
     cfg: EngineConfig,
     kv_bytes_per_page: int,
     max_prompt_tokens: int,
@@ -82,7 +82,7 @@ def _graph_candidates(runner: ModelRunner, cfg: EngineConfig, stage: str) -> tup
     return tuple(graphs)
 
 
-def _encoder_candidates(encoders: EncoderEngine, cfg: EngineConfig) -> tuple[GraphCandidates, ...]:
+def _encoder_candidates(encoders: EncoderStage, cfg: EngineConfig) -> tuple[GraphCandidates, ...]:
     """The towers' graphs (audio per bucket of windows, vision per bucket of patches): the configured buckets,
     else the encoders' defaults. Prefill-kind: a request pays for them once, not per token. They are captured
     into the device's main-stream pool (`MAIN_POOL`), with the LLM stage's prefill graphs."""

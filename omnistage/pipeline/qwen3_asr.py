@@ -13,9 +13,9 @@ import torch
 from omnistage.config import STAGES, EngineConfig
 from omnistage.engine.attention import backend_for
 from omnistage.engine.devices import resolve_device, resolve_dtype
-from omnistage.engine.encoder_engine import EncoderEngine
 from omnistage.engine.llm_engine import LLMEngine, NewRequest, StageModels
 from omnistage.engine.memory.gauges import Gauge, plan_gauges
+from omnistage.engine.stages.encoders import EncoderStage
 from omnistage.errors import InvalidRequest
 from omnistage.models.qwen3_asr.audio_encoder import load_audio_encoder
 from omnistage.models.qwen3_asr.config import Qwen3ASRConfig
@@ -25,6 +25,7 @@ from omnistage.outputs import RequestOutput
 from omnistage.pipeline.base import Frontend, TtsPrompt
 from omnistage.pipeline.planning import plan_devices
 from omnistage.pipeline.qwen3_omni import eos_token_ids
+from omnistage.pipeline.qwen3_omni_encoders import aut_clips
 from omnistage.pipeline.topology import validate_topology
 from omnistage.request import GenerationRequest, SamplingParams, SpeechParams
 
@@ -79,7 +80,7 @@ class Qwen3ASRPipeline:
             model=cast("Thinker", decoder),
             text=cast("TextConfig", self.model_config.text),
             processor=cast("Processor", processor),
-            encoders=EncoderEngine(tower, None, self.model_config.audio_token_id, None, device),
+            encoders=EncoderStage(tower, aut_clips(self.model_config.audio_token_id), device),
             eos_token_ids=eos_token_ids(path, cast("Processor", processor)),
             model_path=path,
             load_seconds=time.perf_counter() - started,

@@ -22,7 +22,6 @@ import torch
 from omnistage.config import STAGES, EngineConfig
 from omnistage.engine.attention import backend_for
 from omnistage.engine.devices import resolve_device, resolve_dtype
-from omnistage.engine.encoder_engine import EncoderEngine
 from omnistage.engine.llm_engine import LLMEngine, NewRequest, StageModels
 from omnistage.engine.memory.gauges import Gauge, plan_gauges
 from omnistage.engine.memory.plan import MemoryPlan
@@ -36,6 +35,7 @@ from omnistage.outputs import CompletionOutput, RequestOutput
 from omnistage.pipeline.base import Frontend, TtsPrompt
 from omnistage.pipeline.handoff import Handoff, Speech
 from omnistage.pipeline.planning import plan_devices
+from omnistage.pipeline.qwen3_omni_encoders import load_encoders
 from omnistage.pipeline.side_stream import SideStream
 from omnistage.pipeline.speech_stages import SpeechStages
 from omnistage.pipeline.topology import validate_topology
@@ -89,7 +89,7 @@ def load_thinker_stage(
     """The Thinker's decoder, its processor and the audio and vision encoders, for an LLMEngine."""
     started = time.perf_counter()
     model = load_thinker(path, dtype, device, backend_for(device), config.load_format, seed=config.seed)
-    encoders = EncoderEngine.qwen3_omni(path, cfg.thinker, dtype, device, config.load_format, config.seed)
+    encoders = load_encoders(path, cfg.thinker, dtype, device, config.load_format, config.seed)
     processor = Processor(path)
     return StageModels(
         model=model,

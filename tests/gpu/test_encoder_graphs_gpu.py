@@ -8,7 +8,7 @@ import pytest
 import torch
 from PIL import Image
 
-from omnistage.engine.encoder_engine import EncoderEngine
+from omnistage.engine.stages.encoders import EncoderStage
 from omnistage.models.layers.varlen_attention import Segments, _grouped_sdpa, varlen_attention
 from omnistage.models.qwen3_asr.audio_encoder import load_audio_encoder as load_asr_audio_encoder
 from omnistage.models.qwen3_asr.config import Qwen3ASRConfig
@@ -16,6 +16,7 @@ from omnistage.models.qwen3_asr.processor import ASRProcessor
 from omnistage.models.qwen3_asr.tiny import make_tiny as make_tiny_asr
 from omnistage.models.qwen3_omni.config import Qwen3OmniConfig
 from omnistage.models.qwen3_omni.processor import Processor
+from omnistage.pipeline.qwen3_omni_encoders import aut_clips, load_encoders
 
 pytestmark = pytest.mark.gpu
 
@@ -44,7 +45,7 @@ def test_fused_attention_leaves_empty_segments_out():
     assert (got - want).abs().max() <= 2e-2 * want.abs().max()
 
 
-def encode_twice(encoders: EncoderEngine, prompts: list, audio: list[int], vision: list[int]):
+def encode_twice(encoders: EncoderStage, prompts: list, audio: list[int], vision: list[int]):
     """The eager rows, then the graphs' (after measuring their costs and capturing them)."""
     inputs = [(p.token_ids, p.mm) for p in prompts]
     eager = encoders.encode_many(inputs)
@@ -66,7 +67,7 @@ def encode_twice(encoders: EncoderEngine, prompts: list, audio: list[int], visio
 
 def test_qwen3_omni_graphs_equal_eager(tiny_checkpoint):
     cfg = Qwen3OmniConfig.from_dir(tiny_checkpoint).thinker
-    encoders = EncoderEngine.qwen3_omni(tiny_checkpoint, cfg, torch.bfloat16, torch.device("cuda"))
+    encoders = load_encoders(tiny_checkpoint, cfg, torch.bfloat16, torch.device("cuda"))
     rng = np.random.default_rng(0)
 
     def picture(w, h):
@@ -92,7 +93,7 @@ def test_qwen3_asr_graphs_equal_eager(tmp_path):
     path = make_tiny_asr(tmp_path / "asr")
     tower = load_asr_audio_encoder(path, torch.bfloat16, torch.device("cuda"))
     token = Qwen3ASRConfig.from_dir(path).audio_token_id
-    encoders = EncoderEngine(tower, None, token, None, torch.device("cuda"))
+    encoders = EncoderStage(tower, aut_clips(token), torch.device("cuda"))
     processor = ASRProcessor(path)
     prompts = [processor.transcription(wave(s, i), None, None) for i, s in enumerate(SECONDS)]
     eager, graphs = encode_twice(encoders, prompts, AUDIO_BUCKETS, [])

@@ -7,6 +7,7 @@ import logging
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 
@@ -99,6 +100,12 @@ def allocator_stats(device: torch.device) -> dict[str, int]:
     }
 
 
-def module_bytes(module: torch.nn.Module) -> int:
+class Weighted(Protocol):
+    """A module, or what a stage types one as (an encoder tower's protocol): whatever has parameters."""
+
+    def parameters(self) -> Iterator[torch.nn.Parameter]: ...
+
+
+def module_bytes(module: Weighted) -> int:
     """What a module's parameters hold: a stage's weights, as its `StageMemory.resident` lists them."""
     return sum(p.numel() * p.element_size() for p in module.parameters())

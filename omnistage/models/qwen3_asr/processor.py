@@ -15,13 +15,13 @@ import torch
 from tokenizers import Tokenizer
 
 from omnistage.errors import InvalidRequest
+from omnistage.models.multimodal import MultimodalInputs
 from omnistage.models.qwen3_asr.audio_features import log_mel
 from omnistage.models.qwen3_asr.config import Qwen3ASRConfig
 from omnistage.models.qwen3_asr.output import parse_transcription
 from omnistage.models.qwen3_asr.prompt import language_name, prompt_ids, prompt_text
 from omnistage.models.qwen3_omni.audio_features import SAMPLE_RATE
 from omnistage.models.qwen3_omni.processor import (
-    MultimodalInputs,
     ProcessedPrompt,
     check_text_size,
     encode_texts,

@@ -27,6 +27,7 @@ from tokenizers import Encoding, Tokenizer, decoders, normalizers
 
 from omnistage.errors import CheckpointError, InvalidMedia, InvalidRequest, RequestTooLarge
 from omnistage.models.layers.rotary import PromptPositions
+from omnistage.models.multimodal import MultimodalInputs
 from omnistage.models.qwen3_omni.audio_encoder import audio_output_tokens
 from omnistage.models.qwen3_omni.audio_features import SAMPLE_RATE, log_mel
 from omnistage.models.qwen3_omni.config import Qwen3OmniConfig
@@ -46,17 +47,6 @@ VIDEO_PARTS = ("video", "video_url")
 # Private-use characters around a per-render nonce: what the template renders where a message typed a
 # control-token literal. Text cannot forge one without guessing the nonce.
 _SENTINEL = "\ue000{nonce}{index}\ue001"
-
-
-@dataclass
-class MultimodalInputs:
-    """What the encoders of one prompt read, every list in prompt order."""
-
-    audio_features: list[torch.Tensor]  # [128, frames] log-mel per clip (float32, on the processor's device)
-    num_audio_tokens: list[int]  # audio_pad placeholders per clip
-    pixel_values: torch.Tensor | None  # [patches, C*T*P*P] of every image, packed (float32, CPU)
-    image_grid_thw: torch.Tensor | None  # [images, 3] int64
-    num_image_tokens: list[int]  # image_pad placeholders per image
 
 
 @dataclass

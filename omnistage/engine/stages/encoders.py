@@ -9,6 +9,10 @@ placeholder embeddings during prefill (see ModelRunner) and, for images, feed th
 With CUDA graphs captured (`capture_graphs`, see graphs/encoders.py) the clips go through the audio graphs in
 pieces of windows, and the images through the vision graphs in calls of at most the largest patch bucket;
 an image larger than that runs eagerly.
+
+The stage names no family: a family's pipeline hands it its towers (`EagerAudioTower`, `EagerVisionTower`) and
+how its processor lays out clips and images for them (`AudioFormat`, `ImageFormat`); Qwen3-Omni's are built in
+pipeline/qwen3_omni_encoders.py.
 """
 
 from __future__ import annotations
@@ -16,24 +20,25 @@ from __future__ import annotations
 import functools
 import logging
 import math
-from dataclasses import dataclass
-from pathlib import Path
-from typing import Any
+from dataclasses import dataclass, replace
+from typing import Any, Protocol
 
 import numpy as np
 import torch
 
 from omnistage.engine.graphs.base import Bucket, graph_peaks, int_buckets
-from omnistage.engine.graphs.encoders import AudioGraphs, VisionGraphs, audio_buckets, vision_buckets
+from omnistage.engine.graphs.encoders import (
+    AudioGraphs,
+    AudioTower,
+    VisionGraphs,
+    VisionTower,
+    audio_buckets,
+    vision_buckets,
+)
 from omnistage.engine.memory.floor import Floor
 from omnistage.engine.memory.measure import Peak, device_peak
 from omnistage.errors import InvalidRequest
-from omnistage.models.qwen3_omni.audio_encoder import AudioEncoder, audio_output_tokens, load_audio_encoder
-from omnistage.models.qwen3_omni.audio_features import HOP_LENGTH, MAX_SECONDS, NUM_MEL_BINS, SAMPLE_RATE
-from omnistage.models.qwen3_omni.config import ThinkerConfig
-from omnistage.models.qwen3_omni.image_processing import ImageProcessorConfig, image_tokens, largest_grid
-from omnistage.models.qwen3_omni.processor import MultimodalInputs
-from omnistage.models.qwen3_omni.vision_encoder import VisionEncoder, load_vision_encoder
+from omnistage.models.multimodal import MultimodalInputs
 
 log = logging.getLogger(__name__)
 
@@ -52,51 +57,64 @@ class MultimodalEmbeds:
     image_rows_host: np.ndarray
 
 
-class EncoderEngine:
+class EagerAudioTower(AudioTower, Protocol):
+    """An audio tower the stage also calls eagerly: clips' features [mel, frames_i] to their rows [tokens_i, H]."""
+
+    def __call__(self, features: list[torch.Tensor]) -> list[torch.Tensor]: ...
+
+
+class EagerVisionTower(VisionTower, Protocol):
+    """A vision tower the stage also calls eagerly: packed patches of images with their (t, h, w) grids to their
+    rows [n, H] and one such tensor per deepstack level."""
+
+    def __call__(
+        self, pixel_values: torch.Tensor, grid_thw: list[tuple[int, int, int]]
+    ) -> tuple[torch.Tensor, list[torch.Tensor]]: ...
+
+
+@dataclass(frozen=True)
+class AudioFormat:
+    """A family's clips as its processor makes them for the audio tower."""
+
+    token_id: int  # the prompt placeholder one audio row fills
+    mel_bins: int
+    hop_length: int  # samples a mel frame advances by
+    sample_rate: int
+    max_frames: int  # mel frames of the longest clip the processor admits
+
+
+@dataclass(frozen=True)
+class ImageFormat:
+    """A family's images as its processor makes them for the vision tower."""
+
+    token_id: int  # the prompt placeholder one image row fills
+    largest_grid: tuple[int, int, int]  # (t, h, w) patches of the largest image the processor admits
+    patch_size: int  # pixels along a patch's side
+    patch_values: int  # values in one patch row (channels x temporal patch x patch_size^2)
+    spatial_merge_size: int  # a merge x merge block of patches is one row
+
+
+class EncoderStage:
+    name = "encoders"  # its section of the config's stages (`stages.encoders`)
+
     def __init__(
         self,
-        audio_encoder: AudioEncoder,
-        vision_encoder: VisionEncoder | None,
-        audio_token_id: int,
-        image_token_id: int | None,
+        audio_encoder: EagerAudioTower,
+        audio: AudioFormat,
         device: torch.device,
-        image_config: ImageProcessorConfig | None = None,
-        spatial_merge_size: int = 2,
+        vision_encoder: EagerVisionTower | None = None,
+        images: ImageFormat | None = None,
     ) -> None:
-        """The towers a family loaded, the placeholder ids they fill; no vision tower: audio only."""
+        """The towers a family loaded and the layout of their inputs; no vision tower: audio only."""
+        if (vision_encoder is None) != (images is None):
+            raise ValueError("a vision tower comes with its image format, and an image format with its tower")
         self.audio_encoder, self.vision_encoder = audio_encoder, vision_encoder
-        self.audio_token_id, self.image_token_id = audio_token_id, image_token_id
-        self.device, self.spatial_merge_size = device, spatial_merge_size
-        self.image_config = image_config or ImageProcessorConfig()
+        self.audio, self.images, self.device = audio, images, device
         # The largest inputs the processor admits, and the most one tower call takes.
-        self.max_audio_frames = int(MAX_SECONDS * SAMPLE_RATE) // HOP_LENGTH
-        self.max_image_grid = largest_grid(self.image_config)
-        self.max_image_patches = math.prod(self.max_image_grid)
+        self.max_audio_frames = audio.max_frames
+        self.max_image_patches = math.prod(images.largest_grid) if images is not None else 0
         self.audio_graphs: AudioGraphs | None = None
         self.vision_graphs: VisionGraphs | None = None
-
-    @classmethod
-    def qwen3_omni(
-        cls,
-        checkpoint_dir: Path,
-        cfg: ThinkerConfig,
-        dtype: torch.dtype,
-        device: torch.device,
-        load_format: str = "safetensors",
-        seed: int = 0,
-    ) -> EncoderEngine:
-        """Qwen3-Omni's audio and vision towers from a checkpoint directory."""
-        towers: dict[str, Any] = dict(dtype=dtype, device=device, load_format=load_format, seed=seed)
-        found = (Path(checkpoint_dir) / "preprocessor_config.json").exists()
-        return cls(
-            load_audio_encoder(checkpoint_dir, **towers),
-            load_vision_encoder(checkpoint_dir, **towers),
-            cfg.audio_token_id,
-            cfg.image_token_id,
-            device,
-            ImageProcessorConfig.from_dir(checkpoint_dir) if found else None,
-            cfg.vision.spatial_merge_size,
-        )
 
     def encode(self, token_ids: list[int], mm: MultimodalInputs) -> MultimodalEmbeds:
         """Run the audio and vision encoders for one prompt; their rows must match its placeholders."""
@@ -131,7 +149,7 @@ class EncoderEngine:
 
     def _on_device(self, features: torch.Tensor) -> torch.Tensor:
         """A clip's features on the encoder's device. Features a processor made there on a stream of its own
-        (audio_features.log_mel) are marked as read on this one: their memory is not reused before the read,
+        (its log-mel on the GPU) are marked as read on this one: their memory is not reused before the read,
         whenever the request drops them."""
         moved = features.to(self.device)
         if moved is features and features.is_cuda:
@@ -142,6 +160,8 @@ class EncoderEngine:
         """Per prompt, the rows [n, H] and deepstack levels [levels, n, H] of all its images; the images go
         through the tower in calls of at most `max_image_patches` (with graphs, of at most the largest patch
         bucket and as many images as its graph holds)."""
+        assert self.images is not None and self.vision_encoder is not None  # images reach only a vision stage
+        merge = self.images.spatial_merge_size
         pixels, grids, owners = [], [], []
         for p, mm in enumerate(prompts):
             assert mm.image_grid_thw is not None and mm.pixel_values is not None  # prompts with images
@@ -159,10 +179,9 @@ class EncoderEngine:
             group_grids = [grids[i] for i in group]
             out = graphs.run(batch, group_grids) if graphs is not None else None
             if out is None:
-                assert self.vision_encoder is not None  # images reach only a stage with a vision tower
                 image, deepstack = self.vision_encoder(batch, group_grids)
                 out = image, torch.stack(deepstack)
-            sizes = [image_tokens(g, self.spatial_merge_size) for g in group_grids]
+            sizes = [_merged_rows(g, merge) for g in group_grids]
             rows += out[0].split(sizes)
             levels += out[1].split(sizes, dim=1)
         mine = [[i for i, owner in enumerate(owners) if owner == p] for p in range(len(prompts))]
@@ -176,9 +195,9 @@ class EncoderEngine:
     def default_graph_buckets(self) -> tuple[list[int], list[int]]:
         """The audio window buckets and vision patch buckets to capture unless configured (graphs/encoders.py)."""
         audio = audio_buckets(self.max_audio_windows)
-        if self.vision_encoder is None:
+        if self.images is None:
             return audio, []
-        return audio, vision_buckets(self.max_image_patches, self.spatial_merge_size)
+        return audio, vision_buckets(self.max_image_patches, self.images.spatial_merge_size)
 
     def graph_costs(self, audio: list[int], vision: list[int]) -> dict[str, dict[Bucket, Peak]]:
         """Per tower ("audio", "vision") and bucket, the measured eager peak of its padded step and what the
@@ -202,7 +221,7 @@ class EncoderEngine:
         are copied out of the pool at once). Off CUDA the same buckets run static-eager, for tests.
 
         Half precision only on a GPU: float32 segments would be read back to the host inside the capture."""
-        dtype = self.audio_encoder.conv2d1.weight.dtype
+        dtype = next(self.audio_encoder.parameters()).dtype
         if self.device.type == "cuda" and dtype not in (torch.bfloat16, torch.float16):
             log.warning("encoder CUDA graphs need bfloat16 or float16; the encoders run eagerly")
             return
@@ -223,6 +242,10 @@ class EncoderEngine:
             "vision": int_buckets(self.vision_graphs.captured_buckets) if self.vision_graphs else [],
         }
 
+    def stats(self) -> dict[str, int]:
+        """The graphs captured per tower (the stage keeps no requests between calls)."""
+        return {f"{tower}_graphs": len(buckets) for tower, buckets in self.captured.items()}
+
     def profile_floor(
         self, prefill: int, prefill_tokens: int, max_prompt_tokens: int, max_audios: int, max_images: int
     ) -> Floor:
@@ -231,41 +254,42 @@ class EncoderEngine:
         Measures each tower on the largest input the processor admits; a request brings as many of them as
         its prompt (`max_prompt_tokens`) and the processor (`max_audios`, `max_images`) allow.
         """
-        frames = self.max_audio_frames
-        clip_tokens = audio_output_tokens(frames, self.audio_encoder.cfg.n_window)
+        frames, audio = self.max_audio_frames, self.audio
+        clip_tokens = self.audio_encoder.output_tokens(frames)
         clip = MultimodalInputs(
-            audio_features=[torch.randn(NUM_MEL_BINS, frames)],
+            audio_features=[torch.randn(audio.mel_bins, frames)],
             num_audio_tokens=[clip_tokens],
             pixel_values=None,
             image_grid_thw=None,
             num_image_tokens=[],
         )
-        audio_peak, clip_bytes = self._measure([self.audio_token_id] * clip_tokens, clip)
-        grid, cfg = self.max_image_grid, self.image_config
-        tokens = image_tokens(grid, self.spatial_merge_size)
-        vision_peak = image_bytes = 0
-        if self.vision_encoder is not None:
-            patch_values = 3 * cfg.temporal_patch_size * cfg.patch_size**2  # RGB
-            image = MultimodalInputs(
-                audio_features=[],
-                num_audio_tokens=[],
-                pixel_values=torch.randn(math.prod(grid), patch_values),
-                image_grid_thw=torch.tensor([grid]),
-                num_image_tokens=[tokens],
-            )
-            assert self.image_token_id is not None  # a checkpoint with a vision tower names its image token
-            vision_peak, image_bytes = self._measure([self.image_token_id] * tokens, image)
-        return Floor(
+        audio_peak, clip_bytes = self._measure([audio.token_id] * clip_tokens, clip)
+        floor = Floor(
             prefill=prefill,
             prefill_tokens=prefill_tokens,
             audio_encoder=audio_peak,
             audio_outputs=clip_bytes,
             audio_clips=max(1, min(max_audios, max_prompt_tokens // clip_tokens)),
-            audio_seconds=frames * HOP_LENGTH / SAMPLE_RATE,
+            audio_seconds=frames * audio.hop_length / audio.sample_rate,
+        )
+        if (images := self.images) is None:
+            return floor
+        grid = images.largest_grid
+        tokens = _merged_rows(grid, images.spatial_merge_size)
+        image = MultimodalInputs(
+            audio_features=[],
+            num_audio_tokens=[],
+            pixel_values=torch.randn(math.prod(grid), images.patch_values),
+            image_grid_thw=torch.tensor([grid]),
+            num_image_tokens=[tokens],
+        )
+        vision_peak, image_bytes = self._measure([images.token_id] * tokens, image)
+        return replace(
+            floor,
             vision_encoder=vision_peak,
             image_outputs=image_bytes,
             images=max(1, min(max_images, max_prompt_tokens // tokens)),
-            image_size=(grid[2] * cfg.patch_size, grid[1] * cfg.patch_size),
+            image_size=(grid[2] * images.patch_size, grid[1] * images.patch_size),
         )
 
     @torch.inference_mode()
@@ -283,10 +307,8 @@ class EncoderEngine:
         self, token_ids: list[int], audio: torch.Tensor | None, image: torch.Tensor | None, deepstack
     ) -> MultimodalEmbeds:
         ids = torch.tensor(token_ids)
-        audio_rows = (ids == self.audio_token_id).nonzero().flatten()
-        image_rows = (
-            (ids == self.image_token_id).nonzero().flatten() if self.image_token_id is not None else ids[:0]
-        )
+        audio_rows = (ids == self.audio.token_id).nonzero().flatten()
+        image_rows = (ids == self.images.token_id).nonzero().flatten() if self.images is not None else ids[:0]
         for kind, rows, embeds in (("audio", audio_rows, audio), ("image", image_rows, image)):
             found = 0 if embeds is None else embeds.shape[0]
             if found != len(rows):
@@ -316,6 +338,11 @@ def _groups(sizes: list[int], budget: int, most: int | None = None) -> list[list
         groups[-1].append(i)
         total += size
     return groups
+
+
+def _merged_rows(grid: tuple[int, int, int], merge: int) -> int:
+    """The rows a vision tower gives an image of `grid` patches: one per merge x merge block of them."""
+    return math.prod(grid) // merge**2
 
 
 def _join(parts: list[torch.Tensor], dim: int) -> torch.Tensor:

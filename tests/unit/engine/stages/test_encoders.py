@@ -2,16 +2,17 @@ import numpy as np
 import pytest
 import torch
 
-from omnistage.engine.encoder_engine import EncoderEngine
+from omnistage.engine.stages.encoders import EncoderStage
 from omnistage.errors import InvalidRequest
 from omnistage.models.qwen3_omni.config import Qwen3OmniConfig
 from omnistage.models.qwen3_omni.processor import Processor
+from omnistage.pipeline.qwen3_omni_encoders import aut_clips, load_encoders
 
 
 @pytest.fixture(scope="module")
 def setup(tiny_checkpoint):
     cfg = Qwen3OmniConfig.from_dir(tiny_checkpoint).thinker
-    encoders = EncoderEngine.qwen3_omni(tiny_checkpoint, cfg, torch.float32, torch.device("cpu"))
+    encoders = load_encoders(tiny_checkpoint, cfg, torch.float32, torch.device("cpu"))
     clip = (0.3 * np.sin(np.arange(32000) / 16000 * 2 * np.pi * 440)).astype(np.float32)
     messages = [
         {"role": "user", "content": [{"type": "audio", "audio": clip}, {"type": "text", "text": "Hi"}]}
@@ -80,8 +81,8 @@ def test_no_encoder_call_exceeds_the_largest_input_measured(tiny_checkpoint, mon
     processor admits (what the memory plan measured), and still equal each prompt alone."""
     from PIL import Image
 
-    encoders = EncoderEngine.qwen3_omni(tiny_checkpoint, Qwen3OmniConfig.from_dir(tiny_checkpoint).thinker, torch.float32,
-                             torch.device("cpu"))  # fmt: skip
+    cfg = Qwen3OmniConfig.from_dir(tiny_checkpoint).thinker
+    encoders = load_encoders(tiny_checkpoint, cfg, torch.float32, torch.device("cpu"))
     assert encoders.max_audio_frames == 30000 and encoders.max_image_patches == 224 * 224
     encoders.max_audio_frames, encoders.max_image_patches = 450, 256  # 4.5 s of audio, one 256x256 image
     audio_calls, image_calls = [], []
@@ -120,11 +121,11 @@ def test_no_encoder_call_exceeds_the_largest_input_measured(tiny_checkpoint, mon
 def test_graphs_encode_as_the_eager_towers(tiny_checkpoint, setup):
     """With graphs captured (static-eager on the CPU), prompts' clips go through the audio graphs in pieces of
     windows and their images through the vision graphs, or eagerly when larger than the largest bucket; every
-    prompt's rows are the eager engine's."""
+    prompt's rows are the eager stage's."""
     from PIL import Image
 
     cfg, eager, _ = setup
-    encoders = EncoderEngine.qwen3_omni(tiny_checkpoint, cfg, torch.float32, torch.device("cpu"))
+    encoders = load_encoders(tiny_checkpoint, cfg, torch.float32, torch.device("cpu"))
     assert encoders.captured == {"audio": [], "vision": []}
     encoders.capture_graphs([1, 2], [64, 128])
     assert encoders.captured == {"audio": [1, 2], "vision": [64, 128]}
@@ -150,6 +151,21 @@ def test_graphs_encode_as_the_eager_towers(tiny_checkpoint, setup):
     want = eager.encode_many([(p.token_ids, p.mm) for p in prompts])
     # 2 + 3 + 1 windows in pieces of 2; images of 32 and 36 patches in the 64-patch graph, 140 eagerly
     assert audio_calls == [2, 2, 2] and image_calls == [64, 64]
+    assert encoders.stats() == {"audio_graphs": 2, "vision_graphs": 2}
     for g, w in zip(got, want):
         for name in ("audio_rows", "audio_embeds", "image_rows", "image_embeds", "deepstack"):
             torch.testing.assert_close(getattr(g, name), getattr(w, name), rtol=1e-5, atol=1e-5)
+
+
+def test_a_stage_of_an_audio_tower_alone(setup):
+    """Qwen3-ASR's stage: the AuT tower and its clips' format, no vision tower nor image placeholders; a
+    vision tower comes with the format of its images."""
+    cfg, omni, prompt = setup
+    audio = EncoderStage(omni.audio_encoder, aut_clips(cfg.audio_token_id), torch.device("cpu"))
+    assert (audio.name, audio.device, audio.max_audio_frames) == ("encoders", torch.device("cpu"), 30000)
+    assert audio.default_graph_buckets()[1] == [] and audio.stats() == {"audio_graphs": 0, "vision_graphs": 0}
+    embeds = audio.encode(prompt.token_ids, prompt.mm)
+    torch.testing.assert_close(embeds.audio_embeds, omni.encode(prompt.token_ids, prompt.mm).audio_embeds)
+    assert len(embeds.image_rows) == 0
+    with pytest.raises(ValueError, match="a vision tower comes with its image format"):
+        EncoderStage(omni.audio_encoder, omni.audio, torch.device("cpu"), omni.vision_encoder)

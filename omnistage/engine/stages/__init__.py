@@ -1,0 +1,1 @@
+"""A pipeline's stages, each one role on one device, all of one protocol (`base.py`)."""

@@ -1,0 +1,47 @@
+"""Qwen3-Omni's encoder stage: its audio tower (AuT) and vision tower, and how its processor lays out clips and
+images for them (`EncoderStage` knows no family). Qwen3-ASR's tower is the same AuT over the same mel."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from omnistage.engine.stages.encoders import AudioFormat, EncoderStage, ImageFormat
+from omnistage.models.qwen3_omni.audio_encoder import load_audio_encoder
+from omnistage.models.qwen3_omni.audio_features import HOP_LENGTH, MAX_SECONDS, NUM_MEL_BINS, SAMPLE_RATE
+from omnistage.models.qwen3_omni.config import ThinkerConfig
+from omnistage.models.qwen3_omni.image_processing import ImageProcessorConfig, largest_grid
+from omnistage.models.qwen3_omni.vision_encoder import load_vision_encoder
+
+
+def aut_clips(audio_token_id: int) -> AudioFormat:
+    """Clips as log-mel features of 16 kHz audio, up to the longest the processor decodes."""
+    max_frames = int(MAX_SECONDS * SAMPLE_RATE) // HOP_LENGTH
+    return AudioFormat(audio_token_id, NUM_MEL_BINS, HOP_LENGTH, SAMPLE_RATE, max_frames)
+
+
+def image_format(image_token_id: int, cfg: ImageProcessorConfig, spatial_merge_size: int) -> ImageFormat:
+    """Images as the processor resizes and cuts them into RGB patches (`image_processing.py`)."""
+    patch_values = 3 * cfg.temporal_patch_size * cfg.patch_size**2  # RGB
+    return ImageFormat(image_token_id, largest_grid(cfg), cfg.patch_size, patch_values, spatial_merge_size)
+
+
+def load_encoders(
+    checkpoint_dir: Path,
+    cfg: ThinkerConfig,
+    dtype: torch.dtype,
+    device: torch.device,
+    load_format: str = "safetensors",
+    seed: int = 0,
+) -> EncoderStage:
+    """Qwen3-Omni's audio and vision towers from a checkpoint directory."""
+    found = (Path(checkpoint_dir) / "preprocessor_config.json").exists()
+    images = ImageProcessorConfig.from_dir(checkpoint_dir) if found else ImageProcessorConfig()
+    return EncoderStage(
+        load_audio_encoder(checkpoint_dir, dtype, device, load_format, seed),
+        aut_clips(cfg.audio_token_id),
+        device,
+        load_vision_encoder(checkpoint_dir, dtype, device, load_format, seed),
+        image_format(cfg.image_token_id, images, cfg.vision.spatial_merge_size),
+    )
