@@ -100,30 +100,24 @@ def resolve(config: EngineConfig, name: StageName) -> StageSettings:
 
     thinker_batch = s.thinker.max_batch or MAX_BATCH
     talker_batch = s.talker.max_batch or thinker_batch
-    if name in ("thinker", "talker"):
-        kv = KvSize(section.num_kv_pages, section.kv_cache_memory_gib, section.kv_share)
-        if name == "thinker":
-            prefill = min(MAX_PREFILL_GRAPH_TOKENS, config.max_num_batched_tokens)
-            decode = graphs(section.graphs, min(MAX_GRAPH_BATCH, thinker_batch))
-            return DecoderSettings(
-                **common,
-                max_batch=thinker_batch,
-                kv=kv,
-                graphs=decode,
-                prefill_graphs=graphs(section.prefill_graphs, prefill),
-            )
-        thinker_prefill = config.stage("thinker").prefill_graphs
-        prefill_graphs = (
+    if name == "thinker":
+        batch, decode_max = thinker_batch, min(MAX_GRAPH_BATCH, thinker_batch)
+        prefill = graphs(section.prefill_graphs, min(MAX_PREFILL_GRAPH_TOKENS, config.max_num_batched_tokens))
+    elif name == "talker":
+        batch, decode_max = talker_batch, talker_batch
+        follows = config.stage("thinker").prefill_graphs  # unless the Talker is given its own sizes
+        prefill = (
             graphs(section.prefill_graphs, None)
             if section.prefill_graphs is not None
-            else Graphs(eager, thinker_prefill.buckets, thinker_prefill.max)
+            else Graphs(eager, follows.buckets, follows.max)
         )
+    if name in ("thinker", "talker"):
         return DecoderSettings(
             **common,
-            max_batch=talker_batch,
-            kv=kv,
-            graphs=graphs(section.graphs, talker_batch),
-            prefill_graphs=prefill_graphs,
+            max_batch=batch,
+            kv=KvSize(section.num_kv_pages, section.kv_cache_memory_gib, section.kv_share),
+            graphs=graphs(section.graphs, decode_max),
+            prefill_graphs=prefill,
         )
     if name == "encoders":
         return EncodersSettings(
