@@ -27,7 +27,8 @@ class RequestFailed(OmnistageError):
 class LLM:
     """An engine in this process. `model=None` serves the embedded tiny checkpoint (random weights).
 
-    Keyword arguments are EngineConfig fields (device, dtype, page_size, num_kv_pages, max_num_seqs, ...).
+    Keyword arguments take the `serve` flags' names (device, dtype, page_size, num_kv_pages, max_num_seqs,
+    ...: `config.flags`) and the schema's other top-level keys (stages, speech, ...), as `engine_config` does.
     """
 
     def __init__(self, model: str | None = None, **kwargs) -> None:

@@ -2,11 +2,11 @@
 
 Every `omnistage` import of every module under omnistage/ points down this stack, or stays in its own layer:
 
-    entry points   cli.py, llm.py (the offline API), bench/, the package's own __init__
+    entry points   cli/, llm.py (the offline API), bench/, the package's own __init__
     server         server/, and media.py (the media parts of a request fetched and decoded, at the edge)
     pipeline       pipeline/
     engine         engine/
-    engine's data  config.py (the YAML topology the engine is built from), request.py (what a request asks
+    engine's data  config/ (the YAML topology the engine is built from), request.py (what a request asks
                    for: the sampling and speech parameters, the request built at the edge), outputs.py (what
                    it returns)
     models         models/<family>/, models/loader.py
@@ -148,7 +148,7 @@ def test_no_stale_exceptions():
 
 def test_the_scan_sees_known_imports():
     """The scan itself reads the tree: a few imports that exist today, of each kind it must see."""
-    assert "omnistage.errors" in IMPORTS["omnistage.config"]  # top level
+    assert "omnistage.errors" in IMPORTS["omnistage.config.loading"]  # top level
     assert "omnistage.llm" in IMPORTS["omnistage"]  # under TYPE_CHECKING, and by import_module
     assert any(layer_of(t) == "models.layers" for t in IMPORTS["omnistage.engine.llm_engine"])
 

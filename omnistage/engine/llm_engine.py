@@ -132,8 +132,9 @@ class LLMEngine:
         self._launched: Launched | None = None  # the decode step in flight (decode_ahead)
         self._launch_failed = False  # the next step runs where a failure fails only the requests at fault
         if self.device.type != "cuda":
-            cpu_gib = config.kv_cache_memory_gib or _CPU_KV_GIB
-            self._allocate_pages(config.num_kv_pages or max(1, int(cpu_gib * GiB) // self.kv_bytes_per_page))
+            kv = config.stage("thinker").kv
+            cpu_gib = kv.gib or _CPU_KV_GIB
+            self._allocate_pages(kv.pages or max(1, int(cpu_gib * GiB) // self.kv_bytes_per_page))
 
     def memory(self) -> StageMemory:
         """What the stage needs of its GPU's plan: its weights and encoders', its floor, its KV pool and its
@@ -161,7 +162,7 @@ class LLMEngine:
             self.config.enforce_eager,
             prefill_buckets=int_buckets(plan.captured(self.name, "prefill")),
             prefill_pool=self.graph_pool,
-            max_seqs=self.config.max_num_seqs,
+            max_seqs=self.config.stage("thinker").max_batch,
         )
         # the towers run between this stage's steps and their rows are copied out at once
         self.encoders.capture_graphs(
@@ -175,7 +176,9 @@ class LLMEngine:
     def _allocate_pages(self, num_pages: int) -> None:
         self.pool = PagePool(num_pages, self.page_size)
         self.runner.allocate_kv(num_pages)
-        self.scheduler = Scheduler(self.pool, self.config.max_num_seqs, self.config.max_num_batched_tokens)
+        self.scheduler = Scheduler(
+            self.pool, self.config.stage("thinker").max_batch, self.config.max_num_batched_tokens
+        )
 
     def set_moe_kernel(self, kernel: str) -> None:
         """Choose the GPU MoE kernel of every layer (captured decode graphs keep the one they recorded)."""

@@ -45,9 +45,10 @@ def llm_stage_memory(
     elif not cfg.enforce_eager:
         graphs = _graph_candidates(runner, cfg, stage) + _encoder_candidates(encoders, cfg)
     runner.warm_up(cfg.max_num_batched_tokens)
-    fixed = cfg.num_kv_pages
-    if fixed is None and cfg.kv_cache_memory_gib is not None:
-        fixed = int(cfg.kv_cache_memory_gib * GiB) // kv_bytes_per_page
+    kv = cfg.stage("thinker").kv
+    fixed = kv.pages
+    if fixed is None and kv.gib is not None:
+        fixed = int(kv.gib * GiB) // kv_bytes_per_page
     resident = [
         (stage, module_bytes(runner.model), "weights"),
         ("audio encoder", module_bytes(encoders.audio_encoder), "weights"),

@@ -43,7 +43,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-# torch intra-op threads of the engine process, and of a server beside it (cli.py): two processes of 16-thread
+# torch intra-op threads of the engine process, and of a server beside it (cli/serve.py): two processes of 16-thread
 # pools spinning between ops took the cores from each other (H200: c=1 TTFT 65 ms with the default pools, 48 ms
 # with one thread each, as with the engine on a thread; benchmarks/RESULTS.md)
 ONE_THREAD = 1

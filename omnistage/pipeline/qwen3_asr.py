@@ -42,9 +42,9 @@ ASR_MAX_NUM_SEQS = 128
 
 def asr_defaults(config: EngineConfig) -> EngineConfig:
     """`config` with Qwen3-ASR's own defaults where it leaves a setting to the default."""
-    if "max_num_seqs" in config.model_fields_set or config.stages.thinker.max_batch is not None:
+    if config.stages.thinker.max_batch is not None:
         return config
-    return config.model_copy(update={"max_num_seqs": ASR_MAX_NUM_SEQS})
+    return config.with_stage("thinker", max_batch=ASR_MAX_NUM_SEQS)
 
 
 def asr_frontend(

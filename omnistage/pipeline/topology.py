@@ -80,7 +80,7 @@ def validate_topology(
         if kv.pages is not None and longest is not None and kv.pages * config.page_size < longest:
             need = -(-longest // config.page_size)
             fail(
-                config.kv_sizing(name)[0][0],
+                f"stages.{name}.num_kv_pages",
                 f"{kv.pages:,} pages of {config.page_size} tokens hold {kv.pages * config.page_size:,} tokens, "
                 f"less than one request of {longest:,}: give at least {need:,} pages, or a shorter max_model_len",
             )

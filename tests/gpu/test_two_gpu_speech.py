@@ -31,7 +31,7 @@ def test_speech_on_a_second_gpu_equals_one_gpu(tiny_checkpoint):
     common = dict(
         model=str(tiny_checkpoint), device="cuda", dtype="bfloat16", kv_cache_memory_gib=0.05, compile=False
     )
-    two = LLM(speech_device="cuda:1", **common)
+    two = LLM(stages={"talker": {"device": "cuda:1"}}, **common)
     assert two.pipeline.speech_stages.talker.codec_head.weight.device == torch.device("cuda", 1)
     assert two.engine.model.lm_head.weight.device == torch.device("cuda", 0)
     assert speak(two) == speak(LLM(**common))

@@ -12,7 +12,7 @@ EXAMPLE = Path(__file__).parents[2] / "configs" / "tiny.yaml"
 
 def test_example_config_loads_and_flags_override_it():
     config = load_config(EXAMPLE, num_kv_pages=32, max_model_len=None)
-    assert (config.device, config.page_size, config.num_kv_pages, config.max_model_len) == (
+    assert (config.device, config.page_size, config.stage("thinker").kv.pages, config.max_model_len) == (
         "cpu",
         16,
         32,
@@ -56,8 +56,9 @@ def test_a_model_directory_that_does_not_exist_is_named(tmp_path, capsys):
 def test_a_pool_too_small_for_one_request_of_the_context_stops_the_server(capsys):
     args = ["serve", "--device", "cpu", "--num-kv-pages", "64", "--max-model-len", "2048"]
     assert main(args) == 2
-    assert "engine.num_kv_pages: 64 pages of 16 tokens hold 1,024 tokens, less than one request of 2,048" in (
-        capsys.readouterr().err
+    assert (
+        "engine.stages.thinker.num_kv_pages: 64 pages of 16 tokens hold 1,024 tokens, less than one request of 2,048"
+        in (capsys.readouterr().err)
     )
 
 

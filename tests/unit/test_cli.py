@@ -135,14 +135,33 @@ def test_memory_report_on_the_cpu_says_so_and_lists_what_the_stages_hold(tiny_ch
 
 
 def test_overlap_stages_is_off_unless_asked_for(tmp_path):
-    from omnistage.cli import _engine_config
+    from omnistage.cli.engine_flags import engine_config_of
 
     for command in ("serve", "plan"):
-        assert _engine_config(build_parser().parse_args([command])).overlap_stages is False
+        assert engine_config_of(build_parser().parse_args([command])).overlap_stages is False
         args = build_parser().parse_args([command, "--overlap-stages"])
-        assert _engine_config(args).overlap_stages is True
+        assert engine_config_of(args).overlap_stages is True
     config = tmp_path / "c.yaml"
     config.write_text("engine:\n  overlap_stages: true\n")
     assert (
-        _engine_config(build_parser().parse_args(["serve", "--config", str(config)])).overlap_stages is True
+        engine_config_of(build_parser().parse_args(["serve", "--config", str(config)])).overlap_stages is True
     )
+
+
+def test_each_engine_flag_sets_the_schema_key_it_names_and_says_which():
+    from omnistage.cli.engine_flags import engine_config_of
+    from omnistage.config.flags import FLAGS, SWITCHES
+
+    options = {a.option_strings[0]: a for a in subcommand("serve")._actions if a.option_strings}
+    for flag, path in FLAGS.items():
+        action = options[flag]
+        given = (
+            action.choices[-1] if action.choices else {int: "4", float: "0.5", str: "/models/m"}[action.type]
+        )
+        value: object = engine_config_of(build_parser().parse_args(["serve", flag, given]))
+        for key in path.split("."):
+            value = getattr(value, key)
+        assert value == action.type(given), flag
+        assert path.startswith("stages.") == action.help.startswith(f"{path}: "), action.help
+    for flag, (key, on) in SWITCHES.items():
+        assert getattr(engine_config_of(build_parser().parse_args(["serve", flag])), key) is on, flag

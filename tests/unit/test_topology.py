@@ -1,6 +1,6 @@
 """The `stages:` section of the engine settings: the shipped topologies, each stage's resolved settings, the
-older flat keys as the same settings, flags over the file, and every error `validate_topology` and the schema
-give, each naming its YAML key."""
+keys of the first layout naming their place, flags over the file, and every error `validate_topology` and the
+schema give, each naming its YAML key."""
 
 from __future__ import annotations
 
@@ -35,12 +35,7 @@ def test_the_colocated_topology_puts_every_stage_on_one_gpu():
     assert (code2wav.first_chunk, code2wav.chunk, code2wav.max_streams) == (2, 25, 16)
     assert code2wav.graphs.sizes(decode_buckets) == [1, 2, 4, 8, 16]
     assert config.stage("encoders").vision_graphs.max == 8192
-    # readers of the older flat names see the stages' values
-    assert (config.speech_device, config.talker_kv_cache_memory_gib, config.code2wav_max_batch) == (
-        "cuda:0",
-        2,
-        16,
-    )
+    assert (config.stage("talker").device, config.stage("code2wav").device) == ("cuda:0", "cuda:0")
 
 
 def test_the_two_gpu_topology_splits_thinker_and_speech():
@@ -52,26 +47,28 @@ def test_the_two_gpu_topology_splits_thinker_and_speech():
         "code_predictor": "cuda:1",
         "code2wav": "cuda:1",
     }
-    assert config.speech_device == "cuda:1" and config.stage("talker").kv.gib == 8
+    assert config.stage("talker").device == "cuda:1" and config.stage("talker").kv.gib == 8
 
 
 def test_the_tiny_example_places_every_stage_on_the_cpu():
     config = load_config(TINY)
     assert set(validate_topology(config, device_count=0).values()) == {"cpu"}
-    assert config.stage("thinker").kv.pages == config.num_kv_pages == 256
-    assert config.stage("talker").kv.gib == config.talker_kv_cache_memory_gib == 0.25
+    assert config.stage("thinker").kv.pages == 256
+    assert config.stage("talker").kv.gib == 0.25
     assert config.stage("thinker").graphs.sizes(
         decode_buckets
     )  # the ladder is there; a CPU runner ignores it
 
 
 def test_stages_follow_the_engine_and_each_other_by_default():
-    config = engine_config(device="cuda", speech_device="cuda:1", code2wav_max_batch=4, max_num_seqs=8)
+    config = engine_config(
+        device="cuda", max_num_seqs=8, stages={"talker": {"device": "cuda:1"}, "code2wav": {"max_streams": 4}}
+    )
     assert config.stage("thinker").device == config.stage("encoders").device == "cuda"
     assert config.stage("code_predictor").device == config.stage("code2wav").device == "cuda:1"
     assert config.stage("code2wav").max_streams == 4
     assert config.stage("talker").max_batch == config.stage("code_predictor").max_batch == 8
-    assert config.stage("thinker").graphs.sizes(decode_buckets) == [1, 2, 4, 8]  # max_graph_batch 128, capped
+    assert config.stage("thinker").graphs.sizes(decode_buckets) == [1, 2, 4, 8]  # up to 128, capped
     eager = engine_config(enforce_eager=True, stages={"talker": {"enforce_eager": False}})
     assert eager.stage("thinker").graphs.sizes(decode_buckets) == []
     assert eager.stage("talker").graphs.sizes(decode_buckets) == decode_buckets(64)
@@ -161,19 +158,38 @@ def test_the_schema_names_the_key_at_fault(stages, message):
         engine_config(stages=stages)
 
 
-def test_a_setting_given_under_both_names_must_agree():
+def test_a_key_of_the_first_layout_names_its_place(tmp_path):
     with pytest.raises(
-        ConfigError, match=r"stages.code2wav.max_streams: 4, but code2wav_max_batch is 8: they are"
+        ConfigError,
+        match=r"topology.yaml: engine.code2wav_max_batch: this setting is stages.code2wav.max_streams now: give "
+        r"it there",
     ):
-        engine_config(code2wav_max_batch=8, stages={"code2wav": {"max_streams": 4}})
+        load_config(write(tmp_path, "engine:\n  code2wav_max_batch: 8\n"))
+    with pytest.raises(
+        ConfigError,
+        match=r"engine.max_num_seqs: this setting is stages.thinker.max_batch now \(the command line's "
+        r"--max-num-seqs sets it too\)",
+    ):
+        load_config(write(tmp_path, "engine:\n  max_num_seqs: 8\n"))
+    with pytest.raises(
+        ConfigError, match=r"^arguments: speech_device: this setting is stages.talker.device now"
+    ):
+        engine_config(speech_device="cuda:1")
+
+
+def test_a_flags_keyword_and_its_stage_key_must_agree():
+    with pytest.raises(
+        ConfigError, match=r"max_num_seqs: 8, but stages.thinker.max_batch is 4: they are one setting"
+    ):
+        engine_config(max_num_seqs=8, stages={"thinker": {"max_batch": 4}})
     with pytest.raises(ConfigError, match=r"kv_cache_memory_gib: the Thinker's KV pool is already sized by "):
         engine_config(num_kv_pages=64, stages={"thinker": {"kv_cache_memory_gib": 1.0}})
-    with pytest.raises(ConfigError, match=r"^arguments: kv_cache_memory_gib: .* sized by num_kv_pages"):
+    with pytest.raises(
+        ConfigError,
+        match=r"^arguments: stages.thinker.kv_cache_memory_gib: .* sized by stages.thinker.num_kv_pages",
+    ):
         engine_config(num_kv_pages=64, kv_cache_memory_gib=1.0)
-    assert (
-        engine_config(speech_device="cuda:1", stages={"talker": {"device": "cuda:1"}}).speech_device
-        == "cuda:1"
-    )
+    assert engine_config(max_num_seqs=8, stages={"thinker": {"max_batch": 8}}).stage("thinker").max_batch == 8
 
 
 def topology_error(device_count: int, **values) -> str:
@@ -193,10 +209,10 @@ def test_a_stage_on_a_gpu_the_machine_lacks():
     assert topology_error(0, device="cuda") == (
         "engine.device: cuda, but this machine has no GPU: place the stage on a GPU it has, or on cpu"
     )
-    assert topology_error(2, speech_device="cuda:2").startswith(
-        "engine.speech_device: cuda:2, but this machine has 2 GPUs (cuda:0 to cuda:1)"
+    assert topology_error(2, stages={"talker": {"device": "cuda:2"}}).startswith(
+        "engine.stages.talker.device: cuda:2, but this machine has 2 GPUs (cuda:0 to cuda:1)"
     )
-    assert validate_topology(engine_config(speech=False, speech_device="cuda:3"), 1) == {
+    assert validate_topology(engine_config(speech=False, stages={"talker": {"device": "cuda:3"}}), 1) == {
         "thinker": "cuda:0",
         "encoders": "cuda:0",
     }  # the speech stages are not loaded
@@ -207,7 +223,9 @@ def test_stages_that_must_share_a_device():
         "engine.stages.encoders.device: cuda:1, but the Thinker is on cuda:0 and their rows go straight into "
         "the Thinker's prefill: put both on the same device"
     )
-    assert topology_error(2, speech_device="cuda:1", stages={"code_predictor": {"device": "cuda:0"}}) == (
+    assert topology_error(
+        2, stages={"talker": {"device": "cuda:1"}, "code_predictor": {"device": "cuda:0"}}
+    ) == (
         "engine.stages.code_predictor.device: cuda:0, but the Talker is on cuda:1 and it runs inside every "
         "Talker step: put both on the same device"
     )
@@ -215,7 +233,7 @@ def test_stages_that_must_share_a_device():
 
 def test_a_pool_of_pages_too_small_for_one_request():
     assert topology_error(0, num_kv_pages=100, max_model_len=4096) == (
-        "engine.num_kv_pages: 100 pages of 16 tokens hold 1,600 tokens, less than one request of 4,096: give "
+        "engine.stages.thinker.num_kv_pages: 100 pages of 16 tokens hold 1,600 tokens, less than one request of 4,096: give "
         "at least 256 pages, or a shorter max_model_len"
     )
     config = engine_config(
@@ -251,6 +269,6 @@ def test_kv_shares():
         "it: lower them to a sum of at most 1"
     )
     two = engine_config(
-        speech_device="cuda:1", stages={"thinker": {"kv_share": 0.8}, "talker": {"kv_share": 0.3}}
+        stages={"thinker": {"kv_share": 0.8}, "talker": {"kv_share": 0.3, "device": "cuda:1"}}
     )
     assert validate_topology(two, 2)["talker"] == "cuda:1"  # shares of different devices

@@ -264,8 +264,9 @@ def test_talkers_preempted_for_pages_speak_as_alone(tiny_checkpoint):
     text = probe.pipeline.model_config.talker.text
     gib = 16 * 4 * text.kv_bytes_per_token / GiB
     small = LLM(
-        str(tiny_checkpoint), device="cpu", dtype="float32", page_size=4, talker_kv_cache_memory_gib=gib
-    )
+        str(tiny_checkpoint), device="cpu", dtype="float32", page_size=4,
+        stages={"talker": {"kv_cache_memory_gib": gib}},
+    )  # fmt: skip
     assert small.pipeline.speech_stages.talker_stage.pool.num_pages == 16
     specs = [speak(small, i, frames=20, text_tokens=6) for i in range(3)]
     for spec in specs:
@@ -290,11 +291,13 @@ def test_the_speech_device_is_checked_against_the_machine(tiny_checkpoint):
     from omnistage.errors import ConfigError
 
     count = torch.cuda.device_count() if torch.cuda.is_available() else 0
-    with pytest.raises(ConfigError, match=rf"engine.speech_device: cuda:{count}, but this machine has"):
-        LLM(str(tiny_checkpoint), device="cpu", speech_device=f"cuda:{count}")
-    with pytest.raises(ConfigError, match="speech_device"):
-        LLM(str(tiny_checkpoint), device="cpu", speech_device="tpu")
-    llm = LLM(str(tiny_checkpoint), device="cpu", dtype="float32", speech_device="cpu")
+    with pytest.raises(
+        ConfigError, match=rf"engine.stages.talker.device: cuda:{count}, but this machine has"
+    ):
+        LLM(str(tiny_checkpoint), device="cpu", stages={"talker": {"device": f"cuda:{count}"}})
+    with pytest.raises(ConfigError, match="stages.talker.device"):
+        LLM(str(tiny_checkpoint), device="cpu", stages={"talker": {"device": "tpu"}})
+    llm = LLM(str(tiny_checkpoint), device="cpu", dtype="float32", stages={"talker": {"device": "cpu"}})
     assert llm.pipeline.speech_device == torch.device("cpu")
 
 
@@ -471,7 +474,9 @@ def test_every_talker_row_may_speak_on_a_gpu_by_default(tiny_checkpoint):
     on the H200 a bound of 16 (Code2Wav's) held T2S at ~100 audio s/s from c=16 on and queued c=64's first
     packets for 2.5 s (benchmarks/RESULTS.md, "Under load"). Eagerly, where a step's cost grows with its rows,
     it stays the smaller of the two."""
-    config = engine_config(model=str(tiny_checkpoint), max_num_seqs=64, code2wav_max_batch=16)
+    config = engine_config(
+        model=str(tiny_checkpoint), max_num_seqs=64, stages={"code2wav": {"max_streams": 16}}
+    )
     assert max_speaking(config, torch.device("cuda", 0)) == config.stage("talker").max_batch == 64
     assert max_speaking(config, torch.device("cpu")) == 16
     eager = engine_config(model=str(tiny_checkpoint), max_num_seqs=64, enforce_eager=True)

@@ -1,0 +1,106 @@
+"""`omnistage serve`: the HTTP server over a pipeline, on a socket bound before the model loads."""
+
+from __future__ import annotations
+
+import argparse
+import errno
+import logging
+import socket
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from omnistage.cli.engine_flags import engine_config_of
+from omnistage.errors import ConfigError
+
+if TYPE_CHECKING:
+    from omnistage.config import EngineConfig
+
+
+def run(args: argparse.Namespace) -> None:
+    config = engine_config_of(args)
+    name = args.served_model_name or (Path(config.model).resolve().name if config.model else "omnistage-tiny")
+
+    media_dir = Path(args.media_dir).resolve() if args.media_dir else None
+    if media_dir is not None and not media_dir.is_dir():
+        raise ConfigError(f"--media-dir {args.media_dir}: not a directory")
+    if args.header_timeout <= 0:
+        raise ConfigError(f"--header-timeout {args.header_timeout}: must be above 0 seconds")
+    if args.max_connections < 1:
+        raise ConfigError(f"--max-connections {args.max_connections}: must be at least 1")
+
+    listener = bind(args.host, args.port)
+    try:
+        _load_and_serve(args, config, name, media_dir, listener)
+    finally:
+        listener.close()
+
+
+def _load_and_serve(
+    args: argparse.Namespace, config: EngineConfig, name: str, media_dir: Path | None, listener: socket.socket
+) -> None:
+    import uvicorn
+
+    from omnistage.media import MediaPolicy
+    from omnistage.pipeline.async_pipeline import AsyncPipeline
+    from omnistage.server import build_app
+    from omnistage.server.http_protocol import with_header_timeout
+
+    media = MediaPolicy(allow_remote=args.allow_remote_media, media_dir=media_dir)
+    if args.engine_process:  # the server's torch work is then per request, on worker threads
+        import torch
+
+        from omnistage.pipeline.engine_process import ONE_THREAD
+
+        torch.set_num_threads(ONE_THREAD)
+    pipeline = AsyncPipeline.from_config(config, max_queue=args.max_queue, engine_process=args.engine_process)
+    try:
+        app = build_app(pipeline, name, api_key=args.api_key, max_body_bytes=args.max_body_bytes, media=media)
+        logging.getLogger("omnistage.serve").info(
+            "serving '%s' at http://%s:%d/v1 (API key %s, max queue %s, max %d connections, header timeout "
+            "%g s)\n  %s",
+            name,
+            args.host,
+            listener.getsockname()[1],
+            "required" if args.api_key else "off",
+            args.max_queue if args.max_queue is not None else "unbounded",
+            args.max_connections,
+            args.header_timeout,
+            pipeline.memory_summary(),
+        )
+        http_config = uvicorn.Config(
+            app,
+            log_level=args.log_level,
+            timeout_graceful_shutdown=5,
+            http=with_header_timeout(args.header_timeout),
+            # uvicorn answers 503 once its open connections (the asking one among them) or running requests
+            # reach the limit: N + 1 serves N connections.
+            limit_concurrency=args.max_connections + 1,
+        )
+        server = uvicorn.Server(http_config)
+        server.run(sockets=[listener])
+    finally:
+        pipeline.shutdown()
+
+
+def bind(host: str, port: int) -> socket.socket:
+    """The server's socket, bound before the model loads: a busy port fails at once, not after minutes of
+    loading, and nothing can take the port while the model loads (asyncio starts listening on it)."""
+    try:
+        family, kind, proto, _, address = socket.getaddrinfo(
+            host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
+        )[0]
+    except socket.gaierror as exc:
+        raise ConfigError(f"--host {host}: not an address of this machine ({exc.strerror})") from None
+    sock = socket.socket(family, kind, proto)
+    # A restarted server may bind while its predecessor's connections linger in TIME_WAIT, as uvicorn does.
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind(address)
+    except OSError as exc:
+        sock.close()
+        if exc.errno == errno.EADDRINUSE:
+            raise ConfigError(
+                f"port {port} is in use on {host}; stop what holds it or choose another --port"
+            ) from None
+        raise ConfigError(f"cannot bind {host}:{port}: {exc.strerror}") from None
+    return sock
