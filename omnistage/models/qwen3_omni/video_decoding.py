@@ -1,0 +1,134 @@
+"""Video files (mp4, webm, mov, mkv: whatever FFmpeg in PyAV's wheels reads) to the processor's sampled frames.
+
+The container is read twice from memory: once by its packets alone (no decoding) to count the frames and
+check the bounds, once decoding the video stream up to the last sampled frame and, with `with_audio`, the
+first audio stream, mixed to mono and resampled to 16 kHz. Everything here blocks (decoding releases the
+GIL); the server runs it in a worker thread. Every defect or bound is an InvalidMedia saying which.
+"""
+
+from __future__ import annotations
+
+import io
+from dataclasses import dataclass
+
+import av
+import numpy as np
+
+from omnistage.errors import InvalidMedia
+from omnistage.models.qwen3_omni.audio_features import SAMPLE_RATE, resample
+from omnistage.models.qwen3_omni.video_processing import DecodedVideo, VideoProcessorConfig, sample_indices
+
+
+@dataclass(frozen=True)
+class VideoLimits:
+    """What one video may cost to decode; the defaults admit two minutes of 4K at 60 fps."""
+
+    max_seconds: float = 120.0
+    max_frames: int = 256  # sampled frames: what the vision tower sees (two minutes at the released 2 fps)
+    max_stream_frames: int = 120 * 60  # frames in the stream, each decoded to reach the sampled ones
+    max_frame_pixels: int = 3840 * 2160
+    max_fps: float = 4.0  # the highest sampling rate a request may ask for
+
+
+def decode_video(
+    data: bytes,
+    cfg: VideoProcessorConfig,
+    limits: VideoLimits = VideoLimits(),
+    fps: float | None = None,
+    max_frames: int | None = None,
+    with_audio: bool = False,
+) -> DecodedVideo:
+    """Decode and sample a video file: `fps` frames a second (default: the processor's), at most `max_frames`
+    (default: the limits'), both within the limits; with `with_audio` its sound track too."""
+    fps = cfg.fps if fps is None else fps
+    max_frames = limits.max_frames if max_frames is None else max_frames
+    if not 0 < fps <= limits.max_fps:
+        raise InvalidMedia(f"video fps {fps:g} is outside (0, {limits.max_fps:g}]")
+    if not 0 < max_frames <= limits.max_frames:
+        raise InvalidMedia(f"video max frames {max_frames} is outside [1, {limits.max_frames}]")
+    if not data:
+        raise InvalidMedia("video is empty (0 bytes)")
+    try:
+        total, stream_fps, has_audio = _survey(data, limits)
+        if with_audio and not has_audio:
+            raise InvalidMedia("video has no audio track, and use_audio_in_video asks for one")
+        wanted = sample_indices(total, stream_fps, cfg, fps, min(max_frames, cfg.max_frames))
+        frames = _frames(data, wanted)
+        audio = _audio(data, limits.max_seconds) if with_audio else None
+    except (av.FFmpegError, ValueError, OverflowError) as exc:
+        raise InvalidMedia(
+            f"video could not be decoded (a corrupt or unsupported container): {exc}"
+        ) from None
+    return DecodedVideo(frames, fps, audio)
+
+
+def _survey(data: bytes, limits: VideoLimits) -> tuple[int, float, bool]:
+    """(frames in the first video stream, its frame rate, whether there is an audio stream), from the
+    packets alone; the bounds checked before anything is decoded."""
+    with av.open(io.BytesIO(data), mode="r") as container:
+        if not container.streams.video:
+            raise InvalidMedia("video has no video stream")
+        stream = container.streams.video[0]
+        width, height = stream.codec_context.width, stream.codec_context.height
+        if width * height > limits.max_frame_pixels:
+            raise InvalidMedia(
+                f"video frames are {width}x{height} pixels, more than the {limits.max_frame_pixels:,} accepted"
+            )
+        rate = stream.average_rate or stream.guessed_rate
+        if not rate or rate <= 0:
+            raise InvalidMedia("video declares no frame rate")
+        total = stream.frames
+        if total <= 0:  # webm and mkv declare no count: the packets tell it
+            total = sum(1 for packet in container.demux(stream) if packet.size)
+        if total <= 0:
+            raise InvalidMedia("video has no frames")
+        seconds = total / float(rate)
+        if seconds > limits.max_seconds:
+            raise InvalidMedia(f"video is too long: {seconds:.1f} s, the limit is {limits.max_seconds:g} s")
+        if total > limits.max_stream_frames:
+            raise InvalidMedia(
+                f"video has too many frames: {total:,}, the limit is {limits.max_stream_frames:,} per video"
+            )
+        return total, float(rate), bool(container.streams.audio)
+
+
+def _frames(data: bytes, wanted: list[int]) -> np.ndarray:
+    """The frames at the indices `wanted` (ascending), RGB, decoding no further than the last."""
+    keep, last = set(wanted), wanted[-1]
+    frames: dict[int, np.ndarray] = {}
+    with av.open(io.BytesIO(data), mode="r") as container:
+        stream = container.streams.video[0]
+        stream.thread_type = "AUTO"
+        for i, frame in enumerate(container.decode(stream)):
+            if i in keep:
+                frames[i] = frame.to_ndarray(format="rgb24")
+            if i >= last:
+                break
+    if len(frames) < len(keep):  # the stream held fewer decodable frames than its packets promised
+        raise InvalidMedia(f"video decoded to {len(frames)} of the {len(keep)} frames sampled from it")
+    sizes = {f.shape for f in frames.values()}
+    if len(sizes) > 1:
+        raise InvalidMedia(f"video frames change size mid-stream ({sorted(sizes)})")
+    return np.stack([frames[i] for i in wanted])
+
+
+def _audio(data: bytes, max_seconds: float) -> np.ndarray:
+    """The first audio stream as float32 mono at 16 kHz, its channels averaged as decode_audio does."""
+    chunks: list[np.ndarray] = []
+    with av.open(io.BytesIO(data), mode="r") as container:
+        stream = container.streams.audio[0]
+        rate = stream.codec_context.sample_rate
+        planar = av.AudioResampler(format="fltp")  # any sample format as float planes [channels, n]
+        for frame in container.decode(stream):
+            chunks += [f.to_ndarray().mean(axis=0) for f in planar.resample(frame)]
+        chunks += [f.to_ndarray().mean(axis=0) for f in planar.resample(None)]
+    if not chunks or not rate:
+        raise InvalidMedia("video's audio track holds no samples")
+    mono = np.concatenate(chunks).astype(np.float32, copy=False)
+    if len(mono) / rate > max_seconds:
+        raise InvalidMedia(
+            f"video's audio track is too long: {len(mono) / rate:.1f} s, the limit is {max_seconds:g} s"
+        )
+    if not np.isfinite(mono).all():
+        raise InvalidMedia("video's audio track holds NaN or infinite samples")
+    return resample(mono, rate, SAMPLE_RATE)

@@ -1,0 +1,146 @@
+"""Video frames to the flat patches and grid the vision encoder reads (Qwen2-VL video preprocessing).
+
+The rules of transformers' `Qwen2VLVideoProcessor` as its Qwen3-Omni processor calls it: frames sampled at
+`fps` from the decoded stream (their count within [min_frames, max_frames] and the stream's, rounded down to
+a multiple of the temporal patch), each frame resized to a multiple of patch * merge within the video pixel
+bounds (torch's antialiased bicubic on uint8, what torchvision runs on the CPU), rescaled and normalised, then
+cut into patches [C, T, P, P] of T consecutive frames, merge block by merge block; a frame count that is not
+a multiple of T repeats the last frame. One temporal patch lasts `temporal_patch_size / fps` seconds: the
+time step of the video's M-RoPE positions.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, fields
+from fractions import Fraction
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from omnistage.errors import InvalidMedia
+from omnistage.models.qwen3_omni.image_processing import smart_resize
+
+VIDEO_CONFIG = "video_preprocessor_config.json"
+
+
+@dataclass(frozen=True)
+class VideoProcessorConfig:
+    """The released processor's video settings. The pixel bounds are those transformers' Qwen3-Omni processor
+    passes its video processor (128 and 768 merged tokens a frame), whatever the video config says."""
+
+    patch_size: int = 16
+    temporal_patch_size: int = 2
+    merge_size: int = 2
+    min_pixels: int = 128 * 32 * 32
+    max_pixels: int = 768 * 32 * 32
+    fps: float = 2.0
+    min_frames: int = 4
+    max_frames: int = 768
+    rescale_factor: float = 1 / 255
+    image_mean: tuple[float, ...] = (0.5, 0.5, 0.5)
+    image_std: tuple[float, ...] = (0.5, 0.5, 0.5)
+
+    @classmethod
+    def from_dir(cls, directory: str | Path) -> VideoProcessorConfig:
+        """A checkpoint's video_preprocessor_config.json (the defaults where it or a key is absent)."""
+        path = Path(directory) / VIDEO_CONFIG
+        if not path.exists():
+            return cls()
+        data = json.loads(path.read_text())
+        given = {f.name: data[f.name] for f in fields(cls) if f.name in data and "pixels" not in f.name}
+        for key in ("image_mean", "image_std"):
+            if key in given:
+                given[key] = tuple(given[key])
+        return cls(**given)
+
+    @property
+    def factor(self) -> int:
+        return self.patch_size * self.merge_size
+
+
+@dataclass
+class DecodedVideo:
+    """A video as the processor takes it: its sampled frames and, where asked, its sound track."""
+
+    frames: np.ndarray  # uint8 [T, H, W, 3] RGB, the sampled frames in order
+    fps: float  # the rate the frames were sampled at: a temporal patch lasts temporal_patch_size / fps s
+    audio: np.ndarray | None = None  # float32 mono at 16 kHz, decoded when use_audio_in_video is asked
+
+
+def sample_indices(
+    total_frames: int, stream_fps: float, cfg: VideoProcessorConfig, fps: float, max_frames: int
+) -> list[int]:
+    """The indices of the frames sampled from a stream of `total_frames` at `stream_fps`: `fps` a second, their
+    count within [min_frames, min(max_frames, total)] rounded down to a whole number of temporal patches."""
+    t = cfg.temporal_patch_size
+    most = math.floor(min(max_frames, total_frames) / t) * t
+    wanted = total_frames / stream_fps * fps
+    count = math.floor(min(max(wanted, cfg.min_frames), most, total_frames) / t) * t
+    if count <= 0:
+        raise InvalidMedia(
+            f"video has {total_frames} frames; at least {t} are needed (one temporal patch of the encoder)"
+        )
+    return torch.arange(0, total_frames, total_frames / count).int().tolist()
+
+
+def video_grid(num_frames: int, height: int, width: int, cfg: VideoProcessorConfig) -> tuple[int, int, int]:
+    """(t, h, w) patch grid of `num_frames` frames of this size, without touching their pixels."""
+    h, w = smart_resize(height, width, cfg.factor, cfg.min_pixels, cfg.max_pixels)
+    t = -(-num_frames // cfg.temporal_patch_size)
+    return t, h // cfg.patch_size, w // cfg.patch_size
+
+
+def video_tokens(grid_thw: tuple[int, int, int], merge_size: int = 2) -> int:
+    """Thinker tokens (video_pad placeholders) of a video grid: one per merge x merge block of a temporal patch."""
+    t, h, w = grid_thw
+    return t * h * w // (merge_size * merge_size)
+
+
+def seconds_per_grid(cfg: VideoProcessorConfig, fps: float) -> float:
+    """How long one temporal patch of frames sampled at `fps` lasts."""
+    return cfg.temporal_patch_size / fps
+
+
+def temporal_step(cfg: VideoProcessorConfig, fps: float, position_id_per_seconds: int) -> int:
+    """The M-RoPE temporal step between two temporal patches. transformers computes it in floats; a whole
+    step keeps every position an integer, as the engine's are, so rates that make it fractional are refused."""
+    step = Fraction(cfg.temporal_patch_size) / Fraction(fps).limit_denominator(1000) * position_id_per_seconds
+    if step.denominator != 1:
+        raise InvalidMedia(
+            f"video fps {fps:g} gives a fractional position step ({cfg.temporal_patch_size} / {fps:g} x "
+            f"{position_id_per_seconds}); use an fps that divides {cfg.temporal_patch_size * position_id_per_seconds}"
+        )
+    return int(step)
+
+
+def preprocess_video(
+    frames: np.ndarray, cfg: VideoProcessorConfig
+) -> tuple[torch.Tensor, tuple[int, int, int]]:
+    """Sampled frames uint8 [T, H, W, 3] to (patches [t*h*w, C*T*P*P] float32, grid (t, h, w))."""
+    if frames.ndim != 4 or frames.shape[-1] != 3 or frames.dtype != np.uint8:
+        raise InvalidMedia(
+            f"video frames must be uint8 [frames, height, width, 3], got {frames.dtype} {list(frames.shape)}"
+        )
+    count, height, width, _ = frames.shape
+    grid_t, grid_h, grid_w = video_grid(count, height, width, cfg)
+    p, m, t = cfg.patch_size, cfg.merge_size, cfg.temporal_patch_size
+    video = torch.from_numpy(np.ascontiguousarray(frames)).permute(0, 3, 1, 2)  # [T, C, H, W]
+    if (grid_h * p, grid_w * p) != (height, width):
+        video = F.interpolate(
+            video, size=(grid_h * p, grid_w * p), mode="bicubic", align_corners=False, antialias=True
+        )
+    # rescale and normalise fused, as transformers does: (x - mean / r) / (std / r)
+    mean = torch.tensor(cfg.image_mean) / cfg.rescale_factor
+    std = torch.tensor(cfg.image_std) / cfg.rescale_factor
+    pixels = (video.to(torch.float32) - mean.view(1, -1, 1, 1)) / std.view(1, -1, 1, 1)
+    if pad := -count % t:
+        pixels = torch.cat((pixels, pixels[-1:].expand(pad, -1, -1, -1)))
+    c = pixels.shape[1]
+    # (grid t, T, C, block row, row in block, P, block col, col in block, P) -> blocks, then each patch [C, T, P, P]
+    patches = pixels.view(grid_t, t, c, grid_h // m, m, p, grid_w // m, m, p)
+    patches = patches.permute(0, 3, 6, 4, 7, 2, 1, 5, 8)
+    return patches.reshape(grid_t * grid_h * grid_w, c * t * p * p).contiguous(), (grid_t, grid_h, grid_w)

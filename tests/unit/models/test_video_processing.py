@@ -1,0 +1,110 @@
+"""Video decoding (PyAV) and preprocessing: sampling rules, patches, and every bound a clear InvalidMedia."""
+
+from __future__ import annotations
+
+import io
+
+import numpy as np
+import pytest
+import soundfile as sf
+from PIL import Image
+from video_samples import CONTAINERS, encode, frames
+
+from omnistage.errors import InvalidMedia
+from omnistage.models.qwen3_omni.image_processing import ImageProcessorConfig, preprocess_image
+from omnistage.models.qwen3_omni.video_decoding import VideoLimits, decode_video
+from omnistage.models.qwen3_omni.video_processing import (
+    VideoProcessorConfig,
+    preprocess_video,
+    sample_indices,
+    temporal_step,
+    video_grid,
+    video_tokens,
+)
+
+CFG = VideoProcessorConfig()
+
+
+def test_sampling_rules():
+    # 10 s at 30 fps sampled at 2 fps: 20 frames, evenly spaced from the first
+    assert sample_indices(300, 30.0, CFG, 2.0, 768) == list(range(0, 300, 15))
+    # short: at least min_frames (4), rounded down to whole temporal patches, never more than the stream's
+    assert sample_indices(25, 10.0, CFG, 2.0, 768) == [0, 6, 12, 18]
+    assert sample_indices(3, 10.0, CFG, 2.0, 768) == [0, 1]
+    # long: max_frames caps it, still a multiple of the temporal patch
+    assert len(sample_indices(3000, 30.0, CFG, 2.0, 7)) == 6
+    with pytest.raises(InvalidMedia, match="at least 2"):
+        sample_indices(1, 10.0, CFG, 2.0, 768)
+
+
+def test_grid_tokens_and_position_step():
+    assert video_grid(4, 48, 64, CFG) == (2, 20, 28)  # upscaled to the 128-token minimum a frame
+    assert video_grid(5, 48, 64, CFG)[0] == 3  # an odd frame count repeats the last frame
+    assert video_tokens((2, 20, 28), 2) == 280
+    assert temporal_step(CFG, 2.0, 13) == 13 and temporal_step(CFG, 1.0, 13) == 26
+    with pytest.raises(InvalidMedia, match="fractional position step"):
+        temporal_step(CFG, 3.0, 13)
+
+
+def test_a_still_video_at_the_target_size_is_the_image_patches():
+    """No resampling on either side: two equal frames give the image processor's patches (which repeat an
+    image over the temporal patch), whose layout is proven against transformers."""
+    picture = frames(1, 64, 64)[0]
+    cfg = VideoProcessorConfig(min_pixels=64 * 64, max_pixels=64 * 64)
+    patches, grid = preprocess_video(np.stack([picture, picture]), cfg)
+    image_cfg = ImageProcessorConfig(min_pixels=64 * 64, max_pixels=64 * 64)
+    expected, image_grid = preprocess_image(Image.fromarray(picture), image_cfg)
+    assert grid == image_grid == (1, 4, 4)
+    assert (patches - expected).abs().max().item() < 1e-5
+
+
+def test_preprocess_rejects_what_is_not_frames():
+    with pytest.raises(InvalidMedia, match="uint8"):
+        preprocess_video(np.zeros((2, 8, 8, 3), np.float32), CFG)
+    with pytest.raises(InvalidMedia, match="uint8"):
+        preprocess_video(np.zeros((8, 8, 3), np.uint8), CFG)
+
+
+@pytest.mark.parametrize("kind", CONTAINERS)
+def test_every_container_decodes_with_its_sound(kind):
+    pictures = frames(20, 64, 48)
+    video = decode_video(encode(pictures, fps=10, kind=kind), CFG, with_audio=True)
+    assert video.frames.shape == (4, 48, 64, 3) and video.fps == 2.0
+    # the sampled frames are the encoded ones at indices 0, 5, 10, 15 (lossy: close, not equal)
+    error = np.abs(video.frames.astype(int) - pictures[[0, 5, 10, 15]].astype(int)).mean()
+    assert error < 12
+    assert video.audio is not None and abs(len(video.audio) / 16000 - 2.0) < 0.1
+    assert decode_video(encode(pictures, fps=10, kind=kind), CFG).audio is None
+
+
+def test_rate_and_frame_overrides():
+    data = encode(frames(40, 32, 32), fps=10, tone_hz=None)  # 4 s
+    assert len(decode_video(data, CFG, fps=1.0).frames) == 4
+    assert len(decode_video(data, CFG, fps=4.0).frames) == 16
+    assert len(decode_video(data, CFG, fps=4.0, max_frames=6).frames) == 6
+    with pytest.raises(InvalidMedia, match=r"fps 8 is outside \(0, 4\]"):
+        decode_video(data, CFG, fps=8.0)
+    with pytest.raises(InvalidMedia, match=r"max frames 999 is outside \[1, 256\]"):
+        decode_video(data, CFG, max_frames=999)
+
+
+def test_defects_and_bounds_are_named():
+    data = encode(frames(30, 32, 32), fps=10, tone_hz=None)
+    with pytest.raises(InvalidMedia, match="empty"):
+        decode_video(b"", CFG)
+    with pytest.raises(InvalidMedia, match="corrupt or unsupported container"):
+        decode_video(b"\x00\x01garbage" * 100, CFG)
+    with pytest.raises(InvalidMedia, match="corrupt or unsupported container"):
+        decode_video(data[: len(data) // 3], CFG)
+    wav = io.BytesIO()
+    sf.write(wav, np.zeros(16000, np.float32), 16000, format="WAV")
+    with pytest.raises(InvalidMedia, match="no video stream"):
+        decode_video(wav.getvalue(), CFG)
+    with pytest.raises(InvalidMedia, match=r"too long: 3\.0 s, the limit is 2 s"):
+        decode_video(data, CFG, VideoLimits(max_seconds=2))
+    with pytest.raises(InvalidMedia, match="too many frames: 30, the limit is 20"):
+        decode_video(data, CFG, VideoLimits(max_stream_frames=20))
+    with pytest.raises(InvalidMedia, match="more than the 1,000 accepted"):
+        decode_video(data, CFG, VideoLimits(max_frame_pixels=1000))
+    with pytest.raises(InvalidMedia, match="no audio track, and use_audio_in_video asks for one"):
+        decode_video(data, CFG, with_audio=True)
