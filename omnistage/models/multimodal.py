@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -12,7 +12,15 @@ class MultimodalInputs:
     """What the encoders of one prompt read, every list in prompt order."""
 
     audio_features: list[torch.Tensor]  # [128, frames] log-mel per clip (float32, on the processor's device)
-    num_audio_tokens: list[int]  # audio_pad placeholders per clip
+    # audio_pad placeholders per clip; a video's sound track (use_audio_in_video) is a clip in its place
+    num_audio_tokens: list[int]
     pixel_values: torch.Tensor | None  # [patches, C*T*P*P] of every image, packed (float32, CPU)
     image_grid_thw: torch.Tensor | None  # [images, 3] int64
     num_image_tokens: list[int]  # image_pad placeholders per image
+    pixel_values_videos: torch.Tensor | None = (
+        None  # [patches, C*T*P*P] of every video, packed (float32, CPU)
+    )
+    video_grid_thw: torch.Tensor | None = None  # [videos, 3] int64
+    num_video_tokens: list[int] = field(default_factory=list)  # video_pad placeholders per video
+    video_seconds_per_grid: list[float] = field(default_factory=list)  # how long a temporal patch lasts
+    use_audio_in_video: bool = False  # every video's sound track is interleaved with its frames

@@ -36,7 +36,8 @@ class TtsPrompt:
 class PromptProcessor(Protocol):
     """What the server asks of a family's processor: the prompt of a raw text, of a chat (its media decoded by
     `omnistage.media`) or of a clip to transcribe, and the transcript in the model's reply. With
-    `max_model_len`, text that cannot fit the context is refused before it is tokenized."""
+    `max_model_len`, text that cannot fit the context is refused before it is tokenized; `use_audio_in_video`
+    interleaves each video's sound track with its frames."""
 
     def encode(self, text: str, max_model_len: int | None = None, /) -> list[int]: ...
 
@@ -53,6 +54,7 @@ class PromptProcessor(Protocol):
         messages: list[dict[str, Any]],
         add_generation_prompt: bool = True,
         max_model_len: int | None = None,
+        use_audio_in_video: bool = False,
         /,
     ) -> ProcessedPrompt: ...
 

@@ -29,6 +29,7 @@ from omnistage.engine.embedding_stage import InFlight, Sampled
 from omnistage.engine.model_runner import HiddenTap
 from omnistage.models.layers.attention_metadata import to_device
 from omnistage.models.qwen3_omni.config import Qwen3OmniConfig
+from omnistage.models.qwen3_omni.mrope import MediaLayout
 from omnistage.models.qwen3_omni.talker_input import TtsEmbeds, talker_positions, talker_prompt
 from omnistage.outputs import RequestOutput
 from omnistage.pipeline.speech_stages import PREDICTOR_TEMPERATURE, PREDICTOR_TOP_P, SpeechStages
@@ -45,8 +46,7 @@ class Speech:
     params: SpeechParams
     speaker: int
     prompt_ids: list[int]
-    grids: list[tuple[int, int, int]]
-    audio_tokens: list[int]
+    media: MediaLayout  # what the Talker's prompt positions need of the prompt's media
     frame_cap: int
     tap: HiddenTap | None
     text: RequestOutput  # the latest text-side output (the Thinker's, or the given reply's)
@@ -197,7 +197,7 @@ class Handoff:
             stages.talker, stages.tokens, self.tts, ids.to(to), embeds.to(to), accept.to(to), first.to(to),
             speech.speaker,
         )  # fmt: skip
-        positions = talker_positions(prompt, self.model_config, speech.grids, speech.audio_tokens)
+        positions = talker_positions(prompt, self.model_config, speech.media)
         stages.talker_stage.add(
             speech.request_id, prompt.embeds, positions, speech.params.talker, speech.frame_cap
         )

@@ -28,6 +28,7 @@ from omnistage.engine.memory.plan import MemoryPlan
 from omnistage.engine.model_runner import HiddenTap
 from omnistage.errors import CheckpointError, InvalidRequest, RequestTooLarge
 from omnistage.models.qwen3_omni.config import Qwen3OmniConfig
+from omnistage.models.qwen3_omni.mrope import MediaLayout
 from omnistage.models.qwen3_omni.processor import Processor
 from omnistage.models.qwen3_omni.talker_input import text_rows, tts_embeds, user_turn_mask
 from omnistage.models.qwen3_omni.thinker import load_thinker
@@ -332,10 +333,6 @@ class Qwen3OmniPipeline:
     def _new_speech(self, r: GenerationRequest, max_tokens: int, arrival: float) -> Speech:
         # a speaking request, to a pipeline that speaks
         assert self.speech_stages is not None and r.speech is not None
-        mm = r.mm
-        grids = (
-            [] if mm is None or mm.image_grid_thw is None else [tuple(g) for g in mm.image_grid_thw.tolist()]
-        )
         ids = torch.tensor(r.prompt_token_ids)
         media_rows = torch.isin(ids, torch.tensor(self.speech_stages.tokens.placeholders)).nonzero()[:, 0]
         tap = None
@@ -360,8 +357,7 @@ class Qwen3OmniPipeline:
             params=r.speech,
             speaker=self.speech_stages.tokens.speaker_id(r.speech.voice),
             prompt_ids=list(r.prompt_token_ids),
-            grids=grids,
-            audio_tokens=[] if mm is None else list(mm.num_audio_tokens),
+            media=MediaLayout.of(r.mm, self.model_config.thinker),
             frame_cap=self._frame_cap(r.speech, len(reply) if reply is not None else max_tokens),
             tap=tap,
             text=text,

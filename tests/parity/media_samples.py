@@ -5,10 +5,12 @@ from __future__ import annotations
 from pathlib import Path
 
 import numpy as np
+import torch
 from PIL import Image
 
 from omnistage.models.qwen3_omni.audio_features import decode_audio
 from omnistage.models.qwen3_omni.tiny import PREPROCESSOR_CONFIG
+from omnistage.models.qwen3_omni.video_processing import VideoProcessorConfig, preprocess_video
 
 SPEECH = Path(__file__).parents[1] / "data" / "speech_en.wav"
 # The released tokenizer_config.json names these; the tiny checkpoint's does not, so they are passed here.
@@ -24,11 +26,22 @@ MEDIA_TOKENS = {
 
 
 class VideoProcessorStub:
-    """transformers' video processors need torchvision, which we do not install. No video is processed here:
-    the processor only reads `merge_size` (conftest's ProcessorWithoutVideo lets it through the class check)."""
+    """transformers' video processors need torchvision, which we do not install (its wheels need CUDA's torch).
+    transformers' processor reads `merge_size` and `temporal_patch_size` of it and calls it for the videos'
+    patches and grids: given here by our preprocessing of the same frames (whose patch layout
+    tests/unit/models/test_video_processing.py ties to the image processor's, itself proven against
+    transformers'). Placeholder layout, interleaving and positions stay transformers' own."""
 
     def __init__(self) -> None:
         self.merge_size = PREPROCESSOR_CONFIG["merge_size"]
+        self.temporal_patch_size = PREPROCESSOR_CONFIG["temporal_patch_size"]
+
+    def __call__(self, videos, **kwargs):
+        done = [preprocess_video(frames, VideoProcessorConfig()) for frames in videos]
+        return {
+            "pixel_values_videos": torch.cat([patches for patches, _ in done]),
+            "video_grid_thw": torch.tensor([grid for _, grid in done]),
+        }
 
 
 def tones(seconds: float, seed: int = 0) -> np.ndarray:

@@ -176,7 +176,7 @@ def test_limits_and_malformed_parts(tiny_checkpoint):
         processor.process_chat(
             [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]
         )
-    with pytest.raises(InvalidMedia, match="video input is not supported"):
+    with pytest.raises(InvalidMedia, match="video must be sampled frames"):
         processor.process_chat([{"role": "user", "content": [{"type": "video", "video": []}]}])
 
 

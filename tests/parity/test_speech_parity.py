@@ -27,6 +27,7 @@ from omnistage.models.qwen3_omni.audio_encoder import load_audio_encoder
 from omnistage.models.qwen3_omni.code2wav import load_code2wav
 from omnistage.models.qwen3_omni.code_predictor import load_code_predictor
 from omnistage.models.qwen3_omni.config import Qwen3OmniConfig
+from omnistage.models.qwen3_omni.mrope import MediaLayout
 from omnistage.models.qwen3_omni.processor import ProcessedPrompt, Processor
 from omnistage.models.qwen3_omni.talker import load_talker
 from omnistage.models.qwen3_omni.talker_input import (
@@ -254,9 +255,7 @@ def ours_speech(
         spoken[0],
         tokens.speaker_id(voice),
     )
-    mm = prompt.mm
-    grids = [] if mm is None or mm.image_grid_thw is None else [tuple(g) for g in mm.image_grid_thw.tolist()]
-    positions = talker_positions(talker_in, cfg, grids, [] if mm is None else mm.num_audio_tokens)
+    positions = talker_positions(talker_in, cfg, MediaLayout.of(prompt.mm, cfg.thinker))
     trailing = trailing_text(talker, tts, spoken[1:])
 
     text = cfg.talker.text

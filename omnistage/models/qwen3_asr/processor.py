@@ -31,7 +31,7 @@ from omnistage.models.qwen3_omni.transcription import max_transcription_tokens
 
 
 class ASRProcessor:
-    max_audios, max_images = 1, 0
+    max_audios, max_images, max_videos = 1, 0, 0
 
     def __init__(self, checkpoint_dir: str | Path, device: torch.device | str | None = None) -> None:
         """`device`: where the features are computed and left, the engine's (default: the CPU)."""
@@ -69,7 +69,11 @@ class ASRProcessor:
         return parsed.language, parsed.text
 
     def process_chat(
-        self, messages: list[dict], add_generation_prompt: bool = True, max_model_len: int | None = None
+        self,
+        messages: list[dict],
+        add_generation_prompt: bool = True,
+        max_model_len: int | None = None,
+        use_audio_in_video: bool = False,
     ) -> ProcessedPrompt:
         """A chat of decoded parts as a transcription: the system turns' text is the context, and the user turns
         must hold exactly one audio part (their text is not read: the model takes no instruction). Its reply is
@@ -83,6 +87,8 @@ class ASRProcessor:
                     clips.append(part["audio"])
                 elif part.get("type") == "image":
                     raise InvalidRequest("this model transcribes audio; it does not read images")
+                elif part.get("type") == "video":
+                    raise InvalidRequest("this model transcribes audio; it does not watch videos")
                 elif message.get("role") == "system" and part.get("type") == "text":
                     context.append(part["text"])
         if len(clips) != 1:

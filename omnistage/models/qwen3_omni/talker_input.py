@@ -29,7 +29,7 @@ import torch
 
 from omnistage.models.layers.rotary import PromptPositions
 from omnistage.models.qwen3_omni.config import Qwen3OmniConfig
-from omnistage.models.qwen3_omni.mrope import rope_positions
+from omnistage.models.qwen3_omni.mrope import MediaLayout
 from omnistage.models.qwen3_omni.talker import Talker
 
 ASSISTANT_HEADER_ROWS = 3  # <|im_start|> assistant \n
@@ -198,12 +198,11 @@ def talker_prompt(
 def talker_positions(
     prompt: TalkerPrompt,
     cfg: Qwen3OmniConfig,
-    image_grids: list[tuple[int, int, int]],
-    audio_token_counts: list[int],
+    media: MediaLayout,
 ) -> PromptPositions:
     """M-RoPE positions `[3, L]` of the Talker's prompt and the delta its decode steps add to the cache length;
     the media are those of the user turns, in order (the Thinker's prompt keeps no media elsewhere)."""
-    return rope_positions(prompt.rope_ids.tolist(), image_grids, audio_token_counts, cfg.thinker)
+    return media.positions(prompt.rope_ids.tolist(), cfg.thinker)
 
 
 def trailing_text(talker: Talker, tts: TtsEmbeds, later_text_embeds: torch.Tensor) -> torch.Tensor:

@@ -5,6 +5,7 @@ import torch
 
 from omnistage.engine.attention import TorchReferenceBackend
 from omnistage.models.qwen3_omni.config import Qwen3OmniConfig
+from omnistage.models.qwen3_omni.mrope import MediaLayout
 from omnistage.models.qwen3_omni.talker import load_talker
 from omnistage.models.qwen3_omni.talker_input import (
     SpeechTokens,
@@ -98,7 +99,7 @@ def test_prefill_rows_follow_the_layout(setup):
     text_side = torch.stack([tts.pad] * 4 + [tts.bos, text(first_text)])
     torch.testing.assert_close(assistant[3:], text_side + codec(torch.tensor(codec_ids)))
     # audio only: every position its own index on all three streams, so decode continues at the length
-    positions = talker_positions(prompt, cfg, [], [2])
+    positions = talker_positions(prompt, cfg, MediaLayout([], [2]))
     assert torch.equal(positions.positions, torch.arange(17).expand(3, -1)) and positions.delta == 0
 
     with pytest.raises(ValueError, match="must end with the assistant header"):
