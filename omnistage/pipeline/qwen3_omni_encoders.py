@@ -1,5 +1,5 @@
-"""Qwen3-Omni's encoder stage: its audio tower (AuT) and vision tower, and how its processor lays out clips and
-images for them (`EncoderStage` knows no family). Qwen3-ASR's tower is the same AuT over the same mel."""
+"""Qwen3-Omni's encoder stage: its audio tower (AuT) and vision tower, and how its processor lays out clips,
+images and videos for them (`EncoderStage` knows no family). Qwen3-ASR's tower is the same AuT over the same mel."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from pathlib import Path
 
 import torch
 
-from omnistage.engine.stages.encoders import AudioFormat, EncoderStage, ImageFormat
+from omnistage.engine.stages.encoders import AudioFormat, EncoderStage, ImageFormat, VideoFormat
 from omnistage.models.qwen3_omni.audio_encoder import load_audio_encoder
 from omnistage.models.qwen3_omni.audio_features import HOP_LENGTH, MAX_SECONDS, NUM_MEL_BINS, SAMPLE_RATE
 from omnistage.models.qwen3_omni.config import ThinkerConfig
@@ -44,4 +44,5 @@ def load_encoders(
         device,
         load_vision_encoder(checkpoint_dir, dtype, device, load_format, seed),
         image_format(cfg.image_token_id, images, cfg.vision.spatial_merge_size),
+        VideoFormat(cfg.video_token_id),
     )

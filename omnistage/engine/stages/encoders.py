@@ -1,17 +1,20 @@
 """The stateless encoder stage: audio and vision towers turning prompts' media into embedding rows.
 
 Runs at admission, once for all the requests admitted together: the clips of every prompt go through
-the audio tower as ragged batches and the images through the vision tower (the towers are batch invariant,
-so a request's rows do not depend on its neighbours), each call holding at most the largest single input
-the processor admits: the input the memory plan measures the towers on. The outputs replace the prompts'
-placeholder embeddings during prefill (see ModelRunner) and, for images, feed the deepstack levels.
+the audio tower as ragged batches and the images and videos through the vision tower (the towers are batch
+invariant, so a request's rows do not depend on its neighbours), each call holding at most the largest single
+image the processor admits: the input the memory plan measures the towers on. A video goes in pieces of whole
+temporal patches within that bound (the tower attends within a frame, so the pieces give the rows the whole
+would). The outputs replace the prompts' placeholder embeddings during prefill (see ModelRunner) and, for
+images and videos, feed the deepstack levels.
 
 With CUDA graphs captured (`capture_graphs`, see graphs/encoders.py) the clips go through the audio graphs in
 pieces of windows, and the images through the vision graphs in calls of at most the largest patch bucket;
 an image larger than that runs eagerly.
 
 The stage names no family: a family's pipeline hands it its towers (`EagerAudioTower`, `EagerVisionTower`) and
-how its processor lays out clips and images for them (`AudioFormat`, `ImageFormat`); Qwen3-Omni's are built in
+how its processor lays out clips, images and videos for them (`AudioFormat`, `ImageFormat`, `VideoFormat`);
+Qwen3-Omni's are built in
 pipeline/qwen3_omni_encoders.py.
 """
 
@@ -37,6 +40,7 @@ from omnistage.engine.graphs.encoders import (
 )
 from omnistage.engine.memory.floor import Floor
 from omnistage.engine.memory.measure import Peak, device_peak
+from omnistage.engine.stages.vision_rows import VisionRows, groups, join, merged_rows, sees, vision_pieces
 from omnistage.errors import InvalidRequest
 from omnistage.models.multimodal import MultimodalInputs
 
@@ -45,11 +49,11 @@ log = logging.getLogger(__name__)
 
 @dataclass
 class MultimodalEmbeds:
-    """Encoder outputs of one prompt: the prompt rows they replace, and the deepstack levels of images."""
+    """Encoder outputs of one prompt: the prompt rows they replace, and the deepstack levels of the vision rows."""
 
     audio_rows: torch.Tensor  # long [Na] prompt positions of audio placeholders, ascending, on the device
     audio_embeds: torch.Tensor | None  # [Na, H]
-    image_rows: torch.Tensor  # long [Ni]
+    image_rows: torch.Tensor  # long [Ni] the vision tower's rows: image and video placeholders, ascending
     image_embeds: torch.Tensor | None  # [Ni, H]
     deepstack: torch.Tensor | None  # [levels, Ni, H]
     # the rows on the host: a prompt chunk finds its share of them without waiting for the device
@@ -94,6 +98,13 @@ class ImageFormat:
     spatial_merge_size: int  # a merge x merge block of patches is one row
 
 
+@dataclass(frozen=True)
+class VideoFormat:
+    """A family's videos as its processor makes them for the vision tower (patches as its images')."""
+
+    token_id: int  # the prompt placeholder one video row fills
+
+
 class EncoderStage:
     name = "encoders"  # its section of the config's stages (`stages.encoders`)
 
@@ -104,12 +115,15 @@ class EncoderStage:
         device: torch.device,
         vision_encoder: EagerVisionTower | None = None,
         images: ImageFormat | None = None,
+        videos: VideoFormat | None = None,
     ) -> None:
         """The towers a family loaded and the layout of their inputs; no vision tower: audio only."""
         if (vision_encoder is None) != (images is None):
             raise ValueError("a vision tower comes with its image format, and an image format with its tower")
+        if videos is not None and images is None:
+            raise ValueError("videos go through the vision tower: a video format needs an image format")
         self.audio_encoder, self.vision_encoder = audio_encoder, vision_encoder
-        self.audio, self.images, self.device = audio, images, device
+        self.audio, self.images, self.videos, self.device = audio, images, videos, device
         # The largest inputs the processor admits, and the most one tower call takes.
         self.max_audio_frames = audio.max_frames
         self.max_image_patches = math.prod(images.largest_grid) if images is not None else 0
@@ -129,13 +143,13 @@ class EncoderStage:
         prompts one by one to fail only that one).
         """
         audio = iter(self._clip_rows([f for _, mm in prompts for f in mm.audio_features]))
-        with_images = [mm for _, mm in prompts if mm.pixel_values is not None]
-        images = iter(self._image_rows(with_images) if with_images else [])
+        seeing = [mm for _, mm in prompts if sees(mm)]
+        vision = iter(self._vision_rows(seeing) if seeing else [])
         out = []
         for token_ids, mm in prompts:
             clip_rows = [next(audio) for _ in mm.audio_features]
-            image, deepstack = next(images) if mm.pixel_values is not None else (None, None)
-            out.append(self._place(token_ids, _join(clip_rows, 0) if clip_rows else None, image, deepstack))
+            seen = next(vision) if sees(mm) else VisionRows()
+            out.append(self._place(token_ids, join(clip_rows, 0) if clip_rows else None, seen))
         return out
 
     def _clip_rows(self, clips: list[torch.Tensor]) -> list[torch.Tensor]:
@@ -143,7 +157,7 @@ class EncoderStage:
         each call in pieces of the largest audio bucket)."""
         rows: list[torch.Tensor] = []
         tower = self.audio_graphs.run if self.audio_graphs is not None else self.audio_encoder
-        for group in _groups([f.shape[-1] for f in clips], self.max_audio_frames):
+        for group in groups([f.shape[-1] for f in clips], self.max_audio_frames):
             rows += tower([self._on_device(clips[i]) for i in group])
         return rows
 
@@ -156,36 +170,29 @@ class EncoderStage:
             features.record_stream(torch.cuda.current_stream(features.device))
         return moved
 
-    def _image_rows(self, prompts: list[MultimodalInputs]) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """Per prompt, the rows [n, H] and deepstack levels [levels, n, H] of all its images; the images go
-        through the tower in calls of at most `max_image_patches` (with graphs, of at most the largest patch
-        bucket and as many images as its graph holds)."""
+    def _vision_rows(self, prompts: list[MultimodalInputs]) -> list[VisionRows]:
+        """Per prompt, the rows [n, H] and deepstack levels [levels, n, H] of its images and of its videos; they
+        go through the tower in calls of at most `max_image_patches` (with graphs, of at most the largest patch
+        bucket and as many frames as its graph holds), a video in pieces of whole temporal patches."""
         assert self.images is not None and self.vision_encoder is not None  # images reach only a vision stage
         merge = self.images.spatial_merge_size
-        pixels, grids, owners = [], [], []
-        for p, mm in enumerate(prompts):
-            assert mm.image_grid_thw is not None and mm.pixel_values is not None  # prompts with images
-            grid = [tuple(g) for g in mm.image_grid_thw.tolist()]
-            pixels += mm.pixel_values.split([math.prod(g) for g in grid])
-            grids += grid
-            owners += [p] * len(grid)
         graphs = self.vision_graphs
         budget, most = self.max_image_patches, None
         if graphs is not None:
             budget, most = int_buckets(graphs.captured_buckets)[-1], graphs.buffers.max_frames
+        pixels, grids, owners = vision_pieces(prompts, budget)
         rows, levels = [], []
-        for group in _groups([len(x) for x in pixels], budget, most):
+        for group in groups([len(x) for x in pixels], budget, most):
             batch = torch.cat([pixels[i] for i in group]).to(self.device)
             group_grids = [grids[i] for i in group]
             out = graphs.run(batch, group_grids) if graphs is not None else None
             if out is None:
-                image, deepstack = self.vision_encoder(batch, group_grids)
-                out = image, torch.stack(deepstack)
-            sizes = [_merged_rows(g, merge) for g in group_grids]
+                embeds, deepstack = self.vision_encoder(batch, group_grids)
+                out = embeds, torch.stack(deepstack)
+            sizes = [merged_rows(g, merge) for g in group_grids]
             rows += out[0].split(sizes)
             levels += out[1].split(sizes, dim=1)
-        mine = [[i for i, owner in enumerate(owners) if owner == p] for p in range(len(prompts))]
-        return [(_join([rows[i] for i in m], 0), _join([levels[i] for i in m], 1)) for m in mine]
+        return VisionRows.per_prompt(rows, levels, owners, len(prompts))
 
     @property
     def max_audio_windows(self) -> int:
@@ -275,7 +282,7 @@ class EncoderStage:
         if (images := self.images) is None:
             return floor
         grid = images.largest_grid
-        tokens = _merged_rows(grid, images.spatial_merge_size)
+        tokens = merged_rows(grid, images.spatial_merge_size)
         image = MultimodalInputs(
             audio_features=[],
             num_audio_tokens=[],
@@ -303,48 +310,31 @@ class EncoderStage:
         torch.cuda.empty_cache()
         return peak.bytes, held
 
-    def _place(
-        self, token_ids: list[int], audio: torch.Tensor | None, image: torch.Tensor | None, deepstack
-    ) -> MultimodalEmbeds:
+    def _place(self, token_ids: list[int], audio: torch.Tensor | None, seen: VisionRows) -> MultimodalEmbeds:
         ids = torch.tensor(token_ids)
-        audio_rows = (ids == self.audio.token_id).nonzero().flatten()
-        image_rows = (ids == self.images.token_id).nonzero().flatten() if self.images is not None else ids[:0]
-        for kind, rows, embeds in (("audio", audio_rows, audio), ("image", image_rows, image)):
+        none = torch.zeros_like(ids, dtype=torch.bool)
+        is_audio = ids == self.audio.token_id
+        is_image = ids == self.images.token_id if self.images is not None else none
+        is_video = ids == self.videos.token_id if self.videos is not None else none
+        for kind, mask, embeds in (
+            ("audio", is_audio, audio),
+            ("image", is_image, seen.image),
+            ("video", is_video, seen.video),
+        ):
             found = 0 if embeds is None else embeds.shape[0]
-            if found != len(rows):
+            if found != int(mask.sum()):
                 raise InvalidRequest(
-                    f"the prompt has {len(rows)} {kind} placeholder tokens but its {kind} gives {found}"
+                    f"the prompt has {int(mask.sum())} {kind} placeholder tokens but its {kind} gives {found}"
                 )
+        audio_rows = is_audio.nonzero().flatten()
+        vision_rows = (is_image | is_video).nonzero().flatten()
+        embeds, deepstack = seen.in_prompt_order(is_image[vision_rows])
         return MultimodalEmbeds(
             audio_rows.to(self.device),
             audio,
-            image_rows.to(self.device),
-            image,
+            vision_rows.to(self.device),
+            embeds,
             deepstack,
             audio_rows.numpy(),
-            image_rows.numpy(),
+            vision_rows.numpy(),
         )
-
-
-def _groups(sizes: list[int], budget: int, most: int | None = None) -> list[list[int]]:
-    """Consecutive indices of `sizes` in groups whose sum stays within `budget` (an item over it goes alone),
-    of at most `most` items."""
-    groups: list[list[int]] = []
-    total = 0
-    for i, size in enumerate(sizes):
-        if not groups or total + size > budget or len(groups[-1]) == most:
-            groups.append([])
-            total = 0
-        groups[-1].append(i)
-        total += size
-    return groups
-
-
-def _merged_rows(grid: tuple[int, int, int], merge: int) -> int:
-    """The rows a vision tower gives an image of `grid` patches: one per merge x merge block of them."""
-    return math.prod(grid) // merge**2
-
-
-def _join(parts: list[torch.Tensor], dim: int) -> torch.Tensor:
-    """`parts` concatenated along `dim`; a single part as it is, without a copy."""
-    return parts[0] if len(parts) == 1 else torch.cat(parts, dim)

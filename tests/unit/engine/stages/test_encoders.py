@@ -169,3 +169,43 @@ def test_a_stage_of_an_audio_tower_alone(setup):
     assert len(embeds.image_rows) == 0
     with pytest.raises(ValueError, match="a vision tower comes with its image format"):
         EncoderStage(omni.audio_encoder, omni.audio, torch.device("cpu"), omni.vision_encoder)
+
+
+def test_videos_go_in_pieces_of_temporal_patches_and_keep_prompt_order(tiny_checkpoint, setup):
+    """A video split into calls of whole temporal patches gives the rows of one call over it all, and a prompt
+    of image, video, image gets each one's rows at its own placeholders."""
+    from PIL import Image
+
+    cfg, encoders, _ = setup
+    rng = np.random.default_rng(1)
+    video = rng.integers(0, 256, (6, 48, 64, 3), dtype=np.uint8)
+    pictures = [Image.fromarray(rng.integers(0, 256, (56, 56, 3), dtype=np.uint8)) for _ in range(2)]
+    content = [
+        {"type": "image", "image": pictures[0]},
+        {"type": "video", "video": video},
+        {"type": "image", "image": pictures[1]},
+    ]
+    prompt = Processor(tiny_checkpoint).process_chat([{"role": "user", "content": content}])
+    whole = encoders.encode(prompt.token_ids, prompt.mm)
+    (t, h, w) = prompt.mm.video_grid_thw[0].tolist()
+    assert t == 3
+    pieces = EncoderStage(
+        encoders.audio_encoder, encoders.audio, encoders.device, encoders.vision_encoder, encoders.images,
+        encoders.videos,
+    )  # fmt: skip
+    pieces.max_image_patches = h * w  # one temporal patch a call
+    split = pieces.encode(prompt.token_ids, prompt.mm)
+    torch.testing.assert_close(split.image_embeds, whole.image_embeds, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(split.deepstack, whole.deepstack, rtol=1e-5, atol=1e-5)
+
+    ids = torch.tensor(prompt.token_ids)
+    vision = (ids == cfg.image_token_id) | (ids == cfg.video_token_id)
+    assert whole.image_rows.tolist() == vision.nonzero().flatten().tolist()
+    for i, picture in enumerate(pictures):  # each image's rows as it gives them alone
+        alone = Processor(tiny_checkpoint).process_chat(
+            [{"role": "user", "content": [{"type": "image", "image": picture}]}]
+        )
+        rows = encoders.encode(alone.token_ids, alone.mm).image_embeds
+        n = len(rows)
+        got = whole.image_embeds[:n] if i == 0 else whole.image_embeds[-n:]
+        torch.testing.assert_close(got, rows, rtol=1e-5, atol=1e-5)

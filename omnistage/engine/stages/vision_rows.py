@@ -1,0 +1,115 @@
+"""How the encoder stage batches media for its towers and puts their rows back in prompt order.
+
+A video goes through the vision tower in pieces of whole temporal patches, each within the stage's budget of
+patches a call: the tower attends within a frame, so the pieces' rows are the rows of the whole.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from omnistage.models.multimodal import MultimodalInputs
+
+
+def vision_pieces(
+    prompts: list[MultimodalInputs], budget: int
+) -> tuple[list[torch.Tensor], list[tuple[int, int, int]], list[tuple[int, bool]]]:
+    """The patches and grids of every image and video piece of `prompts`, and whose each is (prompt, is a
+    video): images whole, videos in pieces of at most `budget` patches (at least one temporal patch)."""
+    pixels: list[torch.Tensor] = []
+    grids: list[tuple[int, int, int]] = []
+    owners: list[tuple[int, bool]] = []
+    for p, mm in enumerate(prompts):
+        for values, grid_thw, is_video in (
+            (mm.pixel_values, mm.image_grid_thw, False),
+            (mm.pixel_values_videos, mm.video_grid_thw, True),
+        ):
+            if values is None or grid_thw is None:
+                continue
+            grid = [tuple(g) for g in grid_thw.tolist()]
+            for patches, (t, h, w) in zip(values.split([math.prod(g) for g in grid]), grid):
+                per = max(1, budget // (h * w)) if is_video else t  # temporal patches a piece
+                for first in range(0, t, per):
+                    n = min(per, t - first)
+                    pixels.append(patches[first * h * w : (first + n) * h * w])
+                    grids.append((n, h, w))
+                    owners.append((p, is_video))
+    return pixels, grids, owners
+
+
+@dataclass
+class VisionRows:
+    """A prompt's vision tower outputs: its images' rows and deepstack levels, and its videos'."""
+
+    image: torch.Tensor | None = None  # [Ni, H]
+    image_deepstack: torch.Tensor | None = None  # [levels, Ni, H]
+    video: torch.Tensor | None = None  # [Nv, H]
+    video_deepstack: torch.Tensor | None = None
+
+    @classmethod
+    def per_prompt(
+        cls,
+        rows: list[torch.Tensor],
+        levels: list[torch.Tensor],
+        owners: list[tuple[int, bool]],
+        prompts: int,
+    ) -> list[VisionRows]:
+        """Each prompt's outputs from the pieces' `rows` and deepstack `levels`, owned as `vision_pieces` says."""
+        out = []
+        for p in range(prompts):
+            joined: list[torch.Tensor | None] = []
+            for video in (False, True):
+                mine = [i for i, owner in enumerate(owners) if owner == (p, video)]
+                joined += (
+                    [join([rows[i] for i in mine], 0), join([levels[i] for i in mine], 1)]
+                    if mine
+                    else [None] * 2
+                )
+            out.append(cls(*joined))
+        return out
+
+    def in_prompt_order(self, is_image: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """The rows and levels of images and videos merged in the order of the prompt's vision rows
+        (`is_image`: which of them are an image's)."""
+        if self.video is None or self.video_deepstack is None:
+            return self.image, self.image_deepstack
+        if self.image is None or self.image_deepstack is None:
+            return self.video, self.video_deepstack
+        rows = self.image.new_empty(len(is_image), self.image.shape[1])
+        levels = self.image_deepstack.new_empty(self.image_deepstack.shape[0], *rows.shape)
+        mask = is_image.to(rows.device)
+        rows[mask], rows[~mask] = self.image, self.video
+        levels[:, mask], levels[:, ~mask] = self.image_deepstack, self.video_deepstack
+        return rows, levels
+
+
+def sees(mm: MultimodalInputs) -> bool:
+    """Whether a prompt's media go through the vision tower."""
+    return mm.pixel_values is not None or mm.pixel_values_videos is not None
+
+
+def groups(sizes: list[int], budget: int, most: int | None = None) -> list[list[int]]:
+    """Consecutive indices of `sizes` in groups whose sum stays within `budget` (an item over it goes alone),
+    of at most `most` items."""
+    groups: list[list[int]] = []
+    total = 0
+    for i, size in enumerate(sizes):
+        if not groups or total + size > budget or len(groups[-1]) == most:
+            groups.append([])
+            total = 0
+        groups[-1].append(i)
+        total += size
+    return groups
+
+
+def merged_rows(grid: tuple[int, int, int], merge: int) -> int:
+    """The rows a vision tower gives an image of `grid` patches: one per merge x merge block of them."""
+    return math.prod(grid) // merge**2
+
+
+def join(parts: list[torch.Tensor], dim: int) -> torch.Tensor:
+    """`parts` concatenated along `dim`; a single part as it is, without a copy."""
+    return parts[0] if len(parts) == 1 else torch.cat(parts, dim)
