@@ -10,7 +10,7 @@ from typing import cast
 from omnistage.config import engine_config
 from omnistage.engine.llm_engine import LLMEngine
 from omnistage.errors import InvalidRequest, OmnistageError
-from omnistage.media import MediaPolicy, decode_messages
+from omnistage.media import MediaPolicy, VideoOptions, decode_messages
 from omnistage.outputs import RequestOutput
 from omnistage.pipeline.family import build_pipeline
 from omnistage.request import GenerationRequest, SamplingParams, SpeechParams, talker_sampling_defaults
@@ -70,12 +70,16 @@ class LLM:
         modalities: Sequence[str] = ("text",),
         voice: str = "ethan",
         talker_params: SamplingParams | None = None,
+        use_audio_in_video: bool = False,
     ) -> list[RequestOutput]:
         """One conversation (a list of messages) or several, rendered with the checkpoint's chat template.
 
         Content parts may carry media as the HTTP API takes them (`input_audio`, `audio_url`, `image_url`:
         data URLs or absolute local paths; no remote fetching offline) or already decoded (`{"type": "audio",
-        "audio": float32 array at 16 kHz}`, `{"type": "image", "image": PIL.Image}`).
+        "audio": float32 array at 16 kHz}`, `{"type": "image", "image": PIL.Image}`); a video as `{"type": "video",
+        "video": path}` (mp4, webm, mov, mkv) or its frames already sampled at the processor's 2 fps (uint8
+        [frames, height, width, 3]). `use_audio_in_video` interleaves each video's sound track with its frames,
+        as Qwen3-Omni was trained (a video given as frames has none).
         With `modalities=["text", "audio"]` each reply is also spoken in `voice`: outputs carry `.audio` (float32
         mono PCM at 24 kHz) and `.audio_codes`; `talker_params` sets the Talker's sampling (default: the released
         model's) and `talker_params.max_tokens` the most codec frames (12.5 per second of audio).
@@ -90,8 +94,9 @@ class LLM:
             speech = SpeechParams(voice=voice, talker=talker_params or talker_sampling_defaults())
         requests = []
         for conversation in conversations:
+            decoded = decode_messages(conversation, _OFFLINE_MEDIA, VideoOptions(use_audio_in_video))
             processed = self.pipeline.processor.process_chat(
-                decode_messages(conversation, _OFFLINE_MEDIA), add_generation_prompt
+                decoded, add_generation_prompt, use_audio_in_video=use_audio_in_video
             )
             requests.append(
                 GenerationRequest(

@@ -1,7 +1,9 @@
 """OpenAI content parts with media to the decoded parts the processor takes.
 
-`input_audio` (base64 with its format), `audio_url` and `image_url` become `{"type": "audio", "audio":
-float32 16 kHz mono}` and `{"type": "image", "image": PIL.Image}`. A URL is fetched only where the server's
+`input_audio` (base64 with its format), `audio_url`, `image_url` and `video_url` become `{"type": "audio",
+"audio": float32 16 kHz mono}`, `{"type": "image", "image": PIL.Image}` and `{"type": "video", "video":
+DecodedVideo}` (its frames sampled, its sound track decoded where `use_audio_in_video` asks); an offline
+`{"type": "video", "video": path}` is read and decoded the same way. A URL is fetched only where the server's
 policy allows it: `data:` always, `http(s)` with `--allow-remote-media`, local files under `--media-dir`.
 Everything here blocks (fetching, decoding, resampling), so the app runs it in a worker thread. Every
 problem is an InvalidMedia naming the part and, where a flag would allow it, the flag.
@@ -11,7 +13,7 @@ from __future__ import annotations
 
 import binascii
 import urllib.parse
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -21,9 +23,11 @@ import pybase64
 from omnistage.errors import InvalidMedia
 from omnistage.models.qwen3_omni.audio_features import MAX_SECONDS, SAMPLE_RATE, decode_audio, resample
 from omnistage.models.qwen3_omni.image_processing import decode_image
+from omnistage.models.qwen3_omni.video_decoding import VideoLimits, decode_video
+from omnistage.models.qwen3_omni.video_processing import DecodedVideo, VideoProcessorConfig
 
 AUDIO_FORMATS = ("wav", "mp3", "flac", "ogg")
-MEDIA_TYPES = ("input_audio", "audio_url", "image_url")
+MEDIA_TYPES = ("input_audio", "audio_url", "image_url", "video_url")
 
 
 @dataclass(frozen=True)
@@ -38,16 +42,29 @@ class MediaPolicy:
     # Counted before anything is decoded, so a request of a thousand images costs nothing: the processor's
     # 8 audios + 8 images; it applies the per-kind limits after decoding.
     max_attachments: int = 16
+    video: VideoLimits = field(default_factory=VideoLimits)
+    video_processing: VideoProcessorConfig = field(default_factory=VideoProcessorConfig)
 
 
-def decode_messages(messages: list[dict[str, Any]], policy: MediaPolicy) -> list[dict[str, Any]]:
+@dataclass(frozen=True)
+class VideoOptions:
+    """What one request asks of its videos' decoding, within the policy's limits."""
+
+    use_audio_in_video: bool = False  # decode each video's sound track, to be interleaved with its frames
+    fps: float | None = None  # frames sampled a second (default: the processor's)
+    max_frames: int | None = None  # the most frames sampled from one video (default: the limits')
+
+
+def decode_messages(
+    messages: list[dict[str, Any]], policy: MediaPolicy, video: VideoOptions = VideoOptions()
+) -> list[dict[str, Any]]:
     """Messages in OpenAI's shape with every media part fetched and decoded. Raises InvalidMedia."""
     count = sum(
         1
         for m in messages
         if isinstance(m.get("content"), list)
         for p in m["content"]
-        if p.get("type") in MEDIA_TYPES
+        if p.get("type") in MEDIA_TYPES or _video_path(p) is not None
     )
     if count > policy.max_attachments:
         raise InvalidMedia(
@@ -58,13 +75,16 @@ def decode_messages(messages: list[dict[str, Any]], policy: MediaPolicy) -> list
         content = message.get("content")
         if isinstance(content, list):
             content = [
-                decode_part(part, policy, f"messages[{i}].content[{j}]") for j, part in enumerate(content)
+                decode_part(part, policy, f"messages[{i}].content[{j}]", video)
+                for j, part in enumerate(content)
             ]
         decoded.append({**message, "content": content})
     return decoded
 
 
-def decode_part(part: dict[str, Any], policy: MediaPolicy, where: str) -> dict[str, Any]:
+def decode_part(
+    part: dict[str, Any], policy: MediaPolicy, where: str, video: VideoOptions = VideoOptions()
+) -> dict[str, Any]:
     """One content part: media decoded, anything else unchanged."""
     kind = part.get("type")
     try:
@@ -80,6 +100,13 @@ def decode_part(part: dict[str, Any], policy: MediaPolicy, where: str) -> dict[s
             return {"type": "audio", "audio": load_audio(fetch(_url(part, "audio_url"), policy), policy)}
         if kind == "image_url":
             return {"type": "image", "image": decode_image(fetch(_url(part, "image_url"), policy))}
+        if kind == "video_url":
+            return {
+                "type": "video",
+                "video": load_video(fetch(_url(part, "video_url"), policy), policy, video),
+            }
+        if (path := _video_path(part)) is not None:
+            return {"type": "video", "video": load_video(fetch(path, policy), policy, video)}
     except InvalidMedia as exc:
         raise InvalidMedia(f"{where}: {exc}") from None
     return part
@@ -89,6 +116,25 @@ def load_audio(data: bytes, policy: MediaPolicy) -> np.ndarray:
     """Audio file bytes to float32 mono at the model's 16 kHz."""
     samples, rate = decode_audio(data, max_seconds=policy.max_audio_seconds)
     return resample(samples, rate, SAMPLE_RATE)
+
+
+def load_video(data: bytes, policy: MediaPolicy, options: VideoOptions) -> DecodedVideo:
+    """Video file bytes to its sampled frames and, where asked, its sound track at 16 kHz."""
+    return decode_video(
+        data,
+        policy.video_processing,
+        policy.video,
+        options.fps,
+        options.max_frames,
+        options.use_audio_in_video,
+    )
+
+
+def _video_path(part: object) -> str | None:
+    """The file an offline `{"type": "video", "video": path}` part names."""
+    if isinstance(part, dict) and part.get("type") == "video" and isinstance(part.get("video"), str | Path):
+        return str(part["video"])
+    return None
 
 
 def audio_seconds(audio: np.ndarray) -> float:

@@ -1,0 +1,150 @@
+"""Videos against transformers' Qwen3-Omni processor and thinker (CPU, float32, tiny checkpoint).
+
+Videos are encoded on the fly with PyAV and decoded once by our decoder; both sides get the same sampled
+frames and sound tracks. transformers' processor lays out the placeholders (interleaving a video's sound
+track with its frames under `use_audio_in_video`) and its `get_rope_index` places them; its video patches
+come from the stub of media_samples.py (transformers' video processors need torchvision).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from media_samples import audio, clips_alone, image, picture, speech, text
+from video_samples import encode, frames
+
+from omnistage import LLM, SamplingParams
+from omnistage.models.qwen3_omni.processor import Processor
+from omnistage.models.qwen3_omni.video_decoding import decode_video
+from omnistage.models.qwen3_omni.video_processing import VideoProcessorConfig
+
+STEPS = 8
+
+
+def video(seconds: float, with_audio: bool, seed: int = 0, kind: str = "mkv") -> dict:
+    """A decoded video part: `seconds` of 64x48 frames at 10 fps, with a tone's sound track (opus in mkv
+    decodes to whole 10 ms hops, as test_processor_parity's clips are)."""
+    data = encode(
+        frames(round(seconds * 10), 64, 48, seed=seed), fps=10, kind=kind, tone_hz=330.0 + 50 * seed
+    )
+    return {"type": "video", "video": decode_video(data, VideoProcessorConfig(), with_audio=with_audio)}
+
+
+CASES = {
+    "video": (False, lambda: [{"role": "user", "content": [video(2.0, False), text("What happens?")]}]),
+    "video_with_audio": (
+        True,
+        lambda: [{"role": "user", "content": [text("Watch and listen."), video(2.5, True)]}],
+    ),
+    "video_image_clip": (
+        True,
+        lambda: [
+            {"role": "system", "content": "You are a helpful assistant."},
+            {"role": "user", "content": [audio(speech()), text("then"), video(2.0, True, seed=1)]},
+            {"role": "assistant", "content": "Seen."},
+            {"role": "user", "content": [image(picture(64, 96)), video(1.0, True, seed=2), text("Compare.")]},
+        ],
+    ),
+}
+
+
+def hf_inputs(hf_processor, prompt: str, messages: list[dict], use_audio_in_video: bool):
+    """transformers' processor on the same rendered prompt and media: clips in prompt order, a video's sound
+    track among them in its place when use_audio_in_video."""
+    clips, images, videos = [], [], []
+    for m in messages:
+        for part in m["content"] if isinstance(m["content"], list) else []:
+            if part["type"] == "audio":
+                clips.append(part["audio"])
+            elif part["type"] == "image":
+                images.append(part["image"])
+            elif part["type"] == "video":
+                videos.append(part["video"].frames)
+                if use_audio_in_video:
+                    clips.append(part["video"].audio)
+    ref = hf_processor(
+        text=prompt,
+        audio=clips or None,
+        images=images or None,
+        videos=videos,
+        fps=2.0,
+        use_audio_in_video=use_audio_in_video,
+        return_tensors="pt",
+    )
+    return ref, clips
+
+
+@pytest.fixture(scope="module")
+def ours(tiny_checkpoint) -> Processor:
+    return Processor(tiny_checkpoint)
+
+
+@pytest.fixture(scope="module")
+def llm(tiny_checkpoint):
+    return LLM(model=str(tiny_checkpoint), device="cpu", dtype="float32", page_size=4, num_kv_pages=1024)
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_placeholders_and_positions_match_transformers(case, ours, hf_processor, hf_thinker):
+    with_audio, build = CASES[case]
+    messages = build()
+    got = ours.process_chat(messages, use_audio_in_video=with_audio)
+    ref, _ = hf_inputs(hf_processor, got.prompt, messages, with_audio)
+    assert got.token_ids == ref["input_ids"][0].tolist()
+    assert torch.equal(got.mm.video_grid_thw, ref["video_grid_thw"])
+    assert sum(got.mm.num_video_tokens) == got.token_ids.count(hf_thinker.config.video_token_id)
+    feature_mask = ref.get("feature_attention_mask")
+    positions, deltas = hf_thinker.get_rope_index(
+        ref["input_ids"],
+        image_grid_thw=ref.get("image_grid_thw"),
+        video_grid_thw=ref["video_grid_thw"],
+        attention_mask=ref["attention_mask"],
+        use_audio_in_video=with_audio,
+        audio_seqlens=None if feature_mask is None else feature_mask.sum(-1),
+        second_per_grids=torch.as_tensor(ref["video_second_per_grid"]),
+    )
+    assert got.mrope is not None
+    assert torch.equal(got.mrope.positions, positions[:, 0].long())
+    assert got.mrope.delta == int(deltas.item())
+
+
+def prefill_logits(llm, messages, with_audio):
+    captured = []
+    runner = llm.engine.runner
+    real = runner.execute
+
+    def spy(step):
+        captured.append(real(step))
+        return captured[-1]
+
+    runner.execute = spy
+    try:
+        out = llm.chat(
+            messages, SamplingParams(max_tokens=1, temperature=0.0), use_audio_in_video=with_audio
+        )[0]
+    finally:
+        runner.execute = real
+    return out, captured[0][-1]
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_logits_and_greedy_tokens_match_transformers(case, llm, hf_processor, hf_thinker):
+    with_audio, build = CASES[case]
+    messages = build()
+    out, ours = prefill_logits(llm, messages, with_audio)
+    ref, clips = hf_inputs(hf_processor, out.prompt, messages, with_audio)
+    clip_parts = [{"role": "user", "content": [audio(c) for c in clips]}]
+    ref = dict(clips_alone(hf_processor, ref, clip_parts))
+    assert out.prompt_token_ids == ref["input_ids"][0].tolist()
+    with torch.no_grad():
+        theirs = hf_thinker(**ref, use_audio_in_video=with_audio).logits[0, -1]
+    assert ((ours - theirs).abs().max() / theirs.abs().max()).item() <= 1e-4
+
+    params = SamplingParams(max_tokens=STEPS, min_tokens=STEPS, temperature=0.0, ignore_eos=True)
+    tokens = llm.chat(messages, params, use_audio_in_video=with_audio)[0].outputs[0].token_ids
+    with torch.no_grad():
+        generated = hf_thinker.generate(
+            **ref, use_audio_in_video=with_audio, do_sample=False, max_new_tokens=STEPS, min_new_tokens=STEPS
+        )
+    assert tokens == generated[0, ref["input_ids"].shape[1] :].tolist()
+    assert llm.engine.pool.num_free == llm.engine.pool.num_pages
