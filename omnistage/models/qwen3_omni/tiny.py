@@ -19,6 +19,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from omnistage.models.qwen3_omni.tokenizer import write_tokenizer_files
+from omnistage.models.qwen3_omni.video_processing import VIDEO_CONFIG, VIDEO_PREPROCESSOR_CONFIG
 
 RELEASED_CONFIG = "qwen3_omni_30b_a3b_instruct.config.json"
 
@@ -177,6 +178,7 @@ def make_tiny(directory: str | Path, seed: int = 0) -> Path:
     generation = {"do_sample": False, "eos_token_id": [151645, 151643], "pad_token_id": 151643}
     (directory / "generation_config.json").write_text(json.dumps(generation, indent=2) + "\n")
     (directory / "preprocessor_config.json").write_text(json.dumps(PREPROCESSOR_CONFIG, indent=2) + "\n")
+    (directory / VIDEO_CONFIG).write_text(json.dumps(VIDEO_PREPROCESSOR_CONFIG, indent=2) + "\n")
     write_tokenizer_files(directory)
     return directory
 
@@ -190,7 +192,7 @@ def cache_dir() -> Path:
 
 
 # Bump when the tiny layout or its values change, so stale caches are not served.
-TINY_VERSION = 1
+TINY_VERSION = 2
 
 
 def default_checkpoint() -> Path:

@@ -108,3 +108,8 @@ def test_defects_and_bounds_are_named():
         decode_video(data, CFG, VideoLimits(max_frame_pixels=1000))
     with pytest.raises(InvalidMedia, match="no audio track, and use_audio_in_video asks for one"):
         decode_video(data, CFG, with_audio=True)
+
+
+def test_make_tiny_writes_the_video_preprocessor_config(tiny_checkpoint):
+    assert (tiny_checkpoint / "video_preprocessor_config.json").exists()
+    assert VideoProcessorConfig.from_dir(tiny_checkpoint) == CFG
