@@ -148,3 +148,61 @@ def test_logits_and_greedy_tokens_match_transformers(case, llm, hf_processor, hf
         )
     assert tokens == generated[0, ref["input_ids"].shape[1] :].tolist()
     assert llm.engine.pool.num_free == llm.engine.pool.num_pages
+
+
+@pytest.fixture(scope="module")
+def hf_model(tiny_checkpoint):
+    from transformers import Qwen3OmniMoeForConditionalGeneration
+
+    model = Qwen3OmniMoeForConditionalGeneration.from_pretrained(tiny_checkpoint, dtype=torch.float32).eval()
+    # transformers 5.17's talker lays out a prompt with audio and a picture by the thinker's rules, reading
+    # `config.audio_config.n_window`, which its own config lacks (AttributeError): the thinker's is meant
+    model.talker.config.audio_config = model.config.thinker_config.audio_config
+    return model
+
+
+SPEECH_CASES = {"video": CASES["video"], "video_image_clip": (False, CASES["video_image_clip"][1])}
+
+
+def speak(llm, messages, with_audio: bool):
+    from test_speech_parity import REPETITION_PENALTY, TALKER_STEPS, THINKER_STEPS
+
+    talker = SamplingParams(
+        max_tokens=TALKER_STEPS - 1, temperature=0.0, repetition_penalty=REPETITION_PENALTY
+    )
+    return llm.chat(
+        messages,
+        SamplingParams(max_tokens=THINKER_STEPS, temperature=0.0),
+        modalities=["text", "audio"],
+        voice="chelsie",
+        talker_params=talker,
+        use_audio_in_video=with_audio,
+    )[0]
+
+
+@pytest.mark.parametrize("case", SPEECH_CASES)
+def test_speech_from_a_video_prompt_gives_transformers_codes(case, llm, hf_processor, hf_model):
+    """The Talker's prompt takes the Thinker's hidden rows at the video's positions, placed by the same M-RoPE:
+    `LLM.chat(modalities=["text", "audio"])` gives transformers' greedy codes."""
+    from test_speech_parity import TALKER_STEPS, THINKER_STEPS, reference
+
+    with_audio, build = SPEECH_CASES[case]
+    messages = build()
+    out = speak(llm, messages, with_audio)
+    inputs, _ = hf_inputs(hf_processor, out.prompt, messages, with_audio)
+    im_end = hf_processor.tokenizer.convert_tokens_to_ids("<|im_end|>")
+    ref = reference(hf_model, inputs, "chelsie", THINKER_STEPS, TALKER_STEPS, im_end)
+    assert out.prompt_token_ids + out.outputs[0].token_ids == ref.sequences
+    assert out.audio_codes == ref.codes.tolist()
+    assert llm.engine.pool.num_free == llm.engine.pool.num_pages
+
+
+def test_speech_from_a_video_with_its_sound_track(llm):
+    """No oracle here: transformers 5.17's generate does not pass use_audio_in_video to its talker, which then
+    places the merged block as one run of audio positions, unlike its thinker. Ours lays the Talker's prompt out
+    as the Thinker's (TMRoPE) and speaks."""
+    from test_speech_parity import TALKER_STEPS
+
+    out = speak(llm, CASES["video_with_audio"][1](), True)
+    assert len(out.audio_codes) == TALKER_STEPS - 1 and out.audio is not None
+    assert llm.engine.pool.num_free == llm.engine.pool.num_pages
