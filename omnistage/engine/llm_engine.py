@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, cast
 
@@ -66,18 +66,8 @@ class NewRequest(GenerationRequest):
 
     @classmethod
     def of(cls, valid: ValidRequest, tap: HiddenTap | None = None) -> NewRequest:
-        r = valid.request
-        return cls(
-            r.request_id,
-            r.prompt_token_ids,
-            r.params,
-            r.prompt,
-            r.mrope,
-            r.mm,
-            r.speech,
-            tap,
-            valid.max_tokens,
-        )
+        given = {f.name: getattr(valid.request, f.name) for f in fields(GenerationRequest)}
+        return cls(**given, tap=tap, max_tokens=valid.max_tokens)
 
 
 @dataclass
