@@ -19,6 +19,13 @@ _TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 
 _TPOT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.25, 0.5, 1.0, 2.5)
 _E2E_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
 
+_PHASES_HELP = (
+    "Where a request's time to first token goes: receive (headers in to the whole body in), prepare "
+    "(body received to handed over: parsing, media decoding, the prompt's layout), parse (prepare's "
+    "first part: the body's JSON or form parsed and validated), to_engine (handed over to admitted), "
+    "first_token (admitted to first token: encoders, queue, prefill), delivery (first token to the "
+    "request's handler), respond (a stream's first output in its handler to its first chunk written)"
+)
 # The gauges read from the pipeline's stats at scrape time, by stat: a stat the pipeline does not report (the
 # Talker's where it does not speak, the allocator's on a CPU) leaves its gauge at 0.
 _STAT_GAUGES = {
@@ -74,11 +81,7 @@ class ServerMetrics:
         self.e2e = self._histogram("omnistage_request_latency_seconds", "Arrival to last token", _E2E_BUCKETS)
         self.phases = self._histogram(
             "omnistage_request_phase_seconds",
-            "Where a request's time to first token goes: receive (headers in to the whole body in), prepare "
-            "(body received to handed over: parsing, media decoding, the prompt's layout), parse (prepare's "
-            "first part: the body's JSON or form parsed and validated), to_engine (handed over to admitted), "
-            "first_token (admitted to first token: encoders, queue, prefill), delivery (first token to the "
-            "request's handler), respond (a stream's first output in its handler to its first chunk written)",
+            _PHASES_HELP,
             _TTFT_BUCKETS,
             ["phase"],
         )
