@@ -78,20 +78,6 @@ class CodePredictorModel(Decoder):
             nn.Embedding(cfg.vocab_size, cfg.hidden_size) for _ in range(cfg.num_code_groups - 1)
         )
 
-    def predict(
-        self,
-        x: torch.Tensor,
-        cos: torch.Tensor,
-        sin: torch.Tensor,
-        kv: torch.Tensor,
-        start: int,
-        causal: bool,
-    ) -> torch.Tensor:
-        """Final-norm hidden states `[B, S, H]` of x `[B, S, H]` at positions `start..`; kv `[layers, 2, B, Hkv, G, D]`;
-        `causal` as `CodePredictorAttention` takes it."""
-        hidden, _ = self.run(x, cos, sin, [(layer_kv, start, causal) for layer_kv in kv])
-        return hidden
-
 
 class CodePredictor(nn.Module):
     def __init__(self, cfg: CodePredictorConfig) -> None:
@@ -148,7 +134,8 @@ class CodePredictor(nn.Module):
         x, start = torch.stack((talker_hidden, code0_embeds), dim=1), 0
         for step in range(groups - 1):
             end = start + x.shape[1]
-            hidden = self.model.predict(x, cos[start:end], sin[start:end], kv, start, causal=step == 0)
+            caches = [(layer_kv, start, step == 0) for layer_kv in kv]  # causal: the first step's rows
+            hidden, _ = self.model.run(x, cos[start:end], sin[start:end], caches)
             ids = sample(self.lm_head[step](hidden[:, -1]).float())
             codes[:, step] = ids
             row = self.model.codec_embedding[step](ids)
