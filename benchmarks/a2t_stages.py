@@ -19,8 +19,8 @@ from pathlib import Path
 
 import torch
 
-from omnistage.bench.a2t import released_skeleton
 from omnistage.bench.clips import synth_clips
+from omnistage.bench.skeletons import released_skeleton
 from omnistage.config import engine_config
 from omnistage.engine.llm_engine import LLMEngine
 from omnistage.models.qwen3_omni.transcription import transcription_messages

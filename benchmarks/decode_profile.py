@@ -28,8 +28,8 @@ from typing import Any
 
 import torch
 
-from omnistage.bench.a2t import SKELETONS, released_skeleton
 from omnistage.bench.clips import synth_clips
+from omnistage.bench.skeletons import SKELETONS, released_skeleton
 from omnistage.config import engine_config
 from omnistage.engine.llm_engine import NewRequest
 from omnistage.pipeline.family import build_pipeline

@@ -42,15 +42,12 @@ import numpy as np
 import torch
 from PIL import Image
 
-from omnistage.bench.a2t import (
-    DEFAULT_DUMMY_OUTPUT_TOKENS,
-    _json_safe,
-    inprocess_runner,
-    released_skeleton,
-    sweep,
-)
+from omnistage.bench.a2t import DEFAULT_DUMMY_OUTPUT_TOKENS, sweep
+from omnistage.bench.a2t_targets import inprocess_runner
 from omnistage.bench.clips import SYNTH_SETS, speech_like, synth_clips, total_seconds
+from omnistage.bench.skeletons import released_skeleton
 from omnistage.bench.speech_targets import talker_params, text_fields
+from omnistage.bench.stats import json_safe
 from omnistage.config import EngineConfig, load_config
 from omnistage.engine.llm_engine import NewRequest
 from omnistage.outputs import AUDIO_SAMPLE_RATE, RequestOutput
@@ -544,7 +541,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     }
 
     def save() -> None:
-        out.write_text(json.dumps(_json_safe(results), indent=2) + "\n")
+        out.write_text(json.dumps(json_safe(results), indent=2) + "\n")
 
     clips = []
     if args.a2t_compare:

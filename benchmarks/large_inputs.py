@@ -23,8 +23,8 @@ import torch
 from PIL import Image
 
 from omnistage import LLM, SamplingParams
-from omnistage.bench.a2t import released_skeleton
 from omnistage.bench.clips import speech_like
+from omnistage.bench.skeletons import released_skeleton
 
 log = logging.getLogger("large_inputs")
 

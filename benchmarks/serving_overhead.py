@@ -26,8 +26,8 @@ from pathlib import Path
 
 import httpx
 
-from omnistage.bench.a2t import released_skeleton
 from omnistage.bench.server_process import ServerProcess, phase_means, phase_totals
+from omnistage.bench.skeletons import released_skeleton
 
 
 def _cli(*args: str) -> list[str]:

@@ -86,7 +86,7 @@ def gemv_projections(max_rows: int = 16) -> Iterator[None]:
 
 def frame_ms(buckets: list[int]) -> list[dict]:
     """A code-predictor frame's replay per bucket, cuBLAS against the GEMV; ms, median of 50 replays."""
-    from omnistage.bench.a2t import released_skeleton
+    from omnistage.bench.skeletons import released_skeleton
     from omnistage.engine.graphs.frames import FrameGraphs
     from omnistage.models.loader import fill_random_
     from omnistage.models.qwen3_omni.code_predictor import load_code_predictor

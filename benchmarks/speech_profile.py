@@ -35,7 +35,7 @@ from typing import Any
 
 import torch
 
-from omnistage.bench.a2t import released_skeleton
+from omnistage.bench.skeletons import released_skeleton
 from omnistage.config import engine_config
 from omnistage.engine.llm_engine import NewRequest
 from omnistage.pipeline.family import build_pipeline

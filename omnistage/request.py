@@ -110,7 +110,7 @@ def talker_sampling_defaults() -> SamplingParams:
 
 # The most codec frames one request speaks: transformers' limit for Qwen3-Omni's talker (327.7 s), and the
 # length the Talker's sequences are planned for (its pages, its graphs). The server refuses more at its edge
-# (server/protocol.py), the pipeline at admission.
+# (server/protocol/speech.py), the pipeline at admission.
 MAX_AUDIO_FRAMES = 4096
 
 
@@ -129,7 +129,8 @@ class SpeechParams:
 class GenerationRequest:
     """A request built and checked once, where it enters (the server's edge, `LLM`): a prompt laid out by the
     processor, how to sample the reply and, with `speech`, how to speak it. It travels as it is to the pipeline,
-    which checks what only its stages know (the context, the vocabulary, the page pools) when it admits it."""
+    whose `validate` checks, once, what only its stages know (the context, the vocabulary, the page pools) as
+    it admits it (ValidRequest)."""
 
     request_id: str
     prompt_token_ids: list[int]
@@ -138,6 +139,16 @@ class GenerationRequest:
     mrope: PromptPositions | None = None  # None where every position is its own index (no images)
     mm: MultimodalInputs | None = None  # what the encoders read; None without attachments
     speech: SpeechParams | None = None  # speak the reply too
+
+
+@dataclass(frozen=True)
+class ValidRequest:
+    """A GenerationRequest its pipeline's `validate` passed, with what that one check worked out: the Thinker's
+    effective max_tokens. Only `validate` makes one; what runs after it (admission, the stages) trusts it and
+    checks nothing again."""
+
+    request: GenerationRequest
+    max_tokens: int
 
 
 _INT_FIELDS = ("n", "max_tokens", "min_tokens", "top_k", "seed")

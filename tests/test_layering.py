@@ -9,7 +9,7 @@ Every `omnistage` import of every module under omnistage/ points down this stack
     engine's data  config/ (the YAML topology the engine is built from), request.py (what a request asks
                    for: the sampling and speech parameters, the request built at the edge), outputs.py (what
                    it returns)
-    models         models/<family>/, models/loader.py
+    models         models/<family>/, models/loader.py and the modules the families share beside it
     layers         models/layers/ (no other models package)
     kernels        kernels/ (every Triton kernel and its launcher; nothing above it)
     errors         errors.py (every layer raises them)
@@ -34,7 +34,7 @@ LAYERS = {
     "errors": 0,
     "kernels": 1,
     "models.layers": 2,
-    "models": 3,  # the families (models/qwen3_omni, models/qwen3_asr), models/loader.py, models/__init__.py
+    "models": 3,  # the families (models/qwen3_omni, models/qwen3_asr), models/*.py, models/__init__.py
     "config": 4,
     "outputs": 4,
     "request": 4,

@@ -14,39 +14,34 @@ TTFT and TPOT medians. Targets:
 - `--baseline transformers` (in-process only): transformers' Thinker on the same weights and clips.
 
 Random weights say nothing useful at the end of a sentence, so `--output-tokens N` forces every request
-to exactly N tokens (max_tokens = min_tokens = N, ignore_eos).
+to exactly N tokens (max_tokens = min_tokens = N, ignore_eos). The targets' requests are in a2t_targets.py.
 """
 
 from __future__ import annotations
 
 import argparse
-import asyncio
-import base64
 import json
 import logging
 import math
-import tempfile
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from functools import partial
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from omnistage.bench import builds
+from omnistage.bench.a2t_targets import Runner, inprocess_runner, server_runner
+from omnistage.bench.clients import auth, first_model, http_pool
 from omnistage.bench.clips import SYNTH_SETS, Clip, load_dir, synth_clips, total_seconds
-from omnistage.bench.sse_client import StreamClient, error_message, sse_events
-from omnistage.bench.stats import RequestTiming, summarize
+from omnistage.bench.skeletons import SKELETONS, released_skeleton
+from omnistage.bench.sse_client import StreamClient
+from omnistage.bench.stats import json_safe, stage_lines, summarize
 from omnistage.bench.sweep import run as run_async
 from omnistage.bench.sweep import sweep as generic_sweep
-
-if TYPE_CHECKING:
-    import httpx
 
 log = logging.getLogger("omnistage.bench")
 
 DEFAULT_DUMMY_OUTPUT_TOKENS = 33  # the issue's reference point: a 5 s clip answered with 33 tokens
 BASELINE_KV_GIB = 16.0  # our KV pool beside transformers, as benchmarks/thinker_decode.py leaves it
-
-Runner = Callable[[Clip, int], Awaitable[RequestTiming]]  # (clip, request number) -> its timing
 
 
 async def sweep(
@@ -68,170 +63,6 @@ def passes_for(concurrency: int, clips: int) -> int:
 # -- targets -----------------------------------------------------------------------------------------------
 
 
-def forced(output_tokens: int | None, max_tokens: int) -> dict[str, Any]:
-    """Sampling fields of a request: greedy, and exactly `output_tokens` when given."""
-    if output_tokens:
-        return {
-            "max_tokens": output_tokens,
-            "min_tokens": output_tokens,
-            "ignore_eos": True,
-            "temperature": 0.0,
-        }
-    return {"max_tokens": max_tokens, "temperature": 0.0}
-
-
-def server_runner(
-    client: StreamClient | httpx.AsyncClient,
-    model: str,
-    endpoint: str,
-    output_tokens: int | None,
-    max_tokens: int,
-) -> Runner:
-    """Streamed requests to a running server through `client` (based at its URL); TTFT is the first chunk
-    of a chat stream (the server sends it once the first token exists), the first delta of a transcription.
-
-    A request's body is built before its clock starts (the clip's base64 and JSON, or the multipart form): the
-    in-process runner builds none either. Its stages split the TTFT as the client saw it: upload (the clock's
-    start to the request written), response (to the response's headers in), first_event (to the event that
-    counts as the first token)."""
-    import httpx
-
-    from omnistage.models.qwen3_omni.transcription import INSTRUCTION
-
-    fields = forced(output_tokens, max_tokens)
-
-    async def timed(
-        clip: Clip, path: str, body: bytes, headers: dict[str, str], first_token: str
-    ) -> RequestTiming:
-        stamps: dict[str, float] = {}
-        start = time.perf_counter()
-        first, tokens, deltas = None, 0, 0
-        async for event in events(client, path, body, headers, stamps):
-            if first_token in ("", event.get("type")):
-                first = first or time.perf_counter()
-                deltas += 1
-            usage = event.get("usage") or {}
-            tokens = usage.get("completion_tokens") or usage.get("output_tokens") or tokens
-        end = stamps.get("done") or time.perf_counter()
-        sent, headers_in = stamps.get("sent"), stamps.get("headers")
-        stages = {}
-        if sent is not None and headers_in is not None and first is not None:
-            stages = {
-                "upload": sent - start,
-                "response": headers_in - sent,
-                "first_event": first - headers_in,
-            }
-        return RequestTiming(clip.seconds, (first or end) - start, end - start, tokens or deltas, stages)
-
-    async def chat(clip: Clip, number: int) -> RequestTiming:
-        audio = {"data": base64.b64encode(clip.wav_bytes()).decode(), "format": "wav"}
-        content = [{"type": "input_audio", "input_audio": audio}, {"type": "text", "text": INSTRUCTION}]
-        body = {
-            "model": model,
-            "messages": [{"role": "user", "content": content}],
-            "stream": True,
-            "stream_options": {"include_usage": True},
-            **fields,
-        }
-        return await timed(
-            clip, "/v1/chat/completions", json.dumps(body).encode(), JSON_HEADERS, first_token=""
-        )
-
-    async def transcribe(clip: Clip, number: int) -> RequestTiming:
-        form = {"model": model, "stream": "true", **{k: _form_value(v) for k, v in fields.items()}}
-        files = {"file": (f"{clip.name}.wav", clip.wav_bytes(), "audio/wav")}
-        request = httpx.Request("POST", "http://server/", data=form, files=files)
-        headers = {"content-type": request.headers["content-type"]}
-        return await timed(clip, "/v1/audio/transcriptions", request.read(), headers, "transcript.text.delta")
-
-    return chat if endpoint == "chat" else transcribe
-
-
-async def events(
-    client: StreamClient | httpx.AsyncClient,
-    path: str,
-    body: bytes,
-    headers: dict[str, str],
-    stamps: dict[str, float],
-) -> AsyncIterator[dict[str, Any]]:
-    """The JSON payloads of a POST's server-sent events up to `[DONE]`, each as soon as it arrives; `stamps` as
-    StreamClient.events fills it (httpx's from httpcore's trace events).
-
-    A refused request (HTTP status other than 200) or an error event in the stream raises RuntimeError with
-    the server's message.
-    """
-    if isinstance(client, StreamClient):
-        async for event in client.events(path, body, headers, stamps):
-            yield event
-        return
-
-    async def trace(event: str, info: dict[str, Any]) -> None:
-        if event in _HTTPCORE_STAMPS:
-            stamps[_HTTPCORE_STAMPS[event]] = time.perf_counter()
-
-    request: dict[str, Any] = {"content": body, "headers": headers, "extensions": {"trace": trace}}
-    async with client.stream("POST", path, **request) as response:
-        if response.status_code != 200:
-            await response.aread()
-            raise RuntimeError(f"{path}: HTTP {response.status_code}: {error_message(response.text)}")
-        async for event in sse_events(path, response.aiter_bytes(), stamps):
-            yield event
-
-
-JSON_HEADERS = {"content-type": "application/json"}
-_HTTPCORE_STAMPS = {
-    "http11.send_request_body.complete": "sent",
-    "http11.receive_response_headers.complete": "headers",
-}
-
-
-def _form_value(value: float | bool) -> str:
-    return str(value).lower() if isinstance(value, bool) else str(value)
-
-
-def inprocess_runner(engine: Any, output_tokens: int | None, max_tokens: int) -> Runner:
-    """Requests straight into an AsyncPipeline, prompts laid out by its processor as the server does."""
-    from omnistage.request import GenerationRequest, SamplingParams
-
-    params = SamplingParams(**forced(output_tokens, max_tokens))
-    processor = engine.frontend.processor
-
-    async def run(clip: Clip, number: int) -> RequestTiming:
-        start = time.perf_counter()
-        prompt = await asyncio.to_thread(processor.transcription, clip.audio, None, None)
-        prepared = time.perf_counter() - start
-        submitted = time.monotonic()
-        final, received = None, None
-        request = GenerationRequest(
-            f"a2t-{number}", prompt.token_ids, params, prompt.prompt, prompt.mrope, prompt.mm
-        )
-        async for output in engine.generate(request):
-            # the first token as this consumer gets it, as a client over HTTP gets its first chunk
-            received = received or (time.monotonic() if output.outputs[0].token_ids else None)
-            final = output
-        if final is None or final.outputs[0].finish_reason in ("error", "abort"):
-            raise RuntimeError(f"{clip.name}: the engine failed it: {final and final.error}")
-        m = final.metrics
-        received = received or m["first_token"]
-        stages = {
-            "preprocess": prepared,
-            "to_engine": m["arrival"] - submitted,
-            "encode": m["encoded"] - m["arrival"],
-            "queue": m["scheduled"] - m["encoded"],
-            "prefill": m["first_token"] - m["scheduled"],
-            "delivery": received - m["first_token"],  # the engine's thread to this consumer
-        }
-        return RequestTiming(
-            clip.seconds,
-            received - submitted + prepared,
-            m["finished"] - submitted + prepared,
-            len(final.outputs[0].token_ids),
-            stages,
-        )
-
-    return run
-
-
 # -- the command ---------------------------------------------------------------------------------------------
 
 
@@ -247,31 +78,6 @@ def load_clips(args: argparse.Namespace) -> list[Clip]:
     return clips
 
 
-# --load-format dummy: which released model's sizes (the configs packaged in omnistage/data)
-SKELETONS = {
-    "qwen3-omni": None,
-    "qwen3-asr-1.7b": "qwen3_asr_1p7b.config.json",
-    "qwen3-asr-0.6b": "qwen3_asr_0p6b.config.json",
-}
-
-
-def released_skeleton(name: str = "qwen3-omni") -> Path:
-    """A checkpoint directory at a released model's sizes with no weights, for `--load-format dummy`."""
-    directory = Path(tempfile.mkdtemp(prefix="omnistage-released-"))
-    skeleton = SKELETONS[name]
-    if skeleton is not None:
-        from omnistage.models.qwen3_asr.tiny import released_skeleton as asr_skeleton
-
-        return asr_skeleton(directory, skeleton)
-    from omnistage.models.qwen3_omni.tiny import PREPROCESSOR_CONFIG, released_config
-    from omnistage.models.qwen3_omni.tokenizer import write_tokenizer_files
-
-    (directory / "config.json").write_text(json.dumps(released_config()))
-    (directory / "preprocessor_config.json").write_text(json.dumps(PREPROCESSOR_CONFIG))
-    write_tokenizer_files(directory)
-    return directory
-
-
 def run_a2t(args: argparse.Namespace) -> dict[str, Any]:
     """The whole benchmark as `omnistage bench a2t` runs it; returns what it writes as JSON."""
     clips = load_clips(args)
@@ -283,7 +89,7 @@ def run_a2t(args: argparse.Namespace) -> dict[str, Any]:
         "output_tokens": output_tokens,
     }
     if args.url:
-        model = args.served_model or _first_model(args.url, args.api_key)
+        model = args.served_model or first_model(args.url, args.api_key)
         results["target"] = {
             "url": args.url,
             "model": model,
@@ -340,30 +146,25 @@ def run_a2t(args: argparse.Namespace) -> dict[str, Any]:
 def _transformers(
     llm_engine: Any, clips: list[Clip], output_tokens: int | None, max_tokens: int, repeats: int
 ) -> dict:
-    from omnistage.bench.hf_baseline import build_hf_thinker, run_hf
+    from omnistage.bench.hf_baseline import build_hf_thinker, omni_features, run_hf
+    from omnistage.bench.hf_layout import audio_tower
     from omnistage.models.qwen3_omni.transcription import transcription_messages
 
     config_dict = json.loads((Path(llm_engine.model_path) / "config.json").read_text())
+    processor, device = llm_engine.processor, llm_engine.device
     if config_dict.get("model_type") == "qwen3_asr":
-        from omnistage.bench.hf_asr import build_hf_asr, run_hf_asr
+        from omnistage.bench.hf_asr import asr_features, build_hf_asr
 
         hf = build_hf_asr(llm_engine, config_dict)
-        summary = run_hf_asr(
-            hf, llm_engine.processor, clips, output_tokens, max_tokens, llm_engine.device, repeats
-        )
-        summary["towers"] = {"audio_tower": "shared with ours"}
-        return summary
-    hf, sources = build_hf_thinker(llm_engine, config_dict)
-    summary = run_hf(
-        hf,
-        llm_engine.processor,
-        clips,
-        lambda clip: transcription_messages(clip.audio, None, None),
-        output_tokens,
-        max_tokens,
-        llm_engine.device,
-        repeats,
-    )
+        prompts = [processor.transcription(clip.audio, None, None).token_ids for clip in clips]
+        features, sources = asr_features(hf, device), {"audio_tower": "shared with ours"}
+    else:
+        hf, sources = build_hf_thinker(llm_engine, config_dict)
+        messages = [transcription_messages(clip.audio, None, None) for clip in clips]
+        prompts = [processor.process_chat(m).token_ids for m in messages]
+        features = partial(omni_features, dtype=audio_tower(hf).dtype, device=device)
+    eos = processor.tokenizer.token_to_id("<|im_end|>")
+    summary = run_hf(hf, eos, clips, prompts, features, output_tokens, max_tokens, device, repeats)
     summary["towers"] = sources
     return summary
 
@@ -375,39 +176,17 @@ async def _over_http(
     concurrencies: list[int],
     output_tokens: int | None,
 ) -> list[dict]:
-    import httpx
-
     url = args.url.rstrip("/")
     if args.http_client == "h11":
-        client = StreamClient(url, _auth(args.api_key))
+        client = StreamClient(url, auth(args.api_key))
         try:
             run = server_runner(client, model, args.endpoint, output_tokens, args.max_tokens)
             return await sweep(run, clips, concurrencies, args.warmup, args.repeats)
         finally:
             client.close()
-    # A connection per request in flight: a smaller pool would queue requests here and count it as latency.
-    most = max(concurrencies)
-    async with httpx.AsyncClient(
-        base_url=url,
-        headers=_auth(args.api_key),
-        timeout=httpx.Timeout(600.0, connect=10.0),
-        limits=httpx.Limits(max_connections=most, max_keepalive_connections=most),
-    ) as httpx_client:
+    async with http_pool(url, args.api_key, max(concurrencies)) as httpx_client:
         run = server_runner(httpx_client, model, args.endpoint, output_tokens, args.max_tokens)
         return await sweep(run, clips, concurrencies, args.warmup, args.repeats)
-
-
-def _auth(api_key: str | None) -> dict[str, str]:
-    return {"Authorization": f"Bearer {api_key}"} if api_key else {}
-
-
-def _first_model(url: str, api_key: str | None) -> str:
-    import httpx
-
-    response = httpx.get(f"{url.rstrip('/')}/v1/models", headers=_auth(api_key), timeout=10)
-    if response.status_code != 200:
-        raise RuntimeError(f"/v1/models: HTTP {response.status_code}: {error_message(response.text)}")
-    return response.json()["data"][0]["id"]
 
 
 def report(results: dict[str, Any]) -> str:
@@ -426,22 +205,8 @@ def report(results: dict[str, Any]) -> str:
                 f"| {name} | {p['concurrency']} | {p['rtf']:.2f} | {p['ttft_median_ms']:.1f} | "
                 f"{p['tpot_median_ms']:.2f} | {p['wall_s']:.2f} |"
             )
-    for p in results.get("ours") or []:
-        if "stages_median_ms" in p:
-            stages = ", ".join(f"{k} {v:.1f}" for k, v in p["stages_median_ms"].items())
-            lines.append(f"\nours, c={p['concurrency']}, to the first token (median ms): {stages}")
+    lines += stage_lines(results.get("ours") or [], "to the first token")
     return "\n".join(lines)
-
-
-def _json_safe(value: Any) -> Any:
-    """NaN (a one-token TPOT, a missing TTFT) as null, which every JSON reader accepts."""
-    if isinstance(value, float) and math.isnan(value):
-        return None
-    if isinstance(value, dict):
-        return {k: _json_safe(v) for k, v in value.items()}
-    if isinstance(value, list):
-        return [_json_safe(v) for v in value]
-    return value
 
 
 def main(args: argparse.Namespace) -> None:
@@ -450,7 +215,7 @@ def main(args: argparse.Namespace) -> None:
     results = run_a2t(args)
     print(report(results))
     if args.out:
-        Path(args.out).write_text(json.dumps(_json_safe(results), indent=2) + "\n")
+        Path(args.out).write_text(json.dumps(json_safe(results), indent=2) + "\n")
         log.info("wrote %s", args.out)
     builds.check(args, results.get("builds_while_serving", []))
 

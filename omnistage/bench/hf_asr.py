@@ -3,21 +3,18 @@
 transformers 5.17 reads only its own `-hf` config layout, so its config is converted from the released one
 (`models/qwen3_asr/tiny.hf_config`); its model is built on the meta device and every parameter is pointed at
 ours (no copy) through the released tensor names both sides share. Requests run one at a time through
-`generate(input_ids, input_features, input_features_mask)`, timed from the raw clip (the mel features are
-computed inside the timing) to the first generated token and to the last.
+`generate(input_ids, input_features, input_features_mask)` (`hf_baseline.run_hf`), timed from the raw clip
+(the mel features are computed inside the timing) to the first generated token and to the last.
 """
 
 from __future__ import annotations
 
 import logging
-import time
+from collections.abc import Callable
 from typing import Any
 
+import numpy as np
 import torch
-
-from omnistage.bench.clips import Clip
-from omnistage.bench.hf_baseline import _FirstToken, _sync, timed_passes
-from omnistage.bench.stats import RequestTiming
 
 log = logging.getLogger(__name__)
 
@@ -58,45 +55,18 @@ def build_hf_asr(stage: Any, config_dict: dict) -> torch.nn.Module:
     return hf.eval()
 
 
-@torch.inference_mode()
-def run_hf_asr(
-    hf: Any,
-    processor: Any,
-    clips: list[Clip],
-    output_tokens: int | None,
-    max_tokens: int,
-    device: torch.device,
-    repeats: int = 1,
-) -> dict[str, Any]:
-    """Every clip once per pass, one at a time: the c=1 summary of transformers over `repeats` passes."""
+def asr_features(hf: Any, device: torch.device) -> Callable[[np.ndarray], dict[str, torch.Tensor]]:
+    """How a clip goes into transformers' Qwen3-ASR: its mel features padded to whole encoder chunks, and the
+    mask of the frames that are the clip's."""
     from omnistage.models.qwen3_asr.audio_features import log_mel
 
-    eos = processor.tokenizer.token_to_id("<|im_end|>")
     chunk = 2 * hf.config.audio_config.n_window
 
-    def generate(clip: Clip, ids: list[int], new_tokens: int, min_new: dict[str, int]) -> RequestTiming:
-        first = _FirstToken(device)
-        _sync(device)
-        start = time.perf_counter()
-        features = log_mel(clip.audio, device=device)
-        frames = features.shape[-1]
-        padded = torch.nn.functional.pad(features, (0, -frames % chunk))  # its encoder takes whole chunks
+    def features(audio: np.ndarray) -> dict[str, torch.Tensor]:
+        mel = log_mel(audio, device=device)
+        frames = mel.shape[-1]
+        padded = torch.nn.functional.pad(mel, (0, -frames % chunk))  # its encoder takes whole chunks
         mask = (torch.arange(padded.shape[-1], device=device) < frames).long()[None]
-        out = hf.generate(
-            input_ids=torch.tensor([ids], device=device),
-            attention_mask=torch.ones(1, len(ids), dtype=torch.long, device=device),
-            input_features=padded[None].to(hf.dtype),
-            input_features_mask=mask,
-            max_new_tokens=new_tokens,
-            do_sample=False,
-            eos_token_id=eos,
-            pad_token_id=eos,
-            streamer=first,
-            **min_new,
-        )
-        _sync(device)
-        end = time.perf_counter()
-        return RequestTiming(clip.seconds, (first.at or end) - start, end - start, out.shape[1] - len(ids))
+        return {"input_features": padded[None].to(hf.dtype), "input_features_mask": mask}
 
-    prompts = [processor.transcription(clip.audio, None, None).token_ids for clip in clips]
-    return timed_passes(generate, clips, prompts, output_tokens, max_tokens, repeats)
+    return features

@@ -13,8 +13,10 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
+from functools import partial
 from typing import Any
 
+import numpy as np
 import torch
 
 from omnistage.bench.clips import Clip, total_seconds
@@ -89,57 +91,73 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+def prompt_inputs(ids: list[int], device: torch.device) -> dict[str, torch.Tensor]:
+    """One prompt as transformers' generate takes it: its ids, and an attention mask over all of them."""
+    return {
+        "input_ids": torch.tensor([ids], device=device),
+        "attention_mask": torch.ones(1, len(ids), dtype=torch.long, device=device),
+    }
+
+
+def omni_features(audio: np.ndarray, dtype: torch.dtype, device: torch.device) -> dict[str, torch.Tensor]:
+    """A clip as Qwen3-Omni's audio tower takes it in transformers: its mel features, all of them valid."""
+    from omnistage.models.qwen3_omni.audio_features import log_mel
+
+    features = log_mel(audio, device=device)
+    return {
+        "input_features": features[None].to(dtype),
+        "feature_attention_mask": torch.ones(1, features.shape[-1], dtype=torch.long, device=device),
+    }
+
+
+def timed_generate(
+    hf: Any,
+    clip: Clip,
+    ids: list[int],
+    new_tokens: int,
+    min_new: dict[str, int],
+    *,
+    eos: int,
+    device: torch.device,
+    audio_inputs: Callable[[np.ndarray], dict[str, torch.Tensor]],
+) -> RequestTiming:
+    """One greedy request through transformers' generate, timed from the raw clip (`audio_inputs` makes its
+    features inside the timing, as ours are made) to the first generated token (a streamer sees it) and to
+    the last."""
+    first = _FirstToken(device)
+    _sync(device)
+    start = time.perf_counter()
+    out = hf.generate(
+        **prompt_inputs(ids, device),
+        **audio_inputs(clip.audio),
+        max_new_tokens=new_tokens,
+        do_sample=False,
+        eos_token_id=eos,
+        pad_token_id=eos,
+        streamer=first,
+        **min_new,
+    )
+    _sync(device)
+    end = time.perf_counter()
+    return RequestTiming(clip.seconds, (first.at or end) - start, end - start, out.shape[1] - len(ids))
+
+
 @torch.inference_mode()
 def run_hf(
     hf: Any,
-    processor: Any,
+    eos: int,
     clips: list[Clip],
-    messages_for: Any,
+    prompts: list[list[int]],
+    audio_inputs: Callable[[np.ndarray], dict[str, torch.Tensor]],
     output_tokens: int | None,
     max_tokens: int,
     device: torch.device,
     repeats: int = 1,
 ) -> dict[str, Any]:
-    """Every clip once per pass, one at a time: the c=1 summary of transformers over `repeats` passes."""
-    from omnistage.models.qwen3_omni.audio_features import log_mel
-
-    eos = processor.tokenizer.token_to_id("<|im_end|>")
-
-    def generate(clip: Clip, ids: list[int], new_tokens: int, min_new: dict[str, int]) -> RequestTiming:
-        first = _FirstToken(device)
-        _sync(device)
-        start = time.perf_counter()
-        features = log_mel(clip.audio, device=device)
-        out = hf.generate(
-            input_ids=torch.tensor([ids], device=device),
-            attention_mask=torch.ones(1, len(ids), dtype=torch.long, device=device),
-            input_features=features[None].to(audio_tower(hf).dtype),
-            feature_attention_mask=torch.ones(1, features.shape[-1], dtype=torch.long, device=device),
-            max_new_tokens=new_tokens,
-            do_sample=False,
-            eos_token_id=eos,
-            pad_token_id=eos,
-            streamer=first,
-            **min_new,
-        )
-        _sync(device)
-        end = time.perf_counter()
-        return RequestTiming(clip.seconds, (first.at or end) - start, end - start, out.shape[1] - len(ids))
-
-    prompts = [processor.process_chat(messages_for(clip)).token_ids for clip in clips]
-    return timed_passes(generate, clips, prompts, output_tokens, max_tokens, repeats)
-
-
-def timed_passes(
-    generate: Callable[[Clip, list[int], int, dict[str, int]], RequestTiming],
-    clips: list[Clip],
-    prompts: list[list[int]],
-    output_tokens: int | None,
-    max_tokens: int,
-    repeats: int,
-) -> dict[str, Any]:
-    """One warm-up request, then `repeats` passes of every clip, one at a time; their c=1 summary.
-    `generate(clip, prompt ids, new tokens, extra generate kwargs)` times one request."""
+    """One warm-up request, then `repeats` passes of every clip, one at a time (`timed_generate`, ending on
+    `eos`): the c=1 summary of transformers. `prompts` are the clips' prompt ids, `audio_inputs` the features
+    the model's generate takes of a clip."""
+    generate = partial(timed_generate, hf, eos=eos, device=device, audio_inputs=audio_inputs)
     fixed = {"min_new_tokens": output_tokens} if output_tokens else {}
     new_tokens = output_tokens or max_tokens
     generate(clips[0], prompts[0], min(new_tokens, 4), {})  # warm-up

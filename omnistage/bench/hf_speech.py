@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from omnistage.bench.hf_baseline import _RENAMES, _sync, build_hf_thinker
+from omnistage.bench.hf_baseline import _RENAMES, _sync, build_hf_thinker, omni_features, prompt_inputs
 from omnistage.bench.hf_layout import audio_tower
 from omnistage.bench.speech_targets import SpeechInput, SpeechTiming
 from omnistage.outputs import AUDIO_SAMPLE_RATE
@@ -106,8 +106,6 @@ def run_hf_speech(
     requests: int,
 ) -> list[SpeechTiming]:
     """`requests` requests over `inputs`, one at a time, each timed from its prompt to its waveform."""
-    from omnistage.models.qwen3_omni.audio_features import log_mel
-
     device = hf.thinker.device
     eos = processor.tokenizer.token_to_id("<|im_end|>")
     prompts = [processor.process_chat(item.messages()).token_ids for item in inputs]
@@ -115,16 +113,9 @@ def run_hf_speech(
     def generate(item: SpeechInput, ids: list[int], text: int, audio: int) -> SpeechTiming:
         _sync(device)
         start = time.perf_counter()
-        kwargs: dict[str, Any] = {
-            "input_ids": torch.tensor([ids], device=device),
-            "attention_mask": torch.ones(1, len(ids), dtype=torch.long, device=device),
-        }
+        kwargs: dict[str, Any] = prompt_inputs(ids, device)
         if item.clip is not None:  # the mel features are computed inside the timing, as ours are
-            features = log_mel(item.clip.audio, device=device)
-            kwargs["input_features"] = features[None].to(audio_tower(hf.thinker).dtype)
-            kwargs["feature_attention_mask"] = torch.ones(
-                1, features.shape[-1], dtype=torch.long, device=device
-            )
+            kwargs |= omni_features(item.clip.audio, audio_tower(hf.thinker).dtype, device)
         with counting_frames(hf) as counts:
             sequences, waveform = hf.generate(
                 **kwargs,

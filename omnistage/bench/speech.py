@@ -35,7 +35,8 @@ from pathlib import Path
 from typing import Any
 
 from omnistage.bench import builds
-from omnistage.bench.a2t import _auth, _first_model, _json_safe, released_skeleton
+from omnistage.bench.clients import first_model, http_pool
+from omnistage.bench.skeletons import released_skeleton
 from omnistage.bench.speech_targets import (
     FRAMES_PER_SECOND,
     Runner,
@@ -45,7 +46,7 @@ from omnistage.bench.speech_targets import (
     server_runner,
     speech_inputs,
 )
-from omnistage.bench.stats import median, percentile
+from omnistage.bench.stats import json_safe, median, percentile, stage_lines
 from omnistage.bench.sweep import run as run_async
 from omnistage.bench.sweep import sweep as generic_sweep
 
@@ -133,7 +134,7 @@ def run_speech(args: argparse.Namespace) -> dict[str, dict[str, Any]]:
             "inputs": [{"name": i.name, "text": i.text} for i in inputs[workload]],
         }
     if args.url:
-        model = args.served_model or _first_model(args.url, args.api_key)
+        model = args.served_model or first_model(args.url, args.api_key)
         for workload, concurrencies in workloads.items():
             result = results[workload]
             result["target"] = {"url": args.url, "model": model}
@@ -238,15 +239,7 @@ async def _over_http(
     concurrencies: list[int],
     forced: bool,
 ) -> list[dict[str, Any]]:
-    import httpx
-
-    most = max(concurrencies)  # a connection per request in flight, so none queues here
-    async with httpx.AsyncClient(
-        base_url=args.url.rstrip("/"),
-        headers=_auth(args.api_key),
-        timeout=httpx.Timeout(600.0, connect=10.0),
-        limits=httpx.Limits(max_connections=most, max_keepalive_connections=most),
-    ) as client:
+    async with http_pool(args.url, args.api_key, max(concurrencies)) as client:
         tts = args.tts and workload == "t2s"
         run = server_runner(client, model, tts, args.text_tokens, args.frames, args.voice, forced)
         return await sweep(run, inputs, concurrencies, args.requests, args.warmup, args.repeats)
@@ -274,10 +267,7 @@ def report(results: dict[str, dict[str, Any]]) -> str:
                 f"{p['first_packet_p90_ms']:.1f} | {p['rtf_median']:.3f} | {p['rtf_p90']:.3f} | "
                 f"{p['audio_s_per_s']:.2f} | {','.join(map(str, p['frames']))} |"
             )
-        for p in result.get("ours") or []:
-            if "stages_median_ms" in p:
-                stages = ", ".join(f"{k} {v:.1f}" for k, v in p["stages_median_ms"].items())
-                lines.append(f"\nours, c={p['concurrency']}, from arrival (median ms): {stages}")
+        lines += stage_lines(result.get("ours") or [], "from arrival")
         if "pools_after" in result:
             lines.append(f"\npools after the run (free, total pages): {result['pools_after']}")
         lines.append("")
@@ -292,7 +282,7 @@ def save(args: argparse.Namespace, results: dict[str, dict[str, Any]]) -> None:
     out.mkdir(parents=True, exist_ok=True)
     for workload, result in results.items():
         path = out / f"{workload}{'_tts' if result['tts'] else ''}.json"
-        path.write_text(json.dumps(_json_safe(result), indent=2) + "\n")
+        path.write_text(json.dumps(json_safe(result), indent=2) + "\n")
         log.info("wrote %s", path)
 
 

@@ -17,7 +17,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
-from omnistage.bench.a2t import JSON_HEADERS, events
+from omnistage.bench.clients import JSON_HEADERS, events
 from omnistage.bench.clips import Clip, synth_clips
 from omnistage.outputs import AUDIO_SAMPLE_RATE
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from typing import Any
 
 
 @dataclass(frozen=True)
@@ -90,3 +91,24 @@ def summarize(
         # means too: the server's /metrics phases are means, and a burst's stages are far from symmetric
         summary["stages_mean_ms"] = {name: round(_mean(v) * ms, 2) for name, v in by_name.items()}
     return summary
+
+
+def stage_lines(passes: list[dict[str, Any]], since: str) -> list[str]:
+    """A report's line per pass with stages: each stage's median, `since` saying where its clock starts."""
+    lines = []
+    for p in passes:
+        if "stages_median_ms" in p:
+            stages = ", ".join(f"{k} {v:.1f}" for k, v in p["stages_median_ms"].items())
+            lines.append(f"\nours, c={p['concurrency']}, {since} (median ms): {stages}")
+    return lines
+
+
+def json_safe(value: Any) -> Any:
+    """NaN (a one-token TPOT, a missing TTFT) as null, which every JSON reader accepts."""
+    if isinstance(value, float) and math.isnan(value):
+        return None
+    if isinstance(value, dict):
+        return {k: json_safe(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [json_safe(v) for v in value]
+    return value

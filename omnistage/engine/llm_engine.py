@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, cast
 
@@ -44,7 +44,7 @@ from omnistage.models.qwen3_omni.config import TextConfig
 from omnistage.models.qwen3_omni.processor import Processor
 from omnistage.models.qwen3_omni.thinker import Thinker
 from omnistage.outputs import RequestOutput
-from omnistage.request import GenerationRequest, SamplingParams
+from omnistage.request import GenerationRequest, SamplingParams, ValidRequest
 
 if TYPE_CHECKING:
     from omnistage.models.multimodal import MultimodalInputs
@@ -60,11 +60,14 @@ class NewRequest(GenerationRequest):
     adds for a later stage."""
 
     tap: HiddenTap | None = None  # hidden states of prompt rows that a later stage reads
+    # the effective max_tokens its pipeline's `validate` worked out (`of`): the stage checks nothing again;
+    # None: a request handed to the stage directly, which the stage validates itself
+    max_tokens: int | None = None
 
     @classmethod
-    def of(cls, request: GenerationRequest, tap: HiddenTap | None = None) -> NewRequest:
-        r = request
-        return cls(r.request_id, r.prompt_token_ids, r.params, r.prompt, r.mrope, r.mm, r.speech, tap)
+    def of(cls, valid: ValidRequest, tap: HiddenTap | None = None) -> NewRequest:
+        given = {f.name: getattr(valid.request, f.name) for f in fields(GenerationRequest)}
+        return cls(**given, tap=tap, max_tokens=valid.max_tokens)
 
 
 @dataclass
@@ -273,13 +276,16 @@ class LLMEngine:
 
     def add_requests(self, requests: list[NewRequest]) -> list[Exception | None]:
         """Admit several requests; their media go through the encoders together (one ragged batch per
-        tower). Returns, per request, None or the exception that kept it out; the others are admitted."""
+        tower). Returns, per request, None or the exception that kept it out; the others are admitted. A
+        request its pipeline validated (`NewRequest.of`) is not checked again."""
         arrival = time.monotonic()
         errors: list[Exception | None] = [None] * len(requests)
         max_tokens: dict[int, int] = {}
         for i, r in enumerate(requests):
             try:
-                max_tokens[i] = self.validate(r.prompt_token_ids, r.params)
+                max_tokens[i] = (
+                    r.max_tokens if r.max_tokens is not None else self.validate(r.prompt_token_ids, r.params)
+                )
             except Exception as exc:
                 errors[i] = exc
         embeds = self._encode({i: requests[i] for i in max_tokens if requests[i].mm is not None})

@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 import logging
 import re
-from collections.abc import Iterator
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import ExitStack
 from pathlib import Path
 from typing import TypeVar
@@ -21,6 +21,7 @@ from safetensors import SafetensorError, safe_open
 from tqdm import tqdm
 
 from omnistage.errors import CheckpointError
+from omnistage.models.layers.linear import fuse_projections
 
 M = TypeVar("M", bound=torch.nn.Module)
 
@@ -197,10 +198,10 @@ def _init_buffers(module: torch.nn.Module) -> None:
             init_buffers()
 
 
-def load_module(
-    module: M,
+def load_model(
+    build: Callable[[], M],
     directory: str | Path,
-    prefix: str,
+    parts: str | Callable[[M], Iterable[tuple[torch.nn.Module, str]]],
     *,
     dtype: torch.dtype,
     device: torch.device | str,
@@ -208,16 +209,24 @@ def load_module(
     seed: int = 0,
     exclude: tuple[str, ...] = (),
 ) -> M:
-    """A meta-built module with the checkpoint's weights, or random ones (`load_format="dummy"`), in eval mode.
+    """`build()` on the meta device with the checkpoint's weights, or random ones (`load_format="dummy"`), in
+    eval mode, its projections fused (`linear.fuse_projections`).
 
-    `exclude`: file tensors under these prefixes belong to another module (see `load_weights`).
+    `parts`: the prefix of all the model's tensors, or the model's (module, prefix) pairs where its parts sit
+    under different prefixes; `exclude`: file tensors under these prefixes belong to another module (see
+    `load_weights`).
     """
-    if load_format == "dummy":
-        module.to_empty(device=device)
-        _init_buffers(module)
-        for param in module.parameters():
-            param.data = param.data.to(dtype)
-        fill_random_(module, seed)
-    else:
-        load_weights(module, directory, prefix, dtype=dtype, device=device, exclude=exclude)
-    return module.requires_grad_(False).eval()
+    with torch.device("meta"):
+        model = build()
+    for module, prefix in [(model, parts)] if isinstance(parts, str) else parts(model):
+        if load_format == "dummy":
+            module.to_empty(device=device)
+            _init_buffers(module)
+            for param in module.parameters():
+                param.data = param.data.to(dtype)
+            fill_random_(module, seed)
+        else:
+            load_weights(module, directory, prefix, dtype=dtype, device=device, exclude=exclude)
+    model.requires_grad_(False).eval()
+    fuse_projections(model)
+    return model

@@ -21,7 +21,7 @@ from omnistage.engine.memory.gauges import GAUGE_HELP, Gauge
 from omnistage.models.qwen3_omni.processor import ProcessedPrompt
 from omnistage.models.qwen3_omni.transcription import language_name
 from omnistage.outputs import RequestOutput
-from omnistage.request import GenerationRequest
+from omnistage.request import GenerationRequest, ValidRequest
 
 
 @dataclass(frozen=True)
@@ -117,10 +117,14 @@ class Pipeline(PipelineView, Protocol):
 
     config: EngineConfig
 
+    def validate(self, request: GenerationRequest) -> ValidRequest:
+        """Check a request, once, against what only the stages know (the context, the vocabulary, the page
+        pools, the voices); raise what makes it unservable. Nothing after it checks the request again."""
+        ...
+
     def add_requests(self, requests: Sequence[GenerationRequest]) -> list[Exception | None]:
-        """Admit several requests, their media encoded together; each is checked once, here, against what
-        only the stages know (the context, the vocabulary, the page pools). Per request: None, or what kept
-        it out (nothing of it is left behind)."""
+        """Admit several requests, their media encoded together; each is validated once, here (`validate`).
+        Per request: None, or what kept it out (nothing of it is left behind)."""
         ...
 
     def step(self) -> list[RequestOutput]:

@@ -27,7 +27,7 @@ from omnistage.pipeline.planning import plan_devices
 from omnistage.pipeline.qwen3_omni import eos_token_ids
 from omnistage.pipeline.qwen3_omni_encoders import aut_clips
 from omnistage.pipeline.topology import validate_topology
-from omnistage.request import GenerationRequest, SamplingParams, SpeechParams
+from omnistage.request import GenerationRequest, ValidRequest
 
 if TYPE_CHECKING:
     from omnistage.models.qwen3_omni.config import TextConfig
@@ -100,19 +100,22 @@ class Qwen3ASRPipeline:
     def memory_summary(self) -> str:
         return self.thinker.memory_summary() + "; Qwen3-ASR: transcription only"
 
-    def validate(
-        self, prompt_token_ids: list[int], params: SamplingParams, speech: SpeechParams | None = None
-    ) -> int:
-        if speech is not None:
+    def validate(self, request: GenerationRequest) -> ValidRequest:
+        """Check a request against the decoder stage, once: what admits it trusts the ValidRequest."""
+        if request.speech is not None:
             raise InvalidRequest(NO_SPEECH)
-        return self.thinker.validate(prompt_token_ids, params)
+        return ValidRequest(request, self.thinker.validate(request.prompt_token_ids, request.params))
 
     def add_requests(self, requests: Sequence[GenerationRequest]) -> list[Exception | None]:
-        errors: list[Exception | None] = [InvalidRequest(NO_SPEECH) if r.speech else None for r in requests]
-        admitted = [i for i, e in enumerate(errors) if e is None]
-        for i, error in zip(
-            admitted, self.thinker.add_requests([NewRequest.of(requests[i]) for i in admitted])
-        ):
+        """Admit several requests, each validated once, here; per request, None or what kept it out."""
+        errors: list[Exception | None] = [None] * len(requests)
+        valid: dict[int, ValidRequest] = {}
+        for i, r in enumerate(requests):
+            try:
+                valid[i] = self.validate(r)
+            except Exception as exc:
+                errors[i] = exc
+        for i, error in zip(valid, self.thinker.add_requests([NewRequest.of(v) for v in valid.values()])):
             errors[i] = error
         return errors
 

@@ -40,7 +40,13 @@ from omnistage.pipeline.qwen3_omni_encoders import load_encoders
 from omnistage.pipeline.side_stream import SideStream
 from omnistage.pipeline.speech_stages import SpeechStages
 from omnistage.pipeline.topology import validate_topology
-from omnistage.request import MAX_AUDIO_FRAMES, GenerationRequest, SamplingParams, SpeechParams
+from omnistage.request import (
+    MAX_AUDIO_FRAMES,
+    GenerationRequest,
+    SamplingParams,
+    SpeechParams,
+    ValidRequest,
+)
 
 log = logging.getLogger(__name__)
 
@@ -77,10 +83,9 @@ def _about(exc: InvalidRequest, field: str) -> InvalidRequest:
 
 @dataclass(frozen=True)
 class _Waiting:
-    """A speaking request checked and waiting for its turn (`max_speaking`)."""
+    """A speaking request validated and waiting for its turn (`max_speaking`)."""
 
-    request: GenerationRequest
-    max_tokens: int  # the Thinker's effective max_tokens
+    valid: ValidRequest
     arrival: float
 
 
@@ -233,12 +238,11 @@ class Qwen3OmniPipeline:
 
     # -- requests -----------------------------------------------------------------------------------
 
-    def validate(
-        self, prompt_token_ids: list[int], params: SamplingParams, speech: SpeechParams | None = None
-    ) -> int:
-        """Check a request against every stage it needs; return the Thinker's effective max_tokens."""
+    def validate(self, request: GenerationRequest) -> ValidRequest:
+        """Check a request against every stage it needs, once: what admits it trusts the ValidRequest."""
+        prompt_token_ids, params, speech = request.prompt_token_ids, request.params, request.speech
         if speech is None:
-            return self.thinker.validate(prompt_token_ids, params)
+            return ValidRequest(request, self.thinker.validate(prompt_token_ids, params))
         if self.speech_stages is None:
             raise InvalidRequest(
                 "this server does not speak: the checkpoint has no talker, or speech is off in its config"
@@ -277,45 +281,45 @@ class Qwen3OmniPipeline:
             )
         except RequestTooLarge as exc:
             raise _about(exc, "text" if frames is None else "max_frames") from None
-        return max_tokens
+        return ValidRequest(request, max_tokens)
 
     def _frame_cap(self, speech: SpeechParams, text_tokens: int) -> int:
         return speech.talker.max_tokens or default_frame_cap(text_tokens)
 
     def add_requests(self, requests: Sequence[GenerationRequest]) -> list[Exception | None]:
-        """Admit several requests (their media encoded together); per request, None or what kept it out. A
-        speaking request is checked at once, then waits its turn if max_speaking already speak."""
+        """Admit several requests (their media encoded together); per request, None or what kept it out. Each
+        is validated once, here; a speaking request then waits its turn if max_speaking already speak."""
         errors: list[Exception | None] = [None] * len(requests)
         index = {r.request_id: i for i, r in enumerate(requests)}
         text_requests = []
         for i, r in enumerate(requests):
-            if r.speech is None:
-                text_requests.append(r)
-                continue
             try:
-                max_tokens = self.validate(r.prompt_token_ids, r.params, r.speech)
+                valid = self.validate(r)
             except Exception as exc:
                 errors[i] = exc
                 continue
-            self._waiting.append(_Waiting(r, max_tokens, time.monotonic()))
+            if r.speech is None:
+                text_requests.append(valid)
+            else:
+                self._waiting.append(_Waiting(valid, time.monotonic()))
         for request_id, error in self._admit(text_requests, set(index)).items():
             errors[index[request_id]] = error
         return errors
 
     def _admit(
-        self, text_requests: list[GenerationRequest], batch: Collection[str] = frozenset()
+        self, text_requests: list[ValidRequest], batch: Collection[str] = frozenset()
     ) -> dict[str, Exception]:
         """Text requests, and the waiting speaking ones while fewer than max_speaking speak, to the Thinker in
         one call; what kept out each of `batch` (the ids being added). One refused that waited from an earlier
         batch ends in the next step's outputs."""
-        thinker_requests = [NewRequest.of(r) for r in text_requests]
+        thinker_requests = [NewRequest.of(valid) for valid in text_requests]
         while self._waiting and len(self._speaking) < self.max_speaking:
             waiting = self._waiting.popleft()
-            r = waiting.request
+            r = waiting.valid.request
             assert r.speech is not None  # only speaking requests wait
-            speech = self._new_speech(r, waiting.max_tokens, waiting.arrival)
+            speech = self._new_speech(r, waiting.valid.max_tokens, waiting.arrival)
             if r.speech.reply_token_ids is None:
-                thinker_requests.append(NewRequest.of(r, speech.tap))
+                thinker_requests.append(NewRequest.of(waiting.valid, speech.tap))
             self._speaking[r.request_id] = speech
         errors = {}
         for r, error in zip(
@@ -380,9 +384,9 @@ class Qwen3OmniPipeline:
 
     def abort(self, request_id: str) -> RequestOutput | None:
         for waiting in self._waiting:
-            if waiting.request.request_id == request_id:
+            if waiting.valid.request.request_id == request_id:
                 self._waiting.remove(waiting)
-                r = waiting.request
+                r = waiting.valid.request
                 text = RequestOutput(
                     r.request_id, r.prompt, r.prompt_token_ids, [CompletionOutput(0, "", [])]
                 )

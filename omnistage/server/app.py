@@ -17,8 +17,8 @@ from fastapi.responses import JSONResponse, Response
 from omnistage.media import MediaPolicy
 from omnistage.pipeline.async_pipeline import AsyncPipeline
 from omnistage.server import chat, completions, speech, transcriptions
-from omnistage.server.errors import CatchAll, install_error_handlers
-from omnistage.server.gate import DEFAULT_MAX_BODY_BYTES, Gate
+from omnistage.server.errors import install_error_handlers
+from omnistage.server.gate import DEFAULT_MAX_BODY_BYTES, CatchAll, Gate
 from omnistage.server.json_route import JSONRoute
 from omnistage.server.metrics import ServerMetrics
 from omnistage.server.responses import ModelCard, ModelList
@@ -60,7 +60,7 @@ def build_app(
         preparing=pipeline.preparing,
         preparing_paths=GENERATING,
     )
-    app.add_middleware(CatchAll, on_error=count)  # added last: the outermost
+    app.add_middleware(CatchAll, count=count)  # added last: the outermost
 
     v1 = APIRouter(prefix="/v1")
     json_routes = (

@@ -16,7 +16,7 @@ from omnistage.pipeline.base import Frontend
 from omnistage.request import GenerationRequest, SamplingParams, SpeechParams
 from omnistage.server.errors import InvalidField
 from omnistage.server.formats import ChatFormat, Format
-from omnistage.server.protocol import ChatCompletionRequest
+from omnistage.server.protocol.chat import ChatCompletionRequest
 from omnistage.server.speech import (
     CHAT_FORMATS,
     SpokenChatFormat,

@@ -12,7 +12,7 @@ from fastapi.responses import Response
 from omnistage.pipeline.base import Frontend
 from omnistage.request import GenerationRequest
 from omnistage.server.formats import CompletionFormat
-from omnistage.server.protocol import CompletionRequest
+from omnistage.server.protocol.completions import CompletionRequest
 from omnistage.server.streaming import Responder
 
 PATH = "/v1/completions"

@@ -2,12 +2,12 @@
 
 Every error body is `{"error": {"message", "type", "param", "code"}}`, as the official client expects.
 Typed errors raised anywhere (engine, protocol, middleware) are mapped here by class, most specific first;
-anything else that escapes the app (`CatchAll`) is a 500 that names no internals, logged with its traceback.
+anything else that escapes the app (gate.py's `CatchAll`) is a 500 that names no internals, logged with its
+traceback.
 """
 
 from __future__ import annotations
 
-import logging
 import reprlib
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -17,11 +17,8 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
-from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from omnistage.errors import InvalidMedia, InvalidRequest, OmnistageError, QueueFull, RequestTooLarge
-
-log = logging.getLogger(__name__)
 
 
 class Unauthorized(OmnistageError):
@@ -187,37 +184,3 @@ def install_error_handlers(app: FastAPI, on_error: Callable[[Request, int], None
         return JSONResponse(
             error_body(str(exc.detail), kind), status_code=exc.status_code, headers=exc.headers
         )
-
-
-class CatchAll:
-    """The outermost layer of the app: an exception that escapes everything else becomes a JSON 500 that
-    names no internals, and its traceback goes to the log.
-
-    Answering here (rather than letting the server's last-resort handler answer) keeps a keep-alive
-    connection usable. A response that had already started cannot be replaced: the exception goes on to
-    the server, which closes the connection, the only way left to tell the client.
-    """
-
-    def __init__(self, app: ASGIApp, on_error: Callable[[str, int], None]) -> None:
-        self.app = app
-        self.on_error = on_error  # (path, status), for the request counters
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http":
-            await self.app(scope, receive, send)
-            return
-        started = False
-
-        async def tracking_send(message: Message) -> None:
-            nonlocal started
-            started = started or message["type"] == "http.response.start"
-            await send(message)
-
-        try:
-            await self.app(scope, receive, tracking_send)
-        except Exception:
-            if started:
-                raise
-            log.exception("unexpected error answering %s %s", scope.get("method"), scope.get("path"))
-            self.on_error(scope["path"], 500)
-            await internal_error_response()(scope, receive, send)

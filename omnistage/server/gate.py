@@ -1,6 +1,7 @@
-"""The door of the app, as plain ASGI: the API key on /v1/*, and the body size limit on everything.
+"""The app's outer layers, as plain ASGI: the catch-all outermost, then the door: the API key on /v1/*, and the
+body size limit on everything.
 
-Both run before FastAPI reads or parses a byte, so a wrong key is a 401 whatever the body, and an
+The door's checks run before FastAPI reads or parses a byte, so a wrong key is a 401 whatever the body, and an
 oversized body is refused (413) without being held in memory. A body let through is stamped with the time
 it was complete (`received` in the request's state, beside `arrived`, when its headers were), where the
 server's timing of a request starts, and a request to a generating path (`preparing_paths`) is counted as
@@ -10,6 +11,7 @@ until its handler hands it over or it ends.
 
 from __future__ import annotations
 
+import logging
 import secrets
 import time
 from collections.abc import Callable
@@ -18,12 +20,59 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from omnistage.errors import OmnistageError
 from omnistage.pipeline.async_pipeline import Preparing
-from omnistage.server.errors import BodyTooLarge, Unauthorized, error_response
+from omnistage.server.errors import BodyTooLarge, Unauthorized, error_response, internal_error_response
+
+log = logging.getLogger(__name__)
 
 DEFAULT_MAX_BODY_BYTES = 32 * 1024 * 1024
 
 
-class Gate:
+class HttpLayer:
+    """A layer of plain ASGI around `app` for its HTTP requests (anything else passes straight through);
+    `count(path, status)` counts the requests the layer answers itself."""
+
+    def __init__(self, app: ASGIApp, count: Callable[[str, int], None]) -> None:
+        self.app = app
+        self.count = count
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        await self.http(scope, receive, send)
+
+    async def http(self, scope: Scope, receive: Receive, send: Send) -> None:
+        raise NotImplementedError
+
+
+class CatchAll(HttpLayer):
+    """The outermost layer of the app: an exception that escapes everything else becomes a JSON 500 that
+    names no internals, and its traceback goes to the log.
+
+    Answering here (rather than letting the server's last-resort handler answer) keeps a keep-alive
+    connection usable. A response that had already started cannot be replaced: the exception goes on to
+    the server, which closes the connection, the only way left to tell the client.
+    """
+
+    async def http(self, scope: Scope, receive: Receive, send: Send) -> None:
+        started = False
+
+        async def tracking_send(message: Message) -> None:
+            nonlocal started
+            started = started or message["type"] == "http.response.start"
+            await send(message)
+
+        try:
+            await self.app(scope, receive, tracking_send)
+        except Exception:
+            if started:
+                raise
+            log.exception("unexpected error answering %s %s", scope.get("method"), scope.get("path"))
+            self.count(scope["path"], 500)
+            await internal_error_response()(scope, receive, send)
+
+
+class Gate(HttpLayer):
     def __init__(
         self,
         app: ASGIApp,
@@ -33,17 +82,13 @@ class Gate:
         preparing: Callable[[], Preparing] | None = None,
         preparing_paths: frozenset[str] = frozenset(),
     ) -> None:
-        self.app = app
+        super().__init__(app, on_reject)
         self.preparing, self.preparing_paths = preparing, preparing_paths
         # Compared as bytes: a header is bytes on the wire, and compare_digest refuses non-ASCII str.
         self.api_key = None if api_key is None else api_key.encode()
         self.max_body_bytes = max_body_bytes
-        self.on_reject = on_reject  # (path, status), for the request counters
 
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http":
-            await self.app(scope, receive, send)
-            return
+    async def http(self, scope: Scope, receive: Receive, send: Send) -> None:
         if self.api_key is not None and scope["path"].startswith("/v1/") and not self._authorized(scope):
             await self._reject(scope, receive, send, Unauthorized("missing or invalid API key"))
             return
@@ -94,7 +139,7 @@ class Gate:
 
     async def _reject(self, scope: Scope, receive: Receive, send: Send, exc: OmnistageError) -> None:
         response = error_response(exc)
-        self.on_reject(scope["path"], response.status_code)
+        self.count(scope["path"], response.status_code)
         await response(scope, receive, send)
 
 

@@ -19,6 +19,39 @@ _TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 
 _TPOT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.25, 0.5, 1.0, 2.5)
 _E2E_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
 
+_PHASES_HELP = (
+    "Where a request's time to first token goes: receive (headers in to the whole body in), prepare "
+    "(body received to handed over: parsing, media decoding, the prompt's layout), parse (prepare's "
+    "first part: the body's JSON or form parsed and validated), to_engine (handed over to admitted), "
+    "first_token (admitted to first token: encoders, queue, prefill), delivery (first token to the "
+    "request's handler), respond (a stream's first output in its handler to its first chunk written)"
+)
+# The gauges read from the pipeline's stats at scrape time, by stat: a stat the pipeline does not report (the
+# Talker's where it does not speak, the allocator's on a CPU) leaves its gauge at 0.
+_STAT_GAUGES = {
+    "num_waiting": ("omnistage_num_requests_waiting", "Requests queued for the engine"),
+    "num_running": ("omnistage_num_requests_running", "Requests the engine is running"),
+    "kv_pages_total": ("omnistage_kv_pages_total", "KV cache pages in the pool"),
+    "kv_pages_used": ("omnistage_kv_pages_used", "KV cache pages held by requests"),
+    "kv_pages_free": ("omnistage_kv_pages_free", "KV cache pages free"),
+    "talker_kv_pages_total": ("omnistage_talker_kv_pages_total", "The Talker's KV cache pages (speech out)"),
+    "talker_kv_pages_free": ("omnistage_talker_kv_pages_free", "The Talker's KV pages free"),
+    "num_speaking": ("omnistage_num_requests_speaking", "Requests whose reply is being spoken"),
+    "gpu_memory_reserved_bytes": (
+        "omnistage_gpu_memory_reserved_bytes",
+        "GPU memory the caching allocator holds",
+    ),
+    "gpu_alloc_retries": (
+        "omnistage_gpu_alloc_retries",
+        "Allocations that found the GPU full and retried after freeing the allocator's cache",
+    ),
+    "builds_while_serving": (
+        "omnistage_builds_while_serving",
+        "Triton kernels and torch.compile graphs built after start-up: each stalled the step that needed "
+        "it (the log names them)",
+    ),
+}
+
 
 class ServerMetrics:
     def __init__(self) -> None:
@@ -37,67 +70,34 @@ class ServerMetrics:
             "omnistage_prompt_tokens", "Prompt tokens of admitted requests", registry=r
         )
         self.generation_tokens = Counter("omnistage_generation_tokens", "Tokens generated", registry=r)
-        self.ttft = Histogram(
-            "omnistage_time_to_first_token_seconds",
-            "Arrival to first token",
-            buckets=_TTFT_BUCKETS,
-            registry=r,
+        self.ttft = self._histogram(
+            "omnistage_time_to_first_token_seconds", "Arrival to first token", _TTFT_BUCKETS
         )
-        self.tpot = Histogram(
+        self.tpot = self._histogram(
             "omnistage_time_per_output_token_seconds",
             "Mean time between output tokens after the first, per request",
-            buckets=_TPOT_BUCKETS,
-            registry=r,
+            _TPOT_BUCKETS,
         )
-        self.e2e = Histogram(
-            "omnistage_request_latency_seconds", "Arrival to last token", buckets=_E2E_BUCKETS, registry=r
-        )
-        self.waiting = Gauge("omnistage_num_requests_waiting", "Requests queued for the engine", registry=r)
-        self.running = Gauge("omnistage_num_requests_running", "Requests the engine is running", registry=r)
-        self.pages_total = Gauge("omnistage_kv_pages_total", "KV cache pages in the pool", registry=r)
-        self.pages_used = Gauge("omnistage_kv_pages_used", "KV cache pages held by requests", registry=r)
-        self.pages_free = Gauge("omnistage_kv_pages_free", "KV cache pages free", registry=r)
-        self.phases = Histogram(
+        self.e2e = self._histogram("omnistage_request_latency_seconds", "Arrival to last token", _E2E_BUCKETS)
+        self.phases = self._histogram(
             "omnistage_request_phase_seconds",
-            "Where a request's time to first token goes: receive (headers in to the whole body in), prepare "
-            "(body received to handed over: parsing, media decoding, the prompt's layout), parse (prepare's "
-            "first part: the body's JSON or form parsed and validated), to_engine (handed over to admitted), "
-            "first_token (admitted to first token: encoders, queue, prefill), delivery (first token to the "
-            "request's handler), respond (a stream's first output in its handler to its first chunk written)",
+            _PHASES_HELP,
+            _TTFT_BUCKETS,
             ["phase"],
-            buckets=_TTFT_BUCKETS,
-            registry=r,
         )
-        self.talker_pages_total = Gauge(
-            "omnistage_talker_kv_pages_total", "The Talker's KV cache pages (speech out)", registry=r
-        )
-        self.talker_pages_free = Gauge(
-            "omnistage_talker_kv_pages_free", "The Talker's KV pages free", registry=r
-        )
-        self.speaking = Gauge(
-            "omnistage_num_requests_speaking", "Requests whose reply is being spoken", registry=r
-        )
-        self.first_audio = Histogram(
+        self.first_audio = self._histogram(
             "omnistage_time_to_first_audio_seconds",
             "Arrival to the first decoded audio chunk of a spoken reply",
-            buckets=_TTFT_BUCKETS,
-            registry=r,
+            _TTFT_BUCKETS,
         )
-        self.gpu_reserved = Gauge(
-            "omnistage_gpu_memory_reserved_bytes", "GPU memory the caching allocator holds", registry=r
-        )
-        self.gpu_retries = Gauge(
-            "omnistage_gpu_alloc_retries",
-            "Allocations that found the GPU full and retried after freeing the allocator's cache",
-            registry=r,
-        )
+        self.stat_gauges = {
+            stat: Gauge(name, help, registry=r) for stat, (name, help) in _STAT_GAUGES.items()
+        }
 
-        self.builds = Gauge(
-            "omnistage_builds_while_serving",
-            "Triton kernels and torch.compile graphs built after start-up: each stalled the step that needed "
-            "it (the log names them)",
-            registry=r,
-        )
+    def _histogram(
+        self, name: str, help: str, buckets: tuple[float, ...], labels: list[str] | None = None
+    ) -> Histogram:
+        return Histogram(name, help, labels or [], buckets=buckets, registry=self.registry)
 
     def set_plan(self, frontend: Frontend) -> None:
         """The pipeline's memory plans: one gauge per sample name (each name has one set of labels)."""
@@ -153,17 +153,7 @@ class ServerMetrics:
 
     def render(self, stats: dict[str, int]) -> bytes:
         """The exposition text, with the engine gauges refreshed from `stats`."""
-        self.waiting.set(stats["num_waiting"])
-        self.running.set(stats["num_running"])
-        self.pages_total.set(stats["kv_pages_total"])
-        self.pages_used.set(stats["kv_pages_used"])
-        self.pages_free.set(stats["kv_pages_free"])
-        if "talker_kv_pages_total" in stats:
-            self.talker_pages_total.set(stats["talker_kv_pages_total"])
-            self.talker_pages_free.set(stats["talker_kv_pages_free"])
-            self.speaking.set(stats["num_speaking"])
-        if "gpu_alloc_retries" in stats:
-            self.gpu_reserved.set(stats["gpu_memory_reserved_bytes"])
-            self.gpu_retries.set(stats["gpu_alloc_retries"])
-        self.builds.set(stats.get("builds_while_serving", 0))
+        for stat, gauge in self.stat_gauges.items():
+            if stat in stats:
+                gauge.set(stats[stat])
         return generate_latest(self.registry)

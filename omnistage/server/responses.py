@@ -1,5 +1,5 @@
 """The OpenAI HTTP protocol's responses as pydantic models: bodies and stream chunks as OpenAI sends them
-(the requests are in protocol.py)."""
+(the requests are in protocol/)."""
 
 from __future__ import annotations
 

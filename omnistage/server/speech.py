@@ -28,7 +28,7 @@ from omnistage.pipeline.base import Frontend
 from omnistage.request import GenerationRequest, SamplingParams, SpeechParams
 from omnistage.server.errors import ErrorKind, InvalidField, error_body
 from omnistage.server.formats import ChatFormat, sse
-from omnistage.server.protocol import SpeechRequest, VoiceRef
+from omnistage.server.protocol.speech import SpeechRequest, VoiceRef
 from omnistage.server.responses import (
     AssistantAudio,
     AssistantMessage,

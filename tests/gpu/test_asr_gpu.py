@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from omnistage import LLM, SamplingParams
-from omnistage.bench.a2t import released_skeleton
+from omnistage.bench.skeletons import released_skeleton
 from omnistage.engine.llm_engine import NewRequest
 from omnistage.models.qwen3_asr.tiny import make_tiny
 

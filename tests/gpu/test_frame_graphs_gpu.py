@@ -7,7 +7,7 @@ import pytest
 import torch
 from torch import nn
 
-from omnistage.bench.a2t import released_skeleton
+from omnistage.bench.skeletons import released_skeleton
 from omnistage.engine.graphs.frames import FrameGraphs
 from omnistage.engine.static_sampling import StaticRows, sample_static
 from omnistage.models.loader import fill_random_

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from omnistage.bench import speech_targets as targets
-from omnistage.bench.a2t import released_skeleton
+from omnistage.bench.skeletons import released_skeleton
 from omnistage.config import engine_config
 from omnistage.outputs import AUDIO_SAMPLE_RATE
 from omnistage.pipeline.async_pipeline import AsyncPipeline

@@ -15,7 +15,8 @@ from safetensors.torch import save_file
 
 from omnistage.models.qwen3_omni.code2wav import load_code2wav
 from omnistage.models.qwen3_omni.code2wav_streamer import Code2WavStreamer
-from omnistage.models.qwen3_omni.tiny import random_tensor, tiny_config
+from omnistage.models.qwen3_omni.tiny import tiny_config
+from omnistage.models.tiny_checkpoint import random_tensor
 
 TOLERANCE = 1e-5
 

@@ -184,7 +184,10 @@ def thinker_greedy(models: dict, prompt: ProcessedPrompt, steps: int, eos: int):
     )
     accept_layer = models["cfg"].talker.accept_hidden_layer
     tapped: list[torch.Tensor] = []
-    hook = thinker.model.layers[accept_layer - 1].register_forward_hook(lambda m, a, out: tapped.append(out))
+    # a layer returns its MLP's output and the residual apart; their sum is its hidden states
+    hook = thinker.model.layers[accept_layer - 1].register_forward_hook(
+        lambda m, a, out: tapped.append(out[1] + out[0])
+    )
     length = len(prompt.token_ids)
     positions, delta = (
         (torch.arange(length).expand(3, -1), 0)

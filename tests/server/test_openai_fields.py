@@ -11,7 +11,7 @@ import pytest
 from fastapi.testclient import TestClient
 
 from omnistage.server import build_app
-from omnistage.server.protocol import ChatCompletionRequest
+from omnistage.server.protocol.chat import ChatCompletionRequest
 
 MODEL = "fake-model"
 SPEECH = Path(__file__).parents[1] / "data" / "speech_en.wav"

@@ -12,16 +12,9 @@ from omnistage.kernels.moe_align import align_pairs
 
 
 def grouped_experts(
-    x: torch.Tensor,
-    w13: torch.Tensor,
-    w2: torch.Tensor,
-    topk_weights: torch.Tensor,
-    topk_ids: torch.Tensor,
+    x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor
 ) -> torch.Tensor:
-    """sum_k topk_weights[t, k] * down_e(SiLU(gate_e(x_t)) * up_e(x_t)) with e = topk_ids[t, k].
-
-    x `[T, H]`; w13 `[E, 2I, H]` (gate rows then up rows); w2 `[E, H, I]`; topk_* `[T, k]`. Returns `[T, H]`.
-    """
+    """`moe_experts.fused_experts` (its shapes and its sum), with the pairs grouped by expert on the device."""
     num_tokens, top_k = topk_ids.shape
     num_experts, inter = w2.shape[0], w2.shape[-1]
     # Blocks of one row: no padding, pair_ids is the stable sort's order and expert_ends the group

@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from omnistage.models.loader import load_module
+from omnistage.models.loader import load_model
 from omnistage.models.qwen3_asr.config import Qwen3ASRConfig
 from omnistage.models.qwen3_omni.audio_encoder import AudioEncoder
 
@@ -44,14 +44,13 @@ def load_audio_encoder(
 ) -> AudioEncoder:
     """The audio encoder and projector of a Qwen3-ASR checkpoint directory (either layout)."""
     cfg = Qwen3ASRConfig.from_dir(checkpoint_dir)
-    with torch.device("meta"):
-        encoder = AudioEncoder(cfg.audio)
-    if cfg.layout == "released" or load_format == "dummy":
-        parts: list[tuple[nn.Module, str]] = [(encoder, RELEASED_PREFIX)]
-    else:
-        parts = _hf_views(encoder)
-    for module, prefix in parts:
-        load_module(
-            module, checkpoint_dir, prefix, dtype=dtype, device=device, load_format=load_format, seed=seed
-        )
-    return encoder.requires_grad_(False).eval()
+    by_name = cfg.layout == "released" or load_format == "dummy"
+    return load_model(
+        lambda: AudioEncoder(cfg.audio),
+        checkpoint_dir,
+        RELEASED_PREFIX if by_name else _hf_views,
+        dtype=dtype,
+        device=device,
+        load_format=load_format,
+        seed=seed,
+    )

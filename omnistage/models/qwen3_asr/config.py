@@ -12,9 +12,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
-from omnistage.errors import ConfigError
+from omnistage.models.config_reader import ConfigReader, DecoderConfig, Size, read_config_json
 from omnistage.models.qwen3_omni.audio_encoder import audio_output_tokens
-from omnistage.models.qwen3_omni.config import AudioEncoderConfig, _Reader, read_config_json
+from omnistage.models.qwen3_omni.config import AudioEncoderConfig
 
 Layout = Literal["released", "hf"]
 
@@ -28,44 +28,24 @@ DEFAULT_CONV_CHUNKSIZE = 500
 
 
 @dataclass(frozen=True)
-class DenseTextConfig:
+class DenseTextConfig(DecoderConfig):
     """A dense Qwen3 decoder (q/k RMSNorm, GQA, SwiGLU MLP, RoPE)."""
 
-    vocab_size: int
-    hidden_size: int
-    intermediate_size: int
-    num_hidden_layers: int
-    num_attention_heads: int
-    num_key_value_heads: int
-    head_dim: int
-    rms_norm_eps: float
-    rope_theta: float
-    max_position_embeddings: int
+    intermediate_size: Size
+    max_position_embeddings: Size
     tie_word_embeddings: bool
 
     @classmethod
-    def read(cls, r: _Reader, tie_default: bool) -> DenseTextConfig:
+    def read(cls, r: ConfigReader, tie_default: bool) -> DenseTextConfig:
         # transformers 5 nests rope_theta in rope_parameters; the released (4.57) file has it at the top
         rope = r.data.get("rope_parameters") or {}
         theta = r.child("rope_parameters").get("rope_theta", float) if rope else r.get("rope_theta", float)
-        cfg = cls(
-            vocab_size=r.positive("vocab_size"),
-            hidden_size=r.positive("hidden_size"),
-            intermediate_size=r.positive("intermediate_size"),
-            num_hidden_layers=r.positive("num_hidden_layers"),
-            num_attention_heads=r.positive("num_attention_heads"),
-            num_key_value_heads=r.positive("num_key_value_heads"),
-            head_dim=r.positive("head_dim"),
-            rms_norm_eps=r.get("rms_norm_eps", float),
+        cfg = r.read(
+            cls,
             rope_theta=theta,
-            max_position_embeddings=r.positive("max_position_embeddings"),
             tie_word_embeddings=r.get("tie_word_embeddings", bool, tie_default),
         )
-        if cfg.num_attention_heads % cfg.num_key_value_heads:
-            raise r.fail(
-                "num_key_value_heads",
-                f"{cfg.num_key_value_heads} does not divide num_attention_heads {cfg.num_attention_heads}",
-            )
+        cfg.check_heads(r)
         if cfg.head_dim % 2:
             raise r.fail("head_dim", f"{cfg.head_dim} must be even for rotary embeddings")
         if r.get("hidden_act", str, "silu") != "silu":
@@ -86,32 +66,19 @@ class DenseTextConfig:
             )
         return cfg
 
-    @property
-    def kv_bytes_per_token(self) -> int:
-        """K and V of every layer for one token, in bf16."""
-        return 2 * self.num_hidden_layers * self.num_key_value_heads * self.head_dim * 2
 
-
-def _audio_config(r: _Reader, layout: Layout) -> AudioEncoderConfig:
+def _audio_config(r: ConfigReader, layout: Layout) -> AudioEncoderConfig:
     """The AuT's settings as the Omni encoder reads them, from either layout's audio_config."""
     if layout == "released":
         cfg = AudioEncoderConfig.read(r)
     else:
         heads = "encoder_attention_heads" if "encoder_attention_heads" in r.data else "num_attention_heads"
-        cfg = AudioEncoderConfig(
-            num_mel_bins=r.positive("num_mel_bins"),
-            d_model=r.positive("d_model"),
-            encoder_layers=r.positive("encoder_layers"),
+        cfg = r.read(
+            AudioEncoderConfig,
             encoder_attention_heads=r.positive(heads),
-            encoder_ffn_dim=r.positive("encoder_ffn_dim"),
-            downsample_hidden_size=r.positive("downsample_hidden_size"),
-            output_dim=r.positive("output_dim"),
-            n_window=r.positive("n_window"),
-            n_window_infer=r.positive("n_window_infer"),
             conv_chunksize=DEFAULT_CONV_CHUNKSIZE,
             # transformers' table holds one chunk's positions (13 for n_window 50); ours needs no table
             max_source_positions=r.positive("max_position_embeddings"),
-            activation_function=r.get("activation_function", str),
         )
         chunk_tokens = audio_output_tokens(2 * cfg.n_window, cfg.n_window)
         if cfg.max_source_positions < chunk_tokens:
@@ -140,10 +107,7 @@ class Qwen3ASRConfig:
 
     @classmethod
     def from_dict(cls, data: dict) -> Qwen3ASRConfig:
-        r = _Reader(data, "")
-        model_type = r.get("model_type", str)
-        if model_type != "qwen3_asr":
-            raise ConfigError(f"model_type: omnistage serves 'qwen3_asr' here, found {model_type!r}")
+        r = ConfigReader.of_model(data, "qwen3_asr")
         layout: Layout = "released" if "thinker_config" in data else "hf"
         model = r.child("thinker_config") if layout == "released" else r
         if layout == "released" and model.data.get("classify_num") is not None:

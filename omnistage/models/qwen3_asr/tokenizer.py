@@ -8,15 +8,11 @@ released text we have not read; they get reserved names so every known token lan
 
 from __future__ import annotations
 
-import json
-from importlib import resources
 from pathlib import Path
 
-from tokenizers import AddedToken, Tokenizer
-from transformers.convert_slow_tokenizer import TikTokenConverter
-
-from omnistage.models.qwen3_omni.tokenizer import PRETOKENIZE_PATTERN, tokenizer_config
+from omnistage.models import qwen_tokenizer
 from omnistage.models.qwen3_omni.tokenizer import SPECIAL_TOKENS as OMNI_SPECIAL_TOKENS
+from omnistage.models.qwen_tokenizer import chat_template
 
 FIRST_ADDED = 151643
 KNOWN_TOKENS: dict[int, str] = {
@@ -26,8 +22,7 @@ KNOWN_TOKENS: dict[int, str] = {
     151705: "<timestamp>",
 }
 # Ordinary added tokens: they survive skip_special_tokens.
-NOT_SPECIAL = {"<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>", "<think>", "</think>"}
-NOT_SPECIAL |= {"<asr_text>", "<timestamp>"}
+NOT_SPECIAL = qwen_tokenizer.NOT_SPECIAL | {"<asr_text>", "<timestamp>"}
 # transformers' Qwen3ASRProcessor finds its placeholders through these tokenizer attributes.
 EXTRA_SPECIAL_TOKENS = {
     "audio_token": "<|audio_pad|>",
@@ -38,20 +33,11 @@ EXTRA_SPECIAL_TOKENS = {
 # The prompt the released model was trained on: the system turn is always there (empty without context),
 # one audio placeholder in the user turn, and an assistant turn the processor may prefill with
 # "language {Name}<asr_text>" to force the language.
-CHAT_TEMPLATE = (
-    "{%- if not messages or messages[0]['role'] != 'system' %}"
-    "{{- '<|im_start|>system\\n<|im_end|>\\n' }}{%- endif %}"
-    "{%- for message in messages %}"
-    "{{- '<|im_start|>' + message['role'] + '\\n' }}"
-    "{%- if message['content'] is string %}{{- message['content'] }}"
-    "{%- else %}{%- for part in message['content'] %}"
-    "{%- if part['type'] == 'text' %}{{- part['text'] }}"
+CHAT_TEMPLATE = chat_template(
     "{%- elif part['type'] in ('audio', 'input_audio', 'audio_url') %}"
-    "{{- '<|audio_start|><|audio_pad|><|audio_end|>' }}"
-    "{%- endif %}{%- endfor %}{%- endif %}"
-    "{{- '<|im_end|>\\n' }}"
-    "{%- endfor %}"
-    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
+    "{{- '<|audio_start|><|audio_pad|><|audio_end|>' }}",
+    preamble="{%- if not messages or messages[0]['role'] != 'system' %}"
+    "{{- '<|im_start|>system\\n<|im_end|>\\n' }}{%- endif %}",
 )
 
 
@@ -61,31 +47,8 @@ def added_tokens() -> dict[int, str]:
     return {i: KNOWN_TOKENS.get(i, f"<|reserved_{i}|>") for i in range(FIRST_ADDED, last + 1)}
 
 
-def build_tokenizer() -> Tokenizer:
-    vocab = resources.files("qwen_tokenizer") / "resources" / "qwen.tiktoken"
-    with resources.as_file(vocab) as path:
-        tokenizer = TikTokenConverter(str(path), pattern=PRETOKENIZE_PATTERN).converted()
-    if tokenizer.get_vocab_size() != FIRST_ADDED:
-        raise RuntimeError(f"qwen.tiktoken has {tokenizer.get_vocab_size()} ranks, expected {FIRST_ADDED}")
-    for _, text in sorted(added_tokens().items()):
-        token = AddedToken(text, special=text not in NOT_SPECIAL, normalized=False)
-        if token.special:
-            tokenizer.add_special_tokens([token])
-        else:
-            tokenizer.add_tokens([token])
-    for token_id, text in KNOWN_TOKENS.items():
-        if tokenizer.token_to_id(text) != token_id:
-            raise RuntimeError(f"{text} landed at id {tokenizer.token_to_id(text)}, expected {token_id}")
-    return tokenizer
-
-
 def write_tokenizer_files(directory: Path, hf_layout: bool) -> None:
     """tokenizer.json, tokenizer_config.json and chat_template.jinja; the -hf layout also names the audio
     placeholders for transformers' processor."""
-    directory = Path(directory)
-    build_tokenizer().save(str(directory / "tokenizer.json"))
-    config = tokenizer_config(added_tokens(), NOT_SPECIAL)
-    if hf_layout:
-        config["extra_special_tokens"] = EXTRA_SPECIAL_TOKENS
-    (directory / "tokenizer_config.json").write_text(json.dumps(config, indent=2, ensure_ascii=False) + "\n")
-    (directory / "chat_template.jinja").write_text(CHAT_TEMPLATE)
+    extra = EXTRA_SPECIAL_TOKENS if hf_layout else None
+    qwen_tokenizer.write_tokenizer(directory, added_tokens(), NOT_SPECIAL, CHAT_TEMPLATE, extra)

@@ -27,7 +27,7 @@ from torch import nn
 
 from omnistage.models.layers.activations import ACTIVATIONS
 from omnistage.models.layers.varlen_attention import Segments, varlen_attention
-from omnistage.models.loader import load_module
+from omnistage.models.loader import load_model
 from omnistage.models.qwen3_omni.config import AudioEncoderConfig, Qwen3OmniConfig
 
 PREFIX = "thinker.audio_tower."
@@ -243,8 +243,12 @@ def load_audio_encoder(
 ) -> AudioEncoder:
     """The audio encoder of a Qwen3-Omni checkpoint directory, weights read by their file names."""
     cfg = Qwen3OmniConfig.from_dir(checkpoint_dir).thinker.audio
-    with torch.device("meta"):
-        model = AudioEncoder(cfg)
-    return load_module(
-        model, checkpoint_dir, PREFIX, dtype=dtype, device=device, load_format=load_format, seed=seed
+    return load_model(
+        lambda: AudioEncoder(cfg),
+        checkpoint_dir,
+        PREFIX,
+        dtype=dtype,
+        device=device,
+        load_format=load_format,
+        seed=seed,
     )

@@ -21,11 +21,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from omnistage.models.layers.linear import fuse_projections
 from omnistage.models.layers.moe import GatedMLP
 from omnistage.models.layers.norm import RMSNorm
 from omnistage.models.layers.rotary import MRotaryEmbedding, apply_rotary
-from omnistage.models.loader import load_module
+from omnistage.models.loader import load_model
 from omnistage.models.qwen3_omni.config import Code2WavConfig, Qwen3OmniConfig
 
 CONV_KERNEL = 7
@@ -355,10 +354,12 @@ def load_code2wav(
     `load_format="dummy"` reads only config.json and fills random weights on `device` (benchmarks).
     """
     cfg = Qwen3OmniConfig.from_dir(checkpoint_dir).code2wav
-    with torch.device("meta"):
-        model = Code2Wav(cfg)
-    load_module(
-        model, checkpoint_dir, "code2wav.", dtype=dtype, device=device, load_format=load_format, seed=seed
+    return load_model(
+        lambda: Code2Wav(cfg),
+        checkpoint_dir,
+        "code2wav.",
+        dtype=dtype,
+        device=device,
+        load_format=load_format,
+        seed=seed,
     )
-    fuse_projections(model)
-    return model

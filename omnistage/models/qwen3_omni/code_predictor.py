@@ -20,12 +20,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from omnistage.errors import ConfigError
-from omnistage.models.layers.attention import norm_rotate_qk
-from omnistage.models.layers.linear import FusedProjection, fuse_linears, fuse_projections
+from omnistage.models.layers.attention import SelfAttention
+from omnistage.models.layers.decoder import Decoder, DecoderLayer
 from omnistage.models.layers.moe import GatedMLP
-from omnistage.models.layers.norm import RMSNorm
-from omnistage.models.layers.rotary import MRotaryEmbedding, apply_rotary
-from omnistage.models.loader import load_module
+from omnistage.models.loader import load_model
 from omnistage.models.qwen3_omni.config import CodePredictorConfig, Qwen3OmniConfig
 
 Sampler = Callable[[torch.Tensor], torch.Tensor]
@@ -37,28 +35,8 @@ def greedy(logits: torch.Tensor) -> torch.Tensor:
     return logits.argmax(dim=-1)
 
 
-class CodePredictorAttention(nn.Module):
+class CodePredictorAttention(SelfAttention):
     """Qwen3 attention (per-head q/k RMSNorm, RoPE, GQA) over one layer's static per-frame cache."""
-
-    def __init__(self, cfg: CodePredictorConfig) -> None:
-        super().__init__()
-        self.num_heads, self.num_kv_heads, self.head_dim = (
-            cfg.num_attention_heads,
-            cfg.num_key_value_heads,
-            cfg.head_dim,
-        )
-        self.scale = cfg.head_dim**-0.5
-        self.q_proj = nn.Linear(cfg.hidden_size, cfg.num_attention_heads * cfg.head_dim, bias=False)
-        self.k_proj = nn.Linear(cfg.hidden_size, cfg.num_key_value_heads * cfg.head_dim, bias=False)
-        self.v_proj = nn.Linear(cfg.hidden_size, cfg.num_key_value_heads * cfg.head_dim, bias=False)
-        self.o_proj = nn.Linear(cfg.num_attention_heads * cfg.head_dim, cfg.hidden_size, bias=False)
-        self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
-        self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
-        self.qkv: FusedProjection | None = None
-
-    def fuse_projections(self) -> None:
-        """q, k and v as one GEMM (`linear.fuse_linears`): 15 steps of 5 layers per frame."""
-        self.qkv = FusedProjection(fuse_linears(self.q_proj, self.k_proj, self.v_proj))
 
     def forward(
         self,
@@ -72,20 +50,8 @@ class CodePredictorAttention(nn.Module):
         """x `[B, S, H]` at positions `start..start+S-1` (cos/sin `[S, head_dim]`); kv `[2, B, Hkv, G, D]`.
         `causal`: the S rows attend causally (the first step's, from position 0); else one row attends to all.
         A flag, not `S > 1`: under torch.compile a bool of a symbolic size breaks the graph at the attention."""
-        batch, length, _ = x.shape
-        if self.qkv is not None:
-            qkv = self.qkv(x)
-            heads = self.num_heads + self.num_kv_heads
-            qk = qkv[..., : heads * self.head_dim].reshape(batch, length, heads, self.head_dim)
-            q, k = norm_rotate_qk(qk, self.q_norm, self.k_norm, self.num_heads, cos, sin)
-            v = qkv[..., heads * self.head_dim :].reshape(batch, length, self.num_kv_heads, self.head_dim)
-        else:
-            q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
-            q = self.q_norm(q.reshape(batch, length, self.num_heads, self.head_dim))
-            k = self.k_norm(k.reshape(batch, length, self.num_kv_heads, self.head_dim))
-            v = v.reshape(batch, length, self.num_kv_heads, self.head_dim)
-            q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
-        end = start + length
+        q, k, v = self.heads(x, cos, sin)
+        end = start + x.shape[1]
         kv[0, :, :, start:end] = k.transpose(1, 2)
         kv[1, :, :, start:end] = v.transpose(1, 2)
         out = F.scaled_dot_product_attention(
@@ -96,55 +62,21 @@ class CodePredictorAttention(nn.Module):
             scale=self.scale,
             enable_gqa=True,
         )
-        return self.o_proj(out.transpose(1, 2).reshape(batch, length, self.num_heads * self.head_dim))
+        return self.project_out(out.transpose(1, 2))
 
 
-class CodePredictorDecoderLayer(nn.Module):
+def code_predictor_layer(cfg: CodePredictorConfig) -> DecoderLayer:
+    return DecoderLayer(cfg, CodePredictorAttention(cfg), GatedMLP(cfg.hidden_size, cfg.intermediate_size))
+
+
+class CodePredictorModel(Decoder):
     def __init__(self, cfg: CodePredictorConfig) -> None:
-        super().__init__()
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = CodePredictorAttention(cfg)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp = GatedMLP(cfg.hidden_size, cfg.intermediate_size)
-
-    def forward(
-        self,
-        x: torch.Tensor,
-        cos: torch.Tensor,
-        sin: torch.Tensor,
-        kv: torch.Tensor,
-        start: int,
-        causal: bool,
-    ) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, kv, start, causal)
-        return x + self.mlp(self.post_attention_layernorm(x))
-
-
-class CodePredictorModel(nn.Module):
-    def __init__(self, cfg: CodePredictorConfig) -> None:
-        super().__init__()
-        self.layers = nn.ModuleList(CodePredictorDecoderLayer(cfg) for _ in range(cfg.num_hidden_layers))
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        # plain 1-D RoPE: one section holding every frequency, so all come from the first position stream
+        super().__init__(cfg, lambda: code_predictor_layer(cfg), (cfg.head_dim // 2, 0, 0))
         # codec_embedding[g - 1] embeds code g (g = 1..G-1); code 0 is embedded by the Talker's own table
         self.codec_embedding = nn.ModuleList(
             nn.Embedding(cfg.vocab_size, cfg.hidden_size) for _ in range(cfg.num_code_groups - 1)
         )
-        # plain 1-D RoPE: one section holding every frequency, so all come from the first position stream
-        self.rotary_emb = MRotaryEmbedding(cfg.head_dim, cfg.rope_theta, (cfg.head_dim // 2, 0, 0))
-
-    def forward(
-        self,
-        x: torch.Tensor,
-        cos: torch.Tensor,
-        sin: torch.Tensor,
-        kv: torch.Tensor,
-        start: int,
-        causal: bool,
-    ) -> torch.Tensor:
-        """Final-norm hidden states `[B, S, H]` of x `[B, S, H]` at positions `start..`; kv `[layers, 2, B, Hkv, G, D]`."""
-        for i, layer in enumerate(self.layers):
-            x = layer(x, cos, sin, kv[i], start, causal)
-        return self.norm(x)
 
 
 class CodePredictor(nn.Module):
@@ -202,7 +134,8 @@ class CodePredictor(nn.Module):
         x, start = torch.stack((talker_hidden, code0_embeds), dim=1), 0
         for step in range(groups - 1):
             end = start + x.shape[1]
-            hidden = self.model(x, cos[start:end], sin[start:end], kv, start, causal=step == 0)
+            caches = [(layer_kv, start, step == 0) for layer_kv in kv]  # causal: the first step's rows
+            hidden, _ = self.model.run(x, cos[start:end], sin[start:end], caches)
             ids = sample(self.lm_head[step](hidden[:, -1]).float())
             codes[:, step] = ids
             row = self.model.codec_embedding[step](ids)
@@ -237,10 +170,8 @@ def load_code_predictor(
             f"talker_config.code_predictor_config.num_code_groups: {cfg.num_code_groups} differs from the "
             f"talker's {talker.num_code_groups}"
         )
-    with torch.device("meta"):
-        predictor = CodePredictor(cfg)
-    load_module(
-        predictor,
+    return load_model(
+        lambda: CodePredictor(cfg),
         checkpoint_dir,
         "talker.code_predictor.",
         dtype=dtype,
@@ -248,5 +179,3 @@ def load_code_predictor(
         load_format=load_format,
         seed=seed,
     )
-    fuse_projections(predictor)
-    return predictor

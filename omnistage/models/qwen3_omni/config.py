@@ -6,96 +6,40 @@ the reason, instead of deep inside a forward pass.
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 from omnistage.errors import ConfigError
-
-
-class _Reader:
-    """Reads typed values out of one nested dict and names the full key path in every error."""
-
-    def __init__(self, data: dict, path: str):
-        if not isinstance(data, dict):
-            raise ConfigError(f"{path}: expected an object, found {type(data).__name__}")
-        self.data, self.path = data, path
-
-    def child(self, key: str) -> _Reader:
-        return _Reader(self.get(key, dict), f"{self.path}.{key}" if self.path else key)
-
-    def get(self, key: str, kind: type, default: Any = ...) -> Any:
-        where = f"{self.path}.{key}" if self.path else key
-        if key not in self.data or self.data[key] is None:
-            if default is ...:
-                raise ConfigError(f"{where}: missing")
-            return default
-        value = self.data[key]
-        if kind is float and isinstance(value, int) and not isinstance(value, bool):
-            value = float(value)
-        if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
-            raise ConfigError(f"{where}: expected {kind.__name__}, found {value!r}")
-        return value
-
-    def positive(self, key: str) -> int:
-        value = self.get(key, int)
-        if value <= 0:
-            raise ConfigError(f"{self.path}.{key}: must be positive, found {value}")
-        return value
-
-    def fail(self, key: str, reason: str) -> ConfigError:
-        return ConfigError(f"{self.path}.{key}: {reason}")
+from omnistage.models.config_reader import ConfigReader, DecoderConfig, Size, read_config_json
 
 
 @dataclass(frozen=True)
-class TextConfig:
+class TextConfig(DecoderConfig):
     """A Qwen3 MoE decoder: the Thinker's or the Talker's language model."""
 
-    vocab_size: int
-    hidden_size: int
-    num_hidden_layers: int
-    num_attention_heads: int
-    num_key_value_heads: int
-    head_dim: int
-    rms_norm_eps: float
-    rope_theta: float
     mrope_section: tuple[int, ...]
     mrope_interleaved: bool
-    num_experts: int
-    num_experts_per_tok: int
-    moe_intermediate_size: int
+    num_experts: Size
+    num_experts_per_tok: Size
+    moe_intermediate_size: Size
     norm_topk_prob: bool
     shared_expert_intermediate_size: int
-    max_position_embeddings: int
+    max_position_embeddings: Size
 
     @classmethod
-    def read(cls, r: _Reader, experts_key: str) -> TextConfig:
+    def read(cls, r: ConfigReader, experts_key: str) -> TextConfig:
         rope = r.child("rope_parameters")
-        cfg = cls(
-            vocab_size=r.positive("vocab_size"),
-            hidden_size=r.positive("hidden_size"),
-            num_hidden_layers=r.positive("num_hidden_layers"),
-            num_attention_heads=r.positive("num_attention_heads"),
-            num_key_value_heads=r.positive("num_key_value_heads"),
-            head_dim=r.positive("head_dim"),
-            rms_norm_eps=r.get("rms_norm_eps", float),
+        cfg = r.read(
+            cls,
             rope_theta=rope.get("rope_theta", float),
             mrope_section=tuple(rope.get("mrope_section", list)),
             mrope_interleaved=rope.get("interleaved", bool, False)
             or rope.get("mrope_interleaved", bool, False),
             num_experts=r.positive(experts_key),
-            num_experts_per_tok=r.positive("num_experts_per_tok"),
-            moe_intermediate_size=r.positive("moe_intermediate_size"),
             norm_topk_prob=r.get("norm_topk_prob", bool, True),
             shared_expert_intermediate_size=r.get("shared_expert_intermediate_size", int, 0),
-            max_position_embeddings=r.positive("max_position_embeddings"),
         )
-        if cfg.num_attention_heads % cfg.num_key_value_heads:
-            raise r.fail(
-                "num_key_value_heads",
-                f"{cfg.num_key_value_heads} does not divide num_attention_heads {cfg.num_attention_heads}",
-            )
+        cfg.check_heads(r)
         if cfg.head_dim % 2 or sum(cfg.mrope_section) != cfg.head_dim // 2 or len(cfg.mrope_section) != 3:
             raise r.fail(
                 "rope_parameters.mrope_section",
@@ -111,43 +55,25 @@ class TextConfig:
             raise r.fail("sliding_window", "sliding-window attention is not supported in the decoder")
         return cfg
 
-    @property
-    def kv_bytes_per_token(self) -> int:
-        """K and V of every layer for one token, in bf16."""
-        return 2 * self.num_hidden_layers * self.num_key_value_heads * self.head_dim * 2
-
 
 @dataclass(frozen=True)
 class AudioEncoderConfig:
-    num_mel_bins: int
-    d_model: int
-    encoder_layers: int
-    encoder_attention_heads: int
-    encoder_ffn_dim: int
-    downsample_hidden_size: int
-    output_dim: int
-    n_window: int
-    n_window_infer: int
-    conv_chunksize: int
-    max_source_positions: int
+    num_mel_bins: Size
+    d_model: Size
+    encoder_layers: Size
+    encoder_attention_heads: Size
+    encoder_ffn_dim: Size
+    downsample_hidden_size: Size
+    output_dim: Size
+    n_window: Size
+    n_window_infer: Size
+    conv_chunksize: Size
+    max_source_positions: Size
     activation_function: str
 
     @classmethod
-    def read(cls, r: _Reader) -> AudioEncoderConfig:
-        cfg = cls(
-            num_mel_bins=r.positive("num_mel_bins"),
-            d_model=r.positive("d_model"),
-            encoder_layers=r.positive("encoder_layers"),
-            encoder_attention_heads=r.positive("encoder_attention_heads"),
-            encoder_ffn_dim=r.positive("encoder_ffn_dim"),
-            downsample_hidden_size=r.positive("downsample_hidden_size"),
-            output_dim=r.positive("output_dim"),
-            n_window=r.positive("n_window"),
-            n_window_infer=r.positive("n_window_infer"),
-            conv_chunksize=r.positive("conv_chunksize"),
-            max_source_positions=r.positive("max_source_positions"),
-            activation_function=r.get("activation_function", str),
-        )
+    def read(cls, r: ConfigReader) -> AudioEncoderConfig:
+        cfg = r.read(cls)
         if cfg.d_model % cfg.encoder_attention_heads:
             raise r.fail(
                 "encoder_attention_heads",
@@ -163,35 +89,22 @@ class AudioEncoderConfig:
 
 @dataclass(frozen=True)
 class VisionEncoderConfig:
-    depth: int
-    hidden_size: int
-    num_heads: int
-    intermediate_size: int
+    depth: Size
+    hidden_size: Size
+    num_heads: Size
+    intermediate_size: Size
     hidden_act: str
-    in_channels: int
-    patch_size: int
-    temporal_patch_size: int
-    spatial_merge_size: int
-    out_hidden_size: int
-    num_position_embeddings: int
+    in_channels: Size
+    patch_size: Size
+    temporal_patch_size: Size
+    spatial_merge_size: Size
+    out_hidden_size: Size
+    num_position_embeddings: Size
     deepstack_visual_indexes: tuple[int, ...]
 
     @classmethod
-    def read(cls, r: _Reader) -> VisionEncoderConfig:
-        cfg = cls(
-            depth=r.positive("depth"),
-            hidden_size=r.positive("hidden_size"),
-            num_heads=r.positive("num_heads"),
-            intermediate_size=r.positive("intermediate_size"),
-            hidden_act=r.get("hidden_act", str),
-            in_channels=r.positive("in_channels"),
-            patch_size=r.positive("patch_size"),
-            temporal_patch_size=r.positive("temporal_patch_size"),
-            spatial_merge_size=r.positive("spatial_merge_size"),
-            out_hidden_size=r.positive("out_hidden_size"),
-            num_position_embeddings=r.positive("num_position_embeddings"),
-            deepstack_visual_indexes=tuple(r.get("deepstack_visual_indexes", list, [])),
-        )
+    def read(cls, r: ConfigReader) -> VisionEncoderConfig:
+        cfg = r.read(cls, deepstack_visual_indexes=tuple(r.get("deepstack_visual_indexes", list, [])))
         bad = [i for i in cfg.deepstack_visual_indexes if not 0 <= i < cfg.depth]
         if bad:
             raise r.fail("deepstack_visual_indexes", f"{bad} outside the {cfg.depth} vision blocks")
@@ -213,22 +126,15 @@ class ThinkerConfig:
     audio_end_token_id: int
     vision_start_token_id: int
     vision_end_token_id: int
-    position_id_per_seconds: int
+    position_id_per_seconds: Size
 
     @classmethod
-    def read(cls, r: _Reader) -> ThinkerConfig:
-        cfg = cls(
+    def read(cls, r: ConfigReader) -> ThinkerConfig:
+        cfg = r.read(
+            cls,
             text=TextConfig.read(r.child("text_config"), "num_experts"),
             audio=AudioEncoderConfig.read(r.child("audio_config")),
             vision=VisionEncoderConfig.read(r.child("vision_config")),
-            audio_token_id=r.get("audio_token_id", int),
-            image_token_id=r.get("image_token_id", int),
-            video_token_id=r.get("video_token_id", int),
-            audio_start_token_id=r.get("audio_start_token_id", int),
-            audio_end_token_id=r.get("audio_end_token_id", int),
-            vision_start_token_id=r.get("vision_start_token_id", int),
-            vision_end_token_id=r.get("vision_end_token_id", int),
-            position_id_per_seconds=r.positive("position_id_per_seconds"),
         )
         for key in ("audio_token_id", "image_token_id", "video_token_id"):
             if not 0 <= getattr(cfg, key) < cfg.text.vocab_size:
@@ -243,41 +149,22 @@ class ThinkerConfig:
 
 
 @dataclass(frozen=True)
-class CodePredictorConfig:
-    vocab_size: int
-    hidden_size: int
-    num_hidden_layers: int
-    num_attention_heads: int
-    num_key_value_heads: int
-    head_dim: int
-    intermediate_size: int
-    rms_norm_eps: float
-    rope_theta: float
-    num_code_groups: int
+class CodePredictorConfig(DecoderConfig):
+    intermediate_size: Size
+    num_code_groups: Size
 
     @classmethod
-    def read(cls, r: _Reader) -> CodePredictorConfig:
-        return cls(
-            vocab_size=r.positive("vocab_size"),
-            hidden_size=r.positive("hidden_size"),
-            num_hidden_layers=r.positive("num_hidden_layers"),
-            num_attention_heads=r.positive("num_attention_heads"),
-            num_key_value_heads=r.positive("num_key_value_heads"),
-            head_dim=r.positive("head_dim"),
-            intermediate_size=r.positive("intermediate_size"),
-            rms_norm_eps=r.get("rms_norm_eps", float),
-            rope_theta=r.child("rope_parameters").get("rope_theta", float),
-            num_code_groups=r.positive("num_code_groups"),
-        )
+    def read(cls, r: ConfigReader) -> CodePredictorConfig:
+        return r.read(cls, rope_theta=r.child("rope_parameters").get("rope_theta", float))
 
 
 @dataclass(frozen=True)
 class TalkerConfig:
     text: TextConfig
     code_predictor: CodePredictorConfig
-    thinker_hidden_size: int
+    thinker_hidden_size: Size
     accept_hidden_layer: int
-    num_code_groups: int
+    num_code_groups: Size
     codec_bos_id: int
     codec_eos_token_id: int
     codec_pad_id: int
@@ -289,57 +176,34 @@ class TalkerConfig:
     projection_intermediate_size: int
 
     @classmethod
-    def read(cls, r: _Reader) -> TalkerConfig:
-        return cls(
+    def read(cls, r: ConfigReader) -> TalkerConfig:
+        return r.read(
+            cls,
             text=TextConfig.read(r.child("text_config"), "num_local_experts"),
             code_predictor=CodePredictorConfig.read(r.child("code_predictor_config")),
-            thinker_hidden_size=r.positive("thinker_hidden_size"),
-            accept_hidden_layer=r.get("accept_hidden_layer", int),
-            num_code_groups=r.positive("num_code_groups"),
-            codec_bos_id=r.get("codec_bos_id", int),
-            codec_eos_token_id=r.get("codec_eos_token_id", int),
-            codec_pad_id=r.get("codec_pad_id", int),
-            codec_nothink_id=r.get("codec_nothink_id", int),
-            codec_think_bos_id=r.get("codec_think_bos_id", int),
-            codec_think_eos_id=r.get("codec_think_eos_id", int),
-            speaker_id=dict(r.get("speaker_id", dict)),
             projection_intermediate_size=r.child("text_config").positive("intermediate_size"),
         )
 
 
 @dataclass(frozen=True)
 class Code2WavConfig:
-    hidden_size: int
-    num_hidden_layers: int
-    num_attention_heads: int
-    num_key_value_heads: int
-    intermediate_size: int
-    codebook_size: int
-    num_quantizers: int
-    decoder_dim: int
-    sliding_window: int
+    hidden_size: Size
+    num_hidden_layers: Size
+    num_attention_heads: Size
+    num_key_value_heads: Size
+    intermediate_size: Size
+    codebook_size: Size
+    num_quantizers: Size
+    decoder_dim: Size
+    sliding_window: Size
     upsample_rates: tuple[int, ...]
     upsampling_ratios: tuple[int, ...]
     rms_norm_eps: float
     rope_theta: float
 
     @classmethod
-    def read(cls, r: _Reader) -> Code2WavConfig:
-        return cls(
-            hidden_size=r.positive("hidden_size"),
-            num_hidden_layers=r.positive("num_hidden_layers"),
-            num_attention_heads=r.positive("num_attention_heads"),
-            num_key_value_heads=r.positive("num_key_value_heads"),
-            intermediate_size=r.positive("intermediate_size"),
-            codebook_size=r.positive("codebook_size"),
-            num_quantizers=r.positive("num_quantizers"),
-            decoder_dim=r.positive("decoder_dim"),
-            sliding_window=r.positive("sliding_window"),
-            upsample_rates=tuple(r.get("upsample_rates", list)),
-            upsampling_ratios=tuple(r.get("upsampling_ratios", list)),
-            rms_norm_eps=r.get("rms_norm_eps", float),
-            rope_theta=r.child("rope_parameters").get("rope_theta", float),
-        )
+    def read(cls, r: ConfigReader) -> Code2WavConfig:
+        return r.read(cls, rope_theta=r.child("rope_parameters").get("rope_theta", float))
 
     @property
     def samples_per_frame(self) -> int:
@@ -366,10 +230,7 @@ class Qwen3OmniConfig:
 
     @classmethod
     def from_dict(cls, data: dict) -> Qwen3OmniConfig:
-        r = _Reader(data, "")
-        model_type = r.get("model_type", str)
-        if model_type != "qwen3_omni_moe":
-            raise ConfigError(f"model_type: omnistage serves 'qwen3_omni_moe' here, found {model_type!r}")
+        r = ConfigReader.of_model(data, "qwen3_omni_moe")
         thinker = ThinkerConfig.read(r.child("thinker_config"))
         talker = TalkerConfig.read(r.child("talker_config"))
         if not 0 <= talker.accept_hidden_layer <= thinker.text.num_hidden_layers:
@@ -377,34 +238,15 @@ class Qwen3OmniConfig:
                 f"talker_config.accept_hidden_layer: {talker.accept_hidden_layer} is outside the thinker's "
                 f"{thinker.text.num_hidden_layers} layers"
             )
-        return cls(
+        return r.read(
+            cls,
             thinker=thinker,
             talker=talker,
             code2wav=Code2WavConfig.read(r.child("code2wav_config")),
             enable_audio_output=r.get("enable_audio_output", bool, True),
-            im_start_token_id=r.get("im_start_token_id", int),
-            im_end_token_id=r.get("im_end_token_id", int),
-            user_token_id=r.get("user_token_id", int),
-            assistant_token_id=r.get("assistant_token_id", int),
-            tts_bos_token_id=r.get("tts_bos_token_id", int),
-            tts_eos_token_id=r.get("tts_eos_token_id", int),
-            tts_pad_token_id=r.get("tts_pad_token_id", int),
             raw=data,
         )
 
     @classmethod
     def from_dir(cls, directory: str | Path) -> Qwen3OmniConfig:
         return cls.from_dict(read_config_json(directory))
-
-
-def read_config_json(directory: str | Path) -> dict:
-    """A checkpoint directory's config.json, or a ConfigError saying what is missing or unreadable."""
-    if not Path(directory).is_dir():
-        raise ConfigError(f"{directory}: the checkpoint directory does not exist")
-    path = Path(directory) / "config.json"
-    try:
-        return json.loads(path.read_text())
-    except FileNotFoundError:
-        raise ConfigError(f"{path}: no config.json in the checkpoint directory") from None
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise ConfigError(f"{path}: unreadable ({exc})") from None

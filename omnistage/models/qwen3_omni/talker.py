@@ -10,18 +10,16 @@ to the code predictor (`code_predictor.py`), which reads the final hidden states
 from __future__ import annotations
 
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, cast
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from omnistage.models.layers.linear import fuse_projections
-from omnistage.models.layers.norm import RMSNorm
-from omnistage.models.layers.rotary import MRotaryEmbedding
-from omnistage.models.loader import load_module
+from omnistage.models.layers.decoder import Decoder
+from omnistage.models.loader import load_model
 from omnistage.models.qwen3_omni.config import Qwen3OmniConfig, TalkerConfig, TextConfig
-from omnistage.models.qwen3_omni.moe_decoder import MoeDecoderLayer
+from omnistage.models.qwen3_omni.moe_decoder import moe_decoder_layer
 
 if TYPE_CHECKING:
     from omnistage.models.layers.attention_backend import AttentionBackend
@@ -42,25 +40,12 @@ class ResizeMLP(nn.Module):
         return self.linear_fc2(F.silu(self.linear_fc1(x)))
 
 
-class TalkerModel(nn.Module):
-    def __init__(self, cfg: TextConfig, backend: AttentionBackend) -> None:
-        super().__init__()
-        self.codec_embedding = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(MoeDecoderLayer(cfg, backend) for _ in range(cfg.num_hidden_layers))
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.rotary_emb = MRotaryEmbedding(cfg.head_dim, cfg.rope_theta, cfg.mrope_section)
+class TalkerModel(Decoder):
+    """The Talker's decoder: fed rows, with `codec_embedding` for the codec ids among them."""
 
-    def forward(
-        self,
-        hidden: torch.Tensor,
-        positions: torch.Tensor,
-        kv_caches: list[torch.Tensor],
-        meta: AttentionMetadata,
-    ) -> torch.Tensor:
-        cos, sin = self.rotary_emb(positions)
-        for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
-            hidden = layer(hidden, cos, sin, kv_cache, meta)
-        return self.norm(hidden)
+    def __init__(self, cfg: TextConfig, backend: AttentionBackend) -> None:
+        super().__init__(cfg, lambda: moe_decoder_layer(cfg, backend), cfg.mrope_section)
+        self.codec_embedding = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
 
 
 class Talker(nn.Module):
@@ -84,7 +69,7 @@ class Talker(nn.Module):
 
         Decode rows take position cache length + rope delta on all three streams.
         """
-        return self.model(inputs_embeds, positions, kv_caches, meta)
+        return cast(torch.Tensor, self.model(inputs_embeds, positions, kv_caches, meta))
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Codec logits `[T, vocab]` (float32); code 0 of the next frame."""
@@ -104,10 +89,8 @@ def load_talker(
     `load_format="dummy"` reads only config.json and fills random weights on `device` (benchmarks).
     """
     cfg = Qwen3OmniConfig.from_dir(checkpoint_dir).talker
-    with torch.device("meta"):
-        talker = Talker(cfg, backend)
-    load_module(
-        talker,
+    return load_model(
+        lambda: Talker(cfg, backend),
         checkpoint_dir,
         "talker.",
         dtype=dtype,
@@ -116,5 +99,3 @@ def load_talker(
         seed=seed,
         exclude=(CODE_PREDICTOR_PREFIX,),
     )
-    fuse_projections(talker)
-    return talker

@@ -7,17 +7,15 @@ vocabulary, tensor names as the released files spell them (one tensor per expert
 from __future__ import annotations
 
 import copy
-import json
 import os
 import shutil
 import tempfile
-from importlib import resources
 from pathlib import Path
 
 import torch
 from safetensors import safe_open
-from safetensors.torch import save_file
 
+from omnistage.models import tiny_checkpoint as tiny
 from omnistage.models.qwen3_omni.tokenizer import write_tokenizer_files
 from omnistage.models.qwen3_omni.video_processing import VIDEO_CONFIG, VIDEO_PREPROCESSOR_CONFIG
 
@@ -27,17 +25,7 @@ RELEASED_CONFIG = "qwen3_omni_30b_a3b_instruct.config.json"
 PREPROCESSOR_CONFIG = {
     "processor_class": "Qwen3OmniMoeProcessor",
     "feature_extractor_type": "WhisperFeatureExtractor",
-    "feature_size": 128,
-    "sampling_rate": 16000,
-    "hop_length": 160,
-    "n_fft": 400,
-    "chunk_length": 300,
-    "n_samples": 4800000,
-    "nb_max_frames": 30000,
-    "padding_side": "right",
-    "padding_value": 0.0,
-    "dither": 0.0,
-    "return_attention_mask": True,
+    **tiny.whisper_mel(300),
     "image_processor_type": "Qwen2VLImageProcessor",
     "do_resize": True,
     "do_rescale": True,
@@ -52,11 +40,13 @@ PREPROCESSOR_CONFIG = {
     "temporal_patch_size": 2,
     "merge_size": 2,
 }
+# The Talker's width, which its code predictor shares (it reads the Talker's hidden states as they are).
+TALKER_WIDTH = {"hidden_size": 32, "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 16}
 
 
 def released_config() -> dict:
     """The released Qwen3-Omni-30B-A3B-Instruct config.json, shipped as package data."""
-    return json.loads((resources.files("omnistage") / "data" / RELEASED_CONFIG).read_text())
+    return tiny.package_config(RELEASED_CONFIG)
 
 
 def tiny_config() -> dict:
@@ -64,25 +54,14 @@ def tiny_config() -> dict:
     c = copy.deepcopy(released_config())
     thinker, talker = c["thinker_config"], c["talker_config"]
     thinker["text_config"].update(
-        hidden_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
+        tiny.DECODER_SIZES,
         intermediate_size=32,
         moe_intermediate_size=32,
         num_experts=8,
         num_experts_per_tok=2,
     )
     thinker["text_config"]["rope_parameters"]["mrope_section"] = [4, 2, 2]
-    thinker["audio_config"].update(
-        d_model=32,
-        encoder_layers=2,
-        encoder_attention_heads=2,
-        encoder_ffn_dim=64,
-        downsample_hidden_size=8,
-        output_dim=64,
-    )
+    thinker["audio_config"].update(tiny.AUDIO_ENCODER_SIZES)
     thinker["vision_config"].update(
         hidden_size=32,
         depth=4,
@@ -92,11 +71,8 @@ def tiny_config() -> dict:
         out_hidden_size=64,
     )
     talker["text_config"].update(
-        hidden_size=32,
+        TALKER_WIDTH,
         num_hidden_layers=2,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        head_dim=16,
         intermediate_size=32,
         moe_intermediate_size=16,
         num_local_experts=4,
@@ -105,11 +81,8 @@ def tiny_config() -> dict:
     )
     talker["text_config"]["rope_parameters"]["mrope_section"] = [4, 2, 2]
     talker["code_predictor_config"].update(
-        hidden_size=32,
+        TALKER_WIDTH,
         num_hidden_layers=1,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        head_dim=16,
         intermediate_size=64,
         layer_types=["full_attention"],
     )
@@ -130,55 +103,26 @@ def tiny_config() -> dict:
 def checkpoint_layout(config: dict) -> dict[str, tuple[int, ...]]:
     """Tensor names and shapes of a checkpoint for `config`, as transformers writes it to disk."""
     from transformers import Qwen3OmniMoeConfig, Qwen3OmniMoeForConditionalGeneration
-    from transformers.utils import logging as hf_logging
 
-    verbosity = hf_logging.get_verbosity()
-    hf_logging.set_verbosity_error()
-    hf_logging.disable_progress_bar()
-    try:
-        with torch.device("cpu"):
-            model = Qwen3OmniMoeForConditionalGeneration(Qwen3OmniMoeConfig(**config))
-        with tempfile.TemporaryDirectory() as tmp:
-            model.save_pretrained(tmp)
-            with safe_open(os.path.join(tmp, "model.safetensors"), "pt") as f:
-                return {name: tuple(f.get_slice(name).get_shape()) for name in sorted(f.keys())}
-    finally:
-        hf_logging.set_verbosity(verbosity)
-        hf_logging.enable_progress_bar()
-
-
-def random_tensor(name: str, shape: tuple[int, ...], generator: torch.Generator) -> torch.Tensor:
-    """Values that keep activations O(1) through any depth: gains near 1, small biases, 1/sqrt(fan_in) weights."""
-    noise = torch.randn(shape, generator=generator)
-    if len(shape) == 1:
-        return 1.0 + 0.1 * noise if name.endswith("weight") else 0.1 * noise
-    fan_in = 1
-    for size in shape[1:]:
-        fan_in *= size
-    return noise / fan_in**0.5
+    with tiny.quiet_transformers(), torch.device("cpu"), tempfile.TemporaryDirectory() as tmp:
+        model = Qwen3OmniMoeForConditionalGeneration(Qwen3OmniMoeConfig(**config))
+        model.save_pretrained(tmp)
+        with safe_open(os.path.join(tmp, "model.safetensors"), "pt") as f:
+            return {name: tuple(f.get_slice(name).get_shape()) for name in sorted(f.keys())}
 
 
 def write_weights(directory: str | Path, config: dict, seed: int) -> Path:
     """`config.json` and seeded random bf16 weights for every tensor `config` lays out, in `directory`."""
-    directory = Path(directory)
-    directory.mkdir(parents=True, exist_ok=True)
-    generator = torch.Generator().manual_seed(seed)
-    tensors = {
-        name: random_tensor(name, shape, generator).to(torch.bfloat16)
-        for name, shape in checkpoint_layout(config).items()
-    }
-    save_file(tensors, str(directory / "model.safetensors"), metadata={"format": "pt"})
-    (directory / "config.json").write_text(json.dumps(config, indent=2) + "\n")
-    return directory
+    return tiny.write_checkpoint(directory, config, tiny.random_weights(checkpoint_layout(config), seed))
 
 
 def make_tiny(directory: str | Path, seed: int = 0) -> Path:
     """Write a tiny random Qwen3-Omni checkpoint to `directory`; the same seed writes the same bytes."""
     directory = write_weights(directory, tiny_config(), seed)
     generation = {"do_sample": False, "eos_token_id": [151645, 151643], "pad_token_id": 151643}
-    (directory / "generation_config.json").write_text(json.dumps(generation, indent=2) + "\n")
-    (directory / "preprocessor_config.json").write_text(json.dumps(PREPROCESSOR_CONFIG, indent=2) + "\n")
-    (directory / VIDEO_CONFIG).write_text(json.dumps(VIDEO_PREPROCESSOR_CONFIG, indent=2) + "\n")
+    tiny.write_json(directory, "generation_config.json", generation)
+    tiny.write_json(directory, "preprocessor_config.json", PREPROCESSOR_CONFIG)
+    tiny.write_json(directory, VIDEO_CONFIG, VIDEO_PREPROCESSOR_CONFIG)
     write_tokenizer_files(directory)
     return directory
 

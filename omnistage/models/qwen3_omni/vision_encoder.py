@@ -17,7 +17,7 @@ from torch import nn
 
 from omnistage.models.layers.activations import ACTIVATIONS
 from omnistage.models.layers.varlen_attention import Segments, varlen_attention
-from omnistage.models.loader import load_module
+from omnistage.models.loader import load_model
 from omnistage.models.qwen3_omni.config import Qwen3OmniConfig, VisionEncoderConfig
 
 PREFIX = "thinker.visual."
@@ -218,8 +218,12 @@ def load_vision_encoder(
 ) -> VisionEncoder:
     """The vision encoder of a Qwen3-Omni checkpoint directory, weights read by their file names."""
     cfg = Qwen3OmniConfig.from_dir(checkpoint_dir).thinker.vision
-    with torch.device("meta"):
-        model = VisionEncoder(cfg)
-    return load_module(
-        model, checkpoint_dir, PREFIX, dtype=dtype, device=device, load_format=load_format, seed=seed
+    return load_model(
+        lambda: VisionEncoder(cfg),
+        checkpoint_dir,
+        PREFIX,
+        dtype=dtype,
+        device=device,
+        load_format=load_format,
+        seed=seed,
     )

@@ -14,9 +14,10 @@ import numpy as np
 import pytest
 import uvicorn
 
-from omnistage.bench import a2t, sse_client
+from omnistage.bench import a2t, a2t_targets, sse_client
 from omnistage.bench.clips import Clip
-from omnistage.bench.stats import RequestTiming
+from omnistage.bench.skeletons import released_skeleton
+from omnistage.bench.stats import RequestTiming, json_safe
 from omnistage.cli import bind, build_parser
 from omnistage.config import engine_config
 from omnistage.models.qwen3_omni.processor import Processor
@@ -82,8 +83,13 @@ def test_a_concurrency_above_the_set_cycles_over_it_whole_times():
 
 
 def test_forced_lengths():
-    assert a2t.forced(33, 256) == {"max_tokens": 33, "min_tokens": 33, "ignore_eos": True, "temperature": 0.0}
-    assert a2t.forced(None, 256) == {"max_tokens": 256, "temperature": 0.0}
+    assert a2t_targets.forced(33, 256) == {
+        "max_tokens": 33,
+        "min_tokens": 33,
+        "ignore_eos": True,
+        "temperature": 0.0,
+    }
+    assert a2t_targets.forced(None, 256) == {"max_tokens": 256, "temperature": 0.0}
 
 
 def test_report_and_json_safety():
@@ -101,7 +107,7 @@ def test_report_and_json_safety():
     assert "20 clips, 94.0 s of audio, output tokens 33" in table
     assert "| ours | 1 | 20.50 | 70.0 | nan | 4.60 |" in table
     assert "| transformers | 1 | 20.50 |" in table
-    assert json.loads(json.dumps(a2t._json_safe(results)))["ours"][0]["tpot_median_ms"] is None
+    assert json.loads(json.dumps(json_safe(results)))["ours"][0]["tpot_median_ms"] is None
 
 
 def test_command_line():
@@ -117,7 +123,7 @@ def test_command_line():
 
 
 def test_released_skeleton_has_what_the_processor_needs():
-    directory = a2t.released_skeleton()
+    directory = released_skeleton()
     config = json.loads((directory / "config.json").read_text())
     assert config["thinker_config"]["text_config"]["num_hidden_layers"] == 48
     assert Processor(directory).encode("hello")
@@ -243,7 +249,7 @@ def test_asr_skeletons_carry_the_released_sizes(skeleton, layers):
     from omnistage.models.qwen3_asr.config import Qwen3ASRConfig
     from omnistage.models.qwen3_asr.processor import ASRProcessor
 
-    directory = a2t.released_skeleton(skeleton)
+    directory = released_skeleton(skeleton)
     assert Qwen3ASRConfig.from_dir(directory).audio.encoder_layers == layers
     assert ASRProcessor(directory).encode("hello")
 

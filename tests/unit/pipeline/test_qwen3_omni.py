@@ -16,7 +16,7 @@ from omnistage.errors import InvalidRequest
 from omnistage.pipeline.async_pipeline import AsyncPipeline
 from omnistage.pipeline.qwen3_omni import default_frame_cap, max_speaking
 from omnistage.pipeline.side_stream import SideStream
-from omnistage.request import MAX_AUDIO_FRAMES, SpeechParams, talker_sampling_defaults
+from omnistage.request import MAX_AUDIO_FRAMES, GenerationRequest, SpeechParams, talker_sampling_defaults
 
 QUESTIONS = ["Say hello.", "Name a colour.", "Count to three.", "What is rain?", "Tell a joke.", "Why?"]
 VOICES = ["ethan", "chelsie", "aiden", "Ethan", "chelsie", "aiden"]
@@ -173,15 +173,19 @@ def test_speech_requests_are_checked_before_anything_runs(llm, tiny_checkpoint):
     pipeline = llm.pipeline
     ids = pipeline.processor.process_chat([{"role": "user", "content": "Hi"}]).token_ids
     params = SamplingParams(max_tokens=4)
+
+    def spoken(ids: list[int], speech: SpeechParams) -> GenerationRequest:
+        return GenerationRequest("spoken", ids, params, speech=speech)
+
     with pytest.raises(InvalidRequest, match="unknown voice 'nobody'.*aiden"):
-        pipeline.validate(ids, params, SpeechParams("nobody"))
+        pipeline.validate(spoken(ids, SpeechParams("nobody")))
     with pytest.raises(InvalidRequest, match="opening the assistant's turn|ends by opening"):
-        pipeline.validate(pipeline.processor.encode("plain text"), params, SpeechParams())
+        pipeline.validate(spoken(pipeline.processor.encode("plain text"), SpeechParams()))
     with pytest.raises(InvalidRequest, match="no text to speak"):
-        pipeline.validate(ids, params, SpeechParams(reply_token_ids=[]))
+        pipeline.validate(spoken(ids, SpeechParams(reply_token_ids=[])))
     for frames in (MAX_AUDIO_FRAMES + 1, 100_000, 10**9):  # the Talker's sequences are planned for the cap
         with pytest.raises(InvalidRequest, match="max_frames must be at most 4,096") as refused:
-            pipeline.validate(ids, params, SpeechParams(talker=talker(frames)))
+            pipeline.validate(spoken(ids, SpeechParams(talker=talker(frames))))
         assert refused.value.field == "max_frames"  # what the server names as the route's field
     quiet = LLM(str(tiny_checkpoint), device="cpu", dtype="float32", speech=False)
     assert quiet.pipeline.voices == ()

@@ -6,13 +6,8 @@ import pytest
 from pydantic import ValidationError
 
 from omnistage.errors import InvalidRequest
-from omnistage.server.protocol import (
-    MAX_SPEECH_INPUT,
-    ChatAudioParams,
-    ChatCompletionRequest,
-    SpeechRequest,
-    VoiceRef,
-)
+from omnistage.server.protocol.chat import ChatCompletionRequest
+from omnistage.server.protocol.speech import MAX_SPEECH_INPUT, ChatAudioParams, SpeechRequest, VoiceRef
 from omnistage.server.responses import AssistantMessage, Usage
 
 SPEECH = {"model": "tiny", "input": "Hello there.", "voice": "ethan"}

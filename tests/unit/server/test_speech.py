@@ -14,7 +14,7 @@ from omnistage.errors import QueueFull
 from omnistage.outputs import AUDIO_SAMPLE_RATE
 from omnistage.request import talker_sampling_defaults
 from omnistage.server.errors import InvalidField, kind_of
-from omnistage.server.protocol import VoiceRef
+from omnistage.server.protocol.speech import VoiceRef
 from omnistage.server.responses import Usage
 from omnistage.server.speech import (
     CHAT_FORMATS,

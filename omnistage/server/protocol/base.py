@@ -1,0 +1,95 @@
+"""What every request of the protocol shares: strict pydantic models, fields refused unless harmless, integers
+within int64, and the sampling fields of chat and text completions (vLLM's names beside OpenAI's)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Annotated, Any
+
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field
+
+from omnistage.request import SamplingParams
+
+Int64 = Annotated[int, Field(ge=-(2**63), le=2**63 - 1)]
+TokenId = Annotated[int, Field(ge=0, le=2**63 - 1)]
+TOOLS = "tools are not supported yet"
+LOGPROBS = "logprobs are not supported yet"
+
+
+class Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
+
+
+class Open(Strict):
+    """An object OpenAI keeps adding optional keys to (image_url.detail, prompt_cache_breakpoint, ...):
+    those are accepted and ignored; the known keys are still strictly typed."""
+
+    model_config = ConfigDict(extra="allow")
+
+
+def unless(harmless: Callable[[Any], bool], reason: str) -> AfterValidator:
+    """A field this server cannot honour: refused with `reason` (formatted with the value) unless the value
+    the client sent changes nothing."""
+
+    def check(value: Any) -> Any:
+        if value is not None and not harmless(value):
+            raise ValueError(reason.format(value=value))
+        return value
+
+    return AfterValidator(check)
+
+
+def empty(value: Any) -> bool:
+    return not value
+
+
+def never(value: Any) -> bool:
+    return False
+
+
+class StreamOptions(Strict):
+    include_usage: bool | None = False
+    # OpenAI pads stream chunks against length side channels; this server sends no padding either way.
+    include_obfuscation: bool | None = None
+    continuous_usage_stats: bool | None = False  # accepted for vLLM clients; usage arrives once, at the end
+
+
+class SamplingRequest(Strict):
+    """Fields shared by chat and text completions."""
+
+    model: str
+    n: Annotated[
+        Int64 | None, unless(lambda n: n == 1, "n must be 1 (one choice per request), got {value}")
+    ] = None
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: Int64 | None = None
+    min_p: float | None = None
+    seed: Int64 | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[TokenId] | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    repetition_penalty: float | None = None
+    min_tokens: Int64 | None = None
+    ignore_eos: bool | None = None
+    skip_special_tokens: bool | None = None
+    include_stop_str_in_output: bool | None = None
+    stream: bool | None = False
+    stream_options: StreamOptions | None = None
+    logit_bias: Annotated[dict[str, float] | None, unless(empty, "logit_bias is not supported")] = None
+    user: str | None = None  # OpenAI's end-user tag: ignored
+    store: bool | None = None  # ignored: nothing is stored (chat's field; clients send it to completions too)
+
+    def sampling_params(self, max_tokens: int | None) -> SamplingParams:
+        """The engine's SamplingParams; unset fields take the engine's defaults. Raises InvalidRequest."""
+        names = (
+            "temperature top_p top_k min_p seed stop stop_token_ids presence_penalty frequency_penalty "
+            "repetition_penalty min_tokens ignore_eos skip_special_tokens include_stop_str_in_output"
+        ).split()
+        values = {name: getattr(self, name) for name in names if getattr(self, name) is not None}
+        return SamplingParams(max_tokens=max_tokens, **values)
+
+    @property
+    def include_usage(self) -> bool:
+        return self.stream_options is not None and bool(self.stream_options.include_usage)

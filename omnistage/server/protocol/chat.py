@@ -1,0 +1,156 @@
+"""`/v1/chat/completions`' request: messages of text and media parts, and the fields OpenAI's chat schema
+adds to sampling (the tools and logprobs this server refuses, the audio reply it speaks)."""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+from pydantic import AfterValidator, Field, field_validator, model_validator
+
+from omnistage.server.protocol.base import (
+    LOGPROBS,
+    TOOLS,
+    Int64,
+    Open,
+    SamplingRequest,
+    Strict,
+    empty,
+    never,
+    unless,
+)
+from omnistage.server.protocol.speech import ChatAudioParams
+
+_PART_TYPES = ("text", "input_audio", "audio_url", "image_url")
+
+
+class InputAudio(Strict):
+    data: str
+    format: str  # checked where it is decoded, so an unknown one is an InvalidMedia naming the choices
+
+
+class MediaURL(Open):
+    url: str
+
+
+class ContentPart(Open):
+    """One element of a content array: text, or audio or an image (decoded by `omnistage.media`)."""
+
+    type: str
+    text: str | None = None
+    input_audio: InputAudio | None = None
+    audio_url: MediaURL | None = None
+    image_url: MediaURL | None = None
+
+    @field_validator("type")
+    @classmethod
+    def _known(cls, value: str) -> str:
+        if value not in _PART_TYPES:
+            raise ValueError(
+                f"content parts of type {value!r} are not supported; use one of {', '.join(_PART_TYPES)}"
+            )
+        return value
+
+    @model_validator(mode="after")
+    def _has_payload(self) -> ContentPart:
+        if getattr(self, self.type) is None:
+            raise ValueError(f"{self.type} parts need their {self.type!r} field")
+        return self
+
+    def is_media(self) -> bool:
+        return self.type != "text"
+
+
+class ChatMessage(Strict):
+    role: Literal["system", "developer", "user", "assistant", "tool", "function"]
+    content: str | list[ContentPart] | None = None
+    name: str | None = None  # accepted; the chat template does not render names
+    refusal: str | None = None  # an earlier assistant refusal; accepted, not rendered
+    tool_calls: list[dict[str, Any]] | None = None
+    function_call: dict[str, Any] | None = None
+    tool_call_id: str | None = None
+    audio: dict[str, Any] | None = None  # an earlier assistant audio answer, by id: refused, none is kept
+
+    @model_validator(mode="after")
+    def _supported(self) -> ChatMessage:
+        if self.role in ("tool", "function"):
+            raise ValueError(f"{self.role!r} messages are not supported ({TOOLS})")
+        if self.tool_calls or self.function_call:
+            raise ValueError(f"tool calls are not supported ({TOOLS})")
+        if self.audio is not None:
+            raise ValueError(
+                "audio output is not supported in messages: no audio answer is kept, so none can be referred "
+                "to by its id; send its transcript as the content"
+            )
+        if self.content is None:
+            raise ValueError("content is missing")
+        return self
+
+    def template_dict(self) -> dict[str, Any]:
+        """The message as the chat template takes it: OpenAI's developer role is the template's system."""
+        content: object = self.content
+        if isinstance(content, list):
+            content = [part.model_dump(exclude_none=True) for part in content]
+        return {"role": "system" if self.role == "developer" else self.role, "content": content}
+
+
+class ResponseFormat(Open):
+    type: str
+
+
+def _text_format(value: ResponseFormat) -> ResponseFormat:
+    if value.type != "text":
+        raise ValueError(f"response_format {value.type!r} is not supported; only 'text' is")
+    return value
+
+
+class ChatCompletionRequest(SamplingRequest):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_tokens: Int64 | None = None
+    max_completion_tokens: Int64 | None = None  # OpenAI's newer name; wins over max_tokens
+    add_generation_prompt: bool = True  # vLLM's
+
+    logprobs: Annotated[bool | None, unless(empty, LOGPROBS)] = None
+    top_logprobs: Annotated[Int64 | None, unless(empty, LOGPROBS)] = None
+    response_format: Annotated[ResponseFormat | None, AfterValidator(_text_format)] = None
+    tools: Annotated[list[dict[str, Any]] | None, unless(empty, TOOLS)] = None
+    functions: Annotated[list[dict[str, Any]] | None, unless(empty, TOOLS)] = None
+    tool_choice: Annotated[
+        Literal["none", "auto", "required"] | dict[str, Any] | None,
+        unless(lambda c: c in ("none", "auto"), TOOLS + ", so none can be required"),
+    ] = None
+    function_call: Annotated[
+        Literal["none", "auto"] | dict[str, Any] | None,
+        unless(lambda c: c in ("none", "auto"), TOOLS + ", so none can be required"),
+    ] = None
+    modalities: list[Literal["text", "audio"]] | None = None
+    audio: ChatAudioParams | None = None
+    web_search_options: Annotated[dict[str, Any] | None, unless(never, "web search is not supported")] = None
+    moderation: Annotated[dict[str, Any] | None, unless(never, "moderation is not supported")] = None
+
+    # Accepted and ignored: nothing the client gets from this server depends on them.
+    parallel_tool_calls: bool | None = None
+    metadata: dict[str, str] | None = None
+    service_tier: str | None = None
+    reasoning_effort: str | None = None
+    verbosity: str | None = None
+    prediction: dict[str, Any] | None = None
+    safety_identifier: str | None = None
+    prompt_cache_key: str | None = None
+    prompt_cache_retention: str | None = None
+    prompt_cache_options: dict[str, Any] | None = None
+
+    @property
+    def requested_max_tokens(self) -> int | None:
+        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+    def asks_for_audio(self) -> bool:
+        return self.audio is not None or "audio" in (self.modalities or ())
+
+    def has_media(self) -> bool:
+        return any(
+            isinstance(m.content, list) and any(p.is_media() for p in m.content) for m in self.messages
+        )
+
+    def message_dicts(self) -> list[dict[str, Any]]:
+        """Messages as the chat template takes them."""
+        return [m.template_dict() for m in self.messages]

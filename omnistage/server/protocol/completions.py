@@ -1,0 +1,59 @@
+"""`/v1/completions`' request: one raw prompt, text or token ids, and OpenAI's completion-only fields."""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, cast
+
+from pydantic import Discriminator, Tag
+
+from omnistage.errors import InvalidRequest
+from omnistage.server.protocol.base import LOGPROBS, Int64, SamplingRequest, TokenId, empty, never, unless
+
+
+def _prompt_kind(value: Any) -> str | None:
+    if isinstance(value, str):
+        return "str"
+    if not isinstance(value, list):
+        return None
+    first = value[0] if value else None
+    return (
+        "list[str]"
+        if isinstance(first, str)
+        else "list[list[int]]"
+        if isinstance(first, list)
+        else "list[int]"
+    )
+
+
+# Tagged by the JSON shape, so a bad element is reported once, at its index (the tags are left out of paths).
+Prompt = Annotated[
+    Annotated[str, Tag("str")]
+    | Annotated[list[TokenId], Tag("list[int]")]
+    | Annotated[list[str], Tag("list[str]")]
+    | Annotated[list[list[TokenId]], Tag("list[list[int]]")],
+    Discriminator(
+        _prompt_kind,
+        custom_error_type="prompt_type",
+        custom_error_message="Input should be a string, token ids, or a list of either",
+    ),
+]
+
+
+class CompletionRequest(SamplingRequest):
+    prompt: Prompt
+    max_tokens: Int64 | None = 16  # OpenAI's default for completions
+    echo: Annotated[bool | None, unless(empty, "echo is not supported")] = None
+    logprobs: Annotated[Int64 | None, unless(never, LOGPROBS)] = None
+    best_of: Annotated[Int64 | None, unless(lambda b: b == 1, "best_of must be 1, got {value}")] = None
+    suffix: Annotated[str | None, unless(empty, "suffix is not supported")] = None
+
+    def single_prompt(self) -> str | list[int]:
+        """The one prompt, as text or token ids; a batch of several is a 400."""
+        prompt = self.prompt
+        if isinstance(prompt, list) and prompt and isinstance(prompt[0], str | list):
+            if len(prompt) != 1:
+                raise InvalidRequest(f"prompt: one prompt per request is supported, got {len(prompt)}")
+            prompt = prompt[0]
+        if not prompt:
+            raise InvalidRequest("prompt: must not be empty")
+        return cast("str | list[int]", prompt)  # a batch's one prompt is a str or a list of ids
