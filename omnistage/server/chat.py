@@ -59,8 +59,11 @@ class ChatEndpoint:
             if not body.has_media():
                 prompt, ids = processor.encode_chat(messages, add_generation_prompt, context)
                 return GenerationRequest(request_id, ids, params, prompt, speech=speech)
-            decoded = decode_messages(messages, self.media)
-            laid_out = processor.process_chat(decoded, add_generation_prompt, context)
+            video = body.video_options()
+            decoded = decode_messages(messages, self.media, video)
+            laid_out = processor.process_chat(
+                decoded, add_generation_prompt, context, video.use_audio_in_video
+            )
         except jinja2.TemplateError as exc:
             raise InvalidRequest(f"messages: the chat template rejected them ({exc})") from None
         if params.max_tokens is None:  # a chat to Qwen3-ASR is capped as its clip's transcription is

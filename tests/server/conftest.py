@@ -120,7 +120,11 @@ class FakeProcessor:
         return None, text
 
     def process_chat(
-        self, messages: list[dict], add_generation_prompt: bool = True, max_model_len: int | None = None
+        self,
+        messages: list[dict],
+        add_generation_prompt: bool = True,
+        max_model_len: int | None = None,
+        use_audio_in_video: bool = False,
     ) -> FakeProcessedPrompt:
         lines, media = [], []
         for message in messages:

@@ -177,9 +177,9 @@ def test_stream_framing_completions_without_usage(client):
             "messages[0].role",
         ),
         (
-            {"messages": [{"role": "user", "content": [{"type": "video_url", "video_url": {"url": "x"}}]}]},
-            "messages[0].content[0].type: content parts of type 'video_url' are not supported; use one of text, "
-            "input_audio, audio_url, image_url",
+            {"messages": [{"role": "user", "content": [{"type": "file", "file": {"file_id": "x"}}]}]},
+            "messages[0].content[0].type: content parts of type 'file' are not supported; use one of text, "
+            "input_audio, audio_url, image_url, video_url",
             "messages[0].content[0].type",
         ),
         ({"max_tokenz": 3}, "max_tokenz: unknown field", "max_tokenz"),

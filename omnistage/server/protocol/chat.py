@@ -1,12 +1,14 @@
 """`/v1/chat/completions`' request: messages of text and media parts, and the fields OpenAI's chat schema
-adds to sampling (the tools and logprobs this server refuses, the audio reply it speaks)."""
+adds to sampling (the tools and logprobs this server refuses, the audio reply it speaks), with vLLM's and
+SGLang-Omni's video fields (`use_audio_in_video`, `mm_processor_kwargs`)."""
 
 from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import AfterValidator, Field, field_validator, model_validator
+from pydantic import AfterValidator, Field, PositiveFloat, PositiveInt, field_validator, model_validator
 
+from omnistage.media import VideoOptions
 from omnistage.server.protocol.base import (
     LOGPROBS,
     TOOLS,
@@ -20,7 +22,7 @@ from omnistage.server.protocol.base import (
 )
 from omnistage.server.protocol.speech import ChatAudioParams
 
-_PART_TYPES = ("text", "input_audio", "audio_url", "image_url")
+_PART_TYPES = ("text", "input_audio", "audio_url", "image_url", "video_url")
 
 
 class InputAudio(Strict):
@@ -33,13 +35,14 @@ class MediaURL(Open):
 
 
 class ContentPart(Open):
-    """One element of a content array: text, or audio or an image (decoded by `omnistage.media`)."""
+    """One element of a content array: text, or audio, an image or a video (decoded by `omnistage.media`)."""
 
     type: str
     text: str | None = None
     input_audio: InputAudio | None = None
     audio_url: MediaURL | None = None
     image_url: MediaURL | None = None
+    video_url: MediaURL | None = None
 
     @field_validator("type")
     @classmethod
@@ -93,6 +96,14 @@ class ChatMessage(Strict):
         return {"role": "system" if self.role == "developer" else self.role, "content": content}
 
 
+class MultimodalProcessorKwargs(Strict):
+    """vLLM's `mm_processor_kwargs`, the keys this server reads: how a request's videos are processed."""
+
+    use_audio_in_video: bool | None = None
+    fps: PositiveFloat | None = None
+    max_frames: PositiveInt | None = None
+
+
 class ResponseFormat(Open):
     type: str
 
@@ -124,6 +135,12 @@ class ChatCompletionRequest(SamplingRequest):
     ] = None
     modalities: list[Literal["text", "audio"]] | None = None
     audio: ChatAudioParams | None = None
+    # A video's sound track interleaved with its frames, as Qwen3-Omni was trained (top level, as vLLM and
+    # SGLang-Omni take it); the sampling rate and frame cap within the server's bounds.
+    use_audio_in_video: bool | None = None
+    video_fps: PositiveFloat | None = None
+    video_max_frames: PositiveInt | None = None
+    mm_processor_kwargs: MultimodalProcessorKwargs | None = None
     web_search_options: Annotated[dict[str, Any] | None, unless(never, "web search is not supported")] = None
     moderation: Annotated[dict[str, Any] | None, unless(never, "moderation is not supported")] = None
 
@@ -149,6 +166,16 @@ class ChatCompletionRequest(SamplingRequest):
     def has_media(self) -> bool:
         return any(
             isinstance(m.content, list) and any(p.is_media() for p in m.content) for m in self.messages
+        )
+
+    def video_options(self) -> VideoOptions:
+        """What the request asks of its videos: the top-level fields, else mm_processor_kwargs'."""
+        given = self.mm_processor_kwargs or MultimodalProcessorKwargs()
+        audio = self.use_audio_in_video if self.use_audio_in_video is not None else given.use_audio_in_video
+        return VideoOptions(
+            use_audio_in_video=bool(audio),
+            fps=self.video_fps if self.video_fps is not None else given.fps,
+            max_frames=self.video_max_frames if self.video_max_frames is not None else given.max_frames,
         )
 
     def message_dicts(self) -> list[dict[str, Any]]:

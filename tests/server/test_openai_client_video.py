@@ -1,0 +1,110 @@
+"""A live `omnistage serve --media-dir` (tiny checkpoint, CPU): videos through the openai client."""
+
+from __future__ import annotations
+
+import base64
+import re
+from pathlib import Path
+
+import openai
+import pytest
+from video_samples import encode, frames
+
+FORCED = {"min_tokens": 4, "ignore_eos": True}
+
+
+def data_url(data: bytes) -> str:
+    return "data:video/mp4;base64," + base64.b64encode(data).decode()
+
+
+@pytest.fixture(scope="module")
+def clip() -> bytes:
+    return encode(frames(20, 64, 48), fps=10, kind="mp4")  # 2 s with a tone
+
+
+@pytest.fixture(scope="module")
+def media_dir(tmp_path_factory, clip) -> Path:
+    root = tmp_path_factory.mktemp("videos")
+    (root / "clip.mp4").write_bytes(clip)
+    (root / "long.mkv").write_bytes(encode(frames(40, 64, 48), fps=10, kind="mkv", tone_hz=None))  # 4 s
+    (root / "silent.webm").write_bytes(encode(frames(20, 64, 48), fps=10, kind="webm", tone_hz=None))
+    return root
+
+
+@pytest.fixture(scope="module")
+def server(launch_server, media_dir):
+    with launch_server("video-server", "--num-kv-pages", "256", "--media-dir", str(media_dir)) as server:
+        yield server
+
+
+@pytest.fixture(scope="module")
+def client(server) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{server.url}/v1", api_key="none", max_retries=0, timeout=120)
+
+
+@pytest.fixture(scope="module")
+def model(tiny_checkpoint) -> str:
+    return tiny_checkpoint.name
+
+
+def ask(client, model, url: str, extra: dict | None = None, **kwargs):
+    content = [{"type": "video_url", "video_url": {"url": url}}, {"type": "text", "text": "What happens?"}]
+    return client.chat.completions.create(
+        model=model, messages=[{"role": "user", "content": content}], max_tokens=4, temperature=0,
+        extra_body={**FORCED, **(extra or {})}, **kwargs,
+    )  # fmt: skip
+
+
+def test_a_video_chat_answers_and_streams(client, model, clip):
+    result = ask(client, model, data_url(clip))
+    assert result.choices[0].finish_reason == "length" and result.usage.completion_tokens == 4
+    # 4 frames of 64x48, upscaled to the 128-token minimum: two temporal patches of 140 tokens
+    assert result.usage.prompt_tokens > 280
+    chunks = list(ask(client, model, data_url(clip), stream=True, stream_options={"include_usage": True}))
+    assert chunks[-1].usage.prompt_tokens == result.usage.prompt_tokens
+    assert (
+        "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+        == result.choices[0].message.content
+    )
+
+
+def test_its_sound_track_adds_audio_tokens(client, model, clip):
+    silent = ask(client, model, data_url(clip))
+    heard = ask(client, model, data_url(clip), {"use_audio_in_video": True})
+    again = ask(client, model, data_url(clip), {"mm_processor_kwargs": {"use_audio_in_video": True}})
+    assert (
+        heard.usage.prompt_tokens > silent.usage.prompt_tokens + 20
+    )  # 2 s of audio: 26 tokens and 2 markers
+    assert again.usage.prompt_tokens == heard.usage.prompt_tokens
+
+
+def test_a_video_from_the_media_dir_and_its_overrides(client, model, clip):
+    local = ask(client, model, "clip.mp4")
+    assert local.usage.prompt_tokens == ask(client, model, data_url(clip)).usage.prompt_tokens
+
+    def prompt_tokens(**extra) -> int:
+        return ask(client, model, "long.mkv", extra).usage.prompt_tokens
+
+    at_2fps, at_1fps, six = prompt_tokens(), prompt_tokens(video_fps=1), prompt_tokens(video_max_frames=6)
+    text = at_2fps - 4 * 140  # 4 s at 2 fps: 8 frames, 4 temporal patches of 140 tokens
+    assert at_1fps == text + 2 * 140 and six == text + 3 * 140
+
+
+@pytest.mark.parametrize(
+    ("url", "extra", "reason"),
+    [
+        ("data:video/mp4;base64," + base64.b64encode(b"not a video at all" * 50).decode(), {}, "corrupt"),
+        ("silent.webm", {"use_audio_in_video": True}, "no audio track"),
+        ("clip.mp4", {"video_fps": 30}, r"fps 30 is outside \(0, 4\]"),
+        ("clip.mp4", {"video_fps": 4}, "fractional position step"),
+        ("clip.mp4", {"video_max_frames": 10_000}, r"max frames 10000 is outside \[1, 256\]"),
+        ("missing.mp4", {}, "does not exist in the media directory"),
+        ("https://example.com/v.mp4", {}, "--allow-remote-media"),
+    ],
+)
+def test_bad_videos_are_400s_with_the_reason(client, model, url, extra, reason):
+    with pytest.raises(openai.BadRequestError) as err:
+        ask(client, model, url, extra)
+    assert err.value.status_code == 400
+    assert re.search(reason, err.value.message)
+    assert "messages[0].content[0]" in err.value.message
