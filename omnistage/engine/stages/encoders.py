@@ -180,9 +180,9 @@ class EncoderStage:
         budget, most = self.max_image_patches, None
         if graphs is not None:
             budget, most = int_buckets(graphs.captured_buckets)[-1], graphs.buffers.max_frames
-        pixels, grids, owners = vision_pieces(prompts, budget)
+        pixels, grids, owners = vision_pieces(prompts, budget, most)
         rows, levels = [], []
-        for group in groups([len(x) for x in pixels], budget, most):
+        for group in groups([len(x) for x in pixels], budget, most, [t for t, _, _ in grids]):
             batch = torch.cat([pixels[i] for i in group]).to(self.device)
             group_grids = [grids[i] for i in group]
             out = graphs.run(batch, group_grids) if graphs is not None else None

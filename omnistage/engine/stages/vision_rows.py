@@ -15,10 +15,11 @@ from omnistage.models.multimodal import MultimodalInputs
 
 
 def vision_pieces(
-    prompts: list[MultimodalInputs], budget: int
+    prompts: list[MultimodalInputs], budget: int, most_frames: int | None = None
 ) -> tuple[list[torch.Tensor], list[tuple[int, int, int]], list[tuple[int, bool]]]:
     """The patches and grids of every image and video piece of `prompts`, and whose each is (prompt, is a
-    video): images whole, videos in pieces of at most `budget` patches (at least one temporal patch)."""
+    video): images whole, videos in pieces of at most `budget` patches and `most_frames` temporal patches (at
+    least one)."""
     pixels: list[torch.Tensor] = []
     grids: list[tuple[int, int, int]] = []
     owners: list[tuple[int, bool]] = []
@@ -31,7 +32,7 @@ def vision_pieces(
                 continue
             grid = [tuple(g) for g in grid_thw.tolist()]
             for patches, (t, h, w) in zip(values.split([math.prod(g) for g in grid]), grid):
-                per = max(1, budget // (h * w)) if is_video else t  # temporal patches a piece
+                per = max(1, min(budget // (h * w), most_frames or t)) if is_video else t  # temporal patches
                 for first in range(0, t, per):
                     n = min(per, t - first)
                     pixels.append(patches[first * h * w : (first + n) * h * w])
@@ -91,17 +92,21 @@ def sees(mm: MultimodalInputs) -> bool:
     return mm.pixel_values is not None or mm.pixel_values_videos is not None
 
 
-def groups(sizes: list[int], budget: int, most: int | None = None) -> list[list[int]]:
+def groups(
+    sizes: list[int], budget: int, most: int | None = None, frames: list[int] | None = None
+) -> list[list[int]]:
     """Consecutive indices of `sizes` in groups whose sum stays within `budget` (an item over it goes alone),
-    of at most `most` items."""
+    of at most `most` frames (`frames` per item, default one each)."""
+    frames = frames or [1] * len(sizes)
     groups: list[list[int]] = []
-    total = 0
+    total = count = 0
     for i, size in enumerate(sizes):
-        if not groups or total + size > budget or len(groups[-1]) == most:
+        if not groups or total + size > budget or (most is not None and count + frames[i] > most):
             groups.append([])
-            total = 0
+            total = count = 0
         groups[-1].append(i)
         total += size
+        count += frames[i]
     return groups
 
 

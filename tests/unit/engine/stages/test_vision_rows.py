@@ -1,0 +1,59 @@
+"""How the encoder stage cuts videos into pieces and groups pieces into tower calls (pure bookkeeping)."""
+
+from __future__ import annotations
+
+import torch
+
+from omnistage.engine.stages.vision_rows import VisionRows, groups, vision_pieces
+from omnistage.models.multimodal import MultimodalInputs
+
+
+def media(images: list[tuple[int, int, int]], videos: list[tuple[int, int, int]]) -> MultimodalInputs:
+    def packed(grids):
+        return (
+            torch.arange(sum(t * h * w for t, h, w in grids), dtype=torch.float32)[:, None] if grids else None
+        )
+
+    return MultimodalInputs(
+        audio_features=[],
+        num_audio_tokens=[],
+        pixel_values=packed(images),
+        image_grid_thw=torch.tensor(images) if images else None,
+        num_image_tokens=[],
+        pixel_values_videos=packed(videos),
+        video_grid_thw=torch.tensor(videos) if videos else None,
+    )
+
+
+def test_a_video_is_cut_in_whole_temporal_patches_within_the_budget_and_the_frames():
+    prompts = [media([(1, 4, 4)], [(5, 2, 4)]), media([], [(3, 2, 2)])]
+    pixels, grids, owners = vision_pieces(prompts, budget=16)  # 16 patches: 2 temporal patches of 2x4
+    assert grids == [(1, 4, 4), (2, 2, 4), (2, 2, 4), (1, 2, 4), (3, 2, 2)]
+    assert owners == [(0, False), (0, True), (0, True), (0, True), (1, True)]
+    # the pieces are the video's patches in order, none lost
+    assert torch.equal(torch.cat(pixels[1:4]), prompts[0].pixel_values_videos)
+    _, grids, _ = vision_pieces(prompts, budget=16, most_frames=1)
+    assert grids == [(1, 4, 4)] + [(1, 2, 4)] * 5 + [(1, 2, 2)] * 3
+    _, grids, _ = vision_pieces([media([], [(2, 8, 8)])], budget=16)  # a frame over the budget goes alone
+    assert grids == [(1, 8, 8), (1, 8, 8)]
+
+
+def test_groups_hold_the_budget_and_the_frames():
+    assert groups([4, 4, 4, 9, 1], budget=8) == [[0, 1], [2], [3], [4]]
+    assert groups([1, 1, 1, 1], budget=8, most=2) == [[0, 1], [2, 3]]
+    assert groups([1, 1, 1, 1], budget=8, most=4, frames=[3, 1, 2, 2]) == [[0, 1], [2, 3]]
+
+
+def test_rows_come_back_per_prompt_in_prompt_order():
+    rows = [torch.full((2, 1), float(i)) for i in range(4)]
+    levels = [r[None].expand(3, -1, -1) for r in rows]
+    owners = [(0, False), (0, True), (1, True), (0, True)]
+    first, second = VisionRows.per_prompt(rows, levels, owners, 2)
+    assert first.image.flatten().tolist() == [0, 0] and first.video.flatten().tolist() == [1, 1, 3, 3]
+    assert second.image is None and second.video.flatten().tolist() == [2, 2]
+    # a prompt of image, video, image rows: `is_image` says which of its vision rows are an image's
+    seen = VisionRows(
+        torch.tensor([[0.0], [1.0]]), torch.zeros(3, 2, 1), torch.tensor([[9.0]]), torch.ones(3, 1, 1)
+    )
+    merged, deep = seen.in_prompt_order(torch.tensor([True, False, True]))
+    assert merged.flatten().tolist() == [0, 9, 1] and deep[:, :, 0].tolist() == [[0, 1, 0]] * 3
