@@ -31,8 +31,8 @@ def llm(tiny_checkpoint):
     return LLM(model=str(tiny_checkpoint), device="cpu", dtype="float32", page_size=4, num_kv_pages=512)
 
 
-def prefill_logits(llm, messages):
-    """Our last-token logits of the prompt (the first sampled step)."""
+def prefill_logits(llm, messages, **chat):
+    """Our last-token logits of the prompt (the first sampled step); `chat`: LLM.chat's other arguments."""
     captured = []
     runner = llm.engine.runner
     real = runner.execute
@@ -43,7 +43,7 @@ def prefill_logits(llm, messages):
 
     runner.execute = spy
     try:
-        out = llm.chat(messages, SamplingParams(max_tokens=1, temperature=0.0))[0]
+        out = llm.chat(messages, SamplingParams(max_tokens=1, temperature=0.0), **chat)[0]
     finally:
         runner.execute = real
     return out, captured[0][-1]

@@ -11,6 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 from media_samples import audio, clips_alone, image, picture, speech, text
+from test_multimodal_parity import prefill_logits
 from video_samples import encode, frames
 
 from omnistage import LLM, SamplingParams
@@ -108,30 +109,11 @@ def test_placeholders_and_positions_match_transformers(case, ours, hf_processor,
     assert got.mrope.delta == int(deltas.item())
 
 
-def prefill_logits(llm, messages, with_audio):
-    captured = []
-    runner = llm.engine.runner
-    real = runner.execute
-
-    def spy(step):
-        captured.append(real(step))
-        return captured[-1]
-
-    runner.execute = spy
-    try:
-        out = llm.chat(
-            messages, SamplingParams(max_tokens=1, temperature=0.0), use_audio_in_video=with_audio
-        )[0]
-    finally:
-        runner.execute = real
-    return out, captured[0][-1]
-
-
 @pytest.mark.parametrize("case", CASES)
 def test_logits_and_greedy_tokens_match_transformers(case, llm, hf_processor, hf_thinker):
     with_audio, build = CASES[case]
     messages = build()
-    out, ours = prefill_logits(llm, messages, with_audio)
+    out, ours = prefill_logits(llm, messages, use_audio_in_video=with_audio)
     ref, clips = hf_inputs(hf_processor, out.prompt, messages, with_audio)
     clip_parts = [{"role": "user", "content": [audio(c) for c in clips]}]
     ref = dict(clips_alone(hf_processor, ref, clip_parts))

@@ -17,7 +17,7 @@ from safetensors import safe_open
 
 from omnistage.models import tiny_checkpoint as tiny
 from omnistage.models.qwen3_omni.tokenizer import write_tokenizer_files
-from omnistage.models.qwen3_omni.video_processing import VIDEO_CONFIG, VIDEO_PREPROCESSOR_CONFIG
+from omnistage.models.qwen3_omni.video_processing import VIDEO_CONFIG, released_video_config
 
 RELEASED_CONFIG = "qwen3_omni_30b_a3b_instruct.config.json"
 
@@ -122,7 +122,7 @@ def make_tiny(directory: str | Path, seed: int = 0) -> Path:
     generation = {"do_sample": False, "eos_token_id": [151645, 151643], "pad_token_id": 151643}
     tiny.write_json(directory, "generation_config.json", generation)
     tiny.write_json(directory, "preprocessor_config.json", PREPROCESSOR_CONFIG)
-    tiny.write_json(directory, VIDEO_CONFIG, VIDEO_PREPROCESSOR_CONFIG)
+    tiny.write_json(directory, VIDEO_CONFIG, released_video_config())
     write_tokenizer_files(directory)
     return directory
 

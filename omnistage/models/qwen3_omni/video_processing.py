@@ -25,26 +25,6 @@ from omnistage.errors import InvalidMedia
 from omnistage.models.qwen3_omni.image_processing import smart_resize
 
 VIDEO_CONFIG = "video_preprocessor_config.json"
-# The video processor settings a Qwen3-Omni checkpoint ships (make-tiny writes them beside the weights).
-VIDEO_PREPROCESSOR_CONFIG = {
-    "processor_class": "Qwen3OmniMoeProcessor",
-    "video_processor_type": "Qwen2VLVideoProcessor",
-    "do_resize": True,
-    "do_rescale": True,
-    "rescale_factor": 1 / 255,
-    "do_normalize": True,
-    "do_convert_rgb": True,
-    "image_mean": [0.5, 0.5, 0.5],
-    "image_std": [0.5, 0.5, 0.5],
-    "size": {"shortest_edge": 128 * 32 * 32, "longest_edge": 768 * 32 * 32},
-    "patch_size": 16,
-    "temporal_patch_size": 2,
-    "merge_size": 2,
-    "do_sample_frames": True,
-    "fps": 2.0,
-    "min_frames": 4,
-    "max_frames": 768,
-}
 
 
 @dataclass(frozen=True)
@@ -80,6 +60,20 @@ class VideoProcessorConfig:
     @property
     def factor(self) -> int:
         return self.patch_size * self.merge_size
+
+
+def released_video_config() -> dict:
+    """The video_preprocessor_config.json a Qwen3-Omni checkpoint ships (make-tiny writes it): transformers'
+    Qwen2VLVideoProcessor with the defaults above, sampling frames itself."""
+    cfg = VideoProcessorConfig()
+    steps = ("do_resize", "do_rescale", "do_normalize", "do_convert_rgb", "do_sample_frames")
+    return {
+        "processor_class": "Qwen3OmniMoeProcessor",
+        "video_processor_type": "Qwen2VLVideoProcessor",
+        **dict.fromkeys(steps, True),
+        "size": {"shortest_edge": cfg.min_pixels, "longest_edge": cfg.max_pixels},
+        **{f.name: getattr(cfg, f.name) for f in fields(cfg) if "pixels" not in f.name},
+    }
 
 
 @dataclass
