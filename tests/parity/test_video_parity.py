@@ -188,3 +188,18 @@ def test_speech_from_a_video_with_its_sound_track(llm):
     out = speak(llm, CASES["video_with_audio"][1](), True)
     assert len(out.audio_codes) == TALKER_STEPS - 1 and out.audio is not None
     assert llm.engine.pool.num_free == llm.engine.pool.num_pages
+
+
+def test_a_video_prompt_prefilled_in_chunks_gives_the_same_tokens(tiny_checkpoint, llm):
+    """A per-step budget of 16 tokens cuts the prefill inside the interleaved frames and sound: the rows and
+    deepstack levels of each chunk are its own share, so the greedy tokens are the one-chunk prefill's."""
+    with_audio, build = CASES["video_image_clip"]
+    messages = build()
+    params = SamplingParams(max_tokens=STEPS, temperature=0.0, ignore_eos=True)
+    whole = llm.chat(messages, params, use_audio_in_video=with_audio)[0].outputs[0].token_ids
+    chunked = LLM(
+        model=str(tiny_checkpoint), device="cpu", dtype="float32", page_size=4, num_kv_pages=1024,
+        max_num_batched_tokens=16,
+    )  # fmt: skip
+    assert chunked.chat(messages, params, use_audio_in_video=with_audio)[0].outputs[0].token_ids == whole
+    assert chunked.engine.pool.num_free == chunked.engine.pool.num_pages
