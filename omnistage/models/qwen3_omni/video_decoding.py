@@ -1,8 +1,9 @@
 """Video files (mp4, webm, mov, mkv: whatever FFmpeg in PyAV's wheels reads) to the processor's sampled frames.
 
 The container is read twice from memory: once by its packets alone (no decoding) to count the frames and
-check the bounds, once decoding the video stream up to the last sampled frame and, with `with_audio`, the
-first audio stream, mixed to mono and resampled to 16 kHz. Everything here blocks (decoding releases the
+check the bounds, once decoding the video stream up to the last sampled frame (each sampled frame resized at
+once to the processor's size, so no full-size frames are held) and, with `with_audio`, the first audio
+stream, mixed to mono and resampled to 16 kHz. Everything here blocks (decoding releases the
 GIL); the server runs it in a worker thread. Every defect or bound is an InvalidMedia saying which.
 """
 
@@ -16,7 +17,12 @@ import numpy as np
 
 from omnistage.errors import InvalidMedia
 from omnistage.models.qwen3_omni.audio_features import SAMPLE_RATE, resample
-from omnistage.models.qwen3_omni.video_processing import DecodedVideo, VideoProcessorConfig, sample_indices
+from omnistage.models.qwen3_omni.video_processing import (
+    DecodedVideo,
+    VideoProcessorConfig,
+    resized,
+    sample_indices,
+)
 
 
 @dataclass(frozen=True)
@@ -53,7 +59,7 @@ def decode_video(
         if with_audio and not has_audio:
             raise InvalidMedia("video has no audio track, and use_audio_in_video asks for one")
         wanted = sample_indices(total, stream_fps, cfg, fps, min(max_frames, cfg.max_frames))
-        frames = _frames(data, wanted)
+        frames = _frames(data, wanted, cfg)
         audio = _audio(data, limits.max_seconds) if with_audio else None
     except (av.FFmpegError, ValueError, OverflowError) as exc:
         raise InvalidMedia(
@@ -92,8 +98,9 @@ def _survey(data: bytes, limits: VideoLimits) -> tuple[int, float, bool]:
         return total, float(rate), bool(container.streams.audio)
 
 
-def _frames(data: bytes, wanted: list[int]) -> np.ndarray:
-    """The frames at the indices `wanted` (ascending), RGB, decoding no further than the last."""
+def _frames(data: bytes, wanted: list[int], cfg: VideoProcessorConfig) -> np.ndarray:
+    """The frames at the indices `wanted` (ascending), RGB at the processor's size, decoding no further than
+    the last."""
     keep, last = set(wanted), wanted[-1]
     frames: dict[int, np.ndarray] = {}
     with av.open(io.BytesIO(data), mode="r") as container:
@@ -101,7 +108,7 @@ def _frames(data: bytes, wanted: list[int]) -> np.ndarray:
         stream.thread_type = "AUTO"
         for i, frame in enumerate(container.decode(stream)):
             if i in keep:
-                frames[i] = frame.to_ndarray(format="rgb24")
+                frames[i] = resized(frame.to_ndarray(format="rgb24")[None], cfg)[0]
             if i >= last:
                 break
     if len(frames) < len(keep):  # the stream held fewer decodable frames than its packets promised

@@ -131,6 +131,18 @@ def temporal_step(cfg: VideoProcessorConfig, fps: float, position_id_per_seconds
     return int(step)
 
 
+def resized(frames: np.ndarray, cfg: VideoProcessorConfig) -> np.ndarray:
+    """uint8 [T, H, W, 3] frames at the size the processor resizes them to (each frame on its own, so the
+    decoder resizes a frame as soon as it is decoded and holds no full-size frames)."""
+    _, height, width, _ = frames.shape
+    size = smart_resize(height, width, cfg.factor, cfg.min_pixels, cfg.max_pixels)
+    if size == (height, width):
+        return frames
+    video = torch.from_numpy(np.ascontiguousarray(frames)).permute(0, 3, 1, 2)
+    video = F.interpolate(video, size=size, mode="bicubic", align_corners=False, antialias=True)
+    return video.permute(0, 2, 3, 1).contiguous().numpy()
+
+
 def preprocess_video(
     frames: np.ndarray, cfg: VideoProcessorConfig
 ) -> tuple[torch.Tensor, tuple[int, int, int]]:
@@ -142,11 +154,7 @@ def preprocess_video(
     count, height, width, _ = frames.shape
     grid_t, grid_h, grid_w = video_grid(count, height, width, cfg)
     p, m, t = cfg.patch_size, cfg.merge_size, cfg.temporal_patch_size
-    video = torch.from_numpy(np.ascontiguousarray(frames)).permute(0, 3, 1, 2)  # [T, C, H, W]
-    if (grid_h * p, grid_w * p) != (height, width):
-        video = F.interpolate(
-            video, size=(grid_h * p, grid_w * p), mode="bicubic", align_corners=False, antialias=True
-        )
+    video = torch.from_numpy(resized(frames, cfg)).permute(0, 3, 1, 2)  # [T, C, H, W]
     # rescale and normalise fused, as transformers does: (x - mean / r) / (std / r)
     mean = torch.tensor(cfg.image_mean) / cfg.rescale_factor
     std = torch.tensor(cfg.image_std) / cfg.rescale_factor

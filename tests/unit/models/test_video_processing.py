@@ -7,6 +7,7 @@ import io
 import numpy as np
 import pytest
 import soundfile as sf
+import torch
 from PIL import Image
 from video_samples import CONTAINERS, encode, frames
 
@@ -16,6 +17,7 @@ from omnistage.models.qwen3_omni.video_decoding import VideoLimits, decode_video
 from omnistage.models.qwen3_omni.video_processing import (
     VideoProcessorConfig,
     preprocess_video,
+    resized,
     sample_indices,
     temporal_step,
     video_grid,
@@ -58,6 +60,15 @@ def test_a_still_video_at_the_target_size_is_the_image_patches():
     assert (patches - expected).abs().max().item() < 1e-5
 
 
+def test_frames_resized_first_give_the_same_patches():
+    """The decoder resizes each frame as it comes; the patches are those of the frames resized together."""
+    video = frames(4, 64, 48)
+    at_once, grid = preprocess_video(video, CFG)
+    one_by_one = np.stack([resized(frame[None], CFG)[0] for frame in video])
+    first, first_grid = preprocess_video(one_by_one, CFG)
+    assert grid == first_grid and torch.equal(at_once, first)
+
+
 def test_preprocess_rejects_what_is_not_frames():
     with pytest.raises(InvalidMedia, match="uint8"):
         preprocess_video(np.zeros((2, 8, 8, 3), np.float32), CFG)
@@ -69,9 +80,10 @@ def test_preprocess_rejects_what_is_not_frames():
 def test_every_container_decodes_with_its_sound(kind):
     pictures = frames(20, 64, 48)
     video = decode_video(encode(pictures, fps=10, kind=kind), CFG, with_audio=True)
-    assert video.frames.shape == (4, 48, 64, 3) and video.fps == 2.0
-    # the sampled frames are the encoded ones at indices 0, 5, 10, 15 (lossy: close, not equal)
-    error = np.abs(video.frames.astype(int) - pictures[[0, 5, 10, 15]].astype(int)).mean()
+    # the encoded frames at indices 0, 5, 10, 15, resized as decoded (to 320x448); lossy: close, not equal
+    expected = resized(pictures[[0, 5, 10, 15]], CFG)
+    assert video.frames.shape == expected.shape == (4, 320, 448, 3) and video.fps == 2.0
+    error = np.abs(video.frames.astype(int) - expected.astype(int)).mean()
     assert error < 12
     assert video.audio is not None and abs(len(video.audio) / 16000 - 2.0) < 0.1
     assert decode_video(encode(pictures, fps=10, kind=kind), CFG).audio is None
