@@ -40,7 +40,15 @@ from omnistage.engine.graphs.encoders import (
 )
 from omnistage.engine.memory.floor import Floor
 from omnistage.engine.memory.measure import Peak, device_peak
-from omnistage.engine.stages.vision_rows import VisionRows, groups, join, merged_rows, sees, vision_pieces
+from omnistage.engine.stages.vision_rows import (
+    VisionRows,
+    groups,
+    join,
+    largest_inputs,
+    merged_rows,
+    sees,
+    vision_pieces,
+)
 from omnistage.errors import InvalidRequest
 from omnistage.models.multimodal import MultimodalInputs
 
@@ -295,7 +303,7 @@ class EncoderStage:
             floor,
             vision_encoder=vision_peak,
             image_outputs=image_bytes,
-            images=max(1, min(max_images, max_prompt_tokens // tokens)),
+            images=largest_inputs(max_prompt_tokens, tokens, max_images, self.videos is not None),
             image_size=(grid[2] * images.patch_size, grid[1] * images.patch_size),
         )
 

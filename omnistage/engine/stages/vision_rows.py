@@ -92,6 +92,14 @@ def sees(mm: MultimodalInputs) -> bool:
     return mm.pixel_values is not None or mm.pixel_values_videos is not None
 
 
+def largest_inputs(max_prompt_tokens: int, tokens: int, max_images: int, videos: bool) -> int:
+    """How many largest images' worth of vision rows (`tokens` each) one prompt may hold: as many images as the
+    processor admits and the context holds; with videos, whatever the context holds, since a long video goes
+    through the tower in pieces of at most one largest image each and keeps all their rows."""
+    fit = max_prompt_tokens // tokens
+    return max(1, fit if videos else min(max_images, fit))
+
+
 def groups(
     sizes: list[int], budget: int, most: int | None = None, frames: list[int] | None = None
 ) -> list[list[int]]:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from omnistage.engine.stages.vision_rows import VisionRows, groups, vision_pieces
+from omnistage.engine.stages.vision_rows import VisionRows, groups, largest_inputs, vision_pieces
 from omnistage.models.multimodal import MultimodalInputs
 
 
@@ -57,3 +57,10 @@ def test_rows_come_back_per_prompt_in_prompt_order():
     )
     merged, deep = seen.in_prompt_order(torch.tensor([True, False, True]))
     assert merged.flatten().tolist() == [0, 9, 1] and deep[:, :, 0].tolist() == [[0, 1, 0]] * 3
+
+
+def test_the_floor_holds_as_many_vision_rows_as_a_video_can_bring():
+    # 8 images of 1,000 rows in a 32,768-token context; a video's pieces can fill the context: 32 of them
+    assert largest_inputs(32_768, 1_000, 8, videos=False) == 8
+    assert largest_inputs(32_768, 1_000, 8, videos=True) == 32
+    assert largest_inputs(500, 1_000, 8, videos=True) == 1
