@@ -1,9 +1,9 @@
 """Soak a server with mixed requests, some cut off by their clients, and check that nothing is lost.
 
 N requests at concurrency C, each picked (seeded) among chat, streamed chat, completions, streamed
-completions, transcriptions (json and streamed) and chat with an audio clip and an image. Every request
-forces its output length (min_tokens = max_tokens, ignore_eos), so each answer's token count is checked.
-A share of the requests is cut off on purpose: a stream closed after its first event, or a non-streamed
+completions, transcriptions (json and streamed), chat with an audio clip and an image, and chat with a video
+and its sound. Every request forces its output length (min_tokens = max_tokens, ignore_eos), so each
+answer's token count is checked. A share of the requests is cut off on purpose: a stream closed after its first event, or a non-streamed
 request abandoned after a few milliseconds. Every other request must end with a whole, well-formed
 answer; anything else (an HTTP error, a reset connection, a stream cut short, a wrong token count) is
 lost. After the run every KV page must be free again and nothing running or waiting (/metrics), and the
@@ -46,6 +46,7 @@ import soundfile as sf
 from PIL import Image
 
 from omnistage.bench.server_process import ServerProcess
+from omnistage.bench.videos import encode, frames
 
 KINDS = {  # kind: weight in the mix
     "chat": 3,
@@ -55,6 +56,7 @@ KINDS = {  # kind: weight in the mix
     "transcription": 1,
     "transcription_stream": 1,
     "media_chat": 1,
+    "video_chat": 1,
 }
 STREAMED = {"chat_stream", "completion_stream", "transcription_stream"}
 
@@ -77,6 +79,12 @@ class Workload:
     rng: random.Random
     wav: bytes = field(default_factory=lambda: _tone_wav(1.0))
     png_url: str = field(default_factory=lambda: _png_data_url(64, 48))
+    # 1 s of 64x48 at 10 fps with a tone, its sound interleaved with its frames (use_audio_in_video)
+    mp4_url: str = field(
+        default_factory=lambda: (
+            "data:video/mp4;base64," + base64.b64encode(encode(frames(10, 64, 48), fps=10)).decode()
+        )
+    )
 
 
 def _tone_wav(seconds: float, rate: int = 16000) -> bytes:
@@ -138,7 +146,15 @@ def _chat_body(workload: Workload, kind: str, tokens: int) -> dict[str, Any]:
             {"type": "image_url", "image_url": {"url": workload.png_url}},
             {"type": "text", "text": "What do you hear and see?"},
         ]
-    return {"model": workload.model, "messages": [{"role": "user", "content": content}], **_forced(tokens)}
+    extra: dict[str, Any] = {}
+    if kind == "video_chat":
+        content = [
+            {"type": "video_url", "video_url": {"url": workload.mp4_url}},
+            {"type": "text", "text": "What happens, and what is heard?"},
+        ]
+        extra = {"use_audio_in_video": True}
+    messages = [{"role": "user", "content": content}]
+    return {"model": workload.model, "messages": messages, **_forced(tokens), **extra}
 
 
 def _form(workload: Workload, tokens: int, stream: bool) -> dict[str, Any]:
@@ -151,7 +167,7 @@ def _form(workload: Workload, tokens: int, stream: bool) -> dict[str, Any]:
 
 async def _whole(client: httpx.AsyncClient, workload: Workload, kind: str, tokens: int) -> bool:
     """A non-streamed request; True once its whole answer is checked."""
-    if kind in ("chat", "media_chat"):
+    if kind in ("chat", "media_chat", "video_chat"):
         response = await client.post("/v1/chat/completions", json=_chat_body(workload, kind, tokens))
         body = _json(response)
         _expect(body["choices"][0]["message"]["role"] == "assistant", "no assistant message", body)

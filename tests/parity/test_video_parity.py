@@ -12,9 +12,9 @@ import pytest
 import torch
 from media_samples import audio, clips_alone, image, picture, speech, text
 from test_multimodal_parity import prefill_logits
-from video_samples import encode, frames
 
 from omnistage import LLM, SamplingParams
+from omnistage.bench.videos import encode, frames
 from omnistage.models.qwen3_omni.processor import Processor
 from omnistage.models.qwen3_omni.video_decoding import decode_video
 from omnistage.models.qwen3_omni.video_processing import VideoProcessorConfig

@@ -8,7 +8,8 @@ from pathlib import Path
 
 import openai
 import pytest
-from video_samples import encode, frames
+
+from omnistage.bench.videos import encode, frames
 
 FORCED = {"min_tokens": 4, "ignore_eos": True}
 

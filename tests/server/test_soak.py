@@ -33,7 +33,7 @@ def test_200_mixed_requests_with_disconnects_lose_nothing(launch_server, tmp_pat
     assert "PASSED" in run.stdout
     assert result["requests"] == 200 and result["lost"] == 0 and result["ok"] + result["disconnected"] == 200
     assert set(result["by_kind"]) == {"chat", "chat_stream", "completion", "completion_stream", "transcription",
-                                      "transcription_stream", "media_chat"}  # fmt: skip
+                                      "transcription_stream", "media_chat", "video_chat"}  # fmt: skip
     assert result["disconnected"] > 0 and sum(float(c) for c in cancelled) > 0  # the server saw clients leave
     assert result["kv_pages_used"] == 0 and result["running_after"] == 0 and result["waiting_after"] == 0
     assert 0 < result["rss_start_mib"] <= result["rss_peak_mib"]

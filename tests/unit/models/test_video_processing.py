@@ -9,8 +9,8 @@ import pytest
 import soundfile as sf
 import torch
 from PIL import Image
-from video_samples import CONTAINERS, encode, frames
 
+from omnistage.bench.videos import CONTAINERS, encode, frames
 from omnistage.errors import InvalidMedia
 from omnistage.models.qwen3_omni.image_processing import ImageProcessorConfig, preprocess_image
 from omnistage.models.qwen3_omni.video_decoding import VideoLimits, decode_video

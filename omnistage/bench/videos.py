@@ -1,9 +1,10 @@
-"""Short videos encoded on the fly with PyAV (no binary files in the repository): moving colour fields with,
-where asked, a tone for a sound track."""
+"""Synthetic videos encoded with PyAV, for the benchmarks and the tests (no video files in the repository):
+drifting colour fields with, where asked, a tone for a sound track."""
 
 from __future__ import annotations
 
 import io
+from typing import cast
 
 import av
 import numpy as np
@@ -35,19 +36,19 @@ def encode(
     fmt, vcodec, acodec = CONTAINERS[kind]
     buffer = io.BytesIO()
     with av.open(buffer, mode="w", format=fmt) as container:
-        video = container.add_stream(vcodec, rate=fps)
+        video = cast(av.VideoStream, container.add_stream(vcodec, rate=fps))
         video.width, video.height = pictures.shape[2], pictures.shape[1]
         video.pix_fmt = "yuv420p"
         audio = None
         if tone_hz is not None:
-            audio = container.add_stream(acodec, rate=sample_rate)
+            audio = cast(av.AudioStream, container.add_stream(acodec, rate=sample_rate))
             audio.layout = "stereo"
         for picture in pictures:
             for packet in video.encode(av.VideoFrame.from_ndarray(picture, format="rgb24")):
                 container.mux(packet)
         for packet in video.encode():
             container.mux(packet)
-        if audio is not None:
+        if audio is not None and tone_hz is not None:
             n = round(len(pictures) / fps * sample_rate)
             t = np.arange(n) / sample_rate
             wave = (0.3 * np.sin(2 * np.pi * tone_hz * t)).astype(np.float32)
