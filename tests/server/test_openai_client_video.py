@@ -96,8 +96,8 @@ def test_a_video_from_the_media_dir_and_its_overrides(client, model, clip):
     [
         ("data:video/mp4;base64," + base64.b64encode(b"not a video at all" * 50).decode(), {}, "corrupt"),
         ("silent.webm", {"use_audio_in_video": True}, "no audio track"),
-        ("clip.mp4", {"video_fps": 30}, r"fps 30 is outside \(0, 4\]"),
-        ("clip.mp4", {"video_fps": 4}, "fractional position step"),
+        ("clip.mp4", {"video_fps": 30}, "fps 30 is not one the positions admit"),
+        ("clip.mp4", {"video_fps": 2.6}, r"fps is 2 / k \(2, 1, 0.667, 0.5, ...\)"),
         ("clip.mp4", {"video_max_frames": 10_000}, r"max frames 10000 is outside \[1, 256\]"),
         ("missing.mp4", {}, "does not exist in the media directory"),
         ("https://example.com/v.mp4", {}, "--allow-remote-media"),

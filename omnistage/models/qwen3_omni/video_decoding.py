@@ -20,6 +20,7 @@ from omnistage.models.qwen3_omni.audio_features import SAMPLE_RATE, resample
 from omnistage.models.qwen3_omni.video_processing import (
     DecodedVideo,
     VideoProcessorConfig,
+    check_fps,
     resized,
     sample_indices,
 )
@@ -33,7 +34,6 @@ class VideoLimits:
     max_frames: int = 256  # sampled frames: what the vision tower sees (two minutes at the released 2 fps)
     max_stream_frames: int = 120 * 60  # frames in the stream, each decoded to reach the sampled ones
     max_frame_pixels: int = 3840 * 2160
-    max_fps: float = 4.0  # the highest sampling rate a request may ask for
 
 
 def decode_video(
@@ -45,11 +45,10 @@ def decode_video(
     with_audio: bool = False,
 ) -> DecodedVideo:
     """Decode and sample a video file: `fps` frames a second (default: the processor's), at most `max_frames`
-    (default: the limits'), both within the limits; with `with_audio` its sound track too."""
+    (default: the limits', and no more); with `with_audio` its sound track too."""
     fps = cfg.fps if fps is None else fps
     max_frames = limits.max_frames if max_frames is None else max_frames
-    if not 0 < fps <= limits.max_fps:
-        raise InvalidMedia(f"video fps {fps:g} is outside (0, {limits.max_fps:g}]")
+    check_fps(cfg, fps)
     if not 0 < max_frames <= limits.max_frames:
         raise InvalidMedia(f"video max frames {max_frames} is outside [1, {limits.max_frames}]")
     if not data:

@@ -14,7 +14,6 @@ from __future__ import annotations
 import json
 import math
 from dataclasses import dataclass, fields
-from fractions import Fraction
 from pathlib import Path
 
 import numpy as np
@@ -119,16 +118,24 @@ def seconds_per_grid(cfg: VideoProcessorConfig, fps: float) -> float:
     return cfg.temporal_patch_size / fps
 
 
-def temporal_step(cfg: VideoProcessorConfig, fps: float, position_id_per_seconds: int) -> int:
-    """The M-RoPE temporal step between two temporal patches. transformers computes it in floats; a whole
-    step keeps every position an integer, as the engine's are, so rates that make it fractional are refused."""
-    step = Fraction(cfg.temporal_patch_size) / Fraction(fps).limit_denominator(1000) * position_id_per_seconds
-    if step.denominator != 1:
+def check_fps(cfg: VideoProcessorConfig, fps: float) -> None:
+    """Refuse a sampling rate whose temporal patch does not last a whole number of seconds. transformers
+    places a video's tokens at t x seconds x position_id_per_seconds in floats: whole seconds keep every
+    position an exact integer, as the engine's are; other rates (2.6 fps: 0.769 s) drift off the integers
+    a patch or two in, so its positions could not be matched."""
+    seconds = cfg.temporal_patch_size / fps
+    if not (fps > 0 and seconds.is_integer()):
+        rates = ", ".join(f"{cfg.temporal_patch_size / k:.3g}" for k in range(1, 5))
         raise InvalidMedia(
-            f"video fps {fps:g} gives a fractional position step ({cfg.temporal_patch_size} / {fps:g} x "
-            f"{position_id_per_seconds}); use an fps that divides {cfg.temporal_patch_size * position_id_per_seconds}"
+            f"video fps {fps:g} is not one the positions admit: a temporal patch ({cfg.temporal_patch_size} "
+            f"frames) must last whole seconds, so fps is {cfg.temporal_patch_size} / k ({rates}, ...)"
         )
-    return int(step)
+
+
+def temporal_step(cfg: VideoProcessorConfig, fps: float, position_id_per_seconds: int) -> int:
+    """The M-RoPE temporal step between two temporal patches of frames sampled at `fps` (see check_fps)."""
+    check_fps(cfg, fps)
+    return round(cfg.temporal_patch_size / fps) * position_id_per_seconds
 
 
 def resized(frames: np.ndarray, cfg: VideoProcessorConfig) -> np.ndarray:

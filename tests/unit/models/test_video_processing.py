@@ -44,8 +44,12 @@ def test_grid_tokens_and_position_step():
     assert video_grid(5, 48, 64, CFG)[0] == 3  # an odd frame count repeats the last frame
     assert video_tokens((2, 20, 28), 2) == 280
     assert temporal_step(CFG, 2.0, 13) == 13 and temporal_step(CFG, 1.0, 13) == 26
-    with pytest.raises(InvalidMedia, match="fractional position step"):
-        temporal_step(CFG, 3.0, 13)
+    assert temporal_step(CFG, 0.5, 13) == 52
+    for fps in (3.0, 2.6, 4.0, 1.5):  # a temporal patch of 2/3, 0.77, 0.5, 1.33 s
+        with pytest.raises(
+            InvalidMedia, match=r"must last whole seconds, so fps is 2 / k \(2, 1, 0.667, 0.5, ...\)"
+        ):
+            temporal_step(CFG, fps, 13)
 
 
 def test_a_still_video_at_the_target_size_is_the_image_patches():
@@ -92,9 +96,9 @@ def test_every_container_decodes_with_its_sound(kind):
 def test_rate_and_frame_overrides():
     data = encode(frames(40, 32, 32), fps=10, tone_hz=None)  # 4 s
     assert len(decode_video(data, CFG, fps=1.0).frames) == 4
-    assert len(decode_video(data, CFG, fps=4.0).frames) == 16
-    assert len(decode_video(data, CFG, fps=4.0, max_frames=6).frames) == 6
-    with pytest.raises(InvalidMedia, match=r"fps 8 is outside \(0, 4\]"):
+    assert len(decode_video(data, CFG).frames) == 8
+    assert len(decode_video(data, CFG, max_frames=6).frames) == 6
+    with pytest.raises(InvalidMedia, match="fps 8 is not one the positions admit"):
         decode_video(data, CFG, fps=8.0)
     with pytest.raises(InvalidMedia, match=r"max frames 999 is outside \[1, 256\]"):
         decode_video(data, CFG, max_frames=999)
