@@ -52,7 +52,7 @@ from omnistage.bench.a2t import (
 from omnistage.bench.clips import SYNTH_SETS, speech_like, synth_clips, total_seconds
 from omnistage.bench.speech_targets import talker_params, text_fields
 from omnistage.config import EngineConfig, load_config
-from omnistage.engine.llm_engine import NewRequest
+from omnistage.engine.stages.text import NewRequest
 from omnistage.outputs import AUDIO_SAMPLE_RATE, RequestOutput
 from omnistage.pipeline.async_pipeline import AsyncPipeline
 from omnistage.pipeline.family import build_pipeline

@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from omnistage.engine.encoder_engine import MultimodalEmbeds
-    from omnistage.engine.model_runner import HiddenTap
+    from omnistage.engine.stages.token_runner import HiddenTap
     from omnistage.models.layers.rotary import PromptPositions
 
 

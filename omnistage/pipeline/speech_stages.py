@@ -1,4 +1,4 @@
-"""Qwen3-Omni's speech stages on their device: the Talker (an EmbeddingStage over its paged KV), the code
+"""Qwen3-Omni's speech stages on their device: the Talker (a RowStage over its paged KV), the code
 predictor (a frame per call, `FrameGraphs`) and streaming Code2Wav (`Code2WavStreamer` over
 `Code2WavGraphs`). Loaded, measured for their device's memory plan (their weights, largest steps, the Talker's
 KV pool and their graphs' costs), then allocated and captured as the plan says. The pipeline
@@ -19,12 +19,12 @@ from omnistage.config import EngineConfig
 from omnistage.engine.attention import backend_for
 from omnistage.engine.buckets import decode_buckets, prefill_buckets
 from omnistage.engine.devices import resolve_device
-from omnistage.engine.embedding_stage import EmbeddingStage
 from omnistage.engine.graphs.base import int_buckets
 from omnistage.engine.graphs.code2wav import Code2WavGraphs
 from omnistage.engine.graphs.frames import FrameGraphs
 from omnistage.engine.memory.measure import device_peak, graph_candidates, module_bytes
 from omnistage.engine.memory.plan import MAIN_POOL, GiB, KVPool, MemoryPlan, StageMemory
+from omnistage.engine.stages.rows import RowStage
 from omnistage.models.layers.linear import adopt_gemv
 from omnistage.models.qwen3_omni.code2wav import load_code2wav
 from omnistage.models.qwen3_omni.code2wav_streamer import Code2WavStreamer, decodes_first_as_prefix
@@ -86,7 +86,7 @@ class SpeechStages:
         # on a GPU the plan sizes the pool (`allocate`); until then it has one page
         pages = talker.kv.pages or max(1, int((talker.kv.gib or _CPU_TALKER_KV_GIB) * GiB) // page_bytes)
         vocab = text.vocab_size
-        self.talker_stage = EmbeddingStage(
+        self.talker_stage = RowStage(
             self.talker,
             text,
             num_pages=1 if device.type == "cuda" else pages,

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from omnistage.engine.attention import backend_for
-from omnistage.engine.embedding_stage import EmbeddingStage
+from omnistage.engine.stages.rows import RowStage
 from omnistage.models.layers.rotary import PromptPositions
 from omnistage.models.qwen3_omni.config import Qwen3OmniConfig
 from omnistage.models.qwen3_omni.talker import load_talker
@@ -23,15 +23,15 @@ DEV = torch.device("cuda")
 PROMPTS, MAX_TOKENS = (5, 8, 11), (8, 8, 5)
 
 
-def make_stage(talker, cfg: Qwen3OmniConfig) -> EmbeddingStage:
+def make_stage(talker, cfg: Qwen3OmniConfig) -> RowStage:
     vocab, eos = cfg.talker.text.vocab_size, cfg.talker.codec_eos_token_id
-    return EmbeddingStage(
+    return RowStage(
         talker, cfg.talker.text, num_pages=64, page_size=4, device=DEV, dtype=torch.bfloat16, max_num_seqs=4,
         max_num_batched_tokens=64, eos_token_id=eos, suppressed_ids=[i for i in range(vocab - 1024, vocab) if i != eos],
     )  # fmt: skip
 
 
-def speak(stage: EmbeddingStage) -> tuple[list[list[tuple]], list[torch.Tensor]]:
+def speak(stage: RowStage) -> tuple[list[list[tuple]], list[torch.Tensor]]:
     """Greedy requests fed the same rows whatever path runs; per step, (request, code, hidden) of every sample,
     and the logits each step sampled from."""
     logits_seen = []

@@ -15,13 +15,14 @@ from omnistage.engine.buckets import decode_buckets, prefill_buckets
 from omnistage.engine.encoder_engine import EncoderEngine
 from omnistage.engine.memory.measure import graph_candidates, module_bytes, scaled_peaks
 from omnistage.engine.memory.plan import MAIN_POOL, GiB, GraphCandidates, KVPool, StageMemory
-from omnistage.engine.model_runner import ModelRunner
+from omnistage.engine.stages.decoder import torch_module
+from omnistage.engine.stages.token_runner import TokenRunner
 
 log = logging.getLogger(__name__)
 
 
-def llm_stage_memory(
-    runner: ModelRunner,
+def text_stage_memory(
+    runner: TokenRunner,
     encoders: EncoderEngine,
     cfg: EngineConfig,
     kv_bytes_per_page: int,
@@ -49,7 +50,7 @@ def llm_stage_memory(
     if fixed is None and cfg.kv_cache_memory_gib is not None:
         fixed = int(cfg.kv_cache_memory_gib * GiB) // kv_bytes_per_page
     resident = [
-        (stage, module_bytes(runner.model), "weights"),
+        (stage, module_bytes(torch_module(runner.model)), "weights"),
         ("audio encoder", module_bytes(encoders.audio_encoder), "weights"),
     ]
     if encoders.vision_encoder is not None:
@@ -66,7 +67,7 @@ def llm_stage_memory(
     )
 
 
-def _graph_candidates(runner: ModelRunner, cfg: EngineConfig, stage: str) -> tuple[GraphCandidates, ...]:
+def _graph_candidates(runner: TokenRunner, cfg: EngineConfig, stage: str) -> tuple[GraphCandidates, ...]:
     """The stage's decode and prefill graphs as the config's stages section sizes them (none when eager)."""
     # a graph keeps its outputs (hidden states, logits) in its pool and shares the rest (scratch) with the
     # pool's other graphs; the largest step's measured peak, scaled by batch

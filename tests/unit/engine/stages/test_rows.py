@@ -9,10 +9,10 @@ import torch
 
 from omnistage.engine.attention import TorchReferenceBackend
 from omnistage.engine.buckets import bucket_for
-from omnistage.engine.embedding_stage import EmbeddingStage
 from omnistage.engine.memory.measure import Peak
 from omnistage.engine.memory.plan import scaled_costs
 from omnistage.engine.scheduler import SchedulerOutput
+from omnistage.engine.stages.rows import RowStage
 from omnistage.models.layers.rotary import PromptPositions
 from omnistage.models.qwen3_omni.config import Qwen3OmniConfig
 from omnistage.models.qwen3_omni.talker import load_talker
@@ -31,9 +31,9 @@ def cfg(tiny_checkpoint) -> Qwen3OmniConfig:
     return Qwen3OmniConfig.from_dir(tiny_checkpoint)
 
 
-def make_stage(talker, cfg: Qwen3OmniConfig, num_pages: int = 64, batch_tokens: int = 256) -> EmbeddingStage:
+def make_stage(talker, cfg: Qwen3OmniConfig, num_pages: int = 64, batch_tokens: int = 256) -> RowStage:
     vocab, eos = cfg.talker.text.vocab_size, cfg.talker.codec_eos_token_id
-    return EmbeddingStage(
+    return RowStage(
         talker, cfg.talker.text, num_pages=num_pages, page_size=PAGE, device=torch.device("cpu"),
         dtype=torch.float32, max_num_seqs=8, max_num_batched_tokens=batch_tokens, eos_token_id=eos,
         suppressed_ids=[i for i in range(vocab - 1024, vocab) if i != eos],
@@ -51,7 +51,7 @@ def row(hidden: int, *key: int) -> torch.Tensor:
     return torch.randn(hidden, generator=torch.Generator().manual_seed(hash(key) % 2**31))
 
 
-def speak(stage: EmbeddingStage, params: list[SamplingParams]) -> list[list[tuple]]:
+def speak(stage: RowStage, params: list[SamplingParams]) -> list[list[tuple]]:
     """Run requests of prompts of different lengths and M-RoPE deltas to the end, feeding each the same rows
     whatever path runs; per step, (request, token, hidden, finished) of every sample."""
     hidden = stage.cfg.hidden_size
@@ -72,7 +72,7 @@ def speak(stage: EmbeddingStage, params: list[SamplingParams]) -> list[list[tupl
     return steps
 
 
-def schedules_of(stage: EmbeddingStage) -> list[SchedulerOutput]:
+def schedules_of(stage: RowStage) -> list[SchedulerOutput]:
     """The steps the stage's scheduler hands out from now on, in order."""
     outputs = []
     schedule = stage.scheduler.schedule
@@ -80,7 +80,7 @@ def schedules_of(stage: EmbeddingStage) -> list[SchedulerOutput]:
     return outputs
 
 
-def replays_of(stage: EmbeddingStage) -> list[int]:
+def replays_of(stage: RowStage) -> list[int]:
     """The buckets the stage's graphs replay from now on, in order."""
     replayed = []
     stage.graphs.on_replay = replayed.append
@@ -174,7 +174,7 @@ def test_no_buckets_capture_nothing(talker, cfg):
     assert bucket_for(1, stage.captured_buckets) is None
 
 
-def _with_prefill_graphs(talker, cfg, num_pages: int) -> tuple[EmbeddingStage, list[int]]:
+def _with_prefill_graphs(talker, cfg, num_pages: int) -> tuple[RowStage, list[int]]:
     """A stage with decode graphs for 1 and 2 rows and prefill graphs, and the slots of each prefill replay."""
     stage = make_stage(talker, cfg, num_pages)
     stage.capture_graphs([1, 2], max_seq_len=32)

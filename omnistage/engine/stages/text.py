@@ -1,6 +1,6 @@
 """One autoregressive stage (the Thinker): admission, scheduling, the model step, sampling, stops.
 
-`LLMEngine.step()` runs one scheduler step and returns what each touched request gained. Everything a
+`TextStage.step()` runs one scheduler step and returns what each touched request gained. Everything a
 request does stays inside that request: a failing step fails the requests in it, frees their pages and
 the engine goes on. With `decode_ahead` (decode_ahead.py), a decode step's tokens come out of the `step()`
 call after the one that launched it, which launches the next step first.
@@ -12,7 +12,7 @@ import logging
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, cast
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -30,24 +30,22 @@ from omnistage.engine.isolation import run_isolated
 from omnistage.engine.kv_cache import PagePool
 from omnistage.engine.memory.measure import allocator_stats, module_bytes
 from omnistage.engine.memory.plan import GiB, MemoryPlan, StageMemory, kv_bytes_per_page
-from omnistage.engine.model_runner import HiddenTap, ModelRunner
 from omnistage.engine.output_processor import RequestState, request_output, stop_and_text
 from omnistage.engine.sampling import Sampler, SamplingRow, make_generator
 from omnistage.engine.scheduler import ScheduledChunk, Scheduler, SchedulerOutput
 from omnistage.engine.sequence import Sequence, SequenceStatus
-from omnistage.engine.stage_memory import llm_stage_memory
+from omnistage.engine.stages.decoder import DecoderSizes, StageProcessor, TokenDecoder, torch_module
+from omnistage.engine.stages.text_memory import text_stage_memory
+from omnistage.engine.stages.token_runner import HiddenTap, TokenRunner
 from omnistage.errors import InvalidRequest, RequestTooLarge
 from omnistage.models.layers.linear import adopt_gemv
 from omnistage.models.layers.moe import SparseMoeBlock
 from omnistage.models.layers.rotary import PromptPositions
-from omnistage.models.qwen3_omni.config import TextConfig
-from omnistage.models.qwen3_omni.processor import Processor
-from omnistage.models.qwen3_omni.thinker import Thinker
 from omnistage.outputs import RequestOutput
 from omnistage.request import GenerationRequest, SamplingParams
 
 if TYPE_CHECKING:
-    from omnistage.models.qwen3_omni.processor import MultimodalInputs
+    from omnistage.request import MultimodalInputs  # a request's media, as the edge decodes them
 
 log = logging.getLogger(__name__)
 
@@ -72,9 +70,9 @@ class StageModels:
     """What a family's pipeline loads for an LLM stage (see pipeline/qwen3_omni.py): the decoder, its sizes,
     the processor that lays out its prompts, the encoders that fill their placeholders, and its end tokens."""
 
-    model: Thinker
-    text: TextConfig
-    processor: Processor
+    model: TokenDecoder
+    text: DecoderSizes
+    processor: StageProcessor
     encoders: EncoderEngine
     eos_token_ids: list[int]
     model_path: Path
@@ -85,7 +83,7 @@ class StageModels:
     name: str = "Thinker"  # the stage's name in its device's memory plan
 
 
-class LLMEngine:
+class TextStage:
     def __init__(
         self, config: EngineConfig, models: StageModels, device: torch.device, dtype: torch.dtype
     ) -> None:
@@ -102,7 +100,7 @@ class LLMEngine:
         self.set_moe_kernel(config.moe_kernel)
         if self.device.type == "cuda":
             # a decode step at one row: each projection where the Triton GEMV streams it faster than cuBLAS
-            adopted = adopt_gemv(self.model)
+            adopted = adopt_gemv(torch_module(self.model))
             log.info("one-row projections on the Triton GEMV: %d (%s)", len(adopted), ", ".join(adopted[:4]))
         self.compiled = self.device.type == "cuda" and config.compile
         if self.compiled:
@@ -121,7 +119,7 @@ class LLMEngine:
         self.max_model_len = min(
             config.max_model_len or text.max_position_embeddings, text.max_position_embeddings
         )
-        self.runner = ModelRunner(self.model, text, self.page_size, self.device, self.dtype, models.tap_layer)
+        self.runner = TokenRunner(self.model, text, self.page_size, self.device, self.dtype, models.tap_layer)
         self.plan: MemoryPlan | None = None  # its device's, once granted (`allocate`)
         # the device's main-stream graph pool (`memory.plan.MAIN_POOL`): this stage's prefill graphs and its
         # encoders' graphs; the pipeline captures the other stages of the device into it too
@@ -138,7 +136,7 @@ class LLMEngine:
     def memory(self) -> StageMemory:
         """What the stage needs of its GPU's plan: its weights and encoders', its floor, its KV pool and its
         graphs' prices, measured now (the runner warms up on the way)."""
-        return llm_stage_memory(
+        return text_stage_memory(
             self.runner,
             self.encoders,
             self.config,
@@ -185,7 +183,7 @@ class LLMEngine:
 
     def memory_summary(self) -> str:
         kv_gib = self.pool.num_pages * self.kv_bytes_per_page / GiB
-        weights_gib = module_bytes(self.model) / GiB
+        weights_gib = module_bytes(torch_module(self.model)) / GiB
         graphs = ""
         if self.device.type == "cuda" and self.config.enforce_eager:
             graphs = "; no CUDA graphs (enforce_eager): every step runs eagerly"
@@ -279,7 +277,7 @@ class LLMEngine:
                 max_tokens[i] = self.validate(r.prompt_token_ids, r.params)
             except Exception as exc:
                 errors[i] = exc
-        embeds = self._encode({i: requests[i] for i in max_tokens if requests[i].mm is not None})
+        embeds = self._encode({i: requests[i] for i in max_tokens})
         encoded = time.monotonic()
         for i, r in enumerate(requests):
             if i not in max_tokens:
@@ -309,22 +307,20 @@ class LLMEngine:
         return errors
 
     def _encode(self, requests: dict[int, NewRequest]) -> dict[int, MultimodalEmbeds | Exception]:
-        """Encoder outputs per request index, all in one call; when that call fails, one request at a time,
-        so that only the request at fault fails."""
-        if not requests:
+        """Encoder outputs per index of the requests with media, all in one call; when that call fails, one
+        request at a time, so that only the request at fault fails."""
+        media = {i: (r.prompt_token_ids, r.mm) for i, r in requests.items() if r.mm is not None}
+        if not media:
             return {}
         try:
-            inputs = [(r.prompt_token_ids, r.mm) for r in requests.values()]  # each with its media
-            outputs = self.encoders.encode_many(cast("list[tuple[list[int], MultimodalInputs]]", inputs))
-            return dict(zip(requests, outputs))
+            return dict(zip(media, self.encoders.encode_many(list(media.values()))))
         except Exception as exc:
-            if len(requests) == 1:
-                return {i: exc for i in requests}
+            if len(media) == 1:
+                return {i: exc for i in media}
         results: dict[int, MultimodalEmbeds | Exception] = {}
-        for i, r in requests.items():
+        for i, (token_ids, mm) in media.items():
             try:
-                assert r.mm is not None
-                results[i] = self.encoders.encode(r.prompt_token_ids, r.mm)
+                results[i] = self.encoders.encode(token_ids, mm)
             except Exception as exc:
                 results[i] = exc
         return results

@@ -18,7 +18,7 @@ import logging
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from itertools import accumulate
-from typing import Any, Protocol
+from typing import Any
 
 import torch
 
@@ -28,28 +28,16 @@ from omnistage.engine.graphs.base import int_buckets
 from omnistage.engine.isolation import run_isolated
 from omnistage.engine.kv_cache import PagePool
 from omnistage.engine.memory.measure import Peak, device_peak, scaled_peaks
-from omnistage.engine.model_runner import positions_for, warm_up_shapes
 from omnistage.engine.sampling import Sampler, SamplingRow, make_generator
 from omnistage.engine.scheduler import ScheduledChunk, Scheduler, SchedulerOutput
 from omnistage.engine.sequence import Sequence, SequenceStatus
+from omnistage.engine.stages.decoder import DecoderSizes, RowDecoder, experts_per_token
+from omnistage.engine.stages.token_runner import positions_for, warm_up_shapes
 from omnistage.models.layers.attention_metadata import AttentionMetadata, to_device
 from omnistage.models.layers.rotary import PromptPositions
-from omnistage.models.qwen3_omni.config import TextConfig
 from omnistage.request import SamplingParams
 
 log = logging.getLogger(__name__)
-
-
-class EmbeddingModel(Protocol):
-    def __call__(
-        self,
-        embeds: torch.Tensor,
-        positions: torch.Tensor,
-        kv_caches: list[torch.Tensor],
-        meta: AttentionMetadata,
-    ) -> torch.Tensor: ...
-
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor: ...
 
 
 @dataclass
@@ -86,7 +74,7 @@ class Sampled:
 
 @dataclass
 class InFlight:
-    """A launched step (`EmbeddingStage.launch`) not yet applied: its chunks, the final hidden states `[n, H]` of
+    """A launched step (`RowStage.launch`) not yet applied: its chunks, the final hidden states `[n, H]` of
     its n sampling chunks and their sampled ids (`ids.sampled` on the device, row b the b-th sampling chunk's;
     None when no chunk samples), or the error that failed its one chunk."""
 
@@ -104,9 +92,9 @@ _REASONS = {
 
 
 @dataclass
-class EmbeddingStage:
-    model: EmbeddingModel
-    cfg: TextConfig
+class RowStage:
+    model: RowDecoder
+    cfg: DecoderSizes
     num_pages: int
     page_size: int
     device: torch.device
@@ -152,9 +140,9 @@ class EmbeddingStage:
         return peak
 
     def warm_up(self, max_tokens: int) -> None:
-        """Run the eager step shapes traffic brings (`model_runner.warm_up_shapes`), so that kernel builds and compiled
+        """Run the eager step shapes traffic brings (`token_runner.warm_up_shapes`), so that kernel builds and compiled
         variants happen at start, not in the first requests' prefills (GPU only)."""
-        for tokens, seqs in warm_up_shapes(max_tokens, self.cfg.num_experts_per_tok):
+        for tokens, seqs in warm_up_shapes(max_tokens, experts_per_token(self.cfg)):
             self.profile_peak(tokens, seqs)
 
     # -- decode graphs ------------------------------------------------------------------------------
