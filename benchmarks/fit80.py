@@ -145,7 +145,7 @@ def graph_report(pipeline: Any) -> dict[str, dict[str, Any]]:
     }
     if pipeline.speaks:
         runners |= {
-            "talker": pipeline.speech_stages.talker_stage.graphs,
+            "talker": pipeline.speech_stages.talker_stage.runner.graphs,
             "code_predictor": pipeline.speech_stages.frame_graphs,
             "code2wav": pipeline.speech_stages.code2wav_graphs,
         }

@@ -163,7 +163,7 @@ class Qwen3OmniPipeline:
         if self.speaks:
             # the longest Talker sequence: the user turns of the longest prompt, its assistant rows, the audio cap
             self.speech_stages = SpeechStages(
-                config, path, cfg, dtype, thinker_len + ASSISTANT_ROWS + MAX_AUDIO_FRAMES
+                config, path, cfg, dtype, thinker_len + ASSISTANT_ROWS + MAX_AUDIO_FRAMES, shared
             )
         processor = Processor(path)
         thinker_stage = load_thinker_stage(config, path, cfg, processor, device, dtype)
@@ -221,7 +221,7 @@ class Qwen3OmniPipeline:
         speech = self.speech_stages
         if speech is not None and speech.device.type == "cuda":
             with speech.on_device():
-                needs.append((speech.device, speech.memory(shared)))
+                needs.append((speech.device, speech.memory()))
         plans = plan_devices(needs, self.config.gpu_memory_limit_gib)
         if self.thinker.device in plans:
             self.thinker.allocate(plans[self.thinker.device])

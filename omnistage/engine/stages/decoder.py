@@ -91,7 +91,7 @@ class RowDecoder(Protocol):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor: ...
 
 
-def torch_module(decoder: TokenDecoder) -> torch.nn.Module:
+def torch_module(decoder: TokenDecoder | RowDecoder) -> torch.nn.Module:
     """The decoder as the torch module it is, for what walks its modules (its weights, kernel adoption)."""
     if not isinstance(decoder, torch.nn.Module):
         raise TypeError(f"a decoder is a torch module, not {type(decoder).__name__}")

@@ -1,4 +1,5 @@
-"""An autoregressive stage fed embedding rows, not ids (the Talker): page pool, scheduler, sampling.
+"""An autoregressive stage fed embedding rows, not ids (the Talker): the core's pool, scheduler and sampler
+(autoregressive.py) over a row runner (row_runner.py).
 
 A request's prompt is a block of rows with their M-RoPE positions. Each later step's input row comes from
 outside (`feed`): the row after sampled token k can only be built once the caller has turned token k into it
@@ -6,58 +7,28 @@ outside (`feed`): the row after sampled token k can only be built once the calle
 A step returns, for every request that sampled, the id and the final hidden state that produced it.
 
 Every input row is kept, so a preempted request is recomputed from its rows like a prompt.
-
-On a GPU, a step where every request feeds one row (a decode step) can replay a CUDA graph per batch bucket
-(`capture_graphs`): the graph computes the final hidden states and the masked logits, so only sampling runs
-eagerly. Other steps (prompts, recomputes, mixed steps, batches beyond the largest bucket) run eagerly.
 """
 
 from __future__ import annotations
 
-import logging
-from collections.abc import Iterable
-from dataclasses import dataclass, field
-from itertools import accumulate
+from collections.abc import Sequence as Sizes
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from omnistage.engine.decode_ahead import Launched
-from omnistage.engine.graphs import DecodeGraphs, PrefillGraphs
 from omnistage.engine.graphs.base import int_buckets
-from omnistage.engine.isolation import run_isolated
-from omnistage.engine.kv_cache import PagePool
-from omnistage.engine.memory.measure import Peak, device_peak, scaled_peaks
-from omnistage.engine.sampling import Sampler, SamplingRow, make_generator
-from omnistage.engine.scheduler import ScheduledChunk, Scheduler, SchedulerOutput
+from omnistage.engine.memory.measure import graph_candidates, module_bytes
+from omnistage.engine.memory.plan import MAIN_POOL, KVPool, MemoryPlan, StageMemory, kv_bytes_per_page
+from omnistage.engine.sampling import make_generator
+from omnistage.engine.scheduler import ScheduledChunk
 from omnistage.engine.sequence import Sequence, SequenceStatus
-from omnistage.engine.stages.decoder import DecoderSizes, RowDecoder, experts_per_token
-from omnistage.engine.stages.token_runner import positions_for, warm_up_shapes
-from omnistage.models.layers.attention_metadata import AttentionMetadata, to_device
+from omnistage.engine.stages.autoregressive import AutoregressiveStage
+from omnistage.engine.stages.decoder import torch_module
+from omnistage.engine.stages.row_runner import RowRunner, RowState
 from omnistage.models.layers.rotary import PromptPositions
 from omnistage.request import SamplingParams
-
-log = logging.getLogger(__name__)
-
-
-@dataclass
-class _State:
-    rows: list[torch.Tensor]  # the prompt block [L, H], then one [1, H] per fed step
-    positions: PromptPositions
-    params: SamplingParams
-    generator: torch.Generator | None
-    eos_token_ids: list[int]
-    error: str | None = None
-
-    def inputs(self, start: int, count: int) -> torch.Tensor:
-        """Rows start..start+count `[count, H]`: a slice of the prompt, fed rows, or both (a recompute)."""
-        prompt, end = self.rows[0], start + count
-        if end <= len(prompt):
-            return prompt[start:end]
-        fed = self.rows[1 + max(0, start - len(prompt)) : 1 + end - len(prompt)]
-        if start >= len(prompt) and count == 1:  # a decode step
-            return fed[0]
-        return torch.cat([prompt[start:], *fed])
 
 
 @dataclass
@@ -91,143 +62,84 @@ _REASONS = {
 }
 
 
-@dataclass
-class RowStage:
-    model: RowDecoder
-    cfg: DecoderSizes
-    num_pages: int
-    page_size: int
-    device: torch.device
-    dtype: torch.dtype
-    max_num_seqs: int
-    max_num_batched_tokens: int
-    eos_token_id: int
-    suppressed_ids: list[int] = field(default_factory=list)  # never sampled
+class RowStage(AutoregressiveStage):
+    """The stage over `runner`, with `num_pages` pages until its device's plan sizes them (`allocate`).
+    `max_seq_len`: its longest sequence (prompt and fed rows), which its graphs hold; `decode_sizes` and
+    `prefill_sizes`: the batch and token buckets of its graphs, as its config has them; `kv`: what its pool
+    asks of the plan (default: one request of the longest length at least)."""
 
-    def __post_init__(self) -> None:
-        self.pool = PagePool(self.num_pages, self.page_size)
-        self.scheduler = Scheduler(self.pool, self.max_num_seqs, self.max_num_batched_tokens)
-        self.sampler = Sampler()
-        self.kv_caches = self._allocate(self.num_pages)
-        self._suppressed = torch.tensor(self.suppressed_ids, dtype=torch.long, device=self.device)
-        self.graphs: DecodeGraphs | None = None
-        self.prefill_graphs: PrefillGraphs | None = None
+    runner: RowRunner
 
-    @torch.inference_mode()
-    def _allocate(self, num_pages: int) -> list[torch.Tensor]:
-        shape = (2, num_pages, self.page_size, self.cfg.num_key_value_heads, self.cfg.head_dim)
-        return [
-            torch.zeros(shape, dtype=self.dtype, device=self.device)
-            for _ in range(self.cfg.num_hidden_layers)
-        ]
-
-    @torch.inference_mode()
-    def profile_peak(self, num_tokens: int, num_seqs: int = 1) -> Peak:
-        """Bytes an eager step of `num_seqs` prompts sharing `num_tokens` rows allocates at its peak, with the
-        logits of each one's last row (scratch KV, freed after), and what it keeps at its end (the hidden
-        states and logits: a graph's outputs). As many prompts as rows: a decode step."""
-        per_seq = -(-num_tokens // num_seqs)
-        pages = -(-per_seq // self.page_size)
-        kv = self._allocate(num_seqs * pages)
-        chunks = [(0, per_seq, list(range(i * pages, (i + 1) * pages))) for i in range(num_seqs)]
-        meta = AttentionMetadata.build(chunks, self.page_size, self.device)
-        embeds = torch.randn(per_seq * num_seqs, self.cfg.hidden_size, dtype=self.dtype, device=self.device)
-        positions = torch.arange(per_seq, device=self.device).repeat(num_seqs).expand(3, -1)
-        with device_peak(self.device) as peak:
-            hidden = self.model(embeds, positions, kv, meta)
-            logits = self._logits(hidden[meta.query_start_loc[1:].long() - 1])
-        del kv, hidden, logits
-        return peak
-
-    def warm_up(self, max_tokens: int) -> None:
-        """Run the eager step shapes traffic brings (`token_runner.warm_up_shapes`), so that kernel builds and compiled
-        variants happen at start, not in the first requests' prefills (GPU only)."""
-        for tokens, seqs in warm_up_shapes(max_tokens, experts_per_token(self.cfg)):
-            self.profile_peak(tokens, seqs)
-
-    # -- decode graphs ------------------------------------------------------------------------------
-
-    def graph_costs(self, buckets: Iterable[int]) -> dict[int, Peak]:
-        """What each bucket's decode graph is expected to take, for the memory plan: the measured peak of the
-        largest bucket's eager decode step and what it keeps, scaled by batch (as the Thinker's)."""
-        buckets = sorted(set(buckets))
-        if not buckets:
-            return {}
-        return scaled_peaks(self.profile_peak(buckets[-1], buckets[-1]), buckets)
-
-    def capture_graphs(self, buckets: Iterable[int], max_seq_len: int, pool: Any = None) -> list[int]:
-        """Capture a decode graph per batch bucket for requests up to `max_seq_len` rows (prompt and fed rows);
-        returns the buckets captured. `pool`: a graph memory pool shared with other graph sets of the device
-        (`stage.graphs.pool` gives this one's): only one of them may run at a time. Off CUDA, binds eager calls
-        over the same static buffers (tests); on CUDA, only in bfloat16 (the graph-safe MoE kernels need it)."""
-        buckets = sorted(set(buckets))
-        if not buckets:
-            return []
-        if self.device.type == "cuda" and self.dtype != torch.bfloat16:
-            log.warning(
-                "CUDA graphs need bfloat16 (grouped-GEMM MoE); Talker steps in %s run eagerly", self.dtype
-            )
-            return []
-        self.graphs = DecodeGraphs(
-            self._decode_step, buckets[-1], -(-max_seq_len // self.page_size), max_seq_len, self.device,
-            row_shape=(self.cfg.hidden_size,), dtype=self.dtype,
-        )  # fmt: skip
-        with torch.inference_mode():
-            return int_buckets(self.graphs.capture(buckets, pool=pool))
-
-    # -- prefill graphs ------------------------------------------------------------------------------
-
-    def prefill_graph_costs(self, buckets: Iterable[int]) -> dict[int, Peak]:
-        """What each token bucket's prefill graph is expected to take: the largest one's eager step with as many
-        prompts as it holds (`graphs.prefill.StaticPrefillBuffers`), scaled by tokens."""
-        buckets = sorted(set(buckets))
-        if not buckets:
-            return {}
-        return scaled_peaks(self.profile_peak(buckets[-1], min(buckets[-1], self.max_num_seqs)), buckets)
-
-    def capture_prefill_graphs(self, buckets: Iterable[int], max_seq_len: int, pool: Any = None) -> list[int]:
-        """Capture a prefill graph per token bucket for steps of up to `max_num_seqs` prompts' rows (with fed
-        rows beside them or not), into `pool` as `capture_graphs` does; returns the buckets captured. A
-        Talker prompt's eager prefill took 42-69 ms on the H200 whatever its rows (benchmarks/RESULTS.md,
-        "Where a loaded step's time goes"), most of a lone request's first packet."""
-        buckets = sorted(set(buckets))
-        if not buckets or (self.device.type == "cuda" and self.dtype != torch.bfloat16):
-            return []
-        self.prefill_graphs = PrefillGraphs(
-            self._prefill_step, buckets[-1], -(-max_seq_len // self.page_size), max_seq_len, self.cfg.hidden_size,
-            self.dtype, self.device, max_seqs=min(self.max_num_seqs, buckets[-1]),
-        )  # fmt: skip
-        with torch.inference_mode():
-            return int_buckets(self.prefill_graphs.capture(buckets, pool=pool))
-
-    @property
-    def captured_buckets(self) -> list[int]:
-        return int_buckets(self.graphs.captured_buckets) if self.graphs is not None else []
-
-    def _prefill_step(
+    def __init__(
         self,
-        embeds: torch.Tensor,
-        positions: torch.Tensor,
-        meta: AttentionMetadata,
-        sample_rows: torch.Tensor,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Final hidden states `[S, H]` and masked logits `[S, V]` of the rows a prefill graph samples."""
-        hidden = self.model(embeds, positions, self.kv_caches, meta).index_select(0, sample_rows)
-        return hidden, self._logits(hidden)
+        runner: RowRunner,
+        *,
+        num_pages: int,
+        max_num_seqs: int,
+        max_num_batched_tokens: int,
+        eos_token_id: int,
+        max_seq_len: int = 0,
+        decode_sizes: Sizes[int] = (),
+        prefill_sizes: Sizes[int] = (),
+        kv: KVPool | None = None,
+        name: str = "Talker",
+    ) -> None:
+        super().__init__(
+            name, runner, runner.device, runner.page_size, max_num_seqs, max_num_batched_tokens, False
+        )
+        self.eos_token_id, self.max_seq_len = eos_token_id, max_seq_len
+        self.decode_sizes, self.prefill_sizes = list(decode_sizes), list(prefill_sizes)
+        self.kv = kv
+        self.graph_pool: Any = None  # the pool its graphs were captured into (`allocate`)
+        self.allocate_pages(num_pages)
 
-    def _decode_step(
-        self, embeds: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Final hidden states `[B, H]` and masked logits `[B, V]` of B fed rows: what a decode graph holds."""
-        hidden = self.model(embeds, positions, self.kv_caches, meta)
-        return hidden, self._logits(hidden)
+    def memory(self) -> StageMemory:
+        """Its weights, the peak bytes of a prefill of a whole step's rows, its KV pool and its graphs' measured
+        costs (none where it runs in another dtype than bfloat16: the graph-safe MoE kernels need it)."""
+        runner = self.runner
+        prefill = runner.profile_peak(self.max_batched_tokens).bytes
+        cfg, bf16 = runner.cfg, runner.dtype == torch.bfloat16
+        page_bytes = kv_bytes_per_page(
+            cfg.num_hidden_layers,
+            cfg.num_key_value_heads,
+            cfg.head_dim,
+            self.page_size,
+            runner.dtype.itemsize,
+        )
+        pool = self.kv or KVPool(self.name, page_bytes, min_pages=-(-self.max_seq_len // self.page_size))
+        decode = runner.graph_costs(self.decode_sizes if bf16 else [])
+        prefill_costs = runner.prefill_graph_costs(self.prefill_sizes if bf16 else [])
+        graphs = (
+            graph_candidates(self.name, "decode", "batch", decode, MAIN_POOL),
+            graph_candidates(self.name, "prefill", "tokens", prefill_costs, MAIN_POOL),
+        )
+        return StageMemory(
+            resident=((self.name, module_bytes(torch_module(runner.model)), "weights"),),
+            peaks=((f"{self.name} prefill", prefill, f"{self.max_batched_tokens:,} rows"),),
+            kv=(pool,),
+            graphs=tuple(g for g in graphs if g.costs),
+        )
 
-    def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Float32 logits with the suppressed ids at -inf (an index_fill: no host sync, graph safe)."""
-        logits = self.model.compute_logits(hidden)
-        if len(self.suppressed_ids):
-            logits.index_fill_(1, self._suppressed, -torch.inf)
-        return logits
+    def allocate(self, plan: MemoryPlan, pool: Any = None) -> None:
+        """Its pages and graphs as `plan` has them (the graphs record the pages' addresses, so the pages come
+        first), the graphs into `pool` (the device's main-stream pool where another stage made it) or a new one,
+        which `graph_pool` then holds for the device's later stages."""
+        self.allocate_pages(plan.kv_pool(self.name).pages)
+        # as the Thinker's: a first burst of prompts would otherwise pay the Talker's kernel builds (likely why
+        # the H200's first c=4 pass had a 518 ms first packet, against 80 ms at c=1)
+        self.runner.warm_up(self.max_batched_tokens)
+        # the plan's buckets are typed for every set: batch and token counts here
+        self.runner.capture_graphs(
+            int_buckets(plan.captured(self.name, "decode")), self.max_seq_len, pool=pool
+        )
+        if pool is None and self.runner.graphs is not None:
+            pool = self.runner.graphs.pool
+        self.runner.capture_prefill_graphs(
+            int_buckets(plan.captured(self.name, "prefill")), self.max_seq_len, pool=pool
+        )
+        if pool is None and self.runner.prefill_graphs is not None:
+            pool = self.runner.prefill_graphs.pool
+        self.graph_pool = pool
 
     # -- requests -----------------------------------------------------------------------------------
 
@@ -240,8 +152,8 @@ class RowStage:
         max_tokens: int,
     ) -> None:
         """Queue a request; raises RequestTooLarge when prompt + max_tokens could never fit the pool."""
-        state = _State(
-            rows=[prompt_embeds.to(self.dtype)],
+        state = RowState(
+            rows=[prompt_embeds.to(self.runner.dtype)],
             positions=positions,
             params=params,
             generator=make_generator(params, self.device),
@@ -257,7 +169,7 @@ class RowStage:
         """The input row `[H]` of the request's next step."""
         seq = self.scheduler.get(request_id)
         if seq is not None:
-            seq.data.rows.append(row.to(self.dtype).reshape(1, -1))
+            seq.data.rows.append(row.to(self.runner.dtype).reshape(1, -1))
 
     def cap(self, request_id: str, max_tokens: int) -> bool:
         """Lower the request's max_tokens; True if that finished it (it has sampled as many already)."""
@@ -273,9 +185,6 @@ class RowStage:
     def abort(self, request_id: str) -> None:
         self.scheduler.abort(request_id)
 
-    def has_unfinished(self) -> bool:
-        return self.scheduler.has_unfinished()
-
     # -- one step -----------------------------------------------------------------------------------
 
     def step(self) -> list[Sampled]:
@@ -288,12 +197,11 @@ class RowStage:
         out = self.scheduler.schedule(ready=_ready)
         if not out.chunks:
             return []
-        return run_isolated(
+        return self.isolated(
             out.chunks,
             self._compute,
             lambda chunks, result: [InFlight(chunks, *result)],
             lambda chunk, exc: [InFlight([chunk], None, None, exc)],
-            lambda chunks: [g for c in chunks if c.samples and (g := c.seq.data.generator) is not None],
         )
 
     def settle(self, flights: list[InFlight]) -> list[Sampled]:
@@ -311,15 +219,12 @@ class RowStage:
 
     def _compute(self, chunks: list[ScheduledChunk]) -> tuple[torch.Tensor, Launched | None]:
         sampling = [c for c in chunks if c.samples]
-        hidden, logits = self._execute(chunks)
+        hidden, logits = self.runner.execute(chunks)
         launched = Launched.start(sampling, self._sample(logits, sampling)) if logits is not None else None
         return hidden, launched
 
     def _apply(self, chunks: list[ScheduledChunk], hidden: torch.Tensor, tokens: list[int]) -> list[Sampled]:
-        sampling = [c for c in chunks if c.samples]
-        self.scheduler.update(
-            SchedulerOutput(chunks), {c.seq.request_id: t for c, t in zip(sampling, tokens)}
-        )
+        sampling = self.update(chunks, tokens)
         results = []
         for row, (chunk, token) in enumerate(zip(sampling, tokens)):
             seq = chunk.seq
@@ -331,40 +236,6 @@ class RowStage:
         return results
 
     @torch.inference_mode()
-    def _execute(self, chunks: list[ScheduledChunk]) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Final hidden states `[n, H]` and masked logits `[n, V]` (None when n is 0) of the n chunks that end
-        in a sample, in chunk order; a decode step replays its bucket's graph when there is one."""
-        embeds = torch.cat([c.seq.data.inputs(c.start, c.num_tokens) for c in chunks])
-        decode = all(c.num_tokens == 1 and c.samples for c in chunks)
-        meta = AttentionMetadata.build(
-            [(c.start, c.num_tokens, c.seq.page_ids) for c in chunks], self.page_size, self.device
-        )
-        positions = self._positions(chunks, decode)
-        if decode and self.graphs is not None and self.graphs.bucket_for(len(chunks)) is not None:
-            hidden, logits = self.graphs.run(embeds, positions, meta)
-            return hidden.clone(), logits  # the hidden states outlive the step; the logits do not
-        ends = accumulate(c.num_tokens for c in chunks)  # a row that samples ends its chunk
-        sampled = [end - 1 for end, c in zip(ends, chunks) if c.samples]
-        rows = to_device(torch.tensor(sampled, dtype=torch.long), self.device)
-        if self.prefill_graphs is not None:
-            out = self.prefill_graphs.run(embeds, positions, meta, rows)
-            if out is not None:
-                hidden, logits = out
-                return hidden[: len(sampled)].clone(), logits[: len(sampled)] if sampled else None
-        hidden = self.model(embeds, positions, self.kv_caches, meta)
-        if not decode:
-            hidden = hidden.index_select(0, rows)
-        return hidden, self._logits(hidden) if len(hidden) else None
-
-    def _positions(self, chunks: list[ScheduledChunk], decode: bool) -> torch.Tensor:
-        """`[3, T]` M-RoPE positions on the device; a decode step's from host ints, in one copy."""
-        if decode and all(c.start >= c.seq.num_prompt_tokens for c in chunks):
-            rows = [c.start + c.seq.data.positions.delta for c in chunks]  # all three streams alike
-            return to_device(torch.tensor(rows), self.device).expand(3, -1)
-        positions = [positions_for(c.start, c.num_tokens, c.seq.data.positions) for c in chunks]
-        return to_device(torch.cat(positions, dim=1), self.device)
-
-    @torch.inference_mode()
     def _sample(self, logits: torch.Tensor, sampling: list[ScheduledChunk]) -> torch.Tensor:
         # ignore_eos: the end id is never drawn (unlike text, a stage's end id here is no output of its own);
         # written row by row, not through an index tensor that would be copied to the device each step
@@ -374,23 +245,11 @@ class RowStage:
         else:
             for row in ignoring:
                 logits[row, self.eos_token_id] = -torch.inf
-        rows = [
-            SamplingRow(
-                params=c.seq.data.params,
-                # the repetition penalty reads the generated ids only: the prompt rows have none
-                token_ids=[],
-                output_token_ids=c.seq.output_token_ids,
-                generator=c.seq.data.generator,
-                eos_token_ids=c.seq.data.eos_token_ids,
-            )
-            for c in sampling
-        ]
-        return self.sampler(logits, rows)
+        return self.sampler(logits, [self.sampling_row(c.seq) for c in sampling])
 
     def _fail(self, seq: Sequence, exc: Exception) -> Sampled:
-        log.error("request %s failed in an embedding stage", seq.request_id, exc_info=exc)
-        self.scheduler.finish(seq, SequenceStatus.FINISHED_ERROR)
-        return Sampled(seq.request_id, None, None, True, "error", f"{type(exc).__name__}: {exc}")
+        self.end_failed(seq, exc)
+        return Sampled(seq.request_id, None, None, True, "error", seq.data.error)
 
 
 def _ready(seq: Sequence) -> bool:

@@ -9,6 +9,7 @@ from transformers import Qwen3OmniMoeForConditionalGeneration
 from omnistage import LLM, SamplingParams
 from omnistage.config import engine_config
 from omnistage.engine.memory.plan import GiB
+from omnistage.engine.stages.base import Stage
 from omnistage.errors import InvalidRequest, RequestTooLarge
 from omnistage.models.qwen3_omni.config import Qwen3OmniConfig
 from omnistage.pipeline.async_pipeline import AsyncPipeline
@@ -644,3 +645,9 @@ def test_a_prompt_whose_hidden_states_are_tapped_replays_a_prefill_graph(tiny_ch
     assert graph_tokens == eager_tokens
     assert eager_tap.abs().sum() > 0
     torch.testing.assert_close(graph_tap, eager_tap, rtol=1e-5, atol=1e-5)
+
+
+def test_the_text_stage_is_a_stage(llm):
+    stage = llm.engine
+    assert isinstance(stage, Stage) and stage.name == "Thinker" and stage.device.type == "cpu"
+    assert stage.stats()["kv_pages_total"] == stage.pool.num_pages == 256
