@@ -1,4 +1,4 @@
-"""One request's token state inside an LLM stage: plain data, no tensors; and what a token runner reads of a
+"""One request's token state inside an autoregressive stage: plain data, no tensors; and what a token runner reads of a
 request beyond its ids (`PromptInputs`), the base of the stage's own state of it."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Qwen3-ASR's stages: the audio encoder and the dense decoder, one LLM stage, behind the Pipeline interface
+"""Qwen3-ASR's stages: the audio encoder and the dense decoder, one text stage, behind the Pipeline interface
 as Qwen3-Omni's (it transcribes; it does not speak)."""
 
 from __future__ import annotations

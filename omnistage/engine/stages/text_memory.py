@@ -1,4 +1,4 @@
-"""What an LLM stage needs of its device's memory plan, measured at start on a GPU: its floor (its largest text
+"""What a text stage needs of its device's memory plan, measured at start on a GPU: its floor (its largest text
 prefill step and its encoders on their largest inputs), its graphs' costs, its weights and its KV pool. The
 runner and the encoders measure (`profile_peak`, `graph_costs`), the runner warms up; the pipeline plans the
 device with every stage's needs (`pipeline/planning.py`).
@@ -86,7 +86,7 @@ def _graph_candidates(runner: TokenRunner, cfg: EngineConfig, stage: str) -> tup
 def _encoder_candidates(encoders: EncoderEngine, cfg: EngineConfig) -> tuple[GraphCandidates, ...]:
     """The towers' graphs (audio per bucket of windows, vision per bucket of patches): the configured buckets,
     else the encoders' defaults. Prefill-kind: a request pays for them once, not per token. They are captured
-    into the device's main-stream pool (`MAIN_POOL`), with the LLM stage's prefill graphs."""
+    into the device's main-stream pool (`MAIN_POOL`), with the text stage's prefill graphs."""
     stage = cfg.stage("encoders")
     if stage.enforce_eager:
         return ()

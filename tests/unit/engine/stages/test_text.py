@@ -380,13 +380,11 @@ def test_async_pipeline_encodes_the_requests_waiting_together(tiny_checkpoint, m
             model=str(tiny_checkpoint), device="cpu", dtype="float32", page_size=4, num_kv_pages=512
         )
     )
-    llm_engine = engine.pipeline.thinker
-    prompts = _audio_prompts(llm_engine.processor, [0.6, 2.2, 4.1, 1.0])
+    stage = engine.pipeline.thinker
+    prompts = _audio_prompts(stage.processor, [0.6, 2.2, 4.1, 1.0])
     batches, release, stepping = [], threading.Event(), threading.Event()
-    encode_many, step = llm_engine.encoders.encode_many, llm_engine.step
-    monkeypatch.setattr(
-        llm_engine.encoders, "encode_many", lambda ps: batches.append(len(ps)) or encode_many(ps)
-    )
+    encode_many, step = stage.encoders.encode_many, stage.step
+    monkeypatch.setattr(stage.encoders, "encode_many", lambda ps: batches.append(len(ps)) or encode_many(ps))
 
     def held_step():
         stepping.set()
@@ -404,7 +402,7 @@ def test_async_pipeline_encodes_the_requests_waiting_together(tiny_checkpoint, m
 
     async def main():
         alone = [await run(f"alone{i}", p) for i, p in enumerate(prompts)]
-        monkeypatch.setattr(llm_engine, "step", held_step)
+        monkeypatch.setattr(stage, "step", held_step)
         first = asyncio.ensure_future(run("first", prompts[0]))  # occupies the engine in a held step
         while not stepping.is_set():
             await asyncio.sleep(0.01)

@@ -1,4 +1,4 @@
-"""An LLM stage's needs (`text_stage_memory`) planned with another stage's on their device (`plan_devices`), on fake
+"""A text stage's needs (`text_stage_memory`) planned with another stage's on their device (`plan_devices`), on fake
 measurements: the CUDA calls are stubbed with a device's numbers."""
 
 from __future__ import annotations
