@@ -87,14 +87,15 @@ class TextStage(AutoregressiveStage):
     ) -> None:
         """The stage over its loaded models. On the CPU its KV pages are allocated at once; on a GPU they and
         its graphs wait for its device's plan, which its `memory()` joins (`allocate`)."""
-        section = config.stage("thinker")
-        text = models.text
+        section, text = config.stage("thinker"), models.text
+        # the stage holds its model and encoders before its runner does: the memory report names the first
+        # holder of a tensor its owner (`thinker.model`, memory/report.py)
+        self.config, self.dtype = config, dtype
+        self.model, self.encoders, self.processor = models.model, models.encoders, models.processor
         self.compiled = prepare_decoder(models.model, device, config.moe_kernel, config.compile)
         runner = TokenRunner(models.model, text, config.page_size, device, dtype, models.tap_layer)
         batch, tokens = section.max_batch, config.max_num_batched_tokens
         super().__init__(models.name, runner, device, config.page_size, batch, tokens, penalises_prompt=True)
-        self.config, self.dtype = config, dtype
-        self.model, self.encoders, self.processor = models.model, models.encoders, models.processor
         self.model_path, self.load_seconds = models.model_path, models.load_seconds
         self.tokenizer, self.eos_token_ids = self.processor.tokenizer, models.eos_token_ids
         self.vocab_size = text.vocab_size
