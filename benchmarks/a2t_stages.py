@@ -22,7 +22,7 @@ import torch
 from omnistage.bench.clips import synth_clips
 from omnistage.bench.skeletons import released_skeleton
 from omnistage.config import engine_config
-from omnistage.engine.llm_engine import LLMEngine
+from omnistage.engine.stages.text import TextStage
 from omnistage.models.qwen3_omni.transcription import transcription_messages
 from omnistage.pipeline.qwen3_omni import Qwen3OmniPipeline
 from omnistage.request import SamplingParams
@@ -38,7 +38,7 @@ def timed(fn, *args, **kwargs):
     return out, (time.perf_counter() - start) * 1e3
 
 
-def one_request(engine: LLMEngine, audio, params: SamplingParams, name: str) -> dict[str, float]:
+def one_request(engine: TextStage, audio, params: SamplingParams, name: str) -> dict[str, float]:
     """Milliseconds per stage of one request, run alone."""
     messages = transcription_messages(audio, None, None)
     prompt, preprocess = timed(engine.processor.process_chat, messages)
@@ -59,7 +59,7 @@ def one_request(engine: LLMEngine, audio, params: SamplingParams, name: str) -> 
     }
 
 
-def profile_prefill(engine: LLMEngine, audio, params: SamplingParams, out_dir: Path) -> None:
+def profile_prefill(engine: TextStage, audio, params: SamplingParams, out_dir: Path) -> None:
     from torch.profiler import ProfilerActivity, profile
 
     messages = transcription_messages(audio, None, None)

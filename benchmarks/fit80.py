@@ -49,7 +49,7 @@ from omnistage.bench.skeletons import released_skeleton
 from omnistage.bench.speech_targets import talker_params, text_fields
 from omnistage.bench.stats import json_safe
 from omnistage.config import EngineConfig, load_config
-from omnistage.engine.llm_engine import NewRequest
+from omnistage.engine.stages.text import NewRequest
 from omnistage.outputs import AUDIO_SAMPLE_RATE, RequestOutput
 from omnistage.pipeline.async_pipeline import AsyncPipeline
 from omnistage.pipeline.family import build_pipeline
@@ -142,7 +142,7 @@ def graph_report(pipeline: Any) -> dict[str, dict[str, Any]]:
     }
     if pipeline.speaks:
         runners |= {
-            "talker": pipeline.speech_stages.talker_stage.graphs,
+            "talker": pipeline.speech_stages.talker_stage.runner.graphs,
             "code_predictor": pipeline.speech_stages.frame_graphs,
             "code2wav": pipeline.speech_stages.code2wav_graphs,
         }

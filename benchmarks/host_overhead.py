@@ -34,7 +34,7 @@ from pathlib import Path
 import torch
 
 from omnistage import LLM, SamplingParams
-from omnistage.engine.llm_engine import LLMEngine, NewRequest
+from omnistage.engine.stages.text import NewRequest, TextStage
 from omnistage.pipeline.async_pipeline import AsyncPipeline
 
 CHAIN_ROWS = 64  # rows of the logits table: the next token depends on the current one modulo this
@@ -62,7 +62,7 @@ class NoOpDecoder(torch.nn.Module):
         return self.table.index_select(0, hidden.remainder(CHAIN_ROWS))
 
 
-def ordinary_tokens(engine: LLMEngine, width: int) -> list[int]:
+def ordinary_tokens(engine: TextStage, width: int) -> list[int]:
     """Ids below `width` that decode to whole characters on their own and end nothing."""
     special = set(engine.tokenizer.get_added_tokens_decoder()) | set(engine.eos_token_ids)
     return [
@@ -72,7 +72,7 @@ def ordinary_tokens(engine: LLMEngine, width: int) -> list[int]:
     ]
 
 
-def install_no_op(engine: LLMEngine, width: int) -> None:
+def install_no_op(engine: TextStage, width: int) -> None:
     """Put the stand-in in place of the decoder, capturing its decode graphs where the real ones were."""
     runner = engine.runner
     runner.model = NoOpDecoder(ordinary_tokens(engine, width), width, engine.device)
@@ -104,7 +104,7 @@ def build(args: argparse.Namespace, workdir: Path) -> LLM:
     return LLM(model=str(make_tiny(workdir / "tiny-qwen3-asr")), **common)
 
 
-def is_pure_decode(engine: LLMEngine) -> bool:
+def is_pure_decode(engine: TextStage) -> bool:
     scheduler = engine.scheduler
     return scheduler.num_waiting == 0 and all(
         s.num_computed_tokens == s.num_tokens - 1 for s in scheduler.running

@@ -37,7 +37,7 @@ import torch
 
 from omnistage.bench.skeletons import released_skeleton
 from omnistage.config import engine_config
-from omnistage.engine.llm_engine import NewRequest
+from omnistage.engine.stages.text import NewRequest
 from omnistage.pipeline.family import build_pipeline
 from omnistage.request import SamplingParams, SpeechParams, talker_sampling_defaults
 
@@ -120,7 +120,10 @@ def graphs_alone(pipeline: Any, concurrency: int) -> dict[str, float]:
     back over padding rows (GPU only)."""
     stages = pipeline.speech_stages
     out = {}
-    for name, graphs in (("Talker", stages.talker_stage.graphs), ("code predictor", stages.frame_graphs)):
+    for name, graphs in (
+        ("Talker", stages.talker_stage.runner.graphs),
+        ("code predictor", stages.frame_graphs),
+    ):
         bucket = graphs.bucket_for(concurrency) if graphs is not None else None
         if bucket is not None and torch.cuda.is_available():
             with stages.on_device():

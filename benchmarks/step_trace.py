@@ -4,7 +4,7 @@
         --skeleton qwen3-asr-0.6b --device cuda --concurrency 128 --repeats 2
 
 Runs the `omnistage` command after `--` in this process with the stages' step functions wrapped: the Thinker's
-(or Qwen3-ASR decoder's) `ModelRunner.execute`, the Talker's `EmbeddingStage._execute`, the code predictor's
+(or Qwen3-ASR decoder's) `TokenRunner.execute`, the Talker's `RowRunner.execute`, the code predictor's
 frames (`Handoff.launch_frames`) and Code2Wav's decode calls (`Code2WavStreamer._decode`). Each call is timed between CUDA
 synchronisations (`--no-sync`: host time only, the GPU left to run ahead), so a step's time is its GPU work
 and the host's launches together; the synchronisations cost the decode-ahead overlap, so the benchmark's own
@@ -27,9 +27,9 @@ from typing import Any
 import torch
 
 from omnistage.cli import main as omnistage_main
-from omnistage.engine.embedding_stage import EmbeddingStage
 from omnistage.engine.graphs import PrefillGraphs
-from omnistage.engine.model_runner import ModelRunner
+from omnistage.engine.stages.row_runner import RowRunner
+from omnistage.engine.stages.token_runner import TokenRunner
 from omnistage.models.qwen3_omni.code2wav_streamer import Code2WavStreamer
 from omnistage.pipeline.handoff import Handoff
 
@@ -89,12 +89,10 @@ def _count_replays(records: list[Record], runner: type) -> None:
 
 def install(records: list[Record], sync: bool) -> None:
     """Wrap the stages' step functions (class attributes: every instance the command builds is traced)."""
-    ModelRunner.execute = _timed(records, "Thinker", sync, lambda self, step, *a, **k: shape(step.chunks))(
-        ModelRunner.execute
+    TokenRunner.execute = _timed(records, "Thinker", sync, lambda self, step, *a, **k: shape(step.chunks))(
+        TokenRunner.execute
     )
-    EmbeddingStage._execute = _timed(records, "Talker", sync, lambda self, chunks: shape(chunks))(
-        EmbeddingStage._execute
-    )
+    RowRunner.execute = _timed(records, "Talker", sync, lambda self, chunks: shape(chunks))(RowRunner.execute)
     Handoff.launch_frames = _timed(
         records,
         "code predictor",

@@ -22,6 +22,7 @@ import torch
 
 from omnistage import LLM, SamplingParams
 from omnistage.bench.hf_layout import released_name, text_model
+from omnistage.engine.stages.preparation import set_moe_kernel
 from omnistage.models.qwen3_omni.tiny import released_config, tiny_config
 from omnistage.models.qwen3_omni.tokenizer import write_tokenizer_files
 
@@ -329,7 +330,7 @@ def main() -> None:
     if args.compare_moe and DEVICE == "cuda" and llm.engine.runner.graphs:
         # the same engine and weights with the other MoE kernel: switch, recapture the graphs, measure again
         engine = llm.engine
-        engine.set_moe_kernel("grouped_mm")
+        set_moe_kernel(engine.model, "grouped_mm")
         engine.runner.capture_graphs(
             list(engine.plan.captured(engine.name, "decode")), engine.max_model_len, False
         )
@@ -339,7 +340,7 @@ def main() -> None:
             log.info(
                 "ours with grouped_mm MoE: batch %d TPOT %.2f ms", b, results["ours_grouped_mm_tpot_ms"][b]
             )
-        engine.set_moe_kernel(args.moe_kernel)
+        set_moe_kernel(engine.model, args.moe_kernel)
         engine.runner.capture_graphs(
             list(engine.plan.captured(engine.name, "decode")), engine.max_model_len, False
         )

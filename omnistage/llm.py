@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import cast
 
 from omnistage.config import engine_config
-from omnistage.engine.llm_engine import LLMEngine
+from omnistage.engine.stages.text import TextStage
 from omnistage.errors import InvalidRequest, OmnistageError
 from omnistage.media import MediaPolicy, VideoOptions, decode_messages
 from omnistage.outputs import RequestOutput
@@ -36,7 +36,7 @@ class LLM:
         self._ids = itertools.count()
 
     @property
-    def engine(self) -> LLMEngine:
+    def engine(self) -> TextStage:
         """The Thinker's stage: its pages, scheduler, runner and plan."""
         return self.pipeline.thinker
 

@@ -102,7 +102,9 @@ def test_graph_report_two_devices(fit80):
             "cuda:1": plan_device(replace(device, name="cuda:1"), [speech]),
         },
         speech_stages=SimpleNamespace(
-            talker_stage=SimpleNamespace(graphs=None), frame_graphs=runner([], 0), code2wav_graphs=code2wav
+            talker_stage=SimpleNamespace(runner=SimpleNamespace(graphs=None)),
+            frame_graphs=runner([], 0),
+            code2wav_graphs=code2wav,
         ),
     )
     report = fit80.graph_report(pipeline)

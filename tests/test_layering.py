@@ -15,7 +15,9 @@ Every `omnistage` import of every module under omnistage/ points down this stack
     errors         errors.py (every layer raises them)
 
 So models never import the engine, the pipeline or the server (nor the serving config), the engine never
-imports the pipeline or the server, the pipeline never the server, and models/layers no family. An import
+imports the pipeline or the server, the pipeline never the server, and models/layers no family. Nor does the
+engine import a family (models/qwen3_omni, models/qwen3_asr): what it needs of a model is a protocol of its own
+(engine/stages/decoder.py), and a family's pipeline module hands its classes in. An import
 inside a function or under TYPE_CHECKING is a dependency all the same, and so is `import_module("omnistage.…")`.
 A new top-level module or package fails `test_every_module_has_a_layer` until it is placed in LAYERS.
 """
@@ -48,9 +50,14 @@ LAYERS = {
     "omnistage": 8,  # the package's __init__: its lazy public names (LLM, SamplingParams, RequestOutput)
 }
 
-# Imports that break the rule today, each with why it stays for now: (importing module, imported module).
-# Empty: none does. An entry no import needs any longer fails `test_no_stale_exceptions`.
+# Imports that break a rule today, each with why it stays for now: (importing module, imported module).
+# An entry no import needs any longer fails `test_no_stale_exceptions`.
 EXCEPTIONS: dict[tuple[str, str], str] = {}
+
+# The model families: the packages under omnistage/models/ but its layers.
+FAMILIES = sorted(
+    p.name for p in (PACKAGE / "models").iterdir() if (p / "__init__.py").exists() and p.name != "layers"
+)
 
 
 def module_name(path: Path, root: Path = PACKAGE) -> str:
@@ -141,6 +148,29 @@ def test_imports_point_down_the_stack():
     assert not found, "imports against the layering (ARCHITECTURE.md):\n" + "\n".join(found)
 
 
+def family_of(module: str) -> str | None:
+    """`omnistage.models.qwen3_omni.thinker` -> "qwen3_omni"; None for a module of no family."""
+    parts = module.split(".")
+    return parts[2] if len(parts) > 2 and parts[1] == "models" and parts[2] in FAMILIES else None
+
+
+def test_the_engine_names_no_family():
+    found = [
+        f"{module} imports {target}"
+        for module, imported in IMPORTS.items()
+        if layer_of(module) == "engine"
+        for target in sorted(imported)
+        if family_of(target) is not None and (module, target) not in EXCEPTIONS
+    ]
+    assert not found, "the engine imports a model family (engine/stages/decoder.py):\n" + "\n".join(found)
+
+
+def test_the_family_scan_sees_the_families():
+    assert FAMILIES == ["qwen3_asr", "qwen3_omni"]
+    assert family_of("omnistage.models.qwen3_asr.decoder") == "qwen3_asr"
+    assert family_of("omnistage.models.layers.moe") is None and family_of("omnistage.models.loader") is None
+
+
 def test_no_stale_exceptions():
     stale = [pair for pair in EXCEPTIONS if pair[1] not in IMPORTS.get(pair[0], set())]
     assert not stale, f"EXCEPTIONS no import needs any longer: {stale}"
@@ -150,7 +180,7 @@ def test_the_scan_sees_known_imports():
     """The scan itself reads the tree: a few imports that exist today, of each kind it must see."""
     assert "omnistage.errors" in IMPORTS["omnistage.config.loading"]  # top level
     assert "omnistage.llm" in IMPORTS["omnistage"]  # under TYPE_CHECKING, and by import_module
-    assert any(layer_of(t) == "models.layers" for t in IMPORTS["omnistage.engine.llm_engine"])
+    assert any(layer_of(t) == "models.layers" for t in IMPORTS["omnistage.engine.stages.text"])
 
 
 SYNTHETIC = [  # (module, is_package, source, the layers it wrongly reaches, or () where it is allowed)

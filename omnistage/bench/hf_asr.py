@@ -20,7 +20,7 @@ log = logging.getLogger(__name__)
 
 
 def build_hf_asr(stage: Any, config_dict: dict) -> torch.nn.Module:
-    """transformers' Qwen3ASRForConditionalGeneration sharing `stage`'s decoder and audio tower (an LLMEngine
+    """transformers' Qwen3ASRForConditionalGeneration sharing `stage`'s decoder and audio tower (a TextStage
     of a Qwen3-ASR pipeline)."""
     from transformers import Qwen3ASRConfig, Qwen3ASRForConditionalGeneration
 

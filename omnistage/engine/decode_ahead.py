@@ -21,6 +21,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import TypeVar
 
 import torch
 
@@ -31,6 +32,8 @@ from omnistage.models.layers.attention_metadata import to_device
 from omnistage.request import SamplingParams
 
 PLACEHOLDER = -1  # a token launched but not yet read back; no vocabulary has it
+
+Out = TypeVar("Out")
 
 
 @dataclass
@@ -69,6 +72,31 @@ class Launched:
         if self.event is not None:
             self.event.synchronize()
         return self.host.tolist()
+
+
+def settle(
+    launched: Launched,
+    apply: Callable[[Sequence, int], list[Out]],
+    fail: Callable[[Sequence, Exception], list[Out]],
+) -> list[Out]:
+    """Read back a launched step's ids and `apply` each in place of its placeholder, or `fail` each sequence
+    when the read fails. A sequence finished since (stopped on an earlier token, aborted) drops its token."""
+    try:
+        tokens = launched.tokens()
+    except Exception as exc:
+        return [out for c in launched.chunks if not c.seq.is_finished for out in fail(c.seq, exc)]
+    outputs = []
+    for chunk, token in zip(launched.chunks, tokens):
+        seq = chunk.seq
+        if seq.is_finished:
+            continue
+        at = chunk.start + 1 - seq.num_prompt_tokens  # this token's index among the outputs
+        later = seq.output_token_ids[at + 1 :]  # the placeholder of the step launched after this one
+        seq.output_token_ids[at:] = [token]
+        outputs += apply(seq, token)
+        if not seq.is_finished:
+            seq.output_token_ids += later
+    return outputs
 
 
 def drop_placeholders(token_ids: list[int]) -> None:

@@ -1,20 +1,28 @@
 """A stage's outputs beside the stage, as vLLM v1 keeps them: each sampled id checked against the request's
 stops and detokenized (`stop_and_text`), and the RequestOutput its caller gets (`request_output`). The state the
-stage keeps per request (`RequestState`) holds the detokenizer and the stops.
+stage keeps per request (`RequestState`, made by `request_state`) holds the detokenizer and the stops.
 """
 
 from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
+from tokenizers import Tokenizer
 
-from omnistage.engine.decode_ahead import drop_placeholders
+from omnistage.engine.decode_ahead import decodes_ahead, drop_placeholders
 from omnistage.engine.detokenizer import IncrementalDetokenizer
+from omnistage.engine.sampling import make_generator
 from omnistage.engine.sequence import PromptInputs, Sequence, SequenceStatus
+from omnistage.engine.stages.autoregressive import SamplingState
 from omnistage.outputs import CompletionOutput, RequestOutput
-from omnistage.request import SamplingParams
+from omnistage.request import GenerationRequest
+
+if TYPE_CHECKING:
+    from omnistage.engine.stages.encoders import MultimodalEmbeds
+    from omnistage.engine.stages.token_runner import HiddenTap
 
 _FINISH_REASONS = {
     SequenceStatus.FINISHED_STOPPED: "stop",
@@ -25,19 +33,45 @@ _FINISH_REASONS = {
 
 
 @dataclass(kw_only=True)
-class RequestState(PromptInputs):
+class RequestState(PromptInputs, SamplingState):
     """What the stage keeps per request beside the scheduler's Sequence; its `mm`, the encoder outputs for the
     prompt's placeholders, until it finishes."""
 
-    params: SamplingParams
     prompt: str | None
     detokenizer: IncrementalDetokenizer
-    generator: torch.Generator | None
-    eos_token_ids: list[int]
     decodes_ahead: bool = False  # decode_ahead.decodes_ahead
     stop_reason: int | str | None = None
-    error: str | None = None
     metrics: dict[str, float] = field(default_factory=dict)
+
+
+def request_state(
+    request: GenerationRequest,
+    mm: MultimodalEmbeds | None,
+    tap: HiddenTap | None,
+    tokenizer: Tokenizer,
+    eos_token_ids: list[int],
+    device: torch.device,
+) -> RequestState:
+    """A new request's state: its detokenizer and stops, its seeded generator on `device`, and its encoder
+    outputs `mm` for the prompt's placeholders and the `tap` a later stage reads; `eos_token_ids` are the model's
+    end tokens."""
+    params = request.params
+    return RequestState(
+        params=params,
+        prompt=request.prompt,
+        detokenizer=IncrementalDetokenizer(
+            tokenizer,
+            params.skip_special_tokens,
+            params.stop or [],
+            params.include_stop_str_in_output,
+        ),
+        generator=make_generator(params, device),
+        eos_token_ids=[] if params.ignore_eos else eos_token_ids,
+        mrope=request.mrope,
+        mm=mm,
+        tap=tap,
+        decodes_ahead=decodes_ahead(params, feeds_a_stage=request.speech is not None),
+    )
 
 
 def stop_and_text(state: RequestState, token: int) -> tuple[SequenceStatus | None, str]:

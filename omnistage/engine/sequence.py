@@ -1,4 +1,4 @@
-"""One request's token state inside an LLM stage: plain data, no tensors; and what a token runner reads of a
+"""One request's token state inside an autoregressive stage: plain data, no tensors; and what a token runner reads of a
 request beyond its ids (`PromptInputs`), the base of the stage's own state of it."""
 
 from __future__ import annotations
@@ -8,8 +8,8 @@ from enum import Enum, auto
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from omnistage.engine.model_runner import HiddenTap
     from omnistage.engine.stages.encoders import MultimodalEmbeds
+    from omnistage.engine.stages.token_runner import HiddenTap
     from omnistage.models.layers.rotary import PromptPositions
 
 

@@ -25,8 +25,8 @@ from typing import cast
 import numpy as np
 import torch
 
-from omnistage.engine.embedding_stage import InFlight, Sampled
-from omnistage.engine.model_runner import HiddenTap
+from omnistage.engine.stages.rows import InFlight, Sampled
+from omnistage.engine.stages.token_runner import HiddenTap
 from omnistage.models.layers.attention_metadata import to_device
 from omnistage.models.qwen3_omni.config import Qwen3OmniConfig
 from omnistage.models.qwen3_omni.mrope import MediaLayout

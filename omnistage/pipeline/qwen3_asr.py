@@ -1,4 +1,4 @@
-"""Qwen3-ASR's stages: the audio encoder and the dense decoder, one LLM stage, behind the Pipeline interface
+"""Qwen3-ASR's stages: the audio encoder and the dense decoder, one text stage, behind the Pipeline interface
 as Qwen3-Omni's (it transcribes; it does not speak)."""
 
 from __future__ import annotations
@@ -6,16 +6,15 @@ from __future__ import annotations
 import time
 from collections.abc import Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, cast
 
 import torch
 
 from omnistage.config import STAGES, EngineConfig
 from omnistage.engine.attention import backend_for
 from omnistage.engine.devices import resolve_device, resolve_dtype
-from omnistage.engine.llm_engine import LLMEngine, NewRequest, StageModels
 from omnistage.engine.memory.gauges import Gauge, plan_gauges
 from omnistage.engine.stages.encoders import EncoderStage
+from omnistage.engine.stages.text import NewRequest, StageModels, TextStage
 from omnistage.errors import InvalidRequest
 from omnistage.models.qwen3_asr.audio_encoder import load_audio_encoder
 from omnistage.models.qwen3_asr.config import Qwen3ASRConfig
@@ -28,11 +27,6 @@ from omnistage.pipeline.qwen3_omni import eos_token_ids
 from omnistage.pipeline.qwen3_omni_encoders import aut_clips
 from omnistage.pipeline.topology import validate_topology
 from omnistage.request import GenerationRequest, ValidRequest
-
-if TYPE_CHECKING:
-    from omnistage.models.qwen3_omni.config import TextConfig
-    from omnistage.models.qwen3_omni.processor import Processor
-    from omnistage.models.qwen3_omni.thinker import Thinker
 
 NO_SPEECH = "this model transcribes audio; it does not speak (a Qwen3-Omni checkpoint does)"
 # Qwen3-ASR is served for many short clips at once: this many sequences (and decode graphs up to them) where the
@@ -74,19 +68,17 @@ class Qwen3ASRPipeline:
         decoder = load_decoder(path, dtype, device, backend_for(device), config.load_format, config.seed)
         tower = load_audio_encoder(path, dtype, device, config.load_format, config.seed)
         processor = ASRProcessor(path, device)  # the features are made where the encoder reads them
-        # StageModels names Qwen3-Omni's classes; Qwen3-ASR's decoder, text sizes and processor have the
-        # interface of theirs that the engine uses
         stage = StageModels(
-            model=cast("Thinker", decoder),
-            text=cast("TextConfig", self.model_config.text),
-            processor=cast("Processor", processor),
+            model=decoder,
+            text=self.model_config.text,
+            processor=processor,
             encoders=EncoderStage(tower, aut_clips(self.model_config.audio_token_id), device),
-            eos_token_ids=eos_token_ids(path, cast("Processor", processor)),
+            eos_token_ids=eos_token_ids(path, processor.tokenizer),
             model_path=path,
             load_seconds=time.perf_counter() - started,
         )
         # the released checkpoints call the encoder and decoder the thinker, as Qwen3-Omni's
-        self.thinker = LLMEngine(config, stage, device, dtype)
+        self.thinker = TextStage(config, stage, device, dtype)
         needs = [(device, self.thinker.memory())] if device.type == "cuda" else []
         self.plans = plan_devices(needs, config.gpu_memory_limit_gib)
         if device in self.plans:

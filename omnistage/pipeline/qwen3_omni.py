@@ -1,4 +1,4 @@
-"""Qwen3-Omni's stages wired together: the encoders and Thinker (an LLMEngine), then, for a request that
+"""Qwen3-Omni's stages wired together: the encoders and Thinker (a TextStage), then, for a request that
 speaks, the Talker, the code predictor and streaming Code2Wav (`speech_stages.py`), the text and frames handed
 across them step by step (`handoff.py`). The one facade the server and the offline `LLM` talk to: requests in,
 `RequestOutput`s out, text and audio side by side."""
@@ -18,14 +18,15 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from tokenizers import Tokenizer
 
 from omnistage.config import STAGES, EngineConfig
 from omnistage.engine.attention import backend_for
 from omnistage.engine.devices import resolve_device, resolve_dtype
-from omnistage.engine.llm_engine import LLMEngine, NewRequest, StageModels
 from omnistage.engine.memory.gauges import Gauge, plan_gauges
 from omnistage.engine.memory.plan import MemoryPlan
-from omnistage.engine.model_runner import HiddenTap
+from omnistage.engine.stages.text import NewRequest, StageModels, TextStage
+from omnistage.engine.stages.token_runner import HiddenTap
 from omnistage.errors import CheckpointError, InvalidRequest, RequestTooLarge
 from omnistage.models.qwen3_omni.config import Qwen3OmniConfig
 from omnistage.models.qwen3_omni.mrope import MediaLayout
@@ -90,32 +91,36 @@ class _Waiting:
 
 
 def load_thinker_stage(
-    config: EngineConfig, path: Path, cfg: Qwen3OmniConfig, device: torch.device, dtype: torch.dtype
+    config: EngineConfig,
+    path: Path,
+    cfg: Qwen3OmniConfig,
+    processor: Processor,
+    device: torch.device,
+    dtype: torch.dtype,
 ) -> StageModels:
-    """The Thinker's decoder, its processor and the audio and vision encoders, for an LLMEngine."""
+    """The Thinker's decoder and the audio and vision encoders, with `processor`, for a TextStage."""
     started = time.perf_counter()
     model = load_thinker(path, dtype, device, backend_for(device), config.load_format, seed=config.seed)
     encoders = load_encoders(path, cfg.thinker, dtype, device, config.load_format, config.seed)
-    processor = Processor(path)
     return StageModels(
         model=model,
         text=cfg.thinker.text,
         processor=processor,
         encoders=encoders,
-        eos_token_ids=eos_token_ids(path, processor),
+        eos_token_ids=eos_token_ids(path, processor.tokenizer),
         model_path=path,
         load_seconds=time.perf_counter() - started,
     )
 
 
-def eos_token_ids(checkpoint_dir: Path, processor: Processor) -> list[int]:
+def eos_token_ids(checkpoint_dir: Path, tokenizer: Tokenizer) -> list[int]:
     """The checkpoint's generation end tokens, else `<|im_end|>`."""
     path = checkpoint_dir / "generation_config.json"
     if path.exists():
         eos = json.loads(path.read_text()).get("eos_token_id")
         if eos is not None:
             return [eos] if isinstance(eos, int) else list(eos)
-    im_end = processor.tokenizer.token_to_id("<|im_end|>")
+    im_end = tokenizer.token_to_id("<|im_end|>")
     if im_end is None:
         raise CheckpointError(
             f"{checkpoint_dir}: no generation_config.json eos_token_id, nor <|im_end|> to end on"
@@ -164,9 +169,10 @@ class Qwen3OmniPipeline:
         if self.speaks:
             # the longest Talker sequence: the user turns of the longest prompt, its assistant rows, the audio cap
             self.speech_stages = SpeechStages(
-                config, path, cfg, dtype, thinker_len + ASSISTANT_ROWS + MAX_AUDIO_FRAMES
+                config, path, cfg, dtype, thinker_len + ASSISTANT_ROWS + MAX_AUDIO_FRAMES, shared
             )
-        thinker_stage = load_thinker_stage(config, path, cfg, device, dtype)
+        processor = Processor(path)
+        thinker_stage = load_thinker_stage(config, path, cfg, processor, device, dtype)
         if self.speech_stages is not None:
             # the Talker reads these hidden states of a spoken reply's media rows (`_new_speech`)
             thinker_stage = replace(thinker_stage, tap_layer=cfg.talker.accept_hidden_layer)
@@ -175,9 +181,9 @@ class Qwen3OmniPipeline:
                 embedding = thinker_stage.model.model.embed_tokens
                 tts = tts_embeds(self.speech_stages.talker, embedding, self.speech_stages.tokens)
                 table = text_rows(self.speech_stages.talker, embedding)
-        self.thinker = LLMEngine(config, thinker_stage, device, dtype)
+        self.thinker = TextStage(config, thinker_stage, device, dtype)
         self.plans = self._plan(shared)
-        self.processor, self.tokenizer = self.thinker.processor, self.thinker.tokenizer
+        self.processor, self.tokenizer = processor, processor.tokenizer
         self.model_path, self.max_model_len = self.thinker.model_path, self.thinker.max_model_len
         self.device, self.dtype = device, dtype
         self._speaking: dict[str, Speech] = {}
@@ -221,7 +227,7 @@ class Qwen3OmniPipeline:
         speech = self.speech_stages
         if speech is not None and speech.device.type == "cuda":
             with speech.on_device():
-                needs.append((speech.device, speech.memory(shared)))
+                needs.append((speech.device, speech.memory()))
         plans = plan_devices(needs, self.config.gpu_memory_limit_gib)
         if self.thinker.device in plans:
             self.thinker.allocate(plans[self.thinker.device])

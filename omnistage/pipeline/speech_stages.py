@@ -1,4 +1,4 @@
-"""Qwen3-Omni's speech stages on their device: the Talker (an EmbeddingStage over its paged KV), the code
+"""Qwen3-Omni's speech stages on their device: the Talker (a RowStage over its paged KV), the code
 predictor (a frame per call, `FrameGraphs`) and streaming Code2Wav (`Code2WavStreamer` over
 `Code2WavGraphs`). Loaded, measured for their device's memory plan (their weights, largest steps, the Talker's
 KV pool and their graphs' costs), then allocated and captured as the plan says. The pipeline
@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from dataclasses import replace
 from pathlib import Path
 from typing import Any, cast
 
@@ -19,12 +18,13 @@ from omnistage.config import EngineConfig
 from omnistage.engine.attention import backend_for
 from omnistage.engine.buckets import decode_buckets, prefill_buckets
 from omnistage.engine.devices import resolve_device
-from omnistage.engine.embedding_stage import EmbeddingStage
 from omnistage.engine.graphs.base import int_buckets
 from omnistage.engine.graphs.code2wav import Code2WavGraphs
 from omnistage.engine.graphs.frames import FrameGraphs
 from omnistage.engine.memory.measure import device_peak, graph_candidates, module_bytes
 from omnistage.engine.memory.plan import MAIN_POOL, GiB, KVPool, MemoryPlan, StageMemory
+from omnistage.engine.stages.row_runner import RowRunner
+from omnistage.engine.stages.rows import RowStage
 from omnistage.models.layers.linear import adopt_gemv
 from omnistage.models.qwen3_omni.code2wav import load_code2wav
 from omnistage.models.qwen3_omni.code2wav_streamer import Code2WavStreamer, decodes_first_as_prefix
@@ -50,16 +50,23 @@ def _captured(what: str, unit: str, buckets: list[int], note: str = "") -> str:
 
 class SpeechStages:
     def __init__(
-        self, config: EngineConfig, path: Path, cfg: Qwen3OmniConfig, dtype: torch.dtype, max_len: int
+        self,
+        config: EngineConfig,
+        path: Path,
+        cfg: Qwen3OmniConfig,
+        dtype: torch.dtype,
+        max_len: int,
+        shared: bool,
     ) -> None:
         """The Talker, code predictor and Code2Wav on the talker stage's device, and the Talker's pages (one
-        page on a GPU until the plan sizes them, `allocate`). `max_len`: the longest Talker sequence."""
+        page on a GPU until the plan sizes them, `allocate`). `max_len`: the longest Talker sequence; `shared`:
+        their device is the Thinker's."""
         self.config, self.model_config, self.max_len = config, cfg, max_len
         self.device = resolve_device(config.stage("talker").device)
         with self.on_device():
-            self._load(path, dtype)
+            self._load(path, dtype, shared)
 
-    def _load(self, path: Path, dtype: torch.dtype) -> None:
+    def _load(self, path: Path, dtype: torch.dtype, shared: bool) -> None:
         config, cfg, device = self.config, self.model_config, self.device
         talker, predictor, c2w = (
             config.stage("talker"),
@@ -85,19 +92,27 @@ class SpeechStages:
         page_bytes = text.kv_bytes_per_token * config.page_size
         # on a GPU the plan sizes the pool (`allocate`); until then it has one page
         pages = talker.kv.pages or max(1, int((talker.kv.gib or _CPU_TALKER_KV_GIB) * GiB) // page_bytes)
-        vocab = text.vocab_size
-        self.talker_stage = EmbeddingStage(
+        vocab, eos = text.vocab_size, cfg.talker.codec_eos_token_id
+        runner = RowRunner(
             self.talker,
             text,
+            config.page_size,
+            device,
+            dtype,
+            max_seqs=talker.max_batch,
+            # the codec's top 1024 ids are control codes, never audio; EOS among them ends the speech
+            suppressed_ids=[i for i in range(vocab - 1024, vocab) if i != eos],
+        )
+        self.talker_stage = RowStage(
+            runner,
             num_pages=1 if device.type == "cuda" else pages,
-            page_size=config.page_size,
-            device=device,
-            dtype=dtype,
             max_num_seqs=talker.max_batch,
             max_num_batched_tokens=config.max_num_batched_tokens,
-            eos_token_id=cfg.talker.codec_eos_token_id,
-            # the codec's top 1024 ids are control codes, never audio; EOS among them ends the speech
-            suppressed_ids=[i for i in range(vocab - 1024, vocab) if i != cfg.talker.codec_eos_token_id],
+            eos_token_id=eos,
+            max_seq_len=self.max_len,
+            decode_sizes=talker.graphs.sizes(decode_buckets),
+            prefill_sizes=talker.prefill_graphs.sizes(prefill_buckets),
+            kv=self._talker_pool(shared),
         )
         self.frame_graphs = FrameGraphs(
             self.code_predictor,
@@ -125,27 +140,12 @@ class SpeechStages:
             return torch.cuda.device(self.device)
         return contextlib.nullcontext()
 
-    def memory(self, shared: bool) -> StageMemory:
-        """What the three stages bring to their device's plan: their weights, the peak bytes of their largest
-        steps (a Talker prefill of a whole step's rows, a full Code2Wav call), the Talker's KV pool (one request
-        of its longest length at least; on a device shared with the Thinker, a share of the KV memory that
-        gives both pools about as many tokens, unless the config sizes it) and their graphs' measured costs."""
-        cfg, streamer, text = self.config, self.streamer, self.model_config.talker.text
-        talker, predictor, c2w = cfg.stage("talker"), cfg.stage("code_predictor"), cfg.stage("code2wav")
-        prefill = self.talker_stage.profile_peak(cfg.max_num_batched_tokens).bytes
-        window = self.code2wav.left_context + streamer.chunk
-        codes = torch.zeros(
-            streamer.max_batch,
-            self.code2wav.config.num_quantizers,
-            window,
-            dtype=torch.long,
-            device=streamer.device,
-        )
-        with torch.inference_mode(), device_peak(streamer.device) as peak:
-            self.code2wav.decode_window(
-                codes, torch.zeros(streamer.max_batch, dtype=torch.long, device=streamer.device)
-            )
-        torch.cuda.empty_cache()
+    def _talker_pool(self, shared: bool) -> KVPool:
+        """What the Talker's KV pool asks of the plan: one request of its longest length at least; on a device
+        shared with the Thinker, a share of the KV memory that gives both pools about as many tokens, unless
+        the config sizes it."""
+        cfg, text = self.config, self.model_config.talker.text
+        talker = cfg.stage("talker")
         page_bytes = text.kv_bytes_per_token * cfg.page_size
         min_pages = -(-self.max_len // cfg.page_size)
         fixed = talker.kv.pages or (int(talker.kv.gib * GiB) // page_bytes if talker.kv.gib else None)
@@ -160,11 +160,28 @@ class SpeechStages:
                 fixed = max(min_pages, thinker_pages)
             else:
                 share = talker.kv.share or text.kv_bytes_per_token / (thinker + text.kv_bytes_per_token)
-        pool = KVPool("Talker", page_bytes, min_pages=min_pages, share=share, pages=fixed)
+        return KVPool("Talker", page_bytes, min_pages=min_pages, share=share, pages=fixed)
+
+    def memory(self) -> StageMemory:
+        """What the three stages bring to their device's plan: the Talker's (RowStage.memory), the peak bytes
+        of a full Code2Wav call, their weights and their graphs' measured costs."""
+        cfg, streamer = self.config, self.streamer
+        predictor, c2w = cfg.stage("code_predictor"), cfg.stage("code2wav")
+        talker = self.talker_stage.memory()
+        window = self.code2wav.left_context + streamer.chunk
+        codes = torch.zeros(
+            streamer.max_batch,
+            self.code2wav.config.num_quantizers,
+            window,
+            dtype=torch.long,
+            device=streamer.device,
+        )
+        with torch.inference_mode(), device_peak(streamer.device) as peak:
+            self.code2wav.decode_window(
+                codes, torch.zeros(streamer.max_batch, dtype=torch.long, device=streamer.device)
+            )
+        torch.cuda.empty_cache()
         streams = set(c2w.graphs.sizes(decode_buckets))
-        bf16 = self.talker_stage.dtype == torch.bfloat16
-        talker_graphs = talker.graphs.sizes(decode_buckets) if bf16 else []
-        talker_prefill = talker.prefill_graphs.sizes(prefill_buckets) if bf16 else []
         c2w_graphs = self.code2wav_graphs  # priced on its whole ladder of streams, as it measures the largest
         c2w_peaks = {
             k: v
@@ -173,10 +190,6 @@ class SpeechStages:
         }
         # the device's main-stream pool holds the three sets' graphs (`allocate`)
         graphs = (
-            graph_candidates("Talker", "decode", "batch", self.talker_stage.graph_costs(talker_graphs), MAIN_POOL),
-            graph_candidates(
-                "Talker", "prefill", "tokens", self.talker_stage.prefill_graph_costs(talker_prefill), MAIN_POOL
-            ),
             graph_candidates(
                 "code predictor", "decode", "frames",
                 self.frame_graphs.graph_costs(predictor.graphs.sizes(decode_buckets)), MAIN_POOL,
@@ -185,17 +198,17 @@ class SpeechStages:
         )  # fmt: skip
         return StageMemory(
             resident=(
-                ("Talker", module_bytes(self.talker), "weights"),
+                *talker.resident,
                 ("Talker text rows", self._text_rows_bytes(), "talker_input.text_rows"),
                 ("code predictor", module_bytes(self.code_predictor), "weights"),
                 ("Code2Wav", module_bytes(self.code2wav), "weights"),
             ),
             peaks=(
-                ("Talker prefill", prefill, f"{cfg.max_num_batched_tokens:,} rows"),
+                *talker.peaks,
                 ("Code2Wav", peak.bytes, f"{streamer.max_batch} streams × {window} frames"),
             ),
-            kv=(pool,),
-            graphs=tuple(g for g in graphs if g.costs),
+            kv=talker.kv,
+            graphs=(*talker.graphs, *(g for g in graphs if g.costs)),
         )
 
     def _text_rows_bytes(self) -> int:
@@ -212,24 +225,10 @@ class SpeechStages:
         addresses, so the pool comes first). The three run one after another on the device's main stream: one
         graph memory pool, `pool` (the Thinker's main-stream pool where they share its device, `MAIN_POOL`)
         or a new one."""
-        self.talker_stage = replace(self.talker_stage, num_pages=plan.kv_pool("Talker").pages)
-        # as the Thinker's: a first burst of prompts would otherwise pay the Talker's kernel builds (likely why
-        # the H200's first c=4 pass had a 518 ms first packet, against 80 ms at c=1)
-        self.talker_stage.warm_up(self.config.max_num_batched_tokens)
-        # the plan's buckets are typed for every set: batch and token counts here, (frames, streams) for Code2Wav
-        self.talker_stage.capture_graphs(
-            cast("tuple[int, ...]", plan.captured("Talker", "decode")), self.max_len, pool=pool
-        )
-        if pool is None and self.talker_stage.graphs is not None:
-            pool = self.talker_stage.graphs.pool
-        self.talker_stage.capture_prefill_graphs(
-            cast("tuple[int, ...]", plan.captured("Talker", "prefill")), self.max_len, pool=pool
-        )
-        if pool is None and self.talker_stage.prefill_graphs is not None:
-            pool = self.talker_stage.prefill_graphs.pool
-        self.frame_graphs.capture(
-            cast("tuple[int, ...]", plan.captured("code predictor", "decode")), pool=pool
-        )
+        self.talker_stage.allocate(plan, pool)
+        pool = self.talker_stage.graph_pool
+        # the plan's buckets are typed for every set: frame counts here, (frames, streams) for Code2Wav
+        self.frame_graphs.capture(int_buckets(plan.captured("code predictor", "decode")), pool=pool)
         self.code2wav_graphs.capture(
             cast("tuple[tuple[int, int], ...]", plan.captured("Code2Wav", "decode")),
             pool=pool or self.frame_graphs.pool,
@@ -238,13 +237,14 @@ class SpeechStages:
     def summary(self) -> str:
         """What the start-up line says of the three stages."""
         pool, streamer, frames = self.talker_stage.pool, self.streamer, self.frame_graphs
-        talker_note = self.talker_stage.graphs.routes_note() if self.talker_stage.graphs is not None else ""
-        prefill = self.talker_stage.prefill_graphs
+        talker = self.talker_stage.runner
+        talker_note = talker.graphs.routes_note() if talker.graphs is not None else ""
+        prefill = talker.prefill_graphs
         frame_buckets = int_buckets(frames.captured_buckets)
         streams = sorted({b[1] for b in self.code2wav_graphs.captured_buckets if isinstance(b, tuple)})
         return (
             f"speech: Talker KV {pool.num_pages:,} pages x {pool.page_size} tokens, "
-            f"{_captured('Talker decode', 'batch', self.talker_stage.captured_buckets, talker_note)}, "
+            f"{_captured('Talker decode', 'batch', talker.captured_buckets, talker_note)}, "
             f"{_captured('Talker prefill', 'tokens', int_buckets(prefill.captured_buckets) if prefill else [])}, "
             f"{_captured('code predictor frame', 'batch', frame_buckets, frames.routes_note())}, "
             f"Code2Wav chunks of {streamer.first_chunk} then {streamer.chunk} frames, up to "

@@ -41,7 +41,7 @@ def test_the_snapshot_of_a_started_pipeline_is_grouped(pipeline):
     assert rows[("graph pool", "thinker.runner.graphs")].held > 0  # the decode graphs' own pool
     # the main-stream pool: the prefill graphs and every other set replayed on the main stream, one row
     (main,) = [r for r in report.rows if r.group == "graph pool" and "prefill_graphs" in r.owner]
-    assert main.held > 0 and "talker_stage.graphs" in main.owner
+    assert main.held > 0 and "talker_stage.runner.graphs" in main.owner
 
 
 def test_memory_report_prints_it(tiny_checkpoint, pipeline, capsys, monkeypatch):

@@ -14,7 +14,7 @@ import torch
 from media_samples import audio, image, media, picture, reference, speech, text, tones
 
 from omnistage.bench.hf_layout import rope_deltas, text_model
-from omnistage.engine.model_runner import positions_for
+from omnistage.engine.stages.token_runner import positions_for
 from omnistage.errors import InvalidMedia, InvalidRequest
 from omnistage.models.qwen3_omni.config import Qwen3OmniConfig
 from omnistage.models.qwen3_omni.mrope import rope_positions

@@ -1,4 +1,4 @@
-"""What an LLM stage needs of its device's memory plan, measured at start on a GPU: its floor (its largest text
+"""What a text stage needs of its device's memory plan, measured at start on a GPU: its floor (its largest text
 prefill step and its encoders on their largest inputs), its graphs' costs, its weights and its KV pool. The
 runner and the encoders measure (`profile_peak`, `graph_costs`), the runner warms up; the pipeline plans the
 device with every stage's needs (`pipeline/planning.py`).
@@ -14,14 +14,15 @@ from omnistage.config import EngineConfig, Graphs
 from omnistage.engine.buckets import decode_buckets, prefill_buckets
 from omnistage.engine.memory.measure import graph_candidates, module_bytes, scaled_peaks
 from omnistage.engine.memory.plan import MAIN_POOL, GiB, GraphCandidates, KVPool, StageMemory
-from omnistage.engine.model_runner import ModelRunner
+from omnistage.engine.stages.decoder import torch_module
 from omnistage.engine.stages.encoders import EncoderStage
+from omnistage.engine.stages.token_runner import TokenRunner
 
 log = logging.getLogger(__name__)
 
 
-def llm_stage_memory(
-    runner: ModelRunner,
+def text_stage_memory(
+    runner: TokenRunner,
     encoders: EncoderStage,
     cfg: EngineConfig,
     kv_bytes_per_page: int,
@@ -50,7 +51,7 @@ def llm_stage_memory(
     if fixed is None and kv.gib is not None:
         fixed = int(kv.gib * GiB) // kv_bytes_per_page
     resident = [
-        (stage, module_bytes(runner.model), "weights"),
+        (stage, module_bytes(torch_module(runner.model)), "weights"),
         ("audio encoder", module_bytes(encoders.audio_encoder), "weights"),
     ]
     if encoders.vision_encoder is not None:
@@ -67,7 +68,7 @@ def llm_stage_memory(
     )
 
 
-def _graph_candidates(runner: ModelRunner, cfg: EngineConfig, stage: str) -> tuple[GraphCandidates, ...]:
+def _graph_candidates(runner: TokenRunner, cfg: EngineConfig, stage: str) -> tuple[GraphCandidates, ...]:
     """The stage's decode and prefill graphs as the config's stages section sizes them (none when eager)."""
     # a graph keeps its outputs (hidden states, logits) in its pool and shares the rest (scratch) with the
     # pool's other graphs; the largest step's measured peak, scaled by batch
@@ -86,7 +87,7 @@ def _graph_candidates(runner: ModelRunner, cfg: EngineConfig, stage: str) -> tup
 def _encoder_candidates(encoders: EncoderStage, cfg: EngineConfig) -> tuple[GraphCandidates, ...]:
     """The towers' graphs (audio per bucket of windows, vision per bucket of patches): the configured buckets,
     else the encoders' defaults. Prefill-kind: a request pays for them once, not per token. They are captured
-    into the device's main-stream pool (`MAIN_POOL`), with the LLM stage's prefill graphs."""
+    into the device's main-stream pool (`MAIN_POOL`), with the text stage's prefill graphs."""
     stage = cfg.stage("encoders")
     if stage.enforce_eager:
         return ()

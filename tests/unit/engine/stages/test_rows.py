@@ -9,10 +9,12 @@ import torch
 
 from omnistage.engine.attention import TorchReferenceBackend
 from omnistage.engine.buckets import bucket_for
-from omnistage.engine.embedding_stage import EmbeddingStage
 from omnistage.engine.memory.measure import Peak
 from omnistage.engine.memory.plan import scaled_costs
 from omnistage.engine.scheduler import SchedulerOutput
+from omnistage.engine.stages.base import Stage
+from omnistage.engine.stages.row_runner import RowRunner
+from omnistage.engine.stages.rows import RowStage
 from omnistage.models.layers.rotary import PromptPositions
 from omnistage.models.qwen3_omni.config import Qwen3OmniConfig
 from omnistage.models.qwen3_omni.talker import load_talker
@@ -31,13 +33,15 @@ def cfg(tiny_checkpoint) -> Qwen3OmniConfig:
     return Qwen3OmniConfig.from_dir(tiny_checkpoint)
 
 
-def make_stage(talker, cfg: Qwen3OmniConfig, num_pages: int = 64, batch_tokens: int = 256) -> EmbeddingStage:
+def make_stage(talker, cfg: Qwen3OmniConfig, num_pages: int = 64, batch_tokens: int = 256) -> RowStage:
     vocab, eos = cfg.talker.text.vocab_size, cfg.talker.codec_eos_token_id
-    return EmbeddingStage(
-        talker, cfg.talker.text, num_pages=num_pages, page_size=PAGE, device=torch.device("cpu"),
-        dtype=torch.float32, max_num_seqs=8, max_num_batched_tokens=batch_tokens, eos_token_id=eos,
+    runner = RowRunner(
+        talker, cfg.talker.text, PAGE, torch.device("cpu"), torch.float32, max_seqs=8,
         suppressed_ids=[i for i in range(vocab - 1024, vocab) if i != eos],
     )  # fmt: skip
+    return RowStage(
+        runner, num_pages=num_pages, max_num_seqs=8, max_num_batched_tokens=batch_tokens, eos_token_id=eos
+    )
 
 
 def sampled(seed: int, max_tokens: int, **kw) -> SamplingParams:
@@ -51,10 +55,10 @@ def row(hidden: int, *key: int) -> torch.Tensor:
     return torch.randn(hidden, generator=torch.Generator().manual_seed(hash(key) % 2**31))
 
 
-def speak(stage: EmbeddingStage, params: list[SamplingParams]) -> list[list[tuple]]:
+def speak(stage: RowStage, params: list[SamplingParams]) -> list[list[tuple]]:
     """Run requests of prompts of different lengths and M-RoPE deltas to the end, feeding each the same rows
     whatever path runs; per step, (request, token, hidden, finished) of every sample."""
-    hidden = stage.cfg.hidden_size
+    hidden = stage.runner.cfg.hidden_size
     for i, p in enumerate(params):
         length = 5 + 2 * i
         prompt = torch.stack([row(hidden, i, -1 - j) for j in range(length)])
@@ -72,7 +76,7 @@ def speak(stage: EmbeddingStage, params: list[SamplingParams]) -> list[list[tupl
     return steps
 
 
-def schedules_of(stage: EmbeddingStage) -> list[SchedulerOutput]:
+def schedules_of(stage: RowStage) -> list[SchedulerOutput]:
     """The steps the stage's scheduler hands out from now on, in order."""
     outputs = []
     schedule = stage.scheduler.schedule
@@ -80,10 +84,10 @@ def schedules_of(stage: EmbeddingStage) -> list[SchedulerOutput]:
     return outputs
 
 
-def replays_of(stage: EmbeddingStage) -> list[int]:
+def replays_of(stage: RowStage) -> list[int]:
     """The buckets the stage's graphs replay from now on, in order."""
     replayed = []
-    stage.graphs.on_replay = replayed.append
+    stage.runner.graphs.on_replay = replayed.append
     return replayed
 
 
@@ -103,8 +107,10 @@ def test_three_requests_in_bucket_four_equal_the_plain_path(talker, cfg, num_pag
     plain = make_stage(talker, cfg, num_pages)
     want = speak(plain, params)
     graphs = make_stage(talker, cfg, num_pages)
-    assert graphs.captured_buckets == []
-    assert graphs.capture_graphs([1, 2, 4], max_seq_len=32) == [1, 2, 4] == graphs.captured_buckets
+    assert graphs.runner.captured_buckets == []
+    assert (
+        graphs.runner.capture_graphs([1, 2, 4], max_seq_len=32) == [1, 2, 4] == graphs.runner.captured_buckets
+    )
     replayed, outputs = replays_of(graphs), schedules_of(graphs)
     got = speak(graphs, params)
     assert_same_steps(got, want)
@@ -114,7 +120,7 @@ def test_three_requests_in_bucket_four_equal_the_plain_path(talker, cfg, num_pag
     assert replayed[0] == 4 and 2 in replayed
     assert any(o.preempted for o in outputs) == (num_pages == 8)
     # the padding rows wrote nothing: both caches hold the same keys and values
-    for got_kv, want_kv in zip(graphs.kv_caches, plain.kv_caches, strict=True):
+    for got_kv, want_kv in zip(graphs.runner.kv_caches, plain.runner.kv_caches, strict=True):
         torch.testing.assert_close(got_kv, want_kv, rtol=1e-5, atol=1e-5)
     assert graphs.pool.num_free == graphs.pool.num_pages
 
@@ -123,7 +129,7 @@ def test_batches_beyond_the_largest_bucket_run_eagerly(talker, cfg):
     params = [sampled(20 + i, n, ignore_eos=True) for i, n in enumerate([3, 4, 6, 6, 6])]
     want = speak(make_stage(talker, cfg), params)
     stage = make_stage(talker, cfg)
-    stage.capture_graphs([1, 2, 4], max_seq_len=32)
+    stage.runner.capture_graphs([1, 2, 4], max_seq_len=32)
     replayed = replays_of(stage)
     got = speak(stage, params)
     assert_same_steps(got, want)
@@ -136,7 +142,7 @@ def test_a_request_longer_than_the_graphs_block_table_runs_eagerly(talker, cfg):
     params = [sampled(30, 6, ignore_eos=True)]
     want = speak(make_stage(talker, cfg), params)
     stage = make_stage(talker, cfg)
-    stage.capture_graphs([1], max_seq_len=8)  # block tables of 2 pages
+    stage.runner.capture_graphs([1], max_seq_len=8)  # block tables of 2 pages
     replayed = replays_of(stage)
     assert_same_steps(speak(stage, params), want)
     assert replayed == [1, 1, 1]  # fed rows at positions 5, 6 and 7; 8 and 9 need a third page
@@ -146,7 +152,7 @@ def test_a_prompts_last_row_alone_replays_a_graph_at_its_prompt_position(talker,
     params = [sampled(40, 8, ignore_eos=True)]
     want = speak(make_stage(talker, cfg), params)  # the whole prompt in one chunk
     stage = make_stage(talker, cfg, batch_tokens=4)  # the prompt of 5 rows in chunks of 4 and 1
-    stage.capture_graphs([1], max_seq_len=32)
+    stage.runner.capture_graphs([1], max_seq_len=32)
     replayed, outputs = replays_of(stage), schedules_of(stage)
     got = speak(stage, params)
     last = outputs[1].chunks[0]  # the prompt's last row, alone: a decode-shaped step at its M-RoPE position
@@ -160,29 +166,29 @@ def test_a_prompts_last_row_alone_replays_a_graph_at_its_prompt_position(talker,
 def test_graph_costs_scale_the_largest_buckets_eager_decode_peak(talker, cfg):
     stage = make_stage(talker, cfg)
     asked = []
-    stage.profile_peak = lambda tokens, seqs=1: asked.append((tokens, seqs)) or Peak(3 << 20, 1 << 20)
-    costs = stage.graph_costs([1, 2, 4, 8])
+    stage.runner.profile_peak = lambda tokens, seqs=1: asked.append((tokens, seqs)) or Peak(3 << 20, 1 << 20)
+    costs = stage.runner.graph_costs([1, 2, 4, 8])
     assert {b: p.bytes for b, p in costs.items()} == scaled_costs(3 << 20, [1, 2, 4, 8])
     assert {b: p.kept for b, p in costs.items()} == scaled_costs(1 << 20, [1, 2, 4, 8])
     assert asked == [(8, 8)]  # one decode step of the largest bucket: 8 sequences of one row
-    assert stage.graph_costs([]) == {} and asked == [(8, 8)]
+    assert stage.runner.graph_costs([]) == {} and asked == [(8, 8)]
 
 
 def test_no_buckets_capture_nothing(talker, cfg):
     stage = make_stage(talker, cfg)
-    assert stage.capture_graphs([], max_seq_len=32) == [] == stage.captured_buckets
-    assert bucket_for(1, stage.captured_buckets) is None
+    assert stage.runner.capture_graphs([], max_seq_len=32) == [] == stage.runner.captured_buckets
+    assert bucket_for(1, stage.runner.captured_buckets) is None
 
 
-def _with_prefill_graphs(talker, cfg, num_pages: int) -> tuple[EmbeddingStage, list[int]]:
+def _with_prefill_graphs(talker, cfg, num_pages: int) -> tuple[RowStage, list[int]]:
     """A stage with decode graphs for 1 and 2 rows and prefill graphs, and the slots of each prefill replay."""
     stage = make_stage(talker, cfg, num_pages)
-    stage.capture_graphs([1, 2], max_seq_len=32)
-    assert stage.capture_prefill_graphs([16, 32, 64], max_seq_len=32) == [16, 32, 64]
-    assert stage.prefill_graphs.buffers.max_seqs == 8  # the stage's max_num_seqs
+    stage.runner.capture_graphs([1, 2], max_seq_len=32)
+    assert stage.runner.capture_prefill_graphs([16, 32, 64], max_seq_len=32) == [16, 32, 64]
+    assert stage.runner.prefill_graphs.buffers.max_seqs == 8  # the stage's max_num_seqs
     prefills: list[int] = []
-    run = stage.prefill_graphs.run
-    stage.prefill_graphs.run = lambda *a: (prefills.append(a[2].seq_lens.shape[0]), run(*a))[1]
+    run = stage.runner.prefill_graphs.run
+    stage.runner.prefill_graphs.run = lambda *a: (prefills.append(a[2].seq_lens.shape[0]), run(*a))[1]
     return stage, prefills
 
 
@@ -211,3 +217,20 @@ def test_a_recompute_after_a_preemption_replays_a_prefill_graph(talker, cfg):
     assert_same_steps(got, want)
     assert any(o.preempted for o in outputs) and prefills
     assert stage.pool.num_free == stage.pool.num_pages
+
+
+def test_the_row_stage_is_a_stage_that_names_its_needs(talker, cfg):
+    """What it brings to its device's plan: its weights, a whole step's prefill peak and a pool for one request
+    of its longest length; no graphs outside bfloat16 (the graph-safe MoE kernels need it)."""
+    stage = make_stage(talker, cfg)
+    stage = RowStage(
+        stage.runner, num_pages=8, max_num_seqs=8, max_num_batched_tokens=256, eos_token_id=stage.eos_token_id,
+        max_seq_len=32, decode_sizes=[1, 2], prefill_sizes=[16],
+    )  # fmt: skip
+    assert isinstance(stage, Stage)
+    stage.runner.profile_peak = lambda tokens, seqs=1: Peak(3 << 20, 1 << 20)
+    need = stage.memory()
+    assert [(name, what) for name, _, what in need.resident] == [("Talker", "weights")]
+    assert need.peaks == (("Talker prefill", 3 << 20, "256 rows"),)
+    assert [(kv.stage, kv.min_pages) for kv in need.kv] == [("Talker", 32 // PAGE)] and need.graphs == ()
+    assert stage.stats()["kv_pages_total"] == 8

@@ -21,10 +21,9 @@ from omnistage.engine.graphs import DecodeGraphs, PrefillGraphs
 from omnistage.engine.memory.measure import Peak, device_peak
 from omnistage.engine.scheduler import ScheduledChunk, SchedulerOutput
 from omnistage.engine.sequence import PromptInputs
+from omnistage.engine.stages.decoder import DecoderSizes, TokenDecoder, experts_per_token
 from omnistage.models.layers.moe import kernel_switches
 from omnistage.models.layers.rotary import PromptPositions
-from omnistage.models.qwen3_omni.config import TextConfig
-from omnistage.models.qwen3_omni.thinker import Thinker
 
 log = logging.getLogger(__name__)
 
@@ -89,13 +88,13 @@ class HiddenTap:
     rows_host: np.ndarray  # `rows` on the host
 
 
-class ModelRunner:
+class TokenRunner:
     """Owns the KV tensors of every layer and, on a GPU, the decode graphs."""
 
     def __init__(
         self,
-        model: Thinker,
-        cfg: TextConfig,
+        model: TokenDecoder,
+        cfg: DecoderSizes,
         page_size: int,
         device: torch.device,
         dtype: torch.dtype,
@@ -209,7 +208,7 @@ class ModelRunner:
         """Run eager steps of the shapes traffic brings, so that Triton's per-shape-class kernel builds and
         torch.compile's graphs happen at start, not inside the first requests (measured: a 3 s TTFT at c=16)."""
         started = time.perf_counter()
-        shapes = warm_up_shapes(max_tokens, getattr(self.cfg, "num_experts_per_tok", None))
+        shapes = warm_up_shapes(max_tokens, experts_per_token(self.cfg))
         for tokens, seqs in shapes:
             self.profile_peak(tokens, seqs)
         log.info("warmed up %d step shapes in %.1f s", len(shapes), time.perf_counter() - started)
@@ -328,6 +327,6 @@ def _mrope(chunk: ScheduledChunk) -> PromptPositions | None:
 
 
 def _inputs(chunk: ScheduledChunk) -> PromptInputs:
-    """The request's inputs beyond its ids: its stage keeps them in its state (`llm_engine.RequestState`)."""
+    """The request's inputs beyond its ids: its stage keeps them in its state (`output_processor.RequestState`)."""
     inputs: PromptInputs = chunk.seq.data
     return inputs

@@ -9,6 +9,7 @@ from transformers import Qwen3OmniMoeForConditionalGeneration
 from omnistage import LLM, SamplingParams
 from omnistage.config import engine_config
 from omnistage.engine.memory.plan import GiB
+from omnistage.engine.stages.base import Stage
 from omnistage.errors import InvalidRequest, RequestTooLarge
 from omnistage.models.qwen3_omni.config import Qwen3OmniConfig
 from omnistage.pipeline.async_pipeline import AsyncPipeline
@@ -341,7 +342,7 @@ def _audio_prompts(processor, seconds):
 
 
 def test_add_requests_fails_only_the_request_at_fault(llm):
-    from omnistage.engine.llm_engine import NewRequest
+    from omnistage.engine.stages.text import NewRequest
 
     engine = llm.engine
     prompts = _audio_prompts(engine.processor, [1.2, 3.1, 0.5])
@@ -379,13 +380,11 @@ def test_async_pipeline_encodes_the_requests_waiting_together(tiny_checkpoint, m
             model=str(tiny_checkpoint), device="cpu", dtype="float32", page_size=4, num_kv_pages=512
         )
     )
-    llm_engine = engine.pipeline.thinker
-    prompts = _audio_prompts(llm_engine.processor, [0.6, 2.2, 4.1, 1.0])
+    stage = engine.pipeline.thinker
+    prompts = _audio_prompts(stage.processor, [0.6, 2.2, 4.1, 1.0])
     batches, release, stepping = [], threading.Event(), threading.Event()
-    encode_many, step = llm_engine.encoders.encode_many, llm_engine.step
-    monkeypatch.setattr(
-        llm_engine.encoders, "encode_many", lambda ps: batches.append(len(ps)) or encode_many(ps)
-    )
+    encode_many, step = stage.encoders.encode_many, stage.step
+    monkeypatch.setattr(stage.encoders, "encode_many", lambda ps: batches.append(len(ps)) or encode_many(ps))
 
     def held_step():
         stepping.set()
@@ -403,7 +402,7 @@ def test_async_pipeline_encodes_the_requests_waiting_together(tiny_checkpoint, m
 
     async def main():
         alone = [await run(f"alone{i}", p) for i, p in enumerate(prompts)]
-        monkeypatch.setattr(llm_engine, "step", held_step)
+        monkeypatch.setattr(stage, "step", held_step)
         first = asyncio.ensure_future(run("first", prompts[0]))  # occupies the engine in a held step
         while not stepping.is_set():
             await asyncio.sleep(0.01)
@@ -616,8 +615,8 @@ def test_a_client_leaving_during_a_long_prefill_stops_it_within_a_step(tiny_chec
 def test_a_prompt_whose_hidden_states_are_tapped_replays_a_prefill_graph(tiny_checkpoint):
     """A spoken reply's prompt with media (its rows tapped for the Talker) replays a prefill graph that records
     the tap layer too, and taps what the eager step taps."""
-    from omnistage.engine.llm_engine import NewRequest
-    from omnistage.engine.model_runner import HiddenTap
+    from omnistage.engine.stages.text import NewRequest
+    from omnistage.engine.stages.token_runner import HiddenTap
 
     results = []
     for graphs in (False, True):
@@ -644,3 +643,9 @@ def test_a_prompt_whose_hidden_states_are_tapped_replays_a_prefill_graph(tiny_ch
     assert graph_tokens == eager_tokens
     assert eager_tap.abs().sum() > 0
     torch.testing.assert_close(graph_tap, eager_tap, rtol=1e-5, atol=1e-5)
+
+
+def test_the_text_stage_is_a_stage(llm):
+    stage = llm.engine
+    assert isinstance(stage, Stage) and stage.name == "Thinker" and stage.device.type == "cpu"
+    assert stage.stats()["kv_pages_total"] == stage.pool.num_pages == 256

@@ -4,9 +4,9 @@ import numpy as np
 import pytest
 import torch
 
-from omnistage.engine.model_runner import ModelRunner, positions_for, rows_within, warm_up_shapes
 from omnistage.engine.scheduler import ScheduledChunk
 from omnistage.engine.sequence import PromptInputs, Sequence
+from omnistage.engine.stages.token_runner import TokenRunner, positions_for, rows_within, warm_up_shapes
 from omnistage.kernels.moe_bounds import ALIGN_KERNEL_MAX_PAIRS, TRITON_MAX_PAIRS
 from omnistage.models.layers.attention_metadata import AttentionMetadata
 from omnistage.models.layers.rotary import PromptPositions
@@ -35,7 +35,7 @@ def test_prepare_lays_out_every_kind_of_chunk():
         ScheduledChunk(sequence(4, 2, image_positions(4, 3), 30), 2, 4),  # the prompt's end and the outputs
         ScheduledChunk(sequence(3, 4, None, 40), 6, 1),  # text decode
     ]
-    runner = ModelRunner(None, None, PAGE, torch.device("cpu"), torch.float32)
+    runner = TokenRunner(None, None, PAGE, torch.device("cpu"), torch.float32)
     ids, positions, meta, sample_rows = runner.prepare(chunks)
 
     assert ids.tolist() == [t for c in chunks for t in c.seq.all_token_ids[c.start : c.start + c.num_tokens]]

@@ -1,4 +1,4 @@
-"""An LLM stage's needs (`llm_stage_memory`) planned with another stage's on their device (`plan_devices`), on fake
+"""A text stage's needs (`text_stage_memory`) planned with another stage's on their device (`plan_devices`), on fake
 measurements: the CUDA calls are stubbed with a device's numbers."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from omnistage.config import engine_config
 from omnistage.engine.memory.floor import Floor
 from omnistage.engine.memory.measure import Peak
 from omnistage.engine.memory.plan import MAIN_POOL, GiB, StageMemory, scaled_costs
-from omnistage.engine.stage_memory import llm_stage_memory
+from omnistage.engine.stages.text_memory import text_stage_memory
 from omnistage.errors import ConfigError
 from omnistage.pipeline.planning import plan_devices
 
@@ -72,7 +72,7 @@ def plan(**config):
         resident=(("Talker", 2 * GiB, "weights"), ("Talker KV pages", GiB, "64 pages")),
         peaks=(("Code2Wav", 3 * 10**9, "16 streams"),),
     )
-    need = llm_stage_memory(runner, encoders, cfg, PAGE_BYTES, 4095, (8, 5))
+    need = text_stage_memory(runner, encoders, cfg, PAGE_BYTES, 4095, (8, 5))
     gpu = torch.device("cuda", 0)
     result = plan_devices([(gpu, need), (gpu, others)], cfg.gpu_memory_limit_gib)[gpu]
     return result, runner, encoders

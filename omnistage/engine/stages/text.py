@@ -1,0 +1,335 @@
+"""The text stage: an autoregressive stage over token ids (the Thinker, Qwen3-ASR's decoder) on the core of
+autoregressive.py, over a token runner: admission (admission.py), the model step, sampling, stops and outputs
+(output_processor.py).
+
+`TextStage.step()` runs one scheduler step and returns what each touched request gained. Everything a
+request does stays inside that request: a failing step fails the requests in it, frees their pages and
+the engine goes on. With `decode_ahead` (decode_ahead.py), a decode step's tokens come out of the `step()`
+call after the one that launched it, which launches the next step first.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, fields
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from omnistage.config import EngineConfig
+from omnistage.engine.decode_ahead import PLACEHOLDER, Launched, may_run_ahead, settle
+from omnistage.engine.graphs.base import int_buckets
+from omnistage.engine.memory.plan import GiB, MemoryPlan, StageMemory, kv_bytes_per_page
+from omnistage.engine.memory.summary import text_stage_summary
+from omnistage.engine.output_processor import RequestState, request_output, request_state, stop_and_text
+from omnistage.engine.scheduler import ScheduledChunk, SchedulerOutput
+from omnistage.engine.sequence import Sequence
+from omnistage.engine.stages.admission import encode_media, max_tokens_for
+from omnistage.engine.stages.autoregressive import AutoregressiveStage, generators
+from omnistage.engine.stages.decoder import DecoderSizes, StageProcessor, TokenDecoder
+from omnistage.engine.stages.encoders import EncoderStage
+from omnistage.engine.stages.preparation import prepare_decoder
+from omnistage.engine.stages.text_memory import text_stage_memory
+from omnistage.engine.stages.token_runner import HiddenTap, TokenRunner
+from omnistage.models.layers.rotary import PromptPositions
+from omnistage.outputs import RequestOutput
+from omnistage.request import GenerationRequest, SamplingParams, ValidRequest
+
+if TYPE_CHECKING:
+    from omnistage.models.multimodal import MultimodalInputs
+
+log = logging.getLogger(__name__)
+
+_CPU_KV_GIB = 0.25
+
+
+@dataclass(frozen=True)
+class NewRequest(GenerationRequest):
+    """A request as the stage takes it: the caller's (speech is the pipeline's business), and what the pipeline
+    adds for a later stage."""
+
+    tap: HiddenTap | None = None  # hidden states of prompt rows that a later stage reads
+    # the effective max_tokens its pipeline's `validate` worked out (`of`): the stage checks nothing again;
+    # None: a request handed to the stage directly, which the stage validates itself
+    max_tokens: int | None = None
+
+    @classmethod
+    def of(cls, valid: ValidRequest, tap: HiddenTap | None = None) -> NewRequest:
+        given = {f.name: getattr(valid.request, f.name) for f in fields(GenerationRequest)}
+        return cls(**given, tap=tap, max_tokens=valid.max_tokens)
+
+
+@dataclass
+class StageModels:
+    """What a family's pipeline loads for a text stage (see pipeline/qwen3_omni.py): the decoder, its sizes,
+    the processor that lays out its prompts, the encoders that fill their placeholders, and its end tokens."""
+
+    model: TokenDecoder
+    text: DecoderSizes
+    processor: StageProcessor
+    encoders: EncoderStage
+    eos_token_ids: list[int]
+    model_path: Path
+    load_seconds: float
+    # the layer whose hidden states a later stage reads from prompt rows (the Talker's accept_hidden_layer), if
+    # one does: the prefill graphs record it too, so that a prompt with media a reply is spoken for replays them
+    tap_layer: int | None = None
+    name: str = "Thinker"  # the stage's name in its device's memory plan
+
+
+class TextStage(AutoregressiveStage):
+    """An autoregressive stage over token ids (the Thinker, Qwen3-ASR's decoder) on the core's pool, scheduler
+    and sampler (autoregressive.py), over a token runner: admission, decode-ahead steps and their outputs."""
+
+    runner: TokenRunner
+
+    def __init__(
+        self, config: EngineConfig, models: StageModels, device: torch.device, dtype: torch.dtype
+    ) -> None:
+        """The stage over its loaded models. On the CPU its KV pages are allocated at once; on a GPU they and
+        its graphs wait for its device's plan, which its `memory()` joins (`allocate`)."""
+        section, text = config.stage("thinker"), models.text
+        # the stage holds its model and encoders before its runner does: the memory report names the first
+        # holder of a tensor its owner (`thinker.model`, memory/report.py)
+        self.config, self.dtype = config, dtype
+        self.model, self.encoders, self.processor = models.model, models.encoders, models.processor
+        self.compiled = prepare_decoder(models.model, device, config.moe_kernel, config.compile)
+        runner = TokenRunner(models.model, text, config.page_size, device, dtype, models.tap_layer)
+        batch, tokens = section.max_batch, config.max_num_batched_tokens
+        super().__init__(models.name, runner, device, config.page_size, batch, tokens, penalises_prompt=True)
+        self.model_path, self.load_seconds = models.model_path, models.load_seconds
+        self.tokenizer, self.eos_token_ids = self.processor.tokenizer, models.eos_token_ids
+        self.vocab_size = text.vocab_size
+        self.kv_bytes_per_page = kv_bytes_per_page(
+            text.num_hidden_layers, text.num_key_value_heads, text.head_dim, self.page_size, dtype.itemsize
+        )
+        self.max_model_len = min(
+            config.max_model_len or text.max_position_embeddings, text.max_position_embeddings
+        )
+        self.plan: MemoryPlan | None = None  # its device's, once granted (`allocate`)
+        # the device's main-stream graph pool (`memory.plan.MAIN_POOL`): this stage's prefill graphs and its
+        # encoders' graphs; the pipeline captures the other stages of the device into it too
+        self.graph_pool: Any = None
+        self.capture_seconds = 0.0
+        self.decode_ahead = config.decode_ahead
+        self._launched: Launched | None = None  # the decode step in flight (decode_ahead)
+        self._launch_failed = False  # the next step runs where a failure fails only the requests at fault
+        if self.device.type != "cuda":
+            cpu_gib = section.kv.gib or _CPU_KV_GIB
+            self.allocate_pages(section.kv.pages or max(1, int(cpu_gib * GiB) // self.kv_bytes_per_page))
+
+    def memory(self) -> StageMemory:
+        """What the stage needs of its GPU's plan: its weights and encoders', its floor, its KV pool and its
+        graphs' prices, measured now (the runner warms up on the way)."""
+        return text_stage_memory(
+            self.runner,
+            self.encoders,
+            self.config,
+            self.kv_bytes_per_page,
+            max_prompt_tokens=self.max_model_len - 1,
+            max_media=(self.processor.max_audios, self.processor.max_images),
+            stage=self.name,
+        )
+
+    def allocate(self, plan: MemoryPlan, pool: Any = None) -> None:
+        """Its KV pages and CUDA graphs (its own and its encoders') as its device's `plan` grants them; the
+        graphs record the pages' addresses, so the pages come first. Its prefill and encoder graphs go into
+        `pool` (the device's main-stream pool where another stage made it) or a new one, `graph_pool`."""
+        self.plan = plan
+        self.allocate_pages(plan.kv_pool(self.name).pages)
+        started = time.perf_counter()
+        self.graph_pool = pool if pool is not None else torch.cuda.graph_pool_handle()
+        self.runner.capture_graphs(
+            int_buckets(plan.captured(self.name, "decode")),
+            self.max_model_len,
+            self.config.enforce_eager,
+            prefill_buckets=int_buckets(plan.captured(self.name, "prefill")),
+            prefill_pool=self.graph_pool,
+            max_seqs=self.max_batch,
+        )
+        # the towers run between this stage's steps and their rows are copied out at once
+        self.encoders.capture_graphs(
+            int_buckets(plan.captured("audio encoder", "prefill")),
+            int_buckets(plan.captured("vision encoder", "prefill")),
+            pool=self.graph_pool,
+        )
+        self.capture_seconds = time.perf_counter() - started
+        log.debug("%s", self.memory_summary())
+
+    def memory_summary(self) -> str:
+        return text_stage_summary(self)
+
+    # -- requests -----------------------------------------------------------------------------------
+
+    def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> int:
+        """Check a request against the model and the pool; return its effective max_tokens."""
+        return max_tokens_for(
+            prompt_token_ids,
+            params,
+            self.max_model_len,
+            self.vocab_size,
+            self.pool,
+            self.config.max_tokens_default,
+        )
+
+    def add_request(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        prompt: str | None = None,
+        mrope: PromptPositions | None = None,
+        mm: MultimodalInputs | None = None,
+    ) -> None:
+        """Admit one request; raises what makes it unservable (nothing is admitted then)."""
+        request = NewRequest(request_id, prompt_token_ids, params, prompt, mrope, mm)
+        error = self.add_requests([request])[0]
+        if error is not None:
+            raise error
+
+    def add_requests(self, requests: list[NewRequest]) -> list[Exception | None]:
+        """Admit several requests; their media go through the encoders together (one ragged batch per
+        tower). Returns, per request, None or the exception that kept it out; the others are admitted. A
+        request its pipeline validated (`NewRequest.of`) is not checked again."""
+        arrival = time.monotonic()
+        errors: list[Exception | None] = [None] * len(requests)
+        max_tokens: dict[int, int] = {}
+        for i, r in enumerate(requests):
+            try:
+                max_tokens[i] = (
+                    r.max_tokens if r.max_tokens is not None else self.validate(r.prompt_token_ids, r.params)
+                )
+            except Exception as exc:
+                errors[i] = exc
+        embeds = encode_media(self.encoders, {i: requests[i] for i in max_tokens})
+        encoded = time.monotonic()
+        for i, r in enumerate(requests):
+            if i not in max_tokens:
+                continue
+            if isinstance(mm := embeds.get(i), Exception):
+                errors[i] = mm
+                continue
+            state = request_state(r, mm, r.tap, self.tokenizer, self.eos_token_ids, self.device)
+            state.metrics.update(arrival=arrival, encoded=encoded)
+            self.scheduler.add(Sequence(r.request_id, list(r.prompt_token_ids), max_tokens[i], data=state))
+        return errors
+
+    def abort(self, request_id: str) -> RequestOutput | None:
+        seq = self.scheduler.abort(request_id)
+        if seq is None:
+            return None
+        if self._launched is not None and all(c.seq.is_finished for c in self._launched.chunks):
+            self._launched = None  # nothing in flight is wanted; its KV writes precede any later step's
+        return request_output(seq, "", [])
+
+    def has_unfinished(self) -> bool:
+        return super().has_unfinished() or self._launched is not None
+
+    def replays_next_step(self) -> bool:
+        """The next step is a decode step whose batch a captured graph holds: no eager (compiled) code runs."""
+        graphs = self.runner.graphs
+        return (
+            graphs is not None
+            and self.scheduler.decodes_only
+            and 0 < self.scheduler.num_running <= max(int_buckets(graphs.captured_buckets), default=0)
+        )
+
+    # -- one step -----------------------------------------------------------------------------------
+
+    def step(self) -> list[RequestOutput]:
+        if (
+            self.decode_ahead
+            and not self._launch_failed
+            and may_run_ahead(self.scheduler, self._launched, _decodes_ahead)
+        ):
+            return self._step_ahead()
+        if self._launched is not None:  # the next step needs the tokens of the one in flight
+            launched, self._launched = self._launched, None
+            return settle(launched, self._apply_token, self._fail)
+        self._launch_failed = False
+        step = self.scheduler.schedule()
+        if not step.chunks:
+            return []
+        now = time.monotonic()
+        for chunk in step.chunks:
+            chunk.seq.data.metrics.setdefault("scheduled", now)
+        return self._run(step.chunks)
+
+    def _step_ahead(self) -> list[RequestOutput]:
+        """Launch a decode step on the ids of the one in flight, then apply those (decode_ahead.py)."""
+        previous, self._launched = self._launched, None
+        step = self.scheduler.schedule()
+        if previous is None and not (step.is_pure_decode and not step.preempted):
+            return self._run(step.chunks)
+        if step.is_pure_decode and not step.preempted:
+            saved = [(g, g.get_state()) for g in generators(step.chunks)]
+            try:
+                self._launched = self._launch(step.chunks, previous)
+            except Exception:
+                for generator, state in saved:  # the step runs again: its draws start where they stood
+                    generator.set_state(state)
+                if previous is None:  # run it again here, where a failure fails only the requests at fault
+                    return self._run(step.chunks)
+                log.warning(
+                    "a decode step failed to launch ahead; it runs again after the step in flight",
+                    exc_info=True,
+                )
+                self._launch_failed = True
+        return settle(previous, self._apply_token, self._fail) if previous is not None else []
+
+    def _launch(self, chunks: list[ScheduledChunk], previous: Launched | None) -> Launched:
+        """Launch a decode step without waiting for its ids; its sequences get a placeholder token each."""
+        rows = [self.sampling_row(c.seq) for c in chunks]
+        input_ids = previous.input_ids(chunks) if previous is not None else None
+        launched = Launched.start(
+            chunks, self.sampler(self.runner.execute(SchedulerOutput(chunks), input_ids), rows)
+        )
+        self.scheduler.update(SchedulerOutput(chunks), {c.seq.request_id: PLACEHOLDER for c in chunks})
+        return launched
+
+    def _run(self, chunks: list[ScheduledChunk]) -> list[RequestOutput]:
+        """Run `chunks` as one model step and apply what it sampled; a failure fails only the requests at
+        fault (see isolation.run_isolated)."""
+        return self.isolated(
+            chunks, self._sample_step, self._apply, lambda chunk, exc: self._fail(chunk.seq, exc)
+        )
+
+    def _sample_step(self, chunks: list[ScheduledChunk]) -> list[int]:
+        """The ids sampled after the chunks that end in a sample, in chunk order."""
+        rows = [self.sampling_row(c.seq) for c in chunks if c.samples]
+        logits = self.runner.execute(SchedulerOutput(chunks))
+        return self.sampler(logits, rows).tolist() if rows else []
+
+    def _apply(self, chunks: list[ScheduledChunk], tokens: list[int]) -> list[RequestOutput]:
+        sampling = self.update(chunks, tokens)
+        return [out for chunk, token in zip(sampling, tokens) for out in self._apply_token(chunk.seq, token)]
+
+    def _apply_token(self, seq: Sequence, token: int) -> list[RequestOutput]:
+        """What `seq` gained by its sampled `token`; a failure (of its stop strings, its detokenizing) is its
+        own."""
+        try:
+            return [self._after_sample(seq, token)]
+        except Exception as exc:
+            return self._fail(seq, exc)
+
+    def _after_sample(self, seq: Sequence, token: int) -> RequestOutput:
+        state: RequestState = seq.data
+        if "first_token" not in state.metrics:
+            state.metrics["first_token"] = time.monotonic()
+        status, delta = stop_and_text(state, token)
+        if status is not None:
+            self.scheduler.finish(seq, status)
+        if seq.is_finished and not state.detokenizer.stopped:
+            delta += state.detokenizer.flush()
+        return request_output(seq, delta, [token])
+
+    def _fail(self, seq: Sequence, exc: Exception) -> list[RequestOutput]:
+        """End `seq` with finish_reason "error" and its error."""
+        self.end_failed(seq, exc)
+        return [request_output(seq, "", [])]
+
+
+def _decodes_ahead(seq: Sequence) -> bool:
+    return seq.data.decodes_ahead
