@@ -12,7 +12,8 @@ from omnistage.models.qwen3_asr.processor import ASRProcessor
 from omnistage.models.qwen3_omni.processor import Processor
 from omnistage.pipeline.base import Frontend
 from omnistage.pipeline.qwen3_asr import Qwen3ASRPipeline, asr_frontend
-from omnistage.pipeline.qwen3_omni import Qwen3OmniPipeline, omni_frontend
+from omnistage.pipeline.qwen3_omni import Qwen3OmniPipeline
+from omnistage.pipeline.qwen3_omni_loading import omni_frontend
 
 
 def model_type(checkpoint_dir: str | Path) -> str | None:

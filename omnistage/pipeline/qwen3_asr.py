@@ -23,8 +23,8 @@ from omnistage.models.qwen3_asr.processor import ASRProcessor
 from omnistage.outputs import RequestOutput
 from omnistage.pipeline.base import Frontend, TtsPrompt
 from omnistage.pipeline.planning import plan_devices
-from omnistage.pipeline.qwen3_omni import eos_token_ids
 from omnistage.pipeline.qwen3_omni_encoders import aut_clips
+from omnistage.pipeline.qwen3_omni_loading import eos_token_ids
 from omnistage.pipeline.topology import validate_topology
 from omnistage.request import GenerationRequest, ValidRequest
 

@@ -5,81 +5,47 @@ across them step by step (`handoff.py`). The one facade the server and the offli
 
 from __future__ import annotations
 
-import json
 import logging
-import random
 import time
 from collections import deque
 from collections.abc import Collection, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, replace
-from functools import partial
 from pathlib import Path
 
 import numpy as np
 import torch
-from tokenizers import Tokenizer
 
 from omnistage.config import STAGES, EngineConfig
-from omnistage.engine.attention import backend_for
 from omnistage.engine.devices import resolve_device, resolve_dtype
-from omnistage.engine.memory.gauges import Gauge, plan_gauges
+from omnistage.engine.memory.gauges import plan_gauges
 from omnistage.engine.memory.plan import MemoryPlan
-from omnistage.engine.stages.text import NewRequest, StageModels, TextStage
-from omnistage.engine.stages.token_runner import HiddenTap
-from omnistage.errors import CheckpointError, InvalidRequest, RequestTooLarge
+from omnistage.engine.stages.text import NewRequest, TextStage
 from omnistage.models.qwen3_omni.config import Qwen3OmniConfig
-from omnistage.models.qwen3_omni.mrope import MediaLayout
 from omnistage.models.qwen3_omni.processor import Processor
-from omnistage.models.qwen3_omni.talker_input import text_rows, tts_embeds, user_turn_mask
-from omnistage.models.qwen3_omni.thinker import load_thinker
+from omnistage.models.qwen3_omni.talker_input import text_rows, tts_embeds
 from omnistage.outputs import CompletionOutput, RequestOutput
-from omnistage.pipeline.base import Frontend, TtsPrompt
 from omnistage.pipeline.handoff import Handoff, Speech
 from omnistage.pipeline.planning import plan_devices
-from omnistage.pipeline.qwen3_omni_encoders import load_encoders
+from omnistage.pipeline.qwen3_omni_loading import load_thinker_stage, omni_frontend
+from omnistage.pipeline.qwen3_omni_speech import (
+    ASSISTANT_ROWS,
+    default_frame_cap,
+    failed,
+    max_speaking,
+    new_speech,
+    validate_speech,
+)
 from omnistage.pipeline.side_stream import SideStream
 from omnistage.pipeline.speech_stages import SpeechStages
 from omnistage.pipeline.topology import validate_topology
 from omnistage.request import (
     MAX_AUDIO_FRAMES,
     GenerationRequest,
-    SamplingParams,
-    SpeechParams,
     ValidRequest,
 )
 
 log = logging.getLogger(__name__)
-
-ASSISTANT_ROWS = 9  # the Talker prompt's rows after the user turns (talker_input.talker_prompt)
-# The audio cap when a request sets none: 2 s, plus 8 frames (0.64 s) per spoken token, about twice a
-# speaker's pace, never past MAX_AUDIO_FRAMES.
-CAP_BASE_FRAMES, CAP_FRAMES_PER_TOKEN = 25, 8
-
-
-def default_frame_cap(text_tokens: int) -> int:
-    return min(MAX_AUDIO_FRAMES, CAP_BASE_FRAMES + CAP_FRAMES_PER_TOKEN * text_tokens)
-
-
-def max_speaking(config: EngineConfig, device: torch.device) -> int:
-    """The most speaking requests in flight: the config's, else as many as one speaking step serves at about
-    the cost of one. On a GPU that is the Talker's batch, its graphs' largest: a bound of Code2Wav's 16 streams
-    per call held the H200 at ~100 audio s/s from c=16 on and queued c=64's first packets for 2.5 s
-    (benchmarks/RESULTS.md, "Under load"). Eagerly a step's cost grows with its rows: there it is also no more
-    than a Code2Wav call's streams, so that the first speeches finish first and a chat keeps its pace."""
-    if config.max_num_speaking is not None:
-        return config.max_num_speaking
-    talker = config.stage("talker").max_batch
-    if device.type == "cuda" and not config.stage("talker").enforce_eager:
-        return talker
-    return min(talker, config.stage("code2wav").max_streams)
-
-
-def _about(exc: InvalidRequest, field: str) -> InvalidRequest:
-    """`exc`, marked with the part of a speaking request it is about (`max_frames`, `text`: the reply's length,
-    `voice`), which the server spells as the route's field (server/errors.py)."""
-    exc.field = field
-    return exc
 
 
 @dataclass(frozen=True)
@@ -88,62 +54,6 @@ class _Waiting:
 
     valid: ValidRequest
     arrival: float
-
-
-def load_thinker_stage(
-    config: EngineConfig,
-    path: Path,
-    cfg: Qwen3OmniConfig,
-    processor: Processor,
-    device: torch.device,
-    dtype: torch.dtype,
-) -> StageModels:
-    """The Thinker's decoder and the audio and vision encoders, with `processor`, for a TextStage."""
-    started = time.perf_counter()
-    model = load_thinker(path, dtype, device, backend_for(device), config.load_format, seed=config.seed)
-    encoders = load_encoders(path, cfg.thinker, dtype, device, config.load_format, config.seed)
-    return StageModels(
-        model=model,
-        text=cfg.thinker.text,
-        processor=processor,
-        encoders=encoders,
-        eos_token_ids=eos_token_ids(path, processor.tokenizer),
-        model_path=path,
-        load_seconds=time.perf_counter() - started,
-    )
-
-
-def eos_token_ids(checkpoint_dir: Path, tokenizer: Tokenizer) -> list[int]:
-    """The checkpoint's generation end tokens, else `<|im_end|>`."""
-    path = checkpoint_dir / "generation_config.json"
-    if path.exists():
-        eos = json.loads(path.read_text()).get("eos_token_id")
-        if eos is not None:
-            return [eos] if isinstance(eos, int) else list(eos)
-    im_end = tokenizer.token_to_id("<|im_end|>")
-    if im_end is None:
-        raise CheckpointError(
-            f"{checkpoint_dir}: no generation_config.json eos_token_id, nor <|im_end|> to end on"
-        )
-    return [im_end]
-
-
-def tts_prompt(processor: Processor, text: str, max_model_len: int) -> TtsPrompt:
-    """The prompt and reply of speaking `text` exactly: the text as the user's turn, and as the reply."""
-    prompt, token_ids = processor.encode_chat([{"role": "user", "content": text}], True, max_model_len)
-    return TtsPrompt(prompt, token_ids, processor.encode(text, max_model_len))
-
-
-def omni_frontend(
-    processor: Processor,
-    model_path: Path,
-    max_model_len: int,
-    voices: tuple[str, ...] = (),
-    plan_gauges: tuple[Gauge, ...] = (),
-) -> Frontend:
-    """A Qwen3-Omni pipeline's Frontend: a text is spoken as the user's turn and as the reply (`tts_prompt`)."""
-    speak = partial(tts_prompt, processor, max_model_len=max_model_len)
-    return Frontend(model_path, max_model_len, processor, speak, voices, plan_gauges)
 
 
 class Qwen3OmniPipeline:
@@ -246,51 +156,9 @@ class Qwen3OmniPipeline:
 
     def validate(self, request: GenerationRequest) -> ValidRequest:
         """Check a request against every stage it needs, once: what admits it trusts the ValidRequest."""
-        prompt_token_ids, params, speech = request.prompt_token_ids, request.params, request.speech
-        if speech is None:
-            return ValidRequest(request, self.thinker.validate(prompt_token_ids, params))
-        if self.speech_stages is None:
-            raise InvalidRequest(
-                "this server does not speak: the checkpoint has no talker, or speech is off in its config"
-            )
-        try:
-            self.speech_stages.tokens.speaker_id(speech.voice)
-        except ValueError as exc:
-            raise _about(InvalidRequest(str(exc)), "voice") from None
-        frames = speech.talker.max_tokens
-        if frames is not None and frames > MAX_AUDIO_FRAMES:
-            raise _about(
-                InvalidRequest(f"max_frames must be at most {MAX_AUDIO_FRAMES:,} (327.7 s), got {frames:,}"),
-                "max_frames",
-            )
-        if speech.reply_token_ids is None:
-            max_tokens = self.thinker.validate(prompt_token_ids, params)
-            text_tokens = max_tokens
-        else:
-            if not speech.reply_token_ids:
-                raise _about(InvalidRequest("there is no text to speak"), "text")
-            try:
-                max_tokens = self.thinker.validate(prompt_token_ids, SamplingParams(max_tokens=1))
-            except InvalidRequest as exc:  # the prompt is the text, as the user's turn
-                raise _about(exc, "text") from None
-            text_tokens = len(speech.reply_token_ids)
-        ids = torch.tensor(prompt_token_ids)
-        tokens = self.speech_stages.tokens
-        if len(ids) < 3 or ids[-3:].tolist() != [tokens.im_start, tokens.assistant, ids[-1].item()]:
-            raise InvalidRequest(
-                "a spoken reply needs a chat prompt that ends by opening the assistant's turn"
-            )
-        talker_prompt_len = int(user_turn_mask(ids, tokens).sum()) + ASSISTANT_ROWS
-        try:
-            self.speech_stages.talker_stage.pool.check_admissible(
-                talker_prompt_len + self._frame_cap(speech, text_tokens)
-            )
-        except RequestTooLarge as exc:
-            raise _about(exc, "text" if frames is None else "max_frames") from None
-        return ValidRequest(request, max_tokens)
-
-    def _frame_cap(self, speech: SpeechParams, text_tokens: int) -> int:
-        return speech.talker.max_tokens or default_frame_cap(text_tokens)
+        if request.speech is None:
+            return ValidRequest(request, self.thinker.validate(request.prompt_token_ids, request.params))
+        return validate_speech(self.speech_stages, self.thinker, request, request.speech)
 
     def add_requests(self, requests: Sequence[GenerationRequest]) -> list[Exception | None]:
         """Admit several requests (their media encoded together); per request, None or what kept it out. Each
@@ -322,8 +190,17 @@ class Qwen3OmniPipeline:
         while self._waiting and len(self._speaking) < self.max_speaking:
             waiting = self._waiting.popleft()
             r = waiting.valid.request
-            assert r.speech is not None  # only speaking requests wait
-            speech = self._new_speech(r, waiting.valid.max_tokens, waiting.arrival)
+            assert r.speech is not None and self.speech_stages is not None  # only speaking requests wait
+            speech = new_speech(
+                self.speech_stages,
+                self.model_config,
+                self.processor,
+                r,
+                waiting.valid.max_tokens,
+                waiting.arrival,
+                self.device,
+                self.dtype,
+            )
             if r.speech.reply_token_ids is None:
                 thinker_requests.append(NewRequest.of(waiting.valid, speech.tap))
             self._speaking[r.request_id] = speech
@@ -337,56 +214,8 @@ class Qwen3OmniPipeline:
             if r.request_id in batch:
                 errors[r.request_id] = error
             elif refused is not None:
-                self._refused.append(_failed(refused.text, f"{type(error).__name__}: {error}"))
+                self._refused.append(failed(refused.text, f"{type(error).__name__}: {error}"))
         return errors
-
-    def _new_speech(self, r: GenerationRequest, max_tokens: int, arrival: float) -> Speech:
-        # a speaking request, to a pipeline that speaks
-        assert self.speech_stages is not None and r.speech is not None
-        ids = torch.tensor(r.prompt_token_ids)
-        media_rows = torch.isin(ids, torch.tensor(self.speech_stages.tokens.placeholders)).nonzero()[:, 0]
-        tap = None
-        if len(media_rows) and r.speech.reply_token_ids is None:
-            width = self.model_config.thinker.text.hidden_size
-            tap = HiddenTap(
-                self.model_config.talker.accept_hidden_layer,
-                media_rows.to(self.device),
-                torch.zeros(len(media_rows), width, dtype=self.dtype, device=self.device),
-                media_rows.numpy(),
-            )
-        reply = r.speech.reply_token_ids
-        text = RequestOutput(
-            r.request_id,
-            r.prompt,
-            r.prompt_token_ids,
-            [CompletionOutput(0, "", [])],
-            metrics={"arrival": arrival},
-        )
-        speech = Speech(
-            request_id=r.request_id,
-            params=r.speech,
-            speaker=self.speech_stages.tokens.speaker_id(r.speech.voice),
-            prompt_ids=list(r.prompt_token_ids),
-            media=MediaLayout.of(r.mm, self.model_config.thinker),
-            frame_cap=self._frame_cap(r.speech, len(reply) if reply is not None else max_tokens),
-            tap=tap,
-            text=text,
-            # an unseeded request's draws still differ from every other's
-            predictor_seed=seed if (seed := r.speech.talker.seed) is not None else random.getrandbits(63),
-        )
-        if reply is not None:  # the reply is given: it is all known, and its end is the unspoken last token
-            speech.generated = [*reply, self.model_config.im_end_token_id]
-            speech.text_done = True
-            completion = CompletionOutput(
-                0,
-                self.processor.decode(reply),
-                list(reply),
-                finish_reason="stop",
-                delta_text="",
-                delta_token_ids=[],
-            )
-            speech.text = replace(text, outputs=[completion], finished=True)
-        return speech
 
     def abort(self, request_id: str) -> RequestOutput | None:
         for waiting in self._waiting:
@@ -563,8 +392,3 @@ class Qwen3OmniPipeline:
             out.audio = np.concatenate(speech.audio) if speech.audio else np.zeros(0, dtype=np.float32)
             out.audio_codes = torch.stack(speech.codes).tolist() if speech.codes else []
         return out
-
-
-def _failed(text: RequestOutput, error: str) -> RequestOutput:
-    completion = replace(text.outputs[0], finish_reason="error", delta_text="", delta_token_ids=[])
-    return replace(text, outputs=[completion], finished=True, error=error)

@@ -14,7 +14,7 @@ from omnistage.config import engine_config
 from omnistage.engine.stages.text import NewRequest
 from omnistage.errors import InvalidRequest
 from omnistage.pipeline.async_pipeline import AsyncPipeline
-from omnistage.pipeline.qwen3_omni import default_frame_cap, max_speaking
+from omnistage.pipeline.qwen3_omni_speech import default_frame_cap, max_speaking
 from omnistage.pipeline.side_stream import SideStream
 from omnistage.request import MAX_AUDIO_FRAMES, GenerationRequest, SpeechParams, talker_sampling_defaults
 
