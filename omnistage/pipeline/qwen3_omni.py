@@ -23,7 +23,7 @@ from omnistage.engine.memory.plan import MemoryPlan
 from omnistage.engine.stages.text import NewRequest, TextStage
 from omnistage.models.qwen3_omni.config import Qwen3OmniConfig
 from omnistage.models.qwen3_omni.processor import Processor
-from omnistage.models.qwen3_omni.talker_input import text_rows, tts_embeds
+from omnistage.models.qwen3_omni.talker_input import TtsEmbeds, text_rows, tts_embeds
 from omnistage.outputs import CompletionOutput, RequestOutput
 from omnistage.pipeline.handoff import Handoff, Speech
 from omnistage.pipeline.planning import plan_devices
@@ -34,6 +34,7 @@ from omnistage.pipeline.qwen3_omni_speech import (
     failed,
     max_speaking,
     new_speech,
+    speech_output,
     validate_speech,
 )
 from omnistage.pipeline.side_stream import SideStream
@@ -84,13 +85,10 @@ class Qwen3OmniPipeline:
         processor = Processor(path)
         thinker_stage = load_thinker_stage(config, path, cfg, processor, device, dtype)
         if self.speech_stages is not None:
-            # the Talker reads these hidden states of a spoken reply's media rows (`_new_speech`)
+            # the Talker reads these hidden states of a spoken reply's media rows (`new_speech`)
             thinker_stage = replace(thinker_stage, tap_layer=cfg.talker.accept_hidden_layer)
             # before the devices are read for their plans: the table is the speech stages' resident memory
-            with torch.inference_mode(), self.speech_stages.on_device():
-                embedding = thinker_stage.model.model.embed_tokens
-                tts = tts_embeds(self.speech_stages.talker, embedding, self.speech_stages.tokens)
-                table = text_rows(self.speech_stages.talker, embedding)
+            tts, table = self._talker_tables(thinker_stage.model.model.embed_tokens)
         self.thinker = TextStage(config, thinker_stage, device, dtype)
         self.plans = self._plan(shared)
         self.processor, self.tokenizer = processor, processor.tokenizer
@@ -120,6 +118,13 @@ class Qwen3OmniPipeline:
         self.frontend = omni_frontend(
             self.processor, self.model_path, self.max_model_len, self.voices, gauges
         )
+
+    def _talker_tables(self, embedding: torch.nn.Embedding) -> tuple[TtsEmbeds, torch.Tensor]:
+        """The Talker's embeddings of its TTS tokens and its table of projected text rows (talker_input)."""
+        assert self.speech_stages is not None
+        with torch.inference_mode(), self.speech_stages.on_device():
+            tts = tts_embeds(self.speech_stages.talker, embedding, self.speech_stages.tokens)
+            return tts, text_rows(self.speech_stages.talker, embedding)
 
     @property
     def _embedding(self) -> torch.nn.Embedding:
@@ -286,7 +291,7 @@ class Qwen3OmniPipeline:
             if request_id in chunks or speech.finished:
                 touched[request_id] = speech
         for request_id, speech in touched.items():
-            outputs.append(self._output(speech, chunks.get(request_id, [])))
+            outputs.append(speech_output(speech, chunks.get(request_id, [])))
             if speech.finished:
                 self._speaking.pop(request_id, None)
         return outputs
@@ -367,28 +372,3 @@ class Qwen3OmniPipeline:
         assert self.speech_stages is not None  # requests speak
         with torch.inference_mode(), self.speech_stages.on_device():
             return self.handoff.step()
-
-    def _output(self, speech: Speech, chunks: list[np.ndarray]) -> RequestOutput:
-        text = speech.text
-        finished = speech.finished
-        completion = text.outputs[0]
-        if speech.error is not None:
-            completion = replace(completion, finish_reason="error")
-        elif not finished:
-            completion = replace(completion, finish_reason=None)
-        out = replace(
-            text,
-            outputs=[completion],
-            finished=finished,
-            error=speech.error,
-            audio_delta=np.concatenate(chunks) if chunks else None,
-            num_audio_frames=len(speech.codes),
-        )
-        speech.text = replace(text, outputs=[replace(text.outputs[0], delta_text="", delta_token_ids=[])])
-        speech.audio += chunks
-        if speech.first_audio:
-            out.metrics = {**out.metrics, "first_audio": speech.first_audio}
-        if finished:
-            out.audio = np.concatenate(speech.audio) if speech.audio else np.zeros(0, dtype=np.float32)
-            out.audio_codes = torch.stack(speech.codes).tolist() if speech.codes else []
-        return out

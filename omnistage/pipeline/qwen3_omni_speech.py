@@ -7,6 +7,7 @@ from __future__ import annotations
 import random
 from dataclasses import replace
 
+import numpy as np
 import torch
 
 from omnistage.config import EngineConfig
@@ -161,3 +162,31 @@ def new_speech(
 def failed(text: RequestOutput, error: str) -> RequestOutput:
     completion = replace(text.outputs[0], finish_reason="error", delta_text="", delta_token_ids=[])
     return replace(text, outputs=[completion], finished=True, error=error)
+
+
+def speech_output(speech: Speech, chunks: list[np.ndarray]) -> RequestOutput:
+    """A speaking request's output of a step: its text so far, the PCM of `chunks`, and once it ends its whole
+    audio and codes."""
+    text = speech.text
+    finished = speech.finished
+    completion = text.outputs[0]
+    if speech.error is not None:
+        completion = replace(completion, finish_reason="error")
+    elif not finished:
+        completion = replace(completion, finish_reason=None)
+    out = replace(
+        text,
+        outputs=[completion],
+        finished=finished,
+        error=speech.error,
+        audio_delta=np.concatenate(chunks) if chunks else None,
+        num_audio_frames=len(speech.codes),
+    )
+    speech.text = replace(text, outputs=[replace(text.outputs[0], delta_text="", delta_token_ids=[])])
+    speech.audio += chunks
+    if speech.first_audio:
+        out.metrics = {**out.metrics, "first_audio": speech.first_audio}
+    if finished:
+        out.audio = np.concatenate(speech.audio) if speech.audio else np.zeros(0, dtype=np.float32)
+        out.audio_codes = torch.stack(speech.codes).tolist() if speech.codes else []
+    return out

@@ -57,7 +57,8 @@ class NewRequest(GenerationRequest):
 
     @classmethod
     def of(cls, valid: ValidRequest, tap: HiddenTap | None = None) -> NewRequest:
-        given = {f.name: getattr(valid.request, f.name) for f in fields(GenerationRequest)}
+        r = valid.request  # a GenerationRequest's fields, whichever subclass carried it
+        given = {f.name: vars(r)[f.name] for f in fields(GenerationRequest)}
         return cls(**given, tap=tap, max_tokens=valid.max_tokens)
 
 
