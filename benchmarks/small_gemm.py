@@ -88,12 +88,14 @@ def frame_ms(buckets: list[int]) -> list[dict]:
     """A code-predictor frame's replay per bucket, cuBLAS against the GEMV; ms, median of 50 replays."""
     from omnistage.bench.skeletons import released_skeleton
     from omnistage.engine.graphs.frames import FrameGraphs
-    from omnistage.models.loader import fill_random_
+    from omnistage.models.loader import LoadOptions, fill_random_
     from omnistage.models.qwen3_omni.code_predictor import load_code_predictor
     from omnistage.models.qwen3_omni.config import Qwen3OmniConfig
 
     checkpoint = released_skeleton()
-    predictor = load_code_predictor(checkpoint, torch.bfloat16, "cuda", load_format="dummy").eval()
+    predictor = load_code_predictor(
+        checkpoint, LoadOptions(torch.bfloat16, "cuda", load_format="dummy")
+    ).eval()
     talker = Qwen3OmniConfig.from_dir(checkpoint).talker.text
     code0 = nn.Embedding(talker.vocab_size, talker.hidden_size, device="cuda", dtype=torch.bfloat16)
     fill_random_(code0, seed=1)

@@ -13,6 +13,7 @@ import logging
 import re
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import ExitStack
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TypeVar
 
@@ -198,15 +199,24 @@ def _init_buffers(module: torch.nn.Module) -> None:
             init_buffers()
 
 
+@dataclass(frozen=True)
+class LoadOptions:
+    """How every component is loaded: its `dtype` and `device`, and the checkpoint's weights
+    (`load_format="safetensors"`) or random ones from `seed` (`"dummy"`: only config.json is read, for
+    benchmarks at the released sizes)."""
+
+    dtype: torch.dtype
+    device: torch.device | str
+    load_format: str = "safetensors"
+    seed: int = 0
+
+
 def load_model(
     build: Callable[[], M],
     directory: str | Path,
     parts: str | Callable[[M], Iterable[tuple[torch.nn.Module, str]]],
+    options: LoadOptions,
     *,
-    dtype: torch.dtype,
-    device: torch.device | str,
-    load_format: str = "safetensors",
-    seed: int = 0,
     exclude: tuple[str, ...] = (),
 ) -> M:
     """`build()` on the meta device with the checkpoint's weights, or random ones (`load_format="dummy"`), in
@@ -218,13 +228,14 @@ def load_model(
     """
     with torch.device("meta"):
         model = build()
+    dtype, device = options.dtype, options.device
     for module, prefix in [(model, parts)] if isinstance(parts, str) else parts(model):
-        if load_format == "dummy":
+        if options.load_format == "dummy":
             module.to_empty(device=device)
             _init_buffers(module)
             for param in module.parameters():
                 param.data = param.data.to(dtype)
-            fill_random_(module, seed)
+            fill_random_(module, options.seed)
         else:
             load_weights(module, directory, prefix, dtype=dtype, device=device, exclude=exclude)
     model.requires_grad_(False).eval()

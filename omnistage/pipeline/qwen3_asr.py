@@ -16,6 +16,7 @@ from omnistage.engine.memory.gauges import Gauge, plan_gauges
 from omnistage.engine.stages.encoders import EncoderStage
 from omnistage.engine.stages.text import NewRequest, StageModels, TextStage
 from omnistage.errors import InvalidRequest
+from omnistage.models.loader import LoadOptions
 from omnistage.models.qwen3_asr.audio_encoder import load_audio_encoder
 from omnistage.models.qwen3_asr.config import Qwen3ASRConfig
 from omnistage.models.qwen3_asr.decoder import load_decoder
@@ -65,8 +66,9 @@ class Qwen3ASRPipeline:
         device = resolve_device(config.stage("thinker").device)
         dtype = resolve_dtype(config.dtype, device)
         started = time.perf_counter()
-        decoder = load_decoder(path, dtype, device, backend_for(device), config.load_format, config.seed)
-        tower = load_audio_encoder(path, dtype, device, config.load_format, config.seed)
+        options = LoadOptions(dtype, device, config.load_format, config.seed)
+        decoder = load_decoder(path, options, backend_for(device))
+        tower = load_audio_encoder(path, options)
         processor = ASRProcessor(path, device)  # the features are made where the encoder reads them
         stage = StageModels(
             model=decoder,

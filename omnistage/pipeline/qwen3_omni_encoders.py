@@ -8,6 +8,7 @@ from pathlib import Path
 import torch
 
 from omnistage.engine.stages.encoders import AudioFormat, EncoderStage, ImageFormat, VideoFormat
+from omnistage.models.loader import LoadOptions
 from omnistage.models.qwen3_omni.audio_encoder import load_audio_encoder
 from omnistage.models.qwen3_omni.audio_features import HOP_LENGTH, MAX_SECONDS, NUM_MEL_BINS, SAMPLE_RATE
 from omnistage.models.qwen3_omni.config import ThinkerConfig
@@ -27,22 +28,15 @@ def image_format(image_token_id: int, cfg: ImageProcessorConfig, spatial_merge_s
     return ImageFormat(image_token_id, largest_grid(cfg), cfg.patch_size, patch_values, spatial_merge_size)
 
 
-def load_encoders(
-    checkpoint_dir: Path,
-    cfg: ThinkerConfig,
-    dtype: torch.dtype,
-    device: torch.device,
-    load_format: str = "safetensors",
-    seed: int = 0,
-) -> EncoderStage:
+def load_encoders(checkpoint_dir: Path, cfg: ThinkerConfig, options: LoadOptions) -> EncoderStage:
     """Qwen3-Omni's audio and vision towers from a checkpoint directory."""
     found = (Path(checkpoint_dir) / "preprocessor_config.json").exists()
     images = ImageProcessorConfig.from_dir(checkpoint_dir) if found else ImageProcessorConfig()
     return EncoderStage(
-        load_audio_encoder(checkpoint_dir, dtype, device, load_format, seed),
+        load_audio_encoder(checkpoint_dir, options),
         aut_clips(cfg.audio_token_id),
-        device,
-        load_vision_encoder(checkpoint_dir, dtype, device, load_format, seed),
+        torch.device(options.device),
+        load_vision_encoder(checkpoint_dir, options),
         image_format(cfg.image_token_id, images, cfg.vision.spatial_merge_size),
         VideoFormat(cfg.video_token_id),
     )

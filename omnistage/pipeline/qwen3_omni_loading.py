@@ -16,6 +16,7 @@ from omnistage.engine.attention import backend_for
 from omnistage.engine.memory.gauges import Gauge
 from omnistage.engine.stages.text import StageModels
 from omnistage.errors import CheckpointError
+from omnistage.models.loader import LoadOptions
 from omnistage.models.qwen3_omni.config import Qwen3OmniConfig
 from omnistage.models.qwen3_omni.processor import Processor
 from omnistage.models.qwen3_omni.thinker import load_thinker
@@ -33,8 +34,9 @@ def load_thinker_stage(
 ) -> StageModels:
     """The Thinker's decoder and the audio and vision encoders, with `processor`, for a TextStage."""
     started = time.perf_counter()
-    model = load_thinker(path, dtype, device, backend_for(device), config.load_format, seed=config.seed)
-    encoders = load_encoders(path, cfg.thinker, dtype, device, config.load_format, config.seed)
+    options = LoadOptions(dtype, device, config.load_format, config.seed)
+    model = load_thinker(path, options, backend_for(device))
+    encoders = load_encoders(path, cfg.thinker, options)
     return StageModels(
         model=model,
         text=cfg.thinker.text,

@@ -26,6 +26,7 @@ from omnistage.engine.memory.plan import MAIN_POOL, GiB, KVPool, MemoryPlan, Sta
 from omnistage.engine.stages.row_runner import RowRunner
 from omnistage.engine.stages.rows import RowStage
 from omnistage.models.layers.linear import adopt_gemv
+from omnistage.models.loader import LoadOptions
 from omnistage.models.qwen3_omni.code2wav import load_code2wav
 from omnistage.models.qwen3_omni.code2wav_streamer import Code2WavStreamer, decodes_first_as_prefix
 from omnistage.models.qwen3_omni.code_predictor import load_code_predictor
@@ -73,8 +74,9 @@ class SpeechStages:
             config.stage("code_predictor"),
             config.stage("code2wav"),
         )
-        self.talker = load_talker(path, dtype, device, backend_for(device), config.load_format, config.seed)
-        self.code_predictor = load_code_predictor(path, dtype, device, config.load_format, config.seed)
+        options = LoadOptions(dtype, device, config.load_format, config.seed)
+        self.talker = load_talker(path, options, backend_for(device))
+        self.code_predictor = load_code_predictor(path, options)
         if device.type == "cuda":
             adopted = adopt_gemv(self.talker) + adopt_gemv(self.code_predictor)
             log.info("one-row projections on the Triton GEMV: %d (%s)", len(adopted), ", ".join(adopted[:4]))
@@ -87,7 +89,7 @@ class SpeechStages:
             torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 32)
             for layer in (*self.talker.model.layers, *self.code_predictor.model.layers):
                 layer.compile(dynamic=True)
-        self.code2wav = load_code2wav(path, dtype, device, config.load_format, config.seed)
+        self.code2wav = load_code2wav(path, options)
         text = cfg.talker.text
         page_bytes = text.kv_bytes_per_token * config.page_size
         # on a GPU the plan sizes the pool (`allocate`); until then it has one page

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from omnistage.engine.graphs.code2wav import Code2WavGraphs
-from omnistage.models.loader import load_model
+from omnistage.models.loader import LoadOptions, load_model
 from omnistage.models.qwen3_omni.code2wav import Code2Wav
 from omnistage.models.qwen3_omni.config import Qwen3OmniConfig
 from omnistage.models.qwen3_omni.tiny import released_config
@@ -26,7 +26,7 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
 def model() -> Code2Wav:
     cfg = Qwen3OmniConfig.from_dict(released_config()).code2wav
     model = load_model(
-        lambda: Code2Wav(cfg), ".", "code2wav.", dtype=torch.bfloat16, device="cuda", load_format="dummy"
+        lambda: Code2Wav(cfg), ".", "code2wav.", LoadOptions(torch.bfloat16, "cuda", load_format="dummy")
     )
     # scaled down so that few samples reach the ±1 clamp, where differences would hide
     model.decoder[-1].conv.weight.data /= 64

@@ -10,6 +10,7 @@ from PIL import Image
 
 from omnistage.engine.stages.encoders import EncoderStage
 from omnistage.models.layers.varlen_attention import Segments, _grouped_sdpa, varlen_attention
+from omnistage.models.loader import LoadOptions
 from omnistage.models.qwen3_asr.audio_encoder import load_audio_encoder as load_asr_audio_encoder
 from omnistage.models.qwen3_asr.config import Qwen3ASRConfig
 from omnistage.models.qwen3_asr.processor import ASRProcessor
@@ -67,7 +68,7 @@ def encode_twice(encoders: EncoderStage, prompts: list, audio: list[int], vision
 
 def test_qwen3_omni_graphs_equal_eager(tiny_checkpoint):
     cfg = Qwen3OmniConfig.from_dir(tiny_checkpoint).thinker
-    encoders = load_encoders(tiny_checkpoint, cfg, torch.bfloat16, torch.device("cuda"))
+    encoders = load_encoders(tiny_checkpoint, cfg, LoadOptions(torch.bfloat16, torch.device("cuda")))
     rng = np.random.default_rng(0)
 
     def picture(w, h):
@@ -91,7 +92,7 @@ def test_qwen3_omni_graphs_equal_eager(tiny_checkpoint):
 
 def test_qwen3_asr_graphs_equal_eager(tmp_path):
     path = make_tiny_asr(tmp_path / "asr")
-    tower = load_asr_audio_encoder(path, torch.bfloat16, torch.device("cuda"))
+    tower = load_asr_audio_encoder(path, LoadOptions(torch.bfloat16, torch.device("cuda")))
     token = Qwen3ASRConfig.from_dir(path).audio_token_id
     encoders = EncoderStage(tower, aut_clips(token), torch.device("cuda"))
     processor = ASRProcessor(path)

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from omnistage.models.layers.varlen_attention import Segments, _grouped_sdpa, varlen_attention
+from omnistage.models.loader import LoadOptions
 from omnistage.models.qwen3_omni.audio_encoder import load_audio_encoder
 
 pytestmark = pytest.mark.gpu
@@ -34,8 +35,8 @@ def test_audio_encoder_batch_invariant_and_close_to_float32(tiny_checkpoint):
     rng = np.random.default_rng(0)
     clips = [(0.3 * rng.standard_normal(round(s * 16000))).astype(np.float32) for s in (0.7, 9.3, 2.2, 8.0)]
     features = [log_mel(c) for c in clips]
-    gpu = load_audio_encoder(tiny_checkpoint, dtype=torch.bfloat16, device=torch.device("cuda"))
-    cpu = load_audio_encoder(tiny_checkpoint, dtype=torch.float32, device=torch.device("cpu"))
+    gpu = load_audio_encoder(tiny_checkpoint, LoadOptions(torch.bfloat16, torch.device("cuda")))
+    cpu = load_audio_encoder(tiny_checkpoint, LoadOptions(torch.float32, torch.device("cpu")))
     with torch.inference_mode():
         together = gpu([f.cuda() for f in features])
         for f, got in zip(features, together):

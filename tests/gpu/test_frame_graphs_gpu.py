@@ -10,7 +10,7 @@ from torch import nn
 from omnistage.bench.skeletons import released_skeleton
 from omnistage.engine.graphs.frames import FrameGraphs
 from omnistage.engine.static_sampling import StaticRows, sample_static
-from omnistage.models.loader import fill_random_
+from omnistage.models.loader import LoadOptions, fill_random_
 from omnistage.models.qwen3_omni.code_predictor import load_code_predictor
 from omnistage.models.qwen3_omni.config import Qwen3OmniConfig
 
@@ -26,7 +26,7 @@ BUCKETS = [1, 2, 4, 8]
 @pytest.fixture(scope="module")
 def runner() -> FrameGraphs:
     checkpoint = released_skeleton()
-    predictor = load_code_predictor(checkpoint, torch.bfloat16, DEV, load_format="dummy").eval()
+    predictor = load_code_predictor(checkpoint, LoadOptions(torch.bfloat16, DEV, load_format="dummy")).eval()
     talker = Qwen3OmniConfig.from_dir(checkpoint).talker.text
     # only the Talker's code-0 table enters a frame; the rest of the Talker is not needed here
     code0_embedding = nn.Embedding(talker.vocab_size, talker.hidden_size, device=DEV, dtype=torch.bfloat16)

@@ -10,6 +10,7 @@ from omnistage.engine.attention import backend_for
 from omnistage.engine.stages.row_runner import RowRunner
 from omnistage.engine.stages.rows import RowStage
 from omnistage.models.layers.rotary import PromptPositions
+from omnistage.models.loader import LoadOptions
 from omnistage.models.qwen3_omni.config import Qwen3OmniConfig
 from omnistage.models.qwen3_omni.talker import load_talker
 from omnistage.models.qwen3_omni.tiny import default_checkpoint
@@ -60,7 +61,7 @@ def speak(stage: RowStage) -> tuple[list[list[tuple]], list[torch.Tensor]]:
 def test_replay_equals_eager():
     path = default_checkpoint()
     cfg = Qwen3OmniConfig.from_dir(path)
-    talker = load_talker(path, torch.bfloat16, DEV, backend_for(DEV))
+    talker = load_talker(path, LoadOptions(torch.bfloat16, DEV), backend_for(DEV))
     want, want_logits = speak(make_stage(talker, cfg))
 
     stage = make_stage(talker, cfg)

@@ -15,6 +15,7 @@ from transformers import Qwen3OmniMoeForConditionalGeneration, WhisperFeatureExt
 
 from omnistage.bench.hf_layout import audio_tower
 from omnistage.errors import InvalidMedia
+from omnistage.models.loader import LoadOptions
 from omnistage.models.qwen3_omni.audio_encoder import audio_output_tokens, load_audio_encoder
 from omnistage.models.qwen3_omni.audio_features import (
     CPU_FRAMES_PER_CALL,
@@ -47,7 +48,7 @@ def hf_tower(checkpoint):
 
 @pytest.fixture(scope="module")
 def ours(checkpoint):
-    return load_audio_encoder(checkpoint, dtype=torch.float32, device="cpu")
+    return load_audio_encoder(checkpoint, LoadOptions(torch.float32, "cpu"))
 
 
 def whisper_features(waveform: np.ndarray) -> np.ndarray:

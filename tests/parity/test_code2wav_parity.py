@@ -13,6 +13,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from omnistage.models.loader import LoadOptions
 from omnistage.models.qwen3_omni.code2wav import load_code2wav
 from omnistage.models.qwen3_omni.code2wav_streamer import Code2WavStreamer
 from omnistage.models.qwen3_omni.tiny import tiny_config
@@ -72,8 +73,8 @@ def models(request, tmp_path_factory) -> dict:
         directory = write_variant(tmp_path_factory.mktemp("code2wav-variant") / "ckpt", variant_config())
     theirs = load_reference(directory)
     return {
-        "ours32": load_code2wav(directory, torch.float32, "cpu"),
-        "ours64": load_code2wav(directory, torch.float64, "cpu"),
+        "ours32": load_code2wav(directory, LoadOptions(torch.float32, "cpu")),
+        "ours64": load_code2wav(directory, LoadOptions(torch.float64, "cpu")),
         "theirs32": theirs,
         "theirs64": copy.deepcopy(theirs).double(),
     }

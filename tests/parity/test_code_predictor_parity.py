@@ -9,6 +9,7 @@ import pytest
 import torch
 from transformers.cache_utils import DynamicCache
 
+from omnistage.models.loader import LoadOptions
 from omnistage.models.qwen3_omni.code_predictor import CodePredictor, greedy, load_code_predictor
 from omnistage.models.qwen3_omni.tiny import tiny_config, write_weights
 
@@ -43,7 +44,7 @@ def models(request, tmp_path_factory):
         directory = request.getfixturevalue("tiny_checkpoint")
     else:
         directory = write_weights(tmp_path_factory.mktemp("variant") / "ckpt", variant_config(), seed=1)
-    ours = load_code_predictor(directory, torch.float32, "cpu")
+    ours = load_code_predictor(directory, LoadOptions(torch.float32, "cpu"))
     talker = Qwen3OmniMoeForConditionalGeneration.from_pretrained(
         directory, dtype=torch.float32
     ).talker.eval()

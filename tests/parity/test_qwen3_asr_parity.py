@@ -26,6 +26,7 @@ from transformers import (
 from transformers.models.qwen3_asr.processing_qwen3_asr import _parse_single_output
 
 from omnistage.engine.attention import AttentionMetadata, Chunk, TorchReferenceBackend
+from omnistage.models.loader import LoadOptions
 from omnistage.models.qwen3_asr.audio_encoder import load_audio_encoder
 from omnistage.models.qwen3_asr.audio_features import log_mel
 from omnistage.models.qwen3_asr.config import EOS_TOKEN_IDS
@@ -96,8 +97,8 @@ def ours(checkpoints) -> dict:
     return {
         name: {
             "cfg": OurConfig.from_dir(directory),
-            "encoder": load_audio_encoder(directory, dtype=torch.float32),
-            "decoder": load_decoder(directory, torch.float32, "cpu", backend),
+            "encoder": load_audio_encoder(directory, LoadOptions(torch.float32, "cpu")),
+            "decoder": load_decoder(directory, LoadOptions(torch.float32, "cpu"), backend),
         }
         for name, (directory, _) in checkpoints.items()
     }

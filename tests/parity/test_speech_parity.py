@@ -23,6 +23,7 @@ from media_samples import audio, image, picture, text, tones
 from media_samples import reference as reference_inputs
 
 from omnistage.engine.attention import AttentionMetadata, Chunk, TorchReferenceBackend
+from omnistage.models.loader import LoadOptions
 from omnistage.models.qwen3_omni.audio_encoder import load_audio_encoder
 from omnistage.models.qwen3_omni.code2wav import load_code2wav
 from omnistage.models.qwen3_omni.code_predictor import load_code_predictor
@@ -75,13 +76,13 @@ def ours(tiny_checkpoint) -> dict:
     return {
         "cfg": cfg,
         "tokens": SpeechTokens.from_config(cfg),
-        "thinker": load_thinker(tiny_checkpoint, torch.float32, "cpu", backend),
-        "talker": load_talker(tiny_checkpoint, torch.float32, "cpu", backend).eval(),
-        "predictor": load_code_predictor(tiny_checkpoint, torch.float32, "cpu").eval(),
-        "code2wav": load_code2wav(tiny_checkpoint, torch.float32, "cpu").eval(),
-        "code2wav64": load_code2wav(tiny_checkpoint, torch.float64, "cpu").eval(),
-        "audio_encoder": load_audio_encoder(tiny_checkpoint, torch.float32, "cpu"),
-        "vision_encoder": load_vision_encoder(tiny_checkpoint, torch.float32, "cpu"),
+        "thinker": load_thinker(tiny_checkpoint, LoadOptions(torch.float32, "cpu"), backend),
+        "talker": load_talker(tiny_checkpoint, LoadOptions(torch.float32, "cpu"), backend).eval(),
+        "predictor": load_code_predictor(tiny_checkpoint, LoadOptions(torch.float32, "cpu")).eval(),
+        "code2wav": load_code2wav(tiny_checkpoint, LoadOptions(torch.float32, "cpu")).eval(),
+        "code2wav64": load_code2wav(tiny_checkpoint, LoadOptions(torch.float64, "cpu")).eval(),
+        "audio_encoder": load_audio_encoder(tiny_checkpoint, LoadOptions(torch.float32, "cpu")),
+        "vision_encoder": load_vision_encoder(tiny_checkpoint, LoadOptions(torch.float32, "cpu")),
     }
 
 

@@ -9,6 +9,7 @@ import torch
 from transformers import DynamicCache
 
 from omnistage.engine.attention import AttentionMetadata, Chunk, TorchReferenceBackend
+from omnistage.models.loader import LoadOptions
 from omnistage.models.qwen3_omni.talker import Talker, load_talker
 from omnistage.models.qwen3_omni.tiny import tiny_config, write_weights
 
@@ -49,7 +50,7 @@ def models(request, tmp_path_factory):
         directory = write_weights(
             tmp_path_factory.mktemp("talker-variant") / "ckpt", variant_config(), seed=1
         )
-    ours = load_talker(directory, torch.float32, "cpu", TorchReferenceBackend())
+    ours = load_talker(directory, LoadOptions(torch.float32, "cpu"), TorchReferenceBackend())
     theirs = Qwen3OmniMoeForConditionalGeneration.from_pretrained(
         directory, dtype=torch.float32
     ).talker.eval()

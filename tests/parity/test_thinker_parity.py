@@ -8,6 +8,7 @@ import torch
 
 from omnistage.bench.hf_layout import text_model
 from omnistage.engine.attention import AttentionMetadata, Chunk, TorchReferenceBackend
+from omnistage.models.loader import LoadOptions
 from omnistage.models.qwen3_omni.thinker import Thinker, load_thinker
 from omnistage.models.qwen3_omni.tiny import tiny_config, write_weights
 
@@ -43,7 +44,7 @@ def models(request, tmp_path_factory):
         directory = request.getfixturevalue("tiny_checkpoint")  # the session's shared one (conftest)
     else:
         directory = write_weights(tmp_path_factory.mktemp("variant") / "ckpt", variant_config(), seed=1)
-    ours = load_thinker(directory, torch.float32, "cpu", TorchReferenceBackend())
+    ours = load_thinker(directory, LoadOptions(torch.float32, "cpu"), TorchReferenceBackend())
     theirs = Qwen3OmniMoeForConditionalGeneration.from_pretrained(
         directory, dtype=torch.float32
     ).thinker.eval()

@@ -20,6 +20,7 @@ from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLIm
 
 from omnistage.bench.hf_layout import visual
 from omnistage.errors import InvalidMedia
+from omnistage.models.loader import LoadOptions
 from omnistage.models.qwen3_omni.image_processing import (
     ImageProcessorConfig,
     decode_image,
@@ -48,7 +49,7 @@ def hf_visual(checkpoint):
 
 @pytest.fixture(scope="module")
 def ours(checkpoint):
-    return load_vision_encoder(checkpoint, dtype=torch.float32, device="cpu")
+    return load_vision_encoder(checkpoint, LoadOptions(torch.float32, "cpu"))
 
 
 def images(sizes=SIZES) -> list[Image.Image]:

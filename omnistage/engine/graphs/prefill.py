@@ -126,31 +126,16 @@ class PrefillGraphs(GraphSet[StaticPrefillBuffers]):
     chunks, with decode rows beside them or not (a step that is all decode rows replays the decode graphs).
 
     `step(embeds [P, H], positions [3, P], meta, sample_rows [S]) -> logits [S, V]` of the sampled rows (or a
-    tuple whose first item they are), S the bucket's sequence slots. `run` returns None when the step fits no
-    captured bucket (the caller runs it eagerly); its result is a view of the graph's static output: use it
-    before the next `run`.
+    tuple whose first item they are), S the bucket's sequence slots, on the device of `buffers`. `run` returns
+    None when the step fits no captured bucket (the caller runs it eagerly); its result is a view of the graph's
+    static output: use it before the next `run`.
     """
 
     kind = "prefill"
     unit = "tokens"
 
-    def __init__(
-        self,
-        step: StepFn,
-        max_tokens: int,
-        max_pages: int,
-        max_seq_len: int,
-        hidden_size: int,
-        dtype: torch.dtype,
-        device: torch.device | str,
-        position_rows: int = 3,
-        enforce_eager: bool = False,
-        max_seqs: int = 1,
-    ) -> None:
-        buffers = StaticPrefillBuffers(
-            max_tokens, max_pages, max_seq_len, hidden_size, dtype, device, position_rows, max_seqs
-        )
-        super().__init__(step, buffers, device, enforce_eager)
+    def __init__(self, step: StepFn, buffers: StaticPrefillBuffers, enforce_eager: bool = False) -> None:
+        super().__init__(step, buffers, buffers.embeds.device, enforce_eager)
 
     def run(
         self,

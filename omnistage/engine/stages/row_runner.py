@@ -19,6 +19,7 @@ import torch
 
 from omnistage.engine.graphs import DecodeGraphs, PrefillGraphs
 from omnistage.engine.graphs.base import int_buckets
+from omnistage.engine.graphs.prefill import StaticPrefillBuffers
 from omnistage.engine.memory.measure import Peak, device_peak, scaled_peaks
 from omnistage.engine.scheduler import ScheduledChunk
 from omnistage.engine.stages.autoregressive import SamplingState
@@ -153,10 +154,11 @@ class RowRunner:
         buckets = sorted(set(buckets))
         if not buckets or (self.device.type == "cuda" and self.dtype != torch.bfloat16):
             return []
-        self.prefill_graphs = PrefillGraphs(
-            self._prefill_step, buckets[-1], -(-max_seq_len // self.page_size), max_seq_len, self.cfg.hidden_size,
-            self.dtype, self.device, max_seqs=min(self.max_seqs, buckets[-1]),
+        buffers = StaticPrefillBuffers(
+            buckets[-1], -(-max_seq_len // self.page_size), max_seq_len, self.cfg.hidden_size, self.dtype,
+            self.device, max_seqs=min(self.max_seqs, buckets[-1]),
         )  # fmt: skip
+        self.prefill_graphs = PrefillGraphs(self._prefill_step, buffers)
         with torch.inference_mode():
             return int_buckets(self.prefill_graphs.capture(buckets, pool=pool))
 

@@ -18,6 +18,7 @@ import torch
 
 from omnistage.engine.attention import AttentionMetadata
 from omnistage.engine.graphs import DecodeGraphs, PrefillGraphs
+from omnistage.engine.graphs.prefill import StaticPrefillBuffers
 from omnistage.engine.memory.measure import Peak, device_peak
 from omnistage.engine.scheduler import ScheduledChunk, SchedulerOutput
 from omnistage.engine.sequence import PromptInputs
@@ -173,10 +174,11 @@ class TokenRunner:
             self._prefill_logits_out = torch.empty(
                 slots, self.cfg.vocab_size, dtype=torch.float32, device=self.device
             )
-            self.prefill_graphs = PrefillGraphs(
-                self._prefill_logits, max(prefill_buckets), max_pages, max_model_len, self.cfg.hidden_size,
-                self.dtype, self.device, enforce_eager=enforce_eager, max_seqs=slots,
+            buffers = StaticPrefillBuffers(
+                max(prefill_buckets), max_pages, max_model_len, self.cfg.hidden_size, self.dtype, self.device,
+                max_seqs=slots,
             )  # fmt: skip
+            self.prefill_graphs = PrefillGraphs(self._prefill_logits, buffers, enforce_eager)
             with torch.inference_mode():
                 self.prefill_graphs.capture(prefill_buckets, pool=prefill_pool)
 

@@ -11,10 +11,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import torch
 from torch import nn
 
-from omnistage.models.loader import load_model
+from omnistage.models.loader import LoadOptions, load_model
 from omnistage.models.qwen3_asr.config import Qwen3ASRConfig
 from omnistage.models.qwen3_omni.audio_encoder import AudioEncoder
 
@@ -35,22 +34,10 @@ def _hf_views(encoder: AudioEncoder) -> list[tuple[nn.Module, str]]:
     return [(tower, HF_TOWER_PREFIX), (projector, HF_PROJECTOR_PREFIX)]
 
 
-def load_audio_encoder(
-    checkpoint_dir: str | Path,
-    dtype: torch.dtype = torch.bfloat16,
-    device: torch.device | str = "cpu",
-    load_format: str = "safetensors",
-    seed: int = 0,
-) -> AudioEncoder:
+def load_audio_encoder(checkpoint_dir: str | Path, options: LoadOptions) -> AudioEncoder:
     """The audio encoder and projector of a Qwen3-ASR checkpoint directory (either layout)."""
     cfg = Qwen3ASRConfig.from_dir(checkpoint_dir)
-    by_name = cfg.layout == "released" or load_format == "dummy"
+    by_name = cfg.layout == "released" or options.load_format == "dummy"
     return load_model(
-        lambda: AudioEncoder(cfg.audio),
-        checkpoint_dir,
-        RELEASED_PREFIX if by_name else _hf_views,
-        dtype=dtype,
-        device=device,
-        load_format=load_format,
-        seed=seed,
+        lambda: AudioEncoder(cfg.audio), checkpoint_dir, RELEASED_PREFIX if by_name else _hf_views, options
     )

@@ -12,13 +12,11 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import torch
-
 from omnistage.models.layers.attention import PagedSelfAttention
 from omnistage.models.layers.attention_backend import AttentionBackend
 from omnistage.models.layers.decoder import CausalLM, DecoderLayer, TextDecoder
 from omnistage.models.layers.moe import GatedMLP
-from omnistage.models.loader import load_model
+from omnistage.models.loader import LoadOptions, load_model
 from omnistage.models.qwen3_asr.config import DenseTextConfig, Qwen3ASRConfig
 
 # Where each layout keeps the decoder body and the output head.
@@ -49,18 +47,12 @@ class Qwen3ASRDecoder(CausalLM):
 
 
 def load_decoder(
-    checkpoint_dir: str | Path,
-    dtype: torch.dtype,
-    device: torch.device | str,
-    backend: AttentionBackend,
-    load_format: str = "safetensors",
-    seed: int = 0,
+    checkpoint_dir: str | Path, options: LoadOptions, backend: AttentionBackend
 ) -> Qwen3ASRDecoder:
     """The decoder of a Qwen3-ASR checkpoint directory (either layout).
 
     With tied embeddings the head is the embedding table, as transformers ties them: a head tensor in the
-    file (the released files carry one, equal to the table) is not read. `load_format="dummy"` reads only
-    config.json and fills random weights on `device` (benchmarks).
+    file (the released files carry one, equal to the table) is not read.
     """
     cfg = Qwen3ASRConfig.from_dir(checkpoint_dir)
     body, head = PREFIXES[cfg.layout]
@@ -69,10 +61,7 @@ def load_decoder(
         lambda: Qwen3ASRDecoder(cfg.text, backend),
         checkpoint_dir,
         lambda decoder: [(decoder.model, body)] + ([] if tied else [(decoder.lm_head, head)]),
-        dtype=dtype,
-        device=device,
-        load_format=load_format,
-        seed=seed,
+        options,
     )
     if tied:
         decoder.tie_weights()

@@ -27,7 +27,7 @@ from torch import nn
 
 from omnistage.models.layers.activations import ACTIVATIONS
 from omnistage.models.layers.varlen_attention import Segments, varlen_attention
-from omnistage.models.loader import load_model
+from omnistage.models.loader import LoadOptions, load_model
 from omnistage.models.qwen3_omni.config import AudioEncoderConfig, Qwen3OmniConfig
 
 PREFIX = "thinker.audio_tower."
@@ -234,21 +234,7 @@ class AudioEncoder(nn.Module):
         return self.proj2(self.act(self.proj1(self.ln_post(x))))
 
 
-def load_audio_encoder(
-    checkpoint_dir: str | Path,
-    dtype: torch.dtype = torch.bfloat16,
-    device: torch.device | str = "cpu",
-    load_format: str = "safetensors",
-    seed: int = 0,
-) -> AudioEncoder:
+def load_audio_encoder(checkpoint_dir: str | Path, options: LoadOptions) -> AudioEncoder:
     """The audio encoder of a Qwen3-Omni checkpoint directory, weights read by their file names."""
     cfg = Qwen3OmniConfig.from_dir(checkpoint_dir).thinker.audio
-    return load_model(
-        lambda: AudioEncoder(cfg),
-        checkpoint_dir,
-        PREFIX,
-        dtype=dtype,
-        device=device,
-        load_format=load_format,
-        seed=seed,
-    )
+    return load_model(lambda: AudioEncoder(cfg), checkpoint_dir, PREFIX, options)

@@ -24,7 +24,7 @@ from torch import nn
 from omnistage.models.layers.moe import GatedMLP
 from omnistage.models.layers.norm import RMSNorm
 from omnistage.models.layers.rotary import MRotaryEmbedding, apply_rotary
-from omnistage.models.loader import load_model
+from omnistage.models.loader import LoadOptions, load_model
 from omnistage.models.qwen3_omni.config import Code2WavConfig, Qwen3OmniConfig
 
 CONV_KERNEL = 7
@@ -342,24 +342,7 @@ class Code2Wav(nn.Module):
         return wav[:, -self.config.samples_per_frame * chunk :]
 
 
-def load_code2wav(
-    checkpoint_dir: str | Path,
-    dtype: torch.dtype,
-    device: torch.device | str,
-    load_format: str = "safetensors",
-    seed: int = 0,
-) -> Code2Wav:
-    """Code2Wav from a Qwen3-Omni checkpoint directory (`code2wav.*`).
-
-    `load_format="dummy"` reads only config.json and fills random weights on `device` (benchmarks).
-    """
+def load_code2wav(checkpoint_dir: str | Path, options: LoadOptions) -> Code2Wav:
+    """Code2Wav from a Qwen3-Omni checkpoint directory (`code2wav.*`)."""
     cfg = Qwen3OmniConfig.from_dir(checkpoint_dir).code2wav
-    return load_model(
-        lambda: Code2Wav(cfg),
-        checkpoint_dir,
-        "code2wav.",
-        dtype=dtype,
-        device=device,
-        load_format=load_format,
-        seed=seed,
-    )
+    return load_model(lambda: Code2Wav(cfg), checkpoint_dir, "code2wav.", options)

@@ -23,7 +23,7 @@ from omnistage.errors import ConfigError
 from omnistage.models.layers.attention import SelfAttention
 from omnistage.models.layers.decoder import Decoder, DecoderLayer
 from omnistage.models.layers.moe import GatedMLP
-from omnistage.models.loader import load_model
+from omnistage.models.loader import LoadOptions, load_model
 from omnistage.models.qwen3_omni.config import CodePredictorConfig, Qwen3OmniConfig
 
 Sampler = Callable[[torch.Tensor], torch.Tensor]
@@ -146,17 +146,8 @@ class CodePredictor(nn.Module):
         return codes, embeds.sum(dim=1)
 
 
-def load_code_predictor(
-    checkpoint_dir: str | Path,
-    dtype: torch.dtype,
-    device: torch.device | str,
-    load_format: str = "safetensors",
-    seed: int = 0,
-) -> CodePredictor:
-    """The Talker's code predictor from a Qwen3-Omni checkpoint directory (`talker.code_predictor.*`).
-
-    `load_format="dummy"` reads only config.json and fills random weights on `device` (benchmarks).
-    """
+def load_code_predictor(checkpoint_dir: str | Path, options: LoadOptions) -> CodePredictor:
+    """The Talker's code predictor from a Qwen3-Omni checkpoint directory (`talker.code_predictor.*`)."""
     talker = Qwen3OmniConfig.from_dir(checkpoint_dir).talker
     cfg = talker.code_predictor
     # the Talker's hidden state and code-0 embedding enter the predictor as they are: no projection between
@@ -170,12 +161,4 @@ def load_code_predictor(
             f"talker_config.code_predictor_config.num_code_groups: {cfg.num_code_groups} differs from the "
             f"talker's {talker.num_code_groups}"
         )
-    return load_model(
-        lambda: CodePredictor(cfg),
-        checkpoint_dir,
-        "talker.code_predictor.",
-        dtype=dtype,
-        device=device,
-        load_format=load_format,
-        seed=seed,
-    )
+    return load_model(lambda: CodePredictor(cfg), checkpoint_dir, "talker.code_predictor.", options)

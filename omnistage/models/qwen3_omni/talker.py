@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from omnistage.models.layers.decoder import Decoder
-from omnistage.models.loader import load_model
+from omnistage.models.loader import LoadOptions, load_model
 from omnistage.models.qwen3_omni.config import Qwen3OmniConfig, TalkerConfig, TextConfig
 from omnistage.models.qwen3_omni.moe_decoder import moe_decoder_layer
 
@@ -76,26 +76,13 @@ class Talker(nn.Module):
         return self.codec_head(hidden).float()
 
 
-def load_talker(
-    checkpoint_dir: str | Path,
-    dtype: torch.dtype,
-    device: torch.device | str,
-    backend: AttentionBackend,
-    load_format: str = "safetensors",
-    seed: int = 0,
-) -> Talker:
-    """The Talker from a Qwen3-Omni checkpoint directory (every `talker.*` tensor but the code predictor's).
-
-    `load_format="dummy"` reads only config.json and fills random weights on `device` (benchmarks).
-    """
+def load_talker(checkpoint_dir: str | Path, options: LoadOptions, backend: AttentionBackend) -> Talker:
+    """The Talker from a Qwen3-Omni checkpoint directory (every `talker.*` tensor but the code predictor's)."""
     cfg = Qwen3OmniConfig.from_dir(checkpoint_dir).talker
     return load_model(
         lambda: Talker(cfg, backend),
         checkpoint_dir,
         "talker.",
-        dtype=dtype,
-        device=device,
-        load_format=load_format,
-        seed=seed,
+        options,
         exclude=(CODE_PREDICTOR_PREFIX,),
     )

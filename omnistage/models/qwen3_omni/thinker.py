@@ -9,11 +9,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import torch
-
 from omnistage.models.layers.attention_backend import AttentionBackend
 from omnistage.models.layers.decoder import CausalLM, TextDecoder
-from omnistage.models.loader import load_model
+from omnistage.models.loader import LoadOptions, load_model
 from omnistage.models.qwen3_omni.config import Qwen3OmniConfig, TextConfig
 from omnistage.models.qwen3_omni.moe_decoder import moe_decoder_layer
 
@@ -25,26 +23,13 @@ class Thinker(CausalLM):
         super().__init__(cfg, TextDecoder(cfg, lambda: moe_decoder_layer(cfg, backend), cfg.mrope_section))
 
 
-def load_thinker(
-    checkpoint_dir: str | Path,
-    dtype: torch.dtype,
-    device: torch.device | str,
-    backend: AttentionBackend,
-    load_format: str = "safetensors",
-    seed: int = 0,
-) -> Thinker:
-    """The Thinker's language model from a Qwen3-Omni checkpoint directory (`thinker.model.*`, `thinker.lm_head.*`).
-
-    `load_format="dummy"` reads only config.json and fills random weights on `device` (benchmarks).
-    """
+def load_thinker(checkpoint_dir: str | Path, options: LoadOptions, backend: AttentionBackend) -> Thinker:
+    """The Thinker's language model from a Qwen3-Omni checkpoint directory (`thinker.model.*`, `thinker.lm_head.*`)."""
     cfg = Qwen3OmniConfig.from_dir(checkpoint_dir).thinker.text
     return load_model(
         lambda: Thinker(cfg, backend),
         checkpoint_dir,
         # two prefixes, because `thinker.` also holds the audio and vision towers
         lambda thinker: ((thinker.model, "thinker.model."), (thinker.lm_head, "thinker.lm_head.")),
-        dtype=dtype,
-        device=device,
-        load_format=load_format,
-        seed=seed,
+        options,
     )

@@ -17,7 +17,7 @@ from torch import nn
 
 from omnistage.models.layers.activations import ACTIVATIONS
 from omnistage.models.layers.varlen_attention import Segments, varlen_attention
-from omnistage.models.loader import load_model
+from omnistage.models.loader import LoadOptions, load_model
 from omnistage.models.qwen3_omni.config import Qwen3OmniConfig, VisionEncoderConfig
 
 PREFIX = "thinker.visual."
@@ -209,21 +209,7 @@ class VisionEncoder(nn.Module):
         return torch.cat(learned), full.cos(), full.sin()
 
 
-def load_vision_encoder(
-    checkpoint_dir: str | Path,
-    dtype: torch.dtype = torch.bfloat16,
-    device: torch.device | str = "cpu",
-    load_format: str = "safetensors",
-    seed: int = 0,
-) -> VisionEncoder:
+def load_vision_encoder(checkpoint_dir: str | Path, options: LoadOptions) -> VisionEncoder:
     """The vision encoder of a Qwen3-Omni checkpoint directory, weights read by their file names."""
     cfg = Qwen3OmniConfig.from_dir(checkpoint_dir).thinker.vision
-    return load_model(
-        lambda: VisionEncoder(cfg),
-        checkpoint_dir,
-        PREFIX,
-        dtype=dtype,
-        device=device,
-        load_format=load_format,
-        seed=seed,
-    )
+    return load_model(lambda: VisionEncoder(cfg), checkpoint_dir, PREFIX, options)

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from omnistage.errors import ConfigError
-from omnistage.models.loader import fill_random_
+from omnistage.models.loader import LoadOptions, fill_random_
 from omnistage.models.qwen3_omni.code_predictor import CodePredictor, load_code_predictor
 from omnistage.models.qwen3_omni.config import CodePredictorConfig
 from omnistage.models.qwen3_omni.tiny import tiny_config
@@ -88,7 +88,7 @@ def test_hidden_sizes_of_talker_and_predictor_must_agree(tmp_path):
     config["talker_config"]["code_predictor_config"]["hidden_size"] = 48
     (tmp_path / "config.json").write_text(json.dumps(config))
     with pytest.raises(ConfigError, match="hidden_size"):
-        load_code_predictor(tmp_path, torch.float32, "cpu", load_format="dummy")
+        load_code_predictor(tmp_path, LoadOptions(torch.float32, "cpu", load_format="dummy"))
 
 
 def test_its_layers_compile_whole_for_every_batch_bucket():

@@ -5,6 +5,7 @@ from torch._dynamo.utils import counters
 from torch._inductor.utils import run_and_get_code
 
 from omnistage.engine.attention import AttentionMetadata, TorchReferenceBackend
+from omnistage.models.loader import LoadOptions
 from omnistage.models.qwen3_asr.decoder import load_decoder
 from omnistage.models.qwen3_asr.tiny import make_tiny
 
@@ -24,7 +25,7 @@ def test_compiled_layers_add_no_residual_into_a_projection(tmp_path):
     a GPU first copies the residual into the output (a device-to-device memcpy a layer a step), then accumulates
     onto it. The layers leave the MLP's residual add to the next layer's input norm, so no graph holds an addmm;
     and the compiled decoder agrees with the eager one, prefill and decode."""
-    decoder = load_decoder(make_tiny(tmp_path), torch.float32, "cpu", OpaqueBackend())
+    decoder = load_decoder(make_tiny(tmp_path), LoadOptions(torch.float32, "cpu"), OpaqueBackend())
     cfg = decoder.config
     ids = torch.randint(0, cfg.vocab_size, (11,), generator=torch.Generator().manual_seed(0))
 
@@ -57,7 +58,7 @@ def test_every_layer_calls_the_same_compiled_variants(tmp_path):
     caps (8 by default); past the cap, calls silently run eagerly. The first layer must be called with arguments of
     the same types as the others (a None residual there made variants of its own, and the H200 run hit the cap):
     over a server's step shapes, the whole stack compiles no more variants than one layer does."""
-    decoder = load_decoder(make_tiny(tmp_path), torch.float32, "cpu", OpaqueBackend())
+    decoder = load_decoder(make_tiny(tmp_path), LoadOptions(torch.float32, "cpu"), OpaqueBackend())
     cfg, layers = decoder.config, decoder.model.layers
     assert len(layers) > 1
     ids = torch.randint(0, cfg.vocab_size, (64,), generator=torch.Generator().manual_seed(0))

@@ -9,6 +9,7 @@ from safetensors.torch import save_file
 
 from omnistage.engine.attention import TorchReferenceBackend
 from omnistage.errors import CheckpointError
+from omnistage.models.loader import LoadOptions
 from omnistage.models.qwen3_omni.talker import load_talker
 
 
@@ -25,7 +26,7 @@ def write_talker_checkpoint(directory, checkpoint, tensors: dict[str, torch.Tens
 
 
 def test_every_talker_tensor_but_the_code_predictor_lands_in_its_parameter(tiny_checkpoint):
-    talker = load_talker(tiny_checkpoint, torch.float32, "cpu", TorchReferenceBackend())
+    talker = load_talker(tiny_checkpoint, LoadOptions(torch.float32, "cpu"), TorchReferenceBackend())
     params = talker.state_dict()
     tensors = talker_tensors(tiny_checkpoint)
     own = [name for name in tensors if not name.startswith("talker.code_predictor.")]
@@ -52,7 +53,7 @@ def test_a_stray_talker_tensor_is_reported(tiny_checkpoint, tmp_path):
     tensors["talker.model.layers.0.mlp.extra_gate.weight"] = torch.zeros(1, 32)
     directory = write_talker_checkpoint(tmp_path / "ckpt", tiny_checkpoint, tensors)
     with pytest.raises(CheckpointError, match=r"1 tensor\(s\) under 'talker.'.*layers\.0\.mlp\.extra_gate"):
-        load_talker(directory, torch.float32, "cpu", TorchReferenceBackend())
+        load_talker(directory, LoadOptions(torch.float32, "cpu"), TorchReferenceBackend())
 
 
 @pytest.mark.parametrize(
@@ -63,7 +64,7 @@ def test_a_missing_talker_tensor_is_reported(tiny_checkpoint, tmp_path, dropped)
     del tensors[dropped]
     directory = write_talker_checkpoint(tmp_path / "ckpt", tiny_checkpoint, tensors)
     with pytest.raises(CheckpointError, match=rf"1 tensor\(s\) missing from the checkpoint: {dropped}$"):
-        load_talker(directory, torch.float32, "cpu", TorchReferenceBackend())
+        load_talker(directory, LoadOptions(torch.float32, "cpu"), TorchReferenceBackend())
 
 
 def test_the_talker_loads_without_code_predictor_tensors(tiny_checkpoint, tmp_path):
@@ -73,7 +74,7 @@ def test_the_talker_loads_without_code_predictor_tensors(tiny_checkpoint, tmp_pa
         if not name.startswith("talker.code_predictor.")
     }
     directory = write_talker_checkpoint(tmp_path / "ckpt", tiny_checkpoint, tensors)
-    talker = load_talker(directory, torch.float32, "cpu", TorchReferenceBackend())
+    talker = load_talker(directory, LoadOptions(torch.float32, "cpu"), TorchReferenceBackend())
     torch.testing.assert_close(
         talker.codec_head.weight, tensors["talker.codec_head.weight"].float(), rtol=0, atol=0
     )
@@ -83,5 +84,7 @@ def test_dummy_weights_need_only_the_config(tmp_path, tiny_checkpoint):
     directory = tmp_path / "config-only"
     directory.mkdir()
     shutil.copy(tiny_checkpoint / "config.json", directory / "config.json")
-    talker = load_talker(directory, torch.float32, "cpu", TorchReferenceBackend(), load_format="dummy")
+    talker = load_talker(
+        directory, LoadOptions(torch.float32, "cpu", load_format="dummy"), TorchReferenceBackend()
+    )
     assert all(not p.is_meta and torch.isfinite(p).all() for p in talker.parameters())

@@ -4,6 +4,7 @@ import pytest
 import torch
 
 from omnistage.engine.attention import TorchReferenceBackend
+from omnistage.models.loader import LoadOptions
 from omnistage.models.qwen3_omni.config import Qwen3OmniConfig
 from omnistage.models.qwen3_omni.mrope import MediaLayout
 from omnistage.models.qwen3_omni.talker import load_talker
@@ -25,7 +26,7 @@ NEWLINE, WORD, IM_END = 198, 1000, 151645
 @pytest.fixture(scope="module")
 def setup(tiny_checkpoint):
     cfg = Qwen3OmniConfig.from_dir(tiny_checkpoint)
-    talker = load_talker(tiny_checkpoint, torch.float32, "cpu", TorchReferenceBackend())
+    talker = load_talker(tiny_checkpoint, LoadOptions(torch.float32, "cpu"), TorchReferenceBackend())
     return cfg, SpeechTokens.from_config(cfg), talker
 
 

@@ -9,6 +9,7 @@ import torch
 
 from omnistage.engine.graphs.encoders import AudioGraphs, VisionGraphs, audio_buckets, vision_buckets
 from omnistage.models.layers.varlen_attention import Segments, varlen_attention
+from omnistage.models.loader import LoadOptions
 from omnistage.models.qwen3_asr.audio_encoder import load_audio_encoder as load_asr_audio_encoder
 from omnistage.models.qwen3_asr.tiny import make_tiny as make_tiny_asr
 from omnistage.models.qwen3_omni.audio_encoder import audio_windows, load_audio_encoder
@@ -27,8 +28,8 @@ def close(got: torch.Tensor, want: torch.Tensor) -> None:
 def audio_towers(tiny_checkpoint, tmp_path_factory) -> dict:
     asr = make_tiny_asr(tmp_path_factory.mktemp("asr"))
     return {
-        "qwen3-omni": load_audio_encoder(tiny_checkpoint, torch.float32),
-        "qwen3-asr": load_asr_audio_encoder(asr, torch.float32),
+        "qwen3-omni": load_audio_encoder(tiny_checkpoint, LoadOptions(torch.float32, "cpu")),
+        "qwen3-asr": load_asr_audio_encoder(asr, LoadOptions(torch.float32, "cpu")),
     }
 
 
@@ -88,7 +89,7 @@ def test_audio_padding_cannot_reach_real_tokens(audio_towers, clips):
 
 @pytest.fixture(scope="module")
 def vision_tower(tiny_checkpoint):
-    return load_vision_encoder(tiny_checkpoint, torch.float32)
+    return load_vision_encoder(tiny_checkpoint, LoadOptions(torch.float32, "cpu"))
 
 
 def patches(tower, grids: list[tuple[int, int, int]]) -> torch.Tensor:

@@ -9,6 +9,7 @@ import torch
 from omnistage.engine.attention import TorchReferenceBackend
 from omnistage.engine.graphs.frames import FrameGraphs
 from omnistage.engine.static_sampling import StaticRows, sample_static
+from omnistage.models.loader import LoadOptions
 from omnistage.models.qwen3_omni.code_predictor import load_code_predictor
 from omnistage.models.qwen3_omni.talker import load_talker
 
@@ -22,8 +23,8 @@ FIRST_DRAWS = [0, 5, 40]
 
 @pytest.fixture(scope="module")
 def models(tiny_checkpoint):
-    predictor = load_code_predictor(tiny_checkpoint, torch.float32, "cpu").eval()
-    talker = load_talker(tiny_checkpoint, torch.float32, "cpu", TorchReferenceBackend()).eval()
+    predictor = load_code_predictor(tiny_checkpoint, LoadOptions(torch.float32, "cpu")).eval()
+    talker = load_talker(tiny_checkpoint, LoadOptions(torch.float32, "cpu"), TorchReferenceBackend()).eval()
     return predictor, talker.model.codec_embedding
 
 

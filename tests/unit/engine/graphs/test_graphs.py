@@ -6,6 +6,7 @@ from omnistage.engine.attention import AttentionMetadata, TorchReferenceBackend
 from omnistage.engine.buckets import decode_buckets, prefill_buckets
 from omnistage.engine.graphs import DecodeGraphs, PrefillGraphs
 from omnistage.engine.graphs.decode import StaticDecodeBuffers
+from omnistage.engine.graphs.prefill import StaticPrefillBuffers
 
 PAGE, PAGES, HEADS, KV_HEADS, DIM = 4, 80, 4, 2, 8
 
@@ -178,10 +179,15 @@ def _mixed_step(lengths: list[int], seed: int):
 
 def test_prefill_replay_equals_eager_for_every_chunk_length():
     eager_step, graph_step = TinyPrefillStep(), TinyPrefillStep()
-    runner = PrefillGraphs(
-        graph_step, max_tokens=48, max_pages=20, max_seq_len=80, hidden_size=HEADS * DIM, dtype=torch.float32,
+    buffers = StaticPrefillBuffers(
+        max_tokens=48,
+        max_pages=20,
+        max_seq_len=80,
+        hidden_size=HEADS * DIM,
+        dtype=torch.float32,
         device="cpu",
-    )  # fmt: skip
+    )
+    runner = PrefillGraphs(graph_step, buffers)
     assert runner.capture(prefill_buckets(48)) == [16, 24, 32, 48]
     for tokens in range(1, 49):
         start = (tokens * 5) % 23  # chunks after cached context too
@@ -202,8 +208,7 @@ def test_prefill_replay_equals_eager_for_every_chunk_length():
 
 def test_prefill_runner_declines_what_it_cannot_hold():
     step = TinyPrefillStep()
-    runner = PrefillGraphs(
-        step,
+    buffers = StaticPrefillBuffers(
         max_tokens=32,
         max_pages=4,
         max_seq_len=80,
@@ -211,6 +216,7 @@ def test_prefill_runner_declines_what_it_cannot_hold():
         dtype=torch.float32,
         device="cpu",
     )
+    runner = PrefillGraphs(step, buffers)
     runner.capture([16, 32])
     assert runner.run(*_prefill_chunk(33, 0, seed=1)) is None  # longer than the largest bucket
     assert runner.run(*_prefill_chunk(8, 12, seed=2)) is None  # 20 tokens need 5 pages: wider than the table
@@ -218,10 +224,8 @@ def test_prefill_runner_declines_what_it_cannot_hold():
     two = AttentionMetadata.build([(0, 4, [0]), (0, 4, [1])], PAGE)
     assert runner.run(embeds, positions, two, last) is None  # two sequences: the runner holds one
     assert step.calls == []  # nothing ran
-    eager = PrefillGraphs(
-        step, max_tokens=32, max_pages=4, max_seq_len=80, hidden_size=HEADS * DIM, dtype=torch.float32, device="cpu",
-        enforce_eager=True,
-    )  # fmt: skip
+    buffers = StaticPrefillBuffers(32, 4, 80, HEADS * DIM, torch.float32, "cpu")
+    eager = PrefillGraphs(step, buffers, enforce_eager=True)
     assert eager.capture([16, 32]) == [] and eager.run(*_prefill_chunk(8, 0, seed=4)) is None
 
 
@@ -229,10 +233,11 @@ def test_a_step_of_several_sequences_replays_what_eager_computes():
     """Prompt chunks of several sequences, with decode rows beside them or alone, padded to a bucket's rows and
     sequence slots: the sampled rows' logits and the cache equal the eager step's."""
     eager_step, graph_step = TinyPrefillStep(), TinyPrefillStep()
-    runner = PrefillGraphs(
-        graph_step, max_tokens=48, max_pages=12, max_seq_len=80, hidden_size=HEADS * DIM, dtype=torch.float32,
-        device="cpu", max_seqs=6,
+    buffers = StaticPrefillBuffers(
+        max_tokens=48, max_pages=12, max_seq_len=80, hidden_size=HEADS * DIM, dtype=torch.float32, device="cpu",
+        max_seqs=6,
     )  # fmt: skip
+    runner = PrefillGraphs(graph_step, buffers)
     runner.capture([16, 48])
     assert [runner.buffers.slots(b) for b in (16, 48)] == [6, 6]
     steps = [[5, 1, 1], [1, 1, 1, 1], [12, 7], [20, 1, 3, 1, 9, 1], [2], [30, 1]]

@@ -4,6 +4,7 @@ import torch
 
 from omnistage.engine.stages.encoders import EncoderStage
 from omnistage.errors import InvalidRequest
+from omnistage.models.loader import LoadOptions
 from omnistage.models.qwen3_omni.config import Qwen3OmniConfig
 from omnistage.models.qwen3_omni.processor import Processor
 from omnistage.pipeline.qwen3_omni_encoders import aut_clips, load_encoders
@@ -12,7 +13,7 @@ from omnistage.pipeline.qwen3_omni_encoders import aut_clips, load_encoders
 @pytest.fixture(scope="module")
 def setup(tiny_checkpoint):
     cfg = Qwen3OmniConfig.from_dir(tiny_checkpoint).thinker
-    encoders = load_encoders(tiny_checkpoint, cfg, torch.float32, torch.device("cpu"))
+    encoders = load_encoders(tiny_checkpoint, cfg, LoadOptions(torch.float32, torch.device("cpu")))
     clip = (0.3 * np.sin(np.arange(32000) / 16000 * 2 * np.pi * 440)).astype(np.float32)
     messages = [
         {"role": "user", "content": [{"type": "audio", "audio": clip}, {"type": "text", "text": "Hi"}]}
@@ -82,7 +83,7 @@ def test_no_encoder_call_exceeds_the_largest_input_measured(tiny_checkpoint, mon
     from PIL import Image
 
     cfg = Qwen3OmniConfig.from_dir(tiny_checkpoint).thinker
-    encoders = load_encoders(tiny_checkpoint, cfg, torch.float32, torch.device("cpu"))
+    encoders = load_encoders(tiny_checkpoint, cfg, LoadOptions(torch.float32, torch.device("cpu")))
     assert encoders.max_audio_frames == 30000 and encoders.max_image_patches == 224 * 224
     encoders.max_audio_frames, encoders.max_image_patches = 450, 256  # 4.5 s of audio, one 256x256 image
     audio_calls, image_calls = [], []
@@ -125,7 +126,7 @@ def test_graphs_encode_as_the_eager_towers(tiny_checkpoint, setup):
     from PIL import Image
 
     cfg, eager, _ = setup
-    encoders = load_encoders(tiny_checkpoint, cfg, torch.float32, torch.device("cpu"))
+    encoders = load_encoders(tiny_checkpoint, cfg, LoadOptions(torch.float32, torch.device("cpu")))
     assert encoders.captured == {"audio": [], "vision": []}
     encoders.capture_graphs([1, 2], [64, 128])
     assert encoders.captured == {"audio": [1, 2], "vision": [64, 128]}

@@ -8,13 +8,14 @@ from omnistage.engine.attention import TorchReferenceBackend
 from omnistage.engine.stages.decoder import experts_per_token, torch_module
 from omnistage.engine.stages.preparation import prepare_decoder, set_moe_kernel
 from omnistage.models.layers.moe import SparseMoeBlock
+from omnistage.models.loader import LoadOptions
 from omnistage.models.qwen3_omni.config import Qwen3OmniConfig
 from omnistage.models.qwen3_omni.thinker import load_thinker
 
 
 @pytest.fixture(scope="module")
 def thinker(tiny_checkpoint):
-    return load_thinker(tiny_checkpoint, torch.float32, "cpu", TorchReferenceBackend())
+    return load_thinker(tiny_checkpoint, LoadOptions(torch.float32, "cpu"), TorchReferenceBackend())
 
 
 def kernels(model: torch.nn.Module) -> set[str]:

@@ -16,6 +16,7 @@ from omnistage.engine.stages.base import Stage
 from omnistage.engine.stages.row_runner import RowRunner
 from omnistage.engine.stages.rows import RowStage
 from omnistage.models.layers.rotary import PromptPositions
+from omnistage.models.loader import LoadOptions
 from omnistage.models.qwen3_omni.config import Qwen3OmniConfig
 from omnistage.models.qwen3_omni.talker import load_talker
 from omnistage.request import SamplingParams, talker_sampling_defaults
@@ -25,7 +26,7 @@ PAGE = 4
 
 @pytest.fixture(scope="module")
 def talker(tiny_checkpoint):
-    return load_talker(tiny_checkpoint, torch.float32, "cpu", TorchReferenceBackend())
+    return load_talker(tiny_checkpoint, LoadOptions(torch.float32, "cpu"), TorchReferenceBackend())
 
 
 @pytest.fixture(scope="module")
