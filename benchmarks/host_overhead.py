@@ -92,11 +92,11 @@ def build(args: argparse.Namespace, workdir: Path) -> LLM:
         page_size=16,
         max_num_seqs=max_batch,
         max_num_batched_tokens=max(2048, args.prompt_len),
-        max_graph_batch=max_batch,
         compile=False,  # the stand-in replaces the decoder: nothing of it runs
-        max_prefill_graph_tokens=0,
         num_kv_pages=max_batch * -(-tokens // 16) + 16,
     )
+    if args.device != "cpu":  # a CPU stage captures no graphs, and refuses a key that asks for them
+        common |= dict(max_graph_batch=max_batch, max_prefill_graph_tokens=0)
     if args.family == "omni":
         return LLM(**common)
     from omnistage.models.qwen3_asr.tiny import make_tiny
