@@ -67,6 +67,20 @@ def launch_server(tmp_path_factory, tiny_checkpoint):
     return launch
 
 
+@pytest.fixture(scope="module")
+def model(tiny_checkpoint) -> str:
+    """The served name: the checkpoint directory's name by default."""
+    return tiny_checkpoint.name
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    """The openai client of the module's `server` (a module may define its own, e.g. with an API key)."""
+    import openai
+
+    return openai.OpenAI(base_url=f"{server.url}/v1", api_key="none", max_retries=0, timeout=120)
+
+
 @pytest.fixture(scope="session")
 def tiny_pipeline(tiny_checkpoint) -> Iterator[AsyncPipeline]:
     """The real engine over the tiny checkpoint on the CPU (the model's whole context), for in-process apps."""

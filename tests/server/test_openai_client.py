@@ -57,12 +57,6 @@ def queue_server(launch_server):
 
 
 @pytest.fixture(scope="module")
-def model(tiny_checkpoint) -> str:
-    """The served name: the checkpoint directory's name by default."""
-    return tiny_checkpoint.name
-
-
-@pytest.fixture(scope="module")
 def client(server) -> openai.OpenAI:
     return openai.OpenAI(base_url=f"{server.url}/v1", api_key=API_KEY, max_retries=0, timeout=60)
 

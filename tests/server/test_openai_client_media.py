@@ -28,16 +28,6 @@ def server(launch_server, media_dir):
         yield server
 
 
-@pytest.fixture(scope="module")
-def client(server) -> openai.OpenAI:
-    return openai.OpenAI(base_url=f"{server.url}/v1", api_key="none", max_retries=0, timeout=120)
-
-
-@pytest.fixture(scope="module")
-def model(tiny_checkpoint) -> str:
-    return tiny_checkpoint.name
-
-
 def png_data_url() -> str:
     buffer = io.BytesIO()
     Image.new("RGB", (56, 84), (10, 120, 200)).save(buffer, format="PNG")

@@ -38,16 +38,6 @@ def server(launch_server, media_dir):
         yield server
 
 
-@pytest.fixture(scope="module")
-def client(server) -> openai.OpenAI:
-    return openai.OpenAI(base_url=f"{server.url}/v1", api_key="none", max_retries=0, timeout=120)
-
-
-@pytest.fixture(scope="module")
-def model(tiny_checkpoint) -> str:
-    return tiny_checkpoint.name
-
-
 def ask(client, model, url: str, extra: dict | None = None, **kwargs):
     content = [{"type": "video_url", "video_url": {"url": url}}, {"type": "text", "text": "What happens?"}]
     return client.chat.completions.create(
