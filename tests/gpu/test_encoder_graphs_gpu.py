@@ -8,6 +8,7 @@ import pytest
 import torch
 from PIL import Image
 
+from omnistage.bench.videos import encode, frames
 from omnistage.engine.stages.encoders import EncoderStage
 from omnistage.models.layers.varlen_attention import Segments, _grouped_sdpa, varlen_attention
 from omnistage.models.loader import LoadOptions
@@ -17,6 +18,8 @@ from omnistage.models.qwen3_asr.processor import ASRProcessor
 from omnistage.models.qwen3_asr.tiny import make_tiny as make_tiny_asr
 from omnistage.models.qwen3_omni.config import Qwen3OmniConfig
 from omnistage.models.qwen3_omni.processor import Processor
+from omnistage.models.qwen3_omni.video_decoding import decode_video
+from omnistage.models.qwen3_omni.video_processing import VideoProcessorConfig
 from omnistage.pipeline.qwen3_omni_encoders import aut_clips, load_encoders
 
 pytestmark = pytest.mark.gpu
@@ -83,6 +86,39 @@ def test_qwen3_omni_graphs_equal_eager(tiny_checkpoint):
     processor = Processor(tiny_checkpoint)
     prompts = [processor.process_chat([{"role": "user", "content": c}]) for c in contents]
     eager, graphs = encode_twice(encoders, prompts, AUDIO_BUCKETS, [256, 512])
+    assert encoders.vision_graphs.graph_count == 2
+    for g, e in zip(graphs, eager):
+        assert torch.equal(g.audio_rows, e.audio_rows) and torch.equal(g.image_rows, e.image_rows)
+        for name in ("audio_embeds", "image_embeds", "deepstack"):
+            assert_bf16_close(getattr(g, name), getattr(e, name))
+
+
+def test_qwen3_omni_videos_in_graph_pieces_equal_eager(tiny_checkpoint):
+    """Videos with their sound, beside an image: the vision tower takes them in pieces of whole temporal patches
+    that fit its graphs, and the rows equal the eager tower's."""
+    cfg = Qwen3OmniConfig.from_dir(tiny_checkpoint).thinker
+    encoders = load_encoders(tiny_checkpoint, cfg, LoadOptions(torch.bfloat16, torch.device("cuda")))
+    processor = Processor(tiny_checkpoint)
+
+    def video(seconds: float, width: int, height: int, seed: int) -> dict:
+        data = encode(
+            frames(round(seconds * 10), width, height, seed=seed), fps=10, kind="mkv", tone_hz=330.0
+        )
+        return {"type": "video", "video": decode_video(data, VideoProcessorConfig(), with_audio=True)}
+
+    rng = np.random.default_rng(1)
+    picture = Image.fromarray(rng.integers(0, 256, (160, 224, 3), dtype=np.uint8))
+    contents = [
+        [video(6.0, 224, 160, 0), {"type": "text", "text": "What happens?"}],
+        [{"type": "image", "image": picture}, video(3.0, 160, 128, 1)],
+    ]
+    prompts = [
+        processor.process_chat([{"role": "user", "content": c}], use_audio_in_video=True) for c in contents
+    ]
+    assert all(sum(p.mm.num_video_tokens) > 0 for p in prompts)
+    # a temporal patch of these videos is 560-572 patches (the video processor's minimum size): the 2,048 bucket
+    # holds a piece of three, the image goes into the 256 one
+    eager, graphs = encode_twice(encoders, prompts, AUDIO_BUCKETS, [256, 2048])
     assert encoders.vision_graphs.graph_count == 2
     for g, e in zip(graphs, eager):
         assert torch.equal(g.audio_rows, e.audio_rows) and torch.equal(g.image_rows, e.image_rows)
