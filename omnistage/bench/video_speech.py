@@ -72,7 +72,7 @@ def run_v2s(args: argparse.Namespace) -> dict[str, Any]:
     forced = not args.natural
     result: dict[str, Any] = {
         "workload": "v2s",
-        "resolution": args.resolution,
+        "resolution": "x".join(map(str, args.resolution)),
         "source_fps": args.source_fps,
         "text_tokens": args.text_tokens,
         "frames": args.frames,
@@ -87,7 +87,7 @@ def run_v2s(args: argparse.Namespace) -> dict[str, Any]:
             began = time.perf_counter()
             videos = write_videos(
                 _numbers(args.video_seconds, float),
-                parse_resolution(args.resolution),
+                args.resolution,
                 Path(tmp),
                 args.source_fps,
                 args.seed,
@@ -143,6 +143,7 @@ def _transformers(
             entry["transformers"] = {
                 "skipped": f"longer than --baseline-max-seconds {args.baseline_max_seconds:g}"
             }
+            save(args, result)
             continue
         try:
             timings = run_hf_video(hf, pipeline.processor, policy, item, args.text_tokens, args.frames,
@@ -219,7 +220,6 @@ def save(args: argparse.Namespace, result: dict[str, Any]) -> None:
 
 
 def main(args: argparse.Namespace) -> None:
-    parse_resolution(args.resolution)  # a typo fails before the weights load
     result = run_v2s(args)
     print(report(result))
     failed = [e["name"] for e in result["lengths"] if "error" in e]
@@ -245,7 +245,8 @@ def add_parser(sub: Any) -> None:
                         help="skip transformers on longer videos (default: try every length)")  # fmt: skip
     video = p.add_argument_group("videos")
     video.add_argument("--video-seconds", default="10,30,120", help="lengths (default: %(default)s)")
-    video.add_argument("--resolution", default="1280x720", help="WIDTHxHEIGHT (default: %(default)s)")
+    video.add_argument("--resolution", type=parse_resolution, default="1280x720",
+                       help="WIDTHxHEIGHT (default: %(default)s)")  # fmt: skip
     video.add_argument("--source-fps", type=int, default=2,
                        help="frames a second written into each file (default: %(default)s)")  # fmt: skip
     video.add_argument("--video-fps", type=float,
