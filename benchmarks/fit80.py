@@ -9,11 +9,13 @@ bfloat16 weights):
 1. start: the pipeline built under the cap, timed; per device the memory plan table, and per stage its CUDA
    graphs: the buckets it offered the plan (candidates), those the plan gave memory (planned) and those its
    graph runners hold (captured), with the bytes planned and the bytes the captures measured;
-2. requests: image prompts and a long audio clip (text out), S2S and T2S requests (speech out), all added at
-   once and the pipeline stepped until every one ends, as the server's step loop does (`StepLoop`). Per
-   request: ok or its error, wall seconds from the add, prompt tokens, frames and audio seconds of speech; per
-   device the allocator's peak over the batch; every stage's free KV pages afterwards (all of them: nothing
-   leaked); the warnings logged meanwhile (RequestOutput has no warnings field);
+2. requests: image prompts, a long audio clip and a long 720p video with its sound (text out), the same video,
+   S2S and T2S requests (speech out), all added at once and the pipeline stepped until every one ends, as the
+   server's step loop does (`StepLoop`). Per request: ok or its error, its layout's seconds (the video decoded
+   from its file as the offline API does it), seconds from the add to its first token and to its end, prompt
+   tokens, frames and audio seconds of speech; per device the allocator's peak, retries and OOMs over the
+   batch; every stage's free KV pages afterwards (all of them: nothing leaked); the warnings logged meanwhile
+   (RequestOutput has no warnings field);
 3. --a2t-compare: A2T at c=1 over `omnistage bench a2t`'s LibriSpeech-like clips and forced length (its
    in-process runner and sweep), the median of --passes passes after a warm-up pass. With --uncapped the
    pipeline is then released (its memory checked returned), built again without the cap and timed the same
@@ -31,6 +33,7 @@ import gc
 import json
 import logging
 import sys
+import tempfile
 import time
 import traceback
 from collections.abc import Callable
@@ -48,8 +51,10 @@ from omnistage.bench.clips import SYNTH_SETS, speech_like, synth_clips, total_se
 from omnistage.bench.skeletons import released_skeleton
 from omnistage.bench.speech_targets import talker_params, text_fields
 from omnistage.bench.stats import json_safe
+from omnistage.bench.video_targets import write_videos
 from omnistage.config import EngineConfig, load_config
 from omnistage.engine.stages.text import NewRequest
+from omnistage.media import MediaPolicy, VideoOptions, decode_messages
 from omnistage.outputs import AUDIO_SAMPLE_RATE, RequestOutput
 from omnistage.pipeline.async_pipeline import AsyncPipeline
 from omnistage.pipeline.family import build_pipeline
@@ -61,6 +66,8 @@ CONFIGS = Path(__file__).resolve().parents[1] / "configs"
 # What a released pipeline still holds once deleted and collected: cuBLAS and CUDA-context scraps, not a stage.
 RELEASED_SLACK = 1 * GiB
 T2S_PROMPT = "Tell me about the history of the bicycle in a few sentences."
+# Videos are named by absolute paths in their parts and read from there, as the offline API (LLM.chat) reads them.
+OFFLINE_MEDIA = MediaPolicy(media_dir=Path("/"))
 
 # Each stage's CUDA graph set: (JSON key, its stage and kind in the memory plan)
 GRAPH_SETS = (
@@ -80,6 +87,9 @@ class Inputs:
 
     images: tuple[str, ...]  # WxH, text out
     clip_seconds: float  # one clip, text out
+    video_seconds: float  # one video with its sound, text out and speech out (0: none)
+    video_size: str  # WxH
+    video_fps: float  # frames sampled a second
     s2s: int  # requests: a clip in, speech out
     t2s: int  # requests: a text turn, speech out
     s2s_clip_seconds: float
@@ -90,9 +100,10 @@ class Inputs:
     a2t_output_tokens: int
 
 
-RELEASED = Inputs(("448x448", "1920x1080", "2560x1440", "3840x2160"), 300.0, 2, 2, 5.0, 8, 40, 125, 20,
-                  DEFAULT_DUMMY_OUTPUT_TOKENS)  # fmt: skip
-TINY = Inputs(("64x64", "96x64"), 2.0, 1, 1, 2.0, 3, 4, 6, 2, 4)
+# The video at 1 fps: at the processor's 2, 120 s of 720p lays out as 86,400 video tokens, past the 65,536 context.
+RELEASED = Inputs(("448x448", "1920x1080", "2560x1440", "3840x2160"), 300.0, 120.0, "1280x720", 1.0, 2, 2, 5.0,
+                  8, 40, 125, 20, DEFAULT_DUMMY_OUTPUT_TOKENS)  # fmt: skip
+TINY = Inputs(("64x64", "96x64"), 2.0, 2.0, "64x48", 2.0, 1, 1, 2.0, 3, 4, 6, 2, 4)
 
 
 def picture(size: str, seed: int) -> Image.Image:
@@ -192,13 +203,36 @@ class Planned:
     """One request of the batch before it is added."""
 
     name: str
-    kind: str  # image, audio (text out), s2s, t2s (speech out)
+    kind: str  # image, audio, video (text out), s2s, t2s, v2s (speech out)
     messages: list[dict]
     params: SamplingParams
     speech: SpeechParams | None = None
+    video: VideoOptions = VideoOptions()  # how its videos are decoded
 
 
-def batch(inputs: Inputs) -> list[Planned]:
+SPEAKING = ("s2s", "t2s", "v2s")
+
+
+def video_requests(
+    inputs: Inputs, media_dir: Path, text: SamplingParams, spoken: SamplingParams, speech: SpeechParams
+) -> list[Planned]:
+    """The long video with its sound, written under `media_dir` once and named by its path in two requests:
+    one answered in text, one spoken (none where `inputs.video_seconds` is 0)."""
+    if not inputs.video_seconds:
+        return []
+    width, height = map(int, inputs.video_size.split("x"))
+    (video,) = write_videos([inputs.video_seconds], (width, height), media_dir, source_fps=2)
+    options = VideoOptions(use_audio_in_video=True, fps=inputs.video_fps)
+    turn = [{"role": "user", "content": [{"type": "video", "video": str(video.path)},
+                                         {"type": "text", "text": "What happens, and what is said?"}]}]  # fmt: skip
+    name = f"{inputs.video_seconds:g}s"
+    return [
+        Planned(f"video-{name}", "video", turn, text, video=options),
+        Planned(f"v2s-{name}", "v2s", turn, spoken, speech, video=options),
+    ]
+
+
+def batch(inputs: Inputs, media_dir: Path) -> list[Planned]:
     text = SamplingParams(**text_fields(inputs.output_tokens, True))
     spoken = SamplingParams(**text_fields(inputs.text_tokens, True))
     speech = SpeechParams(voice="ethan", talker=talker_params(inputs.frames, True))
@@ -215,6 +249,7 @@ def batch(inputs: Inputs) -> list[Planned]:
     clip = speech_like(inputs.clip_seconds, 0)
     out.append(Planned(f"audio-{inputs.clip_seconds:g}s", "audio", turn({"type": "audio", "audio": clip},
                        "What is said?"), text))  # fmt: skip
+    out += video_requests(inputs, media_dir, text, spoken, speech)
     out += [
         Planned(f"s2s-{i}", "s2s", [{"role": "user", "content": [{"type": "audio", "audio": speech_like(
             inputs.s2s_clip_seconds, 100 + i)}]}], spoken, speech)
@@ -246,7 +281,10 @@ def run_batch(pipeline: Any, planned: list[Planned], inputs: Inputs, timeout_s: 
         record = records[p.name] = {"name": p.name, "kind": p.kind, "ok": False, "error": None}
         began = time.perf_counter()
         try:
-            prompt = pipeline.processor.process_chat(p.messages, True, pipeline.max_model_len)
+            messages = decode_messages(p.messages, OFFLINE_MEDIA, p.video)
+            prompt = pipeline.processor.process_chat(
+                messages, True, pipeline.max_model_len, p.video.use_audio_in_video
+            )
         except Exception as exc:  # a request refused at its layout is a result, not the end of the run
             record["error"] = f"{type(exc).__name__}: {exc}"
             continue
@@ -340,7 +378,7 @@ def _judge(record: dict[str, Any], out: RequestOutput, inputs: Inputs) -> None:
     completion = out.outputs[0]
     record["finish_reason"] = completion.finish_reason
     record["output_tokens"] = len(completion.token_ids)
-    speaks = record["kind"] in ("s2s", "t2s")
+    speaks = record["kind"] in SPEAKING
     want = inputs.text_tokens if speaks else inputs.output_tokens
     problems = [out.error] if out.error else []
     if completion.finish_reason in ("error", "abort"):
@@ -427,7 +465,9 @@ def one_build(
     print(started["summary"])
     print(graphs_text(started["graphs"]))
     if requests:
-        record["batch"] = run_batch(pipeline, batch(inputs), inputs, args.batch_timeout_s)
+        with tempfile.TemporaryDirectory(prefix="fit80-") as media_dir:
+            planned = batch(inputs, Path(media_dir))
+            record["batch"] = run_batch(pipeline, planned, inputs, args.batch_timeout_s)
         save()
         print(batch_text(record["batch"]))
     if args.a2t_compare:
@@ -458,7 +498,8 @@ def batch_text(result: dict[str, Any]) -> str:
         speech = f"  {r['frames']} frames, {r['audio_s']:.1f} s audio" if "frames" in r else ""
         lines.append(
             f"  {r['name']:<16} {'ok' if r['ok'] else 'FAILED':<6} {r.get('wall_s', float('nan')):8.2f} s  "
-            f"{r.get('prompt_tokens', 0):>6} prompt tokens{speech}{'  ' + r['error'] if r['error'] else ''}"
+            f"(first token {r.get('first_token_s', float('nan')):.2f} s)  {r.get('prompt_tokens', 0):>6} "
+            f"prompt tokens{speech}{'  ' + r['error'] if r['error'] else ''}"
         )
     for device, peak in result["peak_by_device"].items():
         lines.append(f"  {device}: peak allocated {peak['max_memory_allocated_gib']:.2f} GiB, reserved "
@@ -489,6 +530,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     inputs = parser.add_argument_group("inputs (default: the released set, or a small one with --tiny)")
     inputs.add_argument("--images", nargs="*", help="image sizes WxH, text out")
     inputs.add_argument("--clip-seconds", type=float, help="one audio clip, text out")
+    inputs.add_argument("--video-seconds", type=float,
+                        help="one video with its sound, text out and speech out (0: none)")  # fmt: skip
+    inputs.add_argument("--video-size", help="the video's WxH")
+    inputs.add_argument("--video-fps", type=float, help="the video's frames sampled a second")
     inputs.add_argument("--s2s", type=int, help="speech-to-speech requests")
     inputs.add_argument("--t2s", type=int, help="text-to-speech requests (a chat turn, its reply spoken)")
     inputs.add_argument("--s2s-clip-seconds", type=float)

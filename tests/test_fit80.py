@@ -1,5 +1,5 @@
 """benchmarks/fit80.py: a CPU smoke run on the embedded tiny checkpoint and configs/tiny.yaml (the batch of image,
-audio, S2S and T2S requests at once, then A2T on the pipeline, its release and a rebuild without the cap), and its
+audio, video (text and speech out), S2S and T2S requests at once, then A2T on the pipeline, its release and a rebuild without the cap), and its
 per-stage graph report over hand-made plans of two devices (what a GPU run fills)."""
 
 import importlib.util
@@ -29,6 +29,7 @@ def fit80(monkeypatch):
 def test_fit80_smoke(fit80, tmp_path, capsys):
     results = fit80.main(["--tiny", "--device", "cpu", "--gpu-memory-limit-gib", "80", "--out-dir", str(tmp_path),
                           "--images", "64x64", "96x64", "--clip-seconds", "2", "--s2s", "1", "--t2s", "1",
+                          "--video-seconds", "1.5", "--video-size", "64x48", "--video-fps", "2",
                           "--s2s-clip-seconds", "1.5", "--frames", "5", "--text-tokens", "3", "--output-tokens", "2",
                           "--a2t-compare", "--uncapped", "--a2t-clips", "2", "--a2t-output-tokens", "2",
                           "--passes", "1", "--no-espeak"])  # fmt: skip
@@ -40,12 +41,24 @@ def test_fit80_smoke(fit80, tmp_path, capsys):
 
     batch = capped["batch"]
     requests = {r["name"]: r for r in batch["requests"]}
-    assert list(requests) == ["image-64x64", "image-96x64", "audio-2s", "s2s-0", "t2s-0"]
+    assert list(requests) == [
+        "image-64x64",
+        "image-96x64",
+        "audio-2s",
+        "video-1.5s",
+        "v2s-1.5s",
+        "s2s-0",
+        "t2s-0",
+    ]
     assert all(r["ok"] and r["error"] is None and r["prompt_tokens"] > 0 for r in requests.values())
-    assert [requests[n]["output_tokens"] for n in requests] == [2, 2, 2, 3, 3]
-    for name in ("s2s-0", "t2s-0"):
+    assert [requests[n]["output_tokens"] for n in requests] == [2, 2, 2, 2, 3, 3, 3]
+    for name in ("v2s-1.5s", "s2s-0", "t2s-0"):
         assert requests[name]["frames"] == 5 and requests[name]["audio_s"] > 0
-    assert "frames" not in requests["audio-2s"]
+    assert "frames" not in requests["audio-2s"] and "frames" not in requests["video-1.5s"]
+    # the video's frames and its sound track interleaved: more prompt than the 2 s clip alone
+    video = requests["video-1.5s"]
+    assert video["prompt_tokens"] > requests["audio-2s"]["prompt_tokens"] / 2
+    assert 0 < video["first_token_s"] <= video["wall_s"] and video["preprocess_s"] > 0
     assert batch["pages_all_free"]
     assert all(free == total > 0 for free, total in batch["kv_pages_free_total"].values())
     assert set(batch["kv_pages_free_total"]) == {"thinker", "talker"}
@@ -69,6 +82,33 @@ def test_fit80_smoke(fit80, tmp_path, capsys):
 
     printed = capsys.readouterr().out
     assert "s2s-0            ok" in printed and "A2T c=1 RTF: capped" in printed
+
+
+def test_video_requests_name_one_file_with_its_sound(fit80, tmp_path):
+    inputs = fit80.TINY
+    text, spoken = fit80.SamplingParams(max_tokens=2), fit80.SamplingParams(max_tokens=3)
+    speech = fit80.SpeechParams(voice="ethan")
+    video, v2s = fit80.video_requests(inputs, tmp_path, text, spoken, speech)
+    assert (video.name, video.kind, video.speech, v2s.name, v2s.kind) == (
+        "video-2s",
+        "video",
+        None,
+        "v2s-2s",
+        "v2s",
+    )
+    assert video.params is text and v2s.params is spoken and v2s.speech is speech
+    assert video.video == v2s.video == fit80.VideoOptions(use_audio_in_video=True, fps=2.0)
+    part = video.messages[0]["content"][0]
+    assert part["type"] == "video" and v2s.messages == video.messages
+    decoded = fit80.decode_messages(video.messages, fit80.OFFLINE_MEDIA, video.video)[0]["content"][0][
+        "video"
+    ]
+    # 2 s at 2 fps, each 64x48 frame scaled up to the processor's least pixels; the track 0.1 s short of 2 s
+    assert decoded.frames.shape == (4, 320, 448, 3) and decoded.fps == 2.0
+    assert decoded.audio is not None and 1.85 < len(decoded.audio) / 16000 < 2.0
+    assert (
+        fit80.video_requests(fit80.replace(inputs, video_seconds=0.0), tmp_path, text, spoken, speech) == []
+    )
 
 
 def runner(captured: list[int], each: int) -> SimpleNamespace:

@@ -146,6 +146,31 @@ def run_speech(args: argparse.Namespace) -> dict[str, dict[str, Any]]:
             save(args, results)
         return results
 
+    pipeline, engine, engine_info = start_engine(args, max(c for cs in workloads.values() for c in cs))
+    try:
+        for workload, concurrencies in workloads.items():
+            result = results[workload]
+            result |= engine_info
+            run = inprocess_runner(
+                engine, args.tts and workload == "t2s", args.text_tokens, args.frames, args.voice, forced
+            )
+            result["ours"] = run_async(
+                sweep(run, inputs[workload], concurrencies, args.requests, args.warmup, args.repeats)
+            )
+            result["builds_while_serving"] = builds.in_process()
+            result["pools_after"] = after = pools(pipeline.stats())
+            log.info("%s: pools after the run: %s", workload, after)
+            save(args, results)
+        if args.baseline == "transformers":
+            _transformers(pipeline, results, inputs, args)
+    finally:
+        engine.shutdown()
+    return results
+
+
+def start_engine(args: argparse.Namespace, max_num_seqs: int) -> tuple[Any, Any, dict[str, Any]]:
+    """The in-process target of the target options: its pipeline, an AsyncPipeline over it, and what its start
+    showed (seconds, model, memory summary)."""
     from omnistage.config import engine_config
     from omnistage.engine.devices import resolve_device
     from omnistage.pipeline.async_pipeline import AsyncPipeline
@@ -156,7 +181,7 @@ def run_speech(args: argparse.Namespace) -> dict[str, dict[str, Any]]:
     overrides = {
         "device": args.device,
         "dtype": args.dtype,
-        "max_num_seqs": max(c for cs in workloads.values() for c in cs),
+        "max_num_seqs": max_num_seqs,
         # On a GPU the Thinker's KV pool takes all the memory left unless told otherwise; transformers needs some.
         "kv_cache_memory_gib": args.kv_cache_memory_gib
         or (BASELINE_KV_GIB if args.baseline and gpu else None),
@@ -177,28 +202,10 @@ def run_speech(args: argparse.Namespace) -> dict[str, dict[str, Any]]:
         "target": {"model": str(engine.frontend.model_path), "load_format": args.load_format},
         "engine": engine.memory_summary(),
     }
-    try:
-        for workload, concurrencies in workloads.items():
-            result = results[workload]
-            result |= engine_info
-            run = inprocess_runner(
-                engine, args.tts and workload == "t2s", args.text_tokens, args.frames, args.voice, forced
-            )
-            result["ours"] = run_async(
-                sweep(run, inputs[workload], concurrencies, args.requests, args.warmup, args.repeats)
-            )
-            result["builds_while_serving"] = builds.in_process()
-            result["pools_after"] = pools = _pools(pipeline.stats())
-            log.info("%s: pools after the run: %s", workload, pools)
-            save(args, results)
-        if args.baseline == "transformers":
-            _transformers(pipeline, results, inputs, args)
-    finally:
-        engine.shutdown()
-    return results
+    return pipeline, engine, engine_info
 
 
-def _pools(stats: dict[str, int]) -> dict[str, Any]:
+def pools(stats: dict[str, int]) -> dict[str, Any]:
     """Every stage's KV pages, free / total, and whether all are free."""
     pools = {
         "thinker": [stats["kv_pages_free"], stats["kv_pages_total"]],
@@ -321,21 +328,7 @@ def _add_options(p: argparse.ArgumentParser, workload: str) -> None:
     target.add_argument("--url", help="a running server's base URL (http://host:port); else in-process")
     target.add_argument("--served-model", help="the model name the server serves (default: its first)")
     target.add_argument("--api-key", help="with --url: the server's API key (default: none)")
-    target.add_argument(
-        "--model", help="in-process: checkpoint directory (default: released sizes when dummy)"
-    )
-    target.add_argument("--load-format", choices=["safetensors", "dummy"], default="safetensors",
-                        help="in-process (default: %(default)s)")  # fmt: skip
-    target.add_argument(
-        "--device", choices=["auto", "cpu", "cuda"], help="in-process (default: the engine's)"
-    )
-    target.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"],
-                        help="in-process (default: the engine's)")  # fmt: skip
-    target.add_argument("--kv-cache-memory-gib", type=float,
-                        help=f"in-process: the Thinker's KV pool (default: the engine's; {BASELINE_KV_GIB:g} with --baseline)")  # fmt: skip
-    target.add_argument("--enforce-eager", action="store_true", help="in-process: no CUDA graphs")
-    target.add_argument("--overlap-stages", action="store_true",
-                        help="in-process: the Thinker's decode steps beside the speech stages' (off by default)")  # fmt: skip
+    add_engine_options(target)
     target.add_argument("--baseline", choices=["transformers"],
                         help="also time transformers' generate(return_audio=True) on the same weights, c=1")  # fmt: skip
     target.add_argument("--baseline-requests", type=int, default=2,
@@ -368,3 +361,22 @@ def _add_options(p: argparse.ArgumentParser, workload: str) -> None:
     )
     p.add_argument("--out-dir", help="write each workload's results as JSON here (t2s.json, s2s.json)")
     builds.add_argument(p)
+
+
+def add_engine_options(target: Any) -> None:
+    """The in-process target's options (`start_engine` reads them) into the argument group `target`."""
+    target.add_argument(
+        "--model", help="in-process: checkpoint directory (default: released sizes when dummy)"
+    )
+    target.add_argument("--load-format", choices=["safetensors", "dummy"], default="safetensors",
+                        help="in-process (default: %(default)s)")  # fmt: skip
+    target.add_argument(
+        "--device", choices=["auto", "cpu", "cuda"], help="in-process (default: the engine's)"
+    )
+    target.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"],
+                        help="in-process (default: the engine's)")  # fmt: skip
+    target.add_argument("--kv-cache-memory-gib", type=float,
+                        help=f"in-process: the Thinker's KV pool (default: the engine's; {BASELINE_KV_GIB:g} with --baseline)")  # fmt: skip
+    target.add_argument("--enforce-eager", action="store_true", help="in-process: no CUDA graphs")
+    target.add_argument("--overlap-stages", action="store_true",
+                        help="in-process: the Thinker's decode steps beside the speech stages' (off by default)")  # fmt: skip

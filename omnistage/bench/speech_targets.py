@@ -24,7 +24,7 @@ from omnistage.outputs import AUDIO_SAMPLE_RATE
 if TYPE_CHECKING:
     import httpx
 
-    from omnistage.request import SamplingParams
+    from omnistage.request import GenerationRequest, SamplingParams
 
 log = logging.getLogger("omnistage.bench")
 
@@ -130,32 +130,48 @@ def inprocess_runner(
             prompt = await asyncio.to_thread(frontend.processor.process_chat, item.messages())
             text, ids, mrope, mm = prompt.prompt, prompt.token_ids, prompt.mrope, prompt.mm
             params, spoken = chat_params, speech
-        prepared = time.monotonic()
-        first, samples, final = None, 0, None
+        stages = {"preprocess": time.monotonic() - start}
         request = GenerationRequest(f"speech-{number}", ids, params, text, mrope, mm, spoken)
-        async for out in engine.generate(request):
-            if out.audio_delta is not None and len(out.audio_delta):
-                first = first or time.monotonic()
-                samples += len(out.audio_delta)
-            final = out
-        end = time.monotonic()
-        if final is None or final.outputs[0].finish_reason in ("error", "abort"):
-            raise RuntimeError(f"{item.name}: the engine failed it: {final and final.error}")
-        if forced and final.num_audio_frames != frames:
-            raise RuntimeError(f"{item.name}: {final.num_audio_frames} frames, not the {frames} forced")
-        stages = {"preprocess": prepared - start}
-        if "first_token" in final.metrics:  # the Thinker's first token (a --tts request has none)
-            stages["first_text_token"] = final.metrics["first_token"] - start
-        return SpeechTiming(
-            (first or end) - start,
-            end - start,
-            samples / AUDIO_SAMPLE_RATE,
-            final.num_audio_frames,
-            len(final.outputs[0].token_ids),
-            stages,
-        )
+        return await spoken_timing(engine, request, item.name, frames if forced else None, start, stages)
 
     return run
+
+
+async def spoken_timing(
+    engine: Any,
+    request: GenerationRequest,
+    name: str,
+    forced_frames: int | None,
+    start: float,
+    stages: dict[str, float],
+    marks: tuple[str, ...] = (),
+) -> SpeechTiming:
+    """Run `request` through the AsyncPipeline `engine` and time it from `start` (time.monotonic), `stages`
+    (seconds from `start`) gaining the Thinker's first token where it ran and the engine's `marks` (its
+    RequestOutput.metrics, e.g. "encoded") where it set them; a failed request, or one that did not speak its
+    `forced_frames`, raises RuntimeError naming `name`."""
+    first, samples, final = None, 0, None
+    async for out in engine.generate(request):
+        if out.audio_delta is not None and len(out.audio_delta):
+            first = first or time.monotonic()
+            samples += len(out.audio_delta)
+        final = out
+    end = time.monotonic()
+    if final is None or final.outputs[0].finish_reason in ("error", "abort"):
+        raise RuntimeError(f"{name}: the engine failed it: {final and final.error}")
+    if forced_frames is not None and final.num_audio_frames != forced_frames:
+        raise RuntimeError(f"{name}: {final.num_audio_frames} frames, not the {forced_frames} forced")
+    stages |= {mark: final.metrics[mark] - start for mark in marks if mark in final.metrics}
+    if "first_token" in final.metrics:  # the Thinker's first token (a --tts request has none)
+        stages["first_text_token"] = final.metrics["first_token"] - start
+    return SpeechTiming(
+        (first or end) - start,
+        end - start,
+        samples / AUDIO_SAMPLE_RATE,
+        final.num_audio_frames,
+        len(final.outputs[0].token_ids),
+        stages,
+    )
 
 
 def frame_fields(frames: int, forced: bool) -> dict[str, Any]:

@@ -157,14 +157,16 @@ def build_parser() -> argparse.ArgumentParser:
     add_load_flags(report)
     report.set_defaults(func=memory.report)
 
-    from omnistage.bench import a2t, speech
+    from omnistage.bench import a2t, speech, video_speech
 
     bench = sub.add_parser(
-        "bench", help="benchmarks: a2t (audio-to-text speed), t2s and s2s (speech out: first packet, RTF)"
+        "bench",
+        help="benchmarks: a2t (audio-to-text speed), t2s, s2s and v2s (speech out: first packet, RTF)",
     )
     benchmarks = bench.add_subparsers(dest="benchmark", required=True)
     a2t.add_parser(benchmarks)
     speech.add_parsers(benchmarks)
+    video_speech.add_parser(benchmarks)
     return parser
 
 
