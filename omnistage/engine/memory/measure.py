@@ -3,6 +3,7 @@ memory.plan)."""
 
 from __future__ import annotations
 
+import gc
 import logging
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
@@ -54,6 +55,9 @@ def device_peak(device: torch.device) -> Iterator[Peak]:
     step measured less on a warm cache than under a memory cap (whose retries empty it), and less than a
     graph takes from its pool, whose first capture gets fresh segments too."""
     peak = Peak()
+    # garbage in reference cycles (a graph set holds its bound step) freed inside the block would read as a
+    # negative share of what it keeps: collected first
+    gc.collect()
     torch.cuda.synchronize(device)
     torch.cuda.empty_cache()
     allocated, reserved = torch.cuda.memory_allocated(device), torch.cuda.memory_reserved(device)

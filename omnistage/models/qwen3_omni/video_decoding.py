@@ -118,23 +118,37 @@ def _frames(data: bytes, wanted: list[int], cfg: VideoProcessorConfig) -> np.nda
     return np.stack([frames[i] for i in wanted])
 
 
+# Codecs decode a track a little longer than it was written (AAC's priming and its last frame's padding: a few
+# hundredths of a second): a track up to this much past the limit is cut to it rather than refused.
+CODEC_PADDING_S = 0.5
+
+
 def _audio(data: bytes, max_seconds: float) -> np.ndarray:
-    """The first audio stream as float32 mono at 16 kHz, its channels averaged as decode_audio does."""
+    """The first audio stream as float32 mono at 16 kHz, its channels averaged as decode_audio does; decoding
+    stops once the track is past the limit by more than codec padding, and a track within it is cut to the
+    limit."""
     chunks: list[np.ndarray] = []
+    samples = 0
     with av.open(io.BytesIO(data), mode="r") as container:
         stream = container.streams.audio[0]
         rate = stream.codec_context.sample_rate
+        if not rate:
+            raise InvalidMedia("video's audio track declares no sample rate")
+        bound = round((max_seconds + CODEC_PADDING_S) * rate)
         planar = av.AudioResampler(format="fltp")  # any sample format as float planes [channels, n]
         for frame in container.decode(stream):
-            chunks += [f.to_ndarray().mean(axis=0) for f in planar.resample(frame)]
+            new = [f.to_ndarray().mean(axis=0) for f in planar.resample(frame)]
+            chunks += new
+            samples += sum(len(c) for c in new)
+            if samples > bound:
+                raise InvalidMedia(
+                    f"video's audio track is too long: more than {max_seconds + CODEC_PADDING_S:g} s, "
+                    f"the limit is {max_seconds:g} s"
+                )
         chunks += [f.to_ndarray().mean(axis=0) for f in planar.resample(None)]
-    if not chunks or not rate:
+    if not chunks:
         raise InvalidMedia("video's audio track holds no samples")
-    mono = np.concatenate(chunks).astype(np.float32, copy=False)
-    if len(mono) / rate > max_seconds:
-        raise InvalidMedia(
-            f"video's audio track is too long: {len(mono) / rate:.1f} s, the limit is {max_seconds:g} s"
-        )
+    mono = np.concatenate(chunks).astype(np.float32, copy=False)[: round(max_seconds * rate)]
     if not np.isfinite(mono).all():
         raise InvalidMedia("video's audio track holds NaN or infinite samples")
     return resample(mono, rate, SAMPLE_RATE)

@@ -129,3 +129,17 @@ def test_defects_and_bounds_are_named():
 def test_make_tiny_writes_the_video_preprocessor_config(tiny_checkpoint):
     assert (tiny_checkpoint / "video_preprocessor_config.json").exists()
     assert VideoProcessorConfig.from_dir(tiny_checkpoint) == CFG
+
+
+def test_a_sound_track_as_long_as_the_limit_is_not_refused_for_its_codec_padding():
+    """AAC's priming and last-frame padding decode a track a few hundredths of a second longer than it was
+    written: a video exactly as long as the limit still decodes, its sound cut to the limit."""
+    data = encode(frames(20, 32, 32), fps=10, kind="mp4")
+    decoded = decode_video(data, CFG, VideoLimits(max_seconds=2), with_audio=True)
+    assert decoded.audio is not None and len(decoded.audio) == 2 * 16000
+
+
+def test_a_sound_track_far_past_the_limit_is_refused_without_decoding_it_whole():
+    data = encode(frames(20, 32, 32), fps=10, kind="mp4", tone_seconds=30.0)
+    with pytest.raises(InvalidMedia, match=r"audio track is too long: more than 2\.5 s, the limit is 2 s"):
+        decode_video(data, CFG, VideoLimits(max_seconds=2, max_stream_frames=10_000), with_audio=True)
