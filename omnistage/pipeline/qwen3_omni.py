@@ -23,7 +23,7 @@ from omnistage.models.qwen3_omni.talker_input import TtsEmbeds, text_rows, tts_e
 from omnistage.outputs import RequestOutput
 from omnistage.pipeline.handoff import Speech
 from omnistage.pipeline.planning import plan_devices
-from omnistage.pipeline.qwen3_omni_loading import load_thinker_stage, omni_frontend
+from omnistage.pipeline.qwen3_omni_loading import load_thinker_stage, omni_frontend, thinker_settings
 from omnistage.pipeline.qwen3_omni_speech import (
     ASSISTANT_ROWS,
     failed,
@@ -107,7 +107,7 @@ class Qwen3OmniPipeline:
             models = replace(models, tap_layer=self.model_config.talker.accept_hidden_layer)
             # before the devices are read for their plans: the table is the speech stages' resident memory
             talker_tables = self._talker_tables(models.model.model.embed_tokens)
-        return TextStage(self.config, models, self.device, self.dtype), talker_tables
+        return TextStage(thinker_settings(self.config), models, self.device, self.dtype), talker_tables
 
     def _talker_tables(self, embedding: torch.nn.Embedding) -> tuple[TtsEmbeds, torch.Tensor]:
         """The Talker's embeddings of its TTS tokens and its table of projected text rows (talker_input)."""
