@@ -90,7 +90,7 @@ class StageModels:
     name: str = "Thinker"  # the stage's name in its device's memory plan
 
 
-class TextStage(AutoregressiveStage):
+class TextStage(AutoregressiveStage[RequestState]):
     """An autoregressive stage over token ids (the Thinker, Qwen3-ASR's decoder) on the core's pool, scheduler
     and sampler (autoregressive.py), over a token runner: admission, decode-ahead steps and their outputs."""
 
@@ -125,7 +125,7 @@ class TextStage(AutoregressiveStage):
         self.graph_pool: Any = None
         self.capture_seconds = 0.0
         self.decode_ahead = engine.decode_ahead
-        self._launched: Launched | None = None  # the decode step in flight (decode_ahead)
+        self._launched: Launched[RequestState] | None = None  # the decode step in flight (decode_ahead)
         self._launch_failed = False  # the next step runs where a failure fails only the requests at fault
         if self.device.type != "cuda":
             cpu_gib = section.kv.gib or _CPU_KV_GIB
@@ -290,7 +290,9 @@ class TextStage(AutoregressiveStage):
                 self._launch_failed = True
         return settle(previous, self._apply_token, self._fail) if previous is not None else []
 
-    def _launch(self, chunks: list[ScheduledChunk], previous: Launched | None) -> Launched:
+    def _launch(
+        self, chunks: list[ScheduledChunk[RequestState]], previous: Launched[RequestState] | None
+    ) -> Launched[RequestState]:
         """Launch a decode step without waiting for its ids; its sequences get a placeholder token each."""
         rows = [self.sampling_row(c.seq) for c in chunks]
         input_ids = previous.input_ids(chunks) if previous is not None else None
@@ -300,24 +302,24 @@ class TextStage(AutoregressiveStage):
         self.scheduler.update(SchedulerOutput(chunks), {c.seq.request_id: PLACEHOLDER for c in chunks})
         return launched
 
-    def _run(self, chunks: list[ScheduledChunk]) -> list[RequestOutput]:
+    def _run(self, chunks: list[ScheduledChunk[RequestState]]) -> list[RequestOutput]:
         """Run `chunks` as one model step and apply what it sampled; a failure fails only the requests at
         fault (see isolation.run_isolated)."""
         return self.isolated(
             chunks, self._sample_step, self._apply, lambda chunk, exc: self._fail(chunk.seq, exc)
         )
 
-    def _sample_step(self, chunks: list[ScheduledChunk]) -> list[int]:
+    def _sample_step(self, chunks: list[ScheduledChunk[RequestState]]) -> list[int]:
         """The ids sampled after the chunks that end in a sample, in chunk order."""
         rows = [self.sampling_row(c.seq) for c in chunks if c.samples]
         logits = self.runner.execute(SchedulerOutput(chunks))
         return self.sampler(logits, rows).tolist() if rows else []
 
-    def _apply(self, chunks: list[ScheduledChunk], tokens: list[int]) -> list[RequestOutput]:
+    def _apply(self, chunks: list[ScheduledChunk[RequestState]], tokens: list[int]) -> list[RequestOutput]:
         sampling = self.update(chunks, tokens)
         return [out for chunk, token in zip(sampling, tokens) for out in self._apply_token(chunk.seq, token)]
 
-    def _apply_token(self, seq: Sequence, token: int) -> list[RequestOutput]:
+    def _apply_token(self, seq: Sequence[RequestState], token: int) -> list[RequestOutput]:
         """What `seq` gained by its sampled `token`; a failure (of its stop strings, its detokenizing) is its
         own."""
         try:
@@ -325,8 +327,8 @@ class TextStage(AutoregressiveStage):
         except Exception as exc:
             return self._fail(seq, exc)
 
-    def _after_sample(self, seq: Sequence, token: int) -> RequestOutput:
-        state: RequestState = seq.data
+    def _after_sample(self, seq: Sequence[RequestState], token: int) -> RequestOutput:
+        state = seq.data
         if "first_token" not in state.metrics:
             state.metrics["first_token"] = time.monotonic()
         status, delta = stop_and_text(state, token)
@@ -336,11 +338,11 @@ class TextStage(AutoregressiveStage):
             delta += state.detokenizer.flush()
         return request_output(seq, delta, [token])
 
-    def _fail(self, seq: Sequence, exc: Exception) -> list[RequestOutput]:
+    def _fail(self, seq: Sequence[RequestState], exc: Exception) -> list[RequestOutput]:
         """End `seq` with finish_reason "error" and its error."""
         self.end_failed(seq, exc)
         return [request_output(seq, "", [])]
 
 
-def _decodes_ahead(seq: Sequence) -> bool:
+def _decodes_ahead(seq: Sequence[RequestState]) -> bool:
     return seq.data.decodes_ahead
