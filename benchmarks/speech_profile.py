@@ -5,7 +5,7 @@
 Builds the released sizes with random bf16 weights (as `omnistage bench t2s` does), starts c text-to-speech
 requests with their lengths forced (100 text tokens, 125 frames), and once every Talker decodes, times
 `--steps` pipeline steps two ways:
-- plain: the wall time of each `pipeline.step()` (median), nothing added; also with `pipeline.overlap` on
+- plain: the wall time of each `pipeline.step()` (median), nothing added; also with `pipeline.steps.overlap` on
   (the Thinker's step beside the speech stages' instead of before them, pipeline/side_stream.py; off by
   default, README);
 - by phase: each phase of the step (Thinker step, Talker step, code predictor on the Talker's device-side
@@ -137,7 +137,7 @@ def profile(pipeline: Any, concurrency: int, steps: int, text_tokens: int, out_d
     _until_all_speak(pipeline, concurrency, thinker_done=text_tokens < TEXT_TOKENS)
     plain, beside = [], []
     for overlap, times in ((True, beside), (False, plain)):
-        pipeline.overlap = overlap
+        pipeline.steps.overlap = overlap
         for _ in range(steps):
             _sync()
             start = time.perf_counter()
@@ -150,10 +150,10 @@ def profile(pipeline: Any, concurrency: int, steps: int, text_tokens: int, out_d
     targets = {
         "Thinker step": (pipeline.thinker, "step"),
         "Talker step": (pipeline.speech_stages.talker_stage, "launch"),
-        "code predictor": (pipeline.handoff, "launch_frames"),
+        "code predictor": (pipeline.steps.handoff, "launch_frames"),
         "Talker ids read back": (pipeline.speech_stages.talker_stage, "settle"),
-        "code predictor after the read-back": (pipeline.handoff, "predict_isolated"),
-        "Talker input rows": (pipeline.handoff, "feed_text"),
+        "code predictor after the read-back": (pipeline.steps.handoff, "predict_isolated"),
+        "Talker input rows": (pipeline.steps.handoff, "feed_text"),
         "Code2Wav": (pipeline.speech_stages.streamer, "step"),
     }
     for name, (owner, attr) in targets.items():

@@ -11,12 +11,20 @@ command line's flags and the `LLM` keywords are one table onto these keys (`flag
 from omnistage.config.engine import EngineConfig
 from omnistage.config.loading import engine_config, load_config
 from omnistage.config.sections import STAGE_TITLES, STAGES, StageName
-from omnistage.config.settings import Graphs
+from omnistage.config.settings import (
+    DecoderSettings,
+    EncodersSettings,
+    EngineSettings,
+    Graphs,
+)
 
 __all__ = [
     "STAGES",
     "STAGE_TITLES",
+    "DecoderSettings",
+    "EncodersSettings",
     "EngineConfig",
+    "EngineSettings",
     "Graphs",
     "StageName",
     "engine_config",

@@ -13,7 +13,9 @@ from omnistage.config.settings import (
     CodePredictorSettings,
     DecoderSettings,
     EncodersSettings,
+    EngineSettings,
     StageSettings,
+    engine_settings,
     resolve,
 )
 
@@ -175,3 +177,7 @@ class EngineConfig(BaseModel):
     def stage(self, name: StageName) -> StageSettings:
         """One stage's settings with every default resolved (`settings.resolve`)."""
         return resolve(self, name)
+
+    def engine_settings(self) -> EngineSettings:
+        """The engine-wide settings a stage reads beside its own section (`settings.engine_settings`)."""
+        return engine_settings(self)

@@ -1,4 +1,5 @@
-"""Each stage's settings with every default resolved: what `EngineConfig.stage(name)` hands a stage.
+"""Each stage's settings with every default resolved: what `EngineConfig.stage(name)` hands a stage, and the
+engine-wide ones a stage reads beside them (`EngineConfig.engine_settings()`).
 
 A stage's own key wins, else the stage it follows: the encoders follow the Thinker, the code predictor and
 Code2Wav the Talker, and the Talker the Thinker. `device` and `enforce_eager` at the top of the config are
@@ -84,6 +85,34 @@ class Code2WavSettings(StageSettings):
     first_chunk: int
     chunk: int
     graphs: Graphs  # streams per call, for each chunk size
+
+
+@dataclass(frozen=True)
+class EngineSettings:
+    """The engine-wide settings a stage reads beside its own section (`EngineConfig.engine_settings()`)."""
+
+    page_size: int  # tokens per KV page
+    max_num_batched_tokens: int
+    max_model_len: int | None  # None: the model's
+    enforce_eager: bool  # the engine's, which a stage's own section may override
+    compile: bool
+    decode_ahead: bool
+    moe_kernel: str
+    max_tokens_default: int | None
+
+
+def engine_settings(config: EngineConfig) -> EngineSettings:
+    """`config`'s engine-wide settings that a stage reads."""
+    return EngineSettings(
+        page_size=config.page_size,
+        max_num_batched_tokens=config.max_num_batched_tokens,
+        max_model_len=config.max_model_len,
+        enforce_eager=config.enforce_eager,
+        compile=config.compile,
+        decode_ahead=config.decode_ahead,
+        moe_kernel=config.moe_kernel,
+        max_tokens_default=config.max_tokens_default,
+    )
 
 
 def resolve(config: EngineConfig, name: StageName) -> StageSettings:

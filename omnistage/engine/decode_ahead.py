@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TypeVar
+from typing import Generic, TypeVar
 
 import torch
 
@@ -34,23 +34,24 @@ from omnistage.request import SamplingParams
 PLACEHOLDER = -1  # a token launched but not yet read back; no vocabulary has it
 
 Out = TypeVar("Out")
+S = TypeVar("S")  # the stage's state of a request
 
 
 @dataclass
-class Launched:
+class Launched(Generic[S]):
     """A decode step in flight: its chunks, the ids it sampled on the device, and their copy to the host."""
 
-    chunks: list[ScheduledChunk]
+    chunks: list[ScheduledChunk[S]]
     sampled: torch.Tensor  # [B] on the device, row b is chunks[b]'s
     host: torch.Tensor  # [B]: `sampled`, once `event` has completed
     event: torch.cuda.Event | None  # None off CUDA: the copy has completed
-    rows: dict[Sequence, int] = field(init=False)
+    rows: dict[Sequence[S], int] = field(init=False)
 
     def __post_init__(self) -> None:
         self.rows = {chunk.seq: b for b, chunk in enumerate(self.chunks)}
 
     @classmethod
-    def start(cls, chunks: list[ScheduledChunk], sampled: torch.Tensor) -> Launched:
+    def start(cls, chunks: list[ScheduledChunk[S]], sampled: torch.Tensor) -> Launched[S]:
         """Start copying `sampled` to the host without waiting for it."""
         if sampled.device.type != "cuda":
             return cls(chunks, sampled, sampled.cpu(), None)
@@ -60,7 +61,7 @@ class Launched:
         event.record()
         return cls(chunks, sampled, host, event)
 
-    def input_ids(self, chunks: list[ScheduledChunk]) -> torch.Tensor:
+    def input_ids(self, chunks: list[ScheduledChunk[S]]) -> torch.Tensor:
         """The next step's input ids `[len(chunks)]` on the device: the ids this step sampled for their sequences."""
         index = [self.rows[chunk.seq] for chunk in chunks]
         if index == list(range(len(self.chunks))):
@@ -75,9 +76,9 @@ class Launched:
 
 
 def settle(
-    launched: Launched,
-    apply: Callable[[Sequence, int], list[Out]],
-    fail: Callable[[Sequence, Exception], list[Out]],
+    launched: Launched[S],
+    apply: Callable[[Sequence[S], int], list[Out]],
+    fail: Callable[[Sequence[S], Exception], list[Out]],
 ) -> list[Out]:
     """Read back a launched step's ids and `apply` each in place of its placeholder, or `fail` each sequence
     when the read fails. A sequence finished since (stopped on an earlier token, aborted) drops its token."""
@@ -116,7 +117,7 @@ def decodes_ahead(params: SamplingParams, feeds_a_stage: bool) -> bool:
 
 
 def may_run_ahead(
-    scheduler: Scheduler, launched: Launched | None, eligible: Callable[[Sequence], bool]
+    scheduler: Scheduler[S], launched: Launched[S] | None, eligible: Callable[[Sequence[S]], bool]
 ) -> bool:
     """Whether the next step may launch before `launched` (the step in flight, if any) is read back, each
     sequence `eligible` as `decodes_ahead` says: see the module's docstring. Pure bookkeeping."""
@@ -130,6 +131,6 @@ def may_run_ahead(
     return _new_pages(scheduler.pool, running) <= scheduler.pool.num_free
 
 
-def _new_pages(pool: PagePool, running: list[Sequence]) -> int:
+def _new_pages(pool: PagePool, running: list[Sequence[S]]) -> int:
     """Pages the running sequences need for one more token each."""
     return sum(max(0, pool.pages_for(seq.num_tokens) - len(seq.page_ids)) for seq in running)

@@ -18,14 +18,15 @@ log = logging.getLogger(__name__)
 
 R = TypeVar("R")
 Out = TypeVar("Out")
+S = TypeVar("S")  # the stage's state of a request
 
 
 def run_isolated(
-    chunks: list[ScheduledChunk],
-    compute: Callable[[list[ScheduledChunk]], R],
-    apply: Callable[[list[ScheduledChunk], R], list[Out]],
-    fail: Callable[[ScheduledChunk, Exception], list[Out]],
-    generators: Callable[[list[ScheduledChunk]], list[torch.Generator]],
+    chunks: list[ScheduledChunk[S]],
+    compute: Callable[[list[ScheduledChunk[S]]], R],
+    apply: Callable[[list[ScheduledChunk[S]], R], list[Out]],
+    fail: Callable[[ScheduledChunk[S], Exception], list[Out]],
+    generators: Callable[[list[ScheduledChunk[S]]], list[torch.Generator]],
 ) -> list[Out]:
     """`apply(chunks, compute(chunks))`; if `compute` raises, `fail` for a lone chunk, else the same for each
     chunk alone. Only `compute` is retried: `apply` changes the scheduler's state and runs once."""

@@ -4,6 +4,7 @@ The pool holds no tensors; the KV tensors live with the model runner and are ind
 """
 
 import heapq
+from typing import Any
 
 from omnistage.engine.sequence import Sequence
 from omnistage.errors import RequestTooLarge
@@ -55,7 +56,7 @@ class PagePool:
             self._used.remove(p)
             heapq.heappush(self._free, p)
 
-    def ensure_capacity(self, seq: Sequence, num_tokens: int) -> bool:
+    def ensure_capacity(self, seq: Sequence[Any], num_tokens: int) -> bool:
         """Grow `seq.page_ids` to cover `num_tokens` tokens; all or nothing, False if pages are short."""
         # the common case (asked for every running sequence every step): its pages already cover them
         if num_tokens <= len(seq.page_ids) * self.page_size:
@@ -66,7 +67,7 @@ class PagePool:
         seq.page_ids.extend(self.allocate(missing))
         return True
 
-    def release(self, seq: Sequence) -> None:
+    def release(self, seq: Sequence[Any]) -> None:
         """Free every page of `seq` and empty its page table."""
         self.free(seq.page_ids)
         seq.page_ids = []

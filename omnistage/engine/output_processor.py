@@ -89,9 +89,9 @@ def stop_and_text(state: RequestState, token: int) -> tuple[SequenceStatus | Non
     return None, delta
 
 
-def request_output(seq: Sequence, delta_text: str, delta_ids: list[int]) -> RequestOutput:
+def request_output(seq: Sequence[RequestState], delta_text: str, delta_ids: list[int]) -> RequestOutput:
     """What the caller gets of `seq` after a step: its delta and, once it finished, all of it."""
-    state: RequestState = seq.data
+    state = seq.data
     finished = seq.is_finished
     if finished:
         drop_placeholders(seq.output_token_ids)  # ended with a token in flight (aborted, failed)

@@ -15,17 +15,18 @@ sequence that passed admission always fits the pool: the scheduler never deadloc
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Generic
 
 from omnistage.engine.kv_cache import PagePool
-from omnistage.engine.sequence import Sequence, SequenceStatus
+from omnistage.engine.sequence import Sequence, SequenceStatus, StateT
 from omnistage.errors import InvalidRequest
 
 
 @dataclass
-class ScheduledChunk:
+class ScheduledChunk(Generic[StateT]):
     """`seq.all_token_ids[start:start + num_tokens]` are computed this step."""
 
-    seq: Sequence
+    seq: Sequence[StateT]
     start: int
     num_tokens: int
     # Fixed at schedule time: the chunk ends at the last known token, so the engine samples after it.
@@ -36,9 +37,9 @@ class ScheduledChunk:
 
 
 @dataclass
-class SchedulerOutput:
-    chunks: list[ScheduledChunk] = field(default_factory=list)
-    preempted: list[Sequence] = field(default_factory=list)
+class SchedulerOutput(Generic[StateT]):
+    chunks: list[ScheduledChunk[StateT]] = field(default_factory=list)
+    preempted: list[Sequence[StateT]] = field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:
@@ -50,16 +51,18 @@ class SchedulerOutput:
         return bool(self.chunks) and all(c.num_tokens == 1 and c.samples for c in self.chunks)
 
 
-class Scheduler:
+class Scheduler(Generic[StateT]):
+    """The steps of one stage's sequences, each carrying the stage's state of its request (`StateT`)."""
+
     def __init__(self, pool: PagePool, max_num_seqs: int, max_num_batched_tokens: int) -> None:
         if max_num_seqs < 1 or max_num_batched_tokens < 1:
             raise ValueError("max_num_seqs and max_num_batched_tokens must be positive")
         self.pool = pool
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
-        self.waiting: deque[Sequence] = deque()  # by arrival
-        self.running: list[Sequence] = []  # by arrival
-        self._unfinished: dict[str, Sequence] = {}
+        self.waiting: deque[Sequence[StateT]] = deque()  # by arrival
+        self.running: list[Sequence[StateT]] = []  # by arrival
+        self._unfinished: dict[str, Sequence[StateT]] = {}
         self._next_arrival = 0
 
     @property
@@ -79,11 +82,11 @@ class Scheduler:
         to compute (its last sampled one)."""
         return not self.waiting and all(seq.num_tokens - seq.num_computed_tokens == 1 for seq in self.running)
 
-    def get(self, request_id: str) -> Sequence | None:
+    def get(self, request_id: str) -> Sequence[StateT] | None:
         """The unfinished sequence of `request_id`, if any."""
         return self._unfinished.get(request_id)
 
-    def add(self, seq: Sequence) -> None:
+    def add(self, seq: Sequence[StateT]) -> None:
         """Queue `seq`; raise RequestTooLarge at once if it could never fit the pool."""
         if not seq.prompt_token_ids:
             raise InvalidRequest("the prompt is empty")
@@ -98,10 +101,10 @@ class Scheduler:
         self.waiting.append(seq)
         self._unfinished[seq.request_id] = seq
 
-    def schedule(self, ready: Callable[[Sequence], bool] | None = None) -> SchedulerOutput:
+    def schedule(self, ready: Callable[[Sequence[StateT]], bool] | None = None) -> SchedulerOutput[StateT]:
         """The next step. A stage whose inputs arrive from another stage passes `ready`: a sequence it says
         is not ready sits this step out, keeping its pages (a waiting head that is not ready waits, FCFS)."""
-        out = SchedulerOutput()
+        out: SchedulerOutput[StateT] = SchedulerOutput()
         budget = self.max_num_batched_tokens
         # A prefill chunk leaves room in the step: a token for every newer running sequence that decodes, and
         # half the step when a waiting request could be admitted. Neither then waits for a long prompt's whole
@@ -158,7 +161,7 @@ class Scheduler:
             newer += seq.num_tokens - seq.num_computed_tokens == 1
         return counts
 
-    def update(self, output: SchedulerOutput, sampled: dict[str, int]) -> None:
+    def update(self, output: SchedulerOutput[StateT], sampled: dict[str, int]) -> None:
         """Record a finished step: `sampled` maps request id to the token drawn after each sampling chunk.
 
         Chunks of sequences finished since `schedule()` (aborted mid-step) are skipped. The engine calls
@@ -178,7 +181,7 @@ class Scheduler:
             if seq.num_output_tokens >= seq.max_tokens:
                 self.finish(seq, SequenceStatus.FINISHED_LENGTH)
 
-    def finish(self, seq: Sequence, status: SequenceStatus) -> None:
+    def finish(self, seq: Sequence[StateT], status: SequenceStatus) -> None:
         """End `seq` from any state and free its pages at once.
 
         On an already finished sequence this is a no-op, except that a stop found on the last allowed
@@ -198,14 +201,14 @@ class Scheduler:
         seq.status = status
         del self._unfinished[seq.request_id]
 
-    def abort(self, request_id: str) -> Sequence | None:
+    def abort(self, request_id: str) -> Sequence[StateT] | None:
         """Cancel `request_id` in any state; returns its sequence, or None if it is not unfinished."""
         seq = self._unfinished.get(request_id)
         if seq is not None:
             self.finish(seq, SequenceStatus.FINISHED_ABORTED)
         return seq
 
-    def _preempt(self, seq: Sequence) -> None:
+    def _preempt(self, seq: Sequence[StateT]) -> None:
         # Recompute style: prompt and generated tokens are prefilled again when it is readmitted.
         self.pool.release(seq)
         seq.num_computed_tokens = 0

@@ -1,11 +1,12 @@
-"""One request's token state inside an autoregressive stage: plain data, no tensors; and what a token runner reads of a
-request beyond its ids (`PromptInputs`), the base of the stage's own state of it."""
+"""One request's token state inside an autoregressive stage: plain data, no tensors, with the stage's own state of
+the request (`Sequence[StateT]`); and what a token runner reads of a request beyond its ids (`PromptInputs`), the
+base of a text stage's state of it."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from enum import Enum, auto
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Generic, TypeVar
 
 if TYPE_CHECKING:
     from omnistage.engine.stages.encoders import MultimodalEmbeds
@@ -28,11 +29,14 @@ class SequenceStatus(Enum):
 
 _FINISHED = frozenset(s for s in SequenceStatus if s.name.startswith("FINISHED_"))
 
+StateT = TypeVar("StateT")
+
 
 # eq=False: a sequence is an identity (hashable, compared by object), not a value.
 @dataclass(eq=False)
-class Sequence:
-    """Prompt, generated tokens, KV progress and page table of one request."""
+class Sequence(Generic[StateT]):
+    """Prompt, generated tokens, KV progress and page table of one request, and `data`, the stage's state of it: a
+    text stage's `RequestState` (`PromptInputs` and more), a row stage's `RowState`."""
 
     request_id: str
     prompt_token_ids: list[int]
@@ -43,7 +47,7 @@ class Sequence:
     status: SequenceStatus = SequenceStatus.WAITING
     page_ids: list[int] = field(default_factory=list)
     num_preemptions: int = 0
-    data: Any = None  # the stage's state of the request: `PromptInputs` and more for a token runner's stage
+    data: StateT = field(kw_only=True)
 
     @property
     def num_prompt_tokens(self) -> int:

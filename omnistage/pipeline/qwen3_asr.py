@@ -25,7 +25,7 @@ from omnistage.outputs import RequestOutput
 from omnistage.pipeline.base import Frontend, TtsPrompt
 from omnistage.pipeline.planning import plan_devices
 from omnistage.pipeline.qwen3_omni_encoders import aut_clips
-from omnistage.pipeline.qwen3_omni_loading import eos_token_ids
+from omnistage.pipeline.qwen3_omni_loading import eos_token_ids, thinker_settings
 from omnistage.pipeline.topology import validate_topology
 from omnistage.request import GenerationRequest, ValidRequest
 
@@ -80,7 +80,7 @@ class Qwen3ASRPipeline:
             load_seconds=time.perf_counter() - started,
         )
         # the released checkpoints call the encoder and decoder the thinker, as Qwen3-Omni's
-        self.thinker = TextStage(config, stage, device, dtype)
+        self.thinker = TextStage(thinker_settings(config), stage, device, dtype)
         needs = [(device, self.thinker.memory())] if device.type == "cuda" else []
         self.plans = plan_devices(needs, config.gpu_memory_limit_gib)
         if device in self.plans:

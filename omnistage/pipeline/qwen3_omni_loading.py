@@ -1,5 +1,5 @@
-"""Qwen3-Omni's Thinker stage loaded from a checkpoint, its end tokens, and the Frontend its pipeline hands the
-server."""
+"""Qwen3-Omni's Thinker stage loaded from a checkpoint, its settings, its end tokens, and the Frontend its
+pipeline hands the server."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from tokenizers import Tokenizer
 from omnistage.config import EngineConfig
 from omnistage.engine.attention import backend_for
 from omnistage.engine.memory.gauges import Gauge
-from omnistage.engine.stages.text import StageModels
+from omnistage.engine.stages.text import StageModels, TextSettings
 from omnistage.errors import CheckpointError
 from omnistage.models.loader import LoadOptions
 from omnistage.models.qwen3_omni.config import Qwen3OmniConfig
@@ -46,6 +46,12 @@ def load_thinker_stage(
         model_path=path,
         load_seconds=time.perf_counter() - started,
     )
+
+
+def thinker_settings(config: EngineConfig) -> TextSettings:
+    """What the Thinker's TextStage reads of `config` (Qwen3-ASR's decoder's too): its section and its encoders',
+    resolved, and the engine-wide settings."""
+    return TextSettings(config.stage("thinker"), config.stage("encoders"), config.engine_settings())
 
 
 def eos_token_ids(checkpoint_dir: Path, tokenizer: Tokenizer) -> list[int]:

@@ -93,7 +93,7 @@ def assert_nothing_held(engine: AsyncPipeline) -> None:
     assert not pipeline.has_unfinished()
     assert pipeline.thinker.pool.num_free == pipeline.thinker.pool.num_pages
     assert talker.pool.num_free == talker.pool.num_pages
-    assert not pipeline._speaking and not pipeline._waiting and not pipeline._refused
+    assert not pipeline._speaking and not pipeline.queue and not pipeline.queue.refused
     assert not talker.scheduler._unfinished and not pipeline.speech_stages.streamer.streams
     assert not engine._streams and engine._queued() == 0
 
@@ -122,7 +122,7 @@ def test_a_text_chat_is_not_queued_behind_long_speeches(speaking_pipeline):
 
     async def speak(client: httpx.AsyncClient, i: int) -> bytes:
         # they arrive in their order
-        await until(lambda: len(pipeline._speaking) + len(pipeline._waiting) + len(finished) >= i)
+        await until(lambda: len(pipeline._speaking) + len(pipeline.queue) + len(finished) >= i)
         response = await client.post("/v1/audio/speech", json=speech_body(seed=i))
         assert response.status_code == 200, response.text
         finished[i] = time.monotonic()
@@ -181,7 +181,7 @@ def test_a_full_queue_is_503_with_retry_after(speaking_pipeline, monkeypatch):
             running = []
             for i in range(3):  # each once the one before is in: none meets a queue still holding another
                 running.append(asyncio.ensure_future(client.post("/v1/audio/speech", json=speech_body(i))))
-                await until(lambda n=i + 1: len(pipeline._speaking) + len(pipeline._waiting) >= n)
+                await until(lambda n=i + 1: len(pipeline._speaking) + len(pipeline.queue) >= n)
             assert speaking_pipeline.stats()["num_waiting"] == 1
             refused = [
                 await client.post("/v1/audio/speech", json=speech_body(9)),

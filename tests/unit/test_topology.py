@@ -83,6 +83,16 @@ def test_stages_follow_the_engine_and_each_other_by_default():
     assert listed.stage("encoders").audio_graphs.sizes(decode_buckets, default_max=4) == [1, 2, 4]
 
 
+def test_the_engine_wide_settings_a_stage_reads_are_the_configs():
+    config = engine_config(
+        page_size=32, max_num_batched_tokens=512, max_model_len=4096, enforce_eager=True, compile=False
+    )
+    engine = config.engine_settings()
+    assert (engine.page_size, engine.max_num_batched_tokens, engine.max_model_len) == (32, 512, 4096)
+    assert engine.enforce_eager and not engine.compile and engine.decode_ahead
+    assert (engine.moe_kernel, engine.max_tokens_default) == ("auto", 256)  # the embedded model's default
+
+
 def test_a_config_crosses_to_the_engine_process_unchanged():
     config = load_config(TWO_GPU, max_num_seqs=None)
     again = EngineConfig.model_validate_json(config.model_dump_json())

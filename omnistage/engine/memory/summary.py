@@ -20,7 +20,7 @@ def text_stage_summary(stage: TextStage) -> str:
     kv_gib = stage.pool.num_pages * stage.kv_bytes_per_page / GiB
     weights_gib = module_bytes(torch_module(stage.model)) / GiB
     graphs = ""
-    if stage.device.type == "cuda" and stage.config.enforce_eager:
+    if stage.device.type == "cuda" and stage.settings.engine.enforce_eager:
         graphs = "; no CUDA graphs (enforce_eager): every step runs eagerly"
     elif stage.device.type == "cuda":
         decode = stage.runner.graphs.captured_buckets if stage.runner.graphs else []

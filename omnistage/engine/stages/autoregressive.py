@@ -11,7 +11,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Protocol, TypeVar
+from typing import Generic, Protocol, TypeVar
 
 import torch
 
@@ -46,13 +46,16 @@ class SamplingState:
     error: str | None = None
 
 
-class AutoregressiveStage:
-    """The bookkeeping of a stage over `runner`: its pool, scheduler and sampler, sized by `allocate_pages`.
-    `penalises_prompt`: the repetition penalty reads the prompt's ids as well as the outputs (a prompt of fed
-    rows has no ids to read)."""
+S = TypeVar("S", bound=SamplingState)  # a stage's state of a request: what samples it, and more
+
+
+class AutoregressiveStage(Generic[S]):
+    """The bookkeeping of a stage over `runner`: its pool, scheduler and sampler, sized by `allocate_pages`; its
+    sequences carry its state of their requests (`S`). `penalises_prompt`: the repetition penalty reads the
+    prompt's ids as well as the outputs (a prompt of fed rows has no ids to read)."""
 
     pool: PagePool
-    scheduler: Scheduler
+    scheduler: Scheduler[S]
 
     def __init__(
         self,
@@ -94,8 +97,8 @@ class AutoregressiveStage:
             stats.update(allocator_stats(self.device))
         return stats
 
-    def sampling_row(self, seq: Sequence) -> SamplingRow:
-        state: SamplingState = seq.data
+    def sampling_row(self, seq: Sequence[S]) -> SamplingRow:
+        state = seq.data
         return SamplingRow(
             params=state.params,
             token_ids=seq.prompt_token_ids if self.penalises_prompt else [],
@@ -106,15 +109,15 @@ class AutoregressiveStage:
 
     def isolated(
         self,
-        chunks: list[ScheduledChunk],
-        compute: Callable[[list[ScheduledChunk]], R],
-        apply: Callable[[list[ScheduledChunk], R], list[Out]],
-        fail: Callable[[ScheduledChunk, Exception], list[Out]],
+        chunks: list[ScheduledChunk[S]],
+        compute: Callable[[list[ScheduledChunk[S]]], R],
+        apply: Callable[[list[ScheduledChunk[S]], R], list[Out]],
+        fail: Callable[[ScheduledChunk[S], Exception], list[Out]],
     ) -> list[Out]:
         """`apply(chunks, compute(chunks))`, a failure failing only the requests at fault (isolation.py)."""
         return run_isolated(chunks, compute, apply, fail, generators)
 
-    def update(self, chunks: list[ScheduledChunk], tokens: list[int]) -> list[ScheduledChunk]:
+    def update(self, chunks: list[ScheduledChunk[S]], tokens: list[int]) -> list[ScheduledChunk[S]]:
         """Apply a step's sampled ids, one per chunk that samples and in their order, to the scheduler; returns
         those chunks."""
         sampling = [c for c in chunks if c.samples]
@@ -123,14 +126,13 @@ class AutoregressiveStage:
         )
         return sampling
 
-    def end_failed(self, seq: Sequence, exc: Exception) -> None:
+    def end_failed(self, seq: Sequence[S], exc: Exception) -> None:
         """End `seq` with its error (a no-op on its status if it had just finished)."""
         log.error("request %s failed in the %s stage", seq.request_id, self.name, exc_info=exc)
-        state: SamplingState = seq.data
-        state.error = f"{type(exc).__name__}: {exc}"
+        seq.data.error = f"{type(exc).__name__}: {exc}"
         self.scheduler.finish(seq, SequenceStatus.FINISHED_ERROR)
 
 
-def generators(chunks: list[ScheduledChunk]) -> list[torch.Generator]:
+def generators(chunks: list[ScheduledChunk[S]]) -> list[torch.Generator]:
     """The seeded generators the sampling chunks draw from."""
     return [g for c in chunks if c.samples and (g := c.seq.data.generator) is not None]

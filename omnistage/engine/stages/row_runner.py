@@ -192,7 +192,7 @@ class RowRunner:
         return logits
 
     @torch.inference_mode()
-    def execute(self, chunks: list[ScheduledChunk]) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def execute(self, chunks: list[ScheduledChunk[RowState]]) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Final hidden states `[n, H]` and masked logits `[n, V]` (None when n is 0) of the n chunks that end
         in a sample, in chunk order; a decode step replays its bucket's graph when there is one."""
         embeds = torch.cat([c.seq.data.inputs(c.start, c.num_tokens) for c in chunks])
@@ -217,7 +217,7 @@ class RowRunner:
             hidden = hidden.index_select(0, rows)
         return hidden, self._logits(hidden) if len(hidden) else None
 
-    def _positions(self, chunks: list[ScheduledChunk], decode: bool) -> torch.Tensor:
+    def _positions(self, chunks: list[ScheduledChunk[RowState]], decode: bool) -> torch.Tensor:
         """`[3, T]` M-RoPE positions on the device; a decode step's from host ints, in one copy."""
         if decode and all(c.start >= c.seq.num_prompt_tokens for c in chunks):
             rows = [c.start + c.seq.data.positions.delta for c in chunks]  # all three streams alike

@@ -49,9 +49,9 @@ class InFlight:
     its n sampling chunks and their sampled ids (`ids.sampled` on the device, row b the b-th sampling chunk's;
     None when no chunk samples), or the error that failed its one chunk."""
 
-    chunks: list[ScheduledChunk]
+    chunks: list[ScheduledChunk[RowState]]
     hidden: torch.Tensor | None
-    ids: Launched | None
+    ids: Launched[RowState] | None
     error: Exception | None = None
 
 
@@ -62,7 +62,7 @@ _REASONS = {
 }
 
 
-class RowStage(AutoregressiveStage):
+class RowStage(AutoregressiveStage[RowState]):
     """The stage over `runner`, with `num_pages` pages until its device's plan sizes them (`allocate`).
     `max_seq_len`: its longest sequence (prompt and fed rows), which its graphs hold; `decode_sizes` and
     `prefill_sizes`: the batch and token buckets of its graphs, as its config has them; `kv`: what its pool
@@ -217,13 +217,17 @@ class RowStage(AutoregressiveStage):
                 )
         return results
 
-    def _compute(self, chunks: list[ScheduledChunk]) -> tuple[torch.Tensor, Launched | None]:
+    def _compute(
+        self, chunks: list[ScheduledChunk[RowState]]
+    ) -> tuple[torch.Tensor, Launched[RowState] | None]:
         sampling = [c for c in chunks if c.samples]
         hidden, logits = self.runner.execute(chunks)
         launched = Launched.start(sampling, self._sample(logits, sampling)) if logits is not None else None
         return hidden, launched
 
-    def _apply(self, chunks: list[ScheduledChunk], hidden: torch.Tensor, tokens: list[int]) -> list[Sampled]:
+    def _apply(
+        self, chunks: list[ScheduledChunk[RowState]], hidden: torch.Tensor, tokens: list[int]
+    ) -> list[Sampled]:
         sampling = self.update(chunks, tokens)
         results = []
         for row, (chunk, token) in enumerate(zip(sampling, tokens)):
@@ -236,7 +240,7 @@ class RowStage(AutoregressiveStage):
         return results
 
     @torch.inference_mode()
-    def _sample(self, logits: torch.Tensor, sampling: list[ScheduledChunk]) -> torch.Tensor:
+    def _sample(self, logits: torch.Tensor, sampling: list[ScheduledChunk[RowState]]) -> torch.Tensor:
         # ignore_eos: the end id is never drawn (unlike text, a stage's end id here is no output of its own);
         # written row by row, not through an index tensor that would be copied to the device each step
         ignoring = [row for row, c in enumerate(sampling) if c.seq.data.params.ignore_eos]
@@ -247,11 +251,11 @@ class RowStage(AutoregressiveStage):
                 logits[row, self.eos_token_id] = -torch.inf
         return self.sampler(logits, [self.sampling_row(c.seq) for c in sampling])
 
-    def _fail(self, seq: Sequence, exc: Exception) -> Sampled:
+    def _fail(self, seq: Sequence[RowState], exc: Exception) -> Sampled:
         self.end_failed(seq, exc)
         return Sampled(seq.request_id, None, None, True, "error", seq.data.error)
 
 
-def _ready(seq: Sequence) -> bool:
+def _ready(seq: Sequence[RowState]) -> bool:
     """Every row up to the sequence's last known position is there: the prompt, and one fed row per sample."""
     return len(seq.data.rows) >= seq.num_output_tokens + 1

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from omnistage.config import EngineConfig
+from omnistage.config import DecoderSettings, EncodersSettings, EngineSettings
 from omnistage.engine.decode_ahead import PLACEHOLDER, Launched, may_run_ahead, settle
 from omnistage.engine.graphs.base import int_buckets
 from omnistage.engine.memory.plan import GiB, MemoryPlan, StageMemory, kv_bytes_per_page
@@ -62,6 +62,16 @@ class NewRequest(GenerationRequest):
         return cls(**given, tap=tap, max_tokens=valid.max_tokens)
 
 
+@dataclass(frozen=True)
+class TextSettings:
+    """What a text stage reads of the config, built by its pipeline: its own section and its encoders', every
+    default resolved (`EngineConfig.stage`), and the engine-wide settings (`EngineConfig.engine_settings`)."""
+
+    stage: DecoderSettings
+    encoders: EncodersSettings
+    engine: EngineSettings
+
+
 @dataclass
 class StageModels:
     """What a family's pipeline loads for a text stage (see pipeline/qwen3_omni.py): the decoder, its sizes,
@@ -80,26 +90,26 @@ class StageModels:
     name: str = "Thinker"  # the stage's name in its device's memory plan
 
 
-class TextStage(AutoregressiveStage):
+class TextStage(AutoregressiveStage[RequestState]):
     """An autoregressive stage over token ids (the Thinker, Qwen3-ASR's decoder) on the core's pool, scheduler
     and sampler (autoregressive.py), over a token runner: admission, decode-ahead steps and their outputs."""
 
     runner: TokenRunner
 
     def __init__(
-        self, config: EngineConfig, models: StageModels, device: torch.device, dtype: torch.dtype
+        self, settings: TextSettings, models: StageModels, device: torch.device, dtype: torch.dtype
     ) -> None:
         """The stage over its loaded models. On the CPU its KV pages are allocated at once; on a GPU they and
         its graphs wait for its device's plan, which its `memory()` joins (`allocate`)."""
-        section, text = config.stage("thinker"), models.text
+        section, engine, text = settings.stage, settings.engine, models.text
         # the stage holds its model and encoders before its runner does: the memory report names the first
         # holder of a tensor its owner (`thinker.model`, memory/report.py)
-        self.config, self.dtype = config, dtype
+        self.settings, self.dtype = settings, dtype
         self.model, self.encoders, self.processor = models.model, models.encoders, models.processor
-        self.compiled = prepare_decoder(models.model, device, config.moe_kernel, config.compile)
-        runner = TokenRunner(models.model, text, config.page_size, device, dtype, models.tap_layer)
-        batch, tokens = section.max_batch, config.max_num_batched_tokens
-        super().__init__(models.name, runner, device, config.page_size, batch, tokens, penalises_prompt=True)
+        self.compiled = prepare_decoder(models.model, device, engine.moe_kernel, engine.compile)
+        runner = TokenRunner(models.model, text, engine.page_size, device, dtype, models.tap_layer)
+        batch, tokens = section.max_batch, engine.max_num_batched_tokens
+        super().__init__(models.name, runner, device, engine.page_size, batch, tokens, penalises_prompt=True)
         self.model_path, self.load_seconds = models.model_path, models.load_seconds
         self.tokenizer, self.eos_token_ids = self.processor.tokenizer, models.eos_token_ids
         self.vocab_size = text.vocab_size
@@ -107,15 +117,15 @@ class TextStage(AutoregressiveStage):
             text.num_hidden_layers, text.num_key_value_heads, text.head_dim, self.page_size, dtype.itemsize
         )
         self.max_model_len = min(
-            config.max_model_len or text.max_position_embeddings, text.max_position_embeddings
+            engine.max_model_len or text.max_position_embeddings, text.max_position_embeddings
         )
         self.plan: MemoryPlan | None = None  # its device's, once granted (`allocate`)
         # the device's main-stream graph pool (`memory.plan.MAIN_POOL`): this stage's prefill graphs and its
         # encoders' graphs; the pipeline captures the other stages of the device into it too
         self.graph_pool: Any = None
         self.capture_seconds = 0.0
-        self.decode_ahead = config.decode_ahead
-        self._launched: Launched | None = None  # the decode step in flight (decode_ahead)
+        self.decode_ahead = engine.decode_ahead
+        self._launched: Launched[RequestState] | None = None  # the decode step in flight (decode_ahead)
         self._launch_failed = False  # the next step runs where a failure fails only the requests at fault
         if self.device.type != "cuda":
             cpu_gib = section.kv.gib or _CPU_KV_GIB
@@ -127,7 +137,7 @@ class TextStage(AutoregressiveStage):
         return text_stage_memory(
             self.runner,
             self.encoders,
-            self.config,
+            self.settings,
             self.kv_bytes_per_page,
             max_prompt_tokens=self.max_model_len - 1,
             max_media=(self.processor.max_audios, self.processor.max_images),
@@ -145,7 +155,7 @@ class TextStage(AutoregressiveStage):
         self.runner.capture_graphs(
             int_buckets(plan.captured(self.name, "decode")),
             self.max_model_len,
-            self.config.enforce_eager,
+            self.settings.engine.enforce_eager,
             prefill_buckets=int_buckets(plan.captured(self.name, "prefill")),
             prefill_pool=self.graph_pool,
             max_seqs=self.max_batch,
@@ -172,7 +182,7 @@ class TextStage(AutoregressiveStage):
             self.max_model_len,
             self.vocab_size,
             self.pool,
-            self.config.max_tokens_default,
+            self.settings.engine.max_tokens_default,
         )
 
     def add_request(
@@ -280,7 +290,9 @@ class TextStage(AutoregressiveStage):
                 self._launch_failed = True
         return settle(previous, self._apply_token, self._fail) if previous is not None else []
 
-    def _launch(self, chunks: list[ScheduledChunk], previous: Launched | None) -> Launched:
+    def _launch(
+        self, chunks: list[ScheduledChunk[RequestState]], previous: Launched[RequestState] | None
+    ) -> Launched[RequestState]:
         """Launch a decode step without waiting for its ids; its sequences get a placeholder token each."""
         rows = [self.sampling_row(c.seq) for c in chunks]
         input_ids = previous.input_ids(chunks) if previous is not None else None
@@ -290,24 +302,24 @@ class TextStage(AutoregressiveStage):
         self.scheduler.update(SchedulerOutput(chunks), {c.seq.request_id: PLACEHOLDER for c in chunks})
         return launched
 
-    def _run(self, chunks: list[ScheduledChunk]) -> list[RequestOutput]:
+    def _run(self, chunks: list[ScheduledChunk[RequestState]]) -> list[RequestOutput]:
         """Run `chunks` as one model step and apply what it sampled; a failure fails only the requests at
         fault (see isolation.run_isolated)."""
         return self.isolated(
             chunks, self._sample_step, self._apply, lambda chunk, exc: self._fail(chunk.seq, exc)
         )
 
-    def _sample_step(self, chunks: list[ScheduledChunk]) -> list[int]:
+    def _sample_step(self, chunks: list[ScheduledChunk[RequestState]]) -> list[int]:
         """The ids sampled after the chunks that end in a sample, in chunk order."""
         rows = [self.sampling_row(c.seq) for c in chunks if c.samples]
         logits = self.runner.execute(SchedulerOutput(chunks))
         return self.sampler(logits, rows).tolist() if rows else []
 
-    def _apply(self, chunks: list[ScheduledChunk], tokens: list[int]) -> list[RequestOutput]:
+    def _apply(self, chunks: list[ScheduledChunk[RequestState]], tokens: list[int]) -> list[RequestOutput]:
         sampling = self.update(chunks, tokens)
         return [out for chunk, token in zip(sampling, tokens) for out in self._apply_token(chunk.seq, token)]
 
-    def _apply_token(self, seq: Sequence, token: int) -> list[RequestOutput]:
+    def _apply_token(self, seq: Sequence[RequestState], token: int) -> list[RequestOutput]:
         """What `seq` gained by its sampled `token`; a failure (of its stop strings, its detokenizing) is its
         own."""
         try:
@@ -315,8 +327,8 @@ class TextStage(AutoregressiveStage):
         except Exception as exc:
             return self._fail(seq, exc)
 
-    def _after_sample(self, seq: Sequence, token: int) -> RequestOutput:
-        state: RequestState = seq.data
+    def _after_sample(self, seq: Sequence[RequestState], token: int) -> RequestOutput:
+        state = seq.data
         if "first_token" not in state.metrics:
             state.metrics["first_token"] = time.monotonic()
         status, delta = stop_and_text(state, token)
@@ -326,11 +338,11 @@ class TextStage(AutoregressiveStage):
             delta += state.detokenizer.flush()
         return request_output(seq, delta, [token])
 
-    def _fail(self, seq: Sequence, exc: Exception) -> list[RequestOutput]:
+    def _fail(self, seq: Sequence[RequestState], exc: Exception) -> list[RequestOutput]:
         """End `seq` with finish_reason "error" and its error."""
         self.end_failed(seq, exc)
         return [request_output(seq, "", [])]
 
 
-def _decodes_ahead(seq: Sequence) -> bool:
+def _decodes_ahead(seq: Sequence[RequestState]) -> bool:
     return seq.data.decodes_ahead

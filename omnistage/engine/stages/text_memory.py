@@ -7,10 +7,11 @@ device with every stage's needs (`pipeline/planning.py`).
 from __future__ import annotations
 
 import logging
+from typing import TYPE_CHECKING
 
 import torch
 
-from omnistage.config import EngineConfig, Graphs
+from omnistage.config import DecoderSettings, EncodersSettings, Graphs
 from omnistage.engine.buckets import decode_buckets, prefill_buckets
 from omnistage.engine.memory.measure import graph_candidates, module_bytes, scaled_peaks
 from omnistage.engine.memory.plan import MAIN_POOL, GiB, GraphCandidates, KVPool, StageMemory
@@ -18,13 +19,16 @@ from omnistage.engine.stages.decoder import torch_module
 from omnistage.engine.stages.encoders import EncoderStage
 from omnistage.engine.stages.token_runner import TokenRunner
 
+if TYPE_CHECKING:
+    from omnistage.engine.stages.text import TextSettings
+
 log = logging.getLogger(__name__)
 
 
 def text_stage_memory(
     runner: TokenRunner,
     encoders: EncoderStage,
-    cfg: EngineConfig,
+    settings: TextSettings,
     kv_bytes_per_page: int,
     max_prompt_tokens: int,
     max_media: tuple[int, int],
@@ -34,19 +38,21 @@ def text_stage_memory(
     most audios and images per prompt), price the graphs and warm up. The stage's KV pool is fixed by the config
     or holds at least one request of the longest length. A runner not in bfloat16 gets no graphs (the
     grouped-GEMM MoE needs it)."""
+    engine = settings.engine
     floor = encoders.profile_floor(
-        runner.profile_peak(cfg.max_num_batched_tokens, 1).bytes,
-        cfg.max_num_batched_tokens,
+        runner.profile_peak(engine.max_num_batched_tokens, 1).bytes,
+        engine.max_num_batched_tokens,
         max_prompt_tokens,
         *max_media,
     )
     graphs: tuple[GraphCandidates, ...] = ()
-    if not cfg.enforce_eager and runner.dtype != torch.bfloat16:
+    if not engine.enforce_eager and runner.dtype != torch.bfloat16:
         log.warning("CUDA graphs need bfloat16 (grouped-GEMM MoE); %s steps run eagerly", runner.dtype)
-    elif not cfg.enforce_eager:
-        graphs = _graph_candidates(runner, cfg, stage) + _encoder_candidates(encoders, cfg)
-    runner.warm_up(cfg.max_num_batched_tokens)
-    kv = cfg.stage("thinker").kv
+    elif not engine.enforce_eager:
+        graphs = _graph_candidates(runner, settings.stage, stage)
+        graphs += _encoder_candidates(encoders, settings.encoders)
+    runner.warm_up(engine.max_num_batched_tokens)
+    kv = settings.stage.kv
     fixed = kv.pages
     if fixed is None and kv.gib is not None:
         fixed = int(kv.gib * GiB) // kv_bytes_per_page
@@ -61,18 +67,22 @@ def text_stage_memory(
         peaks=tuple(floor.phases()),
         kv=(
             KVPool(
-                stage, kv_bytes_per_page, min_pages=-(-(max_prompt_tokens + 1) // cfg.page_size), pages=fixed
+                stage,
+                kv_bytes_per_page,
+                min_pages=-(-(max_prompt_tokens + 1) // engine.page_size),
+                pages=fixed,
             ),
         ),
         graphs=graphs,
     )
 
 
-def _graph_candidates(runner: TokenRunner, cfg: EngineConfig, stage: str) -> tuple[GraphCandidates, ...]:
+def _graph_candidates(
+    runner: TokenRunner, thinker: DecoderSettings, stage: str
+) -> tuple[GraphCandidates, ...]:
     """The stage's decode and prefill graphs as the config's stages section sizes them (none when eager)."""
     # a graph keeps its outputs (hidden states, logits) in its pool and shares the rest (scratch) with the
     # pool's other graphs; the largest step's measured peak, scaled by batch
-    thinker = cfg.stage("thinker")
     graphs = []
     if buckets := thinker.graphs.sizes(decode_buckets):
         peaks = scaled_peaks(runner.profile_peak(max(buckets), max(buckets)), buckets)
@@ -84,11 +94,10 @@ def _graph_candidates(runner: TokenRunner, cfg: EngineConfig, stage: str) -> tup
     return tuple(graphs)
 
 
-def _encoder_candidates(encoders: EncoderStage, cfg: EngineConfig) -> tuple[GraphCandidates, ...]:
+def _encoder_candidates(encoders: EncoderStage, stage: EncodersSettings) -> tuple[GraphCandidates, ...]:
     """The towers' graphs (audio per bucket of windows, vision per bucket of patches): the configured buckets,
     else the encoders' defaults. Prefill-kind: a request pays for them once, not per token. They are captured
     into the device's main-stream pool (`MAIN_POOL`), with the text stage's prefill graphs."""
-    stage = cfg.stage("encoders")
     if stage.enforce_eager:
         return ()
     default_audio, default_vision = encoders.default_graph_buckets()

@@ -11,7 +11,7 @@ import logging
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 import torch
@@ -27,6 +27,10 @@ from omnistage.models.layers.moe import kernel_switches
 from omnistage.models.layers.rotary import PromptPositions
 
 log = logging.getLogger(__name__)
+
+P = TypeVar(
+    "P", bound=PromptInputs
+)  # a text stage's state of a request: what the runner reads of it, and more
 
 # (tokens, sequences) of the eager steps run at start whatever the model: odd and even counts (Triton
 # specialises integer arguments divisible by 16), one row and more (dynamo specialises 0 and 1), a step of
@@ -216,7 +220,7 @@ class TokenRunner:
         log.info("warmed up %d step shapes in %.1f s", len(shapes), time.perf_counter() - started)
 
     def prepare(
-        self, chunks: list[ScheduledChunk], input_ids: torch.Tensor | None = None
+        self, chunks: list[ScheduledChunk[P]], input_ids: torch.Tensor | None = None
     ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, torch.Tensor]:
         """The step's token ids `[T]`, positions `[3, T]`, attention metadata and the rows whose logits are
         sampled (the last of each sampling chunk, in chunk order), built on the host and moved in one copy.
@@ -229,7 +233,7 @@ class TokenRunner:
             start, count = chunk.start, chunk.num_tokens
             if input_ids is None:
                 ids += chunk.seq.token_ids(start, start + count)
-            mrope = _mrope(chunk)
+            mrope = chunk.seq.data.mrope
             if mrope is not None and start < mrope.positions.shape[1]:
                 positions[:, row : row + count] = positions_for(start, count, mrope).numpy()
             else:  # text: one position in all three streams (numpy, not a tensor per chunk)
@@ -250,7 +254,7 @@ class TokenRunner:
         return (host_ids if input_ids is None else input_ids), device_positions, meta, device_rows
 
     @torch.inference_mode()
-    def execute(self, step: SchedulerOutput, input_ids: torch.Tensor | None = None) -> torch.Tensor:
+    def execute(self, step: SchedulerOutput[P], input_ids: torch.Tensor | None = None) -> torch.Tensor:
         """Logits `[n, vocab]` (float32) for the n chunks of `step` that end in a sample, in chunk order;
         `input_ids` as `prepare` takes them."""
         input_ids, positions, meta, sample_rows = self.prepare(step.chunks, input_ids)
@@ -279,16 +283,16 @@ class TokenRunner:
         return self.model.compute_logits(hidden if pure_decode else hidden.index_select(0, sample_rows))
 
     def _merge_multimodal(
-        self, chunks: list[ScheduledChunk], input_ids: torch.Tensor
+        self, chunks: list[ScheduledChunk[P]], input_ids: torch.Tensor
     ) -> tuple[torch.Tensor | None, list[torch.Tensor] | None]:
         """Token embeddings with encoder outputs at the placeholder rows the chunks cover, and deepstack."""
-        if not any(_inputs(c).mm is not None for c in chunks):
+        if not any(c.seq.data.mm is not None for c in chunks):
             return None, None
         embeds = self.model.model.embed_tokens(input_ids)
         deepstack = None
         offset = 0
         for chunk in chunks:
-            mm = _inputs(chunk).mm
+            mm = chunk.seq.data.mm
             if mm is not None and chunk.start < chunk.seq.num_prompt_tokens:
                 end = chunk.start + chunk.num_tokens
                 media = (
@@ -312,23 +316,13 @@ class TokenRunner:
         return embeds, deepstack
 
 
-def _write_tap(tap: HiddenTap, chunk: ScheduledChunk, tapped: torch.Tensor) -> None:
+def _write_tap(tap: HiddenTap, chunk: ScheduledChunk[P], tapped: torch.Tensor) -> None:
     """The tap's rows inside `chunk` from `tapped`, the chunk's hidden states from its first row on."""
     inside = rows_within(tap.rows_host, chunk.start, chunk.start + chunk.num_tokens)
     tap.values[inside] = tapped[tap.rows[inside] - chunk.start].to(tap.values.dtype)
 
 
-def _tap(chunk: ScheduledChunk) -> HiddenTap | None:
+def _tap(chunk: ScheduledChunk[P]) -> HiddenTap | None:
     """The chunk's tap while it runs prompt rows."""
-    tap = _inputs(chunk).tap
+    tap = chunk.seq.data.tap
     return tap if tap is not None and chunk.start < chunk.seq.num_prompt_tokens else None
-
-
-def _mrope(chunk: ScheduledChunk) -> PromptPositions | None:
-    return _inputs(chunk).mrope
-
-
-def _inputs(chunk: ScheduledChunk) -> PromptInputs:
-    """The request's inputs beyond its ids: its stage keeps them in its state (`output_processor.RequestState`)."""
-    inputs: PromptInputs = chunk.seq.data
-    return inputs

@@ -6,11 +6,11 @@ from omnistage.errors import InvalidRequest, RequestTooLarge
 
 
 def make_seq(request_id: str = "r") -> Sequence:
-    return Sequence(request_id=request_id, prompt_token_ids=[1, 2, 3], max_tokens=4)
+    return Sequence(request_id=request_id, prompt_token_ids=[1, 2, 3], max_tokens=4, data=None)
 
 
 def test_sequence_properties():
-    seq = Sequence("a", [5, 6, 7], max_tokens=3, output_token_ids=[8])
+    seq = Sequence("a", [5, 6, 7], max_tokens=3, output_token_ids=[8], data=None)
     assert seq.num_prompt_tokens == 3
     assert seq.num_output_tokens == 1
     assert seq.num_tokens == 4
@@ -22,11 +22,13 @@ def test_sequence_properties():
         SequenceStatus.FINISHED_ABORTED,
         SequenceStatus.FINISHED_ERROR,
     }
-    assert seq != Sequence("a", [5, 6, 7], max_tokens=3, output_token_ids=[8])  # identity, not value
+    assert seq != Sequence(
+        "a", [5, 6, 7], max_tokens=3, output_token_ids=[8], data=None
+    )  # identity, not value
 
 
 def test_token_ids_slices_prompt_and_output_as_one_list():
-    seq = Sequence("a", [5, 6, 7], max_tokens=3, output_token_ids=[8, 9])
+    seq = Sequence("a", [5, 6, 7], max_tokens=3, output_token_ids=[8, 9], data=None)
     for start in range(6):
         for end in range(start, 7):
             assert seq.token_ids(start, end) == seq.all_token_ids[start:end], (start, end)

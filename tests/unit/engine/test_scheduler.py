@@ -102,7 +102,7 @@ def run_to_end(sched: Scheduler, model: FakeModel, max_steps: int = 1000) -> lis
 
 
 def make(request_id: str, prompt_len: int, max_tokens: int, base: int = 0) -> Sequence:
-    return Sequence(request_id, [base + i + 1 for i in range(prompt_len)], max_tokens)
+    return Sequence(request_id, [base + i + 1 for i in range(prompt_len)], max_tokens, data=None)
 
 
 def setup(num_pages=16, page_size=4, max_num_seqs=8, budget=64):
@@ -310,7 +310,7 @@ def test_lone_sequence_filling_the_whole_pool_finishes():
 def test_admission_refuses_at_once_with_the_exact_message():
     pool = PagePool(num_pages=175, page_size=128)
     sched = Scheduler(pool, max_num_seqs=4, max_num_batched_tokens=2048)
-    seq = Sequence("big", [7] * 24_000, max_tokens=212)
+    seq = Sequence("big", [7] * 24_000, max_tokens=212, data=None)
     with pytest.raises(RequestTooLarge) as info:
         sched.add(seq)
     assert str(info.value) == "request needs 190 pages (24,212 tokens) but the pool has 175 pages"
@@ -320,9 +320,9 @@ def test_admission_refuses_at_once_with_the_exact_message():
 def test_add_rejects_bad_requests():
     _, sched, _ = setup()
     with pytest.raises(InvalidRequest, match="empty"):
-        sched.add(Sequence("a", [], 4))
+        sched.add(Sequence("a", [], 4, data=None))
     with pytest.raises(InvalidRequest, match="max_tokens"):
-        sched.add(Sequence("a", [1], 0))
+        sched.add(Sequence("a", [1], 0, data=None))
     sched.add(make("a", 2, 2))
     with pytest.raises(ValueError, match="already"):
         sched.add(make("a", 2, 2))
@@ -420,7 +420,7 @@ def test_soak_random_arrivals_aborts_and_stops(seed):
     for i in range(2000):
         if i < 300 and rng.random() < 0.3:
             prompt = [rng.randrange(1000) for _ in range(rng.randint(1, 40))]
-            seq = Sequence(f"r{i}", prompt, rng.randint(1, 30))
+            seq = Sequence(f"r{i}", prompt, rng.randint(1, 30), data=None)
             try:
                 sched.add(seq)
                 seqs.append(seq)

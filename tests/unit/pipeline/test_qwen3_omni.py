@@ -221,7 +221,7 @@ def test_cancelled_and_failed_speaking_requests_leave_every_pool_full(llm, monke
     pipeline = llm.pipeline
     specs = [speak(llm, 4, frames=8, text_tokens=4), speak(llm, 5, frames=8, text_tokens=4)]
     alone = run(llm, requests(llm, specs[1:], first_id=50))["50"][-1]
-    predict = pipeline.handoff.run_frames
+    predict = pipeline.steps.handoff.run_frames
 
     def failing_for_60(speeches, hidden, code0):
         if any(speech.request_id == "60" for speech in speeches):
@@ -229,7 +229,7 @@ def test_cancelled_and_failed_speaking_requests_leave_every_pool_full(llm, monke
         return predict(speeches, hidden, code0)
 
     # the batch fails on the Talker's device-side ids, then again once they are read back, then 60 fails alone
-    monkeypatch.setattr(pipeline.handoff, "run_frames", failing_for_60)
+    monkeypatch.setattr(pipeline.steps.handoff, "run_frames", failing_for_60)
     outs = run(llm, requests(llm, specs, first_id=60))
     victim, neighbour = outs["60"][-1], outs["61"][-1]
     assert (
@@ -316,8 +316,8 @@ def test_thinker_steps_beside_the_speaking_steps_change_nothing_but_timing(llm, 
     submitted = []
     submit = side.submit
     monkeypatch.setattr(side, "submit", lambda work: submitted.append(work) or submit(work))
-    monkeypatch.setattr(pipeline, "_thinker_side", side)
-    monkeypatch.setattr(pipeline, "overlap", True)
+    monkeypatch.setattr(pipeline.steps, "_thinker_side", side)
+    monkeypatch.setattr(pipeline.steps, "overlap", True)
     # the CPU captures no graphs: a decode step stands in for a replay
     monkeypatch.setattr(
         pipeline.thinker, "replays_next_step", lambda: pipeline.thinker.scheduler.decodes_only
@@ -330,15 +330,15 @@ def test_thinker_steps_beside_the_speaking_steps_change_nothing_but_timing(llm, 
         assert ours.audio_codes == theirs.audio_codes and len(ours.audio_codes) == 10
     assert_pools_full(llm)
 
-    predict = pipeline.handoff.run_frames
+    predict = pipeline.steps.handoff.run_frames
 
     def failing_for_401_at_its_fourth_frame(speeches, hidden, code0):
         if any(speech.request_id == "401" and len(speech.codes) == 3 for speech in speeches):
-            assert pipeline._deferred_aborts is not None  # a Thinker step is running beside this one
+            assert pipeline.steps._deferred_aborts is not None  # a Thinker step is running beside this one
             raise RuntimeError("injected failure")
         return predict(speeches, hidden, code0)
 
-    monkeypatch.setattr(pipeline.handoff, "run_frames", failing_for_401_at_its_fourth_frame)
+    monkeypatch.setattr(pipeline.steps.handoff, "run_frames", failing_for_401_at_its_fourth_frame)
     outs = run(llm, requests(llm, specs[:2], first_id=400))
     assert "injected failure" in outs["401"][-1].error and len(outs["401"][-1].outputs[0].token_ids) < 14
     assert outs["400"][-1].audio_codes == sequential["200"][-1].audio_codes
@@ -352,28 +352,29 @@ def test_a_speaking_step_that_raises_beside_the_thinker_waits_for_its_step(llm, 
     and the aborts it deferred have run, so nothing touches the Thinker from two threads and every pool empties."""
     pipeline = llm.pipeline
     side = SideStream(torch.device("cpu"), "thinker")
-    monkeypatch.setattr(pipeline, "_thinker_side", side)
-    monkeypatch.setattr(pipeline, "overlap", True)
+    monkeypatch.setattr(pipeline.steps, "_thinker_side", side)
+    monkeypatch.setattr(pipeline.steps, "overlap", True)
     monkeypatch.setattr(
         pipeline.thinker, "replays_next_step", lambda: pipeline.thinker.scheduler.decodes_only
     )
     new = requests(llm, [speak(llm, i, frames=10, text_tokens=14) for i in range(2)], first_id=500)
     assert pipeline.add_requests(new) == [None, None]
-    while not pipeline._beside():
+    while not pipeline.steps._beside():
         pipeline.step()
-    speak_here, finished = pipeline.handoff.step, []
+    speak_here, finished = pipeline.steps.handoff.step, []
 
     def failing():
-        pipeline._fail(pipeline._speaking["500"], "speech failed: injected")  # deferred: the Thinker is busy
+        # deferred: the Thinker is busy
+        pipeline.steps.fail(pipeline._speaking["500"], "speech failed: injected")
         speak_here()
         raise RuntimeError("injected failure in the speaking step")
 
     submit = side.submit
     monkeypatch.setattr(side, "submit", lambda work: submit(lambda: finished.append(work()) or finished[-1]))
-    monkeypatch.setattr(pipeline.handoff, "step", failing)
+    monkeypatch.setattr(pipeline.steps.handoff, "step", failing)
     with pytest.raises(RuntimeError, match="injected failure"):
         pipeline.step()
-    assert finished and pipeline._deferred_aborts is None
+    assert finished and pipeline.steps._deferred_aborts is None
     assert pipeline.thinker.scheduler.get("500") is None  # its deferred abort ran
     for request in new:
         pipeline.abort(request.request_id)
@@ -402,11 +403,13 @@ def test_code_predictor_on_the_talkers_device_side_ids_changes_nothing(llm, monk
     specs = [speak(llm, i, frames=9, text_tokens=6) for i in range(3)]
     specs[1]["speech"] = SpeechParams(VOICES[1], talker(9, seed=101))  # EOS ends it (the others ignore it)
     launched = []
-    launch = pipeline.handoff.launch_frames
-    monkeypatch.setattr(pipeline.handoff, "launch_frames", lambda f: launched.append(out := launch(f)) or out)
+    launch = pipeline.steps.handoff.launch_frames
+    monkeypatch.setattr(
+        pipeline.steps.handoff, "launch_frames", lambda f: launched.append(out := launch(f)) or out
+    )
     early = run(llm, requests(llm, specs, first_id=500))
     assert any(frames is not None for frames in launched)
-    monkeypatch.setattr(pipeline.handoff, "launch_frames", lambda flights: None)
+    monkeypatch.setattr(pipeline.steps.handoff, "launch_frames", lambda flights: None)
     after = run(llm, requests(llm, specs, first_id=600))
     for i in range(3):
         ours, theirs = early[str(500 + i)][-1], after[str(600 + i)][-1]
@@ -422,7 +425,7 @@ def assert_nothing_held(llm: LLM) -> None:
     """Every pool full and no speaking request's state left anywhere (its audio, codes, stream, sequence)."""
     assert_pools_full(llm)
     pipeline = llm.pipeline
-    assert not pipeline._speaking and not pipeline._waiting and not pipeline._refused
+    assert not pipeline._speaking and not pipeline.queue and not pipeline.queue.refused
     assert not pipeline.speech_stages.talker_stage.scheduler._unfinished
 
 
@@ -433,7 +436,7 @@ def test_speaking_requests_beyond_the_bound_wait_their_turn(llm, monkeypatch):
     pipeline = llm.pipeline
     specs = [speak(llm, i, frames=6, text_tokens=3) for i in range(4)]
     together = run(llm, requests(llm, specs, first_id=200))
-    monkeypatch.setattr(pipeline, "max_speaking", 2)
+    monkeypatch.setattr(pipeline.queue, "max_speaking", 2)
     new = requests(llm, specs, first_id=300)
     text = requests(llm, [{**speak(llm, 5, 1, 3), "speech": None}], first_id=400)
     assert pipeline.add_requests(new + text) == [None] * 5
@@ -459,7 +462,7 @@ def test_speaking_requests_beyond_the_bound_wait_their_turn(llm, monkeypatch):
 
 def test_a_waiting_speaking_request_can_be_aborted(llm, monkeypatch):
     pipeline = llm.pipeline
-    monkeypatch.setattr(pipeline, "max_speaking", 1)
+    monkeypatch.setattr(pipeline.queue, "max_speaking", 1)
     new = requests(llm, [speak(llm, i, frames=4, text_tokens=2) for i in range(3)], first_id=500)
     assert pipeline.add_requests(new) == [None] * 3
     aborted = pipeline.abort("502")

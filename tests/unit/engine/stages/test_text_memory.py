@@ -15,6 +15,7 @@ from omnistage.engine.memory.plan import MAIN_POOL, GiB, StageMemory, scaled_cos
 from omnistage.engine.stages.text_memory import text_stage_memory
 from omnistage.errors import ConfigError
 from omnistage.pipeline.planning import plan_devices
+from omnistage.pipeline.qwen3_omni_loading import thinker_settings
 
 PAGE_BYTES = 1 << 20
 
@@ -72,7 +73,7 @@ def plan(**config):
         resident=(("Talker", 2 * GiB, "weights"), ("Talker KV pages", GiB, "64 pages")),
         peaks=(("Code2Wav", 3 * 10**9, "16 streams"),),
     )
-    need = text_stage_memory(runner, encoders, cfg, PAGE_BYTES, 4095, (8, 5))
+    need = text_stage_memory(runner, encoders, thinker_settings(cfg), PAGE_BYTES, 4095, (8, 5))
     gpu = torch.device("cuda", 0)
     result = plan_devices([(gpu, need), (gpu, others)], cfg.gpu_memory_limit_gib)[gpu]
     return result, runner, encoders

@@ -15,10 +15,9 @@ PAGE = 4
 
 
 def sequence(prompt_len: int, outputs: int, mrope: PromptPositions | None, first_page: int) -> Sequence:
-    seq = Sequence(f"r{first_page}", list(range(100, 100 + prompt_len)), max_tokens=8)
+    seq = Sequence(f"r{first_page}", list(range(100, 100 + prompt_len)), 8, data=PromptInputs(mrope=mrope))
     seq.output_token_ids = list(range(500, 500 + outputs))
     seq.page_ids = list(range(first_page, first_page + -(-seq.num_tokens // PAGE)))
-    seq.data = PromptInputs(mrope=mrope)
     return seq
 
 
