@@ -21,6 +21,7 @@ import torch
 import torch.nn.functional as F
 
 from omnistage.errors import InvalidMedia
+from omnistage.models.cpu_threads import shared_threads
 from omnistage.models.qwen3_omni.image_processing import smart_resize
 
 VIDEO_CONFIG = "video_preprocessor_config.json"
@@ -146,8 +147,9 @@ def resized(frames: np.ndarray, cfg: VideoProcessorConfig) -> np.ndarray:
     if size == (height, width):
         return frames
     video = torch.from_numpy(np.ascontiguousarray(frames)).permute(0, 3, 1, 2)
-    video = F.interpolate(video, size=size, mode="bicubic", align_corners=False, antialias=True)
-    return video.permute(0, 2, 3, 1).contiguous().numpy()
+    with shared_threads():
+        video = F.interpolate(video, size=size, mode="bicubic", align_corners=False, antialias=True)
+        return video.permute(0, 2, 3, 1).contiguous().numpy()
 
 
 def preprocess_video(
@@ -160,8 +162,17 @@ def preprocess_video(
         )
     count, height, width, _ = frames.shape
     grid_t, grid_h, grid_w = video_grid(count, height, width, cfg)
-    p, m, t = cfg.patch_size, cfg.merge_size, cfg.temporal_patch_size
     video = torch.from_numpy(resized(frames, cfg)).permute(0, 3, 1, 2)  # [T, C, H, W]
+    with shared_threads():
+        return _patches(video, count, (grid_t, grid_h, grid_w), cfg)
+
+
+def _patches(
+    video: torch.Tensor, count: int, grid: tuple[int, int, int], cfg: VideoProcessorConfig
+) -> tuple[torch.Tensor, tuple[int, int, int]]:
+    """Frames uint8 [T, C, H, W] at their processor size, normalised and cut into the vision tower's patches."""
+    grid_t, grid_h, grid_w = grid
+    p, m, t = cfg.patch_size, cfg.merge_size, cfg.temporal_patch_size
     # rescale and normalise fused, as transformers does: (x - mean / r) / (std / r)
     mean = torch.tensor(cfg.image_mean) / cfg.rescale_factor
     std = torch.tensor(cfg.image_std) / cfg.rescale_factor

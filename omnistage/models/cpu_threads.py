@@ -1,0 +1,41 @@
+"""A fair share of the CPU's threads for torch work that requests run at once on worker threads.
+
+torch's CPU kernels run on an OpenMP team as large as the machine for every calling thread; eight requests
+preprocessing at once on a 16-core host then ask for 128 spinning threads, and each runs slower than the
+eight would one after another (RESULTS.md, "Video in, with its sound"). The team size is the calling
+thread's own (`torch.set_num_threads` is per thread with the OpenMP backend), so each caller takes
+cores / callers while it works, and a lone request keeps every core.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import torch
+
+_lock = threading.Lock()
+_active = 0
+_cores = torch.get_num_threads()
+
+
+def _share(callers: int) -> int:
+    return max(1, _cores // max(1, callers))
+
+
+@contextmanager
+def shared_threads() -> Iterator[int]:
+    """Run the block on this thread's share of the cores (given as the value); restored after."""
+    global _active
+    with _lock:
+        _active += 1
+        share = _share(_active)
+    before = torch.get_num_threads()
+    torch.set_num_threads(share)
+    try:
+        yield share
+    finally:
+        torch.set_num_threads(before)
+        with _lock:
+            _active -= 1

@@ -1,0 +1,37 @@
+import threading
+
+import torch
+
+from omnistage.models import cpu_threads
+from omnistage.models.cpu_threads import shared_threads
+
+
+def test_a_lone_caller_keeps_every_core_and_gets_its_count_back():
+    before = torch.get_num_threads()
+    with shared_threads() as share:
+        assert share == cpu_threads._cores and torch.get_num_threads() == share
+    assert torch.get_num_threads() == before
+
+
+def test_callers_at_once_split_the_cores_among_them(monkeypatch):
+    monkeypatch.setattr(cpu_threads, "_cores", 16)
+    inside, leave = threading.Barrier(4), threading.Event()
+    seen: list[tuple[int, int]] = []
+
+    def work() -> None:
+        with shared_threads() as share:
+            inside.wait()
+            seen.append((share, torch.get_num_threads()))  # the team size is this thread's own
+            leave.wait()
+
+    threads = [threading.Thread(target=work) for _ in range(3)]
+    for t in threads:
+        t.start()
+    inside.wait()
+    leave.set()
+    for t in threads:
+        t.join()
+    # a share is taken on entry (a frame's resize is short, so each frame takes it anew): the first in took
+    # all 16, the second 8, the third 5, and each thread's team was its own share
+    assert sorted(s for s, _ in seen) == [5, 8, 16] and all(s == n for s, n in seen)
+    assert cpu_threads._active == 0
