@@ -1,16 +1,15 @@
 """Qwen3-Omni's speech stages on their device: the Talker (a RowStage over its paged KV), the code
-predictor (a frame per call, `FrameGraphs`) and streaming Code2Wav (`Code2WavStreamer` over
-`Code2WavGraphs`). Loaded, measured for their device's memory plan (their weights, largest steps, the Talker's
-KV pool and their graphs' costs), then allocated and captured as the plan says. The pipeline
-(`qwen3_omni.py`) hands each speaking request's text rows and frames across them.
+predictor (a FrameStage over `FrameGraphs`) and Code2Wav (a Code2WavStage over `Code2WavGraphs`, which
+`Code2WavStreamer` streams through). Loaded here; each measures what it needs of its device's plan and takes
+its grant as the `Stage` protocol says. The pipeline (`qwen3_omni.py`) hands each speaking request's text rows
+and frames across them.
 """
-
 from __future__ import annotations
 
 import contextlib
 import logging
 from pathlib import Path
-from typing import Any, cast
+from typing import Any
 
 import torch
 
@@ -21,8 +20,10 @@ from omnistage.engine.devices import resolve_device
 from omnistage.engine.graphs.base import int_buckets
 from omnistage.engine.graphs.code2wav import Code2WavGraphs
 from omnistage.engine.graphs.frames import FrameGraphs
-from omnistage.engine.memory.measure import device_peak, graph_candidates, module_bytes
-from omnistage.engine.memory.plan import MAIN_POOL, GiB, KVPool, MemoryPlan, StageMemory
+from omnistage.engine.memory.plan import GiB, KVPool, MemoryPlan, StageMemory
+from omnistage.engine.stages.base import Stage
+from omnistage.engine.stages.code2wav import Code2WavStage
+from omnistage.engine.stages.frames import FrameStage
 from omnistage.engine.stages.row_runner import RowRunner
 from omnistage.engine.stages.rows import RowStage
 from omnistage.models.layers.linear import adopt_gemv
@@ -116,23 +117,29 @@ class SpeechStages:
             prefill_sizes=talker.prefill_graphs.sizes(prefill_buckets),
             kv=self._talker_pool(shared),
         )
-        self.frame_graphs = FrameGraphs(
+        frame_graphs = FrameGraphs(
             self.code_predictor,
             self.talker.model.codec_embedding,
             PREDICTOR_TOP_K,
             max_batch=predictor.max_batch,
             enforce_eager=predictor.enforce_eager,
         )
+        self.frame_stage = FrameStage(
+            self.code_predictor, frame_graphs, predictor.graphs.sizes(decode_buckets)
+        )
         prefix = decodes_first_as_prefix(self.code2wav, c2w.first_chunk, c2w.chunk)
-        self.code2wav_graphs = Code2WavGraphs(
+        code2wav_graphs = Code2WavGraphs(
             self.code2wav,
             sorted({c2w.first_chunk, c2w.chunk}),
             c2w.max_streams,
             enforce_eager=c2w.enforce_eager,
             prefix=c2w.first_chunk if prefix else None,
         )
+        self.code2wav_stage = Code2WavStage(
+            self.code2wav, code2wav_graphs, c2w.max_streams, c2w.chunk, c2w.graphs.sizes(decode_buckets)
+        )
         self.streamer = Code2WavStreamer(
-            self.code2wav, c2w.first_chunk, c2w.chunk, max_batch=c2w.max_streams, decode=self.code2wav_graphs
+            self.code2wav, c2w.first_chunk, c2w.chunk, max_batch=c2w.max_streams, decode=code2wav_graphs
         )
         self.tokens = SpeechTokens.from_config(cfg)
 
@@ -164,53 +171,29 @@ class SpeechStages:
                 share = talker.kv.share or text.kv_bytes_per_token / (thinker + text.kv_bytes_per_token)
         return KVPool("Talker", page_bytes, min_pages=min_pages, share=share, pages=fixed)
 
+    @property
+    def stages(self) -> tuple[Stage, Stage, Stage]:
+        """The Talker, the code predictor and Code2Wav, in the order they run and join one graph pool."""
+        return self.talker_stage, self.frame_stage, self.code2wav_stage
+
+    @property
+    def frame_graphs(self) -> FrameGraphs:
+        return self.frame_stage.graphs
+
+    @property
+    def code2wav_graphs(self) -> Code2WavGraphs:
+        return self.code2wav_stage.graphs
+
     def memory(self) -> StageMemory:
-        """What the three stages bring to their device's plan: the Talker's (RowStage.memory), the peak bytes
-        of a full Code2Wav call, their weights and their graphs' measured costs."""
-        cfg, streamer = self.config, self.streamer
-        predictor, c2w = cfg.stage("code_predictor"), cfg.stage("code2wav")
-        talker = self.talker_stage.memory()
-        window = self.code2wav.left_context + streamer.chunk
-        codes = torch.zeros(
-            streamer.max_batch,
-            self.code2wav.config.num_quantizers,
-            window,
-            dtype=torch.long,
-            device=streamer.device,
-        )
-        with torch.inference_mode(), device_peak(streamer.device) as peak:
-            self.code2wav.decode_window(
-                codes, torch.zeros(streamer.max_batch, dtype=torch.long, device=streamer.device)
-            )
-        torch.cuda.empty_cache()
-        streams = set(c2w.graphs.sizes(decode_buckets))
-        c2w_graphs = self.code2wav_graphs  # priced on its whole ladder of streams, as it measures the largest
-        c2w_peaks = {
-            k: v
-            for k, v in c2w_graphs.graph_costs(c2w_graphs.buckets).items()
-            if isinstance(k, tuple) and k[1] in streams
-        }
-        # the device's main-stream pool holds the three sets' graphs (`allocate`)
-        graphs = (
-            graph_candidates(
-                "code predictor", "decode", "frames",
-                self.frame_graphs.graph_costs(predictor.graphs.sizes(decode_buckets)), MAIN_POOL,
-            ),
-            graph_candidates("Code2Wav", "decode", "chunk x streams", c2w_peaks, MAIN_POOL),
-        )  # fmt: skip
+        """What the three stages bring to their device's plan, each its own (`Stage.memory`), and the table of
+        projected text rows the Talker reads."""
+        talker, frames, code2wav = (stage.memory() for stage in self.stages)
+        rows = ("Talker text rows", self._text_rows_bytes(), "talker_input.text_rows")
         return StageMemory(
-            resident=(
-                *talker.resident,
-                ("Talker text rows", self._text_rows_bytes(), "talker_input.text_rows"),
-                ("code predictor", module_bytes(self.code_predictor), "weights"),
-                ("Code2Wav", module_bytes(self.code2wav), "weights"),
-            ),
-            peaks=(
-                *talker.peaks,
-                ("Code2Wav", peak.bytes, f"{streamer.max_batch} streams × {window} frames"),
-            ),
-            kv=talker.kv,
-            graphs=(*talker.graphs, *(g for g in graphs if g.costs)),
+            resident=(*talker.resident, rows, *frames.resident, *code2wav.resident),
+            peaks=(*talker.peaks, *frames.peaks, *code2wav.peaks),
+            kv=(*talker.kv, *frames.kv, *code2wav.kv),
+            graphs=(*talker.graphs, *frames.graphs, *code2wav.graphs),
         )
 
     def _text_rows_bytes(self) -> int:
@@ -223,18 +206,13 @@ class SpeechStages:
         )
 
     def allocate(self, plan: MemoryPlan, pool: Any = None) -> None:
-        """The Talker's pages and the three stages' graphs as `plan` has them (the graphs record the pages'
-        addresses, so the pool comes first). The three run one after another on the device's main stream: one
-        graph memory pool, `pool` (the Thinker's main-stream pool where they share its device, `MAIN_POOL`)
-        or a new one."""
-        self.talker_stage.allocate(plan, pool)
-        pool = self.talker_stage.graph_pool
-        # the plan's buckets are typed for every set: frame counts here, (frames, streams) for Code2Wav
-        self.frame_graphs.capture(int_buckets(plan.captured("code predictor", "decode")), pool=pool)
-        self.code2wav_graphs.capture(
-            cast("tuple[tuple[int, int], ...]", plan.captured("Code2Wav", "decode")),
-            pool=pool or self.frame_graphs.pool,
-        )
+        """Each stage's grant of `plan`, in turn: the Talker's pages then graphs (the graphs record the pages'
+        addresses), the code predictor's and Code2Wav's graphs. The three run one after another on the device's
+        main stream: one graph memory pool, `pool` (the Thinker's main-stream pool where they share its device,
+        `MAIN_POOL`) or the first one a stage makes."""
+        for stage in self.stages:
+            stage.allocate(plan, pool)
+            pool = pool or stage.graph_pool
 
     def summary(self) -> str:
         """What the start-up line says of the three stages."""

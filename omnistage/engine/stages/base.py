@@ -13,6 +13,7 @@ from typing import Any, Protocol, runtime_checkable
 
 import torch
 
+from omnistage.engine.graphs.base import GraphSet
 from omnistage.engine.memory.plan import MemoryPlan, StageMemory
 
 
@@ -44,3 +45,21 @@ class Stage(Protocol):
     def stats(self) -> dict[str, int]:
         """Its counters: requests waiting and running, KV pages, and the device allocator's on a GPU."""
         ...
+
+
+class OverGraphs:
+    """What a stage whose every step is a call of one graph set (`graphs`: the code predictor's, Code2Wav's)
+    reports of itself: its device, its graphs' pool and what it captured."""
+
+    graphs: GraphSet[Any]
+
+    @property
+    def device(self) -> torch.device:
+        return self.graphs.device
+
+    @property
+    def graph_pool(self) -> Any:
+        return self.graphs.pool
+
+    def stats(self) -> dict[str, int]:
+        return {"graphs_captured": len(self.graphs.captured_buckets)}

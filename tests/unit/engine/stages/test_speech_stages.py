@@ -1,0 +1,66 @@
+"""The code predictor and Code2Wav as stages of the one protocol (CPU, tiny checkpoint): what each brings
+to its device's plan and takes of it; the plan itself is measured on a GPU (tests/gpu)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import pytest
+
+from omnistage import LLM
+from omnistage.engine.memory.measure import module_bytes
+from omnistage.engine.stages.base import Stage
+from omnistage.engine.stages.code2wav import Code2WavStage
+from omnistage.engine.stages.frames import FrameStage
+
+
+@pytest.fixture(scope="module")
+def speech(tiny_checkpoint):
+    return LLM(str(tiny_checkpoint), device="cpu", dtype="float32", page_size=4).pipeline.speech_stages
+
+
+def test_every_speech_stage_is_a_stage_in_the_order_they_share_a_pool(speech):
+    names = [stage.name for stage in speech.stages]
+    assert names == ["Talker", "code predictor", "Code2Wav"]
+    assert all(isinstance(stage, Stage) for stage in speech.stages)
+    assert isinstance(speech.frame_stage, FrameStage) and isinstance(speech.code2wav_stage, Code2WavStage)
+    # the streamer decodes through the Code2Wav stage's graphs, the hand-off through the predictor's
+    assert speech.streamer.decode is speech.code2wav_stage.graphs
+    assert speech.frame_graphs is speech.frame_stage.graphs
+
+
+def test_the_code_predictor_brings_its_weights_and_no_graphs_off_cuda(speech):
+    need = speech.frame_stage.memory()
+    assert need.resident == (("code predictor", module_bytes(speech.code_predictor), "weights"),)
+    assert need.resident[0][1] > 0 and need.graphs == () and need.kv == () and need.peaks == ()
+
+
+@dataclass
+class Granted:
+    """A plan's grant as a stage reads it (`MemoryPlan.captured`)."""
+
+    buckets: dict[str, tuple[Any, ...]]
+
+    def captured(self, stage: str, kind: str) -> tuple[Any, ...]:
+        assert kind == "decode"
+        return self.buckets.get(stage, ())
+
+
+def test_each_stage_captures_what_the_plan_grants_it_and_they_share_one_pool(speech, monkeypatch):
+    seen: dict[str, tuple[list, Any]] = {}
+
+    def recorder(name: str):
+        def capture(buckets, pool=None):
+            seen[name] = (sorted(buckets), pool)
+            return sorted(buckets)
+
+        return capture
+
+    monkeypatch.setattr(speech.frame_stage.graphs, "capture", recorder("frames"))
+    monkeypatch.setattr(speech.code2wav_stage.graphs, "capture", recorder("code2wav"))
+    monkeypatch.setattr(speech.talker_stage, "allocate", lambda plan, pool=None: None)
+    plan = Granted({"code predictor": (1, 4), "Code2Wav": ((25, 1), (25, 2))})
+    pool = object()
+    speech.allocate(plan, pool)  # type: ignore[arg-type]
+    assert seen == {"frames": ([1, 4], pool), "code2wav": ([(25, 1), (25, 2)], pool)}
