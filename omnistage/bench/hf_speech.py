@@ -95,6 +95,26 @@ def counting_frames(hf: Any) -> Iterator[list[int]]:
         del hf.talker.generate
 
 
+def forced_generate(
+    hf: Any, inputs: dict[str, Any], voice: str, text: int, audio: int, eos: int, streamer: Any = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """transformers' spoken reply to `inputs`, `text` greedy tokens and `audio` frames exactly (random weights
+    never stop on their own): its sequences and waveform. The Talker's budget counts code-0 tokens, one more
+    than the frames it makes (README, "Speech out")."""
+    return hf.generate(
+        **inputs,
+        return_audio=True,
+        speaker=voice,
+        thinker_max_new_tokens=text,
+        thinker_min_new_tokens=text,
+        thinker_do_sample=False,
+        thinker_eos_token_id=eos,
+        thinker_streamer=streamer,
+        talker_max_new_tokens=audio + 1,
+        talker_min_new_tokens=audio + 1,
+    )
+
+
 @torch.inference_mode()
 def run_hf_speech(
     hf: Any,
@@ -117,17 +137,7 @@ def run_hf_speech(
         if item.clip is not None:  # the mel features are computed inside the timing, as ours are
             kwargs |= omni_features(item.clip.audio, audio_tower(hf.thinker).dtype, device)
         with counting_frames(hf) as counts:
-            sequences, waveform = hf.generate(
-                **kwargs,
-                return_audio=True,
-                speaker=voice,
-                thinker_max_new_tokens=text,
-                thinker_min_new_tokens=text,
-                thinker_do_sample=False,
-                thinker_eos_token_id=eos,
-                talker_max_new_tokens=audio + 1,
-                talker_min_new_tokens=audio + 1,
-            )
+            sequences, waveform = forced_generate(hf, kwargs, voice, text, audio, eos)
         _sync(device)
         end = time.perf_counter()
         seconds = waveform.shape[-1] / AUDIO_SAMPLE_RATE

@@ -18,7 +18,7 @@ import torch
 
 from omnistage.bench.hf_baseline import _FirstToken, _sync, prompt_inputs
 from omnistage.bench.hf_layout import visual
-from omnistage.bench.hf_speech import counting_frames
+from omnistage.bench.hf_speech import counting_frames, forced_generate
 from omnistage.bench.speech_targets import SpeechTiming
 from omnistage.bench.video_targets import VideoInput
 from omnistage.media import MediaPolicy, decode_messages
@@ -70,19 +70,8 @@ def run_hf_video(
         prepared = time.perf_counter()
         first = _FirstToken(device)
         with counting_frames(hf) as counts:
-            sequences, waveform = hf.generate(
-                **prompt_inputs(prompt.token_ids, device),
-                **video_inputs(prompt.mm, dtype, device),
-                return_audio=True,
-                speaker=voice,
-                thinker_max_new_tokens=text,
-                thinker_min_new_tokens=text,
-                thinker_do_sample=False,
-                thinker_eos_token_id=eos,
-                thinker_streamer=first,
-                talker_max_new_tokens=audio + 1,
-                talker_min_new_tokens=audio + 1,
-            )
+            inputs = prompt_inputs(prompt.token_ids, device) | video_inputs(prompt.mm, dtype, device)
+            sequences, waveform = forced_generate(hf, inputs, voice, text, audio, eos, first)
         _sync(device)
         end = time.perf_counter()
         stages = {"preprocess": prepared - start, "first_text_token": (first.at or end) - start}

@@ -30,22 +30,17 @@ import math
 import tempfile
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from omnistage.bench import builds, speech
 from omnistage.bench.speech_targets import FRAMES_PER_SECOND, SpeechTiming
 from omnistage.bench.stats import json_safe, median, percentile
 from omnistage.bench.sweep import run as run_async
 from omnistage.bench.sweep import sweep
-from omnistage.bench.video_targets import (
-    VideoInput,
-    fitting_fps,
-    inprocess_runner,
-    parse_resolution,
-    sample_rates,
-    write_videos,
-)
-from omnistage.media import MediaPolicy
+
+if TYPE_CHECKING:  # the benchmark's own imports load torch; `--help` must not (tests/unit/test_cli.py)
+    from omnistage.bench.video_targets import VideoInput
+    from omnistage.media import MediaPolicy
 
 log = logging.getLogger("omnistage.bench")
 
@@ -65,7 +60,18 @@ def _numbers(text: str, kind: type) -> list:
     return [kind(x) for x in str(text).split(",")]
 
 
+def parse_resolution(text: str) -> tuple[int, int]:
+    """ "1280x720" as (width, height)."""
+    width, sep, height = text.lower().partition("x")
+    if not sep or not width.isdigit() or not height.isdigit() or int(width) < 2 or int(height) < 2:
+        raise ValueError(f"resolution {text!r} is not WIDTHxHEIGHT")
+    return int(width), int(height)
+
+
 def run_v2s(args: argparse.Namespace) -> dict[str, Any]:
+    from omnistage.bench.video_targets import fitting_fps, inprocess_runner, sample_rates, write_videos
+    from omnistage.media import MediaPolicy
+
     """The whole benchmark: one engine, then per length its sweep (and transformers' requests), written
     under --out-dir as each part ends."""
     concurrencies = _numbers(args.concurrency, int)

@@ -44,14 +44,6 @@ class VideoInput:
         return VideoOptions(use_audio_in_video=True, fps=self.fps)
 
 
-def parse_resolution(text: str) -> tuple[int, int]:
-    """ "1280x720" as (width, height)."""
-    width, sep, height = text.lower().partition("x")
-    if not sep or not width.isdigit() or not height.isdigit() or int(width) < 2 or int(height) < 2:
-        raise ValueError(f"resolution {text!r} is not WIDTHxHEIGHT")
-    return int(width), int(height)
-
-
 def write_videos(
     seconds: list[float], resolution: tuple[int, int], directory: Path, source_fps: int, seed: int = 0
 ) -> list[VideoInput]:

@@ -8,12 +8,12 @@ from types import SimpleNamespace
 
 import pytest
 
-from omnistage.bench import video_speech
+from omnistage.bench import video_speech, video_targets
 from omnistage.bench.speech_targets import SpeechTiming
+from omnistage.bench.video_speech import parse_resolution
 from omnistage.bench.video_targets import (
     VideoInput,
     fitting_fps,
-    parse_resolution,
     sample_rates,
     write_videos,
 )
@@ -140,7 +140,7 @@ def test_a_length_that_fails_is_reported_and_the_run_exits_non_zero(tiny_checkpo
 
         return run
 
-    monkeypatch.setattr(video_speech, "inprocess_runner", runner)
+    monkeypatch.setattr(video_targets, "inprocess_runner", runner)  # run_v2s imports it when it runs
     args = build_parser().parse_args(
         ["bench", "v2s", "--model", str(tiny_checkpoint), "--device", "cpu", "--video-seconds", "1,2",
          "--resolution", "64x48", "--concurrency", "1", "--out-dir", str(tmp_path)]
