@@ -51,7 +51,7 @@ def build_app(
     media = media or MediaPolicy()
     frontend = pipeline.frontend
     voices = Voices.of(frontend.voices, voice_aliases)
-    answers = answers or SpokenAnswers(DEFAULT_RETENTION_S, DEFAULT_MAX_ANSWERS)
+    answers = answers if answers is not None else SpokenAnswers(DEFAULT_RETENTION_S, DEFAULT_MAX_ANSWERS)
     serving = chat.ChatServing(voices, answers, system_fingerprint(served_model_name, frontend.model_path))
     metrics = ServerMetrics()
     metrics.set_plan(frontend)
