@@ -9,7 +9,7 @@ from pydantic import BaseModel
 from pydantic.fields import FieldInfo
 
 from omnistage.config import EngineConfig, engine_config, load_config
-from omnistage.config.flags import FLAGS, SWITCHES, keyword
+from omnistage.config.flags import FLAGS, MAPPINGS, SWITCHES, keyword
 
 
 def engine_config_of(args: argparse.Namespace) -> EngineConfig:
@@ -17,6 +17,9 @@ def engine_config_of(args: argparse.Namespace) -> EngineConfig:
     else the schema's default, stands)."""
     overrides = {keyword(flag): getattr(args, keyword(flag)) for flag in FLAGS}
     overrides |= {key: getattr(args, key) for key, _ in SWITCHES.values()}
+    overrides |= {
+        key: dict(getattr(args, key)) if getattr(args, key) else None for key, _ in MAPPINGS.values()
+    }
     if args.config:
         return load_config(args.config, **overrides)
     return engine_config("command line", **{k: v for k, v in overrides.items() if v is not None})
@@ -75,6 +78,24 @@ def add_engine_flags(parser: argparse.ArgumentParser) -> None:
             default=None,
             help=f"{key}: {_shown(value)}; {_help(_fields(key), key)}",
         )
+    for flag, (key, value_name) in MAPPINGS.items():
+        parser.add_argument(
+            flag,
+            dest=key,
+            action="append",
+            type=_entry,
+            default=None,
+            metavar=f"NAME={value_name}",
+            help=f"{key}, one entry; repeatable: {_help(_fields(key), key)}",
+        )
+
+
+def _entry(text: str) -> tuple[str, str]:
+    """`alloy=chelsie` -> ("alloy", "chelsie"): one entry of a mapping flag."""
+    name, sep, value = text.partition("=")
+    if not sep or not name.strip() or not value.strip():
+        raise argparse.ArgumentTypeError(f"{text!r}: give NAME=VALUE")
+    return name.strip(), value.strip()
 
 
 def add_load_flags(parser: argparse.ArgumentParser) -> None:

@@ -23,6 +23,7 @@ Serve the OpenAI-compatible HTTP API:
   POST /v1/completions           text completions; streaming
   POST /v1/audio/transcriptions  speech to text (OpenAI's multipart form); streaming
   POST /v1/audio/speech          text to speech (mp3, opus, flac, wav, pcm); raw or SSE streaming
+  GET  /v1/audio/voices          the speakers, and OpenAI's voice names for them (--voice-alias)
   GET  /v1/models                the served model
   GET  /v1/models/{model}        one model's card
   GET  /health                   200 once the engine is ready
@@ -122,6 +123,19 @@ def build_parser() -> argparse.ArgumentParser:
         "--media-dir",
         help="let requests name local media files under this directory (default: none, local paths are "
         "refused)",
+    )
+    serve.add_argument(
+        "--spoken-answers-retention-s",
+        type=int,
+        default=3600,
+        help="seconds a spoken chat answer's transcript is kept, for a later turn to give it by its audio id "
+        "(the answer's expires_at; 0: none kept) (default: %(default)s)",
+    )
+    serve.add_argument(
+        "--max-spoken-answers",
+        type=int,
+        default=10_000,
+        help="most spoken answers kept at once; the oldest go first (default: %(default)s)",
     )
     serve.add_argument(
         "--log-level",

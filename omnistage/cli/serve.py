@@ -27,6 +27,12 @@ def run(args: argparse.Namespace) -> None:
         raise ConfigError(f"--header-timeout {args.header_timeout}: must be above 0 seconds")
     if args.max_connections < 1:
         raise ConfigError(f"--max-connections {args.max_connections}: must be at least 1")
+    if args.spoken_answers_retention_s < 0:
+        raise ConfigError(
+            f"--spoken-answers-retention-s {args.spoken_answers_retention_s}: must be at least 0"
+        )
+    if args.max_spoken_answers < 0:
+        raise ConfigError(f"--max-spoken-answers {args.max_spoken_answers}: must be at least 0")
 
     listener = bind(args.host, args.port)
     try:
@@ -44,6 +50,7 @@ def _load_and_serve(
     from omnistage.pipeline.async_pipeline import AsyncPipeline
     from omnistage.server import build_app
     from omnistage.server.http_protocol import with_header_timeout
+    from omnistage.server.spoken_answers import SpokenAnswers
 
     media = MediaPolicy(allow_remote=args.allow_remote_media, media_dir=media_dir)
     if args.engine_process:  # the server's torch work is then per request, on worker threads
@@ -54,7 +61,16 @@ def _load_and_serve(
         torch.set_num_threads(ONE_THREAD)
     pipeline = AsyncPipeline.from_config(config, max_queue=args.max_queue, engine_process=args.engine_process)
     try:
-        app = build_app(pipeline, name, api_key=args.api_key, max_body_bytes=args.max_body_bytes, media=media)
+        answers = SpokenAnswers(args.spoken_answers_retention_s, args.max_spoken_answers)
+        app = build_app(
+            pipeline,
+            name,
+            api_key=args.api_key,
+            max_body_bytes=args.max_body_bytes,
+            media=media,
+            voice_aliases=config.voice_aliases,
+            answers=answers,
+        )
         logging.getLogger("omnistage.serve").info(
             "serving '%s' at http://%s:%d/v1 (API key %s, max queue %s, max %d connections, header timeout "
             "%g s)\n  %s",

@@ -82,6 +82,12 @@ class EngineConfig(BaseModel):
         "--max-queue (text requests never wait for them); default: the Talker's max_batch on a GPU, "
         "eagerly at most Code2Wav's max_streams",
     )
+    voice_aliases: dict[str, str] = Field(
+        default_factory=dict,
+        description="more names for the checkpoint's speakers, name: speaker (alloy=chelsie), on top of the "
+        "default table of OpenAI's 13 voice names (README, Speech); a name of a speaker the checkpoint lacks "
+        "stops the start (default: the table alone)",
+    )
     max_tokens_default: int | None = Field(
         None,
         ge=1,

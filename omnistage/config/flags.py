@@ -38,6 +38,12 @@ SWITCHES: dict[str, tuple[str, bool]] = {
     "--no-decode-ahead": ("decode_ahead", False),
 }
 
+# repeatable flag NAME=VALUE: (the schema's mapping it adds one entry to, what the entry's value is); a later
+# one of the same NAME wins, and the flags together replace the YAML file's mapping
+MAPPINGS: dict[str, tuple[str, str]] = {
+    "--voice-alias": ("voice_aliases", "SPEAKER"),
+}
+
 # a key of the first schema, before the `stages:` section held it: where it lives now
 MOVED: dict[str, str] = {
     "num_kv_pages": "stages.thinker.num_kv_pages",

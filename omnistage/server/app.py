@@ -8,7 +8,9 @@ that let go of the GIL, never on the event loop.
 
 from __future__ import annotations
 
+import hashlib
 import time
+from collections.abc import Mapping
 from importlib.metadata import PackageNotFoundError, version
 
 from fastapi import APIRouter, FastAPI
@@ -18,14 +20,17 @@ from omnistage.media import MediaPolicy
 from omnistage.pipeline.async_pipeline import AsyncPipeline
 from omnistage.server import chat, completions, speech, transcriptions
 from omnistage.server.errors import install_error_handlers
-from omnistage.server.gate import DEFAULT_MAX_BODY_BYTES, CatchAll, Gate
+from omnistage.server.gate import DEFAULT_MAX_BODY_BYTES, CatchAll, Gate, RequestIds
 from omnistage.server.json_route import JSONRoute
 from omnistage.server.metrics import ServerMetrics
 from omnistage.server.responses import ModelCard, ModelList
+from omnistage.server.spoken_answers import DEFAULT_MAX_ANSWERS, DEFAULT_RETENTION_S, SpokenAnswers
 from omnistage.server.streaming import Responder
+from omnistage.server.voices import Voices
 
 GENERATING = frozenset({chat.PATH, completions.PATH, transcriptions.PATH, speech.PATH})
-_ENDPOINTS = GENERATING | {"/v1/models", "/health", "/metrics"}
+VOICES_PATH = "/v1/audio/voices"
+_ENDPOINTS = GENERATING | {"/v1/models", VOICES_PATH, "/health", "/metrics"}
 
 
 def build_app(
@@ -34,13 +39,20 @@ def build_app(
     api_key: str | None = None,
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
     media: MediaPolicy | None = None,
+    voice_aliases: Mapping[str, str] | None = None,
+    answers: SpokenAnswers | None = None,
 ) -> FastAPI:
     """The FastAPI app serving `pipeline` under `served_model_name`; /v1/* needs `api_key` when one is given.
 
-    `media` says where attachments may come from (default: inline data only).
+    `media` says where attachments may come from (default: inline data only); `voice_aliases` names speakers
+    beyond the default table (voices.py: raises ConfigError for a speaker the checkpoint lacks); `answers`
+    keeps spoken answers for later turns (default: an hour, 10,000 of them).
     """
     media = media or MediaPolicy()
     frontend = pipeline.frontend
+    voices = Voices.of(frontend.voices, voice_aliases)
+    answers = answers if answers is not None else SpokenAnswers(DEFAULT_RETENTION_S, DEFAULT_MAX_ANSWERS)
+    serving = chat.ChatServing(voices, answers, system_fingerprint(served_model_name, frontend.model_path))
     metrics = ServerMetrics()
     metrics.set_plan(frontend)
 
@@ -49,7 +61,7 @@ def build_app(
         metrics.count(endpoint, "cancelled" if status == 499 else status)
 
     responder = Responder(pipeline, served_model_name, metrics, count)
-    info = _Info(pipeline, responder)
+    info = _Info(pipeline, responder, voices)
     app = FastAPI(title="omnistage", version=_version())
     install_error_handlers(app, lambda request, status: count(request.url.path, status))
     app.add_middleware(
@@ -60,13 +72,14 @@ def build_app(
         preparing=pipeline.preparing,
         preparing_paths=GENERATING,
     )
-    app.add_middleware(CatchAll, count=count)  # added last: the outermost
+    app.add_middleware(CatchAll, count=count)
+    app.add_middleware(RequestIds)  # added last: the outermost, so that every response carries its id
 
     v1 = APIRouter(prefix="/v1")
     json_routes = (
-        (chat.PATH, chat.ChatEndpoint(responder, frontend, media).create),
+        (chat.PATH, chat.ChatEndpoint(responder, frontend, media, serving).create),
         (completions.PATH, completions.CompletionsEndpoint(responder, frontend).create),
-        (speech.PATH, speech.SpeechEndpoint(responder, frontend).create),
+        (speech.PATH, speech.SpeechEndpoint(responder, frontend, voices).create),
     )
     for path, endpoint in json_routes:
         v1.add_api_route(
@@ -81,11 +94,18 @@ def build_app(
         transcriptions.PATH.removeprefix("/v1"), transcribe, methods=["POST"], response_model=None
     )
     v1.add_api_route("/models", info.models, methods=["GET"])
+    v1.add_api_route(VOICES_PATH.removeprefix("/v1"), info.voices, methods=["GET"])
     v1.add_api_route("/models/{model:path}", info.model, methods=["GET"])
     app.include_router(v1)
     app.add_api_route("/health", info.health, methods=["GET"])
     app.add_api_route("/metrics", info.metrics_text, methods=["GET"])
     return app
+
+
+def system_fingerprint(served_model_name: str, model_path: object) -> str:
+    """A stable mark of what answers: the model (its name and checkpoint) and omnistage's version."""
+    digest = hashlib.sha256(f"{served_model_name}\0{model_path}\0{_version()}".encode()).hexdigest()
+    return f"fp_{digest[:12]}"
 
 
 def _version() -> str:
@@ -96,11 +116,15 @@ def _version() -> str:
 
 
 class _Info:
-    """The routes that generate nothing: the model cards, health and the metrics."""
+    """The routes that generate nothing: the model cards, the voices, health and the metrics."""
 
-    def __init__(self, pipeline: AsyncPipeline, responder: Responder) -> None:
-        self.pipeline, self.responder = pipeline, responder
+    def __init__(self, pipeline: AsyncPipeline, responder: Responder, voices: Voices) -> None:
+        self.pipeline, self.responder, self._voices = pipeline, responder, voices
         self.created = int(time.time())
+
+    async def voices(self) -> JSONResponse:
+        """The checkpoint's speakers and the other names of them (OpenAI's among them)."""
+        return JSONResponse(self._voices.listing())
 
     async def models(self) -> ModelList:
         return ModelList(data=[self._card()])

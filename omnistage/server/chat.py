@@ -5,17 +5,18 @@ from __future__ import annotations
 
 import asyncio
 import uuid
+from collections.abc import Mapping
+from dataclasses import dataclass
 
 import jinja2
 from fastapi import Request
 from fastapi.responses import Response
 
-from omnistage.errors import InvalidRequest
 from omnistage.media import MediaPolicy, decode_messages
 from omnistage.pipeline.base import Frontend
 from omnistage.request import GenerationRequest, SamplingParams, SpeechParams
 from omnistage.server.errors import InvalidField
-from omnistage.server.formats import ChatFormat, Format
+from omnistage.server.formats import ChatFormat
 from omnistage.server.protocol.chat import ChatCompletionRequest
 from omnistage.server.speech import (
     CHAT_FORMATS,
@@ -24,36 +25,55 @@ from omnistage.server.speech import (
     require_talker,
     speech_params,
 )
+from omnistage.server.spoken_answers import SpokenAnswers
 from omnistage.server.streaming import Responder
+from omnistage.server.voices import Voices
 
 PATH = "/v1/chat/completions"
 
 
+@dataclass(frozen=True)
+class ChatServing:
+    """What chat reads beside the Frontend: the voices by name, the spoken answers a later turn may refer
+    to, and the responses' `system_fingerprint`."""
+
+    voices: Voices
+    answers: SpokenAnswers
+    fingerprint: str
+
+
 class ChatEndpoint:
-    def __init__(self, responder: Responder, frontend: Frontend, media: MediaPolicy) -> None:
-        self.responder, self.frontend, self.media = responder, frontend, media
+    def __init__(
+        self, responder: Responder, frontend: Frontend, media: MediaPolicy, serving: ChatServing
+    ) -> None:
+        self.responder, self.frontend, self.media, self.serving = responder, frontend, media, serving
 
     async def create(self, body: ChatCompletionRequest, request: Request) -> Response:
         self.responder.begin(request, body.model)
-        speech = chat_speech_params(body, self.frontend.voices)
-        params = body.sampling_params(body.requested_max_tokens)
+        speech = chat_speech_params(body, self.serving.voices)
+        params = body.sampling_params(body.requested_max_tokens, body.max_tokens_field)
+        transcripts = earlier_answers(body, self.serving.answers)
         request_id, name = f"chatcmpl-{uuid.uuid4().hex}", self.responder.served_model_name
-        fmt: Format = ChatFormat(request_id, name, body.include_usage)
+        fingerprint = self.serving.fingerprint
+        fmt: ChatFormat = ChatFormat(request_id, name, body.include_usage, fingerprint)
         if speech is not None and body.audio is not None:
-            fmt = SpokenChatFormat(request_id, name, body.include_usage, body.audio.format)
-        new = await asyncio.to_thread(self._request, body, request_id, params, speech)
+            answers, audio_format = self.serving.answers, body.audio.format
+            fmt = SpokenChatFormat(request_id, name, body.include_usage, audio_format, answers, fingerprint)
+        new = await asyncio.to_thread(self._request, body, transcripts, request_id, params, speech)
+        fmt.prompt_audio_tokens = sum(getattr(new.mm, "num_audio_tokens", None) or ())
         return await self.responder.respond(request, PATH, fmt, new, bool(body.stream))
 
     def _request(
         self,
         body: ChatCompletionRequest,
+        transcripts: Mapping[int, str],
         request_id: str,
         params: SamplingParams,
         speech: SpeechParams | None,
     ) -> GenerationRequest:
         """The chat's request, its prompt laid out by the processor. Runs in a worker thread: fetching,
         decoding and tokenizing let go of the GIL for the event loop."""
-        messages, add_generation_prompt = body.message_dicts(), body.add_generation_prompt
+        messages, add_generation_prompt = body.message_dicts(transcripts), body.add_generation_prompt
         processor, context = self.frontend.processor, self.frontend.max_model_len
         try:
             if not body.has_media():
@@ -65,14 +85,33 @@ class ChatEndpoint:
                 decoded, add_generation_prompt, context, video.use_audio_in_video
             )
         except jinja2.TemplateError as exc:
-            raise InvalidRequest(f"messages: the chat template rejected them ({exc})") from None
+            raise InvalidField("messages", f"the chat template rejected them ({exc})") from None
         if params.max_tokens is None:  # a chat to Qwen3-ASR is capped as its clip's transcription is
             params.max_tokens = laid_out.max_tokens
         ids, mrope, mm = laid_out.token_ids, laid_out.mrope, laid_out.mm
         return GenerationRequest(request_id, ids, params, laid_out.prompt, mrope, mm, speech)
 
 
-def chat_speech_params(body: ChatCompletionRequest, voices: tuple[str, ...]) -> SpeechParams | None:
+def earlier_answers(body: ChatCompletionRequest, answers: SpokenAnswers) -> dict[int, str]:
+    """The transcript of each message (by index) that refers to an earlier spoken answer by its audio id; an
+    id no answer kept has is a 400 naming it."""
+    found = {}
+    for i, message in enumerate(body.messages):
+        if message.audio is None:
+            continue
+        transcript = answers.transcript(message.audio.id)
+        if transcript is None:
+            raise InvalidField(
+                f"messages[{i}].audio.id",
+                f"no spoken answer {message.audio.id!r} is kept: it is unknown, or it expired (answers are kept "
+                f"{answers.retention_s} s, at most {answers.max_answers:,} of them); send its transcript as the "
+                "content instead",
+            )
+        found[i] = transcript
+    return found
+
+
+def chat_speech_params(body: ChatCompletionRequest, voices: Voices) -> SpeechParams | None:
     """A chat request's SpeechParams, or None when it asks for text alone; every refusal names its field."""
     if not body.asks_for_audio():
         return None

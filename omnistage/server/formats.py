@@ -69,8 +69,15 @@ class SpeakingFormat(Format, Protocol):
 
 
 class ChatFormat:
-    def __init__(self, request_id: str, model: str, include_usage: bool) -> None:
+    """Chat's chunks and response; `fingerprint` is their `system_fingerprint`, and `prompt_audio_tokens`
+    (set once the prompt is laid out) goes into the usage's prompt details."""
+
+    def __init__(
+        self, request_id: str, model: str, include_usage: bool, fingerprint: str | None = None
+    ) -> None:
         self.id, self.model, self.include_usage = request_id, model, include_usage
+        self.fingerprint = fingerprint
+        self.prompt_audio_tokens = 0
         self.created = int(time.time())
         self._text_chunk = _text_chunks(
             lambda text: self._chunk([ChatChunkChoice(delta=ChatDelta(content=text))])
@@ -78,7 +85,12 @@ class ChatFormat:
 
     def _chunk(self, choices: list[ChatChunkChoice], usage: Usage | None = None) -> str:
         chunk = ChatCompletionChunk(
-            id=self.id, created=self.created, model=self.model, choices=choices, usage=usage
+            id=self.id,
+            created=self.created,
+            model=self.model,
+            system_fingerprint=self.fingerprint,
+            choices=choices,
+            usage=usage,
         )
         return sse(chunk.model_dump(exclude=None if self.include_usage else {"usage"}))
 
@@ -92,12 +104,20 @@ class ChatFormat:
         return [self._chunk([ChatChunkChoice(delta=ChatDelta(), finish_reason=finish_reason)])]
 
     def usage_chunk(self, usage: Usage) -> str:
-        return self._chunk([], usage)
+        return self._chunk([], usage.with_prompt_audio(self.prompt_audio_tokens))
 
     def response(self, text: str, finish_reason: str, usage: Usage) -> dict[str, Any]:
-        choice = ChatChoice(message=AssistantMessage(content=text), finish_reason=finish_reason)
+        return self.whole(AssistantMessage(content=text), finish_reason, usage)
+
+    def whole(self, message: AssistantMessage, finish_reason: str, usage: Usage) -> dict[str, Any]:
+        """The whole response of one choice."""
         return ChatCompletionResponse(
-            id=self.id, created=self.created, model=self.model, choices=[choice], usage=usage
+            id=self.id,
+            created=self.created,
+            model=self.model,
+            system_fingerprint=self.fingerprint,
+            choices=[ChatChoice(message=message, finish_reason=finish_reason)],
+            usage=usage.with_prompt_audio(self.prompt_audio_tokens),
         ).model_dump()
 
 

@@ -167,3 +167,33 @@ def _replay(body: bytes, receive: Receive) -> Receive:
         return await receive()
 
     return replay
+
+
+# A client's own id longer than this is not echoed (nor one holding anything but visible ASCII).
+MAX_REQUEST_ID = 200
+
+
+class RequestIds(HttpLayer):
+    """Every response carries `x-request-id`: the client's own where it sent one, else the id of the response
+    (`response_id` in the request's state, set as a generating request is handed over), else a fresh one."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        super().__init__(app, lambda path, status: None)
+
+    async def http(self, scope: Scope, receive: Receive, send: Send) -> None:
+        given = _raw_header(scope, b"x-request-id")
+        if given is not None and not _visible(given):
+            given = None
+
+        async def stamped(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                response_id = scope.get("state", {}).get("response_id")
+                value = given or (response_id or f"req-{secrets.token_hex(16)}").encode("ascii")
+                message = {**message, "headers": [*message.get("headers", []), (b"x-request-id", value)]}
+            await send(message)
+
+        await self.app(scope, receive, stamped)
+
+
+def _visible(value: bytes) -> bool:
+    return 0 < len(value) <= MAX_REQUEST_ID and all(0x21 <= byte <= 0x7E for byte in value)

@@ -25,15 +25,27 @@ def _drop_if_none(data: dict[str, Any], name: str) -> dict[str, Any]:
     return data
 
 
+class PromptTokensDetails(BaseModel):
+    cached_tokens: int = 0  # not counted: prefix-cache hits are not reported per request
+    audio_tokens: int  # the prompt's audio placeholders (a video's sound track among them)
+
+
 class Usage(BaseModel):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
+    prompt_tokens_details: PromptTokensDetails | None = None  # chat's
     completion_tokens_details: CompletionTokensDetails | None = None  # with speech: text and audio tokens
 
     @model_serializer(mode="wrap")
     def _serialize(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
-        return _drop_if_none(handler(self), "completion_tokens_details")
+        data = _drop_if_none(handler(self), "prompt_tokens_details")
+        return _drop_if_none(data, "completion_tokens_details")
+
+    def with_prompt_audio(self, audio_tokens: int) -> Usage:
+        """This usage with its prompt's details: `audio_tokens` of the prompt are audio placeholders."""
+        details = PromptTokensDetails(audio_tokens=audio_tokens)
+        return self.model_copy(update={"prompt_tokens_details": details})
 
     @classmethod
     def of(cls, prompt_tokens: int, completion_tokens: int, audio_tokens: int | None = None) -> Usage:
@@ -52,8 +64,8 @@ class Usage(BaseModel):
 
 
 class AssistantAudio(BaseModel):
-    """A spoken reply. Nothing is kept, so `expires_at` is the response's creation: the audio cannot be
-    referred to by its id in a later turn."""
+    """A spoken reply; its transcript is kept until `expires_at`, for a later turn to refer to it by `id`
+    (spoken_answers.py)."""
 
     id: str
     data: str  # base64 of the audio in the requested format
@@ -83,6 +95,7 @@ class ChatCompletionResponse(BaseModel):
     object: Literal["chat.completion"] = "chat.completion"
     created: int = Field(default_factory=_now)
     model: str
+    system_fingerprint: str | None = None
     choices: list[ChatChoice]
     usage: Usage
 
@@ -120,6 +133,7 @@ class ChatCompletionChunk(BaseModel):
     object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
     created: int
     model: str
+    system_fingerprint: str | None = None
     choices: list[ChatChunkChoice]
     usage: Usage | None = None
 

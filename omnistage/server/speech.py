@@ -32,14 +32,14 @@ from omnistage.server.protocol.speech import SpeechRequest, VoiceRef
 from omnistage.server.responses import (
     AssistantAudio,
     AssistantMessage,
-    ChatChoice,
     ChatChunkChoice,
-    ChatCompletionResponse,
     ChatDelta,
     DeltaAudio,
     Usage,
 )
+from omnistage.server.spoken_answers import SpokenAnswers
 from omnistage.server.streaming import EventStream, Responder, failure_of, raise_if_failed
+from omnistage.server.voices import Voices
 
 PATH = "/v1/audio/speech"
 
@@ -84,26 +84,23 @@ def check_format(name: str, supported: tuple[str, ...], param: str) -> str:
     return name
 
 
-def require_talker(voices: tuple[str, ...], param: str) -> None:
+def require_talker(voices: Voices, param: str) -> None:
     """Refuse speech (naming `param`, the field that asked for it) where the checkpoint has no voices."""
-    if not voices:
+    if not voices.speakers:
         raise InvalidField(
             param, "audio output is not supported by this checkpoint: it has no talker, so it cannot speak"
         )
 
 
-def speech_params(
-    voice: str | VoiceRef, voices: tuple[str, ...], param: str, talker: SamplingParams
-) -> SpeechParams:
-    """A request's SpeechParams: its voice (`param` names the field) checked against the checkpoint's."""
+def speech_params(voice: str | VoiceRef, voices: Voices, param: str, talker: SamplingParams) -> SpeechParams:
+    """A request's SpeechParams: its voice (`param` names the field) a speaker of the checkpoint or an alias
+    of one."""
     require_talker(voices, param)
     name = voice if isinstance(voice, str) else voice.id
-    if name.lower() not in voices:
-        raise InvalidField(param, f"unknown voice {name!r}; this model speaks with {', '.join(voices)}")
-    return SpeechParams(voice=name.lower(), talker=talker)
+    return SpeechParams(voice=voices.speaker(name, param), talker=talker)
 
 
-def speech_request_params(body: SpeechRequest, voices: tuple[str, ...]) -> SpeechParams:
+def speech_request_params(body: SpeechRequest, voices: Voices) -> SpeechParams:
     """A /v1/audio/speech request's SpeechParams, every refusal naming its field."""
     check_format(body.response_format, SPEECH_FORMATS, "response_format")
     return speech_params(body.voice, voices, "voice", body.talker_params(body.seed))
@@ -176,13 +173,23 @@ class SpokenChatFormat(ChatFormat):
     """A chat reply spoken as well as written (`modalities` with "audio"), in OpenAI's shape: the text is
     `message.audio.transcript` and `content` is null. Streamed, `delta.audio` carries the transcript pieces
     and the pcm16 chunks as the frames are decoded (the id rides on the first), and the last audio delta
-    holds `expires_at` alone."""
+    holds `expires_at` alone. A reply that finishes is kept in `answers` (its transcript), for a later turn
+    to refer to by the audio's id until `expires_at`."""
 
-    def __init__(self, request_id: str, model: str, include_usage: bool, audio_format: str) -> None:
-        super().__init__(request_id, model, include_usage)
-        self.audio_format = audio_format
+    def __init__(
+        self,
+        request_id: str,
+        model: str,
+        include_usage: bool,
+        audio_format: str,
+        answers: SpokenAnswers,
+        fingerprint: str | None = None,
+    ) -> None:
+        super().__init__(request_id, model, include_usage, fingerprint)
+        self.audio_format, self.answers = audio_format, answers
         self.audio_id = f"audio-{uuid.uuid4().hex}"
         self._id_sent = False
+        self._transcript: list[str] = []
 
     def _audio_chunk(self, **fields: str | int) -> list[str]:
         if not self._id_sent:
@@ -193,35 +200,37 @@ class SpokenChatFormat(ChatFormat):
         return [self._chunk([ChatChunkChoice(delta=ChatDelta(role="assistant"))])]
 
     def delta(self, text: str, finish_reason: str | None) -> list[str]:
-        return self._audio_chunk(transcript=text) if text else []
+        if not text:
+            return []
+        self._transcript.append(text)
+        return self._audio_chunk(transcript=text)
 
     def audio(self, pcm: np.ndarray) -> list[str]:
         return self._audio_chunk(data=_b64(encode(pcm, "pcm16"))) if len(pcm) else []
 
     def closing(self, finish_reason: str) -> list[str]:
-        return self._audio_chunk(expires_at=self.created) + super().closing(finish_reason)
+        expires_at = self.answers.keep(self.audio_id, "".join(self._transcript))
+        return self._audio_chunk(expires_at=expires_at) + super().closing(finish_reason)
 
     def spoken_response(
         self, text: str, finish_reason: str, usage: Usage, audio: np.ndarray
     ) -> dict[str, Any]:
         data = _b64(encode(audio, self.audio_format))
-        spoken = AssistantAudio(id=self.audio_id, data=data, expires_at=self.created, transcript=text)
-        choice = ChatChoice(message=AssistantMessage(content=None, audio=spoken), finish_reason=finish_reason)
-        return ChatCompletionResponse(
-            id=self.id, created=self.created, model=self.model, choices=[choice], usage=usage
-        ).model_dump()
+        expires_at = self.answers.keep(self.audio_id, text)
+        spoken = AssistantAudio(id=self.audio_id, data=data, expires_at=expires_at, transcript=text)
+        return self.whole(AssistantMessage(content=None, audio=spoken), finish_reason, usage)
 
 
 class SpeechEndpoint:
     """`/v1/audio/speech`: speak exactly `input`; the Talker reads the text's token embeddings and the
     Thinker does not run."""
 
-    def __init__(self, responder: Responder, frontend: Frontend) -> None:
-        self.responder, self.frontend = responder, frontend
+    def __init__(self, responder: Responder, frontend: Frontend, voices: Voices) -> None:
+        self.responder, self.frontend, self.voices = responder, frontend, voices
 
     async def create(self, body: SpeechRequest, request: Request) -> Response:
         self.responder.begin(request, body.model)
-        speech = speech_request_params(body, self.frontend.voices)
+        speech = speech_request_params(body, self.voices)
         tts = await asyncio.to_thread(self.frontend.tts_prompt, body.input)
         check_reply(tts.reply_token_ids)
         speech.reply_token_ids = tts.reply_token_ids

@@ -66,6 +66,7 @@ class Responder:
         """Hand the request over: its prepare phase ends, and so does its count among the requests being
         prepared (gate.py), as the pipeline takes it."""
         self.metrics.prepared(getattr(request.state, "received", None))
+        request.state.response_id = new.request_id  # the response's x-request-id (gate.RequestIds)
         preparing: Preparing | None = getattr(request.state, "preparing", None)
         return self.pipeline.generate(new, preparing)
 

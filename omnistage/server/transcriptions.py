@@ -17,7 +17,7 @@ import numpy as np
 from fastapi import File, Form, Request, UploadFile
 from fastapi.responses import PlainTextResponse, Response
 
-from omnistage.errors import InvalidMedia, InvalidRequest
+from omnistage.errors import InvalidMedia
 from omnistage.media import MediaPolicy, audio_seconds, load_audio
 from omnistage.pipeline.base import Frontend
 from omnistage.request import GenerationRequest, SamplingParams
@@ -35,8 +35,9 @@ Transcript = Callable[[str], tuple[str | None, str]]
 
 def check_response_format(response_format: str) -> None:
     if response_format not in RESPONSE_FORMATS:
-        raise InvalidRequest(
-            f"response_format {response_format!r} is not supported; use one of {', '.join(RESPONSE_FORMATS)}"
+        raise InvalidField(
+            "response_format",
+            f"{response_format!r} is not supported; use one of {', '.join(RESPONSE_FORMATS)}",
         )
 
 

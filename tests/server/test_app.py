@@ -51,7 +51,12 @@ def test_chat_echo_and_usage(client, fake_pipeline):
         "logprobs": None,
         "finish_reason": "length",
     }
-    assert body["usage"] == {"prompt_tokens": 11, "completion_tokens": 5, "total_tokens": 16}
+    assert body["usage"] == {
+        "prompt_tokens": 11,
+        "completion_tokens": 5,
+        "total_tokens": 16,
+        "prompt_tokens_details": {"cached_tokens": 0, "audio_tokens": 0},
+    }
     assert fake_pipeline.running == set()
 
 

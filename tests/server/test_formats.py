@@ -17,6 +17,7 @@ from omnistage.server.responses import (
     CompletionResponse,
 )
 from omnistage.server.speech import SpokenChatFormat
+from omnistage.server.spoken_answers import SpokenAnswers
 
 _random = random.Random(0)
 TEXTS = [
@@ -100,7 +101,9 @@ def test_a_delta_parses_back_to_its_text(include_usage: bool) -> None:
 
 
 def test_spoken_delta_carries_the_transcript() -> None:
-    fmt = SpokenChatFormat("chatcmpl-1", "m", include_usage=False, audio_format="wav")
+    fmt = SpokenChatFormat(
+        "chatcmpl-1", "m", include_usage=False, audio_format="wav", answers=SpokenAnswers()
+    )
     [first] = fmt.delta('a "quote"', None)
     assert json.loads(first[6:])["choices"][0]["delta"] == {
         "audio": {"id": fmt.audio_id, "transcript": 'a "quote"'}

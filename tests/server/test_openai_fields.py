@@ -134,7 +134,11 @@ def test_fields_whose_meaning_would_be_lost_are_400(http, fields, needle):
             "tool calls are not supported",
             "messages[1]",
         ),
-        ({"role": "assistant", "audio": {"id": "audio-1"}}, "audio output is not supported", "messages[1]"),
+        (
+            {"role": "assistant", "audio": {"id": "audio-1"}},
+            "no spoken answer 'audio-1' is kept",
+            "messages[1].audio.id",
+        ),
         ({"role": "user"}, "content is missing", "messages[1]"),
         ({"role": "robot", "content": "x"}, "Input should be", "messages[1].role"),
     ],

@@ -261,14 +261,19 @@ def test_streamed_audio_deltas_equal_the_whole_reply(client):
 def test_a_text_chat_is_unchanged(http):
     r = http.post("/v1/chat/completions", json={"model": MODEL, "messages": MESSAGES, "max_tokens": 3})
     assert r.json()["choices"][0]["message"] == {"role": "assistant", "content": "Say"}
-    assert r.json()["usage"] == {"prompt_tokens": 9, "completion_tokens": 3, "total_tokens": 12}
+    assert r.json()["usage"] == {
+        "prompt_tokens": 9,
+        "completion_tokens": 3,
+        "total_tokens": 12,
+        "prompt_tokens_details": {"cached_tokens": 0, "audio_tokens": 0},
+    }
 
 
 CHAT_REFUSALS = [
     (
-        {"audio": {"voice": "alloy", "format": "wav"}},
+        {"audio": {"voice": "bogus", "format": "wav"}},
         "audio.voice",
-        "unknown voice 'alloy'; this model speaks with aiden, chelsie, ethan",
+        "unknown voice 'bogus'; this model speaks with aiden, chelsie, ethan",
     ),
     (
         {"audio": {"voice": "ethan", "format": "aac"}},
@@ -442,8 +447,8 @@ def test_speech_failure_mid_stream(http):
 
 
 SPEECH_REFUSALS = [
-    ({"voice": "alloy"}, "voice", "unknown voice 'alloy'; this model speaks with aiden, chelsie, ethan"),
-    ({"voice": {"id": "nova"}}, "voice", "unknown voice 'nova'"),
+    ({"voice": "bogus"}, "voice", "unknown voice 'bogus'; this model speaks with aiden, chelsie, ethan"),
+    ({"voice": {"id": "nobody"}}, "voice", "unknown voice 'nobody'"),
     (
         {"response_format": "aac"},
         "response_format",
@@ -605,7 +610,7 @@ def test_live_audio_in_and_audio_out(live_client, live_model):
 @pytest.mark.parametrize(
     ("kwargs", "needle"),
     [
-        ({"voice": "alloy"}, "unknown voice 'alloy'; this model speaks with aiden, chelsie, ethan"),
+        ({"voice": "bogus"}, "unknown voice 'bogus'; this model speaks with aiden, chelsie, ethan"),
         ({"response_format": "aac"}, "'aac' is not supported; this server encodes mp3, opus, flac, wav, pcm"),
         ({"speed": 2.0}, "speed must be 1.0"),
         ({"input": "x" * 4097}, "at most 4096 characters"),
@@ -620,8 +625,8 @@ def test_live_bad_speech_is_400(live_client, live_model, kwargs, needle):
 
 
 def test_live_bad_chat_audio_is_400(live_client, live_model):
-    with pytest.raises(openai.BadRequestError, match="unknown voice 'alloy'"):
-        live_chat(live_client, live_model, "wav", voice="alloy")
+    with pytest.raises(openai.BadRequestError, match="unknown voice 'bogus'"):
+        live_chat(live_client, live_model, "wav", voice="bogus")
     with pytest.raises(openai.BadRequestError, match="a streamed reply's audio is pcm16"):
         live_chat(live_client, live_model, "wav", stream=True)
 

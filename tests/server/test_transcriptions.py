@@ -71,7 +71,7 @@ def test_forced_length_extras_and_stream(client):
 @pytest.mark.parametrize("fmt", ["srt", "vtt", "diarized_json"])
 def test_other_formats_are_400(client, fmt):
     with pytest.raises(
-        openai.BadRequestError, match=f"response_format '{fmt}' is not supported; use one of json"
+        openai.BadRequestError, match=f"response_format: '{fmt}' is not supported; use one of json"
     ):
         client.audio.transcriptions.create(file=SPEECH.open("rb"), model=MODEL, response_format=fmt)
 

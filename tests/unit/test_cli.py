@@ -165,3 +165,23 @@ def test_each_engine_flag_sets_the_schema_key_it_names_and_says_which():
         assert path.startswith("stages.") == action.help.startswith(f"{path}: "), action.help
     for flag, (key, on) in SWITCHES.items():
         assert getattr(engine_config_of(build_parser().parse_args(["serve", flag])), key) is on, flag
+
+
+def test_voice_alias_is_repeatable_and_replaces_the_files_aliases(tmp_path, capsys):
+    from omnistage.cli.engine_flags import engine_config_of
+
+    args = ["serve", "--voice-alias", "alloy=chelsie", "--voice-alias", "narrator = aiden"]
+    assert engine_config_of(build_parser().parse_args(args)).voice_aliases == {
+        "alloy": "chelsie",
+        "narrator": "aiden",
+    }
+    assert engine_config_of(build_parser().parse_args(["serve"])).voice_aliases == {}
+    config = tmp_path / "c.yaml"
+    config.write_text("engine:\n  voice_aliases:\n    ash: chelsie\n")
+    from_file = build_parser().parse_args(["serve", "--config", str(config)])
+    assert engine_config_of(from_file).voice_aliases == {"ash": "chelsie"}
+    flagged = build_parser().parse_args(["serve", "--config", str(config), "--voice-alias", "echo=aiden"])
+    assert engine_config_of(flagged).voice_aliases == {"echo": "aiden"}
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["serve", "--voice-alias", "alloy"])
+    assert "'alloy': give NAME=VALUE" in capsys.readouterr().err

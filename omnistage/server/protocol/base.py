@@ -4,11 +4,14 @@ within int64, and the sampling fields of chat and text completions (vLLM's names
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import replace
 from typing import Annotated, Any
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field
 
+from omnistage.errors import InvalidRequest
 from omnistage.request import SamplingParams
+from omnistage.server.errors import InvalidField
 
 Int64 = Annotated[int, Field(ge=-(2**63), le=2**63 - 1)]
 TokenId = Annotated[int, Field(ge=0, le=2**63 - 1)]
@@ -81,15 +84,38 @@ class SamplingRequest(Strict):
     user: str | None = None  # OpenAI's end-user tag: ignored
     store: bool | None = None  # ignored: nothing is stored (chat's field; clients send it to completions too)
 
-    def sampling_params(self, max_tokens: int | None) -> SamplingParams:
-        """The engine's SamplingParams; unset fields take the engine's defaults. Raises InvalidRequest."""
+    def sampling_params(self, max_tokens: int | None, max_tokens_field: str = "max_tokens") -> SamplingParams:
+        """The engine's SamplingParams; unset fields take the engine's defaults. Raises InvalidField naming the
+        field at fault (`max_tokens_field` for max_tokens, the request's name of it)."""
         names = (
             "temperature top_p top_k min_p seed stop stop_token_ids presence_penalty frequency_penalty "
             "repetition_penalty min_tokens ignore_eos skip_special_tokens include_stop_str_in_output"
         ).split()
         values = {name: getattr(self, name) for name in names if getattr(self, name) is not None}
-        return SamplingParams(max_tokens=max_tokens, **values)
+        try:
+            base = SamplingParams(max_tokens=max_tokens)
+        except InvalidRequest as exc:
+            raise InvalidField(max_tokens_field, str(exc)) from None
+        return with_fields(base, values, lambda name: name, "min_tokens")
 
     @property
     def include_usage(self) -> bool:
         return self.stream_options is not None and bool(self.stream_options.include_usage)
+
+
+def with_fields(
+    base: SamplingParams, given: dict[str, Any], field_of: Callable[[str], str], together: str
+) -> SamplingParams:
+    """`base` with the `given` values; raises InvalidField naming the field at fault (`field_of` a
+    SamplingParams name): the one that breaks a rule alone, else `together`, the field whose rule involves
+    another (min_tokens against max_tokens)."""
+    try:
+        return replace(base, **given)
+    except InvalidRequest as exc:
+        refused = exc
+    for name, value in given.items():  # one at a time, so that the error names the field that broke a rule
+        try:
+            replace(base, **{name: value})
+        except InvalidRequest as exc:
+            raise InvalidField(field_of(name), str(exc)) from None
+    raise InvalidField(together, str(refused)) from None

@@ -4,6 +4,7 @@ SGLang-Omni's video fields (`use_audio_in_video`, `mm_processor_kwargs`)."""
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Annotated, Any, Literal
 
 from pydantic import AfterValidator, Field, PositiveFloat, PositiveInt, field_validator, model_validator
@@ -63,6 +64,12 @@ class ContentPart(Open):
         return self.type != "text"
 
 
+class AudioRef(Strict):
+    """An earlier spoken answer, by its audio's id (OpenAI's multi-turn audio): the turn is its transcript."""
+
+    id: str = Field(min_length=1)
+
+
 class ChatMessage(Strict):
     role: Literal["system", "developer", "user", "assistant", "tool", "function"]
     content: str | list[ContentPart] | None = None
@@ -71,7 +78,7 @@ class ChatMessage(Strict):
     tool_calls: list[dict[str, Any]] | None = None
     function_call: dict[str, Any] | None = None
     tool_call_id: str | None = None
-    audio: dict[str, Any] | None = None  # an earlier assistant audio answer, by id: refused, none is kept
+    audio: AudioRef | None = None  # an earlier spoken answer of the assistant, by id
 
     @model_validator(mode="after")
     def _supported(self) -> ChatMessage:
@@ -80,17 +87,18 @@ class ChatMessage(Strict):
         if self.tool_calls or self.function_call:
             raise ValueError(f"tool calls are not supported ({TOOLS})")
         if self.audio is not None:
-            raise ValueError(
-                "audio output is not supported in messages: no audio answer is kept, so none can be referred "
-                "to by its id; send its transcript as the content"
-            )
-        if self.content is None:
+            if self.role != "assistant":
+                raise ValueError("audio: only an assistant message refers to an earlier spoken answer")
+            if self.content:
+                raise ValueError("give an earlier answer by its audio id or by its text (content), not both")
+        elif self.content is None:
             raise ValueError("content is missing")
         return self
 
-    def template_dict(self) -> dict[str, Any]:
-        """The message as the chat template takes it: OpenAI's developer role is the template's system."""
-        content: object = self.content
+    def template_dict(self, transcript: str | None = None) -> dict[str, Any]:
+        """The message as the chat template takes it: OpenAI's developer role is the template's system, and
+        an earlier spoken answer (`audio`) its `transcript`."""
+        content: object = self.content if transcript is None else transcript
         if isinstance(content, list):
             content = [part.model_dump(exclude_none=True) for part in content]
         return {"role": "system" if self.role == "developer" else self.role, "content": content}
@@ -160,6 +168,11 @@ class ChatCompletionRequest(SamplingRequest):
     def requested_max_tokens(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
 
+    @property
+    def max_tokens_field(self) -> str:
+        """The field `requested_max_tokens` comes from."""
+        return "max_completion_tokens" if self.max_completion_tokens is not None else "max_tokens"
+
     def asks_for_audio(self) -> bool:
         return self.audio is not None or "audio" in (self.modalities or ())
 
@@ -178,6 +191,8 @@ class ChatCompletionRequest(SamplingRequest):
             max_frames=self.video_max_frames if self.video_max_frames is not None else given.max_frames,
         )
 
-    def message_dicts(self) -> list[dict[str, Any]]:
-        """Messages as the chat template takes them."""
-        return [m.template_dict() for m in self.messages]
+    def message_dicts(self, transcripts: Mapping[int, str] | None = None) -> list[dict[str, Any]]:
+        """Messages as the chat template takes them; `transcripts` holds the text of each message (by index)
+        that refers to an earlier spoken answer."""
+        transcripts = transcripts or {}
+        return [m.template_dict(transcripts.get(i)) for i, m in enumerate(self.messages)]

@@ -6,7 +6,7 @@ from typing import Annotated, Any, cast
 
 from pydantic import Discriminator, Tag
 
-from omnistage.errors import InvalidRequest
+from omnistage.server.errors import InvalidField
 from omnistage.server.protocol.base import LOGPROBS, Int64, SamplingRequest, TokenId, empty, never, unless
 
 
@@ -52,8 +52,8 @@ class CompletionRequest(SamplingRequest):
         prompt = self.prompt
         if isinstance(prompt, list) and prompt and isinstance(prompt[0], str | list):
             if len(prompt) != 1:
-                raise InvalidRequest(f"prompt: one prompt per request is supported, got {len(prompt)}")
+                raise InvalidField("prompt", f"one prompt per request is supported, got {len(prompt)}")
             prompt = prompt[0]
         if not prompt:
-            raise InvalidRequest("prompt: must not be empty")
+            raise InvalidField("prompt", "must not be empty")
         return cast("str | list[int]", prompt)  # a batch's one prompt is a str or a list of ids

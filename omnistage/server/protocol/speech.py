@@ -8,10 +8,9 @@ from typing import Annotated, Any, Literal
 
 from pydantic import Discriminator, Field, Tag
 
-from omnistage.errors import InvalidRequest
 from omnistage.request import MAX_AUDIO_FRAMES, SamplingParams, talker_sampling_defaults
 from omnistage.server.errors import InvalidField
-from omnistage.server.protocol.base import Int64, Strict, empty, unless
+from omnistage.server.protocol.base import Int64, Strict, empty, unless, with_fields
 
 # OpenAI documents 4,096 characters as the most /v1/audio/speech speaks in one request.
 MAX_SPEECH_INPUT = 4096
@@ -65,27 +64,17 @@ class TalkerFields(Strict):
                 f"{prefix}min_frames",
                 f"min_frames ({self.min_frames}) must not exceed max_frames ({self.max_frames})",
             )
-        defaults = talker_sampling_defaults()
-        given = {
+        given: dict[str, Any] = {
             name: value
             for name in ("temperature", "top_p", "top_k", "repetition_penalty", "ignore_eos")
             if (value := getattr(self, name)) is not None
         }
         if self.min_frames is not None:
             given["min_tokens"] = self.min_frames
-        try:
-            return replace(defaults, max_tokens=self.max_frames, seed=seed, **given)
-        except InvalidRequest as exc:
-            refused = exc
-        for (
-            name,
-            value,
-        ) in given.items():  # one at a time, so that the error names the field that broke a rule
-            try:
-                replace(defaults, **{name: value})
-            except InvalidRequest as exc:
-                raise InvalidField(prefix + _TALKER_FIELD.get(name, name), str(exc)) from None
-        raise refused
+        base = replace(talker_sampling_defaults(), max_tokens=self.max_frames, seed=seed)
+        return with_fields(
+            base, given, lambda name: prefix + _TALKER_FIELD.get(name, name), f"{prefix}min_frames"
+        )
 
 
 # SamplingParams' names of the request's fields, where they differ

@@ -91,10 +91,28 @@ def test_chat_audio_is_voice_and_format_plus_the_talker_controls():
     assert errors(exc)[0][0] == ("modalities", 1)
 
 
-def test_an_earlier_audio_answer_cannot_be_referred_to():
-    messages = [*CHAT["messages"], {"role": "assistant", "audio": {"id": "audio-1"}}]
-    with pytest.raises(ValidationError, match="no audio answer is kept"):
-        ChatCompletionRequest(model="tiny", messages=messages)
+def test_an_earlier_audio_answer_is_its_transcript_in_the_template():
+    messages = [
+        *CHAT["messages"],
+        {"role": "assistant", "content": "", "audio": {"id": "audio-1"}},
+        {"role": "user", "content": "And?"},
+    ]
+    body = ChatCompletionRequest(model="tiny", messages=messages)
+    assert body.message_dicts({1: "Hello there"})[1] == {"role": "assistant", "content": "Hello there"}
+
+
+@pytest.mark.parametrize(
+    ("message", "needle"),
+    [
+        ({"role": "user", "audio": {"id": "audio-1"}}, "only an assistant message refers"),
+        ({"role": "assistant", "content": "Hi", "audio": {"id": "audio-1"}}, "not both"),
+        ({"role": "assistant", "audio": {}}, "Field required"),
+        ({"role": "assistant", "audio": {"id": "a", "data": "x"}}, "Extra inputs"),
+    ],
+)
+def test_an_earlier_audio_answer_is_named_by_its_id_alone(message, needle):
+    with pytest.raises(ValidationError, match=needle):
+        ChatCompletionRequest(model="tiny", messages=[*CHAT["messages"], message])
 
 
 def test_usage_and_message_read_as_before_unless_the_reply_spoke():

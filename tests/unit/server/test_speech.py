@@ -26,8 +26,10 @@ from omnistage.server.speech import (
     encode,
     speech_params,
 )
+from omnistage.server.spoken_answers import SpokenAnswers
+from omnistage.server.voices import Voices
 
-VOICES = ("aiden", "chelsie", "ethan")
+VOICES = Voices.of(("aiden", "chelsie", "ethan"))
 
 
 def tone(seconds: float, amplitude: float = 0.5) -> np.ndarray:
@@ -97,11 +99,11 @@ def test_voices_are_checked_against_the_checkpoint():
     assert speech_params(VoiceRef(id="chelsie"), VOICES, "voice", talker).voice == "chelsie"
     assert speech_params("aiden", VOICES, "voice", talker).talker is talker
     with pytest.raises(
-        InvalidField, match="unknown voice 'alloy'; this model speaks with aiden, chelsie, ethan"
+        InvalidField, match="unknown voice 'bogus'; this model speaks with aiden, chelsie, ethan"
     ):
-        speech_params("alloy", VOICES, "audio.voice", talker)
+        speech_params("bogus", VOICES, "audio.voice", talker)
     with pytest.raises(InvalidField, match="it has no talker") as err:
-        speech_params("ethan", (), "voice", talker)
+        speech_params("ethan", Voices.of(()), "voice", talker)
     assert err.value.param == "voice"
 
 
@@ -150,7 +152,8 @@ def test_sse_speech_tells_a_failure_as_an_error_event():
 
 
 def test_a_spoken_chat_streams_transcript_and_pcm16_in_audio_deltas():
-    fmt = SpokenChatFormat("chatcmpl-1", "tiny", include_usage=True, audio_format="pcm16")
+    answers = SpokenAnswers(retention_s=60, clock=lambda: 1000.0)
+    fmt = SpokenChatFormat("chatcmpl-1", "tiny", include_usage=True, audio_format="pcm16", answers=answers)
     pieces = [tone(0.02), tone(0.03)]
     chunks = fmt.opening() + fmt.delta("Hi", None) + fmt.audio(pieces[0]) + fmt.delta("", None)
     chunks += fmt.delta(" there", None) + fmt.audio(pieces[1]) + fmt.audio(tone(0.0)) + fmt.closing("stop")
@@ -163,25 +166,29 @@ def test_a_spoken_chat_streams_transcript_and_pcm16_in_audio_deltas():
     assert "".join(a.get("transcript", "") for a in audio) == "Hi there"
     data = b"".join(base64.b64decode(a["data"]) for a in audio if "data" in a)
     assert data == encode(np.concatenate(pieces), "pcm16")
-    assert audio[-1] == {"expires_at": fmt.created}  # the last audio delta holds the expiry alone
+    assert audio[-1] == {"expires_at": 1060}  # the last audio delta holds the expiry alone
+    assert answers.transcript(fmt.audio_id) == "Hi there"  # kept for a later turn until then
     assert deltas[-1] == {} and parsed[-2]["choices"][0]["finish_reason"] == "stop"
     assert parsed[-1]["usage"] == {
         "prompt_tokens": 5,
         "completion_tokens": 6,
         "total_tokens": 11,
+        "prompt_tokens_details": {"cached_tokens": 0, "audio_tokens": 0},
         "completion_tokens_details": {"text_tokens": 2, "audio_tokens": 4},
     }
 
 
 def test_a_spoken_chat_response_has_audio_and_no_content():
-    fmt = SpokenChatFormat("chatcmpl-1", "tiny", include_usage=False, audio_format="wav")
+    answers = SpokenAnswers(retention_s=3600)
+    fmt = SpokenChatFormat("chatcmpl-1", "tiny", include_usage=False, audio_format="wav", answers=answers)
     audio = tone(0.1)
     body = fmt.spoken_response("Hello", "length", Usage.of(3, 1, audio_tokens=2), audio)
     message = body["choices"][0]["message"]
     assert message["role"] == "assistant" and message["content"] is None
     assert set(message["audio"]) == {"id", "data", "expires_at", "transcript"}
     assert message["audio"]["transcript"] == "Hello" and message["audio"]["id"] == fmt.audio_id
-    assert message["audio"]["expires_at"] == body["created"]  # nothing is kept for a later turn
+    assert body["created"] + 3600 <= message["audio"]["expires_at"] <= body["created"] + 3602
+    assert answers.transcript(fmt.audio_id) == "Hello"  # a later turn may give it by its id
     decoded, rate = soundfile.read(io.BytesIO(base64.b64decode(message["audio"]["data"])), dtype="int16")
     assert rate == AUDIO_SAMPLE_RATE
     np.testing.assert_array_equal(decoded, pcm16(encode(audio, "pcm")))
