@@ -4,6 +4,7 @@ predictor (a FrameStage over `FrameGraphs`) and Code2Wav (a Code2WavStage over `
 its grant as the `Stage` protocol says. The pipeline (`qwen3_omni.py`) hands each speaking request's text rows
 and frames across them.
 """
+
 from __future__ import annotations
 
 import contextlib
