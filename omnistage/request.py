@@ -23,6 +23,26 @@ if TYPE_CHECKING:
 GREEDY_TEMPERATURE = 1e-5
 
 
+@dataclass(frozen=True)
+class ToolSchema:
+    """One function the model may call: its name and the JSON schema of its arguments."""
+
+    name: str
+    parameters: str  # JSON text of the arguments' schema
+
+
+@dataclass(frozen=True)
+class StructuredOutput:
+    """What constrained decoding holds the output to: exactly one of a JSON schema, any JSON object, a grammar,
+    or calls of the given tools (Qwen's `<tool_call>\\n{"name": ..., "arguments": ...}\\n</tool_call>`)."""
+
+    json_schema: str | None = None  # JSON text of the schema
+    json_object: bool = False
+    grammar: str | None = None  # EBNF
+    tools: tuple[ToolSchema, ...] = ()
+    parallel_tool_calls: bool = True  # with tools: one call or more
+
+
 @dataclass
 class SamplingParams:
     """Per-request decoding controls; `stop` and `stop_token_ids` are normalised to lists."""
@@ -43,6 +63,11 @@ class SamplingParams:
     ignore_eos: bool = False
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    # the log-probabilities of this many most likely tokens beside each sampled one's (0: the sampled one's
+    # only); None: none
+    logprobs: int | None = None
+    logit_bias: dict[int, float] | None = None  # added to the token's logit before sampling
+    structured: StructuredOutput | None = None  # constrained decoding: every output matches it
 
     def __post_init__(self) -> None:
         if self.stop is None:
