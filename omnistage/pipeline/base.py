@@ -64,6 +64,13 @@ class PromptProcessor(Protocol):
         """The prompt of transcribing `audio` (16 kHz mono), its `max_tokens` the cap of the clip's length."""
         ...
 
+    def translation(
+        self, audio: np.ndarray, prompt: str | None, max_model_len: int | None = None, /
+    ) -> ProcessedPrompt:
+        """The prompt of translating the speech in `audio` into English text; an InvalidRequest where the model
+        cannot translate."""
+        ...
+
     def transcript(self, text: str, /) -> tuple[str | None, str]:
         """The language the reply names (None where it names none) and the transcript in it."""
         ...

@@ -1,6 +1,6 @@
 """The OpenAI-compatible HTTP app around one AsyncPipeline: the app factory and its routes.
 
-Each endpoint family has its module (chat.py, completions.py, speech.py, transcriptions.py); they share the path
+Each endpoint family has its module (chat.py, completions.py, speech.py, transcriptions.py: translations too); they share the path
 from a request to its answer (streaming.py) and read of the pipeline only its Frontend, taken once here.
 Rendering, tokenizing and media fetching and decoding (`omnistage.media`) run in worker threads with calls
 that let go of the GIL, never on the event loop.
@@ -28,7 +28,9 @@ from omnistage.server.spoken_answers import DEFAULT_MAX_ANSWERS, DEFAULT_RETENTI
 from omnistage.server.streaming import Responder
 from omnistage.server.voices import Voices
 
-GENERATING = frozenset({chat.PATH, completions.PATH, transcriptions.PATH, speech.PATH})
+GENERATING = frozenset(
+    {chat.PATH, completions.PATH, transcriptions.PATH, transcriptions.TRANSLATIONS_PATH, speech.PATH}
+)
 VOICES_PATH = "/v1/audio/voices"
 _ENDPOINTS = GENERATING | {"/v1/models", VOICES_PATH, "/health", "/metrics"}
 
@@ -89,10 +91,12 @@ def build_app(
             response_model=None,
             route_class_override=JSONRoute,
         )
-    transcribe = transcriptions.TranscriptionsEndpoint(responder, frontend, media).create
-    v1.add_api_route(
-        transcriptions.PATH.removeprefix("/v1"), transcribe, methods=["POST"], response_model=None
-    )
+    audio_in = transcriptions.TranscriptionsEndpoint(responder, frontend, media)
+    for path, form_endpoint in (
+        (transcriptions.PATH, audio_in.create),
+        (transcriptions.TRANSLATIONS_PATH, audio_in.translate),
+    ):
+        v1.add_api_route(path.removeprefix("/v1"), form_endpoint, methods=["POST"], response_model=None)
     v1.add_api_route("/models", info.models, methods=["GET"])
     v1.add_api_route(VOICES_PATH.removeprefix("/v1"), info.voices, methods=["GET"])
     v1.add_api_route("/models/{model:path}", info.model, methods=["GET"])

@@ -1,9 +1,10 @@
-"""`/v1/audio/transcriptions` as the Omni Thinker does it: one audio clip and a transcription instruction.
+"""`/v1/audio/transcriptions` and `/v1/audio/translations` as the Omni Thinker does them: one audio clip and an
+instruction.
 
 OpenAI's multipart form comes in; the clip goes into a user message beside "Transcribe the audio into
-text." (plus the language when the client names it), the client's `prompt` goes in as a system message
-of context, and the answer goes out as json, text or verbose_json, or as `transcript.text.*` events when
-`stream` is set.
+text." (plus the language when the client names it) or the instruction to translate it into English, the
+client's `prompt` goes in as a system message of context, and the answer goes out as json, text,
+verbose_json, srt or vtt (subtitles.py), or as `transcript.text.*` events when `stream` is set.
 """
 
 from __future__ import annotations
@@ -21,14 +22,16 @@ from omnistage.errors import InvalidMedia
 from omnistage.media import MediaPolicy, audio_seconds, load_audio
 from omnistage.pipeline.base import Frontend
 from omnistage.request import GenerationRequest, SamplingParams
+from omnistage.server import subtitles
 from omnistage.server.errors import InvalidField
 from omnistage.server.formats import sse
 from omnistage.server.responses import Usage
 from omnistage.server.streaming import Responder
 
 PATH = "/v1/audio/transcriptions"
+TRANSLATIONS_PATH = "/v1/audio/translations"
 
-RESPONSE_FORMATS = ("json", "text", "verbose_json")
+RESPONSE_FORMATS = ("json", "text", "verbose_json", "srt", "vtt")
 INT64 = {"ge": -(2**63), "le": 2**63 - 1}
 Transcript = Callable[[str], tuple[str | None, str]]
 
@@ -57,11 +60,12 @@ class TranscriptionFormat:
         language: str | None,
         duration: float,
         transcript: Transcript = lambda text: (None, text),
+        task: str = "transcribe",
     ) -> None:
         """`language`: the name of the language the client gave, if any; `transcript` reads the model's reply:
         the language it names, if any, and the text (Qwen3-ASR writes `language English<asr_text>...`; the
-        Omni Thinker the text alone)."""
-        self.id = request_id
+        Omni Thinker the text alone); `task`: verbose_json's, "transcribe" or "translate"."""
+        self.id, self.task = request_id, task
         self.response_format = response_format
         self.language = (language or "unknown").lower()
         self.duration = duration
@@ -98,9 +102,13 @@ class TranscriptionFormat:
         language, text = self.transcript(text)
         if self.response_format == "text":
             return PlainTextResponse(text)
+        if self.response_format == "srt":
+            return PlainTextResponse(subtitles.srt(text, self.duration))
+        if self.response_format == "vtt":
+            return PlainTextResponse(subtitles.vtt(text, self.duration), media_type="text/vtt")
         if self.response_format == "verbose_json":
             return {
-                "task": "transcribe",
+                "task": self.task,
                 "language": (language or self.language).lower(),
                 "duration": round(self.duration, 3),
                 "text": text,
@@ -155,12 +163,50 @@ class TranscriptionsEndpoint:
         new = GenerationRequest(request_id, ids, params, laid_out.prompt, mrope, mm)
         return await self.responder.respond(request, PATH, fmt, new, stream)
 
-    def _lay_out(self, data: bytes, language: str | None, prompt: str | None) -> tuple[np.ndarray, Any]:
-        """The clip decoded and its transcription prompt laid out (in a worker thread: decoding and tokenizing
-        let go of the GIL for the event loop)."""
+    async def translate(
+        self,
+        request: Request,
+        file: Annotated[UploadFile, File()],
+        model: Annotated[str, Form()],
+        prompt: Annotated[str | None, Form()] = None,
+        response_format: Annotated[str, Form()] = "json",
+        temperature: Annotated[float, Form(allow_inf_nan=False)] = 0.0,
+        max_tokens: Annotated[int | None, Form(**INT64)] = None,
+        min_tokens: Annotated[int | None, Form(**INT64)] = None,
+        ignore_eos: Annotated[bool | None, Form()] = None,
+        seed: Annotated[int | None, Form(**INT64)] = None,
+    ) -> Response:
+        """OpenAI's translations: the speech of `file`, in any language, as English text (no stream: OpenAI's
+        translations have none)."""
+        self.responder.begin(request, model)
+        check_response_format(response_format)
+        extras: dict[str, Any] = {"min_tokens": min_tokens, "ignore_eos": ignore_eos, "seed": seed}
+        extras = {k: v for k, v in extras.items() if v is not None}
+        data = await file.read()
+        audio, laid_out = await asyncio.to_thread(self._lay_out, data, None, prompt, translate=True)
+        request_id = f"trsl-{uuid.uuid4().hex}"
+        fmt = TranscriptionFormat(
+            request_id, response_format, "English", audio_seconds(audio), task="translate"
+        )
+        params = SamplingParams(
+            max_tokens=laid_out.max_tokens if max_tokens is None else max_tokens,
+            temperature=temperature,
+            **extras,
+        )
+        ids, mrope, mm = laid_out.token_ids, laid_out.mrope, laid_out.mm
+        new = GenerationRequest(request_id, ids, params, laid_out.prompt, mrope, mm)
+        return await self.responder.respond(request, TRANSLATIONS_PATH, fmt, new, False)
+
+    def _lay_out(
+        self, data: bytes, language: str | None, prompt: str | None, translate: bool = False
+    ) -> tuple[np.ndarray, Any]:
+        """The clip decoded and its transcription (or translation) prompt laid out (in a worker thread: decoding
+        and tokenizing let go of the GIL for the event loop)."""
         try:
             audio = load_audio(data, self.media)
         except InvalidMedia as exc:
             raise InvalidMedia(f"file: {exc}") from None
         processor, context = self.frontend.processor, self.frontend.max_model_len
+        if translate:
+            return audio, processor.translation(audio, prompt, context)
         return audio, processor.transcription(audio, language, prompt, context)

@@ -17,7 +17,11 @@ import pytest
 from omnistage.bench.server_process import ServerProcess
 from omnistage.config import engine_config
 from omnistage.errors import InvalidMedia, QueueFull
-from omnistage.models.qwen3_omni.transcription import max_transcription_tokens, transcription_messages
+from omnistage.models.qwen3_omni.transcription import (
+    TRANSLATION_INSTRUCTION,
+    max_transcription_tokens,
+    transcription_messages,
+)
 from omnistage.outputs import CompletionOutput, RequestOutput
 from omnistage.pipeline.async_pipeline import AsyncPipeline, Preparing
 from omnistage.pipeline.base import Frontend
@@ -128,6 +132,13 @@ class FakeProcessor:
         self, audio: np.ndarray, language: str | None, prompt: str | None, max_model_len: int | None = None
     ) -> FakeProcessedPrompt:
         laid_out = self.process_chat(transcription_messages(audio, language, prompt), True, max_model_len)
+        return replace(laid_out, max_tokens=max_transcription_tokens(len(audio) / 16000))
+
+    def translation(
+        self, audio: np.ndarray, prompt: str | None, max_model_len: int | None = None
+    ) -> FakeProcessedPrompt:
+        messages = transcription_messages(audio, None, prompt, TRANSLATION_INSTRUCTION)
+        laid_out = self.process_chat(messages, True, max_model_len)
         return replace(laid_out, max_tokens=max_transcription_tokens(len(audio) / 16000))
 
     def transcript(self, text: str) -> tuple[str | None, str]:

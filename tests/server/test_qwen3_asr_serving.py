@@ -102,7 +102,7 @@ def transcribe(client: TestClient, **form) -> dict | str:
     files = {"file": ("clip.wav", wav(1.5), "audio/wav")}
     response = client.post(TRANSCRIPTIONS, data={"model": MODEL, "max_tokens": "8", **form}, files=files)
     assert response.status_code == 200, response.text
-    return response.text if form.get("response_format") == "text" else response.json()
+    return response.text if form.get("response_format") in ("text", "srt", "vtt") else response.json()
 
 
 def test_transcriptions_in_every_format(client):
@@ -111,6 +111,17 @@ def test_transcriptions_in_every_format(client):
     assert verbose["text"] == text and verbose["task"] == "transcribe" and verbose["duration"] == 1.5
     assert "<asr_text>" not in text  # the reply is read: language header off, transcript kept
     assert transcribe(client, response_format="text") == text
+
+
+def test_subtitles_hold_the_transcript_and_translations_are_a_400(client):
+    text = transcribe(client)["text"]
+    srt = transcribe(client, response_format="srt")
+    assert isinstance(srt, str) and srt.startswith("1\n00:00:00,000 --> ") and "00:00:01,500\n" in srt
+    assert " ".join(line for line in srt.splitlines()[2::4]) == text.strip()
+    files = {"file": ("clip.wav", wav(1.0), "audio/wav")}
+    response = client.post("/v1/audio/translations", data={"model": MODEL}, files=files)
+    assert response.status_code == 400
+    assert "this model transcribes only" in response.json()["error"]["message"]
 
 
 def test_a_forced_language_is_reported_and_an_unknown_one_is_a_400(client):

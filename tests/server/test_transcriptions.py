@@ -1,4 +1,5 @@
-"""/v1/audio/transcriptions in-process on the fake engine (which echoes its prompt), through the openai client."""
+"""/v1/audio/transcriptions and /v1/audio/translations in-process on the fake engine (which echoes its prompt),
+through the openai client."""
 
 from __future__ import annotations
 
@@ -68,7 +69,39 @@ def test_forced_length_extras_and_stream(client):
     assert events[-1].usage.output_tokens == 7
 
 
-@pytest.mark.parametrize("fmt", ["srt", "vtt", "diarized_json"])
+def test_srt_and_vtt_time_the_transcript_over_the_clip(client):
+    text = f"{ECHO} The language is English."  # two sentences: two cues sharing the 2.98 s
+    srt = client.audio.transcriptions.create(
+        file=SPEECH.open("rb"), model=MODEL, response_format="srt", language="en"
+    )
+    first, second = len(ECHO), len(" The language is English.") - 1
+    split = round(2.98 * first / (first + second), 3)
+    clock = f"00:00:{int(split):02d},{round(split % 1 * 1000):03d}"
+    assert srt == (
+        f"1\n00:00:00,000 --> {clock}\n{ECHO}\n\n2\n{clock} --> 00:00:02,980\nThe language is English.\n\n"
+    )
+    vtt = client.audio.transcriptions.create(
+        file=SPEECH.open("rb"), model=MODEL, response_format="vtt", language="en"
+    )
+    assert vtt.startswith("WEBVTT\n\n00:00:00.000 --> ") and vtt.endswith(
+        " --> 00:00:02.980\nThe language is English.\n\n"
+    )
+    cue_lines = [line for line in vtt.splitlines()[2:] if line and "-->" not in line]
+    assert " ".join(cue_lines) == text
+
+
+def test_translations_tell_the_thinker_to_translate(client):
+    result = client.audio.translations.create(file=SPEECH.open("rb"), model=MODEL, prompt="Context.")
+    assert result.text.startswith("Context.\n<audio 2.98s>Translate the speech in the audio into English")
+    verbose = client.audio.translations.create(
+        file=SPEECH.open("rb"), model=MODEL, response_format="verbose_json"
+    )
+    assert (verbose.task, verbose.language, verbose.duration) == ("translate", "english", 2.98)
+    with pytest.raises(openai.BadRequestError, match="response_format: 'mp3' is not supported"):
+        client.audio.translations.create(file=SPEECH.open("rb"), model=MODEL, response_format="mp3")
+
+
+@pytest.mark.parametrize("fmt", ["diarized_json", "csv"])
 def test_other_formats_are_400(client, fmt):
     with pytest.raises(
         openai.BadRequestError, match=f"response_format: '{fmt}' is not supported; use one of json"

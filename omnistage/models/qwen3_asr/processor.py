@@ -63,6 +63,14 @@ class ASRProcessor:
             text, ids, None, mm, max_tokens=max_transcription_tokens(len(audio) / SAMPLE_RATE)
         )
 
+    def translation(
+        self, audio: np.ndarray, prompt: str | None, max_model_len: int | None = None
+    ) -> ProcessedPrompt:
+        """Qwen3-ASR takes no instruction: it transcribes, and cannot be told to translate."""
+        raise InvalidRequest(
+            "this model transcribes only (Qwen3-ASR takes no instruction); translations need a Qwen3-Omni model"
+        )
+
     def transcript(self, text: str) -> tuple[str | None, str]:
         """The language the model wrote (None for no speech, or when it was forced) and the transcript."""
         parsed = parse_transcription(text)

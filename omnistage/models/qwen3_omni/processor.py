@@ -36,7 +36,11 @@ from omnistage.models.qwen3_omni.prompt_media import (
     featurise,
     media_parts,
 )
-from omnistage.models.qwen3_omni.transcription import max_transcription_tokens, transcription_messages
+from omnistage.models.qwen3_omni.transcription import (
+    TRANSLATION_INSTRUCTION,
+    max_transcription_tokens,
+    transcription_messages,
+)
 from omnistage.models.qwen3_omni.video_processing import VideoProcessorConfig
 
 _ROLES = {"system", "user", "assistant"}
@@ -147,6 +151,15 @@ class Processor:
         """The Thinker's transcription prompt for `audio` (16 kHz mono), its reply capped by the clip's length:
         see transcription.py."""
         processed = self.process_chat(transcription_messages(audio, language, prompt), True, max_model_len)
+        return replace(processed, max_tokens=max_transcription_tokens(len(audio) / SAMPLE_RATE))
+
+    def translation(
+        self, audio: np.ndarray, prompt: str | None, max_model_len: int | None = None
+    ) -> ProcessedPrompt:
+        """The Thinker's prompt of translating the speech in `audio` into English text, capped as a
+        transcription of the clip is."""
+        messages = transcription_messages(audio, None, prompt, TRANSLATION_INSTRUCTION)
+        processed = self.process_chat(messages, True, max_model_len)
         return replace(processed, max_tokens=max_transcription_tokens(len(audio) / SAMPLE_RATE))
 
     def transcript(self, text: str) -> tuple[str | None, str]:

@@ -1,4 +1,5 @@
-"""The transcription prompt of the Omni Thinker: one audio clip, an instruction, the language if known."""
+"""The transcription and translation prompts of the Omni Thinker: one audio clip, an instruction, the language if
+known."""
 
 from __future__ import annotations
 
@@ -8,6 +9,8 @@ from typing import Any
 import numpy as np
 
 INSTRUCTION = "Transcribe the audio into text."
+# OpenAI's translations endpoint: speech in any language to English text, the Thinker told so in its instruction.
+TRANSLATION_INSTRUCTION = "Translate the speech in the audio into English text."
 # A transcript's length in tokens: fast speech is ~4 words/s, ~6 tokens/s of English with Qwen's vocabulary
 # and about as many for Chinese; the cap leaves more than twice that, and room for a short clip's preamble.
 TOKENS_PER_SECOND = 16
@@ -45,10 +48,10 @@ def language_name(language: str | None) -> str | None:
 
 
 def transcription_messages(
-    audio: np.ndarray, language: str | None, prompt: str | None
+    audio: np.ndarray, language: str | None, prompt: str | None, instruction: str = INSTRUCTION
 ) -> list[dict[str, Any]]:
-    """The chat the Thinker transcribes from: decoded audio (16 kHz mono) and the instruction."""
-    instruction = INSTRUCTION
+    """The chat the Thinker transcribes (or, told so by `instruction`, translates) from: decoded audio (16 kHz
+    mono) and the instruction."""
     name = language_name(language)
     if name:
         instruction += f" The language is {name}."
