@@ -12,7 +12,7 @@ $(BIN)/omnistage: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
 	$(BIN)/python -m pip install -q "$(TORCH)"
-	$(BIN)/python -m pip install -q -e ".[dev,test]"
+	$(BIN)/python -m pip install -q -e ".[dev,test,ray]"
 	touch $@
 
 setup: $(BIN)/omnistage
@@ -48,7 +48,7 @@ $(NEWEST)/bin/omnistage: pyproject.toml
 	$(PYTHON) -m venv $(NEWEST)
 	$(NEWEST)/bin/python -m pip install -q --upgrade pip
 	$(NEWEST)/bin/python -m pip install -q "$(TORCH)"
-	$(NEWEST)/bin/python -m pip install -q -e ".[dev,test]"
+	$(NEWEST)/bin/python -m pip install -q -e ".[dev,test,ray]"
 	touch $@
 
 parity-newest: $(NEWEST)/bin/omnistage

@@ -251,9 +251,13 @@ def _expect_tokens(got: int, asked: int) -> None:
 
 
 def metrics(client: httpx.Client) -> dict[str, float]:
-    """The unlabelled samples of /metrics, by name."""
+    """The unlabelled samples of /metrics by name, each summed over the replicas where replicas on Ray Serve
+    answer (their samples labelled only by `replica`)."""
     text = client.get("/metrics").text
-    return {m[1]: float(m[2]) for m in re.finditer(r"^([a-z_]+) ([0-9.e+-]+)$", text, re.MULTILINE)}
+    sums: dict[str, float] = {}
+    for m in re.finditer(r'^([a-z_]+)(?:\{replica="[^"]*"\})? ([0-9.e+-]+)$', text, re.MULTILINE):
+        sums[m[1]] = sums.get(m[1], 0.0) + float(m[2])
+    return sums
 
 
 def rss_bytes(pid: int) -> int:

@@ -2,7 +2,8 @@
 
 Every `omnistage` import of every module under omnistage/ points down this stack, or stays in its own layer:
 
-    entry points   cli/, llm.py (the offline API), bench/, the package's own __init__
+    entry points   cli/, llm.py (the offline API), bench/, ray/ (replicas on Ray Serve), the package's own
+                   __init__
     server         server/, and media.py (the media parts of a request fetched and decoded, at the edge)
     pipeline       pipeline/
     engine         engine/
@@ -47,6 +48,7 @@ LAYERS = {
     "cli": 8,
     "llm": 8,
     "bench": 8,
+    "ray": 8,
     "omnistage": 8,  # the package's __init__: its lazy public names (LLM, SamplingParams, RequestOutput)
 }
 

@@ -21,7 +21,8 @@ Serve the OpenAI-compatible HTTP API:
 
   POST /v1/chat/completions      chat; text, audio and image content parts; spoken replies; streaming
   POST /v1/completions           text completions; streaming
-  POST /v1/audio/transcriptions  speech to text (OpenAI's multipart form); streaming
+  POST /v1/audio/transcriptions  speech to text (OpenAI's multipart form; json, text, srt, vtt); streaming
+  POST /v1/audio/translations    speech in any language to English text
   POST /v1/audio/speech          text to speech (mp3, opus, flac, wav, pcm); raw or SSE streaming
   GET  /v1/audio/voices          the speakers, and OpenAI's voice names for them (--voice-alias)
   GET  /v1/models                the served model
@@ -30,6 +31,7 @@ Serve the OpenAI-compatible HTTP API:
   GET  /metrics                  Prometheus metrics (requests, latencies, KV pages)
 
 The checkpoint's family (Qwen3-Omni, or Qwen3-ASR: transcription only) is read from its config.json.
+With --ray, replicas of this server run on Ray Serve behind one endpoint (pip install 'omnistage[ray]').
 Engine settings come from --config's `engine:` section, then the flags below."""
 
 
@@ -46,6 +48,42 @@ def _make_tiny(args: argparse.Namespace) -> None:
 
     path = make_tiny(args.directory, seed=args.seed)
     print(f"wrote a tiny random Qwen3-Omni checkpoint to {path}")
+
+
+def add_ray_flags(serve: argparse.ArgumentParser) -> None:
+    """`serve --ray`: replicas of the whole server on Ray Serve behind one endpoint (omnistage/ray/)."""
+    ray = serve.add_argument_group("replicas on Ray Serve (pip install 'omnistage[ray]')")
+    ray.add_argument(
+        "--ray",
+        action="store_true",
+        help="serve replicas of this server on Ray Serve, one endpoint in front at --host:--port",
+    )
+    ray.add_argument("--replicas", type=int, default=1, help="replicas, fixed (default: %(default)s)")
+    ray.add_argument(
+        "--autoscale",
+        metavar="MIN:MAX",
+        help="scale between MIN and MAX replicas on the requests each has in flight (default: none, --replicas "
+        "fixed)",
+    )
+    ray.add_argument(
+        "--target-ongoing-requests",
+        type=float,
+        default=16.0,
+        help="with --autoscale: the requests in flight per replica that scaling aims at (default: %(default)s)",
+    )
+    ray.add_argument(
+        "--ray-address",
+        help="a running Ray cluster's address (default: none, Ray started on this machine for the command's life)",
+    )
+    ray.add_argument(
+        "--replica-gpus",
+        type=float,
+        help="GPUs each replica takes; a fraction shares one card (default: 1 when the engine's device is a "
+        "GPU, 0 on a CPU)",
+    )
+    ray.add_argument(
+        "--replica-cpus", type=float, default=1.0, help="CPUs Ray reserves per replica (default: %(default)s)"
+    )
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -152,6 +190,7 @@ def build_parser() -> argparse.ArgumentParser:
         "(c=16 decode is faster), but the first token of a lone request comes ~10 ms later (H200, "
         "benchmarks/RESULTS.md); by default it runs on a thread of the server's process",
     )
+    add_ray_flags(serve)
     serve.set_defaults(func=serving.run)
 
     plan = sub.add_parser(

@@ -14,11 +14,28 @@ from omnistage.errors import ConfigError
 
 if TYPE_CHECKING:
     from omnistage.config import EngineConfig
+    from omnistage.server.options import ServerOptions
 
 
 def run(args: argparse.Namespace) -> None:
     config = engine_config_of(args)
-    name = args.served_model_name or (Path(config.model).resolve().name if config.model else "omnistage-tiny")
+    options = server_options(args, config)
+    if args.ray:
+        from omnistage.ray.launch import serve_on_ray
+
+        serve_on_ray(args, config, options)
+        return
+    listener = bind(args.host, args.port)
+    try:
+        _load_and_serve(args, config, options, listener)
+    finally:
+        listener.close()
+
+
+def server_options(args: argparse.Namespace, config: EngineConfig) -> ServerOptions:
+    """The server's settings from the flags, each checked; raises ConfigError naming the flag at fault."""
+    from omnistage.media import MediaPolicy
+    from omnistage.server.options import ServerOptions
 
     media_dir = Path(args.media_dir).resolve() if args.media_dir else None
     if media_dir is not None and not media_dir.is_dir():
@@ -33,48 +50,33 @@ def run(args: argparse.Namespace) -> None:
         )
     if args.max_spoken_answers < 0:
         raise ConfigError(f"--max-spoken-answers {args.max_spoken_answers}: must be at least 0")
-
-    listener = bind(args.host, args.port)
-    try:
-        _load_and_serve(args, config, name, media_dir, listener)
-    finally:
-        listener.close()
+    return ServerOptions(
+        served_model_name=args.served_model_name
+        or (Path(config.model).resolve().name if config.model else "omnistage-tiny"),
+        api_key=args.api_key,
+        max_queue=args.max_queue,
+        max_body_bytes=args.max_body_bytes,
+        media=MediaPolicy(allow_remote=args.allow_remote_media, media_dir=media_dir),
+        spoken_answers_retention_s=args.spoken_answers_retention_s,
+        max_spoken_answers=args.max_spoken_answers,
+        engine_process=args.engine_process,
+    )
 
 
 def _load_and_serve(
-    args: argparse.Namespace, config: EngineConfig, name: str, media_dir: Path | None, listener: socket.socket
+    args: argparse.Namespace, config: EngineConfig, options: ServerOptions, listener: socket.socket
 ) -> None:
     import uvicorn
 
-    from omnistage.media import MediaPolicy
-    from omnistage.pipeline.async_pipeline import AsyncPipeline
-    from omnistage.server import build_app
     from omnistage.server.http_protocol import with_header_timeout
-    from omnistage.server.spoken_answers import SpokenAnswers
+    from omnistage.server.options import load_server
 
-    media = MediaPolicy(allow_remote=args.allow_remote_media, media_dir=media_dir)
-    if args.engine_process:  # the server's torch work is then per request, on worker threads
-        import torch
-
-        from omnistage.pipeline.engine_process import ONE_THREAD
-
-        torch.set_num_threads(ONE_THREAD)
-    pipeline = AsyncPipeline.from_config(config, max_queue=args.max_queue, engine_process=args.engine_process)
+    pipeline, app = load_server(config, options)
     try:
-        answers = SpokenAnswers(args.spoken_answers_retention_s, args.max_spoken_answers)
-        app = build_app(
-            pipeline,
-            name,
-            api_key=args.api_key,
-            max_body_bytes=args.max_body_bytes,
-            media=media,
-            voice_aliases=config.voice_aliases,
-            answers=answers,
-        )
         logging.getLogger("omnistage.serve").info(
             "serving '%s' at http://%s:%d/v1 (API key %s, max queue %s, max %d connections, header timeout "
             "%g s)\n  %s",
-            name,
+            options.served_model_name,
             args.host,
             listener.getsockname()[1],
             "required" if args.api_key else "off",
