@@ -110,12 +110,15 @@ def apply_logit_bias(logits: Tensor, rows: list[SamplingRow]) -> Tensor:
     Returns `logits` itself when no row has a bias, else a new tensor; every index and bias reaches the device
     in one copy. Ids beyond the vocabulary are skipped (admission refuses them for the stage's own requests).
     """
+    biased = [(i, r.params.logit_bias) for i, r in enumerate(rows) if r.params.logit_bias]
+    if not biased:
+        return logits
     vocab = logits.shape[1]
     row_index: list[int] = []
     token_index: list[int] = []
     biases: list[float] = []
-    for i, r in enumerate(rows):
-        for token, bias in (r.params.logit_bias or {}).items():
+    for i, logit_bias in biased:
+        for token, bias in logit_bias.items():
             if 0 <= token < vocab:
                 row_index.append(i)
                 token_index.append(token)
