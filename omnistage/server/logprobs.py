@@ -79,7 +79,8 @@ class LazyTokenTexts:
 
 
 def floored(logprob: float) -> float:
-    return max(logprob, LOGPROB_FLOOR)
+    """A logprob JSON can carry: -inf (and NaN, from logits gone bad) become the floor."""
+    return logprob if logprob >= LOGPROB_FLOOR else LOGPROB_FLOOR
 
 
 def top_logprob(texts: TokenTexts, token_id: int, logprob: float) -> TopLogprob:
