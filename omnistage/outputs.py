@@ -9,6 +9,17 @@ import numpy as np
 AUDIO_SAMPLE_RATE = 24_000  # speech out: float32 mono PCM at 24 kHz
 
 
+@dataclass(frozen=True)
+class TokenLogprobs:
+    """One generated token's log-probability and, most likely first, the `SamplingParams.logprobs` most likely
+    tokens' at its position: log_softmax of the model's raw logits, before logit bias, penalties and temperature
+    (vLLM's default), so that they describe the model, whatever the sampling did with it."""
+
+    token_id: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()  # (token id, logprob), most likely first
+
+
 @dataclass
 class CompletionOutput:
     index: int
@@ -18,6 +29,9 @@ class CompletionOutput:
     stop_reason: int | str | None = None  # the stop token id or stop string that ended it
     delta_text: str = ""  # text new since the previous output of this request
     delta_token_ids: list[int] = field(default_factory=list)
+    # one per generated token (token_ids), where the request asked for them (SamplingParams.logprobs); else None
+    logprobs: list[TokenLogprobs] | None = None
+    delta_logprobs: list[TokenLogprobs] = field(default_factory=list)  # those of delta_token_ids
 
 
 @dataclass

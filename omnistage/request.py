@@ -21,6 +21,11 @@ if TYPE_CHECKING:
 
 # Below this a temperature counts as greedy: dividing logits by it would only amplify float noise (vLLM's bound).
 GREEDY_TEMPERATURE = 1e-5
+# The most log-probabilities beside the sampled token's that one token carries: OpenAI's bound of top_logprobs,
+# and vLLM's default max_logprobs.
+MAX_LOGPROBS = 20
+# OpenAI's range of a logit bias; its floor bans the token outright (the sampler makes it -inf).
+MAX_LOGIT_BIAS = 100.0
 
 
 @dataclass(frozen=True)
@@ -66,7 +71,8 @@ class SamplingParams:
     # the log-probabilities of this many most likely tokens beside each sampled one's (0: the sampled one's
     # only); None: none
     logprobs: int | None = None
-    logit_bias: dict[int, float] | None = None  # added to the token's logit before sampling
+    # added to the token's logit before sampling, in [-100, 100]; -100 bans the token
+    logit_bias: dict[int, float] | None = None
     structured: StructuredOutput | None = None  # constrained decoding: every output matches it
 
     def __post_init__(self) -> None:
@@ -126,6 +132,10 @@ class SamplingParams:
             _invalid(f"stop must hold only non-empty strings, got {self.stop!r}")
         if not all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids or []):
             _invalid(f"stop_token_ids must be non-negative token ids, got {self.stop_token_ids!r}")
+        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
+            _invalid(f"logprobs must be in [0, {MAX_LOGPROBS}] or None, got {self.logprobs}")
+        if self.logit_bias is not None:
+            _check_logit_bias(self.logit_bias)
 
 
 def talker_sampling_defaults() -> SamplingParams:
@@ -176,8 +186,8 @@ class ValidRequest:
     max_tokens: int
 
 
-_INT_FIELDS = ("n", "max_tokens", "min_tokens", "top_k", "seed")
-_OPTIONAL = ("max_tokens", "seed")
+_INT_FIELDS = ("n", "max_tokens", "min_tokens", "top_k", "seed", "logprobs")
+_OPTIONAL = ("max_tokens", "seed", "logprobs")
 _FLOAT_FIELDS = (
     "temperature",
     "top_p",
@@ -206,6 +216,23 @@ def _check_finite(name: str, value: float) -> None:
         finite = False
     if not finite:
         _invalid(f"{name} must be finite, got {reprlib.repr(value)}")
+
+
+def _check_logit_bias(bias: object) -> None:
+    """Token ids (non-negative int64s; the vocabulary's bound is the stage's to check) to finite biases in
+    OpenAI's range."""
+    if not isinstance(bias, dict):
+        _invalid(f"logit_bias must map token ids to biases, got {reprlib.repr(bias)}")
+        return
+    for token, value in bias.items():
+        _check_int64("logit_bias", token)
+        if token < 0:
+            _invalid(f"logit_bias must map non-negative token ids, got {token}")
+        if not _is_number(value):
+            _invalid(f"logit_bias of token {token} must be a number, got {reprlib.repr(value)}")
+        _check_finite("logit_bias", value)
+        if not -MAX_LOGIT_BIAS <= value <= MAX_LOGIT_BIAS:
+            _invalid(f"logit_bias of token {token} must be in [-100, 100], got {value}")
 
 
 def _invalid(message: str) -> None:

@@ -14,7 +14,8 @@ sequences that all ran in the step in flight (their inputs are its ids), none of
 (`decodes_ahead`: its sampling reads no token values, and no later stage waits for its tokens), and no page
 shortage (a preemption would recompute a placeholder). Anything else waits until the step in flight has been
 applied. A sequence that stops on a token is past its end in the step launched after it: that step's token
-for it is dropped.
+for it is dropped. The log-probabilities rows ask for travel with their ids: computed on the device in the
+same step, copied to the host beside them, read with them.
 """
 
 from __future__ import annotations
@@ -26,9 +27,11 @@ from typing import Generic, TypeVar
 import torch
 
 from omnistage.engine.kv_cache import PagePool
+from omnistage.engine.logprobs import StepLogprobs
 from omnistage.engine.scheduler import ScheduledChunk, Scheduler
 from omnistage.engine.sequence import Sequence
 from omnistage.models.layers.attention_metadata import to_device
+from omnistage.outputs import TokenLogprobs
 from omnistage.request import SamplingParams
 
 PLACEHOLDER = -1  # a token launched but not yet read back; no vocabulary has it
@@ -39,27 +42,32 @@ S = TypeVar("S")  # the stage's state of a request
 
 @dataclass
 class Launched(Generic[S]):
-    """A decode step in flight: its chunks, the ids it sampled on the device, and their copy to the host."""
+    """A decode step in flight: its chunks, the ids it sampled on the device, and their copy to the host (with
+    the log-probabilities its rows asked for)."""
 
     chunks: list[ScheduledChunk[S]]
     sampled: torch.Tensor  # [B] on the device, row b is chunks[b]'s
     host: torch.Tensor  # [B]: `sampled`, once `event` has completed
     event: torch.cuda.Event | None  # None off CUDA: the copy has completed
+    logprobs: StepLogprobs | None = None  # on the host, once `event` has completed; None: no row asked
     rows: dict[Sequence[S], int] = field(init=False)
 
     def __post_init__(self) -> None:
         self.rows = {chunk.seq: b for b, chunk in enumerate(self.chunks)}
 
     @classmethod
-    def start(cls, chunks: list[ScheduledChunk[S]], sampled: torch.Tensor) -> Launched[S]:
-        """Start copying `sampled` to the host without waiting for it."""
+    def start(
+        cls, chunks: list[ScheduledChunk[S]], sampled: torch.Tensor, logprobs: StepLogprobs | None = None
+    ) -> Launched[S]:
+        """Start copying `sampled` (and `logprobs`) to the host without waiting for it."""
+        on_host = logprobs.to_host() if logprobs is not None else None
         if sampled.device.type != "cuda":
-            return cls(chunks, sampled, sampled.cpu(), None)
+            return cls(chunks, sampled, sampled.cpu(), None, on_host)
         host = torch.empty(sampled.shape, dtype=sampled.dtype, pin_memory=True)
         host.copy_(sampled, non_blocking=True)
         event = torch.cuda.Event()
         event.record()
-        return cls(chunks, sampled, host, event)
+        return cls(chunks, sampled, host, event, on_host)
 
     def input_ids(self, chunks: list[ScheduledChunk[S]]) -> torch.Tensor:
         """The next step's input ids `[len(chunks)]` on the device: the ids this step sampled for their sequences."""
@@ -74,27 +82,33 @@ class Launched(Generic[S]):
             self.event.synchronize()
         return self.host.tolist()
 
+    def token_logprobs(self, tokens: list[int]) -> list[TokenLogprobs | None]:
+        """Each row's log-probabilities (None where it asked for none), once `tokens` were read back."""
+        return self.logprobs.per_row(tokens) if self.logprobs is not None else [None] * len(tokens)
+
 
 def settle(
     launched: Launched[S],
-    apply: Callable[[Sequence[S], int], list[Out]],
+    apply: Callable[[Sequence[S], int, TokenLogprobs | None], list[Out]],
     fail: Callable[[Sequence[S], Exception], list[Out]],
 ) -> list[Out]:
-    """Read back a launched step's ids and `apply` each in place of its placeholder, or `fail` each sequence
-    when the read fails. A sequence finished since (stopped on an earlier token, aborted) drops its token."""
+    """Read back a launched step's ids (and logprobs) and `apply` each in place of its placeholder, or `fail`
+    each sequence when the read fails. A sequence finished since (stopped on an earlier token, aborted) drops
+    its token."""
     try:
         tokens = launched.tokens()
+        logprobs = launched.token_logprobs(tokens)
     except Exception as exc:
         return [out for c in launched.chunks if not c.seq.is_finished for out in fail(c.seq, exc)]
     outputs = []
-    for chunk, token in zip(launched.chunks, tokens):
+    for chunk, token, token_logprobs in zip(launched.chunks, tokens, logprobs):
         seq = chunk.seq
         if seq.is_finished:
             continue
         at = chunk.start + 1 - seq.num_prompt_tokens  # this token's index among the outputs
         later = seq.output_token_ids[at + 1 :]  # the placeholder of the step launched after this one
         seq.output_token_ids[at:] = [token]
-        outputs += apply(seq, token)
+        outputs += apply(seq, token, token_logprobs)
         if not seq.is_finished:
             seq.output_token_ids += later
     return outputs

@@ -17,7 +17,7 @@ from omnistage.engine.detokenizer import IncrementalDetokenizer
 from omnistage.engine.sampling import make_generator
 from omnistage.engine.sequence import PromptInputs, Sequence, SequenceStatus
 from omnistage.engine.stages.autoregressive import SamplingState
-from omnistage.outputs import CompletionOutput, RequestOutput
+from omnistage.outputs import CompletionOutput, RequestOutput, TokenLogprobs
 from omnistage.request import GenerationRequest
 
 if TYPE_CHECKING:
@@ -42,6 +42,7 @@ class RequestState(PromptInputs, SamplingState):
     decodes_ahead: bool = False  # decode_ahead.decodes_ahead
     stop_reason: int | str | None = None
     metrics: dict[str, float] = field(default_factory=dict)
+    logprobs: list[TokenLogprobs] | None = None  # each output token's, where the request asked; else None
 
 
 def request_state(
@@ -71,6 +72,7 @@ def request_state(
         mm=mm,
         tap=tap,
         decodes_ahead=decodes_ahead(params, feeds_a_stage=request.speech is not None),
+        logprobs=[] if params.logprobs is not None else None,
     )
 
 
@@ -89,7 +91,12 @@ def stop_and_text(state: RequestState, token: int) -> tuple[SequenceStatus | Non
     return None, delta
 
 
-def request_output(seq: Sequence[RequestState], delta_text: str, delta_ids: list[int]) -> RequestOutput:
+def request_output(
+    seq: Sequence[RequestState],
+    delta_text: str,
+    delta_ids: list[int],
+    delta_logprobs: list[TokenLogprobs] | None = None,
+) -> RequestOutput:
     """What the caller gets of `seq` after a step: its delta and, once it finished, all of it."""
     state = seq.data
     finished = seq.is_finished
@@ -105,6 +112,8 @@ def request_output(seq: Sequence[RequestState], delta_text: str, delta_ids: list
         stop_reason=state.stop_reason,
         delta_text=delta_text,
         delta_token_ids=delta_ids,
+        logprobs=list(state.logprobs) if state.logprobs is not None else None,
+        delta_logprobs=delta_logprobs or [],
     )
     return RequestOutput(
         request_id=seq.request_id,

@@ -11,7 +11,7 @@ import torch
 from torch import Tensor
 
 from omnistage.models.layers.attention_metadata import to_device_together
-from omnistage.request import SamplingParams
+from omnistage.request import MAX_LOGIT_BIAS, SamplingParams
 
 
 @dataclass
@@ -103,6 +103,37 @@ def apply_penalties(logits: Tensor, rows: list[SamplingRow]) -> Tensor:
     return logits
 
 
+def apply_logit_bias(logits: Tensor, rows: list[SamplingRow]) -> Tensor:
+    """Add each row's logit bias to its tokens' logits; a bias at OpenAI's floor (-100) bans its token (-inf),
+    as OpenAI says it should, where adding it would leave a token whose logit is large still drawable.
+
+    Returns `logits` itself when no row has a bias, else a new tensor; every index and bias reaches the device
+    in one copy. Ids beyond the vocabulary are skipped (admission refuses them for the stage's own requests).
+    """
+    biased = [(i, r.params.logit_bias) for i, r in enumerate(rows) if r.params.logit_bias]
+    if not biased:
+        return logits
+    vocab = logits.shape[1]
+    row_index: list[int] = []
+    token_index: list[int] = []
+    biases: list[float] = []
+    for i, logit_bias in biased:
+        for token, bias in logit_bias.items():
+            if 0 <= token < vocab:
+                row_index.append(i)
+                token_index.append(token)
+                biases.append(-math.inf if bias <= -MAX_LOGIT_BIAS else bias)
+    if not row_index:
+        return logits
+    at_rows, at_tokens, added = to_device_together(
+        [torch.tensor(row_index), torch.tensor(token_index), torch.tensor(biases, dtype=logits.dtype)],
+        logits.device,
+    )
+    logits = logits.clone()
+    logits[at_rows, at_tokens] += added  # one entry per (row, token): a row's bias is a dict
+    return logits
+
+
 def apply_min_tokens(logits: Tensor, rows: list[SamplingRow]) -> Tensor:
     """Mask eos and stop token ids to -inf on rows that have produced fewer than min_tokens tokens.
 
@@ -185,12 +216,13 @@ class Sampler:
     def sample(self, logits: Tensor, rows: list[SamplingRow]) -> Tensor:
         """Next token per row: [B, V] float logits -> [B] long ids on the logits' device.
 
-        Order: penalties, min_tokens mask, greedy argmax, temperature, top-k, top-p, min-p, softmax, sample.
+        Order: logit bias, penalties, min_tokens mask, greedy argmax, temperature, top-k, top-p, min-p, softmax,
+        sample.
         A seeded row draws only from its own generator, so its tokens do not depend on its batch neighbours.
         """
         if logits.shape[0] != len(rows):
             raise ValueError(f"logits have {logits.shape[0]} rows but {len(rows)} SamplingRows were given")
-        logits = apply_min_tokens(apply_penalties(logits.float(), rows), rows)
+        logits = apply_min_tokens(apply_penalties(apply_logit_bias(logits.float(), rows), rows), rows)
         greedy_ids = logits.argmax(dim=-1)
         params = [r.params for r in rows]
         if all(p.greedy for p in params):

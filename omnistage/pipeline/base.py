@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 import numpy as np
+from tokenizers import Tokenizer
 
 from omnistage.config import EngineConfig
 from omnistage.engine.memory.gauges import GAUGE_HELP, Gauge
@@ -37,7 +38,10 @@ class PromptProcessor(Protocol):
     """What the server asks of a family's processor: the prompt of a raw text, of a chat (its media decoded by
     `omnistage.media`) or of a clip to transcribe, and the transcript in the model's reply. With
     `max_model_len`, text that cannot fit the context is refused before it is tokenized; `use_audio_in_video`
-    interleaves each video's sound track with its frames."""
+    interleaves each video's sound track with its frames. `tokenizer` spells the tokens of logprobs."""
+
+    @property
+    def tokenizer(self) -> Tokenizer: ...
 
     def encode(self, text: str, max_model_len: int | None = None, /) -> list[int]: ...
 

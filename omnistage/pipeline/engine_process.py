@@ -34,7 +34,7 @@ import torch
 from omnistage.config import EngineConfig
 from omnistage.engine.memory.gauges import Gauge
 from omnistage.errors import ConfigError
-from omnistage.outputs import RequestOutput
+from omnistage.outputs import CompletionOutput, RequestOutput, TokenLogprobs
 from omnistage.pipeline.family import build_pipeline, frontend_for
 from omnistage.pipeline.step_loop import Abort, Add, Delivery, StepLoop, serving_stats
 
@@ -168,11 +168,17 @@ class SlimOutputs:
                 if item.finished:
                     self._sent_prompt.discard(request_id)
                 else:
-                    item = replace(item, outputs=[replace(c, text="", token_ids=[]) for c in item.outputs])
+                    item = replace(item, outputs=[_slim(c) for c in item.outputs])
                 if not first:
                     item = replace(item, prompt_token_ids=[], prompt=None)
             out.append((request_id, item))
         return out
+
+
+def _slim(completion: CompletionOutput) -> CompletionOutput:
+    """A running completion without its cumulative text, ids and logprobs (its deltas carry them)."""
+    logprobs: list[TokenLogprobs] | None = [] if completion.logprobs is not None else None
+    return replace(completion, text="", token_ids=[], logprobs=logprobs)
 
 
 def _drain(conn: Connection, inbox: queue.SimpleQueue) -> None:
@@ -195,6 +201,7 @@ class _Partial:
     prompt_token_ids: list[int]
     text: list[str] = field(default_factory=list)
     token_ids: list[int] = field(default_factory=list)
+    logprobs: list[TokenLogprobs] = field(default_factory=list)
 
 
 class RemoteOutputs:
@@ -216,8 +223,11 @@ class RemoteOutputs:
             completion = item.outputs[0]
             partial.text.append(completion.delta_text)
             partial.token_ids += completion.delta_token_ids
+            partial.logprobs += completion.delta_logprobs
             text = "".join(partial.text)
-            item = replace(item, outputs=[replace(completion, text=text, token_ids=list(partial.token_ids))])
+            logprobs = list(partial.logprobs) if completion.logprobs is not None else None
+            rebuilt = replace(completion, text=text, token_ids=list(partial.token_ids), logprobs=logprobs)
+            item = replace(item, outputs=[rebuilt])
         return replace(item, prompt=partial.prompt, prompt_token_ids=partial.prompt_token_ids)
 
 

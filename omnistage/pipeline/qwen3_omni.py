@@ -218,7 +218,11 @@ class Qwen3OmniPipeline:
         out = self.thinker.abort(request_id)
         if out is None and speech is not None:
             completion = replace(
-                speech.text.outputs[0], finish_reason="abort", delta_text="", delta_token_ids=[]
+                speech.text.outputs[0],
+                finish_reason="abort",
+                delta_text="",
+                delta_token_ids=[],
+                delta_logprobs=[],
             )
             out = replace(speech.text, outputs=[completion], finished=True)
         return out

@@ -160,7 +160,9 @@ def new_speech(
 
 
 def failed(text: RequestOutput, error: str) -> RequestOutput:
-    completion = replace(text.outputs[0], finish_reason="error", delta_text="", delta_token_ids=[])
+    completion = replace(
+        text.outputs[0], finish_reason="error", delta_text="", delta_token_ids=[], delta_logprobs=[]
+    )
     return replace(text, outputs=[completion], finished=True, error=error)
 
 
@@ -182,7 +184,9 @@ def speech_output(speech: Speech, chunks: list[np.ndarray]) -> RequestOutput:
         audio_delta=np.concatenate(chunks) if chunks else None,
         num_audio_frames=len(speech.codes),
     )
-    speech.text = replace(text, outputs=[replace(text.outputs[0], delta_text="", delta_token_ids=[])])
+    speech.text = replace(
+        text, outputs=[replace(text.outputs[0], delta_text="", delta_token_ids=[], delta_logprobs=[])]
+    )
     speech.audio += chunks
     if speech.first_audio:
         out.metrics = {**out.metrics, "first_audio": speech.first_audio}

@@ -17,6 +17,7 @@ from omnistage.pipeline.base import Frontend
 from omnistage.request import GenerationRequest, SamplingParams, SpeechParams
 from omnistage.server.errors import InvalidField
 from omnistage.server.formats import ChatFormat
+from omnistage.server.logprobs import LazyTokenTexts
 from omnistage.server.protocol.chat import ChatCompletionRequest
 from omnistage.server.speech import (
     CHAT_FORMATS,
@@ -47,15 +48,21 @@ class ChatEndpoint:
         self, responder: Responder, frontend: Frontend, media: MediaPolicy, serving: ChatServing
     ) -> None:
         self.responder, self.frontend, self.media, self.serving = responder, frontend, media, serving
+        self.texts = LazyTokenTexts(frontend)
 
     async def create(self, body: ChatCompletionRequest, request: Request) -> Response:
         self.responder.begin(request, body.model)
         speech = chat_speech_params(body, self.serving.voices)
         params = body.sampling_params(body.requested_max_tokens, body.max_tokens_field)
+        if speech is not None and params.logprobs is not None:
+            raise InvalidField(
+                "logprobs", "a spoken reply carries no logprobs; ask for them with a text reply"
+            )
         transcripts = earlier_answers(body, self.serving.answers)
         request_id, name = f"chatcmpl-{uuid.uuid4().hex}", self.responder.served_model_name
         fingerprint = self.serving.fingerprint
-        fmt: ChatFormat = ChatFormat(request_id, name, body.include_usage, fingerprint)
+        texts = self.texts.get() if params.logprobs is not None else None
+        fmt: ChatFormat = ChatFormat(request_id, name, body.include_usage, fingerprint, texts)
         if speech is not None and body.audio is not None:
             answers, audio_format = self.serving.answers, body.audio.format
             fmt = SpokenChatFormat(request_id, name, body.include_usage, audio_format, answers, fingerprint)

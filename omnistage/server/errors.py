@@ -72,11 +72,17 @@ _INTERNAL = ErrorKind(500, "server_error", "internal_error")
 # A full queue moves at the engine's pace; a client told to come back in a second (OpenAI's client honours
 # Retry-After) does not hammer it meanwhile.
 RETRY_AFTER_S = 1
-# The pipeline marks an error of a speaking request with the part it is about (`field`); each route that
-# speaks names the client's field for it.
-_SPEECH_FIELDS = {
+# The pipeline marks an error with the part of the request it is about (`field`); each route names the
+# client's field for it.
+_FIELDS = {
     "/v1/audio/speech": {"voice": "voice", "max_frames": "max_frames", "text": "input"},
-    "/v1/chat/completions": {"voice": "audio.voice", "max_frames": "audio.max_frames", "text": "max_tokens"},
+    "/v1/chat/completions": {
+        "voice": "audio.voice",
+        "max_frames": "audio.max_frames",
+        "text": "max_tokens",
+        "logit_bias": "logit_bias",
+    },
+    "/v1/completions": {"logit_bias": "logit_bias"},
 }
 
 
@@ -93,10 +99,10 @@ def error_body(message: str, kind: ErrorKind, param: str | None = None) -> dict[
 
 def error_response(exc: OmnistageError, path: str = "") -> JSONResponse:
     """The HTTP response for one of our errors (one without a kind of its own is a 500 keeping its message);
-    `path`, the request's, names the field of a speaking request's error."""
+    `path`, the request's, names the field of the pipeline's error (`field`)."""
     kind = kind_of(exc)
     message = str(exc) or type(exc).__name__
-    param = getattr(exc, "param", None) or _SPEECH_FIELDS.get(path, {}).get(getattr(exc, "field", None) or "")
+    param = getattr(exc, "param", None) or _FIELDS.get(path, {}).get(getattr(exc, "field", None) or "")
     headers = {"Retry-After": str(RETRY_AFTER_S)} if isinstance(exc, QueueFull) else None
     return JSONResponse(error_body(message, kind, param), status_code=kind.status, headers=headers)
 

@@ -4,13 +4,15 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from json.encoder import encode_basestring
 from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
 from fastapi.responses import Response
 
+from omnistage.outputs import TokenLogprobs
+from omnistage.server.logprobs import CompletionLogprobsWriter, TokenTexts, chat_logprobs
 from omnistage.server.responses import (
     AssistantMessage,
     ChatChoice,
@@ -45,16 +47,21 @@ def _text_chunks(render: Callable[[str], str]) -> Callable[[str], str]:
 
 
 class Format(Protocol):
-    """How one endpoint spells its stream chunks and its whole response."""
+    """How one endpoint spells its stream chunks and its whole response. `logprobs`: those of the delta's
+    tokens, or of the whole reply's (None where the request asked for none)."""
 
     id: str
     include_usage: bool
 
     def opening(self) -> list[str]: ...
-    def delta(self, text: str, finish_reason: str | None) -> list[str]: ...
+    def delta(
+        self, text: str, finish_reason: str | None, logprobs: Sequence[TokenLogprobs] = ()
+    ) -> list[str]: ...
     def closing(self, finish_reason: str) -> list[str]: ...
     def usage_chunk(self, usage: Usage) -> str: ...
-    def response(self, text: str, finish_reason: str, usage: Usage) -> dict[str, Any] | Response: ...
+    def response(
+        self, text: str, finish_reason: str, usage: Usage, logprobs: Sequence[TokenLogprobs] | None = None
+    ) -> dict[str, Any] | Response: ...
 
 
 @runtime_checkable
@@ -70,13 +77,19 @@ class SpeakingFormat(Format, Protocol):
 
 class ChatFormat:
     """Chat's chunks and response; `fingerprint` is their `system_fingerprint`, and `prompt_audio_tokens`
-    (set once the prompt is laid out) goes into the usage's prompt details."""
+    (set once the prompt is laid out) goes into the usage's prompt details. With `texts` (the request asked for
+    logprobs), each chunk carries its tokens' logprobs, and a token without text still has its chunk."""
 
     def __init__(
-        self, request_id: str, model: str, include_usage: bool, fingerprint: str | None = None
+        self,
+        request_id: str,
+        model: str,
+        include_usage: bool,
+        fingerprint: str | None = None,
+        texts: TokenTexts | None = None,
     ) -> None:
         self.id, self.model, self.include_usage = request_id, model, include_usage
-        self.fingerprint = fingerprint
+        self.fingerprint, self.texts = fingerprint, texts
         self.prompt_audio_tokens = 0
         self.created = int(time.time())
         self._text_chunk = _text_chunks(
@@ -97,7 +110,14 @@ class ChatFormat:
     def opening(self) -> list[str]:
         return [self._chunk([ChatChunkChoice(delta=ChatDelta(role="assistant", content=""))])]
 
-    def delta(self, text: str, finish_reason: str | None) -> list[str]:
+    def delta(
+        self, text: str, finish_reason: str | None, logprobs: Sequence[TokenLogprobs] = ()
+    ) -> list[str]:
+        if self.texts is not None and logprobs:
+            choice = ChatChunkChoice(
+                delta=ChatDelta(content=text), logprobs=chat_logprobs(self.texts, logprobs)
+            )
+            return [self._chunk([choice])]
         return [self._text_chunk(text)] if text else []
 
     def closing(self, finish_reason: str) -> list[str]:
@@ -106,24 +126,46 @@ class ChatFormat:
     def usage_chunk(self, usage: Usage) -> str:
         return self._chunk([], usage.with_prompt_audio(self.prompt_audio_tokens))
 
-    def response(self, text: str, finish_reason: str, usage: Usage) -> dict[str, Any]:
-        return self.whole(AssistantMessage(content=text), finish_reason, usage)
+    def response(
+        self, text: str, finish_reason: str, usage: Usage, logprobs: Sequence[TokenLogprobs] | None = None
+    ) -> dict[str, Any]:
+        return self.whole(AssistantMessage(content=text), finish_reason, usage, logprobs)
 
-    def whole(self, message: AssistantMessage, finish_reason: str, usage: Usage) -> dict[str, Any]:
+    def whole(
+        self,
+        message: AssistantMessage,
+        finish_reason: str,
+        usage: Usage,
+        logprobs: Sequence[TokenLogprobs] | None = None,
+    ) -> dict[str, Any]:
         """The whole response of one choice."""
+        given = (
+            chat_logprobs(self.texts, logprobs) if self.texts is not None and logprobs is not None else None
+        )
         return ChatCompletionResponse(
             id=self.id,
             created=self.created,
             model=self.model,
             system_fingerprint=self.fingerprint,
-            choices=[ChatChoice(message=message, finish_reason=finish_reason)],
+            choices=[ChatChoice(message=message, logprobs=given, finish_reason=finish_reason)],
             usage=usage.with_prompt_audio(self.prompt_audio_tokens),
         ).model_dump()
 
 
 class CompletionFormat:
-    def __init__(self, request_id: str, model: str, include_usage: bool) -> None:
+    """Text completions' chunks and response. `echo`: the prompt's text, put before the reply (streamed, in the
+    first chunk); `writer`: where the request asked for logprobs, what spells them."""
+
+    def __init__(
+        self,
+        request_id: str,
+        model: str,
+        include_usage: bool,
+        echo: str = "",
+        writer: CompletionLogprobsWriter | None = None,
+    ) -> None:
         self.id, self.model, self.include_usage = request_id, model, include_usage
+        self.echo, self.writer = echo, writer
         self.created = int(time.time())
         self._text_chunk = _text_chunks(lambda text: self._chunk([CompletionChoice(text=text)]))
 
@@ -136,11 +178,15 @@ class CompletionFormat:
     def opening(self) -> list[str]:
         return []
 
-    def delta(self, text: str, finish_reason: str | None) -> list[str]:
-        if finish_reason is None:
+    def delta(
+        self, text: str, finish_reason: str | None, logprobs: Sequence[TokenLogprobs] = ()
+    ) -> list[str]:
+        text, self.echo = self.echo + text, ""
+        written = self.writer.write(logprobs) if self.writer is not None and logprobs else None
+        if finish_reason is None and written is None:
             return [self._text_chunk(text)] if text else []
         # OpenAI puts finish_reason on the chunk with the last text, which may be empty.
-        return [self._chunk([CompletionChoice(text=text, finish_reason=finish_reason)])]
+        return [self._chunk([CompletionChoice(text=text, logprobs=written, finish_reason=finish_reason)])]
 
     def closing(self, finish_reason: str) -> list[str]:
         return []
@@ -148,8 +194,11 @@ class CompletionFormat:
     def usage_chunk(self, usage: Usage) -> str:
         return self._chunk([], usage)
 
-    def response(self, text: str, finish_reason: str, usage: Usage) -> dict[str, Any]:
-        choice = CompletionChoice(text=text, finish_reason=finish_reason)
+    def response(
+        self, text: str, finish_reason: str, usage: Usage, logprobs: Sequence[TokenLogprobs] | None = None
+    ) -> dict[str, Any]:
+        written = self.writer.write(logprobs) if self.writer is not None and logprobs is not None else None
+        choice = CompletionChoice(text=self.echo + text, logprobs=written, finish_reason=finish_reason)
         return CompletionResponse(
             id=self.id, created=self.created, model=self.model, choices=[choice], usage=usage
         ).model_dump()

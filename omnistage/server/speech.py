@@ -13,7 +13,7 @@ import asyncio
 import base64
 import io
 import uuid
-from collections.abc import AsyncGenerator
+from collections.abc import AsyncGenerator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -23,7 +23,7 @@ from fastapi import Request
 from fastapi.responses import Response
 
 from omnistage.errors import OmnistageError
-from omnistage.outputs import AUDIO_SAMPLE_RATE, RequestOutput
+from omnistage.outputs import AUDIO_SAMPLE_RATE, RequestOutput, TokenLogprobs
 from omnistage.pipeline.base import Frontend
 from omnistage.request import GenerationRequest, SamplingParams, SpeechParams
 from omnistage.server.errors import ErrorKind, InvalidField, error_body
@@ -199,7 +199,10 @@ class SpokenChatFormat(ChatFormat):
     def opening(self) -> list[str]:
         return [self._chunk([ChatChunkChoice(delta=ChatDelta(role="assistant"))])]
 
-    def delta(self, text: str, finish_reason: str | None) -> list[str]:
+    def delta(
+        self, text: str, finish_reason: str | None, logprobs: Sequence[TokenLogprobs] = ()
+    ) -> list[str]:
+        # a spoken reply has no logprobs to carry: chat refuses to speak one that asks for them
         if not text:
             return []
         self._transcript.append(text)

@@ -83,7 +83,11 @@ class Responder:
                 self._events(endpoint, fmt, outputs, first), lambda: self.metrics.responded(delivered)
             )
         final = await self.final(request, outputs, fmt.id)
-        text, reason = final.outputs[0].text, final.outputs[0].finish_reason
+        text, reason, logprobs = (
+            final.outputs[0].text,
+            final.outputs[0].finish_reason,
+            final.outputs[0].logprobs,
+        )
         assert reason is not None  # a finished output has its finish_reason
         if isinstance(fmt, SpeakingFormat):
             assert (
@@ -92,7 +96,7 @@ class Responder:
             usage = usage_of(final, spoken=True)
             body = await asyncio.to_thread(fmt.spoken_response, text, reason, usage, final.audio)
         else:
-            body = fmt.response(text, reason, usage_of(final, spoken=False))
+            body = fmt.response(text, reason, usage_of(final, spoken=False), logprobs)
         self.count(endpoint, 200)
         return body if isinstance(body, Response) else JSONResponse(body)
 
@@ -140,7 +144,7 @@ class Responder:
                 completion = last.outputs[0]
                 if last.finished:
                     break
-                pending += fmt.delta(completion.delta_text, None)
+                pending += fmt.delta(completion.delta_text, None, completion.delta_logprobs)
                 pending += _audio_chunks(spoken, last)
                 if pending:
                     body, pending = "".join(pending), []
@@ -148,7 +152,7 @@ class Responder:
                 last = await anext(outputs)
             raise_if_failed(last)
             assert completion.finish_reason is not None  # a finished output has its finish_reason
-            pending += fmt.delta(completion.delta_text, completion.finish_reason)
+            pending += fmt.delta(completion.delta_text, completion.finish_reason, completion.delta_logprobs)
             pending += _audio_chunks(spoken, last)
             pending += fmt.closing(completion.finish_reason)
             if fmt.include_usage:

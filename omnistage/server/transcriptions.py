@@ -5,13 +5,15 @@ OpenAI's multipart form comes in; the clip goes into a user message beside "Tran
 text." (plus the language when the client names it) or the instruction to translate it into English, the
 client's `prompt` goes in as a system message of context, and the answer goes out as json, text,
 verbose_json, srt or vtt (subtitles.py), or as `transcript.text.*` events when `stream` is set.
+`include[]=logprobs` adds the reply's tokens' logprobs to a json answer (and to the events), as OpenAI's
+transcription models give them.
 """
 
 from __future__ import annotations
 
 import asyncio
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Annotated, Any
 
 import numpy as np
@@ -20,11 +22,13 @@ from fastapi.responses import PlainTextResponse, Response
 
 from omnistage.errors import InvalidMedia
 from omnistage.media import MediaPolicy, audio_seconds, load_audio
+from omnistage.outputs import TokenLogprobs
 from omnistage.pipeline.base import Frontend
 from omnistage.request import GenerationRequest, SamplingParams
 from omnistage.server import subtitles
 from omnistage.server.errors import InvalidField
 from omnistage.server.formats import sse
+from omnistage.server.logprobs import LazyTokenTexts, TokenTexts, top_logprob
 from omnistage.server.responses import Usage
 from omnistage.server.streaming import Responder
 
@@ -32,6 +36,7 @@ PATH = "/v1/audio/transcriptions"
 TRANSLATIONS_PATH = "/v1/audio/translations"
 
 RESPONSE_FORMATS = ("json", "text", "verbose_json", "srt", "vtt")
+INCLUDES = ("logprobs",)
 INT64 = {"ge": -(2**63), "le": 2**63 - 1}
 Transcript = Callable[[str], tuple[str | None, str]]
 
@@ -44,11 +49,25 @@ def check_response_format(response_format: str) -> None:
         )
 
 
+def wants_logprobs(include: list[str], response_format: str) -> bool:
+    """Whether `include[]` asks for logprobs (its one value OpenAI defines); they come in json answers."""
+    unknown = [value for value in include if value not in INCLUDES]
+    if unknown:
+        raise InvalidField("include[]", f"{unknown[0]!r} is not supported; use one of {', '.join(INCLUDES)}")
+    if include and response_format != "json":
+        raise InvalidField(
+            "include[]", f"logprobs come with response_format json only, got {response_format!r}"
+        )
+    return bool(include)
+
+
 class TranscriptionFormat:
     """The `Format` of the transcription endpoint: OpenAI's transcription bodies and stream events.
 
     A stream is `transcript.text.delta` events and one `transcript.text.done` carrying the whole text and
-    the token usage, as OpenAI's streamed transcriptions end.
+    the token usage, as OpenAI's streamed transcriptions end. With `texts` (the request asked for logprobs),
+    each delta event carries the logprobs of the tokens since the last one, and the done event all of them:
+    one per token of the reply as the model wrote it (Qwen3-ASR's language header and the end token included).
     """
 
     include_usage = True  # the usage rides on the done event
@@ -61,6 +80,7 @@ class TranscriptionFormat:
         duration: float,
         transcript: Transcript = lambda text: (None, text),
         task: str = "transcribe",
+        texts: TokenTexts | None = None,
     ) -> None:
         """`language`: the name of the language the client gave, if any; `transcript` reads the model's reply:
         the language it names, if any, and the text (Qwen3-ASR writes `language English<asr_text>...`; the
@@ -69,22 +89,35 @@ class TranscriptionFormat:
         self.response_format = response_format
         self.language = (language or "unknown").lower()
         self.duration = duration
-        self.transcript = transcript
+        self.transcript, self.texts = transcript, texts
         self._raw = ""
         self._text = ""
+        self._logprobs: list[TokenLogprobs] = []
+        self._logprobs_sent = 0
 
     def opening(self) -> list[str]:
         return []
 
-    def delta(self, text: str, finish_reason: str | None) -> list[str]:
+    def delta(
+        self, text: str, finish_reason: str | None, logprobs: Sequence[TokenLogprobs] = ()
+    ) -> list[str]:
         """The transcript's new text: the reply read so far, less what went out already (a language header is
         held back until the transcript after it begins)."""
         self._raw += text
+        self._logprobs += logprobs
         _, transcript = self.transcript(self._raw)
         if not transcript.startswith(self._text) or len(transcript) == len(self._text):
             return []
         new, self._text = transcript[len(self._text) :], transcript
-        return [sse({"type": "transcript.text.delta", "delta": new})]
+        event: dict[str, Any] = {"type": "transcript.text.delta", "delta": new}
+        if self.texts is not None:
+            event["logprobs"] = self._entries(self._logprobs[self._logprobs_sent :])
+            self._logprobs_sent = len(self._logprobs)
+        return [sse(event)]
+
+    def _entries(self, logprobs: Sequence[TokenLogprobs]) -> list[dict[str, Any]]:
+        assert self.texts is not None  # asked for
+        return [top_logprob(self.texts, lp.token_id, lp.logprob).model_dump() for lp in logprobs]
 
     def closing(self, finish_reason: str) -> list[str]:
         return []
@@ -96,9 +129,18 @@ class TranscriptionFormat:
             "output_tokens": usage.completion_tokens,
             "total_tokens": usage.total_tokens,
         }
-        return sse({"type": "transcript.text.done", "text": self.transcript(self._raw)[1], "usage": tokens})
+        done: dict[str, Any] = {
+            "type": "transcript.text.done",
+            "text": self.transcript(self._raw)[1],
+            "usage": tokens,
+        }
+        if self.texts is not None:
+            done["logprobs"] = self._entries(self._logprobs)
+        return sse(done)
 
-    def response(self, text: str, finish_reason: str, usage: Usage) -> dict[str, Any] | Response:
+    def response(
+        self, text: str, finish_reason: str, usage: Usage, logprobs: Sequence[TokenLogprobs] | None = None
+    ) -> dict[str, Any] | Response:
         language, text = self.transcript(text)
         if self.response_format == "text":
             return PlainTextResponse(text)
@@ -114,12 +156,15 @@ class TranscriptionFormat:
                 "text": text,
                 "segments": [],
             }
+        if self.texts is not None and logprobs is not None:
+            return {"text": text, "logprobs": self._entries(logprobs)}
         return {"text": text}
 
 
 class TranscriptionsEndpoint:
     def __init__(self, responder: Responder, frontend: Frontend, media: MediaPolicy) -> None:
         self.responder, self.frontend, self.media = responder, frontend, media
+        self.texts = LazyTokenTexts(frontend)
 
     async def create(
         self,
@@ -132,8 +177,8 @@ class TranscriptionsEndpoint:
         # OpenAI's default for transcriptions.
         temperature: Annotated[float, Form(allow_inf_nan=False)] = 0.0,
         stream: Annotated[bool, Form()] = False,
-        # Refused when asked for: this server has no timestamps and no logprobs to give. OpenAI's other
-        # form fields (chunking_strategy, keywords[], languages[], known_speaker_*[]) are ignored.
+        # Refused when asked for: this server has no timestamps to give. OpenAI's other form fields
+        # (chunking_strategy, keywords[], languages[], known_speaker_*[]) are ignored.
         timestamp_granularities: Annotated[list[str] | None, Form(alias="timestamp_granularities[]")] = None,
         include: Annotated[list[str] | None, Form(alias="include[]")] = None,
         # Extras beyond OpenAI's form (vLLM's names), for benchmarks that force output lengths.
@@ -146,8 +191,7 @@ class TranscriptionsEndpoint:
         check_response_format(response_format)
         if timestamp_granularities:
             raise InvalidField("timestamp_granularities[]", "timestamps are not supported yet")
-        if include:
-            raise InvalidField("include[]", "logprobs are not supported yet")
+        logprobs = wants_logprobs(include or [], response_format)
         extras: dict[str, Any] = {"min_tokens": min_tokens, "ignore_eos": ignore_eos, "seed": seed}
         extras = {k: v for k, v in extras.items() if v is not None}
         data = await file.read()
@@ -155,9 +199,14 @@ class TranscriptionsEndpoint:
         request_id = f"trsc-{uuid.uuid4().hex}"
         named = self.frontend.language_name(language)
         transcript = self.frontend.processor.transcript
-        fmt = TranscriptionFormat(request_id, response_format, named, audio_seconds(audio), transcript)
+        texts = self.texts.get() if logprobs else None
+        fmt = TranscriptionFormat(
+            request_id, response_format, named, audio_seconds(audio), transcript, texts=texts
+        )
         if max_tokens is None:  # the cap of the clip's length
             max_tokens = laid_out.max_tokens
+        if logprobs:
+            extras["logprobs"] = 0
         params = SamplingParams(max_tokens=max_tokens, temperature=temperature, **extras)
         ids, mrope, mm = laid_out.token_ids, laid_out.mrope, laid_out.mm
         new = GenerationRequest(request_id, ids, params, laid_out.prompt, mrope, mm)

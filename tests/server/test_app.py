@@ -217,7 +217,9 @@ def test_invalid_json_and_missing_body(client):
 def test_sampling_rules_are_400(client):
     assert_error(chat(client, "x", n=2), 400, "invalid_request_error", "n must be 1")
     assert_error(chat(client, "x", top_p=0), 400, "invalid_request_error", "top_p must be in (0, 1]")
-    assert_error(chat(client, "x", logprobs=True), 400, "invalid_request_error", "logprobs are not supported")
+    assert_error(
+        chat(client, "x", top_logprobs=2), 400, "invalid_request_error", "needs logprobs set to true"
+    )
     body = {"model": MODEL, "prompt": ["a", "b"]}
     r = client.post("/v1/completions", json=body, headers=AUTH)
     assert_error(r, 400, "invalid_request_error", "one prompt per request is supported, got 2")

@@ -91,8 +91,8 @@ def test_the_openai_client_with_every_harmless_field(client):
 
 REFUSED_CHAT = [
     ({"n": 2}, "n must be 1"),
-    ({"logprobs": True}, "logprobs are not supported"),
-    ({"top_logprobs": 3}, "logprobs are not supported"),
+    ({"top_logprobs": 3}, "needs logprobs set to true"),
+    ({"top_logprobs": 21}, "less than or equal to 20"),
     ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools are not supported"),
     ({"functions": [{"name": "f"}]}, "tools are not supported"),
     ({"tool_choice": "required"}, "tools are not supported"),
@@ -107,7 +107,8 @@ REFUSED_CHAT = [
     ({"audio": {"voice": "alloy", "format": "wav"}}, "audio output is not supported"),
     ({"web_search_options": {}}, "web search is not supported"),
     ({"moderation": {"model": "omni-moderation-latest"}}, "moderation is not supported"),
-    ({"logit_bias": {"50256": -100}}, "logit_bias is not supported"),
+    ({"logit_bias": {"x": -100}}, "keys must be token ids"),
+    ({"logit_bias": {"5": -101}}, "must be in [-100, 100]"),
 ]
 
 
@@ -216,9 +217,13 @@ def test_completions_fields(http):
     r = http.post("/v1/completions", json=body)
     assert r.status_code == 200, r.text
     assert r.json()["choices"][0]["text"] == "hello"
-    assert_400(http.post("/v1/completions", json=body | {"echo": True}), "echo is not supported", "echo")
+    echoed = http.post("/v1/completions", json=body | {"echo": True, "max_tokens": 3})
+    assert echoed.json()["choices"][0]["text"] == "hello" + "hel"
     assert_400(
-        http.post("/v1/completions", json=body | {"logprobs": 2}), "logprobs are not supported", "logprobs"
+        http.post("/v1/completions", json=body | {"echo": True, "logprobs": 2}), "prompt's logprobs", "echo"
+    )
+    assert_400(
+        http.post("/v1/completions", json=body | {"logprobs": 6}), "less than or equal to 5", "logprobs"
     )
     assert_400(http.post("/v1/completions", json=body | {"best_of": 2}), "best_of must be 1", "best_of")
     assert_400(http.post("/v1/completions", json=body | {"suffix": "x"}), "suffix is not supported", "suffix")
@@ -243,4 +248,5 @@ def test_transcription_fields(http, fake_pipeline):
     r = post(**accepted)
     assert r.status_code == 200, r.text
     assert_400(post(**{"timestamp_granularities[]": ["word"]}), "timestamps are not supported")
-    assert_400(post(**{"include[]": ["logprobs"]}), "logprobs are not supported")
+    assert_400(post(**{"include[]": ["logprobs"], "response_format": "text"}), "json only", "include[]")
+    assert_400(post(**{"include[]": ["words"]}), "'words' is not supported", "include[]")

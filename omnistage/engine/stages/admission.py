@@ -32,6 +32,11 @@ def max_tokens_for(
     bad = next((t for t in prompt_token_ids if not 0 <= t < vocab_size), None)
     if bad is not None:
         raise InvalidRequest(f"prompt token id {bad} is outside the vocabulary of {vocab_size}")
+    bad = next((t for t in params.logit_bias or {} if t >= vocab_size), None)
+    if bad is not None:
+        refused = InvalidRequest(f"logit_bias: token id {bad} is outside the vocabulary of {vocab_size}")
+        refused.field = "logit_bias"
+        raise refused
     if params.max_tokens is None:  # the configured default, within what the context and the whole pool allow
         max_tokens = min(max_model_len, pool.num_pages * pool.page_size) - prompt_len
         if max_tokens < 1:

@@ -21,6 +21,7 @@ import torch
 from omnistage.config import DecoderSettings, EncodersSettings, EngineSettings
 from omnistage.engine.decode_ahead import PLACEHOLDER, Launched, may_run_ahead, settle
 from omnistage.engine.graphs.base import int_buckets
+from omnistage.engine.logprobs import step_logprobs
 from omnistage.engine.memory.plan import GiB, MemoryPlan, StageMemory, kv_bytes_per_page
 from omnistage.engine.memory.summary import text_stage_summary
 from omnistage.engine.output_processor import RequestState, request_output, request_state, stop_and_text
@@ -34,7 +35,7 @@ from omnistage.engine.stages.preparation import prepare_decoder
 from omnistage.engine.stages.text_memory import text_stage_memory
 from omnistage.engine.stages.token_runner import HiddenTap, TokenRunner
 from omnistage.models.layers.rotary import PromptPositions
-from omnistage.outputs import RequestOutput
+from omnistage.outputs import RequestOutput, TokenLogprobs
 from omnistage.request import GenerationRequest, SamplingParams, ValidRequest
 
 if TYPE_CHECKING:
@@ -43,6 +44,9 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 _CPU_KV_GIB = 0.25
+
+# A step's sampled ids, one per chunk that samples and in their order, and their logprobs (None: not asked).
+Sampled = tuple[list[int], list[TokenLogprobs | None]]
 
 
 @dataclass(frozen=True)
@@ -296,9 +300,9 @@ class TextStage(AutoregressiveStage[RequestState]):
         """Launch a decode step without waiting for its ids; its sequences get a placeholder token each."""
         rows = [self.sampling_row(c.seq) for c in chunks]
         input_ids = previous.input_ids(chunks) if previous is not None else None
-        launched = Launched.start(
-            chunks, self.sampler(self.runner.execute(SchedulerOutput(chunks), input_ids), rows)
-        )
+        logits = self.runner.execute(SchedulerOutput(chunks), input_ids)
+        sampled = self.sampler(logits, rows)
+        launched = Launched.start(chunks, sampled, step_logprobs(logits, sampled, rows))
         self.scheduler.update(SchedulerOutput(chunks), {c.seq.request_id: PLACEHOLDER for c in chunks})
         return launched
 
@@ -309,34 +313,50 @@ class TextStage(AutoregressiveStage[RequestState]):
             chunks, self._sample_step, self._apply, lambda chunk, exc: self._fail(chunk.seq, exc)
         )
 
-    def _sample_step(self, chunks: list[ScheduledChunk[RequestState]]) -> list[int]:
-        """The ids sampled after the chunks that end in a sample, in chunk order."""
+    def _sample_step(self, chunks: list[ScheduledChunk[RequestState]]) -> Sampled:
+        """The ids sampled after the chunks that end in a sample, in chunk order, and their logprobs."""
         rows = [self.sampling_row(c.seq) for c in chunks if c.samples]
         logits = self.runner.execute(SchedulerOutput(chunks))
-        return self.sampler(logits, rows).tolist() if rows else []
+        if not rows:
+            return [], []
+        sampled = self.sampler(logits, rows)
+        logprobs = step_logprobs(logits, sampled, rows)
+        tokens = sampled.tolist()
+        return tokens, logprobs.per_row(tokens) if logprobs is not None else [None] * len(tokens)
 
-    def _apply(self, chunks: list[ScheduledChunk[RequestState]], tokens: list[int]) -> list[RequestOutput]:
+    def _apply(self, chunks: list[ScheduledChunk[RequestState]], sampled: Sampled) -> list[RequestOutput]:
+        tokens, logprobs = sampled
         sampling = self.update(chunks, tokens)
-        return [out for chunk, token in zip(sampling, tokens) for out in self._apply_token(chunk.seq, token)]
+        return [
+            out
+            for chunk, token, token_logprobs in zip(sampling, tokens, logprobs)
+            for out in self._apply_token(chunk.seq, token, token_logprobs)
+        ]
 
-    def _apply_token(self, seq: Sequence[RequestState], token: int) -> list[RequestOutput]:
-        """What `seq` gained by its sampled `token`; a failure (of its stop strings, its detokenizing) is its
-        own."""
+    def _apply_token(
+        self, seq: Sequence[RequestState], token: int, logprobs: TokenLogprobs | None
+    ) -> list[RequestOutput]:
+        """What `seq` gained by its sampled `token` (and its `logprobs`, where it asked); a failure (of its stop
+        strings, its detokenizing) is its own."""
         try:
-            return [self._after_sample(seq, token)]
+            return [self._after_sample(seq, token, logprobs)]
         except Exception as exc:
             return self._fail(seq, exc)
 
-    def _after_sample(self, seq: Sequence[RequestState], token: int) -> RequestOutput:
+    def _after_sample(
+        self, seq: Sequence[RequestState], token: int, logprobs: TokenLogprobs | None
+    ) -> RequestOutput:
         state = seq.data
         if "first_token" not in state.metrics:
             state.metrics["first_token"] = time.monotonic()
+        if logprobs is not None and state.logprobs is not None:
+            state.logprobs.append(logprobs)
         status, delta = stop_and_text(state, token)
         if status is not None:
             self.scheduler.finish(seq, status)
         if seq.is_finished and not state.detokenizer.stopped:
             delta += state.detokenizer.flush()
-        return request_output(seq, delta, [token])
+        return request_output(seq, delta, [token], [logprobs] if logprobs is not None else [])
 
     def _fail(self, seq: Sequence[RequestState], exc: Exception) -> list[RequestOutput]:
         """End `seq` with finish_reason "error" and its error."""

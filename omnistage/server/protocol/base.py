@@ -1,5 +1,6 @@
 """What every request of the protocol shares: strict pydantic models, fields refused unless harmless, integers
-within int64, and the sampling fields of chat and text completions (vLLM's names beside OpenAI's)."""
+within int64, and the sampling fields of chat and text completions (vLLM's names beside OpenAI's, OpenAI's
+logit_bias with its token ids as strings)."""
 
 from __future__ import annotations
 
@@ -16,7 +17,6 @@ from omnistage.server.errors import InvalidField
 Int64 = Annotated[int, Field(ge=-(2**63), le=2**63 - 1)]
 TokenId = Annotated[int, Field(ge=0, le=2**63 - 1)]
 TOOLS = "tools are not supported yet"
-LOGPROBS = "logprobs are not supported yet"
 
 
 class Strict(BaseModel):
@@ -80,7 +80,7 @@ class SamplingRequest(Strict):
     include_stop_str_in_output: bool | None = None
     stream: bool | None = False
     stream_options: StreamOptions | None = None
-    logit_bias: Annotated[dict[str, float] | None, unless(empty, "logit_bias is not supported")] = None
+    logit_bias: dict[str, float] | None = None  # token ids (as JSON keys: strings) to biases in [-100, 100]
     user: str | None = None  # OpenAI's end-user tag: ignored
     store: bool | None = None  # ignored: nothing is stored (chat's field; clients send it to completions too)
 
@@ -92,6 +92,10 @@ class SamplingRequest(Strict):
             "repetition_penalty min_tokens ignore_eos skip_special_tokens include_stop_str_in_output"
         ).split()
         values = {name: getattr(self, name) for name in names if getattr(self, name) is not None}
+        if self.logit_bias:
+            values["logit_bias"] = _token_ids_of(self.logit_bias)
+        if (logprobs := self.requested_logprobs()) is not None:
+            values["logprobs"] = logprobs
         try:
             base = SamplingParams(max_tokens=max_tokens)
         except InvalidRequest as exc:
@@ -101,6 +105,23 @@ class SamplingRequest(Strict):
     @property
     def include_usage(self) -> bool:
         return self.stream_options is not None and bool(self.stream_options.include_usage)
+
+    def requested_logprobs(self) -> int | None:
+        """How many top logprobs each token carries (0: the sampled token's alone); None: no logprobs. Raises
+        InvalidField where the request's fields about them do not go together."""
+        return None
+
+
+def _token_ids_of(bias: dict[str, float]) -> dict[int, float]:
+    """logit_bias with its keys read as token ids; a key that is not one is a 400 naming logit_bias."""
+    read = {}
+    for key, value in bias.items():
+        if not (key.isascii() and key.isdigit()):
+            raise InvalidField(
+                "logit_bias", f"keys must be token ids (non-negative integers), got {key[:40]!r}"
+            )
+        read[int(key)] = value
+    return read
 
 
 def with_fields(

@@ -1,5 +1,5 @@
 """`/v1/chat/completions`' request: messages of text and media parts, and the fields OpenAI's chat schema
-adds to sampling (the tools and logprobs this server refuses, the audio reply it speaks), with vLLM's and
+adds to sampling (logprobs, the tools this server refuses, the audio reply it speaks), with vLLM's and
 SGLang-Omni's video fields (`use_audio_in_video`, `mm_processor_kwargs`)."""
 
 from __future__ import annotations
@@ -10,8 +10,9 @@ from typing import Annotated, Any, Literal
 from pydantic import AfterValidator, Field, PositiveFloat, PositiveInt, field_validator, model_validator
 
 from omnistage.media import VideoOptions
+from omnistage.request import MAX_LOGPROBS
+from omnistage.server.errors import InvalidField
 from omnistage.server.protocol.base import (
-    LOGPROBS,
     TOOLS,
     Int64,
     Open,
@@ -128,8 +129,8 @@ class ChatCompletionRequest(SamplingRequest):
     max_completion_tokens: Int64 | None = None  # OpenAI's newer name; wins over max_tokens
     add_generation_prompt: bool = True  # vLLM's
 
-    logprobs: Annotated[bool | None, unless(empty, LOGPROBS)] = None
-    top_logprobs: Annotated[Int64 | None, unless(empty, LOGPROBS)] = None
+    logprobs: bool | None = None
+    top_logprobs: Annotated[int | None, Field(ge=0, le=MAX_LOGPROBS)] = None
     response_format: Annotated[ResponseFormat | None, AfterValidator(_text_format)] = None
     tools: Annotated[list[dict[str, Any]] | None, unless(empty, TOOLS)] = None
     functions: Annotated[list[dict[str, Any]] | None, unless(empty, TOOLS)] = None
@@ -163,6 +164,11 @@ class ChatCompletionRequest(SamplingRequest):
     prompt_cache_key: str | None = None
     prompt_cache_retention: str | None = None
     prompt_cache_options: dict[str, Any] | None = None
+
+    def requested_logprobs(self) -> int | None:
+        if self.top_logprobs and not self.logprobs:
+            raise InvalidField("top_logprobs", "needs logprobs set to true")
+        return (self.top_logprobs or 0) if self.logprobs else None
 
     @property
     def requested_max_tokens(self) -> int | None:

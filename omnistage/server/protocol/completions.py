@@ -1,13 +1,17 @@
-"""`/v1/completions`' request: one raw prompt, text or token ids, and OpenAI's completion-only fields."""
+"""`/v1/completions`' request: one raw prompt, text or token ids, and OpenAI's completion-only fields (echo,
+logprobs in the legacy shape)."""
 
 from __future__ import annotations
 
 from typing import Annotated, Any, cast
 
-from pydantic import Discriminator, Tag
+from pydantic import Discriminator, Field, Tag
 
 from omnistage.server.errors import InvalidField
-from omnistage.server.protocol.base import LOGPROBS, Int64, SamplingRequest, TokenId, empty, never, unless
+from omnistage.server.protocol.base import Int64, SamplingRequest, TokenId, empty, unless
+
+# OpenAI's bound of the legacy logprobs.
+MAX_COMPLETION_LOGPROBS = 5
 
 
 def _prompt_kind(value: Any) -> str | None:
@@ -42,10 +46,19 @@ Prompt = Annotated[
 class CompletionRequest(SamplingRequest):
     prompt: Prompt
     max_tokens: Int64 | None = 16  # OpenAI's default for completions
-    echo: Annotated[bool | None, unless(empty, "echo is not supported")] = None
-    logprobs: Annotated[Int64 | None, unless(never, LOGPROBS)] = None
+    echo: bool | None = None  # the prompt's text before the reply
+    logprobs: Annotated[int | None, Field(ge=0, le=MAX_COMPLETION_LOGPROBS)] = None
     best_of: Annotated[Int64 | None, unless(lambda b: b == 1, "best_of must be 1, got {value}")] = None
     suffix: Annotated[str | None, unless(empty, "suffix is not supported")] = None
+
+    def requested_logprobs(self) -> int | None:
+        if self.echo and self.logprobs is not None:
+            raise InvalidField(
+                "echo",
+                "echo with logprobs asks for the prompt's logprobs, which this server does not compute; ask for "
+                "one or the other",
+            )
+        return self.logprobs
 
     def single_prompt(self) -> str | list[int]:
         """The one prompt, as text or token ids; a batch of several is a 400."""

@@ -312,3 +312,47 @@ def test_ranking_only_the_largest_top_k_equals_sorting_the_whole_vocabulary():
     head = _apply_top_k_top_p(logits, top_k, top_p, head=50)
     assert torch.equal(full, head)
     assert (head > -math.inf).sum(dim=1).tolist()[3] == 1 and (head > -math.inf).sum(dim=1).max() <= 50
+
+
+def test_logit_bias_forces_a_token_and_its_floor_bans_one():
+    logits = torch.randn(1, VOCAB, generator=torch.Generator().manual_seed(2)) * 5
+    forced = int(logits.argmin())
+    for temperature in (0.0, 1.0):
+        picked = draws(logits, SamplingParams(temperature=temperature, logit_bias={forced: 100.0}), n=500)
+        assert picked.unique().tolist() == [forced]
+    # the favourite's logit is far above the others': +99 would still leave it drawn now and then, -100 never
+    logits[0, 0] = 200.0
+    assert (draws(logits, SamplingParams(logit_bias={0: -99.0}), n=2000) == 0).any()
+    banned = draws(logits, SamplingParams(logit_bias={0: -100.0}), n=2000)
+    assert not (banned == 0).any()
+    assert Sampler()(logits, [row(SamplingParams(temperature=0.0, logit_bias={0: -100.0}))]).item() != 0
+
+
+def test_logit_bias_is_per_row_and_leaves_the_logits_untouched():
+    logits = torch.zeros(3, VOCAB)
+    rows = [
+        row(SamplingParams(temperature=0.0, logit_bias={5: 1.0})),
+        row(SamplingParams(temperature=0.0)),
+        row(SamplingParams(temperature=0.0, logit_bias={9: 2.0, 5: 1.0})),
+    ]
+    assert Sampler()(logits, rows).tolist() == [5, 0, 9]
+    assert not logits.any()
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"logprobs": -1}, "logprobs must be in [0, 20] or None, got -1"),
+        ({"logprobs": 21}, "logprobs must be in [0, 20] or None, got 21"),
+        ({"logit_bias": {5: 101.0}}, "logit_bias of token 5 must be in [-100, 100], got 101.0"),
+        ({"logit_bias": {-1: 1.0}}, "logit_bias must map non-negative token ids, got -1"),
+        ({"logit_bias": {5: math.nan}}, "logit_bias must be finite, got nan"),
+        ({"logit_bias": {5: "x"}}, "logit_bias of token 5 must be a number, got 'x'"),
+        ({"logit_bias": {"5": 1.0}}, "logit_bias must be an integer in [-2**63, 2**63), got '5'"),
+        ({"logit_bias": [5]}, "logit_bias must map token ids to biases, got [5]"),
+    ],
+)
+def test_validate_logprobs_and_logit_bias(kwargs, message):
+    with pytest.raises(InvalidRequest) as error:
+        SamplingParams(**kwargs)
+    assert str(error.value) == message

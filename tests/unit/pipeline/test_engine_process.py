@@ -13,7 +13,7 @@ import pytest
 from omnistage.config import engine_config
 from omnistage.engine.stages.text import NewRequest
 from omnistage.errors import ConfigError, InvalidRequest
-from omnistage.outputs import CompletionOutput, RequestOutput
+from omnistage.outputs import CompletionOutput, RequestOutput, TokenLogprobs
 from omnistage.pipeline.async_pipeline import AsyncPipeline
 from omnistage.pipeline.engine_process import RemoteOutputs, SlimOutputs
 from omnistage.pipeline.family import build_pipeline
@@ -145,6 +145,31 @@ def test_remote_outputs_rebuild_the_cumulative_fields():
     assert (second.outputs[0].text, second.outputs[0].token_ids, second.prompt) == ("Hello", [1, 2], "p")
     final = rebuild("r", out("!", [3], True, text="Hello!", token_ids=[1, 2, 3]))
     assert (final.outputs[0].text, final.prompt_token_ids) == ("Hello!", [7, 8])
+
+
+@pytest.mark.parametrize("asked", [True, False])
+def test_slim_outputs_rebuild_into_the_engines_logprobs(asked):
+    """The slim messages drop the cumulative logprobs of a running request; its deltas rebuild them."""
+    steps = [TokenLogprobs(t, -0.1 * t, ((t, -0.1 * t), (9, -3.0))) for t in (1, 2, 3)]
+    sent = []
+    for n in range(1, 4):
+        completion = CompletionOutput(
+            0,
+            "abc"[:n],
+            [1, 2, 3][:n],
+            delta_text="abc"[n - 1],
+            delta_token_ids=[n],
+            logprobs=steps[:n] if asked else None,
+            delta_logprobs=steps[n - 1 : n] if asked else [],
+        )
+        sent.append(RequestOutput("r", "p", [7], [completion], finished=n == 3))
+    slim, remote = SlimOutputs(), RemoteOutputs()
+    for original in sent:
+        [(_, item)] = slim.slim([("r", original)])
+        if not original.finished:
+            assert item.outputs[0].logprobs == ([] if asked else None)
+        rebuilt = remote.rebuild("r", item)
+        assert rebuilt.outputs[0] == original.outputs[0]
 
 
 def test_aborted_requests_leave_no_bookkeeping_on_either_side(engines):

@@ -649,3 +649,44 @@ def test_the_text_stage_is_a_stage(llm):
     stage = llm.engine
     assert isinstance(stage, Stage) and stage.name == "Thinker" and stage.device.type == "cpu"
     assert stage.stats()["kv_pages_total"] == stage.pool.num_pages == 256
+
+
+def test_logprobs_are_the_models_decoding_ahead_or_not(tiny_checkpoint, llm):
+    """Each token's logprobs are log_softmax of transformers' logits at its position, whether the step that
+    sampled it ran ahead or not; at temperature 0 the sampled token is the top one."""
+    hf = Qwen3OmniMoeForConditionalGeneration.from_pretrained(
+        tiny_checkpoint, dtype=torch.float32
+    ).thinker.eval()
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True, logprobs=4)
+    ids = llm.engine.processor.encode(PROMPTS[1])
+    ahead = llm.generate({"prompt_token_ids": ids}, params)[0].outputs[0]
+    llm.engine.decode_ahead = False
+    try:
+        synchronous = llm.generate({"prompt_token_ids": ids}, params)[0].outputs[0]
+    finally:
+        llm.engine.decode_ahead = True
+    assert synchronous.token_ids == ahead.token_ids and synchronous.logprobs == ahead.logprobs
+    with torch.no_grad():
+        logits = hf(input_ids=torch.tensor([ids + ahead.token_ids[:-1]])).logits[0, len(ids) - 1 :]
+    expected = torch.log_softmax(logits.float(), dim=-1)
+    assert len(ahead.logprobs) == len(ahead.token_ids) == 12
+    for position, (token, found) in enumerate(zip(ahead.token_ids, ahead.logprobs)):
+        assert found.token_id == token and found.top[0][0] == token and found.top[0][1] == found.logprob
+        assert [t for t, _ in found.top] == expected[position].topk(4).indices.tolist()
+        torch.testing.assert_close(
+            torch.tensor([lp for _, lp in found.top]), expected[position].topk(4).values, rtol=1e-4, atol=1e-4
+        )
+    assert_pool_full(llm)
+
+
+def test_logit_bias_steers_the_engine_and_out_of_vocabulary_ids_are_refused(llm, alone):
+    banned = alone[0][0]
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True, logit_bias={banned: -100.0})
+    out = llm.generate(PROMPTS[0], params)[0].outputs[0]
+    assert banned not in out.token_ids and out.token_ids != alone[0][:8]
+    forced = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True, logit_bias={42: 100.0})
+    assert llm.generate(PROMPTS[0], forced)[0].outputs[0].token_ids == [42] * 8
+    vocab = llm.engine.vocab_size
+    with pytest.raises(InvalidRequest, match=f"logit_bias: token id {vocab} is outside the vocabulary"):
+        llm.generate(PROMPTS[0], SamplingParams(logit_bias={vocab: 1.0}))
+    assert_pool_full(llm)
