@@ -35,9 +35,10 @@ from omnistage.engine.stages.text_memory import text_stage_memory
 from omnistage.engine.stages.token_runner import HiddenTap, TokenRunner
 from omnistage.models.layers.rotary import PromptPositions
 from omnistage.outputs import RequestOutput
-from omnistage.request import GenerationRequest, SamplingParams, ValidRequest
+from omnistage.request import GenerationRequest, SamplingParams, StructuredOutput, ValidRequest
 
 if TYPE_CHECKING:
+    from omnistage.engine.structured import Grammars, GrammarState
     from omnistage.models.multimodal import MultimodalInputs
 
 log = logging.getLogger(__name__)
@@ -127,6 +128,7 @@ class TextStage(AutoregressiveStage[RequestState]):
         self.decode_ahead = engine.decode_ahead
         self._launched: Launched[RequestState] | None = None  # the decode step in flight (decode_ahead)
         self._launch_failed = False  # the next step runs where a failure fails only the requests at fault
+        self._grammars: Grammars | None = None  # built at the first constrained request
         if self.device.type != "cuda":
             cpu_gib = section.kv.gib or _CPU_KV_GIB
             self.allocate_pages(section.kv.pages or max(1, int(cpu_gib * GiB) // self.kv_bytes_per_page))
@@ -207,12 +209,16 @@ class TextStage(AutoregressiveStage[RequestState]):
         arrival = time.monotonic()
         errors: list[Exception | None] = [None] * len(requests)
         max_tokens: dict[int, int] = {}
+        grammars: dict[int, GrammarState] = {}
         for i, r in enumerate(requests):
             try:
                 max_tokens[i] = (
                     r.max_tokens if r.max_tokens is not None else self.validate(r.prompt_token_ids, r.params)
                 )
+                if r.params.structured is not None:
+                    grammars[i] = self.grammar_state(r.params.structured)
             except Exception as exc:
+                max_tokens.pop(i, None)
                 errors[i] = exc
         embeds = encode_media(self.encoders, {i: requests[i] for i in max_tokens})
         encoded = time.monotonic()
@@ -222,10 +228,27 @@ class TextStage(AutoregressiveStage[RequestState]):
             if isinstance(mm := embeds.get(i), Exception):
                 errors[i] = mm
                 continue
-            state = request_state(r, mm, r.tap, self.tokenizer, self.eos_token_ids, self.device)
+            state = request_state(
+                r, mm, r.tap, self.tokenizer, self.eos_token_ids, self.device, grammars.get(i)
+            )
             state.metrics.update(arrival=arrival, encoded=encoded)
             self.scheduler.add(Sequence(r.request_id, list(r.prompt_token_ids), max_tokens[i], data=state))
         return errors
+
+    @property
+    def grammars(self) -> Grammars:
+        """The constraints compiled against the model's vocabulary (structured.py), built at first use."""
+        if self._grammars is None:
+            # imported here: xgrammar's import takes seconds, which a stage never constrained never pays
+            from omnistage.engine.structured import Grammars
+
+            self._grammars = Grammars(self.tokenizer, self.vocab_size, self.eos_token_ids)
+        return self._grammars
+
+    def grammar_state(self, structured: StructuredOutput) -> GrammarState:
+        """A new sequence's matcher of `structured`, compiled once per distinct constraint; raises
+        InvalidConstraint."""
+        return self.grammars.state(structured)
 
     def abort(self, request_id: str) -> RequestOutput | None:
         seq = self.scheduler.abort(request_id)
