@@ -140,13 +140,10 @@ def apply_grammars(logits: Tensor, rows: list[SamplingRow]) -> Tensor:
     if not constrained:
         return logits
     # imported here: xgrammar's import takes seconds, which a server without constrained requests never pays
-    from omnistage.engine.structured import allocate_bitmask, apply_bitmask
+    from omnistage.engine.structured import apply_bitmask, fill_bitmask
 
-    bitmask = allocate_bitmask(len(rows), logits.shape[1])
-    for i in constrained:
-        grammar = rows[i].grammar
-        assert grammar is not None
-        grammar.fill(bitmask, i)
+    states = [g for r in rows if (g := r.grammar) is not None]
+    bitmask = fill_bitmask(states, constrained, len(rows), logits.shape[1])
     logits = logits.clone()
     apply_bitmask(logits, to_device(bitmask, logits.device), constrained)
     return logits
