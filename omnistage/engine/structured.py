@@ -75,6 +75,11 @@ class Grammars:
         self._cache: OrderedDict[StructuredOutput, xgr.CompiledGrammar] = OrderedDict()
         self._lock = threading.Lock()
 
+    def compiled(self, structured: StructuredOutput) -> bool:
+        """Whether the constraint is compiled already (in the cache)."""
+        with self._lock:
+            return structured in self._cache
+
     def compile(self, structured: StructuredOutput) -> xgr.CompiledGrammar:
         """The constraint compiled, from the cache when it was lately; raises InvalidConstraint."""
         with self._lock:

@@ -190,3 +190,36 @@ def test_the_cache_is_bounded(llm):
     for i in range(CACHE_SIZE + 3):
         grammars.compile(StructuredOutput(json_schema=json.dumps({"const": i})))
     assert len(grammars._cache) == CACHE_SIZE
+
+
+def fresh_constraint(tag: str) -> StructuredOutput:
+    """A schema no earlier test compiled."""
+    schema = {"type": "object", "properties": {tag: {"type": "boolean"}}, "required": [tag]}
+    return StructuredOutput(json_schema=json.dumps(schema))
+
+
+def test_a_new_constraint_compiles_beside_the_other_requests_steps(llm):
+    engine, prompt = llm.engine, llm.engine.tokenizer.encode("Hi").ids
+    engine.add_request("free", prompt, SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True))
+    engine.step()
+    structured = fresh_constraint("beside")
+    engine.add_request(
+        "constrained", prompt, SamplingParams(max_tokens=MAX_TOKENS, seed=1, structured=structured)
+    )
+    assert len(engine._compiling) == 1  # admitted without waiting for its compile
+    # the free request's steps go on meanwhile (decoding ahead, a step's tokens come out of the next)
+    assert "free" in {o.request_id for _ in range(2) for o in engine.step()}
+    final = {}
+    while engine.has_unfinished():
+        final.update({o.request_id: o for o in engine.step() if o.finished})
+    assert final["free"].outputs[0].finish_reason == "length"
+    assert json.loads(final["constrained"].outputs[0].text).keys() == {"beside"}
+    assert engine.pool.num_free == engine.pool.num_pages
+
+
+def test_a_request_aborted_while_its_constraint_compiles_leaves_nothing(llm):
+    engine, prompt = llm.engine, llm.engine.tokenizer.encode("Hi").ids
+    engine.add_request("gone", prompt, SamplingParams(max_tokens=50, structured=fresh_constraint("gone")))
+    assert engine.abort("gone") is None
+    assert not engine.has_unfinished()
+    assert engine.pool.num_free == engine.pool.num_pages
