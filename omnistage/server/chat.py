@@ -97,7 +97,7 @@ class ChatEndpoint:
 
 def check_constraint(structured: StructuredOutput) -> None:
     """A 400 naming the field (`response_format`, `tools`) of a constraint the grammar library refuses; the
-    engine compiles it against the vocabulary at admission."""
+    engine compiles it against the vocabulary once it is admitted."""
     # imported here: xgrammar's import takes seconds, which a server never asked for a constraint never pays
     from omnistage.engine.structured import InvalidConstraint, check
 
