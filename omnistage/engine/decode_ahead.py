@@ -122,12 +122,12 @@ def drop_placeholders(token_ids: list[int]) -> None:
 
 def decodes_ahead(params: SamplingParams, feeds_a_stage: bool) -> bool:
     """Whether a request may decode ahead: its sampling reads the count of its tokens, not their values (no
-    penalty), and no later stage reads its tokens as they come (a spoken reply's feed the Talker, whose first
-    packet would wait a step longer)."""
+    penalty, no grammar: its mask needs the token before), and no later stage reads its tokens as they come (a
+    spoken reply's feed the Talker, whose first packet would wait a step longer)."""
     penalised = (
         params.repetition_penalty != 1.0 or params.presence_penalty != 0.0 or params.frequency_penalty != 0.0
     )
-    return not penalised and not feeds_a_stage
+    return not penalised and params.structured is None and not feeds_a_stage
 
 
 def may_run_ahead(

@@ -23,6 +23,7 @@ from omnistage.request import GenerationRequest
 if TYPE_CHECKING:
     from omnistage.engine.stages.encoders import MultimodalEmbeds
     from omnistage.engine.stages.token_runner import HiddenTap
+    from omnistage.engine.structured import GrammarState
 
 _FINISH_REASONS = {
     SequenceStatus.FINISHED_STOPPED: "stop",
@@ -52,10 +53,11 @@ def request_state(
     tokenizer: Tokenizer,
     eos_token_ids: list[int],
     device: torch.device,
+    grammar: GrammarState | None = None,
 ) -> RequestState:
     """A new request's state: its detokenizer and stops, its seeded generator on `device`, and its encoder
     outputs `mm` for the prompt's placeholders and the `tap` a later stage reads; `eos_token_ids` are the model's
-    end tokens."""
+    end tokens; `grammar` its constraint's matcher, if it has one."""
     params = request.params
     return RequestState(
         params=params,
@@ -68,6 +70,7 @@ def request_state(
         ),
         generator=make_generator(params, device),
         eos_token_ids=[] if params.ignore_eos else eos_token_ids,
+        grammar=grammar,
         mrope=request.mrope,
         mm=mm,
         tap=tap,
@@ -77,8 +80,17 @@ def request_state(
 
 
 def stop_and_text(state: RequestState, token: int) -> tuple[SequenceStatus | None, str]:
-    """A sampled id against the request's stops (its stop ids, the model's end tokens, its stop strings): the
-    status it ends the request with, if it does, and the text it adds."""
+    """A sampled id against the request's stops (its stop ids, the model's end tokens, its stop strings, its
+    grammar's end): the status it ends the request with, if it does, and the text it adds."""
+    if state.grammar is not None:
+        state.grammar.accept(token)
+    status, delta = _stop_and_text(state, token)
+    if status is None and state.grammar is not None and state.grammar.done:
+        return SequenceStatus.FINISHED_STOPPED, delta
+    return status, delta
+
+
+def _stop_and_text(state: RequestState, token: int) -> tuple[SequenceStatus | None, str]:
     if token in (state.params.stop_token_ids or ()):
         state.stop_reason = token
         return SequenceStatus.FINISHED_STOPPED, ""

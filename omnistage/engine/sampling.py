@@ -5,13 +5,17 @@ from __future__ import annotations
 import itertools
 import math
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 from torch import Tensor
 
-from omnistage.models.layers.attention_metadata import to_device_together
+from omnistage.models.layers.attention_metadata import to_device, to_device_together
 from omnistage.request import MAX_LOGIT_BIAS, SamplingParams
+
+if TYPE_CHECKING:
+    from omnistage.engine.structured import GrammarState
 
 
 @dataclass
@@ -24,6 +28,7 @@ class SamplingRow:
     output_token_ids: list[int]  # output only, for presence/frequency penalties and min_tokens
     generator: torch.Generator | None = None
     eos_token_ids: list[int] = field(default_factory=list)
+    grammar: GrammarState | None = None  # constrained decoding: the tokens its grammar allows next
 
 
 def make_generator(params: SamplingParams, device: torch.device | str) -> torch.Generator | None:
@@ -159,6 +164,22 @@ def apply_min_tokens(logits: Tensor, rows: list[SamplingRow]) -> Tensor:
     return logits
 
 
+def apply_grammars(logits: Tensor, rows: list[SamplingRow]) -> Tensor:
+    """Mask to -inf, on each constrained row, the tokens its grammar forbids next (the padded columns past the
+    tokenizer among them). Returns `logits` itself when no row is constrained, else a new tensor."""
+    constrained = [i for i, r in enumerate(rows) if r.grammar is not None]
+    if not constrained:
+        return logits
+    # imported here: xgrammar's import takes seconds, which a server without constrained requests never pays
+    from omnistage.engine.structured import apply_bitmask, fill_bitmask
+
+    states = [g for r in rows if (g := r.grammar) is not None]
+    bitmask = fill_bitmask(states, constrained, len(rows), logits.shape[1])
+    logits = logits.clone()
+    apply_bitmask(logits, to_device(bitmask, logits.device), constrained)
+    return logits
+
+
 def _apply_top_k_top_p(logits: Tensor, top_k: Tensor, top_p: Tensor, head: int | None = None) -> Tensor:
     """Keep each row's top_k highest logits, then the smallest head whose probability reaches top_p.
 
@@ -216,13 +237,14 @@ class Sampler:
     def sample(self, logits: Tensor, rows: list[SamplingRow]) -> Tensor:
         """Next token per row: [B, V] float logits -> [B] long ids on the logits' device.
 
-        Order: logit bias, penalties, min_tokens mask, greedy argmax, temperature, top-k, top-p, min-p, softmax,
-        sample.
+        Order: logit bias, penalties, min_tokens mask, grammar masks, greedy argmax, temperature, top-k, top-p,
+        min-p, softmax, sample.
         A seeded row draws only from its own generator, so its tokens do not depend on its batch neighbours.
         """
         if logits.shape[0] != len(rows):
             raise ValueError(f"logits have {logits.shape[0]} rows but {len(rows)} SamplingRows were given")
-        logits = apply_min_tokens(apply_penalties(apply_logit_bias(logits.float(), rows), rows), rows)
+        logits = apply_penalties(apply_logit_bias(logits.float(), rows), rows)
+        logits = apply_grammars(apply_min_tokens(logits, rows), rows)
         greedy_ids = logits.argmax(dim=-1)
         params = [r.params for r in rows]
         if all(p.greedy for p in params):

@@ -14,7 +14,7 @@ from fastapi.responses import Response
 
 from omnistage.media import MediaPolicy, decode_messages
 from omnistage.pipeline.base import Frontend
-from omnistage.request import GenerationRequest, SamplingParams, SpeechParams
+from omnistage.request import GenerationRequest, SamplingParams, SpeechParams, StructuredOutput
 from omnistage.server.errors import InvalidField
 from omnistage.server.formats import ChatFormat
 from omnistage.server.logprobs import LazyTokenTexts
@@ -58,6 +58,7 @@ class ChatEndpoint:
             raise InvalidField(
                 "logprobs", "a spoken reply carries no logprobs; ask for them with a text reply"
             )
+        params.structured = body.structured_output()
         transcripts = earlier_answers(body, self.serving.answers)
         request_id, name = f"chatcmpl-{uuid.uuid4().hex}", self.responder.served_model_name
         fingerprint = self.serving.fingerprint
@@ -80,6 +81,8 @@ class ChatEndpoint:
     ) -> GenerationRequest:
         """The chat's request, its prompt laid out by the processor. Runs in a worker thread: fetching,
         decoding and tokenizing let go of the GIL for the event loop."""
+        if params.structured is not None:
+            check_constraint(params.structured)
         messages, add_generation_prompt = body.message_dicts(transcripts), body.add_generation_prompt
         processor, context = self.frontend.processor, self.frontend.max_model_len
         try:
@@ -97,6 +100,18 @@ class ChatEndpoint:
             params.max_tokens = laid_out.max_tokens
         ids, mrope, mm = laid_out.token_ids, laid_out.mrope, laid_out.mm
         return GenerationRequest(request_id, ids, params, laid_out.prompt, mrope, mm, speech)
+
+
+def check_constraint(structured: StructuredOutput) -> None:
+    """A 400 naming the field (`response_format`, `tools`) of a constraint the grammar library refuses; the
+    engine compiles it against the vocabulary once it is admitted."""
+    # imported here: xgrammar's import takes seconds, which a server never asked for a constraint never pays
+    from omnistage.engine.structured import InvalidConstraint, check
+
+    try:
+        check(structured)
+    except InvalidConstraint as exc:
+        raise InvalidField(exc.param, exc.reason) from None
 
 
 def earlier_answers(body: ChatCompletionRequest, answers: SpokenAnswers) -> dict[int, str]:

@@ -98,10 +98,14 @@ REFUSED_CHAT = [
     ({"tool_choice": "required"}, "tools are not supported"),
     ({"tool_choice": {"type": "function", "function": {"name": "f"}}}, "tools are not supported"),
     ({"function_call": {"name": "f"}}, "tools are not supported"),
-    ({"response_format": {"type": "json_object"}}, "response_format 'json_object' is not supported"),
     (
-        {"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}},
-        "'json_schema' is not supported",
+        {
+            "response_format": {
+                "type": "json_schema",
+                "json_schema": {"name": "x", "schema": {"type": "nonsense"}},
+            }
+        },
+        "the constraint cannot be compiled",
     ),
     ({"modalities": ["text", "audio"]}, "audio output is not supported"),
     ({"audio": {"voice": "alloy", "format": "wav"}}, "audio output is not supported"),

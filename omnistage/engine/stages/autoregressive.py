@@ -11,7 +11,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Generic, Protocol, TypeVar
+from typing import TYPE_CHECKING, Generic, Protocol, TypeVar
 
 import torch
 
@@ -22,6 +22,9 @@ from omnistage.engine.sampling import Sampler, SamplingRow
 from omnistage.engine.scheduler import ScheduledChunk, Scheduler, SchedulerOutput
 from omnistage.engine.sequence import Sequence, SequenceStatus
 from omnistage.request import SamplingParams
+
+if TYPE_CHECKING:
+    from omnistage.engine.structured import GrammarState
 
 log = logging.getLogger(__name__)
 
@@ -38,11 +41,12 @@ class StepRunner(Protocol):
 @dataclass(kw_only=True)
 class SamplingState:
     """What a stage keeps per request to sample it: its parameters, its seeded generator (None: unseeded), the
-    ids that end it, and the error that failed it."""
+    ids that end it, its place in its grammar (constrained decoding), and the error that failed it."""
 
     params: SamplingParams
     generator: torch.Generator | None
     eos_token_ids: list[int]
+    grammar: GrammarState | None = None
     error: str | None = None
 
 
@@ -105,6 +109,7 @@ class AutoregressiveStage(Generic[S]):
             output_token_ids=seq.output_token_ids,
             generator=state.generator,
             eos_token_ids=state.eos_token_ids,
+            grammar=state.grammar,
         )
 
     def isolated(

@@ -26,19 +26,21 @@ from omnistage.engine.memory.plan import GiB, MemoryPlan, StageMemory, kv_bytes_
 from omnistage.engine.memory.summary import text_stage_summary
 from omnistage.engine.output_processor import RequestState, request_output, request_state, stop_and_text
 from omnistage.engine.scheduler import ScheduledChunk, SchedulerOutput
-from omnistage.engine.sequence import Sequence
+from omnistage.engine.sequence import Sequence, SequenceStatus
 from omnistage.engine.stages.admission import encode_media, max_tokens_for
 from omnistage.engine.stages.autoregressive import AutoregressiveStage, generators
+from omnistage.engine.stages.constrained import Compiling
 from omnistage.engine.stages.decoder import DecoderSizes, StageProcessor, TokenDecoder
-from omnistage.engine.stages.encoders import EncoderStage
+from omnistage.engine.stages.encoders import EncoderStage, MultimodalEmbeds
 from omnistage.engine.stages.preparation import prepare_decoder
 from omnistage.engine.stages.text_memory import text_stage_memory
 from omnistage.engine.stages.token_runner import HiddenTap, TokenRunner
 from omnistage.models.layers.rotary import PromptPositions
 from omnistage.outputs import RequestOutput, TokenLogprobs
-from omnistage.request import GenerationRequest, SamplingParams, ValidRequest
+from omnistage.request import GenerationRequest, SamplingParams, StructuredOutput, ValidRequest
 
 if TYPE_CHECKING:
+    from omnistage.engine.structured import Grammars, GrammarState
     from omnistage.models.multimodal import MultimodalInputs
 
 log = logging.getLogger(__name__)
@@ -64,6 +66,16 @@ class NewRequest(GenerationRequest):
         r = valid.request  # a GenerationRequest's fields, whichever subclass carried it
         given = {f.name: vars(r)[f.name] for f in fields(GenerationRequest)}
         return cls(**given, tap=tap, max_tokens=valid.max_tokens)
+
+
+@dataclass
+class _Parked:
+    """An admitted request before it is queued: its encoder outputs, effective max_tokens and metrics."""
+
+    request: NewRequest
+    mm: MultimodalEmbeds | None
+    max_tokens: int
+    metrics: dict[str, float]
 
 
 @dataclass(frozen=True)
@@ -131,6 +143,8 @@ class TextStage(AutoregressiveStage[RequestState]):
         self.decode_ahead = engine.decode_ahead
         self._launched: Launched[RequestState] | None = None  # the decode step in flight (decode_ahead)
         self._launch_failed = False  # the next step runs where a failure fails only the requests at fault
+        self._grammars: Grammars | None = None  # built at the first constrained request
+        self._compiling: Compiling[_Parked] = Compiling(self.grammar_state)
         if self.device.type != "cuda":
             cpu_gib = section.kv.gib or _CPU_KV_GIB
             self.allocate_pages(section.kv.pages or max(1, int(cpu_gib * GiB) // self.kv_bytes_per_page))
@@ -216,7 +230,10 @@ class TextStage(AutoregressiveStage[RequestState]):
                 max_tokens[i] = (
                     r.max_tokens if r.max_tokens is not None else self.validate(r.prompt_token_ids, r.params)
                 )
+                if r.params.structured is not None:
+                    _check_constraint(r.params.structured)
             except Exception as exc:
+                max_tokens.pop(i, None)
                 errors[i] = exc
         embeds = encode_media(self.encoders, {i: requests[i] for i in max_tokens})
         encoded = time.monotonic()
@@ -226,12 +243,56 @@ class TextStage(AutoregressiveStage[RequestState]):
             if isinstance(mm := embeds.get(i), Exception):
                 errors[i] = mm
                 continue
-            state = request_state(r, mm, r.tap, self.tokenizer, self.eos_token_ids, self.device)
-            state.metrics.update(arrival=arrival, encoded=encoded)
-            self.scheduler.add(Sequence(r.request_id, list(r.prompt_token_ids), max_tokens[i], data=state))
+            parked = _Parked(r, mm, max_tokens[i], {"arrival": arrival, "encoded": encoded})
+            structured = r.params.structured
+            if structured is not None and not (self._grammars and self._grammars.compiled(structured)):
+                self._compiling.add(r.request_id, structured, parked)  # queued once compiled (`step`)
+                continue
+            grammar = self.grammar_state(structured) if structured is not None else None
+            self.scheduler.add(self._sequence(parked, grammar))
         return errors
 
+    def _sequence(self, parked: _Parked, grammar: GrammarState | None) -> Sequence[RequestState]:
+        r = parked.request
+        state = request_state(r, parked.mm, r.tap, self.tokenizer, self.eos_token_ids, self.device, grammar)
+        state.metrics.update(parked.metrics)
+        return Sequence(r.request_id, list(r.prompt_token_ids), parked.max_tokens, data=state)
+
+    def _admit_compiled(self) -> list[RequestOutput]:
+        """Queue the requests whose constraints have compiled; end those whose compile failed."""
+        failed = []
+        for parked, grammar in self._compiling.ready():
+            seq = self._sequence(parked, None if isinstance(grammar, Exception) else grammar)
+            try:
+                if isinstance(grammar, Exception):
+                    raise grammar
+                self.scheduler.add(seq)
+            except Exception as exc:  # never queued: it ends here, with its error
+                log.error("request %s failed in the %s stage", seq.request_id, self.name, exc_info=exc)
+                seq.data.error = f"{type(exc).__name__}: {exc}"
+                seq.status = SequenceStatus.FINISHED_ERROR
+                failed.append(request_output(seq, "", []))
+        return failed
+
+    @property
+    def grammars(self) -> Grammars:
+        """The constraints compiled against the model's vocabulary (structured.py), built at first use: on the
+        grammar thread (constrained.py), as the vocabulary's tables take seconds."""
+        if self._grammars is None:
+            # imported here: xgrammar's import takes seconds, which a stage never constrained never pays
+            from omnistage.engine.structured import Grammars
+
+            self._grammars = Grammars(self.tokenizer, self.vocab_size, self.eos_token_ids)
+        return self._grammars
+
+    def grammar_state(self, structured: StructuredOutput) -> GrammarState:
+        """A new sequence's matcher of `structured`, compiled once per distinct constraint; raises
+        InvalidConstraint."""
+        return self.grammars.state(structured)
+
     def abort(self, request_id: str) -> RequestOutput | None:
+        if self._compiling.abort(request_id):
+            return None
         seq = self.scheduler.abort(request_id)
         if seq is None:
             return None
@@ -240,7 +301,7 @@ class TextStage(AutoregressiveStage[RequestState]):
         return request_output(seq, "", [])
 
     def has_unfinished(self) -> bool:
-        return super().has_unfinished() or self._launched is not None
+        return super().has_unfinished() or self._launched is not None or len(self._compiling) > 0
 
     def replays_next_step(self) -> bool:
         """The next step is a decode step whose batch a captured graph holds: no eager (compiled) code runs."""
@@ -254,6 +315,10 @@ class TextStage(AutoregressiveStage[RequestState]):
     # -- one step -----------------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
+        failed = self._admit_compiled() if len(self._compiling) else []
+        return failed + self._step()
+
+    def _step(self) -> list[RequestOutput]:
         if (
             self.decode_ahead
             and not self._launch_failed
@@ -362,6 +427,14 @@ class TextStage(AutoregressiveStage[RequestState]):
         """End `seq` with finish_reason "error" and its error."""
         self.end_failed(seq, exc)
         return [request_output(seq, "", [])]
+
+
+def _check_constraint(structured: StructuredOutput) -> None:
+    """Raise InvalidConstraint for a constraint the grammar library refuses (quick: no vocabulary)."""
+    # imported here: xgrammar's import takes seconds, which a stage never constrained never pays
+    from omnistage.engine.structured import check
+
+    check(structured)
 
 
 def _decodes_ahead(seq: Sequence[RequestState]) -> bool:

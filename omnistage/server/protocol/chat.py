@@ -4,13 +4,14 @@ SGLang-Omni's video fields (`use_audio_in_video`, `mm_processor_kwargs`)."""
 
 from __future__ import annotations
 
+import json
 from collections.abc import Mapping
 from typing import Annotated, Any, Literal
 
-from pydantic import AfterValidator, Field, PositiveFloat, PositiveInt, field_validator, model_validator
+from pydantic import Field, PositiveFloat, PositiveInt, field_validator, model_validator
 
 from omnistage.media import VideoOptions
-from omnistage.request import MAX_LOGPROBS
+from omnistage.request import MAX_LOGPROBS, StructuredOutput
 from omnistage.server.errors import InvalidField
 from omnistage.server.protocol.base import (
     TOOLS,
@@ -113,14 +114,32 @@ class MultimodalProcessorKwargs(Strict):
     max_frames: PositiveInt | None = None
 
 
+class JsonSchemaFormat(Open):
+    """OpenAI's `response_format.json_schema`: the output is held to `schema` whether `strict` or not."""
+
+    name: str = Field(min_length=1)
+    description: str | None = None
+    json_schema: dict[str, Any] = Field(alias="schema")
+    strict: bool | None = None
+
+
 class ResponseFormat(Open):
-    type: str
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
 
+    @model_validator(mode="after")
+    def _has_schema(self) -> ResponseFormat:
+        if self.type == "json_schema" and self.json_schema is None:
+            raise ValueError("type 'json_schema' needs its 'json_schema' field (name, schema)")
+        return self
 
-def _text_format(value: ResponseFormat) -> ResponseFormat:
-    if value.type != "text":
-        raise ValueError(f"response_format {value.type!r} is not supported; only 'text' is")
-    return value
+    def structured(self) -> StructuredOutput | None:
+        """What constrained decoding holds the reply to; None for free text."""
+        if self.type == "json_object":
+            return StructuredOutput(json_object=True)
+        if self.json_schema is not None and self.type == "json_schema":
+            return StructuredOutput(json_schema=json.dumps(self.json_schema.json_schema))
+        return None
 
 
 class ChatCompletionRequest(SamplingRequest):
@@ -131,7 +150,7 @@ class ChatCompletionRequest(SamplingRequest):
 
     logprobs: bool | None = None
     top_logprobs: Annotated[int | None, Field(ge=0, le=MAX_LOGPROBS)] = None
-    response_format: Annotated[ResponseFormat | None, AfterValidator(_text_format)] = None
+    response_format: ResponseFormat | None = None
     tools: Annotated[list[dict[str, Any]] | None, unless(empty, TOOLS)] = None
     functions: Annotated[list[dict[str, Any]] | None, unless(empty, TOOLS)] = None
     tool_choice: Annotated[
@@ -178,6 +197,10 @@ class ChatCompletionRequest(SamplingRequest):
     def max_tokens_field(self) -> str:
         """The field `requested_max_tokens` comes from."""
         return "max_completion_tokens" if self.max_completion_tokens is not None else "max_tokens"
+
+    def structured_output(self) -> StructuredOutput | None:
+        """The constraint of `response_format`, if it sets one."""
+        return self.response_format.structured() if self.response_format is not None else None
 
     def asks_for_audio(self) -> bool:
         return self.audio is not None or "audio" in (self.modalities or ())

@@ -1,0 +1,192 @@
+"""Constrained decoding through xgrammar: a request's StructuredOutput (omnistage/request.py) compiled once per
+distinct constraint against the model's vocabulary (`Grammars`, a bounded cache), and per sequence a matcher
+(`GrammarState`) that fills the row's token bitmask before each sample and advances on the sampled token.
+
+xgrammar rather than llguidance: on our vocabulary it compiles a typical schema and fills a step's masks faster
+(benchmarks/RESULTS.md, "Grammar libraries on the CPU"). JSON is compact (no free whitespace): random or weak
+weights would otherwise pad an object with whitespace to the length limit, and a finished object ends the
+sequence at once.
+
+`check` builds a constraint's grammar without the vocabulary, which is quick: the server's edge calls it so that
+a schema the library refuses is a 400 naming its field before anything is queued.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+from collections import OrderedDict
+
+import torch
+import xgrammar as xgr
+from tokenizers import Tokenizer
+
+from omnistage.errors import InvalidRequest
+from omnistage.request import StructuredOutput, ToolSchema
+
+_BATCH = xgr.BatchGrammarMatcher()
+
+# Distinct constraints kept compiled; a compiled JSON schema over Qwen's vocabulary is tens of KB to a few MB.
+CACHE_SIZE = 128
+
+
+class InvalidConstraint(InvalidRequest):
+    """A constraint the grammar library cannot compile; `param` names the request's field it came from
+    (`response_format`, `tools`), which the server's 400 names too."""
+
+    def __init__(self, param: str, reason: str) -> None:
+        super().__init__(f"{param}: {reason}")
+        self.param, self.reason = param, reason
+
+    def __reduce__(self) -> tuple[type, tuple[str, str]]:  # crosses the engine process's pipe whole
+        return (type(self), (self.param, self.reason))
+
+
+def field_of(structured: StructuredOutput) -> str:
+    """The request field a constraint comes from, as the client named it."""
+    if structured.tools:
+        return "tools"
+    return "grammar" if structured.grammar is not None else "response_format"
+
+
+def check(structured: StructuredOutput) -> None:
+    """Raise InvalidConstraint if the grammar library refuses the constraint (no vocabulary needed)."""
+    try:
+        _grammar(structured)
+    except (RuntimeError, ValueError, TypeError, json.JSONDecodeError) as exc:
+        raise InvalidConstraint(field_of(structured), f"the constraint cannot be compiled ({exc})") from None
+
+
+class Grammars:
+    """The constraints compiled against one model's vocabulary: `vocab_size` columns of its logits (padded past
+    the tokenizer: those columns never pass), its special tokens never inside the output, `stop_token_ids` (its
+    end tokens) allowed once a grammar is complete. Thread-safe, so that a compile may run off the engine's
+    thread."""
+
+    def __init__(self, tokenizer: Tokenizer, vocab_size: int, stop_token_ids: list[int]) -> None:
+        info = xgr.TokenizerInfo(
+            _encoded_vocab(tokenizer, vocab_size),
+            xgr.VocabType.BYTE_LEVEL,
+            vocab_size=vocab_size,
+            stop_token_ids=stop_token_ids,
+        )
+        self.vocab_size = vocab_size
+        self._compiler = xgr.GrammarCompiler(info, cache_enabled=False)
+        self._cache: OrderedDict[StructuredOutput, xgr.CompiledGrammar] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def compiled(self, structured: StructuredOutput) -> bool:
+        """Whether the constraint is compiled already (in the cache)."""
+        with self._lock:
+            return structured in self._cache
+
+    def compile(self, structured: StructuredOutput) -> xgr.CompiledGrammar:
+        """The constraint compiled, from the cache when it was lately; raises InvalidConstraint."""
+        with self._lock:
+            if (hit := self._cache.get(structured)) is not None:
+                self._cache.move_to_end(structured)
+                return hit
+        try:
+            compiled = self._compiler.compile_grammar(_grammar(structured))
+        except (RuntimeError, ValueError, TypeError, json.JSONDecodeError) as exc:
+            raise InvalidConstraint(
+                field_of(structured), f"the constraint cannot be compiled ({exc})"
+            ) from None
+        with self._lock:
+            self._cache[structured] = compiled
+            while len(self._cache) > CACHE_SIZE:
+                self._cache.popitem(last=False)
+        return compiled
+
+    def state(self, structured: StructuredOutput) -> GrammarState:
+        """A new sequence's matcher of the constraint."""
+        ends_when_complete = not (structured.tools and structured.parallel_tool_calls)
+        return GrammarState(xgr.GrammarMatcher(self.compile(structured)), ends_when_complete)
+
+
+class GrammarState:
+    """One sequence's place in its grammar. `ends_when_complete`: the sequence ends as soon as its output is a
+    whole sentence of the grammar (a JSON value); else (several tool calls) once the model picks an end token,
+    which the grammar allows only then."""
+
+    def __init__(self, matcher: xgr.GrammarMatcher, ends_when_complete: bool) -> None:
+        self.matcher, self.ends_when_complete = matcher, ends_when_complete
+
+    def fill(self, bitmask: torch.Tensor, row: int) -> None:
+        """Row `row` of the int32 `bitmask` (`allocate_bitmask`): the tokens the grammar allows next."""
+        self.matcher.fill_next_token_bitmask(bitmask, row)
+
+    def accept(self, token: int) -> None:
+        """Advance past the sampled `token`, which the mask allowed."""
+        if not self.matcher.accept_token(token):
+            raise RuntimeError(f"the grammar refused token {token}, which its mask allowed")
+
+    @property
+    def done(self) -> bool:
+        """The output is complete: nothing may follow it."""
+        return self.matcher.is_terminated() or (self.ends_when_complete and self.matcher.is_completed())
+
+
+def fill_bitmask(states: list[GrammarState], rows: list[int], num_rows: int, vocab_size: int) -> torch.Tensor:
+    """A host int32 bitmask of `num_rows` rows over `vocab_size` tokens whose row `rows[i]` holds what
+    `states[i]` allows next (the other rows are left unset). Several rows fill on threads (a quarter of the
+    time of one after another at batch 32: benchmarks/RESULTS.md, "Grammar libraries on the CPU")."""
+    bitmask = allocate_bitmask(num_rows, vocab_size)
+    if len(states) == 1:
+        states[0].fill(bitmask, rows[0])
+    else:
+        _BATCH.batch_fill_next_token_bitmask([s.matcher for s in states], bitmask, rows)
+    return bitmask
+
+
+def allocate_bitmask(rows: int, vocab_size: int) -> torch.Tensor:
+    """A host int32 bitmask of `rows` rows over `vocab_size` tokens (one bit a token), for `GrammarState.fill`."""
+    return xgr.allocate_token_bitmask(rows, vocab_size)
+
+
+def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int]) -> None:
+    """Set to -inf, in place, the logits of `rows` whose tokens `bitmask` (one row per entry of `rows`, on the
+    logits' device) forbids."""
+    xgr.apply_token_bitmask_inplace(logits, bitmask, indices=rows)
+
+
+def _encoded_vocab(tokenizer: Tokenizer, vocab_size: int) -> list[str]:
+    """Each id's byte-level text, "" (never allowed) for special tokens and the padded ids past the tokenizer;
+    the tool-call tags, which the tokenizer keeps as plain added tokens, keep their text."""
+    vocab = [""] * vocab_size
+    for token, i in tokenizer.get_vocab(with_added_tokens=True).items():
+        if i < vocab_size:
+            vocab[i] = token
+    for i, added in tokenizer.get_added_tokens_decoder().items():
+        if added.special and i < vocab_size:
+            vocab[i] = ""
+    return vocab
+
+
+def _grammar(structured: StructuredOutput) -> xgr.Grammar:
+    if structured.tools:
+        return _tool_calls(structured.tools, structured.parallel_tool_calls)
+    if structured.grammar is not None:
+        return xgr.Grammar.from_ebnf(structured.grammar)
+    if structured.json_schema is not None:
+        return xgr.Grammar.from_json_schema(structured.json_schema, any_whitespace=False, strict_mode=True)
+    return xgr.Grammar.from_json_schema('{"type": "object"}', any_whitespace=False)
+
+
+def _tool_calls(tools: tuple[ToolSchema, ...], parallel: bool) -> xgr.Grammar:
+    """Qwen3's tool calls: `<tool_call>\\n{"name": <a tool's name>, "arguments": <its parameters>}\\n</tool_call>`,
+    once, or (parallel) once or more, a newline between two."""
+    tags = [
+        xgr.structural_tag.TagFormat(
+            begin=f'<tool_call>\n{{"name": {json.dumps(tool.name)}, "arguments": ',
+            content=xgr.structural_tag.JSONSchemaFormat(
+                json_schema=json.loads(tool.parameters), max_whitespace_cnt=1
+            ),
+            end="}\n</tool_call>",
+        )
+        for tool in tools
+    ]
+    calls = xgr.structural_tag.TagsWithSeparatorFormat(
+        tags=tags, separator="\n", at_least_one=True, stop_after_first=not parallel
+    )
+    return xgr.Grammar.from_structural_tag(xgr.StructuralTag(format=calls))
