@@ -116,6 +116,10 @@ class SpeechStream:
             chunks.append(sse({"type": "speech.audio.done", "usage": usage}))
         return chunks
 
+    def close(self) -> None:
+        """Free the encoder, however the stream ended (a client that left, a failure, or done)."""
+        self.out.close()
+
     def failed(self, failure: OmnistageError, kind: ErrorKind) -> list[str | bytes]:
         """An `error` event; raw audio cannot carry one, so AudioCut is raised instead."""
         if not self.sse:
@@ -244,5 +248,5 @@ class SpeechEndpoint:
             for chunk in stream.failed(failure, kind):
                 yield chunk
         finally:
-            stream.out.close()
+            stream.close()
             await self.responder.end(PATH, outputs, last, status)
