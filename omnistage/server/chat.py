@@ -21,6 +21,7 @@ from omnistage.server.logprobs import LazyTokenTexts
 from omnistage.server.protocol.chat import ChatCompletionRequest
 from omnistage.server.speech import (
     CHAT_FORMATS,
+    CHAT_STREAM_FORMATS,
     SpokenChatFormat,
     check_format,
     require_talker,
@@ -148,11 +149,11 @@ def chat_speech_params(body: ChatCompletionRequest, voices: Voices) -> SpeechPar
             "add_generation_prompt", "must be true for a spoken reply: the Talker speaks the turn it opens"
         )
     check_format(body.audio.format, CHAT_FORMATS, "audio.format")
-    if body.stream and body.audio.format != "pcm16":
+    if body.stream and body.audio.format not in CHAT_STREAM_FORMATS:
         raise InvalidField(
             "audio.format",
-            "a streamed reply's audio is pcm16 (raw 16-bit little-endian samples, 24 kHz mono), as "
-            f"OpenAI streams it; ask for 'pcm16', got {body.audio.format!r}",
+            f"a streamed reply's audio is {', '.join(CHAT_STREAM_FORMATS)}, encoded as it is spoken; a "
+            f"{body.audio.format} file is whole only (ask without stream)",
         )
     talker = body.audio.talker_params(body.seed, prefix="audio.")
     return speech_params(body.audio.voice, voices, "audio.voice", talker)

@@ -66,10 +66,13 @@ class Format(Protocol):
 
 @runtime_checkable
 class SpeakingFormat(Format, Protocol):
-    """A Format whose reply is spoken too: stream chunks for each piece of audio, and the whole response
-    with the whole audio (encoding it takes a while, so that runs in a worker thread)."""
+    """A Format whose reply is spoken too: stream chunks for each piece of audio and for the encoder's last
+    bytes (encoding runs in worker threads, hence awaited), `release` of the encoder however the stream ended,
+    and the whole response with the whole audio (run in a worker thread)."""
 
-    def audio(self, pcm: np.ndarray) -> list[str]: ...
+    async def audio(self, pcm: np.ndarray) -> list[str]: ...
+    async def audio_end(self) -> list[str]: ...
+    def release(self) -> None: ...
     def spoken_response(
         self, text: str, finish_reason: str, usage: Usage, audio: np.ndarray
     ) -> dict[str, Any] | Response: ...

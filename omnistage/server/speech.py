@@ -1,31 +1,27 @@
-"""Speech out over HTTP: PCM encoded as clients ask for it, the Talker's parameters from a request, a spoken
-chat reply's chunks, and `/v1/audio/speech` with its bodies and stream events.
+"""Speech out over HTTP: the formats clients ask for, the Talker's parameters from a request, a spoken chat
+reply's chunks, and `/v1/audio/speech` with its bodies and stream events.
 
-Audio is encoded with soundfile (libsndfile): wav, flac, mp3 and opus (in Ogg) as files, and pcm as raw
-16-bit little-endian samples at 24 kHz mono. libsndfile has no AAC encoder, so aac is a 400 naming the
-formats this server can encode. Every format holds 16-bit samples, so the samples of a wav or flac answer
-equal its pcm answer, and streamed pcm chunks concatenated equal the whole answer's pcm.
+The audio itself is encoded, and time-stretched by `speed`, in audio_out.py: pcm, mp3, opus and aac go out as
+the frames are decoded; wav and flac go out whole.
 """
 
 from __future__ import annotations
 
 import asyncio
 import base64
-import io
 import uuid
 from collections.abc import AsyncGenerator, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
-import soundfile
 from fastapi import Request
 from fastapi.responses import Response
 
 from omnistage.errors import OmnistageError
-from omnistage.outputs import AUDIO_SAMPLE_RATE, RequestOutput, TokenLogprobs
+from omnistage.outputs import RequestOutput, TokenLogprobs
 from omnistage.pipeline.base import Frontend
 from omnistage.request import GenerationRequest, SamplingParams, SpeechParams
+from omnistage.server.audio_out import CONTENT_TYPES, FORMATS, AudioOut, encode, progressive
 from omnistage.server.errors import ErrorKind, InvalidField, error_body
 from omnistage.server.formats import ChatFormat, sse
 from omnistage.server.protocol.speech import SpeechRequest, VoiceRef
@@ -43,39 +39,9 @@ from omnistage.server.voices import Voices
 
 PATH = "/v1/audio/speech"
 
-
-@dataclass(frozen=True)
-class Encoding:
-    format: str  # libsndfile's major format
-    subtype: str
-    content_type: str
-
-
-# Chat's `audio.format` says pcm16 where /v1/audio/speech says pcm; both are the same raw samples.
-_ENCODINGS = {
-    "wav": Encoding("WAV", "PCM_16", "audio/wav"),
-    "flac": Encoding("FLAC", "PCM_16", "audio/flac"),
-    "mp3": Encoding("MP3", "MPEG_LAYER_III", "audio/mpeg"),
-    "opus": Encoding("OGG", "OPUS", "audio/ogg"),
-    "pcm": Encoding("RAW", "PCM_16", "audio/pcm"),
-    "pcm16": Encoding("RAW", "PCM_16", "audio/pcm"),
-}
-# libsndfile builds without mp3 or opus exist (before 1.1.0, or built without them): offer what this one has.
-ENCODINGS = {name: enc for name, enc in _ENCODINGS.items() if soundfile.check_format(enc.format, enc.subtype)}
-SPEECH_FORMATS = tuple(name for name in ("mp3", "opus", "flac", "wav", "pcm") if name in ENCODINGS)
-CHAT_FORMATS = tuple(name for name in ("wav", "flac", "mp3", "opus", "pcm16") if name in ENCODINGS)
-
-
-def encode(pcm: np.ndarray, name: str) -> bytes:
-    """float32 mono PCM at 24 kHz as the bytes of format `name` (samples beyond [-1, 1] are clipped)."""
-    enc = ENCODINGS[name]
-    # Quantized here, once: libsndfile rounds floats differently per format (flac and wav differ by one
-    # step), and every lossless answer must hold the same samples as the pcm one.
-    samples = np.clip(np.rint(pcm * 32768.0), -32768, 32767).astype(np.int16)
-    buffer = io.BytesIO()
-    endian = "LITTLE" if enc.format == "RAW" else "FILE"
-    soundfile.write(buffer, samples, AUDIO_SAMPLE_RATE, subtype=enc.subtype, endian=endian, format=enc.format)
-    return buffer.getvalue()
+SPEECH_FORMATS = tuple(name for name in ("mp3", "opus", "aac", "flac", "wav", "pcm") if name in FORMATS)
+CHAT_FORMATS = tuple(name for name in ("wav", "flac", "mp3", "opus", "aac", "pcm16") if name in FORMATS)
+CHAT_STREAM_FORMATS = tuple(name for name in CHAT_FORMATS if progressive(name))
 
 
 def check_format(name: str, supported: tuple[str, ...], param: str) -> str:
@@ -125,31 +91,22 @@ class SpeechStream:
     """The streamed body of `/v1/audio/speech`.
 
     `sse`: `speech.audio.delta` events (base64 audio) and one `speech.audio.done` with the usage, as OpenAI
-    streams speech; otherwise the raw audio bytes. pcm goes out chunk by chunk as the frames are decoded;
-    a file format needs the whole audio (its header holds the length), so it goes out once, at the end.
+    streams speech; otherwise the raw audio bytes. Each piece goes out as soon as the encoder has bytes for it;
+    wav and flac, held whole, go out at the end.
     """
 
-    def __init__(self, request_id: str, response_format: str, sse: bool) -> None:
+    def __init__(self, request_id: str, response_format: str, sse: bool, speed: float = 1.0) -> None:
         self.id = request_id
-        self.response_format = response_format
         self.sse = sse
-        self.media_type = "text/event-stream" if sse else ENCODINGS[response_format].content_type
-        self._chunked = ENCODINGS[response_format].format == "RAW"
-        self._held: list[np.ndarray] = []
+        self.media_type = "text/event-stream" if sse else CONTENT_TYPES[response_format]
+        self.out = AudioOut(response_format, speed)
 
-    def audio(self, pcm: np.ndarray) -> list[str | bytes]:
-        if not self._chunked:
-            self._held.append(pcm)
-            return []
-        return self._out(encode(pcm, self.response_format)) if len(pcm) else []
+    async def audio(self, pcm: np.ndarray) -> list[str | bytes]:
+        return self._out(await self.out.encoded(pcm)) if len(pcm) else []
 
-    def done(self, input_tokens: int, output_tokens: int) -> list[str | bytes]:
-        """The end of a stream that succeeded (a file format's whole audio comes first). Runs in a worker
-        thread: encoding a file takes a while."""
-        chunks: list[str | bytes] = []
-        if not self._chunked:
-            held = np.concatenate(self._held) if self._held else np.zeros(0, np.float32)
-            chunks += self._out(encode(held, self.response_format))
+    async def done(self, input_tokens: int, output_tokens: int) -> list[str | bytes]:
+        """The end of a stream that succeeded: the encoder's last bytes (a whole file's all), and the usage."""
+        chunks = self._out(await self.out.finished())
         if self.sse:
             usage = {
                 "input_tokens": input_tokens,
@@ -159,6 +116,10 @@ class SpeechStream:
             chunks.append(sse({"type": "speech.audio.done", "usage": usage}))
         return chunks
 
+    def close(self) -> None:
+        """Free the encoder, however the stream ended (a client that left, a failure, or done)."""
+        self.out.close()
+
     def failed(self, failure: OmnistageError, kind: ErrorKind) -> list[str | bytes]:
         """An `error` event; raw audio cannot carry one, so AudioCut is raised instead."""
         if not self.sse:
@@ -166,14 +127,16 @@ class SpeechStream:
         return [sse({"type": "error"} | error_body(str(failure), kind))]
 
     def _out(self, data: bytes) -> list[str | bytes]:
+        if not data:
+            return []
         return [sse({"type": "speech.audio.delta", "audio": _b64(data)})] if self.sse else [data]
 
 
 class SpokenChatFormat(ChatFormat):
     """A chat reply spoken as well as written (`modalities` with "audio"), in OpenAI's shape: the text is
     `message.audio.transcript` and `content` is null. Streamed, `delta.audio` carries the transcript pieces
-    and the pcm16 chunks as the frames are decoded (the id rides on the first), and the last audio delta
-    holds `expires_at` alone. A reply that finishes is kept in `answers` (its transcript), for a later turn
+    and the audio's bytes (pcm16, mp3, opus or aac) as the frames are decoded (the id rides on the first), and
+    the last audio delta holds `expires_at` alone. A reply that finishes is kept in `answers` (its transcript), for a later turn
     to refer to by the audio's id until `expires_at`."""
 
     def __init__(
@@ -190,6 +153,7 @@ class SpokenChatFormat(ChatFormat):
         self.audio_id = f"audio-{uuid.uuid4().hex}"
         self._id_sent = False
         self._transcript: list[str] = []
+        self._out = AudioOut(audio_format)  # a streamed reply's encoder
 
     def _audio_chunk(self, **fields: str | int) -> list[str]:
         if not self._id_sent:
@@ -208,8 +172,17 @@ class SpokenChatFormat(ChatFormat):
         self._transcript.append(text)
         return self._audio_chunk(transcript=text)
 
-    def audio(self, pcm: np.ndarray) -> list[str]:
-        return self._audio_chunk(data=_b64(encode(pcm, "pcm16"))) if len(pcm) else []
+    async def audio(self, pcm: np.ndarray) -> list[str]:
+        return self._data(await self._out.encoded(pcm)) if len(pcm) else []
+
+    async def audio_end(self) -> list[str]:
+        return self._data(await self._out.finished())
+
+    def release(self) -> None:
+        self._out.close()
+
+    def _data(self, data: bytes) -> list[str]:
+        return self._audio_chunk(data=_b64(data)) if data else []
 
     def closing(self, finish_reason: str) -> list[str]:
         expires_at = self.answers.keep(self.audio_id, "".join(self._transcript))
@@ -242,16 +215,16 @@ class SpeechEndpoint:
         request_id = f"speech-{uuid.uuid4().hex}"
         new = GenerationRequest(request_id, tts.token_ids, params, tts.prompt, speech=speech)
         outputs = self.responder.start(request, new)
-        encoding = ENCODINGS[body.response_format]
-        if body.stream_format == "sse" or encoding.format == "RAW":
-            stream = SpeechStream(request_id, body.response_format, sse=body.stream_format == "sse")
+        name, speed = body.response_format, body.speed or 1.0
+        if body.stream_format == "sse" or progressive(name):
+            stream = SpeechStream(request_id, name, body.stream_format == "sse", speed)
             first = await self.responder.first(request, outputs, request_id)
             return EventStream(self._events(stream, outputs, first), media_type=stream.media_type)
         final = await self.responder.final(request, outputs, request_id)
         assert final.audio is not None  # a finished spoken reply has its audio (empty when it said nothing)
-        data = await asyncio.to_thread(encode, final.audio, body.response_format)
+        data = await asyncio.to_thread(encode, final.audio, name, speed)
         self.responder.count(PATH, 200)
-        return Response(data, media_type=encoding.content_type)
+        return Response(data, media_type=CONTENT_TYPES[name])
 
     async def _events(
         self, stream: SpeechStream, outputs: AsyncGenerator[RequestOutput, None], first: RequestOutput
@@ -264,13 +237,12 @@ class SpeechEndpoint:
                 if last.finished:
                     raise_if_failed(last)
                 if last.audio_delta is not None:
-                    for chunk in stream.audio(last.audio_delta):
+                    for chunk in await stream.audio(last.audio_delta):
                         yield chunk
                 if last.finished:
                     break
                 last = await anext(outputs)
-            ending = await asyncio.to_thread(stream.done, len(last.prompt_token_ids), last.num_audio_frames)
-            for chunk in ending:
+            for chunk in await stream.done(len(last.prompt_token_ids), last.num_audio_frames):
                 yield chunk
             status = 200
         except Exception as exc:  # after the 200 went out, a failure can only be told in the stream
@@ -279,4 +251,5 @@ class SpeechEndpoint:
             for chunk in stream.failed(failure, kind):
                 yield chunk
         finally:
+            stream.close()
             await self.responder.end(PATH, outputs, last, status)

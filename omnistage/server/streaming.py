@@ -145,7 +145,7 @@ class Responder:
                 if last.finished:
                     break
                 pending += fmt.delta(completion.delta_text, None, completion.delta_logprobs)
-                pending += _audio_chunks(spoken, last)
+                pending += await _audio_chunks(spoken, last)
                 if pending:
                     body, pending = "".join(pending), []
                     yield body
@@ -153,7 +153,9 @@ class Responder:
             raise_if_failed(last)
             assert completion.finish_reason is not None  # a finished output has its finish_reason
             pending += fmt.delta(completion.delta_text, completion.finish_reason, completion.delta_logprobs)
-            pending += _audio_chunks(spoken, last)
+            pending += await _audio_chunks(spoken, last)
+            if spoken is not None:
+                pending += await spoken.audio_end()
             pending += fmt.closing(completion.finish_reason)
             if fmt.include_usage:
                 pending.append(fmt.usage_chunk(usage_of(last, spoken=spoken is not None)))
@@ -165,6 +167,8 @@ class Responder:
             status = kind.status
             yield "".join([*pending, sse(error_body(str(failure), kind)), DONE])
         finally:
+            if spoken is not None:
+                spoken.release()
             await self.end(endpoint, outputs, last, status)
 
     async def end(
@@ -187,10 +191,10 @@ def usage_of(output: RequestOutput, spoken: bool) -> Usage:
     return Usage.of(len(output.prompt_token_ids), len(output.outputs[0].token_ids), audio_tokens)
 
 
-def _audio_chunks(fmt: SpeakingFormat | None, output: RequestOutput) -> list[str]:
+async def _audio_chunks(fmt: SpeakingFormat | None, output: RequestOutput) -> list[str]:
     if fmt is None or output.audio_delta is None:
         return []
-    return fmt.audio(output.audio_delta)
+    return await fmt.audio(output.audio_delta)
 
 
 def raise_if_failed(output: RequestOutput) -> None:

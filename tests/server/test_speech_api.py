@@ -14,6 +14,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import av
 import httpx
 import numpy as np
 import openai
@@ -163,6 +164,18 @@ def read_wav(data: bytes) -> np.ndarray:
     return samples
 
 
+def decoded(data: bytes) -> np.ndarray:
+    """An encoded answer's samples as FFmpeg decodes them, at 24 kHz (Opus decodes at 48 kHz)."""
+    resampler = av.AudioResampler(format="flt", layout="mono", rate=AUDIO_SAMPLE_RATE)
+    with av.open(io.BytesIO(data)) as container:
+        frames = [out for frame in container.decode(audio=0) for out in resampler.resample(frame)]
+    return np.concatenate([f.to_ndarray().reshape(-1) for f in [*frames, *resampler.resample(None)]])
+
+
+def decoded_seconds(data: bytes) -> float:
+    return len(decoded(data)) / AUDIO_SAMPLE_RATE
+
+
 def sse_events(body: str) -> list:
     return [
         json.loads(line[6:])
@@ -220,7 +233,7 @@ def test_chat_audio_takes_the_talker_controls(client, engine):
     )
 
 
-@pytest.mark.parametrize("name", ["mp3", "opus", "pcm16"])
+@pytest.mark.parametrize("name", ["mp3", "opus", "aac", "pcm16"])
 def test_chat_audio_in_each_format(http, name):
     body = {"model": MODEL, "messages": MESSAGES, "max_tokens": 5, "seed": 1} | SPOKEN
     r = http.post("/v1/chat/completions", json=body | {"audio": {"voice": "ethan", "format": name}})
@@ -228,8 +241,25 @@ def test_chat_audio_in_each_format(http, name):
     if name == "pcm16":
         np.testing.assert_array_equal(np.frombuffer(data, "<i2"), pcm16(noise(1, 5)))
     else:
-        decoded, rate = soundfile.read(io.BytesIO(data), dtype="float32")
-        assert rate == AUDIO_SAMPLE_RATE and abs(len(decoded) - 5 * FRAME) < FRAME
+        assert abs(decoded_seconds(data) - 5 * FRAME / AUDIO_SAMPLE_RATE) < FRAME / AUDIO_SAMPLE_RATE
+
+
+@pytest.mark.parametrize("name", ["mp3", "opus", "aac"])
+def test_a_streamed_chat_reply_sends_its_encoded_audio_as_it_is_spoken(client, name):
+    kwargs = {"model": MODEL, "messages": [{"role": "user", "content": "Say hello there"}], "max_tokens": 12}
+    stream = client.chat.completions.create(
+        **kwargs, seed=5, modalities=["text", "audio"], audio={"voice": "ethan", "format": name}, stream=True
+    )
+    audio = [c.choices[0].delta.audio for c in stream if c.choices and c.choices[0].delta.audio]
+    data = [base64.b64decode(a.data) for a in audio if a.data]
+    assert len(data) >= 10  # bytes with (nearly) every one of the 12 frames, not one file at the end
+    whole = client.chat.completions.create(
+        **kwargs, seed=5, modalities=["text", "audio"], audio={"voice": "ethan", "format": name}
+    )
+    # the same encoding, streamed or whole (an Ogg stream's serial number is drawn afresh for each)
+    streamed = decoded(b"".join(data))
+    np.testing.assert_array_equal(streamed, decoded(base64.b64decode(whole.choices[0].message.audio.data)))
+    assert abs(len(streamed) / AUDIO_SAMPLE_RATE - 12 * FRAME / AUDIO_SAMPLE_RATE) < FRAME / AUDIO_SAMPLE_RATE
 
 
 def test_streamed_audio_deltas_equal_the_whole_reply(client):
@@ -276,13 +306,13 @@ CHAT_REFUSALS = [
         "unknown voice 'bogus'; this model speaks with aiden, chelsie, ethan",
     ),
     (
-        {"audio": {"voice": "ethan", "format": "aac"}},
+        {"audio": {"voice": "ethan", "format": "m4a"}},
         "audio.format",
-        "'aac' is not supported; this server encodes wav, flac, mp3, opus, pcm16",
+        "'m4a' is not supported; this server encodes wav, flac, mp3, opus, aac, pcm16",
     ),
     ({"audio": None}, "audio", "is required when modalities has 'audio'"),
     ({"modalities": ["text"]}, "modalities", "must include 'audio'"),
-    ({"stream": True}, "audio.format", "a streamed reply's audio is pcm16"),
+    ({"stream": True}, "audio.format", "a streamed reply's audio is mp3, opus, aac, pcm16"),
     (
         {"audio": {"voice": "ethan", "format": "wav", "max_frames": 0}},
         "audio.max_frames",
@@ -378,7 +408,13 @@ def test_speech_returns_a_playable_wav_of_exactly_the_input(client, engine):
 
 @pytest.mark.parametrize(
     ("name", "content_type"),
-    [("mp3", "audio/mpeg"), ("opus", "audio/ogg"), ("flac", "audio/flac"), ("pcm", "audio/pcm")],
+    [
+        ("mp3", "audio/mpeg"),
+        ("opus", "audio/ogg"),
+        ("aac", "audio/aac"),
+        ("flac", "audio/flac"),
+        ("pcm", "audio/pcm"),
+    ],
 )
 def test_speech_in_each_format(http, name, content_type):
     body = {"model": MODEL, "input": "Hello!", "voice": "aiden", "response_format": name, "seed": 2}
@@ -387,8 +423,7 @@ def test_speech_in_each_format(http, name, content_type):
     if name == "pcm":
         np.testing.assert_array_equal(np.frombuffer(r.content, "<i2"), pcm16(noise(2, 6)))
     else:
-        decoded, rate = soundfile.read(io.BytesIO(r.content), dtype="float32")
-        assert rate == AUDIO_SAMPLE_RATE and abs(len(decoded) - 6 * FRAME) < FRAME
+        assert abs(decoded_seconds(r.content) - 6 * FRAME / AUDIO_SAMPLE_RATE) < FRAME / AUDIO_SAMPLE_RATE
 
 
 def test_speech_defaults_to_mp3(http):
@@ -429,6 +464,45 @@ def test_speech_sse_events(http, name):
     }
 
 
+@pytest.mark.parametrize("name", ["mp3", "opus", "aac"])
+@pytest.mark.parametrize("stream_format", ["audio", "sse"])
+def test_speech_streams_lossy_formats_as_they_are_encoded(http, name, stream_format):
+    body = {"model": MODEL, "input": "Hello there, you", "voice": "ethan", "response_format": name}
+    with http.stream("POST", "/v1/audio/speech", json=body | {"stream_format": stream_format}) as r:
+        pieces = list(r.iter_raw())
+    if stream_format == "sse":
+        *deltas, done = sse_events(b"".join(pieces).decode())
+        assert done["type"] == "speech.audio.done"
+        pieces = [base64.b64decode(d["audio"]) for d in deltas]
+    else:
+        assert (
+            r.headers["content-type"] == {"mp3": "audio/mpeg", "opus": "audio/ogg", "aac": "audio/aac"}[name]
+        )
+    assert len(pieces) >= 14  # 16 frames: a piece with (nearly) each, not the file once at the end
+    assert abs(decoded_seconds(b"".join(pieces)) - 16 * FRAME / AUDIO_SAMPLE_RATE) < FRAME / AUDIO_SAMPLE_RATE
+
+
+@pytest.mark.parametrize("speed", [0.5, 2.0])
+def test_speech_speed_stretches_the_audio(http, speed):
+    body = {
+        "model": MODEL,
+        "input": "Hello there, you",
+        "voice": "ethan",
+        "response_format": "pcm",
+        "seed": 3,
+    }
+    plain = http.post("/v1/audio/speech", json=body).content
+    stretched = http.post("/v1/audio/speech", json=body | {"speed": speed}).content
+    assert len(stretched) == pytest.approx(len(plain) / speed, rel=0.05)
+
+
+def test_speech_accepts_instructions_and_does_not_apply_them(http):
+    body = {"model": MODEL, "input": "Hello!", "voice": "ethan", "response_format": "pcm", "seed": 4}
+    plain = http.post("/v1/audio/speech", json=body)
+    instructed = http.post("/v1/audio/speech", json=body | {"instructions": "Speak softly."})
+    assert instructed.status_code == 200 and instructed.content == plain.content
+
+
 def test_speech_failure_mid_stream(http):
     body = {
         "model": MODEL,
@@ -450,12 +524,13 @@ SPEECH_REFUSALS = [
     ({"voice": "bogus"}, "voice", "unknown voice 'bogus'; this model speaks with aiden, chelsie, ethan"),
     ({"voice": {"id": "nobody"}}, "voice", "unknown voice 'nobody'"),
     (
-        {"response_format": "aac"},
+        {"response_format": "m4a"},
         "response_format",
-        "'aac' is not supported; this server encodes mp3, opus, flac, wav, pcm",
+        "'m4a' is not supported; this server encodes mp3, opus, aac, flac, wav, pcm",
     ),
-    ({"speed": 1.25}, "speed", "speed must be 1.0"),
-    ({"instructions": "Speak softly."}, "instructions", "instructions are not supported"),
+    ({"speed": 0.2}, "speed", "greater than or equal to 0.25"),
+    ({"speed": 4.01}, "speed", "less than or equal to 4"),
+    ({"speed": "fast"}, "speed", "valid number"),
     ({"input": ""}, "input", "at least 1 character"),
     ({"input": "x" * 4097}, "input", "at most 4096 characters"),
     ({"input": "\ud800"}, "input", "not valid Unicode"),
@@ -611,8 +686,11 @@ def test_live_audio_in_and_audio_out(live_client, live_model):
     ("kwargs", "needle"),
     [
         ({"voice": "bogus"}, "unknown voice 'bogus'; this model speaks with aiden, chelsie, ethan"),
-        ({"response_format": "aac"}, "'aac' is not supported; this server encodes mp3, opus, flac, wav, pcm"),
-        ({"speed": 2.0}, "speed must be 1.0"),
+        (
+            {"response_format": "m4a"},
+            "'m4a' is not supported; this server encodes mp3, opus, aac, flac, wav, pcm",
+        ),
+        ({"speed": 5.0}, "speed: Input should be less than or equal to 4"),
         ({"input": "x" * 4097}, "at most 4096 characters"),
         ({"extra_body": {"max_frames": 100_000}}, "max_frames: Input should be less than or equal to 4096"),
         ({"extra_body": {"max_frames": 2_000_000}}, "max_frames: Input should be less than or equal to 4096"),
@@ -627,7 +705,7 @@ def test_live_bad_speech_is_400(live_client, live_model, kwargs, needle):
 def test_live_bad_chat_audio_is_400(live_client, live_model):
     with pytest.raises(openai.BadRequestError, match="unknown voice 'bogus'"):
         live_chat(live_client, live_model, "wav", voice="bogus")
-    with pytest.raises(openai.BadRequestError, match="a streamed reply's audio is pcm16"):
+    with pytest.raises(openai.BadRequestError, match="a streamed reply's audio is mp3, opus, aac, pcm16"):
         live_chat(live_client, live_model, "wav", stream=True)
 
 

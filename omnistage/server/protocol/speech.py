@@ -10,10 +10,12 @@ from pydantic import Discriminator, Field, Tag
 
 from omnistage.request import MAX_AUDIO_FRAMES, SamplingParams, talker_sampling_defaults
 from omnistage.server.errors import InvalidField
-from omnistage.server.protocol.base import Int64, Strict, empty, unless, with_fields
+from omnistage.server.protocol.base import Int64, Strict, with_fields
 
 # OpenAI documents 4,096 characters as the most /v1/audio/speech speaks in one request.
 MAX_SPEECH_INPUT = 4096
+# OpenAI's bounds on the speed of /v1/audio/speech
+MIN_SPEED, MAX_SPEED = 0.25, 4.0
 
 
 class VoiceRef(Strict):
@@ -96,13 +98,9 @@ class SpeechRequest(TalkerFields):
     voice: Voice
     response_format: str = "mp3"  # OpenAI's default; checked against what this server can encode
     stream_format: Literal["audio", "sse"] = "audio"
-    speed: Annotated[
-        float | None,
-        unless(lambda s: s == 1.0, "speed must be 1.0 (the Talker speaks at one speed), got {value}"),
-    ] = None
-    # The Talker's voice is the chosen speaker's; no instruction changes it, so one given is refused.
-    instructions: Annotated[
-        str | None, unless(empty, "instructions are not supported: the voice is set by `voice` alone")
-    ] = None
+    # OpenAI's range; FFmpeg's atempo stretches the audio to it, pitch kept (audio_out.py)
+    speed: Annotated[float, Field(ge=MIN_SPEED, le=MAX_SPEED)] | None = None
+    # Clients send it when configured; these voices have no style control, so it is accepted and not applied.
+    instructions: str | None = None
     seed: Int64 | None = None  # this server's: seeds the Talker and the code predictor
     user: str | None = None  # OpenAI's end-user tag: ignored
