@@ -138,6 +138,20 @@ def build_parser() -> argparse.ArgumentParser:
         help="most spoken answers kept at once; the oldest go first (default: %(default)s)",
     )
     serve.add_argument(
+        "--responses-retention-s",
+        type=int,
+        default=3600,
+        help="seconds a Responses API response is kept, for a later request to continue it by "
+        "previous_response_id or read it by GET /v1/responses/{id} (0: none kept) (default: %(default)s)",
+    )
+    serve.add_argument(
+        "--max-stored-responses",
+        type=int,
+        default=1000,
+        help="most Responses API responses kept at once, each with its input (media included); the oldest "
+        "go first (default: %(default)s)",
+    )
+    serve.add_argument(
         "--log-level",
         default="info",
         choices=["debug", "info", "warning", "error"],

@@ -33,6 +33,10 @@ def run(args: argparse.Namespace) -> None:
         )
     if args.max_spoken_answers < 0:
         raise ConfigError(f"--max-spoken-answers {args.max_spoken_answers}: must be at least 0")
+    if args.responses_retention_s < 0:
+        raise ConfigError(f"--responses-retention-s {args.responses_retention_s}: must be at least 0")
+    if args.max_stored_responses < 0:
+        raise ConfigError(f"--max-stored-responses {args.max_stored_responses}: must be at least 0")
 
     listener = bind(args.host, args.port)
     try:
@@ -50,6 +54,7 @@ def _load_and_serve(
     from omnistage.pipeline.async_pipeline import AsyncPipeline
     from omnistage.server import build_app
     from omnistage.server.http_protocol import with_header_timeout
+    from omnistage.server.responses_api import ResponseStore
     from omnistage.server.spoken_answers import SpokenAnswers
 
     media = MediaPolicy(allow_remote=args.allow_remote_media, media_dir=media_dir)
@@ -70,6 +75,7 @@ def _load_and_serve(
             media=media,
             voice_aliases=config.voice_aliases,
             answers=answers,
+            responses=ResponseStore(args.responses_retention_s, args.max_stored_responses),
         )
         logging.getLogger("omnistage.serve").info(
             "serving '%s' at http://%s:%d/v1 (API key %s, max queue %s, max %d connections, header timeout "
