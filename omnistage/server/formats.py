@@ -49,6 +49,7 @@ class Format(Protocol):
 
     id: str
     include_usage: bool
+    done: str  # what ends a stream: OpenAI's `data: [DONE]`, or nothing where its last event says it
 
     def opening(self) -> list[str]: ...
     def delta(self, text: str, finish_reason: str | None) -> list[str]: ...
@@ -71,6 +72,8 @@ class SpeakingFormat(Format, Protocol):
 class ChatFormat:
     """Chat's chunks and response; `fingerprint` is their `system_fingerprint`, and `prompt_audio_tokens`
     (set once the prompt is laid out) goes into the usage's prompt details."""
+
+    done = DONE
 
     def __init__(
         self, request_id: str, model: str, include_usage: bool, fingerprint: str | None = None
@@ -122,6 +125,8 @@ class ChatFormat:
 
 
 class CompletionFormat:
+    done = DONE
+
     def __init__(self, request_id: str, model: str, include_usage: bool) -> None:
         self.id, self.model, self.include_usage = request_id, model, include_usage
         self.created = int(time.time())

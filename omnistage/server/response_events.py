@@ -145,6 +145,7 @@ class ResponsesFormat:
     """
 
     include_usage = True  # the closing event carries the usage
+    done = ""  # the stream ends with response.completed (or .incomplete), as OpenAI's does
 
     def __init__(
         self, chat: ChatFormat, shell: ResponseObject, keep: Callable[[ResponseObject], None]

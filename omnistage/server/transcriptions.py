@@ -22,7 +22,7 @@ from omnistage.media import MediaPolicy, audio_seconds, load_audio
 from omnistage.pipeline.base import Frontend
 from omnistage.request import GenerationRequest, SamplingParams
 from omnistage.server.errors import InvalidField
-from omnistage.server.formats import sse
+from omnistage.server.formats import DONE, sse
 from omnistage.server.responses import Usage
 from omnistage.server.streaming import Responder
 
@@ -49,6 +49,7 @@ class TranscriptionFormat:
     """
 
     include_usage = True  # the usage rides on the done event
+    done = DONE
 
     def __init__(
         self,
