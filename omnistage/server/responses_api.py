@@ -15,6 +15,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 from pydantic import ValidationError
 
+from omnistage.errors import InvalidMedia
 from omnistage.server.bounded_store import BoundedStore
 from omnistage.server.chat import ChatEndpoint
 from omnistage.server.errors import InvalidField, NotFound, field_path
@@ -77,12 +78,16 @@ class ResponsesEndpoint:
     async def create(self, body: ResponsesRequest, request: Request) -> Response:
         self.responder.begin(request, body.model)
         earlier = self._earlier(body.previous_response_id)
-        fields, origins = self._chat_request(body, earlier)
+        chat_request, origins = self._chat_request(body, earlier)
         response_id = f"resp_{uuid.uuid4().hex}"
         try:
-            chat_fmt, new = await self.chat.prepare(fields, response_id)
+            chat_fmt, new = await self.chat.prepare(chat_request, response_id)
         except InvalidField as exc:
             raise InvalidField(_responses_param(exc.param or "", origins), exc.reason) from None
+        except InvalidMedia as exc:  # it names the chat's part: `messages[2].content[0]: ...`
+            raise InvalidMedia(
+                _MESSAGE.sub(lambda found: _responses_param(found[0], origins), str(exc))
+            ) from None
         messages = [message for path, message in origins if path not in _NOT_INPUT]
 
         def keep(response: ResponseObject) -> None:

@@ -9,10 +9,15 @@ from typing import Annotated, Any, Literal
 from pydantic import Discriminator, Field, Tag, field_validator, model_validator
 
 from omnistage.server.errors import InvalidField
-from omnistage.server.protocol.base import LOGPROBS, Int64, Open, Strict, empty, never, unless
+from omnistage.server.protocol.base import LOGPROBS, Int64, Open, Strict, TokenId, empty, never, unless
 from omnistage.server.protocol.chat import InputAudio
 
 _LOGPROBS_INCLUDE = "message.output_text.logprobs"
+# The fields a chat request takes by the same name.
+_CHAT_FIELDS = (
+    "model temperature top_p stream parallel_tool_calls top_k min_p seed stop stop_token_ids presence_penalty "
+    "frequency_penalty repetition_penalty min_tokens ignore_eos skip_special_tokens include_stop_str_in_output"
+).split()
 
 
 def _type_of(default: str | None) -> Any:
@@ -243,6 +248,19 @@ class ResponsesRequest(Strict):
         list[dict[str, Any]] | None, unless(empty, "context management (compaction) is not supported")
     ] = None
     moderation: Annotated[dict[str, Any] | None, unless(never, "moderation is not supported")] = None
+    # vLLM's sampling extras, as chat takes them (through the SDK's extra_body)
+    top_k: Int64 | None = None
+    min_p: float | None = None
+    seed: Int64 | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[TokenId] | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    repetition_penalty: float | None = None
+    min_tokens: Int64 | None = None
+    ignore_eos: bool | None = None
+    skip_special_tokens: bool | None = None
+    include_stop_str_in_output: bool | None = None
 
     # Accepted and ignored: nothing the client gets from this server depends on them.
     user: str | None = None
@@ -281,14 +299,8 @@ class ResponsesRequest(Strict):
 
     def chat_fields(self) -> dict[str, Any]:
         """The chat request's fields beside its messages, by the chat's names."""
-        fields: dict[str, Any] = {
-            "model": self.model,
-            "max_completion_tokens": self.max_output_tokens,
-            "temperature": self.temperature,
-            "top_p": self.top_p,
-            "stream": self.stream,
-            "parallel_tool_calls": self.parallel_tool_calls,
-        }
+        fields: dict[str, Any] = {name: getattr(self, name) for name in _CHAT_FIELDS}
+        fields["max_completion_tokens"] = self.max_output_tokens
         if self.tools:
             fields["tools"] = [tool.chat_tool() for tool in self.tools]
         if isinstance(self.tool_choice, NamedFunction):
