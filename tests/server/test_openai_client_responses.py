@@ -132,6 +132,19 @@ def test_previous_response_id_continues_the_conversation(client, model, processo
     )
 
 
+def test_output_items_sent_back_as_input_continue_the_conversation(client, model):
+    """The Agents SDK's way: the whole history each turn, the earlier output items as they came."""
+    first = create(client, model=model, input="Hello.", max_output_tokens=3, extra_body=FORCED)
+    by_id = create(client, model=model, input="More.", previous_response_id=first.id, max_output_tokens=1)
+    history = [
+        {"role": "user", "content": "Hello."},
+        *(item.model_dump(exclude_none=True) for item in first.output),
+        {"role": "user", "content": "More."},
+    ]
+    sent_back = create(client, model=model, input=history, max_output_tokens=1)
+    assert sent_back.usage.input_tokens == by_id.usage.input_tokens
+
+
 def test_kept_responses_are_read_deleted_and_bounded(client, model, server):
     kept = create(client, model=model, input="Hi", max_output_tokens=1)
     assert client.responses.retrieve(kept.id).output_text == kept.output_text
