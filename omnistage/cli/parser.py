@@ -20,6 +20,8 @@ SERVE_DESCRIPTION = """\
 Serve the OpenAI-compatible HTTP API:
 
   POST /v1/chat/completions      chat; text, audio and image content parts; spoken replies; streaming
+  POST /v1/responses             OpenAI's Responses API over chat; previous_response_id; streaming
+  GET  /v1/responses/{response_id}  a kept response (DELETE forgets it)
   POST /v1/completions           text completions; streaming
   POST /v1/audio/transcriptions  speech to text (OpenAI's multipart form); streaming
   POST /v1/audio/speech          text to speech (mp3, opus, flac, wav, pcm); raw or SSE streaming
