@@ -70,6 +70,11 @@ def test_a_reply_that_ends_is_completed(client, model):
     assert ended.status == "completed" and ended.completed_at >= ended.created_at
     assert ended.incomplete_details is None and ended.output[0].status == "completed"
     assert cut.output_text.startswith(ended.output_text) and cut.output[0].status == "incomplete"
+    # the SDK's stream helper, which rebuilds the response from the events
+    stop = {"stop": [cut.output_text[-1]]}
+    with client.responses.stream(model=model, input="Hi", temperature=0, extra_body=stop) as stream:
+        final = stream.get_final_response()
+    assert final.output_text == ended.output_text and final.status == "completed"
 
 
 def test_streamed_events_parse_and_add_up_to_the_response(client, model, server):
