@@ -1,5 +1,5 @@
 """A live `omnistage serve` (tiny checkpoint, CPU) answering the Responses API through the openai SDK: whole
-and streamed responses validated strictly against the SDK's types, an image in the input, a conversation
+and streamed responses validated strictly against the SDK's types, an image or a clip in the input, a conversation
 continued by previous_response_id (its prompt holds the earlier turn), GET and DELETE by id, and refusals in
 OpenAI's shape naming the field."""
 
@@ -8,6 +8,7 @@ from __future__ import annotations
 import base64
 import io
 import json
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -19,6 +20,7 @@ from PIL import Image
 
 from omnistage.models.qwen3_omni.processor import Processor
 
+SPEECH = Path(__file__).parents[1] / "data" / "speech_en.wav"
 FORCED = {"ignore_eos": True}  # vLLM's extra: random weights say exactly max_output_tokens
 
 
@@ -99,19 +101,38 @@ def test_streamed_events_parse_and_add_up_to_the_response(client, model, server)
     assert strictly(Response, kept) == final
 
 
-def test_an_image_in_the_input(client, model):
+def png_data_url() -> str:
     buffer = io.BytesIO()
     Image.new("RGB", (56, 84), (10, 120, 200)).save(buffer, format="PNG")
-    url = "data:image/png;base64," + base64.b64encode(buffer.getvalue()).decode()
+    return "data:image/png;base64," + base64.b64encode(buffer.getvalue()).decode()
+
+
+def wav_base64() -> str:
+    return base64.b64encode(SPEECH.read_bytes()).decode()
+
+
+@pytest.mark.parametrize(
+    ("part", "chat_part"),
+    [
+        (
+            lambda: {"type": "input_image", "image_url": png_data_url(), "detail": "auto"},
+            lambda: {"type": "image_url", "image_url": {"url": png_data_url()}},
+        ),
+        (
+            lambda: {"type": "input_audio", "input_audio": {"data": wav_base64(), "format": "wav"}},
+            lambda: {"type": "input_audio", "input_audio": {"data": wav_base64(), "format": "wav"}},
+        ),
+    ],
+    ids=["image", "audio"],
+)
+def test_media_in_the_input_is_laid_out_as_chats(client, model, part, chat_part):
     text = {"type": "input_text", "text": "What is this?"}
-    image = {"type": "input_image", "image_url": url, "detail": "auto"}
     seen = create(
-        client, model=model, input=[{"role": "user", "content": [image, text]}], max_output_tokens=1
+        client, model=model, input=[{"role": "user", "content": [part(), text]}], max_output_tokens=1
     )
-    # the prompt chat lays out of the same image and text, placeholders and all
-    chat = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": url}}, {"type": "text", "text": "What is this?"}]}]  # fmt: skip
+    chat = [{"role": "user", "content": [chat_part(), {"type": "text", "text": "What is this?"}]}]
     same = client.chat.completions.create(model=model, messages=chat, max_tokens=1)
-    assert seen.usage.input_tokens == same.usage.prompt_tokens
+    assert seen.usage.input_tokens == same.usage.prompt_tokens  # placeholders and all
     alone = create(client, model=model, input=[{"role": "user", "content": [text]}], max_output_tokens=1)
     assert seen.usage.input_tokens > alone.usage.input_tokens
 
