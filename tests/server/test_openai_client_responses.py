@@ -1,7 +1,7 @@
 """A live `omnistage serve` (tiny checkpoint, CPU) answering the Responses API through the openai SDK: whole
-and streamed responses validated strictly against the SDK's types, an image or a clip in the input, a conversation
-continued by previous_response_id (its prompt holds the earlier turn), GET and DELETE by id, and refusals in
-OpenAI's shape naming the field."""
+and streamed responses validated strictly against the SDK's types, an image or a clip in the input, a
+conversation continued by previous_response_id (its prompt holds the earlier turn), GET and DELETE by id,
+and refusals in OpenAI's shape naming the field."""
 
 from __future__ import annotations
 
@@ -82,10 +82,12 @@ def test_a_reply_that_ends_is_completed(client, model):
 def test_streamed_events_parse_and_add_up_to_the_response(client, model, server):
     fields = {"model": model, "input": "Tell me a story.", "max_output_tokens": 6, "temperature": 0}
     whole = create(client, **fields, extra_body=FORCED)
-    events = [strictly(ResponseStreamEvent, e.to_dict()) for e in client.responses.create(**fields, stream=True, extra_body=FORCED)]  # fmt: skip
+    stream = client.responses.create(**fields, stream=True, extra_body=FORCED)
+    events = [strictly(ResponseStreamEvent, event.to_dict()) for event in stream]
     kinds = [event.type for event in events]
     assert kinds[:4] == [
-        "response.created", "response.in_progress", "response.output_item.added", "response.content_part.added",
+        "response.created", "response.in_progress", "response.output_item.added",
+        "response.content_part.added",
     ]  # fmt: skip
     assert kinds[-4:] == [
         "response.output_text.done", "response.content_part.done", "response.output_item.done",

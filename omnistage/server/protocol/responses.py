@@ -15,8 +15,9 @@ from omnistage.server.protocol.chat import InputAudio
 _LOGPROBS_INCLUDE = "message.output_text.logprobs"
 # The fields a chat request takes by the same name.
 _CHAT_FIELDS = (
-    "model temperature top_p stream parallel_tool_calls top_k min_p seed stop stop_token_ids presence_penalty "
-    "frequency_penalty repetition_penalty min_tokens ignore_eos skip_special_tokens include_stop_str_in_output"
+    "model temperature top_p stream parallel_tool_calls top_k min_p seed stop stop_token_ids "
+    "presence_penalty frequency_penalty repetition_penalty min_tokens ignore_eos skip_special_tokens "
+    "include_stop_str_in_output"
 ).split()
 
 
@@ -150,7 +151,8 @@ InputItem = Annotated[
     Discriminator(
         _type_of("message"),
         custom_error_type="input_item_type",
-        custom_error_message="input items of type message, function_call and function_call_output are supported",
+        custom_error_message="input items of type message, function_call and function_call_output are "
+        "supported",
     ),
 ]
 

@@ -1,5 +1,5 @@
-"""ResponsesFormat reads a Response and its events off chat's answer: text, and tool calls in the shape OpenAI's
-chat streams and returns them, each event and response valid as the openai SDK's types."""
+"""ResponsesFormat reads a Response and its events off chat's answer: text, and tool calls in the shape
+OpenAI's chat streams and returns them, each event and response valid as the openai SDK's types."""
 
 from __future__ import annotations
 
