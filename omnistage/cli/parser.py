@@ -20,6 +20,8 @@ SERVE_DESCRIPTION = """\
 Serve the OpenAI-compatible HTTP API:
 
   POST /v1/chat/completions      chat; text, audio and image content parts; spoken replies; streaming
+  POST /v1/responses             OpenAI's Responses API over chat; previous_response_id; streaming
+  GET  /v1/responses/{response_id}  a kept response (DELETE forgets it)
   POST /v1/completions           text completions; streaming
   POST /v1/audio/transcriptions  speech to text (OpenAI's multipart form; json, text, srt, vtt); streaming
   POST /v1/audio/translations    speech in any language to English text
@@ -174,6 +176,20 @@ def build_parser() -> argparse.ArgumentParser:
         type=int,
         default=10_000,
         help="most spoken answers kept at once; the oldest go first (default: %(default)s)",
+    )
+    serve.add_argument(
+        "--responses-retention-s",
+        type=int,
+        default=3600,
+        help="seconds a Responses API response is kept, for a later request to continue it by "
+        "previous_response_id or read it by GET /v1/responses/{id} (0: none kept) (default: %(default)s)",
+    )
+    serve.add_argument(
+        "--max-stored-responses",
+        type=int,
+        default=1000,
+        help="most Responses API responses kept at once, each with its input (media included); the oldest "
+        "go first (default: %(default)s)",
     )
     serve.add_argument(
         "--log-level",

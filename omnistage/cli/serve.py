@@ -50,6 +50,10 @@ def server_options(args: argparse.Namespace, config: EngineConfig) -> ServerOpti
         )
     if args.max_spoken_answers < 0:
         raise ConfigError(f"--max-spoken-answers {args.max_spoken_answers}: must be at least 0")
+    if args.responses_retention_s < 0:
+        raise ConfigError(f"--responses-retention-s {args.responses_retention_s}: must be at least 0")
+    if args.max_stored_responses < 0:
+        raise ConfigError(f"--max-stored-responses {args.max_stored_responses}: must be at least 0")
     return ServerOptions(
         served_model_name=args.served_model_name
         or (Path(config.model).resolve().name if config.model else "omnistage-tiny"),
@@ -59,6 +63,8 @@ def server_options(args: argparse.Namespace, config: EngineConfig) -> ServerOpti
         media=MediaPolicy(allow_remote=args.allow_remote_media, media_dir=media_dir),
         spoken_answers_retention_s=args.spoken_answers_retention_s,
         max_spoken_answers=args.max_spoken_answers,
+        responses_retention_s=args.responses_retention_s,
+        max_stored_responses=args.max_stored_responses,
         engine_process=args.engine_process,
     )
 

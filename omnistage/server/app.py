@@ -18,7 +18,7 @@ from fastapi.responses import JSONResponse, Response
 
 from omnistage.media import MediaPolicy
 from omnistage.pipeline.async_pipeline import AsyncPipeline
-from omnistage.server import chat, completions, speech, transcriptions
+from omnistage.server import chat, completions, responses_api, speech, transcriptions
 from omnistage.server.errors import install_error_handlers
 from omnistage.server.gate import DEFAULT_MAX_BODY_BYTES, CatchAll, Gate, RequestIds
 from omnistage.server.json_route import JSONRoute
@@ -29,7 +29,14 @@ from omnistage.server.streaming import Responder
 from omnistage.server.voices import Voices
 
 GENERATING = frozenset(
-    {chat.PATH, completions.PATH, transcriptions.PATH, transcriptions.TRANSLATIONS_PATH, speech.PATH}
+    {
+        chat.PATH,
+        responses_api.PATH,
+        completions.PATH,
+        transcriptions.PATH,
+        transcriptions.TRANSLATIONS_PATH,
+        speech.PATH,
+    }
 )
 VOICES_PATH = "/v1/audio/voices"
 _ENDPOINTS = GENERATING | {"/v1/models", VOICES_PATH, "/health", "/metrics"}
@@ -43,17 +50,23 @@ def build_app(
     media: MediaPolicy | None = None,
     voice_aliases: Mapping[str, str] | None = None,
     answers: SpokenAnswers | None = None,
+    responses: responses_api.ResponseStore | None = None,
 ) -> FastAPI:
     """The FastAPI app serving `pipeline` under `served_model_name`; /v1/* needs `api_key` when one is given.
 
     `media` says where attachments may come from (default: inline data only); `voice_aliases` names speakers
     beyond the default table (voices.py: raises ConfigError for a speaker the checkpoint lacks); `answers`
-    keeps spoken answers for later turns (default: an hour, 10,000 of them).
+    keeps spoken answers for later turns (default: an hour, 10,000 of them), `responses` the Responses API's
+    responses for `previous_response_id` (default: an hour, 1,000 of them).
     """
     media = media or MediaPolicy()
     frontend = pipeline.frontend
     voices = Voices.of(frontend.voices, voice_aliases)
     answers = answers if answers is not None else SpokenAnswers(DEFAULT_RETENTION_S, DEFAULT_MAX_ANSWERS)
+    if responses is None:
+        responses = responses_api.ResponseStore(
+            responses_api.DEFAULT_RETENTION_S, responses_api.DEFAULT_MAX_RESPONSES
+        )
     serving = chat.ChatServing(voices, answers, system_fingerprint(served_model_name, frontend.model_path))
     metrics = ServerMetrics()
     metrics.set_plan(frontend)
@@ -78,8 +91,11 @@ def build_app(
     app.add_middleware(RequestIds)  # added last: the outermost, so that every response carries its id
 
     v1 = APIRouter(prefix="/v1")
+    chat_endpoint = chat.ChatEndpoint(responder, frontend, media, serving)
+    responses_endpoint = responses_api.ResponsesEndpoint(responder, chat_endpoint, responses)
     json_routes = (
-        (chat.PATH, chat.ChatEndpoint(responder, frontend, media, serving).create),
+        (chat.PATH, chat_endpoint.create),
+        (responses_api.PATH, responses_endpoint.create),
         (completions.PATH, completions.CompletionsEndpoint(responder, frontend).create),
         (speech.PATH, speech.SpeechEndpoint(responder, frontend, voices).create),
     )
@@ -97,6 +113,9 @@ def build_app(
         (transcriptions.TRANSLATIONS_PATH, audio_in.translate),
     ):
         v1.add_api_route(path.removeprefix("/v1"), form_endpoint, methods=["POST"], response_model=None)
+    by_id = responses_api.PATH.removeprefix("/v1") + "/{response_id}"
+    v1.add_api_route(by_id, responses_endpoint.retrieve, methods=["GET"])
+    v1.add_api_route(by_id, responses_endpoint.delete, methods=["DELETE"])
     v1.add_api_route("/models", info.models, methods=["GET"])
     v1.add_api_route(VOICES_PATH.removeprefix("/v1"), info.voices, methods=["GET"])
     v1.add_api_route("/models/{model:path}", info.model, methods=["GET"])

@@ -53,6 +53,14 @@ class ChatEndpoint:
 
     async def create(self, body: ChatCompletionRequest, request: Request) -> Response:
         self.responder.begin(request, body.model)
+        fmt, new = await self.prepare(body, f"chatcmpl-{uuid.uuid4().hex}")
+        return await self.responder.respond(request, PATH, fmt, new, bool(body.stream))
+
+    async def prepare(
+        self, body: ChatCompletionRequest, request_id: str
+    ) -> tuple[ChatFormat, GenerationRequest]:
+        """The chat's request for the pipeline and the format of its answer; every refusal is an InvalidField
+        naming the chat's field. The Responses API answers its requests through this too."""
         speech = chat_speech_params(body, self.serving.voices)
         params = body.sampling_params(body.requested_max_tokens, body.max_tokens_field)
         if speech is not None and params.logprobs is not None:
@@ -61,8 +69,7 @@ class ChatEndpoint:
             )
         params.structured = body.structured_output()
         transcripts = earlier_answers(body, self.serving.answers)
-        request_id, name = f"chatcmpl-{uuid.uuid4().hex}", self.responder.served_model_name
-        fingerprint = self.serving.fingerprint
+        name, fingerprint = self.responder.served_model_name, self.serving.fingerprint
         texts = self.texts.get() if params.logprobs is not None else None
         fmt: ChatFormat = ChatFormat(request_id, name, body.include_usage, fingerprint, texts)
         if speech is not None and body.audio is not None:
@@ -70,7 +77,7 @@ class ChatEndpoint:
             fmt = SpokenChatFormat(request_id, name, body.include_usage, audio_format, answers, fingerprint)
         new = await asyncio.to_thread(self._request, body, transcripts, request_id, params, speech)
         fmt.prompt_audio_tokens = sum(getattr(new.mm, "num_audio_tokens", None) or ())
-        return await self.responder.respond(request, PATH, fmt, new, bool(body.stream))
+        return fmt, new
 
     def _request(
         self,

@@ -33,6 +33,10 @@ class BodyTooLarge(OmnistageError):
     """The request body is over the server's size limit (HTTP 413)."""
 
 
+class NotFound(OmnistageError):
+    """The request names a stored object (a response, by id) that is not kept (HTTP 404)."""
+
+
 class EngineFailure(OmnistageError):
     """The engine failed this one request (HTTP 500); the server goes on serving."""
 
@@ -46,7 +50,7 @@ class InvalidField(InvalidRequest):
 
     def __init__(self, param: str, reason: str) -> None:
         super().__init__(f"{param}: {reason}" if param else reason)
-        self.param = param or None
+        self.param, self.reason = param or None, reason
 
 
 @dataclass(frozen=True)
@@ -63,6 +67,7 @@ _KINDS: list[tuple[type[Exception], ErrorKind]] = [
     (InvalidRequest, ErrorKind(400, "invalid_request_error")),
     (Unauthorized, ErrorKind(401, "authentication_error", "invalid_api_key")),
     (ModelNotFound, ErrorKind(404, "invalid_request_error", "model_not_found")),
+    (NotFound, ErrorKind(404, "invalid_request_error", "not_found")),
     (BodyTooLarge, ErrorKind(413, "invalid_request_error", "body_too_large")),
     (QueueFull, ErrorKind(503, "server_overloaded", "queue_full")),
     (EngineFailure, ErrorKind(500, "server_error", "engine_error")),
@@ -116,7 +121,7 @@ def internal_error_response() -> JSONResponse:
 _UNION_TAGS = {"str", "int", "float", "bool"}
 
 
-def _field_path(loc: tuple[Any, ...]) -> str:
+def field_path(loc: tuple[Any, ...]) -> str:
     """("body", "messages", 0, "content", "list[ContentPart]", 0, "type") -> "messages[0].content[0].type".
 
     pydantic puts the union member it tried into the path ("str", "list[int]"); the client never wrote
@@ -141,7 +146,7 @@ def validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
                 ("", f"the body is not valid JSON ({reason})" if reason else "the body is not valid JSON")
             ] = None
             continue
-        path = _field_path(tuple(err["loc"]))
+        path = field_path(tuple(err["loc"]))
         if not path and err["type"] == "missing":
             found[("", "the request body is missing")] = None
             continue

@@ -52,6 +52,7 @@ class Format(Protocol):
 
     id: str
     include_usage: bool
+    done: str  # what ends a stream: OpenAI's `data: [DONE]`, or nothing where its last event says it
 
     def opening(self) -> list[str]: ...
     def delta(
@@ -82,6 +83,8 @@ class ChatFormat:
     """Chat's chunks and response; `fingerprint` is their `system_fingerprint`, and `prompt_audio_tokens`
     (set once the prompt is laid out) goes into the usage's prompt details. With `texts` (the request asked for
     logprobs), each chunk carries its tokens' logprobs, and a token without text still has its chunk."""
+
+    done = DONE
 
     def __init__(
         self,
@@ -158,6 +161,8 @@ class ChatFormat:
 class CompletionFormat:
     """Text completions' chunks and response. `echo`: the prompt's text, put before the reply (streamed, in the
     first chunk); `writer`: where the request asked for logprobs, what spells them."""
+
+    done = DONE
 
     def __init__(
         self,

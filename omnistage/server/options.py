@@ -12,6 +12,7 @@ from omnistage.media import MediaPolicy
 from omnistage.pipeline.async_pipeline import AsyncPipeline
 from omnistage.server.app import build_app
 from omnistage.server.gate import DEFAULT_MAX_BODY_BYTES
+from omnistage.server.responses_api import DEFAULT_MAX_RESPONSES, ResponseStore
 from omnistage.server.spoken_answers import DEFAULT_MAX_ANSWERS, DEFAULT_RETENTION_S, SpokenAnswers
 
 
@@ -26,6 +27,8 @@ class ServerOptions:
     media: MediaPolicy = field(default_factory=MediaPolicy)
     spoken_answers_retention_s: int = DEFAULT_RETENTION_S
     max_spoken_answers: int = DEFAULT_MAX_ANSWERS
+    responses_retention_s: int = DEFAULT_RETENTION_S
+    max_stored_responses: int = DEFAULT_MAX_RESPONSES
     engine_process: bool = False
 
 
@@ -49,6 +52,7 @@ def load_server(config: EngineConfig, options: ServerOptions) -> tuple[AsyncPipe
             media=options.media,
             voice_aliases=config.voice_aliases,
             answers=SpokenAnswers(options.spoken_answers_retention_s, options.max_spoken_answers),
+            responses=ResponseStore(options.responses_retention_s, options.max_stored_responses),
         )
     except BaseException:
         pipeline.shutdown()

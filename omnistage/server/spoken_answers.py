@@ -8,10 +8,10 @@ says when it goes. A restarted server, or another replica, knows none of them.
 
 from __future__ import annotations
 
-import threading
 import time
-from collections import OrderedDict
 from collections.abc import Callable
+
+from omnistage.server.bounded_store import BoundedStore
 
 DEFAULT_RETENTION_S = 3600
 DEFAULT_MAX_ANSWERS = 10_000
@@ -26,35 +26,16 @@ class SpokenAnswers:
         max_answers: int = DEFAULT_MAX_ANSWERS,
         clock: Callable[[], float] = time.time,
     ) -> None:
-        self.retention_s, self.max_answers, self.clock = retention_s, max_answers, clock
-        self._kept: OrderedDict[str, tuple[str, int]] = (
-            OrderedDict()
-        )  # id: (transcript, expires_at), oldest first
-        self._lock = threading.Lock()  # kept from worker threads (a spoken response is encoded on one)
+        self.retention_s, self.max_answers = retention_s, max_answers
+        self._kept: BoundedStore[str] = BoundedStore(retention_s, max_answers, clock)
 
     def keep(self, audio_id: str, transcript: str) -> int:
         """Keep an answer's transcript; when it goes (Unix seconds: the answer's `expires_at`)."""
-        expires_at = int(self.clock()) + self.retention_s
-        if self.max_answers == 0 or self.retention_s == 0:
-            return expires_at
-        with self._lock:
-            self._kept[audio_id] = (transcript, expires_at)
-            self._kept.move_to_end(audio_id)
-            while len(self._kept) > self.max_answers:
-                self._kept.popitem(last=False)
-        return expires_at
+        return self._kept.keep(audio_id, transcript)
 
     def transcript(self, audio_id: str) -> str | None:
         """The transcript of the answer `audio_id`, or None when it is unknown or has expired."""
-        now = self.clock()
-        with self._lock:
-            while self._kept:  # the oldest expire first
-                oldest = next(iter(self._kept.values()))
-                if oldest[1] > now:
-                    break
-                self._kept.popitem(last=False)
-            kept = self._kept.get(audio_id)
-        return kept[0] if kept is not None else None
+        return self._kept.get(audio_id)
 
     def __len__(self) -> int:
         return len(self._kept)

@@ -23,7 +23,7 @@ from omnistage.outputs import RequestOutput
 from omnistage.pipeline.async_pipeline import AsyncPipeline, Preparing
 from omnistage.request import GenerationRequest
 from omnistage.server.errors import ClientGone, EngineFailure, ErrorKind, ModelNotFound, error_body, kind_of
-from omnistage.server.formats import DONE, Format, SpeakingFormat, sse
+from omnistage.server.formats import Format, SpeakingFormat, sse
 from omnistage.server.metrics import ServerMetrics
 from omnistage.server.responses import Usage
 
@@ -129,7 +129,7 @@ class Responder:
         self, endpoint: str, fmt: Format, outputs: AsyncGenerator[RequestOutput, None], first: RequestOutput
     ) -> AsyncGenerator[str, None]:
         """The SSE body: opening chunk, deltas (text, and audio when spoken), the finishing chunk, usage if
-        asked, then [DONE].
+        asked, then the format's end (`[DONE]`).
 
         The chunks of one output go out as one string: each yield is a send through every middleware and a
         socket write. `pending` holds those not yet yielded, so a failure sends them before its error.
@@ -159,13 +159,13 @@ class Responder:
             pending += fmt.closing(completion.finish_reason)
             if fmt.include_usage:
                 pending.append(fmt.usage_chunk(usage_of(last, spoken=spoken is not None)))
-            body, pending = "".join([*pending, DONE]), []
+            body, pending = "".join([*pending, fmt.done]), []
             yield body
             status = 200
         except Exception as exc:  # after the 200 went out, a failure can only be told in the stream
             failure, kind = failure_of(exc, fmt.id)
             status = kind.status
-            yield "".join([*pending, sse(error_body(str(failure), kind)), DONE])
+            yield "".join([*pending, sse(error_body(str(failure), kind)), fmt.done])
         finally:
             if spoken is not None:
                 spoken.release()

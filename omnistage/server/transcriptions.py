@@ -27,7 +27,7 @@ from omnistage.pipeline.base import Frontend
 from omnistage.request import GenerationRequest, SamplingParams
 from omnistage.server import subtitles
 from omnistage.server.errors import InvalidField
-from omnistage.server.formats import sse
+from omnistage.server.formats import DONE, sse
 from omnistage.server.logprobs import LazyTokenTexts, TokenTexts, top_logprob
 from omnistage.server.responses import Usage
 from omnistage.server.streaming import Responder
@@ -71,6 +71,7 @@ class TranscriptionFormat:
     """
 
     include_usage = True  # the usage rides on the done event
+    done = DONE
 
     def __init__(
         self,
