@@ -70,17 +70,19 @@ def _load_and_serve(
             media=media,
             voice_aliases=config.voice_aliases,
             answers=answers,
+            playground=args.playground,
         )
+        url = f"http://{args.host}:{listener.getsockname()[1]}"
         logging.getLogger("omnistage.serve").info(
-            "serving '%s' at http://%s:%d/v1 (API key %s, max queue %s, max %d connections, header timeout "
-            "%g s)\n  %s",
+            "serving '%s' at %s/v1 (API key %s, max queue %s, max %d connections, header timeout %g s)\n  "
+            "%s\n  %s",
             name,
-            args.host,
-            listener.getsockname()[1],
+            url,
             "required" if args.api_key else "off",
             args.max_queue if args.max_queue is not None else "unbounded",
             args.max_connections,
             args.header_timeout,
+            f"the playground: {url}/" if args.playground else "the playground: off (--no-playground)",
             pipeline.memory_summary(),
         )
         http_config = uvicorn.Config(
