@@ -161,13 +161,15 @@ def prompt_tokens(server: ServerProcess, model: str, messages: list[dict]) -> in
     return reply.json()["usage"]["prompt_tokens"]
 
 
-def test_image_attachment_is_sent_and_answered(open_page, server, tiny_checkpoint, shots):
+def test_image_and_audio_attachments_are_sent_and_answered(open_page, server, tiny_checkpoint, shots):
     p = open_page().ready()
     page = p.page
     png = io.BytesIO()
     Image.new("RGB", (64, 48), (200, 40, 40)).save(png, "PNG")
     page.set_input_files("#chat-file", {"name": "red.png", "mimeType": "image/png", "buffer": png.getvalue()})
     page.wait_for_selector("#attachments li:has-text('red.png')")
+    page.set_input_files("#chat-file", str(SPEECH))
+    page.wait_for_selector("#attachments li:has-text('speech_en.wav')")
     page.fill("#chat-max-tokens", "6")
     page.fill("#chat-input", "What is in the picture?")
     with page.expect_response("**/v1/chat/completions") as answered:
@@ -179,13 +181,36 @@ def test_image_attachment_is_sent_and_answered(open_page, server, tiny_checkpoin
     assert (
         parts[0]["image_url"]["url"] == "data:image/png;base64," + base64.b64encode(png.getvalue()).decode()
     )
-    assert parts[1] == {"type": "text", "text": "What is in the picture?"}
+    clip = parts[1]["audio_url"]["url"]
+    assert clip.startswith("data:audio/") and base64.b64decode(clip.split(",", 1)[1]) == SPEECH.read_bytes()
+    assert parts[2] == {"type": "text", "text": "What is in the picture?"}
     usage = [e["usage"] for e in sse_data(answered.value.text()) if e.get("usage")]
-    text_alone = prompt_tokens(server, tiny_checkpoint.name, [{"role": "user", "content": parts[1:]}])
-    assert usage[-1]["prompt_tokens"] > text_alone  # the picture's tokens are in the prompt
-    assert page.inner_text("#chat-log li.user .meta") == "image: red.png"
+    text_alone = prompt_tokens(server, tiny_checkpoint.name, [{"role": "user", "content": parts[2:]}])
+    assert usage[-1]["prompt_tokens"] > text_alone  # the picture's and the clip's tokens are in the prompt
+    assert usage[-1]["prompt_tokens_details"]["audio_tokens"] > 0
+    assert page.inner_text("#chat-log li.user .meta") == "image: red.png, audio: speech_en.wav"
     page.screenshot(path=shots / "image.png", full_page=True)
     assert p.errors == []
+
+
+def test_the_servers_error_is_shown(open_page, shots):
+    p = open_page().ready()
+    page = p.page
+    page.set_input_files(
+        "#chat-file", {"name": "broken.png", "mimeType": "image/png", "buffer": b"not a png"}
+    )
+    page.wait_for_selector("#attachments li:has-text('broken.png')")
+    page.fill("#chat-input", "And this?")
+    with page.expect_response("**/v1/chat/completions") as answered:
+        page.click("#chat-send")
+    page.wait_for_selector("#chat-error:not(:empty)")
+    message = answered.value.json()["error"]["message"]
+    assert answered.value.status == 400 and message.startswith("messages[0].content[0]")
+    assert page.inner_text("#chat-error") == f"400: {message}"
+    assert page.evaluate("window.playground.chat.history") == []  # the failed turn is not sent again
+    page.screenshot(path=shots / "error.png", full_page=True)
+    # Chromium reports the 400 on the console; nothing else may be there
+    assert [e for e in p.errors if "status of 400" not in e] == []
 
 
 def test_spoken_answer_is_played(open_page, shots):
