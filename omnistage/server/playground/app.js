@@ -61,7 +61,13 @@ class Page {
   }
 
   async loadVoices() {
-    const listing = await json("/v1/audio/voices");
+    let listing;
+    try {
+      listing = await json("/v1/audio/voices");
+    } catch (err) {
+      $("speak-error").textContent = err.message;
+      listing = { voices: [], aliases: {} };
+    }
     this.speakers = listing.voices;
     for (const select of document.querySelectorAll(".voice-select")) {
       const options = listing.voices.map((v) => new Option(v, v));
