@@ -17,6 +17,7 @@ import pytest
 from PIL import Image
 
 from omnistage.bench.server_process import ServerProcess
+from omnistage.bench.videos import encode, frames
 from omnistage.engine.memory.gauges import Gauge
 from omnistage.pipeline.base import Frontend
 from omnistage.server.metrics import ServerMetrics
@@ -190,6 +191,31 @@ def test_image_and_audio_attachments_are_sent_and_answered(open_page, server, ti
     assert usage[-1]["prompt_tokens_details"]["audio_tokens"] > 0
     assert page.inner_text("#chat-log li.user .meta") == "image: red.png, audio: speech_en.wav"
     page.screenshot(path=shots / "image.png", full_page=True)
+    assert p.errors == []
+
+
+def test_a_video_with_its_sound(open_page, server, tiny_checkpoint):
+    p = open_page().ready()
+    page = p.page
+    clip = encode(frames(20, 64, 48), fps=10, kind="mp4")  # 2 s with a tone
+    page.set_input_files("#chat-file", {"name": "clip.mp4", "mimeType": "video/mp4", "buffer": clip})
+    page.wait_for_selector("#attachments li:has-text('clip.mp4')")
+    page.check("#use-audio-in-video")
+    page.fill("#chat-max-tokens", "4")
+    page.fill("#chat-input", "What happens?")
+    with page.expect_response("**/v1/chat/completions") as answered:
+        page.click("#chat-send")
+    page.wait_for_function("window.playground.chat.history.length === 2")
+    body = answered.value.request.post_data_json
+    assert body["use_audio_in_video"] is True
+    part = body["messages"][0]["content"][0]
+    assert part == {
+        "type": "video_url",
+        "video_url": {"url": "data:video/mp4;base64," + base64.b64encode(clip).decode()},
+    }
+    heard = [e["usage"] for e in sse_data(answered.value.text()) if e.get("usage")][-1]
+    silent = prompt_tokens(server, tiny_checkpoint.name, body["messages"])
+    assert heard["prompt_tokens"] > silent + 20  # the sound track's tokens: 2 s of audio
     assert p.errors == []
 
 
