@@ -269,15 +269,25 @@ def test_spoken_answer_is_played(open_page, shots):
     assert p.errors == []
 
 
-def test_transcribe_a_wav(open_page, shots):
+def test_transcribe_a_dropped_wav(open_page, shots):
     p = open_page().ready()
     page = p.page
     page.click("#tab-audio")
+    dropped = page.evaluate_handle(
+        """(b64) => {
+            const bytes = Uint8Array.from(atob(b64), (c) => c.charCodeAt(0));
+            const files = new DataTransfer();
+            files.items.add(new File([bytes], "speech_en.wav", { type: "audio/wav" }));
+            return files;
+        }""",
+        base64.b64encode(SPEECH.read_bytes()).decode(),
+    )
     with page.expect_response("**/v1/audio/transcriptions") as answered:
-        page.set_input_files("#transcribe-file", str(SPEECH))
+        page.dispatch_event("#drop", "drop", {"dataTransfer": dropped})
     page.wait_for_selector("#transcript[data-done=true]", state="attached")
     done = [e for e in sse_data(answered.value.text()) if e["type"] == "transcript.text.done"]
-    assert page.inner_text("#transcript") == done[0]["text"].strip()
+    assert done[0]["text"] and page.inner_text("#transcript") == done[0]["text"].strip()
+    assert answered.value.request.headers["content-type"].startswith("multipart/form-data")
     page.screenshot(path=shots / "transcribe.png", full_page=True)
     assert p.errors == []
 
