@@ -9,7 +9,7 @@ import base64
 import io
 import json
 import re
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import httpx
@@ -48,12 +48,17 @@ class Page:
     """A fresh browser context on the playground, with the console's errors and the page's exceptions."""
 
     def __init__(
-        self, browser, server: ServerProcess, key: str | None, metrics: str | None, **context
+        self,
+        browser,
+        server: ServerProcess,
+        key: str | None,
+        metrics: Callable[[], str] | None,
+        **context,
     ) -> None:
         self.context = browser.new_context(**context)
-        if metrics is not None:  # /metrics answered with this text instead of the server's
+        if metrics is not None:  # /metrics answered with these texts instead of the server's
             self.context.route(
-                "**/metrics", lambda route: route.fulfill(content_type="text/plain", body=metrics)
+                "**/metrics", lambda route: route.fulfill(content_type="text/plain", body=metrics())
             )
         if key is not None:  # the key a person gave earlier in this tab
             self.context.add_init_script(f"sessionStorage.setItem('omnistage-api-key', {json.dumps(key)})")
@@ -87,7 +92,9 @@ class Page:
 def open_page(browser, server) -> Iterator:
     pages: list[Page] = []
 
-    def open_(path: str = "/", key: str | None = API_KEY, metrics: str | None = None, **context) -> Page:
+    def open_(
+        path: str = "/", key: str | None = API_KEY, metrics: Callable[[], str] | None = None, **context
+    ) -> Page:
         pages.append(Page(browser, server, key, metrics, **context).open(path))
         return pages[-1]
 
@@ -311,8 +318,9 @@ def test_speak_text(open_page, shots):
     assert p.errors == []
 
 
-def synthetic_metrics() -> str:
-    """/metrics of a one-GPU server, its plan's gauges rendered by the server's own code."""
+def synthetic_metrics() -> Callable[[], str]:
+    """/metrics of a one-GPU server, rendered by the server's own code: its plan's gauges, and one more
+    request of 0.5 s ended at each reading."""
     plan = [
         ("total", "", 80),
         ("weights", "thinker", 60),
@@ -330,7 +338,12 @@ def synthetic_metrics() -> str:
     frontend = Frontend(Path("/models/m"), 4096, None, None, plan_gauges=gauges)  # type: ignore[arg-type]
     metrics = ServerMetrics()
     metrics.set_plan(frontend)
-    return metrics.render({"kv_pages_total": 1000, "kv_pages_used": 250, "kv_pages_free": 750}).decode()
+
+    def reading() -> str:
+        metrics.e2e.observe(0.5)
+        return metrics.render({"kv_pages_total": 1000, "kv_pages_used": 250, "kv_pages_free": 750}).decode()
+
+    return reading
 
 
 def test_memory_plan_renders(open_page, shots):
@@ -356,6 +369,9 @@ def test_memory_plan_renders(open_page, shots):
     assert page.inner_text("#memory-plan figcaption") == "cuda:0: 80.0 GiB (thinker, talker)"
     assert "KV pages 8.0 GiB" in page.inner_text("#memory-plan .legend")
     assert page.inner_text("#kv-now") == "250 of 1000"
+    # the latency chart: the mean of the requests that ended between two readings
+    page.wait_for_selector("#latency-chart[data-points='1']", state="attached")
+    assert page.inner_text("#latency-now") == "500 ms, mean of the last 1"
     page.screenshot(path=shots / "server-plan.png", full_page=True)
     assert g.errors == []
 
