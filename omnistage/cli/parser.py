@@ -31,6 +31,7 @@ Serve the OpenAI-compatible HTTP API:
   GET  /v1/models/{model}        one model's card
   GET  /health                   200 once the engine is ready
   GET  /metrics                  Prometheus metrics (requests, latencies, KV pages)
+  GET  /, /playground            the playground: a page to try the model in a browser (--no-playground)
 
 The checkpoint's family (Qwen3-Omni, or Qwen3-ASR: transcription only) is read from its config.json.
 With --ray, replicas of this server run on Ray Serve behind one endpoint (pip install 'omnistage[ray]').
@@ -190,6 +191,12 @@ def build_parser() -> argparse.ArgumentParser:
         default=1000,
         help="most Responses API responses kept at once, each with its input (media included); the oldest "
         "go first (default: %(default)s)",
+    )
+    serve.add_argument(
+        "--no-playground",
+        dest="playground",
+        action="store_false",
+        help="do not serve the playground page at / and /playground (default: served)",
     )
     serve.add_argument(
         "--log-level",

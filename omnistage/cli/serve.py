@@ -65,6 +65,7 @@ def server_options(args: argparse.Namespace, config: EngineConfig) -> ServerOpti
         max_spoken_answers=args.max_spoken_answers,
         responses_retention_s=args.responses_retention_s,
         max_stored_responses=args.max_stored_responses,
+        playground=args.playground,
         engine_process=args.engine_process,
     )
 
@@ -79,16 +80,17 @@ def _load_and_serve(
 
     pipeline, app = load_server(config, options)
     try:
+        url = f"http://{args.host}:{listener.getsockname()[1]}"
         logging.getLogger("omnistage.serve").info(
-            "serving '%s' at http://%s:%d/v1 (API key %s, max queue %s, max %d connections, header timeout "
-            "%g s)\n  %s",
+            "serving '%s' at %s/v1 (API key %s, max queue %s, max %d connections, header timeout %g s)\n  "
+            "%s\n  %s",
             options.served_model_name,
-            args.host,
-            listener.getsockname()[1],
+            url,
             "required" if args.api_key else "off",
             args.max_queue if args.max_queue is not None else "unbounded",
             args.max_connections,
             args.header_timeout,
+            f"the playground: {url}/" if args.playground else "the playground: off (--no-playground)",
             pipeline.memory_summary(),
         )
         http_config = uvicorn.Config(

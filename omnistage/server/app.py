@@ -23,6 +23,7 @@ from omnistage.server.errors import install_error_handlers
 from omnistage.server.gate import DEFAULT_MAX_BODY_BYTES, CatchAll, Gate, RequestIds
 from omnistage.server.json_route import JSONRoute
 from omnistage.server.metrics import ServerMetrics
+from omnistage.server.playground import add_playground
 from omnistage.server.responses import ModelCard, ModelList
 from omnistage.server.spoken_answers import DEFAULT_MAX_ANSWERS, DEFAULT_RETENTION_S, SpokenAnswers
 from omnistage.server.streaming import Responder
@@ -51,13 +52,15 @@ def build_app(
     voice_aliases: Mapping[str, str] | None = None,
     answers: SpokenAnswers | None = None,
     responses: responses_api.ResponseStore | None = None,
+    playground: bool = True,
 ) -> FastAPI:
     """The FastAPI app serving `pipeline` under `served_model_name`; /v1/* needs `api_key` when one is given.
 
     `media` says where attachments may come from (default: inline data only); `voice_aliases` names speakers
     beyond the default table (voices.py: raises ConfigError for a speaker the checkpoint lacks); `answers`
     keeps spoken answers for later turns (default: an hour, 10,000 of them), `responses` the Responses API's
-    responses for `previous_response_id` (default: an hour, 1,000 of them).
+    responses for `previous_response_id` (default: an hour, 1,000 of them); `playground` serves the page at /
+    and /playground (playground.py).
     """
     media = media or MediaPolicy()
     frontend = pipeline.frontend
@@ -122,6 +125,8 @@ def build_app(
     app.include_router(v1)
     app.add_api_route("/health", info.health, methods=["GET"])
     app.add_api_route("/metrics", info.metrics_text, methods=["GET"])
+    if playground:
+        add_playground(app)
     return app
 
 

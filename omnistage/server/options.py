@@ -30,6 +30,7 @@ class ServerOptions:
     responses_retention_s: int = DEFAULT_RETENTION_S
     max_stored_responses: int = DEFAULT_MAX_RESPONSES
     engine_process: bool = False
+    playground: bool = True  # the page at / and /playground
 
 
 def load_server(config: EngineConfig, options: ServerOptions) -> tuple[AsyncPipeline, FastAPI]:
@@ -53,6 +54,7 @@ def load_server(config: EngineConfig, options: ServerOptions) -> tuple[AsyncPipe
             voice_aliases=config.voice_aliases,
             answers=SpokenAnswers(options.spoken_answers_retention_s, options.max_spoken_answers),
             responses=ResponseStore(options.responses_retention_s, options.max_stored_responses),
+            playground=options.playground,
         )
     except BaseException:
         pipeline.shutdown()

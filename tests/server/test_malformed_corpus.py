@@ -216,13 +216,16 @@ def transcription(
 
 ROUTES = [
     *[Case(f"unknown {m} {p:.60}", p, method=m, status=(404,)) for m, p in [
-        ("GET", "/"), ("GET", "/v1"), ("POST", "/v1/chat"), ("POST", "/v1/chat/completion"),
+        ("GET", "/v1"), ("POST", "/v1/chat"), ("POST", "/v1/chat/completion"),
         ("POST", "/v2/chat/completions"), ("POST", "/v1/embeddings"), ("POST", "/v1/images/generations"),
         ("POST", "/v1/responses"),
         ("GET", "/healthz"), ("GET", "/metrics/x"), ("GET", "/v1/%2e%2e/health"),
         ("POST", "/v1/chat/completions%00"), ("GET", "/x" + "a" * 8000), ("GET", "/v1/models/"),
         ("GET", "/v1/models/nope"), ("GET", "/v1/models/tiny/extra"), ("GET", "/v1/models/%F0%9F%98%80"),
         ("GET", "/v1/models/%ff%fe"), ("GET", "/v1/models/%ED%A0%80"), ("GET", "/v1/models/tiny%00"),
+        ("GET", "/playground/nope.js"), ("GET", "/playground/index.html"),
+        ("GET", "/playground/app.js/x"), ("GET", "/playground/%2e%2e/metrics"),
+        ("GET", "/playground/app.js%00"), ("GET", "/index.html"),
     ]],
     *[Case(f"{m} {p}", p, method=m, status=(405,)) for m, p in [
         ("GET", CHAT), ("PUT", CHAT), ("DELETE", CHAT), ("PATCH", CHAT), ("OPTIONS", CHAT),
@@ -230,6 +233,7 @@ ROUTES = [
         ("GET", "/v1/audio/speech"), ("PUT", "/v1/audio/speech"), ("GET", "/v1/audio/translations"),
         ("POST", "/v1/models"), ("DELETE", "/v1/models"), ("PUT", f"/v1/models/{MODEL}"),
         ("DELETE", f"/v1/models/{MODEL}"), ("POST", "/health"), ("DELETE", "/health"), ("POST", "/metrics"),
+        ("POST", "/"), ("PUT", "/playground"), ("POST", "/playground/app.js"),
     ]],
 ]
 
@@ -555,6 +559,9 @@ AUTH = [
     ]],
     Case("a wrong key and a broken body", content=b"{", headers={"Authorization": "Bearer x"}, auth=False,
          status=(401,)),
+    # the playground's page is public: the calls it makes carry the key
+    *[Case(f"{p} without a key", p, method="GET", auth=False, status=(200,))
+      for p in ["/", "/playground", "/playground/app.js", "/playground/style.css"]],
 ]
 
 # Without a key or a media directory: what the defaults refuse, and what they let through.
