@@ -138,6 +138,14 @@ def build_parser() -> argparse.ArgumentParser:
         help="most spoken answers kept at once; the oldest go first (default: %(default)s)",
     )
     serve.add_argument(
+        "--reasoning-parser",
+        default="auto",
+        choices=["auto", "none", "qwen3"],
+        help="split a reply's <think> block into reasoning_content (as vLLM's --reasoning-parser); auto: "
+        "qwen3 for a Qwen3-Omni checkpoint without a Talker (Thinking, Captioner), none otherwise (default: "
+        "%(default)s)",
+    )
+    serve.add_argument(
         "--log-level",
         default="info",
         choices=["debug", "info", "warning", "error"],

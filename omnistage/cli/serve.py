@@ -70,6 +70,7 @@ def _load_and_serve(
             media=media,
             voice_aliases=config.voice_aliases,
             answers=answers,
+            reasoning_parser=args.reasoning_parser,
         )
         logging.getLogger("omnistage.serve").info(
             "serving '%s' at http://%s:%d/v1 (API key %s, max queue %s, max %d connections, header timeout "

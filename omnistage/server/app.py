@@ -23,6 +23,7 @@ from omnistage.server.errors import install_error_handlers
 from omnistage.server.gate import DEFAULT_MAX_BODY_BYTES, CatchAll, Gate, RequestIds
 from omnistage.server.json_route import JSONRoute
 from omnistage.server.metrics import ServerMetrics
+from omnistage.server.reasoning import AUTO, chosen_parser
 from omnistage.server.responses import ModelCard, ModelList
 from omnistage.server.spoken_answers import DEFAULT_MAX_ANSWERS, DEFAULT_RETENTION_S, SpokenAnswers
 from omnistage.server.streaming import Responder
@@ -41,18 +42,22 @@ def build_app(
     media: MediaPolicy | None = None,
     voice_aliases: Mapping[str, str] | None = None,
     answers: SpokenAnswers | None = None,
+    reasoning_parser: str = AUTO,
 ) -> FastAPI:
     """The FastAPI app serving `pipeline` under `served_model_name`; /v1/* needs `api_key` when one is given.
 
     `media` says where attachments may come from (default: inline data only); `voice_aliases` names speakers
     beyond the default table (voices.py: raises ConfigError for a speaker the checkpoint lacks); `answers`
-    keeps spoken answers for later turns (default: an hour, 10,000 of them).
+    keeps spoken answers for later turns (default: an hour, 10,000 of them); `reasoning_parser` splits a
+    chat reply's think block into `reasoning_content` (reasoning.py: `auto` chooses by the checkpoint).
     """
     media = media or MediaPolicy()
     frontend = pipeline.frontend
     voices = Voices.of(frontend.voices, voice_aliases)
     answers = answers if answers is not None else SpokenAnswers(DEFAULT_RETENTION_S, DEFAULT_MAX_ANSWERS)
-    serving = chat.ChatServing(voices, answers, system_fingerprint(served_model_name, frontend.model_path))
+    fingerprint = system_fingerprint(served_model_name, frontend.model_path)
+    parser = chosen_parser(reasoning_parser, frontend.model_path)
+    serving = chat.ChatServing(voices, answers, fingerprint, parser)
     metrics = ServerMetrics()
     metrics.set_plan(frontend)
 

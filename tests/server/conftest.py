@@ -5,10 +5,11 @@ from __future__ import annotations
 import asyncio
 import re
 import time
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import Any
 
 import httpx
 import numpy as np
@@ -114,7 +115,11 @@ class FakeProcessor:
     max_attachments = 3
 
     def encode_chat(
-        self, messages: list[dict], add_generation_prompt: bool = True, max_model_len: int | None = None
+        self,
+        messages: list[dict],
+        add_generation_prompt: bool = True,
+        max_model_len: int | None = None,
+        template_kwargs: Mapping[str, Any] | None = None,
     ) -> tuple[str, list[int]]:
         prompt = "\n".join(m["content"] if isinstance(m["content"], str) else "" for m in messages)
         if "boom" in prompt:
@@ -139,6 +144,7 @@ class FakeProcessor:
         add_generation_prompt: bool = True,
         max_model_len: int | None = None,
         use_audio_in_video: bool = False,
+        template_kwargs: Mapping[str, Any] | None = None,
     ) -> FakeProcessedPrompt:
         lines, media = [], []
         for message in messages:
