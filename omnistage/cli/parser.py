@@ -34,6 +34,8 @@ Engine settings come from --config's `engine:` section, then the flags below."""
 
 
 def _make_tiny(args: argparse.Namespace) -> None:
+    if args.family == "qwen3-asr" and args.variant != "instruct":
+        raise SystemExit("make-tiny: --variant is for --family qwen3-omni")
     if args.family == "qwen3-asr":
         from omnistage.models.qwen3_asr.tiny import make_tiny as make_asr
 
@@ -44,8 +46,8 @@ def _make_tiny(args: argparse.Namespace) -> None:
         raise SystemExit("make-tiny: --layout hf is for --family qwen3-asr")
     from omnistage.models.qwen3_omni.tiny import make_tiny
 
-    path = make_tiny(args.directory, seed=args.seed)
-    print(f"wrote a tiny random Qwen3-Omni checkpoint to {path}")
+    path = make_tiny(args.directory, seed=args.seed, variant=args.variant)
+    print(f"wrote a tiny random Qwen3-Omni-{args.variant} checkpoint to {path}")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -66,6 +68,13 @@ def build_parser() -> argparse.ArgumentParser:
         choices=("qwen3-omni", "qwen3-asr"),
         default="qwen3-omni",
         help="model family (default: qwen3-omni)",
+    )
+    tiny.add_argument(
+        "--variant",
+        choices=("instruct", "thinking", "captioner"),
+        default="instruct",
+        help="which released Qwen3-Omni checkpoint: thinking and captioner are the Thinker alone, text out "
+        "(default: instruct)",
     )
     tiny.add_argument(
         "--layout",
