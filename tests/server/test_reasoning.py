@@ -5,8 +5,6 @@ reply the parser splits."""
 
 from __future__ import annotations
 
-import shutil
-
 import openai
 import pytest
 from fastapi.testclient import TestClient
@@ -71,23 +69,9 @@ def test_chat_template_kwargs_may_not_replace_the_messages(fake_pipeline):
     assert error.value.body["param"] == "chat_template_kwargs"
 
 
-# A Thinking-style generation prompt: the block opened for the reply, or closed empty without thinking.
-THINKING_TAIL = (
-    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}"
-    "{%- if enable_thinking is defined and enable_thinking is false %}{{- '<think>\\n\\n</think>\\n\\n' }}"
-    "{%- else %}{{- '<think>\\n' }}{%- endif %}{%- endif %}"
-    "{{- note | default('') }}"
-)
-
-
 @pytest.fixture(scope="module")
-def thinking_processor(tiny_checkpoint, tmp_path_factory) -> Processor:
-    directory = tmp_path_factory.mktemp("thinking-template")
-    shutil.copy(tiny_checkpoint / "tokenizer.json", directory)
-    template = (tiny_checkpoint / "chat_template.jinja").read_text()
-    head = template[: template.index("{%- if add_generation_prompt")]
-    (directory / "chat_template.jinja").write_text(head + THINKING_TAIL)
-    return Processor(directory)
+def thinking_processor(thinking_template_checkpoint) -> Processor:
+    return Processor(thinking_template_checkpoint)
 
 
 def test_chat_template_kwargs_reach_the_template(thinking_processor):

@@ -82,3 +82,30 @@ def test_the_captioner_captions_a_clip(tiny_captioner_checkpoint):
         )
         assert reply.usage.completion_tokens == 6
         assert reply.usage.prompt_tokens_details.audio_tokens > 0
+
+
+@pytest.fixture(scope="module")
+def opened(thinking_template_checkpoint) -> Iterator[tuple[AsyncPipeline, openai.OpenAI]]:
+    yield from serve(thinking_template_checkpoint)
+
+
+def test_a_reply_begun_inside_the_think_block_is_reasoning(opened):
+    """The template opens the block, so the model's tokens (the parser on by default: no Talker) are
+    reasoning until it closes it, streamed and whole alike; with thinking turned off they are the answer."""
+    _, client = opened
+    messages = [{"role": "user", "content": "Hi"}]
+    fields = {"model": MODEL, "messages": messages, "max_tokens": 5, "temperature": 0}
+    whole = client.chat.completions.create(**fields).choices[0].message
+    assert whole.content == "" and whole.model_extra["reasoning_content"], whole
+    streamed = [
+        (chunk.choices[0].delta.model_extra or {}).get("reasoning_content") or ""
+        for chunk in client.chat.completions.create(**fields, stream=True)
+        if chunk.choices
+    ]
+    assert "".join(streamed) == whole.model_extra["reasoning_content"]
+    off = client.chat.completions.create(
+        **fields, extra_body={"chat_template_kwargs": {"enable_thinking": False}}
+    )
+    assert off.choices[0].message.content and "reasoning_content" not in (
+        off.choices[0].message.model_extra or {}
+    )
