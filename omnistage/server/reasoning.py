@@ -27,15 +27,16 @@ class Split:
 
 def chosen_parser(choice: str, model_path: Path) -> str | None:
     """The parser a server runs: the one chosen, or with `auto` qwen3 for a Qwen3-Omni checkpoint without a
-    Talker (`enable_audio_output` false: the Thinking and Captioner ones; a reply that opens no think block,
-    as the Captioner's, is all content) and none otherwise."""
+    Talker (`enable_audio_output` false, or no `talker_config`: the Thinking and Captioner ones; a reply that
+    opens no think block, as the Captioner's, is all content) and none otherwise."""
     if choice != AUTO:
         return None if choice == NONE else choice
     try:
         config = json.loads((model_path / "config.json").read_text())
     except (OSError, ValueError):
         return None
-    thinker_only = config.get("model_type") == "qwen3_omni_moe" and config.get("enable_audio_output") is False
+    speaks = config.get("enable_audio_output", config.get("talker_config") is not None)
+    thinker_only = config.get("model_type") == "qwen3_omni_moe" and speaks is False
     return "qwen3" if thinker_only else None
 
 

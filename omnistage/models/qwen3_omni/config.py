@@ -236,7 +236,9 @@ class Qwen3OmniConfig:
     def from_dict(cls, data: dict) -> Qwen3OmniConfig:
         r = ConfigReader.of_model(data, "qwen3_omni_moe")
         thinker = ThinkerConfig.read(r.child("thinker_config"))
-        enable_audio_output = r.get("enable_audio_output", bool, True)
+        # The released Thinking checkpoint's config.json has no talker_config: without one there is no Talker
+        # to build, whatever enable_audio_output says by its absence.
+        enable_audio_output = r.get("enable_audio_output", bool, data.get("talker_config") is not None)
         if not enable_audio_output:
             r = ConfigReader.of_model(_speech_sections_filled(data), "qwen3_omni_moe")
         talker = TalkerConfig.read(r.child("talker_config"))

@@ -100,7 +100,9 @@ def test_a_checkpoint_without_a_talker_may_leave_its_sections_out():
         config.thinker.text.num_hidden_layers
         == thinking["thinker_config"]["text_config"]["num_hidden_layers"]
     )
+    del thinking["enable_audio_output"]  # the released Thinking config.json: no talker_config, nor the flag
+    assert not Qwen3OmniConfig.from_dict(thinking).enable_audio_output
     instruct = variant_config("instruct")
     del instruct["talker_config"]
     with pytest.raises(ConfigError, match="talker_config: missing"):
-        Qwen3OmniConfig.from_dict(instruct)
+        Qwen3OmniConfig.from_dict(instruct | {"enable_audio_output": True})

@@ -59,4 +59,6 @@ def test_auto_runs_the_parser_for_checkpoints_without_a_talker(tmp_path):
     assert chosen_parser("none", tmp_path) is None
     (tmp_path / "config.json").write_text(json.dumps(config | {"enable_audio_output": True}))
     assert chosen_parser("auto", tmp_path) is None
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "qwen3_omni_moe"}))  # no talker_config
+    assert chosen_parser("auto", tmp_path) == "qwen3"
     assert chosen_parser("qwen3", tmp_path) == "qwen3"
