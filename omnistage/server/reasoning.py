@@ -15,7 +15,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 OPEN, CLOSE = "<think>", "</think>"
-PARSERS = ("qwen3",)
 AUTO, NONE = "auto", "none"
 
 
