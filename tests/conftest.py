@@ -24,3 +24,15 @@ def pytest_collection_modifyitems(config, items):
 def tiny_checkpoint(tmp_path_factory):
     """One tiny random Qwen3-Omni checkpoint (seed 0) shared by the whole test session; treat it as read-only."""
     return make_tiny(tmp_path_factory.mktemp("tiny-qwen3-omni"))
+
+
+@pytest.fixture(scope="session")
+def tiny_thinking_checkpoint(tmp_path_factory):
+    """A tiny Qwen3-Omni-Thinking checkpoint (seed 0): the Thinker alone; treat it as read-only."""
+    return make_tiny(tmp_path_factory.mktemp("tiny-qwen3-omni-thinking"), variant="thinking")
+
+
+@pytest.fixture(scope="session")
+def tiny_captioner_checkpoint(tmp_path_factory):
+    """A tiny Qwen3-Omni-Captioner checkpoint (seed 0): the Thinker alone; treat it as read-only."""
+    return make_tiny(tmp_path_factory.mktemp("tiny-qwen3-omni-captioner"), variant="captioner")

@@ -39,6 +39,8 @@ Engine settings come from --config's `engine:` section, then the flags below."""
 
 
 def _make_tiny(args: argparse.Namespace) -> None:
+    if args.family == "qwen3-asr" and args.variant != "instruct":
+        raise SystemExit("make-tiny: --variant is for --family qwen3-omni")
     if args.family == "qwen3-asr":
         from omnistage.models.qwen3_asr.tiny import make_tiny as make_asr
 
@@ -49,8 +51,8 @@ def _make_tiny(args: argparse.Namespace) -> None:
         raise SystemExit("make-tiny: --layout hf is for --family qwen3-asr")
     from omnistage.models.qwen3_omni.tiny import make_tiny
 
-    path = make_tiny(args.directory, seed=args.seed)
-    print(f"wrote a tiny random Qwen3-Omni checkpoint to {path}")
+    path = make_tiny(args.directory, seed=args.seed, variant=args.variant)
+    print(f"wrote a tiny random Qwen3-Omni-{args.variant} checkpoint to {path}")
 
 
 def add_ray_flags(serve: argparse.ArgumentParser) -> None:
@@ -107,6 +109,13 @@ def build_parser() -> argparse.ArgumentParser:
         choices=("qwen3-omni", "qwen3-asr"),
         default="qwen3-omni",
         help="model family (default: qwen3-omni)",
+    )
+    tiny.add_argument(
+        "--variant",
+        choices=("instruct", "thinking", "captioner"),
+        default="instruct",
+        help="which released Qwen3-Omni checkpoint: thinking and captioner are the Thinker alone, text out "
+        "(default: instruct)",
     )
     tiny.add_argument(
         "--layout",
@@ -197,6 +206,14 @@ def build_parser() -> argparse.ArgumentParser:
         dest="playground",
         action="store_false",
         help="do not serve the playground page at / and /playground (default: served)",
+    )
+    serve.add_argument(
+        "--reasoning-parser",
+        default="auto",
+        choices=["auto", "none", "qwen3"],
+        help="split a reply's <think> block into reasoning_content (as vLLM's --reasoning-parser); auto: "
+        "qwen3 for a Qwen3-Omni checkpoint without a Talker (Thinking, Captioner), none otherwise (default: "
+        "%(default)s)",
     )
     serve.add_argument(
         "--log-level",

@@ -38,7 +38,8 @@ class PromptProcessor(Protocol):
     """What the server asks of a family's processor: the prompt of a raw text, of a chat (its media decoded by
     `omnistage.media`) or of a clip to transcribe, and the transcript in the model's reply. With
     `max_model_len`, text that cannot fit the context is refused before it is tokenized; `use_audio_in_video`
-    interleaves each video's sound track with its frames. `tokenizer` spells the tokens of logprobs."""
+    interleaves each video's sound track with its frames; `template_kwargs` are the request's
+    `chat_template_kwargs`, more variables for the chat template. `tokenizer` spells the tokens of logprobs."""
 
     @property
     def tokenizer(self) -> Tokenizer: ...
@@ -50,6 +51,7 @@ class PromptProcessor(Protocol):
         messages: list[dict[str, Any]],
         add_generation_prompt: bool = True,
         max_model_len: int | None = None,
+        template_kwargs: Mapping[str, Any] | None = None,
         /,
     ) -> tuple[str, list[int]]: ...
 
@@ -59,6 +61,7 @@ class PromptProcessor(Protocol):
         add_generation_prompt: bool = True,
         max_model_len: int | None = None,
         use_audio_in_video: bool = False,
+        template_kwargs: Mapping[str, Any] | None = None,
         /,
     ) -> ProcessedPrompt: ...
 

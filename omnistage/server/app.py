@@ -24,6 +24,7 @@ from omnistage.server.gate import DEFAULT_MAX_BODY_BYTES, CatchAll, Gate, Reques
 from omnistage.server.json_route import JSONRoute
 from omnistage.server.metrics import ServerMetrics
 from omnistage.server.playground import add_playground
+from omnistage.server.reasoning import AUTO, chosen_parser
 from omnistage.server.responses import ModelCard, ModelList
 from omnistage.server.spoken_answers import DEFAULT_MAX_ANSWERS, DEFAULT_RETENTION_S, SpokenAnswers
 from omnistage.server.streaming import Responder
@@ -53,6 +54,7 @@ def build_app(
     answers: SpokenAnswers | None = None,
     responses: responses_api.ResponseStore | None = None,
     playground: bool = True,
+    reasoning_parser: str = AUTO,
 ) -> FastAPI:
     """The FastAPI app serving `pipeline` under `served_model_name`; /v1/* needs `api_key` when one is given.
 
@@ -60,7 +62,8 @@ def build_app(
     beyond the default table (voices.py: raises ConfigError for a speaker the checkpoint lacks); `answers`
     keeps spoken answers for later turns (default: an hour, 10,000 of them), `responses` the Responses API's
     responses for `previous_response_id` (default: an hour, 1,000 of them); `playground` serves the page at /
-    and /playground (playground.py).
+    and /playground (playground.py); `reasoning_parser` splits a chat reply's think block into
+    `reasoning_content` (reasoning.py: `auto` chooses by the checkpoint).
     """
     media = media or MediaPolicy()
     frontend = pipeline.frontend
@@ -70,7 +73,9 @@ def build_app(
         responses = responses_api.ResponseStore(
             responses_api.DEFAULT_RETENTION_S, responses_api.DEFAULT_MAX_RESPONSES
         )
-    serving = chat.ChatServing(voices, answers, system_fingerprint(served_model_name, frontend.model_path))
+    fingerprint = system_fingerprint(served_model_name, frontend.model_path)
+    parser = chosen_parser(reasoning_parser, frontend.model_path)
+    serving = chat.ChatServing(voices, answers, fingerprint, parser)
     metrics = ServerMetrics()
     metrics.set_plan(frontend)
 

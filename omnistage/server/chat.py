@@ -16,9 +16,10 @@ from omnistage.media import MediaPolicy, decode_messages
 from omnistage.pipeline.base import Frontend
 from omnistage.request import GenerationRequest, SamplingParams, SpeechParams, StructuredOutput
 from omnistage.server.errors import InvalidField
-from omnistage.server.formats import ChatFormat
+from omnistage.server.formats import ChatFormat, ReasoningChatFormat
 from omnistage.server.logprobs import LazyTokenTexts
 from omnistage.server.protocol.chat import ChatCompletionRequest
+from omnistage.server.reasoning import opens_thinking
 from omnistage.server.speech import (
     CHAT_FORMATS,
     CHAT_STREAM_FORMATS,
@@ -37,11 +38,13 @@ PATH = "/v1/chat/completions"
 @dataclass(frozen=True)
 class ChatServing:
     """What chat reads beside the Frontend: the voices by name, the spoken answers a later turn may refer
-    to, and the responses' `system_fingerprint`."""
+    to, the responses' `system_fingerprint`, and the reasoning parser that splits a Thinking model's think
+    block into `reasoning_content` (reasoning.py; None: the reply is all content)."""
 
     voices: Voices
     answers: SpokenAnswers
     fingerprint: str
+    reasoning_parser: str | None = None
 
 
 class ChatEndpoint:
@@ -67,15 +70,20 @@ class ChatEndpoint:
             raise InvalidField(
                 "logprobs", "a spoken reply carries no logprobs; ask for them with a text reply"
             )
+        if self.serving.reasoning_parser is not None and params.logprobs is not None:
+            raise InvalidField("logprobs", "logprobs of a reasoning model's reply are not supported yet")
         params.structured = body.structured_output()
         transcripts = earlier_answers(body, self.serving.answers)
         name, fingerprint = self.responder.served_model_name, self.serving.fingerprint
         texts = self.texts.get() if params.logprobs is not None else None
         fmt: ChatFormat = ChatFormat(request_id, name, body.include_usage, fingerprint, texts)
+        new = await asyncio.to_thread(self._request, body, transcripts, request_id, params, speech)
         if speech is not None and body.audio is not None:
             answers, audio_format = self.serving.answers, body.audio.format
             fmt = SpokenChatFormat(request_id, name, body.include_usage, audio_format, answers, fingerprint)
-        new = await asyncio.to_thread(self._request, body, transcripts, request_id, params, speech)
+        elif self.serving.reasoning_parser is not None:
+            inside = opens_thinking(new.prompt or "")
+            fmt = ReasoningChatFormat(request_id, name, body.include_usage, fingerprint, inside)
         fmt.prompt_audio_tokens = sum(getattr(new.mm, "num_audio_tokens", None) or ())
         return fmt, new
 
@@ -93,14 +101,15 @@ class ChatEndpoint:
             check_constraint(params.structured)
         messages, add_generation_prompt = body.message_dicts(transcripts), body.add_generation_prompt
         processor, context = self.frontend.processor, self.frontend.max_model_len
+        template_kwargs = body.chat_template_kwargs or {}
         try:
             if not body.has_media():
-                prompt, ids = processor.encode_chat(messages, add_generation_prompt, context)
+                prompt, ids = processor.encode_chat(messages, add_generation_prompt, context, template_kwargs)
                 return GenerationRequest(request_id, ids, params, prompt, speech=speech)
             video = body.video_options()
             decoded = decode_messages(messages, self.media, video)
             laid_out = processor.process_chat(
-                decoded, add_generation_prompt, context, video.use_audio_in_video
+                decoded, add_generation_prompt, context, video.use_audio_in_video, template_kwargs
             )
         except jinja2.TemplateError as exc:
             raise InvalidField("messages", f"the chat template rejected them ({exc})") from None

@@ -13,6 +13,7 @@ from fastapi.responses import Response
 
 from omnistage.outputs import TokenLogprobs
 from omnistage.server.logprobs import CompletionLogprobsWriter, TokenTexts, chat_logprobs
+from omnistage.server.reasoning import StreamSplitter, split
 from omnistage.server.responses import (
     AssistantMessage,
     ChatChoice,
@@ -156,6 +157,49 @@ class ChatFormat:
             choices=[ChatChoice(message=message, logprobs=given, finish_reason=finish_reason)],
             usage=usage.with_prompt_audio(self.prompt_audio_tokens),
         ).model_dump()
+
+
+class ReasoningChatFormat(ChatFormat):
+    """Chat's chunks and response for a reply that reasons first: its think block goes to
+    `reasoning_content`, the answer after it to `content` (reasoning.py). `inside`: the prompt left the reply
+    inside the block."""
+
+    def __init__(
+        self,
+        request_id: str,
+        model: str,
+        include_usage: bool,
+        fingerprint: str | None,
+        inside: bool,
+    ) -> None:
+        super().__init__(request_id, model, include_usage, fingerprint)
+        self.inside = inside
+        self._splitter = StreamSplitter(inside)
+        self._reasoning_chunk = _text_chunks(
+            lambda text: self._chunk([ChatChunkChoice(delta=ChatDelta(reasoning_content=text))])
+        )
+
+    def delta(
+        self, text: str, finish_reason: str | None, logprobs: Sequence[TokenLogprobs] = ()
+    ) -> list[str]:
+        """`logprobs`: none, as chat refuses them beside a reasoning parser (chat.py)."""
+        parts = [self._splitter.feed(text)]
+        if finish_reason is not None:
+            parts.append(self._splitter.finish())
+        chunks = []
+        for part in parts:
+            if part.reasoning:
+                chunks.append(self._reasoning_chunk(part.reasoning))
+            if part.content:
+                chunks.append(self._text_chunk(part.content))
+        return chunks
+
+    def response(
+        self, text: str, finish_reason: str, usage: Usage, logprobs: Sequence[TokenLogprobs] | None = None
+    ) -> dict[str, Any]:
+        reply = split(text, self.inside)
+        message = AssistantMessage(content=reply.content, reasoning_content=reply.reasoning or None)
+        return self.whole(message, finish_reason, usage)
 
 
 class CompletionFormat:

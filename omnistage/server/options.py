@@ -12,6 +12,7 @@ from omnistage.media import MediaPolicy
 from omnistage.pipeline.async_pipeline import AsyncPipeline
 from omnistage.server.app import build_app
 from omnistage.server.gate import DEFAULT_MAX_BODY_BYTES
+from omnistage.server.reasoning import AUTO
 from omnistage.server.responses_api import DEFAULT_MAX_RESPONSES, ResponseStore
 from omnistage.server.spoken_answers import DEFAULT_MAX_ANSWERS, DEFAULT_RETENTION_S, SpokenAnswers
 
@@ -31,6 +32,7 @@ class ServerOptions:
     max_stored_responses: int = DEFAULT_MAX_RESPONSES
     engine_process: bool = False
     playground: bool = True  # the page at / and /playground
+    reasoning_parser: str = AUTO  # server/reasoning.py
 
 
 def load_server(config: EngineConfig, options: ServerOptions) -> tuple[AsyncPipeline, FastAPI]:
@@ -55,6 +57,7 @@ def load_server(config: EngineConfig, options: ServerOptions) -> tuple[AsyncPipe
             answers=SpokenAnswers(options.spoken_answers_retention_s, options.max_spoken_answers),
             responses=ResponseStore(options.responses_retention_s, options.max_stored_responses),
             playground=options.playground,
+            reasoning_parser=options.reasoning_parser,
         )
     except BaseException:
         pipeline.shutdown()

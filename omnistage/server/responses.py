@@ -76,11 +76,12 @@ class AssistantAudio(BaseModel):
 class AssistantMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
     content: str | None  # None when the reply is spoken: its text is the audio's transcript (as OpenAI)
+    reasoning_content: str | None = None  # a Thinking model's <think> block, as vLLM returns it
     audio: AssistantAudio | None = None
 
     @model_serializer(mode="wrap")
     def _serialize(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
-        return _drop_if_none(handler(self), "audio")
+        return _drop_if_none(_drop_if_none(handler(self), "audio"), "reasoning_content")
 
 
 class TopLogprob(BaseModel):
@@ -130,6 +131,7 @@ class DeltaAudio(BaseModel):
 class ChatDelta(BaseModel):
     role: Literal["assistant"] | None = None
     content: str | None = None
+    reasoning_content: str | None = None
     audio: DeltaAudio | None = None
 
 

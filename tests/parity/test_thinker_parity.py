@@ -36,12 +36,14 @@ def variant_config() -> dict:
     return config
 
 
-@pytest.fixture(scope="module", params=["tiny", "variant"])
+@pytest.fixture(scope="module", params=["tiny", "thinking", "variant"])
 def models(request, tmp_path_factory):
     from transformers import Qwen3OmniMoeForConditionalGeneration
 
     if request.param == "tiny":
         directory = request.getfixturevalue("tiny_checkpoint")  # the session's shared one (conftest)
+    elif request.param == "thinking":  # the Thinking checkpoint: the Thinker alone, no talker.* tensors
+        directory = request.getfixturevalue("tiny_thinking_checkpoint")
     else:
         directory = write_weights(tmp_path_factory.mktemp("variant") / "ckpt", variant_config(), seed=1)
     ours = load_thinker(directory, LoadOptions(torch.float32, "cpu"), TorchReferenceBackend())

@@ -14,6 +14,14 @@ def test_transformers_loads_it_with_no_missing_or_unexpected_keys(tiny_checkpoin
     assert model.config.thinker_config.audio_token_id == 151675
 
 
+def test_transformers_loads_the_thinking_checkpoint_without_a_talker(tiny_thinking_checkpoint):
+    model, info = Qwen3OmniMoeForConditionalGeneration.from_pretrained(
+        tiny_thinking_checkpoint, dtype=torch.float32, output_loading_info=True
+    )
+    assert not info["missing_keys"] and not info["unexpected_keys"] and not info["mismatched_keys"]
+    assert not model.has_talker and not hasattr(model, "talker")
+
+
 def test_tokenizer_speaks_the_real_qwen_vocabulary(tiny_checkpoint):
     tok = AutoTokenizer.from_pretrained(tiny_checkpoint)
     assert tok.encode("<|im_start|>user") == [151644, 872]

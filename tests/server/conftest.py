@@ -5,10 +5,11 @@ from __future__ import annotations
 import asyncio
 import re
 import time
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import Any
 
 import httpx
 import numpy as np
@@ -71,6 +72,29 @@ def launch_server(tmp_path_factory, tiny_checkpoint):
     return launch
 
 
+# A Thinking-style generation prompt: the think block opened for the reply, or closed empty when the request's
+# chat_template_kwargs turn thinking off; `note` renders a template variable as it is given.
+THINKING_TAIL = (
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}"
+    "{%- if enable_thinking is defined and enable_thinking is false %}{{- '<think>\\n\\n</think>\\n\\n' }}"
+    "{%- else %}{{- '<think>\\n' }}{%- endif %}{%- endif %}"
+    "{{- note | default('') }}"
+)
+
+
+@pytest.fixture(scope="session")
+def thinking_template_checkpoint(tiny_thinking_checkpoint, tmp_path_factory) -> Path:
+    """The tiny Thinking checkpoint (its files linked) with a template that opens the think block."""
+    directory = tmp_path_factory.mktemp("thinking-template")
+    for path in tiny_thinking_checkpoint.iterdir():
+        (directory / path.name).symlink_to(path)
+    (directory / "chat_template.jinja").unlink()
+    template = (tiny_thinking_checkpoint / "chat_template.jinja").read_text()
+    head = template[: template.index("{%- if add_generation_prompt")]
+    (directory / "chat_template.jinja").write_text(head + THINKING_TAIL)
+    return directory
+
+
 @pytest.fixture(scope="module")
 def model(tiny_checkpoint) -> str:
     """The served name: the checkpoint directory's name by default."""
@@ -118,7 +142,11 @@ class FakeProcessor:
     max_attachments = 3
 
     def encode_chat(
-        self, messages: list[dict], add_generation_prompt: bool = True, max_model_len: int | None = None
+        self,
+        messages: list[dict],
+        add_generation_prompt: bool = True,
+        max_model_len: int | None = None,
+        template_kwargs: Mapping[str, Any] | None = None,
     ) -> tuple[str, list[int]]:
         prompt = "\n".join(m["content"] if isinstance(m["content"], str) else "" for m in messages)
         if "boom" in prompt:
@@ -150,6 +178,7 @@ class FakeProcessor:
         add_generation_prompt: bool = True,
         max_model_len: int | None = None,
         use_audio_in_video: bool = False,
+        template_kwargs: Mapping[str, Any] | None = None,
     ) -> FakeProcessedPrompt:
         lines, media = [], []
         for message in messages:

@@ -45,7 +45,9 @@ class TtsPrompt:
 
 
 class SpeakingProcessor:
-    def encode_chat(self, messages: list[dict], add_generation_prompt: bool, max_model_len: int):
+    def encode_chat(
+        self, messages: list[dict], add_generation_prompt: bool, max_model_len: int, template_kwargs: dict
+    ):
         prompt = "\n".join(m["content"] for m in messages)
         return prompt, [ord(c) for c in prompt]
 

@@ -7,8 +7,9 @@ the context, its one audio part the clip.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from pathlib import Path
-from typing import NoReturn
+from typing import Any, NoReturn
 
 import numpy as np
 import torch
@@ -82,9 +83,11 @@ class ASRProcessor:
         add_generation_prompt: bool = True,
         max_model_len: int | None = None,
         use_audio_in_video: bool = False,
+        template_kwargs: Mapping[str, Any] | None = None,
     ) -> ProcessedPrompt:
         """A chat of decoded parts as a transcription: the system turns' text is the context, and the user turns
-        must hold exactly one audio part (their text is not read: the model takes no instruction). Its reply is
+        must hold exactly one audio part (their text is not read: the model takes no instruction; its prompt
+        has no chat template, so `template_kwargs` change nothing). Its reply is
         capped by the clip's length, as the clip's transcription is, unless the request gives max_tokens."""
         context, clips = [], []
         for message in messages:
@@ -107,7 +110,11 @@ class ASRProcessor:
         return self.transcription(clip, None, "\n".join(context), max_model_len)
 
     def encode_chat(
-        self, messages: list[dict], add_generation_prompt: bool = True, max_model_len: int | None = None
+        self,
+        messages: list[dict],
+        add_generation_prompt: bool = True,
+        max_model_len: int | None = None,
+        template_kwargs: Mapping[str, Any] | None = None,
     ) -> NoReturn:
         raise InvalidRequest("this model transcribes audio: a chat to it needs one audio part")
 

@@ -6,11 +6,15 @@ the reason, instead of deep inside a forward pass.
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
+from importlib import resources
 from pathlib import Path
 
 from omnistage.errors import ConfigError
 from omnistage.models.config_reader import ConfigReader, DecoderConfig, Size, read_config_json
+
+RELEASED_INSTRUCT = "qwen3_omni_30b_a3b_instruct.config.json"  # package data, omnistage/data/
 
 
 @dataclass(frozen=True)
@@ -232,8 +236,13 @@ class Qwen3OmniConfig:
     def from_dict(cls, data: dict) -> Qwen3OmniConfig:
         r = ConfigReader.of_model(data, "qwen3_omni_moe")
         thinker = ThinkerConfig.read(r.child("thinker_config"))
+        # The released Thinking checkpoint's config.json has no talker_config: without one there is no Talker
+        # to build, whatever enable_audio_output says by its absence.
+        enable_audio_output = r.get("enable_audio_output", bool, data.get("talker_config") is not None)
+        if not enable_audio_output:
+            r = ConfigReader.of_model(_speech_sections_filled(data), "qwen3_omni_moe")
         talker = TalkerConfig.read(r.child("talker_config"))
-        if not 0 <= talker.accept_hidden_layer <= thinker.text.num_hidden_layers:
+        if enable_audio_output and not 0 <= talker.accept_hidden_layer <= thinker.text.num_hidden_layers:
             raise ConfigError(
                 f"talker_config.accept_hidden_layer: {talker.accept_hidden_layer} is outside the thinker's "
                 f"{thinker.text.num_hidden_layers} layers"
@@ -243,10 +252,22 @@ class Qwen3OmniConfig:
             thinker=thinker,
             talker=talker,
             code2wav=Code2WavConfig.read(r.child("code2wav_config")),
-            enable_audio_output=r.get("enable_audio_output", bool, True),
+            enable_audio_output=enable_audio_output,
             raw=data,
         )
 
     @classmethod
     def from_dir(cls, directory: str | Path) -> Qwen3OmniConfig:
         return cls.from_dict(read_config_json(directory))
+
+
+def _speech_sections_filled(data: dict) -> dict:
+    """`data` of a checkpoint without a Talker, a missing `talker_config` or `code2wav_config` filled in from
+    the released Instruct config: transformers fills them with defaults too, and nothing reads them where no
+    Talker is built, but the config stays one shape for the code that takes it."""
+    released = json.loads((resources.files("omnistage") / "data" / RELEASED_INSTRUCT).read_text())
+    filled = dict(data)
+    for name in ("talker_config", "code2wav_config"):
+        if filled.get(name) is None:
+            filled[name] = released[name]
+    return filled

@@ -13,9 +13,10 @@ from __future__ import annotations
 
 import re
 import secrets
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -96,7 +97,15 @@ class Processor:
         self._thinker = None
         self._formats: MediaFormats | None = None
 
-    def render_chat(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
+    def render_chat(
+        self,
+        messages: list[dict],
+        add_generation_prompt: bool = True,
+        template_kwargs: Mapping[str, Any] | None = None,
+    ) -> str:
+        """The template's text for `messages`; `template_kwargs` are more variables for the template (vLLM's
+        `chat_template_kwargs`, such as `enable_thinking`), passed on as transformers passes them: a key the
+        template does not read changes nothing, and none stands in for the messages themselves."""
         if not messages:
             raise InvalidRequest("messages: at least one message is required")
         for i, message in enumerate(messages):
@@ -107,7 +116,8 @@ class Processor:
                 raise InvalidRequest(f"messages[{i}].content: missing")
             if not isinstance(content, str | list):
                 raise InvalidRequest(f"messages[{i}].content: must be a string or a list of content parts")
-        return self._template.render(messages=messages, add_generation_prompt=add_generation_prompt)
+        variables = {**(template_kwargs or {}), "messages": messages}
+        return self._template.render(variables, add_generation_prompt=add_generation_prompt)
 
     def encode(self, text: str, max_model_len: int | None = None) -> list[int]:
         """Token ids of a raw prompt, in which control-token literals are control tokens (the model's own
@@ -117,11 +127,15 @@ class Processor:
         return self._encode([text], [], max_model_len)
 
     def encode_chat(
-        self, messages: list[dict], add_generation_prompt: bool = True, max_model_len: int | None = None
+        self,
+        messages: list[dict],
+        add_generation_prompt: bool = True,
+        max_model_len: int | None = None,
+        template_kwargs: Mapping[str, Any] | None = None,
     ) -> tuple[str, list[int]]:
         """The rendered chat and its token ids, the messages' text tokenized as plain text.
 
-        A control-token literal typed in a message is replaced by a sentinel before rendering and spelled
+        A control-token literal typed in a message (or in a string of `template_kwargs`) is replaced by a sentinel before rendering and spelled
         as ordinary text where the sentinel lands; the rest is encoded piecewise as usual. Text without
         such literals (nearly all) is encoded as the rendered whole, exactly as transformers encodes it.
         """
@@ -135,7 +149,8 @@ class Processor:
         control = self._control
         if control is not None:
             messages = [_map_text(m, lambda text: control.sub(hide, text)) for m in messages]
-        rendered = self.render_chat(messages, add_generation_prompt)
+            template_kwargs = _map_strings(template_kwargs or {}, lambda text: control.sub(hide, text))
+        rendered = self.render_chat(messages, add_generation_prompt, template_kwargs)
         if not typed:
             return rendered, self.encode(rendered, max_model_len)
         sentinel = re.escape(_SENTINEL.format(nonce=nonce, index="@")).replace("@", "(\\d+)")
@@ -175,6 +190,7 @@ class Processor:
         add_generation_prompt: bool = True,
         max_model_len: int | None = None,
         use_audio_in_video: bool = False,
+        template_kwargs: Mapping[str, Any] | None = None,
     ) -> ProcessedPrompt:
         """Render, featurise the decoded media parts, expand their placeholders, tokenize, place (M-RoPE).
 
@@ -191,7 +207,7 @@ class Processor:
                 raise InvalidMedia(
                     f"too many {kind} attachments: {len(parts.of(kind))} (the limit is {limit})"
                 )
-        prompt, ids = self.encode_chat(messages, add_generation_prompt, max_model_len)
+        prompt, ids = self.encode_chat(messages, add_generation_prompt, max_model_len, template_kwargs)
         cfg = self._config()
         check_placeholders(ids, parts, cfg)
         if not parts.items:
@@ -316,3 +332,14 @@ def _map_text(message: dict, change: Callable[[str], str]) -> dict:
         ]
         return {**message, "content": parts}
     return message
+
+
+def _map_strings(value: Any, change: Callable[[str], str]) -> Any:
+    """`value` (a template variable: JSON data) with `change` applied to every string in it."""
+    if isinstance(value, str):
+        return change(value)
+    if isinstance(value, Mapping):
+        return {key: _map_strings(item, change) for key, item in value.items()}
+    if isinstance(value, list):
+        return [_map_strings(item, change) for item in value]
+    return value

@@ -16,6 +16,7 @@ import torch
 from safetensors import safe_open
 
 from omnistage.models import tiny_checkpoint as tiny
+from omnistage.models.qwen3_omni.chat_templates import VARIANTS, chat_template
 from omnistage.models.qwen3_omni.tokenizer import write_tokenizer_files
 from omnistage.models.qwen3_omni.video_processing import VIDEO_CONFIG, released_video_config
 
@@ -116,14 +117,27 @@ def write_weights(directory: str | Path, config: dict, seed: int) -> Path:
     return tiny.write_checkpoint(directory, config, tiny.random_weights(checkpoint_layout(config), seed))
 
 
-def make_tiny(directory: str | Path, seed: int = 0) -> Path:
-    """Write a tiny random Qwen3-Omni checkpoint to `directory`; the same seed writes the same bytes."""
-    directory = write_weights(directory, tiny_config(), seed)
+def variant_config(variant: str = "instruct") -> dict:
+    """The tiny config of a released variant. The Thinking and Captioner checkpoints are the Thinker alone:
+    `enable_audio_output` false, which is also what keeps transformers from building (and us from loading or
+    planning) a Talker and Code2Wav, so their checkpoints hold no `talker.*` or `code2wav.*` tensors."""
+    if variant not in VARIANTS:
+        raise ValueError(f"unknown Qwen3-Omni variant {variant!r}; one of {', '.join(VARIANTS)}")
+    config = tiny_config()
+    if variant != "instruct":
+        config["enable_audio_output"] = False
+    return config
+
+
+def make_tiny(directory: str | Path, seed: int = 0, variant: str = "instruct") -> Path:
+    """Write a tiny random Qwen3-Omni checkpoint of `variant` (instruct, thinking, captioner) to `directory`;
+    the same seed writes the same bytes."""
+    directory = write_weights(directory, variant_config(variant), seed)
     generation = {"do_sample": False, "eos_token_id": [151645, 151643], "pad_token_id": 151643}
     tiny.write_json(directory, "generation_config.json", generation)
     tiny.write_json(directory, "preprocessor_config.json", PREPROCESSOR_CONFIG)
     tiny.write_json(directory, VIDEO_CONFIG, released_video_config())
-    write_tokenizer_files(directory)
+    write_tokenizer_files(directory, chat_template(variant))
     return directory
 
 

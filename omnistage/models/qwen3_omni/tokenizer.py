@@ -61,8 +61,7 @@ def build_tokenizer() -> Tokenizer:
     return qwen_tokenizer.build_tokenizer(SPECIAL_TOKENS, NOT_SPECIAL)
 
 
-def write_tokenizer_files(directory: Path) -> None:
-    """Write tokenizer.json, tokenizer_config.json and chat_template.jinja as a released checkpoint has them."""
-    qwen_tokenizer.write_tokenizer(
-        directory, dict(sorted(SPECIAL_TOKENS.items())), NOT_SPECIAL, CHAT_TEMPLATE
-    )
+def write_tokenizer_files(directory: Path, template: str = CHAT_TEMPLATE) -> None:
+    """Write tokenizer.json, tokenizer_config.json and chat_template.jinja (`template`) as a released
+    checkpoint has them."""
+    qwen_tokenizer.write_tokenizer(directory, dict(sorted(SPECIAL_TOKENS.items())), NOT_SPECIAL, template)

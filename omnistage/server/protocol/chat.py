@@ -169,6 +169,8 @@ class ChatCompletionRequest(SamplingRequest):
     video_fps: PositiveFloat | None = None
     video_max_frames: PositiveInt | None = None
     mm_processor_kwargs: MultimodalProcessorKwargs | None = None
+    # vLLM's: more variables for the chat template (`enable_thinking`); a key it does not read changes nothing.
+    chat_template_kwargs: dict[str, Any] | None = None
     web_search_options: Annotated[dict[str, Any] | None, unless(never, "web search is not supported")] = None
     moderation: Annotated[dict[str, Any] | None, unless(never, "moderation is not supported")] = None
 
@@ -201,6 +203,14 @@ class ChatCompletionRequest(SamplingRequest):
     def structured_output(self) -> StructuredOutput | None:
         """The constraint of `response_format`, if it sets one."""
         return self.response_format.structured() if self.response_format is not None else None
+
+    @field_validator("chat_template_kwargs")
+    @classmethod
+    def _template_options(cls, value: dict[str, Any] | None) -> dict[str, Any] | None:
+        for name in ("messages", "add_generation_prompt"):
+            if value is not None and name in value:
+                raise ValueError(f"{name!r} is the request's own field, not a template option")
+        return value
 
     def asks_for_audio(self) -> bool:
         return self.audio is not None or "audio" in (self.modalities or ())

@@ -4,7 +4,7 @@ import pytest
 
 from omnistage.errors import ConfigError
 from omnistage.models.qwen3_omni.config import Qwen3OmniConfig
-from omnistage.models.qwen3_omni.tiny import released_config
+from omnistage.models.qwen3_omni.tiny import released_config, variant_config
 
 
 def test_released_config_reads_the_released_sizes():
@@ -89,3 +89,20 @@ def test_from_dir_errors(tmp_path):
         Qwen3OmniConfig.from_dir(tmp_path)
     (tmp_path / "config.json").write_text(json.dumps(released_config()))
     assert Qwen3OmniConfig.from_dir(tmp_path).thinker.text.vocab_size == 152064
+
+
+def test_a_checkpoint_without_a_talker_may_leave_its_sections_out():
+    thinking = variant_config("thinking")
+    del thinking["talker_config"], thinking["code2wav_config"]
+    config = Qwen3OmniConfig.from_dict(thinking)
+    assert not config.enable_audio_output
+    assert (
+        config.thinker.text.num_hidden_layers
+        == thinking["thinker_config"]["text_config"]["num_hidden_layers"]
+    )
+    del thinking["enable_audio_output"]  # the released Thinking config.json: no talker_config, nor the flag
+    assert not Qwen3OmniConfig.from_dict(thinking).enable_audio_output
+    instruct = variant_config("instruct")
+    del instruct["talker_config"]
+    with pytest.raises(ConfigError, match="talker_config: missing"):
+        Qwen3OmniConfig.from_dict(instruct | {"enable_audio_output": True})

@@ -5,6 +5,7 @@ from pathlib import Path
 
 from safetensors import safe_open
 
+from omnistage.cli import main
 from omnistage.models.qwen3_omni import tiny
 from omnistage.models.qwen3_omni.config import Qwen3OmniConfig
 from omnistage.models.qwen3_omni.tiny import make_tiny
@@ -69,3 +70,13 @@ def test_default_checkpoint_is_made_once_in_the_cache(tmp_path, monkeypatch):
     assert (first / "model.safetensors").exists() and (first / "tokenizer.json").exists()
     assert len(made) == 1
     assert [p.name for p in tmp_path.iterdir()] == [first.name]
+
+
+def test_make_tiny_variant_thinking_writes_the_thinker_alone(tmp_path, tiny_thinking_checkpoint):
+    main(["make-tiny", str(tmp_path / "thinking"), "--variant", "thinking"])
+    assert _digest(tmp_path / "thinking") == _digest(tiny_thinking_checkpoint)
+    config = json.loads((tmp_path / "thinking" / "config.json").read_text())
+    assert config["enable_audio_output"] is False
+    assert not Qwen3OmniConfig.from_dir(tmp_path / "thinking").enable_audio_output
+    with safe_open(str(tmp_path / "thinking" / "model.safetensors"), "pt") as f:
+        assert f.keys() and all(name.startswith("thinker.") for name in f.keys())
