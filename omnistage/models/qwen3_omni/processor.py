@@ -16,13 +16,14 @@ import secrets
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
-from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Encoding, Tokenizer, decoders, normalizers
 
 from omnistage.errors import CheckpointError, InvalidMedia, InvalidRequest, RequestTooLarge
+from omnistage.models.chat_template import compile_template
 from omnistage.models.layers.rotary import PromptPositions
 from omnistage.models.multimodal import MultimodalInputs
 from omnistage.models.qwen3_omni.audio_features import SAMPLE_RATE
@@ -39,7 +40,7 @@ from omnistage.models.qwen3_omni.prompt_media import (
 from omnistage.models.qwen3_omni.transcription import max_transcription_tokens, transcription_messages
 from omnistage.models.qwen3_omni.video_processing import VideoProcessorConfig
 
-_ROLES = {"system", "user", "assistant"}
+_ROLES = {"system", "user", "assistant", "tool"}
 # Private-use characters around a per-render nonce: what the template renders where a message typed a
 # control-token literal. Text cannot forge one without guessing the nonce.
 _SENTINEL = "\ue000{nonce}{index}\ue001"
@@ -77,8 +78,8 @@ class Processor:
             raise CheckpointError(
                 f"{directory}: cannot read the tokenizer or chat template ({exc})"
             ) from None
-        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
-        self._template = env.from_string(template)
+        self._template, reads = compile_template(template)
+        self.renders_tools = "tools" in reads  # a template without tools would drop them unseen
         # The same tokenizer reading control-token literals as ordinary text, to spell typed ones with.
         self._plain = Tokenizer.from_str(self.tokenizer.to_str())
         self._plain.encode_special_tokens = True
@@ -92,18 +93,26 @@ class Processor:
         self._thinker = None
         self._formats: MediaFormats | None = None
 
-    def render_chat(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
+    def render_chat(
+        self, messages: list[dict], add_generation_prompt: bool = True, tools: list[dict] | None = None
+    ) -> str:
+        """The chat as the template lays it out; `tools` are OpenAI's tool definitions (`{"type": "function",
+        "function": {...}}`), which a released Qwen template writes into the system turn."""
         if not messages:
             raise InvalidRequest("messages: at least one message is required")
         for i, message in enumerate(messages):
             if not isinstance(message, dict) or message.get("role") not in _ROLES:
                 raise InvalidRequest(f"messages[{i}].role: must be one of {sorted(_ROLES)}")
             content = message.get("content")
+            if content is None and message.get("tool_calls"):
+                continue
             if content is None:
                 raise InvalidRequest(f"messages[{i}].content: missing")
             if not isinstance(content, str | list):
                 raise InvalidRequest(f"messages[{i}].content: must be a string or a list of content parts")
-        return self._template.render(messages=messages, add_generation_prompt=add_generation_prompt)
+        return self._template.render(
+            messages=messages, tools=tools, add_generation_prompt=add_generation_prompt
+        )
 
     def encode(self, text: str, max_model_len: int | None = None) -> list[int]:
         """Token ids of a raw prompt, in which control-token literals are control tokens (the model's own
@@ -113,7 +122,11 @@ class Processor:
         return self._encode([text], [], max_model_len)
 
     def encode_chat(
-        self, messages: list[dict], add_generation_prompt: bool = True, max_model_len: int | None = None
+        self,
+        messages: list[dict],
+        add_generation_prompt: bool = True,
+        max_model_len: int | None = None,
+        tools: list[dict] | None = None,
     ) -> tuple[str, list[int]]:
         """The rendered chat and its token ids, the messages' text tokenized as plain text.
 
@@ -131,7 +144,8 @@ class Processor:
         control = self._control
         if control is not None:
             messages = [_map_text(m, lambda text: control.sub(hide, text)) for m in messages]
-        rendered = self.render_chat(messages, add_generation_prompt)
+            tools = _map_strings(tools, lambda text: control.sub(hide, text))
+        rendered = self.render_chat(messages, add_generation_prompt, tools)
         if not typed:
             return rendered, self.encode(rendered, max_model_len)
         sentinel = re.escape(_SENTINEL.format(nonce=nonce, index="@")).replace("@", "(\\d+)")
@@ -162,6 +176,7 @@ class Processor:
         add_generation_prompt: bool = True,
         max_model_len: int | None = None,
         use_audio_in_video: bool = False,
+        tools: list[dict] | None = None,
     ) -> ProcessedPrompt:
         """Render, featurise the decoded media parts, expand their placeholders, tokenize, place (M-RoPE).
 
@@ -178,7 +193,7 @@ class Processor:
                 raise InvalidMedia(
                     f"too many {kind} attachments: {len(parts.of(kind))} (the limit is {limit})"
                 )
-        prompt, ids = self.encode_chat(messages, add_generation_prompt, max_model_len)
+        prompt, ids = self.encode_chat(messages, add_generation_prompt, max_model_len, tools)
         cfg = self._config()
         check_placeholders(ids, parts, cfg)
         if not parts.items:
@@ -289,8 +304,22 @@ def _normalized_size(text: str, normalizer: normalizers.Normalizer | None, size:
     return len(normalizer.normalize_str(text).encode())
 
 
+def _map_strings(value: Any, change: Callable[[str], str]) -> Any:
+    """A copy of `value` (JSON-like: tool definitions, a call's arguments) with `change` applied to every string."""
+    if isinstance(value, str):
+        return change(value)
+    if isinstance(value, dict):
+        return {k: _map_strings(v, change) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_map_strings(v, change) for v in value]
+    return value
+
+
 def _map_text(message: dict, change: Callable[[str], str]) -> dict:
-    """A copy of `message` with `change` applied to its text content (a string, or its text parts)."""
+    """A copy of `message` with `change` applied to its text content (a string, or its text parts) and to its
+    tool calls."""
+    if isinstance(message, dict) and message.get("tool_calls"):
+        message = {**message, "tool_calls": _map_strings(message["tool_calls"], change)}
     content = message.get("content") if isinstance(message, dict) else None
     if isinstance(content, str):
         return {**message, "content": change(content)}
