@@ -37,7 +37,10 @@ class PromptProcessor(Protocol):
     """What the server asks of a family's processor: the prompt of a raw text, of a chat (its media decoded by
     `omnistage.media`) or of a clip to transcribe, and the transcript in the model's reply. With
     `max_model_len`, text that cannot fit the context is refused before it is tokenized; `use_audio_in_video`
-    interleaves each video's sound track with its frames."""
+    interleaves each video's sound track with its frames; `tools` (OpenAI's tool definitions) go to the chat
+    template, which renders them where `renders_tools`."""
+
+    renders_tools: bool
 
     def encode(self, text: str, max_model_len: int | None = None, /) -> list[int]: ...
 
@@ -46,6 +49,7 @@ class PromptProcessor(Protocol):
         messages: list[dict[str, Any]],
         add_generation_prompt: bool = True,
         max_model_len: int | None = None,
+        tools: list[dict[str, Any]] | None = None,
         /,
     ) -> tuple[str, list[int]]: ...
 
@@ -55,6 +59,7 @@ class PromptProcessor(Protocol):
         add_generation_prompt: bool = True,
         max_model_len: int | None = None,
         use_audio_in_video: bool = False,
+        tools: list[dict[str, Any]] | None = None,
         /,
     ) -> ProcessedPrompt: ...
 

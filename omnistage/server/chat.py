@@ -16,8 +16,8 @@ from omnistage.media import MediaPolicy, decode_messages
 from omnistage.pipeline.base import Frontend
 from omnistage.request import GenerationRequest, SamplingParams, SpeechParams
 from omnistage.server.errors import InvalidField
-from omnistage.server.formats import ChatFormat
-from omnistage.server.protocol.chat import ChatCompletionRequest
+from omnistage.server.formats import ChatFormat, ToolChatFormat
+from omnistage.server.protocol.chat import ChatCompletionRequest, NamedToolChoice
 from omnistage.server.speech import (
     CHAT_FORMATS,
     SpokenChatFormat,
@@ -27,6 +27,7 @@ from omnistage.server.speech import (
 )
 from omnistage.server.spoken_answers import SpokenAnswers
 from omnistage.server.streaming import Responder
+from omnistage.server.tool_calls import tool_constraint
 from omnistage.server.voices import Voices
 
 PATH = "/v1/chat/completions"
@@ -52,10 +53,18 @@ class ChatEndpoint:
         self.responder.begin(request, body.model)
         speech = chat_speech_params(body, self.serving.voices)
         params = body.sampling_params(body.requested_max_tokens, body.max_tokens_field)
+        calling = tools_in_play(body, self.frontend.processor, speech is not None)
+        if calling:
+            functions = [tool.function.model_dump() for tool in body.tools or ()]
+            choice = body.tool_choice
+            chosen = choice.model_dump() if isinstance(choice, NamedToolChoice) else choice or "auto"
+            params.structured = tool_constraint(functions, chosen, body.parallel_tool_calls is not False)
         transcripts = earlier_answers(body, self.serving.answers)
         request_id, name = f"chatcmpl-{uuid.uuid4().hex}", self.responder.served_model_name
         fingerprint = self.serving.fingerprint
-        fmt: ChatFormat = ChatFormat(request_id, name, body.include_usage, fingerprint)
+        fmt: ChatFormat = (ToolChatFormat if calling else ChatFormat)(
+            request_id, name, body.include_usage, fingerprint
+        )
         if speech is not None and body.audio is not None:
             answers, audio_format = self.serving.answers, body.audio.format
             fmt = SpokenChatFormat(request_id, name, body.include_usage, audio_format, answers, fingerprint)
@@ -74,15 +83,15 @@ class ChatEndpoint:
         """The chat's request, its prompt laid out by the processor. Runs in a worker thread: fetching,
         decoding and tokenizing let go of the GIL for the event loop."""
         messages, add_generation_prompt = body.message_dicts(transcripts), body.add_generation_prompt
-        processor, context = self.frontend.processor, self.frontend.max_model_len
+        processor, context, tools = self.frontend.processor, self.frontend.max_model_len, body.tool_dicts()
         try:
             if not body.has_media():
-                prompt, ids = processor.encode_chat(messages, add_generation_prompt, context)
+                prompt, ids = processor.encode_chat(messages, add_generation_prompt, context, tools)
                 return GenerationRequest(request_id, ids, params, prompt, speech=speech)
             video = body.video_options()
             decoded = decode_messages(messages, self.media, video)
             laid_out = processor.process_chat(
-                decoded, add_generation_prompt, context, video.use_audio_in_video
+                decoded, add_generation_prompt, context, video.use_audio_in_video, tools
             )
         except jinja2.TemplateError as exc:
             raise InvalidField("messages", f"the chat template rejected them ({exc})") from None
@@ -90,6 +99,25 @@ class ChatEndpoint:
             params.max_tokens = laid_out.max_tokens
         ids, mrope, mm = laid_out.token_ids, laid_out.mrope, laid_out.mm
         return GenerationRequest(request_id, ids, params, laid_out.prompt, mrope, mm, speech)
+
+
+def tools_in_play(body: ChatCompletionRequest, processor: object, spoken: bool) -> bool:
+    """Whether the reply may call the request's tools (and is parsed for calls); every refusal names its field.
+
+    Tools reach the model only through a chat template that renders them: with one that does not, they would
+    be dropped unseen, so they are refused."""
+    choice = body.tool_choice
+    if not body.tools:
+        if choice not in (None, "none", "auto"):
+            raise InvalidField("tool_choice", "requires tools: there is nothing to call")
+        return False
+    if not getattr(processor, "renders_tools", False):
+        raise InvalidField("tools", "this checkpoint's chat template does not render tools")
+    if choice == "none":
+        return False
+    if spoken:
+        raise InvalidField("modalities", "a spoken reply cannot call tools; ask for text, or send no tools")
+    return True
 
 
 def earlier_answers(body: ChatCompletionRequest, answers: SpokenAnswers) -> dict[int, str]:

@@ -75,12 +75,13 @@ class AssistantAudio(BaseModel):
 
 class AssistantMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
-    content: str | None  # None when the reply is spoken: its text is the audio's transcript (as OpenAI)
+    content: str | None  # None when the reply is spoken (its text is the audio's transcript) or only calls
     audio: AssistantAudio | None = None
+    tool_calls: list[dict[str, Any]] | None = None  # OpenAI's {"id", "type": "function", "function"}
 
     @model_serializer(mode="wrap")
     def _serialize(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
-        return _drop_if_none(handler(self), "audio")
+        return _drop_if_none(_drop_if_none(handler(self), "audio"), "tool_calls")
 
 
 class ChatChoice(BaseModel):
@@ -114,6 +115,7 @@ class ChatDelta(BaseModel):
     role: Literal["assistant"] | None = None
     content: str | None = None
     audio: DeltaAudio | None = None
+    tool_calls: list[dict[str, Any]] | None = None  # OpenAI's {"index", "id"?, "type"?, "function"}
 
 
 class ChatChunkChoice(BaseModel):

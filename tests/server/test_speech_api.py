@@ -44,7 +44,7 @@ class TtsPrompt:
 
 
 class SpeakingProcessor:
-    def encode_chat(self, messages: list[dict], add_generation_prompt: bool, max_model_len: int):
+    def encode_chat(self, messages: list[dict], add_generation_prompt: bool, max_model_len: int, tools=None):
         prompt = "\n".join(m["content"] for m in messages)
         return prompt, [ord(c) for c in prompt]
 
