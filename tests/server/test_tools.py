@@ -5,9 +5,12 @@ from __future__ import annotations
 
 import json
 
+import litellm
 import openai
 import pytest
 from fastapi.testclient import TestClient
+from langchain_core.messages import HumanMessage, ToolMessage
+from langchain_openai import ChatOpenAI
 
 from omnistage.server import build_app
 from omnistage.server.formats import ToolChatFormat
@@ -111,3 +114,39 @@ def test_a_reply_that_ends_after_calling_finishes_with_tool_calls():
     streamed = ToolChatFormat("chatcmpl-2", MODEL, include_usage=False)
     chunks = streamed.delta(CALLS, "stop") + streamed.closing("stop")
     assert json.loads(chunks[-1].removeprefix("data: "))["choices"][0]["finish_reason"] == "tool_calls"
+
+
+def test_langchain_bind_tools_reads_the_calls(fake_pipeline):
+    llm = ChatOpenAI(
+        model=MODEL,
+        base_url="http://testserver/v1",
+        api_key="none",
+        http_client=TestClient(build_app(fake_pipeline, MODEL)),
+        max_retries=0,
+        max_tokens=500,
+    ).bind_tools([WEATHER])
+    first = llm.invoke([HumanMessage(CALLS)])
+    assert [(c["name"], c["args"]) for c in first.tool_calls] == [
+        ("get_weather", {"city": "Paris"}),
+        ("get_weather", {"city": "Oslo"}),
+    ]
+    answers = [ToolMessage('{"temp": 21}', tool_call_id=c["id"]) for c in first.tool_calls]
+    second = llm.invoke([HumanMessage("Weather?"), first, *answers])
+    assert second.content.endswith('{"temp": 21}')
+    assert second.tool_calls == []
+
+
+def test_litellm_tool_calling(client):
+    reply = litellm.completion(
+        model=f"openai/{MODEL}",
+        messages=[{"role": "user", "content": CALLS}],
+        tools=[WEATHER],
+        max_tokens=500,
+        api_key="none",
+        client=client,
+    )
+    calls = reply.choices[0].message.tool_calls
+    assert [(c.function.name, json.loads(c.function.arguments)) for c in calls] == [
+        ("get_weather", {"city": "Paris"}),
+        ("get_weather", {"city": "Oslo"}),
+    ]
