@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 
-import litellm
 import openai
 import pytest
 from fastapi.testclient import TestClient
@@ -136,7 +135,10 @@ def test_langchain_bind_tools_reads_the_calls(fake_pipeline):
     assert second.tool_calls == []
 
 
-def test_litellm_tool_calling(client):
+def test_litellm_tool_calling(client, monkeypatch):
+    monkeypatch.setenv("LITELLM_LOCAL_MODEL_COST_MAP", "True")  # no fetch of its price list from the network
+    import litellm
+
     reply = litellm.completion(
         model=f"openai/{MODEL}",
         messages=[{"role": "user", "content": CALLS}],
@@ -150,3 +152,43 @@ def test_litellm_tool_calling(client):
         ("get_weather", {"city": "Paris"}),
         ("get_weather", {"city": "Oslo"}),
     ]
+
+
+@pytest.mark.parametrize(
+    ("choice", "parallel", "names", "expect_parallel"),
+    [
+        ("required", None, ["get_weather", "get_time"], True),
+        ("required", False, ["get_weather", "get_time"], False),
+        ({"type": "function", "function": {"name": "get_time"}}, None, ["get_time"], False),
+        ("auto", None, None, None),
+    ],
+)
+def test_the_request_carries_the_constraint_of_its_tool_choice(
+    fake_pipeline, client, monkeypatch, choice, parallel, names, expect_parallel
+):
+    seen = []
+    generate = fake_pipeline.generate
+
+    def recording(request, preparing=None):
+        seen.append(request.params.structured)
+        return generate(request, preparing)
+
+    monkeypatch.setattr(fake_pipeline, "generate", recording)
+    time = {"type": "function", "function": {"name": "get_time"}}
+    extra = {} if parallel is None else {"parallel_tool_calls": parallel}
+    ask_tools = [WEATHER, time]
+    client.chat.completions.create(
+        model=MODEL,
+        messages=[{"role": "user", "content": "hi"}],
+        tools=ask_tools,
+        tool_choice=choice,
+        **extra,
+    )
+    if names is None:
+        assert seen == [None]
+        return
+    (structured,) = seen
+    assert [t.name for t in structured.tools] == names
+    assert structured.parallel_tool_calls is expect_parallel
+    if "get_weather" in names:
+        assert json.loads(structured.tools[0].parameters) == WEATHER["function"]["parameters"]
