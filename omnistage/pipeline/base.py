@@ -39,7 +39,10 @@ class PromptProcessor(Protocol):
     `omnistage.media`) or of a clip to transcribe, and the transcript in the model's reply. With
     `max_model_len`, text that cannot fit the context is refused before it is tokenized; `use_audio_in_video`
     interleaves each video's sound track with its frames; `template_kwargs` are the request's
-    `chat_template_kwargs`, more variables for the chat template. `tokenizer` spells the tokens of logprobs."""
+    `chat_template_kwargs`, more variables for the chat template; `tools` (OpenAI's tool definitions) go to the
+    chat template, which renders them where `renders_tools`. `tokenizer` spells the tokens of logprobs."""
+
+    renders_tools: bool
 
     @property
     def tokenizer(self) -> Tokenizer: ...
@@ -52,6 +55,7 @@ class PromptProcessor(Protocol):
         add_generation_prompt: bool = True,
         max_model_len: int | None = None,
         template_kwargs: Mapping[str, Any] | None = None,
+        tools: list[dict[str, Any]] | None = None,
         /,
     ) -> tuple[str, list[int]]: ...
 
@@ -62,6 +66,7 @@ class PromptProcessor(Protocol):
         max_model_len: int | None = None,
         use_audio_in_video: bool = False,
         template_kwargs: Mapping[str, Any] | None = None,
+        tools: list[dict[str, Any]] | None = None,
         /,
     ) -> ProcessedPrompt: ...
 

@@ -16,9 +16,9 @@ from omnistage.media import MediaPolicy, decode_messages
 from omnistage.pipeline.base import Frontend
 from omnistage.request import GenerationRequest, SamplingParams, SpeechParams, StructuredOutput
 from omnistage.server.errors import InvalidField
-from omnistage.server.formats import ChatFormat, ReasoningChatFormat
+from omnistage.server.formats import ChatFormat, ReasoningChatFormat, ToolChatFormat
 from omnistage.server.logprobs import LazyTokenTexts
-from omnistage.server.protocol.chat import ChatCompletionRequest
+from omnistage.server.protocol.chat import ChatCompletionRequest, NamedToolChoice
 from omnistage.server.reasoning import opens_thinking
 from omnistage.server.speech import (
     CHAT_FORMATS,
@@ -30,6 +30,7 @@ from omnistage.server.speech import (
 )
 from omnistage.server.spoken_answers import SpokenAnswers
 from omnistage.server.streaming import Responder
+from omnistage.server.tool_calls import tool_constraint
 from omnistage.server.voices import Voices
 
 PATH = "/v1/chat/completions"
@@ -73,10 +74,27 @@ class ChatEndpoint:
         if self.serving.reasoning_parser is not None and params.logprobs is not None:
             raise InvalidField("logprobs", "logprobs of a reasoning model's reply are not supported yet")
         params.structured = body.structured_output()
+        calling = tools_in_play(body, self.frontend.processor, speech is not None)
+        if calling and params.logprobs is not None:
+            raise InvalidField("logprobs", "logprobs of a reply that may call tools are not supported yet")
+        if calling:
+            functions = [tool.function.model_dump() for tool in body.tools or ()]
+            choice = body.tool_choice
+            chosen = choice.model_dump() if isinstance(choice, NamedToolChoice) else choice or "auto"
+            constraint = tool_constraint(functions, chosen, body.parallel_tool_calls is not False)
+            if constraint is not None and params.structured is not None:
+                raise InvalidField(
+                    "response_format", "a reply that must call a tool cannot also follow a format"
+                )
+            params.structured = constraint or params.structured
         transcripts = earlier_answers(body, self.serving.answers)
         name, fingerprint = self.responder.served_model_name, self.serving.fingerprint
         texts = self.texts.get() if params.logprobs is not None else None
-        fmt: ChatFormat = ChatFormat(request_id, name, body.include_usage, fingerprint, texts)
+        fmt: ChatFormat = (
+            ToolChatFormat(request_id, name, body.include_usage, fingerprint)
+            if calling
+            else ChatFormat(request_id, name, body.include_usage, fingerprint, texts)
+        )
         new = await asyncio.to_thread(self._request, body, transcripts, request_id, params, speech)
         if speech is not None and body.audio is not None:
             answers, audio_format = self.serving.answers, body.audio.format
@@ -100,16 +118,18 @@ class ChatEndpoint:
         if params.structured is not None:
             check_constraint(params.structured)
         messages, add_generation_prompt = body.message_dicts(transcripts), body.add_generation_prompt
-        processor, context = self.frontend.processor, self.frontend.max_model_len
+        processor, context, tools = self.frontend.processor, self.frontend.max_model_len, body.tool_dicts()
         template_kwargs = body.chat_template_kwargs or {}
         try:
             if not body.has_media():
-                prompt, ids = processor.encode_chat(messages, add_generation_prompt, context, template_kwargs)
+                prompt, ids = processor.encode_chat(
+                    messages, add_generation_prompt, context, template_kwargs, tools
+                )
                 return GenerationRequest(request_id, ids, params, prompt, speech=speech)
             video = body.video_options()
             decoded = decode_messages(messages, self.media, video)
             laid_out = processor.process_chat(
-                decoded, add_generation_prompt, context, video.use_audio_in_video, template_kwargs
+                decoded, add_generation_prompt, context, video.use_audio_in_video, template_kwargs, tools
             )
         except jinja2.TemplateError as exc:
             raise InvalidField("messages", f"the chat template rejected them ({exc})") from None
@@ -129,6 +149,25 @@ def check_constraint(structured: StructuredOutput) -> None:
         check(structured)
     except InvalidConstraint as exc:
         raise InvalidField(exc.param, exc.reason) from None
+
+
+def tools_in_play(body: ChatCompletionRequest, processor: object, spoken: bool) -> bool:
+    """Whether the reply may call the request's tools (and is parsed for calls); every refusal names its field.
+
+    Tools reach the model only through a chat template that renders them: with one that does not, they would
+    be dropped unseen, so they are refused."""
+    choice = body.tool_choice
+    if not body.tools:
+        if choice not in (None, "none", "auto"):
+            raise InvalidField("tool_choice", "requires tools: there is nothing to call")
+        return False
+    if not getattr(processor, "renders_tools", False):
+        raise InvalidField("tools", "this checkpoint's chat template does not render tools")
+    if choice == "none":
+        return False
+    if spoken:
+        raise InvalidField("modalities", "a spoken reply cannot call tools; ask for text, or send no tools")
+    return True
 
 
 def earlier_answers(body: ChatCompletionRequest, answers: SpokenAnswers) -> dict[int, str]:

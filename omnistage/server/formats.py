@@ -25,6 +25,13 @@ from omnistage.server.responses import (
     CompletionResponse,
     Usage,
 )
+from omnistage.server.tool_calls import (
+    CallStart,
+    ContentDelta,
+    StreamEvent,
+    ToolCallStream,
+    parse_tool_calls,
+)
 
 DONE = "data: [DONE]\n\n"
 
@@ -254,3 +261,64 @@ class CompletionFormat:
         return CompletionResponse(
             id=self.id, created=self.created, model=self.model, choices=[choice], usage=usage
         ).model_dump()
+
+
+class ToolChatFormat(ChatFormat):
+    """Chat's chunks and response where the reply may call the request's tools: `<tool_call>` text becomes
+    `tool_calls` (streamed as OpenAI streams them, server/tool_calls.py) and a reply that calls ends with
+    finish_reason "tool_calls"."""
+
+    def __init__(
+        self, request_id: str, model: str, include_usage: bool, fingerprint: str | None = None
+    ) -> None:
+        super().__init__(request_id, model, include_usage, fingerprint)
+        self._calls = ToolCallStream()
+
+    def _events(self, events: list[StreamEvent]) -> list[str]:
+        chunks = []
+        for event in events:
+            if isinstance(event, ContentDelta):
+                chunks.append(self._text_chunk(event.text))
+                continue
+            if isinstance(event, CallStart):
+                call = {
+                    "index": event.index,
+                    "id": event.id,
+                    "type": "function",
+                    "function": {"name": event.name, "arguments": ""},
+                }
+            else:
+                call = {"index": event.index, "function": {"arguments": event.text}}
+            chunks.append(self._chunk([ChatChunkChoice(delta=ChatDelta(tool_calls=[call]))]))
+        return chunks
+
+    def delta(
+        self, text: str, finish_reason: str | None, logprobs: Sequence[TokenLogprobs] = ()
+    ) -> list[str]:
+        """`logprobs`: none, as chat refuses them beside tools (chat.py)."""
+        return self._events(self._calls.feed(text)) if text else []
+
+    def closing(self, finish_reason: str) -> list[str]:
+        held = self._events(self._calls.finish())
+        return held + super().closing(_finish_reason(finish_reason, self._calls.calls > 0))
+
+    def response(
+        self, text: str, finish_reason: str, usage: Usage, logprobs: Sequence[TokenLogprobs] | None = None
+    ) -> dict[str, Any]:
+        content, calls = parse_tool_calls(text)
+        if not calls:
+            return super().response(text, finish_reason, usage)
+        message = AssistantMessage(
+            content=content or None,
+            tool_calls=[
+                {"id": c.id, "type": "function", "function": {"name": c.name, "arguments": c.arguments}}
+                for c in calls
+            ],
+        )
+        return self.whole(message, _finish_reason(finish_reason, True), usage)
+
+
+def _finish_reason(reason: str, called: bool) -> str:
+    # A reply that ends on its own after calling a tool waits for the calls' results (OpenAI's "tool_calls");
+    # one cut by max_tokens stays "length".
+    return "tool_calls" if called and reason == "stop" else reason

@@ -75,13 +75,15 @@ class AssistantAudio(BaseModel):
 
 class AssistantMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
-    content: str | None  # None when the reply is spoken: its text is the audio's transcript (as OpenAI)
+    content: str | None  # None when the reply is spoken (its text is the audio's transcript) or only calls
     reasoning_content: str | None = None  # a Thinking model's <think> block, as vLLM returns it
     audio: AssistantAudio | None = None
+    tool_calls: list[dict[str, Any]] | None = None  # OpenAI's {"id", "type": "function", "function"}
 
     @model_serializer(mode="wrap")
     def _serialize(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
-        return _drop_if_none(_drop_if_none(handler(self), "audio"), "reasoning_content")
+        dumped = _drop_if_none(_drop_if_none(handler(self), "audio"), "reasoning_content")
+        return _drop_if_none(dumped, "tool_calls")
 
 
 class TopLogprob(BaseModel):
@@ -133,6 +135,7 @@ class ChatDelta(BaseModel):
     content: str | None = None
     reasoning_content: str | None = None
     audio: DeltaAudio | None = None
+    tool_calls: list[dict[str, Any]] | None = None  # OpenAI's {"index", "id"?, "type"?, "function"}
 
 
 class ChatChunkChoice(BaseModel):

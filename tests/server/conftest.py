@@ -140,6 +140,7 @@ class FakeProcessor:
     """
 
     max_attachments = 3
+    renders_tools = True  # the tools are not in its prompt: the echo carries the messages alone
 
     def encode_chat(
         self,
@@ -147,6 +148,7 @@ class FakeProcessor:
         add_generation_prompt: bool = True,
         max_model_len: int | None = None,
         template_kwargs: Mapping[str, Any] | None = None,
+        tools: list[dict] | None = None,
     ) -> tuple[str, list[int]]:
         prompt = "\n".join(m["content"] if isinstance(m["content"], str) else "" for m in messages)
         if "boom" in prompt:
@@ -179,6 +181,7 @@ class FakeProcessor:
         max_model_len: int | None = None,
         use_audio_in_video: bool = False,
         template_kwargs: Mapping[str, Any] | None = None,
+        tools: list[dict] | None = None,
     ) -> FakeProcessedPrompt:
         lines, media = [], []
         for message in messages:

@@ -93,11 +93,17 @@ REFUSED_CHAT = [
     ({"n": 2}, "n must be 1"),
     ({"top_logprobs": 3}, "needs logprobs set to true"),
     ({"top_logprobs": 21}, "less than or equal to 20"),
-    ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools are not supported"),
-    ({"functions": [{"name": "f"}]}, "tools are not supported"),
-    ({"tool_choice": "required"}, "tools are not supported"),
-    ({"tool_choice": {"type": "function", "function": {"name": "f"}}}, "tools are not supported"),
-    ({"function_call": {"name": "f"}}, "tools are not supported"),
+    ({"functions": [{"name": "f"}]}, "legacy form: send tools and tool_choice"),
+    ({"tool_choice": "required"}, "requires tools"),
+    ({"tool_choice": {"type": "function", "function": {"name": "f"}}}, "requires tools"),
+    (
+        {
+            "tool_choice": {"type": "function", "function": {"name": "g"}},
+            "tools": [{"type": "function", "function": {"name": "f"}}],
+        },
+        "names 'g', which is not among the request's tools",
+    ),
+    ({"function_call": {"name": "f"}}, "legacy form: send tools and tool_choice"),
     (
         {
             "response_format": {
@@ -125,19 +131,19 @@ def test_fields_whose_meaning_would_be_lost_are_400(http, fields, needle):
     ("message", "needle", "param"),
     [
         (
-            {"role": "tool", "content": "42", "tool_call_id": "c1"},
-            "'tool' messages are not supported",
+            {"role": "tool", "content": "42"},
+            "a tool message names the call it answers",
             "messages[1]",
         ),
         (
             {"role": "function", "content": "42", "name": "f"},
-            "'function' messages are not supported",
+            "the legacy function calling is not supported",
             "messages[1]",
         ),
         (
             {"role": "assistant", "content": None, "tool_calls": [{"id": "c1", "type": "function"}]},
-            "tool calls are not supported",
-            "messages[1]",
+            "Field required",
+            "messages[1].tool_calls[0].function",
         ),
         (
             {"role": "assistant", "audio": {"id": "audio-1"}},

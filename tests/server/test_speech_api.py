@@ -46,7 +46,12 @@ class TtsPrompt:
 
 class SpeakingProcessor:
     def encode_chat(
-        self, messages: list[dict], add_generation_prompt: bool, max_model_len: int, template_kwargs: dict
+        self,
+        messages: list[dict],
+        add_generation_prompt: bool,
+        max_model_len: int,
+        template_kwargs: dict,
+        tools=None,
     ):
         prompt = "\n".join(m["content"] for m in messages)
         return prompt, [ord(c) for c in prompt]

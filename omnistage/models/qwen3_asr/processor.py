@@ -40,6 +40,7 @@ class ASRProcessor:
         self.device = torch.device("cpu" if device is None else device)
         self.tokenizer = Tokenizer.from_file(str(Path(checkpoint_dir) / "tokenizer.json"))
         self.max_token_bytes = longest_token_bytes(self.tokenizer)
+        self.renders_tools = False  # a transcriber: its chat has no tools to render
 
     def transcription(
         self, audio: np.ndarray, language: str | None, context: str | None, max_model_len: int | None = None
@@ -84,6 +85,7 @@ class ASRProcessor:
         max_model_len: int | None = None,
         use_audio_in_video: bool = False,
         template_kwargs: Mapping[str, Any] | None = None,
+        tools: list[dict] | None = None,
     ) -> ProcessedPrompt:
         """A chat of decoded parts as a transcription: the system turns' text is the context, and the user turns
         must hold exactly one audio part (their text is not read: the model takes no instruction; its prompt
@@ -115,6 +117,7 @@ class ASRProcessor:
         add_generation_prompt: bool = True,
         max_model_len: int | None = None,
         template_kwargs: Mapping[str, Any] | None = None,
+        tools: list[dict] | None = None,
     ) -> NoReturn:
         raise InvalidRequest("this model transcribes audio: a chat to it needs one audio part")
 

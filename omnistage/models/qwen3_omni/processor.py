@@ -20,10 +20,10 @@ from typing import Any
 
 import numpy as np
 import torch
-from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Encoding, Tokenizer, decoders, normalizers
 
 from omnistage.errors import CheckpointError, InvalidMedia, InvalidRequest, RequestTooLarge
+from omnistage.models.chat_template import compile_template
 from omnistage.models.layers.rotary import PromptPositions
 from omnistage.models.multimodal import MultimodalInputs
 from omnistage.models.qwen3_omni.audio_features import SAMPLE_RATE
@@ -44,7 +44,7 @@ from omnistage.models.qwen3_omni.transcription import (
 )
 from omnistage.models.qwen3_omni.video_processing import VideoProcessorConfig
 
-_ROLES = {"system", "user", "assistant"}
+_ROLES = {"system", "user", "assistant", "tool"}
 # Private-use characters around a per-render nonce: what the template renders where a message typed a
 # control-token literal. Text cannot forge one without guessing the nonce.
 _SENTINEL = "\ue000{nonce}{index}\ue001"
@@ -82,8 +82,8 @@ class Processor:
             raise CheckpointError(
                 f"{directory}: cannot read the tokenizer or chat template ({exc})"
             ) from None
-        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
-        self._template = env.from_string(template)
+        self._template, reads = compile_template(template)
+        self.renders_tools = "tools" in reads  # a template without tools would drop them unseen
         # The same tokenizer reading control-token literals as ordinary text, to spell typed ones with.
         self._plain = Tokenizer.from_str(self.tokenizer.to_str())
         self._plain.encode_special_tokens = True
@@ -102,21 +102,26 @@ class Processor:
         messages: list[dict],
         add_generation_prompt: bool = True,
         template_kwargs: Mapping[str, Any] | None = None,
+        tools: list[dict] | None = None,
     ) -> str:
         """The template's text for `messages`; `template_kwargs` are more variables for the template (vLLM's
         `chat_template_kwargs`, such as `enable_thinking`), passed on as transformers passes them: a key the
-        template does not read changes nothing, and none stands in for the messages themselves."""
+        template does not read changes nothing, and none stands in for the messages themselves. `tools` are
+        OpenAI's tool definitions (`{"type": "function", "function": {...}}`), which a released Qwen template
+        writes into the system turn."""
         if not messages:
             raise InvalidRequest("messages: at least one message is required")
         for i, message in enumerate(messages):
             if not isinstance(message, dict) or message.get("role") not in _ROLES:
                 raise InvalidRequest(f"messages[{i}].role: must be one of {sorted(_ROLES)}")
             content = message.get("content")
+            if content is None and message.get("tool_calls"):
+                continue
             if content is None:
                 raise InvalidRequest(f"messages[{i}].content: missing")
             if not isinstance(content, str | list):
                 raise InvalidRequest(f"messages[{i}].content: must be a string or a list of content parts")
-        variables = {**(template_kwargs or {}), "messages": messages}
+        variables = {**(template_kwargs or {}), "messages": messages, "tools": tools}
         return self._template.render(variables, add_generation_prompt=add_generation_prompt)
 
     def encode(self, text: str, max_model_len: int | None = None) -> list[int]:
@@ -132,10 +137,11 @@ class Processor:
         add_generation_prompt: bool = True,
         max_model_len: int | None = None,
         template_kwargs: Mapping[str, Any] | None = None,
+        tools: list[dict] | None = None,
     ) -> tuple[str, list[int]]:
         """The rendered chat and its token ids, the messages' text tokenized as plain text.
 
-        A control-token literal typed in a message (or in a string of `template_kwargs`) is replaced by a sentinel before rendering and spelled
+        A control-token literal typed in a message (or in a string of `template_kwargs` or `tools`) is replaced by a sentinel before rendering and spelled
         as ordinary text where the sentinel lands; the rest is encoded piecewise as usual. Text without
         such literals (nearly all) is encoded as the rendered whole, exactly as transformers encodes it.
         """
@@ -150,7 +156,8 @@ class Processor:
         if control is not None:
             messages = [_map_text(m, lambda text: control.sub(hide, text)) for m in messages]
             template_kwargs = _map_strings(template_kwargs or {}, lambda text: control.sub(hide, text))
-        rendered = self.render_chat(messages, add_generation_prompt, template_kwargs)
+            tools = _map_strings(tools, lambda text: control.sub(hide, text))
+        rendered = self.render_chat(messages, add_generation_prompt, template_kwargs, tools)
         if not typed:
             return rendered, self.encode(rendered, max_model_len)
         sentinel = re.escape(_SENTINEL.format(nonce=nonce, index="@")).replace("@", "(\\d+)")
@@ -191,6 +198,7 @@ class Processor:
         max_model_len: int | None = None,
         use_audio_in_video: bool = False,
         template_kwargs: Mapping[str, Any] | None = None,
+        tools: list[dict] | None = None,
     ) -> ProcessedPrompt:
         """Render, featurise the decoded media parts, expand their placeholders, tokenize, place (M-RoPE).
 
@@ -207,7 +215,7 @@ class Processor:
                 raise InvalidMedia(
                     f"too many {kind} attachments: {len(parts.of(kind))} (the limit is {limit})"
                 )
-        prompt, ids = self.encode_chat(messages, add_generation_prompt, max_model_len, template_kwargs)
+        prompt, ids = self.encode_chat(messages, add_generation_prompt, max_model_len, template_kwargs, tools)
         cfg = self._config()
         check_placeholders(ids, parts, cfg)
         if not parts.items:
@@ -319,7 +327,10 @@ def _normalized_size(text: str, normalizer: normalizers.Normalizer | None, size:
 
 
 def _map_text(message: dict, change: Callable[[str], str]) -> dict:
-    """A copy of `message` with `change` applied to its text content (a string, or its text parts)."""
+    """A copy of `message` with `change` applied to its text content (a string, or its text parts) and to its
+    tool calls."""
+    if isinstance(message, dict) and message.get("tool_calls"):
+        message = {**message, "tool_calls": _map_strings(message["tool_calls"], change)}
     content = message.get("content") if isinstance(message, dict) else None
     if isinstance(content, str):
         return {**message, "content": change(content)}

@@ -16,7 +16,6 @@ from omnistage.server.errors import InvalidField
 
 Int64 = Annotated[int, Field(ge=-(2**63), le=2**63 - 1)]
 TokenId = Annotated[int, Field(ge=0, le=2**63 - 1)]
-TOOLS = "tools are not supported yet"
 
 
 class Strict(BaseModel):

@@ -14,7 +14,6 @@ from omnistage.media import VideoOptions
 from omnistage.request import MAX_LOGPROBS, StructuredOutput
 from omnistage.server.errors import InvalidField
 from omnistage.server.protocol.base import (
-    TOOLS,
     Int64,
     Open,
     SamplingRequest,
@@ -25,6 +24,7 @@ from omnistage.server.protocol.base import (
 )
 from omnistage.server.protocol.speech import ChatAudioParams
 
+LEGACY = "functions and function_call are OpenAI's legacy form: send tools and tool_choice"
 _PART_TYPES = ("text", "input_audio", "audio_url", "image_url", "video_url")
 
 
@@ -72,28 +72,64 @@ class AudioRef(Strict):
     id: str = Field(min_length=1)
 
 
+class FunctionCall(Open):
+    name: str
+    arguments: str  # JSON text, as the model wrote it
+
+
+class ToolCallItem(Open):
+    """One call an earlier assistant turn made (OpenAI's `tool_calls` item), rendered back by the template."""
+
+    id: str | None = None
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
+class FunctionDefinition(Open):
+    name: str = Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.\-]+$")
+    description: str | None = None
+    parameters: dict[str, Any] | None = None  # a JSON schema; none: the function takes no arguments
+    strict: bool | None = None
+
+
+class ChatTool(Open):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class NamedFunction(Open):
+    name: str
+
+
+class NamedToolChoice(Open):
+    type: Literal["function"]
+    function: NamedFunction
+
+
 class ChatMessage(Strict):
     role: Literal["system", "developer", "user", "assistant", "tool", "function"]
     content: str | list[ContentPart] | None = None
     name: str | None = None  # accepted; the chat template does not render names
     refusal: str | None = None  # an earlier assistant refusal; accepted, not rendered
-    tool_calls: list[dict[str, Any]] | None = None
+    tool_calls: list[ToolCallItem] | None = None
     function_call: dict[str, Any] | None = None
     tool_call_id: str | None = None
     audio: AudioRef | None = None  # an earlier spoken answer of the assistant, by id
 
     @model_validator(mode="after")
     def _supported(self) -> ChatMessage:
-        if self.role in ("tool", "function"):
-            raise ValueError(f"{self.role!r} messages are not supported ({TOOLS})")
-        if self.tool_calls or self.function_call:
-            raise ValueError(f"tool calls are not supported ({TOOLS})")
+        if self.role == "function" or self.function_call:
+            raise ValueError(f"the legacy function calling is not supported ({LEGACY})")
+        if self.tool_calls and self.role != "assistant":
+            raise ValueError("tool_calls: only an assistant message makes tool calls")
+        if self.role == "tool" and self.tool_call_id is None:
+            raise ValueError("tool_call_id: a tool message names the call it answers")
         if self.audio is not None:
             if self.role != "assistant":
                 raise ValueError("audio: only an assistant message refers to an earlier spoken answer")
             if self.content:
                 raise ValueError("give an earlier answer by its audio id or by its text (content), not both")
-        elif self.content is None:
+        elif self.content is None and not self.tool_calls:
             raise ValueError("content is missing")
         return self
 
@@ -103,7 +139,12 @@ class ChatMessage(Strict):
         content: object = self.content if transcript is None else transcript
         if isinstance(content, list):
             content = [part.model_dump(exclude_none=True) for part in content]
-        return {"role": "system" if self.role == "developer" else self.role, "content": content}
+        message = {"role": "system" if self.role == "developer" else self.role, "content": content}
+        if self.tool_calls:
+            message["tool_calls"] = [call.model_dump(exclude_none=True) for call in self.tool_calls]
+        if self.tool_call_id is not None:
+            message["tool_call_id"] = self.tool_call_id
+        return message
 
 
 class MultimodalProcessorKwargs(Strict):
@@ -151,15 +192,12 @@ class ChatCompletionRequest(SamplingRequest):
     logprobs: bool | None = None
     top_logprobs: Annotated[int | None, Field(ge=0, le=MAX_LOGPROBS)] = None
     response_format: ResponseFormat | None = None
-    tools: Annotated[list[dict[str, Any]] | None, unless(empty, TOOLS)] = None
-    functions: Annotated[list[dict[str, Any]] | None, unless(empty, TOOLS)] = None
-    tool_choice: Annotated[
-        Literal["none", "auto", "required"] | dict[str, Any] | None,
-        unless(lambda c: c in ("none", "auto"), TOOLS + ", so none can be required"),
-    ] = None
+    tools: list[ChatTool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = None
+    functions: Annotated[list[dict[str, Any]] | None, unless(empty, LEGACY)] = None
     function_call: Annotated[
-        Literal["none", "auto"] | dict[str, Any] | None,
-        unless(lambda c: c in ("none", "auto"), TOOLS + ", so none can be required"),
+        Literal["none", "auto"] | dict[str, Any] | None, unless(lambda c: c in ("none", "auto"), LEGACY)
     ] = None
     modalities: list[Literal["text", "audio"]] | None = None
     audio: ChatAudioParams | None = None
@@ -175,7 +213,6 @@ class ChatCompletionRequest(SamplingRequest):
     moderation: Annotated[dict[str, Any] | None, unless(never, "moderation is not supported")] = None
 
     # Accepted and ignored: nothing the client gets from this server depends on them.
-    parallel_tool_calls: bool | None = None
     metadata: dict[str, str] | None = None
     service_tier: str | None = None
     reasoning_effort: str | None = None
@@ -229,6 +266,10 @@ class ChatCompletionRequest(SamplingRequest):
             fps=self.video_fps if self.video_fps is not None else given.fps,
             max_frames=self.video_max_frames if self.video_max_frames is not None else given.max_frames,
         )
+
+    def tool_dicts(self) -> list[dict[str, Any]] | None:
+        """The tools as the chat template takes them (OpenAI's shape), or None without any."""
+        return [tool.model_dump(exclude_none=True) for tool in self.tools] if self.tools else None
 
     def message_dicts(self, transcripts: Mapping[int, str] | None = None) -> list[dict[str, Any]]:
         """Messages as the chat template takes them; `transcripts` holds the text of each message (by index)

@@ -69,7 +69,7 @@ def test_videos_are_written_once_per_length_and_sampled_to_fit_the_context(tmp_p
     assert videos[1].options().use_audio_in_video and videos[1].options().fps is None
     seen = []
 
-    def process_chat(decoded, add_generation_prompt, context, use_audio_in_video):
+    def process_chat(decoded, add_generation_prompt, context, use_audio_in_video, tools=None):
         video = decoded[0]["content"][0]["video"]
         seen.append((len(video.frames), video.fps, use_audio_in_video, video.audio is not None))
         return SimpleNamespace(token_ids=[0] * (100 * len(video.frames)))
