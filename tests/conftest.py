@@ -1,5 +1,6 @@
 import pytest
 import torch
+from tools_template import with_tools_template
 
 from omnistage.models.qwen3_omni.tiny import make_tiny
 
@@ -24,6 +25,12 @@ def pytest_collection_modifyitems(config, items):
 def tiny_checkpoint(tmp_path_factory):
     """One tiny random Qwen3-Omni checkpoint (seed 0) shared by the whole test session; treat it as read-only."""
     return make_tiny(tmp_path_factory.mktemp("tiny-qwen3-omni"))
+
+
+@pytest.fixture(scope="session")
+def tiny_tools_checkpoint(tmp_path_factory, tiny_checkpoint):
+    """The tiny checkpoint with a chat template that renders tools (tools_template.py); read-only."""
+    return with_tools_template(tiny_checkpoint, tmp_path_factory.mktemp("tiny-tools-template"))
 
 
 @pytest.fixture(scope="session")

@@ -4,47 +4,10 @@ the same token ids for the same messages, tools and tool turns among them."""
 import shutil
 
 import pytest
+from tools_template import TOOLS_TEMPLATE
 from transformers import AutoTokenizer
 
 from omnistage.models.qwen3_omni.processor import Processor
-
-# A template reaching for everything transformers' environment gives one (tojson with its options, loop
-# controls, raise_exception, trimmed blocks); a test fixture, not a checkpoint's template.
-TOOLS_TEMPLATE = """\
-{%- if tools %}
-<|im_start|>system
-{% if messages[0].role == 'system' %}{{ messages[0].content }}
-
-{% endif %}
-<tools>
-{% for tool in tools %}
-{{ tool | tojson }}
-{% endfor %}
-</tools><|im_end|>
-{% endif %}
-{%- for message in messages %}
-  {%- if message.role == 'system' and tools %}{% continue %}{% endif %}
-  {%- if message.role not in ('system', 'user', 'assistant', 'tool') %}
-    {{- raise_exception('unknown role ' + message.role) }}
-  {%- endif %}
-<|im_start|>{{ 'user' if message.role == 'tool' else message.role }}
-{% if message.role == 'tool' %}<tool_response>
-{{ message.content }}
-</tool_response>
-{%- elif message.content is string %}{{ message.content }}
-{%- elif message.content %}{% for part in message.content %}{% if part.type == 'text' %}{{ part.text }}\
-{% elif part.type in ('audio', 'input_audio', 'audio_url') %}<|audio_start|><|audio_pad|><|audio_end|>\
-{% else %}<|vision_start|><|image_pad|><|vision_end|>{% endif %}{% endfor %}
-{%- endif %}
-{%- for call in message.tool_calls or [] %}
-<tool_call>
-{"name": "{{ call.function.name }}", "arguments": {{ call.function.arguments }}}
-</tool_call>
-{%- endfor %}
-<|im_end|>
-{% endfor %}
-{%- if add_generation_prompt %}<|im_start|>assistant
-{% endif %}"""
 
 WEATHER = {
     "type": "function",

@@ -1,18 +1,20 @@
 """`tool_choice` required or a named function, on the real tiny model: random weights, yet every reply is a
 call whose arguments parse and validate against the tool's schema, because decoding is constrained to it.
 
-Needs the constrained decoding that honours `StructuredOutput.tools` and a checkpoint whose chat template
-renders tools (the released one)."""
+The tiny checkpoint here carries a chat template that renders tools (tests/tools_template.py)."""
 
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator
 
 import jsonschema
 import openai
 import pytest
 from fastapi.testclient import TestClient
 
+from omnistage.config import engine_config
+from omnistage.pipeline.async_pipeline import AsyncPipeline
 from omnistage.server.app import build_app
 
 MODEL = "tiny"
@@ -23,7 +25,10 @@ WEATHER = {
         "strict": True,
         "parameters": {
             "type": "object",
-            "properties": {"city": {"type": "string"}, "days": {"type": "integer"}},
+            "properties": {
+                "city": {"type": "string", "maxLength": 12},
+                "days": {"type": "integer", "minimum": 0, "maximum": 14},
+            },
             "required": ["city", "days"],
             "additionalProperties": False,
         },
@@ -33,16 +38,25 @@ TIME = {
     "type": "function",
     "function": {
         "name": "get_time",
-        "parameters": {"type": "object", "properties": {"zone": {"type": "string"}}, "required": ["zone"]},
+        "parameters": {
+            "type": "object",
+            "properties": {"zone": {"type": "string", "maxLength": 12}},
+            "required": ["zone"],
+        },
     },
 }
 SCHEMAS = {t["function"]["name"]: t["function"]["parameters"] for t in (WEATHER, TIME)}
 
 
 @pytest.fixture(scope="module")
-def client(tiny_pipeline) -> openai.OpenAI:
-    http = TestClient(build_app(tiny_pipeline, MODEL))
-    return openai.OpenAI(base_url="http://testserver/v1", api_key="none", http_client=http, max_retries=0)
+def client(tiny_tools_checkpoint) -> Iterator[openai.OpenAI]:
+    config = engine_config(model=str(tiny_tools_checkpoint), device="cpu", num_kv_pages=64)
+    pipeline = AsyncPipeline.from_config(config)
+    try:
+        http = TestClient(build_app(pipeline, MODEL))
+        yield openai.OpenAI(base_url="http://testserver/v1", api_key="none", http_client=http, max_retries=0)
+    finally:
+        pipeline.shutdown()
 
 
 def valid_calls(message) -> list[str]:
