@@ -218,7 +218,6 @@ ROUTES = [
     *[Case(f"unknown {m} {p:.60}", p, method=m, status=(404,)) for m, p in [
         ("GET", "/v1"), ("POST", "/v1/chat"), ("POST", "/v1/chat/completion"),
         ("POST", "/v2/chat/completions"), ("POST", "/v1/embeddings"), ("POST", "/v1/images/generations"),
-        ("POST", "/v1/responses"),
         ("GET", "/healthz"), ("GET", "/metrics/x"), ("GET", "/v1/%2e%2e/health"),
         ("POST", "/v1/chat/completions%00"), ("GET", "/x" + "a" * 8000), ("GET", "/v1/models/"),
         ("GET", "/v1/models/nope"), ("GET", "/v1/models/tiny/extra"), ("GET", "/v1/models/%F0%9F%98%80"),
