@@ -30,6 +30,7 @@ from typing import Any
 
 from omnistage.bench import builds
 from omnistage.bench.a2t_targets import Runner, inprocess_runner, server_runner
+from omnistage.bench.baseline import BASELINE_KV_GIB, kv_beside_baseline
 from omnistage.bench.clients import auth, first_model, http_pool
 from omnistage.bench.clips import SYNTH_SETS, Clip, load_dir, synth_clips, total_seconds
 from omnistage.bench.skeletons import SKELETONS, released_skeleton
@@ -41,7 +42,6 @@ from omnistage.bench.sweep import sweep as generic_sweep
 log = logging.getLogger("omnistage.bench")
 
 DEFAULT_DUMMY_OUTPUT_TOKENS = 33  # the reference point: a 5 s clip answered with 33 tokens
-BASELINE_KV_GIB = 16.0  # our KV pool beside transformers, as benchmarks/thinker_decode.py leaves it
 
 
 async def sweep(
@@ -112,8 +112,7 @@ def run_a2t(args: argparse.Namespace) -> dict[str, Any]:
         "device": args.device,
         "dtype": args.dtype,
         "max_num_seqs": max(concurrencies),
-        # On a GPU our KV pool takes all the memory left unless told otherwise; transformers needs some.
-        "kv_cache_memory_gib": args.kv_cache_memory_gib or (BASELINE_KV_GIB if args.baseline else None),
+        "kv_cache_memory_gib": kv_beside_baseline(args.kv_cache_memory_gib, bool(args.baseline), args.device),
         "enforce_eager": args.enforce_eager or None,
         "max_prefill_graph_tokens": args.max_prefill_graph_tokens,
     }

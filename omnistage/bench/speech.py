@@ -35,6 +35,7 @@ from pathlib import Path
 from typing import Any
 
 from omnistage.bench import builds
+from omnistage.bench.baseline import BASELINE_KV_GIB, kv_beside_baseline
 from omnistage.bench.clients import first_model, http_pool
 from omnistage.bench.skeletons import released_skeleton
 from omnistage.bench.speech_targets import (
@@ -54,7 +55,6 @@ log = logging.getLogger("omnistage.bench")
 
 DEFAULT_TEXT_TOKENS = 40
 DEFAULT_FRAMES = 125  # 10 s
-BASELINE_KV_GIB = 16.0  # the Thinker's KV pool beside transformers, as `bench a2t` leaves it
 
 
 def summarize(timings: list[SpeechTiming], walls: list[float], concurrency: int) -> dict[str, Any]:
@@ -172,19 +172,15 @@ def start_engine(args: argparse.Namespace, max_num_seqs: int) -> tuple[Any, Any,
     """The in-process target of the target options: its pipeline, an AsyncPipeline over it, and what its start
     showed (seconds, model, memory summary)."""
     from omnistage.config import engine_config
-    from omnistage.engine.devices import resolve_device
     from omnistage.pipeline.async_pipeline import AsyncPipeline
     from omnistage.pipeline.family import build_pipeline
 
     model_dir = args.model or (str(released_skeleton()) if args.load_format == "dummy" else None)
-    gpu = resolve_device(args.device or "auto").type == "cuda"
     overrides = {
         "device": args.device,
         "dtype": args.dtype,
         "max_num_seqs": max_num_seqs,
-        # On a GPU the Thinker's KV pool takes all the memory left unless told otherwise; transformers needs some.
-        "kv_cache_memory_gib": args.kv_cache_memory_gib
-        or (BASELINE_KV_GIB if args.baseline and gpu else None),
+        "kv_cache_memory_gib": kv_beside_baseline(args.kv_cache_memory_gib, bool(args.baseline), args.device),
         "enforce_eager": args.enforce_eager or None,
         "overlap_stages": True if args.overlap_stages else None,
     }

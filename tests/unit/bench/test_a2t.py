@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import json
 import math
+import re
 import sys
 import threading
 import time
@@ -12,9 +13,11 @@ from collections.abc import Iterator
 
 import numpy as np
 import pytest
+import torch
 import uvicorn
 
 from omnistage.bench import a2t, a2t_targets, sse_client
+from omnistage.bench.baseline import BASELINE_KV_GIB, kv_beside_baseline
 from omnistage.bench.clips import Clip
 from omnistage.bench.skeletons import released_skeleton
 from omnistage.bench.stats import RequestTiming, json_safe
@@ -244,6 +247,15 @@ def test_over_http_a_refused_request_stops_the_run_with_the_servers_message(
         )
 
 
+def test_only_a_gpu_engine_beside_transformers_gets_the_fixed_kv_pool():
+    assert kv_beside_baseline(None, True, "cpu") is None
+    assert kv_beside_baseline(2.5, True, "cpu") == 2.5
+    assert kv_beside_baseline(None, False, "cpu") is None
+    if torch.cuda.is_available():
+        assert kv_beside_baseline(None, True, "cuda") == BASELINE_KV_GIB
+        assert kv_beside_baseline(None, False, "cuda") is None
+
+
 @pytest.mark.parametrize("skeleton,layers", [("qwen3-asr-0.6b", 18), ("qwen3-asr-1.7b", 24)])
 def test_asr_skeletons_carry_the_released_sizes(skeleton, layers):
     from omnistage.models.qwen3_asr.config import Qwen3ASRConfig
@@ -272,6 +284,8 @@ def test_qwen3_asr_in_process_with_the_transformers_baseline(tmp_path):
     for p in [*results["ours"], results["transformers"]]:
         assert p["requests"] == 2 and p["output_tokens"] == 8 and p["rtf"] > 0
     assert "Qwen3-ASR" in results["engine"]
+    kv_gib = float(re.search(r"= ([0-9.]+) GiB \(", results["engine"]).group(1))
+    assert kv_gib < BASELINE_KV_GIB  # the CPU engine's own pool, not the one sized to sit beside it on a GPU
     stage = build_pipeline(engine_config(model=str(checkpoint), device="cpu", num_kv_pages=16)).thinker
     hf = build_hf_asr(stage, json.loads((checkpoint / "config.json").read_text()))
     ours = {p.data_ptr() for p in [*stage.model.parameters(), *stage.encoders.audio_encoder.parameters()]}
