@@ -1,9 +1,9 @@
 """Building the Serve application of omnistage replicas, and running it: `omnistage serve --ray` (which starts
 Ray on the machine, or joins `--ray-address`'s cluster) or Serve's own `serve run omnistage.ray:app_builder`.
 
-Routing is Serve's own: each request goes to the less loaded of two replicas drawn at random (requests in
-flight), which is least-outstanding-requests in effect. Scaling is Serve's autoscaler on the requests in
-flight per replica.
+Routing (omnistage/ray/routing.py): a request naming a session goes to the replica that holds it; any other to
+the less loaded of two replicas drawn at random (requests in flight), which is least-outstanding-requests in
+effect. Scaling is Serve's autoscaler on the requests in flight per replica.
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ from omnistage.config import EngineConfig
 from omnistage.errors import ConfigError
 from omnistage.ray.deployment import OmnistageReplica
 from omnistage.ray.metrics import BOARD_NAME, MetricsBoard
+from omnistage.ray.routing import router_config
 from omnistage.server.options import ServerOptions
 
 APP_NAME = "omnistage"
@@ -65,6 +66,7 @@ class Scaling:
         options: dict[str, Any] = {
             "max_ongoing_requests": MAX_ONGOING_REQUESTS,
             "ray_actor_options": {"num_cpus": self.cpus, "num_gpus": self.gpus},
+            **router_config(),
         }
         if self.autoscale is None:
             options["num_replicas"] = self.replicas

@@ -155,6 +155,20 @@ def test_mixed_requests_through_one_ingress_spread_over_both_replicas(two):
     assert set(counted()) == set(by_replica)
 
 
+def test_a_session_stays_on_one_replica_and_sessions_spread_over_both(two):
+    def replica_of(session: str) -> str:
+        chat = {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], **FORCED}
+        r = two.post("/v1/chat/completions", json=chat, headers={"x-session-id": session})
+        assert r.status_code == 200, r.text
+        return r.headers[REPLICA]
+
+    with ThreadPoolExecutor(4) as pool:
+        turns = list(pool.map(lambda _: replica_of("alpha"), range(12)))
+        sessions = list(pool.map(replica_of, [f"s{i}" for i in range(16)]))
+    assert len(set(turns)) == 1
+    assert len(set(sessions)) == 2  # 16 sessions all hashed to one replica: 2 x 2^-16
+
+
 def test_a_killed_replica_fails_its_requests_cleanly_and_is_replaced(two):
     long = {"model": MODEL, "messages": [{"role": "user", "content": "Go"}], "stream": True}
     long |= {"max_tokens": 300, "min_tokens": 300, "ignore_eos": True}
