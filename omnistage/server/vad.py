@@ -157,9 +157,11 @@ class SpeechDetector:
 
     def feed(self, pcm: np.ndarray) -> list[VadEvent]:
         """Mono float32 samples at `sample_rate`, any length; the events their frames completed."""
-        samples = np.asarray(pcm, dtype=np.float32)
-        if samples.ndim != 1:
-            raise ValueError(f"pcm must be mono (one dimension), got shape {samples.shape}")
+        if pcm.ndim != 1:
+            raise ValueError(f"pcm must be mono (one dimension), got shape {pcm.shape}")
+        if pcm.dtype.kind != "f":  # int16 taken as floats would be 32768 times too loud
+            raise ValueError(f"pcm must be float samples in -1..1, got {pcm.dtype}")
+        samples = pcm.astype(np.float32, copy=False)
         self.samples_in += len(samples)
         if self.resampler is not None:
             samples = self.resampler.resample_chunk(samples)

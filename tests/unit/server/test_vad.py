@@ -171,9 +171,11 @@ def test_feed_in_thread_gives_the_same_events(clip):
     assert asyncio.run(stream()) == detect(clip)
 
 
-def test_audio_of_more_than_one_channel_is_refused():
+def test_audio_of_more_than_one_channel_or_in_integers_is_refused():
     with pytest.raises(ValueError, match="mono"):
         SpeechDetector(VadSettings()).feed(np.zeros((2, 320), np.float32))
+    with pytest.raises(ValueError, match="float"):
+        SpeechDetector(VadSettings()).feed(np.zeros(320, np.int16))
 
 
 def test_probabilities_between_the_two_thresholds_neither_start_nor_end_a_silence():
