@@ -10,7 +10,7 @@ not end a turn). Frames lie on a fixed grid from the start of the stream, so the
 events however it is chunked. benchmarks/RESULTS.md ("Server VAD on the CPU") has the accuracy and cost
 beside webrtcvad's.
 
-Cost: one onnxruntime call per frame, ~0.18 ms on one core (~6 ms per second of audio, 31 frames); the
+Cost: one onnxruntime call per frame, ~0.18 ms on one core (~6-7 ms per second of audio, 31 frames; RESULTS.md's row); the
 model's state is 1 KB per session and the ONNX session is shared by all of them. onnxruntime lets go of the
 GIL while it runs, so `feed_in_thread` keeps the event loop free: it runs `feed` on one thread shared by
 every session, in the order the calls were made.
@@ -52,7 +52,7 @@ class VadSettings:
 class VadEvent:
     """A turn's edge. `audio_ms` is a position in the session's input stream (ms since it began), as OpenAI's
     `audio_start_ms` (the detected start less the prefix padding, not before the last reset) and
-    `audio_end_ms` (the end of the silence that stopped the turn: the last speech frame's end plus
+    `audio_end_ms` (the end of the silence that stopped the turn: where the silence began plus
     `silence_duration_ms`, rounded up to a frame)."""
 
     kind: Literal["speech_started", "speech_stopped"]
