@@ -174,6 +174,9 @@ class GenerationRequest:
     mrope: PromptPositions | None = None  # None where every position is its own index (no images)
     mm: MultimodalInputs | None = None  # what the encoders read; None without attachments
     speech: SpeechParams | None = None  # speak the reply too
+    # How many samples of this prompt run at once, this one among them (a request's `n` or `best_of`, fanned
+    # out by the server): admission makes sure that all of them fit the page pool together.
+    samples: int = 1
 
 
 @dataclass(frozen=True)

@@ -26,6 +26,7 @@ from omnistage.pipeline.base import Frontend, TtsPrompt
 from omnistage.pipeline.planning import plan_devices
 from omnistage.pipeline.qwen3_omni_encoders import aut_clips
 from omnistage.pipeline.qwen3_omni_loading import eos_token_ids, thinker_settings
+from omnistage.pipeline.samples import validate_text
 from omnistage.pipeline.topology import validate_topology
 from omnistage.request import GenerationRequest, ValidRequest
 
@@ -98,7 +99,7 @@ class Qwen3ASRPipeline:
         """Check a request against the decoder stage, once: what admits it trusts the ValidRequest."""
         if request.speech is not None:
             raise InvalidRequest(NO_SPEECH)
-        return ValidRequest(request, self.thinker.validate(request.prompt_token_ids, request.params))
+        return validate_text(self.thinker, request)
 
     def add_requests(self, requests: Sequence[GenerationRequest]) -> list[Exception | None]:
         """Admit several requests, each validated once, here; per request, None or what kept it out."""

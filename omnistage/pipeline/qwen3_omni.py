@@ -32,6 +32,7 @@ from omnistage.pipeline.qwen3_omni_speech import (
     validate_speech,
 )
 from omnistage.pipeline.qwen3_omni_step import OmniStep
+from omnistage.pipeline.samples import validate_text
 from omnistage.pipeline.speaking_queue import SpeakingQueue
 from omnistage.pipeline.speech_stages import SpeechStages
 from omnistage.pipeline.topology import validate_topology
@@ -148,7 +149,7 @@ class Qwen3OmniPipeline:
     def validate(self, request: GenerationRequest) -> ValidRequest:
         """Check a request against every stage it needs, once: what admits it trusts the ValidRequest."""
         if request.speech is None:
-            return ValidRequest(request, self.thinker.validate(request.prompt_token_ids, request.params))
+            return validate_text(self.thinker, request)
         return validate_speech(self.speech_stages, self.thinker, request, request.speech)
 
     def add_requests(self, requests: Sequence[GenerationRequest]) -> list[Exception | None]:

@@ -20,6 +20,7 @@ from omnistage.server.formats import ChatFormat, ReasoningChatFormat, ToolChatFo
 from omnistage.server.logprobs import LazyTokenTexts
 from omnistage.server.protocol.chat import ChatCompletionRequest, NamedToolChoice
 from omnistage.server.reasoning import opens_thinking
+from omnistage.server.samples import Sample, SampledAnswer, fan_out
 from omnistage.server.speech import (
     CHAT_FORMATS,
     CHAT_STREAM_FORMATS,
@@ -57,15 +58,21 @@ class ChatEndpoint:
 
     async def create(self, body: ChatCompletionRequest, request: Request) -> Response:
         self.responder.begin(request, body.model)
-        fmt, new = await self.prepare(body, f"chatcmpl-{uuid.uuid4().hex}")
-        return await self.responder.respond(request, PATH, fmt, new, bool(body.stream))
+        formats, new = await self.prepare(body, f"chatcmpl-{uuid.uuid4().hex}")
+        stream = bool(body.stream)
+        if len(formats) == 1:
+            return await self.responder.respond(request, PATH, formats[0], new, stream)
+        samples = [Sample(child, fmt) for child, fmt in zip(fan_out(new, len(formats)), formats, strict=True)]
+        return await SampledAnswer(self.responder, PATH, samples).respond(request, stream)
 
     async def prepare(
         self, body: ChatCompletionRequest, request_id: str
-    ) -> tuple[ChatFormat, GenerationRequest]:
-        """The chat's request for the pipeline and the format of its answer; every refusal is an InvalidField
-        naming the chat's field. The Responses API answers its requests through this too."""
+    ) -> tuple[list[ChatFormat], GenerationRequest]:
+        """The chat's request for the pipeline and the format of each of its `n` choices; every refusal is an
+        InvalidField naming the chat's field. The Responses API answers its requests through this too."""
         speech = chat_speech_params(body, self.serving.voices)
+        if speech is not None and body.choices > 1:
+            raise InvalidField("n", "a spoken reply has one choice: ask for n > 1 with a text reply")
         params = body.sampling_params(body.requested_max_tokens, body.max_tokens_field)
         if speech is not None and params.logprobs is not None:
             raise InvalidField(
@@ -88,22 +95,36 @@ class ChatEndpoint:
                 )
             params.structured = constraint or params.structured
         transcripts = earlier_answers(body, self.serving.answers)
-        name, fingerprint = self.responder.served_model_name, self.serving.fingerprint
-        texts = self.texts.get() if params.logprobs is not None else None
-        fmt: ChatFormat = (
-            ToolChatFormat(request_id, name, body.include_usage, fingerprint)
-            if calling
-            else ChatFormat(request_id, name, body.include_usage, fingerprint, texts)
-        )
         new = await asyncio.to_thread(self._request, body, transcripts, request_id, params, speech)
-        if speech is not None and body.audio is not None:
-            answers, audio_format = self.serving.answers, body.audio.format
-            fmt = SpokenChatFormat(request_id, name, body.include_usage, audio_format, answers, fingerprint)
-        elif self.serving.reasoning_parser is not None:
-            inside = opens_thinking(new.prompt or "")
-            fmt = ReasoningChatFormat(request_id, name, body.include_usage, fingerprint, inside)
-        fmt.prompt_audio_tokens = sum(getattr(new.mm, "num_audio_tokens", None) or ())
-        return fmt, new
+        name, fingerprint = self.responder.served_model_name, self.serving.fingerprint
+        usage, continuous = body.include_usage, body.continuous_usage
+        texts = self.texts.get() if params.logprobs is not None else None
+        prompt_audio_tokens = sum(getattr(new.mm, "num_audio_tokens", None) or ())
+
+        def format_of(index: int) -> ChatFormat:
+            fmt: ChatFormat
+            if speech is not None and body.audio is not None:
+                answers, audio_format = self.serving.answers, body.audio.format
+                fmt = SpokenChatFormat(
+                    request_id, name, usage, audio_format, answers, fingerprint, continuous
+                )
+            elif self.serving.reasoning_parser is not None:
+                inside = opens_thinking(new.prompt or "")
+                fmt = ReasoningChatFormat(
+                    request_id, name, usage, fingerprint, inside, index=index, continuous_usage=continuous
+                )
+            elif calling:
+                fmt = ToolChatFormat(
+                    request_id, name, usage, fingerprint, index=index, continuous_usage=continuous
+                )
+            else:
+                fmt = ChatFormat(
+                    request_id, name, usage, fingerprint, texts, index=index, continuous_usage=continuous
+                )
+            fmt.prompt_audio_tokens = prompt_audio_tokens
+            return fmt
+
+        return [format_of(index) for index in range(body.choices)], new
 
     def _request(
         self,

@@ -17,6 +17,7 @@ from omnistage.server.reasoning import StreamSplitter, split
 from omnistage.server.responses import (
     AssistantMessage,
     ChatChoice,
+    ChatChoiceLogprobs,
     ChatChunkChoice,
     ChatCompletionChunk,
     ChatCompletionResponse,
@@ -40,8 +41,9 @@ def sse(payload: dict[str, Any]) -> str:
     return f"data: {json.dumps(payload, ensure_ascii=False, separators=(',', ':'))}\n\n"
 
 
-def _text_chunks(render: Callable[[str], str]) -> Callable[[str], str]:
-    """The chunk `render` spells for a text, spelled by splicing the text into it.
+def _text_chunks(render: Callable[[str], str], spliced: bool = True) -> Callable[[str], str]:
+    """The chunk `render` spells for a text, spelled by splicing the text into it (`spliced`; else `render`
+    itself, for chunks that differ in more than their text: each with the usage so far).
 
     A token's chunk differs from the next one only in its text, so it is spelled once per stream from the
     models, split around a marker text's JSON string, and each token encodes its text alone (0.11 against
@@ -49,6 +51,8 @@ def _text_chunks(render: Callable[[str], str]) -> Callable[[str], str]:
     model before it are anyone's strings. encode_basestring is how json.dumps(ensure_ascii=False) spells a
     str, without its 0.6 us of setup.
     """
+    if not spliced:
+        return render
     marker = "<text>"
     head, _, tail = render(marker).rpartition(encode_basestring(marker))
     return lambda text: f"{head}{encode_basestring(text)}{tail}"
@@ -56,11 +60,14 @@ def _text_chunks(render: Callable[[str], str]) -> Callable[[str], str]:
 
 class Format(Protocol):
     """How one endpoint spells its stream chunks and its whole response. `logprobs`: those of the delta's
-    tokens, or of the whole reply's (None where the request asked for none)."""
+    tokens, or of the whole reply's (None where the request asked for none). With `continuous_usage` (vLLM's
+    `continuous_usage_stats`) every chunk carries `running_usage`, which the caller sets before each."""
 
     id: str
     include_usage: bool
     done: str  # what ends a stream: OpenAI's `data: [DONE]`, or nothing where its last event says it
+    continuous_usage: bool
+    running_usage: Usage | None
 
     def opening(self) -> list[str]: ...
     def delta(
@@ -88,9 +95,10 @@ class SpeakingFormat(Format, Protocol):
 
 
 class ChatFormat:
-    """Chat's chunks and response; `fingerprint` is their `system_fingerprint`, and `prompt_audio_tokens`
-    (set once the prompt is laid out) goes into the usage's prompt details. With `texts` (the request asked for
-    logprobs), each chunk carries its tokens' logprobs, and a token without text still has its chunk."""
+    """Chat's chunks and response of one choice (its `index`); `fingerprint` is their `system_fingerprint`,
+    and `prompt_audio_tokens` (set once the prompt is laid out) goes into the usage's prompt details. With
+    `texts` (the request asked for logprobs), each chunk carries its tokens' logprobs, and a token without text
+    still has its chunk."""
 
     done = DONE
 
@@ -101,16 +109,37 @@ class ChatFormat:
         include_usage: bool,
         fingerprint: str | None = None,
         texts: TokenTexts | None = None,
+        *,
+        index: int = 0,
+        continuous_usage: bool = False,
     ) -> None:
         self.id, self.model, self.include_usage = request_id, model, include_usage
-        self.fingerprint, self.texts = fingerprint, texts
+        self.fingerprint, self.texts, self.index = fingerprint, texts, index
+        self.continuous_usage = continuous_usage
+        self.running_usage: Usage | None = None
         self.prompt_audio_tokens = 0
         self.created = int(time.time())
-        self._text_chunk = _text_chunks(
-            lambda text: self._chunk([ChatChunkChoice(delta=ChatDelta(content=text))])
-        )
+        self._text_chunk = self._delta_chunks(lambda text: ChatDelta(content=text))
+
+    def _delta_chunks(self, delta: Callable[[str], ChatDelta]) -> Callable[[str], str]:
+        """The chunk of this choice with a text in its `delta`."""
+
+        def render(text: str) -> str:
+            return self._chunk([self._choice(delta(text))])
+
+        return _text_chunks(render, spliced=not self.continuous_usage)
+
+    def _choice(
+        self,
+        delta: ChatDelta,
+        logprobs: ChatChoiceLogprobs | None = None,
+        finish_reason: str | None = None,
+    ) -> ChatChunkChoice:
+        return ChatChunkChoice(index=self.index, delta=delta, logprobs=logprobs, finish_reason=finish_reason)
 
     def _chunk(self, choices: list[ChatChunkChoice], usage: Usage | None = None) -> str:
+        if usage is None and self.running_usage is not None:
+            usage = self.running_usage.with_prompt_audio(self.prompt_audio_tokens)
         chunk = ChatCompletionChunk(
             id=self.id,
             created=self.created,
@@ -122,20 +151,18 @@ class ChatFormat:
         return sse(chunk.model_dump(exclude=None if self.include_usage else {"usage"}))
 
     def opening(self) -> list[str]:
-        return [self._chunk([ChatChunkChoice(delta=ChatDelta(role="assistant", content=""))])]
+        return [self._chunk([self._choice(ChatDelta(role="assistant", content=""))])]
 
     def delta(
         self, text: str, finish_reason: str | None, logprobs: Sequence[TokenLogprobs] = ()
     ) -> list[str]:
         if self.texts is not None and logprobs:
-            choice = ChatChunkChoice(
-                delta=ChatDelta(content=text), logprobs=chat_logprobs(self.texts, logprobs)
-            )
+            choice = self._choice(ChatDelta(content=text), chat_logprobs(self.texts, logprobs))
             return [self._chunk([choice])]
         return [self._text_chunk(text)] if text else []
 
     def closing(self, finish_reason: str) -> list[str]:
-        return [self._chunk([ChatChunkChoice(delta=ChatDelta(), finish_reason=finish_reason)])]
+        return [self._chunk([self._choice(ChatDelta(), finish_reason=finish_reason)])]
 
     def usage_chunk(self, usage: Usage) -> str:
         return self._chunk([], usage.with_prompt_audio(self.prompt_audio_tokens))
@@ -161,7 +188,9 @@ class ChatFormat:
             created=self.created,
             model=self.model,
             system_fingerprint=self.fingerprint,
-            choices=[ChatChoice(message=message, logprobs=given, finish_reason=finish_reason)],
+            choices=[
+                ChatChoice(index=self.index, message=message, logprobs=given, finish_reason=finish_reason)
+            ],
             usage=usage.with_prompt_audio(self.prompt_audio_tokens),
         ).model_dump()
 
@@ -178,13 +207,16 @@ class ReasoningChatFormat(ChatFormat):
         include_usage: bool,
         fingerprint: str | None,
         inside: bool,
+        *,
+        index: int = 0,
+        continuous_usage: bool = False,
     ) -> None:
-        super().__init__(request_id, model, include_usage, fingerprint)
+        super().__init__(
+            request_id, model, include_usage, fingerprint, index=index, continuous_usage=continuous_usage
+        )
         self.inside = inside
         self._splitter = StreamSplitter(inside)
-        self._reasoning_chunk = _text_chunks(
-            lambda text: self._chunk([ChatChunkChoice(delta=ChatDelta(reasoning_content=text))])
-        )
+        self._reasoning_chunk = self._delta_chunks(lambda text: ChatDelta(reasoning_content=text))
 
     def delta(
         self, text: str, finish_reason: str | None, logprobs: Sequence[TokenLogprobs] = ()
@@ -210,8 +242,9 @@ class ReasoningChatFormat(ChatFormat):
 
 
 class CompletionFormat:
-    """Text completions' chunks and response. `echo`: the prompt's text, put before the reply (streamed, in the
-    first chunk); `writer`: where the request asked for logprobs, what spells them."""
+    """Text completions' chunks and response of one choice (its `index`). `echo`: the prompt's text, put before
+    the reply (streamed, in the first chunk); `writer`: where the request asked for logprobs, what spells
+    them."""
 
     done = DONE
 
@@ -222,13 +255,21 @@ class CompletionFormat:
         include_usage: bool,
         echo: str = "",
         writer: CompletionLogprobsWriter | None = None,
+        *,
+        index: int = 0,
+        continuous_usage: bool = False,
     ) -> None:
         self.id, self.model, self.include_usage = request_id, model, include_usage
-        self.echo, self.writer = echo, writer
+        self.echo, self.writer, self.index = echo, writer, index
+        self.continuous_usage = continuous_usage
+        self.running_usage: Usage | None = None
         self.created = int(time.time())
-        self._text_chunk = _text_chunks(lambda text: self._chunk([CompletionChoice(text=text)]))
+        self._text_chunk = _text_chunks(
+            lambda text: self._chunk([CompletionChoice(index=index, text=text)]), spliced=not continuous_usage
+        )
 
     def _chunk(self, choices: list[CompletionChoice], usage: Usage | None = None) -> str:
+        usage = usage if usage is not None else self.running_usage
         chunk = CompletionResponse(
             id=self.id, created=self.created, model=self.model, choices=choices, usage=usage
         )
@@ -245,7 +286,8 @@ class CompletionFormat:
         if finish_reason is None and written is None:
             return [self._text_chunk(text)] if text else []
         # OpenAI puts finish_reason on the chunk with the last text, which may be empty.
-        return [self._chunk([CompletionChoice(text=text, logprobs=written, finish_reason=finish_reason)])]
+        choice = CompletionChoice(index=self.index, text=text, logprobs=written, finish_reason=finish_reason)
+        return [self._chunk([choice])]
 
     def closing(self, finish_reason: str) -> list[str]:
         return []
@@ -257,7 +299,9 @@ class CompletionFormat:
         self, text: str, finish_reason: str, usage: Usage, logprobs: Sequence[TokenLogprobs] | None = None
     ) -> dict[str, Any]:
         written = self.writer.write(logprobs) if self.writer is not None and logprobs is not None else None
-        choice = CompletionChoice(text=self.echo + text, logprobs=written, finish_reason=finish_reason)
+        choice = CompletionChoice(
+            index=self.index, text=self.echo + text, logprobs=written, finish_reason=finish_reason
+        )
         return CompletionResponse(
             id=self.id, created=self.created, model=self.model, choices=[choice], usage=usage
         ).model_dump()
@@ -269,9 +313,18 @@ class ToolChatFormat(ChatFormat):
     finish_reason "tool_calls"."""
 
     def __init__(
-        self, request_id: str, model: str, include_usage: bool, fingerprint: str | None = None
+        self,
+        request_id: str,
+        model: str,
+        include_usage: bool,
+        fingerprint: str | None = None,
+        *,
+        index: int = 0,
+        continuous_usage: bool = False,
     ) -> None:
-        super().__init__(request_id, model, include_usage, fingerprint)
+        super().__init__(
+            request_id, model, include_usage, fingerprint, index=index, continuous_usage=continuous_usage
+        )
         self._calls = ToolCallStream()
 
     def _events(self, events: list[StreamEvent]) -> list[str]:
@@ -289,7 +342,7 @@ class ToolChatFormat(ChatFormat):
                 }
             else:
                 call = {"index": event.index, "function": {"arguments": event.text}}
-            chunks.append(self._chunk([ChatChunkChoice(delta=ChatDelta(tool_calls=[call]))]))
+            chunks.append(self._chunk([self._choice(ChatDelta(tool_calls=[call]))]))
         return chunks
 
     def delta(

@@ -147,6 +147,8 @@ class ResponsesFormat:
 
     include_usage = True  # the closing event carries the usage
     done = ""  # the stream ends with response.completed (or .incomplete), as OpenAI's does
+    continuous_usage = False
+    running_usage: Usage | None = None
 
     def __init__(
         self, chat: ChatFormat, shell: ResponseObject, keep: Callable[[ResponseObject], None]

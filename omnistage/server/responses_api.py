@@ -81,7 +81,7 @@ class ResponsesEndpoint:
         chat_request, origins = self._chat_request(body, earlier)
         response_id = f"resp_{uuid.uuid4().hex}"
         try:
-            chat_fmt, new = await self.chat.prepare(chat_request, response_id)
+            (chat_fmt,), new = await self.chat.prepare(chat_request, response_id)
         except InvalidField as exc:
             raise InvalidField(_responses_param(exc.param or "", origins), exc.reason) from None
         except InvalidMedia as exc:  # it names the chat's part: `messages[2].content[0]: ...`

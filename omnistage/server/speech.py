@@ -147,8 +147,9 @@ class SpokenChatFormat(ChatFormat):
         audio_format: str,
         answers: SpokenAnswers,
         fingerprint: str | None = None,
+        continuous_usage: bool = False,
     ) -> None:
-        super().__init__(request_id, model, include_usage, fingerprint)
+        super().__init__(request_id, model, include_usage, fingerprint, continuous_usage=continuous_usage)
         self.audio_format, self.answers = audio_format, answers
         self.audio_id = f"audio-{uuid.uuid4().hex}"
         self._id_sent = False

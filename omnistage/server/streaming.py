@@ -139,9 +139,13 @@ class Responder:
         spoken = fmt if isinstance(fmt, SpeakingFormat) else None
         pending: list[str] = []
         try:
+            if fmt.continuous_usage:
+                fmt.running_usage = usage_of(first, spoken=spoken is not None)
             pending += fmt.opening()
             while True:
                 completion = last.outputs[0]
+                if fmt.continuous_usage:
+                    fmt.running_usage = usage_of(last, spoken=spoken is not None)
                 if last.finished:
                     break
                 pending += fmt.delta(completion.delta_text, None, completion.delta_logprobs)
@@ -205,9 +209,7 @@ def raise_if_failed(output: RequestOutput) -> None:
         raise EngineFailure("the engine aborted this request")
 
 
-async def pipeline_call(
-    call: Awaitable[T], outputs: AsyncGenerator[RequestOutput, None], request_id: str
-) -> T:
+async def pipeline_call(call: Awaitable[T], outputs: AsyncGenerator[object, None], request_id: str) -> T:
     """Await a call on the request's stream; anything but our typed errors becomes an EngineFailure (500) for
     this request. On any failure the stream is closed, so nothing of the request stays behind."""
     try:

@@ -72,6 +72,8 @@ class TranscriptionFormat:
 
     include_usage = True  # the usage rides on the done event
     done = DONE
+    continuous_usage = False
+    running_usage: Usage | None = None
 
     def __init__(
         self,

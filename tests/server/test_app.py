@@ -215,14 +215,14 @@ def test_invalid_json_and_missing_body(client):
 
 
 def test_sampling_rules_are_400(client):
-    assert_error(chat(client, "x", n=2), 400, "invalid_request_error", "n must be 1")
+    assert_error(chat(client, "x", n=17), 400, "invalid_request_error", "n must be between 1 and 16")
     assert_error(chat(client, "x", top_p=0), 400, "invalid_request_error", "top_p must be in (0, 1]")
     assert_error(
         chat(client, "x", top_logprobs=2), 400, "invalid_request_error", "needs logprobs set to true"
     )
-    body = {"model": MODEL, "prompt": ["a", "b"]}
+    body = {"model": MODEL, "prompt": ["a", ""]}
     r = client.post("/v1/completions", json=body, headers=AUTH)
-    assert_error(r, 400, "invalid_request_error", "one prompt per request is supported, got 2")
+    assert_error(r, 400, "invalid_request_error", "prompt[1]: must not be empty")
 
 
 def test_api_key_guards_v1_only(client):

@@ -289,7 +289,7 @@ SAMPLING = [
         ("max_tokens", True), ("max_tokens", "16"), ("max_tokens", []), ("max_tokens", 1.5),
         ("max_tokens", MAX_MODEL_LEN), ("max_tokens", 2**31),
         ("max_completion_tokens", -1), ("max_completion_tokens", "x"), ("max_completion_tokens", BIG),
-        ("n", 2), ("n", 0), ("n", -1), ("n", BIG), ("n", "1"),
+        ("n", 17), ("n", 0), ("n", -1), ("n", BIG), ("n", "1"),
         ("seed", BIG), ("seed", 2**64), ("seed", -BIG - 1), ("seed", "abc"), ("seed", 1.5),
         ("stop", 123), ("stop", [1, 2]), ("stop", [None]), ("stop", {"a": 1}), ("stop", [""]),
         ("stop_token_ids", ["a"]), ("stop_token_ids", [BIG]), ("stop_token_ids", [-1]), ("stop_token_ids", 5),
@@ -321,13 +321,13 @@ SAMPLING = [
 
 COMPLETION_FIELDS = [
     *[Case(f"completions prompt={v!r:.40}", COMPLETIONS, json=completion(prompt=v)) for v in [
-        None, 5, [], [[]], "", [""], [1, "a"], ["a", 1], [-1], [10**9], [BIG], [1.5], {"a": 1}, ["a", "b"],
-        [[1, 2], [3]], [None], [True], [[-1]], "x" * 200_000,
+        None, 5, [], [[]], "", [""], [1, "a"], ["a", 1], [-1], [10**9], [BIG], [1.5], {"a": 1}, ["a", ""],
+        [[1, 2], []], [None], [True], [[-1]], "x" * 200_000,
     ]],
     *[Case(f"completions {k}={v!r:.30}", COMPLETIONS, json=completion(**{k: v})) for k, v in [
-        ("echo", 5), ("echo", "yes"), ("best_of", 2), ("best_of", -1), ("suffix", "x"), ("suffix", 5),
+        ("echo", 5), ("echo", "yes"), ("best_of", 17), ("best_of", -1), ("suffix", "x"), ("suffix", 5),
         ("logprobs", 6), ("logprobs", -1), ("logprobs", True), ("max_tokens", 0), ("max_tokens", BIG), ("max_tokens", "2"),
-        ("top_k", BIG), ("n", 3), ("temperature", "hot"), ("stream", "yes"), ("model", 5),
+        ("top_k", BIG), ("n", 17), ("temperature", "hot"), ("stream", "yes"), ("model", 5),
     ]],
     Case("completions unknown model", COMPLETIONS, json=completion(model="nope"), status=(404,)),
 ]

@@ -167,8 +167,8 @@ def test_invalid_field_is_400_with_its_path(client, model):
         client.chat.completions.create(model=model, messages=[{"role": "robot", "content": "hi"}])
     assert "messages[0].role" in info.value.message
     with pytest.raises(openai.BadRequestError) as info:
-        client.chat.completions.create(model=model, messages=MESSAGES, n=2)
-    assert "n must be 1" in info.value.message
+        client.chat.completions.create(model=model, messages=MESSAGES, n=17)
+    assert "n must be between 1 and 16" in info.value.message
 
 
 def test_over_the_context_is_400(client, model):

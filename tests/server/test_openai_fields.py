@@ -90,7 +90,7 @@ def test_the_openai_client_with_every_harmless_field(client):
 
 
 REFUSED_CHAT = [
-    ({"n": 2}, "n must be 1"),
+    ({"n": 17}, "n must be between 1 and 16"),
     ({"top_logprobs": 3}, "needs logprobs set to true"),
     ({"top_logprobs": 21}, "less than or equal to 20"),
     ({"functions": [{"name": "f"}]}, "legacy form: send tools and tool_choice"),
@@ -235,7 +235,7 @@ def test_completions_fields(http):
     assert_400(
         http.post("/v1/completions", json=body | {"logprobs": 6}), "less than or equal to 5", "logprobs"
     )
-    assert_400(http.post("/v1/completions", json=body | {"best_of": 2}), "best_of must be 1", "best_of")
+    assert_400(http.post("/v1/completions", json=body | {"best_of": 17}), "between 1 and 16", "best_of")
     assert_400(http.post("/v1/completions", json=body | {"suffix": "x"}), "suffix is not supported", "suffix")
     assert_400(http.post("/v1/completions", json=body | {"echo": "no"}), "", "echo")
 

@@ -192,3 +192,21 @@ def test_the_request_carries_the_constraint_of_its_tool_choice(
     assert structured.parallel_tool_calls is expect_parallel
     if "get_weather" in names:
         assert json.loads(structured.tools[0].parameters) == WEATHER["function"]["parameters"]
+
+
+def test_each_of_n_choices_parses_its_own_calls(client):
+    reply = ask(client, CALLS, n=2)
+    assert [c.index for c in reply.choices] == [0, 1]
+    for choice in reply.choices:
+        assert [json.loads(c.function.arguments)["city"] for c in choice.message.tool_calls] == [
+            "Paris",
+            "Oslo",
+        ]
+    chunks = list(ask(client, CALLS, n=2, stream=True))
+    names = {
+        (chunk.choices[0].index, call.index): call.function.name
+        for chunk in chunks
+        for call in chunk.choices[0].delta.tool_calls or ()
+        if call.function.name
+    }
+    assert names == {(i, k): "get_weather" for i in (0, 1) for k in (0, 1)}

@@ -49,20 +49,32 @@ def never(value: Any) -> bool:
     return False
 
 
+# The most samples (`n`, `best_of`) one prompt of a request is fanned out into: each is an engine request of its
+# own, and a request is admitted only where all of its samples fit the page pool together.
+MAX_SAMPLES = 16
+
+
+def within_samples(value: int) -> bool:
+    return 1 <= value <= MAX_SAMPLES
+
+
+def samples_bound(name: str) -> str:
+    """The refusal of a count of samples out of bounds, for `unless`."""
+    return f"{name} must be between 1 and {MAX_SAMPLES}, got {{value}}"
+
+
 class StreamOptions(Strict):
     include_usage: bool | None = False
     # OpenAI pads stream chunks against length side channels; this server sends no padding either way.
     include_obfuscation: bool | None = None
-    continuous_usage_stats: bool | None = False  # accepted for vLLM clients; usage arrives once, at the end
+    continuous_usage_stats: bool | None = False  # vLLM's: with include_usage, the usage so far on every chunk
 
 
 class SamplingRequest(Strict):
     """Fields shared by chat and text completions."""
 
     model: str
-    n: Annotated[
-        Int64 | None, unless(lambda n: n == 1, "n must be 1 (one choice per request), got {value}")
-    ] = None
+    n: Annotated[Int64 | None, unless(within_samples, samples_bound("n"))] = None
     temperature: float | None = None
     top_p: float | None = None
     top_k: Int64 | None = None
@@ -104,6 +116,16 @@ class SamplingRequest(Strict):
     @property
     def include_usage(self) -> bool:
         return self.stream_options is not None and bool(self.stream_options.include_usage)
+
+    @property
+    def continuous_usage(self) -> bool:
+        """Whether every chunk carries the usage so far (vLLM's `continuous_usage_stats`, with include_usage)."""
+        return self.include_usage and bool(self.stream_options and self.stream_options.continuous_usage_stats)
+
+    @property
+    def choices(self) -> int:
+        """How many choices each prompt gets (`n`)."""
+        return self.n or 1
 
     def requested_logprobs(self) -> int | None:
         """How many top logprobs each token carries (0: the sampled token's alone); None: no logprobs. Raises

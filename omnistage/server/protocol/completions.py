@@ -1,5 +1,5 @@
-"""`/v1/completions`' request: one raw prompt, text or token ids, and OpenAI's completion-only fields (echo,
-logprobs in the legacy shape)."""
+"""`/v1/completions`' request: raw prompts, each text or token ids, and OpenAI's completion-only fields (echo,
+logprobs in the legacy shape, best_of)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,15 @@ from typing import Annotated, Any, cast
 from pydantic import Discriminator, Field, Tag
 
 from omnistage.server.errors import InvalidField
-from omnistage.server.protocol.base import Int64, SamplingRequest, TokenId, empty, unless
+from omnistage.server.protocol.base import (
+    Int64,
+    SamplingRequest,
+    TokenId,
+    empty,
+    samples_bound,
+    unless,
+    within_samples,
+)
 
 # OpenAI's bound of the legacy logprobs.
 MAX_COMPLETION_LOGPROBS = 5
@@ -48,7 +56,7 @@ class CompletionRequest(SamplingRequest):
     max_tokens: Int64 | None = 16  # OpenAI's default for completions
     echo: bool | None = None  # the prompt's text before the reply
     logprobs: Annotated[int | None, Field(ge=0, le=MAX_COMPLETION_LOGPROBS)] = None
-    best_of: Annotated[Int64 | None, unless(lambda b: b == 1, "best_of must be 1, got {value}")] = None
+    best_of: Annotated[Int64 | None, unless(within_samples, samples_bound("best_of"))] = None
     suffix: Annotated[str | None, unless(empty, "suffix is not supported")] = None
 
     def requested_logprobs(self) -> int | None:
@@ -60,13 +68,28 @@ class CompletionRequest(SamplingRequest):
             )
         return self.logprobs
 
-    def single_prompt(self) -> str | list[int]:
-        """The one prompt, as text or token ids; a batch of several is a 400."""
+    def samples(self) -> int:
+        """How many samples each prompt gets: `best_of`, of which the `n` most likely are returned, else `n`.
+        Raises InvalidField where best_of cannot be honoured."""
+        if self.best_of is None or self.best_of == self.choices:
+            return self.choices
+        if self.best_of < self.choices:
+            raise InvalidField("best_of", f"must be at least n ({self.choices}), got {self.best_of}")
+        if self.stream:
+            raise InvalidField(
+                "best_of", "cannot be streamed: the best samples are known only once all are done"
+            )
+        return self.best_of
+
+    def prompts(self) -> list[str | list[int]]:
+        """The prompts, each as text or token ids; an empty one is a 400 naming it."""
         prompt = self.prompt
-        if isinstance(prompt, list) and prompt and isinstance(prompt[0], str | list):
-            if len(prompt) != 1:
-                raise InvalidField("prompt", f"one prompt per request is supported, got {len(prompt)}")
-            prompt = prompt[0]
-        if not prompt:
-            raise InvalidField("prompt", "must not be empty")
-        return cast("str | list[int]", prompt)  # a batch's one prompt is a str or a list of ids
+        if isinstance(prompt, str) or not prompt or not isinstance(prompt[0], str | list):
+            if not prompt:
+                raise InvalidField("prompt", "must not be empty")
+            return [cast("str | list[int]", prompt)]  # one prompt: a str or a list of ids
+        given = cast("list[str] | list[list[int]]", prompt)
+        empty_at = next((i for i, p in enumerate(given) if not p), None)
+        if empty_at is not None:
+            raise InvalidField(f"prompt[{empty_at}]", "must not be empty")
+        return list(given)
