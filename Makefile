@@ -24,9 +24,12 @@ tiny: setup
 	$(BIN)/omnistage make-tiny $(or $(DIR),tiny-qwen3-omni)
 
 # pytest exits 5 when it collects nothing (e.g. a filtered run): that is not a failure. Without a path in ARGS the
-# suite runs in three pytest processes, one after the other, so that what one part's engines, Ray and browsers
-# leave in memory is given back before the next part starts (one process for all of it outgrew 24 GiB).
-TEST_GROUPS = "tests/browser tests/gpu tests/parity tests/replicas" "tests/server" "tests/test_*.py tests/unit"
+# suite runs in four pytest processes, one after the other, so that what one part's engines, Ray and browsers
+# leave in memory is given back before the next part starts (a process's heap does not shrink back: one process
+# for all of it outgrew 24 GiB).
+UNIT_REST = tests/unit --ignore=tests/unit/bench --ignore=tests/unit/engine
+TEST_GROUPS = "tests/browser tests/gpu tests/parity tests/replicas" "tests/server" \
+	"tests/test_*.py tests/unit/bench tests/unit/engine" "$(UNIT_REST)"
 test: setup
 	@case "$(ARGS)" in *tests/*) groups='""';; *) groups='$(TEST_GROUPS)';; esac; \
 	rc=0; eval "set -- $$groups"; for group in "$$@"; do \
