@@ -68,7 +68,9 @@ def decode_image(data: bytes) -> Image.Image:
                 f"image is {image.width}x{image.height} pixels, more than the {MAX_DECODED_PIXELS:,} accepted"
             )
         image.load()
-    except (UnidentifiedImageError, OSError, ValueError, Image.DecompressionBombError) as exc:
+    except UnidentifiedImageError:
+        raise InvalidMedia("image could not be decoded: not an image format Pillow reads") from None
+    except (OSError, ValueError, Image.DecompressionBombError) as exc:
         raise InvalidMedia(f"image could not be decoded: {exc}") from None
     return image.convert("RGB")
 
