@@ -276,6 +276,8 @@ def test_32_concurrent_streams_complete_and_free_every_page(server, model):
     assert m["omnistage_kv_pages_free"] == NUM_KV_PAGES
     assert m["omnistage_num_requests_running"] == m["omnistage_num_requests_waiting"] == 0
     assert m["omnistage_builds_while_serving"] == 0  # the CPU compiles nothing: the gauge is there, and right
+    # every prompt was looked up in the prefix cache at its admission
+    assert m["omnistage_prefix_cache_queries_total"] >= 32 * 10
     text = server.metrics_text()
     assert re.search(
         r'omnistage_requests_total\{endpoint="/v1/chat/completions",status="200"\} ([0-9.]+)', text

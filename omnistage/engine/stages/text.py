@@ -32,6 +32,7 @@ from omnistage.engine.stages.autoregressive import AutoregressiveStage, generato
 from omnistage.engine.stages.constrained import Constraints
 from omnistage.engine.stages.decoder import DecoderSizes, StageProcessor, TokenDecoder
 from omnistage.engine.stages.encoders import EncoderStage, MultimodalEmbeds
+from omnistage.engine.stages.prefix import request_keys
 from omnistage.engine.stages.preparation import prepare_decoder
 from omnistage.engine.stages.text_memory import text_stage_memory
 from omnistage.engine.stages.token_runner import HiddenTap, TokenRunner
@@ -141,6 +142,7 @@ class TextStage(AutoregressiveStage[RequestState]):
         self.graph_pool: Any = None
         self.capture_seconds = 0.0
         self.decode_ahead = engine.decode_ahead
+        self.prefix_caching = engine.prefix_caching  # its full prompt pages shared through the pool's cache
         self._launched: Launched[RequestState] | None = None  # the decode step in flight (decode_ahead)
         self._launch_failed = False  # the next step runs where a failure fails only the requests at fault
         self.constraints: Constraints[_Parked] = Constraints(
@@ -258,7 +260,14 @@ class TextStage(AutoregressiveStage[RequestState]):
         r = parked.request
         state = request_state(r, parked.mm, r.tap, self.tokenizer, self.eos_token_ids, self.device, grammar)
         state.metrics.update(parked.metrics)
-        return Sequence(r.request_id, list(r.prompt_token_ids), parked.max_tokens, data=state)
+        keys = (
+            request_keys(r.prompt_token_ids, self.page_size, r.mrope, parked.mm, r.tap)
+            if self.prefix_caching
+            else None
+        )
+        return Sequence(
+            r.request_id, list(r.prompt_token_ids), parked.max_tokens, prefix_keys=keys, data=state
+        )
 
     def _admit_compiled(self) -> list[RequestOutput]:
         """Queue the requests whose constraints have compiled; end those whose compile failed."""
