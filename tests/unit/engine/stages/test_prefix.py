@@ -119,7 +119,7 @@ def test_chunked_and_preempted_prefills_over_cached_pages_change_no_token(tiny_c
     """A small pool and small steps: prompts start mid-page after their cached pages, are prefilled in
     chunks, and are preempted and readmitted onto the cache."""
     small = LLM(
-        model=str(tiny_checkpoint), device="cpu", dtype="float32", page_size=4, num_kv_pages=24,
+        model=str(tiny_checkpoint), device="cpu", dtype="float32", page_size=4, num_kv_pages=14,
         max_num_batched_tokens=8,
     )  # fmt: skip
     chats = [[SYSTEM, {"role": "user", "content": f"Question number {i}?"}] for i in range(4)]
