@@ -7,8 +7,10 @@ import torch
 from PIL import Image
 
 from omnistage import LLM, SamplingParams
+from omnistage.engine.stages.encoders import MultimodalEmbeds
 from omnistage.engine.stages.prefix import request_keys
 from omnistage.engine.stages.token_runner import HiddenTap
+from omnistage.models.qwen3_omni.audio_features import log_mel
 
 GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
 SYSTEM = {
@@ -142,3 +144,39 @@ def test_keys_stop_before_a_tapped_row(cached):
     tap = HiddenTap(0, torch.from_numpy(rows), torch.zeros(3, 2), rows)
     assert len(request_keys(prompt, 4, None, None, tap)) == 2  # pages 0-3, 4-7; page 8-11 holds row 10
     assert len(request_keys(prompt, 4, None, None, None)) == 7
+
+
+def clip_rows(llm, features):
+    """A clip's audio rows placed after a 3-token head: its keys' MultimodalEmbeds."""
+    with torch.inference_mode():
+        rows = llm.engine.encoders.audio_encoder([features])[0]
+    at = np.arange(3, 3 + rows.shape[0])
+    empty = np.zeros(0, dtype=np.int64)
+    return MultimodalEmbeds(torch.from_numpy(at), rows, torch.from_numpy(empty), None, None, at, empty)
+
+
+def test_a_growing_clips_complete_windows_give_the_whole_clips_rows_and_keys(cached):
+    """The audio tower attends within 8 s windows: a clip's first 9 s, cut from the whole clip's features, give
+    its first window's rows bit for bit, hence the same page keys there (what a turn prefilled as its audio
+    arrives reuses). The log-mel of the first 9 s alone differs while a louder part is still to come: its -8
+    floor follows its own maximum."""
+    rng = np.random.default_rng(0)
+    envelope = 1 + np.sin(2 * np.pi * 0.7 * np.arange(20 * 16000) / 16000)  # near silence at its troughs
+    wave = (0.05 * rng.standard_normal(20 * 16000) * envelope).astype(np.float32)
+    wave[15 * 16000 : 16 * 16000] *= 8
+    whole = log_mel(wave)
+    window = cached.engine.encoders.audio_encoder.cfg.n_window_infer  # frames
+    rows_per_window = cached.engine.encoders.audio_encoder.output_tokens(window)
+    complete, early = clip_rows(cached, whole), clip_rows(cached, whole[:, :900])
+    assert torch.equal(early.audio_embeds[:rows_per_window], complete.audio_embeds[:rows_per_window])
+    assert not torch.equal(early.audio_embeds[rows_per_window:], complete.audio_embeds[rows_per_window:117])
+
+    def keys(mm):
+        ids = [1, 2, 3] + [cached.engine.encoders.audio.token_id] * mm.audio_embeds.shape[0] + [4]
+        return request_keys(ids, 4, None, mm, None)
+
+    shared = (3 + rows_per_window) // 4  # pages that end within the first window
+    assert keys(early)[:shared] == keys(complete)[:shared]
+    assert keys(early)[shared] != keys(complete)[shared]
+    own = log_mel(wave[: 9 * 16000])
+    assert not torch.equal(own[:, :window], whole[:, :window])
