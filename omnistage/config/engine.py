@@ -62,6 +62,12 @@ class EngineConfig(BaseModel):
         description="launch the next decode step before the last one's tokens are read back, so that the host's "
         "work per step runs while the GPU computes (the Thinker's steps beside the speech stages' run without)",
     )
+    prefix_caching: bool = Field(
+        True,
+        description="share the KV pages of prompts' common full-page prefixes (ids, positions and media rows "
+        "alike) between requests and turns, kept in the Thinker's pool until its pages are needed (README, "
+        '"Prefix caching")',
+    )
     admission_window_ms: float = Field(
         50.0,
         ge=0,

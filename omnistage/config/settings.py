@@ -97,6 +97,7 @@ class EngineSettings:
     enforce_eager: bool  # the engine's, which a stage's own section may override
     compile: bool
     decode_ahead: bool
+    prefix_caching: bool  # the text stages': the Thinker's, Qwen3-ASR's decoder's
     moe_kernel: str
     max_tokens_default: int | None
 
@@ -110,6 +111,7 @@ def engine_settings(config: EngineConfig) -> EngineSettings:
         enforce_eager=config.enforce_eager,
         compile=config.compile,
         decode_ahead=config.decode_ahead,
+        prefix_caching=config.prefix_caching,
         moe_kernel=config.moe_kernel,
         max_tokens_default=config.max_tokens_default,
     )

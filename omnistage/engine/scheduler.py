@@ -7,6 +7,9 @@ half the budget when a waiting request could be admitted: a long prompt is prefi
 nothing else waits for all of it. The waiting queue is strictly FCFS: a head that does not fit the free pages blocks the requests
 behind it (no overtaking), so a large request is never starved by a stream of small ones.
 
+A request admitted with a prefix-cached prompt (kv_cache.py) takes the cached pages and starts its prefill after
+them, and so does a preempted one readmitted; a head that waits for pages holds none meanwhile.
+
 Invariant: every running sequence arrived before every waiting one, and only running sequences own
 pages. Hence the oldest running sequence can always take the pages of the newer ones, and a lone
 sequence that passed admission always fits the pool: the scheduler never deadlocks.
@@ -140,11 +143,14 @@ class Scheduler(Generic[StateT]):
             seq = self.waiting[0]
             if ready is not None and not ready(seq):
                 break
+            found = self.pool.take_prefix(seq)  # its prefill starts after its cached pages
             n = min(seq.num_tokens - seq.num_computed_tokens, budget)
             if len(self.waiting) > 1 and len(self.running) + 1 < self.max_num_seqs:
                 n = min(n, max(1, self.max_num_batched_tokens // 2))  # as above, for the ones behind it
             if not self.pool.ensure_capacity(seq, seq.num_computed_tokens + n):
-                break  # FCFS: the head waits for pages, and so does everyone behind it
+                # FCFS: the head waits for pages, and so does everyone behind it; holding none meanwhile
+                self.pool.untake_prefix(seq, found)
+                break
             self.waiting.popleft()
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
@@ -173,6 +179,7 @@ class Scheduler(Generic[StateT]):
                 continue
             assert chunk.start == seq.num_computed_tokens, "a chunk was applied twice or out of order"
             seq.num_computed_tokens += chunk.num_tokens
+            self.pool.cache_computed(seq)
             if not chunk.samples:
                 continue
             if seq.request_id not in sampled:

@@ -47,6 +47,10 @@ class Sequence(Generic[StateT]):
     status: SequenceStatus = SequenceStatus.WAITING
     page_ids: list[int] = field(default_factory=list)
     num_preemptions: int = 0
+    # the prefix cache's keys of its first full prompt pages (prefix_keys.py; None: its stage caches no prefix),
+    # and how many pages at the head of `page_ids` are in the cache: taken from it or entered once computed
+    prefix_keys: list[bytes] | None = None
+    num_cached_pages: int = 0
     data: StateT = field(kw_only=True)
 
     @property

@@ -18,6 +18,7 @@ import queue
 import threading
 import time
 from collections.abc import AsyncGenerator
+from dataclasses import replace
 
 from omnistage.config import EngineConfig
 from omnistage.errors import InvalidRequest, QueueFull
@@ -26,7 +27,7 @@ from omnistage.pipeline.base import Frontend, Pipeline, PipelineView
 from omnistage.pipeline.engine_process import EngineProcess
 from omnistage.pipeline.family import build_pipeline
 from omnistage.pipeline.step_loop import Abort, Add, Delivery, StepLoop, serving_stats
-from omnistage.request import GenerationRequest
+from omnistage.request import GenerationRequest, SamplingParams
 
 log = logging.getLogger(__name__)
 
@@ -145,6 +146,17 @@ class AsyncPipeline:
                 self._streams.pop(request_id, None)
             if not finished:
                 self._send(Abort(request_id))
+
+    async def prefill(self, request: GenerationRequest) -> None:
+        """Prefill `request`'s prompt into the Thinker's prefix cache without replying: its full pages stay
+        cached for a later request that starts with them (README, "Prefix caching"). A realtime session calls
+        it with a turn's prompt so far as the user's audio arrives, so that at the end of speech only the
+        pages after the last one prefilled remain to compute. The engine ends a request at a sample, so this
+        one samples one greedy token and drops it: one row of the LM head beyond the prompt. Raises what
+        keeps the request out, as `generate` does."""
+        quiet = replace(request, params=SamplingParams(max_tokens=1, temperature=0.0), speech=None)
+        async for _ in self.generate(quiet):
+            pass
 
     def abort(self, request_id: str) -> None:
         self._send(Abort(request_id))

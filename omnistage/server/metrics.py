@@ -9,8 +9,11 @@ its gauges are set once, from the Frontend (`set_plan`).
 from __future__ import annotations
 
 import time
+from collections.abc import Iterator
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector, generate_latest
+from prometheus_client.core import CounterMetricFamily
+from prometheus_client.registry import Collector
 
 from omnistage.outputs import RequestOutput
 from omnistage.pipeline.base import Frontend
@@ -33,7 +36,11 @@ _STAT_GAUGES = {
     "num_running": ("omnistage_num_requests_running", "Requests the engine is running"),
     "kv_pages_total": ("omnistage_kv_pages_total", "KV cache pages in the pool"),
     "kv_pages_used": ("omnistage_kv_pages_used", "KV cache pages held by requests"),
-    "kv_pages_free": ("omnistage_kv_pages_free", "KV cache pages free"),
+    "kv_pages_free": ("omnistage_kv_pages_free", "KV cache pages free (never used, or cached and evictable)"),
+    "kv_pages_cached": (
+        "omnistage_kv_pages_cached",
+        "KV cache pages holding a cached prompt prefix, held by requests or evictable",
+    ),
     "talker_kv_pages_total": ("omnistage_talker_kv_pages_total", "The Talker's KV cache pages (speech out)"),
     "talker_kv_pages_free": ("omnistage_talker_kv_pages_free", "The Talker's KV pages free"),
     "num_speaking": ("omnistage_num_requests_speaking", "Requests whose reply is being spoken"),
@@ -51,6 +58,30 @@ _STAT_GAUGES = {
         "it (the log names them)",
     ),
 }
+
+
+# The counters read from the pipeline's stats at scrape time, by stat: the engine counts, the scrape reports.
+_STAT_COUNTERS = {
+    "prefix_cache_queries": (
+        "omnistage_prefix_cache_queries",
+        "Prompt tokens looked up in the prefix cache at admission (again at each readmission)",
+    ),
+    "prefix_cache_hits": (
+        "omnistage_prefix_cache_hits",
+        "Prompt tokens found in the prefix cache at admission: their prefill was skipped",
+    ),
+}
+
+
+class _StatCounters(Collector):
+    """The engine's own running totals as Prometheus counters (`<name>_total`), as of the last scrape."""
+
+    def __init__(self) -> None:
+        self.stats: dict[str, int] = {}
+
+    def collect(self) -> Iterator[CounterMetricFamily]:
+        for stat, (name, help) in _STAT_COUNTERS.items():
+            yield CounterMetricFamily(name, help, value=self.stats.get(stat, 0))
 
 
 class ServerMetrics:
@@ -93,6 +124,8 @@ class ServerMetrics:
         self.stat_gauges = {
             stat: Gauge(name, help, registry=r) for stat, (name, help) in _STAT_GAUGES.items()
         }
+        self.stat_counters = _StatCounters()
+        r.register(self.stat_counters)
 
     def _histogram(
         self, name: str, help: str, buckets: tuple[float, ...], labels: list[str] | None = None
@@ -156,4 +189,5 @@ class ServerMetrics:
         for stat, gauge in self.stat_gauges.items():
             if stat in stats:
                 gauge.set(stats[stat])
+        self.stat_counters.stats = stats
         return generate_latest(self.registry)

@@ -276,6 +276,8 @@ def test_32_concurrent_streams_complete_and_free_every_page(server, model):
     assert m["omnistage_kv_pages_free"] == NUM_KV_PAGES
     assert m["omnistage_num_requests_running"] == m["omnistage_num_requests_waiting"] == 0
     assert m["omnistage_builds_while_serving"] == 0  # the CPU compiles nothing: the gauge is there, and right
+    # every prompt was looked up in the prefix cache at its admission
+    assert m["omnistage_prefix_cache_queries_total"] >= 32 * 10
     text = server.metrics_text()
     assert re.search(
         r'omnistage_requests_total\{endpoint="/v1/chat/completions",status="200"\} ([0-9.]+)', text
@@ -319,3 +321,22 @@ def test_text_content_parts_render_like_a_string(client, model):
     )
     assert as_parts.usage == as_string.usage
     assert as_parts.choices[0].message.content == as_string.choices[0].message.content
+
+
+def test_a_chats_second_turn_finds_the_first_turns_pages_cached(server, client, model):
+    """The second turn of a chat (the first's messages, its answer and a new message) prefills only what the
+    first did not: /metrics counts the first turn's full pages as hits."""
+    messages = [
+        {"role": "system", "content": "You answer in one line, and you always name your source first."},
+        {"role": "user", "content": "Which river is the longest in Europe, and which the second longest?"},
+    ]
+    first = client.chat.completions.create(model=model, messages=messages, max_tokens=8, temperature=0.0)
+    before = server.metrics()
+    answer = first.choices[0].message.content
+    messages += [{"role": "assistant", "content": answer}, {"role": "user", "content": "And in Asia?"}]
+    client.chat.completions.create(model=model, messages=messages, max_tokens=8, temperature=0.0)
+    after = server.metrics()
+    found = after["omnistage_prefix_cache_hits_total"] - before["omnistage_prefix_cache_hits_total"]
+    assert found >= first.usage.prompt_tokens // 16 * 16 - 16  # pages of 16: all but the last partial
+    assert found > 0
+    server.wait_pages_free(timeout=2)

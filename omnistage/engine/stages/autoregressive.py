@@ -96,6 +96,9 @@ class AutoregressiveStage(Generic[S]):
             "kv_pages_total": self.pool.num_pages,
             "kv_pages_free": self.pool.num_free,
             "kv_pages_used": self.pool.num_used,
+            "kv_pages_cached": self.pool.num_cached,
+            "prefix_cache_queries": self.pool.queried_tokens,
+            "prefix_cache_hits": self.pool.hit_tokens,
         }
         if self.device.type == "cuda":
             stats.update(allocator_stats(self.device))

@@ -1,4 +1,5 @@
-"""A text stage's constrained requests on their way in: a constraint not compiled yet compiles on a thread of
+"""A text stage's constrained decoding (`Constraints`): the grammars compiled against its vocabulary, and its
+constrained requests on their way in: a constraint not compiled yet compiles on a thread of
 its own while the stage's steps go on, and its request waits here (`Compiling`) until its matcher is ready, so
 that a new schema's compile (tens of ms over Qwen's vocabulary, benchmarks/RESULTS.md, "Grammar libraries on the
 CPU") never stalls the other requests' steps. A constraint compiled lately is in the cache and its request goes
@@ -11,10 +12,12 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Generic, TypeVar
 
+from tokenizers import Tokenizer
+
 from omnistage.request import StructuredOutput
 
 if TYPE_CHECKING:
-    from omnistage.engine.structured import GrammarState
+    from omnistage.engine.structured import Grammars, GrammarState
 
 P = TypeVar("P")  # what the stage keeps of a request until it is queued
 
@@ -56,6 +59,44 @@ class Compiling(Generic[P]):
     def abort(self, request_id: str) -> bool:
         """Drop a waiting request; whether it was waiting."""
         return self._waiting.pop(request_id, None) is not None
+
+
+class Constraints(Generic[P]):
+    """A text stage's constraints: compiled against its vocabulary at first use (`grammars`), a matcher per
+    constrained sequence (`state`), and the requests waiting for a compile (`compiling`)."""
+
+    def __init__(self, tokenizer: Tokenizer, vocab_size: int, eos_token_ids: list[int]) -> None:
+        self._vocabulary = tokenizer, vocab_size, eos_token_ids
+        self._grammars: Grammars | None = None  # built at the first constrained request
+        self.compiling: Compiling[P] = Compiling(self.state)
+
+    @property
+    def grammars(self) -> Grammars:
+        """The constraints compiled against the model's vocabulary (structured.py), built at first use: on the
+        grammar thread, as the vocabulary's tables take seconds."""
+        if self._grammars is None:
+            # imported here: xgrammar's import takes seconds, which a stage never constrained never pays
+            from omnistage.engine.structured import Grammars
+
+            self._grammars = Grammars(*self._vocabulary)
+        return self._grammars
+
+    def compiled(self, structured: StructuredOutput) -> bool:
+        """Whether `structured` is compiled already (its request need not wait)."""
+        return self._grammars is not None and self._grammars.compiled(structured)
+
+    def state(self, structured: StructuredOutput) -> GrammarState:
+        """A new sequence's matcher of `structured`, compiled once per distinct constraint; raises
+        InvalidConstraint."""
+        return self.grammars.state(structured)
+
+    @staticmethod
+    def check(structured: StructuredOutput) -> None:
+        """Raise InvalidConstraint for a constraint the grammar library refuses (quick: no vocabulary)."""
+        # imported here: xgrammar's import takes seconds, which a stage never constrained never pays
+        from omnistage.engine.structured import check
+
+        check(structured)
 
 
 def _result(future: Future[GrammarState]) -> GrammarState | Exception:

@@ -29,18 +29,19 @@ from omnistage.engine.scheduler import ScheduledChunk, SchedulerOutput
 from omnistage.engine.sequence import Sequence, SequenceStatus
 from omnistage.engine.stages.admission import encode_media, max_tokens_for
 from omnistage.engine.stages.autoregressive import AutoregressiveStage, generators
-from omnistage.engine.stages.constrained import Compiling
+from omnistage.engine.stages.constrained import Constraints
 from omnistage.engine.stages.decoder import DecoderSizes, StageProcessor, TokenDecoder
 from omnistage.engine.stages.encoders import EncoderStage, MultimodalEmbeds
+from omnistage.engine.stages.prefix import request_keys
 from omnistage.engine.stages.preparation import prepare_decoder
 from omnistage.engine.stages.text_memory import text_stage_memory
 from omnistage.engine.stages.token_runner import HiddenTap, TokenRunner
 from omnistage.models.layers.rotary import PromptPositions
 from omnistage.outputs import RequestOutput, TokenLogprobs
-from omnistage.request import GenerationRequest, SamplingParams, StructuredOutput, ValidRequest
+from omnistage.request import GenerationRequest, SamplingParams, ValidRequest
 
 if TYPE_CHECKING:
-    from omnistage.engine.structured import Grammars, GrammarState
+    from omnistage.engine.structured import GrammarState
     from omnistage.models.multimodal import MultimodalInputs
 
 log = logging.getLogger(__name__)
@@ -141,10 +142,12 @@ class TextStage(AutoregressiveStage[RequestState]):
         self.graph_pool: Any = None
         self.capture_seconds = 0.0
         self.decode_ahead = engine.decode_ahead
+        self.prefix_caching = engine.prefix_caching  # its full prompt pages shared through the pool's cache
         self._launched: Launched[RequestState] | None = None  # the decode step in flight (decode_ahead)
         self._launch_failed = False  # the next step runs where a failure fails only the requests at fault
-        self._grammars: Grammars | None = None  # built at the first constrained request
-        self._compiling: Compiling[_Parked] = Compiling(self.grammar_state)
+        self.constraints: Constraints[_Parked] = Constraints(
+            self.tokenizer, self.vocab_size, self.eos_token_ids
+        )
         if self.device.type != "cuda":
             cpu_gib = section.kv.gib or _CPU_KV_GIB
             self.allocate_pages(section.kv.pages or max(1, int(cpu_gib * GiB) // self.kv_bytes_per_page))
@@ -231,7 +234,7 @@ class TextStage(AutoregressiveStage[RequestState]):
                     r.max_tokens if r.max_tokens is not None else self.validate(r.prompt_token_ids, r.params)
                 )
                 if r.params.structured is not None:
-                    _check_constraint(r.params.structured)
+                    Constraints.check(r.params.structured)
             except Exception as exc:
                 max_tokens.pop(i, None)
                 errors[i] = exc
@@ -245,10 +248,11 @@ class TextStage(AutoregressiveStage[RequestState]):
                 continue
             parked = _Parked(r, mm, max_tokens[i], {"arrival": arrival, "encoded": encoded})
             structured = r.params.structured
-            if structured is not None and not (self._grammars and self._grammars.compiled(structured)):
-                self._compiling.add(r.request_id, structured, parked)  # queued once compiled (`step`)
+            if structured is not None and not self.constraints.compiled(structured):
+                # queued once compiled (`step`)
+                self.constraints.compiling.add(r.request_id, structured, parked)
                 continue
-            grammar = self.grammar_state(structured) if structured is not None else None
+            grammar = self.constraints.state(structured) if structured is not None else None
             self.scheduler.add(self._sequence(parked, grammar))
         return errors
 
@@ -256,12 +260,19 @@ class TextStage(AutoregressiveStage[RequestState]):
         r = parked.request
         state = request_state(r, parked.mm, r.tap, self.tokenizer, self.eos_token_ids, self.device, grammar)
         state.metrics.update(parked.metrics)
-        return Sequence(r.request_id, list(r.prompt_token_ids), parked.max_tokens, data=state)
+        keys = (
+            request_keys(r.prompt_token_ids, self.page_size, r.mrope, parked.mm, r.tap)
+            if self.prefix_caching
+            else None
+        )
+        return Sequence(
+            r.request_id, list(r.prompt_token_ids), parked.max_tokens, prefix_keys=keys, data=state
+        )
 
     def _admit_compiled(self) -> list[RequestOutput]:
         """Queue the requests whose constraints have compiled; end those whose compile failed."""
         failed = []
-        for parked, grammar in self._compiling.ready():
+        for parked, grammar in self.constraints.compiling.ready():
             seq = self._sequence(parked, None if isinstance(grammar, Exception) else grammar)
             try:
                 if isinstance(grammar, Exception):
@@ -274,24 +285,8 @@ class TextStage(AutoregressiveStage[RequestState]):
                 failed.append(request_output(seq, "", []))
         return failed
 
-    @property
-    def grammars(self) -> Grammars:
-        """The constraints compiled against the model's vocabulary (structured.py), built at first use: on the
-        grammar thread (constrained.py), as the vocabulary's tables take seconds."""
-        if self._grammars is None:
-            # imported here: xgrammar's import takes seconds, which a stage never constrained never pays
-            from omnistage.engine.structured import Grammars
-
-            self._grammars = Grammars(self.tokenizer, self.vocab_size, self.eos_token_ids)
-        return self._grammars
-
-    def grammar_state(self, structured: StructuredOutput) -> GrammarState:
-        """A new sequence's matcher of `structured`, compiled once per distinct constraint; raises
-        InvalidConstraint."""
-        return self.grammars.state(structured)
-
     def abort(self, request_id: str) -> RequestOutput | None:
-        if self._compiling.abort(request_id):
+        if self.constraints.compiling.abort(request_id):
             return None
         seq = self.scheduler.abort(request_id)
         if seq is None:
@@ -301,7 +296,7 @@ class TextStage(AutoregressiveStage[RequestState]):
         return request_output(seq, "", [])
 
     def has_unfinished(self) -> bool:
-        return super().has_unfinished() or self._launched is not None or len(self._compiling) > 0
+        return super().has_unfinished() or self._launched is not None or len(self.constraints.compiling) > 0
 
     def replays_next_step(self) -> bool:
         """The next step is a decode step whose batch a captured graph holds: no eager (compiled) code runs."""
@@ -315,7 +310,7 @@ class TextStage(AutoregressiveStage[RequestState]):
     # -- one step -----------------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
-        failed = self._admit_compiled() if len(self._compiling) else []
+        failed = self._admit_compiled() if len(self.constraints.compiling) else []
         return failed + self._step()
 
     def _step(self) -> list[RequestOutput]:
@@ -427,14 +422,6 @@ class TextStage(AutoregressiveStage[RequestState]):
         """End `seq` with finish_reason "error" and its error."""
         self.end_failed(seq, exc)
         return [request_output(seq, "", [])]
-
-
-def _check_constraint(structured: StructuredOutput) -> None:
-    """Raise InvalidConstraint for a constraint the grammar library refuses (quick: no vocabulary)."""
-    # imported here: xgrammar's import takes seconds, which a stage never constrained never pays
-    from omnistage.engine.structured import check
-
-    check(structured)
 
 
 def _decodes_ahead(seq: Sequence[RequestState]) -> bool:

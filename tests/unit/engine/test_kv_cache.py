@@ -138,3 +138,128 @@ def test_release_of_foreign_pages_raises():
     seq.page_ids = [0, 1]  # never allocated from this pool
     with pytest.raises(ValueError):
         pool.release(seq)
+
+
+def held_seq(pool: PagePool, keys: list[bytes], prompt_len: int, request_id: str = "r") -> Sequence:
+    """A sequence of `prompt_len` tokens whose full pages have `keys`, its prompt computed and cached."""
+    seq = Sequence(request_id, list(range(prompt_len)), max_tokens=1, prefix_keys=keys, data=None)
+    pool.take_prefix(seq)
+    assert pool.ensure_capacity(seq, prompt_len)
+    seq.num_computed_tokens = prompt_len
+    pool.cache_computed(seq)
+    return seq
+
+
+def accounted(pool: PagePool) -> None:
+    assert pool.num_free + pool.num_used == pool.num_pages
+    assert all(pool.holders(p) >= 0 for p in range(pool.num_pages))
+    assert pool.num_used == sum(pool.holders(p) > 0 for p in range(pool.num_pages))
+
+
+def test_a_released_cached_page_is_evictable_and_taken_back_by_its_key():
+    pool = PagePool(num_pages=6, page_size=4)
+    first = held_seq(pool, [b"a", b"b"], 10)  # two full pages cached, a third partial one not
+    assert first.page_ids == [0, 1, 2] and first.num_cached_pages == 2
+    assert (pool.num_used, pool.num_cached) == (3, 2)
+    pool.release(first)
+    assert (pool.num_free, pool.num_used, pool.num_cached) == (6, 0, 2)  # evictable pages count as free
+    accounted(pool)
+    second = Sequence("s", list(range(12)), max_tokens=1, prefix_keys=[b"a", b"b", b"c"], data=None)
+    assert pool.take_prefix(second) == 8
+    assert second.page_ids == [0, 1] and second.num_computed_tokens == 8
+    assert (pool.queried_tokens, pool.hit_tokens) == (22, 8)  # the first queried 10 and hit none
+    assert (pool.num_free, pool.num_used) == (4, 2)
+    accounted(pool)
+
+
+def test_a_page_held_by_several_counts_its_holders_and_frees_with_the_last():
+    pool = PagePool(num_pages=4, page_size=2)
+    first = held_seq(pool, [b"x"], 2, "first")
+    second = Sequence("second", [0, 1, 5], max_tokens=1, prefix_keys=[b"x"], data=None)
+    assert pool.take_prefix(second) == 2
+    assert pool.holders(0) == 2 and pool.num_used == 1
+    pool.release(first)
+    assert pool.holders(0) == 1 and pool.num_used == 1 and pool.num_free == 3
+    with pytest.raises(ValueError):
+        pool.free([0, 0])  # listed twice, though it has a holder to spare: a bug
+    pool.release(second)
+    assert pool.holders(0) == 0 and pool.num_free == 4
+    with pytest.raises(ValueError):
+        pool.free([0])  # evictable, held by none: a double free
+    accounted(pool)
+
+
+def test_the_whole_prompt_cached_still_leaves_its_last_token_to_compute():
+    pool = PagePool(num_pages=4, page_size=4)
+    pool.release(held_seq(pool, [b"a", b"b"], 8))
+    again = Sequence("again", list(range(8)), max_tokens=1, prefix_keys=[b"a", b"b"], data=None)
+    assert pool.take_prefix(again) == 4  # the second page is computed again, in a page of its own
+    assert pool.ensure_capacity(again, 8) and again.page_ids == [0, 2]
+
+
+def test_eviction_takes_free_pages_first_then_the_least_recently_released():
+    pool = PagePool(num_pages=5, page_size=1)
+    a = held_seq(pool, [b"a1", b"a2"], 2, "a")  # pages 0, 1
+    b = held_seq(pool, [b"b1", b"b2"], 2, "b")  # pages 2, 3
+    pool.release(b)
+    pool.release(a)  # released last: evicted last; each sequence's tail before its head
+    assert pool.allocate(1) == [4]  # a never-cached page before any cached one
+    assert pool.allocate(1) == [3] and pool.num_cached == 3  # b's tail page, its key dropped
+    assert pool.allocate(1) == [2]
+    head = Sequence("h", [7, 8, 9], max_tokens=1, prefix_keys=[b"a1", b"a2"], data=None)
+    assert pool.take_prefix(head) == 2  # a's pages were spared
+    assert head.page_ids == [0, 1] and pool.num_free == 0
+    accounted(pool)
+
+
+def test_an_evicted_key_misses_and_a_taken_page_is_never_evicted():
+    pool = PagePool(num_pages=3, page_size=1)
+    pool.release(held_seq(pool, [b"k"], 1, "a"))
+    holder = Sequence("h", [0, 1], max_tokens=1, prefix_keys=[b"k"], data=None)
+    pool.take_prefix(holder)
+    assert sorted(pool.allocate(2)) == [1, 2]  # page 0 is held: not evictable
+    with pytest.raises(RuntimeError):
+        pool.allocate(1)
+    pool.release(holder)
+    assert pool.allocate(1) == [0] and pool.num_cached == 0  # now evicted
+    late = Sequence("l", [0, 1], max_tokens=1, prefix_keys=[b"k"], data=None)
+    assert pool.take_prefix(late) == 0 and late.page_ids == []
+
+
+def test_a_key_computed_twice_at_once_keeps_the_first_page():
+    pool = PagePool(num_pages=4, page_size=2)
+    first, second = (Sequence(n, [1, 2, 3], max_tokens=1, prefix_keys=[b"k"], data=None) for n in "ab")
+    for seq in (first, second):  # both admitted before either computed its page
+        pool.take_prefix(seq)
+        assert pool.ensure_capacity(seq, 3)
+    for seq in (first, second):
+        seq.num_computed_tokens = 3
+        pool.cache_computed(seq)
+    assert pool.cached_prefix([b"k"]) == [first.page_ids[0]] and pool.num_cached == 1
+    pool.release(first)
+    pool.release(second)
+    assert pool.num_free == 4 and pool.num_cached == 1
+    accounted(pool)
+
+
+def test_untaking_a_prefix_undoes_it_and_its_counts():
+    pool = PagePool(num_pages=4, page_size=2)
+    pool.release(held_seq(pool, [b"k"], 2))
+    queried, hits = pool.queried_tokens, pool.hit_tokens
+    seq = Sequence("s", [1, 2, 3], max_tokens=1, prefix_keys=[b"k"], data=None)
+    found = pool.take_prefix(seq)
+    pool.untake_prefix(seq, found)
+    assert (pool.queried_tokens, pool.hit_tokens) == (queried, hits)
+    assert seq.page_ids == [] and seq.num_computed_tokens == 0 and pool.num_free == 4
+    assert pool.cached_prefix([b"k"]) == [0]
+
+
+def test_a_sequence_without_keys_never_touches_the_cache():
+    pool = PagePool(num_pages=2, page_size=2)
+    seq = Sequence("s", [1, 2, 3], max_tokens=1, data=None)
+    assert pool.take_prefix(seq) == 0 and pool.queried_tokens == 0
+    assert pool.ensure_capacity(seq, 3)
+    seq.num_computed_tokens = 3
+    pool.cache_computed(seq)
+    pool.release(seq)
+    assert pool.num_cached == 0 and pool.num_free == 2

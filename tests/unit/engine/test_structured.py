@@ -72,7 +72,7 @@ def test_random_schemas_give_json_that_validates(llm):
         for seed, c in enumerate(constraints)
     ]
     outputs = llm.generate(["Give me some JSON."] * len(params), params)
-    grammars = llm.engine.grammars
+    grammars = llm.engine.constraints.grammars
     for schema, constraint, out in zip(schemas, constraints, outputs):
         completion = out.outputs[0]
         assert completion.finish_reason == "stop", (schema, completion.text)
@@ -95,7 +95,7 @@ def test_constrained_and_free_rows_in_one_batch(llm):
 def test_json_object_takes_any_object_and_nothing_else(llm):
     # Unbounded, so sampled by random weights it may not close within any length: checked on the grammar.
     for text, whole in [('{"a": [1, {"b": null}], "c": "d"}', True), ("[1]", False), ('"x"', False)]:
-        state = llm.engine.grammar_state(StructuredOutput(json_object=True))
+        state = llm.engine.constraints.state(StructuredOutput(json_object=True))
         assert state.matcher.accept_string(text) == whole and state.done == whole
 
 
@@ -139,7 +139,7 @@ def test_tool_calls_follow_qwens_format(llm, parallel):
 
 
 def test_padded_and_special_columns_are_always_masked(llm):
-    grammars = llm.engine.grammars
+    grammars = llm.engine.constraints.grammars
     state = grammars.state(StructuredOutput(grammar='root ::= [^"]*'))
     bitmask = allocate_bitmask(1, grammars.vocab_size)
     state.fill(bitmask, 0)
@@ -153,7 +153,7 @@ def test_padded_and_special_columns_are_always_masked(llm):
 
 
 def test_sampler_never_draws_a_masked_token(llm):
-    grammars = llm.engine.grammars
+    grammars = llm.engine.constraints.grammars
     structured = StructuredOutput(json_schema=json.dumps({"enum": ["yes", "no"]}))
     logits = torch.randn(4, grammars.vocab_size)
     logits[:, tokenizer_id(llm, "maybe")] = 1e4  # what the weights want most is forbidden
@@ -186,7 +186,7 @@ def test_refused_constraints_name_their_field(llm):
 
 
 def test_the_cache_is_bounded(llm):
-    grammars = llm.engine.grammars
+    grammars = llm.engine.constraints.grammars
     for i in range(CACHE_SIZE + 3):
         grammars.compile(StructuredOutput(json_schema=json.dumps({"const": i})))
     assert len(grammars._cache) == CACHE_SIZE
@@ -206,7 +206,7 @@ def test_a_new_constraint_compiles_beside_the_other_requests_steps(llm):
     engine.add_request(
         "constrained", prompt, SamplingParams(max_tokens=MAX_TOKENS, seed=1, structured=structured)
     )
-    assert len(engine._compiling) == 1  # admitted without waiting for its compile
+    assert len(engine.constraints.compiling) == 1  # admitted without waiting for its compile
     # the free request's steps go on meanwhile (decoding ahead, a step's tokens come out of the next)
     assert "free" in {o.request_id for _ in range(2) for o in engine.step()}
     final = {}

@@ -89,3 +89,37 @@ def test_a_transcription_is_validated_once(tmp_path, monkeypatch):
         "asr", laid_out.token_ids, params, laid_out.prompt, laid_out.mrope, laid_out.mm
     )
     assert validations(pipeline, request, monkeypatch) == {"pipeline": 1, "thinker": 1}
+
+
+def test_a_prefill_leaves_its_prompts_pages_cached_for_the_turn_after_it(llm):
+    """A turn's prompt prefilled before it is complete (a realtime session as audio arrives): the complete
+    turn then finds every full page of the prefilled prompt cached, and replies as it would have anyway."""
+    pipeline = llm.pipeline
+    history = [{"role": "user", "content": "Say hello."}, {"role": "assistant", "content": "Hello there."}]
+    partial = pipeline.processor.process_chat([*history, {"role": "user", "content": "Now count to"}])
+    whole = pipeline.processor.process_chat([*history, {"role": "user", "content": "Now count to three."}])
+    greedy = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    pipeline.thinker.prefix_caching = False  # the reference leaves no page cached
+    try:
+        expected = llm.generate({"prompt_token_ids": whole.token_ids}, greedy)[0].outputs[0].token_ids
+    finally:
+        pipeline.thinker.prefix_caching = True
+    pool = pipeline.thinker.pool
+    engine = AsyncPipeline(pipeline)
+
+    async def run() -> tuple[int, list[int]]:
+        await engine.prefill(GenerationRequest("early", partial.token_ids, greedy, partial.prompt))
+        assert pool.num_used == 0 and pool.num_cached >= len(partial.token_ids) // pool.page_size
+        before = pool.hit_tokens
+        tokens: list[int] = []
+        async for out in engine.generate(GenerationRequest("turn", whole.token_ids, greedy, whole.prompt)):
+            tokens = out.outputs[0].token_ids  # each output holds every token so far
+        return pool.hit_tokens - before, tokens
+
+    try:
+        found, tokens = asyncio.run(run())
+    finally:
+        engine.shutdown()
+    common = next(i for i, (a, b) in enumerate(zip(partial.token_ids, whole.token_ids)) if a != b)
+    assert found == common // pool.page_size * pool.page_size
+    assert tokens == expected

@@ -32,3 +32,15 @@ def test_gpu_allocator_gauges_appear_with_a_gpu_engine():
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="prometheus-client reads /proc")
 def test_the_process_resident_memory_is_a_gauge():
     assert samples(ServerMetrics().render(ENGINE))["process_resident_memory_bytes"] > 0
+
+
+def test_prefix_cache_totals_are_counters_read_at_scrape_time():
+    metrics = ServerMetrics()
+    assert samples(metrics.render(ENGINE))["omnistage_prefix_cache_hits_total"] == 0
+    stats = {**ENGINE, "prefix_cache_queries": 120, "prefix_cache_hits": 48, "kv_pages_cached": 12}
+    text = metrics.render(stats)
+    found = samples(text)
+    assert found["omnistage_prefix_cache_queries_total"] == 120
+    assert found["omnistage_prefix_cache_hits_total"] == 48
+    assert found["omnistage_kv_pages_cached"] == 12
+    assert b"# TYPE omnistage_prefix_cache_hits_total counter" in text

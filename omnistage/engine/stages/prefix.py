@@ -1,0 +1,53 @@
+"""A text stage's prefix-cache keys of a request (prefix_keys.py): its ids, its M-RoPE positions and the bytes
+of its encoder rows, brought to the host once at admission."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import numpy as np
+import torch
+
+from omnistage.engine.prefix_keys import MediaRows, page_keys
+
+if TYPE_CHECKING:
+    from omnistage.engine.stages.encoders import MultimodalEmbeds
+    from omnistage.engine.stages.token_runner import HiddenTap
+    from omnistage.models.layers.rotary import PromptPositions
+
+
+def request_keys(
+    token_ids: list[int],
+    page_size: int,
+    mrope: PromptPositions | None,
+    mm: MultimodalEmbeds | None,
+    tap: HiddenTap | None,
+) -> list[bytes]:
+    """The keys of the prompt's full pages that may be cached: those before its first tapped row, if it has a
+    tap (a later stage reads the hidden states of those rows, which only computing them writes)."""
+    num_pages = len(token_ids) // page_size
+    if tap is not None and len(tap.rows_host):
+        num_pages = min(num_pages, int(tap.rows_host[0]) // page_size)
+    if num_pages == 0:
+        return []
+    positions = mrope.positions.numpy() if mrope is not None else None
+    return page_keys(token_ids, page_size, num_pages, positions, _media(mm) if mm is not None else ())
+
+
+def _media(mm: MultimodalEmbeds) -> tuple[MediaRows, ...]:
+    """The audio rows, and the vision rows with their deepstack levels, as bytes per placeholder on the host."""
+    media = []
+    if mm.audio_embeds is not None:
+        media.append(MediaRows(mm.audio_rows_host, _bytes(mm.audio_embeds)))
+    if mm.image_embeds is not None:
+        vision = mm.image_embeds
+        if mm.deepstack is not None:  # [levels, n, H] -> [n, levels * H] beside each row
+            levels = mm.deepstack.to(vision.dtype).permute(1, 0, 2).reshape(vision.shape[0], -1)
+            vision = torch.cat([vision, levels], dim=1)
+        media.append(MediaRows(mm.image_rows_host, _bytes(vision)))
+    return tuple(media)
+
+
+def _bytes(rows: torch.Tensor) -> np.ndarray:
+    """`[n, H]` rows as `[n, H * itemsize]` bytes on the host (numpy)."""
+    return rows.detach().contiguous().cpu().view(torch.uint8).numpy()
