@@ -70,13 +70,10 @@ class StreamOptions(Strict):
     continuous_usage_stats: bool | None = False  # vLLM's: with include_usage, the usage so far on every chunk
 
 
-class SamplingRequest(Strict):
-    """Fields shared by chat and text completions."""
+class SamplingExtras(Strict):
+    """The sampling fields beyond temperature and top_p that chat, completions and responses all take (OpenAI's
+    seed, stop and penalties; vLLM's extras, which clients send through the SDK's extra_body)."""
 
-    model: str
-    n: Annotated[Int64 | None, unless(within_samples, samples_bound("n"))] = None
-    temperature: float | None = None
-    top_p: float | None = None
     top_k: Int64 | None = None
     min_p: float | None = None
     seed: Int64 | None = None
@@ -89,6 +86,15 @@ class SamplingRequest(Strict):
     ignore_eos: bool | None = None
     skip_special_tokens: bool | None = None
     include_stop_str_in_output: bool | None = None
+
+
+class SamplingRequest(SamplingExtras):
+    """Fields shared by chat and text completions."""
+
+    model: str
+    n: Annotated[Int64 | None, unless(within_samples, samples_bound("n"))] = None
+    temperature: float | None = None
+    top_p: float | None = None
     stream: bool | None = False
     stream_options: StreamOptions | None = None
     logit_bias: dict[str, float] | None = None  # token ids (as JSON keys: strings) to biases in [-100, 100]

@@ -9,7 +9,7 @@ from typing import Annotated, Any, Literal
 from pydantic import Discriminator, Field, Tag, field_validator, model_validator
 
 from omnistage.server.errors import InvalidField
-from omnistage.server.protocol.base import Int64, Open, Strict, TokenId, empty, never, unless
+from omnistage.server.protocol.base import Int64, Open, SamplingExtras, Strict, empty, never, unless
 from omnistage.server.protocol.chat import InputAudio
 
 _LOGPROBS_INCLUDE = "message.output_text.logprobs"
@@ -214,7 +214,7 @@ class ResponsesStreamOptions(Strict):
     include_obfuscation: bool | None = None  # no padding is sent either way
 
 
-class ResponsesRequest(Strict):
+class ResponsesRequest(SamplingExtras):
     model: str
     input: str | list[InputItem]
     instructions: str | None = None
@@ -251,19 +251,6 @@ class ResponsesRequest(Strict):
         list[dict[str, Any]] | None, unless(empty, "context management (compaction) is not supported")
     ] = None
     moderation: Annotated[dict[str, Any] | None, unless(never, "moderation is not supported")] = None
-    # vLLM's sampling extras, as chat takes them (through the SDK's extra_body)
-    top_k: Int64 | None = None
-    min_p: float | None = None
-    seed: Int64 | None = None
-    stop: str | list[str] | None = None
-    stop_token_ids: list[TokenId] | None = None
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
-    repetition_penalty: float | None = None
-    min_tokens: Int64 | None = None
-    ignore_eos: bool | None = None
-    skip_special_tokens: bool | None = None
-    include_stop_str_in_output: bool | None = None
 
     # Accepted and ignored: nothing the client gets from this server depends on them.
     user: str | None = None
