@@ -7,45 +7,28 @@ by the processor's chat template, so that what the model reads is shown to be wh
 
 from __future__ import annotations
 
-import asyncio
 import base64
-import functools
 import re
 import time
 
 import httpx
-import numpy as np
-import openai
 import pytest
 
 from omnistage.server.app import build_app
-from omnistage.server.realtime.codecs import to_model_rate
 from omnistage.server.realtime.conversation import truncated_transcript
 from tests.server.conftest import serving
-
-KEY = "sk-realtime"
-INSTRUCTIONS = "You are a terse assistant."
-
-
-def in_loop(test):
-    """An async test run in an event loop of its own."""
-
-    @functools.wraps(test)
-    def run(*args, **kwargs):
-        return asyncio.run(test(*args, **kwargs))
-
-    return run
-
-
-def tone(seconds: float, rate: int = 24_000, hz: float = 220.0) -> bytes:
-    """A sine of `seconds` as pcm16 at `rate`: the user's 'speech'."""
-    t = np.arange(int(seconds * rate)) / rate
-    return (np.sin(2 * np.pi * hz * t) * 0.3 * 32767).astype("<i2").tobytes()
-
-
-def clip_of(pcm: bytes) -> np.ndarray:
-    """The 16 kHz clip the processor reads of pcm16 at 24 kHz, as the session converts it."""
-    return to_model_rate(np.frombuffer(pcm, "<i2").astype(np.float32) / 32768.0, 24_000)
+from tests.server.realtime_client import (
+    INSTRUCTIONS,
+    KEY,
+    audio_bytes,
+    clip_of,
+    connect,
+    in_loop,
+    manual,
+    pages_free,
+    tone,
+    until,
+)
 
 
 @pytest.fixture(scope="module")
@@ -66,47 +49,6 @@ def prompts(monkeypatch, tiny_pipeline):
 
     monkeypatch.setattr(tiny_pipeline, "generate", spy)
     return seen
-
-
-def connect(url: str):
-    client = openai.AsyncOpenAI(base_url=f"{url}/v1", api_key=KEY, max_retries=0)
-    return client.realtime.connect(model="tiny")
-
-
-async def until(conn, kind: str) -> list:
-    """The events received up to and including the first of type `kind`."""
-    events = []
-    async with asyncio.timeout(120):
-        async for event in conn:
-            events.append(event)
-            if event.type == kind:
-                return events
-    raise AssertionError(f"the connection closed before {kind}")
-
-
-async def manual(conn, **session) -> None:
-    """Turn detection off (the client commits), and the session's other settings."""
-    assert (await conn.recv()).type == "session.created"
-    audio = session.pop("audio", {}) | {"input": {"turn_detection": None}}
-    await conn.session.update(
-        session={"type": "realtime", "instructions": INSTRUCTIONS, "audio": audio, **session}
-    )
-    (updated,) = await until(conn, "session.updated")
-    assert updated.session.audio.input.turn_detection is None
-
-
-async def pages_free(pipeline, timeout: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout
-    while True:
-        stats = pipeline.stats()
-        if stats["kv_pages_used"] == 0 and stats["talker_kv_pages_free"] == stats["talker_kv_pages_total"]:
-            return
-        assert time.monotonic() < deadline, f"pages still held: {stats}"
-        await asyncio.sleep(0.02)
-
-
-def audio_bytes(events: list) -> bytes:
-    return b"".join(base64.b64decode(e.delta) for e in events if e.type == "response.output_audio.delta")
 
 
 @in_loop

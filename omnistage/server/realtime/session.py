@@ -34,6 +34,7 @@ from omnistage.server.realtime.conversation import (
 from omnistage.server.realtime.settings import Settings
 from omnistage.server.realtime.transcription import Transcriber
 from omnistage.server.realtime.turns import Link, Response, Services
+from omnistage.server.vad import SpeechDetector, VadEvent, VadSettings
 
 log = logging.getLogger(__name__)
 
@@ -66,6 +67,10 @@ class Session:
         self.id = new_id("sess")
         self.buffer: list[np.ndarray] = []  # the input audio buffer, at the input format's rate
         self.buffered = 0  # its samples
+        self.streamed = 0  # samples appended since the session began (server VAD's clock)
+        self.detector: SpeechDetector | None = None
+        self.detector_origin_ms = 0
+        self.next_item = new_id("item")  # the id the buffer's audio will have once committed
         self.response: Response | None = None
         self.responding: asyncio.Task | None = None
         self.transcribing: set[asyncio.Task] = set()
@@ -99,6 +104,7 @@ class Session:
         await self.send({"type": "error", "error": error})
 
     async def opened(self) -> None:
+        self.detector = self._detector()
         await self.send({"type": "session.created", "session": self.session_body()})
 
     def session_body(self) -> dict[str, Any]:
@@ -124,11 +130,11 @@ class Session:
         if isinstance(event, protocol.SessionUpdate):
             await self._update(event.session)
         elif isinstance(event, protocol.BufferAppend):
-            self._append(event.audio)
+            await self._append(event.audio)
         elif isinstance(event, protocol.BufferCommit):
             await self.commit()
         elif isinstance(event, protocol.BufferClear):
-            self.buffer, self.buffered = [], 0
+            self._empty()
             await self.send({"type": "input_audio_buffer.cleared"})
         elif isinstance(event, protocol.ItemCreate):
             await self._create_item(event.item, event.previous_item_id)
@@ -146,13 +152,35 @@ class Session:
             await self._cancel_asked(event.response_id)
 
     async def _update(self, given: protocol.SessionConfig) -> None:
-        voices = self.link.voices
+        voices, before = self.link.voices, self.settings
         self.settings = self.settings.updated(given, voices, bool(voices.speakers))
+        if self.settings.input_format != before.input_format and self.buffered:
+            self.settings = before
+            raise SessionError(
+                "session.audio.input.format: the input audio buffer holds audio of the old format; commit or "
+                "clear it first",
+                "invalid_value",
+                "session.audio.input.format",
+            )
+        detecting = (self.settings.turn_detection, self.settings.input_format)
+        if detecting != (before.turn_detection, before.input_format):
+            self.detector = self._detector()
         await self.send({"type": "session.updated", "session": self.session_body()})
+
+    def _detector(self) -> SpeechDetector | None:
+        """Server VAD over the input stream, at its rate, with the session's settings (None: turned off)."""
+        detection = self.settings.turn_detection
+        if detection is None:
+            return None
+        settings = VadSettings(
+            detection.threshold, detection.prefix_padding_ms, detection.silence_duration_ms
+        )
+        self.detector_origin_ms = self.settings.input_format.ms(self.streamed)  # where its clock starts
+        return SpeechDetector(settings, self.settings.input_format.rate)
 
     # -- the input audio buffer ---------------------------------------------------------------------------
 
-    def _append(self, audio: str) -> None:
+    async def _append(self, audio: str) -> None:
         try:
             data = pybase64.b64decode(audio, validate=True)
         except (binascii.Error, ValueError):
@@ -172,6 +200,50 @@ class Session:
             )
         self.buffer.append(samples)
         self.buffered += len(samples)
+        self.streamed += len(samples)
+        if self.detector is not None:
+            for event in await self.detector.feed_in_thread(samples):
+                await self._turn_edge(event)
+
+    async def _turn_edge(self, event: VadEvent) -> None:
+        """Server VAD saw the user start or stop: a start interrupts the response under way (barge-in) and
+        drops the buffer's audio before the start's padding; a stop commits the turn and answers it."""
+        detection = self.settings.turn_detection
+        assert detection is not None  # a detector runs only with turn detection on
+        at_ms = self.detector_origin_ms + event.audio_ms  # in the session's input stream
+        if event.kind == "speech_started":
+            self._keep_from(self.settings.input_format.samples(at_ms))
+            await self.send(
+                {
+                    "type": "input_audio_buffer.speech_started",
+                    "audio_start_ms": at_ms,
+                    "item_id": self.next_item,
+                }
+            )
+            if detection.interrupt_response:
+                await self.cancel("turn_detected")
+            return
+        await self.send(
+            {"type": "input_audio_buffer.speech_stopped", "audio_end_ms": at_ms, "item_id": self.next_item}
+        )
+        self.speech_ended = time.monotonic()
+        if self.settings.input_format.ms(self.buffered) < MIN_COMMIT_MS:
+            return
+        await self.commit()
+        if detection.create_response and self.settings.kind == "realtime" and not self._responding():
+            self._respond(None)
+
+    def _keep_from(self, start: int) -> None:
+        """Drop the buffer's samples before stream position `start`."""
+        drop = min(max(start - (self.streamed - self.buffered), 0), self.buffered)
+        if drop:
+            audio = np.concatenate(self.buffer)[drop:]
+            self.buffer, self.buffered = [audio], len(audio)
+
+    def _empty(self) -> None:
+        self.buffer, self.buffered = [], 0
+        if self.detector is not None:
+            self.detector.reset()
 
     async def commit(self) -> None:
         """The buffer becomes the user's audio item (a transcription session transcribes it)."""
@@ -183,9 +255,11 @@ class Session:
                 "input_audio_buffer_commit_empty",
             )
         clip = to_model_rate(np.concatenate(self.buffer), fmt.rate)
-        self.buffer, self.buffered = [], 0
-        self.speech_ended = time.monotonic()
-        item = Item(new_id("item"), "message", "user", [Part("input_audio", clip=clip)])
+        self._empty()
+        if self.settings.turn_detection is None:
+            self.speech_ended = time.monotonic()
+        item_id, self.next_item = self.next_item, new_id("item")
+        item = Item(item_id, "message", "user", [Part("input_audio", clip=clip)])
         previous = self.conversation.add(item)
         await self.send(
             {"type": "input_audio_buffer.committed", "item_id": item.id, "previous_item_id": previous}
@@ -319,7 +393,10 @@ class Session:
 
     @property
     def busy(self) -> bool:
-        return (self.responding is not None and not self.responding.done()) or bool(self.transcribing)
+        return self._responding() or bool(self.transcribing)
+
+    def _responding(self) -> bool:
+        return self.responding is not None and not self.responding.done()
 
     def _respond(self, overrides: protocol.ResponseParams | None) -> None:
         if self.settings.kind == "transcription":

@@ -48,7 +48,7 @@ class Settings:
     modalities: tuple[str, ...] = ("audio",)
     input_format: AudioFormat = AudioFormat(PCM)
     output_format: AudioFormat = AudioFormat(PCM)
-    turn_detection: TurnDetection | None = None
+    turn_detection: TurnDetection | None = TurnDetection()  # OpenAI's default: server VAD
     tools: tuple[dict[str, Any], ...] = ()
     tool_choice: str | dict[str, Any] = "auto"
     max_output_tokens: int | None = None  # None: as much as the context leaves ("inf")
