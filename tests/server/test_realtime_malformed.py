@@ -11,6 +11,7 @@ import pytest
 import websockets
 
 from omnistage.server.app import build_app
+from omnistage.server.realtime.route import RealtimeLimits
 from tests.server.conftest import serving
 from tests.server.realtime_client import KEY, in_loop, tone
 
@@ -191,3 +192,30 @@ async def test_huge_appends(ws_url):
     async with websockets.connect(ws_url, additional_headers=AUTH, max_size=None) as ws:
         await ws.recv()
         await answered(ws)
+
+
+@in_loop
+async def test_a_conversation_past_its_limit_fails_the_response_alone(tiny_pipeline):
+    app = build_app(tiny_pipeline, "tiny", api_key=KEY, realtime=RealtimeLimits(max_conversation_tokens=40))
+    with serving(app) as base:
+        url = base.replace("http", "ws") + "/v1/realtime?model=tiny"
+        async with websockets.connect(url, additional_headers=AUTH) as ws:
+            await ws.recv()
+            text = {"type": "input_text", "text": "word " * 60}
+            item = {"type": "message", "role": "user", "content": [text]}
+            await ws.send(json.dumps({"type": "conversation.item.create", "item": item}))
+            created = await receive(ws, "conversation.item.done")
+            await ws.send(
+                json.dumps({"type": "response.create", "response": {"output_modalities": ["text"]}})
+            )
+            error = await receive(ws, "error")
+            assert (error["error"]["code"], error["error"]["param"]) == (
+                "context_length_exceeded",
+                "conversation",
+            )
+            assert "at most 40" in error["error"]["message"]
+            done = await receive(ws, "response.done")
+            assert done["response"]["status"] == "failed"
+            await ws.send(json.dumps({"type": "conversation.item.delete", "item_id": created["item"]["id"]}))
+            await receive(ws, "conversation.item.deleted")
+            await answered(ws)  # within the limit again

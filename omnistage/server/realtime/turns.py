@@ -44,6 +44,8 @@ Send = Callable[[dict[str, Any]], Awaitable[None]]
 class ConversationTooLong(InvalidField):
     """The conversation renders to more tokens than a session may hold."""
 
+    code = "context_length_exceeded"  # OpenAI's code for a prompt past the context
+
 
 @dataclass(frozen=True)
 class Services:
@@ -115,7 +117,8 @@ class Response:
         except Exception as exc:
             failure = typed_failure(exc, self.id)
             kind = kind_of(failure)
-            error = {"type": kind.type, "code": kind.code, "message": str(failure)}
+            code = getattr(failure, "code", None) or kind.code
+            error = {"type": kind.type, "code": code, "message": str(failure)}
             await send({"type": "error", "error": {**error, "param": getattr(failure, "param", None)}})
             status, details = "failed", {"type": "failed", "error": error}
             await self._close_items("incomplete")
