@@ -126,6 +126,11 @@ class Session:
             await self.error(str(exc), exc.code, exc.param, event.event_id)
         except InvalidRequest as exc:
             await self.error(str(exc), "invalid_value", getattr(exc, "param", None), event.event_id)
+        except Exception:  # this event alone fails; the session goes on
+            log.exception("realtime session %s failed on a %s event", self.id, event.type)
+            error = {"type": "server_error", "code": "internal_error", "event_id": event.event_id}
+            message = "the server failed this event (an internal error, logged)"
+            await self.send({"type": "error", "error": {**error, "message": message, "param": None}})
 
     async def _dispatch(self, event: protocol.ClientEvent) -> None:
         if isinstance(event, protocol.SessionUpdate):
