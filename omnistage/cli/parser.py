@@ -202,6 +202,27 @@ def build_parser() -> argparse.ArgumentParser:
         "go first (default: %(default)s)",
     )
     serve.add_argument(
+        "--max-sessions",
+        type=int,
+        default=None,
+        help="most realtime sessions (/v1/realtime) open at once; one more is refused with 429 (default: no "
+        "limit but --max-connections)",
+    )
+    serve.add_argument(
+        "--realtime-idle-timeout-s",
+        type=float,
+        default=600.0,
+        help="seconds a realtime session may go without a client event while nothing runs; then it is "
+        "closed (default: %(default)s)",
+    )
+    serve.add_argument(
+        "--realtime-max-conversation-tokens",
+        type=int,
+        default=None,
+        help="most tokens a realtime session's conversation may render to; a response past it fails with an "
+        "error event naming the limit (default: the model's context)",
+    )
+    serve.add_argument(
         "--no-playground",
         dest="playground",
         action="store_false",

@@ -36,6 +36,7 @@ def server_options(args: argparse.Namespace, config: EngineConfig) -> ServerOpti
     """The server's settings from the flags, each checked; raises ConfigError naming the flag at fault."""
     from omnistage.media import MediaPolicy
     from omnistage.server.options import ServerOptions
+    from omnistage.server.realtime.route import RealtimeLimits
 
     media_dir = Path(args.media_dir).resolve() if args.media_dir else None
     if media_dir is not None and not media_dir.is_dir():
@@ -54,6 +55,19 @@ def server_options(args: argparse.Namespace, config: EngineConfig) -> ServerOpti
         raise ConfigError(f"--responses-retention-s {args.responses_retention_s}: must be at least 0")
     if args.max_stored_responses < 0:
         raise ConfigError(f"--max-stored-responses {args.max_stored_responses}: must be at least 0")
+    if args.max_sessions is not None and args.max_sessions < 1:
+        raise ConfigError(f"--max-sessions {args.max_sessions}: must be at least 1")
+    if args.realtime_idle_timeout_s <= 0:
+        raise ConfigError(
+            f"--realtime-idle-timeout-s {args.realtime_idle_timeout_s}: must be above 0 seconds"
+        )
+    if args.realtime_max_conversation_tokens is not None and args.realtime_max_conversation_tokens < 1:
+        raise ConfigError(
+            f"--realtime-max-conversation-tokens {args.realtime_max_conversation_tokens}: must be at least 1"
+        )
+    realtime = RealtimeLimits(
+        args.max_sessions, args.realtime_idle_timeout_s, args.realtime_max_conversation_tokens
+    )
     return ServerOptions(
         served_model_name=args.served_model_name
         or (Path(config.model).resolve().name if config.model else "omnistage-tiny"),
@@ -67,6 +81,7 @@ def server_options(args: argparse.Namespace, config: EngineConfig) -> ServerOpti
         max_stored_responses=args.max_stored_responses,
         playground=args.playground,
         engine_process=args.engine_process,
+        realtime=realtime,
     )
 
 

@@ -24,6 +24,9 @@ from omnistage.server.gate import DEFAULT_MAX_BODY_BYTES, CatchAll, Gate, Reques
 from omnistage.server.json_route import JSONRoute
 from omnistage.server.metrics import ServerMetrics
 from omnistage.server.playground import add_playground
+from omnistage.server.realtime.route import PATH as REALTIME_PATH
+from omnistage.server.realtime.route import RealtimeEndpoint, RealtimeLimits
+from omnistage.server.realtime.turns import Services
 from omnistage.server.reasoning import AUTO, chosen_parser
 from omnistage.server.responses import ModelCard, ModelList
 from omnistage.server.spoken_answers import DEFAULT_MAX_ANSWERS, DEFAULT_RETENTION_S, SpokenAnswers
@@ -55,6 +58,7 @@ def build_app(
     responses: responses_api.ResponseStore | None = None,
     playground: bool = True,
     reasoning_parser: str = AUTO,
+    realtime: RealtimeLimits | None = None,
 ) -> FastAPI:
     """The FastAPI app serving `pipeline` under `served_model_name`; /v1/* needs `api_key` when one is given.
 
@@ -63,7 +67,8 @@ def build_app(
     keeps spoken answers for later turns (default: an hour, 10,000 of them), `responses` the Responses API's
     responses for `previous_response_id` (default: an hour, 1,000 of them); `playground` serves the page at /
     and /playground (playground.py); `reasoning_parser` splits a chat reply's think block into
-    `reasoning_content` (reasoning.py: `auto` chooses by the checkpoint).
+    `reasoning_content` (reasoning.py: `auto` chooses by the checkpoint); `realtime` bounds the realtime
+    sessions of /v1/realtime (their number, idle time and conversation length).
     """
     media = media or MediaPolicy()
     frontend = pipeline.frontend
@@ -128,6 +133,13 @@ def build_app(
     v1.add_api_route(VOICES_PATH.removeprefix("/v1"), info.voices, methods=["GET"])
     v1.add_api_route("/models/{model:path}", info.model, methods=["GET"])
     app.include_router(v1)
+    realtime = realtime or RealtimeLimits()
+    context = frontend.max_model_len
+    most = min(realtime.max_conversation_tokens or context, context)
+    sessions = Services(pipeline, voices, metrics, most)
+    app.add_api_websocket_route(
+        REALTIME_PATH, RealtimeEndpoint(sessions, served_model_name, api_key, realtime)
+    )
     app.add_api_route("/health", info.health, methods=["GET"])
     app.add_api_route("/metrics", info.metrics_text, methods=["GET"])
     if playground:

@@ -90,6 +90,25 @@ class ServerMetrics:
             "Arrival to the first decoded audio chunk of a spoken reply",
             _TTFT_BUCKETS,
         )
+        self.realtime_sessions = Gauge(
+            "omnistage_realtime_sessions", "Realtime sessions open (/v1/realtime)", registry=r
+        )
+        self.realtime_responses = Counter(
+            "omnistage_realtime_responses",
+            "Realtime responses (turns) by how they ended: completed, cancelled, incomplete or failed",
+            ["status"],
+            registry=r,
+        )
+        self.realtime_barge_ins = Counter(
+            "omnistage_realtime_barge_ins",
+            "Realtime responses cut short by the user speaking (server VAD) or by the client's response.cancel",
+            registry=r,
+        )
+        self.realtime_first_audio = self._histogram(
+            "omnistage_realtime_first_audio_seconds",
+            "The end of the user's speech (VAD's stop, or the commit) to the first audio delta sent",
+            _TTFT_BUCKETS,
+        )
         self.stat_gauges = {
             stat: Gauge(name, help, registry=r) for stat, (name, help) in _STAT_GAUGES.items()
         }

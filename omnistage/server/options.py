@@ -12,6 +12,7 @@ from omnistage.media import MediaPolicy
 from omnistage.pipeline.async_pipeline import AsyncPipeline
 from omnistage.server.app import build_app
 from omnistage.server.gate import DEFAULT_MAX_BODY_BYTES
+from omnistage.server.realtime.route import RealtimeLimits
 from omnistage.server.reasoning import AUTO
 from omnistage.server.responses_api import DEFAULT_MAX_RESPONSES, ResponseStore
 from omnistage.server.spoken_answers import DEFAULT_MAX_ANSWERS, DEFAULT_RETENTION_S, SpokenAnswers
@@ -33,6 +34,7 @@ class ServerOptions:
     engine_process: bool = False
     playground: bool = True  # the page at / and /playground
     reasoning_parser: str = AUTO  # server/reasoning.py
+    realtime: RealtimeLimits = field(default_factory=RealtimeLimits)  # /v1/realtime's sessions
 
 
 def load_server(config: EngineConfig, options: ServerOptions) -> tuple[AsyncPipeline, FastAPI]:
@@ -58,6 +60,7 @@ def load_server(config: EngineConfig, options: ServerOptions) -> tuple[AsyncPipe
             responses=ResponseStore(options.responses_retention_s, options.max_stored_responses),
             playground=options.playground,
             reasoning_parser=options.reasoning_parser,
+            realtime=options.realtime,
         )
     except BaseException:
         pipeline.shutdown()

@@ -311,3 +311,27 @@ class FakePipeline:
 @pytest.fixture
 def fake_pipeline() -> FakePipeline:
     return FakePipeline()
+
+
+@contextmanager
+def serving(app: Any) -> Iterator[str]:
+    """`app` served by uvicorn on a thread of this process; yields its base URL (http://127.0.0.1:PORT)."""
+    import threading
+
+    import uvicorn
+
+    from omnistage.cli.serve import bind
+
+    listener = bind("127.0.0.1", 0)
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [listener]}, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while not server.started and time.monotonic() < deadline:
+        time.sleep(0.01)
+    try:
+        yield f"http://127.0.0.1:{listener.getsockname()[1]}"
+    finally:
+        server.should_exit = True
+        thread.join(timeout=10)
+        listener.close()

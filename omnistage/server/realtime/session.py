@@ -1,0 +1,442 @@
+"""One realtime session over its WebSocket: the client's events handled in order, the server's sent through
+one lock, the input audio buffer, and the session's one response (or a transcription session's
+transcriptions) as tasks beside the reading loop.
+
+A bad event is answered with an `error` event and the session goes on; a session ends when its client closes
+or goes away, or when it is idle too long, and then every task it started is cancelled, which aborts their
+requests in the pipeline and frees their pages.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import binascii
+import json
+import logging
+import time
+from typing import Any
+
+import numpy as np
+import pybase64
+from starlette.websockets import WebSocket
+
+from omnistage.errors import InvalidRequest
+from omnistage.server.realtime import protocol
+from omnistage.server.realtime.codecs import BadAudio, to_model_rate
+from omnistage.server.realtime.conversation import (
+    Conversation,
+    Item,
+    Part,
+    UnknownItem,
+    new_id,
+    truncated_transcript,
+)
+from omnistage.server.realtime.settings import Settings
+from omnistage.server.realtime.transcription import Transcriber
+from omnistage.server.realtime.turns import Link, Response, Services
+from omnistage.server.vad import SpeechDetector, VadEvent, VadSettings
+
+log = logging.getLogger(__name__)
+
+# The most audio one buffer (one user turn) holds: what the audio encoder reads of one clip.
+MAX_BUFFER_SECONDS = 300
+# OpenAI refuses to commit less than this much audio.
+MIN_COMMIT_MS = 100
+
+
+class SessionError(Exception):
+    """An event the session cannot carry out: OpenAI's error code and the field at fault."""
+
+    def __init__(self, message: str, code: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.code, self.param = code, param
+
+
+class Session:
+    def __init__(self, websocket: WebSocket, settings: Settings, services: Services) -> None:
+        self.websocket, self.settings = websocket, settings
+        self.conversation = Conversation()
+        self.link = Link(
+            services.pipeline,
+            services.voices,
+            services.metrics,
+            self.send,
+            self.conversation,
+            services.max_conversation_tokens,
+        )
+        self.id = new_id("sess")
+        self.buffer: list[np.ndarray] = []  # the input audio buffer, at the input format's rate
+        self.buffered = 0  # its samples
+        self.streamed = 0  # samples appended since the session began (server VAD's clock)
+        self.detector: SpeechDetector | None = None
+        self.detector_origin_ms = 0
+        self.next_item = new_id("item")  # the id the buffer's audio will have once committed
+        self.response: Response | None = None
+        self.responding: asyncio.Task | None = None
+        self.transcribing: set[asyncio.Task] = set()
+        self.speech_ended: float | None = None  # when the user's turn last ended (commit), for latency
+        self.closed = False
+        self._sending = asyncio.Lock()
+
+    # -- sending ------------------------------------------------------------------------------------------
+
+    async def send(self, event: dict[str, Any]) -> None:
+        """Send one server event; once the client is gone nothing more is sent (the reading loop ends)."""
+        if self.closed:
+            return
+        text = json.dumps({"event_id": new_id("event"), **event}, ensure_ascii=False)
+        try:
+            async with self._sending:
+                await self.websocket.send_text(text)
+        except Exception:  # the client went away mid-send: the reading loop sees the disconnect
+            self.closed = True
+
+    async def error(
+        self, message: str, code: str | None, param: str | None = None, event_id: str | None = None
+    ) -> None:
+        error = {
+            "type": "invalid_request_error",
+            "code": code,
+            "message": message,
+            "param": param,
+            "event_id": event_id,
+        }
+        await self.send({"type": "error", "error": error})
+
+    async def opened(self) -> None:
+        self.detector = self._detector()
+        await self.send({"type": "session.created", "session": self.session_body()})
+
+    def session_body(self) -> dict[str, Any]:
+        return {"id": self.id, **self.settings.as_dict()}
+
+    # -- receiving ----------------------------------------------------------------------------------------
+
+    async def handle(self, frame: str | bytes) -> None:
+        """One frame from the client: its event carried out, or an `error` event saying why not."""
+        try:
+            event = protocol.parse_event(frame)
+        except protocol.BadEvent as exc:
+            await self.error(str(exc), exc.code, exc.param, exc.event_id)
+            return
+        try:
+            await self._dispatch(event)
+        except SessionError as exc:
+            await self.error(str(exc), exc.code, exc.param, event.event_id)
+        except InvalidRequest as exc:
+            await self.error(str(exc), "invalid_value", getattr(exc, "param", None), event.event_id)
+
+    async def _dispatch(self, event: protocol.ClientEvent) -> None:
+        if isinstance(event, protocol.SessionUpdate):
+            await self._update(event.session)
+        elif isinstance(event, protocol.BufferAppend):
+            await self._append(event.audio)
+        elif isinstance(event, protocol.BufferCommit):
+            await self.commit()
+        elif isinstance(event, protocol.BufferClear):
+            self._empty()
+            await self.send({"type": "input_audio_buffer.cleared"})
+        elif isinstance(event, protocol.ItemCreate):
+            await self._create_item(event.item, event.previous_item_id)
+        elif isinstance(event, protocol.ItemDelete):
+            await self._delete_item(event.item_id)
+        elif isinstance(event, protocol.ItemRetrieve):
+            await self.send(
+                {"type": "conversation.item.retrieved", "item": self._item(event.item_id).as_dict()}
+            )
+        elif isinstance(event, protocol.ItemTruncate):
+            await self._truncate(event)
+        elif isinstance(event, protocol.ResponseCreate):
+            self._respond(event.response)
+        elif isinstance(event, protocol.ResponseCancel):
+            await self._cancel_asked(event.response_id)
+
+    async def _update(self, given: protocol.SessionConfig) -> None:
+        voices, before = self.link.voices, self.settings
+        self.settings = self.settings.updated(given, voices, bool(voices.speakers))
+        if self.settings.input_format != before.input_format and self.buffered:
+            self.settings = before
+            raise SessionError(
+                "session.audio.input.format: the input audio buffer holds audio of the old format; commit or "
+                "clear it first",
+                "invalid_value",
+                "session.audio.input.format",
+            )
+        detecting = (self.settings.turn_detection, self.settings.input_format)
+        if detecting != (before.turn_detection, before.input_format):
+            self.detector = self._detector()
+        await self.send({"type": "session.updated", "session": self.session_body()})
+
+    def _detector(self) -> SpeechDetector | None:
+        """Server VAD over the input stream, at its rate, with the session's settings (None: turned off)."""
+        detection = self.settings.turn_detection
+        if detection is None:
+            return None
+        settings = VadSettings(
+            detection.threshold, detection.prefix_padding_ms, detection.silence_duration_ms
+        )
+        self.detector_origin_ms = self.settings.input_format.ms(self.streamed)  # where its clock starts
+        return SpeechDetector(settings, self.settings.input_format.rate)
+
+    # -- the input audio buffer ---------------------------------------------------------------------------
+
+    async def _append(self, audio: str) -> None:
+        try:
+            data = pybase64.b64decode(audio, validate=True)
+        except (binascii.Error, ValueError):
+            raise SessionError("audio: not base64", "invalid_value", "audio") from None
+        fmt = self.settings.input_format
+        try:
+            samples = fmt.decode(data)
+        except BadAudio as exc:
+            raise SessionError(f"audio: {exc}", "invalid_value", "audio") from None
+        if self.buffered + len(samples) > fmt.samples(MAX_BUFFER_SECONDS * 1000):
+            raise SessionError(
+                f"the input audio buffer holds {fmt.ms(self.buffered) / 1000:.1f} s; this append of "
+                f"{fmt.ms(len(samples)) / 1000:.1f} s would pass the limit of {MAX_BUFFER_SECONDS} s a turn "
+                "(commit, or clear it)",
+                "input_audio_buffer_full",
+                "audio",
+            )
+        self.buffer.append(samples)
+        self.buffered += len(samples)
+        self.streamed += len(samples)
+        if self.detector is not None:
+            for event in await self.detector.feed_in_thread(samples):
+                await self._turn_edge(event)
+
+    async def _turn_edge(self, event: VadEvent) -> None:
+        """Server VAD saw the user start or stop: a start interrupts the response under way (barge-in) and
+        drops the buffer's audio before the start's padding; a stop commits the turn and answers it."""
+        detection = self.settings.turn_detection
+        assert detection is not None  # a detector runs only with turn detection on
+        at_ms = self.detector_origin_ms + event.audio_ms  # in the session's input stream
+        if event.kind == "speech_started":
+            self._keep_from(self.settings.input_format.samples(at_ms))
+            await self.send(
+                {
+                    "type": "input_audio_buffer.speech_started",
+                    "audio_start_ms": at_ms,
+                    "item_id": self.next_item,
+                }
+            )
+            if detection.interrupt_response:
+                await self.cancel("turn_detected")
+            return
+        await self.send(
+            {"type": "input_audio_buffer.speech_stopped", "audio_end_ms": at_ms, "item_id": self.next_item}
+        )
+        self.speech_ended = time.monotonic()
+        if self.settings.input_format.ms(self.buffered) < MIN_COMMIT_MS:
+            return
+        await self.commit()
+        if detection.create_response and self.settings.kind == "realtime" and not self._responding():
+            self._respond(None)
+
+    def _keep_from(self, start: int) -> None:
+        """Drop the buffer's samples before stream position `start`."""
+        drop = min(max(start - (self.streamed - self.buffered), 0), self.buffered)
+        if drop:
+            audio = np.concatenate(self.buffer)[drop:]
+            self.buffer, self.buffered = [audio], len(audio)
+
+    def _empty(self) -> None:
+        self.buffer, self.buffered = [], 0
+        if self.detector is not None:
+            self.detector.reset()
+
+    async def commit(self) -> None:
+        """The buffer becomes the user's audio item (a transcription session transcribes it)."""
+        fmt = self.settings.input_format
+        if fmt.ms(self.buffered) < MIN_COMMIT_MS:
+            raise SessionError(
+                f"the input audio buffer holds {fmt.ms(self.buffered)} ms of audio; a commit needs at least "
+                f"{MIN_COMMIT_MS} ms",
+                "input_audio_buffer_commit_empty",
+            )
+        clip = to_model_rate(np.concatenate(self.buffer), fmt.rate)
+        self._empty()
+        if self.settings.turn_detection is None:
+            self.speech_ended = time.monotonic()
+        item_id, self.next_item = self.next_item, new_id("item")
+        item = Item(item_id, "message", "user", [Part("input_audio", clip=clip)])
+        previous = self.conversation.add(item)
+        await self.send(
+            {"type": "input_audio_buffer.committed", "item_id": item.id, "previous_item_id": previous}
+        )
+        await self._item_added(item, previous)
+        if self.settings.kind == "transcription":
+            task = asyncio.ensure_future(Transcriber(self.link, self.settings, item).run())
+            self.transcribing.add(task)
+            task.add_done_callback(self.transcribing.discard)
+
+    # -- the conversation ---------------------------------------------------------------------------------
+
+    def _item(self, item_id: str) -> Item:
+        try:
+            return self.conversation.find(item_id)
+        except UnknownItem:
+            raise SessionError(
+                f"item_id: the conversation holds no item {item_id!r}", "item_not_found", "item_id"
+            ) from None
+
+    async def _item_added(self, item: Item, previous: str | None) -> None:
+        body = item.as_dict()
+        await self.send({"type": "conversation.item.added", "previous_item_id": previous, "item": body})
+        await self.send({"type": "conversation.item.done", "previous_item_id": previous, "item": body})
+
+    async def _create_item(
+        self,
+        given: protocol.MessageItem | protocol.FunctionCallItem | protocol.FunctionCallOutputItem,
+        previous_item_id: str | None,
+    ) -> None:
+        item_id = given.id or new_id("item")
+        if isinstance(given, protocol.FunctionCallItem):
+            item = Item(
+                item_id,
+                "function_call",
+                name=given.name,
+                arguments=given.arguments,
+                call_id=given.call_id or new_id("call"),
+            )
+        elif isinstance(given, protocol.FunctionCallOutputItem):
+            item = Item(item_id, "function_call_output", call_id=given.call_id, output=given.output)
+        else:
+            item = Item(
+                item_id,
+                "message",
+                given.role,
+                [self._part(given.role, part, i) for i, part in enumerate(given.content)],
+            )
+        if previous_item_id is not None:
+            self._item(previous_item_id)
+        try:
+            previous = self.conversation.add(item, previous_item_id)
+        except ValueError as exc:
+            raise SessionError(f"item.id: {exc}", "invalid_value", "item.id") from None
+        await self._item_added(item, previous)
+
+    def _part(self, role: str, given: protocol.ContentPart, index: int) -> Part:
+        where = f"item.content[{index}]"
+        if role == "user" and given.type == "input_text" and given.text is not None:
+            return Part("input_text", given.text)
+        if role == "user" and given.type == "input_audio" and given.audio is not None:
+            try:
+                samples = self.settings.input_format.decode(pybase64.b64decode(given.audio, validate=True))
+            except (binascii.Error, ValueError):
+                raise SessionError(
+                    f"{where}.audio: not base64 audio of the session's input format",
+                    "invalid_value",
+                    f"{where}.audio",
+                ) from None
+            return Part(
+                "input_audio",
+                given.transcript or "",
+                clip=to_model_rate(samples, self.settings.input_format.rate),
+            )
+        if role == "assistant" and given.type in ("output_text", "text") and given.text is not None:
+            return Part("output_text", given.text)
+        if role == "assistant" and given.type in ("output_audio", "audio"):
+            return Part("output_audio", given.transcript or "")
+        if role == "system" and given.type == "input_text" and given.text is not None:
+            return Part("input_text", given.text)
+        raise SessionError(
+            f"{where}: a {role} message holds no {given.type!r} part (or it lacks its text or audio)",
+            "invalid_value",
+            f"{where}.type",
+        )
+
+    async def _delete_item(self, item_id: str) -> None:
+        self._item(item_id)
+        if self.response is not None and self.responding is not None and not self.responding.done():
+            if any(item.id == item_id for item in self.response.output):
+                raise SessionError(
+                    "item_id: the item is being written by the response in progress",
+                    "invalid_value",
+                    "item_id",
+                )
+        self.conversation.delete(item_id)
+        await self.send({"type": "conversation.item.deleted", "item_id": item_id})
+
+    async def _truncate(self, event: protocol.ItemTruncate) -> None:
+        item = self._item(event.item_id)
+        if (
+            item.role != "assistant"
+            or event.content_index >= len(item.parts)
+            or item.parts[event.content_index].type != "output_audio"
+        ):
+            raise SessionError(
+                "item_id: only an assistant message's audio can be truncated", "invalid_value", "item_id"
+            )
+        if self.response is not None and item in self.response.output:
+            await self.cancel("client_cancelled")
+        part = item.parts[event.content_index]
+        if event.audio_end_ms > part.audio_ms:
+            raise SessionError(
+                f"audio_end_ms: {event.audio_end_ms} ms is past the end of the item's audio ({part.audio_ms} ms)",
+                "invalid_value",
+                "audio_end_ms",
+            )
+        part.text = truncated_transcript(part.text, event.audio_end_ms, part.audio_ms)
+        part.audio_ms = event.audio_end_ms
+        item.status = "incomplete"
+        await self.send(
+            {
+                "type": "conversation.item.truncated",
+                "item_id": item.id,
+                "content_index": event.content_index,
+                "audio_end_ms": event.audio_end_ms,
+            }
+        )
+
+    # -- responses ----------------------------------------------------------------------------------------
+
+    @property
+    def busy(self) -> bool:
+        return self._responding() or bool(self.transcribing)
+
+    def _responding(self) -> bool:
+        return self.responding is not None and not self.responding.done()
+
+    def _respond(self, overrides: protocol.ResponseParams | None) -> None:
+        if self.settings.kind == "transcription":
+            raise SessionError("a transcription session makes no responses", "invalid_value", "type")
+        if self.responding is not None and not self.responding.done():
+            raise SessionError(
+                f"the conversation already has an active response ({self.response.id if self.response else ''})",
+                "conversation_already_has_active_response",
+            )
+        voices = self.link.voices
+        settings = self.settings.for_response(overrides, voices, bool(voices.speakers))
+        self.response = Response(self.link, settings, self.speech_ended)
+        self.responding = asyncio.ensure_future(self.response.run())
+
+    async def _cancel_asked(self, response_id: str | None) -> None:
+        active = self.response if self.responding is not None and not self.responding.done() else None
+        if active is None:
+            raise SessionError("there is no active response to cancel", "response_cancel_not_active")
+        if response_id is not None and response_id != active.id:
+            raise SessionError(
+                f"response_id: {response_id!r} is not the active response ({active.id})",
+                "invalid_value",
+                "response_id",
+            )
+        await self.cancel("client_cancelled")
+
+    async def cancel(self, reason: str) -> None:
+        """Cut the active response short (its pages freed), and wait for its `response.done`."""
+        task, response = self.responding, self.response
+        if task is None or task.done() or response is None:
+            return
+        response.cancel_reason = reason
+        self.link.metrics.realtime_barge_ins.inc()
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+
+    async def close(self) -> None:
+        """The session ends: everything it started is cancelled (their requests aborted, pages freed)."""
+        self.closed = True
+        tasks = [*self.transcribing, *([self.responding] if self.responding is not None else [])]
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
