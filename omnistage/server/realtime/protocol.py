@@ -280,7 +280,9 @@ def _bad(exc: ValidationError, frame: str | bytes) -> BadEvent:
     loc = tuple(first["loc"])
     if not loc:
         return BadEvent("an event is a JSON object with a `type`", "invalid_type", None, event_id)
-    path = field_path(loc[1:])  # the event's type leads the path: the client never wrote it
+    # the event's type leads the path, and pydantic names a union's members (`constrained-int`): the client
+    # wrote neither
+    path = field_path(tuple(part for part in loc[1:] if not (isinstance(part, str) and "-" in part)))
     reason = "unknown field" if kind == "extra_forbidden" else first["msg"]
     more = f" (and {len(errors) - 1} more)" if len(errors) > 1 else ""
     code = _CODES.get(kind, "invalid_type" if kind.endswith(("_type", "_parsing")) else "invalid_value")

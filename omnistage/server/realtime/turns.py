@@ -126,19 +126,20 @@ class Response:
     # -- the request --------------------------------------------------------------------------------------
 
     def _calling(self) -> bool:
+        """Whether the reply may call the session's tools (they reach the template whenever there are any)."""
         settings, processor = self.settings, self.link.pipeline.frontend.processor
-        if not settings.tools or settings.tool_choice == "none":
+        if not settings.tools:
             return False
         if not getattr(processor, "renders_tools", False):
             raise InvalidField("session.tools", "this checkpoint's chat template does not render tools")
-        return True
+        return settings.tool_choice != "none"
 
     def _request(self, messages: list[dict[str, Any]], has_audio: bool, calling: bool) -> GenerationRequest:
         """The conversation laid out by the processor (in a worker thread: tokenizing and the audio's features
         let go of the GIL)."""
         settings, frontend = self.settings, self.link.pipeline.frontend
         processor, context = frontend.processor, frontend.max_model_len
-        tools = list(settings.tools) if calling else None
+        tools = list(settings.tools) or None
         params = SamplingParams(max_tokens=settings.max_output_tokens)
         if calling:
             functions = [tool["function"] for tool in settings.tools]
