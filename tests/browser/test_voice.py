@@ -163,3 +163,24 @@ def test_a_spoken_turn_is_answered_aloud_and_speaking_again_interrupts_it(speaki
     assert done["status"] == "cancelled" and done["status_details"]["reason"] == "turn_detected"
     assert [e for e in received if e["type"] == "error"] == []
     assert errors == []
+
+
+def test_a_refused_session_is_said_plainly(speaking_browser, server):
+    context = speaking_browser.new_context()
+    try:
+        page = context.new_page()
+        page.set_default_timeout(TIMEOUT_MS)
+        page.goto(server.url)
+        page.wait_for_selector("body[data-ready=true]", state="attached")
+        # a model this server does not serve: the real route refuses the handshake (404)
+        page.evaluate("window.playground.model = 'no-such-model'")
+        page.click("#tab-voice")
+        page.click("#voice-mic")
+        page.wait_for_selector("#voice-status[data-state=refused]", state="attached")
+        assert page.inner_text("#voice-status").startswith(
+            "No realtime session could be opened at /v1/realtime"
+        )
+        assert page.get_attribute("#voice-mic", "aria-pressed") == "false" and page.is_enabled("#voice-mic")
+        assert voice(page)["open"] is False
+    finally:
+        context.close()

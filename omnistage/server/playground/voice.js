@@ -255,7 +255,8 @@ export class Voice {
       const status = e.response.status;
       const reason = e.response.status_details && e.response.status_details.reason;
       this.endResponse(status === "cancelled" && reason === "turn_detected" ? "interrupted" : status);
-      if (this.socket) this.status("Listening: speak, and pause when you are done.", "listening");
+      const hearing = this.$("voice-status").dataset.state === "hearing";
+      if (this.socket && !hearing) this.status("Listening: speak, and pause when you are done.", "listening");
     },
     "conversation.item.truncated"(e) {
       const turn = this.turnOf(e.item_id);
@@ -330,7 +331,7 @@ export class Voice {
     const li = turn.li;
     li.classList.toggle("streaming", turn.state === "streaming");
     li.dataset.state = turn.state;
-    li.querySelector(".text").textContent = turn.text || (turn.role === "user" ? "🎙 (speech)" : "");
+    li.querySelector(".text").textContent = turn.text || (turn.role === "user" ? "(spoken)" : "");
     const meta = [];
     if (turn.meta) meta.push(turn.meta);
     if (turn.latencyMs !== undefined) meta.push(`first audio ${turn.latencyMs} ms after you stopped`);
