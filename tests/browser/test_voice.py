@@ -21,7 +21,8 @@ from tests.browser.conftest import CHROMIUM
 SPEECH = Path(__file__).parents[1] / "data" / "speech_en.wav"
 TIMEOUT_MS = 90_000
 # The fake microphone loops its file: the utterance's first 1.3 s at 0.4 s, then 4 s of silence, in which
-# the turn ends (500 ms of silence) and its answer streams until the utterance comes round again over it.
+# the turn ends (500 ms of silence) and its answer streams until the utterance comes round again over it
+# (32 tokens: several seconds of speech, longer than the silence left, however fast the answer comes).
 SILENCES_MS = (400, 4000)
 SPOKEN_S = 1.3
 
@@ -94,7 +95,7 @@ def test_a_spoken_turn_is_answered_aloud_and_speaking_again_interrupts_it(speaki
         page.wait_for_selector("body[data-ready=true]", state="attached")
         page.click("#tab-voice")
         page.select_option("#voice-voice", "ethan")
-        page.fill("#voice-max-tokens", "16")
+        page.fill("#voice-max-tokens", "32")
         page.focus("#voice-mic")
         page.keyboard.press("Enter")  # the button by keyboard
         page.wait_for_selector("#voice-mic[aria-pressed=true]", state="attached")
@@ -113,7 +114,7 @@ def test_a_spoken_turn_is_answered_aloud_and_speaking_again_interrupts_it(speaki
         context.close()
 
     update = next(e for e in sent if e["type"] == "session.update")["session"]
-    assert update["audio"]["output"]["voice"] == "ethan" and update["max_output_tokens"] == 16
+    assert update["audio"]["output"]["voice"] == "ethan" and update["max_output_tokens"] == 32
     assert update["audio"]["input"]["turn_detection"]["type"] == "server_vad"
     appended = [e for e in sent if e["type"] == "input_audio_buffer.append"]
     pcm = b"".join(base64.b64decode(e["audio"]) for e in appended)
