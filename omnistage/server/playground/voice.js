@@ -87,7 +87,13 @@ export class Voice {
         this.status(REFUSED + (apiKey() ? KEYED : ""), "refused");
         return;
       }
-      await this.listen();
+      try {
+        await this.listen();
+      } catch (err) {
+        this.stop();
+        this.error(`The microphone's audio cannot be captured: ${err.message}`);
+        return;
+      }
       mic.textContent = "Stop";
       mic.setAttribute("aria-pressed", "true");
     } finally {
