@@ -52,24 +52,40 @@ def prompts(monkeypatch, pipeline):
 async def test_a_tool_call_round_trip(pipeline, prompts):
     with serving(build_app(pipeline, "tiny", api_key=KEY)) as url:
         async with connect(url) as conn:
-            await manual(conn, tools=[WEATHER], tool_choice="required", max_output_tokens=500)
+            await manual(
+                conn,
+                tools=[WEATHER],
+                tool_choice="required",
+                max_output_tokens=500,
+                parallel_tool_calls=False,
+            )
             question = {"type": "input_text", "text": "Weather in Paris?"}
             await conn.conversation.item.create(
                 item={"type": "message", "role": "user", "content": [question]}
             )
             await conn.response.create(response={"output_modalities": ["text"]})
             events = await until(conn, "response.done")
-            call = events[-1].response.output[0]
-            assert call.type == "function_call" and call.name == "get_weather"
-            arguments = json.loads(call.arguments)
-            assert set(arguments) == {"city"}
-            streamed = "".join(e.delta for e in events if e.type == "response.function_call_arguments.delta")
-            (done,) = [e for e in events if e.type == "response.function_call_arguments.done"]
-            assert streamed == done.arguments == call.arguments and done.call_id == call.call_id
-            assert "response.output_audio.delta" not in [e.type for e in events]
-            output = {"type": "function_call_output", "call_id": call.call_id, "output": '{"sky": "clear"}'}
-            await conn.conversation.item.create(item=output)
-            await until(conn, "conversation.item.done")
+            calls = events[-1].response.output
+            assert len(calls) == 1 and all(
+                c.type == "function_call" and c.name == "get_weather" for c in calls
+            )
+            for call in calls:
+                assert set(json.loads(call.arguments)) == {"city"}
+                deltas = [e for e in events if e.type == "response.function_call_arguments.delta"]
+                streamed = "".join(e.delta for e in deltas if e.item_id == call.id)
+                (done,) = [
+                    e
+                    for e in events
+                    if e.type == "response.function_call_arguments.done" and e.item_id == call.id
+                ]
+                assert streamed == done.arguments == call.arguments and done.call_id == call.call_id
+                output = {
+                    "type": "function_call_output",
+                    "call_id": call.call_id,
+                    "output": '{"sky": "clear"}',
+                }
+                await conn.conversation.item.create(item=output)
+                await until(conn, "conversation.item.done")
             await conn.response.create(
                 response={"tool_choice": "none", "output_modalities": ["text"], "max_output_tokens": 2}
             )
@@ -83,14 +99,11 @@ async def test_a_tool_call_round_trip(pipeline, prompts):
             "role": "assistant",
             "content": "",
             "tool_calls": [
-                {
-                    "id": call.call_id,
-                    "type": "function",
-                    "function": {"name": "get_weather", "arguments": call.arguments},
-                }
+                {"id": c.call_id, "type": "function", "function": {"name": c.name, "arguments": c.arguments}}
+                for c in calls
             ],
         },
-        {"role": "tool", "content": '{"sky": "clear"}', "tool_call_id": call.call_id},
+        *({"role": "tool", "content": '{"sky": "clear"}', "tool_call_id": c.call_id} for c in calls),
     ]
     tools = [{"type": "function", "function": {k: v for k, v in WEATHER.items() if k != "type"}}]
     assert prompts[-1].prompt_token_ids == processor.encode_chat(messages, True, None, {}, tools)[1]

@@ -99,6 +99,7 @@ class SessionConfig(Open):
     audio: AudioConfig | None = None
     tools: list[FunctionTool] | None = None
     tool_choice: ToolChoice | None = None
+    parallel_tool_calls: bool | None = None
     max_output_tokens: MaxOutputTokens | None = None
 
 
@@ -154,6 +155,7 @@ class ResponseParams(Open):
     audio: ResponseAudio | None = None
     tools: list[FunctionTool] | None = None
     tool_choice: ToolChoice | None = None
+    parallel_tool_calls: bool | None = None
     max_output_tokens: MaxOutputTokens | None = None
     conversation: Literal["auto"] | None = None  # out-of-band responses ("none") are refused
     metadata: dict[str, str] | None = None

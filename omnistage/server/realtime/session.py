@@ -31,6 +31,7 @@ from omnistage.server.realtime.conversation import (
     new_id,
     truncated_transcript,
 )
+from omnistage.server.realtime.items import BadItem, item_of
 from omnistage.server.realtime.settings import Settings
 from omnistage.server.realtime.transcription import Transcriber
 from omnistage.server.realtime.turns import Link, Response, Services
@@ -290,24 +291,10 @@ class Session:
         given: protocol.MessageItem | protocol.FunctionCallItem | protocol.FunctionCallOutputItem,
         previous_item_id: str | None,
     ) -> None:
-        item_id = given.id or new_id("item")
-        if isinstance(given, protocol.FunctionCallItem):
-            item = Item(
-                item_id,
-                "function_call",
-                name=given.name,
-                arguments=given.arguments,
-                call_id=given.call_id or new_id("call"),
-            )
-        elif isinstance(given, protocol.FunctionCallOutputItem):
-            item = Item(item_id, "function_call_output", call_id=given.call_id, output=given.output)
-        else:
-            item = Item(
-                item_id,
-                "message",
-                given.role,
-                [self._part(given.role, part, i) for i, part in enumerate(given.content)],
-            )
+        try:
+            item = item_of(given, self.settings.input_format)
+        except BadItem as exc:
+            raise SessionError(str(exc), "invalid_value", exc.param) from None
         if previous_item_id is not None:
             self._item(previous_item_id)
         try:
@@ -315,36 +302,6 @@ class Session:
         except ValueError as exc:
             raise SessionError(f"item.id: {exc}", "invalid_value", "item.id") from None
         await self._item_added(item, previous)
-
-    def _part(self, role: str, given: protocol.ContentPart, index: int) -> Part:
-        where = f"item.content[{index}]"
-        if role == "user" and given.type == "input_text" and given.text is not None:
-            return Part("input_text", given.text)
-        if role == "user" and given.type == "input_audio" and given.audio is not None:
-            try:
-                samples = self.settings.input_format.decode(pybase64.b64decode(given.audio, validate=True))
-            except (binascii.Error, ValueError):
-                raise SessionError(
-                    f"{where}.audio: not base64 audio of the session's input format",
-                    "invalid_value",
-                    f"{where}.audio",
-                ) from None
-            return Part(
-                "input_audio",
-                given.transcript or "",
-                clip=to_model_rate(samples, self.settings.input_format.rate),
-            )
-        if role == "assistant" and given.type in ("output_text", "text") and given.text is not None:
-            return Part("output_text", given.text)
-        if role == "assistant" and given.type in ("output_audio", "audio"):
-            return Part("output_audio", given.transcript or "")
-        if role == "system" and given.type == "input_text" and given.text is not None:
-            return Part("input_text", given.text)
-        raise SessionError(
-            f"{where}: a {role} message holds no {given.type!r} part (or it lacks its text or audio)",
-            "invalid_value",
-            f"{where}.type",
-        )
 
     async def _delete_item(self, item_id: str) -> None:
         self._item(item_id)

@@ -51,6 +51,7 @@ class Settings:
     turn_detection: TurnDetection | None = TurnDetection()  # OpenAI's default: server VAD
     tools: tuple[dict[str, Any], ...] = ()
     tool_choice: str | dict[str, Any] = "auto"
+    parallel_tool_calls: bool = True
     max_output_tokens: int | None = None  # None: as much as the context leaves ("inf")
     language: str | None = None  # a transcription session's
     prompt: str | None = None
@@ -72,6 +73,8 @@ class Settings:
             new = replace(new, tools=tuple(tool_dict(tool) for tool in given.tools))
         if given.tool_choice is not None:
             new = replace(new, tool_choice=choice_of(given.tool_choice))
+        if given.parallel_tool_calls is not None:
+            new = replace(new, parallel_tool_calls=given.parallel_tool_calls)
         if given.max_output_tokens is not None:
             limit = given.max_output_tokens
             new = replace(new, max_output_tokens=None if limit == "inf" else limit)
@@ -110,6 +113,8 @@ class Settings:
             new = replace(new, tools=tuple(tool_dict(tool) for tool in given.tools))
         if given.tool_choice is not None:
             new = replace(new, tool_choice=choice_of(given.tool_choice))
+        if given.parallel_tool_calls is not None:
+            new = replace(new, parallel_tool_calls=given.parallel_tool_calls)
         if given.max_output_tokens is not None:
             limit = given.max_output_tokens
             new = replace(new, max_output_tokens=None if limit == "inf" else limit)
@@ -157,6 +162,7 @@ class Settings:
                 if isinstance(self.tool_choice, str)
                 else {"type": "function", "name": self.tool_choice["function"]["name"]}
             ),
+            "parallel_tool_calls": self.parallel_tool_calls,
             "max_output_tokens": self.max_output_tokens if self.max_output_tokens is not None else "inf",
         }
 

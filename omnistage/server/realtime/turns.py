@@ -144,7 +144,7 @@ class Response:
         if calling:
             functions = [tool["function"] for tool in settings.tools]
             choice = settings.tool_choice
-            params.structured = tool_constraint(functions, choice, True)
+            params.structured = tool_constraint(functions, choice, settings.parallel_tool_calls)
             if params.structured is not None:
                 check_constraint(params.structured)
         if has_audio:
