@@ -1,5 +1,6 @@
 """The playground: one page, served from the static files packaged beside this module (playground/), that
-talks to the server through its public API only (chat, transcriptions, speech, voices, models, metrics).
+talks to the server through its public API only (chat, transcriptions, speech, voices, models, metrics,
+realtime sessions).
 
 The files are read once when the app is built and served from memory. The page itself needs no API key
 (the Gate asks for one on /v1/* alone); the page asks the person for the key and sends it with its calls.
@@ -20,7 +21,7 @@ _TYPES = {
     "style.css": "text/css; charset=utf-8",
     **{
         f"{name}.js": "text/javascript; charset=utf-8"
-        for name in ("app", "api", "audio", "chat", "speech", "server", "charts", "voice")
+        for name in ("app", "api", "audio", "chat", "speech", "server", "charts", "voice", "capture")
     },
 }
 

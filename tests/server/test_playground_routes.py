@@ -1,5 +1,6 @@
 """The playground's routes, in-process on a fake pipeline: served without the API key, off with
-`playground=False` (`omnistage serve --no-playground`), and every file the page loads is served."""
+`playground=False` (`omnistage serve --no-playground`), and every file the page loads (its modules, and the
+microphone's audio worklet) is served."""
 
 from __future__ import annotations
 
@@ -26,6 +27,7 @@ def test_the_page_and_its_files_need_no_key(fake_pipeline):
     for script in FOLDER.iterdir():
         if script.name.endswith(".js"):
             wanted |= set(re.findall(r'from "\./([^"]+)"', script.read_text()))
+            wanted |= set(re.findall(r'addModule\("/playground/([^"]+)"\)', script.read_text()))
     assert {"app.js", "api.js", "style.css"} <= wanted
     for name in wanted:
         response = client.get(f"/playground/{name}")

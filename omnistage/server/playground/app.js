@@ -17,7 +17,7 @@ class Page {
     this.chat = new Chat(this, this.player);
     this.speech = new Speech(this, this.player);
     this.server = new ServerView();
-    this.voice = new Voice();
+    this.voice = new Voice(this);
     this.tabs();
     $("key-form").addEventListener("submit", (e) => {
       e.preventDefault();
@@ -48,7 +48,8 @@ class Page {
     $("model-name").textContent = card.id;
     document.title = `${card.id} · omnistage playground`;
     this.server.showCard(card);
-    await Promise.all([this.loadVoices(), this.voice.probe()]);
+    await this.loadVoices();
+    this.voice.probe();
     document.body.dataset.ready = "true";
   }
 

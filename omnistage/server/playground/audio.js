@@ -12,6 +12,7 @@ export class PcmPlayer {
     this.receivedBytes = 0;
     this.scheduledSeconds = 0;
     this.started = 0; // pieces started playing
+    this.scheduled = []; // [start, duration] of each piece since the last stop, in the context's time
   }
 
   // Called from a click (a user gesture), so that the browser lets the context run.
@@ -31,8 +32,17 @@ export class PcmPlayer {
   stop() {
     for (const source of this.sources) source.stop();
     this.sources.clear();
+    this.scheduled = [];
     this.nextTime = 0;
     this.odd = null;
+  }
+
+  // Seconds of the pieces scheduled since the last stop that have been heard by now (gaps between pieces,
+  // where the stream fell behind, are not counted): where an interrupted answer was cut.
+  played() {
+    if (!this.context) return 0;
+    const now = this.context.currentTime;
+    return this.scheduled.reduce((sum, [at, duration]) => sum + Math.min(Math.max(now - at, 0), duration), 0);
   }
 
   get playing() {
@@ -73,6 +83,7 @@ export class PcmPlayer {
     source.start(at);
     this.sources.add(source);
     this.started += 1;
+    this.scheduled.push([at, buffer.duration]);
     this.nextTime = at + buffer.duration;
     this.scheduledSeconds += buffer.duration;
   }
