@@ -143,6 +143,14 @@ async def test_session_limit_idle_timeout_and_refusals(url):
         assert refused.value.response.status_code == status
     body = json.loads(refused.value.response.body)
     assert body["error"]["code"] == "model_not_found" and "'tinyx'" in body["error"]["message"]
+    # a browser's key is a subprotocol, and the session answers in the subprotocol `realtime` it offered
+    with pytest.raises(websockets.InvalidStatus) as refused:
+        await websockets.connect(ws_url, subprotocols=["realtime", "openai-insecure-api-key.nope"])
+    assert refused.value.response.status_code == 401
+    offered = ["realtime", f"openai-insecure-api-key.{KEY}"]
+    async with websockets.connect(ws_url, subprotocols=offered) as browser:
+        assert browser.subprotocol == "realtime"
+        assert json.loads(await browser.recv())["type"] == "session.created"
     held = [await websockets.connect(ws_url, additional_headers=auth) for _ in range(9)]
     with pytest.raises(websockets.InvalidStatus) as full:
         await websockets.connect(ws_url, additional_headers=auth)

@@ -16,7 +16,7 @@ const MESSAGES = {
 const REFUSED =
   "No realtime session could be opened at /v1/realtime: this server has none, or it refused the page's request.";
 const KEYED =
-  " A browser cannot send an Authorization header on a WebSocket; it offers the key as the subprotocol openai-insecure-api-key.<key>, which the server must accept.";
+  " Check the API key: a wrong one is refused.";
 
 function base64(buffer) {
   const bytes = new Uint8Array(buffer);

@@ -1,7 +1,8 @@
 """`/v1/realtime`: the WebSocket door of realtime sessions (OpenAI's Realtime API).
 
 The handshake is checked before the socket is accepted, each refusal an HTTP answer in OpenAI's error shape:
-the API key as the HTTP API's (a bearer token; 401), the model (`?model=`, 404; a transcription session,
+the API key as the HTTP API's (a bearer token, or, from a browser, which cannot set headers on a WebSocket, the
+subprotocol `openai-insecure-api-key.<key>` as OpenAI takes it; 401), the model (`?model=`, 404; a transcription session,
 `?intent=transcription`, names its transcriber instead and is not checked), and the number of sessions open
 (`max_sessions`; 429). An accepted session is read frame by frame until its client closes, goes away, or
 stays idle (no event, nothing running) for `idle_timeout_s`.
@@ -28,6 +29,10 @@ PATH = "/v1/realtime"
 DEFAULT_IDLE_TIMEOUT_S = 600.0
 # A close code of the WebSocket protocol's private range, saying why the server closed the session.
 IDLE_CLOSE = 4000
+# A browser's key rides in a subprotocol of this prefix; the session then speaks the subprotocol `realtime`,
+# which a browser that offered subprotocols needs the server to pick (it fails the handshake otherwise).
+KEY_PROTOCOL = "openai-insecure-api-key."
+SUBPROTOCOL = "realtime"
 
 
 @dataclass(frozen=True)
@@ -85,7 +90,16 @@ class RealtimeEndpoint:
     def _authorized(self, websocket: WebSocket) -> bool:
         header = (websocket.headers.get("authorization") or "").encode("latin-1")
         scheme, _, token = header.partition(b" ")
-        return scheme.lower() == b"bearer" and secrets.compare_digest(token.strip(), self.api_key or b"")
+        if scheme.lower() == b"bearer" and secrets.compare_digest(token.strip(), self.api_key or b""):
+            return True
+        offered = [
+            p[len(KEY_PROTOCOL) :]
+            for p in websocket.scope.get("subprotocols", ())
+            if p.startswith(KEY_PROTOCOL)
+        ]
+        return any(
+            secrets.compare_digest(key.encode("latin-1", "replace"), self.api_key or b"") for key in offered
+        )
 
     def _settings(self, websocket: WebSocket) -> Settings:
         speaks = bool(self.services.voices.speakers)
@@ -95,7 +109,8 @@ class RealtimeEndpoint:
         return Settings("realtime", self.served_model_name, modalities=("audio",) if speaks else ("text",))
 
     async def _serve(self, websocket: WebSocket) -> None:
-        await websocket.accept()
+        offered = websocket.scope.get("subprotocols", ())
+        await websocket.accept(subprotocol=SUBPROTOCOL if SUBPROTOCOL in offered else None)
         session = Session(websocket, self._settings(websocket), self.services)
         try:
             await session.opened()
