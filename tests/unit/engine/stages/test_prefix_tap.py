@@ -116,12 +116,19 @@ def test_a_spoken_conversation_takes_its_earlier_turns_audio_from_the_cache(cach
     assert_pool_full(uncached)
 
 
-def test_tapped_rows_read_from_the_cache_equal_those_computed(cached, taps_read):
+def test_tapped_rows_read_from_the_cache_equal_those_computed(cached, uncached, taps_read):
     """The rows a prompt computes and keeps beside its pages are the rows a prompt taking those pages reads:
-    the same spoken turn twice, the second time from the cache, hands the Talker the same tensor."""
+    the same spoken turn twice, the second time from the cache, hands the Talker the same tensor. The kept
+    rows count in a page's bytes (what the memory plan sizes the pool by), and only with the cache on."""
     runner = cached.pipeline.thinker.runner
+    hidden = cached.pipeline.model_config.thinker.text.hidden_size
     assert runner.keep_taps and runner.tap_rows is not None
-    assert runner.tap_rows.shape == (160, PAGE, cached.pipeline.model_config.thinker.text.hidden_size)
+    assert runner.tap_rows.shape == (160, PAGE, hidden)
+    assert (
+        not uncached.pipeline.thinker.runner.keep_taps and uncached.pipeline.thinker.runner.tap_rows is None
+    )
+    extra = cached.pipeline.thinker.kv_bytes_per_page - uncached.pipeline.thinker.kv_bytes_per_page
+    assert extra == runner.tap_bytes_per_page == PAGE * hidden * 4  # float32
     seen, record = taps_read
     record(cached)
     pool = cached.pipeline.thinker.pool
