@@ -84,11 +84,11 @@ def assert_pool_full(llm: LLM) -> None:
 
 
 def test_a_spoken_conversation_takes_its_earlier_turns_audio_from_the_cache(cached, uncached, taps_read):
-    """Three spoken turns, each a new clip: their text, codec codes, audio and the tapped rows the Talker reads
-    equal those of a run without the cache. Turn 3 finds every full page of turn 2's prompt cached, both clips'
-    rows included. Turn 2 finds only the pages before its first clip: the audio tower's rows of a clip encoded
-    alone differ in the last bits from those of the same clip encoded beside another, so its pages' keys
-    differ (a miss, never a wrong row)."""
+    """Three spoken turns, each a new clip: their text, codec codes and audio equal those of a run without the
+    cache, and so (to rounding) do the tapped rows the Talker reads. Turn 3 finds every full page of turn 2's
+    prompt cached, both clips' rows included. Turn 2 finds only the pages before its first clip: the audio
+    tower's rows of a clip encoded alone differ in the last bits from those of the same clip encoded beside
+    another, so its pages' keys differ (a miss, never a wrong row)."""
     seen, record = taps_read
     record(cached)
     record(uncached)
@@ -106,7 +106,8 @@ def test_a_spoken_conversation_takes_its_earlier_turns_audio_from_the_cache(cach
         assert out.outputs[0].token_ids == expected.outputs[0].token_ids
         assert out.audio_codes == expected.audio_codes and len(out.audio_codes) == 4
         np.testing.assert_array_equal(out.audio, expected.audio)
-        assert torch.equal(seen[f"c{turn}"], seen[f"u{turn}"])
+        # a prefill from another row rounds otherwise: equal bit for bit only as the shapes happen to allow
+        torch.testing.assert_close(seen[f"c{turn}"], seen[f"u{turn}"])
         messages.append({"role": "assistant", "content": out.outputs[0].text})
     assert found[0] == 0
     assert found[1] == prompts[1].index(audio_token) // PAGE * PAGE
