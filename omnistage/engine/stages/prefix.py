@@ -21,13 +21,14 @@ def request_keys(
     page_size: int,
     mrope: PromptPositions | None,
     mm: MultimodalEmbeds | None,
-    tap: HiddenTap | None,
+    unkept_tap: HiddenTap | None,
 ) -> list[bytes]:
-    """The keys of the prompt's full pages that may be cached: those before its first tapped row, if it has a
-    tap (a later stage reads the hidden states of those rows, which only computing them writes)."""
+    """The keys of the prompt's full pages that may be cached. `unkept_tap`: a tap whose hidden states the
+    runner does not keep beside the pages (TokenRunner.keep_taps); only the pages before its first row may
+    then be cached, since a later stage reads those rows and only computing them writes them."""
     num_pages = len(token_ids) // page_size
-    if tap is not None and len(tap.rows_host):
-        num_pages = min(num_pages, int(tap.rows_host[0]) // page_size)
+    if unkept_tap is not None and len(unkept_tap.rows_host):
+        num_pages = min(num_pages, int(unkept_tap.rows_host[0]) // page_size)
     if num_pages == 0:
         return []
     positions = mrope.positions.numpy() if mrope is not None else None

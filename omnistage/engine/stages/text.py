@@ -124,15 +124,18 @@ class TextStage(AutoregressiveStage[RequestState]):
         self.settings, self.dtype = settings, dtype
         self.model, self.encoders, self.processor = models.model, models.encoders, models.processor
         self.compiled = prepare_decoder(models.model, device, engine.moe_kernel, engine.compile)
-        runner = TokenRunner(models.model, text, engine.page_size, device, dtype, models.tap_layer)
+        runner = TokenRunner(
+            models.model, text, engine.page_size, device, dtype, models.tap_layer, engine.prefix_caching
+        )
         batch, tokens = section.max_batch, engine.max_num_batched_tokens
         super().__init__(models.name, runner, device, engine.page_size, batch, tokens, penalises_prompt=True)
         self.model_path, self.load_seconds = models.model_path, models.load_seconds
         self.tokenizer, self.eos_token_ids = self.processor.tokenizer, models.eos_token_ids
         self.vocab_size = text.vocab_size
-        self.kv_bytes_per_page = kv_bytes_per_page(
+        kv = kv_bytes_per_page(
             text.num_hidden_layers, text.num_key_value_heads, text.head_dim, self.page_size, dtype.itemsize
         )
+        self.kv_bytes_per_page = kv + runner.tap_bytes_per_page  # the tapped rows kept beside a page's KV
         self.max_model_len = min(
             engine.max_model_len or text.max_position_embeddings, text.max_position_embeddings
         )
@@ -256,12 +259,18 @@ class TextStage(AutoregressiveStage[RequestState]):
             self.scheduler.add(self._sequence(parked, grammar))
         return errors
 
+    def _unkept(self, tap: HiddenTap | None) -> HiddenTap | None:
+        """`tap` if the runner does not keep its layer's rows beside the KV pages (no page holding a tapped
+        row may then be cached), else None."""
+        kept = tap is not None and self.runner.keep_taps and tap.layer == self.runner.tap_layer
+        return None if kept else tap
+
     def _sequence(self, parked: _Parked, grammar: GrammarState | None) -> Sequence[RequestState]:
         r = parked.request
         state = request_state(r, parked.mm, r.tap, self.tokenizer, self.eos_token_ids, self.device, grammar)
         state.metrics.update(parked.metrics)
         keys = (
-            request_keys(r.prompt_token_ids, self.page_size, r.mrope, parked.mm, r.tap)
+            request_keys(r.prompt_token_ids, self.page_size, r.mrope, parked.mm, self._unkept(r.tap))
             if self.prefix_caching
             else None
         )

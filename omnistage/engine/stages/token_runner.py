@@ -85,12 +85,14 @@ def positions_for(start: int, count: int, mrope: PromptPositions | None) -> torc
 @dataclass
 class HiddenTap:
     """Hidden states a later stage reads: after `layer` layers, at prompt indices `rows` (`[n]`, on the device),
-    written into `values` `[n, H]` as the prompt's chunks run (again, identically, after a preemption)."""
+    written into `values` `[n, H]` as the prompt's chunks run (again, identically, after a preemption); the rows
+    of pages found in the prefix cache are read from the runner's `tap_rows` instead."""
 
     layer: int
     rows: torch.Tensor  # ascending
     values: torch.Tensor
     rows_host: np.ndarray  # `rows` on the host
+    num_filled: int = 0  # `values` holds every tapped row before this prompt index
 
 
 class TokenRunner:
@@ -104,11 +106,16 @@ class TokenRunner:
         device: torch.device,
         dtype: torch.dtype,
         tap_layer: int | None = None,
+        keep_taps: bool = False,
     ):
         """`tap_layer`: the layer every HiddenTap reads (StageModels.tap_layer), which the prefill graphs then
-        also return; None: no tap, a prompt with one runs eagerly."""
+        also return; None: no tap, a prompt with one runs eagerly. `keep_taps` (with a `tap_layer`): every
+        prefilled row's hidden state after it is kept beside its KV, in `tap_rows` `[pages, page_size, H]`,
+        so that a prompt whose pages come from the prefix cache finds its tapped rows there."""
         self.model = model
         self.tap_layer = tap_layer
+        self.keep_taps = keep_taps and tap_layer is not None
+        self.tap_rows: torch.Tensor | None = None
         self.cfg = cfg
         self.page_size = page_size
         self.device = device
@@ -125,6 +132,14 @@ class TokenRunner:
         self.kv_caches = [
             torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in self.model.model.layers
         ]
+        if self.keep_taps:
+            rows = (num_pages, self.page_size, self.cfg.hidden_size)
+            self.tap_rows = torch.zeros(rows, dtype=self.dtype, device=self.device)
+
+    @property
+    def tap_bytes_per_page(self) -> int:
+        """What `tap_rows` adds to a KV page: one hidden row per token, or nothing without `keep_taps`."""
+        return self.page_size * self.cfg.hidden_size * self.dtype.itemsize if self.keep_taps else 0
 
     def _decode_logits(
         self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata
@@ -262,6 +277,9 @@ class TokenRunner:
         pure_decode = step.is_pure_decode
         if self.graphs is not None and pure_decode and self.graphs.bucket_for(len(step.chunks)) is not None:
             return self.graphs.run(input_ids, positions, meta)
+        for i, tap in taps:
+            self._read_cached_taps(tap, step.chunks[i])
+        keep = self.tap_rows is not None and not pure_decode
         embeds, deepstack = self._merge_multimodal(step.chunks, input_ids)
         starts = np.cumsum([0] + [c.num_tokens for c in step.chunks]).tolist()  # each chunk's first row
         graph_taps = all(tap.layer == self.tap_layer for _, tap in taps)
@@ -272,15 +290,45 @@ class TokenRunner:
                 logits = out if self.tap_layer is None else out[0]
                 for i, tap in taps:
                     _write_tap(tap, step.chunks[i], out[1][starts[i] :])
+                if keep:
+                    self._keep_taps(meta, out[1])
                 return logits[: sample_rows.shape[0]]
-        tap_layer = taps[0][1].layer if taps else None
+        tap_layer = taps[0][1].layer if taps else (self.tap_layer if keep else None)
         hidden = self.model(input_ids, positions, self.kv_caches, meta, embeds, deepstack, tap_layer)
-        if taps:
+        if tap_layer is not None:
             hidden, tapped = hidden
             for i, tap in taps:
                 _write_tap(tap, step.chunks[i], tapped[starts[i] :])
+            if keep and tap_layer == self.tap_layer:
+                self._keep_taps(meta, tapped)
         # a decode step samples every row, in order
         return self.model.compute_logits(hidden if pure_decode else hidden.index_select(0, sample_rows))
+
+    def _keep_taps(self, meta: AttentionMetadata, tapped: torch.Tensor) -> None:
+        """Every row of the step's hidden states after `tap_layer` into its KV slot's place in `tap_rows`: a
+        page is entered into the prefix cache once computed, and whichever prompt takes it later may tap any
+        of its rows. A slot of a page another sequence shares is never written (only new pages are computed)."""
+        assert self.tap_rows is not None
+        slots = meta.slot_mapping
+        flat = self.tap_rows.view(-1, self.tap_rows.shape[-1])
+        flat.index_copy_(0, slots, tapped[: slots.shape[0]].to(flat.dtype))
+
+    def _read_cached_taps(self, tap: HiddenTap, chunk: ScheduledChunk[P]) -> None:
+        """The tapped rows before `chunk` that no chunk computed (pages taken from the prefix cache at
+        admission) from `tap_rows`, where the chunk that computed those pages left them."""
+        if tap.num_filled >= chunk.start:
+            return
+        if self.tap_rows is None or tap.layer != self.tap_layer:
+            raise RuntimeError(
+                f"{chunk.seq.request_id}: tapped rows before {chunk.start} were never computed"
+            )
+        inside = rows_within(tap.rows_host, tap.num_filled, chunk.start)
+        rows = tap.rows_host[inside]
+        pages = np.asarray(chunk.seq.page_ids, dtype=np.int64)[rows // self.page_size]
+        slots = torch.from_numpy(pages * self.page_size + rows % self.page_size).to(self.device)
+        flat = self.tap_rows.view(-1, self.tap_rows.shape[-1])
+        tap.values[inside] = flat.index_select(0, slots).to(tap.values.dtype)
+        tap.num_filled = chunk.start
 
     def _merge_multimodal(
         self, chunks: list[ScheduledChunk[P]], input_ids: torch.Tensor
@@ -318,8 +366,10 @@ class TokenRunner:
 
 def _write_tap(tap: HiddenTap, chunk: ScheduledChunk[P], tapped: torch.Tensor) -> None:
     """The tap's rows inside `chunk` from `tapped`, the chunk's hidden states from its first row on."""
-    inside = rows_within(tap.rows_host, chunk.start, chunk.start + chunk.num_tokens)
+    end = chunk.start + chunk.num_tokens
+    inside = rows_within(tap.rows_host, chunk.start, end)
     tap.values[inside] = tapped[tap.rows[inside] - chunk.start].to(tap.values.dtype)
+    tap.num_filled = max(tap.num_filled, end)
 
 
 def _tap(chunk: ScheduledChunk[P]) -> HiddenTap | None:
