@@ -31,6 +31,7 @@ from omnistage.server.realtime.conversation import (
     new_id,
     truncated_transcript,
 )
+from omnistage.server.realtime.early import EarlyPrefill
 from omnistage.server.realtime.items import BadItem, item_of
 from omnistage.server.realtime.settings import Settings
 from omnistage.server.realtime.transcription import Transcriber
@@ -72,6 +73,8 @@ class Session:
         self.detector: SpeechDetector | None = None
         self.detector_origin_ms = 0
         self.next_item = new_id("item")  # the id the buffer's audio will have once committed
+        self.early = EarlyPrefill(self.link)  # the turn prefilled as it is spoken
+        self.speaking = False  # server VAD: between a speech start and its stop
         self.response: Response | None = None
         self.responding: asyncio.Task | None = None
         self.transcribing: set[asyncio.Task] = set()
@@ -210,6 +213,12 @@ class Session:
         if self.detector is not None:
             for event in await self.detector.feed_in_thread(samples):
                 await self._turn_edge(event)
+        if self.settings.kind == "realtime" and (self.speaking or self.settings.turn_detection is None):
+
+            def head(seconds: float) -> np.ndarray:
+                return np.concatenate(self.buffer)[: fmt.samples(round(seconds * 1000))]
+
+            self.early.grown(fmt.ms(self.buffered) / 1000, self.settings, self.conversation, head, fmt.rate)
 
     async def _turn_edge(self, event: VadEvent) -> None:
         """Server VAD saw the user start or stop: a start interrupts the response under way (barge-in) and
@@ -217,6 +226,7 @@ class Session:
         detection = self.settings.turn_detection
         assert detection is not None  # a detector runs only with turn detection on
         at_ms = self.detector_origin_ms + event.audio_ms  # in the session's input stream
+        self.speaking = event.kind == "speech_started"
         if event.kind == "speech_started":
             self._keep_from(self.settings.input_format.samples(at_ms))
             await self.send(
@@ -245,9 +255,11 @@ class Session:
         if drop:
             audio = np.concatenate(self.buffer)[drop:]
             self.buffer, self.buffered = [audio], len(audio)
+        self.early.restart()
 
     def _empty(self) -> None:
         self.buffer, self.buffered = [], 0
+        self.early.restart()
         if self.detector is not None:
             self.detector.reset()
 
@@ -398,6 +410,7 @@ class Session:
     async def close(self) -> None:
         """The session ends: everything it started is cancelled (their requests aborted, pages freed)."""
         self.closed = True
+        await self.early.close()
         tasks = [*self.transcribing, *([self.responding] if self.responding is not None else [])]
         for task in tasks:
             task.cancel()

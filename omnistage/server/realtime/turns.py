@@ -41,6 +41,18 @@ from omnistage.server.voices import Voices
 Send = Callable[[dict[str, Any]], Awaitable[None]]
 
 
+def lay_out(
+    processor: Any, context: int, messages: list[dict[str, Any]], has_audio: bool, tools: list[Any] | None
+) -> tuple[str, list[int], Any, Any]:
+    """The conversation's prompt as the chat template renders it: its text, token ids, and (with audio) its
+    M-RoPE positions and media inputs."""
+    if has_audio:
+        laid_out = processor.process_chat(messages, True, context, False, {}, tools)
+        return laid_out.prompt, laid_out.token_ids, laid_out.mrope, laid_out.mm
+    prompt, ids = processor.encode_chat(messages, True, context, {}, tools)
+    return prompt, ids, None, None
+
+
 class ConversationTooLong(InvalidField):
     """The conversation renders to more tokens than a session may hold."""
 
@@ -150,11 +162,7 @@ class Response:
             params.structured = tool_constraint(functions, choice, settings.parallel_tool_calls)
             if params.structured is not None:
                 check_constraint(params.structured)
-        if has_audio:
-            laid_out = processor.process_chat(messages, True, context, False, {}, tools)
-            prompt, ids, mrope, mm = laid_out.prompt, laid_out.token_ids, laid_out.mrope, laid_out.mm
-        else:
-            (prompt, ids), mrope, mm = processor.encode_chat(messages, True, context, {}, tools), None, None
+        prompt, ids, mrope, mm = lay_out(processor, context, messages, has_audio, tools)
         if len(ids) > self.link.max_conversation_tokens:
             raise ConversationTooLong(
                 "conversation",
