@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib
 from pathlib import Path
 
 import pytest
@@ -15,6 +16,7 @@ from omnistage.config import engine_config  # noqa: E402
 from omnistage.errors import ConfigError  # noqa: E402
 from omnistage.ray.launch import MAX_ONGOING_REQUESTS, Scaling, app_settings  # noqa: E402
 from omnistage.ray.metrics import MetricsBoard, merged  # noqa: E402
+from omnistage.ray.routing import SessionRouter  # noqa: E402
 
 
 def scaling(*flags: str, device: str = "cpu") -> Scaling:
@@ -28,7 +30,13 @@ def test_fixed_replicas_and_their_resources():
         "max_ongoing_requests": MAX_ONGOING_REQUESTS,
         "ray_actor_options": {"num_cpus": 2.0, "num_gpus": 0.0},
         "num_replicas": 3,
+        "request_router_config": {
+            "request_router_class": "omnistage.ray.routing.SessionRouter",
+            "request_router_kwargs": {"num_fallback_replicas": 0},  # a session waits for its replica
+        },
     }
+    module, _, name = options["request_router_config"]["request_router_class"].rpartition(".")
+    assert getattr(importlib.import_module(module), name) is SessionRouter  # Serve imports it by that name
     assert scaling("--replica-gpus", "0.25").gpus == 0.25  # several replicas share a card
     assert scaling(device="cuda").gpus == 1.0  # a GPU topology takes its GPUs
 
