@@ -15,6 +15,7 @@ from pathlib import Path
 import httpx
 import pytest
 import soundfile
+import websockets.sync.client
 from PIL import Image
 
 ray = pytest.importorskip("ray", reason="Ray Serve is the optional `ray` extra")
@@ -167,6 +168,48 @@ def test_a_session_stays_on_one_replica_and_sessions_spread_over_both(two):
         sessions = list(pool.map(replica_of, [f"s{i}" for i in range(16)]))
     assert len(set(turns)) == 1
     assert len(set(sessions)) == 2  # 16 sessions all hashed to one replica: 2 x 2^-16
+
+
+def realtime_turns_by_replica(client: httpx.Client) -> Counter[str]:
+    totals: Counter[str] = Counter()
+    for line in client.get("/metrics").text.splitlines():
+        if line.startswith("omnistage_realtime_responses_total{"):
+            totals[line.split('replica="')[1].split('"')[0]] += float(line.rsplit(" ", 1)[1])
+    return totals
+
+
+def test_a_realtime_sessions_turns_are_all_served_by_one_replica(two):
+    before = realtime_turns_by_replica(two)
+    ws_url = str(two.base_url).replace("http", "ws", 1).rstrip("/") + "/v1/realtime?model=" + MODEL
+    with websockets.sync.client.connect(ws_url) as ws:
+
+        def until(kind: str) -> dict:
+            while (event := json.loads(ws.recv(timeout=120)))["type"] != kind:
+                assert event["type"] != "error", event
+            return event
+
+        until("session.created")
+        session = {"type": "realtime", "output_modalities": ["text"], "max_output_tokens": 2}
+        ws.send(
+            json.dumps(
+                {
+                    "type": "session.update",
+                    "session": session | {"audio": {"input": {"turn_detection": None}}},
+                }
+            )
+        )
+        until("session.updated")
+        for _ in range(3):
+            item = {"type": "message", "role": "user", "content": [{"type": "input_text", "text": "Hi"}]}
+            ws.send(json.dumps({"type": "conversation.item.create", "item": item}))
+            ws.send(json.dumps({"type": "response.create"}))
+            assert until("response.done")["response"]["status"] == "incomplete"  # its two tokens
+
+    def gained() -> Counter[str]:
+        return realtime_turns_by_replica(two) - before
+
+    wait_for(lambda: sum(gained().values()) >= 3, 15, "the scrape counts the session's turns")
+    assert list(gained().values()) == [3]  # one replica answered all three
 
 
 def test_a_killed_replica_fails_its_requests_cleanly_and_is_replaced(two):
