@@ -65,7 +65,8 @@ async def until(conn, kind: str) -> list:
 async def manual(conn, **session) -> None:
     """Turn detection off (the client commits), and the session's other settings."""
     assert (await conn.recv()).type == "session.created"
-    audio = session.pop("audio", {}) | {"input": {"turn_detection": None}}
+    audio = session.pop("audio", {})
+    audio = audio | {"input": audio.get("input", {}) | {"turn_detection": None}}
     await conn.session.update(
         session={"type": "realtime", "instructions": INSTRUCTIONS, "audio": audio, **session}
     )

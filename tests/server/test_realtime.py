@@ -221,3 +221,30 @@ async def test_g711_out_at_8_khz(url, tiny_pipeline):
     assert done.audio.output.format.type == "audio/pcmu"
     samples = len(audio_bytes(events))  # one byte a sample
     assert abs(samples - done.usage.output_token_details.audio_tokens * 640) < 640  # 80 ms frames at 8 kHz
+
+
+@in_loop
+async def test_a_conversation_can_have_its_users_turns_transcribed_too(url, tiny_pipeline, prompts):
+    async with connect(url) as conn:
+        audio = {"input": {"transcription": {"model": "whisper-1", "language": "en"}}}
+        await manual(conn, output_modalities=["text"], max_output_tokens=2, audio=audio)
+        await conn.input_audio_buffer.append(audio=base64.b64encode(tone(1.0)).decode())
+        await conn.input_audio_buffer.commit()
+        (committed, *_) = await until(conn, "conversation.item.done")
+        await conn.response.create()
+        events = await until(conn, "conversation.item.input_audio_transcription.completed")
+        if not any(e.type == "response.done" for e in events):
+            events += await until(conn, "response.done")
+    completed = next(e for e in events if e.type == "conversation.item.input_audio_transcription.completed")
+    deltas = [e for e in events if e.type == "conversation.item.input_audio_transcription.delta"]
+    assert completed.item_id == committed.item_id and all(e.item_id == committed.item_id for e in deltas)
+    assert completed.transcript == "".join(e.delta for e in deltas)
+    # the transcription is a request of its own, on the turn's clip; the answer's prompt is unchanged by it
+    (transcribing,) = [p for p in prompts if p.request_id.startswith("trsc")]
+    assert transcribing.params.temperature == 0.0
+    answer = next(p for p in prompts if p.request_id.startswith("rt"))
+    messages = [
+        {"role": "system", "content": INSTRUCTIONS},
+        {"role": "user", "content": [{"type": "audio", "audio": clip_of(tone(1.0))}]},
+    ]
+    assert answer.prompt_token_ids == tiny_pipeline.frontend.processor.process_chat(messages, True).token_ids

@@ -283,7 +283,7 @@ class Session:
             {"type": "input_audio_buffer.committed", "item_id": item.id, "previous_item_id": previous}
         )
         await self._item_added(item, previous)
-        if self.settings.kind == "transcription":
+        if self.settings.kind == "transcription" or self.settings.transcribe_input:
             task = asyncio.ensure_future(Transcriber(self.link, self.settings, item).run())
             self.transcribing.add(task)
             task.add_done_callback(self.transcribing.discard)

@@ -53,8 +53,9 @@ class Settings:
     tool_choice: str | dict[str, Any] = "auto"
     parallel_tool_calls: bool = True
     max_output_tokens: int | None = None  # None: as much as the context leaves ("inf")
-    language: str | None = None  # a transcription session's
+    language: str | None = None  # a transcription session's, or a conversation's transcription of its input
     prompt: str | None = None
+    transcribe_input: bool = False  # a conversation's: each committed user turn transcribed too
     metadata: dict[str, str] = field(default_factory=dict)
 
     def updated(self, given: protocol.SessionConfig, voices: Voices, spoken: bool) -> Settings:
@@ -96,8 +97,10 @@ class Settings:
             new = replace(new, input_format=AudioFormat(given.format.type))
         if "turn_detection" in given.model_fields_set:
             new = replace(new, turn_detection=turn_detection(given.turn_detection))
-        if given.transcription is not None:
-            new = replace(new, language=given.transcription.language, prompt=given.transcription.prompt)
+        if "transcription" in given.model_fields_set:
+            wanted = given.transcription
+            language, prompt = (wanted.language, wanted.prompt) if wanted is not None else (None, None)
+            new = replace(new, language=language, prompt=prompt, transcribe_input=wanted is not None)
         return new
 
     def for_response(self, given: protocol.ResponseParams | None, voices: Voices, spoken: bool) -> Settings:
@@ -153,7 +156,15 @@ class Settings:
             "instructions": self.instructions,
             "output_modalities": list(self.modalities),
             "audio": {
-                "input": {"format": self.input_format.as_dict(), "turn_detection": detection},
+                "input": {
+                    "format": self.input_format.as_dict(),
+                    "turn_detection": detection,
+                    "transcription": (
+                        {"model": self.model, "language": self.language, "prompt": self.prompt}
+                        if self.transcribe_input
+                        else None
+                    ),
+                },
                 "output": {"format": self.output_format.as_dict(), "voice": self.voice},
             },
             "tools": [{"type": "function", **tool["function"]} for tool in self.tools],
