@@ -1,13 +1,13 @@
-"""The stateless encoder stage: audio and vision towers turning prompts' media into embedding rows.
+"""The encoder stage: audio and vision towers turning prompts' media into embedding rows.
 
 Runs at admission, once for all the requests admitted together: the clips of every prompt go through
 the audio tower as ragged batches and the images and videos through the vision tower (a request's rows depend
 on its neighbours only in their last bits), each call holding at most the largest single image the processor
 admits: the input the memory plan measures the towers on. A clip seen before takes the rows kept for it on the
-host (encoder_cache.py): the same clip gives the same rows bit for bit, and the prefix cache hits through it. A video goes in pieces of whole
-temporal patches within that bound (the tower attends within a frame, so the pieces give the rows the whole
-would). The outputs replace the prompts' placeholder embeddings during prefill (see ModelRunner) and, for
-images and videos, feed the deepstack levels.
+host (encoder_cache.py): the same clip gives the same rows bit for bit, and the prefix cache hits through it.
+A video goes in pieces of whole temporal patches within that bound (the tower attends within a frame, so the
+pieces give the rows the whole would). The outputs replace the prompts' placeholder embeddings during prefill
+(see ModelRunner) and, for images and videos, feed the deepstack levels.
 
 With CUDA graphs captured (`capture_graphs`, see graphs/encoders.py) the clips go through the audio graphs in
 pieces of windows, and the images through the vision graphs in calls of at most the largest patch bucket;
@@ -168,9 +168,8 @@ class EncoderStage:
         return out
 
     def _clip_rows(self, clips: list[torch.Tensor], cached: bool = True) -> list[torch.Tensor]:
-        """Each clip's rows: those kept from an earlier call (`self.cache`) copied to the device, the others (each
-        distinct clip once) through the tower in calls of at most `max_audio_frames` (with graphs, each call in
-        pieces of the largest audio bucket), then kept."""
+        """Each clip's rows: those kept from an earlier call (`self.cache`) copied to the device, the others
+        (each distinct clip once) through the tower, then kept."""
         if not (cached and self.cache.enabled):
             return self._encode_clips(clips)
         keys = [clip_key(f) for f in clips]
@@ -185,6 +184,8 @@ class EncoderStage:
         return [rows[k] for k in keys]
 
     def _encode_clips(self, clips: list[torch.Tensor]) -> list[torch.Tensor]:
+        """The tower's rows of each clip, in calls of at most `max_audio_frames` (with graphs, each call in pieces
+        of the largest audio bucket)."""
         rows: list[torch.Tensor] = []
         tower = self.audio_graphs.run if self.audio_graphs is not None else self.audio_encoder
         for group in groups([f.shape[-1] for f in clips], self.max_audio_frames):
