@@ -99,6 +99,12 @@ class ThinkerSection(_StageSection, _KvSection):
 class EncodersSection(_StageSection):
     audio_graphs: GraphsSection | None = Field(None, description="windows per audio tower call")
     vision_graphs: GraphsSection | None = Field(None, description="patches per vision tower call")
+    cache_mib: int = Field(
+        256,
+        ge=0,
+        description="host memory (MiB) keeping the audio tower's rows of clips seen before, so that a clip sent "
+        "again gives the same rows without the tower (0: off)",
+    )
 
 
 class TalkerSection(_StageSection, _KvSection):

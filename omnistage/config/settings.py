@@ -71,6 +71,7 @@ class DecoderSettings(StageSettings):
 class EncodersSettings(StageSettings):
     audio_graphs: Graphs  # windows per call
     vision_graphs: Graphs  # patches per call
+    cache_bytes: int  # host memory keeping clips' rows (0: none)
 
 
 @dataclass(frozen=True)
@@ -155,6 +156,7 @@ def resolve(config: EngineConfig, name: StageName) -> StageSettings:
             **common,
             audio_graphs=graphs(section.audio_graphs, None),
             vision_graphs=graphs(section.vision_graphs, None),
+            cache_bytes=section.cache_mib << 20,
         )
     if name == "code_predictor":
         frames = section.max_batch or talker_batch

@@ -75,7 +75,12 @@ class Qwen3ASRPipeline:
             model=decoder,
             text=self.model_config.text,
             processor=processor,
-            encoders=EncoderStage(tower, aut_clips(self.model_config.audio_token_id), device),
+            encoders=EncoderStage(
+                tower,
+                aut_clips(self.model_config.audio_token_id),
+                device,
+                cache_bytes=config.stage("encoders").cache_bytes,
+            ),
             eos_token_ids=eos_token_ids(path, processor.tokenizer),
             model_path=path,
             load_seconds=time.perf_counter() - started,

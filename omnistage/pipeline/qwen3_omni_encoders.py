@@ -28,8 +28,10 @@ def image_format(image_token_id: int, cfg: ImageProcessorConfig, spatial_merge_s
     return ImageFormat(image_token_id, largest_grid(cfg), cfg.patch_size, patch_values, spatial_merge_size)
 
 
-def load_encoders(checkpoint_dir: Path, cfg: ThinkerConfig, options: LoadOptions) -> EncoderStage:
-    """Qwen3-Omni's audio and vision towers from a checkpoint directory."""
+def load_encoders(
+    checkpoint_dir: Path, cfg: ThinkerConfig, options: LoadOptions, cache_bytes: int = 0
+) -> EncoderStage:
+    """Qwen3-Omni's audio and vision towers from a checkpoint directory; clips' rows kept up to `cache_bytes`."""
     found = (Path(checkpoint_dir) / "preprocessor_config.json").exists()
     images = ImageProcessorConfig.from_dir(checkpoint_dir) if found else ImageProcessorConfig()
     return EncoderStage(
@@ -39,4 +41,5 @@ def load_encoders(checkpoint_dir: Path, cfg: ThinkerConfig, options: LoadOptions
         load_vision_encoder(checkpoint_dir, options),
         image_format(cfg.image_token_id, images, cfg.vision.spatial_merge_size),
         VideoFormat(cfg.video_token_id),
+        cache_bytes,
     )

@@ -36,7 +36,7 @@ def load_thinker_stage(
     started = time.perf_counter()
     options = LoadOptions(dtype, device, config.load_format, config.seed)
     model = load_thinker(path, options, backend_for(device))
-    encoders = load_encoders(path, cfg.thinker, options)
+    encoders = load_encoders(path, cfg.thinker, options, config.stage("encoders").cache_bytes)
     return StageModels(
         model=model,
         text=cfg.thinker.text,

@@ -44,6 +44,10 @@ _STAT_GAUGES = {
     "talker_kv_pages_total": ("omnistage_talker_kv_pages_total", "The Talker's KV cache pages (speech out)"),
     "talker_kv_pages_free": ("omnistage_talker_kv_pages_free", "The Talker's KV pages free"),
     "num_speaking": ("omnistage_num_requests_speaking", "Requests whose reply is being spoken"),
+    "encoder_cache_bytes": (
+        "omnistage_encoder_cache_bytes",
+        "Host memory holding the audio tower's rows of clips kept for later requests",
+    ),
     "gpu_memory_reserved_bytes": (
         "omnistage_gpu_memory_reserved_bytes",
         "GPU memory the caching allocator holds",
@@ -69,6 +73,14 @@ _STAT_COUNTERS = {
     "prefix_cache_hits": (
         "omnistage_prefix_cache_hits",
         "Prompt tokens found in the prefix cache at admission: their prefill was skipped",
+    ),
+    "encoder_cache_hits": (
+        "omnistage_encoder_cache_hits",
+        "Audio clips whose encoder rows were kept from an earlier request: the audio tower did not run",
+    ),
+    "encoder_cache_misses": (
+        "omnistage_encoder_cache_misses",
+        "Audio clips the audio tower encoded (their rows kept for later requests where the cache is on)",
     ),
 }
 

@@ -1,12 +1,13 @@
-"""The stateless encoder stage: audio and vision towers turning prompts' media into embedding rows.
+"""The encoder stage: audio and vision towers turning prompts' media into embedding rows.
 
 Runs at admission, once for all the requests admitted together: the clips of every prompt go through
-the audio tower as ragged batches and the images and videos through the vision tower (the towers are batch
-invariant, so a request's rows do not depend on its neighbours), each call holding at most the largest single
-image the processor admits: the input the memory plan measures the towers on. A video goes in pieces of whole
-temporal patches within that bound (the tower attends within a frame, so the pieces give the rows the whole
-would). The outputs replace the prompts' placeholder embeddings during prefill (see ModelRunner) and, for
-images and videos, feed the deepstack levels.
+the audio tower as ragged batches and the images and videos through the vision tower (a request's rows depend
+on its neighbours only in their last bits), each call holding at most the largest single image the processor
+admits: the input the memory plan measures the towers on. A clip seen before takes the rows kept for it on the
+host (encoder_cache.py): the same clip gives the same rows bit for bit, and the prefix cache hits through it.
+A video goes in pieces of whole temporal patches within that bound (the tower attends within a frame, so the
+pieces give the rows the whole would). The outputs replace the prompts' placeholder embeddings during prefill
+(see ModelRunner) and, for images and videos, feed the deepstack levels.
 
 With CUDA graphs captured (`capture_graphs`, see graphs/encoders.py) the clips go through the audio graphs in
 pieces of windows, and the images through the vision graphs in calls of at most the largest patch bucket;
@@ -40,6 +41,7 @@ from omnistage.engine.graphs.encoders import (
 )
 from omnistage.engine.memory.floor import Floor
 from omnistage.engine.memory.measure import Peak, device_peak
+from omnistage.engine.stages.encoder_cache import EncoderCache, clip_key
 from omnistage.engine.stages.vision_rows import (
     VisionRows,
     groups,
@@ -124,8 +126,10 @@ class EncoderStage:
         vision_encoder: EagerVisionTower | None = None,
         images: ImageFormat | None = None,
         videos: VideoFormat | None = None,
+        cache_bytes: int = 0,
     ) -> None:
-        """The towers a family loaded and the layout of their inputs; no vision tower: audio only."""
+        """The towers a family loaded and the layout of their inputs; no vision tower: audio only. The clips'
+        rows are kept on the host up to `cache_bytes` (encoder_cache.py; 0: none)."""
         if (vision_encoder is None) != (images is None):
             raise ValueError("a vision tower comes with its image format, and an image format with its tower")
         if videos is not None and images is None:
@@ -137,20 +141,23 @@ class EncoderStage:
         self.max_image_patches = math.prod(images.largest_grid) if images is not None else 0
         self.audio_graphs: AudioGraphs | None = None
         self.vision_graphs: VisionGraphs | None = None
+        self.cache = EncoderCache(cache_bytes)
 
     def encode(self, token_ids: list[int], mm: MultimodalInputs) -> MultimodalEmbeds:
         """Run the audio and vision encoders for one prompt; their rows must match its placeholders."""
         return self.encode_many([(token_ids, mm)])[0]
 
     @torch.inference_mode()
-    def encode_many(self, prompts: list[tuple[list[int], MultimodalInputs]]) -> list[MultimodalEmbeds]:
+    def encode_many(
+        self, prompts: list[tuple[list[int], MultimodalInputs]], cached: bool = True
+    ) -> list[MultimodalEmbeds]:
         """The encoders over several prompts' media, in ragged batches of at most the largest input; per
-        prompt, in order.
+        prompt, in order. A clip seen before takes its kept rows unless not `cached`.
 
         Raises InvalidRequest when a prompt's placeholders and its media disagree (the caller retries the
         prompts one by one to fail only that one).
         """
-        audio = iter(self._clip_rows([f for _, mm in prompts for f in mm.audio_features]))
+        audio = iter(self._clip_rows([f for _, mm in prompts for f in mm.audio_features], cached))
         seeing = [mm for _, mm in prompts if sees(mm)]
         vision = iter(self._vision_rows(seeing) if seeing else [])
         out = []
@@ -160,9 +167,25 @@ class EncoderStage:
             out.append(self._place(token_ids, join(clip_rows, 0) if clip_rows else None, seen))
         return out
 
-    def _clip_rows(self, clips: list[torch.Tensor]) -> list[torch.Tensor]:
-        """Each clip's rows; the clips go through the tower in calls of at most `max_audio_frames` (with graphs,
-        each call in pieces of the largest audio bucket)."""
+    def _clip_rows(self, clips: list[torch.Tensor], cached: bool = True) -> list[torch.Tensor]:
+        """Each clip's rows: those kept from an earlier call (`self.cache`) copied to the device, the others
+        (each distinct clip once) through the tower, then kept."""
+        if not (cached and self.cache.enabled):
+            return self._encode_clips(clips)
+        keys = [clip_key(f) for f in clips]
+        found = {k: kept for k in dict.fromkeys(keys) if (kept := self.cache.get(k)) is not None}
+        fresh = {k: f for k, f in zip(keys, clips) if k not in found}
+        self.cache.hits += len(clips) - len(fresh)
+        self.cache.misses += len(fresh)
+        rows = {k: r.to(self.device, copy=True) for k, r in found.items()}
+        rows |= dict(zip(fresh, self._encode_clips(list(fresh.values()))))
+        for k in fresh:
+            self.cache.put(k, rows[k])
+        return [rows[k] for k in keys]
+
+    def _encode_clips(self, clips: list[torch.Tensor]) -> list[torch.Tensor]:
+        """The tower's rows of each clip, in calls of at most `max_audio_frames` (with graphs, each call in pieces
+        of the largest audio bucket)."""
         rows: list[torch.Tensor] = []
         tower = self.audio_graphs.run if self.audio_graphs is not None else self.audio_encoder
         for group in groups([f.shape[-1] for f in clips], self.max_audio_frames):
@@ -258,8 +281,10 @@ class EncoderStage:
         }
 
     def stats(self) -> dict[str, int]:
-        """The graphs captured per tower (the stage keeps no requests between calls)."""
-        return {f"{tower}_graphs": len(buckets) for tower, buckets in self.captured.items()}
+        """The graphs captured per tower, and the clip cache's counts (the stage keeps no requests between
+        calls)."""
+        graphs = {f"{tower}_graphs": len(buckets) for tower, buckets in self.captured.items()}
+        return graphs | self.cache.stats()
 
     def profile_floor(
         self, prefill: int, prefill_tokens: int, max_prompt_tokens: int, max_audios: int, max_images: int
@@ -312,7 +337,7 @@ class EncoderStage:
         """Peak bytes of encoding one prompt's media, and the bytes of the rows that stay held after it."""
         base = torch.cuda.memory_allocated(self.device)
         with device_peak(self.device) as peak:
-            embeds = self.encode(token_ids, mm)
+            embeds = self.encode_many([(token_ids, mm)], cached=False)[0]
         held = torch.cuda.memory_allocated(self.device) - base
         del embeds
         torch.cuda.empty_cache()

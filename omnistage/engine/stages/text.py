@@ -155,6 +155,9 @@ class TextStage(AutoregressiveStage[RequestState]):
             cpu_gib = section.kv.gib or _CPU_KV_GIB
             self.allocate_pages(section.kv.pages or max(1, int(cpu_gib * GiB) // self.kv_bytes_per_page))
 
+    def stats(self) -> dict[str, int]:
+        return super().stats() | self.encoders.stats()
+
     def memory(self) -> StageMemory:
         """What the stage needs of its GPU's plan: its weights and encoders', its floor, its KV pool and its
         graphs' prices, measured now (the runner warms up on the way)."""

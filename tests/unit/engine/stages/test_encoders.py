@@ -152,7 +152,13 @@ def test_graphs_encode_as_the_eager_towers(tiny_checkpoint, setup):
     want = eager.encode_many([(p.token_ids, p.mm) for p in prompts])
     # 2 + 3 + 1 windows in pieces of 2; images of 32 and 36 patches in the 64-patch graph, 140 eagerly
     assert audio_calls == [2, 2, 2] and image_calls == [64, 64]
-    assert encoders.stats() == {"audio_graphs": 2, "vision_graphs": 2}
+    assert encoders.stats() == {
+        "audio_graphs": 2,
+        "vision_graphs": 2,
+        "encoder_cache_hits": 0,
+        "encoder_cache_misses": 0,
+        "encoder_cache_bytes": 0,
+    }
     for g, w in zip(got, want):
         for name in ("audio_rows", "audio_embeds", "image_rows", "image_embeds", "deepstack"):
             torch.testing.assert_close(getattr(g, name), getattr(w, name), rtol=1e-5, atol=1e-5)
@@ -164,7 +170,14 @@ def test_a_stage_of_an_audio_tower_alone(setup):
     cfg, omni, prompt = setup
     audio = EncoderStage(omni.audio_encoder, aut_clips(cfg.audio_token_id), torch.device("cpu"))
     assert (audio.name, audio.device, audio.max_audio_frames) == ("encoders", torch.device("cpu"), 30000)
-    assert audio.default_graph_buckets()[1] == [] and audio.stats() == {"audio_graphs": 0, "vision_graphs": 0}
+    assert audio.default_graph_buckets()[1] == []
+    assert audio.stats() == {
+        "audio_graphs": 0,
+        "vision_graphs": 0,
+        "encoder_cache_hits": 0,
+        "encoder_cache_misses": 0,
+        "encoder_cache_bytes": 0,
+    }
     embeds = audio.encode(prompt.token_ids, prompt.mm)
     torch.testing.assert_close(embeds.audio_embeds, omni.encode(prompt.token_ids, prompt.mm).audio_embeds)
     assert len(embeds.image_rows) == 0

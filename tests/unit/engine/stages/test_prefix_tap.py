@@ -5,10 +5,12 @@ later turns then take the earlier turns' audio from the cache and say exactly wh
 import numpy as np
 import pytest
 import torch
+from prometheus_client.parser import text_string_to_metric_families
 
 from omnistage import LLM, SamplingParams
 from omnistage.engine.stages.text import NewRequest
 from omnistage.request import SpeechParams, talker_sampling_defaults
+from omnistage.server.metrics import ServerMetrics
 
 PAGE = 4
 TEXT = SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True)
@@ -25,7 +27,7 @@ def cached(tiny_checkpoint):
 
 @pytest.fixture(scope="module")
 def uncached(tiny_checkpoint):
-    return speaking_llm(tiny_checkpoint, prefix_caching=False)
+    return speaking_llm(tiny_checkpoint, prefix_caching=False, encoder_cache_mib=0)
 
 
 def clip(seconds: float, pitch: float) -> np.ndarray:
@@ -77,6 +79,12 @@ def taps_read(monkeypatch):
     return seen, record
 
 
+def samples(text: bytes) -> dict[str, float]:
+    return {
+        s.name: s.value for family in text_string_to_metric_families(text.decode()) for s in family.samples
+    }
+
+
 def assert_pool_full(llm: LLM) -> None:
     pool = llm.pipeline.thinker.pool
     assert not llm.pipeline.has_unfinished()
@@ -85,15 +93,17 @@ def assert_pool_full(llm: LLM) -> None:
 
 def test_a_spoken_conversation_takes_its_earlier_turns_audio_from_the_cache(cached, uncached, taps_read):
     """Three spoken turns, each a new clip: their text, codec codes and audio equal those of a run without the
-    cache, and so (to rounding) do the tapped rows the Talker reads. Turn 3 finds every full page of turn 2's
-    prompt cached, both clips' rows included. Turn 2 finds only the pages before its first clip: the audio
-    tower's rows of a clip encoded alone differ in the last bits from those of the same clip encoded beside
-    another, so its pages' keys differ (a miss, never a wrong row)."""
+    caches, and so (to rounding) do the tapped rows the Talker reads. Each turn finds every full page of the
+    turn before's prompt cached, its clips' rows included: the encoder cache gives an earlier clip the very
+    rows it got alone (the tower's rows of a clip beside another differ in their last bits), so the pages'
+    keys match, and the tower runs for the new clip only."""
     seen, record = taps_read
     record(cached)
     record(uncached)
     pool = cached.pipeline.thinker.pool
     audio_token = cached.pipeline.speech_stages.tokens.placeholders[0]
+    encoders = cached.pipeline.thinker.encoders
+    hits, misses = encoders.cache.hits, encoders.cache.misses
     messages: list[dict] = []
     prompts, found = [], []
     for turn in range(3):
@@ -110,9 +120,14 @@ def test_a_spoken_conversation_takes_its_earlier_turns_audio_from_the_cache(cach
         torch.testing.assert_close(seen[f"c{turn}"], seen[f"u{turn}"])
         messages.append({"role": "assistant", "content": out.outputs[0].text})
     assert found[0] == 0
-    assert found[1] == prompts[1].index(audio_token) // PAGE * PAGE
-    assert found[2] >= len(prompts[1]) // PAGE * PAGE, (found, [len(p) for p in prompts])
-    assert prompts[2][: found[2]].count(audio_token) == prompts[1].count(audio_token)
+    for turn in (1, 2):
+        assert found[turn] >= len(prompts[turn - 1]) // PAGE * PAGE, (found, [len(p) for p in prompts])
+        assert prompts[turn][: found[turn]].count(audio_token) == prompts[turn - 1].count(audio_token)
+    stats = cached.pipeline.stats()
+    assert (stats["encoder_cache_hits"], stats["encoder_cache_misses"]) == (hits + 3, misses + 3)
+    scraped = samples(ServerMetrics().render(stats))
+    assert scraped["omnistage_encoder_cache_hits_total"] == stats["encoder_cache_hits"]
+    assert scraped["omnistage_encoder_cache_bytes"] == stats["encoder_cache_bytes"] > 0
     assert_pool_full(cached)
     assert_pool_full(uncached)
 

@@ -1,0 +1,70 @@
+"""The audio tower's rows of clips seen before, kept on the host.
+
+A voice conversation sends every earlier turn's clip again with each turn. The tower's rows of a clip differ
+in their last bits with the clips it is batched beside, and the prefix cache keys pages by those rows' bytes
+(prefix_keys.py): rows encoded again would miss every page from the first clip on. Kept rows make the same clip
+give the very same rows in every later request, and spare the tower the work.
+
+A clip is known by a digest of its input features (their bytes, shape and dtype). The rows live in CPU memory,
+outside the GPU's memory plan, least recently used first out once they pass the byte budget. Only the engine
+thread encodes (admission), so the cache takes no lock.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections import OrderedDict
+
+import torch
+
+
+def clip_key(features: torch.Tensor) -> bytes:
+    """A digest of a clip's input features: equal features, equal key (read back from the device if there)."""
+    host = features.detach().to("cpu").contiguous()
+    digest = hashlib.blake2b(digest_size=16)
+    digest.update(f"{host.dtype}{tuple(host.shape)}".encode())
+    digest.update(host.view(torch.uint8).numpy().tobytes())
+    return digest.digest()
+
+
+class EncoderCache:
+    """Rows by clip key, on the host, bounded by `max_bytes` (0: nothing is kept), least recently used out."""
+
+    def __init__(self, max_bytes: int) -> None:
+        self.max_bytes = max_bytes
+        self.bytes = 0
+        self.hits = 0  # clips found
+        self.misses = 0  # clips the tower ran for
+        self._rows: OrderedDict[bytes, torch.Tensor] = OrderedDict()
+
+    @property
+    def enabled(self) -> bool:
+        return self.max_bytes > 0
+
+    def __len__(self) -> int:
+        return len(self._rows)
+
+    def get(self, key: bytes) -> torch.Tensor | None:
+        """The rows kept for `key` (on the host), now the most recently used; None: not kept."""
+        rows = self._rows.get(key)
+        if rows is not None:
+            self._rows.move_to_end(key)
+        return rows
+
+    def put(self, key: bytes, rows: torch.Tensor) -> None:
+        """Keep a copy of `rows` on the host; rows larger than the whole budget are not kept."""
+        size = rows.numel() * rows.element_size()
+        if size > self.max_bytes or key in self._rows:
+            return
+        self._rows[key] = rows.detach().to("cpu", copy=True)
+        self.bytes += size
+        while self.bytes > self.max_bytes:
+            _, evicted = self._rows.popitem(last=False)
+            self.bytes -= evicted.numel() * evicted.element_size()
+
+    def stats(self) -> dict[str, int]:
+        return {
+            "encoder_cache_hits": self.hits,
+            "encoder_cache_misses": self.misses,
+            "encoder_cache_bytes": self.bytes,
+        }
