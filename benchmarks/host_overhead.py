@@ -77,6 +77,7 @@ def install_no_op(engine: TextStage, width: int) -> None:
     runner = engine.runner
     runner.model = NoOpDecoder(ordinary_tokens(engine, width), width, engine.device)
     runner.prefill_graphs = None  # prefills run eagerly: only decode steps are timed
+    runner.keep_taps, runner.tap_rows = False, None  # nothing for a Talker: the stand-in has no hidden states
     if runner.graphs is not None:
         buckets = runner.graphs.captured_buckets
         runner.graphs = None

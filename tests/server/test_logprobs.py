@@ -231,7 +231,11 @@ def test_transcription_include_logprobs(client, model, server):
         events = [json.loads(line[6:]) for line in response.iter_lines() if line.startswith("data: {")]
     done = events[-1]
     assert done["type"] == "transcript.text.done"
-    assert done["logprobs"] == [e.model_dump() for e in result.logprobs]
+    # the same clip again: its prompt now comes from the prefix cache, computed in other chunks, so the
+    # logprobs agree to float rounding, the tokens exactly
+    whole = [e.model_dump() for e in result.logprobs]
+    assert [(e["token"], e["bytes"]) for e in done["logprobs"]] == [(e["token"], e["bytes"]) for e in whole]
+    assert [e["logprob"] for e in done["logprobs"]] == pytest.approx([e["logprob"] for e in whole], abs=1e-4)
     deltas = [entry for e in events[:-1] for entry in e["logprobs"]]
     assert deltas == done["logprobs"][: len(deltas)]
 

