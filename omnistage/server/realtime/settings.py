@@ -65,20 +65,7 @@ class Settings:
             raise InvalidField(
                 "session.type", f"this is a {self.kind} session; it cannot become {given.type}"
             )
-        new = self
-        if given.instructions is not None:
-            new = replace(new, instructions=given.instructions)
-        if given.output_modalities is not None:
-            new = replace(new, modalities=checked_modalities(given.output_modalities, spoken, "session"))
-        if given.tools is not None:
-            new = replace(new, tools=tuple(tool_dict(tool) for tool in given.tools))
-        if given.tool_choice is not None:
-            new = replace(new, tool_choice=choice_of(given.tool_choice))
-        if given.parallel_tool_calls is not None:
-            new = replace(new, parallel_tool_calls=given.parallel_tool_calls)
-        if given.max_output_tokens is not None:
-            limit = given.max_output_tokens
-            new = replace(new, max_output_tokens=None if limit == "inf" else limit)
+        new = self._replies(given, spoken, "session")
         audio = given.audio
         if audio is not None and audio.input is not None:
             new = new._input(audio.input)
@@ -89,6 +76,26 @@ class Settings:
                 new = replace(
                     new, voice=checked_voice(audio.output.voice, voices, "session.audio.output.voice")
                 )
+        return new
+
+    def _replies(
+        self, given: protocol.SessionConfig | protocol.ResponseParams, spoken: bool, where: str
+    ) -> Settings:
+        """What `session.update` and `response.create` both set: instructions, modalities, tools, the limit."""
+        new = self
+        if given.instructions is not None:
+            new = replace(new, instructions=given.instructions)
+        if given.output_modalities is not None:
+            new = replace(new, modalities=checked_modalities(given.output_modalities, spoken, where))
+        if given.tools is not None:
+            new = replace(new, tools=tuple(tool_dict(tool) for tool in given.tools))
+        if given.tool_choice is not None:
+            new = replace(new, tool_choice=choice_of(given.tool_choice))
+        if given.parallel_tool_calls is not None:
+            new = replace(new, parallel_tool_calls=given.parallel_tool_calls)
+        if given.max_output_tokens is not None:
+            limit = given.max_output_tokens
+            new = replace(new, max_output_tokens=None if limit == "inf" else limit)
         return new
 
     def _input(self, given: protocol.InputAudio) -> Settings:
@@ -107,20 +114,7 @@ class Settings:
         """The settings one response runs with: the session's, with `response.create`'s overrides."""
         if given is None:
             return self
-        new = self
-        if given.instructions is not None:
-            new = replace(new, instructions=given.instructions)
-        if given.output_modalities is not None:
-            new = replace(new, modalities=checked_modalities(given.output_modalities, spoken, "response"))
-        if given.tools is not None:
-            new = replace(new, tools=tuple(tool_dict(tool) for tool in given.tools))
-        if given.tool_choice is not None:
-            new = replace(new, tool_choice=choice_of(given.tool_choice))
-        if given.parallel_tool_calls is not None:
-            new = replace(new, parallel_tool_calls=given.parallel_tool_calls)
-        if given.max_output_tokens is not None:
-            limit = given.max_output_tokens
-            new = replace(new, max_output_tokens=None if limit == "inf" else limit)
+        new = self._replies(given, spoken, "response")
         if given.metadata is not None:
             new = replace(new, metadata=given.metadata)
         output = given.audio.output if given.audio is not None else None
