@@ -12,7 +12,8 @@
 # - t2s: `omnistage bench t2s`, c = 1 and 16, 2 requests per stream (first packet, RTF medians);
 # - fit80: configs/qwen3omni_colocated.yaml under an 80 GiB cap, its start (graphs captured per stage) and
 #   its batch of large requests (benchmarks/fit80.py without the A2T passes).
-# Each run has its own time limit (A2T_S, T2S_S, FIT80_S) so that a slow one cannot take the others' time.
+# Each run has its own time limit (A2T_S, T2S_S, FIT80_S) so that a slow one cannot take the others' time;
+# TREES="after" runs this tree alone (a part re-run after a fix, beside the earlier call's "before").
 # Under $OUT: env.txt, summary.txt (each run's table rows) and ab.tgz (per part and tree <part>_<tree>.log and
 # its JSON), a run cut short keeping what it measured.
 set -uo pipefail
@@ -45,7 +46,7 @@ one() {  # part tree seconds command...: the command in the tree's folder, with 
 }
 
 for part in "$@"; do
-  for tree in before after; do
+  for tree in ${TREES:-before after}; do
     echo "== $part, $tree" | tee -a "$OUT/summary.txt"
     case $part in
       a2t) one a2t "$tree" "${A2T_S:-150}" python3 -m omnistage.cli bench a2t "${bench[@]}" --output-tokens 33 \
