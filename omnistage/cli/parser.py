@@ -175,6 +175,23 @@ def build_parser() -> argparse.ArgumentParser:
         "refused)",
     )
     serve.add_argument(
+        "--max-video-seconds",
+        type=float,
+        help="the longest video a request may carry, in seconds; its stream may hold up to 60 frames a second "
+        "(default: 120)",
+    )
+    serve.add_argument(
+        "--max-video-frames",
+        type=int,
+        help="frames sampled from one video at most, what the vision tower sees; a request's video_max_frames "
+        "may ask for fewer (default: 256)",
+    )
+    serve.add_argument(
+        "--max-video-frame-pixels",
+        type=int,
+        help="the largest frame a video may have, width x height (default: 8294400, 4K)",
+    )
+    serve.add_argument(
         "--spoken-answers-retention-s",
         type=int,
         default=3600,

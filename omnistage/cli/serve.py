@@ -14,6 +14,7 @@ from omnistage.errors import ConfigError
 
 if TYPE_CHECKING:
     from omnistage.config import EngineConfig
+    from omnistage.models.qwen3_omni.video_decoding import VideoLimits
     from omnistage.server.options import ServerOptions
 
 
@@ -35,6 +36,7 @@ def run(args: argparse.Namespace) -> None:
 def server_options(args: argparse.Namespace, config: EngineConfig) -> ServerOptions:
     """The server's settings from the flags, each checked; raises ConfigError naming the flag at fault."""
     from omnistage.media import MediaPolicy
+    from omnistage.models.qwen3_omni.video_decoding import VideoLimits
     from omnistage.server.options import ServerOptions
     from omnistage.server.realtime.route import RealtimeLimits
 
@@ -65,6 +67,7 @@ def server_options(args: argparse.Namespace, config: EngineConfig) -> ServerOpti
         raise ConfigError(
             f"--realtime-max-conversation-tokens {args.realtime_max_conversation_tokens}: must be at least 1"
         )
+    video = video_limits(args, VideoLimits())
     realtime = RealtimeLimits(
         args.max_sessions, args.realtime_idle_timeout_s, args.realtime_max_conversation_tokens
     )
@@ -74,7 +77,7 @@ def server_options(args: argparse.Namespace, config: EngineConfig) -> ServerOpti
         api_key=args.api_key,
         max_queue=args.max_queue,
         max_body_bytes=args.max_body_bytes,
-        media=MediaPolicy(allow_remote=args.allow_remote_media, media_dir=media_dir),
+        media=MediaPolicy(allow_remote=args.allow_remote_media, media_dir=media_dir, video=video),
         spoken_answers_retention_s=args.spoken_answers_retention_s,
         max_spoken_answers=args.max_spoken_answers,
         responses_retention_s=args.responses_retention_s,
@@ -83,6 +86,27 @@ def server_options(args: argparse.Namespace, config: EngineConfig) -> ServerOpti
         engine_process=args.engine_process,
         realtime=realtime,
     )
+
+
+def video_limits(args: argparse.Namespace, default: VideoLimits) -> VideoLimits:
+    """The video bounds the flags set, the rest at `default`'s; a stream may hold 60 frames a second."""
+    from dataclasses import replace
+
+    limits = default
+    if args.max_video_seconds is not None:
+        if args.max_video_seconds <= 0:
+            raise ConfigError(f"--max-video-seconds {args.max_video_seconds}: must be above 0")
+        stream_frames = int(args.max_video_seconds * 60)
+        limits = replace(limits, max_seconds=args.max_video_seconds, max_stream_frames=stream_frames)
+    if args.max_video_frames is not None:
+        if args.max_video_frames < 1:
+            raise ConfigError(f"--max-video-frames {args.max_video_frames}: must be at least 1")
+        limits = replace(limits, max_frames=args.max_video_frames)
+    if args.max_video_frame_pixels is not None:
+        if args.max_video_frame_pixels < 1:
+            raise ConfigError(f"--max-video-frame-pixels {args.max_video_frame_pixels}: must be at least 1")
+        limits = replace(limits, max_frame_pixels=args.max_video_frame_pixels)
+    return limits
 
 
 def _load_and_serve(

@@ -69,3 +69,21 @@ def test_connection_flags(capsys):
     assert "--header-timeout 0.0: must be above 0 seconds" in capsys.readouterr().err
     assert main(["serve", "--max-connections", "0"]) == 2
     assert "--max-connections 0: must be at least 1" in capsys.readouterr().err
+
+
+def test_video_flags_set_the_media_policys_bounds(capsys):
+    from omnistage.cli.serve import server_options
+    from omnistage.config import EngineConfig
+    from omnistage.models.qwen3_omni.video_decoding import VideoLimits
+
+    config = EngineConfig(model=None)
+    assert server_options(build_parser().parse_args(["serve"]), config).media.video == VideoLimits()
+    flags = ["serve", "--max-video-seconds", "600", "--max-video-frames", "300"]
+    video = server_options(build_parser().parse_args(flags), config).media.video
+    assert (video.max_seconds, video.max_stream_frames, video.max_frames) == (600, 36_000, 300)
+    assert video.max_frame_pixels == VideoLimits().max_frame_pixels
+    help_text = build_parser()._subparsers._group_actions[0].choices["serve"].format_help()
+    for default in (VideoLimits().max_seconds, VideoLimits().max_frames, VideoLimits().max_frame_pixels):
+        assert f"(default: {default:.12g}" in " ".join(help_text.split())
+    assert main(["serve", "--max-video-frame-pixels", "0"]) == 2
+    assert "--max-video-frame-pixels 0: must be at least 1" in capsys.readouterr().err
