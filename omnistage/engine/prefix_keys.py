@@ -4,9 +4,14 @@ A page's KV is a function of everything a causal decoder saw up to its last row:
 replaced media placeholders, and the positions of every row before it and in it. So a page's key chains the
 previous page's key with what the page adds: its ids, its M-RoPE positions (a multimodal prompt's positions
 depend on its media's grids and timing, not only on the ids), and, at each placeholder it holds, the bytes of
-the encoder rows written there (and of their deepstack levels). Two prompts with the same placeholder ids but
-other images or audio never share a page; two whose encoders gave bit-identical rows do, however they were
-encoded (a clip encoded whole, or a growing clip whose complete attention windows gave the same rows).
+the encoder rows written there. Two prompts with the same placeholder ids but other images or audio never
+share a page; two whose encoders gave bit-identical rows do, however they were encoded (a clip encoded whole,
+or a growing clip whose complete attention windows gave the same rows).
+
+The rows' bytes are many (a 30 s 720p video's are ~90 MB), so each page's share of them enters the chained
+hash as its 128-bit XXH3 digest: read at several GB/s where BLAKE2b reads a few hundred MB/s, which would put
+a large video's hashing in its time to first token. The rows stand for the vision tower's deepstack levels
+too: both are that tower's outputs on one input.
 """
 
 from __future__ import annotations
@@ -15,6 +20,7 @@ import hashlib
 from dataclasses import dataclass
 
 import numpy as np
+import xxhash
 
 
 @dataclass(frozen=True)
@@ -50,7 +56,7 @@ def page_keys(
             # a kind's count first: the bytes that follow are read in one way only
             h.update(np.int64(hi - lo).tobytes())
             h.update((kind.rows[lo:hi] - start).astype(np.int64).tobytes())
-            h.update(np.ascontiguousarray(kind.values[lo:hi]).tobytes())
+            h.update(xxhash.xxh3_128_digest(np.ascontiguousarray(kind.values[lo:hi])))
         previous = h.digest()
         keys.append(previous)
     return keys

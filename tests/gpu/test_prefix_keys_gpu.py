@@ -29,7 +29,9 @@ def test_keys_over_rows_on_the_gpu_equal_the_hosts_and_allocate_nothing():
     gen = torch.Generator().manual_seed(0)
     audio = torch.randn(300, 2048, generator=gen).bfloat16()
     vision = torch.randn(4096, 2048, generator=gen).bfloat16()
-    levels = torch.randn(3, 4096, 2048, generator=gen).bfloat16()  # 48 MiB: a device-side layout would show
+    levels = torch.randn(
+        3, 4096, 2048, generator=gen
+    ).bfloat16()  # 48 MiB of deepstack levels beside the rows
     prompt = [7] * (4 + 300 + 3 + 4096 + 5)
     on_host = request_keys(prompt, 16, None, embeds("cpu", audio, vision, levels), None)
     mm = embeds("cuda", audio, vision, levels)
@@ -39,7 +41,7 @@ def test_keys_over_rows_on_the_gpu_equal_the_hosts_and_allocate_nothing():
     on_gpu = request_keys(prompt, 16, None, mm, None)
     assert torch.cuda.max_memory_allocated() == before
     assert on_gpu == on_host and len(on_gpu) == len(prompt) // 16
-    levels[1, 2000, 5] += 1  # a deepstack level's value is part of its page's key
+    vision[2000, 5] += 1  # a vision row's value is part of its page's key
     changed = request_keys(prompt, 16, None, embeds("cpu", audio, vision, levels), None)
     page = (4 + 300 + 3 + 2000) // 16
     assert changed[:page] == on_host[:page] and changed[page] != on_host[page]

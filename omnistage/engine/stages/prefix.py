@@ -36,28 +36,16 @@ def request_keys(
 
 
 def _media(mm: MultimodalEmbeds) -> tuple[MediaRows, ...]:
-    """The audio rows, and the vision rows with their deepstack levels, as bytes per placeholder on the host.
-    Each tensor is copied to the host as it is and laid out there: a layout on the device would allocate its
-    size again at admission, outside the memory plan (a 120 s video's vision rows and levels are ~0.7 GiB)."""
+    """The audio rows and the vision rows as bytes per placeholder on the host, each tensor copied there as it
+    is: a layout on the device would allocate at admission, outside the memory plan."""
     media = []
     if mm.audio_embeds is not None:
         media.append(MediaRows(mm.audio_rows_host, _bytes(mm.audio_embeds)))
     if mm.image_embeds is not None:
-        vision = _bytes(mm.image_embeds)
-        if mm.deepstack is not None:  # [levels, n, H] -> [n, levels * H] beside each row
-            levels = (
-                _host(mm.deepstack).to(mm.image_embeds.dtype).permute(1, 0, 2).reshape(vision.shape[0], -1)
-            )
-            vision = np.concatenate([vision, _bytes(levels)], axis=1)
-        media.append(MediaRows(mm.image_rows_host, vision))
+        media.append(MediaRows(mm.image_rows_host, _bytes(mm.image_embeds)))
     return tuple(media)
-
-
-def _host(rows: torch.Tensor) -> torch.Tensor:
-    """`rows` on the host, copied in their own layout (no temporary on the device)."""
-    return rows.detach().to("cpu").contiguous()
 
 
 def _bytes(rows: torch.Tensor) -> np.ndarray:
     """`[n, H]` rows as `[n, H * itemsize]` bytes on the host (numpy)."""
-    return _host(rows).view(torch.uint8).numpy()
+    return rows.detach().to("cpu").contiguous().view(torch.uint8).numpy()
