@@ -56,7 +56,7 @@ def page_keys(
             # a kind's count first: the bytes that follow are read in one way only
             h.update(np.int64(hi - lo).tobytes())
             h.update((kind.rows[lo:hi] - start).astype(np.int64).tobytes())
-            h.update(xxhash.xxh3_128_digest(np.ascontiguousarray(kind.values[lo:hi])))
+            h.update(xxhash.xxh3_128_digest(np.ascontiguousarray(kind.values[lo:hi]).data))
         previous = h.digest()
         keys.append(previous)
     return keys
