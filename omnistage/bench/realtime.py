@@ -23,6 +23,8 @@ Replies are capped at `--max-output-tokens` text tokens (the VAD session's at `-
 that a reply still speaks when the user cuts in); the Talker speaks until its end or its cap (2 s plus
 8 frames a token). On random weights neither end is forced: each row shows the replies' median text tokens
 and audio seconds, and how many completed. Every turn's audio carries its own dither (realtime_turns.py).
+Each part also records what the server's /metrics counted over it: its own mean end of speech to first audio
+delta sent, and the prefix and audio-tower caches' hits (the turns of a session hit; the baseline must not).
 Under --out-dir: realtime.json (each part's numbers as it ends) and server.log; the table goes to stdout.
 """
 
@@ -218,7 +220,7 @@ async def bench(args: argparse.Namespace, url: str, record: dict[str, Any]) -> l
         (args.out_dir / "realtime.json").write_text(json.dumps(record, indent=1) + "\n")
 
     async def part(name: str, seconds: float, work: Any) -> Any:
-        start = time.perf_counter()
+        start, before = time.perf_counter(), await metrics(url)
         try:
             async with asyncio.timeout(seconds):
                 result = await work
@@ -226,7 +228,10 @@ async def bench(args: argparse.Namespace, url: str, record: dict[str, Any]) -> l
             log.exception("%s failed", name)
             record.setdefault("failed", {})[name] = repr(exc)
             return None
+        view = rt.server_view(before, await metrics(url))
+        record.setdefault("server", {})[name] = view
         log.info("%s: %.1f s", name, time.perf_counter() - start)
+        log.info("%s, the server's count: %s", name, view)
         return result
 
     warm = argparse.Namespace(**{**vars(args), "turns": 1, "pace": 0.0})
@@ -260,6 +265,13 @@ async def bench(args: argparse.Namespace, url: str, record: dict[str, Any]) -> l
                 record.setdefault("baseline", []).extend(asdict(t) for t in turns)
                 emit(rt.latency_rows(turns, "request → first audio (chat, no cache)", show))
     return rows
+
+
+async def metrics(url: str) -> dict[str, float]:
+    import httpx
+
+    async with httpx.AsyncClient(timeout=10) as client:
+        return rt.scraped((await client.get(f"{url}/metrics")).text)
 
 
 def parse(argv: list[str] | None) -> argparse.Namespace:

@@ -79,6 +79,41 @@ class Turn:
 FINISHED = ("completed", "incomplete")  # incomplete: the reply reached max_output_tokens
 
 
+# What /metrics says of a part (each sample's sum over its labels): the server's own end of speech to first
+# audio delta sent, and what the caches served (realtime turns should hit, the chat baseline should not).
+SERVER_SAMPLES = (
+    "omnistage_realtime_first_audio_seconds_sum",
+    "omnistage_realtime_first_audio_seconds_count",
+    "omnistage_prefix_cache_queries_total",
+    "omnistage_prefix_cache_hits_total",
+    "omnistage_encoder_cache_hits_total",
+)
+
+
+def scraped(text: str) -> dict[str, float]:
+    """SERVER_SAMPLES' values in a /metrics page."""
+    values = dict.fromkeys(SERVER_SAMPLES, 0.0)
+    for line in text.splitlines():
+        name = line.split("{", 1)[0].split(" ", 1)[0]
+        if name in values:
+            values[name] += float(line.rsplit(" ", 1)[1])
+    return values
+
+
+def server_view(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
+    """What the server counted between two scrapes: its mean first audio (ms) and the caches' hits."""
+    change = {name: after[name] - before[name] for name in SERVER_SAMPLES}
+    count = change["omnistage_realtime_first_audio_seconds_count"]
+    mean = change["omnistage_realtime_first_audio_seconds_sum"] / count * 1e3 if count else float("nan")
+    return {
+        "first_audio_mean_ms": round(mean, 1),
+        "first_audio_count": count,
+        "prefix_tokens_queried": change["omnistage_prefix_cache_queries_total"],
+        "prefix_tokens_hit": change["omnistage_prefix_cache_hits_total"],
+        "encoder_cache_hits": change["omnistage_encoder_cache_hits_total"],
+    }
+
+
 def latency_rows(turns: list[Turn], label: str, show: tuple[int, ...]) -> list[str]:
     """The table's rows: per concurrency and per turn in `show`, the median, p90 and max of the latency (ms)
     over the sessions, and the replies' median length."""

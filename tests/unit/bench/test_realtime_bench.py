@@ -87,3 +87,23 @@ def test_command_line_defaults_are_the_h200_run():
     assert (
         args.concurrency == [1, 8, 32] and args.turns == 5 and args.utterance_s == 10.0 and args.pace == 1.0
     )
+
+
+def test_the_servers_view_is_the_change_between_two_scrapes():
+    page = """# HELP omnistage_realtime_first_audio_seconds End of speech to the first audio delta
+omnistage_realtime_first_audio_seconds_bucket{le="0.1"} 1.0
+omnistage_realtime_first_audio_seconds_sum 0.25
+omnistage_realtime_first_audio_seconds_count 2.0
+omnistage_prefix_cache_queries_total 300.0
+omnistage_prefix_cache_hits_total{stage="thinker"} 100.0
+omnistage_prefix_cache_hits_total{stage="talker"} 20.0
+omnistage_prefix_cache_hits_created 1.7e9
+"""
+    before = rt.scraped(page)
+    assert before["omnistage_prefix_cache_hits_total"] == 120.0
+    assert before["omnistage_encoder_cache_hits_total"] == 0.0
+    after = rt.scraped(page.replace("_sum 0.25", "_sum 0.55").replace("_count 2.0", "_count 4.0"))
+    view = rt.server_view(before, after)
+    assert view["first_audio_mean_ms"] == 150.0 and view["first_audio_count"] == 2.0
+    assert view["prefix_tokens_hit"] == 0.0
+    assert np.isnan(rt.server_view(before, before)["first_audio_mean_ms"])
