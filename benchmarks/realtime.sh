@@ -28,7 +28,7 @@ failed=0
 timeout "${REALTIME_S:-420}" python3 -m omnistage.bench.realtime --out-dir "$OUT" "${released[@]}" \
   --serve-args "${SERVE_ARGS:---config configs/qwen3omni_colocated.yaml --dtype bfloat16}" \
   --concurrency "${C:-1,8,32}" --turns "${TURNS:-5}" --utterance-s "${UTTERANCE_S:-10}" --pace "${PACE:-1}" \
-  --max-output-tokens "${MAX_OUTPUT_TOKENS:-8}" --barge-ins "${BARGE_INS:-3}" \
+  --max-output-tokens "${MAX_OUTPUT_TOKENS:-8}" --barge-ins "${BARGE_INS:-3}" --stagger-s "${STAGGER_S:-3}" \
   --part-timeout-s "${PART_S:-100}" >"$OUT/realtime.log" 2>&1 || failed=1
 grep -E "ready in|failed|Error|: [0-9.]+ s$|the server.s count" "$OUT/realtime.log" | head -30
 if grep -q "^The table:" "$OUT/realtime.log"; then
