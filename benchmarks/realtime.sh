@@ -25,7 +25,7 @@ fi
 released=()
 [[ ${RELEASED:-1} == 0 ]] || released=(--released)
 failed=0
-timeout "${REALTIME_S:-420}" python3 -m omnistage.bench.realtime --out-dir "$OUT" "${released[@]}" \
+timeout -k 30 "${REALTIME_S:-420}" python3 -m omnistage.bench.realtime --out-dir "$OUT" "${released[@]}" \
   --serve-args "${SERVE_ARGS:---config configs/qwen3omni_colocated.yaml --dtype bfloat16}" \
   --concurrency "${C:-1,8,32}" --turns "${TURNS:-5}" --utterance-s "${UTTERANCE_S:-10}" --pace "${PACE:-1}" \
   --max-output-tokens "${MAX_OUTPUT_TOKENS:-8}" --barge-ins "${BARGE_INS:-3}" --stagger-s "${STAGGER_S:-3}" \

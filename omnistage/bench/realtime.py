@@ -36,6 +36,7 @@ import base64
 import json
 import logging
 import shlex
+import signal
 import sys
 import time
 import uuid
@@ -300,6 +301,8 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse(argv)
+    # `timeout` ends a run with SIGTERM: exit through the finally below, so the server does not outlive it
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
     args.out_dir.mkdir(parents=True, exist_ok=True)
     record: dict[str, Any] = {"args": {k: str(v) for k, v in vars(args).items()}}
