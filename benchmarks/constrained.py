@@ -72,7 +72,7 @@ def timed_pass(llm: Any, prompts: list[str], params: Any) -> tuple[list[RequestT
     return timings, wall, outputs[0].outputs[0].text
 
 
-def decode(args: argparse.Namespace) -> list[str]:
+def decode(args: argparse.Namespace) -> None:
     from omnistage import LLM, SamplingParams
 
     if args.tokens > longest_forced_length():
@@ -99,9 +99,10 @@ def decode(args: argparse.Namespace) -> list[str]:
         "batches": {},
     }
     log.info("engine ready in %.1f s: %s", results["engine_start_s"], results["engine"])
+    print(f"decode: the Thinker in-process, started in {results['engine_start_s']} s", flush=True)
+    print(RATIO_HEADER, flush=True)  # each row as its batch ends: a run cut short keeps what it measured
     free = SamplingParams(max_tokens=args.tokens, min_tokens=args.tokens, ignore_eos=True, temperature=0.0)
     sides = {"free": free, "json_schema": dataclasses.replace(free, structured=records_constraint())}
-    rows = [RATIO_HEADER]
     for batch in batches:
         prompts = [f"Office {i}: list its staff as JSON records." for i in range(batch)]
         for params in sides.values():  # warm-up: the schema compiles on its first request
@@ -118,16 +119,11 @@ def decode(args: argparse.Namespace) -> list[str]:
         for name, summary in summaries.items():
             summary["first_reply"] = replies[name]
         results["batches"][batch] = summaries
-        rows.append(ratio_row(batch, args.tokens, summaries["free"], summaries["json_schema"]))
-        log.info("batch %d: %s", batch, rows[-1])
         write(args.out_dir / "decode.json", results)
+        print(ratio_row(batch, args.tokens, summaries["free"], summaries["json_schema"]), flush=True)
     results["builds_while_serving"] = builds.in_process()
     write(args.out_dir / "decode.json", results)
-    return [
-        f"decode: the Thinker in-process, started in {results['engine_start_s']} s; builds while serving: "
-        f"{len(results['builds_while_serving'])}",
-        *rows,
-    ]
+    print(f"decode: builds while serving: {len(results['builds_while_serving'])}", flush=True)
 
 
 THINKING_HEADER = (
@@ -146,43 +142,38 @@ def stream_summary(replies: list[StreamedReply], walls: list[float], concurrency
     return summary
 
 
-async def thinking_sweeps(url: str, args: argparse.Namespace) -> dict[str, list[dict[str, Any]]]:
+async def thinking_sweep(url: str, args: argparse.Namespace, extra: dict[str, Any]) -> list[dict[str, Any]]:
+    """The streamed chats at each concurrency, `extra` fields in every request."""
     model = first_model(url, None)
     client = StreamClient(url)
     forced = {"max_tokens": args.tokens, "min_tokens": args.tokens, "ignore_eos": True, "temperature": 0.0}
 
-    def runner(extra: dict[str, Any]):
-        async def one(_: str, number: int) -> StreamedReply:
-            body = {
-                "model": model,
-                "messages": [{"role": "user", "content": f"Question {number}: why is the sky blue?"}],
-                "stream": True,
-                "stream_options": {"include_usage": True},
-                **forced,
-                **extra,
-            }
-            reply = StreamedReply(time.perf_counter())
-            async for event in events(
-                client, "/v1/chat/completions", json.dumps(body).encode(), JSON_HEADERS, {}
-            ):
-                reply.add(event)
-            return reply
-
-        return one
+    async def one(_: str, number: int) -> StreamedReply:
+        body = {
+            "model": model,
+            "messages": [{"role": "user", "content": f"Question {number}: why is the sky blue?"}],
+            "stream": True,
+            "stream_options": {"include_usage": True},
+            **forced,
+            **extra,
+        }
+        reply = StreamedReply(time.perf_counter())
+        async for event in events(
+            client, "/v1/chat/completions", json.dumps(body).encode(), JSON_HEADERS, {}
+        ):
+            reply.add(event)
+        return reply
 
     concurrencies = [int(c) for c in args.concurrency.split(",")]
     try:
-        return {
-            mode: await sweep(
-                runner(extra), [mode], concurrencies, stream_summary, count=lambda c: c, repeats=args.repeats
-            )
-            for mode, extra in MODES.items()
-        }
+        return await sweep(
+            one, ["chat"], concurrencies, stream_summary, count=lambda c: c, repeats=args.repeats
+        )
     finally:
         client.close()
 
 
-def thinking(args: argparse.Namespace) -> list[str]:
+def thinking(args: argparse.Namespace) -> None:
     directory = thinking_checkpoint(Path(tempfile.mkdtemp(prefix="omnistage-thinking-")), args.model)
     flags = ["--model", str(directory), "--load-format", args.load_format, "--device", args.device]
     flags += ["--dtype", args.dtype, "--max-num-seqs", str(max(int(c) for c in args.concurrency.split(",")))]
@@ -196,25 +187,27 @@ def thinking(args: argparse.Namespace) -> list[str]:
             "model": str(directory),
             "server_ready_s": round(time.perf_counter() - started, 2),
         }
-        log.info("server ready in %.1f s", results["server_ready_s"])
-        results["modes"] = run_async(thinking_sweeps(server.url, args))
+        print(f"thinking: `omnistage serve` ready in {results['server_ready_s']} s", flush=True)
+        print(THINKING_HEADER, flush=True)
+        results["modes"] = {}
+        for (
+            mode,
+            extra,
+        ) in MODES.items():  # each mode's rows as it ends: a run cut short keeps what it measured
+            passes = results["modes"][mode] = run_async(thinking_sweep(server.url, args, extra))
+            write(args.out_dir / "thinking.json", results)
+            for s in passes:
+                print(
+                    f"| {mode} | {s['concurrency']} | {','.join(map(str, s['tokens_each']))} | "
+                    f"{s['ttft_median_ms']:.1f} | {s['tpot_median_ms']:.2f} | {s['reasoning_deltas_median']:.0f} | "
+                    f"{s['content_deltas_median']:.0f} | {' '.join(s['orders'])} |",
+                    flush=True,
+                )
         results["builds_while_serving"] = builds.on_server(server.url)
+        write(args.out_dir / "thinking.json", results)
+        print(f"thinking: builds while serving: {results['builds_while_serving']}", flush=True)
     finally:
         server.stop()
-    write(args.out_dir / "thinking.json", results)
-    rows = [
-        f"thinking: `omnistage serve`, ready in {results['server_ready_s']} s; builds while serving: "
-        f"{results['builds_while_serving']}",
-        THINKING_HEADER,
-    ]
-    for mode, passes in results["modes"].items():
-        for s in passes:
-            rows.append(
-                f"| {mode} | {s['concurrency']} | {','.join(map(str, s['tokens_each']))} | "
-                f"{s['ttft_median_ms']:.1f} | {s['tpot_median_ms']:.2f} | {s['reasoning_deltas_median']:.0f} | "
-                f"{s['content_deltas_median']:.0f} | {' '.join(s['orders'])} |"
-            )
-    return rows
 
 
 def write(path: Path, results: dict[str, Any]) -> None:
@@ -245,8 +238,10 @@ def main() -> None:
     # `timeout` ends a part with SIGTERM: exit through the `finally`s, so that the server is stopped too
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     args.out_dir.mkdir(parents=True, exist_ok=True)
-    rows = decode(args) if args.part == "decode" else thinking(args)
-    print("\n".join(rows), flush=True)
+    if args.part == "decode":
+        decode(args)
+    else:
+        thinking(args)
 
 
 if __name__ == "__main__":

@@ -27,9 +27,9 @@ common=(--device "${DEVICE:-cuda}" --dtype "${DTYPE:-bfloat16}" --load-format "$
 failed=0
 timeout -k 10 "${DECODE_S:-135}" python3 benchmarks/constrained.py decode "${common[@]}" ${MODEL:+--model "$MODEL"} \
   --batches "${BATCHES:-1,32}" --repeats "${REPEATS:-4}" >"$OUT/decode.log" 2>&1 || failed=1
-grep -E "^\| |^decode:|Error|refused" "$OUT/decode.log" | head -20
+grep -E "^\||^decode:|Error" "$OUT/decode.log" | head -20
 timeout -k 10 "${THINKING_S:-105}" python3 benchmarks/constrained.py thinking "${common[@]}" \
   ${THINKING_MODEL:+--model "$THINKING_MODEL"} --concurrency "${BATCHES:-1,32}" --repeats "${THINKING_REPEATS:-3}" \
   --server-timeout "${SERVER_WAIT_S:-85}" >"$OUT/thinking.log" 2>&1 || failed=1
-grep -E "^\| |^thinking:|Error" "$OUT/thinking.log" | head -20
+grep -E "^\||^thinking:|Error" "$OUT/thinking.log" | head -20
 exit $failed
