@@ -5,12 +5,13 @@ with `--load-format dummy`); benchmarks/constrained.sh runs both parts on the GP
     python benchmarks/constrained.py thinking --out-dir OUT   # a streamed Thinking chat through `omnistage serve`
 
 decode: the Qwen3-Omni Thinker (no Talker) in this process; per batch, passes of that many requests with
-distinct prompts, each forced to decode `--tokens` tokens (min_tokens = max_tokens, ignore_eos, greedy), one
-pass free and one under `response_format: json_schema` (a list of at least 64 records, which no output completes
-within 319 tokens: every request of both sides runs to its `max_tokens`, and the run checks it), alternating,
+distinct prompts, each forced to decode `--tokens` tokens (min_tokens = max_tokens, ignore_eos, greedy): one
+pass free, one under `response_format: json_schema` (a list of at least 64 records, which no output completes
+within 319 tokens: every request of every side runs to its `max_tokens`, and the run checks it) and one free
+without decoding ahead (a constrained step never decodes ahead: its mask follows the token before), in turn,
 after a warm-up of each. Per request TPOT = (finished - first token) / (tokens - 1); medians over all passes.
 
-thinking: a Thinking checkpoint (the Thinker alone: no `talker_config`, so the server's reasoning parser is on)
+thinking: a Thinking checkpoint (the Thinker alone, no Talker: the server's reasoning parser is on by default)
 whose chat template opens the think block, served over HTTP; streamed chats forced to `--tokens` tokens at each
 concurrency, with the think block open (every token is reasoning: random weights never close it, so the deltas
 are `reasoning_content`) and with `chat_template_kwargs: {"enable_thinking": false}` (an empty block closed in
@@ -50,9 +51,12 @@ from omnistage.bench.sweep import sweep
 log = logging.getLogger("bench")
 
 
-def timed_pass(llm: Any, prompts: list[str], params: Any) -> tuple[list[RequestTiming], float, str]:
-    """One pass of `prompts` at once: each request's timing, the pass's wall time, the first reply's text.
-    Raises if a request decoded other than `params.max_tokens` tokens, or stopped before its length."""
+def timed_pass(
+    llm: Any, prompts: list[str], params: Any, decode_ahead: bool
+) -> tuple[list[RequestTiming], float, str]:
+    """One pass of `prompts` at once, decoding ahead or not: each request's timing, the pass's wall time, the
+    first reply's text. Raises if a request decoded other than `params.max_tokens` tokens, or stopped before."""
+    llm.engine.decode_ahead = decode_ahead
     started = time.perf_counter()
     outputs = llm.generate(prompts, params)
     wall = time.perf_counter() - started
@@ -102,17 +106,20 @@ def decode(args: argparse.Namespace) -> None:
     print(f"decode: the Thinker in-process, started in {results['engine_start_s']} s", flush=True)
     print(RATIO_HEADER, flush=True)  # each row as its batch ends: a run cut short keeps what it measured
     free = SamplingParams(max_tokens=args.tokens, min_tokens=args.tokens, ignore_eos=True, temperature=0.0)
-    sides = {"free": free, "json_schema": dataclasses.replace(free, structured=records_constraint())}
+    # A constrained step needs the token before it (its mask follows it), so it never decodes ahead: the third
+    # side, free but one step at a time, tells that cost from the masks'.
+    constrained = dataclasses.replace(free, structured=records_constraint())
+    sides = {"free": (free, True), "json_schema": (constrained, True), "free, not ahead": (free, False)}
     for batch in batches:
         prompts = [f"Office {i}: list its staff as JSON records." for i in range(batch)]
-        for params in sides.values():  # warm-up: the schema compiles on its first request
-            timed_pass(llm, prompts, params)
+        for params, ahead in sides.values():  # warm-up: the schema compiles on its first request
+            timed_pass(llm, prompts, params, ahead)
         timings: dict[str, list[RequestTiming]] = {name: [] for name in sides}
         walls: dict[str, list[float]] = {name: [] for name in sides}
         replies: dict[str, str] = {}
         for _ in range(args.repeats):
-            for name, params in sides.items():
-                t, wall, replies[name] = timed_pass(llm, prompts, params)
+            for name, (params, ahead) in sides.items():
+                t, wall, replies[name] = timed_pass(llm, prompts, params, ahead)
                 timings[name] += t
                 walls[name].append(wall)
         summaries = {name: summarize(timings[name], walls[name], batch) for name in sides}
@@ -120,7 +127,11 @@ def decode(args: argparse.Namespace) -> None:
             summary["first_reply"] = replies[name]
         results["batches"][batch] = summaries
         write(args.out_dir / "decode.json", results)
-        print(ratio_row(batch, args.tokens, summaries["free"], summaries["json_schema"]), flush=True)
+        row = ratio_row(
+            batch, args.tokens, summaries["free"], summaries["json_schema"], summaries["free, not ahead"]
+        )
+        print(row, flush=True)
+    llm.engine.decode_ahead = sides["free"][1]
     results["builds_while_serving"] = builds.in_process()
     write(args.out_dir / "decode.json", results)
     print(f"decode: builds while serving: {len(results['builds_while_serving'])}", flush=True)

@@ -5,7 +5,8 @@
 #   OUT=/path bash benchmarks/constrained.sh      # on the GPU machine, carrying .whl; OUT defaults to ./constrained-out
 #
 # 1. decode: the Qwen3-Omni Thinker in-process, TPOT at batch 1 and 32 under `response_format: json_schema`
-#    beside the same batch free, every request forced to 128 tokens, 4 timed passes a side after a warm-up.
+#    beside the same batch free (and free without decoding ahead, which a constrained step never does), every
+#    request forced to 128 tokens, 4 timed passes a side after a warm-up.
 # 2. thinking: `omnistage serve` on a Qwen3-Omni-30B-A3B-Thinking skeleton, streamed chats of 128 tokens at
 #    c = 1 and 32, 3 timed passes after a warm-up: reasoning deltas with the think block open, content deltas
 #    with enable_thinking false; TTFT and TPOT of each.
@@ -25,11 +26,11 @@ source benchmarks/gpu_env.sh
 common=(--device "${DEVICE:-cuda}" --dtype "${DTYPE:-bfloat16}" --load-format "${LOAD_FORMAT:-dummy}"
   --kv-gib "${KV_GIB:-16}" --tokens "${TOKENS:-128}" --out-dir "$OUT")
 failed=0
-timeout -k 10 "${DECODE_S:-135}" python3 benchmarks/constrained.py decode "${common[@]}" ${MODEL:+--model "$MODEL"} \
+timeout -k 10 "${DECODE_S:-140}" python3 benchmarks/constrained.py decode "${common[@]}" ${MODEL:+--model "$MODEL"} \
   --batches "${BATCHES:-1,32}" --repeats "${REPEATS:-4}" >"$OUT/decode.log" 2>&1 || failed=1
 grep -E "^\||^decode:|Error" "$OUT/decode.log" | head -20
-timeout -k 10 "${THINKING_S:-105}" python3 benchmarks/constrained.py thinking "${common[@]}" \
+timeout -k 10 "${THINKING_S:-100}" python3 benchmarks/constrained.py thinking "${common[@]}" \
   ${THINKING_MODEL:+--model "$THINKING_MODEL"} --concurrency "${BATCHES:-1,32}" --repeats "${THINKING_REPEATS:-3}" \
-  --server-timeout "${SERVER_WAIT_S:-85}" >"$OUT/thinking.log" 2>&1 || failed=1
+  --server-timeout "${SERVER_WAIT_S:-80}" >"$OUT/thinking.log" 2>&1 || failed=1
 grep -E "^\||^thinking:|Error" "$OUT/thinking.log" | head -20
 exit $failed

@@ -12,6 +12,7 @@ from tokenizers import Tokenizer
 
 from omnistage.bench.constrained import (
     MIN_RECORDS,
+    RATIO_HEADER,
     StreamedReply,
     longest_forced_length,
     ratio_row,
@@ -96,4 +97,7 @@ def test_a_stream_read_into_reasoning_and_content():
 def test_ratio_row():
     free = {"tpot_median_ms": 10.0, "ttft_median_ms": 30.0}
     constrained = {"tpot_median_ms": 10.5, "ttft_median_ms": 31.0}
-    assert ratio_row(32, 128, free, constrained) == "| 32 | 128 | 10.00 | 10.50 | 1.050 | 30.0 | 31.0 |"
+    not_ahead = {"tpot_median_ms": 10.25, "ttft_median_ms": 30.5}
+    row = ratio_row(32, 128, free, constrained, not_ahead)
+    assert row == "| 32 | 128 | 10.00 | 10.50 | 1.050 | 10.25 | 30.0 | 31.0 |"
+    assert row.count("|") == RATIO_HEADER.splitlines()[0].count("|")
