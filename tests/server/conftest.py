@@ -15,6 +15,7 @@ import httpx
 import numpy as np
 import pytest
 
+from omnistage.bench.constrained import thinking_checkpoint
 from omnistage.bench.server_process import ServerProcess
 from omnistage.config import engine_config
 from omnistage.errors import InvalidMedia, QueueFull
@@ -72,26 +73,14 @@ def launch_server(tmp_path_factory, tiny_checkpoint):
     return launch
 
 
-# A Thinking-style generation prompt: the think block opened for the reply, or closed empty when the request's
-# chat_template_kwargs turn thinking off; `note` renders a template variable as it is given.
-THINKING_TAIL = (
-    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}"
-    "{%- if enable_thinking is defined and enable_thinking is false %}{{- '<think>\\n\\n</think>\\n\\n' }}"
-    "{%- else %}{{- '<think>\\n' }}{%- endif %}{%- endif %}"
-    "{{- note | default('') }}"
-)
-
-
 @pytest.fixture(scope="session")
 def thinking_template_checkpoint(tiny_thinking_checkpoint, tmp_path_factory) -> Path:
-    """The tiny Thinking checkpoint (its files linked) with a template that opens the think block."""
-    directory = tmp_path_factory.mktemp("thinking-template")
-    for path in tiny_thinking_checkpoint.iterdir():
-        (directory / path.name).symlink_to(path)
-    (directory / "chat_template.jinja").unlink()
-    template = (tiny_thinking_checkpoint / "chat_template.jinja").read_text()
-    head = template[: template.index("{%- if add_generation_prompt")]
-    (directory / "chat_template.jinja").write_text(head + THINKING_TAIL)
+    """The tiny Thinking checkpoint (its files linked) with a template that opens the think block for the reply,
+    or closes it empty when the request's chat_template_kwargs turn thinking off; `note` renders a template
+    variable as it is given."""
+    directory = thinking_checkpoint(tmp_path_factory.mktemp("thinking-template"), tiny_thinking_checkpoint)
+    template = directory / "chat_template.jinja"
+    template.write_text(template.read_text() + "{{- note | default('') }}")
     return directory
 
 
