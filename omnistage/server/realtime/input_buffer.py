@@ -19,9 +19,9 @@ import pybase64
 from omnistage.server.realtime.codecs import BadAudio, to_model_rate
 from omnistage.server.realtime.conversation import Conversation, new_id
 from omnistage.server.realtime.early import EarlyPrefill
+from omnistage.server.realtime.link import Link
 from omnistage.server.realtime.protocol import SessionError
 from omnistage.server.realtime.settings import Settings
-from omnistage.server.realtime.turns import Link
 from omnistage.server.vad import SpeechDetector, VadEvent, VadSettings
 
 # The most audio one buffer (one user turn) holds: what the audio encoder reads of one clip.

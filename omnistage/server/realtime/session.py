@@ -28,10 +28,11 @@ from omnistage.server.realtime.conversation import (
 )
 from omnistage.server.realtime.input_buffer import InputBuffer
 from omnistage.server.realtime.items import BadItem, item_of
+from omnistage.server.realtime.link import Link, Services
 from omnistage.server.realtime.protocol import SessionError
 from omnistage.server.realtime.settings import Settings
 from omnistage.server.realtime.transcription import Transcriber
-from omnistage.server.realtime.turns import Link, Response, Services
+from omnistage.server.realtime.turns import Response
 
 log = logging.getLogger(__name__)
 
