@@ -10,7 +10,7 @@ from typing import Any
 
 import numpy as np
 
-from omnistage.outputs import AUDIO_SAMPLE_RATE, RequestOutput
+from omnistage.outputs import AUDIO_SAMPLE_RATE, RequestOutput, SpokenFrame
 from omnistage.server.realtime.codecs import AudioEncoder
 from omnistage.server.realtime.conversation import Item, Part, new_id
 from omnistage.server.realtime.link import Link
@@ -31,6 +31,9 @@ class OutputItems:
         )
         self.items: list[Item] = []
         self.held = ""  # a spoken reply's content while it may still call tools
+        # a spoken reply's text tokens and frames so far, its message part's from when it opens (the same lists)
+        self.spoken_ids: list[int] = []
+        self._spoken_frames: list[SpokenFrame] = []
         self._first_audio_sent = False
         self._encoders: dict[str, AudioEncoder] = {}  # by item id: each spoken item's
 
@@ -57,7 +60,9 @@ class OutputItems:
         for item in self.items:
             if item.type == "message":
                 return item
-        part = Part("output_audio" if spoken else "output_text")
+        part = Part("output_text")
+        if spoken:
+            part = Part("output_audio", token_ids=self.spoken_ids, frames=self._spoken_frames)
         item = Item(new_id("item"), "message", "assistant", [part], status="in_progress")
         await self.open(item)
         shown = {"type": "audio", "transcript": ""} if spoken else {"type": "text", "text": ""}
@@ -74,6 +79,9 @@ class OutputItems:
 
     async def message_delta(self, delta: str, output: RequestOutput | None) -> None:
         spoken = self.settings.spoken
+        if spoken and output is not None:
+            self.spoken_ids += output.outputs[0].delta_token_ids
+            self._spoken_frames += output.spoken_frames
         if not delta and (output is None or output.audio_delta is None or not len(output.audio_delta)):
             return
         item = await self.message(spoken)

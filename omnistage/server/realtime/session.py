@@ -24,7 +24,6 @@ from omnistage.server.realtime.conversation import (
     Part,
     UnknownItem,
     new_id,
-    truncated_transcript,
 )
 from omnistage.server.realtime.input_buffer import InputBuffer
 from omnistage.server.realtime.items import BadItem, item_of
@@ -238,8 +237,7 @@ class Session:
                 "invalid_value",
                 "audio_end_ms",
             )
-        part.text = truncated_transcript(part.text, event.audio_end_ms, part.audio_ms)
-        part.audio_ms = event.audio_end_ms
+        part.truncate(event.audio_end_ms, self.link.pipeline.frontend.processor.decode)
         item.status = "incomplete"
         await self.send(
             {

@@ -187,6 +187,7 @@ class Response:
         params = SamplingParams(max_tokens=max(1, len(tts.reply_token_ids)))
         new = GenerationRequest(new_id("rt"), tts.token_ids, params, tts.prompt, speech=speech)
         self.request_id = new.request_id
+        self.out.spoken_ids += tts.reply_token_ids  # the outputs carry none: the reply is given
         await self.out.message_delta(text, None)
         outputs = self.link.pipeline.generate(new)
         try:
