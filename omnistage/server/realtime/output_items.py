@@ -23,12 +23,8 @@ class OutputItems:
     ended, from which the first audio's latency is measured."""
 
     def __init__(self, response_id: str, link: Link, settings: Settings, speech_ended: float | None) -> None:
-        self.response_id, self.link, self.settings, self.speech_ended = (
-            response_id,
-            link,
-            settings,
-            speech_ended,
-        )
+        self.response_id, self.link, self.settings = response_id, link, settings
+        self.speech_ended = speech_ended
         self.items: list[Item] = []
         self.held = ""  # a spoken reply's content while it may still call tools
         # a spoken reply's text tokens and frames so far, its message part's from when it opens (the same lists)
