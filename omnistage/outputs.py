@@ -34,6 +34,16 @@ class CompletionOutput:
     delta_logprobs: list[TokenLogprobs] = field(default_factory=list)  # those of delta_token_ids
 
 
+@dataclass(frozen=True)
+class SpokenFrame:
+    """One codec frame of a spoken reply, as its audio goes out: where its samples end in the reply's audio, and
+    how many of the reply's text tokens the Talker had read when it made the frame (it reads one more with each
+    frame until the text runs out), so that a client that stopped the audio there knows what text was said."""
+
+    audio_end: int  # samples at 24 kHz from the start of the reply's audio
+    text_tokens: int
+
+
 @dataclass
 class RequestOutput:
     request_id: str
@@ -50,3 +60,5 @@ class RequestOutput:
     num_audio_frames: int = 0  # codec frames so far (12.5 per second of audio): the usage's audio tokens
     audio: np.ndarray | None = None  # on the finished output: the whole reply's PCM
     audio_codes: list[list[int]] | None = None  # on the finished output: num_code_groups codes per frame
+    # the codec frames whose audio was completed by audio_delta, in order
+    spoken_frames: list[SpokenFrame] = field(default_factory=list)

@@ -36,11 +36,12 @@ class TtsPrompt:
 
 class PromptProcessor(Protocol):
     """What the server asks of a family's processor: the prompt of a raw text, of a chat (its media decoded by
-    `omnistage.media`) or of a clip to transcribe, and the transcript in the model's reply. With
-    `max_model_len`, text that cannot fit the context is refused before it is tokenized; `use_audio_in_video`
-    interleaves each video's sound track with its frames; `template_kwargs` are the request's
-    `chat_template_kwargs`, more variables for the chat template; `tools` (OpenAI's tool definitions) go to the
-    chat template, which renders them where `renders_tools`. `tokenizer` spells the tokens of logprobs."""
+    `omnistage.media`) or of a clip to transcribe, the text of token ids, and the transcript in the model's
+    reply. With `max_model_len`, text that cannot fit the context is refused before it is tokenized;
+    `use_audio_in_video` interleaves each video's sound track with its frames; `template_kwargs` are the
+    request's `chat_template_kwargs`, more variables for the chat template; `tools` (OpenAI's tool definitions)
+    go to the chat template, which renders them where `renders_tools`. `tokenizer` spells the tokens of
+    logprobs."""
 
     renders_tools: bool
 
@@ -48,6 +49,8 @@ class PromptProcessor(Protocol):
     def tokenizer(self) -> Tokenizer: ...
 
     def encode(self, text: str, max_model_len: int | None = None, /) -> list[int]: ...
+
+    def decode(self, token_ids: list[int], skip_special_tokens: bool = True, /) -> str: ...
 
     def encode_chat(
         self,

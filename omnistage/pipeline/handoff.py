@@ -9,6 +9,9 @@
 - every code 0 the Talker samples but codec EOS becomes a frame through the code predictor, whose 16-embedding
   sum plus the next text row is the Talker's next input; frames stream into Code2Wav, and its chunks go out
   with the request's outputs. A request finishes when its text and its audio have.
+- so frame k is made having read min(k + 1, spoken) of the reply's text tokens (the prompt's one, then one per
+  step): each frame goes out with that count once its audio has (`SpokenFrame`), which is what a client that
+  stopped the audio at some point heard of the text.
 
 Each speaking request's progress is a `Speech`; the pipeline (`qwen3_omni.py`) feeds it the Thinker's text and
 builds the request's outputs, `Handoff.step` moves every speaking request on by one Talker step.
@@ -31,7 +34,7 @@ from omnistage.models.layers.attention_metadata import to_device
 from omnistage.models.qwen3_omni.config import Qwen3OmniConfig
 from omnistage.models.qwen3_omni.mrope import MediaLayout
 from omnistage.models.qwen3_omni.talker_input import TtsEmbeds, talker_positions, talker_prompt
-from omnistage.outputs import RequestOutput
+from omnistage.outputs import RequestOutput, SpokenFrame
 from omnistage.pipeline.speech_stages import PREDICTOR_TEMPERATURE, PREDICTOR_TOP_P, SpeechStages
 from omnistage.request import SpeechParams
 
@@ -57,8 +60,13 @@ class Speech:
     predictor_seed: int = 0
     predictor_draws: int = 0
     rows_fed: int = 0  # the Talker's decode rows given so far = text rows consumed
+    text_read: int = 0  # the reply's text tokens the Talker was given: its prompt's one, then rows'
     codec_sum: torch.Tensor | None = None  # the last frame's embedding sum, waiting for its text row
     codes: list[torch.Tensor] = field(default_factory=list)  # one [num_code_groups] row per frame
+    frame_text: list[int] = field(default_factory=list)  # per frame: `text_read` when the Talker sampled it
+    samples_out: int = 0  # the audio's samples out of Code2Wav so far
+    spoken_frames: list[SpokenFrame] = field(default_factory=list)  # the frames whose audio is out
+    frames_reported: int = 0  # of those, the ones the request's outputs have carried
     talker_done: bool = False
     audio: list[np.ndarray] = field(default_factory=list)
     audio_done: bool = False
@@ -152,7 +160,18 @@ class Handoff:
             chunks.setdefault(chunk.request_id, []).append(chunk.samples.float().cpu().numpy())
             speech.first_audio = speech.first_audio or time.monotonic()
             speech.audio_done = chunk.final
+            speech.samples_out += len(chunk.samples)
+            self.frames_heard(speech)
         return chunks
+
+    def frames_heard(self, speech: Speech) -> None:
+        """The frames whose audio the chunks so far complete (frame k's ends at sample spf·(k + 1) − lookahead,
+        `Code2Wav.num_samples`), each with the text tokens the Talker had read when it made it."""
+        while (done := len(speech.spoken_frames)) < len(speech.frame_text):
+            end = self.stages.code2wav.num_samples(done + 1)
+            if end > speech.samples_out:
+                return
+            speech.spoken_frames.append(SpokenFrame(end, speech.frame_text[done]))
 
     def predict_isolated(self, frames: list[tuple[Speech, Sampled]]) -> None:
         """The frames in one call; if it fails, one at a time, so that only the request at fault fails (a
@@ -202,6 +221,7 @@ class Handoff:
             speech.request_id, prompt.embeds, positions, speech.params.talker, speech.frame_cap
         )
         speech.talker_started = True
+        speech.text_read = 1  # the prompt's last row holds the first spoken token
         speech.tap = None
         stages.streamer.open(speech.request_id)
 
@@ -229,6 +249,8 @@ class Handoff:
             self.stages.talker_stage.feed(speech.request_id, speech.codec_sum + row)
             speech.codec_sum = None
             speech.rows_fed += 1
+            if text_row is None:
+                speech.text_read += 1
 
     def launch_frames(self, flights: list[InFlight]) -> EarlyFrames | None:
         """The code predictor on a Talker step's sampled ids while they are still on their way to the host, so that
@@ -290,6 +312,7 @@ class Handoff:
             speech.predictor_draws += self.model_config.talker.num_code_groups - 1
             # on the device: read back once, when the request ends (no sync per step)
             speech.codes.append(codes)
+            speech.frame_text.append(speech.text_read)
             self.stages.streamer.feed(speech.request_id, codes[:, None])
             if sampled.finished:
                 self.end_talker(speech)

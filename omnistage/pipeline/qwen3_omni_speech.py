@@ -167,8 +167,8 @@ def failed(text: RequestOutput, error: str) -> RequestOutput:
 
 
 def speech_output(speech: Speech, chunks: list[np.ndarray]) -> RequestOutput:
-    """A speaking request's output of a step: its text so far, the PCM of `chunks`, and once it ends its whole
-    audio and codes."""
+    """A speaking request's output of a step: its text so far, the PCM of `chunks` with the frames they complete,
+    and once it ends its whole audio and codes."""
     text = speech.text
     finished = speech.finished
     completion = text.outputs[0]
@@ -183,7 +183,9 @@ def speech_output(speech: Speech, chunks: list[np.ndarray]) -> RequestOutput:
         error=speech.error,
         audio_delta=np.concatenate(chunks) if chunks else None,
         num_audio_frames=len(speech.codes),
+        spoken_frames=speech.spoken_frames[speech.frames_reported :],
     )
+    speech.frames_reported = len(speech.spoken_frames)
     speech.text = replace(
         text, outputs=[replace(text.outputs[0], delta_text="", delta_token_ids=[], delta_logprobs=[])]
     )

@@ -24,9 +24,9 @@ from omnistage.server.gate import DEFAULT_MAX_BODY_BYTES, CatchAll, Gate, Reques
 from omnistage.server.json_route import JSONRoute
 from omnistage.server.metrics import ServerMetrics
 from omnistage.server.playground import add_playground
+from omnistage.server.realtime.link import Services
 from omnistage.server.realtime.route import PATH as REALTIME_PATH
 from omnistage.server.realtime.route import RealtimeEndpoint, RealtimeLimits
-from omnistage.server.realtime.turns import Services
 from omnistage.server.reasoning import AUTO, chosen_parser
 from omnistage.server.responses import ModelCard, ModelList
 from omnistage.server.spoken_answers import DEFAULT_MAX_ANSWERS, DEFAULT_RETENTION_S, SpokenAnswers

@@ -14,8 +14,9 @@ import time
 import httpx
 import pytest
 
+from omnistage.models.qwen3_omni.code2wav import lookahead_samples
+from omnistage.models.qwen3_omni.config import Qwen3OmniConfig
 from omnistage.server.app import build_app
-from omnistage.server.realtime.conversation import truncated_transcript
 from tests.server.conftest import serving
 from tests.server.realtime_client import (
     INSTRUCTIONS,
@@ -173,9 +174,35 @@ async def test_cancel_mid_answer_frees_every_page(url, tiny_pipeline):
     assert re.search(r'^omnistage_realtime_responses_total\{status="cancelled"\} ', metrics, re.M)
 
 
+@pytest.fixture
+def streamed(monkeypatch, prompts, tiny_pipeline):
+    """Every output the pipeline streams to the server, by request id (the requests are in `prompts` too)."""
+    seen: dict[str, list] = {}
+    generate = tiny_pipeline.generate
+
+    async def spy(request, preparing=None):
+        outputs = generate(request, preparing)
+        try:
+            async for output in outputs:
+                seen.setdefault(request.request_id, []).append(output)
+                yield output
+        finally:
+            await outputs.aclose()
+
+    monkeypatch.setattr(tiny_pipeline, "generate", spy)
+    return seen
+
+
 @in_loop
-async def test_truncate_cuts_the_next_prompt(url, tiny_pipeline, prompts):
+async def test_truncate_keeps_the_text_of_the_frames_heard(
+    url, tiny_pipeline, tiny_checkpoint, prompts, streamed
+):
+    """The Talker reads the reply's first token in its prompt and one more with each frame after (transformers'
+    `trailing_text_hidden`): frame k is made having read min(k + 1, spoken) tokens. The user stops the audio in
+    the middle of frame p, having heard frames 0 .. p - 1 whole: the item keeps the reply's first p tokens."""
     processor = tiny_pipeline.frontend.processor
+    code2wav = Qwen3OmniConfig.from_dir(tiny_checkpoint).code2wav
+    spf, lookahead = code2wav.samples_per_frame, lookahead_samples(code2wav)
     async with connect(url) as conn:
         await manual(conn, max_output_tokens=6)
         await conn.conversation.item.create(
@@ -189,7 +216,13 @@ async def test_truncate_cuts_the_next_prompt(url, tiny_pipeline, prompts):
         events = await until(conn, "response.done")
         item = events[-1].response.output[0]
         said = item.content[0].transcript
-        heard_ms = len(audio_bytes(events)) // 2 // 24 // 3  # the user stopped it a third of the way in
+        (answer,) = [outputs for request_id, outputs in streamed.items() if request_id.startswith("rt")]
+        ids, frames = answer[-1].outputs[0].token_ids, answer[-1].num_audio_frames
+        spoken = len(ids) - 1  # the Thinker's last token is never spoken
+        heard = min(spoken - 1, frames - 1)  # frames heard whole: fewer than the tokens spoken
+        assert heard >= 1
+        # frame k's audio ends at sample spf·(k + 1) − lookahead; stop halfway through frame `heard`
+        heard_ms = (spf * heard - lookahead + spf // 2) * 1000 // 24_000
         await conn.conversation.item.truncate(item_id=item.id, content_index=0, audio_end_ms=heard_ms)
         (truncated,) = await until(conn, "conversation.item.truncated")
         assert (truncated.item_id, truncated.audio_end_ms) == (item.id, heard_ms)
@@ -200,8 +233,8 @@ async def test_truncate_cuts_the_next_prompt(url, tiny_pipeline, prompts):
         # past the audio's end is refused
         await conn.conversation.item.truncate(item_id=item.id, content_index=0, audio_end_ms=10**6)
         assert (await until(conn, "error"))[-1].error.param == "audio_end_ms"
-    total_ms = len(audio_bytes(events)) // 2 // 24
-    assert kept == truncated_transcript(said, heard_ms, total_ms) and len(kept) < len(said)
+    assert kept == processor.decode(ids[:heard]) and said == processor.decode(ids)
+    # the next turn's prompt is the conversation with the truncated answer, as the chat template renders it
     head = [{"role": "system", "content": INSTRUCTIONS}, {"role": "user", "content": "Hello there."}]
     cut = processor.encode_chat([*head, {"role": "assistant", "content": kept}], True)[1]
     whole = processor.encode_chat([*head, {"role": "assistant", "content": said}], True)[1]

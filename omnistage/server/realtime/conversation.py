@@ -1,20 +1,23 @@
 """A session's conversation: its items in order, as the client and the server events see them, and as the chat
 template reads them.
 
-User audio is kept as the 16 kHz clip the audio encoder reads; an assistant's spoken answer as its transcript
-and the length of its audio. Every turn renders the whole conversation again (instructions, earlier user
-audio and text, the assistant's answers, function calls and their outputs), so that what the model reads is
-exactly the conversation the client holds, after any delete or truncate.
+User audio is kept as the 16 kHz clip the audio encoder reads; an assistant's spoken answer as its transcript,
+the length of its audio, and (where the server spoke it) its text tokens with the codec frames made from them,
+so that a truncate keeps the text the user heard. Every turn renders the whole conversation again
+(instructions, earlier user audio and text, the assistant's answers, function calls and their outputs), so that
+what the model reads is exactly the conversation the client holds, after any delete or truncate.
 """
 
 from __future__ import annotations
 
 import secrets
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
 import numpy as np
 
+from omnistage.outputs import AUDIO_SAMPLE_RATE, SpokenFrame
 from omnistage.server.realtime.codecs import MODEL_RATE
 
 Role = Literal["user", "assistant", "system"]
@@ -27,17 +30,31 @@ def new_id(prefix: str) -> str:
 @dataclass
 class Part:
     """One piece of a message: text (`input_text`, `output_text`) or audio (`input_audio` with its 16 kHz
-    clip, `output_audio` with the milliseconds of it the client has, and its transcript in `text`)."""
+    clip, `output_audio` with the milliseconds of it the client has, its transcript in `text`, and where the
+    server spoke it, the reply's text tokens and its frames as their audio went out)."""
 
     type: Literal["input_text", "input_audio", "output_text", "output_audio"]
     text: str = ""
     clip: np.ndarray | None = None
     audio_ms: int = 0
+    token_ids: list[int] = field(default_factory=list)
+    frames: list[SpokenFrame] = field(default_factory=list)
 
     def as_dict(self) -> dict[str, Any]:
         if self.type in ("input_text", "output_text"):
             return {"type": self.type, "text": self.text}
         return {"type": self.type, "transcript": self.text or None}
+
+    def truncate(self, audio_end_ms: int, decode: Callable[[list[int]], str]) -> None:
+        """Spoken audio cut at `audio_end_ms`: its transcript becomes the text tokens the Talker had read by the
+        last frame played whole (`decode`d), what the user heard. Audio the server did not speak (an item the
+        client made) keeps its transcript: nothing says which of its words were heard."""
+        if self.token_ids:
+            played = audio_end_ms * AUDIO_SAMPLE_RATE // 1000
+            self.frames = [frame for frame in self.frames if frame.audio_end <= played]
+            self.token_ids = self.token_ids[: self.frames[-1].text_tokens if self.frames else 0]
+            self.text = decode(self.token_ids)
+        self.audio_ms = audio_end_ms
 
 
 @dataclass
@@ -135,16 +152,3 @@ class Conversation:
         return sum(
             len(part.clip) / MODEL_RATE for item in self.items for part in item.parts if part.clip is not None
         )
-
-
-def truncated_transcript(transcript: str, heard_ms: int, total_ms: int) -> str:
-    """What of `transcript` was heard when its audio stopped at `heard_ms` of `total_ms`: the share of the text
-    the share of the audio is, back to the last whole word. (The pipeline does not say which codec frames
-    spoke which token; the Talker speaks the text at a steady pace, so the shares agree to within words.)"""
-    if total_ms <= 0 or heard_ms >= total_ms:
-        return transcript
-    cut = round(len(transcript) * heard_ms / total_ms)
-    if cut < len(transcript) and not transcript[cut].isspace():
-        space = transcript.rfind(" ", 0, cut)
-        cut = space if space >= 0 else 0
-    return transcript[:cut].rstrip()

@@ -24,8 +24,9 @@ import numpy as np
 from omnistage.request import GenerationRequest, SamplingParams
 from omnistage.server.realtime.codecs import to_model_rate
 from omnistage.server.realtime.conversation import Conversation, new_id
+from omnistage.server.realtime.link import Link
 from omnistage.server.realtime.settings import Settings
-from omnistage.server.realtime.turns import Link, lay_out
+from omnistage.server.realtime.turns import lay_out
 
 log = logging.getLogger(__name__)
 

@@ -254,6 +254,14 @@ class BadEvent(Exception):
         self.code, self.param, self.event_id = code, param, event_id
 
 
+class SessionError(Exception):
+    """A valid event the session cannot carry out: OpenAI's error code and the field at fault."""
+
+    def __init__(self, message: str, code: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.code, self.param = code, param
+
+
 # pydantic's error types as OpenAI's codes
 _CODES = {"missing": "missing_required_parameter", "extra_forbidden": "unknown_parameter"}
 

@@ -19,9 +19,9 @@ from fastapi.responses import JSONResponse
 from starlette.websockets import WebSocket, WebSocketDisconnect
 
 from omnistage.server.errors import ErrorKind, error_body
+from omnistage.server.realtime.link import Services
 from omnistage.server.realtime.session import Session
 from omnistage.server.realtime.settings import Settings
-from omnistage.server.realtime.turns import Services
 
 log = logging.getLogger(__name__)
 

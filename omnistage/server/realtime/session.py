@@ -1,6 +1,6 @@
 """One realtime session over its WebSocket: the client's events handled in order, the server's sent through
-one lock, the input audio buffer, and the session's one response (or a transcription session's
-transcriptions) as tasks beside the reading loop.
+one lock, its conversation, and its one response (or a transcription session's transcriptions) as tasks
+beside the reading loop. The input audio buffer and the turns server VAD finds in it are `input_buffer.py`'s.
 
 A bad event is answered with an `error` event and the session goes on; a session ends when its client closes
 or goes away, or when it is idle too long, and then every task it started is cancelled, which aborts their
@@ -10,48 +10,30 @@ requests in the pipeline and frees their pages.
 from __future__ import annotations
 
 import asyncio
-import binascii
 import json
 import logging
-import time
 from typing import Any
 
-import numpy as np
-import pybase64
 from starlette.websockets import WebSocket
 
 from omnistage.errors import InvalidRequest
 from omnistage.server.realtime import protocol
-from omnistage.server.realtime.codecs import BadAudio, to_model_rate
 from omnistage.server.realtime.conversation import (
     Conversation,
     Item,
     Part,
     UnknownItem,
     new_id,
-    truncated_transcript,
 )
-from omnistage.server.realtime.early import EarlyPrefill
+from omnistage.server.realtime.input_buffer import InputBuffer
 from omnistage.server.realtime.items import BadItem, item_of
+from omnistage.server.realtime.link import Link, Services
+from omnistage.server.realtime.protocol import SessionError
 from omnistage.server.realtime.settings import Settings
 from omnistage.server.realtime.transcription import Transcriber
-from omnistage.server.realtime.turns import Link, Response, Services
-from omnistage.server.vad import SpeechDetector, VadEvent, VadSettings
+from omnistage.server.realtime.turns import Response
 
 log = logging.getLogger(__name__)
-
-# The most audio one buffer (one user turn) holds: what the audio encoder reads of one clip.
-MAX_BUFFER_SECONDS = 300
-# OpenAI refuses to commit less than this much audio.
-MIN_COMMIT_MS = 100
-
-
-class SessionError(Exception):
-    """An event the session cannot carry out: OpenAI's error code and the field at fault."""
-
-    def __init__(self, message: str, code: str, param: str | None = None) -> None:
-        super().__init__(message)
-        self.code, self.param = code, param
 
 
 class Session:
@@ -67,18 +49,10 @@ class Session:
             services.max_conversation_tokens,
         )
         self.id = new_id("sess")
-        self.buffer: list[np.ndarray] = []  # the input audio buffer, at the input format's rate
-        self.buffered = 0  # its samples
-        self.streamed = 0  # samples appended since the session began (server VAD's clock)
-        self.detector: SpeechDetector | None = None
-        self.detector_origin_ms = 0
-        self.next_item = new_id("item")  # the id the buffer's audio will have once committed
-        self.early = EarlyPrefill(self.link)  # the turn prefilled as it is spoken
-        self.speaking = False  # server VAD: between a speech start and its stop
+        self.input = InputBuffer(self.link, self)
         self.response: Response | None = None
         self.responding: asyncio.Task | None = None
         self.transcribing: set[asyncio.Task] = set()
-        self.speech_ended: float | None = None  # when the user's turn last ended (commit), for latency
         self.closed = False
         self._sending = asyncio.Lock()
 
@@ -108,7 +82,7 @@ class Session:
         await self.send({"type": "error", "error": error})
 
     async def opened(self) -> None:
-        self.detector = self._detector()
+        self.input.detect(self.settings)
         await self.send({"type": "session.created", "session": self.session_body()})
 
     def session_body(self) -> dict[str, Any]:
@@ -139,11 +113,11 @@ class Session:
         if isinstance(event, protocol.SessionUpdate):
             await self._update(event.session)
         elif isinstance(event, protocol.BufferAppend):
-            await self._append(event.audio)
+            await self.input.append(event.audio, self.settings, self.conversation)
         elif isinstance(event, protocol.BufferCommit):
             await self.commit()
         elif isinstance(event, protocol.BufferClear):
-            self._empty()
+            self.input.clear()
             await self.send({"type": "input_audio_buffer.cleared"})
         elif isinstance(event, protocol.ItemCreate):
             await self._create_item(event.item, event.previous_item_id)
@@ -163,7 +137,7 @@ class Session:
     async def _update(self, given: protocol.SessionConfig) -> None:
         voices, before = self.link.voices, self.settings
         self.settings = self.settings.updated(given, voices, bool(voices.speakers))
-        if self.settings.input_format != before.input_format and self.buffered:
+        if self.settings.input_format != before.input_format and self.input.buffered:
             self.settings = before
             raise SessionError(
                 "session.audio.input.format: the input audio buffer holds audio of the old format; commit or "
@@ -173,110 +147,22 @@ class Session:
             )
         detecting = (self.settings.turn_detection, self.settings.input_format)
         if detecting != (before.turn_detection, before.input_format):
-            self.detector = self._detector()
+            self.input.detect(self.settings)
         await self.send({"type": "session.updated", "session": self.session_body()})
 
-    def _detector(self) -> SpeechDetector | None:
-        """Server VAD over the input stream, at its rate, with the session's settings (None: turned off)."""
-        detection = self.settings.turn_detection
-        if detection is None:
-            return None
-        settings = VadSettings(
-            detection.threshold, detection.prefix_padding_ms, detection.silence_duration_ms
-        )
-        self.detector_origin_ms = self.settings.input_format.ms(self.streamed)  # where its clock starts
-        return SpeechDetector(settings, self.settings.input_format.rate)
+    # -- the user's turns ------------------------------------------------------------------------------------
 
-    # -- the input audio buffer ---------------------------------------------------------------------------
+    async def interrupt(self) -> None:
+        await self.cancel("turn_detected")
 
-    async def _append(self, audio: str) -> None:
-        try:
-            data = pybase64.b64decode(audio, validate=True)
-        except (binascii.Error, ValueError):
-            raise SessionError("audio: not base64", "invalid_value", "audio") from None
-        fmt = self.settings.input_format
-        try:
-            samples = fmt.decode(data)
-        except BadAudio as exc:
-            raise SessionError(f"audio: {exc}", "invalid_value", "audio") from None
-        if self.buffered + len(samples) > fmt.samples(MAX_BUFFER_SECONDS * 1000):
-            raise SessionError(
-                f"the input audio buffer holds {fmt.ms(self.buffered) / 1000:.1f} s; this append of "
-                f"{fmt.ms(len(samples)) / 1000:.1f} s would pass the limit of {MAX_BUFFER_SECONDS} s a turn "
-                "(commit, or clear it)",
-                "input_audio_buffer_full",
-                "audio",
-            )
-        self.buffer.append(samples)
-        self.buffered += len(samples)
-        self.streamed += len(samples)
-        if self.detector is not None:
-            for event in await self.detector.feed_in_thread(samples):
-                await self._turn_edge(event)
-        if self.settings.kind == "realtime" and (self.speaking or self.settings.turn_detection is None):
-
-            def head(seconds: float) -> np.ndarray:
-                return np.concatenate(self.buffer)[: fmt.samples(round(seconds * 1000))]
-
-            self.early.grown(fmt.ms(self.buffered) / 1000, self.settings, self.conversation, head, fmt.rate)
-
-    async def _turn_edge(self, event: VadEvent) -> None:
-        """Server VAD saw the user start or stop: a start interrupts the response under way (barge-in) and
-        drops the buffer's audio before the start's padding; a stop commits the turn and answers it."""
-        detection = self.settings.turn_detection
-        assert detection is not None  # a detector runs only with turn detection on
-        at_ms = self.detector_origin_ms + event.audio_ms  # in the session's input stream
-        self.speaking = event.kind == "speech_started"
-        if event.kind == "speech_started":
-            self._keep_from(self.settings.input_format.samples(at_ms))
-            await self.send(
-                {
-                    "type": "input_audio_buffer.speech_started",
-                    "audio_start_ms": at_ms,
-                    "item_id": self.next_item,
-                }
-            )
-            if detection.interrupt_response:
-                await self.cancel("turn_detected")
-            return
-        await self.send(
-            {"type": "input_audio_buffer.speech_stopped", "audio_end_ms": at_ms, "item_id": self.next_item}
-        )
-        self.speech_ended = time.monotonic()
-        if self.settings.input_format.ms(self.buffered) < MIN_COMMIT_MS:
-            return
+    async def end_turn(self, respond: bool) -> None:
         await self.commit()
-        if detection.create_response and self.settings.kind == "realtime" and not self._responding():
+        if respond and self.settings.kind == "realtime" and not self._responding():
             self._respond(None)
-
-    def _keep_from(self, start: int) -> None:
-        """Drop the buffer's samples before stream position `start`."""
-        drop = min(max(start - (self.streamed - self.buffered), 0), self.buffered)
-        if drop:
-            audio = np.concatenate(self.buffer)[drop:]
-            self.buffer, self.buffered = [audio], len(audio)
-        self.early.restart()
-
-    def _empty(self) -> None:
-        self.buffer, self.buffered = [], 0
-        self.early.restart()
-        if self.detector is not None:
-            self.detector.reset()
 
     async def commit(self) -> None:
         """The buffer becomes the user's audio item (a transcription session transcribes it)."""
-        fmt = self.settings.input_format
-        if fmt.ms(self.buffered) < MIN_COMMIT_MS:
-            raise SessionError(
-                f"the input audio buffer holds {fmt.ms(self.buffered)} ms of audio; a commit needs at least "
-                f"{MIN_COMMIT_MS} ms",
-                "input_audio_buffer_commit_empty",
-            )
-        clip = to_model_rate(np.concatenate(self.buffer), fmt.rate)
-        self._empty()
-        if self.settings.turn_detection is None:
-            self.speech_ended = time.monotonic()
-        item_id, self.next_item = self.next_item, new_id("item")
+        item_id, clip = self.input.take(self.settings)
         item = Item(item_id, "message", "user", [Part("input_audio", clip=clip)])
         previous = self.conversation.add(item)
         await self.send(
@@ -351,8 +237,7 @@ class Session:
                 "invalid_value",
                 "audio_end_ms",
             )
-        part.text = truncated_transcript(part.text, event.audio_end_ms, part.audio_ms)
-        part.audio_ms = event.audio_end_ms
+        part.truncate(event.audio_end_ms, self.link.pipeline.frontend.processor.decode)
         item.status = "incomplete"
         await self.send(
             {
@@ -382,7 +267,7 @@ class Session:
             )
         voices = self.link.voices
         settings = self.settings.for_response(overrides, voices, bool(voices.speakers))
-        self.response = Response(self.link, settings, self.speech_ended)
+        self.response = Response(self.link, settings, self.input.speech_ended)
         self.responding = asyncio.ensure_future(self.response.run())
 
     async def _cancel_asked(self, response_id: str | None) -> None:
@@ -410,7 +295,7 @@ class Session:
     async def close(self) -> None:
         """The session ends: everything it started is cancelled (their requests aborted, pages freed)."""
         self.closed = True
-        await self.early.close()
+        await self.input.close()
         tasks = [*self.transcribing, *([self.responding] if self.responding is not None else [])]
         for task in tasks:
             task.cancel()

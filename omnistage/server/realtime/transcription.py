@@ -10,8 +10,8 @@ from typing import Any
 from omnistage.request import GenerationRequest, SamplingParams
 from omnistage.server.errors import kind_of
 from omnistage.server.realtime.conversation import Item, new_id
+from omnistage.server.realtime.link import Link
 from omnistage.server.realtime.settings import Settings
-from omnistage.server.realtime.turns import Link
 from omnistage.server.streaming import raise_if_failed, typed_failure
 
 

@@ -1,5 +1,6 @@
-"""One response of a realtime session: the conversation rendered through the chat template, run through the
-pipeline, and its text, audio and function calls streamed as OpenAI's response events.
+"""One response of a realtime session: the conversation rendered through the chat template and run through the
+pipeline, its text, audio and function calls handed to its output items (`output_items.py`), which stream
+them as OpenAI's response events.
 
 A response is a task of its session. Cancelling it (the client's `response.cancel`, or the user speaking over
 it) closes its pipeline stream, which aborts the request in every stage and frees its pages; the response then
@@ -10,35 +11,18 @@ written first, then its content (what is not a call) spoken: the Talker cannot u
 from __future__ import annotations
 
 import asyncio
-import base64
-import time
-from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
 from typing import Any, cast
 
-import numpy as np
-
-from omnistage.outputs import AUDIO_SAMPLE_RATE, RequestOutput
-from omnistage.pipeline.async_pipeline import AsyncPipeline
+from omnistage.outputs import RequestOutput
 from omnistage.request import GenerationRequest, SamplingParams, SpeechParams, talker_sampling_defaults
 from omnistage.server.chat import check_constraint
 from omnistage.server.errors import InvalidField, kind_of
-from omnistage.server.metrics import ServerMetrics
-from omnistage.server.realtime.codecs import AudioEncoder
-from omnistage.server.realtime.conversation import Conversation, Item, Part, new_id
+from omnistage.server.realtime.conversation import Item, new_id
+from omnistage.server.realtime.link import Link
+from omnistage.server.realtime.output_items import OutputItems
 from omnistage.server.realtime.settings import Settings
 from omnistage.server.streaming import raise_if_failed, typed_failure
-from omnistage.server.tool_calls import (
-    ArgumentsDelta,
-    CallStart,
-    ContentDelta,
-    StreamEvent,
-    ToolCallStream,
-    tool_constraint,
-)
-from omnistage.server.voices import Voices
-
-Send = Callable[[dict[str, Any]], Awaitable[None]]
+from omnistage.server.tool_calls import ToolCallStream, tool_constraint
 
 
 def lay_out(
@@ -59,41 +43,20 @@ class ConversationTooLong(InvalidField):
     code = "context_length_exceeded"  # OpenAI's code for a prompt past the context
 
 
-@dataclass(frozen=True)
-class Services:
-    """What every session of a server shares."""
-
-    pipeline: AsyncPipeline
-    voices: Voices
-    metrics: ServerMetrics
-    max_conversation_tokens: int
-
-
-@dataclass(frozen=True)
-class Link:
-    """What a response reads of its session and its server."""
-
-    pipeline: AsyncPipeline
-    voices: Voices
-    metrics: ServerMetrics
-    send: Send
-    conversation: Conversation
-    max_conversation_tokens: int
-
-
 class Response:
     """One response: `run` streams it; `cancel_reason` set before its task is cancelled says why."""
 
     def __init__(self, link: Link, settings: Settings, speech_ended: float | None) -> None:
-        self.link, self.settings, self.speech_ended = link, settings, speech_ended
+        self.link, self.settings = link, settings
         self.id = new_id("resp")
-        self.output: list[Item] = []
+        self.out = OutputItems(self.id, link, settings, speech_ended)
         self.cancel_reason = "client_cancelled"
         self.usage: dict[str, Any] | None = None
         self.request_id: str | None = None
-        self._first_audio_sent = False
-        self._encoders: dict[str, AudioEncoder] = {}  # by item id: each spoken item's
-        self._held = ""  # a spoken reply's content while it may still call tools
+
+    @property
+    def output(self) -> list[Item]:
+        return self.out.items
 
     def body(self, status: str, details: dict[str, Any] | None = None) -> dict[str, Any]:
         fmt, voice = self.settings.output_format.as_dict(), self.settings.voice
@@ -125,7 +88,7 @@ class Response:
             if task is not None:
                 task.uncancel()
             status, details = "cancelled", {"type": "cancelled", "reason": self.cancel_reason}
-            await self._close_items("incomplete")
+            await self.out.close("incomplete")
         except Exception as exc:
             failure = typed_failure(exc, self.id)
             kind = kind_of(failure)
@@ -133,7 +96,7 @@ class Response:
             error = {"type": kind.type, "code": code, "message": str(failure)}
             await send({"type": "error", "error": {**error, "param": getattr(failure, "param", None)}})
             status, details = "failed", {"type": "failed", "error": error}
-            await self._close_items("incomplete")
+            await self.out.close("incomplete")
         await send({"type": "response.done", "response": self.body(status, details)})
         self.link.metrics.realtime_responses.labels(status).inc()
         return status
@@ -197,112 +160,22 @@ class Response:
                     raise_if_failed(output)
                 delta = output.outputs[0].delta_text
                 if calls is None:
-                    await self._message_delta(delta, output)
+                    await self.out.message_delta(delta, output)
                 else:
-                    await self._call_events(calls.feed(delta))
+                    await self.out.call_events(calls.feed(delta))
             if calls is not None:
-                await self._call_events(calls.finish())
+                await self.out.call_events(calls.finish())
             if last is not None and last.outputs[0].finish_reason == "length":
-                await self._close_items("incomplete")
+                await self.out.close("incomplete")
             else:
-                await self._close_items("completed")
+                await self.out.close("completed")
         finally:
             await outputs.aclose()
         return last
 
-    # -- the events ---------------------------------------------------------------------------------------
-
-    async def _open(self, item: Item) -> None:
-        previous = self.link.conversation.add(item)
-        self.output.append(item)
-        index = len(self.output) - 1
-        body = item.as_dict()
-        await self.link.send(
-            {
-                "type": "response.output_item.added",
-                "response_id": self.id,
-                "output_index": index,
-                "item": body,
-            }
-        )
-        await self.link.send({"type": "conversation.item.added", "previous_item_id": previous, "item": body})
-
-    def _where(self, item: Item) -> dict[str, Any]:
-        return {"response_id": self.id, "item_id": item.id, "output_index": self.output.index(item)}
-
-    async def _message(self, spoken: bool) -> Item:
-        """The response's message item, opened (with its one content part) on first use."""
-        for item in self.output:
-            if item.type == "message":
-                return item
-        part = Part("output_audio" if spoken else "output_text")
-        item = Item(new_id("item"), "message", "assistant", [part], status="in_progress")
-        await self._open(item)
-        shown = {"type": "audio", "transcript": ""} if spoken else {"type": "text", "text": ""}
-        event = {
-            "type": "response.content_part.added",
-            **self._where(item),
-            "content_index": 0,
-            "part": shown,
-        }
-        await self.link.send(event)
-        if spoken:
-            self._encoders[item.id] = AudioEncoder(self.settings.output_format)
-        return item
-
-    async def _message_delta(self, delta: str, output: RequestOutput | None) -> None:
-        spoken = self.settings.spoken
-        if not delta and (output is None or output.audio_delta is None or not len(output.audio_delta)):
-            return
-        item = await self._message(spoken)
-        part, where = item.parts[0], self._where(item)
-        if delta:
-            part.text += delta
-            kind = "response.output_audio_transcript.delta" if spoken else "response.output_text.delta"
-            await self.link.send({"type": kind, **where, "content_index": 0, "delta": delta})
-        if output is not None and output.audio_delta is not None and len(output.audio_delta):
-            pcm = output.audio_delta
-            data = self._encoders[item.id](pcm)
-            part.audio_ms += len(pcm) * 1000 // AUDIO_SAMPLE_RATE
-            if data:
-                encoded = base64.b64encode(data).decode("ascii")
-                await self.link.send(
-                    {"type": "response.output_audio.delta", **where, "content_index": 0, "delta": encoded}
-                )
-                self._first_audio()
-
-    def _first_audio(self) -> None:
-        if not self._first_audio_sent and self.speech_ended is not None:
-            self.link.metrics.realtime_first_audio.observe(time.monotonic() - self.speech_ended)
-        self._first_audio_sent = True
-
-    async def _call_events(self, events: list[StreamEvent]) -> None:
-        for event in events:
-            if isinstance(event, ContentDelta):
-                if self.settings.spoken:  # spoken once the reply is whole (see the module's docstring)
-                    self._held += event.text
-                else:
-                    await self._message_delta(event.text, None)
-            elif isinstance(event, CallStart):
-                item = Item(
-                    new_id("item"), "function_call", name=event.name, call_id=event.id, status="in_progress"
-                )
-                await self._open(item)
-            elif isinstance(event, ArgumentsDelta):
-                item = [item for item in self.output if item.type == "function_call"][event.index]
-                item.arguments += event.text
-                await self.link.send(
-                    {
-                        "type": "response.function_call_arguments.delta",
-                        **self._where(item),
-                        "call_id": item.call_id,
-                        "delta": event.text,
-                    }
-                )
-
     async def _speak_content(self) -> None:
         """A written reply's content, spoken (its function calls are items of their own)."""
-        text = self._held.strip()
+        text = self.out.held.strip()
         if not text:
             return
         frontend = self.link.pipeline.frontend
@@ -314,74 +187,17 @@ class Response:
         params = SamplingParams(max_tokens=max(1, len(tts.reply_token_ids)))
         new = GenerationRequest(new_id("rt"), tts.token_ids, params, tts.prompt, speech=speech)
         self.request_id = new.request_id
-        await self._message_delta(text, None)
+        self.out.spoken_ids += tts.reply_token_ids  # the outputs carry none: the reply is given
+        await self.out.message_delta(text, None)
         outputs = self.link.pipeline.generate(new)
         try:
             async for output in outputs:
                 if output.finished:
                     raise_if_failed(output)
-                await self._message_delta("", output)
-            await self._close_items("completed")
+                await self.out.message_delta("", output)
+            await self.out.close("completed")
         finally:
             await outputs.aclose()
-
-    async def _close_items(self, status: str) -> None:
-        """Every output item still open, done (`incomplete` where the reply was cut short)."""
-        send = self.link.send
-        for item in self.output:
-            if item.status != "in_progress":
-                continue
-            item.status = status  # type: ignore[assignment]
-            where = self._where(item)
-            if item.type == "function_call":
-                await send(
-                    {
-                        "type": "response.function_call_arguments.done",
-                        **where,
-                        "call_id": item.call_id,
-                        "name": item.name,
-                        "arguments": item.arguments,
-                    }
-                )
-            else:
-                part = item.parts[0]
-                if part.type == "output_audio":
-                    tail = self._encoders[item.id](np.zeros(0, np.float32), last=True)
-                    if tail:
-                        await send(
-                            {
-                                "type": "response.output_audio.delta",
-                                **where,
-                                "content_index": 0,
-                                "delta": base64.b64encode(tail).decode("ascii"),
-                            }
-                        )
-                    await send({"type": "response.output_audio.done", **where, "content_index": 0})
-                    await send(
-                        {
-                            "type": "response.output_audio_transcript.done",
-                            **where,
-                            "content_index": 0,
-                            "transcript": part.text,
-                        }
-                    )
-                    shown = {"type": "audio", "transcript": part.text}
-                else:
-                    await send(
-                        {"type": "response.output_text.done", **where, "content_index": 0, "text": part.text}
-                    )
-                    shown = {"type": "text", "text": part.text}
-                await send({"type": "response.content_part.done", **where, "content_index": 0, "part": shown})
-            body = item.as_dict()
-            await send(
-                {
-                    "type": "response.output_item.done",
-                    "response_id": self.id,
-                    "output_index": where["output_index"],
-                    "item": body,
-                }
-            )
-            await send({"type": "conversation.item.done", "item": body})
 
     def _usage(
         self, prompt_tokens: int, audio_tokens: int, generated: list[int], last: RequestOutput | None
