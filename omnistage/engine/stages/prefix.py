@@ -12,27 +12,30 @@ from omnistage.engine.prefix_keys import MediaRows, page_keys
 
 if TYPE_CHECKING:
     from omnistage.engine.stages.encoders import MultimodalEmbeds
-    from omnistage.engine.stages.token_runner import HiddenTap
-    from omnistage.models.layers.rotary import PromptPositions
+    from omnistage.engine.stages.token_runner import HiddenTap, TokenRunner
+    from omnistage.request import GenerationRequest
 
 
 def request_keys(
-    token_ids: list[int],
-    page_size: int,
-    mrope: PromptPositions | None,
-    mm: MultimodalEmbeds | None,
-    unkept_tap: HiddenTap | None,
+    request: GenerationRequest, mm: MultimodalEmbeds | None, tap: HiddenTap | None, runner: TokenRunner
 ) -> list[bytes]:
-    """The keys of the prompt's full pages that may be cached. `unkept_tap`: a tap whose hidden states the
-    runner does not keep beside the pages (TokenRunner.keep_taps); only the pages before its first row may
-    then be cached, since a later stage reads those rows and only computing them writes them."""
+    """The keys of the full pages of the request's prompt (its media's encoder rows `mm`) that may be cached on
+    `runner`'s pages. A `tap` whose hidden states the runner does not keep beside its pages
+    (TokenRunner.keep_taps) lets only the pages before its first row be cached, since a later stage reads those
+    rows and only computing them writes them."""
+    token_ids, mrope, page_size = request.prompt_token_ids, request.mrope, runner.page_size
     num_pages = len(token_ids) // page_size
-    if unkept_tap is not None and len(unkept_tap.rows_host):
-        num_pages = min(num_pages, int(unkept_tap.rows_host[0]) // page_size)
+    if tap is not None and not _kept(tap, runner) and len(tap.rows_host):
+        num_pages = min(num_pages, int(tap.rows_host[0]) // page_size)
     if num_pages == 0:
         return []
     positions = mrope.positions.numpy() if mrope is not None else None
     return page_keys(token_ids, page_size, num_pages, positions, _media(mm) if mm is not None else ())
+
+
+def _kept(tap: HiddenTap, runner: TokenRunner) -> bool:
+    """Whether the runner keeps the tap's rows beside its pages, for a prompt taking them from the cache."""
+    return runner.keep_taps and tap.layer == runner.tap_layer
 
 
 def _media(mm: MultimodalEmbeds) -> tuple[MediaRows, ...]:

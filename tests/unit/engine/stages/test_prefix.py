@@ -11,6 +11,7 @@ from omnistage.engine.stages.encoders import MultimodalEmbeds
 from omnistage.engine.stages.prefix import request_keys
 from omnistage.engine.stages.token_runner import HiddenTap
 from omnistage.models.qwen3_omni.audio_features import log_mel
+from omnistage.request import GenerationRequest
 
 GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
 SYSTEM = {
@@ -137,13 +138,16 @@ def test_chunked_and_preempted_prefills_over_cached_pages_change_no_token(tiny_c
 
 
 def test_keys_stop_before_a_tapped_row(cached):
-    """A prompt whose hidden rows a later stage reads (the Talker's media rows) caches only the pages before
-    the first: a page taken from the cache would leave its rows unwritten."""
-    prompt = list(range(1, 30))
+    """A prompt whose hidden rows a later stage reads (the Talker's media rows) at a layer the runner keeps no
+    rows of caches only the pages before the first: a page taken from the cache would leave its rows
+    unwritten."""
+    request = GenerationRequest("r", list(range(1, 30)), GREEDY)
+    runner = cached.engine.runner
+    assert runner.keep_taps and runner.tap_layer is not None
     rows = np.array([10, 11, 20])
-    tap = HiddenTap(0, torch.from_numpy(rows), torch.zeros(3, 2), rows)
-    assert len(request_keys(prompt, 4, None, None, tap)) == 2  # pages 0-3, 4-7; page 8-11 holds row 10
-    assert len(request_keys(prompt, 4, None, None, None)) == 7
+    tap = HiddenTap(runner.tap_layer + 1, torch.from_numpy(rows), torch.zeros(3, 2), rows)
+    assert len(request_keys(request, None, tap, runner)) == 2  # pages 0-3, 4-7; page 8-11 holds row 10
+    assert len(request_keys(request, None, None, runner)) == 7
 
 
 def clip_rows(llm, features):
@@ -173,7 +177,7 @@ def test_a_growing_clips_complete_windows_give_the_whole_clips_rows_and_keys(cac
 
     def keys(mm):
         ids = [1, 2, 3] + [cached.engine.encoders.audio.token_id] * mm.audio_embeds.shape[0] + [4]
-        return request_keys(ids, 4, None, mm, None)
+        return request_keys(GenerationRequest("r", ids, GREEDY), mm, None, cached.engine.runner)
 
     shared = (3 + rows_per_window) // 4  # pages that end within the first window
     assert keys(early)[:shared] == keys(complete)[:shared]
