@@ -1,5 +1,5 @@
 """A text stage's prefix-cache keys of a request (prefix_keys.py): its ids, its M-RoPE positions and the bytes
-of its encoder rows, brought to the host once at admission."""
+of its encoder rows, brought to the host once at admission; the pages its sampled ids fill are keyed on them."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
-from omnistage.engine.prefix_keys import MediaRows, page_keys
+from omnistage.engine.prefix_keys import MediaRows, PageKeys
 
 if TYPE_CHECKING:
     from omnistage.engine.stages.encoders import MultimodalEmbeds
@@ -18,19 +18,25 @@ if TYPE_CHECKING:
 
 def request_keys(
     request: GenerationRequest, mm: MultimodalEmbeds | None, tap: HiddenTap | None, runner: TokenRunner
-) -> list[bytes]:
-    """The keys of the full pages of the request's prompt (its media's encoder rows `mm`) that may be cached on
-    `runner`'s pages. A `tap` whose hidden states the runner does not keep beside its pages
-    (TokenRunner.keep_taps) lets only the pages before its first row be cached, since a later stage reads those
-    rows and only computing them writes them."""
-    token_ids, mrope, page_size = request.prompt_token_ids, request.mrope, runner.page_size
-    num_pages = len(token_ids) // page_size
-    if tap is not None and not _kept(tap, runner) and len(tap.rows_host):
-        num_pages = min(num_pages, int(tap.rows_host[0]) // page_size)
-    if num_pages == 0:
-        return []
-    positions = mrope.positions.numpy() if mrope is not None else None
-    return page_keys(token_ids, page_size, num_pages, positions, _media(mm) if mm is not None else ())
+) -> PageKeys:
+    """The keys of the full pages of the request's prompt (its media's encoder rows `mm`) on `runner`'s pages,
+    and what keys the pages its sampled ids fill. A `tap` whose hidden states the runner keeps beside its pages
+    (TokenRunner.keep_taps) names the pages it reads them from: only pages whose rows were all prefilled are
+    given to it. One whose states the runner does not keep lets no page from its first row's on be cached,
+    since a later stage reads those rows and only computing them writes them."""
+    page_size = runner.page_size
+    end, reads_kept_rows = None, frozenset[int]()
+    if tap is not None and len(tap.rows_host):
+        if _kept(tap, runner):
+            reads_kept_rows = frozenset((tap.rows_host // page_size).tolist())
+        else:
+            end = int(tap.rows_host[0]) // page_size
+    mrope = request.mrope
+    positions, delta = (mrope.positions.numpy(), mrope.delta) if mrope is not None else (None, 0)
+    media = _media(mm) if mm is not None and end != 0 else ()
+    return PageKeys.of_prompt(
+        request.prompt_token_ids, page_size, positions, delta, media, end, reads_kept_rows
+    )
 
 
 def _kept(tap: HiddenTap, runner: TokenRunner) -> bool:

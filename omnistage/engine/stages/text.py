@@ -237,9 +237,7 @@ class TextStage(AutoregressiveStage[RequestState]):
         state = request_state(r, parked.mm, r.tap, self.tokenizer, self.eos_token_ids, self.device, grammar)
         state.metrics.update(parked.metrics)
         keys = request_keys(r, parked.mm, r.tap, self.runner) if self.prefix_caching else None
-        return Sequence(
-            r.request_id, list(r.prompt_token_ids), parked.max_tokens, prefix_keys=keys, data=state
-        )
+        return Sequence(r.request_id, list(r.prompt_token_ids), parked.max_tokens, prefix=keys, data=state)
 
     def _admit_compiled(self) -> list[RequestOutput]:
         """Queue the requests whose constraints have compiled; end those whose compile failed."""
