@@ -2,12 +2,15 @@
 
 The pool holds no tensors; the KV tensors live with the model runner and are indexed by these page ids.
 
-Prefix cache: a full prompt page, once computed, is entered under its key (prefix_keys.py: a chained hash of
-its content and of everything before it). Sequences whose prompts start with the same pages then hold the same
+Prefix cache: a full page, once computed, is entered under its key (prefix_keys.py: a chained hash of its
+content and of everything before it): a prompt's pages, and those its sampled ids fill once their ids are known
+(a chat's next turn repeats the answer). Sequences whose prompts start with the same pages then hold the same
 page ids: a page counts its holders, and when the last one lets go it stays in the cache, evictable, on an LRU
 list. A later prompt with its key takes it back from there (`take_prefix`). Only when a fresh page is needed
 and no never-cached page is left is the least recently released one evicted: its key is dropped and its id
 handed out. A cached page is never written again: a sequence computes only the pages after its cached prefix.
+A page holding rows past its sequence's prompt may have been computed, in part, by decode steps, which keep no
+hidden rows beside it: a sequence that reads such rows in a page (`PageKeys.reads_kept_rows`) does not take it.
 
 Accounting: every page is exactly one of free (never cached, or evicted), evictable (cached, no holder) or
 used (held by at least one sequence). `num_free` counts free and evictable pages alike (both can be handed
@@ -38,7 +41,9 @@ class PagePool:
         )  # cached pages no one holds, least recent first
         self._cached: dict[bytes, int] = {}  # key -> page
         self._key_of: dict[int, bytes] = {}  # page -> key, for every cached page (used or evictable)
-        # prompt tokens looked up at admission, and those found cached: the prefix cache's hit rate
+        self._decoded: set[int] = set()  # cached pages holding rows past their sequence's prompt
+        # tokens looked up at admission (a readmitted sequence's outputs too), and those found cached: the
+        # prefix cache's hit rate
         self.queried_tokens = 0
         self.hit_tokens = 0
 
@@ -82,6 +87,7 @@ class PagePool:
             else:
                 page, _ = self._evictable.popitem(last=False)
                 del self._cached[self._key_of.pop(page)]
+                self._decoded.discard(page)
             self._holders[page] = 1
             pages.append(page)
         return pages
@@ -124,48 +130,58 @@ class PagePool:
                 del self._evictable[p]
                 self._holders[p] = 1
 
-    def enter(self, page: int, key: bytes) -> None:
-        """Cache held `page`, fully computed, under `key`; a key cached already keeps its page (this one stays
-        uncached: two sequences computed the same content at once)."""
+    def enter(self, page: int, key: bytes, decoded: bool = False) -> None:
+        """Cache held `page`, fully computed, under `key` (`decoded`: it holds rows past its sequence's prompt);
+        a key cached already keeps its page (this one stays uncached: two sequences computed the same content
+        at once)."""
         if page not in self._holders:
             raise ValueError(f"caching page {page}, which no sequence holds")
         if key not in self._cached and page not in self._key_of:
             self._cached[key] = page
             self._key_of[page] = key
+            if decoded:
+                self._decoded.add(page)
 
     def take_prefix(self, seq: Sequence[Any]) -> int:
         """Give `seq`, holding no page yet, the cached pages of its longest cached prefix and mark their tokens
         computed, leaving at least its last token to compute (the step after it samples); returns the tokens
         so found, the queries and hits counted."""
-        if seq.prefix_keys is None or seq.page_ids:
+        prefix = seq.prefix
+        if prefix is None or seq.page_ids:
             return 0
         most = (seq.num_tokens - 1) // self.page_size
-        pages = self.cached_prefix(seq.prefix_keys[:most])
+        pages = self.cached_prefix(prefix.keys[:most])
+        unkept = (i for i, p in enumerate(pages) if p in self._decoded and i in prefix.reads_kept_rows)
+        pages = pages[: next(unkept, len(pages))]
         self.take(pages)
         seq.page_ids = pages
         seq.num_cached_pages = len(pages)
         seq.num_computed_tokens = len(pages) * self.page_size
-        self.queried_tokens += seq.num_prompt_tokens
+        self.queried_tokens += seq.num_tokens
         self.hit_tokens += seq.num_computed_tokens
         return seq.num_computed_tokens
 
     def untake_prefix(self, seq: Sequence[Any], found: int) -> None:
         """Undo `take_prefix` for a sequence that was not admitted after all (its `found` tokens uncounted)."""
-        if seq.prefix_keys is None:
+        if seq.prefix is None:
             return
-        self.queried_tokens -= seq.num_prompt_tokens
+        self.queried_tokens -= seq.num_tokens
         self.hit_tokens -= found
         self.release(seq)
         seq.num_computed_tokens = 0
 
     def cache_computed(self, seq: Sequence[Any]) -> None:
-        """Enter the full prompt pages of `seq` computed since it last came here into the cache."""
-        keys = seq.prefix_keys
-        if keys is None or seq.num_cached_pages >= len(keys):
+        """Enter the full pages of `seq` computed since it last came here into the cache, keying those its
+        sampled ids filled as far as their ids are known (a page whose ids are not is entered on a later
+        call: the next step's, or its end's)."""
+        prefix = seq.prefix
+        full = seq.num_computed_tokens // self.page_size
+        if prefix is None or full <= seq.num_cached_pages:
             return
-        full = min(len(keys), seq.num_computed_tokens // self.page_size)
+        prefix.extend(full, seq.token_ids)
+        full = min(full, len(prefix.keys))
         for i in range(seq.num_cached_pages, full):
-            self.enter(seq.page_ids[i], keys[i])
+            self.enter(seq.page_ids[i], prefix.keys[i], (i + 1) * self.page_size > seq.num_prompt_tokens)
         seq.num_cached_pages = max(seq.num_cached_pages, full)
 
     def ensure_capacity(self, seq: Sequence[Any], num_tokens: int) -> bool:

@@ -1,4 +1,4 @@
-"""The prefix cache's keys of a prompt's full pages: pure bookkeeping over ids, positions and bytes.
+"""The prefix cache's keys of a sequence's full pages: pure bookkeeping over ids, positions and bytes.
 
 A page's KV is a function of everything a causal decoder saw up to its last row: the ids, the rows that
 replaced media placeholders, and the positions of every row before it and in it. So a page's key chains the
@@ -12,12 +12,18 @@ The rows' bytes are many (a 30 s 720p video's are ~90 MB), so each page's share 
 hash as its 128-bit XXH3 digest: read at several GB/s where BLAKE2b reads a few hundred MB/s, which would put
 a large video's hashing in its time to first token. The rows stand for the vision tower's deepstack levels
 too: both are that tower's outputs on one input.
+
+A sequence's prompt pages are keyed at admission, and the pages its sampled ids fill as those ids become known
+(`PageKeys.extend`): a sampled row at index i sits at position i + delta in every stream (the prompt's M-RoPE
+delta), where the next turn of a chat places the same ids when its prompt repeats the answer after the same
+prompt. Its keys then meet the answer's pages, and the next turn prefills only what is new.
 """
 
 from __future__ import annotations
 
 import hashlib
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
 
 import numpy as np
 import xxhash
@@ -31,6 +37,11 @@ class MediaRows:
     rows: np.ndarray  # int64 [n]
     values: np.ndarray  # uint8 [n, bytes per row]
 
+    def from_row(self, row: int) -> MediaRows:
+        """The rows at `row` and after, copied (the rest of the bytes can go)."""
+        first = int(np.searchsorted(self.rows, row))
+        return MediaRows(self.rows[first:].copy(), self.values[first:].copy())
+
 
 def page_keys(
     token_ids: list[int],
@@ -43,20 +54,98 @@ def page_keys(
     for an M-RoPE prompt (None: row i at position i, which the ids' place already says)."""
     num_pages = min(num_pages, len(token_ids) // page_size)
     ids = np.asarray(token_ids[: num_pages * page_size], dtype=np.int64)
+    return _chain(b"", ids, 0, page_size, positions, media)
+
+
+def _chain(
+    previous: bytes,
+    ids: np.ndarray,
+    first_row: int,
+    page_size: int,
+    positions: np.ndarray | None,
+    media: tuple[MediaRows, ...],
+) -> list[bytes]:
+    """The keys of the full pages of `ids`, rows `first_row`.. of a sequence, after the key `previous` (b"":
+    none); `positions` `[3, >= len(ids)]` of those rows."""
     keys: list[bytes] = []
-    previous = b""
-    for page in range(num_pages):
+    for page in range(len(ids) // page_size):
         start, end = page * page_size, (page + 1) * page_size
         h = hashlib.blake2b(previous, digest_size=32)
         h.update(ids[start:end].tobytes())
         if positions is not None:
             h.update(np.ascontiguousarray(positions[:, start:end], dtype=np.int64).tobytes())
         for kind in media:
-            lo, hi = np.searchsorted(kind.rows, [start, end])
+            lo, hi = np.searchsorted(kind.rows, [first_row + start, first_row + end])
             # a kind's count first: the bytes that follow are read in one way only
             h.update(np.int64(hi - lo).tobytes())
-            h.update((kind.rows[lo:hi] - start).astype(np.int64).tobytes())
+            h.update((kind.rows[lo:hi] - first_row - start).astype(np.int64).tobytes())
             h.update(xxhash.xxh3_128_digest(np.ascontiguousarray(kind.values[lo:hi]).data))
         previous = h.digest()
         keys.append(previous)
     return keys
+
+
+@dataclass
+class PageKeys:
+    """The keys of a sequence's first full pages (`keys`, in order), and what keys the pages after them: its
+    prompt's M-RoPE positions and delta, the media rows of its pages not keyed yet, a bound, and the pages in
+    which a later stage reads the hidden rows kept beside the pool's pages (TokenRunner.keep_taps): a page
+    whose rows were not all prefilled (a decode step keeps none) is not given to it (kv_cache.py)."""
+
+    keys: list[bytes]
+    page_size: int
+    positions: np.ndarray | None = None  # [3, prompt_len] (M-RoPE); None: row i at position i
+    delta: int = 0  # a row i past the prompt sits at i + delta in every stream (M-RoPE)
+    media: tuple[MediaRows, ...] = ()
+    end: int | None = None  # no page from this one on is keyed; None: no bound
+    reads_kept_rows: frozenset[int] = field(default_factory=frozenset)
+
+    @classmethod
+    def of_prompt(
+        cls,
+        token_ids: list[int],
+        page_size: int,
+        positions: np.ndarray | None = None,
+        delta: int = 0,
+        media: tuple[MediaRows, ...] = (),
+        end: int | None = None,
+        reads_kept_rows: frozenset[int] = frozenset(),
+    ) -> PageKeys:
+        """The keys of the prompt's full pages (up to `end`), ready to key the pages its sampled ids fill."""
+        keys = cls([], page_size, positions, delta, media, end, reads_kept_rows)
+        full = len(token_ids) // page_size
+        keys.extend(full, lambda start, stop: token_ids[start:stop])
+        return keys
+
+    def extend(self, num_pages: int, token_ids: Callable[[int, int], list[int]]) -> None:
+        """Key the sequence's pages up to `num_pages` (those whose rows are computed), reading the ids of its
+        rows [start, stop) as `token_ids(start, stop)`, up to the bound and to the first page that holds an id
+        not known yet (negative: a token decoded ahead, decode_ahead.PLACEHOLDER); it is keyed later."""
+        first = len(self.keys)
+        if self.end is not None:
+            num_pages = min(num_pages, self.end)
+        if num_pages <= first:
+            return
+        start, stop = first * self.page_size, num_pages * self.page_size
+        ids = np.asarray(token_ids(start, stop), dtype=np.int64)
+        unknown = np.flatnonzero(ids < 0)
+        known = int(unknown[0]) if len(unknown) else len(ids)
+        stop = start + known // self.page_size * self.page_size
+        if stop == start:
+            return
+        ids = ids[: stop - start]
+        previous = self.keys[-1] if self.keys else b""
+        self.keys += _chain(previous, ids, start, self.page_size, self._positions(start, stop), self.media)
+        self.media = tuple(kind.from_row(stop) for kind in self.media)
+
+    def _positions(self, start: int, stop: int) -> np.ndarray | None:
+        """`[3, stop - start]` positions of rows [start, stop): the prompt's, then each later row's index +
+        delta."""
+        if self.positions is None:
+            return None
+        prompt_len = self.positions.shape[1]
+        head = self.positions[:, start:stop]
+        if stop <= prompt_len:
+            return head
+        tail = np.arange(max(start, prompt_len), stop, dtype=np.int64) + self.delta
+        return np.concatenate([head, np.broadcast_to(tail, (3, len(tail)))], axis=1)

@@ -24,6 +24,10 @@ from omnistage.engine.kv_cache import PagePool
 from omnistage.engine.sequence import Sequence, SequenceStatus, StateT
 from omnistage.errors import InvalidRequest
 
+# A sequence that ends so has every id it computed known: its last full pages are keyed then. An aborted or
+# failed one keys nothing more (its last step may have been cut short).
+_ENDED_WELL = frozenset({SequenceStatus.FINISHED_STOPPED, SequenceStatus.FINISHED_LENGTH})
+
 
 @dataclass
 class ScheduledChunk(Generic[StateT]):
@@ -202,6 +206,8 @@ class Scheduler(Generic[StateT]):
             return
         if seq.status is SequenceStatus.RUNNING:
             self.running.remove(seq)
+            if status in _ENDED_WELL:
+                self.pool.cache_computed(seq)
         else:
             self.waiting.remove(seq)
         self.pool.release(seq)

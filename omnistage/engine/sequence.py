@@ -9,6 +9,7 @@ from enum import Enum, auto
 from typing import TYPE_CHECKING, Generic, TypeVar
 
 if TYPE_CHECKING:
+    from omnistage.engine.prefix_keys import PageKeys
     from omnistage.engine.stages.encoders import MultimodalEmbeds
     from omnistage.engine.stages.token_runner import HiddenTap
     from omnistage.models.layers.rotary import PromptPositions
@@ -47,9 +48,10 @@ class Sequence(Generic[StateT]):
     status: SequenceStatus = SequenceStatus.WAITING
     page_ids: list[int] = field(default_factory=list)
     num_preemptions: int = 0
-    # the prefix cache's keys of its first full prompt pages (prefix_keys.py; None: its stage caches no prefix),
-    # and how many pages at the head of `page_ids` are in the cache: taken from it or entered once computed
-    prefix_keys: list[bytes] | None = None
+    # the prefix cache's keys of its first full pages, its prompt's and then those its sampled ids fill
+    # (prefix_keys.py; None: its stage caches no prefix), and how many pages at the head of `page_ids` are in
+    # the cache: taken from it or entered once computed
+    prefix: PageKeys | None = None
     num_cached_pages: int = 0
     data: StateT = field(kw_only=True)
 

@@ -14,7 +14,7 @@ from tokenizers import Tokenizer
 from omnistage.config import EngineConfig
 from omnistage.engine.attention import backend_for
 from omnistage.engine.memory.gauges import Gauge
-from omnistage.engine.stages.text import StageModels, TextSettings
+from omnistage.engine.stages.text_setup import StageModels, TextSettings
 from omnistage.errors import CheckpointError
 from omnistage.models.loader import LoadOptions
 from omnistage.models.qwen3_omni.config import Qwen3OmniConfig

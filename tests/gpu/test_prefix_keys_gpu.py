@@ -7,6 +7,7 @@ import torch
 
 from omnistage.engine.stages.encoders import MultimodalEmbeds
 from omnistage.engine.stages.prefix import request_keys
+from omnistage.request import GenerationRequest, SamplingParams
 
 pytestmark = pytest.mark.gpu
 
@@ -25,6 +26,19 @@ def embeds(device: str, audio: torch.Tensor, vision: torch.Tensor, levels: torch
     )
 
 
+class Runner:
+    """What request_keys reads of a token runner: its page size, and that it keeps no tapped rows."""
+
+    page_size = 16
+    keep_taps = False
+    tap_layer = None
+
+
+def keys(prompt: list[int], mm: MultimodalEmbeds) -> list[bytes]:
+    request = GenerationRequest("r", prompt, SamplingParams(max_tokens=1))
+    return request_keys(request, mm, None, Runner()).keys  # type: ignore[arg-type]
+
+
 def test_keys_over_rows_on_the_gpu_equal_the_hosts_and_allocate_nothing():
     gen = torch.Generator().manual_seed(0)
     audio = torch.randn(300, 2048, generator=gen).bfloat16()
@@ -33,15 +47,15 @@ def test_keys_over_rows_on_the_gpu_equal_the_hosts_and_allocate_nothing():
         3, 4096, 2048, generator=gen
     ).bfloat16()  # 48 MiB of deepstack levels beside the rows
     prompt = [7] * (4 + 300 + 3 + 4096 + 5)
-    on_host = request_keys(prompt, 16, None, embeds("cpu", audio, vision, levels), None)
+    on_host = keys(prompt, embeds("cpu", audio, vision, levels))
     mm = embeds("cuda", audio, vision, levels)
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
     before = torch.cuda.memory_allocated()
-    on_gpu = request_keys(prompt, 16, None, mm, None)
+    on_gpu = keys(prompt, mm)
     assert torch.cuda.max_memory_allocated() == before
     assert on_gpu == on_host and len(on_gpu) == len(prompt) // 16
     vision[2000, 5] += 1  # a vision row's value is part of its page's key
-    changed = request_keys(prompt, 16, None, embeds("cpu", audio, vision, levels), None)
+    changed = keys(prompt, embeds("cpu", audio, vision, levels))
     page = (4 + 300 + 3 + 2000) // 16
     assert changed[:page] == on_host[:page] and changed[page] != on_host[page]

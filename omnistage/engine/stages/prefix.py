@@ -1,5 +1,5 @@
 """A text stage's prefix-cache keys of a request (prefix_keys.py): its ids, its M-RoPE positions and the bytes
-of its encoder rows, brought to the host once at admission."""
+of its encoder rows, brought to the host once at admission; the pages its sampled ids fill are keyed on them."""
 
 from __future__ import annotations
 
@@ -8,31 +8,40 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
-from omnistage.engine.prefix_keys import MediaRows, page_keys
+from omnistage.engine.prefix_keys import MediaRows, PageKeys
 
 if TYPE_CHECKING:
     from omnistage.engine.stages.encoders import MultimodalEmbeds
-    from omnistage.engine.stages.token_runner import HiddenTap
-    from omnistage.models.layers.rotary import PromptPositions
+    from omnistage.engine.stages.token_runner import HiddenTap, TokenRunner
+    from omnistage.request import GenerationRequest
 
 
 def request_keys(
-    token_ids: list[int],
-    page_size: int,
-    mrope: PromptPositions | None,
-    mm: MultimodalEmbeds | None,
-    unkept_tap: HiddenTap | None,
-) -> list[bytes]:
-    """The keys of the prompt's full pages that may be cached. `unkept_tap`: a tap whose hidden states the
-    runner does not keep beside the pages (TokenRunner.keep_taps); only the pages before its first row may
-    then be cached, since a later stage reads those rows and only computing them writes them."""
-    num_pages = len(token_ids) // page_size
-    if unkept_tap is not None and len(unkept_tap.rows_host):
-        num_pages = min(num_pages, int(unkept_tap.rows_host[0]) // page_size)
-    if num_pages == 0:
-        return []
-    positions = mrope.positions.numpy() if mrope is not None else None
-    return page_keys(token_ids, page_size, num_pages, positions, _media(mm) if mm is not None else ())
+    request: GenerationRequest, mm: MultimodalEmbeds | None, tap: HiddenTap | None, runner: TokenRunner
+) -> PageKeys:
+    """The keys of the full pages of the request's prompt (its media's encoder rows `mm`) on `runner`'s pages,
+    and what keys the pages its sampled ids fill. A `tap` whose hidden states the runner keeps beside its pages
+    (TokenRunner.keep_taps) names the pages it reads them from: only pages whose rows were all prefilled are
+    given to it. One whose states the runner does not keep lets no page from its first row's on be cached,
+    since a later stage reads those rows and only computing them writes them."""
+    page_size = runner.page_size
+    end, reads_kept_rows = None, frozenset[int]()
+    if tap is not None and len(tap.rows_host):
+        if _kept(tap, runner):
+            reads_kept_rows = frozenset((tap.rows_host // page_size).tolist())
+        else:
+            end = int(tap.rows_host[0]) // page_size
+    mrope = request.mrope
+    positions, delta = (mrope.positions.numpy(), mrope.delta) if mrope is not None else (None, 0)
+    media = _media(mm) if mm is not None and end != 0 else ()
+    return PageKeys.of_prompt(
+        request.prompt_token_ids, page_size, positions, delta, media, end, reads_kept_rows
+    )
+
+
+def _kept(tap: HiddenTap, runner: TokenRunner) -> bool:
+    """Whether the runner keeps the tap's rows beside its pages, for a prompt taking them from the cache."""
+    return runner.keep_taps and tap.layer == runner.tap_layer
 
 
 def _media(mm: MultimodalEmbeds) -> tuple[MediaRows, ...]:

@@ -1,6 +1,6 @@
 """The text stage: an autoregressive stage over token ids (the Thinker, Qwen3-ASR's decoder) on the core of
 autoregressive.py, over a token runner: admission (admission.py), the model step, sampling, stops and outputs
-(output_processor.py).
+(output_processor.py). What builds it is in text_setup.py, its requests' prefix-cache keys in prefix.py.
 
 `TextStage.step()` runs one scheduler step and returns what each touched request gained. Everything a
 request does stays inside that request: a failing step fails the requests in it, frees their pages and
@@ -13,12 +13,10 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass, fields
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
 
-from omnistage.config import DecoderSettings, EncodersSettings, EngineSettings
 from omnistage.engine.decode_ahead import PLACEHOLDER, Launched, may_run_ahead, settle
 from omnistage.engine.graphs.base import int_buckets
 from omnistage.engine.logprobs import step_logprobs
@@ -30,11 +28,11 @@ from omnistage.engine.sequence import Sequence, SequenceStatus
 from omnistage.engine.stages.admission import encode_media, max_tokens_for
 from omnistage.engine.stages.autoregressive import AutoregressiveStage, generators
 from omnistage.engine.stages.constrained import Constraints
-from omnistage.engine.stages.decoder import DecoderSizes, StageProcessor, TokenDecoder
-from omnistage.engine.stages.encoders import EncoderStage, MultimodalEmbeds
+from omnistage.engine.stages.encoders import MultimodalEmbeds
 from omnistage.engine.stages.prefix import request_keys
 from omnistage.engine.stages.preparation import prepare_decoder
 from omnistage.engine.stages.text_memory import text_stage_memory
+from omnistage.engine.stages.text_setup import StageModels, TextSettings
 from omnistage.engine.stages.token_runner import HiddenTap, TokenRunner
 from omnistage.models.layers.rotary import PromptPositions
 from omnistage.outputs import RequestOutput, TokenLogprobs
@@ -77,34 +75,6 @@ class _Parked:
     mm: MultimodalEmbeds | None
     max_tokens: int
     metrics: dict[str, float]
-
-
-@dataclass(frozen=True)
-class TextSettings:
-    """What a text stage reads of the config, built by its pipeline: its own section and its encoders', every
-    default resolved (`EngineConfig.stage`), and the engine-wide settings (`EngineConfig.engine_settings`)."""
-
-    stage: DecoderSettings
-    encoders: EncodersSettings
-    engine: EngineSettings
-
-
-@dataclass
-class StageModels:
-    """What a family's pipeline loads for a text stage (see pipeline/qwen3_omni.py): the decoder, its sizes,
-    the processor that lays out its prompts, the encoders that fill their placeholders, and its end tokens."""
-
-    model: TokenDecoder
-    text: DecoderSizes
-    processor: StageProcessor
-    encoders: EncoderStage
-    eos_token_ids: list[int]
-    model_path: Path
-    load_seconds: float
-    # the layer whose hidden states a later stage reads from prompt rows (the Talker's accept_hidden_layer), if
-    # one does: the prefill graphs record it too, so that a prompt with media a reply is spoken for replays them
-    tap_layer: int | None = None
-    name: str = "Thinker"  # the stage's name in its device's memory plan
 
 
 class TextStage(AutoregressiveStage[RequestState]):
@@ -262,24 +232,12 @@ class TextStage(AutoregressiveStage[RequestState]):
             self.scheduler.add(self._sequence(parked, grammar))
         return errors
 
-    def _unkept(self, tap: HiddenTap | None) -> HiddenTap | None:
-        """`tap` if the runner does not keep its layer's rows beside the KV pages (no page holding a tapped
-        row may then be cached), else None."""
-        kept = tap is not None and self.runner.keep_taps and tap.layer == self.runner.tap_layer
-        return None if kept else tap
-
     def _sequence(self, parked: _Parked, grammar: GrammarState | None) -> Sequence[RequestState]:
         r = parked.request
         state = request_state(r, parked.mm, r.tap, self.tokenizer, self.eos_token_ids, self.device, grammar)
         state.metrics.update(parked.metrics)
-        keys = (
-            request_keys(r.prompt_token_ids, self.page_size, r.mrope, parked.mm, self._unkept(r.tap))
-            if self.prefix_caching
-            else None
-        )
-        return Sequence(
-            r.request_id, list(r.prompt_token_ids), parked.max_tokens, prefix_keys=keys, data=state
-        )
+        keys = request_keys(r, parked.mm, r.tap, self.runner) if self.prefix_caching else None
+        return Sequence(r.request_id, list(r.prompt_token_ids), parked.max_tokens, prefix=keys, data=state)
 
     def _admit_compiled(self) -> list[RequestOutput]:
         """Queue the requests whose constraints have compiled; end those whose compile failed."""

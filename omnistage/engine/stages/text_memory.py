@@ -20,7 +20,7 @@ from omnistage.engine.stages.encoders import EncoderStage
 from omnistage.engine.stages.token_runner import TokenRunner
 
 if TYPE_CHECKING:
-    from omnistage.engine.stages.text import TextSettings
+    from omnistage.engine.stages.text_setup import TextSettings
 
 log = logging.getLogger(__name__)
 

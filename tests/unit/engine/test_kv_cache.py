@@ -1,6 +1,7 @@
 import pytest
 
 from omnistage.engine.kv_cache import PagePool
+from omnistage.engine.prefix_keys import PageKeys
 from omnistage.engine.sequence import Sequence, SequenceStatus
 from omnistage.errors import InvalidRequest, RequestTooLarge
 
@@ -142,7 +143,9 @@ def test_release_of_foreign_pages_raises():
 
 def held_seq(pool: PagePool, keys: list[bytes], prompt_len: int, request_id: str = "r") -> Sequence:
     """A sequence of `prompt_len` tokens whose full pages have `keys`, its prompt computed and cached."""
-    seq = Sequence(request_id, list(range(prompt_len)), max_tokens=1, prefix_keys=keys, data=None)
+    seq = Sequence(
+        request_id, list(range(prompt_len)), max_tokens=1, prefix=PageKeys(keys, pool.page_size), data=None
+    )
     pool.take_prefix(seq)
     assert pool.ensure_capacity(seq, prompt_len)
     seq.num_computed_tokens = prompt_len
@@ -164,7 +167,7 @@ def test_a_released_cached_page_is_evictable_and_taken_back_by_its_key():
     pool.release(first)
     assert (pool.num_free, pool.num_used, pool.num_cached) == (6, 0, 2)  # evictable pages count as free
     accounted(pool)
-    second = Sequence("s", list(range(12)), max_tokens=1, prefix_keys=[b"a", b"b", b"c"], data=None)
+    second = Sequence("s", list(range(12)), max_tokens=1, prefix=PageKeys([b"a", b"b", b"c"], 4), data=None)
     assert pool.take_prefix(second) == 8
     assert second.page_ids == [0, 1] and second.num_computed_tokens == 8
     assert (pool.queried_tokens, pool.hit_tokens) == (22, 8)  # the first queried 10 and hit none
@@ -175,7 +178,7 @@ def test_a_released_cached_page_is_evictable_and_taken_back_by_its_key():
 def test_a_page_held_by_several_counts_its_holders_and_frees_with_the_last():
     pool = PagePool(num_pages=4, page_size=2)
     first = held_seq(pool, [b"x"], 2, "first")
-    second = Sequence("second", [0, 1, 5], max_tokens=1, prefix_keys=[b"x"], data=None)
+    second = Sequence("second", [0, 1, 5], max_tokens=1, prefix=PageKeys([b"x"], 2), data=None)
     assert pool.take_prefix(second) == 2
     assert pool.holders(0) == 2 and pool.num_used == 1
     pool.release(first)
@@ -192,7 +195,7 @@ def test_a_page_held_by_several_counts_its_holders_and_frees_with_the_last():
 def test_the_whole_prompt_cached_still_leaves_its_last_token_to_compute():
     pool = PagePool(num_pages=4, page_size=4)
     pool.release(held_seq(pool, [b"a", b"b"], 8))
-    again = Sequence("again", list(range(8)), max_tokens=1, prefix_keys=[b"a", b"b"], data=None)
+    again = Sequence("again", list(range(8)), max_tokens=1, prefix=PageKeys([b"a", b"b"], 4), data=None)
     assert pool.take_prefix(again) == 4  # the second page is computed again, in a page of its own
     assert pool.ensure_capacity(again, 8) and again.page_ids == [0, 2]
 
@@ -206,7 +209,7 @@ def test_eviction_takes_free_pages_first_then_the_least_recently_released():
     assert pool.allocate(1) == [4]  # a never-cached page before any cached one
     assert pool.allocate(1) == [3] and pool.num_cached == 3  # b's tail page, its key dropped
     assert pool.allocate(1) == [2]
-    head = Sequence("h", [7, 8, 9], max_tokens=1, prefix_keys=[b"a1", b"a2"], data=None)
+    head = Sequence("h", [7, 8, 9], max_tokens=1, prefix=PageKeys([b"a1", b"a2"], 1), data=None)
     assert pool.take_prefix(head) == 2  # a's pages were spared
     assert head.page_ids == [0, 1] and pool.num_free == 0
     accounted(pool)
@@ -215,20 +218,22 @@ def test_eviction_takes_free_pages_first_then_the_least_recently_released():
 def test_an_evicted_key_misses_and_a_taken_page_is_never_evicted():
     pool = PagePool(num_pages=3, page_size=1)
     pool.release(held_seq(pool, [b"k"], 1, "a"))
-    holder = Sequence("h", [0, 1], max_tokens=1, prefix_keys=[b"k"], data=None)
+    holder = Sequence("h", [0, 1], max_tokens=1, prefix=PageKeys([b"k"], 1), data=None)
     pool.take_prefix(holder)
     assert sorted(pool.allocate(2)) == [1, 2]  # page 0 is held: not evictable
     with pytest.raises(RuntimeError):
         pool.allocate(1)
     pool.release(holder)
     assert pool.allocate(1) == [0] and pool.num_cached == 0  # now evicted
-    late = Sequence("l", [0, 1], max_tokens=1, prefix_keys=[b"k"], data=None)
+    late = Sequence("l", [0, 1], max_tokens=1, prefix=PageKeys([b"k"], 1), data=None)
     assert pool.take_prefix(late) == 0 and late.page_ids == []
 
 
 def test_a_key_computed_twice_at_once_keeps_the_first_page():
     pool = PagePool(num_pages=4, page_size=2)
-    first, second = (Sequence(n, [1, 2, 3], max_tokens=1, prefix_keys=[b"k"], data=None) for n in "ab")
+    first, second = (
+        Sequence(n, [1, 2, 3], max_tokens=1, prefix=PageKeys([b"k"], 2), data=None) for n in "ab"
+    )
     for seq in (first, second):  # both admitted before either computed its page
         pool.take_prefix(seq)
         assert pool.ensure_capacity(seq, 3)
@@ -246,7 +251,7 @@ def test_untaking_a_prefix_undoes_it_and_its_counts():
     pool = PagePool(num_pages=4, page_size=2)
     pool.release(held_seq(pool, [b"k"], 2))
     queried, hits = pool.queried_tokens, pool.hit_tokens
-    seq = Sequence("s", [1, 2, 3], max_tokens=1, prefix_keys=[b"k"], data=None)
+    seq = Sequence("s", [1, 2, 3], max_tokens=1, prefix=PageKeys([b"k"], 2), data=None)
     found = pool.take_prefix(seq)
     pool.untake_prefix(seq, found)
     assert (pool.queried_tokens, pool.hit_tokens) == (queried, hits)
@@ -263,3 +268,27 @@ def test_a_sequence_without_keys_never_touches_the_cache():
     pool.cache_computed(seq)
     pool.release(seq)
     assert pool.num_cached == 0 and pool.num_free == 2
+
+
+def test_the_pages_a_sequence_decoded_are_cached_but_not_given_where_kept_rows_are_read():
+    """A sequence's answer pages are entered as their rows are computed; a later prompt repeating prompt and
+    answer takes them, unless it reads hidden rows kept beside a page that decode steps (which keep none)
+    computed in part."""
+    pool = PagePool(num_pages=8, page_size=4)
+    prompt, answer = [1, 2, 3, 4, 5, 6], [7, 8, 9, 10, 11, 12]
+    seq = Sequence("a", prompt, max_tokens=8, prefix=PageKeys.of_prompt(prompt, 4), data=None)
+    pool.take_prefix(seq)
+    assert pool.ensure_capacity(seq, 12)
+    seq.output_token_ids = answer
+    seq.num_computed_tokens = 11  # the last sampled id is not computed
+    pool.cache_computed(seq)
+    assert seq.num_cached_pages == 2 and pool.num_cached == 2  # rows 0-3, and 4-7 of prompt and answer
+    pool.release(seq)
+    accounted(pool)
+    following = prompt + answer + [20, 21]
+    for read, found in ((frozenset(), 8), (frozenset({0}), 8), (frozenset({1}), 4), (frozenset({2}), 8)):
+        keys = PageKeys.of_prompt(following, 4, reads_kept_rows=read)
+        later = Sequence("b", following, max_tokens=1, prefix=keys, data=None)
+        assert pool.take_prefix(later) == found, read
+        pool.release(later)
+    assert pool.num_free == pool.num_pages

@@ -1,6 +1,6 @@
 import numpy as np
 
-from omnistage.engine.prefix_keys import MediaRows, page_keys
+from omnistage.engine.prefix_keys import MediaRows, PageKeys, page_keys
 
 IDS = list(range(100, 110))  # two full pages of 4 and a partial one
 
@@ -53,3 +53,39 @@ def test_two_kinds_of_media_in_one_page_are_told_apart():
     one = page_keys(ids, 4, 1, media=(MediaRows(np.array([1]), audio), MediaRows(np.array([2]), image)))
     swapped = page_keys(ids, 4, 1, media=(MediaRows(np.array([1]), image), MediaRows(np.array([2]), audio)))
     assert one != swapped
+
+
+def test_the_pages_sampled_ids_fill_get_the_keys_of_a_prompt_that_repeats_them():
+    """A sequence keys its prompt's pages, then those its sampled ids fill, each row past the prompt at its
+    index + delta in every stream: the keys a prompt holding the same ids at the same positions computes, the
+    media rows of the page that the prompt and its answer share included."""
+    # rows 4 and 5 hold media; page 1 (rows 4-7) ends with the first answer row
+    prompt = [1, 2, 3, 4, 9, 9, 5]
+    positions = np.array([[0, 1, 2, 3, 4, 4, 6], [0, 1, 2, 3, 4, 5, 6], [0, 1, 2, 3, 4, 4, 6]])
+    media = (MediaRows(np.array([4, 5]), np.arange(12, dtype=np.uint8).reshape(2, 6)),)
+    keys = PageKeys.of_prompt(prompt, 4, positions, 0, media)
+    assert keys.keys == page_keys(prompt, 4, 1, positions, media)
+    answered = prompt + [6, 7, 8, 10, 11, 12]
+    keys.extend(3, lambda start, stop: answered[start:stop])
+    repeated = np.concatenate([positions, np.broadcast_to(np.arange(7, 13), (3, 6))], axis=1)
+    assert keys.keys == page_keys(answered, 4, 3, repeated, media)
+    shifted = PageKeys.of_prompt(prompt, 4, positions, 1, media)
+    shifted.extend(3, lambda start, stop: answered[start:stop])
+    assert shifted.keys[0] == keys.keys[0] and shifted.keys[1:] != keys.keys[1:]
+
+
+def test_a_page_whose_ids_are_not_all_known_is_keyed_once_they_are():
+    keys = PageKeys.of_prompt([1, 2, 3, 4, 5], 4)
+    ids = [1, 2, 3, 4, 5, 6, 7, -1, 9]  # the eighth decoded ahead, its value still on its way
+    keys.extend(2, lambda start, stop: ids[start:stop])
+    assert len(keys.keys) == 1
+    ids[7] = 8
+    keys.extend(2, lambda start, stop: ids[start:stop])
+    assert keys.keys == page_keys(ids, 4, 2)
+
+
+def test_no_page_from_the_bound_on_is_keyed():
+    ids = list(range(1, 17))
+    keys = PageKeys.of_prompt(ids[:10], 4, end=1)
+    keys.extend(4, lambda start, stop: ids[start:stop])
+    assert keys.keys == page_keys(ids, 4, 1)

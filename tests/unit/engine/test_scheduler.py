@@ -2,8 +2,9 @@ import random
 
 import pytest
 
+from omnistage.engine.decode_ahead import PLACEHOLDER
 from omnistage.engine.kv_cache import PagePool
-from omnistage.engine.prefix_keys import page_keys
+from omnistage.engine.prefix_keys import PageKeys, page_keys
 from omnistage.engine.scheduler import ScheduledChunk, Scheduler, SchedulerOutput
 from omnistage.engine.sequence import Sequence, SequenceStatus
 from omnistage.errors import InvalidRequest, RequestTooLarge
@@ -504,8 +505,7 @@ def test_a_long_prefill_starves_neither_newer_decodes_nor_a_new_request():
 
 
 def keyed(request_id: str, prompt: list[int], max_tokens: int, page_size: int) -> Sequence:
-    keys = page_keys(prompt, page_size, len(prompt) // page_size)
-    return Sequence(request_id, prompt, max_tokens, prefix_keys=keys, data=None)
+    return Sequence(request_id, prompt, max_tokens, prefix=PageKeys.of_prompt(prompt, page_size), data=None)
 
 
 class CachingModel(FakeModel):
@@ -615,3 +615,25 @@ def test_soak_shared_prefixes_turns_aborts_and_preemption():
             assert s.output_token_ids == expected
         else:
             assert s.status is S.FINISHED_ABORTED and s.output_token_ids == expected[: s.num_output_tokens]
+
+
+@pytest.mark.parametrize("ending", [S.FINISHED_STOPPED, S.FINISHED_ABORTED])
+def test_decoded_pages_are_keyed_once_their_ids_are_known_and_at_a_good_end_only(ending):
+    """Decoding ahead, a step runs on a token whose id the host learns later (PLACEHOLDER): a page holding one
+    is keyed once it is known. A sequence that stops keys its last full pages as it ends; an aborted one keys
+    nothing more, whatever the host knows, since its last step may have been cut short."""
+    pool = PagePool(16, 4)
+    sched = Scheduler(pool, 8, 64)
+    seq = keyed("a", [1, 2, 3, 4, 5], 10, 4)
+    sched.add(seq)
+    for sampled in (6, PLACEHOLDER, PLACEHOLDER, PLACEHOLDER):
+        out = sched.schedule()
+        sched.update(out, {"a": sampled})
+    assert seq.num_computed_tokens == 8 and seq.num_cached_pages == 1  # rows 4-7: 5, 6 and two unknown
+    seq.output_token_ids[1:] = [7, 8, 9]  # the steps in flight read back
+    sched.finish(seq, ending)
+    if ending is S.FINISHED_STOPPED:
+        assert pool.cached_prefix(page_keys([1, 2, 3, 4, 5, 6, 7, 8], 4, 2)) == [0, 1]  # a fresh pool's first
+    else:
+        assert pool.num_cached == 1
+    assert pool.num_free == pool.num_pages

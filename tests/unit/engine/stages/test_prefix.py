@@ -1,5 +1,6 @@
 """Prefix caching on the tiny checkpoint (CPU, float32): greedy ids with the cache equal those without it, for
-shared system prompts, multi-turn chats and multimodal prompts; hits counted; the pool full afterwards."""
+shared system prompts, multi-turn chats (their answers' pages too) and multimodal prompts; hits counted; the
+pool full afterwards."""
 
 import numpy as np
 import pytest
@@ -11,6 +12,7 @@ from omnistage.engine.stages.encoders import MultimodalEmbeds
 from omnistage.engine.stages.prefix import request_keys
 from omnistage.engine.stages.token_runner import HiddenTap
 from omnistage.models.qwen3_omni.audio_features import log_mel
+from omnistage.request import GenerationRequest
 
 GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
 SYSTEM = {
@@ -89,6 +91,41 @@ def test_a_chats_next_turn_reuses_the_pages_of_the_turn_before(cached, uncached)
     assert_pool_full(cached)
 
 
+@pytest.mark.parametrize("ahead", [True, False])
+def test_a_chats_next_turn_takes_the_answers_pages_from_the_cache(cached, uncached, ahead):
+    """Each turn's answer, rendered by the chat template into the next turn's prompt, is the very ids the model
+    sampled (logit_bias steers the random model to whole words, which the tokenizer gives back alike) at the
+    very positions: the next turn finds every full page the turn before computed cached, its answer's too,
+    decoding ahead or not, and samples what it samples without the cache."""
+    words = cached.engine.processor.tokenizer.encode(" one two three four five six seven eight nine ten").ids
+    params = SamplingParams(
+        max_tokens=14, temperature=0.0, ignore_eos=True, logit_bias=dict.fromkeys(words, 100)
+    )
+    cached.engine.decode_ahead = ahead
+    messages = [
+        {"role": "user", "content": f"{'Ahead' if ahead else 'Stepwise'}, count with me."}
+    ]  # no page cached
+    computed = 0  # the rows the turn before computed: its prompt and its answer but the last sampled id
+    try:
+        for turn in range(3):
+            expected = uncached.chat(messages, params)[0]
+            before = hits(cached)[1]
+            out = cached.chat(messages, params)[0]
+            answer = out.outputs[0]
+            assert answer.token_ids == expected.outputs[0].token_ids
+            assert hits(cached)[1] - before == computed // 4 * 4
+            computed = len(out.prompt_token_ids) + len(answer.token_ids) - 1
+            messages += [
+                {"role": "assistant", "content": answer.text},
+                {"role": "user", "content": f"{turn}?"},
+            ]
+            following = cached.engine.processor.process_chat(messages).token_ids
+            assert following[: computed + 1] == out.prompt_token_ids + answer.token_ids
+    finally:
+        cached.engine.decode_ahead = True
+    assert_pool_full(cached)
+
+
 def picture(seed, size=(64, 64)):
     return Image.fromarray(np.random.default_rng(seed).integers(0, 256, (*size, 3), dtype=np.uint8))
 
@@ -136,14 +173,22 @@ def test_chunked_and_preempted_prefills_over_cached_pages_change_no_token(tiny_c
     assert_pool_full(small)
 
 
-def test_keys_stop_before_a_tapped_row(cached):
-    """A prompt whose hidden rows a later stage reads (the Talker's media rows) caches only the pages before
-    the first: a page taken from the cache would leave its rows unwritten."""
-    prompt = list(range(1, 30))
+def test_keys_stop_before_a_tapped_row_the_runner_keeps_not(cached):
+    """A prompt whose hidden rows a later stage reads (the Talker's media rows) at a layer the runner keeps no
+    rows of caches only the pages before the first: a page taken from the cache would leave its rows
+    unwritten. At the layer the runner keeps, every page is keyed and those the rows lie in are named: they are
+    taken only where they were prefilled."""
+    request = GenerationRequest("r", list(range(1, 30)), GREEDY)
+    runner = cached.engine.runner
+    assert runner.keep_taps and runner.tap_layer is not None
     rows = np.array([10, 11, 20])
-    tap = HiddenTap(0, torch.from_numpy(rows), torch.zeros(3, 2), rows)
-    assert len(request_keys(prompt, 4, None, None, tap)) == 2  # pages 0-3, 4-7; page 8-11 holds row 10
-    assert len(request_keys(prompt, 4, None, None, None)) == 7
+    unkept = HiddenTap(runner.tap_layer + 1, torch.from_numpy(rows), torch.zeros(3, 2), rows)
+    keys = request_keys(request, None, unkept, runner)
+    assert len(keys.keys) == 2 and keys.end == 2  # pages 0-3, 4-7; page 8-11 holds row 10
+    kept = HiddenTap(runner.tap_layer, torch.from_numpy(rows), torch.zeros(3, 2), rows)
+    keys = request_keys(request, None, kept, runner)
+    assert len(keys.keys) == 7 and keys.end is None and keys.reads_kept_rows == {2, 5}
+    assert request_keys(request, None, None, runner).keys == keys.keys
 
 
 def clip_rows(llm, features):
@@ -173,7 +218,7 @@ def test_a_growing_clips_complete_windows_give_the_whole_clips_rows_and_keys(cac
 
     def keys(mm):
         ids = [1, 2, 3] + [cached.engine.encoders.audio.token_id] * mm.audio_embeds.shape[0] + [4]
-        return request_keys(ids, 4, None, mm, None)
+        return request_keys(GenerationRequest("r", ids, GREEDY), mm, None, cached.engine.runner).keys
 
     shared = (3 + rows_per_window) // 4  # pages that end within the first window
     assert keys(early)[:shared] == keys(complete)[:shared]
