@@ -10,6 +10,8 @@ Each target is one `part`, run in its own process (benchmarks/ray_asr.sh gives e
   OMP_NUM_THREADS) and, beside other replicas, 1/N of `--memory-gib` (`--gpu-memory-limit-gib`); the same
   benchmark through Serve's proxy once all N replicas have answered (`--ttft` adds the c = 1 pass).
 
+Before the clock, each target takes a few requests one at a time for each replica it has.
+
 Each part writes `part_<target>.json` (its passes, as `bench a2t` reports them, its flags and its start time)
 and the server's log under --out-dir; `table` prints every part found there as rows beside the single
 server's, and the ingress' overhead at c = 1 (`--json` gathers the parts into one file).
@@ -38,6 +40,7 @@ from omnistage.bench.server_process import ServerProcess
 from omnistage.bench.skeletons import released_skeleton
 
 REPLICA_HEADER = "x-omnistage-replica"
+WARMUP_PER_REPLICA = 4
 
 
 def replica_flags(replicas: int, cpus: int, gpu: bool, memory_gib: float | None) -> list[str]:
@@ -129,6 +132,8 @@ def run_part(args: argparse.Namespace) -> dict[str, Any]:
                  "--repeats", str(args.repeats), "--output-tokens", str(args.output_tokens), "--out", str(out)]  # fmt: skip
         if args.limit:
             bench += ["--limit", str(args.limit)]
+        # requests one at a time before the clock: a few for each replica (drawn at random) to meet its first
+        bench += ["--warmup", str(WARMUP_PER_REPLICA * max(1, args.replicas))]
         subprocess.run(bench, check=True)
     finally:
         stop_tree(server)
