@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import AsyncIterator
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from omnistage.bench.sse_client import StreamClient, error_message, sse_events
@@ -68,6 +69,34 @@ async def events(
             raise RuntimeError(f"{path}: HTTP {response.status_code}: {error_message(response.text)}")
         async for event in sse_events(path, response.aiter_bytes(), stamps):
             yield event
+
+
+@dataclass(frozen=True)
+class SpokenStream:
+    """A streamed spoken chat reply as the client saw it: when it was sent, when its first audio arrived
+    (None: it had none), how many PCM bytes came, and the usage its last chunk carried."""
+
+    start: float
+    first_audio: float | None
+    pcm_bytes: int
+    usage: dict[str, Any]
+
+
+async def spoken_chat(client: StreamClient | httpx.AsyncClient, payload: bytes) -> SpokenStream:
+    """A streamed /v1/chat/completions request whose reply speaks (pcm16), timed from its sending."""
+    start = time.perf_counter()
+    first, pcm_bytes = None, 0
+    usage: dict[str, Any] = {}
+    async for event in events(client, "/v1/chat/completions", payload, JSON_HEADERS, {}):
+        for choice in event.get("choices") or []:
+            data = ((choice.get("delta") or {}).get("audio") or {}).get("data")
+            if data:
+                first = first or time.perf_counter()
+                pcm_bytes += (
+                    len(data) * 3 // 4 - data.endswith("=") - data.endswith("==")
+                )  # base64's length, not decoded
+        usage = event.get("usage") or usage
+    return SpokenStream(start, first, pcm_bytes, usage)
 
 
 JSON_HEADERS = {"content-type": "application/json"}

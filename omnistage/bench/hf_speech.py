@@ -149,10 +149,15 @@ def run_hf_speech(
         t = generate(inputs[i % len(inputs)], prompts[i % len(inputs)], text_tokens, frames)
         log.info("transformers: %s: %d text tokens, %d frames (%.2f s of audio) in %.2f s", inputs[i % len(inputs)].name,
                  t.text_tokens, t.frames, t.audio_s, t.latency_s)  # fmt: skip
-        if t.frames != frames or t.text_tokens != text_tokens:
-            raise RuntimeError(
-                f"transformers made {t.text_tokens} text tokens and {t.frames} frames, "
-                f"not the {text_tokens} and {frames} forced"
-            )
-        timings.append(t)
+        timings.append(forced(t, text_tokens, frames))
     return timings
+
+
+def forced(t: SpeechTiming, text_tokens: int, frames: int) -> SpeechTiming:
+    """`t`, once it made the lengths forced on it: any other length would time another request."""
+    if t.frames != frames or t.text_tokens != text_tokens:
+        raise RuntimeError(
+            f"transformers made {t.text_tokens} text tokens and {t.frames} frames, "
+            f"not the {text_tokens} and {frames} forced"
+        )
+    return t

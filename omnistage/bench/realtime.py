@@ -48,7 +48,7 @@ import numpy as np
 import soundfile
 
 from omnistage.bench import realtime_turns as rt
-from omnistage.bench.clients import JSON_HEADERS, events, first_model
+from omnistage.bench.clients import first_model, spoken_chat
 from omnistage.bench.realtime_socket import Microphone, Session, speak
 from omnistage.bench.server_process import ServerProcess
 from omnistage.bench.sse_client import StreamClient
@@ -191,20 +191,12 @@ class Bench:
 
     async def chat(self, client: StreamClient, payload: bytes, number: int, c: int) -> rt.Turn:
         """One chat request, from its sending to its first audio chunk."""
-        start = time.perf_counter()
-        first, pcm_bytes = None, 0
-        usage: dict[str, Any] = {}
-        async for event in events(client, "/v1/chat/completions", payload, JSON_HEADERS, {}):
-            for choice in event.get("choices") or []:
-                data = ((choice.get("delta") or {}).get("audio") or {}).get("data")
-                if data:
-                    first = first or time.perf_counter()
-                    pcm_bytes += len(data) * 3 // 4
-            usage = event.get("usage") or usage
-        if first is None:
+        reply = await spoken_chat(client, payload)
+        if reply.first_audio is None:
             raise RuntimeError(f"chat turn {number}: no audio")
-        text = (usage.get("completion_tokens_details") or {}).get("text_tokens", 0)
-        return rt.Turn(c, number, first - start, text, pcm_bytes / 2 / rt.RATE, "completed")
+        text = (reply.usage.get("completion_tokens_details") or {}).get("text_tokens", 0)
+        seconds = reply.pcm_bytes / 2 / rt.RATE
+        return rt.Turn(c, number, reply.first_audio - reply.start, text, seconds, "completed")
 
 
 async def bench(args: argparse.Namespace, url: str, record: dict[str, Any]) -> list[str]:

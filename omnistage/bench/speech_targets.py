@@ -17,7 +17,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
-from omnistage.bench.clients import JSON_HEADERS, events
+from omnistage.bench.clients import JSON_HEADERS, events, spoken_chat
 from omnistage.bench.clips import Clip, synth_clips
 from omnistage.outputs import AUDIO_SAMPLE_RATE
 
@@ -211,18 +211,8 @@ def server_runner(
             "stream_options": {"include_usage": True},
             **text_fields(text_tokens, forced),
         }
-        payload = json.dumps(body).encode()
-        start = time.perf_counter()
-        first, pcm_bytes = None, 0
-        usage: dict[str, Any] = {}
-        async for event in events(client, "/v1/chat/completions", payload, JSON_HEADERS, {}):
-            for choice in event.get("choices") or []:
-                data = ((choice.get("delta") or {}).get("audio") or {}).get("data")
-                if data:
-                    first = first or time.perf_counter()
-                    pcm_bytes += len(base64.b64decode(data))
-            usage = event.get("usage") or usage
-        return timing(item, start, first, pcm_bytes, usage)
+        reply = await spoken_chat(client, json.dumps(body).encode())
+        return timing(item, reply.start, reply.first_audio, reply.pcm_bytes, reply.usage)
 
     async def speak(item: SpeechInput, number: int) -> SpeechTiming:
         body = {

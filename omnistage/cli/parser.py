@@ -271,22 +271,23 @@ def build_parser() -> argparse.ArgumentParser:
     add_ray_flags(serve)
     serve.set_defaults(func=serving.run)
 
-    plan = sub.add_parser(
-        "plan",
-        help="load a checkpoint as serve would (on its devices, under its memory cap), print each device's "
-        "memory plan and what is captured or eager, and exit",
-    )
-    add_load_flags(plan)
-    plan.set_defaults(func=memory.plan)
-
-    report = sub.add_parser(
-        "memory-report",
-        help="load a checkpoint as serve would, then print where each GPU's memory went (torch's allocator "
-        "snapshot grouped by what holds it: weights, KV pages, buffers, graph pools per stage, the allocator's "
-        "cache, what nothing accounts for), and exit",
-    )
-    add_load_flags(report)
-    report.set_defaults(func=memory.report)
+    loading = {  # the commands that load a checkpoint as serve would, report on its memory, and exit
+        "plan": (
+            memory.plan,
+            "load a checkpoint as serve would (on its devices, under its memory cap), print each device's "
+            "memory plan and what is captured or eager, and exit",
+        ),
+        "memory-report": (
+            memory.report,
+            "load a checkpoint as serve would, then print where each GPU's memory went (torch's allocator "
+            "snapshot grouped by what holds it: weights, KV pages, buffers, graph pools per stage, the "
+            "allocator's cache, what nothing accounts for), and exit",
+        ),
+    }
+    for name, (func, text) in loading.items():
+        command = sub.add_parser(name, help=text)
+        add_load_flags(command)
+        command.set_defaults(func=func)
 
     from omnistage.bench import a2t, speech, video_speech
 

@@ -43,30 +43,18 @@ def server_options(args: argparse.Namespace, config: EngineConfig) -> ServerOpti
     media_dir = Path(args.media_dir).resolve() if args.media_dir else None
     if media_dir is not None and not media_dir.is_dir():
         raise ConfigError(f"--media-dir {args.media_dir}: not a directory")
-    if args.header_timeout <= 0:
-        raise ConfigError(f"--header-timeout {args.header_timeout}: must be above 0 seconds")
-    if args.max_connections < 1:
-        raise ConfigError(f"--max-connections {args.max_connections}: must be at least 1")
-    if args.spoken_answers_retention_s < 0:
-        raise ConfigError(
-            f"--spoken-answers-retention-s {args.spoken_answers_retention_s}: must be at least 0"
-        )
-    if args.max_spoken_answers < 0:
-        raise ConfigError(f"--max-spoken-answers {args.max_spoken_answers}: must be at least 0")
-    if args.responses_retention_s < 0:
-        raise ConfigError(f"--responses-retention-s {args.responses_retention_s}: must be at least 0")
-    if args.max_stored_responses < 0:
-        raise ConfigError(f"--max-stored-responses {args.max_stored_responses}: must be at least 0")
-    if args.max_sessions is not None and args.max_sessions < 1:
-        raise ConfigError(f"--max-sessions {args.max_sessions}: must be at least 1")
-    if args.realtime_idle_timeout_s <= 0:
-        raise ConfigError(
-            f"--realtime-idle-timeout-s {args.realtime_idle_timeout_s}: must be above 0 seconds"
-        )
-    if args.realtime_max_conversation_tokens is not None and args.realtime_max_conversation_tokens < 1:
-        raise ConfigError(
-            f"--realtime-max-conversation-tokens {args.realtime_max_conversation_tokens}: must be at least 1"
-        )
+    _check(args, "header_timeout", above=0, unit=" seconds")
+    _check(args, "max_connections", at_least=1)
+    for kept in (
+        "spoken_answers_retention_s",
+        "max_spoken_answers",
+        "responses_retention_s",
+        "max_stored_responses",
+    ):
+        _check(args, kept, at_least=0)
+    _check(args, "max_sessions", at_least=1)
+    _check(args, "realtime_idle_timeout_s", above=0, unit=" seconds")
+    _check(args, "realtime_max_conversation_tokens", at_least=1)
     video = video_limits(args, VideoLimits())
     realtime = RealtimeLimits(
         args.max_sessions, args.realtime_idle_timeout_s, args.realtime_max_conversation_tokens
@@ -93,20 +81,35 @@ def video_limits(args: argparse.Namespace, default: VideoLimits) -> VideoLimits:
     from dataclasses import replace
 
     limits = default
+    _check(args, "max_video_seconds", above=0)
+    _check(args, "max_video_frames", at_least=1)
+    _check(args, "max_video_frame_pixels", at_least=1)
     if args.max_video_seconds is not None:
-        if args.max_video_seconds <= 0:
-            raise ConfigError(f"--max-video-seconds {args.max_video_seconds}: must be above 0")
         stream_frames = int(args.max_video_seconds * 60)
         limits = replace(limits, max_seconds=args.max_video_seconds, max_stream_frames=stream_frames)
     if args.max_video_frames is not None:
-        if args.max_video_frames < 1:
-            raise ConfigError(f"--max-video-frames {args.max_video_frames}: must be at least 1")
         limits = replace(limits, max_frames=args.max_video_frames)
     if args.max_video_frame_pixels is not None:
-        if args.max_video_frame_pixels < 1:
-            raise ConfigError(f"--max-video-frame-pixels {args.max_video_frame_pixels}: must be at least 1")
         limits = replace(limits, max_frame_pixels=args.max_video_frame_pixels)
     return limits
+
+
+def _check(
+    args: argparse.Namespace,
+    name: str,
+    *,
+    at_least: int | None = None,
+    above: int | None = None,
+    unit: str = "",
+) -> None:
+    """Raise ConfigError naming the flag of `args.<name>` where it is given and below its bound."""
+    value, flag = getattr(args, name), "--" + name.replace("_", "-")
+    if value is None:
+        return
+    if at_least is not None and value < at_least:
+        raise ConfigError(f"{flag} {value}: must be at least {at_least}{unit}")
+    if above is not None and value <= above:
+        raise ConfigError(f"{flag} {value}: must be above {above}{unit}")
 
 
 def _load_and_serve(

@@ -9,7 +9,7 @@ every stage's default.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import TYPE_CHECKING, Any
 
 from omnistage.config.sections import GraphsSection, StageName
@@ -104,18 +104,8 @@ class EngineSettings:
 
 
 def engine_settings(config: EngineConfig) -> EngineSettings:
-    """`config`'s engine-wide settings that a stage reads."""
-    return EngineSettings(
-        page_size=config.page_size,
-        max_num_batched_tokens=config.max_num_batched_tokens,
-        max_model_len=config.max_model_len,
-        enforce_eager=config.enforce_eager,
-        compile=config.compile,
-        decode_ahead=config.decode_ahead,
-        prefix_caching=config.prefix_caching,
-        moe_kernel=config.moe_kernel,
-        max_tokens_default=config.max_tokens_default,
-    )
+    """`config`'s engine-wide settings that a stage reads: each field is the config's key of its name."""
+    return EngineSettings(**{f.name: getattr(config, f.name) for f in fields(EngineSettings)})
 
 
 def resolve(config: EngineConfig, name: StageName) -> StageSettings:

@@ -94,13 +94,27 @@ class SpeakingFormat(Format, Protocol):
     ) -> dict[str, Any] | Response: ...
 
 
-class ChatFormat:
+class ChoiceStream:
+    """What every endpoint's format holds of its one choice: the response's id, model and creation time, its
+    `index` among the request's choices, and whether the usage goes out (`include_usage`, once at the end;
+    `continuous_usage`, `running_usage` on every chunk)."""
+
+    done = DONE
+
+    def __init__(
+        self, request_id: str, model: str, include_usage: bool, index: int, continuous_usage: bool
+    ) -> None:
+        self.id, self.model, self.include_usage = request_id, model, include_usage
+        self.index, self.continuous_usage = index, continuous_usage
+        self.running_usage: Usage | None = None
+        self.created = int(time.time())
+
+
+class ChatFormat(ChoiceStream):
     """Chat's chunks and response of one choice (its `index`); `fingerprint` is their `system_fingerprint`,
     and `prompt_audio_tokens` (set once the prompt is laid out) goes into the usage's prompt details. With
     `texts` (the request asked for logprobs), each chunk carries its tokens' logprobs, and a token without text
     still has its chunk."""
-
-    done = DONE
 
     def __init__(
         self,
@@ -113,12 +127,9 @@ class ChatFormat:
         index: int = 0,
         continuous_usage: bool = False,
     ) -> None:
-        self.id, self.model, self.include_usage = request_id, model, include_usage
-        self.fingerprint, self.texts, self.index = fingerprint, texts, index
-        self.continuous_usage = continuous_usage
-        self.running_usage: Usage | None = None
+        super().__init__(request_id, model, include_usage, index, continuous_usage)
+        self.fingerprint, self.texts = fingerprint, texts
         self.prompt_audio_tokens = 0
-        self.created = int(time.time())
         self._text_chunk = self._delta_chunks(lambda text: ChatDelta(content=text))
 
     def _delta_chunks(self, delta: Callable[[str], ChatDelta]) -> Callable[[str], str]:
@@ -241,12 +252,10 @@ class ReasoningChatFormat(ChatFormat):
         return self.whole(message, finish_reason, usage)
 
 
-class CompletionFormat:
+class CompletionFormat(ChoiceStream):
     """Text completions' chunks and response of one choice (its `index`). `echo`: the prompt's text, put before
     the reply (streamed, in the first chunk); `writer`: where the request asked for logprobs, what spells
     them."""
-
-    done = DONE
 
     def __init__(
         self,
@@ -259,11 +268,8 @@ class CompletionFormat:
         index: int = 0,
         continuous_usage: bool = False,
     ) -> None:
-        self.id, self.model, self.include_usage = request_id, model, include_usage
-        self.echo, self.writer, self.index = echo, writer, index
-        self.continuous_usage = continuous_usage
-        self.running_usage: Usage | None = None
-        self.created = int(time.time())
+        super().__init__(request_id, model, include_usage, index, continuous_usage)
+        self.echo, self.writer = echo, writer
         self._text_chunk = _text_chunks(
             lambda text: self._chunk([CompletionChoice(index=index, text=text)]), spliced=not continuous_usage
         )

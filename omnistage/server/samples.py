@@ -23,15 +23,15 @@ from fastapi.responses import JSONResponse, Response
 
 from omnistage.outputs import RequestOutput
 from omnistage.request import GenerationRequest
-from omnistage.server.errors import error_body
-from omnistage.server.formats import ChatFormat, CompletionFormat, sse
+from omnistage.server.formats import ChatFormat, CompletionFormat
 from omnistage.server.responses import Usage
 from omnistage.server.streaming import (
     EventStream,
     Responder,
-    failure_of,
     pipeline_call,
     raise_if_failed,
+    sse_body,
+    taken,
     unless_disconnected,
 )
 
@@ -202,43 +202,37 @@ class SampledAnswer:
         assert reason is not None  # a finished output has its finish_reason
         return fmt.delta(completion.delta_text, reason, completion.delta_logprobs) + fmt.closing(reason)
 
-    async def _events(
+    def _events(
         self,
         outputs: AsyncGenerator[tuple[int, RequestOutput], None],
         buffered: list[tuple[int, RequestOutput]],
     ) -> AsyncGenerator[str, None]:
         """The SSE body: every choice's opening, the samples' chunks as they come, the usage if asked, then
         `[DONE]`. As in the single-choice stream (streaming.py), a failure sends what is pending before it."""
-        status: int | str = "cancelled"
         last: dict[int, RequestOutput] = {}
         first = self.samples[0].fmt
         pending: list[str] = []
-        try:
+
+        async def sends() -> AsyncGenerator[str, None]:
             for s in self.samples:
                 s.fmt.running_usage = self.usage() if s.fmt.continuous_usage else None
-                pending += s.fmt.opening()
+                pending.extend(s.fmt.opening())
             for i, output in buffered:
                 last[i] = output
-                pending += self._chunks(i, output)
-            body, pending = "".join(pending), []
-            yield body
+                pending.extend(self._chunks(i, output))
+            yield taken(pending)
             async for i, output in outputs:
                 last[i] = output
-                pending += self._chunks(i, output)
+                pending.extend(self._chunks(i, output))
                 if pending:
-                    body, pending = "".join(pending), []
-                    yield body
+                    yield taken(pending)
             if first.include_usage:
                 pending.append(first.usage_chunk(self.usage()))
-            body, pending = "".join([*pending, first.done]), []
-            yield body
-            status = 200
-        except Exception as exc:  # after the 200 went out, a failure can only be told in the stream
-            failure, kind = failure_of(exc, self.id)
-            status = kind.status
-            yield "".join([*pending, sse(error_body(str(failure), kind)), first.done])
-        finally:
+
+        async def finished(status: int | str) -> None:
             await outputs.aclose()
             self.responder.count(self.endpoint, status)
             for output in last.values():
                 self.responder.metrics.observe(output)
+
+        return sse_body(sends(), pending, first, finished)

@@ -125,7 +125,7 @@ class Responder:
         raise_if_failed(final)
         return final
 
-    async def _events(
+    def _events(
         self, endpoint: str, fmt: Format, outputs: AsyncGenerator[RequestOutput, None], first: RequestOutput
     ) -> AsyncGenerator[str, None]:
         """The SSE body: opening chunk, deltas (text, and audio when spoken), the finishing chunk, usage if
@@ -134,46 +134,44 @@ class Responder:
         The chunks of one output go out as one string: each yield is a send through every middleware and a
         socket write. `pending` holds those not yet yielded, so a failure sends them before its error.
         """
-        status: int | str
-        last, status = first, "cancelled"
+        last = first
         spoken = fmt if isinstance(fmt, SpeakingFormat) else None
         pending: list[str] = []
-        try:
+
+        async def sends() -> AsyncGenerator[str, None]:
+            nonlocal last
             if fmt.continuous_usage:
                 fmt.running_usage = usage_of(first, spoken=spoken is not None)
-            pending += fmt.opening()
+            pending.extend(fmt.opening())
             while True:
                 completion = last.outputs[0]
                 if fmt.continuous_usage:
                     fmt.running_usage = usage_of(last, spoken=spoken is not None)
                 if last.finished:
                     break
-                pending += fmt.delta(completion.delta_text, None, completion.delta_logprobs)
-                pending += await _audio_chunks(spoken, last)
+                pending.extend(fmt.delta(completion.delta_text, None, completion.delta_logprobs))
+                pending.extend(await _audio_chunks(spoken, last))
                 if pending:
-                    body, pending = "".join(pending), []
-                    yield body
+                    yield taken(pending)
                 last = await anext(outputs)
             raise_if_failed(last)
             assert completion.finish_reason is not None  # a finished output has its finish_reason
-            pending += fmt.delta(completion.delta_text, completion.finish_reason, completion.delta_logprobs)
-            pending += await _audio_chunks(spoken, last)
+            pending.extend(
+                fmt.delta(completion.delta_text, completion.finish_reason, completion.delta_logprobs)
+            )
+            pending.extend(await _audio_chunks(spoken, last))
             if spoken is not None:
-                pending += await spoken.audio_end()
-            pending += fmt.closing(completion.finish_reason)
+                pending.extend(await spoken.audio_end())
+            pending.extend(fmt.closing(completion.finish_reason))
             if fmt.include_usage:
                 pending.append(fmt.usage_chunk(usage_of(last, spoken=spoken is not None)))
-            body, pending = "".join([*pending, fmt.done]), []
-            yield body
-            status = 200
-        except Exception as exc:  # after the 200 went out, a failure can only be told in the stream
-            failure, kind = failure_of(exc, fmt.id)
-            status = kind.status
-            yield "".join([*pending, sse(error_body(str(failure), kind)), fmt.done])
-        finally:
+
+        async def finished(status: int | str) -> None:
             if spoken is not None:
                 spoken.release()
             await self.end(endpoint, outputs, last, status)
+
+        return sse_body(sends(), pending, fmt, finished)
 
     async def end(
         self,
@@ -187,6 +185,37 @@ class Responder:
         await outputs.aclose()
         self.count(endpoint, status)
         self.metrics.observe(last)
+
+
+async def sse_body(
+    sends: AsyncGenerator[str, None],
+    pending: list[str],
+    fmt: Format,
+    finished: Callable[[int | str], Awaitable[None]],
+) -> AsyncGenerator[str, None]:
+    """A streamed body: `sends`' strings, then what it left in `pending` and the format's end. After the 200
+    went out a failure can only be told in the stream: what was pending, the error, the end. `finished` hears
+    the status (200, the failure's, or "cancelled" where the client left) however the body ended."""
+    status: int | str = "cancelled"
+    try:
+        async for body in sends:
+            yield body
+        yield "".join([*pending, fmt.done])
+        status = 200
+    except Exception as exc:
+        failure, kind = failure_of(exc, fmt.id)
+        status = kind.status
+        yield "".join([*pending, sse(error_body(str(failure), kind)), fmt.done])
+    finally:
+        await sends.aclose()
+        await finished(status)
+
+
+def taken(pending: list[str]) -> str:
+    """The pending chunks as one send (each is a pass through every middleware and a socket write), emptied."""
+    body = "".join(pending)
+    pending.clear()
+    return body
 
 
 def usage_of(output: RequestOutput, spoken: bool) -> Usage:

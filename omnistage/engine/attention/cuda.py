@@ -7,28 +7,26 @@ from __future__ import annotations
 
 import torch
 
-from omnistage.kernels.attention import paged_attention, write_kv
+from omnistage.kernels import attention as kernels
+from omnistage.models.layers.attention_backend import AttentionBackend
 from omnistage.models.layers.attention_metadata import AttentionMetadata
 
 
-class CudaAttentionBackend:
+class CudaAttentionBackend(AttentionBackend):
     """The GPU attention backend: Triton K/V write and paged attention, no host syncs.
 
     Expects `kv_cache` `[2, num_pages, page_size, Hkv, D]` contiguous in its last three dims and the
     metadata's int tensors on the same device. Decode steps (max_query_len 1) are graph safe.
     """
 
-    # Kept out of torch.compile: the kernels pick tiles from host ints of the metadata, which would make
-    # a compiled layer recompile for every new prefill length.
-    @torch.compiler.disable
-    def forward(
-        self,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        kv_cache: torch.Tensor,
-        meta: AttentionMetadata,
-        scale: float,
+    # Kept out of torch.compile, write and attention as one opaque call: the kernels pick tiles from host
+    # ints of the metadata, which would make a compiled layer recompile for every new prefill length.
+    forward = torch.compiler.disable(AttentionBackend.forward)
+
+    def write_kv(self, kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor) -> None:
+        kernels.write_kv(kv_cache, k, v, slots)
+
+    def attend(
+        self, q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float
     ) -> torch.Tensor:
-        write_kv(kv_cache, k, v, meta.slot_mapping)
-        return paged_attention(q, kv_cache, meta, scale)
+        return kernels.paged_attention(q, kv_cache, meta, scale)

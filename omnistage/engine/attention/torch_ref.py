@@ -5,20 +5,11 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from omnistage.models.layers.attention_backend import AttentionBackend
 from omnistage.models.layers.attention_metadata import AttentionMetadata
 
 
-def write_kv(kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
-    """Store each row's k/v at its flat slot; rows with slot -1 are skipped."""
-    _, num_pages, page_size, heads, dim = kv_cache.shape
-    flat = kv_cache.view(2, num_pages * page_size, heads, dim)
-    keep = slot_mapping >= 0
-    slots = slot_mapping[keep]
-    flat[0].index_copy_(0, slots, k[keep].to(kv_cache.dtype))
-    flat[1].index_copy_(0, slots, v[keep].to(kv_cache.dtype))
-
-
-class TorchReferenceBackend:
+class TorchReferenceBackend(AttentionBackend):
     """Gathers each sequence's pages and runs SDPA with a causal mask offset by the cached length.
 
     Loops over sequences on the host (`.tolist()`), so it is not CUDA-graph safe. Inputs go to SDPA 4-D:
@@ -26,16 +17,17 @@ class TorchReferenceBackend:
     head's scores (measured on two busy cores, tiny model: a 60k-token prompt prefilled in 201 s, now 20 s).
     """
 
-    def forward(
-        self,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        kv_cache: torch.Tensor,
-        meta: AttentionMetadata,
-        scale: float,
+    def write_kv(self, kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor) -> None:
+        _, num_pages, page_size, heads, dim = kv_cache.shape
+        flat = kv_cache.view(2, num_pages * page_size, heads, dim)
+        keep = slots >= 0
+        kept = slots[keep]
+        flat[0].index_copy_(0, kept, k[keep].to(kv_cache.dtype))
+        flat[1].index_copy_(0, kept, v[keep].to(kv_cache.dtype))
+
+    def attend(
+        self, q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float
     ) -> torch.Tensor:
-        write_kv(kv_cache, k, v, meta.slot_mapping)
         page_size = kv_cache.shape[2]
         out = torch.zeros_like(q)
         starts = meta.query_start_loc.tolist()

@@ -2,14 +2,17 @@
 
 from __future__ import annotations
 
-from typing import Protocol
+from abc import ABC, abstractmethod
 
 import torch
 
 from omnistage.models.layers.attention_metadata import AttentionMetadata
 
 
-class AttentionBackend(Protocol):
+class AttentionBackend(ABC):
+    """A step's attention over the paged KV cache: its new K/V written to their pages, then read back.
+    Backends differ only in how each half runs."""
+
     def forward(
         self,
         q: torch.Tensor,
@@ -25,4 +28,15 @@ class AttentionBackend(Protocol):
         new), read back from the pages; Hq is a multiple of Hkv (GQA). Returns `[T, Hq, D]`; padding rows
         (slot -1, or rows of a sequence whose seq_len is 0) are zeros.
         """
-        ...
+        self.write_kv(kv_cache, k, v, meta.slot_mapping)
+        return self.attend(q, kv_cache, meta, scale)
+
+    @abstractmethod
+    def write_kv(self, kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor) -> None:
+        """Store each row's k/v at its flat slot; rows with slot -1 are skipped."""
+
+    @abstractmethod
+    def attend(
+        self, q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float
+    ) -> torch.Tensor:
+        """q's attention over the pages, the step's own K/V already written there."""
