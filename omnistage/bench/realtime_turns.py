@@ -87,6 +87,7 @@ SERVER_SAMPLES = (
     "omnistage_prefix_cache_queries_total",
     "omnistage_prefix_cache_hits_total",
     "omnistage_encoder_cache_hits_total",
+    "omnistage_talker_prefix_cache_hits_total",
 )
 
 
@@ -111,6 +112,7 @@ def server_view(before: dict[str, float], after: dict[str, float]) -> dict[str, 
         "prefix_tokens_queried": change["omnistage_prefix_cache_queries_total"],
         "prefix_tokens_hit": change["omnistage_prefix_cache_hits_total"],
         "encoder_cache_hits": change["omnistage_encoder_cache_hits_total"],
+        "talker_rows_hit": change["omnistage_talker_prefix_cache_hits_total"],
     }
 
 

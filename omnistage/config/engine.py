@@ -65,8 +65,8 @@ class EngineConfig(BaseModel):
     prefix_caching: bool = Field(
         True,
         description="share the KV pages of prompts' common full-page prefixes (ids, positions and media rows "
-        "alike) between requests and turns, kept in the Thinker's pool until its pages are needed (README, "
-        '"Prefix caching")',
+        "alike) between requests and turns, kept in the Thinker's and the Talker's pools until their pages are "
+        'needed (README, "Prefix caching")',
     )
     admission_window_ms: float = Field(
         50.0,

@@ -98,7 +98,7 @@ class EngineSettings:
     enforce_eager: bool  # the engine's, which a stage's own section may override
     compile: bool
     decode_ahead: bool
-    prefix_caching: bool  # the text stages': the Thinker's, Qwen3-ASR's decoder's
+    prefix_caching: bool  # the text stages' (the Thinker's, Qwen3-ASR's decoder's) and the Talker's
     moe_kernel: str
     max_tokens_default: int | None
 

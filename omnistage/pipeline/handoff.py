@@ -6,6 +6,8 @@
   first one is known, with the Thinker's first token;
 - the Talker's decode step k reads text row k (spoken token k + 1, then tts_eos once, then tts_pad) and waits
   until the Thinker has yielded that token (or ended);
+- the Talker's prompt pages that hold only user turns are keyed for its prefix cache where the Thinker's is on
+  (`talker_prefix.py`): a conversation's next turn prefills its new user turn, not every turn again;
 - every code 0 the Talker samples but codec EOS becomes a frame through the code predictor, whose 16-embedding
   sum plus the next text row is the Talker's next input; frames stream into Code2Wav, and its chunks go out
   with the request's outputs. A request finishes when its text and its audio have.
@@ -36,6 +38,7 @@ from omnistage.models.qwen3_omni.mrope import MediaLayout
 from omnistage.models.qwen3_omni.talker_input import TtsEmbeds, talker_positions, talker_prompt
 from omnistage.outputs import RequestOutput, SpokenFrame
 from omnistage.pipeline.speech_stages import PREDICTOR_TEMPERATURE, PREDICTOR_TOP_P, SpeechStages
+from omnistage.pipeline.talker_prefix import talker_keys
 from omnistage.request import SpeechParams
 
 log = logging.getLogger(__name__)
@@ -102,7 +105,8 @@ class EarlyFrames:
 class Handoff:
     """The speaking step over `speaking` (the pipeline's dict of speaking requests, shared): the Talker's prompt
     from the Thinker's rows on the Thinker's `device`, text rows from its `embedding`, and `fail(speech, error)`
-    for a request that fails (the pipeline stops its Thinker side too)."""
+    for a request that fails (the pipeline stops its Thinker side too). `prefix_caching`: the Talker's prompts
+    share their user turns' pages through its pool's cache."""
 
     def __init__(
         self,
@@ -114,8 +118,10 @@ class Handoff:
         model_config: Qwen3OmniConfig,
         speaking: dict[str, Speech],
         fail: Callable[[Speech, str], None],
+        prefix_caching: bool = False,
     ) -> None:
         self.stages, self.tts, self.embedding, self.device = stages, tts, embedding, device
+        self.prefix_caching = prefix_caching
         self.text_rows = text_rows  # talker_input.text_rows: the projected row of every text token
         self.model_config, self.speaking, self.fail = model_config, speaking, fail
 
@@ -217,9 +223,11 @@ class Handoff:
             speech.speaker,
         )  # fmt: skip
         positions = talker_positions(prompt, self.model_config, speech.media)
-        stages.talker_stage.add(
-            speech.request_id, prompt.embeds, positions, speech.params.talker, speech.frame_cap
-        )
+        talker = stages.talker_stage
+        keys = None
+        if self.prefix_caching:
+            keys = talker_keys(speech.prompt_ids, stages.tokens, accept, positions, talker.page_size)
+        talker.add(speech.request_id, prompt.embeds, positions, speech.params.talker, speech.frame_cap, keys)
         speech.talker_started = True
         speech.text_read = 1  # the prompt's last row holds the first spoken token
         speech.tap = None

@@ -244,6 +244,8 @@ class Qwen3OmniPipeline:
             stats |= {
                 "talker_kv_pages_total": pool.num_pages,
                 "talker_kv_pages_free": pool.num_free,
+                "talker_prefix_cache_queries": pool.queried_tokens,
+                "talker_prefix_cache_hits": pool.hit_tokens,
                 "num_speaking": len(self._speaking),
             }
         return stats

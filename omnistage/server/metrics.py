@@ -74,6 +74,14 @@ _STAT_COUNTERS = {
         "omnistage_prefix_cache_hits",
         "Prompt tokens found in the prefix cache at admission: their prefill was skipped",
     ),
+    "talker_prefix_cache_queries": (
+        "omnistage_talker_prefix_cache_queries",
+        "The Talker's prompt rows looked up in its prefix cache at admission (again at each readmission)",
+    ),
+    "talker_prefix_cache_hits": (
+        "omnistage_talker_prefix_cache_hits",
+        "The Talker's prompt rows found in its prefix cache (earlier turns' user rows): their prefill was skipped",
+    ),
     "encoder_cache_hits": (
         "omnistage_encoder_cache_hits",
         "Audio clips whose encoder rows were kept from an earlier request: the audio tower did not run",

@@ -7,6 +7,10 @@ outside (`feed`): the row after sampled token k can only be built once the calle
 A step returns, for every request that sampled, the id and the final hidden state that produced it.
 
 Every input row is kept, so a preempted request is recomputed from its rows like a prompt.
+
+A request may come with the prefix-cache keys of its prompt's leading pages (prefix_keys.py), computed by its
+caller from whatever its rows are a function of: the pool then gives it the cached pages of its longest cached
+prefix, and its prefill starts after them, as a text stage's does (kv_cache.py).
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ from omnistage.engine.decode_ahead import Launched
 from omnistage.engine.graphs.base import int_buckets
 from omnistage.engine.memory.measure import graph_candidates, module_bytes
 from omnistage.engine.memory.plan import MAIN_POOL, KVPool, MemoryPlan, StageMemory, kv_bytes_per_page
+from omnistage.engine.prefix_keys import PageKeys
 from omnistage.engine.sampling import make_generator
 from omnistage.engine.scheduler import ScheduledChunk
 from omnistage.engine.sequence import Sequence, SequenceStatus
@@ -150,8 +155,10 @@ class RowStage(AutoregressiveStage[RowState]):
         positions: PromptPositions,
         params: SamplingParams,
         max_tokens: int,
+        prefix: PageKeys | None = None,
     ) -> None:
-        """Queue a request; raises RequestTooLarge when prompt + max_tokens could never fit the pool."""
+        """Queue a request; raises RequestTooLarge when prompt + max_tokens could never fit the pool. `prefix`:
+        the keys of its prompt's pages that may be shared (None: none is)."""
         state = RowState(
             rows=[prompt_embeds.to(self.runner.dtype)],
             positions=positions,
@@ -159,7 +166,9 @@ class RowStage(AutoregressiveStage[RowState]):
             generator=make_generator(params, self.device),
             eos_token_ids=[] if params.ignore_eos else [self.eos_token_id],
         )
-        self.scheduler.add(Sequence(request_id, [0] * len(prompt_embeds), max_tokens, data=state))
+        self.scheduler.add(
+            Sequence(request_id, [0] * len(prompt_embeds), max_tokens, prefix=prefix, data=state)
+        )
 
     def generator(self, request_id: str) -> torch.Generator | None:
         seq = self.scheduler.get(request_id)

@@ -98,6 +98,7 @@ omnistage_prefix_cache_queries_total 300.0
 omnistage_prefix_cache_hits_total{stage="thinker"} 100.0
 omnistage_prefix_cache_hits_total{stage="talker"} 20.0
 omnistage_prefix_cache_hits_created 1.7e9
+omnistage_talker_prefix_cache_hits_total 40.0
 """
     before = rt.scraped(page)
     assert before["omnistage_prefix_cache_hits_total"] == 120.0
@@ -106,4 +107,7 @@ omnistage_prefix_cache_hits_created 1.7e9
     view = rt.server_view(before, after)
     assert view["first_audio_mean_ms"] == 150.0 and view["first_audio_count"] == 2.0
     assert view["prefix_tokens_hit"] == 0.0
+    assert before["omnistage_talker_prefix_cache_hits_total"] == 40.0
+    changed = rt.server_view(before, rt.scraped(page.replace("hits_total 40.0", "hits_total 75.0")))
+    assert changed["talker_rows_hit"] == 35.0
     assert np.isnan(rt.server_view(before, before)["first_audio_mean_ms"])
