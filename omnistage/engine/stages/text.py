@@ -5,15 +5,16 @@ autoregressive.py, over a token runner: admission (admission.py), the model step
 `TextStage.step()` runs one scheduler step and returns what each touched request gained. Everything a
 request does stays inside that request: a failing step fails the requests in it, frees their pages and
 the engine goes on. With `decode_ahead` (decode_ahead.py), a decode step's tokens come out of the `step()`
-call after the one that launched it, which launches the next step first.
+call after the one that launched it, which queues the next step's forward pass first.
 """
 
 from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, fields
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
 
@@ -48,6 +49,8 @@ _CPU_KV_GIB = 0.25
 
 # A step's sampled ids, one per chunk that samples and in their order, and their logprobs (None: not asked).
 Sampled = tuple[list[int], list[TokenLogprobs | None]]
+
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -303,34 +306,46 @@ class TextStage(AutoregressiveStage[RequestState]):
         return self._run(step.chunks)
 
     def _step_ahead(self) -> list[RequestOutput]:
-        """Launch a decode step on the ids of the one in flight, then apply those (decode_ahead.py)."""
+        """Launch a decode step on the ids of the one in flight, then apply those, then sample it
+        (decode_ahead.py): the host applies the ids in flight while the device runs the step's forward pass,
+        and the step's grammar masks are filled past them before it samples."""
         previous, self._launched = self._launched, None
         step = self.scheduler.schedule()
-        if previous is None and not (step.is_pure_decode and not step.preempted):
-            return self._run(step.chunks)
-        if step.is_pure_decode and not step.preempted:
-            saved = [(g, g.get_state()) for g in generators(step.chunks)]
-            try:
-                self._launched = self._launch(step.chunks, previous)
-            except Exception:
-                for generator, state in saved:  # the step runs again: its draws start where they stood
-                    generator.set_state(state)
-                if previous is None:  # run it again here, where a failure fails only the requests at fault
-                    return self._run(step.chunks)
-                log.warning(
-                    "a decode step failed to launch ahead; it runs again after the step in flight",
-                    exc_info=True,
-                )
-                self._launch_failed = True
-        return settle(previous, self._apply_token, self._fail) if previous is not None else []
+        launches = step.is_pure_decode and not step.preempted
+        if not launches:
+            return (
+                self._run(step.chunks)
+                if previous is None
+                else settle(previous, self._apply_token, self._fail)
+            )
+        saved = [(g, g.get_state()) for g in generators(step.chunks)]
+        logits = _launched_or_none(lambda: self._launch(step.chunks, previous))
+        outputs = settle(previous, self._apply_token, self._fail) if previous is not None else []
+        if logits is not None:
+            self._launched = _launched_or_none(lambda: self._sample_ahead(step.chunks, logits))
+        if self._launched is None:
+            for generator, state in saved:  # the step runs again: its draws start where they stood
+                generator.set_state(state)
+            if previous is None:  # run it again here, where a failure fails only the requests at fault
+                return self._run(step.chunks)
+            self._launch_failed = True  # it runs again after the ids in flight, one step after the other
+        return outputs
 
     def _launch(
         self, chunks: list[ScheduledChunk[RequestState]], previous: Launched[RequestState] | None
-    ) -> Launched[RequestState]:
-        """Launch a decode step without waiting for its ids; its sequences get a placeholder token each."""
-        rows = [self.sampling_row(c.seq) for c in chunks]
+    ) -> torch.Tensor:
+        """Queue a decode step's forward pass on the ids of `previous` (still on the device) without waiting for
+        it: its logits, to sample once `previous` is applied (`_sample_ahead`)."""
         input_ids = previous.input_ids(chunks) if previous is not None else None
-        logits = self.runner.execute(SchedulerOutput(chunks), input_ids)
+        return self.runner.execute(SchedulerOutput(chunks), input_ids)
+
+    def _sample_ahead(
+        self, chunks: list[ScheduledChunk[RequestState]], logits: torch.Tensor
+    ) -> Launched[RequestState]:
+        """Sample a launched step's `logits` without waiting for the ids; its running sequences get a
+        placeholder token each. A sequence that ended on the ids applied since is sampled unconstrained, and its
+        token is dropped (`settle`)."""
+        rows = [self.sampling_row(c.seq) for c in chunks]
         sampled = self.sampler(logits, rows)
         launched = Launched.start(chunks, sampled, step_logprobs(logits, sampled, rows))
         self.scheduler.update(SchedulerOutput(chunks), {c.seq.request_id: PLACEHOLDER for c in chunks})
@@ -396,3 +411,14 @@ class TextStage(AutoregressiveStage[RequestState]):
 
 def _decodes_ahead(seq: Sequence[RequestState]) -> bool:
     return seq.data.decodes_ahead
+
+
+def _launched_or_none(launch: Callable[[], T]) -> T | None:
+    """What `launch` returns, or None where it fails: the step then runs again, one step after the other."""
+    try:
+        return launch()
+    except Exception:
+        log.warning(
+            "a decode step failed to launch ahead; it runs again one step after the other", exc_info=True
+        )
+        return None
