@@ -23,6 +23,7 @@ the device in the same step, copied to the host beside them, read with them.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Generic, TypeVar
@@ -37,9 +38,12 @@ from omnistage.models.layers.attention_metadata import to_device
 from omnistage.outputs import TokenLogprobs
 from omnistage.request import SamplingParams
 
+log = logging.getLogger(__name__)
+
 PLACEHOLDER = -1  # a token launched but not yet read back; no vocabulary has it
 
 Out = TypeVar("Out")
+T = TypeVar("T")
 S = TypeVar("S")  # the stage's state of a request
 
 
@@ -112,6 +116,18 @@ def settle(
         seq.output_token_ids[chunk.start + 1 - seq.num_prompt_tokens] = token
         outputs += apply(seq, token, token_logprobs)
     return outputs
+
+
+def launched_or_none(launch: Callable[[], T]) -> T | None:
+    """What `launch` (a part of launching a step ahead) returns, or None where it fails: the step then runs
+    again one step after the other."""
+    try:
+        return launch()
+    except Exception:
+        log.warning(
+            "a decode step failed to launch ahead; it runs again one step after the other", exc_info=True
+        )
+        return None
 
 
 def drop_placeholders(token_ids: list[int]) -> None:

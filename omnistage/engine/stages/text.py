@@ -12,13 +12,12 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable
 from dataclasses import dataclass, fields
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Any
 
 import torch
 
-from omnistage.engine.decode_ahead import PLACEHOLDER, Launched, may_run_ahead, settle
+from omnistage.engine.decode_ahead import PLACEHOLDER, Launched, launched_or_none, may_run_ahead, settle
 from omnistage.engine.graphs.base import int_buckets
 from omnistage.engine.logprobs import step_logprobs
 from omnistage.engine.memory.plan import GiB, MemoryPlan, StageMemory, kv_bytes_per_page
@@ -49,8 +48,6 @@ _CPU_KV_GIB = 0.25
 
 # A step's sampled ids, one per chunk that samples and in their order, and their logprobs (None: not asked).
 Sampled = tuple[list[int], list[TokenLogprobs | None]]
-
-T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -319,16 +316,16 @@ class TextStage(AutoregressiveStage[RequestState]):
                 else settle(previous, self._apply_token, self._fail)
             )
         saved = [(g, g.get_state()) for g in generators(step.chunks)]
-        logits = _launched_or_none(lambda: self._launch(step.chunks, previous))
+        logits = launched_or_none(lambda: self._launch(step.chunks, previous))
         outputs = settle(previous, self._apply_token, self._fail) if previous is not None else []
         if logits is not None:
-            self._launched = _launched_or_none(lambda: self._sample_ahead(step.chunks, logits))
+            self._launched = launched_or_none(lambda: self._sample_ahead(step.chunks, logits))
         if self._launched is None:
             for generator, state in saved:  # the step runs again: its draws start where they stood
                 generator.set_state(state)
             if previous is None:  # run it again here, where a failure fails only the requests at fault
                 return self._run(step.chunks)
-            self._launch_failed = True  # it runs again after the ids in flight, one step after the other
+            self._launch_failed = True  # the next step() runs it again, one step after the other
         return outputs
 
     def _launch(
@@ -411,14 +408,3 @@ class TextStage(AutoregressiveStage[RequestState]):
 
 def _decodes_ahead(seq: Sequence[RequestState]) -> bool:
     return seq.data.decodes_ahead
-
-
-def _launched_or_none(launch: Callable[[], T]) -> T | None:
-    """What `launch` returns, or None where it fails: the step then runs again, one step after the other."""
-    try:
-        return launch()
-    except Exception:
-        log.warning(
-            "a decode step failed to launch ahead; it runs again one step after the other", exc_info=True
-        )
-        return None
