@@ -8,8 +8,8 @@ decode: the Qwen3-Omni Thinker (no Talker) in this process; per batch, passes of
 distinct prompts, each forced to decode `--tokens` tokens (min_tokens = max_tokens, ignore_eos, greedy): one
 pass free, one under `response_format: json_schema` (a list of at least 64 records, which no output completes
 within 319 tokens: every request of every side runs to its `max_tokens`, and the run checks it) and one free
-without decoding ahead (a constrained step never decodes ahead: its mask follows the token before), in turn,
-after a warm-up of each. Per request TPOT = (finished - first token) / (tokens - 1); medians over all passes.
+without decoding ahead (what decoding ahead is worth: a constrained step decodes ahead too, its mask filled
+while its forward pass runs), in turn, after a warm-up of each. Per request TPOT = (finished - first token) / (tokens - 1); medians over all passes.
 
 thinking: a Thinking checkpoint (the Thinker alone, no Talker: the server's reasoning parser is on by default)
 whose chat template opens the think block, served over HTTP; streamed chats forced to `--tokens` tokens at each
@@ -106,8 +106,8 @@ def decode(args: argparse.Namespace) -> None:
     print(f"decode: the Thinker in-process, started in {results['engine_start_s']} s", flush=True)
     print(RATIO_HEADER, flush=True)  # each row as its batch ends: a run cut short keeps what it measured
     free = SamplingParams(max_tokens=args.tokens, min_tokens=args.tokens, ignore_eos=True, temperature=0.0)
-    # A constrained step needs the token before it (its mask follows it), so it never decodes ahead: the third
-    # side, free but one step at a time, tells that cost from the masks'.
+    # A constrained step decodes ahead, its mask filled from the token before while its forward pass runs: the
+    # third side, free but one step at a time, is what it would cost without.
     constrained = dataclasses.replace(free, structured=records_constraint())
     sides = {"free": (free, True), "json_schema": (constrained, True), "free, not ahead": (free, False)}
     for batch in batches:

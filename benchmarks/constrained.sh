@@ -5,7 +5,7 @@
 #   OUT=/path bash benchmarks/constrained.sh      # on the GPU machine, carrying .whl; OUT defaults to ./constrained-out
 #
 # 1. decode: the Qwen3-Omni Thinker in-process, TPOT at batch 1 and 32 under `response_format: json_schema`
-#    beside the same batch free (and free without decoding ahead, which a constrained step never does), every
+#    beside the same batch free (and free without decoding ahead, which constrained steps do too), every
 #    request forced to 128 tokens, 4 timed passes a side after a warm-up.
 # 2. thinking: `omnistage serve` on a Qwen3-Omni-30B-A3B-Thinking skeleton, streamed chats of 128 tokens at
 #    c = 1 and 32, 3 timed passes after a warm-up: reasoning deltas with the think block open, content deltas

@@ -138,7 +138,7 @@ def ratio_row(
     batch: int, tokens: int, free: dict[str, Any], constrained: dict[str, Any], not_ahead: dict[str, Any]
 ) -> str:
     """A markdown row: batch, tokens each request decoded, the TPOT medians free, constrained and their ratio,
-    free without decoding ahead (which a constrained step never does), and the TTFT medians free and
+    free without decoding ahead (for scale: constrained steps decode ahead too), and the TTFT medians free and
     constrained."""
     ratio = constrained["tpot_median_ms"] / free["tpot_median_ms"]
     return (

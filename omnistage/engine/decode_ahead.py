@@ -2,24 +2,28 @@
 
 A synchronous step leaves the GPU idle while the host prepares it, and again while the host reads its sampled
 ids back and applies them (stop checks, detokenizing, outputs): 0.9 ms of a 2.9 ms Qwen3-ASR 1.7B decode step
-on an H200, whose graph replays in 2.0 ms back to back. Decoding ahead, the engine launches step N+1 on the ids
-step N sampled, still on the device, and only then waits for step N's ids and applies them, while the GPU
-computes step N+1.
+on an H200, whose graph replays in 2.0 ms back to back. Decoding ahead, the engine queues step N+1's forward pass
+on the ids step N sampled, still on the device, and only then waits for step N's ids and applies them, while the
+GPU computes step N+1; step N+1 is sampled after that. So a constrained sequence decodes ahead too: applying
+step N's token advances its grammar, whose mask for step N+1 is filled on the host and copied up (pinned, not
+waited for) while the forward pass runs, and the sampling queued behind the copy applies it.
 
-The scheduler then runs one step ahead of what the host knows: when a step launches, each of its sequences gets
-a `PLACEHOLDER` token (the count is right, the value unknown), which the step's ids replace when they arrive.
-Only a step that reads no token's value on the host may run ahead (`may_run_ahead`): a pure decode step over
-sequences that all ran in the step in flight (their inputs are its ids), none of which can end by length in it
-(its length check would end the sequence before the token before it is known), each of which decodes ahead
-(`decodes_ahead`: its sampling reads no token values, and no later stage waits for its tokens), and no page
-shortage (a preemption would recompute a placeholder). Anything else waits until the step in flight has been
-applied. A sequence that stops on a token is past its end in the step launched after it: that step's token
-for it is dropped. The log-probabilities rows ask for travel with their ids: computed on the device in the
-same step, copied to the host beside them, read with them.
+The scheduler then runs one step ahead of what the host knows: when a step is sampled, each of its sequences
+gets a `PLACEHOLDER` token (the count is right, the value unknown), which the step's ids replace when they
+arrive. Only a step that reads no token's value on the host before its sampling may run ahead
+(`may_run_ahead`): a pure decode step over sequences that all ran in the step in flight (their inputs are its
+ids), none of which can end by length in it (its length check would end the sequence before the token before
+it is known), each of which decodes ahead (`decodes_ahead`: its sampling reads no token values but through
+its grammar's mask, filled once its forward pass is queued, and no later stage waits for its tokens), and no page shortage (a preemption would recompute a
+placeholder). Anything else waits until the step in flight has been applied. A sequence that stops on a token
+(its own stops, its grammar's end) is past its end in the step launched after it: that step's token for it is
+sampled without its grammar and dropped. The log-probabilities rows ask for travel with their ids: computed on
+the device in the same step, copied to the host beside them, read with them.
 """
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Generic, TypeVar
@@ -34,9 +38,12 @@ from omnistage.models.layers.attention_metadata import to_device
 from omnistage.outputs import TokenLogprobs
 from omnistage.request import SamplingParams
 
+log = logging.getLogger(__name__)
+
 PLACEHOLDER = -1  # a token launched but not yet read back; no vocabulary has it
 
 Out = TypeVar("Out")
+T = TypeVar("T")
 S = TypeVar("S")  # the stage's state of a request
 
 
@@ -105,13 +112,22 @@ def settle(
         seq = chunk.seq
         if seq.is_finished:
             continue
-        at = chunk.start + 1 - seq.num_prompt_tokens  # this token's index among the outputs
-        later = seq.output_token_ids[at + 1 :]  # the placeholder of the step launched after this one
-        seq.output_token_ids[at:] = [token]
+        # its placeholder, the last of its outputs: a step launched after this one is sampled after `settle`
+        seq.output_token_ids[chunk.start + 1 - seq.num_prompt_tokens] = token
         outputs += apply(seq, token, token_logprobs)
-        if not seq.is_finished:
-            seq.output_token_ids += later
     return outputs
+
+
+def launched_or_none(launch: Callable[[], T]) -> T | None:
+    """What `launch` (a part of launching a step ahead) returns, or None where it fails: the step then runs
+    again one step after the other."""
+    try:
+        return launch()
+    except Exception:
+        log.warning(
+            "a decode step failed to launch ahead; it runs again one step after the other", exc_info=True
+        )
+        return None
 
 
 def drop_placeholders(token_ids: list[int]) -> None:
@@ -122,12 +138,13 @@ def drop_placeholders(token_ids: list[int]) -> None:
 
 def decodes_ahead(params: SamplingParams, feeds_a_stage: bool) -> bool:
     """Whether a request may decode ahead: its sampling reads the count of its tokens, not their values (no
-    penalty, no grammar: its mask needs the token before), and no later stage reads its tokens as they come (a
-    spoken reply's feed the Talker, whose first packet would wait a step longer)."""
+    penalty; a grammar's mask reads the token before, but only once the forward pass is queued), and no later
+    stage reads its tokens as they come (a spoken reply's feed the Talker, whose first packet would wait a step
+    longer)."""
     penalised = (
         params.repetition_penalty != 1.0 or params.presence_penalty != 0.0 or params.frequency_penalty != 0.0
     )
-    return not penalised and params.structured is None and not feeds_a_stage
+    return not penalised and not feeds_a_stage
 
 
 def may_run_ahead(

@@ -176,7 +176,9 @@ def apply_grammars(logits: Tensor, rows: list[SamplingRow]) -> Tensor:
     states = [g for r in rows if (g := r.grammar) is not None]
     bitmask = fill_bitmask(states, constrained, len(rows), logits.shape[1])
     logits = logits.clone()
-    apply_bitmask(logits, to_device(bitmask, logits.device), constrained)
+    # pinned and not waited for: a step decoded ahead fills its masks while the device runs its forward pass,
+    # which the host must not wait for (decode_ahead.py)
+    apply_bitmask(logits, to_device(bitmask, logits.device))
     return logits
 
 

@@ -129,7 +129,7 @@ class GrammarState:
 
 def fill_bitmask(states: list[GrammarState], rows: list[int], num_rows: int, vocab_size: int) -> torch.Tensor:
     """A host int32 bitmask of `num_rows` rows over `vocab_size` tokens whose row `rows[i]` holds what
-    `states[i]` allows next (the other rows are left unset). Several rows fill on threads (a quarter of the
+    `states[i]` allows next (the other rows allow every token). Several rows fill on threads (a quarter of the
     time of one after another at batch 32: benchmarks/RESULTS.md, "Grammar libraries on the CPU")."""
     bitmask = allocate_bitmask(num_rows, vocab_size)
     if len(states) == 1:
@@ -144,10 +144,11 @@ def allocate_bitmask(rows: int, vocab_size: int) -> torch.Tensor:
     return xgr.allocate_token_bitmask(rows, vocab_size)
 
 
-def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int]) -> None:
-    """Set to -inf, in place, the logits of `rows` whose tokens `bitmask` (one row per entry of `rows`, on the
-    logits' device) forbids."""
-    xgr.apply_token_bitmask_inplace(logits, bitmask, indices=rows)
+def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor) -> None:
+    """Set to -inf, in place, the logits whose tokens `bitmask` (`fill_bitmask`'s, on the logits' device)
+    forbids. A row of no grammar allows every token: its logits are left as they are. No list of rows: xgrammar
+    would copy one up from pageable memory, which may make the host wait for the device."""
+    xgr.apply_token_bitmask_inplace(logits, bitmask)
 
 
 def _encoded_vocab(tokenizer: Tokenizer, vocab_size: int) -> list[str]:

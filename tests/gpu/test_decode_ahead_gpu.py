@@ -1,14 +1,19 @@
 """Decoding ahead on a GPU over the tiny checkpoint: the decode graphs replay on the ids of the step in flight,
-still on the device, and give the tokens of stepping one after the other, batched, seeded and stopped."""
+still on the device, and give the tokens of stepping one after the other, batched, seeded, stopped and
+constrained (each grammar mask copied up while the forward pass runs)."""
+
+import json
 
 import pytest
 import torch
 
 from omnistage import LLM, SamplingParams
+from omnistage.request import StructuredOutput
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
-PROMPTS = ["Hello", "The capital of France is", "1, 2, 3, 4,", "def fibonacci(n):"]
+PROMPTS = ["Hello", "The capital of France is", "1, 2, 3, 4,", "def fibonacci(n):", "JSON:"]
+SCHEMA = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 8}}, "required": ["name"]}
 
 
 def test_decoding_ahead_replays_the_tokens_of_lockstep(tiny_checkpoint):
@@ -24,6 +29,9 @@ def test_decoding_ahead_replays_the_tokens_of_lockstep(tiny_checkpoint):
         SamplingParams(max_tokens=24, temperature=0.0, stop_token_ids=[reference[9]]),
         SamplingParams(max_tokens=20, temperature=1.0, top_k=20, seed=7, ignore_eos=True),
         greedy,
+        SamplingParams(
+            max_tokens=100, temperature=0.0, structured=StructuredOutput(json_schema=json.dumps(SCHEMA))
+        ),
     ]
     launches = []
     launch = ahead.engine._launch
@@ -38,5 +46,5 @@ def test_decoding_ahead_replays_the_tokens_of_lockstep(tiny_checkpoint):
 
     expected = run(lockstep)
     assert run(ahead) == expected
-    assert expected[1][1] == "stop"
+    assert expected[1][1] == "stop" and expected[4][1] == "stop"
     assert sum(launches) >= 15  # launched on the ids of the step in flight

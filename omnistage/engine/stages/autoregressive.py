@@ -105,6 +105,8 @@ class AutoregressiveStage(Generic[S]):
         return stats
 
     def sampling_row(self, seq: Sequence[S]) -> SamplingRow:
+        """`seq`'s row of a step to sample. A sequence that ended on the ids applied after its step launched
+        (decode_ahead.py) has nothing more its grammar allows; its row is sampled free, and its token dropped."""
         state = seq.data
         return SamplingRow(
             params=state.params,
@@ -112,7 +114,7 @@ class AutoregressiveStage(Generic[S]):
             output_token_ids=seq.output_token_ids,
             generator=state.generator,
             eos_token_ids=state.eos_token_ids,
-            grammar=state.grammar,
+            grammar=None if seq.is_finished else state.grammar,
         )
 
     def isolated(

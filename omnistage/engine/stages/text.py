@@ -5,7 +5,7 @@ autoregressive.py, over a token runner: admission (admission.py), the model step
 `TextStage.step()` runs one scheduler step and returns what each touched request gained. Everything a
 request does stays inside that request: a failing step fails the requests in it, frees their pages and
 the engine goes on. With `decode_ahead` (decode_ahead.py), a decode step's tokens come out of the `step()`
-call after the one that launched it, which launches the next step first.
+call after the one that launched it, which queues the next step's forward pass first.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from omnistage.engine.decode_ahead import PLACEHOLDER, Launched, may_run_ahead, settle
+from omnistage.engine.decode_ahead import PLACEHOLDER, Launched, launched_or_none, may_run_ahead, settle
 from omnistage.engine.graphs.base import int_buckets
 from omnistage.engine.logprobs import step_logprobs
 from omnistage.engine.memory.plan import GiB, MemoryPlan, StageMemory, kv_bytes_per_page
@@ -303,34 +303,46 @@ class TextStage(AutoregressiveStage[RequestState]):
         return self._run(step.chunks)
 
     def _step_ahead(self) -> list[RequestOutput]:
-        """Launch a decode step on the ids of the one in flight, then apply those (decode_ahead.py)."""
+        """Launch a decode step on the ids of the one in flight, then apply those, then sample it
+        (decode_ahead.py): the host applies the ids in flight while the device runs the step's forward pass,
+        and the step's grammar masks are filled past them before it samples."""
         previous, self._launched = self._launched, None
         step = self.scheduler.schedule()
-        if previous is None and not (step.is_pure_decode and not step.preempted):
-            return self._run(step.chunks)
-        if step.is_pure_decode and not step.preempted:
-            saved = [(g, g.get_state()) for g in generators(step.chunks)]
-            try:
-                self._launched = self._launch(step.chunks, previous)
-            except Exception:
-                for generator, state in saved:  # the step runs again: its draws start where they stood
-                    generator.set_state(state)
-                if previous is None:  # run it again here, where a failure fails only the requests at fault
-                    return self._run(step.chunks)
-                log.warning(
-                    "a decode step failed to launch ahead; it runs again after the step in flight",
-                    exc_info=True,
-                )
-                self._launch_failed = True
-        return settle(previous, self._apply_token, self._fail) if previous is not None else []
+        launches = step.is_pure_decode and not step.preempted
+        if not launches:
+            return (
+                self._run(step.chunks)
+                if previous is None
+                else settle(previous, self._apply_token, self._fail)
+            )
+        saved = [(g, g.get_state()) for g in generators(step.chunks)]
+        logits = launched_or_none(lambda: self._launch(step.chunks, previous))
+        outputs = settle(previous, self._apply_token, self._fail) if previous is not None else []
+        if logits is not None:
+            self._launched = launched_or_none(lambda: self._sample_ahead(step.chunks, logits))
+        if self._launched is None:
+            for generator, state in saved:  # the step runs again: its draws start where they stood
+                generator.set_state(state)
+            if previous is None:  # run it again here, where a failure fails only the requests at fault
+                return self._run(step.chunks)
+            self._launch_failed = True  # the next step() runs it again, one step after the other
+        return outputs
 
     def _launch(
         self, chunks: list[ScheduledChunk[RequestState]], previous: Launched[RequestState] | None
-    ) -> Launched[RequestState]:
-        """Launch a decode step without waiting for its ids; its sequences get a placeholder token each."""
-        rows = [self.sampling_row(c.seq) for c in chunks]
+    ) -> torch.Tensor:
+        """Queue a decode step's forward pass on the ids of `previous` (still on the device) without waiting for
+        it: its logits, to sample once `previous` is applied (`_sample_ahead`)."""
         input_ids = previous.input_ids(chunks) if previous is not None else None
-        logits = self.runner.execute(SchedulerOutput(chunks), input_ids)
+        return self.runner.execute(SchedulerOutput(chunks), input_ids)
+
+    def _sample_ahead(
+        self, chunks: list[ScheduledChunk[RequestState]], logits: torch.Tensor
+    ) -> Launched[RequestState]:
+        """Sample a launched step's `logits` without waiting for the ids; its running sequences get a
+        placeholder token each. A sequence that ended on the ids applied since is sampled unconstrained, and its
+        token is dropped (`settle`)."""
+        rows = [self.sampling_row(c.seq) for c in chunks]
         sampled = self.sampler(logits, rows)
         launched = Launched.start(chunks, sampled, step_logprobs(logits, sampled, rows))
         self.scheduler.update(SchedulerOutput(chunks), {c.seq.request_id: PLACEHOLDER for c in chunks})

@@ -1,16 +1,19 @@
 """Decoding ahead (engine/decode_ahead.py) on the tiny checkpoint (CPU, float32): the same tokens, texts, stops
-and pages as stepping in lockstep; aborts and arrivals while a step is in flight; when a step may run ahead."""
+and pages as stepping in lockstep, constrained requests among them; aborts and arrivals while a step is in flight;
+when a step may run ahead."""
 
+import json
 from types import SimpleNamespace
 
 import pytest
 import torch
 
 from omnistage import LLM, SamplingParams
-from omnistage.engine.decode_ahead import PLACEHOLDER, Launched, may_run_ahead
+from omnistage.engine.decode_ahead import PLACEHOLDER, Launched, decodes_ahead, may_run_ahead
 from omnistage.engine.kv_cache import PagePool
 from omnistage.engine.scheduler import ScheduledChunk, Scheduler
 from omnistage.engine.sequence import Sequence
+from omnistage.request import StructuredOutput, ToolSchema
 
 PROMPTS = [
     "Hello",
@@ -127,6 +130,66 @@ def test_decoding_ahead_gives_what_lockstep_gives(lockstep, ahead, monkeypatch):
     assert_idle(lockstep)
 
 
+SCHEMA = StructuredOutput(
+    json_schema=json.dumps(
+        {
+            "type": "object",
+            "properties": {"name": {"type": "string", "maxLength": 6}, "ok": {"type": "boolean"}},
+            "required": ["name", "ok"],
+            "additionalProperties": False,
+        }
+    )
+)
+# several tokens of fixed text, then a choice: the grammar ends the sequence in a step decoded ahead
+CHOICE = StructuredOutput(grammar='root ::= "Answer: " ("yes" | "no" | "maybe not") "."')
+TOOL = StructuredOutput(
+    tools=(
+        ToolSchema("now", json.dumps({"type": "object", "properties": {}, "additionalProperties": False})),
+    ),
+    parallel_tool_calls=False,
+)
+
+
+def constrained(structured, **params):
+    return SamplingParams(
+        **({"max_tokens": 48, "temperature": 0.0, "skip_special_tokens": False} | params),
+        structured=structured,
+    )
+
+
+def test_constrained_requests_decode_ahead_to_the_tokens_of_lockstep(lockstep, ahead, monkeypatch):
+    """A JSON schema, a choice grammar, a required tool call, greedy and seeded, in one batch with free requests:
+    the same tokens, texts and finish reasons as stepping in lockstep, each grammar's end ending its request,
+    every page back; and the steps with constrained rows in them did launch ahead."""
+    requests = [
+        ("schema", PROMPTS[1], constrained(SCHEMA)),
+        ("free", PROMPTS[0], GREEDY),
+        ("choice", PROMPTS[3], constrained(CHOICE)),
+        ("tool", PROMPTS[2], constrained(TOOL)),
+        ("seeded", PROMPTS[1], constrained(SCHEMA, temperature=1.0, seed=11)),
+        ("free-seeded", PROMPTS[2], SamplingParams(max_tokens=30, temperature=1.0, seed=2, ignore_eos=True)),
+    ]
+    late = [("late-choice", PROMPTS[0], constrained(CHOICE))]
+    expected = {rid: summary(outs) for rid, outs in run(lockstep, requests, late).items()}
+    launched = []
+    launch = ahead.engine._launch
+    monkeypatch.setattr(
+        ahead.engine,
+        "_launch",
+        lambda chunks, prev: launched.append({c.seq.request_id for c in chunks}) or launch(chunks, prev),
+    )
+    got = {rid: summary(outs) for rid, outs in run(ahead, requests, late).items()}
+    assert got == expected
+    for rid in ("schema", "choice", "tool", "seeded", "late-choice"):
+        assert expected[rid][4] == "stop", (rid, expected[rid][2])  # the grammar ended it, not the length
+    assert expected["choice"][2] in ("Answer: yes.", "Answer: no.", "Answer: maybe not.")
+    assert json.loads(expected["schema"][2]).keys() == {"name", "ok"}
+    assert sum("schema" in ids and "free" in ids for ids in launched) >= 5
+    assert any("late-choice" in ids for ids in launched)
+    assert_idle(ahead)
+    assert_idle(lockstep)
+
+
 def test_an_abort_with_a_token_in_flight(lockstep, ahead):
     """Aborted while its step is in flight: its output has the tokens read back so far, no placeholder; no page
     is kept and nothing is left in flight; the next request is unaffected."""
@@ -198,6 +261,54 @@ def _launched(seqs):
 
 def eligible(seq):
     return seq.data.decodes_ahead
+
+
+def test_a_step_that_fails_to_sample_ahead_runs_again_in_lockstep(lockstep, ahead, monkeypatch):
+    """Sampling a step launched ahead raises once, after the ids in flight were applied: the step runs again one
+    step after the other, its seeded draws where they stood, and every request gets what lockstep gives."""
+    requests = [
+        ("choice", PROMPTS[3], constrained(CHOICE)),
+        ("seeded", PROMPTS[1], SamplingParams(max_tokens=10, temperature=1.0, seed=4, ignore_eos=True)),
+    ]
+    expected = {rid: summary(outs) for rid, outs in run(lockstep, requests).items()}
+    calls = {"n": 0}
+    sample = ahead.engine._sample_ahead
+
+    def failing(chunks, logits):
+        calls["n"] += 1
+        if calls["n"] == 3:
+            raise RuntimeError("sampler fault")
+        return sample(chunks, logits)
+
+    monkeypatch.setattr(ahead.engine, "_sample_ahead", failing)
+    assert {rid: summary(outs) for rid, outs in run(ahead, requests).items()} == expected
+    assert calls["n"] > 4
+    assert_idle(ahead)
+
+
+def test_which_requests_decode_ahead():
+    """A constrained request decodes ahead (its mask is filled once its step's forward pass is queued); a
+    penalised one and one whose tokens feed a later stage do not."""
+    assert decodes_ahead(SamplingParams(), feeds_a_stage=False)
+    assert decodes_ahead(SamplingParams(structured=SCHEMA), feeds_a_stage=False)
+    assert decodes_ahead(SamplingParams(structured=TOOL, seed=1), feeds_a_stage=False)
+    assert not decodes_ahead(SamplingParams(structured=SCHEMA, presence_penalty=0.5), feeds_a_stage=False)
+    assert not decodes_ahead(SamplingParams(structured=SCHEMA), feeds_a_stage=True)
+
+
+def test_a_constrained_request_is_in_flight_ahead(ahead):
+    """Once it decodes, a constrained request's step is launched before the last one's token is read back:
+    a step is in flight after each `step()`, its token a placeholder, its grammar a token behind it."""
+    engine = ahead.engine
+    engine.add_request("c", engine.processor.encode(PROMPTS[1]), constrained(SCHEMA))
+    seen = []
+    while len(seen) < 4:  # its schema compiles first, on the grammar thread
+        seen += [t for o in engine.step() for t in o.outputs[0].delta_token_ids]
+    seq = engine.scheduler.get("c")
+    assert engine._launched is not None and seq in engine._launched.rows
+    assert seq.output_token_ids == [*seen, PLACEHOLDER]
+    engine.abort("c")
+    assert_idle(ahead)
 
 
 def test_when_a_step_may_run_ahead():

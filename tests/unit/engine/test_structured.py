@@ -22,7 +22,7 @@ MAX_TOKENS = 1000  # far above what the bounded schemas below need: the grammar,
 
 @pytest.fixture(scope="module")
 def llm(tiny_checkpoint):
-    return LLM(model=str(tiny_checkpoint), device="cpu", dtype="float32", num_kv_pages=512)
+    return LLM(model=str(tiny_checkpoint), device="cpu", dtype="float32", num_kv_pages=512, decode_ahead=True)
 
 
 def random_schema(rng: random.Random, depth: int = 0) -> dict:
@@ -62,7 +62,13 @@ def replay_allowed(grammars: Grammars, structured: StructuredOutput, token_ids: 
     assert state.done
 
 
-def test_random_schemas_give_json_that_validates(llm):
+def test_random_schemas_give_json_that_validates(llm, monkeypatch):
+    """Decoding ahead, each step's masks filled after the token before is read back: still every token allowed."""
+    launched = []
+    launch = llm.engine._launch
+    monkeypatch.setattr(
+        llm.engine, "_launch", lambda chunks, prev: launched.append(len(chunks)) or launch(chunks, prev)
+    )
     rng = random.Random(0)
     schemas = [{"type": "object", "properties": {"root": random_schema(rng)}, "required": ["root"]}]
     schemas += [random_schema(rng) for _ in range(11)]
@@ -78,6 +84,7 @@ def test_random_schemas_give_json_that_validates(llm):
         assert completion.finish_reason == "stop", (schema, completion.text)
         jsonschema.validate(json.loads(completion.text), schema)
         replay_allowed(grammars, constraint, completion.token_ids)
+    assert len(launched) >= 20 and max(launched) >= 4  # the constrained batch decoded ahead
 
 
 def test_constrained_and_free_rows_in_one_batch(llm):
