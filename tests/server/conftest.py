@@ -62,15 +62,16 @@ class LiveServer(ServerProcess):
 
 @pytest.fixture(scope="session")
 def launch_server(tmp_path_factory, tiny_checkpoint):
-    """A context manager starting `omnistage serve --model <tiny> --device cpu ARGS` and waiting for /health."""
+    """A context manager starting `omnistage serve --model <tiny> --device cpu ARGS` and waiting for /health
+    (with `ready=False` it yields the server as soon as its process runs: its caller waits later)."""
 
     @contextmanager
-    def launch(name: str, *args: str) -> Iterator[LiveServer]:
+    def launch(name: str, *args: str, ready: bool = True) -> Iterator[LiveServer]:
         log = tmp_path_factory.mktemp(name) / "server.log"
         common = ["--model", str(tiny_checkpoint), "--device", "cpu", "--log-level", "warning"]
         server = LiveServer([*common, *args], log)
         try:
-            yield server.wait_ready()
+            yield server.wait_ready() if ready else server
         finally:
             server.stop()
 
@@ -81,16 +82,31 @@ def launch_server(tmp_path_factory, tiny_checkpoint):
 SHARED_MODEL = "tiny"
 
 
+@pytest.fixture(scope="session", autouse=True)
+def start_shared_servers(request) -> None:
+    """Start the shared servers the session's tests use as the session begins: each start takes seconds of a
+    CPU, spent while the tests before their first user run on the other core."""
+    used = {name for item in request.session.items for name in item.fixturenames}
+    for name in ("shared_server", "shared_media_server"):
+        if name in used:
+            request.getfixturevalue(f"{name}_process")
+
+
 @pytest.fixture(scope="session")
-def shared_server(launch_server) -> Iterator[LiveServer]:
+def shared_server_process(launch_server) -> Iterator[LiveServer]:
     """One server for the modules that need no flag of their own (each start costs seconds on 2 cores): 64 pages,
     a context of 1,024 tokens, 3 stored responses. Its prefix cache and counters hold what earlier modules
     left: a test reads counters as differences and compares two outputs only where both are computed alike."""
     with launch_server(
         "shared-server", "--served-model-name", SHARED_MODEL, "--num-kv-pages", "64",
-        "--max-model-len", "1024", "--max-stored-responses", "3",
+        "--max-model-len", "1024", "--max-stored-responses", "3", ready=False,
     ) as server:  # fmt: skip
         yield server
+
+
+@pytest.fixture(scope="session")
+def shared_server(shared_server_process) -> LiveServer:
+    return shared_server_process.wait_ready()
 
 
 @pytest.fixture(scope="session")
@@ -105,13 +121,18 @@ def shared_media_dir(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="session")
-def shared_media_server(launch_server, shared_media_dir) -> Iterator[LiveServer]:
+def shared_media_server_process(launch_server, shared_media_dir) -> Iterator[LiveServer]:
     """One `--media-dir` server (256 pages: a video's prompt is long) for the media and video modules."""
     with launch_server(
         "shared-media-server", "--served-model-name", SHARED_MODEL, "--num-kv-pages", "256",
-        "--media-dir", str(shared_media_dir),
+        "--media-dir", str(shared_media_dir), ready=False,
     ) as server:  # fmt: skip
         yield server
+
+
+@pytest.fixture(scope="session")
+def shared_media_server(shared_media_server_process) -> LiveServer:
+    return shared_media_server_process.wait_ready()
 
 
 @pytest.fixture(scope="session")
