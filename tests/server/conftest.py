@@ -95,8 +95,8 @@ def start_shared_servers(request) -> None:
 @pytest.fixture(scope="session")
 def shared_server_process(launch_server) -> Iterator[LiveServer]:
     """One server for the modules that need no flag of their own (each start costs seconds on 2 cores): 64 pages,
-    a context of 1,024 tokens, 3 stored responses. Its prefix cache and counters hold what earlier modules
-    left: a test reads counters as differences and compares two outputs only where both are computed alike."""
+    a context of 1,024 tokens, 3 stored responses. Its prefix cache, counters and stored responses hold what
+    earlier modules left: a test that uses it may not expect them fresh (read counters as differences)."""
     with launch_server(
         "shared-server", "--served-model-name", SHARED_MODEL, "--num-kv-pages", "64",
         "--max-model-len", "1024", "--max-stored-responses", "3", ready=False,
