@@ -1,3 +1,7 @@
+import os
+import shutil
+from pathlib import Path
+
 import pytest
 import torch
 from tools_template import with_tools_template
@@ -21,10 +25,29 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
+# A directory the pytest processes of one `make test` share (the Makefile makes it and removes it after): each
+# tiny checkpoint is written once per run, not once per process. Without it, once per session as before.
+CHECKPOINTS = "OMNISTAGE_TEST_CHECKPOINTS"
+
+
+def tiny(tmp_path_factory, name: str, variant: str = "instruct") -> Path:
+    """The tiny checkpoint of `variant` (seed 0): made in the run's shared directory, or in this session's."""
+    shared = os.environ.get(CHECKPOINTS)
+    if not shared:
+        return make_tiny(tmp_path_factory.mktemp(name), variant=variant)
+    target = Path(shared) / name
+    if not (target / "model.safetensors").exists():
+        # made beside its place and renamed, so a process that stops midway leaves no half checkpoint
+        made = make_tiny(tmp_path_factory.mktemp(f"{name}-making"), variant=variant)
+        shutil.rmtree(target, ignore_errors=True)
+        shutil.move(made, target)
+    return target
+
+
 @pytest.fixture(scope="session")
 def tiny_checkpoint(tmp_path_factory):
     """One tiny random Qwen3-Omni checkpoint (seed 0) shared by the whole test session; treat it as read-only."""
-    return make_tiny(tmp_path_factory.mktemp("tiny-qwen3-omni"))
+    return tiny(tmp_path_factory, "tiny-qwen3-omni")
 
 
 @pytest.fixture(scope="session")
@@ -36,10 +59,10 @@ def tiny_tools_checkpoint(tmp_path_factory, tiny_checkpoint):
 @pytest.fixture(scope="session")
 def tiny_thinking_checkpoint(tmp_path_factory):
     """A tiny Qwen3-Omni-Thinking checkpoint (seed 0): the Thinker alone; treat it as read-only."""
-    return make_tiny(tmp_path_factory.mktemp("tiny-qwen3-omni-thinking"), variant="thinking")
+    return tiny(tmp_path_factory, "tiny-qwen3-omni-thinking", variant="thinking")
 
 
 @pytest.fixture(scope="session")
 def tiny_captioner_checkpoint(tmp_path_factory):
     """A tiny Qwen3-Omni-Captioner checkpoint (seed 0): the Thinker alone; treat it as read-only."""
-    return make_tiny(tmp_path_factory.mktemp("tiny-qwen3-omni-captioner"), variant="captioner")
+    return tiny(tmp_path_factory, "tiny-qwen3-omni-captioner", variant="captioner")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import re
+import shutil
 import time
 from collections.abc import AsyncIterator, Iterator, Mapping
 from contextlib import contextmanager
@@ -17,6 +18,7 @@ import pytest
 
 from omnistage.bench.constrained import thinking_checkpoint
 from omnistage.bench.server_process import ServerProcess
+from omnistage.bench.videos import encode, frames
 from omnistage.config import engine_config
 from omnistage.errors import InvalidMedia, QueueFull
 from omnistage.models.qwen3_omni.transcription import (
@@ -28,6 +30,8 @@ from omnistage.outputs import CompletionOutput, RequestOutput
 from omnistage.pipeline.async_pipeline import AsyncPipeline, Preparing
 from omnistage.pipeline.base import Frontend
 from omnistage.request import GenerationRequest
+
+SPEECH = Path(__file__).parents[1] / "data" / "speech_en.wav"
 
 
 class LiveServer(ServerProcess):
@@ -58,19 +62,77 @@ class LiveServer(ServerProcess):
 
 @pytest.fixture(scope="session")
 def launch_server(tmp_path_factory, tiny_checkpoint):
-    """A context manager starting `omnistage serve --model <tiny> --device cpu ARGS` and waiting for /health."""
+    """A context manager starting `omnistage serve --model <tiny> --device cpu ARGS` and waiting for /health
+    (with `ready=False` it yields the server as soon as its process runs: its caller waits later)."""
 
     @contextmanager
-    def launch(name: str, *args: str) -> Iterator[LiveServer]:
+    def launch(name: str, *args: str, ready: bool = True) -> Iterator[LiveServer]:
         log = tmp_path_factory.mktemp(name) / "server.log"
         common = ["--model", str(tiny_checkpoint), "--device", "cpu", "--log-level", "warning"]
         server = LiveServer([*common, *args], log)
         try:
-            yield server.wait_ready()
+            yield server.wait_ready() if ready else server
         finally:
             server.stop()
 
     return launch
+
+
+# The name the shared servers serve the tiny checkpoint under.
+SHARED_MODEL = "tiny"
+
+
+@pytest.fixture(scope="session", autouse=True)
+def start_shared_servers(request) -> None:
+    """Start the shared servers the session's tests use as the session begins: each start takes seconds of a
+    CPU, spent while the tests before their first user run on the other core."""
+    used = {name for item in request.session.items for name in item.fixturenames}
+    for name in ("shared_server", "shared_media_server"):
+        if name in used:
+            request.getfixturevalue(f"{name}_process")
+
+
+@pytest.fixture(scope="session")
+def shared_server_process(launch_server) -> Iterator[LiveServer]:
+    """One server for the modules that need no flag of their own (each start costs seconds on 2 cores): 64 pages,
+    a context of 1,024 tokens, 3 stored responses. Its prefix cache, counters and stored responses hold what
+    earlier modules left: a test that uses it may not expect them fresh (read counters as differences)."""
+    with launch_server(
+        "shared-server", "--served-model-name", SHARED_MODEL, "--num-kv-pages", "64",
+        "--max-model-len", "1024", "--max-stored-responses", "3", ready=False,
+    ) as server:  # fmt: skip
+        yield server
+
+
+@pytest.fixture(scope="session")
+def shared_server(shared_server_process) -> LiveServer:
+    return shared_server_process.wait_ready()
+
+
+@pytest.fixture(scope="session")
+def shared_media_dir(tmp_path_factory) -> Path:
+    """The media directory of `shared_media_server`: the recorded utterance and three short videos."""
+    root = tmp_path_factory.mktemp("shared-media")
+    shutil.copy(SPEECH, root / "speech.wav")
+    (root / "clip.mp4").write_bytes(encode(frames(20, 64, 48), fps=10, kind="mp4"))  # 2 s with a tone
+    (root / "long.mkv").write_bytes(encode(frames(40, 64, 48), fps=10, kind="mkv", tone_hz=None))  # 4 s
+    (root / "silent.webm").write_bytes(encode(frames(20, 64, 48), fps=10, kind="webm", tone_hz=None))
+    return root
+
+
+@pytest.fixture(scope="session")
+def shared_media_server_process(launch_server, shared_media_dir) -> Iterator[LiveServer]:
+    """One `--media-dir` server (256 pages: a video's prompt is long) for the media and video modules."""
+    with launch_server(
+        "shared-media-server", "--served-model-name", SHARED_MODEL, "--num-kv-pages", "256",
+        "--media-dir", str(shared_media_dir), ready=False,
+    ) as server:  # fmt: skip
+        yield server
+
+
+@pytest.fixture(scope="session")
+def shared_media_server(shared_media_server_process) -> LiveServer:
+    return shared_media_server_process.wait_ready()
 
 
 @pytest.fixture(scope="session")

@@ -12,6 +12,7 @@ import pytest
 
 from omnistage.models.qwen3_omni.processor import Processor
 from omnistage.server.logprobs import TokenTexts
+from tests.server.conftest import SHARED_MODEL
 
 SPEECH = Path(__file__).parents[1] / "data" / "speech_en.wav"
 MESSAGES = [{"role": "user", "content": "Name three rivers in Europe."}]
@@ -19,9 +20,13 @@ FORCED = {"ignore_eos": True}  # every reply as long as asked: the tiny model en
 
 
 @pytest.fixture(scope="module")
-def server(launch_server):
-    with launch_server("logprobs-server", "--num-kv-pages", "64", "--max-model-len", "1024") as server:
-        yield server
+def server(shared_server):
+    return shared_server
+
+
+@pytest.fixture(scope="module")
+def model() -> str:
+    return SHARED_MODEL
 
 
 @pytest.fixture(scope="module")

@@ -28,7 +28,9 @@ import pytest
 import soundfile as sf
 from PIL import Image
 
-MODEL = "tiny"
+from tests.server.conftest import SHARED_MODEL
+
+MODEL = SHARED_MODEL  # the open server is the shared one
 API_KEY = "sk-corpus"
 MAX_BODY_BYTES = 1_000_000
 MAX_MODEL_LEN = 2048
@@ -748,12 +750,9 @@ def test_healthy_after_auth(server, client):
 
 
 @pytest.fixture(scope="module")
-def open_server(launch_server):
+def open_server(shared_server):
     """Neither --api-key nor --media-dir: the defaults."""
-    with launch_server(
-        "corpus-open-server", "--served-model-name", MODEL, "--num-kv-pages", "64", "--max-model-len", "1024"
-    ) as server:
-        yield server
+    return shared_server
 
 
 @pytest.mark.parametrize("case", DEFAULTS, ids=ids(DEFAULTS))

@@ -37,23 +37,20 @@ def server(launch_server):
         yield server
 
 
-@pytest.fixture(scope="module")
-def queue_server(launch_server):
-    """One sequence runs at a time and one may wait: a third concurrent request is refused."""
+@pytest.fixture(scope="module", autouse=True)
+def queue_server_process(launch_server):
+    """One sequence runs at a time and one may wait: a third concurrent request is refused. Started with the
+    module (its start overlaps the other server's and the tests before its one user), waited for by its user."""
     with launch_server(
-        "queue-server",
-        "--num-kv-pages",
-        "64",
-        "--max-model-len",
-        "1024",
-        "--max-num-seqs",
-        "1",
-        "--max-queue",
-        "1",
-        "--served-model-name",
-        "queued",
-    ) as server:
+        "queue-server", "--num-kv-pages", "64", "--max-model-len", "1024", "--max-num-seqs", "1",
+        "--max-queue", "1", "--served-model-name", "queued", ready=False,
+    ) as server:  # fmt: skip
         yield server
+
+
+@pytest.fixture(scope="module")
+def queue_server(queue_server_process):
+    return queue_server_process.wait_ready()
 
 
 @pytest.fixture(scope="module")

@@ -4,28 +4,26 @@ from __future__ import annotations
 
 import base64
 import io
-import shutil
 from pathlib import Path
 
 import openai
 import pytest
 from PIL import Image
 
+from tests.server.conftest import SHARED_MODEL
+
 SPEECH = Path(__file__).parents[1] / "data" / "speech_en.wav"
 FORCED = {"min_tokens": 6, "ignore_eos": True}
 
 
 @pytest.fixture(scope="module")
-def media_dir(tmp_path_factory) -> Path:
-    root = tmp_path_factory.mktemp("media")
-    shutil.copy(SPEECH, root / "speech.wav")
-    return root
+def server(shared_media_server):
+    return shared_media_server  # its media directory holds speech.wav
 
 
 @pytest.fixture(scope="module")
-def server(launch_server, media_dir):
-    with launch_server("media-server", "--num-kv-pages", "64", "--media-dir", str(media_dir)) as server:
-        yield server
+def model() -> str:
+    return SHARED_MODEL
 
 
 def png_data_url() -> str:

@@ -19,15 +19,20 @@ from openai_types import strictly
 from PIL import Image
 
 from omnistage.models.qwen3_omni.processor import Processor
+from tests.server.conftest import SHARED_MODEL
 
 SPEECH = Path(__file__).parents[1] / "data" / "speech_en.wav"
 FORCED = {"ignore_eos": True}  # vLLM's extra: random weights say exactly max_output_tokens
 
 
 @pytest.fixture(scope="module")
-def server(launch_server):
-    with launch_server("responses-server", "--num-kv-pages", "64", "--max-stored-responses", "3") as server:
-        yield server
+def server(shared_server):  # it keeps 3 stored responses
+    return shared_server
+
+
+@pytest.fixture(scope="module")
+def model() -> str:
+    return SHARED_MODEL
 
 
 @pytest.fixture(scope="module")

@@ -12,15 +12,21 @@ import openai
 import pytest
 from langchain_openai import OpenAI
 
+from tests.server.conftest import SHARED_MODEL
+
 MESSAGES = [{"role": "user", "content": "Name three rivers in Europe."}]
 FORCED = {"ignore_eos": True}  # every reply as long as asked: the tiny model ends early at random
 PROMPTS = ["The capital of France is", "One, two, three,"]
 
 
 @pytest.fixture(scope="module")
-def server(launch_server):
-    with launch_server("samples-server", "--num-kv-pages", "64", "--max-model-len", "1024") as server:
-        yield server
+def server(shared_server):
+    return shared_server
+
+
+@pytest.fixture(scope="module")
+def model() -> str:
+    return SHARED_MODEL
 
 
 def sampled_chat(client, model, **fields):

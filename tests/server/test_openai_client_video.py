@@ -4,12 +4,11 @@ from __future__ import annotations
 
 import base64
 import re
-from pathlib import Path
 
 import openai
 import pytest
 
-from omnistage.bench.videos import encode, frames
+from tests.server.conftest import SHARED_MODEL
 
 FORCED = {"min_tokens": 4, "ignore_eos": True}
 
@@ -19,23 +18,18 @@ def data_url(data: bytes) -> str:
 
 
 @pytest.fixture(scope="module")
-def clip() -> bytes:
-    return encode(frames(20, 64, 48), fps=10, kind="mp4")  # 2 s with a tone
+def clip(shared_media_dir) -> bytes:
+    return (shared_media_dir / "clip.mp4").read_bytes()  # 2 s with a tone
 
 
 @pytest.fixture(scope="module")
-def media_dir(tmp_path_factory, clip) -> Path:
-    root = tmp_path_factory.mktemp("videos")
-    (root / "clip.mp4").write_bytes(clip)
-    (root / "long.mkv").write_bytes(encode(frames(40, 64, 48), fps=10, kind="mkv", tone_hz=None))  # 4 s
-    (root / "silent.webm").write_bytes(encode(frames(20, 64, 48), fps=10, kind="webm", tone_hz=None))
-    return root
+def server(shared_media_server):
+    return shared_media_server  # its media directory holds clip.mp4, long.mkv (4 s) and silent.webm
 
 
 @pytest.fixture(scope="module")
-def server(launch_server, media_dir):
-    with launch_server("video-server", "--num-kv-pages", "256", "--media-dir", str(media_dir)) as server:
-        yield server
+def model() -> str:
+    return SHARED_MODEL
 
 
 def ask(client, model, url: str, extra: dict | None = None, **kwargs):

@@ -29,6 +29,7 @@ from omnistage.pipeline.base import Frontend
 from omnistage.request import GenerationRequest, SamplingParams, SpeechParams
 from omnistage.server import build_app
 from omnistage.server.speech import AudioCut
+from tests.server.conftest import SHARED_MODEL
 
 MODEL = "fake-model"
 VOICES = ("aiden", "chelsie", "ethan")
@@ -588,9 +589,8 @@ FRAMES = 6  # at most; random weights never say EOS, so every request is capped 
 
 
 @pytest.fixture(scope="module")
-def live(launch_server):
-    with launch_server("speech-server", "--num-kv-pages", "64") as server:
-        yield server
+def live(shared_server):
+    return shared_server
 
 
 @pytest.fixture(scope="module")
@@ -599,8 +599,8 @@ def live_client(live) -> openai.OpenAI:
 
 
 @pytest.fixture(scope="module")
-def live_model(tiny_checkpoint) -> str:
-    return tiny_checkpoint.name
+def live_model() -> str:
+    return SHARED_MODEL
 
 
 def live_chat(

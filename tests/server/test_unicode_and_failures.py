@@ -17,9 +17,8 @@ OK_CHAT = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
 
 
 @pytest.fixture(scope="module")
-def server(launch_server):
-    with launch_server("unicode-server", "--num-kv-pages", "64", "--served-model-name", "tiny") as server:
-        yield server
+def server(shared_server):
+    return shared_server  # serving the checkpoint as "tiny"
 
 
 def raw_json(fields: dict, **replace: str) -> bytes:
