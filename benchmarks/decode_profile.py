@@ -31,7 +31,7 @@ import torch
 from omnistage.bench.clips import synth_clips
 from omnistage.bench.skeletons import SKELETONS, released_skeleton
 from omnistage.config import engine_config
-from omnistage.engine.stages.text import NewRequest
+from omnistage.engine.stages.text_setup import NewRequest
 from omnistage.pipeline.family import build_pipeline
 from omnistage.request import SamplingParams
 

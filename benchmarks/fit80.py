@@ -53,7 +53,7 @@ from omnistage.bench.speech_targets import talker_params, text_fields
 from omnistage.bench.stats import json_safe
 from omnistage.bench.video_targets import write_videos
 from omnistage.config import EngineConfig, load_config
-from omnistage.engine.stages.text import NewRequest
+from omnistage.engine.stages.text_setup import NewRequest
 from omnistage.media import MediaPolicy, VideoOptions, decode_messages
 from omnistage.outputs import AUDIO_SAMPLE_RATE, RequestOutput
 from omnistage.pipeline.async_pipeline import AsyncPipeline

@@ -34,7 +34,8 @@ from pathlib import Path
 import torch
 
 from omnistage import LLM, SamplingParams
-from omnistage.engine.stages.text import NewRequest, TextStage
+from omnistage.engine.stages.text import TextStage
+from omnistage.engine.stages.text_setup import NewRequest
 from omnistage.pipeline.async_pipeline import AsyncPipeline
 
 CHAIN_ROWS = 64  # rows of the logits table: the next token depends on the current one modulo this

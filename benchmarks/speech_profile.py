@@ -37,7 +37,7 @@ import torch
 
 from omnistage.bench.skeletons import released_skeleton
 from omnistage.config import engine_config
-from omnistage.engine.stages.text import NewRequest
+from omnistage.engine.stages.text_setup import NewRequest
 from omnistage.pipeline.family import build_pipeline
 from omnistage.request import SamplingParams, SpeechParams, talker_sampling_defaults
 

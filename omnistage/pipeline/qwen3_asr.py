@@ -14,8 +14,8 @@ from omnistage.engine.attention import backend_for
 from omnistage.engine.devices import resolve_device, resolve_dtype
 from omnistage.engine.memory.gauges import Gauge, plan_gauges
 from omnistage.engine.stages.encoders import EncoderStage
-from omnistage.engine.stages.text import NewRequest, TextStage
-from omnistage.engine.stages.text_setup import StageModels
+from omnistage.engine.stages.text import TextStage
+from omnistage.engine.stages.text_setup import NewRequest, StageModels
 from omnistage.errors import InvalidRequest
 from omnistage.models.loader import LoadOptions
 from omnistage.models.qwen3_asr.audio_encoder import load_audio_encoder

@@ -16,7 +16,8 @@ from omnistage.config import STAGES, EngineConfig
 from omnistage.engine.devices import resolve_device, resolve_dtype
 from omnistage.engine.memory.gauges import plan_gauges
 from omnistage.engine.memory.plan import MemoryPlan
-from omnistage.engine.stages.text import NewRequest, TextStage
+from omnistage.engine.stages.text import TextStage
+from omnistage.engine.stages.text_setup import NewRequest
 from omnistage.models.qwen3_omni.config import Qwen3OmniConfig
 from omnistage.models.qwen3_omni.processor import Processor
 from omnistage.models.qwen3_omni.talker_input import TtsEmbeds, text_rows, tts_embeds

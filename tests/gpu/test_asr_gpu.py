@@ -8,7 +8,7 @@ import pytest
 
 from omnistage import LLM, SamplingParams
 from omnistage.bench.skeletons import released_skeleton
-from omnistage.engine.stages.text import NewRequest
+from omnistage.engine.stages.text_setup import NewRequest
 from omnistage.models.qwen3_asr.tiny import make_tiny
 
 pytestmark = pytest.mark.gpu

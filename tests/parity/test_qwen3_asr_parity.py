@@ -246,7 +246,7 @@ def test_the_served_pipeline_transcribes_as_generate(checkpoints, processor, lan
     """Through the engine (`LLM`, paged KV, the encoder stage, batched prefill of all clips at once) the greedy
     replies equal transformers' generate, and the processor reads them as transformers' parser does."""
     from omnistage import LLM, SamplingParams
-    from omnistage.engine.stages.text import NewRequest
+    from omnistage.engine.stages.text_setup import NewRequest
 
     directory, hf = checkpoints["make-tiny released"]
     llm = LLM(str(directory), device="cpu", dtype="float32", page_size=PAGE)

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -32,11 +32,11 @@ from omnistage.engine.stages.encoders import MultimodalEmbeds
 from omnistage.engine.stages.prefix import request_keys
 from omnistage.engine.stages.preparation import prepare_decoder
 from omnistage.engine.stages.text_memory import text_stage_memory
-from omnistage.engine.stages.text_setup import StageModels, TextSettings
-from omnistage.engine.stages.token_runner import HiddenTap, TokenRunner
+from omnistage.engine.stages.text_setup import NewRequest, StageModels, TextSettings
+from omnistage.engine.stages.token_runner import TokenRunner
 from omnistage.models.layers.rotary import PromptPositions
 from omnistage.outputs import RequestOutput, TokenLogprobs
-from omnistage.request import GenerationRequest, SamplingParams, ValidRequest
+from omnistage.request import SamplingParams
 
 if TYPE_CHECKING:
     from omnistage.engine.structured import GrammarState
@@ -48,23 +48,6 @@ _CPU_KV_GIB = 0.25
 
 # A step's sampled ids, one per chunk that samples and in their order, and their logprobs (None: not asked).
 Sampled = tuple[list[int], list[TokenLogprobs | None]]
-
-
-@dataclass(frozen=True)
-class NewRequest(GenerationRequest):
-    """A request as the stage takes it: the caller's (speech is the pipeline's business), and what the pipeline
-    adds for a later stage."""
-
-    tap: HiddenTap | None = None  # hidden states of prompt rows that a later stage reads
-    # the effective max_tokens its pipeline's `validate` worked out (`of`): the stage checks nothing again;
-    # None: a request handed to the stage directly, which the stage validates itself
-    max_tokens: int | None = None
-
-    @classmethod
-    def of(cls, valid: ValidRequest, tap: HiddenTap | None = None) -> NewRequest:
-        r = valid.request  # a GenerationRequest's fields, whichever subclass carried it
-        given = {f.name: vars(r)[f.name] for f in fields(GenerationRequest)}
-        return cls(**given, tap=tap, max_tokens=valid.max_tokens)
 
 
 @dataclass

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from omnistage.config import engine_config
-from omnistage.engine.stages.text import NewRequest
+from omnistage.engine.stages.text_setup import NewRequest
 from omnistage.errors import ConfigError, InvalidRequest
 from omnistage.outputs import CompletionOutput, RequestOutput, TokenLogprobs
 from omnistage.pipeline.async_pipeline import AsyncPipeline

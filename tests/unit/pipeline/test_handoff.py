@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from omnistage import LLM, SamplingParams
-from omnistage.engine.stages.text import NewRequest
+from omnistage.engine.stages.text_setup import NewRequest
 from omnistage.request import SpeechParams, talker_sampling_defaults
 
 

@@ -11,7 +11,7 @@ import torch
 
 from omnistage import LLM, SamplingParams
 from omnistage.config import engine_config
-from omnistage.engine.stages.text import NewRequest
+from omnistage.engine.stages.text_setup import NewRequest
 from omnistage.errors import InvalidRequest
 from omnistage.pipeline.async_pipeline import AsyncPipeline
 from omnistage.pipeline.qwen3_omni_speech import default_frame_cap, max_speaking

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import time
 
-from omnistage.engine.stages.text import NewRequest
+from omnistage.engine.stages.text_setup import NewRequest
 from omnistage.outputs import CompletionOutput, RequestOutput
 from omnistage.pipeline.step_loop import Abort, Add, StepLoop
 from omnistage.request import SamplingParams

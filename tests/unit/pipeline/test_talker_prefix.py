@@ -13,7 +13,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from omnistage import LLM, SamplingParams
 from omnistage.engine.memory.plan import GiB
-from omnistage.engine.stages.text import NewRequest
+from omnistage.engine.stages.text_setup import NewRequest
 from omnistage.models.layers.rotary import PromptPositions
 from omnistage.models.qwen3_omni.config import Qwen3OmniConfig
 from omnistage.models.qwen3_omni.talker_input import SpeechTokens, user_turn_mask

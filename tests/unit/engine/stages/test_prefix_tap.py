@@ -8,7 +8,7 @@ import torch
 from prometheus_client.parser import text_string_to_metric_families
 
 from omnistage import LLM, SamplingParams
-from omnistage.engine.stages.text import NewRequest
+from omnistage.engine.stages.text_setup import NewRequest
 from omnistage.request import SpeechParams, talker_sampling_defaults
 from omnistage.server.metrics import ServerMetrics
 

@@ -342,7 +342,7 @@ def _audio_prompts(processor, seconds):
 
 
 def test_add_requests_fails_only_the_request_at_fault(llm):
-    from omnistage.engine.stages.text import NewRequest
+    from omnistage.engine.stages.text_setup import NewRequest
 
     engine = llm.engine
     prompts = _audio_prompts(engine.processor, [1.2, 3.1, 0.5])
@@ -616,7 +616,7 @@ def test_a_client_leaving_during_a_long_prefill_stops_it_within_a_step(tiny_chec
 def test_a_prompt_whose_hidden_states_are_tapped_replays_a_prefill_graph(tiny_checkpoint):
     """A spoken reply's prompt with media (its rows tapped for the Talker) replays a prefill graph that records
     the tap layer too, and taps what the eager step taps."""
-    from omnistage.engine.stages.text import NewRequest
+    from omnistage.engine.stages.text_setup import NewRequest
     from omnistage.engine.stages.token_runner import HiddenTap
 
     results = []
