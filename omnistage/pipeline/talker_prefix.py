@@ -39,8 +39,11 @@ def talker_keys(
     media = np.flatnonzero(np.isin(ids[user_rows], tokens.placeholders))  # their rows in the Talker's prompt
     kinds: tuple[MediaRows, ...] = ()
     if len(media):
-        at = torch.from_numpy(user_rows[media]).to(accept_hidden.device)
-        values = accept_hidden.index_select(0, at).to("cpu").contiguous().view(torch.uint8).numpy()
+        # picked on the host: a gather on the device would allocate outside the memory plan
+        host = accept_hidden.to("cpu")
+        values = (
+            host.index_select(0, torch.from_numpy(user_rows[media])).contiguous().view(torch.uint8).numpy()
+        )
         kinds = (MediaRows(media, values),)
     num_user = len(user_rows)
     return PageKeys.of_prompt(
