@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import torch
+import xxhash
 
 
 @dataclass
@@ -24,3 +25,14 @@ class MultimodalInputs:
     num_video_tokens: list[int] = field(default_factory=list)  # video_pad placeholders per video
     video_seconds_per_grid: list[float] = field(default_factory=list)  # how long a temporal patch lasts
     use_audio_in_video: bool = False  # every video's sound track is interleaved with its frames
+    audio_keys: list[bytes] = field(default_factory=list)  # clip_digest of each clip, the encoder cache's key
+
+
+def clip_digest(samples: torch.Tensor) -> bytes:
+    """A clip's key in the encoder cache: a 128-bit XXH3 digest of the samples a processor featurises (their
+    dtype and count in it). Taken on the host where the clip is featurised, so that the engine never reads
+    features back from the device to know a clip: each such read waits for every step queued before it."""
+    host = samples.detach().to("cpu").contiguous()
+    digest = xxhash.xxh3_128(f"{host.dtype}{tuple(host.shape)}".encode())
+    digest.update(host.view(torch.uint8).numpy().data)
+    return digest.digest()

@@ -5,26 +5,17 @@ in their last bits with the clips it is batched beside, and the prefix cache key
 (prefix_keys.py): rows encoded again would miss every page from the first clip on. Kept rows make the same clip
 give the very same rows in every later request, and spare the tower the work.
 
-A clip is known by a digest of its input features (their bytes, shape and dtype). The rows live in CPU memory,
-outside the GPU's memory plan, least recently used first out once they pass the byte budget. Only the engine
-thread encodes (admission), so the cache takes no lock.
+A clip is known by its processor's digest of its samples (`clip_digest`), taken on the host. The rows live in
+CPU memory (pinned beside a GPU, so that copying them back waits for nothing queued), outside the GPU's memory
+plan, least recently used first out once they pass the byte budget. Only the engine thread encodes
+(admission), so the cache takes no lock.
 """
 
 from __future__ import annotations
 
-import hashlib
 from collections import OrderedDict
 
 import torch
-
-
-def clip_key(features: torch.Tensor) -> bytes:
-    """A digest of a clip's input features: equal features, equal key (read back from the device if there)."""
-    host = features.detach().to("cpu").contiguous()
-    digest = hashlib.blake2b(digest_size=16)
-    digest.update(f"{host.dtype}{tuple(host.shape)}".encode())
-    digest.update(host.view(torch.uint8).numpy().tobytes())
-    return digest.digest()
 
 
 class EncoderCache:
@@ -56,7 +47,8 @@ class EncoderCache:
         size = rows.numel() * rows.element_size()
         if size > self.max_bytes or key in self._rows:
             return
-        self._rows[key] = rows.detach().to("cpu", copy=True)
+        host = torch.empty(rows.shape, dtype=rows.dtype, pin_memory=rows.is_cuda)
+        self._rows[key] = host.copy_(rows.detach())
         self.bytes += size
         while self.bytes > self.max_bytes:
             _, evicted = self._rows.popitem(last=False)

@@ -41,7 +41,7 @@ from omnistage.engine.graphs.encoders import (
 )
 from omnistage.engine.memory.floor import Floor
 from omnistage.engine.memory.measure import Peak, device_peak
-from omnistage.engine.stages.encoder_cache import EncoderCache, clip_key
+from omnistage.engine.stages.encoder_cache import EncoderCache
 from omnistage.engine.stages.vision_rows import (
     VisionRows,
     groups,
@@ -69,6 +69,9 @@ class MultimodalEmbeds:
     # the rows on the host: a prompt chunk finds its share of them without waiting for the device
     audio_rows_host: np.ndarray
     image_rows_host: np.ndarray
+    # audio_embeds as the encoder cache keeps them on the host, when it keeps every clip's: the prefix keys
+    # read these bytes instead of copying the rows back from the device
+    audio_embeds_host: torch.Tensor | None = None
 
 
 class EagerAudioTower(AudioTower, Protocol):
@@ -157,31 +160,42 @@ class EncoderStage:
         Raises InvalidRequest when a prompt's placeholders and its media disagree (the caller retries the
         prompts one by one to fail only that one).
         """
-        audio = iter(self._clip_rows([f for _, mm in prompts for f in mm.audio_features], cached))
+        clips = [f for _, mm in prompts for f in mm.audio_features]
+        keys = [k for _, mm in prompts for k in mm.audio_keys]
+        audio = iter(self._clip_rows(clips, keys) if cached and self.cache.enabled else self._uncached(clips))
         seeing = [mm for _, mm in prompts if sees(mm)]
         vision = iter(self._vision_rows(seeing) if seeing else [])
         out = []
         for token_ids, mm in prompts:
             clip_rows = [next(audio) for _ in mm.audio_features]
             seen = next(vision) if sees(mm) else VisionRows()
-            out.append(self._place(token_ids, join(clip_rows, 0) if clip_rows else None, seen))
+            placed = self._place(token_ids, join([r for r, _ in clip_rows], 0) if clip_rows else None, seen)
+            kept = [host for _, host in clip_rows if host is not None]
+            if clip_rows and len(kept) == len(clip_rows):
+                placed = replace(placed, audio_embeds_host=join(kept, 0))
+            out.append(placed)
         return out
 
-    def _clip_rows(self, clips: list[torch.Tensor], cached: bool = True) -> list[torch.Tensor]:
-        """Each clip's rows: those kept from an earlier call (`self.cache`) copied to the device, the others
-        (each distinct clip once) through the tower, then kept."""
-        if not (cached and self.cache.enabled):
-            return self._encode_clips(clips)
-        keys = [clip_key(f) for f in clips]
+    def _uncached(self, clips: list[torch.Tensor]) -> list[tuple[torch.Tensor, None]]:
+        return [(rows, None) for rows in self._encode_clips(clips)]
+
+    def _clip_rows(
+        self, clips: list[torch.Tensor], keys: list[bytes]
+    ) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
+        """Each clip's rows on the device, and on the host where the cache keeps them: those kept from an
+        earlier call (`self.cache`, by the processor's `clip_digest`) copied to the device without waiting, the
+        others (each distinct clip once) through the tower, then kept."""
+        if len(keys) != len(clips):
+            raise ValueError(f"{len(clips)} clips came with {len(keys)} keys (MultimodalInputs.audio_keys)")
         found = {k: kept for k in dict.fromkeys(keys) if (kept := self.cache.get(k)) is not None}
         fresh = {k: f for k, f in zip(keys, clips) if k not in found}
         self.cache.hits += len(clips) - len(fresh)
         self.cache.misses += len(fresh)
-        rows = {k: r.to(self.device, copy=True) for k, r in found.items()}
+        rows = {k: r.to(self.device, non_blocking=True, copy=True) for k, r in found.items()}
         rows |= dict(zip(fresh, self._encode_clips(list(fresh.values()))))
         for k in fresh:
             self.cache.put(k, rows[k])
-        return [rows[k] for k in keys]
+        return [(rows[k], self.cache.get(k)) for k in keys]
 
     def _encode_clips(self, clips: list[torch.Tensor]) -> list[torch.Tensor]:
         """The tower's rows of each clip, in calls of at most `max_audio_frames` (with graphs, each call in pieces
@@ -362,10 +376,10 @@ class EncoderStage:
         audio_rows = is_audio.nonzero().flatten()
         vision_rows = (is_image | is_video).nonzero().flatten()
         embeds, deepstack = seen.in_prompt_order(is_image[vision_rows])
-        return MultimodalEmbeds(
-            audio_rows.to(self.device),
+        return MultimodalEmbeds(  # the positions' copies wait for nothing queued (pageable: staged at once)
+            audio_rows.to(self.device, non_blocking=True),
             audio,
-            vision_rows.to(self.device),
+            vision_rows.to(self.device, non_blocking=True),
             embeds,
             deepstack,
             audio_rows.numpy(),

@@ -49,7 +49,10 @@ def _media(mm: MultimodalEmbeds) -> tuple[MediaRows, ...]:
     is: a layout on the device would allocate at admission, outside the memory plan."""
     media = []
     if mm.audio_embeds is not None:
-        media.append(MediaRows(mm.audio_rows_host, _bytes(mm.audio_embeds)))
+        kept = (
+            mm.audio_embeds_host
+        )  # the encoder cache's copy: no read back, which waits for the queued steps
+        media.append(MediaRows(mm.audio_rows_host, _bytes(kept if kept is not None else mm.audio_embeds)))
     if mm.image_embeds is not None:
         media.append(MediaRows(mm.image_rows_host, _bytes(mm.image_embeds)))
     return tuple(media)

@@ -16,7 +16,7 @@ import torch
 from tokenizers import Tokenizer
 
 from omnistage.errors import InvalidRequest
-from omnistage.models.multimodal import MultimodalInputs
+from omnistage.models.multimodal import MultimodalInputs, clip_digest
 from omnistage.models.qwen3_asr.audio_features import log_mel
 from omnistage.models.qwen3_asr.config import Qwen3ASRConfig
 from omnistage.models.qwen3_asr.output import parse_transcription
@@ -60,6 +60,7 @@ class ASRProcessor:
             pixel_values=None,
             image_grid_thw=None,
             num_image_tokens=[],
+            audio_keys=[clip_digest(torch.as_tensor(audio))],
         )
         return ProcessedPrompt(
             text, ids, None, mm, max_tokens=max_transcription_tokens(len(audio) / SAMPLE_RATE)

@@ -17,7 +17,7 @@ import torch
 from PIL import Image
 
 from omnistage.errors import InvalidMedia, InvalidRequest
-from omnistage.models.multimodal import MultimodalInputs
+from omnistage.models.multimodal import MultimodalInputs, clip_digest
 from omnistage.models.qwen3_omni.audio_encoder import audio_output_tokens
 from omnistage.models.qwen3_omni.audio_features import log_mel
 from omnistage.models.qwen3_omni.config import ThinkerConfig
@@ -92,11 +92,13 @@ def featurise(
     """Every part's features or patches, in prompt order; with `use_audio_in_video` each video's sound track
     is featurised as a clip in the video's place."""
     merge = formats.thinker.vision.spatial_merge_size
-    features, patches, grids, video_patches, video_grids, seconds = [], [], [], [], [], []
+    features, keys, patches, grids, video_patches, video_grids, seconds = [], [], [], [], [], [], []
     for kind, where, value in parts.items:
         with _part(where):
             if kind == "audio":
-                features.append(log_mel(_waveform(value), device))
+                samples = _waveform(value)
+                features.append(log_mel(samples, device))
+                keys.append(clip_digest(samples))
             elif kind == "image":
                 pixels, grid = preprocess_images([_image(value)], formats.images)
                 patches.append(pixels)
@@ -111,7 +113,9 @@ def featurise(
                 if use_audio_in_video:
                     if video.audio is None:
                         raise InvalidMedia("video has no audio track, and use_audio_in_video asks for one")
-                    features.append(log_mel(_waveform(video.audio), device))
+                    samples = _waveform(video.audio)
+                    features.append(log_mel(samples, device))
+                    keys.append(clip_digest(samples))
     grid_thw = torch.cat(grids) if grids else None
     video_thw = torch.tensor(video_grids, dtype=torch.int64) if video_grids else None
     return MultimodalInputs(
@@ -125,6 +129,7 @@ def featurise(
         num_video_tokens=[video_tokens(g, merge) for g in video_grids],
         video_seconds_per_grid=seconds,
         use_audio_in_video=use_audio_in_video and bool(video_grids),
+        audio_keys=keys,
     )
 
 
