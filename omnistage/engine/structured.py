@@ -14,6 +14,7 @@ a schema the library refuses is a 400 naming its field before anything is queued
 from __future__ import annotations
 
 import json
+import re
 import threading
 from collections import OrderedDict
 
@@ -166,12 +167,30 @@ def _encoded_vocab(tokenizer: Tokenizer, vocab_size: int) -> list[str]:
 
 def _grammar(structured: StructuredOutput) -> xgr.Grammar:
     if structured.tools:
-        return _tool_calls(structured.tools, structured.parallel_tool_calls)
+        return _json_strings(_tool_calls(structured.tools, structured.parallel_tool_calls))
     if structured.grammar is not None:
         return xgr.Grammar.from_ebnf(structured.grammar)
     if structured.json_schema is not None:
-        return xgr.Grammar.from_json_schema(structured.json_schema, any_whitespace=False, strict_mode=True)
+        schema = structured.json_schema
+        return _json_strings(xgr.Grammar.from_json_schema(schema, any_whitespace=False, strict_mode=True))
     return xgr.Grammar.from_json_schema('{"type": "object"}', any_whitespace=False)
+
+
+# The rule xgrammar writes for one character of a string with `minLength` or `maxLength`: any but a quote, a
+# backslash, CR and LF. It lets through the other control characters (a tab, U+001C, ...), which JSON allows in
+# a string only escaped, so a sampled value could break the JSON around it (Python's json refuses it). Where a
+# later xgrammar writes that rule otherwise, nothing is rewritten and tests/unit/engine/test_structured.py
+# says whether the hole is still there.
+_BOUNDED_STRING_CHARACTER = re.compile(r'^(\S+ ::= \(\()\[\^\\"\\\\\\r\\n\](\)\))$', re.MULTILINE)
+_JSON_STRING_CHARACTER = r"[^\0-\x1f\"\\]"  # the class of its unbounded strings' unescaped characters
+
+
+def _json_strings(grammar: xgr.Grammar) -> xgr.Grammar:
+    """`grammar`, a JSON schema's, whose length-bounded strings hold no unescaped control character (as its
+    unbounded ones already do not)."""
+    text = str(grammar)
+    fixed = _BOUNDED_STRING_CHARACTER.sub(lambda rule: rule[1] + _JSON_STRING_CHARACTER + rule[2], text)
+    return grammar if fixed == text else xgr.Grammar.from_ebnf(fixed)
 
 
 def _tool_calls(tools: tuple[ToolSchema, ...], parallel: bool) -> xgr.Grammar:

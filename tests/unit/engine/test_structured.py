@@ -145,6 +145,39 @@ def test_tool_calls_follow_qwens_format(llm, parallel):
             jsonschema.validate(call["arguments"], tools[call["name"]])
 
 
+BOUNDED = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 8}}, "required": ["city"]}
+
+
+@pytest.mark.parametrize(
+    ("structured", "opening"),
+    [
+        (StructuredOutput(tools=(WEATHER,)), '<tool_call>\n{"name": "get_weather", "arguments": {"city":"'),
+        (StructuredOutput(json_schema=json.dumps(BOUNDED)), '{"city": "'),
+    ],
+)
+@pytest.mark.parametrize("value", ["<<\tcardﻋ", "' לחבר際\x1c", "\x00", "a\x1fb"])
+def test_a_length_bounded_string_takes_no_control_character(llm, structured, opening, value):
+    """JSON has a control character in a string only escaped: written raw, the object is no JSON (a forced
+    tool call whose arguments held a tab came back as the reply's text)."""
+    refused = llm.engine.constraints.state(structured)
+    assert refused.matcher.accept_string(opening)
+    assert not refused.matcher.accept_string(value)
+    accepted = llm.engine.constraints.state(structured)
+    assert accepted.matcher.accept_string(opening + "".join(c for c in value if c >= " ") + '"')
+
+
+def test_a_length_bounded_string_argument_parses_whatever_the_draw(llm):
+    """Seeds whose draws, the grammar letting them, put a tab (24) or U+001C (72) into the city."""
+    structured = StructuredOutput(tools=(WEATHER,), parallel_tool_calls=False)
+    params = [
+        SamplingParams(max_tokens=MAX_TOKENS, temperature=1.0, seed=seed, structured=structured)
+        for seed in (24, 72)
+    ]
+    for out in llm.generate(["What is the weather?"] * len(params), params):
+        (body,) = re.findall(CALL, out.outputs[0].text, re.DOTALL)
+        jsonschema.validate(json.loads(body)["arguments"], BOUNDED)
+
+
 def test_padded_and_special_columns_are_always_masked(llm):
     grammars = llm.engine.constraints.grammars
     state = grammars.state(StructuredOutput(grammar='root ::= [^"]*'))
