@@ -105,7 +105,7 @@ async def test_manual_commit_speaks_the_answer(url, tiny_pipeline, prompts):
 
 
 @in_loop
-async def test_three_turns_hold_the_whole_conversation(url, tiny_pipeline, prompts):
+async def test_three_turns_hold_the_whole_conversation(url, tiny_pipeline, prompts, streamed):
     processor = tiny_pipeline.frontend.processor
     first, third = tone(0.8, hz=300.0), tone(0.6, hz=500.0)
     async with connect(url) as conn:
@@ -129,12 +129,14 @@ async def test_three_turns_hold_the_whole_conversation(url, tiny_pipeline, promp
     written = two.output[0].content[0].text
     assert written == "".join(e.delta for e in two_events if e.type == "response.output_text.delta")
     assert len(prompts) == 3
+    sampled = [streamed[p.request_id][-1].outputs[0].token_ids for p in prompts[:2]]  # the replies' own ids
+    assert [processor.decode(ids) for ids in sampled] == [said, written]
     messages = [
         {"role": "system", "content": INSTRUCTIONS},
         {"role": "user", "content": [{"type": "audio", "audio": clip_of(first)}]},
-        {"role": "assistant", "content": said},
+        {"role": "assistant", "content": said, "token_ids": sampled[0]},
         {"role": "user", "content": "And why?"},
-        {"role": "assistant", "content": written},
+        {"role": "assistant", "content": written, "token_ids": sampled[1]},
         {"role": "user", "content": [{"type": "audio", "audio": clip_of(third)}]},
     ]
     assert prompts[2].prompt_token_ids == processor.process_chat(messages, True).token_ids
@@ -234,11 +236,13 @@ async def test_truncate_keeps_the_text_of_the_frames_heard(
         await conn.conversation.item.truncate(item_id=item.id, content_index=0, audio_end_ms=10**6)
         assert (await until(conn, "error"))[-1].error.param == "audio_end_ms"
     assert kept == processor.decode(ids[:heard]) and said == processor.decode(ids)
-    # the next turn's prompt is the conversation with the truncated answer, as the chat template renders it
+    # the next turn's prompt is the conversation with the truncated answer, as the chat template renders it,
+    # the answer's tokens as they were sampled
     head = [{"role": "system", "content": INSTRUCTIONS}, {"role": "user", "content": "Hello there."}]
-    cut = processor.encode_chat([*head, {"role": "assistant", "content": kept}], True)[1]
-    whole = processor.encode_chat([*head, {"role": "assistant", "content": said}], True)[1]
+    cut = processor.encode_chat([*head, {"role": "assistant", "content": kept, "token_ids": ids[:heard]}])[1]
+    whole = processor.encode_chat([*head, {"role": "assistant", "content": said, "token_ids": ids}])[1]
     assert prompts[-1].prompt_token_ids == cut != whole
+    assert cut[-5 - heard : -5] == ids[:heard]  # before <|im_end|>\n<|im_start|>assistant\n
 
 
 @in_loop

@@ -87,7 +87,9 @@ class Processor:
         # The same tokenizer reading control-token literals as ordinary text, to spell typed ones with.
         self._plain = Tokenizer.from_str(self.tokenizer.to_str())
         self._plain.encode_special_tokens = True
-        control = [t.content for t in self.tokenizer.get_added_tokens_decoder().values() if t.special]
+        added = self.tokenizer.get_added_tokens_decoder()
+        control = [t.content for t in added.values() if t.special]
+        self._control_ids = frozenset(i for i, t in added.items() if t.special)
         longest_first = sorted(control, key=len, reverse=True)
         self._control = re.compile("|".join(map(re.escape, longest_first))) if control else None
         self.max_token_bytes = longest_token_bytes(self.tokenizer)
@@ -144,14 +146,31 @@ class Processor:
         A control-token literal typed in a message (or in a string of `template_kwargs` or `tools`) is replaced by a sentinel before rendering and spelled
         as ordinary text where the sentinel lands; the rest is encoded piecewise as usual. Text without
         such literals (nearly all) is encoded as the rendered whole, exactly as transformers encodes it.
+
+        An assistant message may carry the ids the model sampled for its text (`token_ids`, as a realtime
+        session keeps its replies): where they decode to its content, they stand in the prompt for that text
+        as they were sampled. Encoding the text again can split it otherwise, and each such reply would then
+        end the prefix cache's hits at its turn.
         """
-        typed: list[str] = []
+        typed: list[tuple[str, list[int] | None]] = []  # (its text, its ids where given) per sentinel
         nonce = secrets.token_hex(8)
 
         def hide(match: re.Match) -> str:
-            typed.append(match.group())
+            typed.append((match.group(), None))
             return _SENTINEL.format(nonce=nonce, index=len(typed) - 1)
 
+        def sampled(message: dict) -> dict:
+            ids, text = list(message.get("token_ids") or ()), message.get("content")
+            while ids and ids[-1] in self._control_ids:  # the reply's end token: the template writes its own
+                ids.pop()
+            if not ids or message.get("role") != "assistant" or not isinstance(text, str):
+                return message
+            if self.decode(ids, skip_special_tokens=False) != text:
+                return message
+            typed.append((text, ids))
+            return {**message, "content": _SENTINEL.format(nonce=nonce, index=len(typed) - 1)}
+
+        messages = [sampled(m) for m in messages]
         control = self._control
         if control is not None:
             messages = [_map_text(m, lambda text: control.sub(hide, text)) for m in messages]
@@ -163,7 +182,7 @@ class Processor:
         sentinel = re.escape(_SENTINEL.format(nonce=nonce, index="@")).replace("@", "(\\d+)")
         pieces = re.split(sentinel, rendered)  # text, index, text, index, ..., text
         texts, literals = pieces[0::2], [typed[int(i)] for i in pieces[1::2]]
-        prompt = "".join(t + lit for t, lit in zip(texts, [*literals, ""]))
+        prompt = "".join(t + lit for t, (lit, _) in zip(texts, [*literals, ("", None)]))
         check_text_size(prompt, self.tokenizer, self.max_token_bytes, max_model_len)
         return prompt, self._encode(texts, literals, max_model_len)
 
@@ -227,14 +246,23 @@ class Processor:
             prompt, expanded, layout.positions(expanded, cfg) if layout.spatial else None, mm
         )
 
-    def _encode(self, texts: list[str], literals: list[str], max_model_len: int | None) -> list[int]:
-        """texts[0] literals[0] texts[1] ... texts[-1] as one list of ids, the literals spelled as plain text."""
-        spelled = self._plain.encode_batch(literals, add_special_tokens=False) if literals else []
-        encoded = encode_texts(self.tokenizer, texts, max_model_len, sum(map(len, spelled)))
+    def _encode(
+        self, texts: list[str], literals: list[tuple[str, list[int] | None]], max_model_len: int | None
+    ) -> list[int]:
+        """texts[0] literals[0] texts[1] ... texts[-1] as one list of ids: a literal as its given ids, or its text
+        spelled as plain text."""
+        plain = [text for text, given in literals if given is None]
+        spelled = (
+            iter(e.ids for e in self._plain.encode_batch(plain, add_special_tokens=False))
+            if plain
+            else iter(())
+        )
+        literal_ids = [given if given is not None else next(spelled) for _, given in literals]
+        encoded = encode_texts(self.tokenizer, texts, max_model_len, sum(map(len, literal_ids)))
         ids: list[int] = []
         for i, encoding in enumerate(encoded):
             if i:
-                ids += spelled[i - 1].ids
+                ids += literal_ids[i - 1]
             ids += encoding.ids
         return ids
 

@@ -145,7 +145,12 @@ class Conversation:
                 ]
                 messages.append({"role": "user", "content": content})
             else:
-                messages.append({"role": item.role, "content": item.text})
+                message: dict[str, Any] = {"role": item.role, "content": item.text}
+                if item.role == "assistant" and len(item.parts) == 1 and item.parts[0].token_ids:
+                    message["token_ids"] = item.parts[
+                        0
+                    ].token_ids  # its reply as sampled, where they spell it
+                messages.append(message)
         return messages, has_audio
 
     def audio_seconds(self) -> float:

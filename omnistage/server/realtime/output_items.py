@@ -27,7 +27,8 @@ class OutputItems:
         self.speech_ended = speech_ended
         self.items: list[Item] = []
         self.held = ""  # a spoken reply's content while it may still call tools
-        # a spoken reply's text tokens and frames so far, its message part's from when it opens (the same lists)
+        # the reply's text tokens (and, spoken, its frames) so far, its message part's from when it opens (the
+        # same lists): the next turn's prompt takes the tokens as they were sampled (Processor.encode_chat)
         self.spoken_ids: list[int] = []
         self._spoken_frames: list[SpokenFrame] = []
         self._first_audio_sent = False
@@ -56,7 +57,7 @@ class OutputItems:
         for item in self.items:
             if item.type == "message":
                 return item
-        part = Part("output_text")
+        part = Part("output_text", token_ids=self.spoken_ids)
         if spoken:
             part = Part("output_audio", token_ids=self.spoken_ids, frames=self._spoken_frames)
         item = Item(new_id("item"), "message", "assistant", [part], status="in_progress")
@@ -75,7 +76,7 @@ class OutputItems:
 
     async def message_delta(self, delta: str, output: RequestOutput | None) -> None:
         spoken = self.settings.spoken
-        if spoken and output is not None:
+        if output is not None:
             self.spoken_ids += output.outputs[0].delta_token_ids
             self._spoken_frames += output.spoken_frames
         if not delta and (output is None or output.audio_delta is None or not len(output.audio_delta)):
