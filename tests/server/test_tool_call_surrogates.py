@@ -113,8 +113,9 @@ def test_responses_streamed_carry_the_escape_as_written(client):
 @in_loop
 async def test_a_realtime_session_carries_the_escape_as_written(url):
     async with connect(url) as conn:
+        tools = [{"type": "function", **SPELL}]
         await manual(
-            conn, tools=[{"type": "function", **SPELL}], tool_choice="required", max_output_tokens=64
+            conn, tools=tools, tool_choice="required", parallel_tool_calls=False, max_output_tokens=64
         )
         question = {"type": "input_text", "text": "Spell it."}
         await conn.conversation.item.create(item={"type": "message", "role": "user", "content": [question]})
