@@ -173,7 +173,7 @@ def _grammar(structured: StructuredOutput) -> xgr.Grammar:
     if structured.json_schema is not None:
         schema = structured.json_schema
         return _json_strings(xgr.Grammar.from_json_schema(schema, any_whitespace=False, strict_mode=True))
-    return xgr.Grammar.from_json_schema('{"type": "object"}', any_whitespace=False)
+    return _json_strings(xgr.Grammar.from_json_schema('{"type": "object"}', any_whitespace=False))
 
 
 # The rule xgrammar writes for one character of a string with `minLength` or `maxLength`: any but a quote, a
@@ -184,12 +184,26 @@ def _grammar(structured: StructuredOutput) -> xgr.Grammar:
 _BOUNDED_STRING_CHARACTER = re.compile(r'^(\S+ ::= \(\()\[\^\\"\\\\\\r\\n\](\)\))$', re.MULTILINE)
 _JSON_STRING_CHARACTER = r"[^\0-\x1f\"\\]"  # the class of its unbounded strings' unescaped characters
 
+# The escape xgrammar lets an unbounded string or a key write for a code unit, any four hex digits: a lone
+# UTF-16 surrogate too (`\ud800`), which JSON's grammar allows but no UTF-8 can hold (pydantic's parser refuses
+# it, and a str decoded from it cannot be encoded). Rewritten: a high surrogate only before a low one, a low
+# one never alone; as above, the test says whether a later xgrammar's spelling still lets it through. A
+# `pattern` is matched against a string's JSON text, escapes and all, so a schema may still ask for one.
+_CODE_UNIT_ESCAPE = '("u" [A-Fa-f0-9] [A-Fa-f0-9] [A-Fa-f0-9] [A-Fa-f0-9])'
+_SCALAR_ESCAPE = (
+    '("u" [0-9A-Ca-cE-Fe-f] [A-Fa-f0-9] [A-Fa-f0-9] [A-Fa-f0-9])'
+    ' | ("u" [Dd] [0-7] [A-Fa-f0-9] [A-Fa-f0-9])'
+    ' | ("u" [Dd] [89ABab] [A-Fa-f0-9] [A-Fa-f0-9] "\\\\u" [Dd] [C-Fc-f] [A-Fa-f0-9] [A-Fa-f0-9])'
+)
+
 
 def _json_strings(grammar: xgr.Grammar) -> xgr.Grammar:
-    """`grammar`, a JSON schema's, whose length-bounded strings hold no unescaped control character (as its
-    unbounded ones already do not)."""
+    """`grammar`, a JSON schema's, whose strings are valid JSON and valid Unicode: its length-bounded strings
+    hold no unescaped control character (as its unbounded ones already do not), and no escape writes a lone
+    surrogate."""
     text = str(grammar)
     fixed = _BOUNDED_STRING_CHARACTER.sub(lambda rule: rule[1] + _JSON_STRING_CHARACTER + rule[2], text)
+    fixed = fixed.replace(_CODE_UNIT_ESCAPE, _SCALAR_ESCAPE)
     return grammar if fixed == text else xgr.Grammar.from_ebnf(fixed)
 
 

@@ -12,6 +12,7 @@ opening tag is held until it cannot.
 from __future__ import annotations
 
 import json
+import re
 import secrets
 from dataclasses import dataclass
 
@@ -21,10 +22,14 @@ from omnistage.server.errors import InvalidField
 OPEN = "<tool_call>"
 CLOSE = "</tool_call>"
 
+_DECODER = json.JSONDecoder()
+_SURROGATE = re.compile("[\ud800-\udfff]")
+
 
 @dataclass(frozen=True)
 class ToolCall:
-    """One parsed call: `arguments` is JSON text, as OpenAI's `function.arguments` carries it."""
+    """One parsed call: `arguments` is JSON text as the model wrote it, as OpenAI's `function.arguments`
+    carries it."""
 
     id: str
     name: str
@@ -57,22 +62,52 @@ def new_call_id() -> str:
 
 
 def parse_call(body: str) -> tuple[str, str] | None:
-    """The (name, arguments JSON) of one call's body, or None where it is not `{"name": str, "arguments": obj}`."""
+    """The (name, arguments JSON) of one call's body, or None where it is not `{"name": str, "arguments": obj}`.
+
+    The arguments are the text the model wrote, not their value spelled again: what it produced byte for byte,
+    and always sendable, where the value may hold a lone UTF-16 surrogate (JSON lets a string write `\\ud800`)
+    that no response, stream or websocket can encode as UTF-8. A name holding one is no tool's: no call."""
     try:
         call = json.loads(body)
     except ValueError:
         return None
     if not isinstance(call, dict) or not isinstance(call.get("name"), str) or not call["name"]:
         return None
+    if _SURROGATE.search(call["name"]):
+        return None
     arguments = call.get("arguments", {})
     if isinstance(arguments, str):  # some fine-tunes write the arguments already as JSON text
         try:
-            arguments = json.loads(arguments)
+            value = json.loads(arguments)
         except ValueError:
             return None
-    if not isinstance(arguments, dict):
-        return None
-    return call["name"], json.dumps(arguments, ensure_ascii=False)
+        # A surrogate the outer string's escape gave sits inside one of the text's strings: escaped, it reads
+        # the same.
+        text = _SURROGATE.sub(lambda lone: f"\\u{ord(lone[0]):04x}", arguments)
+    else:
+        value, text = arguments, _member_texts(body).get("arguments", "{}")
+    return (call["name"], text) if isinstance(value, dict) else None
+
+
+def _member_texts(body: str) -> dict[str, str]:
+    """The members of `body`, a JSON object of one member or more that json.loads accepted: each key's value as
+    written (a repeated key's last, the one json.loads keeps)."""
+    texts: dict[str, str] = {}
+    at = _past_space(body, 0)  # the opening brace
+    while body[at] != "}":  # at the brace or the comma before a member
+        key, at = _DECODER.raw_decode(body, _past_space(body, at + 1))
+        start = _past_space(body, _past_space(body, at) + 1)  # past the colon
+        _, at = _DECODER.raw_decode(body, start)
+        texts[key] = body[start:at]
+        at = _past_space(body, at)
+    return texts
+
+
+def _past_space(text: str, at: int) -> int:
+    """Where JSON's whitespace from `at` on ends."""
+    while at < len(text) and text[at] in " \t\n\r":
+        at += 1
+    return at
 
 
 def parse_tool_calls(text: str) -> tuple[str, list[ToolCall]]:

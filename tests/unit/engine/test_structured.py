@@ -178,6 +178,41 @@ def test_a_length_bounded_string_argument_parses_whatever_the_draw(llm):
         jsonschema.validate(json.loads(body)["arguments"], BOUNDED)
 
 
+NOTE = {"type": "object", "properties": {"note": {"type": "string"}}, "required": ["note"]}
+
+
+@pytest.mark.parametrize(
+    ("structured", "opening"),
+    [
+        (
+            StructuredOutput(tools=(ToolSchema("take_note", json.dumps(NOTE)),)),
+            '<tool_call>\n{"name": "take_note", "arguments": {"note":"',
+        ),
+        (StructuredOutput(json_schema=json.dumps(NOTE)), '{"note": "'),
+        (StructuredOutput(json_object=True), '{"'),  # a key
+        (StructuredOutput(json_object=True), '{"k": "'),
+    ],
+)
+def test_no_escape_writes_a_lone_surrogate(llm, structured, opening):
+    """JSON lets `\\ud800` stand alone, which decodes to no valid Unicode: pydantic's parser refuses it, and a
+    str holding it cannot be encoded as UTF-8."""
+    for lone in ['\\ud800"', "\\uDBFF\\u0041", "\\ud800x", "\\udc00", "\\uDFFF"]:
+        state = llm.engine.constraints.state(structured)
+        assert state.matcher.accept_string(opening)
+        assert not state.matcher.accept_string(lone), lone
+    for scalar in [
+        "\\ud83d\\ude00",
+        "\\uDBFF\\uDFFF",
+        "\\uD800\\udc00",
+        "\\u00e9",
+        "\\uD7FF",
+        "\\uE000",
+        "\\uffff",
+    ]:
+        state = llm.engine.constraints.state(structured)
+        assert state.matcher.accept_string(opening + scalar + "x" + scalar + '"'), scalar
+
+
 def test_padded_and_special_columns_are_always_masked(llm):
     grammars = llm.engine.constraints.grammars
     state = grammars.state(StructuredOutput(grammar='root ::= [^"]*'))

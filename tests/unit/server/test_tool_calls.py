@@ -58,6 +58,47 @@ def test_string_arguments_are_read_as_json_text():
     assert json.loads(calls[0].arguments) == {"a": 1}
 
 
+@pytest.mark.parametrize(
+    "arguments",
+    [
+        '{"city": "Paris", "days": 2}',
+        '{ "city":"Par\\u00eds" ,"days" :2 }',
+        '{"char":"\\ud800","low":"\\udc00x","pair":"\\ud83d\\ude00"}',
+        '{"a": {"nested": ["\\ud800", "}"]}, "a b": "\\"arguments\\": 1"}',
+        "{}",
+    ],
+)
+def test_arguments_are_the_text_the_model_wrote(arguments):
+    """Not its value spelled again: a value may hold a lone surrogate, which no response can encode as UTF-8."""
+    for body in (
+        f'{{"name": "f", "arguments": {arguments}}}',
+        f'\n {{ "arguments" :\t{arguments} , "name":"f"}} \n',
+    ):
+        _, [call] = parse_tool_calls(f"<tool_call>{body}</tool_call>")
+        assert call.arguments == arguments
+        call.arguments.encode()
+
+
+def test_a_repeated_arguments_key_is_its_last_as_json_reads_it():
+    _, [call] = parse_tool_calls(
+        '<tool_call>{"name": "f", "arguments": {"a": 1}, "arguments": {"b": 2}}</tool_call>'
+    )
+    assert call.arguments == '{"b": 2}'
+
+
+def test_string_arguments_holding_a_lone_surrogate_keep_it_escaped():
+    text = '<tool_call>{"name": "f", "arguments": "{\\"a\\": \\"\\ud800\\", \\"b\\": \\"\\ud83d\\ude00\\"}"}</tool_call>'
+    _, [call] = parse_tool_calls(text)
+    assert call.arguments == '{"a": "\\ud800", "b": "\U0001f600"}'
+    assert json.loads(call.arguments) == {"a": "\ud800", "b": "\U0001f600"}
+
+
+def test_a_name_holding_a_lone_surrogate_is_no_call():
+    text = '<tool_call>{"name": "f\\udfff", "arguments": {}}</tool_call>'
+    assert parse_tool_calls(text) == (text, [])
+    assert all(isinstance(e, ContentDelta) for e in stream(text, 4))
+
+
 def stream(text: str, piece: int) -> list:
     parser = ToolCallStream()
     events = []
