@@ -133,14 +133,27 @@ class PagePool:
     def enter(self, page: int, key: bytes, decoded: bool = False) -> None:
         """Cache held `page`, fully computed, under `key` (`decoded`: it holds rows past its sequence's prompt);
         a key cached already keeps its page (this one stays uncached: two sequences computed the same content
-        at once)."""
+        at once), unless decode steps computed that one and prefilling this one: a sequence reading kept
+        hidden rows could never take the first, and a conversation's next turns would compute it and every
+        page after it again."""
         if page not in self._holders:
             raise ValueError(f"caching page {page}, which no sequence holds")
+        cached = self._cached.get(key)
+        if cached is not None and cached in self._decoded and not decoded and page not in self._key_of:
+            self._uncache(cached)
         if key not in self._cached and page not in self._key_of:
             self._cached[key] = page
             self._key_of[page] = key
             if decoded:
                 self._decoded.add(page)
+
+    def _uncache(self, page: int) -> None:
+        """Drop cached `page`'s key: held, it is freed when let go; evictable, it is free now."""
+        del self._cached[self._key_of.pop(page)]
+        self._decoded.discard(page)
+        if page in self._evictable:
+            del self._evictable[page]
+            heapq.heappush(self._free, page)
 
     def take_prefix(self, seq: Sequence[Any]) -> int:
         """Give `seq`, holding no page yet, the cached pages of its longest cached prefix and mark their tokens

@@ -292,3 +292,57 @@ def test_the_pages_a_sequence_decoded_are_cached_but_not_given_where_kept_rows_a
         assert pool.take_prefix(later) == found, read
         pool.release(later)
     assert pool.num_free == pool.num_pages
+
+
+def test_a_prefilled_page_takes_the_key_of_one_decode_steps_computed():
+    """A speaking turn cannot take the answer page decode steps computed (no hidden rows kept) and prefills it
+    again: that page takes the key, so the next turn's speaking prompt finds it and the pages after it."""
+    pool = PagePool(num_pages=8, page_size=4)
+    prompt, answer = [1, 2, 3, 4, 5, 6], [7, 8, 9, 10, 11, 12]
+    seq = Sequence("a", prompt, max_tokens=8, prefix=PageKeys.of_prompt(prompt, 4), data=None)
+    pool.take_prefix(seq)
+    assert pool.ensure_capacity(seq, 12)
+    seq.output_token_ids = answer
+    seq.num_computed_tokens = 11
+    pool.cache_computed(seq)
+    decoded = seq.page_ids[1]
+    following = prompt + answer + [20, 21, 22, 23, 24]
+    reading = frozenset({1, 2})  # the turn reads kept rows in its answer page and after it
+
+    def speaking() -> Sequence:
+        keys = PageKeys.of_prompt(following, 4, reads_kept_rows=reading)
+        return Sequence("b", following, max_tokens=1, prefix=keys, data=None)
+
+    turn = speaking()
+    assert pool.take_prefix(turn) == 4  # stopped at the decoded page
+    assert pool.ensure_capacity(turn, len(following))
+    turn.num_computed_tokens = len(following)
+    pool.cache_computed(turn)
+    assert pool.cached_prefix(turn.prefix.keys) == turn.page_ids[:4]
+    pool.release(seq)  # the decoded page, uncached now, is free once let go
+    assert decoded not in pool.cached_prefix(turn.prefix.keys) and pool.holders(decoded) == 0
+    pool.release(turn)
+    accounted(pool)
+    following = [*following[:16], 30]
+    assert pool.take_prefix(speaking()) == 16  # every page, the prefilled answer page among them
+
+
+def test_an_evictable_decoded_page_replaced_is_free_at_once():
+    pool = PagePool(num_pages=4, page_size=2)
+    first = Sequence("a", [1], max_tokens=4, prefix=PageKeys.of_prompt([1], 2), data=None)
+    pool.take_prefix(first)
+    assert pool.ensure_capacity(first, 3)
+    first.output_token_ids = [2, 3]
+    first.num_computed_tokens = 2
+    pool.cache_computed(first)  # page 0: row 0 prompt, row 1 decoded
+    pool.release(first)
+    assert pool.num_cached == 1 and pool.num_free == 4
+    again = Sequence("b", [1, 2, 9], max_tokens=1, prefix=PageKeys.of_prompt([1, 2, 9], 2), data=None)
+    again.prefix.reads_kept_rows = frozenset({0})
+    assert pool.take_prefix(again) == 0
+    assert pool.ensure_capacity(again, 3)
+    again.num_computed_tokens = 2
+    pool.cache_computed(again)
+    assert pool.cached_prefix(again.prefix.keys) == [again.page_ids[0]] and pool.num_cached == 1
+    pool.release(again)
+    accounted(pool)
