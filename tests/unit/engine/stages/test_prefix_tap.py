@@ -195,3 +195,26 @@ def test_prefills_aborted_midway_leave_the_pool_full_and_their_pages_right(
     run(uncached, speaking(uncached, "b-whole", messages))
     torch.testing.assert_close(seen["b"], seen["b-whole"])
     assert_pool_full(cached)
+
+
+def test_each_spoken_turn_finds_the_whole_turn_before_it(tiny_checkpoint):
+    """With pages of 16 rows a prompt's last page holds its last clip's last rows and the reply's first ids: a
+    page decode steps computed in part, which a spoken turn (reading kept rows there) cannot take. It prefills
+    that page again, and its page takes the key, so every later turn finds the whole turn before it, and not
+    only the prompt up to the first reply. Replies go back as their sampled ids (the realtime session's way)."""
+    llm = LLM(str(tiny_checkpoint), device="cpu", dtype="float32", page_size=16, num_kv_pages=64)
+    pool = llm.pipeline.thinker.pool
+    messages: list[dict] = []
+    prompts, found = [], []
+    for turn in range(3):
+        messages.append(spoken_turn(turn))
+        before = pool.hit_tokens
+        out = run(llm, speaking(llm, f"t{turn}", messages))
+        found.append(pool.hit_tokens - before)
+        prompts.append(out.prompt_token_ids)
+        reply = out.outputs[0]
+        messages.append({"role": "assistant", "content": reply.text, "token_ids": reply.token_ids})
+    assert prompts[1][: len(prompts[0])] == prompts[0]
+    for turn in (1, 2):
+        assert found[turn] >= (len(prompts[turn - 1]) - 1) // 16 * 16, (found, [len(p) for p in prompts])
+    assert_pool_full(llm)
