@@ -4,9 +4,9 @@
 # travels unpacked and recompressed (xz, ~21 MB) without what one node's Serve never loads: the Java workers'
 # jars, the dashboard's web client, and Ray's libraries beside Serve (RLlib, Tune, Train, Data, LLM; only the
 # dashboard's pages of Train and Data import theirs, where its optional dependencies are installed). Beside it,
-# the wheels of what Ray and Serve import that the GPU image lacks (jsonschema and its parts,
-# grpcio-reflection), with the grpcio and protobuf that grpcio-reflection's generated code was built against
-# (the rest of Serve's stack, FastAPI, uvicorn and websockets, is the server's own, in .whl/).
+# the wheels of what Ray and Serve import that the GPU image lacks (jsonschema and its parts, mmh3 for the
+# consistent-hash router, grpcio-reflection), with the grpcio and protobuf that grpcio-reflection's generated
+# code was built against (the rest of Serve's stack, FastAPI, uvicorn and websockets, is the server's own, in .whl/).
 #
 #   bash benchmarks/ray_wheels.sh                        # then carry ".whl-ray" in the device call
 #   PY=3.11 DEST=.whl-ray311 bash benchmarks/ray_wheels.sh  # the same for this machine's Python (a CPU smoke run)
@@ -27,7 +27,7 @@ download() {
     "${platforms[@]}" -d "$1" "${@:2}"
 }
 download "$DEST" jsonschema==4.26.0 jsonschema-specifications==2025.9.1 referencing==0.37.0 rpds-py==2026.9.1 \
-  grpcio-reflection==1.81.1 grpcio==1.85.3 protobuf==6.33.6
+  grpcio-reflection==1.81.1 grpcio==1.85.3 protobuf==6.33.6 mmh3==5.3.1
 archive=$DEST/ray-$RAY-$tag-serve.tar.xz
 if [[ ! -f $archive ]]; then
   work=$(mktemp -d)
