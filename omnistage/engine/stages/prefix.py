@@ -31,6 +31,13 @@ def request_keys(
             reads_kept_rows = frozenset((tap.rows_host // page_size).tolist())
         else:
             end = int(tap.rows_host[0]) // page_size
+    elif mm is not None and runner.keep_taps:
+        # A prompt that reads no tap takes a page decode steps computed in part only where it holds no media
+        # row either: such a page's tail holds no kept rows, so a spoken turn (which reads them at every media
+        # row) cannot take it; computed again here, it is one that turn can (kv_cache.py). A realtime turn's
+        # early prefill is such a prompt, and the turn's response then finds everything it prefilled.
+        media_rows = np.concatenate([mm.audio_rows_host, mm.image_rows_host])
+        reads_kept_rows = frozenset((media_rows // page_size).tolist())
     mrope = request.mrope
     positions, delta = (mrope.positions.numpy(), mrope.delta) if mrope is not None else (None, 0)
     media = _media(mm) if mm is not None and end != 0 else ()

@@ -270,18 +270,25 @@ def test_a_sequence_without_keys_never_touches_the_cache():
     assert pool.num_cached == 0 and pool.num_free == 2
 
 
+def answered(pool: PagePool, prompt: list[int], answer: list[int]) -> Sequence:
+    """A sequence of `prompt` that sampled `answer`, its pages (4 rows each) computed to the last sampled id
+    and cached: a prompt page, and one holding the prompt's tail and the answer's head."""
+    seq = Sequence("a", prompt, max_tokens=8, prefix=PageKeys.of_prompt(prompt, 4), data=None)
+    pool.take_prefix(seq)
+    assert pool.ensure_capacity(seq, len(prompt) + len(answer))
+    seq.output_token_ids = answer
+    seq.num_computed_tokens = len(prompt) + len(answer) - 1  # the last sampled id is not computed
+    pool.cache_computed(seq)
+    return seq
+
+
 def test_the_pages_a_sequence_decoded_are_cached_but_not_given_where_kept_rows_are_read():
     """A sequence's answer pages are entered as their rows are computed; a later prompt repeating prompt and
     answer takes them, unless it reads hidden rows kept beside a page that decode steps (which keep none)
     computed in part."""
     pool = PagePool(num_pages=8, page_size=4)
     prompt, answer = [1, 2, 3, 4, 5, 6], [7, 8, 9, 10, 11, 12]
-    seq = Sequence("a", prompt, max_tokens=8, prefix=PageKeys.of_prompt(prompt, 4), data=None)
-    pool.take_prefix(seq)
-    assert pool.ensure_capacity(seq, 12)
-    seq.output_token_ids = answer
-    seq.num_computed_tokens = 11  # the last sampled id is not computed
-    pool.cache_computed(seq)
+    seq = answered(pool, prompt, answer)
     assert seq.num_cached_pages == 2 and pool.num_cached == 2  # rows 0-3, and 4-7 of prompt and answer
     pool.release(seq)
     accounted(pool)
@@ -299,12 +306,7 @@ def test_a_prefilled_page_takes_the_key_of_one_decode_steps_computed():
     again: that page takes the key, so the next turn's speaking prompt finds it and the pages after it."""
     pool = PagePool(num_pages=8, page_size=4)
     prompt, answer = [1, 2, 3, 4, 5, 6], [7, 8, 9, 10, 11, 12]
-    seq = Sequence("a", prompt, max_tokens=8, prefix=PageKeys.of_prompt(prompt, 4), data=None)
-    pool.take_prefix(seq)
-    assert pool.ensure_capacity(seq, 12)
-    seq.output_token_ids = answer
-    seq.num_computed_tokens = 11
-    pool.cache_computed(seq)
+    seq = answered(pool, prompt, answer)
     decoded = seq.page_ids[1]
     following = prompt + answer + [20, 21, 22, 23, 24]
     reading = frozenset({1, 2})  # the turn reads kept rows in its answer page and after it

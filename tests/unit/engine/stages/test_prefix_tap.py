@@ -218,3 +218,22 @@ def test_each_spoken_turn_finds_the_whole_turn_before_it(tiny_checkpoint):
     for turn in (1, 2):
         assert found[turn] >= (len(prompts[turn - 1]) - 1) // 16 * 16, (found, [len(p) for p in prompts])
     assert_pool_full(llm)
+
+
+def test_a_spoken_turn_finds_what_its_early_prefill_computed(tiny_checkpoint):
+    """A realtime turn is prefilled without speech while the user speaks, then answered aloud. The early
+    prefill does not take the page the last reply's decode steps computed in part where it holds media rows
+    (the spoken answer could not take it either): it computes it again, so the spoken answer finds every page
+    the early prefill computed, and not only the conversation up to the last reply."""
+    llm = LLM(str(tiny_checkpoint), device="cpu", dtype="float32", page_size=16, num_kv_pages=64)
+    pool = llm.pipeline.thinker.pool
+    messages = [spoken_turn(0)]
+    reply = run(llm, speaking(llm, "t0", messages)).outputs[0]
+    messages += [{"role": "assistant", "content": reply.text, "token_ids": reply.token_ids}, spoken_turn(1)]
+    early = speaking(llm, "early", messages)
+    early = NewRequest(early.request_id, early.prompt_token_ids, TEXT, early.prompt, early.mrope, early.mm)
+    run(llm, early)
+    before = pool.hit_tokens
+    run(llm, speaking(llm, "t1", messages))
+    assert pool.hit_tokens - before >= (len(early.prompt_token_ids) - 1) // 16 * 16
+    assert_pool_full(llm)
