@@ -1,6 +1,6 @@
 """The host's share of a video request, stage by stage, on the CPU: decoding (the packets surveyed, the sampled
 frames decoded and resized, the sound track decoded and resampled) and processing (the patches, the sound's
-log-mel), as the server runs them for a `video_url` with `use_audio_in_video`.
+log-mel, both as the processor's `featurise` makes them), as the server runs them for a `video_url` with `use_audio_in_video`.
 
 The video is the benchmark's: `seconds` of `videos.sliding` frames at `--source-fps` in an mp4 (H.264, AAC
 tone), written once in memory. The process is pinned to the first `--threads` cores, so FFmpeg's decoder
@@ -21,9 +21,6 @@ from collections.abc import Callable
 
 import torch
 
-from omnistage.bench.video_targets import TRACK_MARGIN_S
-from omnistage.bench.videos import encode, sliding
-
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -36,8 +33,14 @@ def main() -> None:
     os.sched_setaffinity(0, sorted(os.sched_getaffinity(0))[: args.threads])
     torch.set_num_threads(args.threads)
     # imported after the pinning: cpu_threads counts the cores torch sees when it is first imported
+    from omnistage.bench.video_targets import TRACK_MARGIN_S
+    from omnistage.bench.videos import encode, sliding
     from omnistage.models.qwen3_omni import video_decoding as vd
     from omnistage.models.qwen3_omni.audio_features import log_mel
+    from omnistage.models.qwen3_omni.config import Qwen3OmniConfig
+    from omnistage.models.qwen3_omni.image_processing import ImageProcessorConfig
+    from omnistage.models.qwen3_omni.prompt_media import MediaFormats, MediaParts, featurise
+    from omnistage.models.qwen3_omni.tiny import released_config
     from omnistage.models.qwen3_omni.video_processing import (
         VideoProcessorConfig,
         preprocess_video,
@@ -56,6 +59,9 @@ def main() -> None:
     wanted = sample_indices(total, rate, cfg, cfg.fps, cfg.max_frames)
     decoded = vd.decode_video(data, cfg, limits, with_audio=True)
     assert decoded.audio is not None
+    thinker = Qwen3OmniConfig.from_dict(released_config()).thinker
+    formats = MediaFormats(thinker, ImageProcessorConfig(), cfg)
+    parts = MediaParts([("video", "messages[0].content[0]", decoded)])
     stages: dict[str, Callable[[], object]] = {
         "survey": lambda: vd._survey(data, limits),
         "frames (decode + resize)": lambda: vd._frames(data, wanted, cfg),
@@ -63,6 +69,7 @@ def main() -> None:
         "decode_video (all of the above)": lambda: vd.decode_video(data, cfg, limits, with_audio=True),
         "patches (preprocess_video)": lambda: preprocess_video(decoded.frames, cfg),
         "log-mel (CPU)": lambda: log_mel(decoded.audio),
+        "featurise (all of the processing)": lambda: featurise(parts, formats, True, torch.device("cpu")),
     }
     print(
         f"{args.seconds:g} s {width}x{height} at {args.source_fps} fps ({len(data) / 1e6:.1f} MB), "
