@@ -176,8 +176,7 @@ def check_placeholders(token_ids: list[int], parts: MediaParts, cfg: ThinkerConf
 
 def _joined(patches: list[torch.Tensor]) -> torch.Tensor | None:
     """The parts' patches as one tensor; a lone part's as they are: a 30 s video's are 530 MB, whose copy into
-    fresh memory took a third of a second on one core (RESULTS.md, "Video decoding and processing on the
-    CPU")."""
+    fresh memory took 0.38 s on one core (RESULTS.md, "Video decoding and processing on the CPU")."""
     if not patches:
         return None
     return patches[0] if len(patches) == 1 else torch.cat(patches)
