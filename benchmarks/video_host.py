@@ -1,14 +1,15 @@
 """The host's share of a video request, stage by stage, on the CPU: decoding (the packets surveyed, the sampled
 frames decoded and resized, the sound track decoded and resampled) and processing (the patches, the sound's
-log-mel, both as the processor's `featurise` makes them), as the server runs them for a `video_url` with `use_audio_in_video`.
+log-mel, both as the processor's `featurise` makes them), as the server runs them for a `video_url` with
+`use_audio_in_video`.
 
 The video is the benchmark's: `seconds` of `videos.sliding` frames at `--source-fps` in an mp4 (H.264, AAC
 tone), written once in memory. The process is pinned to the first `--threads` cores, so FFmpeg's decoder
 threads and torch's team both see that many. Prints the median and the least of `--runs` runs per stage (ms),
-after one warm-up run.
+after one warm-up run. To compare two trees, run it from outside both with PYTHONPATH naming the one to time:
 
-    python benchmarks/video_host.py --threads 1
-    python benchmarks/video_host.py --threads 2
+    PYTHONPATH=$PWD python benchmarks/video_host.py --threads 1
+    PYTHONPATH=$PWD python benchmarks/video_host.py --threads 2
 """
 
 from __future__ import annotations
