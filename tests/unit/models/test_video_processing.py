@@ -73,6 +73,31 @@ def test_frames_resized_first_give_the_same_patches():
     assert grid == first_grid and torch.equal(at_once, first)
 
 
+def test_each_patch_is_its_pixels_normalised_bit_for_bit():
+    """Every patch, found by its place in the grid (merge block by merge block, temporal patch by temporal
+    patch), holds its T frames' P x P pixels of each channel, (x - mean / r) / (std / r) in float32, exactly;
+    with a channel mean and std of their own and an odd frame count (the last frame repeated)."""
+    cfg = VideoProcessorConfig(image_mean=(0.48, 0.46, 0.41), image_std=(0.27, 0.26, 0.28))
+    video = frames(5, 160, 96, seed=3)
+    patches, (grid_t, grid_h, grid_w) = preprocess_video(video, cfg)
+    assert patches.dtype == torch.float32 and patches.is_contiguous()
+    pixels = torch.from_numpy(resized(np.concatenate((video, video[-1:])), cfg)).permute(3, 0, 1, 2)
+    mean = torch.tensor(cfg.image_mean) / cfg.rescale_factor
+    std = torch.tensor(cfg.image_std) / cfg.rescale_factor
+    p, m, t = cfg.patch_size, cfg.merge_size, cfg.temporal_patch_size
+    row = 0
+    for frame in range(0, grid_t * t, t):
+        for block_y in range(0, grid_h, m):
+            for block_x in range(0, grid_w, m):
+                for y in range(block_y, block_y + m):
+                    for x in range(block_x, block_x + m):
+                        cut = pixels[:, frame : frame + t, y * p : (y + 1) * p, x * p : (x + 1) * p]
+                        expected = (cut.float() - mean.view(-1, 1, 1, 1)) / std.view(-1, 1, 1, 1)
+                        assert torch.equal(patches[row], expected.flatten()), (frame, y, x)
+                        row += 1
+    assert row == len(patches)
+
+
 def test_preprocess_rejects_what_is_not_frames():
     with pytest.raises(InvalidMedia, match="uint8"):
         preprocess_video(np.zeros((2, 8, 8, 3), np.float32), CFG)
