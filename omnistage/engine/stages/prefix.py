@@ -56,9 +56,8 @@ def _media(mm: MultimodalEmbeds) -> tuple[MediaRows, ...]:
     is: a layout on the device would allocate at admission, outside the memory plan."""
     media = []
     if mm.audio_embeds is not None:
-        kept = (
-            mm.audio_embeds_host
-        )  # the encoder cache's copy: no read back, which waits for the queued steps
+        # the encoder cache's copy where it has one: reading the rows back would wait for the queued steps
+        kept = mm.audio_embeds_host
         media.append(MediaRows(mm.audio_rows_host, _bytes(kept if kept is not None else mm.audio_embeds)))
     if mm.image_embeds is not None:
         media.append(MediaRows(mm.image_rows_host, _bytes(mm.image_embeds)))
