@@ -9,7 +9,7 @@ its gauges are set once, from the Frontend (`set_plan`).
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector, generate_latest
 from prometheus_client.core import CounterMetricFamily
@@ -28,6 +28,22 @@ _PHASES_HELP = (
     "first part: the body's JSON or form parsed and validated), to_engine (handed over to admitted), "
     "first_token (admitted to first token: encoders, queue, prefill), delivery (first token to the "
     "request's handler), respond (a stream's first output in its handler to its first chunk written)"
+)
+_REALTIME_PHASES_HELP = (
+    "Where a spoken realtime turn's time from the end of the user's speech to its first audio delta goes: "
+    "lay_out (the conversation rendered, its audio featurised), to_engine (handed over to admitted), encode "
+    "(the audio tower), queue (encoded to first scheduled), prefill (to the first text token), speak (to the "
+    "first audio chunk: Talker, code predictor, Code2Wav), send (the chunk encoded and sent)"
+)
+# The marks of a realtime turn, in order, each phase named by the mark that ends it (realtime_turn)
+_REALTIME_MARKS = (
+    ("submitted", "lay_out"),
+    ("arrival", "to_engine"),
+    ("encoded", "encode"),
+    ("scheduled", "queue"),
+    ("first_token", "prefill"),
+    ("first_audio", "speak"),
+    ("sent", "send"),
 )
 # The gauges read from the pipeline's stats at scrape time, by stat: a stat the pipeline does not report (the
 # Talker's where it does not speak, the allocator's on a CPU) leaves its gauge at 0.
@@ -160,6 +176,9 @@ class ServerMetrics:
             "The end of the user's speech (VAD's stop, or the commit) to the first audio delta sent",
             _TTFT_BUCKETS,
         )
+        self.realtime_phases = self._histogram(
+            "omnistage_realtime_phase_seconds", _REALTIME_PHASES_HELP, _TTFT_BUCKETS, ["phase"]
+        )
         self.stat_gauges = {
             stat: Gauge(name, help, registry=r) for stat, (name, help) in _STAT_GAUGES.items()
         }
@@ -222,6 +241,16 @@ class ServerMetrics:
             self.tpot.observe((finished - first) / (generated - 1))
         if arrival is not None and finished is not None:
             self.e2e.observe(finished - arrival)
+
+    def realtime_turn(self, speech_ended: float, times: Mapping[str, float], sent: float) -> None:
+        """The phases of a realtime turn that spoke: from `speech_ended` through its output's `times` to its
+        first audio delta `sent` (monotonic seconds). A mark the output lacks leaves its time to the next."""
+        marks = {**times, "sent": sent}
+        last = speech_ended
+        for mark, phase in _REALTIME_MARKS:
+            if mark in marks:
+                self.realtime_phases.labels(phase).observe(marks[mark] - last)
+                last = marks[mark]
 
     def render(self, stats: dict[str, int]) -> bytes:
         """The exposition text, with the engine gauges refreshed from `stats`."""

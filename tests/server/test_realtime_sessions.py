@@ -42,11 +42,19 @@ def metric(url: str, name: str) -> float:
     return float(found[1]) if found else 0.0
 
 
+def phases(url: str) -> dict[str, float]:
+    """The realtime phases' sums (seconds) by phase."""
+    page = httpx.get(f"{url}/metrics").text
+    found = re.findall(r'^omnistage_realtime_phase_seconds_sum\{phase="(\w+)"\} (\S+)$', page, re.M)
+    return {phase: float(value) for phase, value in found}
+
+
 @in_loop
 async def test_server_vad_commits_the_turn_and_answers_it(url, tiny_pipeline):
     clip = spoken_turns((600, 900))
     ((start_ms, end_ms),) = clip.turns
     before = metric(url, "omnistage_realtime_first_audio_seconds_count")
+    waited, spent = metric(url, "omnistage_realtime_first_audio_seconds_sum"), phases(url)
     async with connect(url) as conn:
         created = await conn.recv()
         assert created.session.audio.input.turn_detection.type == "server_vad"  # OpenAI's default
@@ -68,6 +76,12 @@ async def test_server_vad_commits_the_turn_and_answers_it(url, tiny_pipeline):
     assert events[-1].response.usage.input_token_details.audio_tokens > 0
     assert "response.output_audio.delta" in kinds
     assert metric(url, "omnistage_realtime_first_audio_seconds_count") == before + 1
+    # the phases split the end of speech to the first audio delta: each took some of it, together all of it
+    added = {phase: total - spent.get(phase, 0.0) for phase, total in phases(url).items()}
+    assert set(added) == {"lay_out", "to_engine", "encode", "queue", "prefill", "speak", "send"}
+    assert min(added.values()) >= 0.0
+    waited = metric(url, "omnistage_realtime_first_audio_seconds_sum") - waited
+    assert sum(added.values()) == pytest.approx(waited, abs=1e-6)
     await pages_free(tiny_pipeline)
 
 

@@ -31,7 +31,7 @@ class OutputItems:
         # same lists): the next turn's prompt takes the tokens as they were sampled (Processor.encode_chat)
         self.spoken_ids: list[int] = []
         self._spoken_frames: list[SpokenFrame] = []
-        self._first_audio_sent = False
+        self.first_audio_sent: float | None = None  # monotonic seconds
         self._encoders: dict[str, AudioEncoder] = {}  # by item id: each spoken item's
 
     async def open(self, item: Item) -> None:
@@ -99,9 +99,11 @@ class OutputItems:
                 self._first_audio()
 
     def _first_audio(self) -> None:
-        if not self._first_audio_sent and self.speech_ended is not None:
-            self.link.metrics.realtime_first_audio.observe(time.monotonic() - self.speech_ended)
-        self._first_audio_sent = True
+        if self.first_audio_sent is not None:
+            return
+        self.first_audio_sent = time.monotonic()
+        if self.speech_ended is not None:
+            self.link.metrics.realtime_first_audio.observe(self.first_audio_sent - self.speech_ended)
 
     async def call_events(self, events: list[StreamEvent]) -> None:
         for event in events:
