@@ -7,7 +7,12 @@ audio packet, with barge-in, beside the same turns as plain chat requests.
    commits do not all land in one step), each `--turns` turns of a `--utterance-s` utterance sent in 100 ms
    chunks at `--pace` times real time (1: the microphone's pace, which gives the server's prefill while the
    user speaks the time it has with a real user), then `input_audio_buffer.commit` and `response.create`.
-   Measured: the commit sent to the first `response.output_audio.delta` received.
+   Measured: the commit sent to the first `response.output_audio.delta` received. Between turns the user
+   hears the reply out (its audio at real time from its first packet) and pauses for a time drawn from
+   [0, `--think-s`] (seeded per session and turn), as people apart do. With `--no-listen` each turn starts
+   at the last one's `response.done`: replies admitted in one step end together, so the sessions' turns
+   fall into lockstep, and by turn 5 all c end in the same step (benchmarks/RESULTS.md, "Realtime
+   sessions, again").
 2. Server VAD, one session: an utterance then silence, in 20 ms chunks at real time from an open microphone;
    measured: `input_audio_buffer.speech_stopped` received to the first audio delta. While that reply streams,
    `--barge-ins` times, the user speaks again (`--barge-after-s` after its first audio): measured, to the last
@@ -24,7 +29,9 @@ that a reply still speaks when the user cuts in); the Talker speaks until its en
 8 frames a token). On random weights neither end is forced: each row shows the replies' median text tokens
 and audio seconds, and how many completed. Every turn's audio carries its own dither (realtime_turns.py).
 Each part also records what the server's /metrics counted over it: its own mean end of speech to first audio
-delta sent, and the prefix and audio-tower caches' hits (the turns of a session hit; the baseline must not).
+delta sent, the means of that time's phases (omnistage_realtime_phase_seconds: the layout, the audio tower,
+the queue, the prefill, the speech stages' first chunk, the send), and the prefix and audio-tower caches' hits
+(the turns of a session hit; the baseline must not).
 Under --out-dir: realtime.json (each part's numbers as it ends) and server.log; the table goes to stdout.
 """
 
@@ -49,7 +56,7 @@ import soundfile
 
 from omnistage.bench import realtime_turns as rt
 from omnistage.bench.clients import first_model, spoken_chat
-from omnistage.bench.realtime_socket import Microphone, Session, speak
+from omnistage.bench.realtime_socket import Microphone, Reply, Session, speak
 from omnistage.bench.server_process import ServerProcess
 from omnistage.bench.sse_client import StreamClient
 from omnistage.bench.sweep import run
@@ -81,11 +88,14 @@ class Bench:
         """One session's turns, commit to first audio each."""
         numbers = range(1, self.args.turns + 1)
         sent_audio = [rt.pcm16(self.turn_audio, seed=c * 100_000 + index * 100 + n) for n in numbers]
+        pauses = np.random.default_rng(c * 1000 + index).uniform(0.0, self.args.think_s, len(numbers))
         await asyncio.sleep(delay)
         session = await Session.open(self.url, self.settings(None, self.args.max_output_tokens))
-        turns, replies = [], []
+        turns, replies, replies_seen = [], [], []
         try:
-            for number, pcm in zip(numbers, sent_audio, strict=True):
+            for number, pcm, pause in zip(numbers, sent_audio, pauses, strict=True):
+                if turns and self.args.listen:
+                    await self.listen(replies_seen[-1], pause)
                 await speak(session, pcm, 100, self.args.pace)
                 await session.send({"type": "input_audio_buffer.commit"})
                 committed = time.perf_counter()
@@ -105,11 +115,17 @@ class Bench:
                     )
                 )
                 replies.append(reply.transcript)
+                replies_seen.append(reply)
         finally:
             await session.close()
         if self.conversation is None:
             self.conversation = (sent_audio, replies)
         return turns
+
+    async def listen(self, reply: Reply, pause: float) -> None:
+        """The user hears `reply` out (its audio played at real time from its first packet), then pauses."""
+        assert reply.first_audio is not None
+        await asyncio.sleep(max(0.0, reply.first_audio + reply.audio_s - time.perf_counter()) + pause)
 
     async def manual(self, c: int) -> list[rt.Turn]:
         stagger = self.args.stagger_s / c
@@ -282,6 +298,10 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
         "--pace", type=float, default=1.0, help="times real time the turns' audio goes (0: at once)"
     )
     p.add_argument("--stagger-s", type=float, default=3.0, help="the c sessions' starts spread over this")
+    p.add_argument("--listen", action=argparse.BooleanOptionalAction, default=True,
+                   help="the user hears each reply out before the next turn (--no-listen: at response.done)")  # fmt: skip
+    p.add_argument("--think-s", type=float, default=1.0,
+                   help="then pauses up to this long (uniform, seeded per session and turn)")  # fmt: skip
     p.add_argument("--max-output-tokens", type=int, default=8)
     p.add_argument("--barge-ins", type=int, default=3)
     p.add_argument("--barge-max-output-tokens", type=int, default=32,

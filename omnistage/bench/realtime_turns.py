@@ -10,6 +10,7 @@ session's identical clip (which would make a turn's first audio a cache hit no r
 from __future__ import annotations
 
 import io
+import re
 from dataclasses import dataclass
 
 import numpy as np
@@ -91,21 +92,33 @@ SERVER_SAMPLES = (
 )
 
 
+PHASES = "omnistage_realtime_phase_seconds"  # per phase label: where the server's first audio time went
+_PHASE = re.compile(rf'^{PHASES}_(sum|count)\{{phase="(\w+)"\}} (\S+)$')
+
+
 def scraped(text: str) -> dict[str, float]:
-    """SERVER_SAMPLES' values in a /metrics page."""
+    """SERVER_SAMPLES' values in a /metrics page, and each realtime phase's sum and count (`sum:PHASE`)."""
     values = dict.fromkeys(SERVER_SAMPLES, 0.0)
     for line in text.splitlines():
         name = line.split("{", 1)[0].split(" ", 1)[0]
         if name in values:
             values[name] += float(line.rsplit(" ", 1)[1])
+        elif phase := _PHASE.match(line):
+            values[f"{phase[1]}:{phase[2]}"] = float(phase[3])
     return values
 
 
 def server_view(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
-    """What the server counted between two scrapes: its mean first audio (ms) and the caches' hits."""
-    change = {name: after[name] - before[name] for name in SERVER_SAMPLES}
+    """What the server counted between two scrapes: its mean first audio and each of its phases' means (ms),
+    and the caches' hits."""
+    change = {name: after[name] - before.get(name, 0.0) for name in after}
     count = change["omnistage_realtime_first_audio_seconds_count"]
     mean = change["omnistage_realtime_first_audio_seconds_sum"] / count * 1e3 if count else float("nan")
+    phases = {
+        f"{name.split(':', 1)[1]}_mean_ms": round(change[name] / turns * 1e3, 1)
+        for name in change
+        if name.startswith("sum:") and (turns := change["count:" + name.split(":", 1)[1]])
+    }
     return {
         "first_audio_mean_ms": round(mean, 1),
         "first_audio_count": count,
@@ -113,6 +126,7 @@ def server_view(before: dict[str, float], after: dict[str, float]) -> dict[str, 
         "prefix_tokens_hit": change["omnistage_prefix_cache_hits_total"],
         "encoder_cache_hits": change["omnistage_encoder_cache_hits_total"],
         "talker_rows_hit": change["omnistage_talker_prefix_cache_hits_total"],
+        **phases,
     }
 
 

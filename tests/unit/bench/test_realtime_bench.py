@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import asyncio
 import io
+import time
 
 import numpy as np
 import soundfile
 
 from omnistage.bench import realtime_turns as rt
-from omnistage.bench.realtime import SPEECH, parse
+from omnistage.bench.realtime import SPEECH, Bench, parse
+from omnistage.bench.realtime_socket import Reply
 from omnistage.bench.turn_clips import audible_span
 
 
@@ -87,6 +90,20 @@ def test_command_line_defaults_are_the_h200_run():
     assert (
         args.concurrency == [1, 8, 32] and args.turns == 5 and args.utterance_s == 10.0 and args.pace == 1.0
     )
+    assert args.listen and args.think_s == 1.0
+    assert not parse(["--out-dir", "x", "--no-listen"]).listen
+
+
+def test_the_user_hears_a_reply_out_then_pauses():
+    bench = Bench(parse(["--out-dir", "x"]), "http://unused")
+    reply = Reply(first_audio=time.perf_counter(), audio_bytes=2 * rt.RATE // 5)  # 0.2 s of audio
+
+    async def listened() -> float:
+        start = time.perf_counter()
+        await bench.listen(reply, 0.1)
+        return time.perf_counter() - start
+
+    assert 0.29 <= asyncio.run(listened()) < 0.45
 
 
 def test_the_servers_view_is_the_change_between_two_scrapes():
@@ -111,3 +128,24 @@ omnistage_talker_prefix_cache_hits_total 40.0
     changed = rt.server_view(before, rt.scraped(page.replace("hits_total 40.0", "hits_total 75.0")))
     assert changed["talker_rows_hit"] == 35.0
     assert np.isnan(rt.server_view(before, before)["first_audio_mean_ms"])
+
+
+def test_the_servers_view_has_each_phases_mean():
+    page = """omnistage_realtime_first_audio_seconds_sum 0.3
+omnistage_realtime_first_audio_seconds_count 2.0
+omnistage_realtime_phase_seconds_bucket{le="0.1",phase="prefill"} 2.0
+omnistage_realtime_phase_seconds_sum{phase="prefill"} 0.1
+omnistage_realtime_phase_seconds_count{phase="prefill"} 2.0
+omnistage_realtime_phase_seconds_sum{phase="speak"} 0.2
+omnistage_realtime_phase_seconds_count{phase="speak"} 2.0
+"""
+    before = rt.scraped(page)
+    after = rt.scraped(
+        page.replace('sum{phase="prefill"} 0.1', 'sum{phase="prefill"} 0.4')
+        .replace('count{phase="prefill"} 2.0', 'count{phase="prefill"} 5.0')
+        .replace('sum{phase="speak"} 0.2', 'sum{phase="speak"} 0.5')
+        .replace('count{phase="speak"} 2.0', 'count{phase="speak"} 5.0')
+    )
+    view = rt.server_view(before, after)
+    assert view["prefill_mean_ms"] == 100.0 and view["speak_mean_ms"] == 100.0
+    assert "speak_mean_ms" not in rt.server_view(before, before)  # no turn in between: no mean
