@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import signal
 import statistics
 import sys
 import time
@@ -153,6 +154,8 @@ def main() -> None:
     records: list[Record] = []
     install(records, args.sync)
     sys.argv = ["omnistage", *command]
+    # a server stopped by SIGTERM: uvicorn shuts down, then raises the signal again, which ends here
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     failure = None
     try:
         omnistage_main()
@@ -162,7 +165,7 @@ def main() -> None:
     with open(args.out, "w") as f:
         json.dump({"command": command, "sync": args.sync, "summary": summary, "calls": records}, f)
     print(table(summary))
-    if failure is not None and failure.code not in (None, 0):
+    if failure is not None and failure.code not in (None, 0, 143):
         raise failure
 
 
