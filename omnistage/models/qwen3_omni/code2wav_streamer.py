@@ -27,6 +27,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from omnistage.models.layers.attention_metadata import to_device
 from omnistage.models.qwen3_omni.code2wav import Code2Wav
 
 DecodeWindow = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
@@ -143,7 +144,7 @@ class Code2WavStreamer:
             windows.append(F.pad(window, (lo - start, start + context + size - hi)))
             starts.append(start)
         decode = self.model.decode_window if self.decode is None else self.decode
-        wav = decode(torch.stack(windows), torch.tensor(starts, device=self.device))
+        wav = decode(torch.stack(windows), to_device(torch.tensor(starts), self.device))
         out = []
         for row, request_id in enumerate(ids):
             stream = self.streams[request_id]
