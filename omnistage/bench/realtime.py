@@ -91,11 +91,13 @@ class Bench:
         pauses = np.random.default_rng(c * 1000 + index).uniform(0.0, self.args.think_s, len(numbers))
         await asyncio.sleep(delay)
         session = await Session.open(self.url, self.settings(None, self.args.max_output_tokens))
-        turns, replies, replies_seen = [], [], []
+        turns: list[rt.Turn] = []
+        replies: list[str] = []
+        heard: Reply | None = None  # the last reply
         try:
             for number, pcm, pause in zip(numbers, sent_audio, pauses, strict=True):
-                if turns and self.args.listen:
-                    await self.listen(replies_seen[-1], pause)
+                if heard is not None and self.args.listen:
+                    await self.listen(heard, pause)
                 await speak(session, pcm, 100, self.args.pace)
                 await session.send({"type": "input_audio_buffer.commit"})
                 committed = time.perf_counter()
@@ -115,7 +117,7 @@ class Bench:
                     )
                 )
                 replies.append(reply.transcript)
-                replies_seen.append(reply)
+                heard = reply
         finally:
             await session.close()
         if self.conversation is None:
