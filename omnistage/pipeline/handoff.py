@@ -37,6 +37,7 @@ from omnistage.models.qwen3_omni.config import Qwen3OmniConfig
 from omnistage.models.qwen3_omni.mrope import MediaLayout
 from omnistage.models.qwen3_omni.talker_input import TtsEmbeds, talker_positions, talker_prompt
 from omnistage.outputs import RequestOutput, SpokenFrame
+from omnistage.pipeline.audio_readback import AudioReadback
 from omnistage.pipeline.speech_stages import PREDICTOR_TEMPERATURE, PREDICTOR_TOP_P, SpeechStages
 from omnistage.pipeline.talker_prefix import talker_keys
 from omnistage.request import SpeechParams
@@ -124,10 +125,12 @@ class Handoff:
         self.prefix_caching = prefix_caching
         self.text_rows = text_rows  # talker_input.text_rows: the projected row of every text token
         self.model_config, self.speaking, self.fail = model_config, speaking, fail
+        self.readback = AudioReadback(deferred=stages.device.type == "cuda")
 
     def step(self) -> dict[str, list[np.ndarray]]:
         """Start the Talkers that can start, run one Talker step and the code predictor on what it sampled,
-        then one Code2Wav step; returns the audio chunks per request."""
+        then one Code2Wav step; returns the audio chunks per request that reached the host (on a GPU mostly
+        those of the step before: audio_readback.py)."""
         speech: Speech | None
         for speech in list(self.speaking.values()):
             if not speech.talker_started and speech.error is None:
@@ -159,11 +162,14 @@ class Handoff:
             self.feed_text()
         chunks: dict[str, list[np.ndarray]] = {}
         streaming = [s for s in self.speaking.values() if s.request_id in streamer.streams]
-        for chunk in self.guarded(streaming, streamer.step) or []:
+        made = self.guarded(streaming, streamer.step) or []
+        made_for = [self.speaking.get(str(chunk.request_id)) for chunk in made]
+        first = any(speech is not None and not speech.samples_out for speech in made_for)  # a first chunk
+        for chunk in self.readback.exchange(made, urgent=first):
             speech = self.speaking.get(chunk.request_id)
             if speech is None:
                 continue
-            chunks.setdefault(chunk.request_id, []).append(chunk.samples.float().cpu().numpy())
+            chunks.setdefault(chunk.request_id, []).append(chunk.samples)
             speech.first_audio = speech.first_audio or time.monotonic()
             speech.audio_done = chunk.final
             speech.samples_out += len(chunk.samples)
