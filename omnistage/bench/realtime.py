@@ -12,7 +12,7 @@ audio packet, with barge-in, beside the same turns as plain chat requests.
    [0, `--think-s`] (seeded per session and turn), as people apart do. With `--no-listen` each turn starts
    at the last one's `response.done`: replies admitted in one step end together, so the sessions' turns
    fall into lockstep, and by turn 5 all c end in the same step (benchmarks/RESULTS.md, "Realtime
-   sessions, again").
+   sessions, a third time").
 2. Server VAD, one session: an utterance then silence, in 20 ms chunks at real time from an open microphone;
    measured: `input_audio_buffer.speech_stopped` received to the first audio delta. While that reply streams,
    `--barge-ins` times, the user speaks again (`--barge-after-s` after its first audio): measured, to the last

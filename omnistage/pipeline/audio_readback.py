@@ -46,7 +46,9 @@ class AudioReadback:
         holds an `urgent` one)."""
         ready = self._landed()
         if not self.deferred or urgent:
-            return ready + [HostChunk(str(c.request_id), _host(c.samples), c.final) for c in chunks]
+            return ready + [
+                HostChunk(str(c.request_id), c.samples.float().cpu().numpy(), c.final) for c in chunks
+            ]
         self._copies = []
         for chunk in chunks:
             samples = chunk.samples.float()
@@ -64,7 +66,3 @@ class AudioReadback:
         copies, self._copies = self._copies, []
         # copied out of the pinned buffer, which goes back to its pool: a request keeps its audio to its end
         return [HostChunk(str(chunk.request_id), host.numpy().copy(), chunk.final) for chunk, host in copies]
-
-
-def _host(samples: torch.Tensor) -> np.ndarray:
-    return samples.float().cpu().numpy()

@@ -107,6 +107,10 @@ async def test_speech_over_an_answer_cancels_it(url, tiny_pipeline):
         answered = await until(conn, "response.done")  # the speech that interrupted is answered in turn
         assert answered[-1].response.status == "incomplete"
     assert metric(url, "omnistage_realtime_barge_ins_total") == barge_ins + 1
+    # every first audio delta after the user's speech has its phases, however its response ended
+    page = httpx.get(f"{url}/metrics").text
+    send = re.search(r'^omnistage_realtime_phase_seconds_count\{phase="send"\} (\S+)$', page, re.M)
+    assert send is not None and float(send[1]) == metric(url, "omnistage_realtime_first_audio_seconds_count")
     await pages_free(tiny_pipeline)
 
 

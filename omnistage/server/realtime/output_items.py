@@ -31,7 +31,7 @@ class OutputItems:
         # same lists): the next turn's prompt takes the tokens as they were sampled (Processor.encode_chat)
         self.spoken_ids: list[int] = []
         self._spoken_frames: list[SpokenFrame] = []
-        self.first_audio_sent: float | None = None  # monotonic seconds
+        self._first_audio_sent = False
         self._encoders: dict[str, AudioEncoder] = {}  # by item id: each spoken item's
 
     async def open(self, item: Item) -> None:
@@ -96,14 +96,18 @@ class OutputItems:
                 await self.link.send(
                     {"type": "response.output_audio.delta", **where, "content_index": 0, "delta": encoded}
                 )
-                self._first_audio()
+                self._first_audio(output.metrics)
 
-    def _first_audio(self) -> None:
-        if self.first_audio_sent is not None:
+    def _first_audio(self, times: dict[str, float]) -> None:
+        """The first audio delta was sent: its latency from the end of speech, and where that went (`times`:
+        the output's marks)."""
+        if self._first_audio_sent:
             return
-        self.first_audio_sent = time.monotonic()
+        self._first_audio_sent = True
         if self.speech_ended is not None:
-            self.link.metrics.realtime_first_audio.observe(self.first_audio_sent - self.speech_ended)
+            sent = time.monotonic()
+            self.link.metrics.realtime_first_audio.observe(sent - self.speech_ended)
+            self.link.metrics.realtime_turn(self.speech_ended, times, sent)
 
     async def call_events(self, events: list[StreamEvent]) -> None:
         for event in events:

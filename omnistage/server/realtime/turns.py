@@ -145,9 +145,6 @@ class Response:
         new = await asyncio.to_thread(self._request, messages, has_audio, calling)
         audio_tokens = sum(getattr(new.mm, "num_audio_tokens", None) or ())
         last = await self._stream(new, calling)
-        ended, sent = self.out.speech_ended, self.out.first_audio_sent
-        if last is not None and ended is not None and sent is not None:
-            self.link.metrics.realtime_turn(ended, last.metrics, sent)
         usage = last.outputs[0] if last is not None else None
         self._usage(len(new.prompt_token_ids), audio_tokens, usage.token_ids if usage else [], last)
         if calling and self.settings.spoken:
