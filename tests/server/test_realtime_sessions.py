@@ -126,8 +126,11 @@ async def test_eight_sessions_at_once(url, tiny_pipeline):
             assert done.usage.output_tokens == 3
             return done.output[0].content[0].text
 
+    generated = metric(url, "omnistage_generation_tokens_total")
     answers = await asyncio.gather(*(one(n) for n in range(8)))
     assert len(answers) == 8 and all(answers)
+    # the sessions' requests count in /metrics as HTTP requests do
+    assert metric(url, "omnistage_generation_tokens_total") == generated + 8 * 3
     await pages_free(tiny_pipeline)
     assert metric(url, "omnistage_realtime_sessions") == 0
 

@@ -171,6 +171,7 @@ class Response:
                 await self.out.close("completed")
         finally:
             await outputs.aclose()
+            self._counted(last)
         return last
 
     async def _speak_content(self) -> None:
@@ -189,15 +190,23 @@ class Response:
         self.request_id = new.request_id
         self.out.spoken_ids += tts.reply_token_ids  # the outputs carry none: the reply is given
         await self.out.message_delta(text, None)
-        outputs = self.link.pipeline.generate(new)
+        outputs, last = self.link.pipeline.generate(new), None
         try:
             async for output in outputs:
+                last = output
                 if output.finished:
                     raise_if_failed(output)
                 await self.out.message_delta("", output)
             await self.out.close("completed")
         finally:
             await outputs.aclose()
+            self._counted(last)
+
+    def _counted(self, last: RequestOutput | None) -> None:
+        """A request of the response has ended (or was cut off): its tokens and latencies in /metrics, as an
+        HTTP request's."""
+        if last is not None:
+            self.link.metrics.observe(last)
 
     def _usage(
         self, prompt_tokens: int, audio_tokens: int, generated: list[int], last: RequestOutput | None
