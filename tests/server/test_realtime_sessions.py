@@ -193,6 +193,7 @@ async def test_session_limit_idle_timeout_and_refusals(url):
 @in_loop
 async def test_transcription_session(url, tiny_pipeline):
     clip = spoken_turns((300, 700))
+    generated = metric(url, "omnistage_generation_tokens_total")
     async with connect(url, intent="transcription") as conn:
         created = await conn.recv()
         assert created.session.type == "transcription"
@@ -212,4 +213,5 @@ async def test_transcription_session(url, tiny_pipeline):
     assert completed.transcript == deltas
     assert completed.item_id == events[kinds.index("input_audio_buffer.committed")].item_id
     assert completed.usage.output_tokens > 0 and completed.usage.input_token_details.audio_tokens > 0
+    assert metric(url, "omnistage_generation_tokens_total") == generated + completed.usage.output_tokens
     await pages_free(tiny_pipeline)

@@ -64,10 +64,11 @@ class Transcriber:
         """The transcript, its new text sent as it grows (a language header held back until the text after it
         begins), and the tokens generated."""
         read = self.link.pipeline.frontend.processor.transcript
-        raw, text, tokens = "", "", 0
+        raw, text, tokens, last = "", "", 0, None
         outputs = self.link.pipeline.generate(new)
         try:
             async for output in outputs:
+                last = output
                 if output.finished:
                     raise_if_failed(output)
                 raw += output.outputs[0].delta_text
@@ -79,4 +80,6 @@ class Transcriber:
                     await self.link.send({**event, "item_id": self.item.id, "content_index": 0})
         finally:
             await outputs.aclose()
+            if last is not None:  # counted as an HTTP request's
+                self.link.metrics.observe(last)
         return read(raw)[1], tokens
