@@ -174,9 +174,9 @@ def _patches(
 
     The bytes are put in patch order first, as uint8 (a quarter of the memory the floats would move), then
     become floats and are normalised in place: transformers' arithmetic, (x - mean / r) / (std / r) in
-    float32, value for value. The patches' memory is numpy's, which asks the kernel for huge pages: a 30 s video's 530 MB then faults in
-    a few hundred pages, where torch's allocation took 130,000 (RESULTS.md, "Video decoding and processing on
-    the CPU")."""
+    float32, value for value. The patches' memory is numpy's, which asks the kernel for huge pages: a 30 s
+    video's 530 MB then faults in a few hundred pages, where torch's allocation took 130,000 (RESULTS.md,
+    "Video decoding and processing on the CPU")."""
     grid_t, grid_h, grid_w = grid
     p, m, t = cfg.patch_size, cfg.merge_size, cfg.temporal_patch_size
     if pad := -count % t:
