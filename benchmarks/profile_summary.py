@@ -1,11 +1,11 @@
-"""What a `benchmarks/realtime_profile.sh` run's outputs say, as text:
+"""What a `benchmarks/realtime_profile.sh` or `benchmarks/spy.sh` run's outputs say, as text:
 
     python benchmarks/profile_summary.py DIR [--top 15] > summary.txt
 
 From DIR/gpu.csv (nvidia-smi every 200 ms): the GPU's mean utilisation and the share of samples at 0%.
-From DIR/spy.txt (py-spy's collapsed stacks, one sample every 1/rate s): the samples per thread, and the
-engine thread's lines where it was found (the innermost frame: a blocking copy shows as the line that made
-it). From DIR/trace.json (step_trace.py): the steps' bursts (runs of steps with no gap of 3 s), and the last
+From DIR/spy.txt (py-spy's collapsed stacks, one sample every 1/rate s): the samples per thread, the busiest
+threads' lines where they were found (the innermost frame: a blocking copy shows as the line that made it),
+and the engine thread's frames counted inclusively (where its time went, callees included). From DIR/trace.json (step_trace.py), where there is one: the steps' bursts (runs of steps with no gap of 3 s), and the last
 turn's burst step by step (when each step ended, the host gap before it, its shape and its host time).
 """
 
@@ -26,16 +26,24 @@ def gpu(path: Path) -> str:
 
 def stacks(path: Path, top: int) -> list[str]:
     threads: Counter[str] = Counter()
-    engine: Counter[str] = Counter()
+    inner: dict[str, Counter[str]] = {}
+    engine_inclusive: Counter[str] = Counter()
     for line in path.read_text().splitlines():
         stack, _, count = line.rpartition(" ")
         frames = stack.split(";")
         threads[frames[0]] += int(count)
+        inner.setdefault(frames[0], Counter())[frames[-1]] += int(count)
         if "omnistage-engine" in frames[0]:
-            engine[frames[-1]] += int(count)
+            for frame in set(frames[1:]):
+                engine_inclusive[frame] += int(count)
     out = ["Samples per thread:"] + [f"  {n:6d}  {t}" for t, n in threads.most_common(top)]
-    out += ["The engine thread's innermost frames:"]
-    return out + [f"  {n:6d}  {frame}" for frame, n in engine.most_common(top)]
+    for thread, _ in threads.most_common(4):
+        out += [f"Innermost frames of {thread}:"]
+        out += [f"  {n:6d}  {frame}" for frame, n in inner[thread].most_common(top)]
+    if engine_inclusive:
+        out += ["The engine thread's frames, each counted in every sample whose stack holds it:"]
+        out += [f"  {n:6d}  {frame}" for frame, n in engine_inclusive.most_common(2 * top)]
+    return out
 
 
 def bursts(path: Path) -> list[str]:
@@ -72,7 +80,8 @@ def main() -> None:
     lines = [gpu(args.dir / "gpu.csv")]
     if (args.dir / "spy.txt").exists():
         lines += stacks(args.dir / "spy.txt", args.top)
-    lines += bursts(args.dir / "trace.json")
+    if (args.dir / "trace.json").exists():
+        lines += bursts(args.dir / "trace.json")
     print("\n".join(lines))
 
 

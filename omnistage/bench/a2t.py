@@ -2,7 +2,10 @@
 
 Every clip is transcribed once per pass (a concurrency above the number of clips cycles over the set
 whole times, so that `c` requests are in flight), at most `c` requests in flight, for each concurrency of
-the sweep; a pass reports the real-time factor (all clips' audio seconds / the pass's wall seconds) and the
+the sweep. Such a pass is one burst: c requests start together and end nearly together, so its wall time
+holds a ramp up and a tail. `--rounds R` runs at least R·c requests a pass (whole times over the set), each
+finished request's slot taken by the next at once: with R of 8 or more a pass measures the steady state
+that a serving benchmark at a fixed concurrency reports. A pass reports the real-time factor (all clips' audio seconds / the pass's wall seconds) and the
 TTFT and TPOT medians. Targets:
 
 - a running server (`--url`): chat completions with `input_audio` (streamed; TTFT is the first chunk,
@@ -45,19 +48,24 @@ DEFAULT_DUMMY_OUTPUT_TOKENS = 33  # the issue's reference point: a 5 s clip answ
 
 
 async def sweep(
-    run: Runner, clips: list[Clip], concurrencies: list[int], warmup: int = 1, repeats: int = 1
+    run: Runner,
+    clips: list[Clip],
+    concurrencies: list[int],
+    warmup: int = 1,
+    repeats: int = 1,
+    rounds: int = 1,
 ) -> list[dict]:
-    """`repeats` passes per concurrency, each over the clips as many whole times as c needs; each
-    concurrency's summary (see summarize)."""
+    """`repeats` passes per concurrency, each over the clips as many whole times as `rounds`·c requests
+    need; each concurrency's summary (see summarize)."""
     return await generic_sweep(
-        run, clips, concurrencies, summarize, count=lambda c: passes_for(c, len(clips)) * len(clips),
+        run, clips, concurrencies, summarize, count=lambda c: passes_for(rounds * c, len(clips)) * len(clips),
         warmup=warmup, repeats=repeats,
     )  # fmt: skip
 
 
-def passes_for(concurrency: int, clips: int) -> int:
-    """Whole times over the set one pass takes so that `concurrency` requests can be in flight."""
-    return max(1, math.ceil(concurrency / clips))
+def passes_for(requests: int, clips: int) -> int:
+    """Whole times over the set one pass takes to hold at least `requests` requests."""
+    return max(1, math.ceil(requests / clips))
 
 
 # -- targets -----------------------------------------------------------------------------------------------
@@ -87,6 +95,7 @@ def run_a2t(args: argparse.Namespace) -> dict[str, Any]:
         "clips": [{"name": c.name, "seconds": round(c.seconds, 3)} for c in clips],
         "audio_s": round(total_seconds(clips), 3),
         "output_tokens": output_tokens,
+        "rounds": args.rounds,
     }
     if args.url:
         model = args.served_model or first_model(args.url, args.api_key)
@@ -131,7 +140,7 @@ def run_a2t(args: argparse.Namespace) -> dict[str, Any]:
     results["engine"] = engine.memory_summary()
     try:
         run = inprocess_runner(engine, output_tokens, args.max_tokens)
-        results["ours"] = run_async(sweep(run, clips, concurrencies, args.warmup, args.repeats))
+        results["ours"] = run_async(sweep(run, clips, concurrencies, args.warmup, args.repeats, args.rounds))
         results["builds_while_serving"] = builds.in_process()
         if args.baseline == "transformers":
             results["transformers"] = _transformers(
@@ -180,12 +189,12 @@ async def _over_http(
         client = StreamClient(url, auth(args.api_key))
         try:
             run = server_runner(client, model, args.endpoint, output_tokens, args.max_tokens)
-            return await sweep(run, clips, concurrencies, args.warmup, args.repeats)
+            return await sweep(run, clips, concurrencies, args.warmup, args.repeats, args.rounds)
         finally:
             client.close()
     async with http_pool(url, args.api_key, max(concurrencies)) as httpx_client:
         run = server_runner(httpx_client, model, args.endpoint, output_tokens, args.max_tokens)
-        return await sweep(run, clips, concurrencies, args.warmup, args.repeats)
+        return await sweep(run, clips, concurrencies, args.warmup, args.repeats, args.rounds)
 
 
 def report(results: dict[str, Any]) -> str:
@@ -293,6 +302,9 @@ def add_parser(sub: Any) -> None:
     p.add_argument(
         "--max-tokens", type=int, default=256, help="cap on natural (unforced) outputs (default: %(default)s)"
     )
+    p.add_argument("--rounds", type=int, default=1,
+                   help="requests a pass holds, as a multiple of c (whole times over the set): 1 is one "
+                        "burst, 8 or more the steady state (default: %(default)s)")  # fmt: skip
     p.add_argument("--warmup", type=int, default=1, help="requests run before timing (default: %(default)s)")
     p.add_argument("--repeats", type=int, default=3,
                    help="timed passes per concurrency (and for the baseline); figures are their medians (default: %(default)s)")  # fmt: skip

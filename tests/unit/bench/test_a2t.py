@@ -85,6 +85,28 @@ def test_a_concurrency_above_the_set_cycles_over_it_whole_times():
     assert seven["requests"] == 9 and seven["audio_s"] == 18.0 and peak == 7
 
 
+def test_rounds_keep_c_in_flight_for_several_times_c_requests():
+    clips = [clip(s, f"c{i}") for i, s in enumerate([1.0, 2.0, 3.0])]
+    in_flight = peak = 0
+    started: list[float] = []
+
+    async def run(c: Clip, number: int) -> RequestTiming:
+        nonlocal in_flight, peak
+        in_flight += 1
+        peak = max(peak, in_flight)
+        started.append(time.perf_counter())
+        await asyncio.sleep(0.02 * c.seconds)  # unequal lengths: a slot frees before the others
+        in_flight -= 1
+        return RequestTiming(c.seconds, 0.01, 0.02, 3)
+
+    (burst,) = asyncio.run(a2t.sweep(run, clips, [2], warmup=0))
+    assert burst["requests"] == 3
+    started.clear()
+    (steady,) = asyncio.run(a2t.sweep(run, clips, [2], warmup=0, rounds=4))
+    assert steady["requests"] == 9 and steady["audio_s"] == 18.0 and peak == 2  # 4·2 = 8 → three times over
+    assert started[2] - started[0] == pytest.approx(0.02, abs=0.015)  # the shortest clip's slot taken at once
+
+
 def test_forced_lengths():
     assert a2t_targets.forced(33, 256) == {
         "max_tokens": 33,

@@ -1,0 +1,124 @@
+"""Where a Code2Wav chunk call's time goes at the released sizes (random bf16), on the GPU machine:
+
+    python benchmarks/code2wav_profile.py --streams 16,32,64 --out $OUT/code2wav_profile.json
+
+For each number of streams, one call of 25-frame chunks (`Code2Wav.decode_window`, every stream long under
+way, as at c=64 after the first packets) timed three ways, medians of `--repeats` after warm-up: the whole
+call, its transformer part and its vocoder part (upsamplers, ConvNeXt blocks and the conv decoder), each
+between CUDA synchronisations; and the vocoder part compiled by torch.compile at that fixed shape, with the
+largest difference from the eager samples. Then the eager call at the first count under torch.profiler: its
+CUDA kernels with the most total time. Prints a table; writes everything to --out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from omnistage.models.loader import LoadOptions, load_model
+from omnistage.models.qwen3_omni.code2wav import Code2Wav
+from omnistage.models.qwen3_omni.config import Qwen3OmniConfig
+from omnistage.models.qwen3_omni.tiny import released_config
+
+CHUNK = 25
+
+
+def sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def timed(fn: Callable[[], Any], repeats: int) -> float:
+    """Median ms of `fn` between synchronisations, after two warm-up calls."""
+    for _ in range(2):
+        fn()
+    times = []
+    for _ in range(repeats):
+        sync()
+        start = time.perf_counter()
+        fn()
+        sync()
+        times.append((time.perf_counter() - start) * 1e3)
+    return statistics.median(times)
+
+
+def inputs(model: Code2Wav, streams: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """A call's windows of 25-frame chunks, every stream long under way (nothing absent)."""
+    device = model.code_embedding.weight.device
+    generator = torch.Generator(device=device).manual_seed(streams)
+    shape = (streams, model.config.num_quantizers, model.left_context + CHUNK)
+    codes = torch.randint(0, model.config.codebook_size, shape, generator=generator, device=device)
+    return codes, torch.full((streams,), 1000, device=device)
+
+
+def profile(model: Code2Wav, streams: int, repeats: int) -> dict[str, Any]:
+    codes, first = inputs(model, streams)
+    skip = model.left_context - model.decoder_context
+    positions = first[:, None] + torch.arange(codes.shape[-1], device=codes.device)
+    with torch.inference_mode():
+        hidden = model.pre_transformer(model.embed(codes), positions)[:, skip:].contiguous()
+        eager = model.vocode(hidden)
+        compiled_vocode = torch.compile(model.vocode, dynamic=False)
+        compiled = compiled_vocode(hidden)
+        row = {
+            "streams": streams,
+            "call_ms": timed(lambda: model.decode_window(codes, first), repeats),
+            "transformer_ms": timed(lambda: model.pre_transformer(model.embed(codes), positions), repeats),
+            "vocoder_ms": timed(lambda: model.vocode(hidden), repeats),
+            "vocoder_compiled_ms": timed(lambda: compiled_vocode(hidden), repeats),
+            "compiled_max_abs_diff": (compiled.float() - eager.float()).abs().max().item(),
+        }
+    return row
+
+
+def top_kernels(model: Code2Wav, streams: int, top: int) -> list[dict[str, Any]]:
+    codes, first = inputs(model, streams)
+    with torch.inference_mode():
+        model.decode_window(codes, first)
+        sync()
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+            model.decode_window(codes, first)
+            sync()
+    events = [e for e in prof.key_averages() if e.device_time_total > 0]
+    events.sort(key=lambda e: -e.device_time_total)
+    return [
+        {"name": e.key[:100], "count": e.count, "total_ms": round(e.device_time_total / 1e3, 3)}
+        for e in events[:top]
+    ]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--streams", default="16,32,64")
+    parser.add_argument("--repeats", type=int, default=10)
+    parser.add_argument("--top", type=int, default=20)
+    parser.add_argument("--out", type=Path, default=Path("code2wav_profile.json"))
+    args = parser.parse_args()
+    cfg = Qwen3OmniConfig.from_dict(released_config()).code2wav
+    model = load_model(lambda: Code2Wav(cfg), ".", "code2wav.",
+                       LoadOptions(torch.bfloat16, "cuda", load_format="dummy"))  # fmt: skip
+    counts = [int(s) for s in args.streams.split(",")]
+    rows = [profile(model, streams, args.repeats) for streams in counts]
+    kernels = top_kernels(model, counts[0], args.top)
+    print("| streams | call ms | transformer ms | vocoder ms | vocoder compiled ms | compiled max diff |")
+    print("| --- | --- | --- | --- | --- | --- |")
+    for r in rows:
+        print(f"| {r['streams']} | {r['call_ms']:.2f} | {r['transformer_ms']:.2f} | {r['vocoder_ms']:.2f} | "
+              f"{r['vocoder_compiled_ms']:.2f} | {r['compiled_max_abs_diff']:.2e} |")  # fmt: skip
+    print(f"\nTop CUDA kernels, one eager call of {counts[0]} streams:")
+    for k in kernels:
+        print(f"  {k['total_ms']:8.3f} ms  {k['count']:4d}x  {k['name']}")
+    args.out.write_text(json.dumps({"chunk": CHUNK, "rows": rows, "top_kernels": kernels}, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()
