@@ -63,7 +63,7 @@ def asr_features(hf: Any, device: torch.device) -> Callable[[np.ndarray], dict[s
     chunk = 2 * hf.config.audio_config.n_window
 
     def features(audio: np.ndarray) -> dict[str, torch.Tensor]:
-        mel = log_mel(audio, device=device)
+        mel = log_mel(audio, device=device).to(device)
         frames = mel.shape[-1]
         padded = torch.nn.functional.pad(mel, (0, -frames % chunk))  # its encoder takes whole chunks
         mask = (torch.arange(padded.shape[-1], device=device) < frames).long()[None]

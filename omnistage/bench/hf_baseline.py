@@ -103,7 +103,7 @@ def omni_features(audio: np.ndarray, dtype: torch.dtype, device: torch.device) -
     """A clip as Qwen3-Omni's audio tower takes it in transformers: its mel features, all of them valid."""
     from omnistage.models.qwen3_omni.audio_features import log_mel
 
-    features = log_mel(audio, device=device)
+    features = log_mel(audio, device=device).to(device)
     return {
         "input_features": features[None].to(dtype),
         "feature_attention_mask": torch.ones(1, features.shape[-1], dtype=torch.long, device=device),

@@ -207,13 +207,9 @@ class EncoderStage:
         return rows
 
     def _on_device(self, features: torch.Tensor) -> torch.Tensor:
-        """A clip's features on the encoder's device. Features a processor made there on a stream of its own
-        (its log-mel on the GPU) are marked as read on this one: their memory is not reused before the read,
-        whenever the request drops them."""
-        moved = features.to(self.device)
-        if moved is features and features.is_cuda:
-            features.record_stream(torch.cuda.current_stream(features.device))
-        return moved
+        """A clip's features on the encoder's device: from the pinned memory a GPU's log-mel leaves them in
+        (`audio_features.log_mel`) without waiting for the work queued on the stream."""
+        return features.to(self.device, non_blocking=True)
 
     def _vision_rows(self, prompts: list[MultimodalInputs]) -> list[VisionRows]:
         """Per prompt, the rows [n, H] and deepstack levels [levels, n, H] of its images and of its videos; they

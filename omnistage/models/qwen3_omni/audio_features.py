@@ -91,10 +91,10 @@ def log_mel(
     device: torch.device | str | None = None,
     max_seconds: float = MAX_SECONDS,
 ) -> torch.Tensor | list[torch.Tensor]:
-    """Whisper log-mel features [128, num_samples // 160] of 16 kHz mono audio, float32, on `device`.
+    """Whisper log-mel features [128, num_samples // 160] of 16 kHz mono audio, float32, computed on `device`.
 
     A list of clips gives a list of features, each computed on its own (its own max for the -8 floor).
-    On a CUDA device the features are complete when this returns, and any stream may read them (see below).
+    Computed on a CUDA device, the features come back to the host, in pinned memory (see `_MelBatches`).
     """
     if isinstance(waveform, list):
         return [log_mel(w, device, max_seconds) for w in waveform]
@@ -120,9 +120,14 @@ class _MelBatches:
 
     The processor calls `log_mel` from the server's threads while the engine's thread runs steps on its
     stream. The mel runs on a stream of its own and its caller then waits for that stream alone: the engine's
-    stream is never synchronised, so no step stalls, and the mel does not queue behind a step. After the wait
-    any stream may read the features; their memory returns to this stream's pool when the last holder drops
-    them, the request's caller once the request ended, long after the encoder read them.
+    stream is never synchronised, so no step stalls, and the mel does not queue behind a step.
+
+    The features leave the GPU with the wait, into pinned host memory, from which the encoder copies them
+    back without blocking (`EncoderStage`). Kept on the GPU, they stayed there as long as their request: the
+    memory plan cannot count them (any number of requests may wait, each with up to `MAX_SECONDS` of audio),
+    and 128 two-minute clips in flight held ~0.8 GiB past the plan and ran a fully planned H200 out of
+    memory (benchmarks/RESULTS.md, "Qwen3-ASR at c=128, the steady state"). A clip's copy each way is a
+    few MB at the PCIe's tens of GB/s.
 
     Clips that arrive while a batch runs wait for the next one, which the first of their threads runs for
     all of them (`_log_mels`): at c=128 on the H200, one clip at a time under a lock took a median 193 ms of
@@ -144,7 +149,9 @@ class _MelBatches:
             with self._turn:
                 self.stream.wait_stream(torch.cuda.current_stream(x.device))
                 with torch.cuda.stream(self.stream):
-                    features = _log_mel(x.to(self.device), GPU_FRAMES_PER_CALL, same_size_calls=True)
+                    features = _to_host(
+                        _log_mel(x.to(self.device), GPU_FRAMES_PER_CALL, same_size_calls=True)
+                    )
                 self.stream.synchronize()
             return features
         clip = _Clip(x.numpy())
@@ -165,7 +172,10 @@ class _MelBatches:
     def _run(self, batch: list[_Clip]) -> None:
         try:
             with torch.cuda.stream(self.stream):
-                features = _log_mels([c.samples for c in batch], self.device, GPU_FRAMES_PER_CALL)
+                features = [
+                    _to_host(f)
+                    for f in _log_mels([c.samples for c in batch], self.device, GPU_FRAMES_PER_CALL)
+                ]
             self.stream.synchronize()
         except Exception as exc:  # a device error: every clip of the batch gets it
             for c in batch:
@@ -173,6 +183,12 @@ class _MelBatches:
         else:
             for c, f in zip(batch, features):
                 c.features = f
+
+
+def _to_host(features: torch.Tensor) -> torch.Tensor:
+    """A copy of device `features` in pinned host memory, made on the current stream without waiting."""
+    host = torch.empty(features.shape, dtype=features.dtype, pin_memory=True)
+    return host.copy_(features, non_blocking=True)
 
 
 @dataclass
