@@ -222,13 +222,18 @@ def _log_mels(clips: list[np.ndarray], device: torch.device, per_call: int) -> l
     spans = [-(-(c.size + N_FFT) // HOP_LENGTH) for c in clips]  # each clip's padded length, in whole hops
     starts = np.concatenate([[0], np.cumsum(spans)])
     calls = -(-int(starts[-1]) // per_call)
-    joint = np.zeros((calls * per_call - 1) * HOP_LENGTH + N_FFT, dtype=np.float32)
-    owner = np.full(calls * per_call, len(clips), dtype=np.int64)  # frames across two clips: an extra slot
+    # built in pinned memory and copied without blocking: from pageable memory each batch's copy was a
+    # synchronous staged transfer, the largest share of a burst's preprocessing (benchmarks/RESULTS.md,
+    # "Qwen3-ASR at c=128, the steady state")
+    pinned = device.type == "cuda"
+    joint_t = torch.zeros((calls * per_call - 1) * HOP_LENGTH + N_FFT, pin_memory=pinned)
+    owner_t = torch.full((calls * per_call,), len(clips), dtype=torch.int64, pin_memory=pinned)
+    joint, owner = joint_t.numpy(), owner_t.numpy()  # frames across two clips: owner's extra slot
     for i, (clip, start, n) in enumerate(zip(clips, starts, frames)):
         offset = int(start) * HOP_LENGTH
         joint[offset : offset + clip.size + N_FFT] = np.pad(clip, half, mode="reflect")
         owner[start : start + n] = i
-    x, owner_t = torch.from_numpy(joint).to(device), torch.from_numpy(owner).to(device)
+    x, owners = joint_t.to(device, non_blocking=True), owner_t.to(device, non_blocking=True)
     window, filters = _window(str(device)), _mel_filters(NUM_MEL_BINS, str(device))
     log_spec = torch.empty(NUM_MEL_BINS, calls * per_call, device=device)
     for call in range(calls):
@@ -239,8 +244,8 @@ def _log_mels(clips: list[np.ndarray], device: torch.device, per_call: int) -> l
         power = torch.addcmul(ri[..., 0].square(), ri[..., 1], ri[..., 1])
         log_spec[:, first : first + per_call] = (filters @ power.mT).clamp_(min=1e-10).log10_()
     peaks = torch.full((len(clips) + 1,), -torch.inf, device=device)
-    peaks.scatter_reduce_(0, owner_t, log_spec.amax(dim=0), "amax")
-    torch.maximum(log_spec, (peaks - 8.0)[owner_t][None], out=log_spec)
+    peaks.scatter_reduce_(0, owners, log_spec.amax(dim=0), "amax")
+    torch.maximum(log_spec, (peaks - 8.0)[owners][None], out=log_spec)
     log_spec.add_(4.0).div_(4.0)
     return [log_spec[:, int(s) : int(s) + n].contiguous() for s, n in zip(starts, frames)]
 
