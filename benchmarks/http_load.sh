@@ -1,0 +1,42 @@
+#!/usr/bin/env bash
+# Issue-27 load through HTTP, on the GPU machine, in one call: the colocated topology capped at 80 GiB
+# (released sizes, random bf16) behind `omnistage serve`, then
+# 1. `omnistage bench t2s --url` at c = 1, 4, 16, 32, 64 (40 text tokens and 125 frames forced, as
+#    benchmarks/under_load.sh in-process), with --fail-on-build (the server's /metrics count of kernels and
+#    graphs built while serving);
+# 2. benchmarks/soak.py against the same server: mixed requests (chat, completions, transcriptions, audio and
+#    image, video with its sound; some cut off by their clients) at concurrency SOAK_C, every KV page back
+#    after, the RSS series with its verdict; then /metrics' build count again.
+#
+#   OUT=/path bash benchmarks/http_load.sh        # carry .whl and .whl-av (the soak's video needs PyAV)
+#
+# Under $OUT: env.txt, server.log, t2s.json, speech_bench.log, soak.json, soak.log, builds.txt.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-http-load-out}
+mkdir -p "$OUT"
+source benchmarks/gpu_env.sh
+{ gpu_env_txt; git rev-parse HEAD 2>/dev/null; } >"$OUT/env.txt"
+PORT=${PORT:-8321}
+url=http://127.0.0.1:$PORT
+model=$(python3 -c 'from omnistage.bench.skeletons import released_skeleton; print(released_skeleton())') || exit
+python3 -m omnistage.cli serve --port "$PORT" --model "$model" --load-format dummy --dtype bfloat16 \
+  --config configs/qwen3omni_colocated.yaml --gpu-memory-limit-gib "${CAP_GIB:-80}" >"$OUT/server.log" 2>&1 &
+server=$!
+for _ in $(seq 600); do
+  curl -sf "$url/health" >/dev/null && break
+  kill -0 $server 2>/dev/null || { tail -30 "$OUT/server.log"; exit 1; }
+  sleep 0.5
+done
+builds() { curl -sf "$url/metrics" | grep -E "^omnistage_builds_while_serving" ; }
+failed=0
+timeout "${T2S_S:-240}" python3 -m omnistage.cli bench t2s --url "$url" --concurrency "${T2S_C:-1,4,16,32,64}" \
+  --requests 2 --fail-on-build --out-dir "$OUT" >"$OUT/speech_bench.log" 2>&1 || failed=1
+grep -E "^\| |built while|Error" "$OUT/speech_bench.log" | head -20
+timeout "${SOAK_S:-200}" python3 benchmarks/soak.py --url "$url" --pid $server --requests "${SOAK_N:-600}" \
+  --concurrency "${SOAK_C:-32}" --rss-every 50 --json "$OUT/soak.json" >"$OUT/soak.log" 2>&1 || failed=1
+tail -25 "$OUT/soak.log"
+builds | tee "$OUT/builds.txt"
+kill $server
+wait $server
+exit $failed
