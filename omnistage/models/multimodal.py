@@ -12,9 +12,7 @@ import xxhash
 class MultimodalInputs:
     """What the encoders of one prompt read, every list in prompt order."""
 
-    audio_features: list[
-        torch.Tensor
-    ]  # [128, frames] log-mel per clip (float32; on the host, pinned where a GPU made them)
+    audio_features: list[torch.Tensor]  # [128, frames] log-mel per clip (float32, on the host)
     # audio_pad placeholders per clip; a video's sound track (use_audio_in_video) is a clip in its place
     num_audio_tokens: list[int]
     pixel_values: torch.Tensor | None  # [patches, C*T*P*P] of every image, packed (float32, CPU)

@@ -1,6 +1,6 @@
 """Log-mel features on a GPU: the CPU's features, made on a stream of their own without waiting for the work
-queued on the engine's stream, from several threads at once and in batches, returned in pinned host memory so
-that requests holding them hold no GPU memory."""
+queued on the engine's stream, from several threads at once and in batches, returned to the host so that
+requests holding them hold no GPU memory."""
 
 from __future__ import annotations
 
@@ -36,7 +36,7 @@ def test_gpu_features_equal_the_cpu_features():
     for seconds in (0.3, call, call + 0.01, 2 * call + 11.77, 120.0):
         waveform = clip(seconds, seed=int(seconds))
         gpu = log_mel(waveform, device="cuda")
-        assert gpu.device.type == "cpu" and gpu.is_pinned()
+        assert gpu.device.type == "cpu"
         cpu = log_mel(waveform)
         assert gpu.shape == cpu.shape
         assert (gpu.cpu() - cpu).abs().max().item() <= MEL_TOLERANCE, seconds
@@ -86,7 +86,7 @@ def test_features_held_by_requests_hold_no_gpu_memory(tmp_path):
     waveform = clip(120.0)
     a, b = on_gpu.transcription(waveform, "en", None), on_cpu.transcription(waveform, "en", None)
     assert a.token_ids == b.token_ids and a.mm.num_audio_tokens == b.mm.num_audio_tokens
-    assert a.mm.audio_features[0].is_pinned()
+    assert a.mm.audio_features[0].device.type == "cpu"
     assert (a.mm.audio_features[0] - b.mm.audio_features[0]).abs().max().item() <= MEL_TOLERANCE
     torch.cuda.synchronize()
     before = torch.cuda.memory_allocated()

@@ -52,6 +52,7 @@ from omnistage.engine.stages.vision_rows import (
     vision_pieces,
 )
 from omnistage.errors import InvalidRequest
+from omnistage.models.layers.attention_metadata import to_device
 from omnistage.models.multimodal import MultimodalInputs
 
 log = logging.getLogger(__name__)
@@ -207,9 +208,11 @@ class EncoderStage:
         return rows
 
     def _on_device(self, features: torch.Tensor) -> torch.Tensor:
-        """A clip's features on the encoder's device: from the pinned memory a GPU's log-mel leaves them in
-        (`audio_features.log_mel`) without waiting for the work queued on the stream."""
-        return features.to(self.device, non_blocking=True)
+        """A clip's features (on the host, where a GPU's log-mel leaves them too: `audio_features.log_mel`) on
+        the encoder's device, through pinned memory without waiting for the work queued on the stream."""
+        if features.device.type != "cpu":
+            return features.to(self.device)
+        return to_device(features, self.device)
 
     def _vision_rows(self, prompts: list[MultimodalInputs]) -> list[VisionRows]:
         """Per prompt, the rows [n, H] and deepstack levels [levels, n, H] of its images and of its videos; they

@@ -94,7 +94,7 @@ def log_mel(
     """Whisper log-mel features [128, num_samples // 160] of 16 kHz mono audio, float32, computed on `device`.
 
     A list of clips gives a list of features, each computed on its own (its own max for the -8 floor).
-    Computed on a CUDA device, the features come back to the host, in pinned memory (see `_MelBatches`).
+    Computed on a CUDA device, the features come back to the host (see `_MelBatches`).
     """
     if isinstance(waveform, list):
         return [log_mel(w, device, max_seconds) for w in waveform]
@@ -122,8 +122,8 @@ class _MelBatches:
     stream. The mel runs on a stream of its own and its caller then waits for that stream alone: the engine's
     stream is never synchronised, so no step stalls, and the mel does not queue behind a step.
 
-    The features leave the GPU with the wait, into pinned host memory, from which the encoder copies them
-    back without blocking (`EncoderStage`). Kept on the GPU, they stayed there as long as their request: the
+    The features leave the GPU with the wait (`_to_host`), and the encoder copies them back without blocking
+    (`EncoderStage`). Kept on the GPU, they stayed there as long as their request: the
     memory plan cannot count them (any number of requests may wait, each with up to `MAX_SECONDS` of audio),
     and 128 two-minute clips in flight held ~0.8 GiB past the plan and ran a fully planned H200 out of
     memory (benchmarks/RESULTS.md, "Qwen3-ASR at c=128, the steady state"). A clip's copy each way is a
@@ -186,9 +186,12 @@ class _MelBatches:
 
 
 def _to_host(features: torch.Tensor) -> torch.Tensor:
-    """A copy of device `features` in pinned host memory, made on the current stream without waiting."""
-    host = torch.empty(features.shape, dtype=features.dtype, pin_memory=True)
-    return host.copy_(features, non_blocking=True)
+    """Device `features` on the host, once the current stream has made them. Pageable memory: a request holds
+    its features for its whole life, and a pinned block per request was a fresh page-locked allocation each
+    (no cached block is free while its request lives), which tripled a burst's preprocessing on the H200
+    (benchmarks/RESULTS.md, "Qwen3-ASR at c=128, the steady state"). The encoder stages them through pinned
+    memory of its own (`to_device`)."""
+    return features.to("cpu")
 
 
 @dataclass
