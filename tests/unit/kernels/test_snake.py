@@ -1,9 +1,12 @@
 """The SnakeBeta kernel (kernels/snake.py) on the CPU through Triton's interpreter, against the formula in
-float64 with the absent samples zeroed and the left pad, as `CausalConv1d` feeds its conv."""
+float64 with the absent samples zeroed and the left pad, as `CausalConv1d` feeds its conv; and the torch path
+of `code2wav.SnakeBeta` (what the CPU runs) against the same reference."""
 
 import pytest
 import torch
 from triton_interpreter import INTERPRETING, patch_interpreter, run_in_interpreter
+
+from omnistage.models.qwen3_omni.code2wav import SnakeBeta
 
 pytest.importorskip("triton")
 
@@ -47,6 +50,22 @@ if not INTERPRETING:
     def test_kernel_in_the_interpreter():
         run_in_interpreter(__file__)
 
+    @pytest.mark.parametrize("pad", [0, 6])
+    @pytest.mark.parametrize("masked", [False, True])
+    def test_the_torch_path_is_the_reference(pad, masked):
+        """Off CUDA SnakeBeta computes in torch, activation, zeroing and pad in that order."""
+        x, log_alpha, log_beta = case(len(ABSENT), torch.float64, seed=pad)
+        absent = torch.tensor(ABSENT) if masked else None
+        if masked:
+            x = with_absent_poisoned(x, absent)
+        act = SnakeBeta(CHANNELS).double()
+        with torch.no_grad():
+            act.alpha.copy_(log_alpha)
+            act.beta.copy_(log_beta)
+            got = act(x, pad, absent, SPF)
+        torch.testing.assert_close(
+            got, reference(x, log_alpha, log_beta, pad, absent), rtol=1e-12, atol=1e-12
+        )
 
 else:
     patch_interpreter()
