@@ -8,9 +8,9 @@ copy. Here one pass reads x and writes the conv's input. The vocoder's time with
 benchmarks/RESULTS.md (benchmarks/code2wav_profile.py).
 
     out[b, c, :pad] = 0
-    out[b, c, pad + t] = x + sin²(x·a) / (b + 1e-9)   where t >= absent[b] · samples_per_frame, else 0
+    out[b, c, pad + t] = x + sin²(x·α) / (β + 1e-9)   where t >= absent[b] · samples_per_frame, else 0
 
-with a = e^log_alpha[c] and b = e^log_beta[c], computed in float32 whatever x's dtype. `absent` is read on the
+for x = x[b, c, t], α = e^log_alpha[c] and β = e^log_beta[c], computed in float32 whatever x's dtype. `absent` is read on the
 device, so a CUDA graph captures the call and replays it for any stream's age.
 
 A custom op (`torch.library.triton_op`), as the package's other kernels are: a compiled region keeps it as one
