@@ -13,7 +13,8 @@ uses exactly this: a chunk of frames [a, b) emits samples [spf·a − lookahead,
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import cast
 
@@ -79,7 +80,11 @@ def _zero_absent(x: torch.Tensor, absent: torch.Tensor | None, samples_per_frame
 
 
 class CausalConv1d(nn.Module):
-    """A stride-1 conv that reads only the present and the past (left zero padding of (k − 1)·d)."""
+    """A stride-1 conv that reads only the present and the past (left zero padding of (k − 1)·d).
+
+    Where a SnakeBeta comes before it, the conv takes it as `act`, and the activation hands back the padded
+    input with the absent samples zeroed: on CUDA that is one pass over the tensor (`SnakeBeta.forward`).
+    """
 
     def __init__(
         self,
@@ -95,10 +100,14 @@ class CausalConv1d(nn.Module):
         self.reach = (kernel_size - 1) * dilation
         self.samples_per_frame = samples_per_frame
 
-    def forward(self, x: torch.Tensor, absent: torch.Tensor | None = None) -> torch.Tensor:
-        if self.reach:
-            x = _zero_absent(x, absent, self.samples_per_frame)
-        return self.conv(F.pad(x, (self.reach, 0)))
+    def forward(
+        self, x: torch.Tensor, absent: torch.Tensor | None = None, act: SnakeBeta | None = None
+    ) -> torch.Tensor:
+        """conv(pad(zero_absent(act(x)))); the absent samples are zeroed only where the conv reads back."""
+        absent = absent if self.reach else None
+        if act is not None:
+            return self.conv(act(x, self.reach, absent, self.samples_per_frame))
+        return self.conv(F.pad(_zero_absent(x, absent, self.samples_per_frame), (self.reach, 0)))
 
 
 class TrimmedConvTranspose1d(nn.Module):
@@ -131,16 +140,54 @@ class ConvNeXtBlock(nn.Module):
 
 
 class SnakeBeta(nn.Module):
-    """x + sin²(x·e^α) / e^β per channel; α and β are stored as logarithms."""
+    """x + sin²(x·e^α) / e^β per channel; α and β are stored as logarithms.
+
+    Before a causal conv it also prepares the conv's input: the samples of `absent` frames zeroed, then `pad`
+    zeros on the left. On CUDA one Triton kernel (`kernels/snake.py`) does all of it in one pass, where torch
+    takes up to seven (the activation's five, the zeroing and the pad's copy) over the vocoder's largest
+    tensors, each memory-bound (benchmarks/RESULTS.md, benchmarks/code2wav_profile.py). With `fused` False it
+    takes torch's passes on every device (`torch_snake`).
+    """
 
     def __init__(self, channels: int) -> None:
         super().__init__()
         self.alpha = nn.Parameter(torch.empty(channels))
         self.beta = nn.Parameter(torch.empty(channels))
+        self.fused = True
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self,
+        x: torch.Tensor,
+        pad: int = 0,
+        absent: torch.Tensor | None = None,
+        samples_per_frame: int = 1,
+    ) -> torch.Tensor:
+        """`x` `[B, C, L]` → `[B, C, pad + L]`; `absent` `[B]` frames of `samples_per_frame` samples, or None.
+
+        The kernel is imported here, where it runs: it needs Triton, which a CPU install may lack.
+        """
+        if self.fused and x.is_cuda:
+            from omnistage.kernels.snake import snake
+
+            return snake(x, self.alpha, self.beta, pad, absent, samples_per_frame)
         alpha, beta = self.alpha.exp()[:, None], self.beta.exp()[:, None]
-        return x + torch.sin(x * alpha).pow(2) / (beta + 1e-9)
+        x = _zero_absent(x + torch.sin(x * alpha).pow(2) / (beta + 1e-9), absent, samples_per_frame)
+        return F.pad(x, (pad, 0)) if pad else x
+
+
+@contextmanager
+def torch_snake(model: nn.Module) -> Iterator[None]:
+    """`model`'s SnakeBeta activations on torch's passes inside the block, on any device: the eager path the
+    GPU tests and benchmarks/code2wav_profile.py hold the kernel against."""
+    acts = [m for m in model.modules() if isinstance(m, SnakeBeta)]
+    fused = [act.fused for act in acts]
+    for act in acts:
+        act.fused = False
+    try:
+        yield
+    finally:
+        for act, was in zip(acts, fused, strict=True):
+            act.fused = was
 
 
 class ResidualUnit(nn.Module):
@@ -152,7 +199,7 @@ class ResidualUnit(nn.Module):
         self.conv2 = CausalConv1d(dim, dim, 1, samples_per_frame)
 
     def forward(self, x: torch.Tensor, absent: torch.Tensor | None = None) -> torch.Tensor:
-        return x + self.conv2(self.act2(self.conv1(self.act1(x), absent)))
+        return x + self.conv2(self.conv1(x, absent, self.act1), absent, self.act2)
 
 
 class DecoderBlock(nn.Module):
@@ -307,7 +354,7 @@ class Code2Wav(nn.Module):
         x = first(x, absent)
         for block in blocks:
             x = block(x, absent)
-        return last(act(x), absent)[:, 0].clamp(-1, 1)
+        return last(x, absent, act)[:, 0].clamp(-1, 1)
 
     def forward(self, codes: torch.Tensor) -> torch.Tensor:
         """One-shot decode: codes `[B, num_quantizers, T]` → waveform `[B, spf·T − lookahead]`."""

@@ -1,0 +1,158 @@
+"""The SnakeBeta kernel (kernels/snake.py) on a GPU: alone at the vocoder's largest shape against the formula;
+in Code2Wav at the released sizes (random weights), `decode_window` with it against torch's passes
+(`code2wav.torch_snake`) in float32 and in bf16; and a captured graph's replay, which must record the kernel
+reading each call's absent frames, against an eager call."""
+
+import copy
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import pytest
+import torch
+
+from omnistage.engine.graphs.code2wav import Code2WavGraphs
+from omnistage.models.loader import LoadOptions, load_model
+from omnistage.models.qwen3_omni.code2wav import Code2Wav, torch_snake
+from omnistage.models.qwen3_omni.config import Qwen3OmniConfig
+from omnistage.models.qwen3_omni.tiny import released_config
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
+]
+
+DEV = "cuda"
+FIRST, CHUNK, STREAMS = 2, 25, 16
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a.double() - b.double()).norm() / b.double().norm()).item()
+
+
+@contextmanager
+def ieee_convs() -> Iterator[None]:
+    """float32 convolutions in float32: cuDNN takes them as TF32 by default, hardly finer than bf16."""
+    precision = torch.backends.cudnn.conv.fp32_precision
+    torch.backends.cudnn.conv.fp32_precision = "ieee"
+    try:
+        yield
+    finally:
+        torch.backends.cudnn.conv.fp32_precision = precision
+
+
+@pytest.fixture(scope="module")
+def model() -> Code2Wav:
+    cfg = Qwen3OmniConfig.from_dict(released_config()).code2wav
+    model = load_model(
+        lambda: Code2Wav(cfg), ".", "code2wav.", LoadOptions(torch.bfloat16, DEV, load_format="dummy")
+    )
+    # scaled down so that few samples reach the ±1 clamp, where differences would hide
+    model.decoder[-1].conv.weight.data /= 64
+    model.decoder[-1].conv.bias.data /= 64
+    return model
+
+
+@pytest.fixture(scope="module")
+def reference(model) -> Code2Wav:
+    """The same weights in float32, on torch's passes: the oracle both bf16 paths are measured against."""
+    return copy.deepcopy(model).float()
+
+
+def call(model: Code2Wav, size: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """A call of STREAMS windows: a first chunk's (its stream's first frames alone), or later chunks' at every
+    age: half of them younger than the decoder's context, whose convolutions then zero absent frames (through
+    the kernel), the others younger than the transformer's context or long under way."""
+    generator = torch.Generator(device=DEV).manual_seed(seed)
+    frames = size if size == FIRST else model.left_context + size
+    shape = (STREAMS, model.config.num_quantizers, frames)
+    codes = torch.randint(0, model.config.codebook_size, shape, generator=generator, device=DEV)
+    ages = torch.randint(0, 2 * model.left_context, (STREAMS,), generator=generator, device=DEV)
+    young = STREAMS // 2
+    ages[:young] = torch.randint(0, model.decoder_context, (young,), generator=generator, device=DEV)
+    return codes, ages - model.left_context
+
+
+def snake_reference(x, log_alpha, log_beta, pad, absent, samples_per_frame):
+    """The formula in float64, then the absent samples zeroed, then the pad."""
+    x64 = x.double()
+    a, b = log_alpha.double().exp()[:, None], log_beta.double().exp()[:, None]
+    y = x64 + torch.sin(x64 * a) ** 2 / (b + 1e-9)
+    present = torch.arange(x.shape[-1], device=x.device) >= absent[:, None] * samples_per_frame
+    return torch.nn.functional.pad(torch.where(present[:, None, :], y, 0), (pad, 0))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@torch.inference_mode()
+def test_the_kernel_at_the_largest_shape(dtype):
+    """The last decoder block's `[16, 96, 67,200]` at a 25-frame chunk, its 7-tap conv's pad of 6, rows with
+    no absent frame, some, all but one, and all; the absent samples poisoned with nan."""
+    from omnistage.kernels.snake import snake
+
+    g = torch.Generator(device=DEV).manual_seed(0)
+    channels, length, spf = 96, 35 * 1920, 1920
+    x = (torch.randn(STREAMS, channels, length, generator=g, device=DEV) * 3).to(dtype)
+    log_alpha = (torch.randn(channels, generator=g, device=DEV) * 0.5).to(dtype)
+    log_beta = (torch.randn(channels, generator=g, device=DEV) * 0.5).to(dtype)
+    absent = torch.tensor([0, 1, 10, 34, 35, 50] + [3] * (STREAMS - 6), device=DEV)
+    present = torch.arange(length, device=DEV) >= absent[:, None] * spf
+    x = torch.where(present[:, None, :], x, float("nan"))
+    got = snake(x, log_alpha, log_beta, 6, absent, spf)
+    want = snake_reference(x, log_alpha, log_beta, 6, absent, spf)
+    assert got.dtype == dtype and got.shape == (STREAMS, channels, 6 + length)
+    if dtype == torch.float32:
+        torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5)
+    else:
+        # one rounding of a float32 result: within one bf16 ulp (2^-8 to 2^-7 of the value) of the reference
+        # rounded to bf16
+        torch.testing.assert_close(got.double(), want.to(dtype).double(), rtol=2**-7, atol=1e-5)
+
+
+@pytest.mark.parametrize("size", [FIRST, CHUNK])
+@torch.inference_mode()
+def test_decode_window_with_the_kernel_is_torchs(model, reference, size):
+    """In float32 the kernel's path gives torch's samples to float32's rounding: every activation's pad,
+    zeroed absent frames and strides are as torch's. In bf16 the kernel computes in float32 and rounds once,
+    where torch rounds each of its passes: its samples are no farther from the float32 model's than torch's are
+    (both are far, and by how much depends on how random weights amplify bf16's rounding, so the bound is
+    torch's own error rather than a fixed figure)."""
+    codes, starts = call(model, size, seed=size)
+    with ieee_convs():
+        exact = reference.decode_window(codes, starts)
+        with torch_snake(reference):
+            want = reference.decode_window(codes, starts)
+    fused = model.decode_window(codes, starts)
+    with torch_snake(model):
+        eager = model.decode_window(codes, starts)
+    assert fused.shape == eager.shape == want.shape == (STREAMS, model.config.samples_per_frame * size)
+    assert fused.isfinite().all()
+    assert not torch.equal(fused, eager) and not torch.equal(exact, want)  # two paths ran, in each dtype
+    fused_error, eager_error = _rel(fused, want), _rel(eager, want)
+    print(
+        f"{STREAMS} streams x {size} frames, against torch in float32: kernel in float32 "
+        f"{_rel(exact, want):.2e}; in bf16 kernel {fused_error:.2e}, torch {eager_error:.2e}, kernel against "
+        f"torch {_rel(fused, eager):.2e}"
+    )
+    assert _rel(exact, want) < 1e-4
+    assert fused_error <= 1.25 * eager_error
+
+
+@pytest.fixture(scope="module")
+def runner(model) -> Code2WavGraphs:
+    runner = Code2WavGraphs(model, (FIRST, CHUNK), STREAMS, prefix=FIRST)
+    runner.capture([(FIRST, STREAMS), (CHUNK, STREAMS)])
+    return runner
+
+
+@pytest.mark.parametrize("size", [FIRST, CHUNK])
+@torch.inference_mode()
+def test_a_replay_is_an_eager_call(model, runner, size):
+    """Two calls of other ages through one graph: each replay reads its own absent frames."""
+    for seed in (1, 2):
+        codes, starts = call(model, size, seed=seed)
+        got = runner(codes, starts)
+        want = model.decode_window(codes, starts)
+        error = _rel(got, want)
+        print(f"{STREAMS} streams x {size} frames: replay against eager {error:.2e}")
+        # the graph recorded the eager call's kernels; as test_code2wav_graphs_gpu.py allows, bf16 rounding
+        # may still differ where a library picks another kernel on the capture stream
+        assert error < 2e-2
