@@ -3,7 +3,6 @@ in Code2Wav at the released sizes (random weights), `decode_window` with it agai
 (`code2wav.torch_snake`) in float32 and in bf16; and a captured graph's replay, which must record the kernel
 reading each call's absent frames, against an eager call."""
 
-import copy
 from collections.abc import Iterator
 from contextlib import contextmanager
 
@@ -40,12 +39,14 @@ def ieee_convs() -> Iterator[None]:
         torch.backends.cudnn.conv.fp32_precision = precision
 
 
+def released(dtype: torch.dtype) -> Code2Wav:
+    cfg = Qwen3OmniConfig.from_dict(released_config()).code2wav
+    return load_model(lambda: Code2Wav(cfg), ".", "code2wav.", LoadOptions(dtype, DEV, load_format="dummy"))
+
+
 @pytest.fixture(scope="module")
 def model() -> Code2Wav:
-    cfg = Qwen3OmniConfig.from_dict(released_config()).code2wav
-    model = load_model(
-        lambda: Code2Wav(cfg), ".", "code2wav.", LoadOptions(torch.bfloat16, DEV, load_format="dummy")
-    )
+    model = released(torch.bfloat16)
     # scaled down so that few samples reach the ±1 clamp, where differences would hide
     model.decoder[-1].conv.weight.data /= 64
     model.decoder[-1].conv.bias.data /= 64
@@ -54,8 +55,12 @@ def model() -> Code2Wav:
 
 @pytest.fixture(scope="module")
 def reference(model) -> Code2Wav:
-    """The same weights in float32, on torch's passes: the oracle both bf16 paths are measured against."""
-    return copy.deepcopy(model).float()
+    """The same weights in float32, on torch's passes: the oracle both bf16 paths are measured against. Loaded
+    as such, then given the bf16 model's values: `.float()` would leave the fused projections' weights (plain
+    attributes viewing the parameters' storage, `layers/linear.py`) in bf16."""
+    reference = released(torch.float32)
+    reference.load_state_dict(model.state_dict())
+    return reference
 
 
 def call(model: Code2Wav, size: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
