@@ -152,7 +152,6 @@ class _MelBatches:
                     features = _to_host(
                         _log_mel(x.to(self.device), GPU_FRAMES_PER_CALL, same_size_calls=True)
                     )
-                self.stream.synchronize()
             return features
         clip = _Clip(x.numpy())
         with self._queue:
@@ -172,11 +171,7 @@ class _MelBatches:
     def _run(self, batch: list[_Clip]) -> None:
         try:
             with torch.cuda.stream(self.stream):
-                features = [
-                    _to_host(f)
-                    for f in _log_mels([c.samples for c in batch], self.device, GPU_FRAMES_PER_CALL)
-                ]
-            self.stream.synchronize()
+                features = _log_mels([c.samples for c in batch], self.device, GPU_FRAMES_PER_CALL)
         except Exception as exc:  # a device error: every clip of the batch gets it
             for c in batch:
                 c.error = exc
@@ -186,11 +181,9 @@ class _MelBatches:
 
 
 def _to_host(features: torch.Tensor) -> torch.Tensor:
-    """Device `features` on the host, once the current stream has made them. Pageable memory: a request holds
-    its features for its whole life, and a pinned block per request was a fresh page-locked allocation each
-    (no cached block is free while its request lives), which tripled a burst's preprocessing on the H200
-    (benchmarks/RESULTS.md, "Qwen3-ASR at c=128, the steady state"). The encoder stages them through pinned
-    memory of its own (`to_device`)."""
+    """Device `features` on the host, once the current stream has made them, in pageable memory: a request
+    holds its features for its whole life, so a pinned block per request could never come from the cache of
+    freed ones. The encoder stages them through pinned memory of its own (`to_device`)."""
     return features.to("cpu")
 
 
@@ -213,7 +206,9 @@ def _first_within(clips: list[_Clip], samples: float) -> list[_Clip]:
 
 def _log_mels(clips: list[np.ndarray], device: torch.device, per_call: int) -> list[torch.Tensor]:
     """The features of several float32 waveforms, each equal to `_log_mel(clip, per_call, same_size_calls=True)`,
-    from one copy to `device` and one run of same-size STFT calls.
+    from one copy to `device`, one run of same-size STFT calls and one copy back to the host. Every copy
+    back waits for the stream and gives the GIL up, and a thread may wait for it again up to the switch
+    interval while the engine's thread runs Python: once for a batch rather than once for each of its clips.
 
     Each clip is padded as torch.stft centres it and the clips are laid end to end, each starting at a whole
     hop: then a clip's frames are frames of the joint signal (a frame reads its 400 samples, all within its
@@ -249,8 +244,8 @@ def _log_mels(clips: list[np.ndarray], device: torch.device, per_call: int) -> l
     peaks = torch.full((len(clips) + 1,), -torch.inf, device=device)
     peaks.scatter_reduce_(0, owners, log_spec.amax(dim=0), "amax")
     torch.maximum(log_spec, (peaks - 8.0)[owners][None], out=log_spec)
-    log_spec.add_(4.0).div_(4.0)
-    return [log_spec[:, int(s) : int(s) + n].contiguous() for s, n in zip(starts, frames)]
+    host = _to_host(log_spec.add_(4.0).div_(4.0))  # one copy and one wait for the batch, not one per clip
+    return [host[:, int(s) : int(s) + n].contiguous() for s, n in zip(starts, frames)]
 
 
 def _log_mel(x: torch.Tensor, per_call: int, same_size_calls: bool) -> torch.Tensor:
