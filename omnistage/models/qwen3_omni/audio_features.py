@@ -220,9 +220,9 @@ def _log_mels(clips: list[np.ndarray], device: torch.device, per_call: int) -> l
     spans = [-(-(c.size + N_FFT) // HOP_LENGTH) for c in clips]  # each clip's padded length, in whole hops
     starts = np.concatenate([[0], np.cumsum(spans)])
     calls = -(-int(starts[-1]) // per_call)
-    # built in pinned memory and copied without blocking: from pageable memory each batch's copy was a
-    # synchronous staged transfer, the largest share of a burst's preprocessing (benchmarks/RESULTS.md,
-    # "Qwen3-ASR at c=128, the steady state")
+    # built in pinned memory and copied without blocking: from pageable memory the copy is a synchronous
+    # staged transfer, which py-spy found the mel threads' busiest line (benchmarks/RESULTS.md, "Qwen3-ASR at
+    # c=128, the steady state")
     pinned = device.type == "cuda"
     joint_t = torch.zeros((calls * per_call - 1) * HOP_LENGTH + N_FFT, pin_memory=pinned)
     owner_t = torch.full((calls * per_call,), len(clips), dtype=torch.int64, pin_memory=pinned)
