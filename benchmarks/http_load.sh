@@ -6,7 +6,9 @@
 #    graphs built while serving);
 # 2. benchmarks/soak.py against the same server: mixed requests (chat, completions, transcriptions, audio and
 #    image, video with its sound; some cut off by their clients) at concurrency SOAK_C, every KV page back
-#    after, the RSS series with its verdict; then /metrics' build count again.
+#    after, the RSS series with its verdict (a plateau required; SOAK_RSS_MIB bounds the growth, 1,024 by
+#    default: the released model's server grew 330 MiB over its warm-up, past the tiny model's 256); then
+#    /metrics' build count again.
 #
 #   OUT=/path bash benchmarks/http_load.sh        # carry .whl and .whl-av (the soak's video needs PyAV)
 #
@@ -34,7 +36,8 @@ timeout "${T2S_S:-240}" python3 -m omnistage.cli bench t2s --url "$url" --concur
   --requests 2 --fail-on-build --out-dir "$OUT" >"$OUT/speech_bench.log" 2>&1 || failed=1
 grep -E "^\| |built while|Error" "$OUT/speech_bench.log" | head -20
 timeout "${SOAK_S:-200}" python3 benchmarks/soak.py --url "$url" --pid $server --requests "${SOAK_N:-600}" \
-  --concurrency "${SOAK_C:-32}" --rss-every 50 --json "$OUT/soak.json" >"$OUT/soak.log" 2>&1 || failed=1
+  --concurrency "${SOAK_C:-32}" --rss-every 50 --require-plateau --max-rss-growth-mib "${SOAK_RSS_MIB:-1024}" \
+  --json "$OUT/soak.json" >"$OUT/soak.log" 2>&1 || failed=1
 tail -25 "$OUT/soak.log"
 builds | tee "$OUT/builds.txt"
 kill $server
