@@ -106,8 +106,32 @@ class CausalConv1d(nn.Module):
         """conv(pad(zero_absent(act(x)))); the absent samples are zeroed only where the conv reads back."""
         absent = absent if self.reach else None
         if act is not None:
-            return self.conv(act(x, self.reach, absent, self.samples_per_frame))
-        return self.conv(F.pad(_zero_absent(x, absent, self.samples_per_frame), (self.reach, 0)))
+            return self._conv(act(x, self.reach, absent, self.samples_per_frame))
+        return self._conv(F.pad(_zero_absent(x, absent, self.samples_per_frame), (self.reach, 0)))
+
+    def _conv(self, x: torch.Tensor) -> torch.Tensor:
+        """The conv of the padded input. To one output channel on CUDA (the decoder's last conv) as one
+        product and shifted sums: cuDNN runs that shape on its slow generic kernel, the largest of a Code2Wav
+        call (benchmarks/RESULTS.md, "Speech at c=64")."""
+        if x.is_cuda and self.conv.out_channels == 1 and self.conv.groups == 1:
+            return one_channel_conv(x, self.conv.weight, self.conv.bias, self.conv.dilation[0])
+        return self.conv(x)
+
+
+def one_channel_conv(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, dilation: int
+) -> torch.Tensor:
+    """`F.conv1d(x, weight, bias, dilation=dilation)` for `weight` `[1, C, k]`: each tap's product over the
+    channels at every sample (`[B, k, L]`, one batched GEMM), then the taps shifted into place and summed in
+    float32."""
+    taps = torch.matmul(weight[0].T, x)
+    length = x.shape[-1] - (weight.shape[-1] - 1) * dilation
+    out = taps[:, 0, :length].float()
+    for k in range(1, weight.shape[-1]):
+        out += taps[:, k, k * dilation : k * dilation + length]
+    if bias is not None:
+        out += bias.float()
+    return out.to(x.dtype)[:, None]
 
 
 class TrimmedConvTranspose1d(nn.Module):
