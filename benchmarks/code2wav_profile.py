@@ -6,11 +6,13 @@ For each number of streams, one call of 25-frame chunks (`Code2Wav.decode_window
 way, as at c=64 after the first packets) timed, medians of `--repeats` after warm-up, each between CUDA
 synchronisations: the whole call, its transformer part and its vocoder part (upsamplers, ConvNeXt blocks and
 the conv decoder) as the model runs them (SnakeBeta on its Triton kernel, `kernels/snake.py`); the vocoder on
-torch's passes (`code2wav.torch_snake`); and that torch path compiled by torch.compile at the fixed shape.
+torch's passes (`code2wav.torch_snake`); that torch path compiled by torch.compile at the fixed shape; and the
+model's vocoder with cuDNN's benchmark mode (each convolution's algorithm timed, not guessed).
 Beside them the largest difference of the kernel's samples and of the compiled ones from the eager torch
 path's. The last conv is scaled down first, as the GPU tests do: with random weights most samples would sit
 at the ±1 clamp, where differences hide. Then the eager call at the first count under torch.profiler: its
-CUDA kernels with the most total time. Prints a table; writes everything to --out.
+CUDA kernels with the most total time, and its convolutions with the most by input shapes. Prints a table;
+writes everything to --out.
 """
 
 from __future__ import annotations
@@ -93,6 +95,8 @@ def profile(model: Code2Wav, streams: int, repeats: int) -> dict[str, Any]:
             compiled = compiled_vocode(hidden)
             row["vocoder_torch_ms"] = timed(lambda: model.vocode(hidden), repeats)
             row["vocoder_compiled_ms"] = timed(lambda: compiled_vocode(hidden), repeats)
+        with torch.backends.cudnn.flags(enabled=True, benchmark=True):  # cuDNN times its algorithms per shape
+            row["vocoder_cudnn_benchmark_ms"] = timed(lambda: model.vocode(hidden), repeats)
         row["fused_max_abs_diff"] = max_abs_diff(fused, eager)
         row["compiled_max_abs_diff"] = max_abs_diff(compiled, eager)
     return row
@@ -114,6 +118,25 @@ def top_kernels(model: Code2Wav, streams: int, top: int) -> list[dict[str, Any]]
     ]
 
 
+def top_convolutions(model: Code2Wav, streams: int, top: int) -> list[dict[str, Any]]:
+    """The convolutions of one eager call with the most CUDA time, by their input shapes: which layer a slow
+    kernel of `top_kernels` belongs to."""
+    codes, first = inputs(model, streams)
+    activities = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+    with torch.inference_mode():
+        model.decode_window(codes, first)
+        sync()
+        with torch.profiler.profile(activities=activities, record_shapes=True) as prof:
+            model.decode_window(codes, first)
+            sync()
+    events = [e for e in prof.key_averages(group_by_input_shape=True) if e.key == "aten::convolution"]
+    events.sort(key=lambda e: -e.device_time_total)
+    return [
+        {"shapes": str(e.input_shapes[:3]), "count": e.count, "total_ms": round(e.device_time_total / 1e3, 3)}
+        for e in events[:top]
+    ]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -130,17 +153,23 @@ def main() -> None:
     counts = [int(s) for s in args.streams.split(",")]
     rows = [profile(model, streams, args.repeats) for streams in counts]
     kernels = top_kernels(model, counts[0], args.top)
+    convolutions = top_convolutions(model, counts[0], 8)
     print("| streams | call ms | transformer ms | vocoder ms | vocoder torch ms | vocoder compiled ms "
-          "| kernel max diff | compiled max diff |")  # fmt: skip
-    print("| --- | --- | --- | --- | --- | --- | --- | --- |")
+          "| vocoder, cuDNN benchmark ms | kernel max diff | compiled max diff |")  # fmt: skip
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     for r in rows:
         print(f"| {r['streams']} | {r['call_ms']:.2f} | {r['transformer_ms']:.2f} | {r['vocoder_ms']:.2f} | "
-              f"{r['vocoder_torch_ms']:.2f} | {r['vocoder_compiled_ms']:.2f} | {r['fused_max_abs_diff']:.2e} | "
+              f"{r['vocoder_torch_ms']:.2f} | {r['vocoder_compiled_ms']:.2f} | "
+              f"{r['vocoder_cudnn_benchmark_ms']:.2f} | {r['fused_max_abs_diff']:.2e} | "
               f"{r['compiled_max_abs_diff']:.2e} |")  # fmt: skip
     print(f"\nTop CUDA kernels, one eager call of {counts[0]} streams:")
     for k in kernels:
         print(f"  {k['total_ms']:8.3f} ms  {k['count']:4d}x  {k['name']}")
-    args.out.write_text(json.dumps({"chunk": CHUNK, "rows": rows, "top_kernels": kernels}, indent=2) + "\n")
+    print(f"\nTop convolutions by input shapes (input, weight, bias), one eager call of {counts[0]} streams:")
+    for c in convolutions:
+        print(f"  {c['total_ms']:8.3f} ms  {c['count']:4d}x  {c['shapes']}")
+    out = {"chunk": CHUNK, "rows": rows, "top_kernels": kernels, "top_convolutions": convolutions}
+    args.out.write_text(json.dumps(out, indent=2) + "\n")
 
 
 if __name__ == "__main__":

@@ -10,7 +10,8 @@ from __future__ import annotations
 import io
 import math
 import threading
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from functools import lru_cache
 from typing import overload
 
@@ -119,21 +120,21 @@ class _MelBatches:
     """The log-mel features of clips from many threads, made together on one device's stream of their own.
 
     The processor calls `log_mel` from the server's threads while the engine's thread runs steps on its
-    stream. The mel runs on a stream of its own and its caller then waits for that stream alone: the engine's
+    stream. The mel runs on a stream of its own and its batches wait for that stream alone: the engine's
     stream is never synchronised, so no step stalls, and the mel does not queue behind a step.
 
-    The features leave the GPU with the wait (`_to_host`), and the encoder copies them back without blocking
-    (`EncoderStage`). Kept on the GPU, they stayed there as long as their request: the
+    The features leave the GPU with the batch's wait (`_to_host`), and the encoder copies them back without
+    blocking (`EncoderStage`). Kept on the GPU, they stayed there as long as their request: the
     memory plan cannot count them (any number of requests may wait, each with up to `MAX_SECONDS` of audio),
     and 128 two-minute clips in flight held ~0.8 GiB past the plan and ran a fully planned H200 out of
-    memory (benchmarks/RESULTS.md, "Qwen3-ASR at c=128, the steady state"). A clip's copy each way is a
-    few MB at the PCIe's tens of GB/s.
+    memory (benchmarks/RESULTS.md, "Qwen3-ASR at c=128, the steady state").
 
-    Clips that arrive while a batch runs wait for the next one, which the first of their threads runs for
-    all of them (`_log_mels`): at c=128 on the H200, one clip at a time under a lock took a median 193 ms of
-    a request's 236 ms TTFT (benchmarks/RESULTS.md, "Under load"), its few dozen launches and a stream wait
-    per clip taking turns for the GIL with every other thread. A batch holds at most `MAX_BATCH_SECONDS` of
-    audio, so the mel's scratch, which the memory plan does not count, stays one longest clip's.
+    One thread of its own runs the batches (`_Batches`): the clips that arrive while a batch runs make the
+    next one. When the callers' threads took turns at running them, each batch's end handed a lock from
+    thread to thread, every hand-off waiting for the GIL behind the engine's thread, and the mel held
+    Qwen3-ASR's short clips to ~170 requests a second (benchmarks/RESULTS.md, "Under load, a fourth time").
+    A batch holds at most `MAX_BATCH_SECONDS` of audio, so the mel's scratch, which the memory plan does not
+    count, stays one longest clip's.
     """
 
     def __init__(self, device: torch.device) -> None:
@@ -141,8 +142,7 @@ class _MelBatches:
         self.stream = torch.cuda.Stream(device, priority=-1)
         self.device = device
         self._turn = threading.Lock()  # one batch at a time on the stream
-        self._queue = threading.Lock()
-        self._pending: list[_Clip] = []
+        self._batches = _Batches(self._run, MAX_BATCH_SECONDS * SAMPLE_RATE, f"omnistage-mel-{device}")
 
     def features(self, x: torch.Tensor) -> torch.Tensor:
         if x.is_cuda:  # made on the caller's stream: a batch of its own, after that stream's work
@@ -153,31 +153,53 @@ class _MelBatches:
                         _log_mel(x.to(self.device), GPU_FRAMES_PER_CALL, same_size_calls=True)
                     )
             return features
-        clip = _Clip(x.numpy())
-        with self._queue:
+        return self._batches.submit(x.numpy())
+
+    def _run(self, clips: list[np.ndarray]) -> list[torch.Tensor]:
+        with self._turn, torch.cuda.stream(self.stream):
+            return _log_mels(clips, self.device, GPU_FRAMES_PER_CALL)
+
+
+class _Batches:
+    """Clips submitted from many threads, run in batches by a daemon thread of its own: a batch is the
+    pending clips from the first, up to `most` samples in all (`_first_within`), and every clip waits for its
+    batch alone. `run` maps a batch's samples to their features, in order; what it raises, every clip of
+    its batch raises."""
+
+    def __init__(self, run: Callable[[list[np.ndarray]], list[torch.Tensor]], most: float, name: str) -> None:
+        self._run = run
+        self._most = most
+        self._pending: list[_Clip] = []
+        self._arrived = threading.Condition()
+        threading.Thread(target=self._serve, name=name, daemon=True).start()
+
+    def submit(self, samples: np.ndarray) -> torch.Tensor:
+        clip = _Clip(samples)
+        with self._arrived:
             self._pending.append(clip)
-        while clip.features is None and clip.error is None:
-            with self._turn:
-                with self._queue:
-                    batch = _first_within(self._pending, MAX_BATCH_SECONDS * SAMPLE_RATE)
-                    del self._pending[: len(batch)]
-                if batch:
-                    self._run(batch)
+            self._arrived.notify()
+        clip.done.wait()
         if clip.error is not None:
             raise clip.error
         assert clip.features is not None
         return clip.features
 
-    def _run(self, batch: list[_Clip]) -> None:
-        try:
-            with torch.cuda.stream(self.stream):
-                features = _log_mels([c.samples for c in batch], self.device, GPU_FRAMES_PER_CALL)
-        except Exception as exc:  # a device error: every clip of the batch gets it
+    def _serve(self) -> None:
+        while True:
+            with self._arrived:
+                self._arrived.wait_for(lambda: bool(self._pending))
+                batch = _first_within(self._pending, self._most)
+                del self._pending[: len(batch)]
+            try:
+                features = self._run([c.samples for c in batch])
+            except Exception as exc:  # a device error: every clip of the batch gets it
+                for c in batch:
+                    c.error = exc
+            else:
+                for c, f in zip(batch, features, strict=True):
+                    c.features = f
             for c in batch:
-                c.error = exc
-        else:
-            for c, f in zip(batch, features):
-                c.features = f
+                c.done.set()
 
 
 def _to_host(features: torch.Tensor) -> torch.Tensor:
@@ -192,6 +214,7 @@ class _Clip:
     samples: np.ndarray
     features: torch.Tensor | None = None
     error: Exception | None = None
+    done: threading.Event = field(default_factory=threading.Event)
 
 
 def _first_within(clips: list[_Clip], samples: float) -> list[_Clip]:
