@@ -10,7 +10,8 @@ torch's passes (`code2wav.torch_snake`); that torch path compiled by torch.compi
 model's vocoder with cuDNN's benchmark mode (each convolution's algorithm timed, not guessed).
 Beside them the largest difference of the kernel's samples and of the compiled ones from the eager torch
 path's. The last conv is scaled down first, as the GPU tests do: with random weights most samples would sit
-at the ±1 clamp, where differences hide. Then the eager call at the first count under torch.profiler: its
+at the ±1 clamp, where differences hide; its dilated convs take the polyphase form where the server's start-up
+would put them (`code2wav_convs.adopt_polyphase`). Then the eager call at the first count under torch.profiler: its
 CUDA kernels with the most total time, and its convolutions with the most by input shapes. Prints a table;
 writes everything to --out.
 """
@@ -19,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import statistics
 import time
 from collections.abc import Callable
@@ -29,6 +31,7 @@ import torch
 
 from omnistage.models.loader import LoadOptions, load_model
 from omnistage.models.qwen3_omni.code2wav import Code2Wav, torch_snake
+from omnistage.models.qwen3_omni.code2wav_convs import adopt_polyphase
 from omnistage.models.qwen3_omni.config import Qwen3OmniConfig
 from omnistage.models.qwen3_omni.tiny import released_config
 
@@ -146,11 +149,14 @@ def main() -> None:
     parser.add_argument("--top", type=int, default=20)
     parser.add_argument("--out", type=Path, default=Path("code2wav_profile.json"))
     args = parser.parse_args()
+    logging.basicConfig(level=logging.INFO, format="%(message)s")  # adopt_polyphase's times per conv
     cfg = Qwen3OmniConfig.from_dict(released_config()).code2wav
     model = load_model(lambda: Code2Wav(cfg), ".", "code2wav.",
                        LoadOptions(torch.bfloat16, "cuda", load_format="dummy"))  # fmt: skip
     keep_inside_clamp(model)
     counts = [int(s) for s in args.streams.split(",")]
+    phased = adopt_polyphase(model, 16, CHUNK)  # as the server does at start-up (16 streams a call)
+    print(f"dilated convs in the polyphase form: {phased}")
     rows = [profile(model, streams, args.repeats) for streams in counts]
     kernels = top_kernels(model, counts[0], args.top)
     convolutions = top_convolutions(model, counts[0], 8)

@@ -30,6 +30,7 @@ from omnistage.engine.stages.rows import RowStage
 from omnistage.models.layers.linear import adopt_gemv
 from omnistage.models.loader import LoadOptions
 from omnistage.models.qwen3_omni.code2wav import load_code2wav
+from omnistage.models.qwen3_omni.code2wav_convs import adopt_polyphase
 from omnistage.models.qwen3_omni.code2wav_streamer import Code2WavStreamer, decodes_first_as_prefix
 from omnistage.models.qwen3_omni.code_predictor import load_code_predictor
 from omnistage.models.qwen3_omni.config import Qwen3OmniConfig
@@ -92,6 +93,12 @@ class SpeechStages:
             for layer in (*self.talker.model.layers, *self.code_predictor.model.layers):
                 layer.compile(dynamic=True)
         self.code2wav = load_code2wav(path, options)
+        if device.type == "cuda":
+            phased = adopt_polyphase(self.code2wav, c2w.max_streams, c2w.chunk)
+            log.info(
+                "Code2Wav's dilated convs in the polyphase form: %d (%s)", len(phased), ", ".join(phased)
+            )
+            torch.cuda.empty_cache()  # the timed call's activations, before the plan measures what is free
         text = cfg.talker.text
         page_bytes = text.kv_bytes_per_token * config.page_size
         # on a GPU the plan sizes the pool (`allocate`); until then it has one page

@@ -26,6 +26,7 @@ from omnistage.models.layers.moe import GatedMLP
 from omnistage.models.layers.norm import RMSNorm
 from omnistage.models.layers.rotary import MRotaryEmbedding, apply_rotary
 from omnistage.models.loader import LoadOptions, load_model
+from omnistage.models.qwen3_omni.code2wav_convs import one_channel_conv, polyphase_conv
 from omnistage.models.qwen3_omni.config import Code2WavConfig, Qwen3OmniConfig
 
 CONV_KERNEL = 7
@@ -99,6 +100,7 @@ class CausalConv1d(nn.Module):
         self.conv = nn.Conv1d(in_channels, out_channels, kernel_size, dilation=dilation, groups=groups)
         self.reach = (kernel_size - 1) * dilation
         self.samples_per_frame = samples_per_frame
+        self.polyphase = False  # set by `adopt_polyphase` where it measured `polyphase_conv` faster
 
     def forward(
         self, x: torch.Tensor, absent: torch.Tensor | None = None, act: SnakeBeta | None = None
@@ -115,23 +117,9 @@ class CausalConv1d(nn.Module):
         call (benchmarks/RESULTS.md, "Speech at c=64")."""
         if x.is_cuda and self.conv.out_channels == 1 and self.conv.groups == 1:
             return one_channel_conv(x, self.conv.weight, self.conv.bias, self.conv.dilation[0])
+        if self.polyphase:
+            return polyphase_conv(x, self.conv.weight, self.conv.bias, self.conv.dilation[0])
         return self.conv(x)
-
-
-def one_channel_conv(
-    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, dilation: int
-) -> torch.Tensor:
-    """`F.conv1d(x, weight, bias, dilation=dilation)` for `weight` `[1, C, k]`: each tap's product over the
-    channels at every sample (`[B, k, L]`, one batched GEMM), then the taps shifted into place and summed in
-    float32."""
-    taps = torch.matmul(weight[0].T, x)
-    length = x.shape[-1] - (weight.shape[-1] - 1) * dilation
-    out = taps[:, 0, :length].float()
-    for k in range(1, weight.shape[-1]):
-        out += taps[:, k, k * dilation : k * dilation + length]
-    if bias is not None:
-        out += bias.float()
-    return out.to(x.dtype)[:, None]
 
 
 class TrimmedConvTranspose1d(nn.Module):

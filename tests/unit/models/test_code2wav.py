@@ -6,9 +6,9 @@ from omnistage.models.qwen3_omni.code2wav import (
     Code2Wav,
     decoder_left_context,
     lookahead_samples,
-    one_channel_conv,
     transformer_left_context,
 )
+from omnistage.models.qwen3_omni.code2wav_convs import adopt_polyphase, one_channel_conv, polyphase_conv
 from omnistage.models.qwen3_omni.config import Code2WavConfig, Qwen3OmniConfig
 from omnistage.models.qwen3_omni.tiny import released_config
 
@@ -126,3 +126,46 @@ def test_one_channel_conv_is_torchs_conv(dilation, with_bias):
     want = torch.nn.functional.conv1d(x, weight, bias, dilation=dilation)
     assert got.shape == want.shape == (2, 1, 1000)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("dilation", [2, 3, 9])
+@pytest.mark.parametrize("length", [990, 1000, 1001])
+def test_polyphase_conv_is_torchs_dilated_conv(dilation, length):
+    """A dilated conv as one undilated conv over its phases gives torch's conv1d, to float32's reduction
+    order, whether or not the output's length is whole phases."""
+    generator = torch.Generator().manual_seed(length + dilation)
+    x = torch.randn(2, 24, length + 6 * dilation, generator=generator)
+    weight = torch.randn(16, 24, 7, generator=generator) / 10
+    bias = torch.randn(16, generator=generator)
+    got = polyphase_conv(x, weight, bias, dilation)
+    want = torch.nn.functional.conv1d(x, weight, bias, dilation=dilation)
+    assert got.shape == want.shape == (2, 16, length)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_adopt_polyphase_puts_the_convs_it_measured_faster_on_it(model):
+    """With a fake timer that finds the polyphase form faster for every other dilated conv (and by less than
+    the margin for the rest), just those take it, and the window decodes to the same samples."""
+    window, first = codes(model.left_context + 3, seed=5), torch.tensor([40])
+    want = model.decode_window(window, first)
+    calls = []
+
+    def timer(call):
+        call()
+        calls.append(call)
+        if len(calls) % 2:  # the conv as it is
+            return 1.0
+        return 0.5 if len(calls) % 4 == 2 else 0.9  # polyphase: well faster, then within the margin
+
+    try:
+        adopted = adopt_polyphase(model, streams=1, chunk=3, timer=timer)
+        dilated = [n for n, m in model.named_modules() if getattr(m, "polyphase", None) is not None]
+        dilated = [n for n in dilated if model.get_submodule(n).conv.dilation[0] > 1]
+        assert len(calls) == 2 * len(dilated) and len(dilated) == 8  # 4 blocks, dilations 3 and 9 each
+        assert adopted == dilated[::2]
+        assert all(model.get_submodule(n).polyphase == (n in adopted) for n in dilated)
+        torch.testing.assert_close(model.decode_window(window, first), want, rtol=0, atol=1e-12)
+    finally:
+        for m in model.modules():
+            if getattr(m, "polyphase", None):
+                m.polyphase = False
