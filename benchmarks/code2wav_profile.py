@@ -6,8 +6,8 @@ For each number of streams, one call of 25-frame chunks (`Code2Wav.decode_window
 way, as at c=64 after the first packets) timed, medians of `--repeats` after warm-up, each between CUDA
 synchronisations: the whole call, its transformer part and its vocoder part (upsamplers, ConvNeXt blocks and
 the conv decoder) as the model runs them (SnakeBeta on its Triton kernel, `kernels/snake.py`); the vocoder on
-torch's passes (`code2wav.torch_snake`); that torch path compiled by torch.compile at the fixed shape; and the
-model's vocoder with cuDNN's benchmark mode (each convolution's algorithm timed, not guessed).
+torch's passes (`code2wav.torch_snake`, every conv on cuDNN); that torch path compiled by torch.compile at the
+fixed shape; and the vocoder with every conv on cuDNN in its benchmark mode (each algorithm timed, not guessed).
 Beside them the largest difference of the kernel's samples and of the compiled ones from the eager torch
 path's. The last conv is scaled down first, as the GPU tests do: with random weights most samples would sit
 at the ±1 clamp, where differences hide; its dilated convs take the polyphase form where the server's start-up
@@ -23,14 +23,15 @@ import json
 import logging
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from omnistage.models.loader import LoadOptions, load_model
-from omnistage.models.qwen3_omni.code2wav import Code2Wav, torch_snake
+from omnistage.models.qwen3_omni.code2wav import CausalConv1d, Code2Wav, torch_snake
 from omnistage.models.qwen3_omni.code2wav_convs import adopt_polyphase
 from omnistage.models.qwen3_omni.config import Qwen3OmniConfig
 from omnistage.models.qwen3_omni.tiny import released_config
@@ -73,6 +74,20 @@ def keep_inside_clamp(model: Code2Wav) -> None:
     last.bias.data /= 64
 
 
+@contextmanager
+def cudnn_convs(model: Code2Wav) -> Iterator[None]:
+    """Every conv of `model` on cuDNN inside the block (none in the polyphase form): torch's own path, which
+    torch.compile also compiles (inductor fails on the polyphase form's reshapes, torch 2.11)."""
+    phased = [m for m in model.modules() if isinstance(m, CausalConv1d) and m.polyphase]
+    for m in phased:
+        m.polyphase = False
+    try:
+        yield
+    finally:
+        for m in phased:
+            m.polyphase = True
+
+
 def max_abs_diff(a: torch.Tensor, b: torch.Tensor) -> float:
     return (a.float() - b.float()).abs().max().item()
 
@@ -92,13 +107,14 @@ def profile(model: Code2Wav, streams: int, repeats: int) -> dict[str, Any]:
         }
         # the compiled vocoder is the torch path's: dynamo guards on the activations' `fused`, so it is
         # compiled and called inside the same block
-        with torch_snake(model):
+        with torch_snake(model), cudnn_convs(model):
             eager = model.vocode(hidden)
             compiled_vocode = torch.compile(model.vocode, dynamic=False)
             compiled = compiled_vocode(hidden)
             row["vocoder_torch_ms"] = timed(lambda: model.vocode(hidden), repeats)
             row["vocoder_compiled_ms"] = timed(lambda: compiled_vocode(hidden), repeats)
-        with torch.backends.cudnn.flags(enabled=True, benchmark=True):  # cuDNN times its algorithms per shape
+        # cuDNN times its algorithms per shape
+        with cudnn_convs(model), torch.backends.cudnn.flags(enabled=True, benchmark=True):
             row["vocoder_cudnn_benchmark_ms"] = timed(lambda: model.vocode(hidden), repeats)
         row["fused_max_abs_diff"] = max_abs_diff(fused, eager)
         row["compiled_max_abs_diff"] = max_abs_diff(compiled, eager)

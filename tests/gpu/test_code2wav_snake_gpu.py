@@ -1,7 +1,9 @@
 """The SnakeBeta kernel (kernels/snake.py) on a GPU: alone at the vocoder's largest shape against the formula;
 in Code2Wav at the released sizes (random weights), `decode_window` with it against torch's passes
 (`code2wav.torch_snake`) in float32 and in bf16; and a captured graph's replay, which must record the kernel
-reading each call's absent frames, against an eager call."""
+reading each call's absent frames, against an eager call. Then the dilated convs that start-up measures faster
+in the polyphase form (`code2wav_convs.adopt_polyphase`): the form alone against cuDNN in float32, and
+`decode_window` with them against the float32 model, eagerly and through a graph."""
 
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -11,7 +13,8 @@ import torch
 
 from omnistage.engine.graphs.code2wav import Code2WavGraphs
 from omnistage.models.loader import LoadOptions, load_model
-from omnistage.models.qwen3_omni.code2wav import Code2Wav, torch_snake
+from omnistage.models.qwen3_omni.code2wav import CausalConv1d, Code2Wav, torch_snake
+from omnistage.models.qwen3_omni.code2wav_convs import adopt_polyphase, polyphase_conv
 from omnistage.models.qwen3_omni.config import Qwen3OmniConfig
 from omnistage.models.qwen3_omni.tiny import released_config
 
@@ -161,3 +164,52 @@ def test_a_replay_is_an_eager_call(model, runner, size):
         # the graph recorded the eager call's kernels; as test_code2wav_graphs_gpu.py allows, bf16 rounding
         # may still differ where a library picks another kernel on the capture stream
         assert error < 2e-2
+
+
+@torch.inference_mode()
+def test_the_polyphase_form_is_cudnns_conv_in_float32():
+    """The 384-channel conv of dilation 9 at a 16-stream 25-frame call's shape, where cuDNN's heuristics pick
+    a slow kernel (benchmarks/RESULTS.md, "Under load, a fourth time")."""
+    g = torch.Generator(device=DEV).manual_seed(9)
+    x = torch.randn(STREAMS, 384, 5609, generator=g, device=DEV)
+    weight = torch.randn(384, 384, 7, generator=g, device=DEV) / 50
+    bias = torch.randn(384, generator=g, device=DEV)
+    with ieee_convs():
+        want = torch.nn.functional.conv1d(x, weight, bias, dilation=9)
+        got = polyphase_conv(x, weight, bias, 9)
+    assert got.shape == want.shape == (STREAMS, 384, 5555)
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+
+
+@pytest.fixture
+def polyphase(model) -> Iterator[list[str]]:
+    """`model` with the dilated convs start-up would put in the polyphase form; as it was afterwards."""
+    adopted = adopt_polyphase(model, STREAMS, CHUNK)
+    try:
+        yield adopted
+    finally:
+        for m in model.modules():
+            if isinstance(m, CausalConv1d):
+                m.polyphase = False
+
+
+@torch.inference_mode()
+def test_decode_window_with_polyphase_convs_is_cudnns(model, reference, polyphase):
+    """In bf16 the polyphase convs' samples are no farther from the float32 model's than cuDNN's are; a graph
+    captured with them replays its eager call."""
+    print(f"in the polyphase form: {polyphase}")
+    codes, starts = call(model, CHUNK, seed=7)
+    with ieee_convs():
+        want = reference.decode_window(codes, starts)
+    phased = model.decode_window(codes, starts)
+    for m in model.modules():
+        if isinstance(m, CausalConv1d) and m.polyphase:
+            m.polyphase = False
+    plain = model.decode_window(codes, starts)
+    for name in polyphase:
+        model.get_submodule(name).polyphase = True
+    print(f"against float32: polyphase {_rel(phased, want):.2e}, cuDNN {_rel(plain, want):.2e}")
+    assert _rel(phased, want) <= 1.25 * _rel(plain, want)
+    runner = Code2WavGraphs(model, (FIRST, CHUNK), STREAMS, prefix=FIRST)
+    runner.capture([(CHUNK, STREAMS)])
+    assert _rel(runner(codes, starts), phased) < 2e-2

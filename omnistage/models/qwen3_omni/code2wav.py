@@ -26,7 +26,7 @@ from omnistage.models.layers.moe import GatedMLP
 from omnistage.models.layers.norm import RMSNorm
 from omnistage.models.layers.rotary import MRotaryEmbedding, apply_rotary
 from omnistage.models.loader import LoadOptions, load_model
-from omnistage.models.qwen3_omni.code2wav_convs import one_channel_conv, polyphase_conv
+from omnistage.models.qwen3_omni.code2wav_convs import polyphase_conv
 from omnistage.models.qwen3_omni.config import Code2WavConfig, Qwen3OmniConfig
 
 CONV_KERNEL = 7
@@ -112,11 +112,6 @@ class CausalConv1d(nn.Module):
         return self._conv(F.pad(_zero_absent(x, absent, self.samples_per_frame), (self.reach, 0)))
 
     def _conv(self, x: torch.Tensor) -> torch.Tensor:
-        """The conv of the padded input. To one output channel on CUDA (the decoder's last conv) as one
-        product and shifted sums: cuDNN runs that shape on its slow generic kernel, the largest of a Code2Wav
-        call (benchmarks/RESULTS.md, "Speech at c=64")."""
-        if x.is_cuda and self.conv.out_channels == 1 and self.conv.groups == 1:
-            return one_channel_conv(x, self.conv.weight, self.conv.bias, self.conv.dilation[0])
         if self.polyphase:
             return polyphase_conv(x, self.conv.weight, self.conv.bias, self.conv.dilation[0])
         return self.conv(x)

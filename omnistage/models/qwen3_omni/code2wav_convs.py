@@ -1,6 +1,5 @@
-"""Two of Code2Wav's convolutions in other forms, where cuDNN serves their shapes badly on a GPU: a conv to one
-output channel as one product and shifted sums, and a dilated conv as one undilated conv over its phases
-(`adopt_polyphase` measures where that is faster at start-up)."""
+"""Code2Wav's dilated convs in another form where cuDNN serves their shapes badly on a GPU: one undilated conv
+over the input's phases (`adopt_polyphase` measures where that is faster at start-up)."""
 
 from __future__ import annotations
 
@@ -17,22 +16,6 @@ if TYPE_CHECKING:
     from omnistage.models.qwen3_omni.code2wav import Code2Wav
 
 log = logging.getLogger(__name__)
-
-
-def one_channel_conv(
-    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, dilation: int
-) -> torch.Tensor:
-    """`F.conv1d(x, weight, bias, dilation=dilation)` for `weight` `[1, C, k]`: each tap's product over the
-    channels at every sample (`[B, k, L]`, one batched GEMM), then the taps shifted into place and summed in
-    float32."""
-    taps = torch.matmul(weight[0].T, x)
-    length = x.shape[-1] - (weight.shape[-1] - 1) * dilation
-    out = taps[:, 0, :length].float()
-    for k in range(1, weight.shape[-1]):
-        out += taps[:, k, k * dilation : k * dilation + length]
-    if bias is not None:
-        out += bias.float()
-    return out.to(x.dtype)[:, None]
 
 
 def polyphase_conv(

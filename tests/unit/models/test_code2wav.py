@@ -8,7 +8,7 @@ from omnistage.models.qwen3_omni.code2wav import (
     lookahead_samples,
     transformer_left_context,
 )
-from omnistage.models.qwen3_omni.code2wav_convs import adopt_polyphase, one_channel_conv, polyphase_conv
+from omnistage.models.qwen3_omni.code2wav_convs import adopt_polyphase, polyphase_conv
 from omnistage.models.qwen3_omni.config import Code2WavConfig, Qwen3OmniConfig
 from omnistage.models.qwen3_omni.tiny import released_config
 
@@ -111,21 +111,6 @@ def test_decode_window_equals_one_shot_samples(model):
         expected = one_shot[max(lo, 0) : hi]
         got = out[row, max(lo, 0) - lo :]
         assert (got - expected).abs().max() <= 1e-12 * one_shot.abs().max()
-
-
-@pytest.mark.parametrize("dilation", [1, 3])
-@pytest.mark.parametrize("with_bias", [True, False])
-def test_one_channel_conv_is_torchs_conv(dilation, with_bias):
-    """The decoder's last conv as taps and shifted sums (the CUDA path) gives torch's conv1d, to float32's
-    reduction order, at the released last conv's shape (96 channels, kernel 7) over two streams."""
-    generator = torch.Generator().manual_seed(dilation)
-    x = torch.randn(2, 96, 1000 + 6 * dilation, generator=generator)
-    weight = torch.randn(1, 96, 7, generator=generator) / 20
-    bias = torch.randn(1, generator=generator) if with_bias else None
-    got = one_channel_conv(x, weight, bias, dilation)
-    want = torch.nn.functional.conv1d(x, weight, bias, dilation=dilation)
-    assert got.shape == want.shape == (2, 1, 1000)
-    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("dilation", [2, 3, 9])
