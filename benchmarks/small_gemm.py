@@ -21,7 +21,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
-import statistics
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -30,6 +29,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from omnistage.kernels.gemv import gemv, graph_us
+from omnistage.kernels.timing import cuda_ms
 
 # (stage, projection, out features, in features) at the released sizes (omnistage/data/*.config.json)
 SHAPES = [
@@ -50,19 +50,6 @@ SHAPES = [
     ("Qwen3-ASR 1.7B", "down", 2048, 6144),
 ]
 ROWS = [1, 2, 4, 8, 16]
-
-
-def _median_ms(call, reps: int) -> float:
-    """Median ms of `call()` on the GPU over `reps` calls, by CUDA events."""
-    times = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        call()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
 
 
 @contextlib.contextmanager
@@ -116,7 +103,9 @@ def frame_ms(buckets: list[int]) -> list[dict]:
             for _ in range(5):
                 run()
             torch.cuda.synchronize()
-            rows.append({"projections": name, "batch": batch, "frame_ms": round(_median_ms(run, 50), 3)})
+            rows.append(
+                {"projections": name, "batch": batch, "frame_ms": round(cuda_ms(run, 50, warmup=0), 3)}
+            )
             print(f"code-predictor frame, batch {batch:>2}, {name:6}: {rows[-1]['frame_ms']:.3f} ms")
     return rows
 

@@ -4,13 +4,14 @@ over the input's phases (`adopt_polyphase` measures where that is faster at star
 from __future__ import annotations
 
 import logging
-import statistics
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from omnistage.kernels.timing import cuda_ms
 
 if TYPE_CHECKING:
     from omnistage.models.qwen3_omni.code2wav import Code2Wav
@@ -48,7 +49,7 @@ def adopt_polyphase(
     default). Returns the convs' names, and logs each one's times."""
     from omnistage.models.qwen3_omni.code2wav import CausalConv1d  # which imports this module's convs
 
-    timer = timer or _cuda_ms
+    timer = timer or cuda_ms
     dilated = [
         (n, m) for n, m in model.named_modules() if isinstance(m, CausalConv1d) and m.conv.dilation[0] > 1
     ]
@@ -93,18 +94,3 @@ def _times(
         return timer(lambda: conv(x)), timer(
             lambda: polyphase_conv(x, conv.weight, conv.bias, conv.dilation[0])
         )
-
-
-def _cuda_ms(call: Callable[[], object], reps: int = 5) -> float:
-    """Median ms of `call` between CUDA events, after two warm-up calls."""
-    for _ in range(2):
-        call()
-    times = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        call()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
