@@ -191,15 +191,14 @@ class _Batches:
                 batch = _first_within(self._pending, self._most)
                 del self._pending[: len(batch)]
             try:
-                features = self._run([c.samples for c in batch])
+                for c, f in zip(batch, self._run([c.samples for c in batch]), strict=True):
+                    c.features = f
             except Exception as exc:  # a device error: every clip of the batch gets it
                 for c in batch:
                     c.error = exc
-            else:
-                for c, f in zip(batch, features, strict=True):
-                    c.features = f
-            for c in batch:
-                c.done.set()
+            finally:  # no caller waits forever, whatever happened
+                for c in batch:
+                    c.done.set()
 
 
 def _to_host(features: torch.Tensor) -> torch.Tensor:

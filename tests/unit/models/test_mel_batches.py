@@ -4,6 +4,7 @@ samples, and a failing batch fails its own clips only."""
 
 from __future__ import annotations
 
+import queue
 import threading
 from concurrent.futures import ThreadPoolExecutor
 
@@ -87,3 +88,25 @@ def test_a_failing_batch_fails_its_clips_and_the_next_batch_runs():
     with pytest.raises(RuntimeError, match="device error"):
         batches.submit(np.full(10, 3.0, np.float32))
     assert torch.equal(batches.submit(np.ones(10, np.float32)), torch.full((10,), 2.0))
+
+
+def test_a_batch_given_too_few_features_fails_its_clips_and_the_thread_serves_on():
+    answers = iter([[], [torch.ones(3)]])
+    batches = _Batches(lambda clips: next(answers), most=10, name="test-mel")
+    assert isinstance(within(10, batches.submit, np.zeros(3, np.float32)), ValueError)
+    assert torch.equal(within(10, batches.submit, np.zeros(3, np.float32)), torch.ones(3))
+
+
+def within(seconds: float, call, *args):
+    """`call(*args)`'s result or exception, from a daemon thread: a caller left waiting fails the test
+    instead of hanging it."""
+    out: queue.Queue = queue.Queue()
+
+    def run() -> None:
+        try:
+            out.put(call(*args))
+        except Exception as exc:
+            out.put(exc)
+
+    threading.Thread(target=run, daemon=True).start()
+    return out.get(timeout=seconds)
