@@ -131,8 +131,9 @@ class _MelBatches:
 
     One thread of its own runs the batches (`_Batches`): the clips that arrive while a batch runs make the
     next one. When the callers' threads took turns at running them, each batch's end handed a lock from
-    thread to thread, every hand-off waiting for the GIL behind the engine's thread, and the mel held
-    Qwen3-ASR's short clips to ~170 requests a second (benchmarks/RESULTS.md, "Under load, a fourth time").
+    thread to thread (each hand-off, as we read it, waiting for the GIL behind the engine's thread), and
+    Qwen3-ASR's short clips stayed at ~170 requests a second whatever the concurrency; with this thread,
+    +41-54% (benchmarks/RESULTS.md, "Under load, a fourth time").
     A batch holds at most `MAX_BATCH_SECONDS` of audio, so the mel's scratch, which the memory plan does not
     count, stays one longest clip's.
     """

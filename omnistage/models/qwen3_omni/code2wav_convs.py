@@ -65,9 +65,9 @@ def adopt_polyphase(
     weight = model.code_embedding.weight
     codes = torch.zeros(streams, model.config.num_quantizers, model.left_context + chunk, dtype=torch.long)
     try:
-        with torch.inference_mode():
+        with torch.inference_mode():  # streams whose first frame opens the window: nothing absent
             model.decode_window(
-                codes.to(weight.device), torch.full((streams,), 1 << 20, device=weight.device)
+                codes.to(weight.device), torch.zeros(streams, dtype=torch.long, device=weight.device)
             )
     finally:
         for hook in hooks:
