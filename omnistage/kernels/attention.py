@@ -5,8 +5,15 @@ walks each sequence's page table with an online softmax; one program owns a tile
 tokens for one KV head and all the query heads that share it (GQA), so K/V are read once per tile.
 Decode (one new token) and ragged prefill chunks over cached pages are the same kernel: only the tile
 height differs. Decode also splits each sequence's keys across programs (split-KV, so a batch of one
-still fills the GPU) and `_combine_splits` merges the partials by their log-sum-exp. Nothing reads a device value on the host and the grid depends only on host
-ints of the metadata, so a decode step captures into a CUDA graph. Runs on the CPU too under
+still fills the GPU) and `_combine_splits` merges the partials by their log-sum-exp. Nothing reads a device
+value on the host and the grid depends only on host ints (the rows, the sequences), so any step captures
+into a CUDA graph.
+
+A prefill step's tiles are numbered across its sequences (`prefill_tiles`): sequence s owns tiles
+[q_start(s) // BLOCK_Q + s, q_start(s + 1) // BLOCK_Q + s + 1), which cover its rows, and a program finds
+its sequence by a binary search of `query_start_loc`. A grid of sequences x tiles of the longest chunk
+would be mostly empty programs in a step of many short chunks: a prefill graph's step is sized for its
+bucket (128 sequence slots and a 512-row chunk: 16,384 programs a KV head where 144 suffice). Runs on the CPU too under
 TRITON_INTERPRET=1, which is how the unit tests check it. The attention backend that calls them is
 `engine/attention/cuda.py`.
 """
@@ -62,8 +69,9 @@ def _write_kv(
     tl.store(dst + stride_cache_kv, v.to(cache_ptr.dtype.element_ty), mask=mask)
 
 
-# Unspecialized: the block table's width varies per step; a new divisibility class would build mid-request.
-@triton.jit(do_not_specialize=["stride_bt"])
+# Unspecialized: the block table's width and the sequences vary per step; a new divisibility class would
+# build mid-request.
+@triton.jit(do_not_specialize=["stride_bt", "num_seqs"])
 def _paged_attention(
     q_ptr,
     cache_ptr,
@@ -83,6 +91,7 @@ def _paged_attention(
     stride_cache_h,
     stride_bt,
     page_size,
+    num_seqs,
     NUM_HEADS: tl.constexpr,
     GROUP: tl.constexpr,
     GROUP_PAD: tl.constexpr,
@@ -91,11 +100,25 @@ def _paged_attention(
     HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr,
     NUM_SPLITS: tl.constexpr,
+    VARLEN: tl.constexpr,
 ):
-    seq = tl.program_id(0)
     kv_head = tl.program_id(1)
-    tile = tl.program_id(2) // NUM_SPLITS
-    split = tl.program_id(2) % NUM_SPLITS
+    if VARLEN:  # program 0's axis: tiles numbered across the sequences (see the module's docstring)
+        number = tl.program_id(0)
+        lo = 0
+        hi = num_seqs
+        while hi - lo > 1:  # the last sequence whose first tile is at or before this one
+            mid = (lo + hi) // 2
+            before = tl.load(query_start_loc_ptr + mid) // BLOCK_Q + mid <= number
+            lo = tl.where(before, mid, lo)
+            hi = tl.where(before, hi, mid)
+        seq = lo
+        tile = number - (tl.load(query_start_loc_ptr + seq) // BLOCK_Q + seq)
+        split = 0
+    else:
+        seq = tl.program_id(0)
+        tile = tl.program_id(2) // NUM_SPLITS
+        split = tl.program_id(2) % NUM_SPLITS
     BLOCK_M: tl.constexpr = BLOCK_Q * GROUP_PAD
 
     q_start = tl.load(query_start_loc_ptr + seq)
@@ -237,6 +260,13 @@ def decode_splits(num_seqs: int, num_kv_heads: int, device: torch.device) -> int
     return min(16, triton.next_power_of_2(max(1, -(-2 * _num_sms(device) // programs))))
 
 
+def prefill_tiles(num_rows: int, num_seqs: int, block_q: int) -> int:
+    """Programs a KV head in a prefill step of `num_rows` rows (padding rows included) and `num_seqs`
+    sequences, `block_q` query tokens a tile: enough for every sequence's tiles as `_paged_attention` numbers
+    them; the programs past a step's last tile find no rows."""
+    return num_rows // block_q + num_seqs
+
+
 def paged_attention(
     q: torch.Tensor,
     kv_cache: torch.Tensor,
@@ -279,7 +309,10 @@ def paged_attention(
         part_out = part_lse = out  # unused
     # tl.dot needs 16 rows: decode tiles are 16 rows of (token, head) pairs, prefill tiles 64.
     block_q = max(1, (16 if decode else 64) // group_pad)
-    grid = (num_seqs, num_kv_heads, triton.cdiv(meta.max_query_len, block_q) * num_splits)
+    if decode:
+        grid = (num_seqs, num_kv_heads, triton.cdiv(meta.max_query_len, block_q) * num_splits)
+    else:
+        grid = (prefill_tiles(num_rows, num_seqs, block_q), num_kv_heads, 1)
     _paged_attention[grid](
         q,
         kv_cache,
@@ -299,6 +332,7 @@ def paged_attention(
         kv_cache.stride(3),
         meta.block_tables.stride(0),
         kv_cache.shape[2],
+        num_seqs,
         NUM_HEADS=num_heads,
         GROUP=group,
         GROUP_PAD=group_pad,
@@ -307,6 +341,7 @@ def paged_attention(
         HEAD_DIM=head_dim,
         BLOCK_D=block_d,
         NUM_SPLITS=num_splits,
+        VARLEN=not decode,
     )
     if num_splits > 1:
         _combine_splits[(num_seqs, num_heads)](

@@ -57,6 +57,31 @@ def test_ragged_prefill_bf16():
     _compare_backends(_attention_case(chunks, 32, 4, 128, 16, 256, seed=0, pad_rows=5))
 
 
+def test_decode_rows_beside_prompts_padded_as_a_prefill_graph_bf16():
+    # Qwen3-ASR sizes (16 q / 8 KV heads) in its loaded step: 125 decode rows beside three 75-token prompts,
+    # padded to a 512-row bucket of 128 sequence slots (the programs are tiles numbered across sequences).
+    import dataclasses
+
+    chunks, page = [], 0
+    for cached, new in [(80 + (37 * i) % 120, 1) for i in range(125)] + [(0, 75), (5, 75), (30, 75)]:
+        pages = -(-(cached + new) // 16)
+        chunks.append((cached, new, list(range(page, page + pages))))
+        page += pages
+    q, k, v, cache, meta = _attention_case(chunks, 16, 8, 128, 16, page, seed=4, pad_rows=512 - 350)
+    empty = 128 - len(chunks)
+    padded = dataclasses.replace(
+        meta,
+        query_start_loc=torch.cat([meta.query_start_loc, meta.query_start_loc[-1:].expand(empty)]),
+        seq_lens=torch.cat([meta.seq_lens, meta.seq_lens.new_zeros(empty)]),
+        block_tables=torch.cat(
+            [meta.block_tables, meta.block_tables.new_zeros(empty, meta.block_tables.shape[1])]
+        ),
+        max_query_len=512,
+    )
+    out = _compare_backends((q, k, v, cache, padded))
+    assert torch.equal(out[350:], torch.zeros_like(out[350:]))
+
+
 @pytest.mark.parametrize("num_splits", [None, 1, 4, 16])
 def test_decode_bf16(num_splits):
     pages = torch.randperm(512).tolist()

@@ -23,7 +23,10 @@ if not INTERPRETING:
 else:
     patch_interpreter()
 
+    import dataclasses
+
     from omnistage.engine.attention.cuda import CudaAttentionBackend
+    from omnistage.kernels import attention
     from omnistage.kernels.attention import decode_splits, paged_attention, write_kv
 
     def _case(chunks, heads, kv_heads, dim, page_size, num_pages, seed, pad_seqs=0, pad_rows=0):
@@ -76,6 +79,46 @@ else:
         # 6 query heads over 2 KV heads (group 3, padded to 4), head_dim 24 (padded to 32).
         chunks = [(4, 6, [2, 0, 1]), (0, 3, [3])]
         _check(_case(chunks, 6, 2, 24, 4, 8, seed=2))
+
+    def _as_a_prefill_graph_pads(meta, empty_slots):
+        """`meta` as a prefill graph's buffers hold it: `empty_slots` sequence slots of no rows past its
+        sequences, and a tile height of the whole bucket (every row, padding included)."""
+        rows = meta.slot_mapping.shape[0]
+        tokens = int(meta.query_start_loc[-1])
+        return dataclasses.replace(
+            meta,
+            query_start_loc=torch.cat([meta.query_start_loc, torch.full((empty_slots,), tokens)]),
+            seq_lens=torch.cat([meta.seq_lens, torch.zeros(empty_slots, dtype=meta.seq_lens.dtype)]),
+            block_tables=torch.cat(
+                [meta.block_tables, meta.block_tables.new_zeros(empty_slots, meta.block_tables.shape[1])]
+            ),
+            max_query_len=rows,
+        )
+
+    def test_short_chunks_beside_decode_rows_in_a_padded_step(monkeypatch):
+        # A server under load: decode rows of many sequences and a few prompt chunks (one of several tiles,
+        # some starting mid-tile), padded as a prefill graph pads them. Every tile is reached and the programs
+        # are tiles numbered across the sequences, not sequences x the bucket's tiles.
+        chunks, page = [], 0
+        for length, start in [(1, 30), (37, 0), (1, 9), (1, 70), (75, 12), (1, 3), (5, 0), (1, 44), (1, 17)]:
+            pages = -(-(start + length) // 4)
+            chunks.append((start, length, list(range(page, page + pages))))
+            page += pages
+        q, k, v, cache, meta = _case(chunks, 8, 2, 32, 4, page + 1, seed=5, pad_rows=23)
+        meta = _as_a_prefill_graph_pads(meta, empty_slots=6)
+        launched = []
+        kernel = attention._paged_attention
+
+        class Recording:
+            def __getitem__(self, grid):
+                launched.append(grid)
+                return kernel[grid]
+
+        monkeypatch.setattr(attention, "_paged_attention", Recording())
+        _check((q, k, v, cache, meta))
+        rows, seqs, block_q = q.shape[0], meta.seq_lens.shape[0], 64 // 4
+        assert launched[0] == (rows // block_q + seqs, 2, 1)
+        assert launched[0][0] < seqs * -(-rows // block_q)
 
     @pytest.mark.parametrize("num_splits", [None, 1, 2, 8])
     def test_decode_split_kv(num_splits):

@@ -1,0 +1,102 @@
+"""What one layer's paged attention costs in a step with prompt rows, as the prefill graphs pad it.
+
+A server under load prefills its arrivals beside its decode rows: Qwen3-ASR at c=128 runs steps of ~125 decode
+rows and a few prompt chunks of ~75 tokens. A prefill graph holds such a step in its bucket's shape: the
+bucket's rows (padding rows of no sequence past the step's), up to 128 sequence slots (empty ones past the
+step's sequences) and a tile height of the whole bucket. This times the K/V write and the attention of one
+layer (`write_kv` + `paged_attention`), captured 20 times in one CUDA graph (`gemv.graph_us`) and replayed,
+for the released stages' head layouts, at each bucket such a step fits, and for one long prompt alone.
+Multiply by the layers (Qwen3-ASR 0.6B 28, 1.7B 28; Thinker 48; Talker 20) for a step's share.
+
+    python3 benchmarks/prefill_attention.py --out $OUT/prefill_attention.json     # GPU machine, a minute
+
+Run it on two trees (`PYTHONPATH=<tree> python3 <tree>/benchmarks/prefill_attention.py`) to compare kernels.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+from pathlib import Path
+
+import torch
+
+from omnistage.kernels.attention import paged_attention, write_kv
+from omnistage.kernels.gemv import graph_us
+from omnistage.models.layers.attention_metadata import AttentionMetadata
+
+# (stage, query heads, KV heads, head dim) at the released sizes (omnistage/data/*.config.json)
+LAYOUTS = [("Qwen3-ASR", 16, 8, 128), ("Thinker", 32, 4, 128), ("Talker", 16, 2, 128)]
+PAGE = 16
+SLOTS = 128  # a prefill graph's sequence slots (Qwen3-ASR's max_num_seqs)
+
+
+def loaded_step() -> list[tuple[int, int]]:
+    """(cached tokens, new tokens) per sequence: 125 decode rows at 80-200 tokens of context and three
+    prompts of 75 tokens (a 4.7 s clip's), Qwen3-ASR at c=128 in its steady state."""
+    decodes = [(80 + (37 * i) % 120, 1) for i in range(125)]
+    return decodes + [(0, 75)] * 3
+
+
+def case(heads: int, kv_heads: int, dim: int, chunks: list[tuple[int, int]], bucket: int | None) -> float:
+    """µs of one layer over `chunks`, padded to `bucket` rows and SLOTS sequences as a prefill graph pads
+    a step (None: as an eager step runs it, unpadded)."""
+    tables, page = [], 0
+    for cached, new in chunks:
+        pages = -(-(cached + new) // PAGE)
+        tables.append(list(range(page, page + pages)))
+        page += pages
+    rows = sum(new for _, new in chunks)
+    meta = AttentionMetadata.build(
+        [(cached, new, t) for (cached, new), t in zip(chunks, tables)],
+        PAGE,
+        pad_rows=0 if bucket is None else bucket - rows,
+    )
+    if bucket is not None:
+        empty = SLOTS - len(chunks)
+        meta = dataclasses.replace(
+            meta,
+            query_start_loc=torch.cat([meta.query_start_loc, torch.full((empty,), rows, dtype=torch.int32)]),
+            seq_lens=torch.cat([meta.seq_lens, torch.zeros(empty, dtype=meta.seq_lens.dtype)]),
+            block_tables=torch.cat(
+                [meta.block_tables, meta.block_tables.new_zeros(empty, meta.block_tables.shape[1])]
+            ),
+            max_query_len=bucket,
+        )
+    meta = meta.to_device(torch.device("cuda"))[0]
+    total = meta.slot_mapping.shape[0]
+    cache = torch.randn(2, page + 1, PAGE, kv_heads, dim, device="cuda", dtype=torch.bfloat16)
+    q = torch.randn(total, heads, dim, device="cuda", dtype=torch.bfloat16)
+    k = torch.randn(total, kv_heads, dim, device="cuda", dtype=torch.bfloat16)
+    v = torch.randn_like(k)
+    out = torch.zeros_like(q)
+    scale = dim**-0.5
+
+    def call() -> None:
+        write_kv(cache, k, v, meta.slot_mapping)
+        paged_attention(q, cache, meta, scale, out=out)
+
+    return round(graph_us(call), 2)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--out", default="prefill_attention.json")
+    args = parser.parse_args()
+    workloads = [("loaded step", loaded_step(), b) for b in (None, 384, 512, 1024, 2048)]
+    workloads += [("one 2,048-token prompt", [(0, 2048)], b) for b in (None, 2048)]
+    rows = []
+    print(f"{'stage':10} {'step':24} {'bucket':>7} {'us/layer':>9}")
+    for stage, heads, kv_heads, dim in LAYOUTS:
+        for name, chunks, bucket in workloads:
+            us = case(heads, kv_heads, dim, chunks, bucket)
+            rows.append(dict(stage=stage, step=name, bucket=bucket, us=us))
+            print(f"{stage:10} {name:24} {bucket or 'eager':>7} {us:9.2f}", flush=True)
+    Path(args.out).write_text(json.dumps(rows, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()
