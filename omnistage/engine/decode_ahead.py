@@ -8,17 +8,22 @@ GPU computes step N+1; step N+1 is sampled after that. So a constrained sequence
 step N's token advances its grammar, whose mask for step N+1 is filled on the host and copied up (pinned, not
 waited for) while the forward pass runs, and the sampling queued behind the copy applies it.
 
-The scheduler then runs one step ahead of what the host knows: when a step is sampled, each of its sequences
-gets a `PLACEHOLDER` token (the count is right, the value unknown), which the step's ids replace when they
-arrive. Only a step that reads no token's value on the host before its sampling may run ahead
-(`may_run_ahead`): a pure decode step over sequences that all ran in the step in flight (their inputs are its
-ids), none of which can end by length in it (its length check would end the sequence before the token before
-it is known), each of which decodes ahead (`decodes_ahead`: its sampling reads no token values but through
-its grammar's mask, filled once its forward pass is queued, and no later stage waits for its tokens), and no page shortage (a preemption would recompute a
-placeholder). Anything else waits until the step in flight has been applied. A sequence that stops on a token
-(its own stops, its grammar's end) is past its end in the step launched after it: that step's token for it is
-sampled without its grammar and dropped. The log-probabilities rows ask for travel with their ids: computed on
-the device in the same step, copied to the host beside them, read with them.
+The scheduler then runs one step ahead of what the host knows: when a step is sampled, each of its sampling
+sequences gets a `PLACEHOLDER` token (the count is right, the value unknown), which the step's ids replace when
+they arrive. A step launched ahead may hold prompt chunks beside its decode rows: a server under load admits
+requests on most steps (Qwen3-ASR at c=128 admits ~4 a step), and a step that waited for the one before it
+whenever a prompt arrived would leave the GPU idle while the host prepares it. Its input ids are the host's
+where the host knows them (prompts, tokens read back) and the step in flight's sampled ids, on the device,
+where it does not (`Launched.input_ids`). Only a step that reads no token's value on the host before its
+sampling may run ahead (`may_run_ahead`, then `samples_ahead` for each chunk that samples once the step is
+scheduled): none of its sampling sequences can end by length in it (its length check would end the sequence
+before the token before it is known), each of them decodes ahead (`decodes_ahead`: its sampling reads no
+token values but through its grammar's mask, filled once its forward pass is queued, and no later stage waits
+for its tokens), and it preempts nothing (a preemption would recompute a placeholder). Anything else waits until the step in flight has
+been applied. A sequence that stops on a token (its own stops, its grammar's end) is past its end in the step
+launched after it: that step's token for it is sampled without its grammar and dropped. The log-probabilities
+rows ask for travel with their ids: computed on the device in the same step, copied to the host beside them,
+read with them.
 """
 
 from __future__ import annotations
@@ -49,10 +54,10 @@ S = TypeVar("S")  # the stage's state of a request
 
 @dataclass
 class Launched(Generic[S]):
-    """A decode step in flight: its chunks, the ids it sampled on the device, and their copy to the host (with
+    """A step in flight: its sampling chunks, the ids it sampled on the device, and their copy to the host (with
     the log-probabilities its rows asked for)."""
 
-    chunks: list[ScheduledChunk[S]]
+    chunks: list[ScheduledChunk[S]]  # the chunks that sample, in the step's order
     sampled: torch.Tensor  # [B] on the device, row b is chunks[b]'s
     host: torch.Tensor  # [B]: `sampled`, once `event` has completed
     event: torch.cuda.Event | None  # None off CUDA: the copy has completed
@@ -77,11 +82,31 @@ class Launched(Generic[S]):
         return cls(chunks, sampled, host, event, on_host)
 
     def input_ids(self, chunks: list[ScheduledChunk[S]]) -> torch.Tensor:
-        """The next step's input ids `[len(chunks)]` on the device: the ids this step sampled for their sequences."""
-        index = [self.rows[chunk.seq] for chunk in chunks]
-        if index == list(range(len(self.chunks))):
-            return self.sampled
-        return self.sampled.index_select(0, to_device(torch.tensor(index), self.sampled.device))
+        """The next step's input ids `[rows]` on the device: the host's where it knows them, and this step's
+        sampled ids for the last token of each sequence that sampled in it (a placeholder on the host)."""
+        if all(chunk.num_tokens == 1 and chunk.seq in self.rows for chunk in chunks):
+            index = [self.rows[chunk.seq] for chunk in chunks]
+            if index == list(range(len(self.chunks))):
+                return self.sampled
+            return self.sampled.index_select(0, to_device(torch.tensor(index), self.sampled.device))
+        ids: list[int] = []
+        targets, sources = [], []
+        for chunk in chunks:
+            ids += chunk.seq.token_ids(chunk.start, chunk.start + chunk.num_tokens)
+            if ids[-1] == PLACEHOLDER:
+                targets.append(len(ids) - 1)
+                sources.append(self.rows[chunk.seq])
+                ids[-1] = 0
+        if PLACEHOLDER in ids:
+            raise RuntimeError("a token in flight is not the last of its chunk")
+        host = torch.tensor(ids + targets + sources)
+        moved = to_device(host, self.sampled.device)
+        step_ids, at, of = (
+            moved[: len(ids)],
+            moved[len(ids) : len(ids) + len(targets)],
+            moved[len(ids) + len(targets) :],
+        )
+        return step_ids.index_copy(0, at, self.sampled.index_select(0, of))
 
     def tokens(self) -> list[int]:
         """The sampled ids on the host, waiting for their copy."""
@@ -113,7 +138,7 @@ def settle(
         if seq.is_finished:
             continue
         # its placeholder, the last of its outputs: a step launched after this one is sampled after `settle`
-        seq.output_token_ids[chunk.start + 1 - seq.num_prompt_tokens] = token
+        seq.output_token_ids[chunk.start + chunk.num_tokens - seq.num_prompt_tokens] = token
         outputs += apply(seq, token, token_logprobs)
     return outputs
 
@@ -151,15 +176,20 @@ def may_run_ahead(
     scheduler: Scheduler[S], launched: Launched[S] | None, eligible: Callable[[Sequence[S]], bool]
 ) -> bool:
     """Whether the next step may launch before `launched` (the step in flight, if any) is read back, each
-    sequence `eligible` as `decodes_ahead` says: see the module's docstring. Pure bookkeeping."""
+    sequence `eligible` as `decodes_ahead` says, judged before it is scheduled: see the module's docstring.
+    `samples_ahead` judges the chunks it then holds. Pure bookkeeping."""
     running = scheduler.running
-    if not running or not scheduler.decodes_only:
+    if not running:
         return False
-    if launched is not None and any(seq not in launched.rows for seq in running):
-        return False
-    if any(seq.num_output_tokens + 1 >= seq.max_tokens or not eligible(seq) for seq in running):
+    if any(not samples_ahead(seq, eligible) for seq in running):
         return False
     return _new_pages(scheduler.pool, running) <= scheduler.pool.num_free
+
+
+def samples_ahead(seq: Sequence[S], eligible: Callable[[Sequence[S]], bool]) -> bool:
+    """Whether `seq` may be sampled in a step launched ahead: it decodes ahead, and its next token is not its
+    last by length."""
+    return seq.num_output_tokens + 1 < seq.max_tokens and eligible(seq)
 
 
 def _new_pages(pool: PagePool, running: list[Sequence[S]]) -> int:

@@ -105,8 +105,8 @@ def _paged_attention(
     kv_head = tl.program_id(1)
     if VARLEN:  # program 0's axis: tiles numbered across the sequences (see the module's docstring)
         number = tl.program_id(0)
-        lo = 0
-        hi = num_seqs
+        lo = tl.full([], 0, tl.int32)
+        hi = tl.full([], num_seqs, tl.int32)
         while hi - lo > 1:  # the last sequence whose first tile is at or before this one
             mid = (lo + hi) // 2
             before = tl.load(query_start_loc_ptr + mid) // BLOCK_Q + mid <= number

@@ -17,7 +17,14 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from omnistage.engine.decode_ahead import PLACEHOLDER, Launched, launched_or_none, may_run_ahead, settle
+from omnistage.engine.decode_ahead import (
+    PLACEHOLDER,
+    Launched,
+    launched_or_none,
+    may_run_ahead,
+    samples_ahead,
+    settle,
+)
 from omnistage.engine.graphs.base import int_buckets
 from omnistage.engine.logprobs import step_logprobs
 from omnistage.engine.memory.plan import GiB, MemoryPlan, StageMemory, kv_bytes_per_page
@@ -99,7 +106,7 @@ class TextStage(AutoregressiveStage[RequestState]):
         self.capture_seconds = 0.0
         self.decode_ahead = engine.decode_ahead
         self.prefix_caching = engine.prefix_caching  # its full prompt pages shared through the pool's cache
-        self._launched: Launched[RequestState] | None = None  # the decode step in flight (decode_ahead)
+        self._launched: Launched[RequestState] | None = None  # the step in flight (decode_ahead)
         self._launch_failed = False  # the next step runs where a failure fails only the requests at fault
         self.constraints: Constraints[_Parked] = Constraints(
             self.tokenizer, self.vocab_size, self.eos_token_ids
@@ -286,19 +293,27 @@ class TextStage(AutoregressiveStage[RequestState]):
         return self._run(step.chunks)
 
     def _step_ahead(self) -> list[RequestOutput]:
-        """Launch a decode step on the ids of the one in flight, then apply those, then sample it
-        (decode_ahead.py): the host applies the ids in flight while the device runs the step's forward pass,
-        and the step's grammar masks are filled past them before it samples."""
+        """Launch a step on the ids of the one in flight, then apply those, then sample it (decode_ahead.py):
+        the host applies the ids in flight while the device runs the step's forward pass, and the step's
+        grammar masks are filled past them before it samples."""
         previous, self._launched = self._launched, None
         step = self.scheduler.schedule()
-        launches = step.is_pure_decode and not step.preempted
+        sampling = [c for c in step.chunks if c.samples]
+        launches = (
+            bool(sampling)
+            and not step.preempted
+            and all(samples_ahead(c.seq, _decodes_ahead) for c in sampling)
+        )
         if not launches:
             return (
                 self._run(step.chunks)
                 if previous is None
                 else settle(previous, self._apply_token, self._fail)
             )
-        saved = [(g, g.get_state()) for g in generators(step.chunks)]
+        now = time.monotonic()
+        for chunk in step.chunks:
+            chunk.seq.data.metrics.setdefault("scheduled", now)
+        saved = [(g, g.get_state()) for g in generators(sampling)]
         logits = launched_or_none(lambda: self._launch(step.chunks, previous))
         outputs = settle(previous, self._apply_token, self._fail) if previous is not None else []
         if logits is not None:
@@ -314,21 +329,22 @@ class TextStage(AutoregressiveStage[RequestState]):
     def _launch(
         self, chunks: list[ScheduledChunk[RequestState]], previous: Launched[RequestState] | None
     ) -> torch.Tensor:
-        """Queue a decode step's forward pass on the ids of `previous` (still on the device) without waiting for
-        it: its logits, to sample once `previous` is applied (`_sample_ahead`)."""
+        """Queue a step's forward pass on the ids of `previous` (still on the device) without waiting for it:
+        the logits of its sampling chunks, to sample once `previous` is applied (`_sample_ahead`)."""
         input_ids = previous.input_ids(chunks) if previous is not None else None
         return self.runner.execute(SchedulerOutput(chunks), input_ids)
 
     def _sample_ahead(
         self, chunks: list[ScheduledChunk[RequestState]], logits: torch.Tensor
     ) -> Launched[RequestState]:
-        """Sample a launched step's `logits` without waiting for the ids; its running sequences get a
-        placeholder token each. A sequence that ended on the ids applied since is sampled unconstrained, and its
+        """Sample a launched step's `logits` without waiting for the ids; each of its sampling sequences gets a
+        placeholder token. A sequence that ended on the ids applied since is sampled unconstrained, and its
         token is dropped (`settle`)."""
-        rows = [self.sampling_row(c.seq) for c in chunks]
+        sampling = [c for c in chunks if c.samples]
+        rows = [self.sampling_row(c.seq) for c in sampling]
         sampled = self.sampler(logits, rows)
-        launched = Launched.start(chunks, sampled, step_logprobs(logits, sampled, rows))
-        self.scheduler.update(SchedulerOutput(chunks), {c.seq.request_id: PLACEHOLDER for c in chunks})
+        launched = Launched.start(sampling, sampled, step_logprobs(logits, sampled, rows))
+        self.scheduler.update(SchedulerOutput(chunks), {c.seq.request_id: PLACEHOLDER for c in sampling})
         return launched
 
     def _run(self, chunks: list[ScheduledChunk[RequestState]]) -> list[RequestOutput]:

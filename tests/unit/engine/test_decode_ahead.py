@@ -9,7 +9,14 @@ import pytest
 import torch
 
 from omnistage import LLM, SamplingParams
-from omnistage.engine.decode_ahead import PLACEHOLDER, Launched, decodes_ahead, may_run_ahead
+from omnistage.engine.decode_ahead import (
+    PLACEHOLDER,
+    Launched,
+    decodes_ahead,
+    may_run_ahead,
+    samples_ahead,
+    settle,
+)
 from omnistage.engine.kv_cache import PagePool
 from omnistage.engine.scheduler import ScheduledChunk, Scheduler
 from omnistage.engine.sequence import Sequence
@@ -315,19 +322,97 @@ def test_when_a_step_may_run_ahead():
     a, b = _seq("a", 2, 10), _seq("b", 3, 10)
     assert may_run_ahead(_scheduler([a, b]), None, eligible)
     assert may_run_ahead(_scheduler([a, b]), _launched([a, b]), eligible)
-    assert not may_run_ahead(_scheduler([a, b]), _launched([b]), eligible)  # a's input is on the host only
+    assert may_run_ahead(_scheduler([a, b]), _launched([b]), eligible)  # a's input is on the host
     assert not may_run_ahead(_scheduler([]), None, eligible)
-    assert not may_run_ahead(_scheduler([a, _seq("p", 0, 10, left=3)]), None, eligible)  # a prefill
+    assert may_run_ahead(_scheduler([a, _seq("p", 0, 10, left=3)]), None, eligible)  # a prefill beside it
     assert not may_run_ahead(_scheduler([a, _seq("last", 9, 10)]), None, eligible)  # its 10th token ends it
     assert may_run_ahead(_scheduler([a, _seq("two-left", 8, 10)]), None, eligible)
     assert not may_run_ahead(_scheduler([a, _seq("penalised", 2, 10, eligible=False)]), None, eligible)
     waiting = _scheduler([a])
     waiting.waiting.append(_seq("w", 0, 10, left=3))
-    assert not may_run_ahead(waiting, None, eligible)
+    assert may_run_ahead(waiting, None, eligible)  # its prompt is on the host; `samples_ahead` judges it
+    assert not samples_ahead(_seq("one-token", 0, 1, left=3), eligible)
+    assert not samples_ahead(_seq("penalised", 0, 10, left=3, eligible=False), eligible)
+    assert samples_ahead(_seq("w", 0, 10, left=3), eligible)
     # 5 tokens each at 4 a page: the sixth needs a second page; two sequences, one page free
     crowded = _scheduler([_seq("c", 2, 10), _seq("d", 2, 10)], num_pages=3)
     assert not may_run_ahead(crowded, None, eligible)
     assert may_run_ahead(_scheduler([_seq("c", 2, 10), _seq("d", 2, 10)], num_pages=4), None, eligible)
+
+
+def test_a_step_with_prompt_rows_takes_the_ids_in_flight_for_its_decode_rows():
+    """The next step's ids: a prompt chunk's from the host, the decode rows of sequences sampled in the step in
+    flight from its ids on the device, a decode row whose token is known from the host."""
+    a, b = _seq("a", 2, 10), _seq("b", 2, 10)
+    launched = _launched([a, b])
+    for seq in (a, b):
+        seq.output_token_ids.append(PLACEHOLDER)
+    known = _seq("known", 4, 10)
+    known.output_token_ids[-1] = 99
+    prompt = Sequence("p", [5, 6, 7, 8, 9], 10, data=SimpleNamespace(decodes_ahead=True))
+    chunks = [
+        ScheduledChunk(b, b.num_tokens - 1, 1),
+        ScheduledChunk(prompt, 1, 3),
+        ScheduledChunk(known, known.num_tokens - 1, 1),
+        ScheduledChunk(a, a.num_tokens - 1, 1),
+    ]
+    assert launched.input_ids(chunks).tolist() == [11, 6, 7, 8, 99, 10]
+    stray = _seq("stray", 2, 10)
+    stray.output_token_ids[-1] = PLACEHOLDER  # in flight in no step this one launched after
+    with pytest.raises(KeyError):
+        launched.input_ids([ScheduledChunk(stray, stray.num_tokens - 1, 1)] + chunks[1:2])
+
+
+def test_a_prompt_sampled_ahead_gets_its_first_token_in_place():
+    """A prompt's last chunk samples its first token ahead: the placeholder after it takes the id read back."""
+    seq = _seq("p", 0, 10, left=3)
+    chunk = ScheduledChunk(seq, seq.num_computed_tokens, 3)
+    launched = Launched.start([chunk], torch.tensor([42]))
+    seq.num_computed_tokens += 3
+    seq.output_token_ids.append(PLACEHOLDER)
+    applied = settle(launched, lambda s, token, logprobs: [(s.request_id, token)], lambda s, exc: [])
+    assert applied == [("p", 42)] and seq.output_token_ids == [42]
+
+
+def test_arrivals_each_step_launch_ahead_with_the_tokens_of_lockstep(lockstep, ahead, monkeypatch):
+    """A request arriving on every step (a server under load), prompts prefilled in chunks beside the decode
+    rows: steps with prompt rows launch ahead, and every request gets lockstep's tokens and texts."""
+    arrivals = [
+        (f"r{i}", PROMPTS[i % 4] * (1 + i % 3), SamplingParams(max_tokens=6 + i % 5, temperature=0.0))
+        for i in range(12)
+    ]
+    arrivals[5] = (
+        "seeded",
+        PROMPTS[2],
+        SamplingParams(max_tokens=9, temperature=0.9, seed=11, ignore_eos=True),
+    )
+
+    def stream(llm):
+        engine, streams, pending = llm.engine, {}, list(arrivals)
+        while pending or engine.has_unfinished():
+            if pending:
+                rid, prompt, params = pending.pop(0)
+                engine.add_request(rid, engine.processor.encode(prompt), params)
+            for out in engine.step():
+                streams.setdefault(out.request_id, []).append(out)
+        return {rid: summary(outs) for rid, outs in streams.items()}
+
+    for llm in (lockstep, ahead):
+        monkeypatch.setattr(llm.engine.scheduler, "max_num_batched_tokens", 16)  # prompts in several chunks
+    expected = stream(lockstep)
+    with_prompts = []
+    launch = ahead.engine._launch
+    monkeypatch.setattr(
+        ahead.engine,
+        "_launch",
+        lambda chunks, prev: (
+            with_prompts.append(any(c.num_tokens > 1 for c in chunks)) or launch(chunks, prev)
+        ),
+    )
+    assert stream(ahead) == expected
+    assert sum(with_prompts) >= 5
+    assert_idle(ahead)
+    assert_idle(lockstep)
 
 
 def test_the_next_inputs_are_the_ids_sampled_for_the_same_sequences():

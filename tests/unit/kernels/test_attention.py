@@ -74,6 +74,7 @@ else:
     def test_prefill_longer_than_a_tile():
         chunks = [(3, 70, list(range(0, 19))), (0, 20, list(range(19, 24)))]
         _check(_case(chunks, 4, 4, 16, 4, 32, seed=1))
+        _check(_case(chunks[:1], 4, 4, 16, 4, 32, seed=1, pad_rows=9))  # one sequence: no search
 
     def test_odd_group_and_head_dim():
         # 6 query heads over 2 KV heads (group 3, padded to 4), head_dim 24 (padded to 32).
