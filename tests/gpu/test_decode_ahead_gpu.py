@@ -48,3 +48,40 @@ def test_decoding_ahead_replays_the_tokens_of_lockstep(tiny_checkpoint):
     assert run(ahead) == expected
     assert expected[1][1] == "stop" and expected[4][1] == "stop"
     assert sum(launches) >= 15  # launched on the ids of the step in flight
+
+
+def test_arrivals_each_step_launch_ahead_through_the_prefill_graphs(tiny_checkpoint):
+    """A request arriving on every step: its prompt is prefilled beside the decode rows in a step launched
+    ahead (a prefill graph, its decode rows' ids those of the step in flight), with lockstep's tokens."""
+    common = dict(
+        model=str(tiny_checkpoint), device="cuda", dtype="bfloat16", page_size=4, kv_cache_memory_gib=0.05,
+        max_graph_batch=16, max_num_seqs=16, compile=False,
+    )  # fmt: skip
+    ahead, lockstep = LLM(decode_ahead=True, **common), LLM(decode_ahead=False, **common)
+    arrivals = [
+        (f"r{i}", PROMPTS[i % 5] * (1 + i % 3), SamplingParams(max_tokens=8 + i % 5, temperature=0.0))
+        for i in range(14)
+    ]
+    with_prompts = []
+    launch = ahead.engine._launch
+    ahead.engine._launch = lambda chunks, previous: (
+        with_prompts.append(previous is not None and any(c.num_tokens > 1 for c in chunks))
+        or launch(chunks, previous)
+    )
+
+    def run(llm):
+        engine, tokens, pending = llm.engine, {}, list(arrivals)
+        while pending or engine.has_unfinished():
+            if pending:
+                rid, prompt, params = pending.pop(0)
+                engine.add_request(rid, engine.processor.encode(prompt), params)
+            for out in engine.step():
+                if out.finished:
+                    tokens[out.request_id] = out.outputs[0].token_ids
+        assert engine.pool.num_free == engine.pool.num_pages
+        return tokens
+
+    expected = run(lockstep)
+    assert run(ahead) == expected
+    assert sum(with_prompts) >= 5
+    assert ahead.engine.runner.prefill_graphs is not None
