@@ -29,6 +29,7 @@ FLAGS: dict[str, str] = {
     "--admission-window-ms": "admission_window_ms",
     "--max-tokens-default": "max_tokens_default",
     "--encoder-cache-mib": "stages.encoders.cache_mib",
+    "--encoder-rows-mib": "stages.encoders.rows_mib",
 }
 
 # on/off flag: (the schema's boolean key, the value the flag sets); as a keyword, the key itself

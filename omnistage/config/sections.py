@@ -105,6 +105,13 @@ class EncodersSection(_StageSection):
         description="host memory (MiB) keeping the audio tower's rows of clips seen before, so that a clip sent "
         "again gives the same rows without the tower (0: off)",
     )
+    rows_mib: int = Field(
+        512,
+        ge=0,
+        description="GPU memory (MiB) for the encoder rows of requests whose prefill has not passed them; "
+        "requests with media wait unencoded beyond it. The plan keeps room for it, or for the largest media "
+        "request's rows where they are more",
+    )
 
 
 class TalkerSection(_StageSection, _KvSection):

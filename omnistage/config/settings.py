@@ -72,6 +72,7 @@ class EncodersSettings(StageSettings):
     audio_graphs: Graphs  # windows per call
     vision_graphs: Graphs  # patches per call
     cache_bytes: int  # host memory keeping clips' rows (0: none)
+    rows_bytes: int  # device memory for encoder rows not yet prefilled (at least the largest request's)
 
 
 @dataclass(frozen=True)
@@ -147,6 +148,7 @@ def resolve(config: EngineConfig, name: StageName) -> StageSettings:
             audio_graphs=graphs(section.audio_graphs, None),
             vision_graphs=graphs(section.vision_graphs, None),
             cache_bytes=section.cache_mib << 20,
+            rows_bytes=section.rows_mib << 20,
         )
     if name == "code_predictor":
         frames = section.max_batch or talker_batch

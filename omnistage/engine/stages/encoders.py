@@ -73,6 +73,8 @@ class MultimodalEmbeds:
     # audio_embeds as the encoder cache keeps them on the host, when it keeps every clip's: the prefix keys
     # read these bytes instead of copying the rows back from the device
     audio_embeds_host: torch.Tensor | None = None
+    # audio_embeds, image_embeds and deepstack on the host while they are off the device (media_hold.py)
+    offloaded: tuple[torch.Tensor | None, ...] | None = None
 
 
 class EagerAudioTower(AudioTower, Protocol):
@@ -146,6 +148,9 @@ class EncoderStage:
         self.audio_graphs: AudioGraphs | None = None
         self.vision_graphs: VisionGraphs | None = None
         self.cache = EncoderCache(cache_bytes)
+        # the encoder rows the floor holds beside a prefill (`profile_floor`: the configured amount or the largest
+        # media request's; None: not measured): what a text stage keeps on the device at once (media_hold.py)
+        self.rows_limit: int | None = None
 
     def encode(self, token_ids: list[int], mm: MultimodalInputs) -> MultimodalEmbeds:
         """Run the audio and vision encoders for one prompt; their rows must match its placeholders."""
@@ -300,12 +305,20 @@ class EncoderStage:
         return graphs | self.cache.stats()
 
     def profile_floor(
-        self, prefill: int, prefill_tokens: int, max_prompt_tokens: int, max_audios: int, max_images: int
+        self,
+        prefill: int,
+        prefill_tokens: int,
+        max_prompt_tokens: int,
+        max_audios: int,
+        max_images: int,
+        rows_held: int = 0,
     ) -> Floor:
         """The phases of the largest media requests beside a text prefill step of `prefill` bytes (GPU only).
 
         Measures each tower on the largest input the processor admits; a request brings as many of them as
-        its prompt (`max_prompt_tokens`) and the processor (`max_audios`, `max_images`) allow.
+        its prompt (`max_prompt_tokens`) and the processor (`max_audios`, `max_images`) allow. The requests
+        not yet prefilled hold `rows_held` bytes of rows at once, or the largest request's where they are
+        more: `rows_limit`.
         """
         frames, audio = self.max_audio_frames, self.audio
         clip_tokens = self.audio_encoder.output_tokens(frames)
@@ -324,7 +337,9 @@ class EncoderStage:
             audio_outputs=clip_bytes,
             audio_clips=max(1, min(max_audios, max_prompt_tokens // clip_tokens)),
             audio_seconds=frames * audio.hop_length / audio.sample_rate,
+            rows_held=rows_held,
         )
+        self.rows_limit = floor.rows_limit
         if (images := self.images) is None:
             return floor
         grid = images.largest_grid
@@ -337,13 +352,15 @@ class EncoderStage:
             num_image_tokens=[tokens],
         )
         vision_peak, image_bytes = self._measure([images.token_id] * tokens, image)
-        return replace(
+        floor = replace(
             floor,
             vision_encoder=vision_peak,
             image_outputs=image_bytes,
             images=largest_inputs(max_prompt_tokens, tokens, max_images, self.videos is not None),
             image_size=(grid[2] * images.patch_size, grid[1] * images.patch_size),
         )
+        self.rows_limit = floor.rows_limit
+        return floor
 
     @torch.inference_mode()
     def _measure(self, token_ids: list[int], mm: MultimodalInputs) -> tuple[int, int]:

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -31,13 +31,13 @@ from omnistage.engine.memory.plan import GiB, MemoryPlan, StageMemory, kv_bytes_
 from omnistage.engine.memory.summary import text_stage_summary
 from omnistage.engine.output_processor import RequestState, request_output, request_state, stop_and_text
 from omnistage.engine.scheduler import ScheduledChunk, SchedulerOutput
-from omnistage.engine.sequence import Sequence, SequenceStatus
-from omnistage.engine.stages.admission import encode_media, max_tokens_for
+from omnistage.engine.sequence import Sequence
+from omnistage.engine.stages.admission import max_tokens_for
 from omnistage.engine.stages.autoregressive import AutoregressiveStage, generators
 from omnistage.engine.stages.constrained import Constraints
-from omnistage.engine.stages.encoders import MultimodalEmbeds
 from omnistage.engine.stages.prefix import request_keys
 from omnistage.engine.stages.preparation import prepare_decoder
+from omnistage.engine.stages.text_admission import Parked, TextAdmission
 from omnistage.engine.stages.text_memory import text_stage_memory
 from omnistage.engine.stages.text_setup import NewRequest, StageModels, TextSettings
 from omnistage.engine.stages.token_runner import TokenRunner
@@ -55,16 +55,6 @@ _CPU_KV_GIB = 0.25
 
 # A step's sampled ids, one per chunk that samples and in their order, and their logprobs (None: not asked).
 Sampled = tuple[list[int], list[TokenLogprobs | None]]
-
-
-@dataclass
-class _Parked:
-    """An admitted request before it is queued: its encoder outputs, effective max_tokens and metrics."""
-
-    request: NewRequest
-    mm: MultimodalEmbeds | None
-    max_tokens: int
-    metrics: dict[str, float]
 
 
 class TextStage(AutoregressiveStage[RequestState]):
@@ -108,9 +98,19 @@ class TextStage(AutoregressiveStage[RequestState]):
         self.prefix_caching = engine.prefix_caching  # its full prompt pages shared through the pool's cache
         self._launched: Launched[RequestState] | None = None  # the step in flight (decode_ahead)
         self._launch_failed = False  # the next step runs where a failure fails only the requests at fault
-        self.constraints: Constraints[_Parked] = Constraints(
+        self.constraints: Constraints[Parked] = Constraints(
             self.tokenizer, self.vocab_size, self.eos_token_ids
         )
+        self.admission = TextAdmission(
+            self.name,
+            lambda: self.scheduler,
+            self.encoders,
+            self.constraints,
+            self.validate,
+            self._sequence,
+            self.device,
+        )
+        self.media = self.admission.media  # the encoder rows on the device (limited once planned)
         if self.device.type != "cuda":
             cpu_gib = section.kv.gib or _CPU_KV_GIB
             self.allocate_pages(section.kv.pages or max(1, int(cpu_gib * GiB) // self.kv_bytes_per_page))
@@ -154,6 +154,14 @@ class TextStage(AutoregressiveStage[RequestState]):
             pool=self.graph_pool,
         )
         self.capture_seconds = time.perf_counter() - started
+        self.media.limit = self.encoders.rows_limit
+        if self.media.limit is not None:
+            log.info(
+                "%s: encoder rows on the device at once: up to %.0f MiB (--encoder-rows-mib, or the largest "
+                "media request's); requests beyond wait unencoded",
+                self.name,
+                self.media.limit / 2**20,
+            )
         log.debug("%s", self.memory_summary())
 
     def memory_summary(self) -> str:
@@ -188,65 +196,18 @@ class TextStage(AutoregressiveStage[RequestState]):
             raise error
 
     def add_requests(self, requests: list[NewRequest]) -> list[Exception | None]:
-        """Admit several requests; their media go through the encoders together (one ragged batch per
-        tower). Returns, per request, None or the exception that kept it out; the others are admitted. A
-        request its pipeline validated (`NewRequest.of`) is not checked again."""
-        arrival = time.monotonic()
-        errors: list[Exception | None] = [None] * len(requests)
-        max_tokens: dict[int, int] = {}
-        for i, r in enumerate(requests):
-            try:
-                max_tokens[i] = (
-                    r.max_tokens if r.max_tokens is not None else self.validate(r.prompt_token_ids, r.params)
-                )
-                if r.params.structured is not None:
-                    Constraints.check(r.params.structured)
-            except Exception as exc:
-                max_tokens.pop(i, None)
-                errors[i] = exc
-        embeds = encode_media(self.encoders, {i: requests[i] for i in max_tokens})
-        encoded = time.monotonic()
-        for i, r in enumerate(requests):
-            if i not in max_tokens:
-                continue
-            if isinstance(mm := embeds.get(i), Exception):
-                errors[i] = mm
-                continue
-            parked = _Parked(r, mm, max_tokens[i], {"arrival": arrival, "encoded": encoded})
-            structured = r.params.structured
-            if structured is not None and not self.constraints.compiled(structured):
-                # queued once compiled (`step`)
-                self.constraints.compiling.add(r.request_id, structured, parked)
-                continue
-            grammar = self.constraints.state(structured) if structured is not None else None
-            self.scheduler.add(self._sequence(parked, grammar))
-        return errors
+        """Admit several requests (text_admission.py); per request, None or the exception that kept it out."""
+        return self.admission.add(requests)
 
-    def _sequence(self, parked: _Parked, grammar: GrammarState | None) -> Sequence[RequestState]:
+    def _sequence(self, parked: Parked, grammar: GrammarState | None) -> Sequence[RequestState]:
         r = parked.request
         state = request_state(r, parked.mm, r.tap, self.tokenizer, self.eos_token_ids, self.device, grammar)
         state.metrics.update(parked.metrics)
         keys = request_keys(r, parked.mm, r.tap, self.runner) if self.prefix_caching else None
         return Sequence(r.request_id, list(r.prompt_token_ids), parked.max_tokens, prefix=keys, data=state)
 
-    def _admit_compiled(self) -> list[RequestOutput]:
-        """Queue the requests whose constraints have compiled; end those whose compile failed."""
-        failed = []
-        for parked, grammar in self.constraints.compiling.ready():
-            seq = self._sequence(parked, None if isinstance(grammar, Exception) else grammar)
-            try:
-                if isinstance(grammar, Exception):
-                    raise grammar
-                self.scheduler.add(seq)
-            except Exception as exc:  # never queued: it ends here, with its error
-                log.error("request %s failed in the %s stage", seq.request_id, self.name, exc_info=exc)
-                seq.data.error = f"{type(exc).__name__}: {exc}"
-                seq.status = SequenceStatus.FINISHED_ERROR
-                failed.append(request_output(seq, "", []))
-        return failed
-
     def abort(self, request_id: str) -> RequestOutput | None:
-        if self.constraints.compiling.abort(request_id):
+        if self.admission.abort(request_id):
             return None
         seq = self.scheduler.abort(request_id)
         if seq is None:
@@ -256,7 +217,11 @@ class TextStage(AutoregressiveStage[RequestState]):
         return request_output(seq, "", [])
 
     def has_unfinished(self) -> bool:
-        return super().has_unfinished() or self._launched is not None or len(self.constraints.compiling) > 0
+        return super().has_unfinished() or self._launched is not None or len(self.admission) > 0
+
+    @property
+    def num_waiting(self) -> int:
+        return self.scheduler.num_waiting + len(self.admission)
 
     def replays_next_step(self) -> bool:
         """The next step is a decode step whose batch a captured graph holds: no eager (compiled) code runs."""
@@ -270,7 +235,8 @@ class TextStage(AutoregressiveStage[RequestState]):
     # -- one step -----------------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
-        failed = self._admit_compiled() if len(self.constraints.compiling) else []
+        restoring = self.media.needs_restore(self.scheduler.waiting)
+        failed = self.admission.turn() if len(self.admission) or restoring else []
         return failed + self._step()
 
     def _step(self) -> list[RequestOutput]:
@@ -284,7 +250,7 @@ class TextStage(AutoregressiveStage[RequestState]):
             launched, self._launched = self._launched, None
             return settle(launched, self._apply_token, self._fail)
         self._launch_failed = False
-        step = self.scheduler.schedule()
+        step = self.scheduler.schedule(self._ready())
         if not step.chunks:
             return []
         now = time.monotonic()
@@ -292,12 +258,16 @@ class TextStage(AutoregressiveStage[RequestState]):
             chunk.seq.data.metrics.setdefault("scheduled", now)
         return self._run(step.chunks)
 
+    def _ready(self) -> Callable[[Sequence[RequestState]], bool] | None:
+        """What keeps a preempted sequence whose rows are on the host out of a step (media_hold.py), if any."""
+        return self.media.ready if self.media.needs_restore(self.scheduler.waiting) else None
+
     def _step_ahead(self) -> list[RequestOutput]:
         """Launch a step on the ids of the one in flight, then apply those, then sample it (decode_ahead.py):
         the host applies the ids in flight while the device runs the step's forward pass, and the step's
         grammar masks are filled past them before it samples."""
         previous, self._launched = self._launched, None
-        step = self.scheduler.schedule()
+        step = self.scheduler.schedule(self._ready())
         sampling = [c for c in step.chunks if c.samples]
         launches = (
             bool(sampling)
@@ -345,6 +315,8 @@ class TextStage(AutoregressiveStage[RequestState]):
         sampled = self.sampler(logits, rows)
         launched = Launched.start(sampling, sampled, step_logprobs(logits, sampled, rows))
         self.scheduler.update(SchedulerOutput(chunks), {c.seq.request_id: PLACEHOLDER for c in sampling})
+        if self.media.holding:
+            self.media.release()
         return launched
 
     def _run(self, chunks: list[ScheduledChunk[RequestState]]) -> list[RequestOutput]:
@@ -368,6 +340,8 @@ class TextStage(AutoregressiveStage[RequestState]):
     def _apply(self, chunks: list[ScheduledChunk[RequestState]], sampled: Sampled) -> list[RequestOutput]:
         tokens, logprobs = sampled
         sampling = self.update(chunks, tokens)
+        if self.media.holding:
+            self.media.release()
         return [
             out
             for chunk, token, token_logprobs in zip(sampling, tokens, logprobs)

@@ -44,6 +44,7 @@ def text_stage_memory(
         engine.max_num_batched_tokens,
         max_prompt_tokens,
         *max_media,
+        rows_held=settings.encoders.rows_bytes,
     )
     graphs: tuple[GraphCandidates, ...] = ()
     if not engine.enforce_eager and runner.dtype != torch.bfloat16:

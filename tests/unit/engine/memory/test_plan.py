@@ -219,15 +219,16 @@ def test_table_fits_one_screen():
 
 
 def test_floor_is_the_largest_phase_of_the_largest_requests():
-    """An encoder's peak on the largest input it admits (after the rows of the request's earlier ones), or
-    the largest prefill step beside the encoder rows one request holds, whichever is larger, is the floor;
-    each shows as its own line of the table."""
+    """An encoder's peak on the largest input it admits, or the largest prefill step, each beside the encoder
+    rows held at once (the largest request's), whichever is larger, is the floor; each shows as its own line
+    of the table."""
     text = Floor(prefill=GiB, prefill_tokens=2048)
     assert text.peak == GiB
     audio = replace(text, audio_encoder=3 * GiB, audio_outputs=16 * MiB, audio_seconds=300.0)
     assert audio.peak == 3 * GiB  # the encoder's own peak holds its outputs too
     images = replace(audio, vision_encoder=2 * GiB, image_outputs=2560 * MiB, image_size=(3584, 3584))
-    assert images.peak == GiB + 2560 * MiB  # the prefill runs beside the image rows it reads
+    assert images.rows_limit == 2560 * MiB
+    assert images.peak == 3 * GiB - 16 * MiB + 2560 * MiB  # a clip's call beside an image's rows
     assert (
         replace(images, vision_encoder=9 * GiB, images=3).peak == 9 * GiB + 2 * 2560 * MiB
     )  # the third call
@@ -238,7 +239,7 @@ def test_floor_is_the_largest_phase_of_the_largest_requests():
     )  # fmt: skip
     images = replace(images, audio_clips=2, images=2)
     plain, planned = plan_memory(floor_peak=GiB, **kwargs), plan_memory(floor_peak=images, **kwargs)
-    assert planned.floor == images.peak == 6 * GiB and plain.floor == GiB
+    assert planned.floor == images.peak == 3 * GiB - 16 * MiB + 5120 * MiB and plain.floor == GiB
     assert (
         0
         <= (plain.kv_pool("Thinker").pages - planned.kv_pool("Thinker").pages) * 12 * MiB
@@ -248,9 +249,9 @@ def test_floor_is_the_largest_phase_of_the_largest_requests():
     assert planned.floor + planned.reserve + planned.kv_bytes + planned.free == 12 * GiB
     table = planned.table()
     for line in (
-        "floor (eager peak)            6.00 GiB  the largest of:",
+        "floor (eager peak)            7.98 GiB  the largest of:",
         "  text prefill                1.00 GiB  2,048 tokens",
-        "  audio encoder               3.02 GiB  2 x 300 s clip, one call each",
+        "  audio encoder               7.98 GiB  2 x 300 s clip, one call each, beside 5,120 MiB of rows held",
         "  audio prefill               1.03 GiB  with 2 x 300 s clip: 32 MiB of encoder rows held",
         "  vision encoder              4.50 GiB  2 x 3584x3584 image, one call each",
         "  image prefill               6.00 GiB  with 2 x 3584x3584 image: 5,120 MiB of encoder rows held",
@@ -259,6 +260,10 @@ def test_floor_is_the_largest_phase_of_the_largest_requests():
     assert (
         "with the 300 s clip's 16 MiB of encoder rows held" in plan_memory(floor_peak=audio, **kwargs).table()
     )
+    # more rows held at once than one largest request's: beside every tower call and prefill step
+    held = replace(audio, rows_held=512 * MiB)
+    assert held.peak == 3 * GiB + 512 * MiB - 16 * MiB
+    assert ("audio prefill", GiB + 512 * MiB, "with requests' 512 MiB of encoder rows held") in held.phases()
     assert "the largest of" not in plain.table()
-    with pytest.raises(ConfigError, match=r"floor 6.00 GiB \(the image prefill\)"):
+    with pytest.raises(ConfigError, match=r"floor 7.98 GiB \(the audio encoder\)"):
         plan_memory(floor_peak=images, **{**kwargs, "free_after_weights": 6 * GiB})

@@ -40,8 +40,10 @@ class FakeEncoders:
         self.audio_encoder = torch.nn.Linear(16, 16, bias=False)
         self.vision_encoder = None
 
-    def profile_floor(self, prefill: int, tokens: int, max_prompt: int, audios: int, images: int) -> Floor:
-        self.asked = (prefill, tokens, max_prompt, audios, images)
+    def profile_floor(
+        self, prefill: int, tokens: int, max_prompt: int, audios: int, images: int, rows_held: int = 0
+    ) -> Floor:
+        self.asked = (prefill, tokens, max_prompt, audios, images, rows_held)
         return Floor(prefill, tokens)
 
     def default_graph_buckets(self) -> tuple[list[int], list[int]]:
@@ -81,7 +83,7 @@ def plan(**config):
 
 def test_the_floor_takes_the_largest_of_the_stage_and_the_other_stages(device):
     result, runner, encoders = plan()
-    assert encoders.asked == (2048 * 1000, 2048, 4095, 8, 5)
+    assert encoders.asked == (2048 * 1000, 2048, 4095, 8, 5, 512 << 20)  # rows held: the default
     assert result.floor == 3 * 10**9  # Code2Wav's, beats 2048 x 1000 bytes
     assert [name for name, _, _ in result.phases] == ["text prefill", "Code2Wav"]
     assert result.resident == (

@@ -1,0 +1,197 @@
+"""The encoder rows a text stage holds on its device, within what its memory plan kept room for.
+
+The plan's floor holds the largest media request's rows beside its prefill (memory/floor.py); that request's
+rows are the hold's `limit` (`EncoderStage.rows_limit`, measured at start on a GPU; None: no limit, as on the
+CPU). Were every request's media encoded as it arrived, a queue of long videos would hold all their rows at
+once. So the requests with media wait here in arrival order (`waiting`), unencoded on the host, and are
+encoded while their rows fit what is left of the limit (`take`); one whose rows alone pass it is encoded when
+nothing else is held. A request's rows leave the device once its prefill has passed its last media row
+(`release`, after each step is queued): the kernels already queued that read them still do (the allocator
+reuses a block only for work queued after its release), and a copy on the host (the encoder cache's for audio
+it keeps, else a copy queued behind those kernels) stays in the request's state for a preemption, dropped with
+it at its end. A preempted request recomputes its prompt; its rows come back within the same limit before it
+is readmitted (`restore`, `ready`). A request's rows count from its encoding to its prefill's passing them or
+its end.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Iterable
+from dataclasses import dataclass, replace
+from typing import Any, Generic, TypeVar
+
+import torch
+
+from omnistage.engine.sequence import Sequence
+from omnistage.engine.stages.encoders import MultimodalEmbeds
+from omnistage.models.multimodal import MultimodalInputs
+
+R = TypeVar("R")  # a request waiting for its encoding
+
+
+@dataclass
+class _Held:
+    bytes: int
+    end: int  # the prompt position after its last media row
+
+
+def rows_bytes(mm: MultimodalEmbeds) -> int:
+    """Bytes of a prompt's encoder rows on the device (audio, vision and the vision's deepstack levels)."""
+    return sum(t.numel() * t.element_size() for t in _rows(mm) if t is not None)
+
+
+def media_rows(mm: MultimodalInputs) -> tuple[int, int]:
+    """The audio rows and the vision rows (images' and videos') a prompt's media encode to."""
+    return sum(mm.num_audio_tokens), sum(mm.num_image_tokens) + sum(mm.num_video_tokens)
+
+
+def _rows(mm: MultimodalEmbeds) -> tuple[torch.Tensor | None, ...]:
+    return mm.audio_embeds, mm.image_embeds, mm.deepstack
+
+
+def _media_end(mm: MultimodalEmbeds) -> int:
+    ends = [int(rows[-1]) + 1 for rows in (mm.audio_rows_host, mm.image_rows_host) if len(rows)]
+    return max(ends, default=0)
+
+
+class MediaHold(Generic[R]):
+    """The encoder rows on one device: the requests waiting to be encoded and the sequences holding rows."""
+
+    def __init__(self, limit: int | None = None) -> None:
+        self.limit = limit
+        self.held_bytes = 0
+        self.waiting: deque[tuple[R, MultimodalInputs]] = deque()
+        self._held: dict[Sequence[Any], _Held] = {}
+        # bytes of one row, per kind, as the encoders gave them (unknown: such a request waits for an empty hold)
+        self._row_bytes: dict[str, float] = {}
+
+    def __len__(self) -> int:
+        """The requests waiting to be encoded."""
+        return len(self.waiting)
+
+    def estimate(self, mm: MultimodalInputs) -> float:
+        """The bytes a prompt's media will hold on the device (infinite before such rows were seen)."""
+        audio, vision = media_rows(mm)
+        return sum(
+            n * self._row_bytes.get(kind, float("inf"))
+            for kind, n in (("audio", audio), ("vision", vision))
+            if n
+        )
+
+    def _fits(self, size: float) -> bool:
+        return self.limit is None or self.held_bytes == 0 or self.held_bytes + size <= self.limit
+
+    def take(self) -> list[R]:
+        """The longest run of waiting requests, first ones first, whose rows fit the hold together: to encode
+        now (each then `hold`s its rows)."""
+        taken: list[R] = []
+        planned = 0.0
+        while self.waiting:
+            request, mm = self.waiting[0]
+            size = self.estimate(mm)
+            if taken and self.limit is not None and self.held_bytes + planned + size > self.limit:
+                break
+            if not taken and not self._fits(size):
+                break
+            self.waiting.popleft()
+            taken.append(request)
+            planned += size
+        return taken
+
+    def drop(self, request: R) -> bool:
+        """Take a waiting request out (aborted); whether it was waiting."""
+        for i, (waiting, _) in enumerate(self.waiting):
+            if waiting is request:
+                del self.waiting[i]
+                return True
+        return False
+
+    def learn(self, mm: MultimodalInputs, embeds: MultimodalEmbeds) -> None:
+        """Bytes per row of each kind, from a prompt's encoded rows."""
+        audio, vision = media_rows(mm)
+        if audio and embeds.audio_embeds is not None:
+            self._row_bytes["audio"] = embeds.audio_embeds.element_size() * embeds.audio_embeds[0].numel()
+        if vision and embeds.image_embeds is not None:
+            per_row = embeds.image_embeds[0].numel() * embeds.image_embeds.element_size()
+            levels = embeds.deepstack.shape[0] if embeds.deepstack is not None else 0
+            self._row_bytes["vision"] = per_row * (1 + levels)
+
+    def hold(self, seq: Sequence[Any], mm: MultimodalEmbeds | None) -> None:
+        """`seq` holds its prompt's rows `mm` on the device from now on."""
+        if mm is None or seq in self._held:
+            return
+        size = rows_bytes(mm)
+        if size:
+            self._held[seq] = _Held(size, _media_end(mm))
+            self.held_bytes += size
+
+    @property
+    def holding(self) -> bool:
+        """Some sequence holds rows on the device."""
+        return bool(self._held)
+
+    def release(self) -> None:
+        """After a step is queued: release the rows whose prefill has passed them, and count none for the
+        sequences that ended (their state drops its rows)."""
+        for seq, held in list(self._held.items()):
+            if seq.is_finished or seq.num_computed_tokens >= held.end:
+                del self._held[seq]
+                self.held_bytes -= held.bytes
+                if not seq.is_finished and seq.data.mm is not None:
+                    seq.data.mm = _offloaded(seq.data.mm)
+
+    def needs_restore(self, waiting: Iterable[Sequence[Any]]) -> bool:
+        """Some sequence of `waiting` (a preempted one) has its rows on the host and a prompt to compute."""
+        return any(not self.ready(seq) for seq in waiting)
+
+    def restore(self, waiting: Iterable[Sequence[Any]], device: torch.device) -> None:
+        """Bring back the rows of the preempted sequences in `waiting`, first ones first, while they fit the
+        hold (`ready` keeps the others out of a step)."""
+        self.release()
+        for seq in waiting:
+            if self.ready(seq):
+                continue
+            mm = seq.data.mm
+            size = sum(t.numel() * t.element_size() for t in mm.offloaded if t is not None)
+            if not self._fits(size):
+                return
+            audio, image, deepstack = (
+                None if t is None else t.to(device, non_blocking=True) for t in mm.offloaded
+            )
+            seq.data.mm = replace(
+                mm, audio_embeds=audio, image_embeds=image, deepstack=deepstack, offloaded=None
+            )
+            self._held[seq] = _Held(size, _media_end(mm))
+            self.held_bytes += size
+
+    def ready(self, seq: Sequence[Any]) -> bool:
+        """Whether `seq` may run a step: a sequence whose prompt is still to be computed has its rows."""
+        return not _off(seq) or seq.num_computed_tokens >= _media_end(seq.data.mm)
+
+
+def _off(seq: Sequence[Any]) -> bool:
+    mm = seq.data.mm
+    return mm is not None and mm.offloaded is not None
+
+
+def _offloaded(mm: MultimodalEmbeds) -> MultimodalEmbeds:
+    """`mm` with its rows on the host only: the audio's as the encoder cache keeps them, where it does."""
+    audio = mm.audio_embeds_host if mm.audio_embeds_host is not None else _to_host(mm.audio_embeds)
+    return replace(
+        mm,
+        audio_embeds=None,
+        image_embeds=None,
+        deepstack=None,
+        offloaded=(audio, _to_host(mm.image_embeds), _to_host(mm.deepstack)),
+    )
+
+
+def _to_host(t: torch.Tensor | None) -> torch.Tensor | None:
+    """A copy of `t` on the host, queued behind the work that reads it, not waited for (pinned off the CPU)."""
+    if t is None:
+        return None
+    if t.device.type != "cuda":
+        return t
+    host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+    return host.copy_(t, non_blocking=True)
