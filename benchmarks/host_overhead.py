@@ -86,7 +86,7 @@ def install_no_op(engine: TextStage, width: int) -> None:
 
 
 def build(args: argparse.Namespace, workdir: Path) -> LLM:
-    max_batch = max(args.batches)
+    max_batch = max(args.batches + [int(b) for b in args.loaded.split(",") if b])
     tokens = args.prompt_len + max_batch + args.warmup + args.steps + 1
     common = dict(
         device=args.device,
@@ -156,6 +156,51 @@ def decode_steps(
     return times if timed else profile
 
 
+def loaded_steps(
+    llm: LLM, batch: int, params: SamplingParams, args: argparse.Namespace, tag: str, timed: bool
+):
+    """A server's steady state at concurrency `batch`: each request asks for `args.loaded_tokens` tokens of an
+    `args.loaded_prompt`-token prompt and is replaced by a new one as soon as it ends, so that most steps
+    prefill arrivals beside the decode rows (Qwen3-ASR at c=128: ~4 a step). `args.steps` steps are timed
+    after `args.warmup`, each with the admission of the arrivals before it; their wall times (seconds) and
+    the arrivals each admitted if `timed`, else their cProfile."""
+    engine, pipeline = llm.engine, llm.pipeline
+    params = SamplingParams(**{**vars(params), "max_tokens": args.loaded_tokens, "seed": None})
+    generator = torch.Generator().manual_seed(batch)
+    count = 0
+
+    def arrivals(n: int) -> list[NewRequest]:
+        nonlocal count
+        prompts = torch.randint(1000, 100_000, (n, args.loaded_prompt), generator=generator).tolist()
+        count += n
+        return [NewRequest(f"{tag}-{count - n + i}", p, params) for i, p in enumerate(prompts)]
+
+    first = arrivals(batch)
+    assert pipeline.add_requests(first) == [None] * batch
+    live = {r.request_id for r in first}
+    times, admitted, profile = [], [], cProfile.Profile()
+    for i in range(args.warmup + args.steps):
+        started = time.perf_counter()
+        if not timed and i >= args.warmup:
+            profile.enable()
+        ended = {o.request_id for o in pipeline.step() if o.finished}
+        new = arrivals(len(ended & live))
+        live = (live - ended) | {r.request_id for r in new}
+        if new:
+            assert pipeline.add_requests(new) == [None] * len(new)
+        if not timed and i >= args.warmup:
+            profile.disable()
+        if i >= args.warmup:
+            times.append(time.perf_counter() - started)
+            admitted.append(len(new))
+    for request_id in live:
+        pipeline.abort(request_id)
+    while engine.has_unfinished():
+        pipeline.step()
+    assert engine.pool.num_free == engine.pool.num_pages
+    return (times, admitted) if timed else profile
+
+
 def served_gaps(
     engine: AsyncPipeline, batch: int, params: SamplingParams, args: argparse.Namespace, tag: str
 ):
@@ -198,6 +243,11 @@ def main(argv: list[str] | None = None) -> list[dict]:
     p.add_argument(
         "--logits-width", type=int, default=None, help="default: 4096 on a CPU, the vocabulary on a GPU"
     )
+    p.add_argument("--loaded", default="", help="concurrencies of a steady state with arrivals, e.g. 64,128")
+    p.add_argument(
+        "--loaded-prompt", type=int, default=75, help="prompt tokens of each arrival (a 4.7 s clip's)"
+    )
+    p.add_argument("--loaded-tokens", type=int, default=33, help="tokens each arrival asks for")
     p.add_argument("--profile-top", type=int, default=20, help="functions listed per profile (0: no profile)")
     p.add_argument("--served", action=argparse.BooleanOptionalAction, default=True,
                    help="also time the steps through the in-process server's AsyncPipeline")  # fmt: skip
@@ -225,11 +275,23 @@ def main(argv: list[str] | None = None) -> list[dict]:
                 if args.profile_top:
                     profile = decode_steps(llm, batch, MODES[mode], args, f"{mode}{batch}p", timed=False)
                     print_profile(profile, args.steps, args.profile_top)
+            for batch in [int(b) for b in args.loaded.split(",") if b]:
+                times, admitted = loaded_steps(llm, batch, MODES[mode], args, f"{mode}{batch}l", timed=True)
+                median = statistics.median(times)
+                results.append(dict(mode=f"{mode} loaded", batch=batch, median_ms=median * 1e3,
+                                    p90_ms=statistics.quantiles(times, n=10)[-1] * 1e3,
+                                    us_per_token=median / batch * 1e6,
+                                    arrivals_per_step=statistics.mean(admitted)))  # fmt: skip
+                print(f"\n{mode} loaded batch {batch}: median {median * 1e3:.3f} ms per step, "
+                      f"{statistics.mean(admitted):.1f} arrivals a step")  # fmt: skip
+                if args.profile_top:
+                    profile = loaded_steps(llm, batch, MODES[mode], args, f"{mode}{batch}lp", timed=False)
+                    print_profile(profile, args.steps, args.profile_top)
         if args.served:
             served = AsyncPipeline(
                 llm.pipeline
             )  # last: it starts a thread that steps the pipeline from now on
-            for r in results:
+            for r in (r for r in results if r["mode"] in MODES):
                 gaps = served_gaps(served, r["batch"], MODES[r["mode"]], args, f"{r['mode']}{r['batch']}s")
                 r["served_median_ms"] = statistics.median(gaps) * 1e3
             served.shutdown()

@@ -25,10 +25,12 @@ class SequenceStatus(Enum):
 
     @property
     def is_finished(self) -> bool:
-        return self in _FINISHED  # a set, not the name: this is asked several times per sequence per step
+        # identities, not a set (an Enum member hashes in Python) nor the name: asked several times per
+        # sequence per step
+        return self is not _WAITING and self is not _RUNNING
 
 
-_FINISHED = frozenset(s for s in SequenceStatus if s.name.startswith("FINISHED_"))
+_WAITING, _RUNNING = SequenceStatus.WAITING, SequenceStatus.RUNNING
 
 StateT = TypeVar("StateT")
 
@@ -82,7 +84,8 @@ class Sequence(Generic[StateT]):
 
     @property
     def is_finished(self) -> bool:
-        return self.status.is_finished
+        status = self.status
+        return status is not _WAITING and status is not _RUNNING
 
 
 @dataclass

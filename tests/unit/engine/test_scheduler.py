@@ -637,3 +637,12 @@ def test_decoded_pages_are_keyed_once_their_ids_are_known_and_at_a_good_end_only
     else:
         assert pool.num_cached == 1
     assert pool.num_free == pool.num_pages
+
+
+def test_only_the_finished_statuses_are_finished():
+    finished = {s for s in SequenceStatus if s.is_finished}
+    assert finished == {s for s in SequenceStatus if s.name.startswith("FINISHED_")}
+    seq = Sequence("r", [1, 2], 4, data=None)
+    for status in SequenceStatus:
+        seq.status = status
+        assert seq.is_finished is (status in finished)
