@@ -11,6 +11,9 @@ Multiply by the layers (Qwen3-ASR 0.6B 28, 1.7B 28; Thinker 48; Talker 20) for a
     python3 benchmarks/prefill_attention.py --out $OUT/prefill_attention.json     # GPU machine, a minute
 
 Run it on two trees (`PYTHONPATH=<tree> python3 <tree>/benchmarks/prefill_attention.py`) to compare kernels.
+`--sweep` times the prefill program's shapes (`kernels.attention.Tiles`: tile rows, keys at a time, warps,
+pipeline stages) instead, on the loaded step and on a long prompt's 2,048-row chunks after 0, 10k and 20k
+cached tokens (a 30 s video's prefill), and marks the fastest of each against the default.
 """
 
 from __future__ import annotations
@@ -22,7 +25,7 @@ from pathlib import Path
 
 import torch
 
-from omnistage.kernels.attention import paged_attention, write_kv
+from omnistage.kernels.attention import PREFILL_TILES, Tiles, paged_attention, write_kv
 from omnistage.kernels.gemv import graph_us
 from omnistage.models.layers.attention_metadata import AttentionMetadata
 
@@ -39,9 +42,25 @@ def loaded_step() -> list[tuple[int, int]]:
     return decodes + [(0, 75)] * 3
 
 
-def case(heads: int, kv_heads: int, dim: int, chunks: list[tuple[int, int]], bucket: int | None) -> float:
+SWEEP = [
+    Tiles(rows, keys, warps, stages)
+    for rows in (64, 128)
+    for keys in (32, 64, 128)
+    for warps in (4, 8)
+    for stages in (None, 2)
+]
+
+
+def case(
+    heads: int,
+    kv_heads: int,
+    dim: int,
+    chunks: list[tuple[int, int]],
+    bucket: int | None,
+    tiles: Tiles = PREFILL_TILES,
+) -> float:
     """µs of one layer over `chunks`, padded to `bucket` rows and SLOTS sequences as a prefill graph pads
-    a step (None: as an eager step runs it, unpadded)."""
+    a step (None: as an eager step runs it, unpadded), in programs of `tiles`' shape."""
     tables, page = [], 0
     for cached, new in chunks:
         pages = -(-(cached + new) // PAGE)
@@ -75,7 +94,7 @@ def case(heads: int, kv_heads: int, dim: int, chunks: list[tuple[int, int]], buc
 
     def call() -> None:
         write_kv(cache, k, v, meta.slot_mapping)
-        paged_attention(q, cache, meta, scale, out=out)
+        paged_attention(q, cache, meta, scale, out=out, tiles=tiles)
 
     return round(graph_us(call), 2)
 
@@ -85,7 +104,10 @@ def main() -> None:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--out", default="prefill_attention.json")
+    parser.add_argument("--sweep", action="store_true", help="time the tile shapes instead")
     args = parser.parse_args()
+    if args.sweep:
+        return sweep(args.out)
     workloads = [("loaded step", loaded_step(), b) for b in (None, 384, 512, 1024, 2048)]
     workloads += [("one 2,048-token prompt", [(0, 2048)], b) for b in (None, 2048)]
     rows = []
@@ -96,6 +118,31 @@ def main() -> None:
             rows.append(dict(stage=stage, step=name, bucket=bucket, us=us))
             print(f"{stage:10} {name:24} {bucket or 'eager':>7} {us:9.2f}", flush=True)
     Path(args.out).write_text(json.dumps(rows, indent=2) + "\n")
+
+
+def sweep(out: str) -> None:
+    workloads = [("Qwen3-ASR", 16, 8, 128, "loaded step", loaded_step(), 512)]
+    workloads += [
+        ("Thinker", 32, 4, 128, f"2,048 rows after {cached:,}", [(cached, 2048)], None)
+        for cached in (0, 10_000, 20_000)
+    ]
+    rows = []
+    for stage, heads, kv_heads, dim, name, chunks, bucket in workloads:
+        times: dict[Tiles, float | None] = {}
+        for tiles in SWEEP:
+            try:
+                times[tiles] = case(heads, kv_heads, dim, chunks, bucket, tiles)
+            except Exception as exc:  # a shape past the SM's registers or shared memory
+                print(f"{stage} {name} {tiles}: {type(exc).__name__}", flush=True)
+                times[tiles] = None
+        timed = {t: us for t, us in times.items() if us is not None}
+        best = min(timed, key=timed.__getitem__)
+        for tiles, us in times.items():
+            mark = (" default" if tiles == PREFILL_TILES else "") + (" best" if tiles == best else "")
+            shown = f"{us:9.2f}" if us is not None else f"{'-':>9}"
+            print(f"{stage:10} {name:24} {tiles} {shown}{mark}", flush=True)
+            rows.append(dict(stage=stage, step=name, tiles=vars(tiles), us=us))
+    Path(out).write_text(json.dumps(rows, indent=2) + "\n")
 
 
 if __name__ == "__main__":

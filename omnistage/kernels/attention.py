@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import functools
 import math
+from dataclasses import dataclass
 from typing import Protocol
 
 import torch
@@ -260,6 +261,21 @@ def decode_splits(num_seqs: int, num_kv_heads: int, device: torch.device) -> int
     return min(16, triton.next_power_of_2(max(1, -(-2 * _num_sms(device) // programs))))
 
 
+@dataclass(frozen=True)
+class Tiles:
+    """A prefill program's shape: its tile's rows of (token, query head) pairs, the keys it takes at a time,
+    and Triton's warps and software-pipeline stages (None: Triton's default). `benchmarks/prefill_attention.py
+    --sweep` times the candidates on a GPU."""
+
+    rows: int = 64
+    keys: int = 64
+    warps: int = 4
+    stages: int | None = None
+
+
+PREFILL_TILES = Tiles()
+
+
 def prefill_tiles(num_rows: int, num_seqs: int, block_q: int) -> int:
     """Programs a KV head in a prefill step of `num_rows` rows (padding rows included) and `num_seqs`
     sequences, `block_q` query tokens a tile: enough for every sequence's tiles as `_paged_attention` numbers
@@ -274,11 +290,13 @@ def paged_attention(
     scale: float,
     out: torch.Tensor | None = None,
     num_splits: int | None = None,
+    tiles: Tiles = PREFILL_TILES,
 ) -> torch.Tensor:
     """Causal attention of q `[T, Hq, D]` over each sequence's pages; rows of no sequence stay zero.
 
     Decode steps (max_query_len 1) split each sequence's keys `num_splits` ways (default
-    `decode_splits`) and combine the partials in a second kernel; prefill runs one pass per query tile.
+    `decode_splits`) and combine the partials in a second kernel; prefill runs one pass per query tile of
+    `tiles`' shape.
     """
     num_rows, num_heads, head_dim = q.shape
     num_kv_heads = kv_cache.shape[3]
@@ -307,12 +325,16 @@ def paged_attention(
         part_lse = torch.empty(num_rows, num_heads, num_splits, dtype=torch.float32, device=q.device)
     else:
         part_out = part_lse = out  # unused
-    # tl.dot needs 16 rows: decode tiles are 16 rows of (token, head) pairs, prefill tiles 64.
-    block_q = max(1, (16 if decode else 64) // group_pad)
+    # tl.dot needs 16 rows: decode tiles are 16 rows of (token, head) pairs, prefill tiles `tiles.rows`.
+    block_q = max(1, (16 if decode else tiles.rows) // group_pad)
+    launch: dict[str, int] = {}
     if decode:
         grid = (num_seqs, num_kv_heads, triton.cdiv(meta.max_query_len, block_q) * num_splits)
     else:
         grid = (prefill_tiles(num_rows, num_seqs, block_q), num_kv_heads, 1)
+        launch["num_warps"] = tiles.warps
+        if tiles.stages is not None:
+            launch["num_stages"] = tiles.stages
     _paged_attention[grid](
         q,
         kv_cache,
@@ -337,11 +359,12 @@ def paged_attention(
         GROUP=group,
         GROUP_PAD=group_pad,
         BLOCK_Q=block_q,
-        BLOCK_N=64,
+        BLOCK_N=64 if decode else tiles.keys,
         HEAD_DIM=head_dim,
         BLOCK_D=block_d,
         NUM_SPLITS=num_splits,
         VARLEN=not decode,
+        **launch,
     )
     if num_splits > 1:
         _combine_splits[(num_seqs, num_heads)](

@@ -27,7 +27,7 @@ else:
 
     from omnistage.engine.attention.cuda import CudaAttentionBackend
     from omnistage.kernels import attention
-    from omnistage.kernels.attention import decode_splits, paged_attention, write_kv
+    from omnistage.kernels.attention import PREFILL_TILES, Tiles, decode_splits, paged_attention, write_kv
 
     def _case(chunks, heads, kv_heads, dim, page_size, num_pages, seed, pad_seqs=0, pad_rows=0):
         g = torch.Generator().manual_seed(seed)
@@ -45,7 +45,7 @@ else:
         out = TorchReferenceBackend().forward(q.double(), k.double(), v.double(), cache64, meta, scale)
         return out, cache64
 
-    def _check(case, num_splits=None):
+    def _check(case, num_splits=None, tiles=PREFILL_TILES):
         q, k, v, cache, meta = case
         scale = q.shape[-1] ** -0.5
         expected, expected_cache = _reference(q, k, v, cache, meta, scale)
@@ -54,7 +54,7 @@ else:
         assert torch.equal(cache.double(), expected_cache)
         # Poisoned output: every row of a sequence must be written, rows of none keep the poison.
         out = torch.full_like(q, float("nan"))
-        paged_attention(q, cache, meta, scale, out=out, num_splits=num_splits)
+        paged_attention(q, cache, meta, scale, out=out, num_splits=num_splits, tiles=tiles)
         in_seq = torch.zeros(q.shape[0], dtype=torch.bool)
         in_seq[: int(meta.query_start_loc[-1])] = True
         assert not out[in_seq].isnan().any()
@@ -75,6 +75,8 @@ else:
         chunks = [(3, 70, list(range(0, 19))), (0, 20, list(range(19, 24)))]
         _check(_case(chunks, 4, 4, 16, 4, 32, seed=1))
         _check(_case(chunks[:1], 4, 4, 16, 4, 32, seed=1, pad_rows=9))  # one sequence: no search
+        for tiles in (Tiles(rows=128, keys=32), Tiles(rows=16, keys=128, warps=8, stages=2)):
+            _check(_case(chunks, 8, 2, 16, 4, 32, seed=6, pad_rows=5), tiles=tiles)
 
     def test_odd_group_and_head_dim():
         # 6 query heads over 2 KV heads (group 3, padded to 4), head_dim 24 (padded to 32).
