@@ -13,8 +13,8 @@ A prefill step's tiles are numbered across its sequences (`prefill_tiles`): sequ
 [q_start(s) // BLOCK_Q + s, q_start(s + 1) // BLOCK_Q + s + 1), which cover its rows, and a program finds
 its sequence by a binary search of `query_start_loc`. A grid of sequences x tiles of the longest chunk
 would be mostly empty programs in a step of many short chunks: a prefill graph's step is sized for its
-bucket (128 sequence slots and a 512-row chunk: 16,384 programs a KV head where 144 suffice). Runs on the CPU too under
-TRITON_INTERPRET=1, which is how the unit tests check it. The attention backend that calls them is
+bucket (128 sequence slots and a 512-row chunk: 2,048 programs a KV head where 144 suffice). Runs on the CPU
+too under TRITON_INTERPRET=1, which is how the unit tests check it. The attention backend that calls them is
 `engine/attention/cuda.py`.
 """
 
