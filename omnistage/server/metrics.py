@@ -60,6 +60,11 @@ _STAT_GAUGES = {
     "talker_kv_pages_total": ("omnistage_talker_kv_pages_total", "The Talker's KV cache pages (speech out)"),
     "talker_kv_pages_free": ("omnistage_talker_kv_pages_free", "The Talker's KV pages free"),
     "num_speaking": ("omnistage_num_requests_speaking", "Requests whose reply is being spoken"),
+    "encoder_rows_held_bytes": (
+        "omnistage_encoder_rows_held_bytes",
+        "Device memory holding encoder rows of requests whose prefill has not passed them (at most "
+        "--encoder-rows-mib or the largest media request's)",
+    ),
     "encoder_cache_bytes": (
         "omnistage_encoder_cache_bytes",
         "Host memory holding the audio tower's rows of clips kept for later requests",

@@ -10,8 +10,9 @@ nothing else is held. A request's rows leave the device once its prefill has pas
 reuses a block only for work queued after its release), and a copy on the host (the encoder cache's for audio
 it keeps, else a copy queued behind those kernels) stays in the request's state for a preemption, dropped with
 it at its end. A preempted request recomputes its prompt; its rows come back within the same limit before it
-is readmitted (`restore`, `ready`). A request's rows count from its encoding to its prefill's passing them or
-its end.
+is readmitted (`restore`, `ready`). A request's rows count from its queueing to its prefill's passing them or
+its end: a constrained request's rows, held while its grammar compiles (constrained.py; milliseconds for most
+schemas), count once it is queued.
 """
 
 from __future__ import annotations

@@ -116,7 +116,8 @@ class TextStage(AutoregressiveStage[RequestState]):
             self.allocate_pages(section.kv.pages or max(1, int(cpu_gib * GiB) // self.kv_bytes_per_page))
 
     def stats(self) -> dict[str, int]:
-        return super().stats() | self.encoders.stats()
+        held = {"num_waiting": self.num_waiting, "encoder_rows_held_bytes": self.media.held_bytes}
+        return super().stats() | self.encoders.stats() | held
 
     def memory(self) -> StageMemory:
         """What the stage needs of its GPU's plan: its weights and encoders', its floor, its KV pool and its

@@ -234,3 +234,24 @@ def test_an_abort_while_waiting_unencoded(tiny_checkpoint, unlimited):
     assert sorted(finished) == ["0", "1"]
     assert finished["1"] == ids(unlimited.chat(conversations(3)[1:2], GREEDY))[0]
     assert engine.media.held_bytes == 0 and engine.pool.num_free == engine.pool.num_pages
+
+
+def test_the_stage_reports_what_waits_unencoded_and_the_rows_it_holds(tiny_checkpoint):
+    llm = make_llm(tiny_checkpoint, num_kv_pages=512)
+    engine = llm.engine
+    engine.media.limit = 1
+    prompts = [engine.processor.process_chat(c) for c in conversations(3)]
+    for i, p in enumerate(prompts):
+        engine.add_request(str(i), p.token_ids, GREEDY, mrope=p.mrope, mm=p.mm)
+    stats = engine.stats()
+    assert (
+        stats["num_waiting"] == 3 and engine.media.held_bytes > 0
+    )  # one queued with its rows, two unencoded
+    assert (
+        stats["encoder_rows_held_bytes"]
+        == engine.media.held_bytes
+        == rows_bytes(engine.scheduler.get("0").data.mm)
+    )
+    while engine.has_unfinished():
+        engine.step()
+    assert engine.stats()["encoder_rows_held_bytes"] == 0 and engine.stats()["num_waiting"] == 0
