@@ -1,12 +1,36 @@
-"""Token ids to streamed text: UTF-8-safe deltas, cut at the first stop string."""
+"""Token ids to streamed text: UTF-8-safe deltas, cut at the first stop string.
+
+A byte-level tokenizer's decode of ids is its tokens' bytes joined, read as UTF-8. So a token whose bytes are
+whole characters, after tokens that left no character unfinished, adds its own decode: looked up once per
+token and tokenizer (`_pieces`), where decoding the window around it costs two decode calls a token (~1.8
+µs a token on this project's CPU machine, a step's 128 tokens ~0.2 ms of the engine's host work). Any
+other token goes through the window as before.
+"""
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Sequence
 
-from tokenizers import Tokenizer
+from tokenizers import Tokenizer, decoders
 
 REPLACEMENT_CHAR = "\ufffd"
+# per byte-level tokenizer: per (token id, skip_special_tokens), its decode where that is whole characters,
+# else None
+_PIECES: weakref.WeakKeyDictionary[Tokenizer, dict[tuple[int, bool], str | None]] = (
+    weakref.WeakKeyDictionary()
+)
+
+
+def _pieces(tokenizer: Tokenizer) -> dict[tuple[int, bool], str | None] | None:
+    """The tokenizer's table of single tokens' decodes; None where its decoder is not byte-level (a
+    SentencePiece decoder, say, strips a leading space only at the text's start)."""
+    if not isinstance(tokenizer.decoder, decoders.ByteLevel):
+        return None
+    pieces = _PIECES.get(tokenizer)
+    if pieces is None:
+        pieces = _PIECES[tokenizer] = {}
+    return pieces
 
 
 class IncrementalDetokenizer:
@@ -37,6 +61,7 @@ class IncrementalDetokenizer:
         # decode(token_ids[prefix:]) start on a character boundary; [read, end) are not yet in _text.
         self._prefix_offset = 0
         self._read_offset = 0
+        self._pieces = _pieces(tokenizer)
 
     @property
     def text(self) -> str:
@@ -48,6 +73,11 @@ class IncrementalDetokenizer:
         if self.stopped:
             return ""
         self.token_ids.append(token_id)
+        if self._pieces is not None and self._read_offset == len(self.token_ids) - 1:
+            piece = self._piece(token_id)
+            if piece is not None:  # whole characters after whole characters: the token's own decode
+                self._prefix_offset, self._read_offset = self._read_offset, len(self.token_ids)
+                return self._extend(piece, final=False) if piece else ""
         prefix_text, new_text = self._decode_window()
         # A trailing U+FFFD is a multi-byte character still missing bytes: wait for the next token.
         if len(new_text) <= len(prefix_text) or new_text.endswith(REPLACEMENT_CHAR):
@@ -65,6 +95,15 @@ class IncrementalDetokenizer:
             tail = new_text[len(prefix_text) :]
             self._prefix_offset, self._read_offset = self._read_offset, len(self.token_ids)
         return self._extend(tail, final=True)
+
+    def _piece(self, token_id: int) -> str | None:
+        """The token's decode alone where that is whole characters, else None (looked up once)."""
+        assert self._pieces is not None
+        key = (token_id, self.skip_special_tokens)
+        if key not in self._pieces:
+            text = self.tokenizer.decode([token_id], self.skip_special_tokens)
+            self._pieces[key] = None if REPLACEMENT_CHAR in text else text
+        return self._pieces[key]
 
     def _decode_window(self) -> tuple[str, str]:
         window = self.token_ids[self._prefix_offset :]

@@ -177,3 +177,43 @@ def test_stop_string_matches_special_token_text_only_when_kept(tokenizer):
     assert "".join(stream(kept, ids)) == "answer" and kept.stopped
     skipped = IncrementalDetokenizer(tokenizer, skip_special_tokens=True, stop=["<|im_end|>"])
     assert "".join(stream(skipped, ids)) == "answer more" and not skipped.stopped
+
+
+@pytest.mark.parametrize("skip", [True, False])
+def test_whole_tokens_looked_up_give_the_windows_deltas(tokenizer, skip):
+    """Random ids over the whole vocabulary (bytes that split characters, special tokens, stop strings):
+    the deltas with single tokens looked up are those of decoding every token's window, and join to
+    `decode`."""
+    rng = random.Random(1)
+    vocab = tokenizer.get_vocab_size()
+    split = [i for i in tokenizer.encode(MIXED + TEXTS[2]).ids if REPLACEMENT_CHAR in tokenizer.decode([i])]
+    looked_up = 0
+    for trial in range(60):
+        ids = [
+            rng.choice(split) if rng.random() < 0.3 else rng.randrange(vocab)
+            for _ in range(rng.randint(1, 30))
+        ]
+        ids += [IM_END, THINK] if trial % 3 == 0 else []
+        stop = [tokenizer.decode(ids[3:5])[-2:]] if trial % 2 and len(ids) > 5 else []
+        fast = IncrementalDetokenizer(tokenizer, skip_special_tokens=skip, stop=stop)
+        slow = IncrementalDetokenizer(tokenizer, skip_special_tokens=skip, stop=stop)
+        slow._pieces = None
+        assert stream(fast, ids) == stream(slow, ids)
+        assert fast.text == slow.text and fast.stopped == slow.stopped
+        if not stop:
+            assert fast.text == tokenizer.decode(ids, skip)
+        looked_up += fast._pieces is not None
+    assert looked_up == 60
+    table = fast._pieces
+    assert sum(piece is not None for piece in table.values()) > 100  # the lookups were taken, and kept
+
+
+def test_a_tokenizer_whose_decoder_is_not_byte_level_decodes_windows():
+    from tokenizers import decoders, models
+
+    sentencepiece = Tokenizer(models.WordLevel({"▁a": 0, "▁b": 1, "c": 2}, unk_token="c"))
+    sentencepiece.decoder = decoders.Metaspace()
+    detok = IncrementalDetokenizer(sentencepiece)
+    assert detok._pieces is None
+    deltas = stream(detok, [0, 1, 2])
+    assert "".join(deltas) == sentencepiece.decode([0, 1, 2]) == "a bc"
