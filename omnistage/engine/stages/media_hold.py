@@ -1,9 +1,9 @@
 """The encoder rows a text stage holds on its device, within what its memory plan kept room for.
 
-The plan's floor holds the largest media request's rows beside its prefill (memory/floor.py); that request's
-rows are the hold's `limit` (`EncoderStage.rows_limit`, measured at start on a GPU; None: no limit, as on the
-CPU). Were every request's media encoded as it arrived, a queue of long videos would hold all their rows at
-once. So the requests with media wait here in arrival order (`waiting`), unencoded on the host, and are
+The plan's floor keeps room for encoder rows beside every tower call and prefill step (memory/floor.py):
+`--encoder-rows-mib`, or the largest media request's rows where those are more. That is the hold's `limit`
+(`EncoderStage.rows_limit`, measured at start on a GPU; None: no limit, as on the CPU). Were every request's
+media encoded as it arrived, a queue of long videos would hold all their rows at once. So the requests with media wait here in arrival order (`waiting`), unencoded on the host, and are
 encoded while their rows fit what is left of the limit (`take`); one whose rows alone pass it is encoded when
 nothing else is held. A request's rows leave the device once its prefill has passed its last media row
 (`release`, after each step is queued): the kernels already queued that read them still do (the allocator
