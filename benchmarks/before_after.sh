@@ -11,7 +11,11 @@
 #   forced, c = 1 and 16, 3 timed passes each (medians);
 # - t2s: `omnistage bench t2s`, c = 1 and 16, 2 requests per stream (first packet, RTF medians);
 # - fit80: configs/qwen3omni_colocated.yaml under an 80 GiB cap, its start (graphs captured per stage) and
-#   its batch of large requests (benchmarks/fit80.py without the A2T passes).
+#   its batch of large requests (benchmarks/fit80.py without the A2T passes);
+# - asr: `omnistage bench a2t`, Qwen3-ASR 0.6B (random bf16), the LibriSpeech-like set, 33 tokens forced,
+#   c = 64 and 128 in the steady state (`--rounds 8`), 2 passes each;
+# - prefill_attention: this tree's benchmarks/prefill_attention.py over each tree's kernels (one layer of a
+#   loaded server's step and of a long prompt's chunks).
 # Each run has its own time limit (A2T_S, T2S_S, FIT80_S) so that a slow one cannot take the others' time;
 # TREES="after" runs this tree alone (a part re-run after a fix, beside the earlier call's "before").
 # Under $OUT: env.txt, summary.txt (each run's table rows) and ab.tgz (per part and tree <part>_<tree>.log and
@@ -56,6 +60,11 @@ for part in "$@"; do
       fit80) one fit80 "$tree" "${FIT80_S:-240}" python3 benchmarks/fit80.py \
         --config configs/qwen3omni_colocated.yaml --gpu-memory-limit-gib 80 --batch-timeout-s 90 \
         --out-dir "$OUT/fit80_$tree" ;;
+      asr) one asr "$tree" "${ASR_S:-240}" python3 -m omnistage.cli bench a2t "${bench[@]}" \
+        --skeleton qwen3-asr-0.6b --concurrency 64,128 --rounds 8 --repeats 2 --fail-on-build \
+        --out "$OUT/asr_$tree.json" ;;
+      prefill_attention) one prefill_attention "$tree" "${ATTENTION_S:-120}" python3 \
+        "$here/benchmarks/prefill_attention.py" --out "$OUT/prefill_attention_$tree.json" ;;
       *) echo "unknown part: $part" >&2; exit 2 ;;
     esac
   done

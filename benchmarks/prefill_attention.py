@@ -10,7 +10,9 @@ Multiply by the layers (Qwen3-ASR 0.6B 28, 1.7B 28; Thinker 48; Talker 20) for a
 
     python3 benchmarks/prefill_attention.py --out $OUT/prefill_attention.json     # GPU machine, a minute
 
-Run it on two trees (`PYTHONPATH=<tree> python3 <tree>/benchmarks/prefill_attention.py`) to compare kernels.
+Run it with another tree's package on the path (`PYTHONPATH=<tree> python3 benchmarks/prefill_attention.py`,
+as `before_after.sh run prefill_attention` does) to compare kernels: without `--sweep` it calls only what
+every tree's `paged_attention` takes.
 `--sweep` times the prefill program's shapes (`kernels.attention.Tiles`: tile rows, keys at a time, warps,
 pipeline stages) instead, on the loaded step and on a long prompt's 2,048-row chunks after 0, 10k and 20k
 cached tokens (a 30 s video's prefill), and marks the fastest of each against the default.
@@ -22,10 +24,11 @@ import argparse
 import dataclasses
 import json
 from pathlib import Path
+from typing import Any
 
 import torch
 
-from omnistage.kernels.attention import PREFILL_TILES, Tiles, paged_attention, write_kv
+from omnistage.kernels.attention import paged_attention, write_kv
 from omnistage.kernels.gemv import graph_us
 from omnistage.models.layers.attention_metadata import AttentionMetadata
 
@@ -42,25 +45,17 @@ def loaded_step() -> list[tuple[int, int]]:
     return decodes + [(0, 75)] * 3
 
 
-SWEEP = [
-    Tiles(rows, keys, warps, stages)
-    for rows in (64, 128)
-    for keys in (32, 64, 128)
-    for warps in (4, 8)
-    for stages in (None, 2)
-]
-
-
 def case(
     heads: int,
     kv_heads: int,
     dim: int,
     chunks: list[tuple[int, int]],
     bucket: int | None,
-    tiles: Tiles = PREFILL_TILES,
+    tiles: Any = None,
 ) -> float:
     """µs of one layer over `chunks`, padded to `bucket` rows and SLOTS sequences as a prefill graph pads
-    a step (None: as an eager step runs it, unpadded), in programs of `tiles`' shape."""
+    a step (None: as an eager step runs it, unpadded), in programs of `tiles`' shape (None: the kernel's
+    own)."""
     tables, page = [], 0
     for cached, new in chunks:
         pages = -(-(cached + new) // PAGE)
@@ -94,7 +89,7 @@ def case(
 
     def call() -> None:
         write_kv(cache, k, v, meta.slot_mapping)
-        paged_attention(q, cache, meta, scale, out=out, tiles=tiles)
+        paged_attention(q, cache, meta, scale, out=out, **({} if tiles is None else {"tiles": tiles}))
 
     return round(graph_us(call), 2)
 
@@ -121,6 +116,15 @@ def main() -> None:
 
 
 def sweep(out: str) -> None:
+    from omnistage.kernels.attention import PREFILL_TILES, Tiles  # this tree's kernel only
+
+    shapes = [
+        Tiles(rows, keys, warps, stages)
+        for rows in (64, 128)
+        for keys in (32, 64, 128)
+        for warps in (4, 8)
+        for stages in (None, 2)
+    ]
     workloads = [("Qwen3-ASR", 16, 8, 128, "loaded step", loaded_step(), 512)]
     workloads += [
         ("Thinker", 32, 4, 128, f"2,048 rows after {cached:,}", [(cached, 2048)], None)
@@ -129,7 +133,7 @@ def sweep(out: str) -> None:
     rows = []
     for stage, heads, kv_heads, dim, name, chunks, bucket in workloads:
         times: dict[Tiles, float | None] = {}
-        for tiles in SWEEP:
+        for tiles in shapes:
             try:
                 times[tiles] = case(heads, kv_heads, dim, chunks, bucket, tiles)
             except Exception as exc:  # a shape past the SM's registers or shared memory
