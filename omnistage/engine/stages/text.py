@@ -1,11 +1,12 @@
 """The text stage: an autoregressive stage over token ids (the Thinker, Qwen3-ASR's decoder) on the core of
-autoregressive.py, over a token runner: admission (admission.py), the model step, sampling, stops and outputs
-(output_processor.py). What builds it is in text_setup.py, its requests' prefix-cache keys in prefix.py.
+autoregressive.py, over a token runner: admission (text_admission.py), the model step, sampling, stops and
+outputs (output_processor.py). What builds it is in text_setup.py, its requests' prefix-cache keys in
+prefix.py.
 
 `TextStage.step()` runs one scheduler step and returns what each touched request gained. Everything a
 request does stays inside that request: a failing step fails the requests in it, frees their pages and
-the engine goes on. With `decode_ahead` (decode_ahead.py), a decode step's tokens come out of the `step()`
-call after the one that launched it, which queues the next step's forward pass first.
+the engine goes on. With `decode_ahead` (decode_ahead.py), a step's tokens come out of the `step()` call
+after the one that launched it, which queues the next step's forward pass first.
 """
 
 from __future__ import annotations
