@@ -148,9 +148,9 @@ class EncoderStage:
         self.audio_graphs: AudioGraphs | None = None
         self.vision_graphs: VisionGraphs | None = None
         self.cache = EncoderCache(cache_bytes)
-        # the encoder rows the floor holds beside a prefill (`profile_floor`: the configured amount or the largest
-        # media request's; None: not measured): what a text stage keeps on the device at once (media_hold.py)
-        self.rows_limit: int | None = None
+        self.rows_limit: int | None = (
+            None  # the rows a text stage holds at once (`profile_floor`, media_hold.py)
+        )
 
     def encode(self, token_ids: list[int], mm: MultimodalInputs) -> MultimodalEmbeds:
         """Run the audio and vision encoders for one prompt; their rows must match its placeholders."""
@@ -339,26 +339,24 @@ class EncoderStage:
             audio_seconds=frames * audio.hop_length / audio.sample_rate,
             rows_held=rows_held,
         )
-        self.rows_limit = floor.rows_limit
-        if (images := self.images) is None:
-            return floor
-        grid = images.largest_grid
-        tokens = merged_rows(grid, images.spatial_merge_size)
-        image = MultimodalInputs(
-            audio_features=[],
-            num_audio_tokens=[],
-            pixel_values=torch.randn(math.prod(grid), images.patch_values),
-            image_grid_thw=torch.tensor([grid]),
-            num_image_tokens=[tokens],
-        )
-        vision_peak, image_bytes = self._measure([images.token_id] * tokens, image)
-        floor = replace(
-            floor,
-            vision_encoder=vision_peak,
-            image_outputs=image_bytes,
-            images=largest_inputs(max_prompt_tokens, tokens, max_images, self.videos is not None),
-            image_size=(grid[2] * images.patch_size, grid[1] * images.patch_size),
-        )
+        if (images := self.images) is not None:
+            grid = images.largest_grid
+            tokens = merged_rows(grid, images.spatial_merge_size)
+            image = MultimodalInputs(
+                audio_features=[],
+                num_audio_tokens=[],
+                pixel_values=torch.randn(math.prod(grid), images.patch_values),
+                image_grid_thw=torch.tensor([grid]),
+                num_image_tokens=[tokens],
+            )
+            vision_peak, image_bytes = self._measure([images.token_id] * tokens, image)
+            floor = replace(
+                floor,
+                vision_encoder=vision_peak,
+                image_outputs=image_bytes,
+                images=largest_inputs(max_prompt_tokens, tokens, max_images, self.videos is not None),
+                image_size=(grid[2] * images.patch_size, grid[1] * images.patch_size),
+            )
         self.rows_limit = floor.rows_limit
         return floor
 

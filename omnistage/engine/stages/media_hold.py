@@ -39,7 +39,11 @@ class _Held:
 
 def rows_bytes(mm: MultimodalEmbeds) -> int:
     """Bytes of a prompt's encoder rows on the device (audio, vision and the vision's deepstack levels)."""
-    return sum(t.numel() * t.element_size() for t in _rows(mm) if t is not None)
+    return _bytes(_rows(mm))
+
+
+def _bytes(tensors: Iterable[torch.Tensor | None]) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors if t is not None)
 
 
 def media_rows(mm: MultimodalInputs) -> tuple[int, int]:
@@ -154,7 +158,7 @@ class MediaHold(Generic[R]):
             if self.ready(seq):
                 continue
             mm = seq.data.mm
-            size = sum(t.numel() * t.element_size() for t in mm.offloaded if t is not None)
+            size = _bytes(mm.offloaded)
             if not self._fits(size):
                 return
             audio, image, deepstack = (

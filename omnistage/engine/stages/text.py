@@ -269,12 +269,15 @@ class TextStage(AutoregressiveStage[RequestState]):
         the host applies the ids in flight while the device runs the step's forward pass, and the step's
         grammar masks are filled past them before it samples."""
         previous, self._launched = self._launched, None
+        running = self.scheduler.num_running
         step = self.scheduler.schedule(self._ready())
         sampling = [c for c in step.chunks if c.samples]
+        # those running before passed `may_run_ahead`; those `schedule` admitted (appended) are judged here
+        admitted = self.scheduler.running[running:]
         launches = (
             bool(sampling)
             and not step.preempted
-            and all(samples_ahead(c.seq, _decodes_ahead) for c in sampling)
+            and all(samples_ahead(seq, _decodes_ahead) for seq in admitted)
         )
         if not launches:
             return (
