@@ -15,12 +15,12 @@ requests on most steps (Qwen3-ASR at c=128 admits ~4 a step), and a step that wa
 whenever a prompt arrived would leave the GPU idle while the host prepares it. Its input ids are the host's
 where the host knows them (prompts, tokens read back) and the step in flight's sampled ids, on the device,
 where it does not (`Launched.input_ids`). Only a step that reads no token's value on the host before its
-sampling may run ahead (`may_run_ahead`, then `samples_ahead` for each chunk that samples once the step is
-scheduled): none of its sampling sequences can end by length in it (its length check would end the sequence
-before the token before it is known), each of them decodes ahead (`decodes_ahead`: its sampling reads no
-token values but through its grammar's mask, filled once its forward pass is queued, and no later stage waits
-for its tokens), and it preempts nothing (a preemption would recompute a placeholder). Anything else waits until the step in flight has
-been applied. A sequence that stops on a token (its own stops, its grammar's end) is past its end in the step
+sampling may run ahead (`may_run_ahead` over the running sequences, then `samples_ahead` over those the
+step admits): none of its sequences can end by length in it (its length check would end the sequence before
+the token before it is known), each of them decodes ahead (`decodes_ahead`: its sampling reads no token
+values but through its grammar's mask, filled once its forward pass is queued, and no later stage waits for
+its tokens), and it preempts nothing (a preemption would recompute a placeholder). Anything else waits until
+the step in flight has been applied. A sequence that stops on a token (its own stops, its grammar's end) is past its end in the step
 launched after it: that step's token for it is sampled without its grammar and dropped. The log-probabilities
 rows ask for travel with their ids: computed on the device in the same step, copied to the host beside them,
 read with them.
@@ -177,7 +177,7 @@ def may_run_ahead(
 ) -> bool:
     """Whether the next step may launch before `launched` (the step in flight, if any) is read back, each
     sequence `eligible` as `decodes_ahead` says, judged before it is scheduled: see the module's docstring.
-    `samples_ahead` judges the chunks it then holds. Pure bookkeeping."""
+    `samples_ahead` judges the sequences it then admits. Pure bookkeeping."""
     running = scheduler.running
     if not running:
         return False
