@@ -2,8 +2,8 @@
 
     python benchmarks/code2wav_profile.py --streams 16,32,64 --out $OUT/code2wav_profile.json
 
-For each number of streams, one call of 25-frame chunks (`Code2Wav.decode_window`, every stream long under
-way, as at c=64 after the first packets) timed, medians of `--repeats` after warm-up, each between CUDA
+For each number of streams, one call of 25-frame chunks (`Code2Wav.decode_chunk`, every stream long under
+way, as at c=64 after the first packets, each in its state slot) timed, medians of `--repeats` after warm-up, each between CUDA
 synchronisations: the whole call, its transformer part and its vocoder part (upsamplers, ConvNeXt blocks and
 the conv decoder) as the model runs them (SnakeBeta on its Triton kernel, `kernels/snake.py`); the vocoder on
 torch's passes (`code2wav.torch_snake`, every conv on cuDNN); that torch path compiled by torch.compile at the
@@ -31,8 +31,9 @@ from typing import Any
 import torch
 
 from omnistage.models.loader import LoadOptions, load_model
-from omnistage.models.qwen3_omni.code2wav import CausalConv1d, Code2Wav, torch_snake
+from omnistage.models.qwen3_omni.code2wav import CausalConv1d, Code2Wav, StreamSlots, torch_snake
 from omnistage.models.qwen3_omni.code2wav_convs import adopt_polyphase
+from omnistage.models.qwen3_omni.code2wav_transformer import KeyValues
 from omnistage.models.qwen3_omni.config import Qwen3OmniConfig
 from omnistage.models.qwen3_omni.tiny import released_config
 
@@ -58,13 +59,17 @@ def timed(fn: Callable[[], Any], repeats: int) -> float:
     return statistics.median(times)
 
 
-def inputs(model: Code2Wav, streams: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """A call's windows of 25-frame chunks, every stream long under way (nothing absent)."""
+Call = tuple[torch.Tensor, torch.Tensor, torch.Tensor, StreamSlots]
+
+
+def inputs(model: Code2Wav, streams: int) -> Call:
+    """A call of 25-frame chunks, every stream long under way (nothing absent), each in its slot."""
     device = model.code_embedding.weight.device
     generator = torch.Generator(device=device).manual_seed(streams)
-    shape = (streams, model.config.num_quantizers, model.left_context + CHUNK)
+    shape = (streams, model.config.num_quantizers, CHUNK)
     codes = torch.randint(0, model.config.codebook_size, shape, generator=generator, device=device)
-    return codes, torch.full((streams,), 1000, device=device)
+    slots = torch.arange(streams, device=device)
+    return codes, torch.full((streams,), 1000, device=device), slots, StreamSlots.allocate(model, streams)
 
 
 def keep_inside_clamp(model: Code2Wav) -> None:
@@ -93,16 +98,17 @@ def max_abs_diff(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 def profile(model: Code2Wav, streams: int, repeats: int) -> dict[str, Any]:
-    codes, first = inputs(model, streams)
-    skip = model.left_context - model.decoder_context
-    positions = first[:, None] + torch.arange(codes.shape[-1], device=codes.device)
+    call = inputs(model, streams)
+    codes, first, slots, state = call
+    past = KeyValues(state.keys[:, slots], state.values[:, slots])
     with torch.inference_mode():
-        hidden = model.pre_transformer(model.embed(codes), positions)[:, skip:].contiguous()
+        out, _ = model.pre_transformer(model.embed(codes), first, past)
+        hidden = torch.cat([state.hidden[slots], out], dim=1)
         fused = model.vocode(hidden)
         row = {
             "streams": streams,
-            "call_ms": timed(lambda: model.decode_window(codes, first), repeats),
-            "transformer_ms": timed(lambda: model.pre_transformer(model.embed(codes), positions), repeats),
+            "call_ms": timed(lambda: model.decode_chunk(*call), repeats),
+            "transformer_ms": timed(lambda: model.pre_transformer(model.embed(codes), first, past), repeats),
             "vocoder_ms": timed(lambda: model.vocode(hidden), repeats),
         }
         # the compiled vocoder is the torch path's: dynamo guards on the activations' `fused`, so it is
@@ -122,12 +128,12 @@ def profile(model: Code2Wav, streams: int, repeats: int) -> dict[str, Any]:
 
 
 def top_kernels(model: Code2Wav, streams: int, top: int) -> list[dict[str, Any]]:
-    codes, first = inputs(model, streams)
+    call = inputs(model, streams)
     with torch.inference_mode():
-        model.decode_window(codes, first)
+        model.decode_chunk(*call)
         sync()
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-            model.decode_window(codes, first)
+            model.decode_chunk(*call)
             sync()
     events = [e for e in prof.key_averages() if e.device_time_total > 0]
     events.sort(key=lambda e: -e.device_time_total)
@@ -140,13 +146,13 @@ def top_kernels(model: Code2Wav, streams: int, top: int) -> list[dict[str, Any]]
 def top_convolutions(model: Code2Wav, streams: int, top: int) -> list[dict[str, Any]]:
     """The convolutions of one eager call with the most CUDA time, by their input shapes: which layer a slow
     kernel of `top_kernels` belongs to."""
-    codes, first = inputs(model, streams)
+    call = inputs(model, streams)
     activities = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
     with torch.inference_mode():
-        model.decode_window(codes, first)
+        model.decode_chunk(*call)
         sync()
         with torch.profiler.profile(activities=activities, record_shapes=True) as prof:
-            model.decode_window(codes, first)
+            model.decode_chunk(*call)
             sync()
     events = [e for e in prof.key_averages(group_by_input_shape=True) if e.key == "aten::convolution"]
     events.sort(key=lambda e: -e.device_time_total)

@@ -31,7 +31,7 @@ from omnistage.models.layers.linear import adopt_gemv
 from omnistage.models.loader import LoadOptions
 from omnistage.models.qwen3_omni.code2wav import load_code2wav
 from omnistage.models.qwen3_omni.code2wav_convs import adopt_polyphase
-from omnistage.models.qwen3_omni.code2wav_streamer import Code2WavStreamer, decodes_first_as_prefix
+from omnistage.models.qwen3_omni.code2wav_streamer import ChunkDecoder, Code2WavStreamer
 from omnistage.models.qwen3_omni.code_predictor import load_code_predictor
 from omnistage.models.qwen3_omni.config import Qwen3OmniConfig
 from omnistage.models.qwen3_omni.talker import load_talker
@@ -135,19 +135,21 @@ class SpeechStages:
         self.frame_stage = FrameStage(
             self.code_predictor, frame_graphs, predictor.graphs.sizes(decode_buckets)
         )
-        prefix = decodes_first_as_prefix(self.code2wav, c2w.first_chunk, c2w.chunk)
+        # a slot for each Talker sequence, and for the streams of one call still to end after theirs did
+        decoder = ChunkDecoder(self.code2wav, talker.max_batch + c2w.max_streams, c2w.first_chunk, c2w.chunk)
         code2wav_graphs = Code2WavGraphs(
-            self.code2wav,
-            sorted({c2w.first_chunk, c2w.chunk}),
-            c2w.max_streams,
-            enforce_eager=c2w.enforce_eager,
-            prefix=c2w.first_chunk if prefix else None,
+            decoder, {c2w.first_chunk, c2w.chunk}, c2w.max_streams, enforce_eager=c2w.enforce_eager
         )
         self.code2wav_stage = Code2WavStage(
-            self.code2wav, code2wav_graphs, c2w.max_streams, c2w.chunk, c2w.graphs.sizes(decode_buckets)
+            decoder, code2wav_graphs, c2w.max_streams, c2w.chunk, c2w.graphs.sizes(decode_buckets)
         )
         self.streamer = Code2WavStreamer(
-            self.code2wav, c2w.first_chunk, c2w.chunk, max_batch=c2w.max_streams, decode=code2wav_graphs
+            self.code2wav,
+            c2w.first_chunk,
+            c2w.chunk,
+            max_batch=c2w.max_streams,
+            slots=decoder.slots,
+            decode=code2wav_graphs,
         )
         self.tokens = SpeechTokens.from_config(cfg)
 

@@ -7,6 +7,7 @@ import torch
 from omnistage.engine.graphs.code2wav import Code2WavGraphs
 from omnistage.models.loader import LoadOptions, load_model
 from omnistage.models.qwen3_omni.code2wav import Code2Wav
+from omnistage.models.qwen3_omni.code2wav_streamer import ChunkDecoder
 from omnistage.models.qwen3_omni.config import Qwen3OmniConfig
 from omnistage.models.qwen3_omni.tiny import released_config
 
@@ -36,18 +37,26 @@ def model() -> Code2Wav:
 
 @pytest.fixture(scope="module")
 def runner(model) -> Code2WavGraphs:
-    runner = Code2WavGraphs(model, (FIRST, CHUNK), MAX_STREAMS)
+    runner = Code2WavGraphs(ChunkDecoder(model, MAX_STREAMS, FIRST, CHUNK), (FIRST, CHUNK), MAX_STREAMS)
     runner.capture()
     return runner
 
 
-def windows(model: Code2Wav, size: int, streams: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Windows of streams at every age: new, younger than the left context, and long under way."""
+def chunks(model: Code2Wav, size: int, streams: int, seed: int) -> tuple[torch.Tensor, ...]:
+    """A call of `streams` chunks in slots 0, 1, ...: first chunks at frame 0, or later ones at every age (younger
+    than the convolutions' context, than the sliding window, and long under way)."""
     generator = torch.Generator(device="cuda").manual_seed(seed)
-    shape = (streams, model.config.num_quantizers, model.left_context + size)
+    shape = (streams, model.config.num_quantizers, size)
     codes = torch.randint(0, model.config.codebook_size, shape, generator=generator, device="cuda")
-    ages = torch.randint(0, 2 * model.left_context, (streams,), generator=generator, device="cuda")
-    return codes, ages - model.left_context
+    ages = torch.randint(1, 200, (streams,), generator=generator, device="cuda") * (size != FIRST)
+    return codes, ages, torch.arange(streams, device="cuda")
+
+
+def seed_slots(decoder: ChunkDecoder, seed: int) -> None:
+    """Every slot holding an earlier chunk's numbers, the same for a seed."""
+    generator = torch.Generator(device="cuda").manual_seed(seed)
+    for t in (decoder.state.keys, decoder.state.values, decoder.state.hidden):
+        t.copy_(torch.randn(t.shape, generator=generator, device="cuda"))
 
 
 def test_every_graph_captured_and_priced(model, runner):
@@ -78,23 +87,27 @@ def _ms(fn, reps: int = 10) -> float:
 @pytest.mark.parametrize("streams", [1, 3, 16])
 @torch.inference_mode()
 def test_replay_equals_eager(model, runner, size, streams):
-    codes, starts = windows(model, size, streams, seed=streams * 100 + size)
+    codes, starts, slots = chunks(model, size, streams, seed=streams * 100 + size)
+    decoder = runner.step
     assert runner.bucket_for(streams, (size,)) is not None
-    got = runner(codes, starts)
-    # eager over the same padded batch (zero codes, start 0): the kernels the graph recorded, so only replay
-    # differs. Padding itself is shown exact in float32 on the CPU
+    seed_slots(decoder, 0)
+    got = runner(codes, starts, slots)
+    # eager over the same padded batch (zero codes, frame 0, the scratch slot): the kernels the graph
+    # recorded, so only replay differs. Padding itself is shown exact in float32 on the CPU
     # (tests/unit/engine/graphs/test_code2wav_graphs.py): in bf16 a batch of 3 and one of 4 take other GEMM
     # kernels, which random weights amplify to ~5% here.
     pad = runner.bucket_for(streams, (size,))[-1] - streams
     padded = (
         torch.cat([codes, codes.new_zeros(pad, *codes.shape[1:])]),
         torch.cat([starts, starts.new_zeros(pad)]),
+        torch.cat([slots, slots.new_full((pad,), decoder.scratch)]),
     )
-    want = model.decode_window(*padded)[:streams]
+    seed_slots(decoder, 0)
+    want = decoder(*padded)[:streams]
     assert got.shape == want.shape == (streams, model.config.samples_per_frame * size)
     assert got.isfinite().all()
     error = _rel(got, want)
-    eager, replay = _ms(lambda: model.decode_window(codes, starts)), _ms(lambda: runner(codes, starts))
+    eager, replay = _ms(lambda: decoder(codes, starts, slots)), _ms(lambda: runner(codes, starts, slots))
     print(
         f"{streams} streams x {size} frames: rel err {error:.2e}, eager {eager:.2f} ms, graph {replay:.2f} ms"
     )
@@ -104,10 +117,9 @@ def test_replay_equals_eager(model, runner, size, streams):
 @torch.inference_mode()
 def test_a_result_outlives_later_replays(model, runner):
     """The waveform returned is a copy: replays of another graph in the pool, and of its own, leave it."""
-    codes, starts = windows(model, CHUNK, 3, seed=1)
-    first = runner(codes, starts)
+    first = runner(*chunks(model, CHUNK, 3, seed=1))
     kept = first.clone()
-    runner(*windows(model, FIRST, 16, seed=2))
-    runner(*windows(model, CHUNK, 4, seed=3))
+    runner(*chunks(model, FIRST, 16, seed=2))
+    runner(*chunks(model, CHUNK, 4, seed=3))
     torch.cuda.synchronize()
     assert torch.equal(first, kept)

@@ -1,9 +1,9 @@
 """The SnakeBeta kernel (kernels/snake.py) on a GPU: alone at the vocoder's largest shape against the formula;
-in Code2Wav at the released sizes (random weights), `decode_window` with it against torch's passes
+in Code2Wav at the released sizes (random weights), `decode_chunk` with it against torch's passes
 (`code2wav.torch_snake`) in float32 and in bf16; and a captured graph's replay, which must record the kernel
 reading each call's absent frames, against an eager call. Then the dilated convs that start-up measures faster
 in the polyphase form (`code2wav_convs.adopt_polyphase`): the form alone against cuDNN in float32, and
-`decode_window` with them against the float32 model, eagerly and through a graph."""
+`decode_chunk` with them against the float32 model, eagerly and through a graph."""
 
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -13,8 +13,9 @@ import torch
 
 from omnistage.engine.graphs.code2wav import Code2WavGraphs
 from omnistage.models.loader import LoadOptions, load_model
-from omnistage.models.qwen3_omni.code2wav import CausalConv1d, Code2Wav, torch_snake
+from omnistage.models.qwen3_omni.code2wav import CausalConv1d, Code2Wav, StreamSlots, torch_snake
 from omnistage.models.qwen3_omni.code2wav_convs import adopt_polyphase, polyphase_conv
+from omnistage.models.qwen3_omni.code2wav_streamer import ChunkDecoder
 from omnistage.models.qwen3_omni.config import Qwen3OmniConfig
 from omnistage.models.qwen3_omni.tiny import released_config
 
@@ -66,18 +67,34 @@ def reference(model) -> Code2Wav:
     return reference
 
 
-def call(model: Code2Wav, size: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """A call of STREAMS windows: a first chunk's (its stream's first frames alone), or later chunks' at every
-    age: half of them younger than the decoder's context, whose convolutions then zero absent frames (through
-    the kernel), the others younger than the transformer's context or long under way."""
+Call = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
+
+
+def call(model: Code2Wav, size: int, seed: int) -> Call:
+    """A call of STREAMS chunks in slots 0, 1, ...: first chunks (at frame 0, read without context), or later
+    chunks at every age: half of them younger than the convolutions' context, whose convolutions then zero
+    absent frames (through the kernel), the others younger than the sliding window or long under way."""
     generator = torch.Generator(device=DEV).manual_seed(seed)
-    frames = size if size == FIRST else model.left_context + size
-    shape = (STREAMS, model.config.num_quantizers, frames)
+    shape = (STREAMS, model.config.num_quantizers, size)
     codes = torch.randint(0, model.config.codebook_size, shape, generator=generator, device=DEV)
-    ages = torch.randint(0, 2 * model.left_context, (STREAMS,), generator=generator, device=DEV)
+    ages = torch.randint(1, 200, (STREAMS,), generator=generator, device=DEV)
     young = STREAMS // 2
-    ages[:young] = torch.randint(0, model.decoder_context, (young,), generator=generator, device=DEV)
-    return codes, ages - model.left_context
+    ages[:young] = torch.randint(1, model.decoder_context, (young,), generator=generator, device=DEV)
+    return codes, ages * (size != FIRST), torch.arange(STREAMS, device=DEV)
+
+
+def seeded(state: StreamSlots, seed: int = 0) -> StreamSlots:
+    """`state` holding earlier chunks' numbers: the same in every dtype for a seed."""
+    generator = torch.Generator(device=DEV).manual_seed(seed)
+    for t in (state.keys, state.values, state.hidden):
+        t.copy_(torch.randn(t.shape, generator=generator, device=DEV))
+    return state
+
+
+def decode(model: Code2Wav, chunks: Call) -> torch.Tensor:
+    """`chunks` decoded eagerly from seeded slots."""
+    context = chunks[0].shape[-1] != FIRST
+    return model.decode_chunk(*chunks, seeded(StreamSlots.allocate(model, STREAMS)), context)
 
 
 def snake_reference(x, log_alpha, log_beta, pad, absent, samples_per_frame):
@@ -117,20 +134,20 @@ def test_the_kernel_at_the_largest_shape(dtype):
 
 @pytest.mark.parametrize("size", [FIRST, CHUNK])
 @torch.inference_mode()
-def test_decode_window_with_the_kernel_is_torchs(model, reference, size):
+def test_decode_chunk_with_the_kernel_is_torchs(model, reference, size):
     """In float32 the kernel's path gives torch's samples to float32's rounding: every activation's pad,
     zeroed absent frames and strides are as torch's. In bf16 the kernel computes in float32 and rounds once,
     where torch rounds each of its passes: its samples are no farther from the float32 model's than torch's are
     (both are far, and by how much depends on how random weights amplify bf16's rounding, so the bound is
     torch's own error rather than a fixed figure)."""
-    codes, starts = call(model, size, seed=size)
+    chunks = call(model, size, seed=size)
     with ieee_convs():
-        exact = reference.decode_window(codes, starts)
+        exact = decode(reference, chunks)
         with torch_snake(reference):
-            want = reference.decode_window(codes, starts)
-    fused = model.decode_window(codes, starts)
+            want = decode(reference, chunks)
+    fused = decode(model, chunks)
     with torch_snake(model):
-        eager = model.decode_window(codes, starts)
+        eager = decode(model, chunks)
     assert fused.shape == eager.shape == want.shape == (STREAMS, model.config.samples_per_frame * size)
     assert fused.isfinite().all()
     assert not torch.equal(fused, eager) and not torch.equal(exact, want)  # two paths ran, in each dtype
@@ -144,11 +161,21 @@ def test_decode_window_with_the_kernel_is_torchs(model, reference, size):
     assert fused_error <= 1.25 * eager_error
 
 
+def graphs(model: Code2Wav, buckets: list[tuple[int, int]]) -> Code2WavGraphs:
+    runner = Code2WavGraphs(ChunkDecoder(model, STREAMS, FIRST, CHUNK), (FIRST, CHUNK), STREAMS)
+    runner.capture(buckets)
+    return runner
+
+
+def replayed(runner: Code2WavGraphs, chunks: Call) -> torch.Tensor:
+    """`chunks` through `runner`'s graph, from seeded slots."""
+    seeded(runner.step.state)
+    return runner(*chunks)
+
+
 @pytest.fixture(scope="module")
 def runner(model) -> Code2WavGraphs:
-    runner = Code2WavGraphs(model, (FIRST, CHUNK), STREAMS, prefix=FIRST)
-    runner.capture([(FIRST, STREAMS), (CHUNK, STREAMS)])
-    return runner
+    return graphs(model, [(FIRST, STREAMS), (CHUNK, STREAMS)])
 
 
 @pytest.mark.parametrize("size", [FIRST, CHUNK])
@@ -156,9 +183,9 @@ def runner(model) -> Code2WavGraphs:
 def test_a_replay_is_an_eager_call(model, runner, size):
     """Two calls of other ages through one graph: each replay reads its own absent frames."""
     for seed in (1, 2):
-        codes, starts = call(model, size, seed=seed)
-        got = runner(codes, starts)
-        want = model.decode_window(codes, starts)
+        chunks = call(model, size, seed=seed)
+        got = replayed(runner, chunks)
+        want = decode(model, chunks)
         error = _rel(got, want)
         print(f"{STREAMS} streams x {size} frames: replay against eager {error:.2e}")
         # the graph recorded the eager call's kernels; as test_code2wav_graphs_gpu.py allows, bf16 rounding
@@ -194,22 +221,20 @@ def polyphase(model) -> Iterator[list[str]]:
 
 
 @torch.inference_mode()
-def test_decode_window_with_polyphase_convs_is_cudnns(model, reference, polyphase):
+def test_decode_chunk_with_polyphase_convs_is_cudnns(model, reference, polyphase):
     """In bf16 the polyphase convs' samples are no farther from the float32 model's than cuDNN's are; a graph
     captured with them replays its eager call."""
     print(f"in the polyphase form: {polyphase}")
-    codes, starts = call(model, CHUNK, seed=7)
+    chunks = call(model, CHUNK, seed=7)
     with ieee_convs():
-        want = reference.decode_window(codes, starts)
-    phased = model.decode_window(codes, starts)
+        want = decode(reference, chunks)
+    phased = decode(model, chunks)
     for m in model.modules():
         if isinstance(m, CausalConv1d) and m.polyphase:
             m.polyphase = False
-    plain = model.decode_window(codes, starts)
+    plain = decode(model, chunks)
     for name in polyphase:
         model.get_submodule(name).polyphase = True
     print(f"against float32: polyphase {_rel(phased, want):.2e}, cuDNN {_rel(plain, want):.2e}")
     assert _rel(phased, want) <= 1.25 * _rel(plain, want)
-    runner = Code2WavGraphs(model, (FIRST, CHUNK), STREAMS, prefix=FIRST)
-    runner.capture([(CHUNK, STREAMS)])
-    assert _rel(runner(codes, starts), phased) < 2e-2
+    assert _rel(replayed(graphs(model, [(CHUNK, STREAMS)]), chunks), phased) < 2e-2

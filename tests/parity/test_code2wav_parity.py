@@ -15,7 +15,7 @@ from safetensors.torch import save_file
 
 from omnistage.models.loader import LoadOptions
 from omnistage.models.qwen3_omni.code2wav import load_code2wav
-from omnistage.models.qwen3_omni.code2wav_streamer import Code2WavStreamer
+from omnistage.models.qwen3_omni.code2wav_streamer import ChunkDecoder, Code2WavStreamer
 from omnistage.models.qwen3_omni.tiny import tiny_config
 from omnistage.models.tiny_checkpoint import random_tensor
 
@@ -139,15 +139,14 @@ def stream(model, codes: list[torch.Tensor], first_chunk: int, chunk: int) -> tu
 
     Streams open at ticks 0, 1, 2; the first is fed a frame per tick, the others all their frames at once
     (a backlog, one chunk per step), so decode calls batch streams at different positions."""
-    streamer = Code2WavStreamer(model, first_chunk=first_chunk, chunk=chunk)
+    decoder = ChunkDecoder(model, len(codes), first_chunk, chunk)
     positions = []
-    decode_window = model.decode_window
 
-    def recording(window, first_frame):
-        positions.append(len(first_frame.unique()))
-        return decode_window(window, first_frame)
+    def recording(frames, starts, slots):
+        positions.append(len(starts.unique()))
+        return decoder(frames, starts, slots)
 
-    model.decode_window = recording
+    streamer = Code2WavStreamer(model, first_chunk, chunk, slots=len(codes), decode=recording)
     rates = [1] + [len(c[0]) for c in codes[1:]]
     audio: list[list[torch.Tensor]] = [[] for _ in codes]
     done, fed, tick = set(), [0] * len(codes), 0

@@ -8,13 +8,18 @@ names equal the checkpoint's minus `code2wav.`.
 Every layer is causal except the decoder's transposed convolutions, which read one input sample ahead.
 So a prefix of the frames decodes to a prefix of the waveform, T frames give `samples_per_frame · T −
 lookahead` samples, and the last `lookahead` samples of any prefix wait for the next frame. The streamer
-uses exactly this: a chunk of frames [a, b) emits samples [spf·a − lookahead, spf·b − lookahead).
+uses exactly this: a chunk of frames [a, b) emits samples [spf·a − lookahead, spf·b − lookahead). Of the
+stream's past, a chunk reads each transformer layer's keys and values of the last W − 1 frames and the
+transformer output of the last `decoder_context` frames, which its stream's slot carries from the chunk
+before (`StreamSlots`, `Code2Wav.decode_chunk`).
 """
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 from typing import cast
 
@@ -22,11 +27,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from omnistage.models.layers.moe import GatedMLP
-from omnistage.models.layers.norm import RMSNorm
-from omnistage.models.layers.rotary import MRotaryEmbedding, apply_rotary
 from omnistage.models.loader import LoadOptions, load_model
 from omnistage.models.qwen3_omni.code2wav_convs import polyphase_conv
+from omnistage.models.qwen3_omni.code2wav_transformer import Code2WavTransformer, KeyValues
 from omnistage.models.qwen3_omni.config import Code2WavConfig, Qwen3OmniConfig
 
 CONV_KERNEL = 7
@@ -63,12 +66,6 @@ def decoder_left_context(cfg: Code2WavConfig) -> int:
     for ratio in reversed(cfg.upsampling_ratios):
         index = (index - reach) // ratio  # the ConvNeXt block's depthwise conv, then the upsampler
     return -index
-
-
-def transformer_left_context(cfg: Code2WavConfig) -> int:
-    """Earlier frames one frame's transformer output reads: each layer attends W − 1 frames back (itself
-    and W − 1 earlier ones), and the layers compound, so L·(W − 1) (released: 8·71 = 568)."""
-    return cfg.num_hidden_layers * (cfg.sliding_window - 1)
 
 
 def _zero_absent(x: torch.Tensor, absent: torch.Tensor | None, samples_per_frame: int) -> torch.Tensor:
@@ -228,90 +225,6 @@ class DecoderBlock(nn.Module):
         return x
 
 
-class LayerScale(nn.Module):
-    def __init__(self, dim: int) -> None:
-        super().__init__()
-        self.scale = nn.Parameter(torch.empty(dim))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.scale * x
-
-
-class Code2WavAttention(nn.Module):
-    """Multi-head (or grouped) attention with RoPE and no q/k norm; the mask carries the sliding window."""
-
-    def __init__(self, cfg: Code2WavConfig) -> None:
-        super().__init__()
-        self.num_heads, self.num_kv_heads = cfg.num_attention_heads, cfg.num_key_value_heads
-        self.head_dim = cfg.hidden_size // cfg.num_attention_heads
-        self.q_proj = nn.Linear(cfg.hidden_size, self.num_heads * self.head_dim, bias=False)
-        self.k_proj = nn.Linear(cfg.hidden_size, self.num_kv_heads * self.head_dim, bias=False)
-        self.v_proj = nn.Linear(cfg.hidden_size, self.num_kv_heads * self.head_dim, bias=False)
-        self.o_proj = nn.Linear(self.num_heads * self.head_dim, cfg.hidden_size, bias=False)
-
-    def forward(
-        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor
-    ) -> torch.Tensor:
-        batch, frames, _ = x.shape
-
-        def heads(proj: nn.Linear, count: int) -> torch.Tensor:
-            return proj(x).reshape(batch * frames, count, self.head_dim)
-
-        q = apply_rotary(heads(self.q_proj, self.num_heads), cos, sin)
-        k = apply_rotary(heads(self.k_proj, self.num_kv_heads), cos, sin)
-        v = heads(self.v_proj, self.num_kv_heads)
-        q, k, v = (t.reshape(batch, frames, -1, self.head_dim).transpose(1, 2) for t in (q, k, v))
-        out = F.scaled_dot_product_attention(
-            q, k, v, attn_mask=mask, enable_gqa=self.num_heads != self.num_kv_heads
-        )
-        return self.o_proj(out.transpose(1, 2).reshape(batch, frames, -1))
-
-
-class Code2WavTransformerLayer(nn.Module):
-    def __init__(self, cfg: Code2WavConfig) -> None:
-        super().__init__()
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = Code2WavAttention(cfg)
-        self.self_attn_layer_scale = LayerScale(cfg.hidden_size)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp = GatedMLP(cfg.hidden_size, cfg.intermediate_size)
-        self.mlp_layer_scale = LayerScale(cfg.hidden_size)
-
-    def forward(
-        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor
-    ) -> torch.Tensor:
-        x = x + self.self_attn_layer_scale(self.self_attn(self.input_layernorm(x), cos, sin, mask))
-        return x + self.mlp_layer_scale(self.mlp(self.post_attention_layernorm(x)))
-
-
-class Code2WavTransformer(nn.Module):
-    def __init__(self, cfg: Code2WavConfig) -> None:
-        super().__init__()
-        self.sliding_window = cfg.sliding_window
-        self.layers = nn.ModuleList(Code2WavTransformerLayer(cfg) for _ in range(cfg.num_hidden_layers))
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        head_dim = cfg.hidden_size // cfg.num_attention_heads
-        # plain 1-D RoPE: every frequency from the first position stream
-        self.rotary_emb = MRotaryEmbedding(head_dim, cfg.rope_theta, (head_dim // 2, 0, 0))
-
-    def forward(
-        self, hidden: torch.Tensor, positions: torch.Tensor, absent: torch.Tensor | None = None
-    ) -> torch.Tensor:
-        """`hidden` `[B, T, H]` at `positions` `[B, T]`; each row's first `absent[b]` frames are not attended
-        (each attends only itself, so its softmax stays defined)."""
-        frames = hidden.shape[1]
-        cos, sin = self.rotary_emb(positions.reshape(1, -1).expand(3, -1))
-        query = torch.arange(frames, device=hidden.device)[:, None]
-        key = torch.arange(frames, device=hidden.device)[None, :]
-        mask = (key <= query) & (key > query - self.sliding_window)
-        if absent is not None:
-            mask = mask & ((key >= absent[:, None, None]) | (key == query))
-        mask = mask.expand(hidden.shape[0], frames, frames)[:, None]
-        for layer in self.layers:
-            hidden = layer(hidden, cos, sin, mask)
-        return self.norm(hidden)
-
-
 class Code2Wav(nn.Module):
     def __init__(self, cfg: Code2WavConfig) -> None:
         super().__init__()
@@ -338,9 +251,6 @@ class Code2Wav(nn.Module):
         self.decoder = nn.ModuleList(decoder)
         self.lookahead = lookahead_samples(cfg)
         self.decoder_context = decoder_left_context(cfg)
-        # the frames a chunk's window holds before the chunk: the transformer context ends where the
-        # convolutions' begins, so the frames the decoder reads have their exact transformer output
-        self.left_context = self.decoder_context + transformer_left_context(cfg)
 
     def num_samples(self, frames: int) -> int:
         return max(0, self.config.samples_per_frame * frames - self.lookahead)
@@ -352,7 +262,8 @@ class Code2Wav(nn.Module):
         return self.code_embedding(codes + offsets).mean(1)
 
     def vocode(self, hidden: torch.Tensor, absent: torch.Tensor | None = None) -> torch.Tensor:
-        """Transformer output `[B, T, H]` → waveform `[B, spf·T − lookahead]`; `absent` as in `decode_window`."""
+        """Transformer output `[B, T, H]` → waveform `[B, spf·T − lookahead]`; each row's first `absent[b]`
+        frames stand for the time before its stream began (the one-shot decode's zero padding)."""
         x = hidden.transpose(1, 2)
         # each entry is a ModuleList of (upsampler, ConvNeXt block): nn.ModuleList is not generic
         for upsampler, convnext in cast("Iterable[nn.ModuleList]", self.upsample):
@@ -365,35 +276,70 @@ class Code2Wav(nn.Module):
 
     def forward(self, codes: torch.Tensor) -> torch.Tensor:
         """One-shot decode: codes `[B, num_quantizers, T]` → waveform `[B, spf·T − lookahead]`."""
-        batch, _, frames = codes.shape
-        positions = torch.arange(frames, device=codes.device).expand(batch, frames)
-        return self.vocode(self.pre_transformer(self.embed(codes), positions))
+        start = torch.zeros(codes.shape[0], dtype=torch.long, device=codes.device)
+        return self.vocode(self.pre_transformer(self.embed(codes), start)[0])
 
-    def decode_window(self, codes: torch.Tensor, first_frame: torch.Tensor) -> torch.Tensor:
-        """The one-shot samples of each window's last n frames: `[B, spf·n]`.
+    def decode_chunk(
+        self,
+        codes: torch.Tensor,
+        start: torch.Tensor,
+        slots: torch.Tensor,
+        state: StreamSlots,
+        context: bool = True,
+    ) -> torch.Tensor:
+        """The one-shot samples of each stream's next n frames, its past carried in `state`: `[B, spf·n]`.
 
-        `codes` `[B, num_quantizers, left_context + n]` hold, per row, the `left_context` frames before a chunk
-        and the chunk's n frames; `first_frame` `[B]` is the stream index of each window's frame 0, negative
-        while the stream is younger than the context (those frames' codes are ignored). Row b's samples are
-        the stream's one-shot samples [spf·a − lookahead, spf·(a + n) − lookahead) for a = first_frame[b] +
-        left_context; positions before 0 hold garbage. Shapes depend only on (B, n), for CUDA graphs.
+        Row b holds frames [a, a + n) of a stream (`codes` `[B, num_quantizers, n]`, a = start[b]), whose state
+        is in slot slots[b]: what its frames before a left there (anything when a = 0: it is masked), and, after
+        the call, what these frames leave. Row b's samples are the stream's one-shot samples [spf·a − lookahead,
+        spf·(a + n) − lookahead); positions before sample 0 hold garbage. Rows share no slot but the scratch
+        one. Shapes depend only on (B, n), for CUDA graphs.
 
-        A window of at most `left_context` frames is a stream's first n frames (`first_frame` is not read):
-        nothing comes before them, so they decode as a one-shot prefix does, without the absent context's work
-        (a 2-frame first chunk at the released sizes: 195 GFLOP a stream with it, ~10 without), and the result
-        is laid out as above for a = 0 (its first `lookahead` positions are before sample 0).
+        With `context` False every row must start its stream (a = 0), and the convolutions read its frames
+        alone, as the one-shot decode of a prefix does, without the `decoder_context` frames a later chunk's
+        read before it (a 2-frame first chunk: 9.0 instead of 58 GFLOP a stream at the released sizes).
         """
-        window = codes.shape[-1]
-        if window <= self.left_context:
-            return F.pad(self.forward(codes), (self.lookahead, 0))
-        chunk = window - self.left_context
-        positions = first_frame[:, None] + torch.arange(window, device=codes.device)
-        absent = (-first_frame).clamp(min=0)
-        hidden = self.pre_transformer(self.embed(codes), positions, absent)
-        # frames before the decoder's context are not exact (their own history was cut): drop them
-        skip = self.left_context - self.decoder_context
-        wav = self.vocode(hidden[:, skip:], (absent - skip).clamp(min=0))
-        return wav[:, -self.config.samples_per_frame * chunk :]
+        past = KeyValues(state.keys[:, slots], state.values[:, slots])
+        hidden, kept = self.pre_transformer(self.embed(codes), start, past)
+        frames = torch.cat([state.hidden[slots], hidden], dim=1)  # read before the slots are written
+        state.keys.index_copy_(1, slots, kept.keys)
+        state.values.index_copy_(1, slots, kept.values)
+        state.hidden.index_copy_(0, slots, frames[:, frames.shape[1] - self.decoder_context :])
+        if not context:
+            return F.pad(self.vocode(hidden), (self.lookahead, 0))
+        wav = self.vocode(frames, (self.decoder_context - start).clamp(min=0))
+        return wav[:, -self.config.samples_per_frame * codes.shape[-1] :]
+
+
+@dataclass(frozen=True)
+class StreamSlots:
+    """What each stream's chunks leave for its next, in a slot per stream: every transformer layer's keys and
+    values of its last W − 1 frames, and the transformer output of its last `decoder_context` frames, which
+    the next chunk's convolutions read (released: 2.3 MB a slot in bf16). The last slot is scratch, written by
+    padding rows."""
+
+    keys: torch.Tensor  # [layers, slots + 1, kv_heads, W − 1, head_dim]
+    values: torch.Tensor
+    hidden: torch.Tensor  # [slots + 1, decoder_context, H]
+
+    @classmethod
+    def allocate(cls, model: Code2Wav, slots: int) -> StreamSlots:
+        """Zeros on the model's device: a masked key's value still enters the attention's sum (times 0), so
+        every slot holds finite numbers from the start."""
+        cfg, weight = model.config, model.code_embedding.weight
+        head_dim = cfg.hidden_size // cfg.num_attention_heads
+        shape = (cfg.num_hidden_layers, slots + 1, cfg.num_key_value_heads, cfg.sliding_window - 1, head_dim)
+        with torch.no_grad():
+            zeros = functools.partial(torch.zeros, dtype=weight.dtype, device=weight.device)
+            return cls(zeros(shape), zeros(shape), zeros(slots + 1, model.decoder_context, cfg.hidden_size))
+
+    @property
+    def scratch(self) -> int:
+        return self.hidden.shape[0] - 1
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.keys, self.values, self.hidden))
 
 
 def load_code2wav(checkpoint_dir: str | Path, options: LoadOptions) -> Code2Wav:

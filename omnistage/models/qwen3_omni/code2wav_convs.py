@@ -43,11 +43,14 @@ def adopt_polyphase(
     model: Code2Wav, streams: int, chunk: int, timer: Callable[[Callable[[], object]], float] | None = None
 ) -> list[str]:
     """Put `model`'s dilated convs on `polyphase_conv` where, timed at their inputs' shapes in a call of
-    `streams` windows of `chunk` frames (a whole window, as long under way), it beats `nn.Conv1d` by more than
+    `streams` chunks of `chunk` frames (with the context a later chunk reads), it beats `nn.Conv1d` by more than
     POLYPHASE_MARGIN. cuDNN picks its algorithm by heuristics, and for some dilated shapes a slow generic
     kernel (benchmarks/RESULTS.md, "Under load, a fourth time"). `timer`: ms of a call (CUDA events by
     default). Returns the convs' names, and logs each one's times."""
-    from omnistage.models.qwen3_omni.code2wav import CausalConv1d  # which imports this module's convs
+    from omnistage.models.qwen3_omni.code2wav import (  # which imports this module's convs
+        CausalConv1d,
+        StreamSlots,
+    )
 
     timer = timer or cuda_ms
     dilated = [
@@ -63,12 +66,11 @@ def adopt_polyphase(
 
     hooks = [m.conv.register_forward_pre_hook(record(n)) for n, m in dilated]
     weight = model.code_embedding.weight
-    codes = torch.zeros(streams, model.config.num_quantizers, model.left_context + chunk, dtype=torch.long)
+    codes = torch.zeros(streams, model.config.num_quantizers, chunk, dtype=torch.long, device=weight.device)
+    zeros = torch.zeros(streams, dtype=torch.long, device=weight.device)  # frame 0, in the scratch slot
     try:
-        with torch.inference_mode():  # streams whose first frame opens the window: nothing absent
-            model.decode_window(
-                codes.to(weight.device), torch.zeros(streams, dtype=torch.long, device=weight.device)
-            )
+        with torch.inference_mode():  # a later chunk's call: its convolutions read the context before it
+            model.decode_chunk(codes, zeros, zeros, StreamSlots.allocate(model, 0))
     finally:
         for hook in hooks:
             hook.remove()

@@ -1,21 +1,19 @@
 """Streaming Code2Wav: many streams of codec frames decoded chunk by chunk in batched calls, each stream's
-chunks together equal to its one-shot decode (see `Code2Wav.decode_window` for the window arithmetic).
+chunks together equal to its one-shot decode (see `Code2Wav.decode_chunk`).
 
-Chunk sizes: a first chunk of 2 frames, then 25. Every later chunk's decode call runs the transformer over
-`left_context` frames before the chunk and the convolutions over `decoder_context` frames before it
-(released: 578 and 10), whatever the chunk's size. Counted with torch's FLOP counter at the released sizes, a
-call of one stream costs 185 GFLOP of context plus about 5.2 per chunk frame: 190 for 1 frame, 195 for 2,
-313 for 25. A first chunk has nothing before it: its call decodes the stream's first frames alone, as a
-one-shot prefix (`Code2Wav.decode_window`), ~10 GFLOP for 2 frames instead of 195 (a call of 16 streams'
-first chunks took 21-30 ms on the H200 with the context, benchmarks/RESULTS.md "Where a loaded step's time
-goes": four of them at c=64 before every stream had its first packet).
+A stream holds a slot of `StreamSlots` from its first chunk to its end: what its chunks leave for the next
+(each transformer layer's keys and values of its last 71 frames, the transformer output of its last 10), so
+a chunk's call runs the transformer over the chunk's frames alone and the convolutions over the chunk and
+the 10 frames before it. Counted with torch's FLOP counter at the released sizes, a call of one stream costs
+48 GFLOP of context plus 5.1 per chunk frame: 176 for 25 frames, where the transformer run again over the
+568 frames before each chunk took it to 313. A first chunk reads nothing before it: 9.0 GFLOP for 2 frames.
 - First chunk, 2 frames (the first packet's latency): the second frame costs one more Talker and
   code-predictor step. In return the first packet holds more than twice the audio, because the decoder's
   look-ahead (555 samples, 29% of a frame) comes off a stream's first chunk only: 1 frame gives 1,365
   samples (57 ms), 2 give 3,285 (137 ms), which play while the next 25 frames are generated.
-- Later chunks, 25 frames (throughput): the fixed context work is 59% of a 25-frame call (75% at 12
-  frames, 42% at 50). Larger chunks would save less per frame than they delay every packet after the first
-  and grow a call's activations (streams × window frames).
+- Later chunks, 25 frames (throughput): the convolutions' context is 27% of a 25-frame call (44% at 12
+  frames, 16% at 50). Larger chunks would save less per frame than they delay every packet after the first
+  and grow a call's activations (streams × frames).
 Two sizes also mean two shapes per streams bucket to capture as CUDA graphs (`engine/graphs/code2wav.py`).
 """
 
@@ -27,16 +25,49 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from omnistage.models.layers.attention_metadata import to_device
-from omnistage.models.qwen3_omni.code2wav import Code2Wav
+from omnistage.models.layers.attention_metadata import to_device_together
+from omnistage.models.qwen3_omni.code2wav import Code2Wav, StreamSlots
 
-DecodeWindow = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+DecodeChunk = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
 
-def decodes_first_as_prefix(model: Code2Wav, first_chunk: int, chunk: int) -> bool:
-    """Whether a stream's first chunk is decoded from its first frames alone (a window without the context
-    every later chunk carries): where the first chunk has a size of its own, shorter than the context."""
-    return first_chunk != chunk and first_chunk <= model.left_context
+class ChunkDecoder:
+    """`Code2Wav.decode_chunk` over `slots` streams' state: the call a streamer makes, and the one its CUDA
+    graphs capture, `(codes [B, num_quantizers, n], starts [B], slots [B]) -> [B, spf·n]`.
+
+    Chunks of `first_chunk` frames, where later chunks have another size, are their streams' first and are
+    decoded without the convolutions' context; a stream whose first chunk has the later chunks' size reads its
+    (absent) context as any chunk does.
+    """
+
+    def __init__(self, model: Code2Wav, slots: int, first_chunk: int, chunk: int) -> None:
+        self.model = model
+        self.state = StreamSlots.allocate(model, slots)
+        self.first_only = first_chunk if first_chunk != chunk else None
+
+    @property
+    def slots(self) -> int:
+        return self.state.scratch
+
+    @property
+    def scratch(self) -> int:
+        return self.state.scratch
+
+    @property
+    def state_bytes(self) -> int:
+        return self.state.nbytes
+
+    @property
+    def num_quantizers(self) -> int:
+        return self.model.config.num_quantizers
+
+    @property
+    def device(self) -> torch.device:
+        return self.state.hidden.device
+
+    def __call__(self, codes: torch.Tensor, starts: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+        context = codes.shape[-1] != self.first_only
+        return self.model.decode_chunk(codes, starts, slots, self.state, context)
 
 
 @dataclass(frozen=True)
@@ -48,14 +79,10 @@ class AudioChunk:
 
 @dataclass
 class _Stream:
-    codes: torch.Tensor  # [num_quantizers, kept]: the left context of the next chunk, then undecoded frames
-    first: int = 0  # stream index of codes[:, 0]
+    codes: torch.Tensor  # [num_quantizers, k]: the frames not yet decoded
     decoded: int = 0  # frames whose samples were emitted
+    slot: int | None = None  # held from the first decode call to the end
     finished: bool = False
-
-    @property
-    def frames(self) -> int:
-        return self.first + self.codes.shape[1]
 
 
 class Code2WavStreamer:
@@ -64,12 +91,12 @@ class Code2WavStreamer:
 
     A stream's first chunk holds `first_chunk` frames (small: the first packet's latency), later ones `chunk`,
     the last one what remains at `finish` (right-padded; no emitted sample reads past the stream's last
-    frame). One decode call holds at most `max_batch` streams. Each chunk is decoded in a window of the
-    model's fixed `left_context` earlier frames plus the chunk (a first chunk of its own size in its frames
-    alone, `decodes_first_as_prefix`), so a call's shapes depend only on (streams, chunk size).
+    frame). One decode call holds at most `max_batch` streams, so a call's shapes depend only on (streams,
+    chunk size). A stream takes one of the `slots` state slots at its first chunk and gives it back at its
+    end; a stream with a chunk due and no free slot waits for one, in the order the streams opened.
 
-    `decode` runs each call as `Code2Wav.decode_window` does (a CUDA graph runner, say); None calls the
-    model's own, looked up per call (so a wrapper set on the model later is the one called). Its result must be a tensor no later call overwrites: the chunks of
+    `decode` runs each call as `ChunkDecoder` does, over a `ChunkDecoder`'s state of `slots` slots (CUDA
+    graphs of one, say); None makes one. Its result must be a tensor no later call overwrites: the chunks of
     one `step` are views of its results, read after the step's last call.
     """
 
@@ -79,18 +106,19 @@ class Code2WavStreamer:
         first_chunk: int = 2,
         chunk: int = 25,
         max_batch: int = 16,
-        decode: DecodeWindow | None = None,
+        slots: int = 16,
+        decode: DecodeChunk | None = None,
     ) -> None:
-        if min(first_chunk, chunk, max_batch) < 1:
+        if min(first_chunk, chunk, max_batch, slots) < 1:
             raise ValueError(
-                f"chunk sizes and max_batch must be positive, got first_chunk={first_chunk}, chunk={chunk}, "
-                f"max_batch={max_batch}"
+                f"chunk sizes, max_batch and slots must be positive, got first_chunk={first_chunk}, "
+                f"chunk={chunk}, max_batch={max_batch}, slots={slots}"
             )
         self.model, self.first_chunk, self.chunk, self.max_batch = model, first_chunk, chunk, max_batch
-        self.prefix_first = decodes_first_as_prefix(model, first_chunk, chunk)
-        self.decode = decode
+        self.decode = decode or ChunkDecoder(model, slots, first_chunk, chunk)
         self.device, self.dtype = model.code_embedding.weight.device, model.code_embedding.weight.dtype
         self.streams: dict[Hashable, _Stream] = {}
+        self.free = list(range(slots - 1, -1, -1))  # popped from the end: slot 0 first
 
     def open(self, request_id: Hashable) -> None:
         if request_id in self.streams:
@@ -110,22 +138,31 @@ class Code2WavStreamer:
         self.streams[request_id].finished = True
 
     def cancel(self, request_id: Hashable) -> None:
-        self.streams.pop(request_id, None)
+        if request_id in self.streams:
+            self._close(request_id)
+
+    def _close(self, request_id: Hashable) -> None:
+        stream = self.streams.pop(request_id)
+        if stream.slot is not None:
+            self.free.append(stream.slot)
 
     @torch.no_grad()
     def step(self) -> list[AudioChunk]:
-        """One chunk for every stream that has one ready, in one decode call per chunk size."""
+        """One chunk for every stream that has one ready and a slot, in one decode call per chunk size."""
         ready: dict[int, list[Hashable]] = {}
         out = []
         for request_id, stream in list(self.streams.items()):
             size = self.first_chunk if stream.decoded == 0 else self.chunk
-            pending = stream.frames - stream.decoded
+            pending = stream.codes.shape[1]
             if pending >= size or (stream.finished and pending > 0):
-                ready.setdefault(size, []).append(request_id)
+                if stream.slot is None and self.free:
+                    stream.slot = self.free.pop()
+                if stream.slot is not None:
+                    ready.setdefault(size, []).append(request_id)
             elif stream.finished:
                 nothing = torch.zeros(0, dtype=self.dtype, device=self.device)
                 out.append(AudioChunk(request_id, nothing, final=True))
-                del self.streams[request_id]
+                self._close(request_id)
         for size, ids in ready.items():
             for start in range(0, len(ids), self.max_batch):  # a decode call's memory grows with its rows
                 out += self._decode(size, ids[start : start + self.max_batch])
@@ -133,31 +170,21 @@ class Code2WavStreamer:
 
     def _decode(self, size: int, ids: list[Hashable]) -> list[AudioChunk]:
         spf = self.model.config.samples_per_frame
-        # first chunks are their streams' first frames alone (`Code2Wav.decode_window`'s prefix windows)
-        context = 0 if size == self.first_chunk and self.prefix_first else self.model.left_context
-        windows, starts = [], []
-        for request_id in ids:
-            stream = self.streams[request_id]
-            start = stream.decoded - context  # stream index of the window's first frame
-            lo, hi = max(start, stream.first), min(stream.decoded + size, stream.frames)
-            window = stream.codes[:, lo - stream.first : hi - stream.first]
-            windows.append(F.pad(window, (lo - start, start + context + size - hi)))
-            starts.append(start)
-        decode = self.model.decode_window if self.decode is None else self.decode
-        wav = decode(torch.stack(windows), to_device(torch.tensor(starts), self.device))
+        streams = [self.streams[request_id] for request_id in ids]
+        codes = torch.stack([F.pad(s.codes[:, :size], (0, max(0, size - s.codes.shape[1]))) for s in streams])
+        starts, slots = to_device_together(
+            [torch.tensor([s.decoded for s in streams]), torch.tensor([s.slot for s in streams])], self.device
+        )
+        wav = self.decode(codes, starts, slots)
         out = []
-        for row, request_id in enumerate(ids):
-            stream = self.streams[request_id]
-            new = min(size, stream.frames - stream.decoded)
+        for row, (request_id, stream) in enumerate(zip(ids, streams, strict=True)):
+            new = min(size, stream.codes.shape[1])
             # the first chunk's first `lookahead` samples would come before the stream's sample 0
             skip = max(0, self.model.lookahead - spf * stream.decoded)
             stream.decoded += new
-            final = stream.finished and stream.decoded == stream.frames
+            stream.codes = stream.codes[:, new:]
+            final = stream.finished and not stream.codes.shape[1]
             out.append(AudioChunk(request_id, wav[row, skip : spf * new], final))
             if final:
-                del self.streams[request_id]
-            else:
-                keep_from = max(stream.first, stream.decoded - self.model.left_context)
-                stream.codes = stream.codes[:, keep_from - stream.first :]
-                stream.first = keep_from
+                self._close(request_id)
         return out

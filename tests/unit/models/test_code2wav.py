@@ -4,11 +4,12 @@ import torch
 from omnistage.models.loader import fill_random_
 from omnistage.models.qwen3_omni.code2wav import (
     Code2Wav,
+    StreamSlots,
     decoder_left_context,
     lookahead_samples,
-    transformer_left_context,
 )
 from omnistage.models.qwen3_omni.code2wav_convs import adopt_polyphase, polyphase_conv
+from omnistage.models.qwen3_omni.code2wav_transformer import KeyValues
 from omnistage.models.qwen3_omni.config import Code2WavConfig, Qwen3OmniConfig
 from omnistage.models.qwen3_omni.tiny import released_config
 
@@ -45,13 +46,20 @@ def codes(frames: int, seed: int = 0) -> torch.Tensor:
     return torch.randint(0, CONFIG.codebook_size, (1, CONFIG.num_quantizers, frames), generator=generator)
 
 
-def test_left_context_of_the_released_config():
+def test_context_and_state_of_the_released_config():
+    """10 frames of convolution context, 555 samples of look-ahead, and a stream's state: 8 layers' keys and
+    values of 71 frames, 10 frames of transformer output (2.3 MB in bf16)."""
     cfg = Qwen3OmniConfig.from_dict(released_config()).code2wav
-    assert transformer_left_context(cfg) == 8 * 71
     assert decoder_left_context(cfg) == 10
     assert lookahead_samples(cfg) == 555
     with torch.device("meta"):
-        assert Code2Wav(cfg).left_context == 578
+        state = StreamSlots.allocate(Code2Wav(cfg).to(torch.bfloat16), 4)
+    assert state.keys.shape == state.values.shape == (8, 5, 16, 71, 64) and state.hidden.shape == (
+        5,
+        10,
+        1024,
+    )
+    assert state.scratch == 4 and state.nbytes == 5 * (2 * 8 * 16 * 71 * 64 + 10 * 1024) * 2
 
 
 @torch.no_grad()
@@ -76,41 +84,61 @@ def test_decoder_left_context_is_exact(model):
 
 
 @torch.no_grad()
-def test_transformer_left_context_is_exact(model):
-    """A frame's code reaches the transformer's output up to L·(W-1) frames later, and no further."""
-    frames, frame = 16, 3
-    reach = transformer_left_context(CONFIG)
-    base_codes = codes(frames)
-    positions = torch.arange(frames)[None]
-    base = model.pre_transformer(model.embed(base_codes), positions)[0]
-    changed_codes = base_codes.clone()
-    changed_codes[0, :, frame] = (changed_codes[0, :, frame] + 1) % CONFIG.codebook_size
-    changed = model.pre_transformer(model.embed(changed_codes), positions)[0]
-    moved = (changed - base).abs().amax(-1) > 0
-    assert moved.nonzero().flatten().tolist() == list(range(frame, frame + reach + 1))
+def test_transformer_over_chunks_with_kept_keys_is_one_shot(model):
+    """Chunks of 5, 1 and 10 frames, each given the keys and values the chunk before kept, give the one-shot
+    transformer's output; what the first chunk is given (keys before frame 0) changes nothing, whatever it is."""
+    frames = 16
+    hidden = model.embed(codes(frames, seed=3))
+    want, _ = model.pre_transformer(hidden, torch.tensor([0]))
+    shape = (CONFIG.num_hidden_layers, 1, CONFIG.num_key_value_heads, CONFIG.sliding_window - 1, 8)
+    generator = torch.Generator().manual_seed(4)
+    past = KeyValues(*(1e3 * torch.randn(shape, generator=generator, dtype=torch.float64) for _ in "kv"))
+    got, start = [], 0
+    for size in (5, 1, 10):
+        out, past = model.pre_transformer(hidden[:, start : start + size], torch.tensor([start]), past)
+        assert past.keys.shape == past.values.shape == shape
+        got.append(out)
+        start += size
+    assert (torch.cat(got, dim=1) - want).abs().max() <= 1e-12 * want.abs().max()
 
 
 @torch.no_grad()
-def test_decode_window_equals_one_shot_samples(model):
-    """A window of left context + chunk yields exactly the one-shot samples of the chunk's frames, also when
-    the window reaches before the stream's start (absent frames stand as the convolutions' zero padding)."""
-    frames, chunk = 30, 3
-    context = model.left_context
-    all_codes = codes(frames, seed=2)
-    one_shot = model(all_codes)[0]
+def test_decode_chunk_is_the_one_shot_samples(model):
+    """Three streams share calls at different positions, each in its slot: every chunk's samples are the
+    one-shot decode's, from the first chunk (with or without the convolutions' context) to the last. The slots
+    start with another stream's numbers, and padding rows write the scratch slot."""
+    frames, chunk = 24, 3
+    streams = [codes(frames, seed=10 + i)[0] for i in range(3)]
+    one_shot = [model(c[None])[0] for c in streams]
+    state = StreamSlots.allocate(model, 3)
+    for t in (state.keys, state.values, state.hidden):
+        t.copy_(torch.randn(t.shape, generator=torch.Generator().manual_seed(5), dtype=t.dtype))
+    begins, slots = [0, 2, 5], [2, 0, 1]  # the call each stream's first chunk is in, its slot
     spf, lookahead = CONFIG.samples_per_frame, lookahead_samples(CONFIG)
-    starts = [0, 2, context - 1, context + 4, frames - chunk]
-    windows = []
-    for a in starts:
-        window = all_codes[0, :, max(0, a - context) : a + chunk]
-        windows.append(torch.nn.functional.pad(window, (context + chunk - window.shape[-1], 0)))
-    out = model.decode_window(torch.stack(windows), torch.tensor(starts) - context)
-    assert out.shape == (len(starts), spf * chunk)
-    for row, a in enumerate(starts):
-        lo, hi = spf * a - lookahead, spf * (a + chunk) - lookahead
-        expected = one_shot[max(lo, 0) : hi]
-        got = out[row, max(lo, 0) - lo :]
-        assert (got - expected).abs().max() <= 1e-12 * one_shot.abs().max()
+    checked = 0
+    for call in range(frames // chunk + max(begins)):
+        rows = [i for i, b in enumerate(begins) if 0 <= call - b < frames // chunk]
+        starts = [(call - begins[i]) * chunk for i in rows]
+        batch = torch.stack([streams[i][:, a : a + chunk] for i, a in zip(rows, starts, strict=True)])
+        row_slots = [slots[i] for i in rows]
+        if call == 0:  # a call of first chunks alone: no context
+            out = model.decode_chunk(
+                batch, torch.tensor(starts), torch.tensor(row_slots), state, context=False
+            )
+        else:  # one padding row, in the scratch slot
+            padded = torch.cat([batch, torch.zeros_like(batch[:1])])
+            wav = model.decode_chunk(
+                padded, torch.tensor([*starts, 0]), torch.tensor([*row_slots, state.scratch]), state
+            )
+            out = wav[: len(rows)]
+        assert out.shape == (len(rows), spf * chunk)
+        for row, (i, a) in enumerate(zip(rows, starts, strict=True)):
+            lo = spf * a - lookahead
+            expected = one_shot[i][max(lo, 0) : lo + spf * chunk]
+            got = out[row, max(lo, 0) - lo :]
+            assert (got - expected).abs().max() <= 1e-12 * one_shot[i].abs().max()
+            checked += 1
+    assert checked == 3 * frames // chunk
 
 
 @pytest.mark.parametrize("dilation", [2, 3, 9])
@@ -131,8 +159,8 @@ def test_polyphase_conv_is_torchs_dilated_conv(dilation, length):
 def test_adopt_polyphase_puts_the_convs_it_measured_faster_on_it(model):
     """With a fake timer that finds the polyphase form faster for every other dilated conv (and by less than
     the margin for the rest), just those take it, and the window decodes to the same samples."""
-    window, first = codes(model.left_context + 3, seed=5), torch.tensor([40])
-    want = model.decode_window(window, first)
+    chunk, first, slot = codes(3, seed=5), torch.tensor([40]), torch.tensor([0])
+    want = model.decode_chunk(chunk, first, slot, StreamSlots.allocate(model, 1))
     calls = []
 
     def timer(call):
@@ -149,7 +177,8 @@ def test_adopt_polyphase_puts_the_convs_it_measured_faster_on_it(model):
         assert len(calls) == 2 * len(dilated) and len(dilated) == 8  # 4 blocks, dilations 3 and 9 each
         assert adopted == dilated[::2]
         assert all(model.get_submodule(n).polyphase == (n in adopted) for n in dilated)
-        torch.testing.assert_close(model.decode_window(window, first), want, rtol=0, atol=1e-12)
+        got = model.decode_chunk(chunk, first, slot, StreamSlots.allocate(model, 1))
+        torch.testing.assert_close(got, want, rtol=0, atol=1e-12)
     finally:
         for m in model.modules():
             if getattr(m, "polyphase", None):

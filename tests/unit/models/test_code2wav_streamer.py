@@ -1,9 +1,11 @@
+import copy
+
 import pytest
 import torch
 
 from omnistage.models.loader import fill_random_
 from omnistage.models.qwen3_omni.code2wav import Code2Wav, lookahead_samples
-from omnistage.models.qwen3_omni.code2wav_streamer import Code2WavStreamer
+from omnistage.models.qwen3_omni.code2wav_streamer import ChunkDecoder, Code2WavStreamer
 from omnistage.models.qwen3_omni.config import Code2WavConfig
 
 # The released upsampling path (1920 samples per frame, 555 of look-ahead) at toy widths. What the chunks
@@ -88,30 +90,67 @@ def test_streamer_cancel_and_misuse(model):
         streamer.feed("y", codes(1))
     with pytest.raises(ValueError, match="chunk"):
         Code2WavStreamer(model, first_chunk=0, chunk=2)
+    with pytest.raises(ValueError, match="slots"):
+        Code2WavStreamer(model, slots=0)
 
 
 def test_streamer_calls_the_decode_it_is_given(model):
-    """A decode callable (a graph runner, in serving) runs every call in place of the model's, and the chunks
-    are cut from what it returns."""
+    """A decode callable (a graph runner, in serving) runs every call in place of the streamer's own, with each
+    chunk's frames, its stream's position and slot, and the chunks are cut from what it returns."""
     calls = []
+    own = ChunkDecoder(model, slots=2, first_chunk=1, chunk=2)
 
-    def decode(windows, starts):
-        calls.append((tuple(windows.shape), starts.tolist()))
-        return -model.decode_window(windows, starts)
+    def decode(chunks, starts, slots):
+        calls.append((tuple(chunks.shape), starts.tolist(), slots.tolist()))
+        return -own(chunks, starts, slots)
 
-    plain = Code2WavStreamer(model, first_chunk=1, chunk=2)
-    given = Code2WavStreamer(model, first_chunk=1, chunk=2, decode=decode)
+    plain = Code2WavStreamer(model, first_chunk=1, chunk=2, slots=2)
+    given = Code2WavStreamer(model, first_chunk=1, chunk=2, slots=2, decode=decode)
     for streamer in (plain, given):
         streamer.open("a")
         streamer.feed("a", codes(3))
         streamer.finish("a")
     expected = [plain.step(), plain.step()]
     got = [given.step(), given.step()]
-    context, quantizers = model.left_context, CONFIG.num_quantizers
-    assert calls == [
-        ((1, quantizers, 1), [0]),  # the first chunk: its stream's first frame alone
-        ((1, quantizers, context + 2), [1 - context]),
-    ]
+    quantizers = CONFIG.num_quantizers
+    assert calls == [((1, quantizers, 1), [0], [0]), ((1, quantizers, 2), [1], [0])]
     for want, out in zip(expected, got, strict=True):
         assert [(o.request_id, o.final) for o in out] == [(o.request_id, o.final) for o in want]
-        assert torch.equal(out[0].samples, -want[0].samples)
+        torch.testing.assert_close(out[0].samples, -want[0].samples)
+
+
+def run(streamer: Code2WavStreamer, frames: dict[str, int], cancel: str | None = None) -> dict[str, list]:
+    """Open every stream, feed each its frames and finish it, cancel `cancel` after the first step, and step
+    to the end: each stream's chunks, with the step each came in."""
+    for i, (request_id, n) in enumerate(frames.items()):
+        streamer.open(request_id)
+        streamer.feed(request_id, codes(n + i)[:, i:])
+        streamer.finish(request_id)
+    chunks: dict[str, list] = {request_id: [] for request_id in frames}
+    step = 0
+    while streamer.streams:
+        for out in streamer.step():
+            chunks[out.request_id].append((step, out.samples))
+        if step == 0 and cancel is not None:
+            streamer.cancel(cancel)
+        step += 1
+    return chunks
+
+
+def test_streams_beyond_the_slots_wait_for_one(model):
+    """With one slot, three streams take turns in the order they opened, each decoding to what it does with a
+    slot each (float64: batched apart or together, equal up to rounding); a cancelled stream gives its slot
+    back."""
+    model = copy.deepcopy(model).double()
+    frames = {"a": 5, "b": 3, "c": 4}
+    free = run(Code2WavStreamer(model, first_chunk=1, chunk=2, slots=3), frames)
+    assert [[s for s, _ in free[r]] for r in frames] == [[0, 1, 2], [0, 1], [0, 1, 2]]
+    one = Code2WavStreamer(model, first_chunk=1, chunk=2, slots=1)
+    taking_turns = run(one, frames)
+    assert [[s for s, _ in taking_turns[r]] for r in frames] == [[0, 1, 2], [3, 4], [5, 6, 7]]
+    for request_id in frames:
+        for (_, got), (_, want) in zip(taking_turns[request_id], free[request_id], strict=True):
+            torch.testing.assert_close(got, want)
+    assert one.free == [0]
+    cancelled = run(Code2WavStreamer(model, first_chunk=1, chunk=2, slots=1), frames, cancel="a")
+    assert [[s for s, _ in cancelled[r]] for r in frames] == [[0], [1, 2], [3, 4, 5]]

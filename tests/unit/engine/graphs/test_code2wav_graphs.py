@@ -1,5 +1,6 @@
 """Code2Wav's graph runner on the CPU, where capture binds eager calls over the same static buffers: the
-padded calls give what `decode_window` gives, and a streamer driven through the runner the same chunks."""
+padded calls give what the decoder gives and leave the streams' slots as it does, and a streamer driven
+through the runner gives the same chunks."""
 
 import pytest
 import torch
@@ -7,7 +8,7 @@ import torch
 from omnistage.engine.graphs.code2wav import Code2WavGraphs
 from omnistage.models.loader import fill_random_
 from omnistage.models.qwen3_omni.code2wav import Code2Wav
-from omnistage.models.qwen3_omni.code2wav_streamer import Code2WavStreamer
+from omnistage.models.qwen3_omni.code2wav_streamer import ChunkDecoder, Code2WavStreamer
 from omnistage.models.qwen3_omni.config import Code2WavConfig
 
 # The released upsampling path (1920 samples per frame) at toy widths, two layers of a 3-frame window
@@ -39,54 +40,73 @@ def model() -> Code2Wav:
     return model.eval()
 
 
-@pytest.fixture
-def rows(model, monkeypatch) -> list[int]:
-    """The rows of every decode_window call (the runner's bound one included, made after this fixture)."""
-    calls = []
-    decode_window = model.decode_window
+class Recording(ChunkDecoder):
+    """A chunk decoder that records the rows of its calls."""
 
-    def recording(codes, starts):
-        calls.append(codes.shape[0])
-        return decode_window(codes, starts)
+    def __init__(self, model: Code2Wav, slots: int) -> None:
+        super().__init__(model, slots, FIRST, CHUNK)
+        self.rows: list[int] = []
 
-    monkeypatch.setattr(model, "decode_window", recording)
-    return calls
+    def __call__(self, codes, starts, slots):
+        self.rows.append(codes.shape[0])
+        return super().__call__(codes, starts, slots)
 
 
-def windows(model: Code2Wav, size: int, starts: list[int], seed: int) -> tuple[torch.Tensor, torch.Tensor]:
-    shape = (len(starts), CONFIG.num_quantizers, model.left_context + size)
+def chunks(size: int, starts: list[int], seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A call of len(starts) streams in slots 0, 1, ...: each a chunk of `size` frames at its start."""
+    shape = (len(starts), CONFIG.num_quantizers, size)
     codes = torch.randint(0, CONFIG.codebook_size, shape, generator=torch.Generator().manual_seed(seed))
-    return codes, torch.tensor(starts)
+    return codes, torch.tensor(starts), torch.arange(len(starts))
+
+
+def states(decoder: ChunkDecoder, seed: int) -> None:
+    """Every slot, scratch included, holding earlier streams' numbers."""
+    generator = torch.Generator().manual_seed(seed)
+    for t in (decoder.state.keys, decoder.state.values, decoder.state.hidden):
+        t.copy_(torch.randn(t.shape, generator=generator))
 
 
 @pytest.mark.parametrize("size", [FIRST, CHUNK])
 @torch.no_grad()
-def test_padded_call_equals_decode_window(model, rows, size):
-    """3 streams (a new one, one younger than the context, an old one) in the bucket of 4."""
-    runner = Code2WavGraphs(model, (FIRST, CHUNK), max_streams=4)
+def test_padded_call_is_the_decoders(model, size):
+    """3 streams (a new one, a young one, an old one) in the bucket of 4: the samples and the streams' slots
+    after the call are the decoder's own, and the padding row wrote only the scratch slot."""
+    decoder, plain = Recording(model, slots=3), ChunkDecoder(model, 3, FIRST, CHUNK)
+    runner = Code2WavGraphs(decoder, (FIRST, CHUNK), max_streams=4)
     assert runner.capture() == [(FIRST, 1), (FIRST, 2), (FIRST, 4), (CHUNK, 1), (CHUNK, 2), (CHUNK, 4)]
     runner.buffers.codes[size].fill_(CONFIG.codebook_size - 1)  # stale rows from an earlier call
-    runner.buffers.starts[size].fill_(-7)
-    codes, starts = windows(model, size, [-model.left_context, 3 - model.left_context, 40], seed=size)
-    rows.clear()
-    got = runner(codes, starts)
-    assert rows == [4]
-    want = model.decode_window(codes, starts)
+    runner.buffers.starts[size].fill_(7)
+    runner.buffers.slots[size].fill_(0)
+    states(decoder, seed=size)
+    states(plain, seed=size)
+    codes, starts, slots = chunks(size, [0, 0, 0] if size == FIRST else [0, 3, 40], seed=size)
+    decoder.rows.clear()
+    got = runner(codes, starts, slots)
+    assert decoder.rows == [4]
+    want = plain(codes, starts, slots)
     assert got.shape == want.shape == (3, CONFIG.samples_per_frame * size)
     assert want.abs().max() < 1
     torch.testing.assert_close(got, want)
+    mine, theirs = decoder.state, plain.state  # the streams' slots 0..2, not the scratch slot 3
+    torch.testing.assert_close(mine.keys[:, :3], theirs.keys[:, :3])
+    torch.testing.assert_close(mine.values[:, :3], theirs.values[:, :3])
+    torch.testing.assert_close(mine.hidden[:3], theirs.hidden[:3])
 
 
 @torch.no_grad()
-def test_calls_no_graph_fits_run_eagerly(model, rows):
-    runner = Code2WavGraphs(model, (FIRST, CHUNK), max_streams=4)
+def test_calls_no_graph_fits_run_eagerly(model):
+    decoder = Recording(model, slots=4)
+    runner = Code2WavGraphs(decoder, (FIRST, CHUNK), max_streams=4)
     runner.capture([(CHUNK, 2)])
     assert runner.captured_buckets == [(CHUNK, 2)]
     for (size, streams), called in ((CHUNK, 1), 2), ((CHUNK, 3), 3), ((FIRST, 1), 1), ((7, 2), 2):
-        codes, starts = windows(model, size, list(range(streams)), seed=streams)
-        rows.clear()
-        torch.testing.assert_close(runner(codes, starts), model.decode_window(codes, starts))
-        assert rows[0] == called
+        call = chunks(size, [0] * streams if size == FIRST else list(range(streams)), seed=streams)
+        states(decoder, seed=0)
+        decoder.rows.clear()
+        got = runner(*call)
+        assert decoder.rows[0] == called
+        states(decoder, seed=0)
+        torch.testing.assert_close(got, ChunkDecoder.__call__(decoder, *call))
     with pytest.raises(ValueError, match="chunk size"):
         runner.capture([(7, 1)])
 
@@ -115,17 +135,20 @@ def stream(streamer: Code2WavStreamer, lengths: list[int], rates: list[int]) -> 
     return chunks
 
 
-def test_streamer_through_the_runner_equals_plain(model, rows):
+def test_streamer_through_the_runner_equals_plain(model):
     """Five streams, at most 3 a call: calls of 1 to 3 streams in buckets of 1, 2 and 4, both chunk sizes."""
     lengths, rates = [31, 9, 60, 27, 2], [3, 2, 5, 4, 2]
-    plain = stream(Code2WavStreamer(model, FIRST, CHUNK, max_batch=3), lengths, rates)
-    eager_rows = sorted(set(rows))
-    runner = Code2WavGraphs(model, (FIRST, CHUNK), max_streams=4, prefix=FIRST)
-    assert runner.buffers.codes[FIRST].shape[-1] == FIRST  # a first chunk's window: its frames alone
+    eager = Recording(model, slots=5)
+    plain = stream(Code2WavStreamer(model, FIRST, CHUNK, max_batch=3, slots=5, decode=eager), lengths, rates)
+    decoder = Recording(model, slots=5)
+    runner = Code2WavGraphs(decoder, (FIRST, CHUNK), max_streams=4)
     runner.capture()
-    rows.clear()
-    graphed = stream(Code2WavStreamer(model, FIRST, CHUNK, max_batch=3, decode=runner), lengths, rates)
-    assert 3 in eager_rows and sorted(set(rows)) == [bucket if bucket != 3 else 4 for bucket in eager_rows]
+    graphed = stream(
+        Code2WavStreamer(model, FIRST, CHUNK, max_batch=3, slots=5, decode=runner), lengths, rates
+    )
+    assert 3 in eager.rows and sorted(set(decoder.rows)) == [
+        b if b != 3 else 4 for b in sorted(set(eager.rows))
+    ]
     for i in range(len(lengths)):
         assert len(graphed[i]) == len(plain[i]) > 0
         for got, want in zip(graphed[i], plain[i], strict=True):

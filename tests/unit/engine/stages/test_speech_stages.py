@@ -3,13 +3,15 @@ to its device's plan and takes of it; the plan itself is measured on a GPU (test
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 from typing import Any
 
 import pytest
 
 from omnistage import LLM
-from omnistage.engine.memory.measure import module_bytes
+from omnistage.engine.memory.measure import Peak, module_bytes
+from omnistage.engine.stages import code2wav as code2wav_stage
 from omnistage.engine.stages.base import Stage
 from omnistage.engine.stages.code2wav import Code2WavStage
 from omnistage.engine.stages.frames import FrameStage
@@ -34,6 +36,24 @@ def test_the_code_predictor_brings_its_weights_and_no_graphs_off_cuda(speech):
     need = speech.frame_stage.memory()
     assert need.resident == (("code predictor", module_bytes(speech.code_predictor), "weights"),)
     assert need.resident[0][1] > 0 and need.graphs == () and need.kv == () and need.peaks == ()
+
+
+def test_code2wav_brings_its_weights_and_a_state_slot_per_talker_sequence_and_call_stream(
+    speech, monkeypatch
+):
+    """Its state: a slot for each Talker sequence and each stream of a call, plus the scratch slot padding rows
+    write. (Its peak is measured on a GPU only: here a measure that reads nothing; off CUDA no graphs.)"""
+    monkeypatch.setattr(code2wav_stage, "device_peak", lambda device: contextlib.nullcontext(Peak()))
+    need = speech.code2wav_stage.memory()
+    config = speech.config
+    slots = config.stage("talker").max_batch + config.stage("code2wav").max_streams
+    state = speech.code2wav_stage.decoder.state
+    assert state.scratch == slots and state.hidden.shape[0] == slots + 1
+    assert need.resident == (
+        ("Code2Wav", module_bytes(speech.code2wav), "weights"),
+        ("Code2Wav streams", state.nbytes, f"{slots} state slots"),
+    )
+    assert need.graphs == () and need.kv == () and need.peaks[0][1] == 0
 
 
 @dataclass
