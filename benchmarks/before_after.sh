@@ -9,7 +9,8 @@
 # Parts, each run on the earlier tree (.ab/, "before") then on this one ("after"):
 # - a2t: `omnistage bench a2t`, Qwen3-Omni released sizes (random bf16), the LibriSpeech-like set, 33 tokens
 #   forced, c = 1 and 16, 3 timed passes each (medians);
-# - t2s: `omnistage bench t2s`, c = 1 and 16, 2 requests per stream (first packet, RTF medians);
+# - t2s: `omnistage bench t2s`, c = 1 and 16 (T2S_C: other concurrencies), 2 requests per stream (first
+#   packet, RTF medians);
 # - fit80: configs/qwen3omni_colocated.yaml under an 80 GiB cap, its start (graphs captured per stage) and
 #   its batch of large requests (benchmarks/fit80.py without the A2T passes);
 # - asr: `omnistage bench a2t`, Qwen3-ASR 0.6B (random bf16), the LibriSpeech-like set, 33 tokens forced,
@@ -55,7 +56,7 @@ for part in "$@"; do
     case $part in
       a2t) one a2t "$tree" "${A2T_S:-150}" python3 -m omnistage.cli bench a2t "${bench[@]}" --output-tokens 33 \
         --concurrency 1,16 --repeats 3 --out "$OUT/a2t_$tree.json" ;;
-      t2s) one t2s "$tree" "${T2S_S:-200}" python3 -m omnistage.cli bench t2s "${bench[@]}" --concurrency 1,16 \
+      t2s) one t2s "$tree" "${T2S_S:-200}" python3 -m omnistage.cli bench t2s "${bench[@]}" --concurrency "${T2S_C:-1,16}" \
         --requests 2 --out-dir "$OUT/t2s_$tree" ;;
       fit80) one fit80 "$tree" "${FIT80_S:-240}" python3 benchmarks/fit80.py \
         --config configs/qwen3omni_colocated.yaml --gpu-memory-limit-gib 80 --batch-timeout-s 90 \
