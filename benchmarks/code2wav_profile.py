@@ -14,6 +14,12 @@ at the ±1 clamp, where differences hide; its dilated convs take the polyphase f
 would put them (`code2wav_convs.adopt_polyphase`). Then the eager call at the first count under torch.profiler: its
 CUDA kernels with the most total time, and its convolutions with the most by input shapes. Prints a table;
 writes everything to --out.
+
+    python benchmarks/code2wav_profile.py --flops
+
+counts instead, on any machine (the meta device: no weights, no GPU), a call's GFLOP per stream with torch's
+FLOP counter: later chunks of 1 to 50 frames (the convolutions reading the 10 frames before them) and a first
+chunk of 2 (reading nothing before it).
 """
 
 from __future__ import annotations
@@ -162,6 +168,23 @@ def top_convolutions(model: Code2Wav, streams: int, top: int) -> list[dict[str, 
     ]
 
 
+def flops() -> list[dict[str, Any]]:
+    """GFLOP a stream of one call, per chunk size, at the released sizes on the meta device."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    cfg = Qwen3OmniConfig.from_dict(released_config()).code2wav
+    with torch.device("meta"):
+        model = Code2Wav(cfg).to(torch.bfloat16)
+    state, zero = StreamSlots.allocate(model, 1), torch.zeros(1, dtype=torch.long, device="meta")
+    rows = []
+    for frames, context in ((1, True), (2, True), (12, True), (25, True), (50, True), (2, False)):
+        codes = torch.zeros(1, cfg.num_quantizers, frames, dtype=torch.long, device="meta")
+        with torch.no_grad(), FlopCounterMode(display=False) as counter:
+            model.decode_chunk(codes, zero + 100 * context, zero, state, context)
+        rows.append({"frames": frames, "context": context, "gflop": counter.get_total_flops() / 1e9})
+    return rows
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -170,7 +193,15 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=10)
     parser.add_argument("--top", type=int, default=20)
     parser.add_argument("--out", type=Path, default=Path("code2wav_profile.json"))
+    parser.add_argument("--flops", action="store_true", help="count a call's GFLOP instead (no GPU needed)")
     args = parser.parse_args()
+    if args.flops:
+        print("| chunk frames | reads the 10 frames before | GFLOP a stream |\n| --- | --- | --- |")
+        for row in flops():
+            print(
+                f"| {row['frames']} | {'yes' if row['context'] else 'no (a first chunk)'} | {row['gflop']:.1f} |"
+            )
+        return
     logging.basicConfig(level=logging.INFO, format="%(message)s")  # adopt_polyphase's times per conv
     cfg = Qwen3OmniConfig.from_dict(released_config()).code2wav
     model = load_model(lambda: Code2Wav(cfg), ".", "code2wav.",
