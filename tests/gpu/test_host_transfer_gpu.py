@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from omnistage.models.layers.attention_metadata import AttentionMetadata, to_device_together
+from omnistage.models.layers.attention_metadata import AttentionMetadata, cat_to_device, to_device_together
 
 pytestmark = pytest.mark.gpu
 
@@ -34,3 +34,18 @@ def test_metadata_on_the_gpu_equals_the_host_build():
         assert torch.equal(getattr(meta, name).cpu(), getattr(host, name)), name
         assert torch.equal(getattr(built, name).cpu(), getattr(host, name)), name
     assert torch.equal(ids_out.cpu(), ids)
+
+
+def test_pixels_arrive_catted_without_waiting_for_queued_work():
+    """A step's pixel pieces (views of a video's patches) arrive catted, and the host does not wait for the
+    work queued on the stream before the copy: a ~1 s sleep queued first is still running when it returns."""
+    video = torch.randn(4096, 1176)
+    parts = [video[:1000], video[1000:1024], video[3000:]]
+    torch.cuda.synchronize()
+    torch.cuda._sleep(2_000_000_000)  # ~1 s of clock cycles on the stream
+    start = torch.cuda.Event()
+    start.record()
+    out = cat_to_device(parts, "cuda")
+    queued = not start.query()  # the sleep, before the event, still runs
+    torch.cuda.synchronize()
+    assert queued and out.is_cuda and torch.equal(out.cpu(), torch.cat(parts))

@@ -52,7 +52,7 @@ from omnistage.engine.stages.vision_rows import (
     vision_pieces,
 )
 from omnistage.errors import InvalidRequest
-from omnistage.models.layers.attention_metadata import to_device
+from omnistage.models.layers.attention_metadata import cat_to_device, to_device
 from omnistage.models.multimodal import MultimodalInputs
 
 log = logging.getLogger(__name__)
@@ -232,7 +232,7 @@ class EncoderStage:
         pixels, grids, owners = vision_pieces(prompts, budget, most)
         rows, levels = [], []
         for group in groups([len(x) for x in pixels], budget, most, [t for t, _, _ in grids]):
-            batch = torch.cat([pixels[i] for i in group]).to(self.device)
+            batch = cat_to_device([pixels[i] for i in group], self.device)
             group_grids = [grids[i] for i in group]
             out = graphs.run(batch, group_grids) if graphs is not None else None
             if out is None:

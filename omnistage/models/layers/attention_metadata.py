@@ -26,6 +26,18 @@ def to_device(host: torch.Tensor, device: torch.device | str) -> torch.Tensor:
     return host.pin_memory().to(device, non_blocking=True)
 
 
+def cat_to_device(parts: Sequence[torch.Tensor], device: torch.device | str) -> torch.Tensor:
+    """`torch.cat(parts)` on `device`. From the host to a GPU, catted straight into a pinned buffer and copied
+    without blocking (as `to_device`): a step's pixels are its largest input, and a pageable copy of them would
+    wait for every step queued before it."""
+    device = torch.device(device)
+    if device.type != "cuda" or parts[0].device.type != "cpu":
+        return torch.cat(list(parts)).to(device)
+    shape = (sum(p.shape[0] for p in parts), *parts[0].shape[1:])
+    host = torch.empty(shape, dtype=parts[0].dtype, pin_memory=True)
+    return torch.cat(list(parts), out=host).to(device, non_blocking=True)
+
+
 def to_device_together(hosts: Sequence[torch.Tensor], device: torch.device | str) -> list[torch.Tensor]:
     """Host-built tensors on `device` through one copy: to a GPU their bytes are packed into one pinned buffer,
     copied without blocking (as `to_device`) and viewed back as each tensor, where a copy per tensor would
