@@ -18,8 +18,7 @@ writes everything to --out.
     python benchmarks/code2wav_profile.py --flops
 
 counts instead, on any machine (the meta device: no weights, no GPU), a call's GFLOP per stream with torch's
-FLOP counter: later chunks of 1 to 50 frames (the convolutions reading the 10 frames before them) and a first
-chunk of 2 (reading nothing before it).
+FLOP counter, for chunks of 1 to 50 frames.
 """
 
 from __future__ import annotations
@@ -37,9 +36,10 @@ from typing import Any
 import torch
 
 from omnistage.models.loader import LoadOptions, load_model
-from omnistage.models.qwen3_omni.code2wav import CausalConv1d, Code2Wav, StreamSlots, torch_snake
+from omnistage.models.qwen3_omni.code2wav import Code2Wav, StreamSlots
 from omnistage.models.qwen3_omni.code2wav_convs import adopt_polyphase
 from omnistage.models.qwen3_omni.code2wav_transformer import KeyValues
+from omnistage.models.qwen3_omni.code2wav_vocoder import CausalConv1d, torch_snake
 from omnistage.models.qwen3_omni.config import Qwen3OmniConfig
 from omnistage.models.qwen3_omni.tiny import released_config
 
@@ -108,8 +108,8 @@ def profile(model: Code2Wav, streams: int, repeats: int) -> dict[str, Any]:
     codes, first, slots, state = call
     past = KeyValues(state.keys[:, slots], state.values[:, slots])
     with torch.inference_mode():
-        out, _ = model.pre_transformer(model.embed(codes), first, past)
-        hidden = torch.cat([state.hidden[slots], out], dim=1)
+        # the vocoder alone: over the chunk's frames, as a call runs it less its carried samples' copies
+        hidden, _ = model.pre_transformer(model.embed(codes), first, past)
         fused = model.vocode(hidden)
         row = {
             "streams": streams,
@@ -175,13 +175,13 @@ def flops() -> list[dict[str, Any]]:
     cfg = Qwen3OmniConfig.from_dict(released_config()).code2wav
     with torch.device("meta"):
         model = Code2Wav(cfg).to(torch.bfloat16)
-    state, zero = StreamSlots.allocate(model, 1), torch.zeros(1, dtype=torch.long, device="meta")
+    state, start = StreamSlots.allocate(model, 1), torch.full((1,), 100, device="meta")
     rows = []
-    for frames, context in ((1, True), (2, True), (12, True), (25, True), (50, True), (2, False)):
+    for frames in (1, 2, 12, 25, 50):
         codes = torch.zeros(1, cfg.num_quantizers, frames, dtype=torch.long, device="meta")
         with torch.no_grad(), FlopCounterMode(display=False) as counter:
-            model.decode_chunk(codes, zero + 100 * context, zero, state, context)
-        rows.append({"frames": frames, "context": context, "gflop": counter.get_total_flops() / 1e9})
+            model.decode_chunk(codes, start, torch.zeros_like(start), state)
+        rows.append({"frames": frames, "gflop": counter.get_total_flops() / 1e9})
     return rows
 
 
@@ -196,11 +196,9 @@ def main() -> None:
     parser.add_argument("--flops", action="store_true", help="count a call's GFLOP instead (no GPU needed)")
     args = parser.parse_args()
     if args.flops:
-        print("| chunk frames | reads the 10 frames before | GFLOP a stream |\n| --- | --- | --- |")
+        print("| chunk frames | GFLOP a stream |\n| --- | --- |")
         for row in flops():
-            print(
-                f"| {row['frames']} | {'yes' if row['context'] else 'no (a first chunk)'} | {row['gflop']:.1f} |"
-            )
+            print(f"| {row['frames']} | {row['gflop']:.1f} |")
         return
     logging.basicConfig(level=logging.INFO, format="%(message)s")  # adopt_polyphase's times per conv
     cfg = Qwen3OmniConfig.from_dict(released_config()).code2wav

@@ -136,7 +136,7 @@ class SpeechStages:
             self.code_predictor, frame_graphs, predictor.graphs.sizes(decode_buckets)
         )
         # a slot for each Talker sequence, and for the streams of one call still to end after theirs did
-        decoder = ChunkDecoder(self.code2wav, talker.max_batch + c2w.max_streams, c2w.first_chunk, c2w.chunk)
+        decoder = ChunkDecoder(self.code2wav, talker.max_batch + c2w.max_streams)
         code2wav_graphs = Code2WavGraphs(
             decoder, {c2w.first_chunk, c2w.chunk}, c2w.max_streams, enforce_eager=c2w.enforce_eager
         )

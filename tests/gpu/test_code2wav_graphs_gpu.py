@@ -37,14 +37,14 @@ def model() -> Code2Wav:
 
 @pytest.fixture(scope="module")
 def runner(model) -> Code2WavGraphs:
-    runner = Code2WavGraphs(ChunkDecoder(model, MAX_STREAMS, FIRST, CHUNK), (FIRST, CHUNK), MAX_STREAMS)
+    runner = Code2WavGraphs(ChunkDecoder(model, MAX_STREAMS), (FIRST, CHUNK), MAX_STREAMS)
     runner.capture()
     return runner
 
 
 def chunks(model: Code2Wav, size: int, streams: int, seed: int) -> tuple[torch.Tensor, ...]:
     """A call of `streams` chunks in slots 0, 1, ...: first chunks at frame 0, or later ones at every age (younger
-    than the convolutions' context, than the sliding window, and long under way)."""
+    than the sliding window and long under way)."""
     generator = torch.Generator(device="cuda").manual_seed(seed)
     shape = (streams, model.config.num_quantizers, size)
     codes = torch.randint(0, model.config.codebook_size, shape, generator=generator, device="cuda")
@@ -55,7 +55,7 @@ def chunks(model: Code2Wav, size: int, streams: int, seed: int) -> tuple[torch.T
 def seed_slots(decoder: ChunkDecoder, seed: int) -> None:
     """Every slot holding an earlier chunk's numbers, the same for a seed."""
     generator = torch.Generator(device="cuda").manual_seed(seed)
-    for t in (decoder.state.keys, decoder.state.values, decoder.state.hidden):
+    for t in (decoder.state.keys, decoder.state.values, *decoder.state.tails):
         t.copy_(torch.randn(t.shape, generator=generator, device="cuda"))
 
 

@@ -13,9 +13,10 @@ import torch
 
 from omnistage.engine.graphs.code2wav import Code2WavGraphs
 from omnistage.models.loader import LoadOptions, load_model
-from omnistage.models.qwen3_omni.code2wav import CausalConv1d, Code2Wav, StreamSlots, torch_snake
+from omnistage.models.qwen3_omni.code2wav import Code2Wav, StreamSlots
 from omnistage.models.qwen3_omni.code2wav_convs import adopt_polyphase, polyphase_conv
 from omnistage.models.qwen3_omni.code2wav_streamer import ChunkDecoder
+from omnistage.models.qwen3_omni.code2wav_vocoder import CausalConv1d, torch_snake
 from omnistage.models.qwen3_omni.config import Qwen3OmniConfig
 from omnistage.models.qwen3_omni.tiny import released_config
 
@@ -71,30 +72,28 @@ Call = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
 
 
 def call(model: Code2Wav, size: int, seed: int) -> Call:
-    """A call of STREAMS chunks in slots 0, 1, ...: first chunks (at frame 0, read without context), or later
-    chunks at every age: half of them younger than the convolutions' context, whose convolutions then zero
-    absent frames (through the kernel), the others younger than the sliding window or long under way."""
+    """A call of STREAMS chunks in slots 0, 1, ...: first chunks (at frame 0), or later chunks, half of them
+    their streams' first (whose convolutions then zero the samples before the stream's start, through the
+    kernel), the others younger than the sliding window or long under way."""
     generator = torch.Generator(device=DEV).manual_seed(seed)
     shape = (STREAMS, model.config.num_quantizers, size)
     codes = torch.randint(0, model.config.codebook_size, shape, generator=generator, device=DEV)
     ages = torch.randint(1, 200, (STREAMS,), generator=generator, device=DEV)
-    young = STREAMS // 2
-    ages[:young] = torch.randint(1, model.decoder_context, (young,), generator=generator, device=DEV)
+    ages[: STREAMS // 2] = 0
     return codes, ages * (size != FIRST), torch.arange(STREAMS, device=DEV)
 
 
 def seeded(state: StreamSlots, seed: int = 0) -> StreamSlots:
     """`state` holding earlier chunks' numbers: the same in every dtype for a seed."""
     generator = torch.Generator(device=DEV).manual_seed(seed)
-    for t in (state.keys, state.values, state.hidden):
+    for t in (state.keys, state.values, *state.tails):
         t.copy_(torch.randn(t.shape, generator=generator, device=DEV))
     return state
 
 
 def decode(model: Code2Wav, chunks: Call) -> torch.Tensor:
     """`chunks` decoded eagerly from seeded slots."""
-    context = chunks[0].shape[-1] != FIRST
-    return model.decode_chunk(*chunks, seeded(StreamSlots.allocate(model, STREAMS)), context)
+    return model.decode_chunk(*chunks, seeded(StreamSlots.allocate(model, STREAMS)))
 
 
 def snake_reference(x, log_alpha, log_beta, pad, absent, samples_per_frame):
@@ -162,7 +161,7 @@ def test_decode_chunk_with_the_kernel_is_torchs(model, reference, size):
 
 
 def graphs(model: Code2Wav, buckets: list[tuple[int, int]]) -> Code2WavGraphs:
-    runner = Code2WavGraphs(ChunkDecoder(model, STREAMS, FIRST, CHUNK), (FIRST, CHUNK), STREAMS)
+    runner = Code2WavGraphs(ChunkDecoder(model, STREAMS), (FIRST, CHUNK), STREAMS)
     runner.capture(buckets)
     return runner
 

@@ -139,7 +139,7 @@ def stream(model, codes: list[torch.Tensor], first_chunk: int, chunk: int) -> tu
 
     Streams open at ticks 0, 1, 2; the first is fed a frame per tick, the others all their frames at once
     (a backlog, one chunk per step), so decode calls batch streams at different positions."""
-    decoder = ChunkDecoder(model, len(codes), first_chunk, chunk)
+    decoder = ChunkDecoder(model, len(codes))
     positions = []
 
     def recording(frames, starts, slots):
@@ -167,7 +167,7 @@ def stream(model, codes: list[torch.Tensor], first_chunk: int, chunk: int) -> tu
     return [torch.cat(chunks) for chunks in audio], max(positions)
 
 
-@pytest.mark.parametrize("first_chunk,chunk", [(2, 4), (1, 8), (3, 5)])
+@pytest.mark.parametrize("first_chunk,chunk", [(2, 4), (1, 8), (3, 5), (1, 1)])
 @torch.no_grad()
 def test_streamed_chunks_equal_one_shot(models, first_chunk, chunk):
     """float64: streamed == one-shot up to rounding (equal by design). float32: streaming adds no error beyond

@@ -43,14 +43,12 @@ def adopt_polyphase(
     model: Code2Wav, streams: int, chunk: int, timer: Callable[[Callable[[], object]], float] | None = None
 ) -> list[str]:
     """Put `model`'s dilated convs on `polyphase_conv` where, timed at their inputs' shapes in a call of
-    `streams` chunks of `chunk` frames (with the context a later chunk reads), it beats `nn.Conv1d` by more than
+    `streams` chunks of `chunk` frames, it beats `nn.Conv1d` by more than
     POLYPHASE_MARGIN. cuDNN picks its algorithm by heuristics, and for some dilated shapes a slow generic
     kernel (benchmarks/RESULTS.md, "Under load, a fourth time"). `timer`: ms of a call (CUDA events by
     default). Returns the convs' names, and logs each one's times."""
-    from omnistage.models.qwen3_omni.code2wav import (  # which imports this module's convs
-        CausalConv1d,
-        StreamSlots,
-    )
+    from omnistage.models.qwen3_omni.code2wav import StreamSlots  # whose convs import this module's
+    from omnistage.models.qwen3_omni.code2wav_vocoder import CausalConv1d
 
     timer = timer or cuda_ms
     dilated = [
@@ -69,7 +67,7 @@ def adopt_polyphase(
     codes = torch.zeros(streams, model.config.num_quantizers, chunk, dtype=torch.long, device=weight.device)
     zeros = torch.zeros(streams, dtype=torch.long, device=weight.device)  # frame 0, in the scratch slot
     try:
-        with torch.inference_mode():  # a later chunk's call: its convolutions read the context before it
+        with torch.inference_mode():
             model.decode_chunk(codes, zeros, zeros, StreamSlots.allocate(model, 0))
     finally:
         for hook in hooks:

@@ -2,18 +2,17 @@
 chunks together equal to its one-shot decode (see `Code2Wav.decode_chunk`).
 
 A stream holds a slot of `StreamSlots` from its first chunk to its end: what its chunks leave for the next
-(each transformer layer's keys and values of its last 71 frames, the transformer output of its last 10), so
-a chunk's call runs the transformer over the chunk's frames alone and the convolutions over the chunk and
-the 10 frames before it. Counted with torch's FLOP counter at the released sizes, a call of one stream costs
-48 GFLOP of context plus 5.1 per chunk frame: 176 for 25 frames, where the transformer run again over the
-568 frames before each chunk took it to 313. A first chunk reads nothing before it: 9.0 GFLOP for 2 frames.
+(each transformer layer's keys and values of its last 71 frames, each convolution's input samples that the
+next chunk reads back), so a chunk's call runs over the chunk's own frames alone. Counted with torch's FLOP
+counter at the released sizes (`benchmarks/code2wav_profile.py --flops`), a call costs 5.1 GFLOP a stream
+per chunk frame: 128 for 25 frames, where decoding each chunk from the 578 frames before it cost 313.
 - First chunk, 2 frames (the first packet's latency): the second frame costs one more Talker and
   code-predictor step. In return the first packet holds more than twice the audio, because the decoder's
   look-ahead (555 samples, 29% of a frame) comes off a stream's first chunk only: 1 frame gives 1,365
   samples (57 ms), 2 give 3,285 (137 ms), which play while the next 25 frames are generated.
-- Later chunks, 25 frames (throughput): the convolutions' context is 27% of a 25-frame call (44% at 12
-  frames, 16% at 50). Larger chunks would save less per frame than they delay every packet after the first
-  and grow a call's activations (streams × frames).
+- Later chunks, 25 frames (throughput): a call's work is the same per frame at any chunk size, so the size
+  trades what a call costs whatever its frames (its launches or graph replay, the streams' carried samples)
+  against the delay of every packet after the first and a call's activations (streams × frames).
 Two sizes also mean two shapes per streams bucket to capture as CUDA graphs (`engine/graphs/code2wav.py`).
 """
 
@@ -33,17 +32,11 @@ DecodeChunk = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
 class ChunkDecoder:
     """`Code2Wav.decode_chunk` over `slots` streams' state: the call a streamer makes, and the one its CUDA
-    graphs capture, `(codes [B, num_quantizers, n], starts [B], slots [B]) -> [B, spf·n]`.
+    graphs capture, `(codes [B, num_quantizers, n], starts [B], slots [B]) -> [B, spf·n]`."""
 
-    Chunks of `first_chunk` frames, where later chunks have another size, are their streams' first and are
-    decoded without the convolutions' context; a stream whose first chunk has the later chunks' size reads its
-    (absent) context as any chunk does.
-    """
-
-    def __init__(self, model: Code2Wav, slots: int, first_chunk: int, chunk: int) -> None:
+    def __init__(self, model: Code2Wav, slots: int) -> None:
         self.model = model
         self.state = StreamSlots.allocate(model, slots)
-        self.first_only = first_chunk if first_chunk != chunk else None
 
     @property
     def slots(self) -> int:
@@ -63,11 +56,10 @@ class ChunkDecoder:
 
     @property
     def device(self) -> torch.device:
-        return self.state.hidden.device
+        return self.state.keys.device
 
     def __call__(self, codes: torch.Tensor, starts: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
-        context = codes.shape[-1] != self.first_only
-        return self.model.decode_chunk(codes, starts, slots, self.state, context)
+        return self.model.decode_chunk(codes, starts, slots, self.state)
 
 
 @dataclass(frozen=True)
@@ -115,7 +107,7 @@ class Code2WavStreamer:
                 f"chunk={chunk}, max_batch={max_batch}, slots={slots}"
             )
         self.model, self.first_chunk, self.chunk, self.max_batch = model, first_chunk, chunk, max_batch
-        self.decode = decode or ChunkDecoder(model, slots, first_chunk, chunk)
+        self.decode = decode or ChunkDecoder(model, slots)
         self.device, self.dtype = model.code_embedding.weight.device, model.code_embedding.weight.dtype
         self.streams: dict[Hashable, _Stream] = {}
         self.free = list(range(slots - 1, -1, -1))  # popped from the end: slot 0 first

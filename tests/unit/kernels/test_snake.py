@@ -1,12 +1,12 @@
 """The SnakeBeta kernel (kernels/snake.py) on the CPU through Triton's interpreter, against the formula in
 float64 with the absent samples zeroed and the left pad, as `CausalConv1d` feeds its conv; and the torch path
-of `code2wav.SnakeBeta` (what the CPU runs) against the same reference."""
+of `code2wav_vocoder.SnakeBeta` (what the CPU runs) against the same reference."""
 
 import pytest
 import torch
 from triton_interpreter import INTERPRETING, patch_interpreter, run_in_interpreter
 
-from omnistage.models.qwen3_omni.code2wav import SnakeBeta
+from omnistage.models.qwen3_omni.code2wav_vocoder import SnakeBeta
 
 pytest.importorskip("triton")
 
@@ -62,7 +62,7 @@ if not INTERPRETING:
         with torch.no_grad():
             act.alpha.copy_(log_alpha)
             act.beta.copy_(log_beta)
-            got = act(x, pad, absent, SPF)
+            got = act(x, pad, None if absent is None else absent * SPF)  # SnakeBeta counts samples
         torch.testing.assert_close(
             got, reference(x, log_alpha, log_beta, pad, absent), rtol=1e-12, atol=1e-12
         )

@@ -98,7 +98,7 @@ def test_streamer_calls_the_decode_it_is_given(model):
     """A decode callable (a graph runner, in serving) runs every call in place of the streamer's own, with each
     chunk's frames, its stream's position and slot, and the chunks are cut from what it returns."""
     calls = []
-    own = ChunkDecoder(model, slots=2, first_chunk=1, chunk=2)
+    own = ChunkDecoder(model, slots=2)
 
     def decode(chunks, starts, slots):
         calls.append((tuple(chunks.shape), starts.tolist(), slots.tolist()))

@@ -48,7 +48,7 @@ def test_code2wav_brings_its_weights_and_a_state_slot_per_talker_sequence_and_ca
     config = speech.config
     slots = config.stage("talker").max_batch + config.stage("code2wav").max_streams
     state = speech.code2wav_stage.decoder.state
-    assert state.scratch == slots and state.hidden.shape[0] == slots + 1
+    assert state.scratch == slots and all(t.shape[0] == slots + 1 for t in state.tails)
     assert need.resident == (
         ("Code2Wav", module_bytes(speech.code2wav), "weights"),
         ("Code2Wav streams", state.nbytes, f"{slots} state slots"),
