@@ -29,7 +29,11 @@ def test_host_overhead_smoke(host_overhead, tmp_path, capsys):
         ("sampled", 1),
         ("sampled", 3),
     ]
-    assert all(r["median_ms"] > 0 and r["served_median_ms"] > 0 for r in results)
+    assert all(r["median_ms"] > 0 for r in results)
+    # served gaps need tokens that arrive apart: a greedy step of the stand-in takes ~0.1 ms, and a loaded
+    # machine's event loop may take a request's 8 tokens in one output; a sampled step takes milliseconds
+    assert all(r["served_median_ms"] > 0 for r in results if r["mode"] == "sampled")
+    assert all(r.get("served_median_ms", 1) > 0 for r in results)
     assert json.loads(out.read_text())["results"] == json.loads(json.dumps(results))
     printed = capsys.readouterr().out
     assert "own us/step" in printed and "served ms" in printed
