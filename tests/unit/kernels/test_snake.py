@@ -10,10 +10,10 @@ from omnistage.models.qwen3_omni.code2wav_vocoder import SnakeBeta
 
 pytest.importorskip("triton")
 
-CHANNELS, LENGTH, SPF = 5, 37, 4
-# per row b, frames of SPF samples before the stream began: none, mid-row, the row's last sample (36 = 9·4),
-# and past the end (the whole row absent)
-ABSENT = [0, 3, 9, 12]
+CHANNELS, LENGTH = 5, 37
+# per row b, samples before the stream began: none, mid-row, all but the row's last sample, and past the end
+# (the whole row absent)
+ABSENT = [0, 12, 36, 48]
 
 
 def case(batch: int, dtype: torch.dtype, seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -31,7 +31,7 @@ def reference(x, log_alpha, log_beta, pad, absent):
     a, b = log_alpha.double().exp()[:, None], log_beta.double().exp()[:, None]
     y = x64 + torch.sin(x64 * a) ** 2 / (b + 1e-9)
     if absent is not None:
-        present = torch.arange(x.shape[-1]) >= absent[:, None] * SPF
+        present = torch.arange(x.shape[-1]) >= absent[:, None]
         y = torch.where(present[:, None, :], y, 0)
     return torch.nn.functional.pad(y, (pad, 0))
 
@@ -39,9 +39,9 @@ def reference(x, log_alpha, log_beta, pad, absent):
 def with_absent_poisoned(x: torch.Tensor, absent: torch.Tensor) -> torch.Tensor:
     """x with its absent samples nan and inf: what they hold must not matter (a select, not a product)."""
     x = x.clone()
-    for row, frames in enumerate(absent.tolist()):
-        x[row, :, : frames * SPF] = float("nan")
-        x[row, 0, : frames * SPF] = float("inf")
+    for row, samples in enumerate(absent.tolist()):
+        x[row, :, :samples] = float("nan")
+        x[row, 0, :samples] = float("inf")
     return x
 
 
@@ -62,7 +62,7 @@ if not INTERPRETING:
         with torch.no_grad():
             act.alpha.copy_(log_alpha)
             act.beta.copy_(log_beta)
-            got = act(x, pad, None if absent is None else absent * SPF)  # SnakeBeta counts samples
+            got = act(x, pad, absent)
         torch.testing.assert_close(
             got, reference(x, log_alpha, log_beta, pad, absent), rtol=1e-12, atol=1e-12
         )
@@ -82,7 +82,7 @@ else:
         absent = torch.tensor(ABSENT) if masked else None
         if masked:
             x = with_absent_poisoned(x, absent)
-        got = snake(x, log_alpha, log_beta, pad, absent, SPF)
+        got = snake(x, log_alpha, log_beta, pad, absent)
         assert got.dtype == dtype and got.shape == (len(ABSENT), CHANNELS, pad + LENGTH)
         want = reference(x, log_alpha, log_beta, pad, absent)
         if dtype == torch.float32:
@@ -94,8 +94,8 @@ else:
             torch.testing.assert_close(got.double(), want.to(dtype).double(), rtol=2**-7, atol=1e-5)
         assert (got[..., :pad] == 0).all()
         if masked:
-            for row, frames in enumerate(ABSENT):
-                assert (got[row, :, pad : pad + frames * SPF] == 0).all()
+            for row, samples in enumerate(ABSENT):
+                assert (got[row, :, pad : pad + samples] == 0).all()
 
     def test_a_row_strided_view_as_a_transposed_conv_trims_it():
         """A `TrimmedConvTranspose1d` output is a slice of a longer row: unit stride along the row only."""
@@ -104,8 +104,8 @@ else:
         wide[..., 4 : 4 + LENGTH] = x
         view = wide[..., 4 : 4 + LENGTH]
         assert not view.is_contiguous()
-        absent = torch.tensor([0, 2, 20])
-        got = snake(view, log_alpha, log_beta, 6, absent, SPF)
+        absent = torch.tensor([0, 8, 80])
+        got = snake(view, log_alpha, log_beta, 6, absent)
         torch.testing.assert_close(
             got.double(), reference(x, log_alpha, log_beta, 6, absent), rtol=1e-5, atol=1e-5
         )
@@ -115,8 +115,8 @@ else:
         g = torch.Generator().manual_seed(3)
         x = torch.randn(2, 3, 2500, generator=g)
         log_alpha, log_beta = torch.randn(3, generator=g) * 0.5, torch.randn(3, generator=g) * 0.5
-        absent = torch.tensor([0, 300])  # 1,200 samples: past the first block of 1,024
-        got = snake(x, log_alpha, log_beta, 6, absent, SPF)
+        absent = torch.tensor([0, 1200])  # past the first block of 1,024
+        got = snake(x, log_alpha, log_beta, 6, absent)
         torch.testing.assert_close(
             got.double(), reference(x, log_alpha, log_beta, 6, absent), rtol=1e-5, atol=1e-5
         )
