@@ -95,7 +95,8 @@ class Qwen3OmniPipeline:
         positions = text.max_position_embeddings
         thinker_len = min(self.config.max_model_len or positions, positions)
         max_len = thinker_len + ASSISTANT_ROWS + MAX_AUDIO_FRAMES
-        return SpeechStages(self.config, path, self.model_config, self.dtype, max_len, shared)
+        speaking = max_speaking(self.config, self.speech_device)
+        return SpeechStages(self.config, path, self.model_config, self.dtype, max_len, shared, speaking)
 
     def _load_thinker(self, path: Path) -> tuple[TextStage, tuple[TtsEmbeds, torch.Tensor] | None]:
         """The Thinker and its encoders, and where the pipeline speaks, the Talker's tables of the Thinker's

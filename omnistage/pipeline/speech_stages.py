@@ -61,11 +61,12 @@ class SpeechStages:
         dtype: torch.dtype,
         max_len: int,
         shared: bool,
+        speaking: int,
     ) -> None:
         """The Talker, code predictor and Code2Wav on the talker stage's device, and the Talker's pages (one
         page on a GPU until the plan sizes them, `allocate`). `max_len`: the longest Talker sequence; `shared`:
-        their device is the Thinker's."""
-        self.config, self.model_config, self.max_len = config, cfg, max_len
+        their device is the Thinker's; `speaking`: the most speaking requests in flight, each an audio stream."""
+        self.config, self.model_config, self.max_len, self.speaking = config, cfg, max_len, speaking
         self.device = resolve_device(config.stage("talker").device)
         with self.on_device():
             self._load(path, dtype, shared)
@@ -135,8 +136,9 @@ class SpeechStages:
         self.frame_stage = FrameStage(
             self.code_predictor, frame_graphs, predictor.graphs.sizes(decode_buckets)
         )
-        # a slot for each Talker sequence, and for the streams of one call still to end after theirs did
-        decoder = ChunkDecoder(self.code2wav, talker.max_batch + c2w.max_streams)
+        # a state slot for each stream in flight; where more may speak at once than the Talker runs, its batch
+        # and a call's streams still to end after their Talker did (the others with a chunk due wait for one)
+        decoder = ChunkDecoder(self.code2wav, min(self.speaking, talker.max_batch + c2w.max_streams))
         code2wav_graphs = Code2WavGraphs(
             decoder, {c2w.first_chunk, c2w.chunk}, c2w.max_streams, enforce_eager=c2w.enforce_eager
         )

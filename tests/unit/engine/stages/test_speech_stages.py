@@ -38,15 +38,15 @@ def test_the_code_predictor_brings_its_weights_and_no_graphs_off_cuda(speech):
     assert need.resident[0][1] > 0 and need.graphs == () and need.kv == () and need.peaks == ()
 
 
-def test_code2wav_brings_its_weights_and_a_state_slot_per_talker_sequence_and_call_stream(
-    speech, monkeypatch
-):
-    """Its state: a slot for each Talker sequence and each stream of a call, plus the scratch slot padding rows
-    write. (Its peak is measured on a GPU only: here a measure that reads nothing; off CUDA no graphs.)"""
+def test_code2wav_brings_its_weights_and_a_state_slot_per_speaking_request(speech, monkeypatch):
+    """Its state: a slot for each speaking request the pipeline lets in at once (eagerly, a Code2Wav call's
+    streams), plus the scratch slot padding rows write. (Its peak is measured on a GPU only: here a measure
+    that reads nothing; off CUDA no graphs.)"""
     monkeypatch.setattr(code2wav_stage, "device_peak", lambda device: contextlib.nullcontext(Peak()))
     need = speech.code2wav_stage.memory()
     config = speech.config
-    slots = config.stage("talker").max_batch + config.stage("code2wav").max_streams
+    slots = min(config.stage("talker").max_batch, config.stage("code2wav").max_streams)
+    assert slots == speech.speaking == 16
     state = speech.code2wav_stage.decoder.state
     assert state.scratch == slots and all(t.shape[0] == slots + 1 for t in state.tails)
     assert need.resident == (
@@ -54,6 +54,16 @@ def test_code2wav_brings_its_weights_and_a_state_slot_per_talker_sequence_and_ca
         ("Code2Wav streams", state.nbytes, f"{slots} state slots"),
     )
     assert need.graphs == () and need.kv == () and need.peaks[0][1] == 0
+
+
+def test_code2wav_slots_stop_at_the_talker_batch_and_a_call_where_more_may_speak(tiny_checkpoint):
+    """With more speaking requests let in than the Talker runs, the slots are its batch and a call's streams:
+    the streams of requests waiting for the Talker have no frames to decode yet."""
+    llm = LLM(str(tiny_checkpoint), device="cpu", dtype="float32", page_size=4, max_num_speaking=100)
+    speech = llm.pipeline.speech_stages
+    talker, streams = speech.config.stage("talker").max_batch, speech.config.stage("code2wav").max_streams
+    assert speech.speaking == 100 > talker + streams
+    assert speech.code2wav_stage.decoder.slots == talker + streams
 
 
 @dataclass
