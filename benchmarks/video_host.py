@@ -1,7 +1,8 @@
 """The host's share of a video request, stage by stage, on the CPU: decoding (the packets surveyed, the sampled
 frames decoded and resized, the sound track decoded and resampled) and processing (the patches, the sound's
 log-mel, both as the processor's `featurise` makes them), as the server runs them for a `video_url` with
-`use_audio_in_video`.
+`use_audio_in_video`; where the patches are bytes, also their normalisation, which the server runs on the
+encoders' device.
 
 The video is the benchmark's: `seconds` of `videos.sliding` frames at `--source-fps` in an mp4 (H.264, AAC
 tone), written once in memory. The process is pinned to the first `--threads` cores, so FFmpeg's decoder
@@ -72,6 +73,14 @@ def main() -> None:
         "log-mel (CPU)": lambda: log_mel(decoded.audio),
         "featurise (all of the processing)": lambda: featurise(parts, formats, True, torch.device("cpu")),
     }
+    from omnistage.models import multimodal
+
+    if hasattr(
+        multimodal, "PixelNorm"
+    ):  # trees whose patches are bytes: the floats are made where the tower runs
+        patches = preprocess_video(decoded.frames, cfg)[0]
+        norm = multimodal.PixelNorm.of(cfg)
+        stages["normalise (PixelNorm, here on the CPU)"] = lambda: norm(patches)
     print(
         f"{args.seconds:g} s {width}x{height} at {args.source_fps} fps ({len(data) / 1e6:.1f} MB), "
         f"{len(wanted)} frames sampled to {decoded.frames.shape[1]}x{decoded.frames.shape[2]}, "

@@ -32,7 +32,7 @@ def video_inputs(mm: Any, dtype: torch.dtype, device: torch.device) -> dict[str,
     seconds per temporal patch, and the sound track (the prompt's only clip) as mel features."""
     (features,) = mm.audio_features
     return {
-        "pixel_values_videos": mm.pixel_values_videos.to(device, dtype),
+        "pixel_values_videos": mm.video_norm(mm.pixel_values_videos).to(device, dtype),
         "video_grid_thw": mm.video_grid_thw.to(device),
         "video_second_per_grid": torch.tensor(mm.video_seconds_per_grid, device=device),
         "input_features": features[None].to(device, dtype),

@@ -9,6 +9,7 @@ import torch
 
 from omnistage.engine.stages.encoders import AudioFormat, EncoderStage, ImageFormat, VideoFormat
 from omnistage.models.loader import LoadOptions
+from omnistage.models.multimodal import PixelNorm
 from omnistage.models.qwen3_omni.audio_encoder import load_audio_encoder
 from omnistage.models.qwen3_omni.audio_features import HOP_LENGTH, MAX_SECONDS, NUM_MEL_BINS, SAMPLE_RATE
 from omnistage.models.qwen3_omni.config import ThinkerConfig
@@ -25,7 +26,9 @@ def aut_clips(audio_token_id: int) -> AudioFormat:
 def image_format(image_token_id: int, cfg: ImageProcessorConfig, spatial_merge_size: int) -> ImageFormat:
     """Images as the processor resizes and cuts them into RGB patches (`image_processing.py`)."""
     patch_values = 3 * cfg.temporal_patch_size * cfg.patch_size**2  # RGB
-    return ImageFormat(image_token_id, largest_grid(cfg), cfg.patch_size, patch_values, spatial_merge_size)
+    return ImageFormat(
+        image_token_id, largest_grid(cfg), cfg.patch_size, patch_values, spatial_merge_size, PixelNorm.of(cfg)
+    )
 
 
 def load_encoders(

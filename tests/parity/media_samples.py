@@ -8,6 +8,7 @@ import numpy as np
 import torch
 from PIL import Image
 
+from omnistage.models.multimodal import PixelNorm
 from omnistage.models.qwen3_omni.audio_features import decode_audio
 from omnistage.models.qwen3_omni.tiny import PREPROCESSOR_CONFIG
 from omnistage.models.qwen3_omni.video_processing import VideoProcessorConfig, preprocess_video
@@ -39,7 +40,9 @@ class VideoProcessorStub:
     def __call__(self, videos, **kwargs):
         done = [preprocess_video(frames, VideoProcessorConfig()) for frames in videos]
         return {
-            "pixel_values_videos": torch.cat([patches for patches, _ in done]),
+            "pixel_values_videos": PixelNorm.of(VideoProcessorConfig())(
+                torch.cat([patches for patches, _ in done])
+            ),
             "video_grid_thw": torch.tensor([grid for _, grid in done]),
         }
 

@@ -74,7 +74,8 @@ def test_placeholders_features_and_patches(case, ours, hf_processor):
         assert got.mm.audio_features == []
     if "image_grid_thw" in ref:
         assert torch.equal(got.mm.image_grid_thw, ref["image_grid_thw"])
-        assert (got.mm.pixel_values - ref["pixel_values"]).abs().max().item() <= 1e-6
+        assert got.mm.pixel_values.dtype == torch.uint8 and got.mm.image_norm is not None
+        assert (got.mm.image_norm(got.mm.pixel_values) - ref["pixel_values"]).abs().max().item() <= 1e-6
         assert sum(got.mm.num_image_tokens) == got.token_ids.count(ours._config().image_token_id)
     else:
         assert got.mm.pixel_values is None and got.mm.image_grid_thw is None

@@ -168,7 +168,7 @@ def prompt_inputs(models: dict, prompt: ProcessedPrompt) -> tuple[torch.Tensor, 
         embeds[ids == cfg.audio_token_id] = torch.cat(models["audio_encoder"](mm.audio_features))
     if mm.pixel_values is not None:
         image = ids == cfg.image_token_id
-        rows, levels = models["vision_encoder"](mm.pixel_values, mm.image_grid_thw)
+        rows, levels = models["vision_encoder"](mm.image_norm(mm.pixel_values), mm.image_grid_thw)
         embeds[image] = rows
         deepstack = [embeds.new_zeros(embeds.shape).index_put_((image,), level) for level in levels]
     return embeds, deepstack

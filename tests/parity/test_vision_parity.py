@@ -21,6 +21,7 @@ from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLIm
 from omnistage.bench.hf_layout import visual
 from omnistage.errors import InvalidMedia
 from omnistage.models.loader import LoadOptions
+from omnistage.models.multimodal import PixelNorm
 from omnistage.models.qwen3_omni.image_processing import (
     ImageProcessorConfig,
     decode_image,
@@ -68,7 +69,10 @@ def test_preprocessing_matches_transformers(checkpoint):
     keys += ("image_std", "min_pixels", "max_pixels", "patch_size", "temporal_patch_size", "merge_size")
     processor = Qwen2VLImageProcessorPil(**{k: PREPROCESSOR_CONFIG[k] for k in keys})
     reference = processor(images(), return_tensors="pt")
-    pixel_values, grid_thw = preprocess_images(images(), ImageProcessorConfig.from_dir(checkpoint))
+    cfg = ImageProcessorConfig.from_dir(checkpoint)
+    patches, grid_thw = preprocess_images(images(), cfg)
+    assert patches.dtype == torch.uint8
+    pixel_values = PixelNorm.of(cfg)(patches)
     assert grid_thw.tolist() == reference["image_grid_thw"].tolist() == [[1, 4, 6], [1, 8, 4], [1, 4, 6]]
     assert pixel_values.shape == reference["pixel_values"].shape == (24 + 32 + 24, 3 * 2 * 16 * 16)
     assert (pixel_values - reference["pixel_values"]).abs().max().item() <= 1e-6
@@ -94,7 +98,9 @@ def relative_error(ours: torch.Tensor, ref: torch.Tensor) -> float:
 
 @torch.no_grad()
 def test_encoder_and_deepstack_match_transformers(checkpoint, ours, hf_visual):
-    pixel_values, grid_thw = preprocess_images(images(SIZES[:2]), ImageProcessorConfig.from_dir(checkpoint))
+    cfg = ImageProcessorConfig.from_dir(checkpoint)
+    patches, grid_thw = preprocess_images(images(SIZES[:2]), cfg)
+    pixel_values = PixelNorm.of(cfg)(patches)
     embeds, deepstack = ours(pixel_values, grid_thw)
     ref = hf_visual(pixel_values, grid_thw=grid_thw)
     assert embeds.shape == ref.pooler_output.shape == (14, ours.cfg.out_hidden_size)

@@ -48,12 +48,14 @@ from omnistage.engine.stages.vision_rows import (
     join,
     largest_inputs,
     merged_rows,
+    normalized,
+    piece_norms,
     sees,
     vision_pieces,
 )
 from omnistage.errors import InvalidRequest
 from omnistage.models.layers.attention_metadata import cat_to_device, to_device
-from omnistage.models.multimodal import MultimodalInputs
+from omnistage.models.multimodal import MultimodalInputs, PixelNorm
 
 log = logging.getLogger(__name__)
 
@@ -112,6 +114,7 @@ class ImageFormat:
     patch_size: int  # pixels along a patch's side
     patch_values: int  # values in one patch row (channels x temporal patch x patch_size^2)
     spatial_merge_size: int  # a merge x merge block of patches is one row
+    norm: PixelNorm | None = None  # what makes a patch's bytes the tower's input (None: patches are floats)
 
 
 @dataclass(frozen=True)
@@ -230,9 +233,11 @@ class EncoderStage:
         if graphs is not None:
             budget, most = int_buckets(graphs.captured_buckets)[-1], graphs.buffers.max_frames
         pixels, grids, owners = vision_pieces(prompts, budget, most)
+        norms = piece_norms(prompts, owners)
         rows, levels = [], []
         for group in groups([len(x) for x in pixels], budget, most, [t for t, _, _ in grids]):
-            batch = cat_to_device([pixels[i] for i in group], self.device)
+            batch = cat_to_device([pixels[i] for i in group], self.device)  # bytes: a quarter of the floats
+            batch = normalized(batch, [norms[i] for i in group], [len(pixels[i]) for i in group])
             group_grids = [grids[i] for i in group]
             out = graphs.run(batch, group_grids) if graphs is not None else None
             if out is None:
@@ -345,9 +350,10 @@ class EncoderStage:
             image = MultimodalInputs(
                 audio_features=[],
                 num_audio_tokens=[],
-                pixel_values=torch.randn(math.prod(grid), images.patch_values),
+                pixel_values=torch.randint(0, 256, (math.prod(grid), images.patch_values), dtype=torch.uint8),
                 image_grid_thw=torch.tensor([grid]),
                 num_image_tokens=[tokens],
+                image_norm=images.norm,
             )
             vision_peak, image_bytes = self._measure([images.token_id] * tokens, image)
             floor = replace(

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
-from omnistage.models.multimodal import MultimodalInputs
+from omnistage.models.multimodal import MultimodalInputs, PixelNorm
 
 
 def vision_pieces(
@@ -39,6 +39,21 @@ def vision_pieces(
                     grids.append((n, h, w))
                     owners.append((p, is_video))
     return pixels, grids, owners
+
+
+def piece_norms(prompts: list[MultimodalInputs], owners: list[tuple[int, bool]]) -> list[PixelNorm | None]:
+    """Each piece's normalisation (`vision_pieces`' owners): its prompt's for its kind."""
+    return [prompts[p].video_norm if is_video else prompts[p].image_norm for p, is_video in owners]
+
+
+def normalized(batch: torch.Tensor, norms: list[PixelNorm | None], sizes: list[int]) -> torch.Tensor:
+    """A call's pieces `batch` (`sizes` patches each, in turn) as the tower's input: each piece's bytes through
+    its `PixelNorm`, on the batch's device; pieces that come without one are the tower's input already."""
+    if norms[0] is None:
+        return batch
+    if len(set(norms)) == 1:
+        return norms[0](batch)
+    return torch.cat([norm(piece) for norm, piece in zip(norms, batch.split(sizes), strict=True) if norm])
 
 
 @dataclass

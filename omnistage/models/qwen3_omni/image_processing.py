@@ -120,7 +120,8 @@ def image_tokens(grid_thw: tuple[int, int, int], merge_size: int = 2) -> int:
 def preprocess_image(
     image: Image.Image, cfg: ImageProcessorConfig
 ) -> tuple[torch.Tensor, tuple[int, int, int]]:
-    """One image to (patches [h*w, C*T*P*P] float32, grid (1, h, w))."""
+    """One image to (patches [h*w, C*T*P*P] uint8, grid (1, h, w)): the resized image's bytes in patch order,
+    which `PixelNorm.of(cfg)` makes the vision tower's input."""
     image = image.convert("RGB")
     _, grid_h, grid_w = image_grid(image.height, image.width, cfg)
     p, m, t = cfg.patch_size, cfg.merge_size, cfg.temporal_patch_size
@@ -130,9 +131,7 @@ def preprocess_image(
             image.width, image.height, grid_w * p, grid_h * p, cfg.max_pixels,
         )  # fmt: skip
     image = image.resize((grid_w * p, grid_h * p), resample=Image.Resampling.BICUBIC)
-    # [H, W, C]; typed, as numpy's stubs would give the normalized pixels below a complex dtype
-    pixels: np.ndarray = (np.asarray(image, dtype=np.float64) * cfg.rescale_factor).astype(np.float32)
-    pixels = (pixels - np.asarray(cfg.image_mean, np.float32)) / np.asarray(cfg.image_std, np.float32)
+    pixels = np.asarray(image, dtype=np.uint8)  # [H, W, C]
     c = pixels.shape[-1]
     # [H, W, C] -> (block row, block col, row in block, col in block, C, P, P): merge blocks stay contiguous.
     blocks = pixels.reshape(grid_h // m, m, p, grid_w // m, m, p, c).transpose(0, 3, 1, 4, 6, 2, 5)
@@ -143,7 +142,7 @@ def preprocess_image(
 def preprocess_images(
     images: list[Image.Image], cfg: ImageProcessorConfig
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Several images to packed patches [sum h*w, C*T*P*P] and grid_thw [images, 3] (int64)."""
+    """Several images to packed patches [sum h*w, C*T*P*P] (uint8) and grid_thw [images, 3] (int64)."""
     if not images:
         raise ValueError("no images to preprocess")
     done = [preprocess_image(image, cfg) for image in images]

@@ -17,7 +17,7 @@ import torch
 from PIL import Image
 
 from omnistage.errors import InvalidMedia, InvalidRequest
-from omnistage.models.multimodal import MultimodalInputs, clip_digest
+from omnistage.models.multimodal import MultimodalInputs, PixelNorm, clip_digest
 from omnistage.models.qwen3_omni.audio_encoder import audio_output_tokens
 from omnistage.models.qwen3_omni.audio_features import log_mel
 from omnistage.models.qwen3_omni.config import ThinkerConfig
@@ -130,6 +130,8 @@ def featurise(
         video_seconds_per_grid=seconds,
         use_audio_in_video=use_audio_in_video and bool(video_grids),
         audio_keys=keys,
+        image_norm=PixelNorm.of(formats.images) if patches else None,
+        video_norm=PixelNorm.of(formats.videos) if video_patches else None,
     )
 
 

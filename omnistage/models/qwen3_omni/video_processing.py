@@ -155,28 +155,23 @@ def resized(frames: np.ndarray, cfg: VideoProcessorConfig) -> np.ndarray:
 def preprocess_video(
     frames: np.ndarray, cfg: VideoProcessorConfig
 ) -> tuple[torch.Tensor, tuple[int, int, int]]:
-    """Sampled frames uint8 [T, H, W, 3] to (patches [t*h*w, C*T*P*P] float32, grid (t, h, w))."""
+    """Sampled frames uint8 [T, H, W, 3] to (patches [t*h*w, C*T*P*P] uint8, grid (t, h, w)): their bytes in
+    patch order, which `PixelNorm.of(cfg)` makes the vision tower's input."""
     if frames.ndim != 4 or frames.shape[-1] != 3 or frames.dtype != np.uint8:
         raise InvalidMedia(
             f"video frames must be uint8 [frames, height, width, 3], got {frames.dtype} {list(frames.shape)}"
         )
     count, height, width, _ = frames.shape
     grid = video_grid(count, height, width, cfg)
-    frames = resized(frames, cfg)
-    with shared_threads():
-        return _patches(frames, count, grid, cfg), grid
+    return _patches(resized(frames, cfg), count, grid, cfg), grid
 
 
 def _patches(
     frames: np.ndarray, count: int, grid: tuple[int, int, int], cfg: VideoProcessorConfig
 ) -> torch.Tensor:
-    """Frames uint8 [T, H, W, C] at their processor size, cut into the vision tower's patches and normalised.
-
-    The bytes are put in patch order first, as uint8 (a quarter of the memory the floats would move), then
-    become floats and are normalised in place: transformers' arithmetic, (x - mean / r) / (std / r) in
-    float32, value for value. The patches' memory is numpy's, which asks the kernel for huge pages: a 30 s
-    video's 530 MB then faults in a few hundred pages, where torch's allocation took 130,000 (RESULTS.md,
-    "Video decoding and processing on the CPU")."""
+    """Frames uint8 [T, H, W, C] at their processor size, their bytes in the vision tower's patch order
+    (`PixelNorm` makes them floats where the tower runs: here a 30 s video's patches move 133 MB, where its
+    floats were 530 MB, whose first touch alone took most of a second on a cold host, RESULTS.md)."""
     grid_t, grid_h, grid_w = grid
     p, m, t = cfg.patch_size, cfg.merge_size, cfg.temporal_patch_size
     if pad := -count % t:
@@ -185,12 +180,4 @@ def _patches(
     # (grid t, T, block row, row in block, P, block col, col in block, P, C) -> blocks, then each patch [C, T, P, P]
     blocks = frames.reshape(grid_t, t, grid_h // m, m, p, grid_w // m, m, p, c)
     ordered = np.ascontiguousarray(blocks.transpose(0, 2, 5, 3, 6, 8, 1, 4, 7))
-    rows = grid_t * grid_h * grid_w
-    pixels = torch.from_numpy(ordered).view(rows, c, t * p * p)
-    patches = torch.from_numpy(np.empty((rows, c, t * p * p), np.float32))
-    mean = (torch.tensor(cfg.image_mean) / cfg.rescale_factor).view(1, -1, 1)
-    std = (torch.tensor(cfg.image_std) / cfg.rescale_factor).view(1, -1, 1)
-    # three passes over the whole tensor, not over cache-sized chunks: each pass is a parallel region waiting
-    # for its slowest thread, and with another process on a core 129 chunked regions took 0.7 s, these 0.15
-    patches.copy_(pixels).sub_(mean).div_(std)
-    return patches.view(rows, c * t * p * p)
+    return torch.from_numpy(ordered).view(grid_t * grid_h * grid_w, c * t * p * p)

@@ -12,6 +12,7 @@ from PIL import Image
 
 from omnistage.bench.videos import CONTAINERS, encode, frames
 from omnistage.errors import InvalidMedia
+from omnistage.models.multimodal import PixelNorm
 from omnistage.models.qwen3_omni.image_processing import ImageProcessorConfig, preprocess_image
 from omnistage.models.qwen3_omni.video_decoding import VideoLimits, decode_video
 from omnistage.models.qwen3_omni.video_processing import (
@@ -61,7 +62,7 @@ def test_a_still_video_at_the_target_size_is_the_image_patches():
     image_cfg = ImageProcessorConfig(min_pixels=64 * 64, max_pixels=64 * 64)
     expected, image_grid = preprocess_image(Image.fromarray(picture), image_cfg)
     assert grid == image_grid == (1, 4, 4)
-    assert (patches - expected).abs().max().item() < 1e-5
+    assert patches.dtype == expected.dtype == torch.uint8 and torch.equal(patches, expected)
 
 
 def test_frames_resized_first_give_the_same_patches():
@@ -75,12 +76,15 @@ def test_frames_resized_first_give_the_same_patches():
 
 def test_each_patch_is_its_pixels_normalised_bit_for_bit():
     """Every patch, found by its place in the grid (merge block by merge block, temporal patch by temporal
-    patch), holds its T frames' P x P pixels of each channel, (x - mean / r) / (std / r) in float32, exactly;
-    with a channel mean and std of their own and an odd frame count (the last frame repeated)."""
+    patch), holds its T frames' P x P pixels of each channel as bytes, and `PixelNorm` makes them (x - mean /
+    r) / (std / r) in float32, exactly; with a channel mean and std of their own and an odd frame count (the
+    last frame repeated)."""
     cfg = VideoProcessorConfig(image_mean=(0.48, 0.46, 0.41), image_std=(0.27, 0.26, 0.28))
     video = frames(5, 160, 96, seed=3)
-    patches, (grid_t, grid_h, grid_w) = preprocess_video(video, cfg)
-    assert patches.dtype == torch.float32 and patches.is_contiguous()
+    raw, (grid_t, grid_h, grid_w) = preprocess_video(video, cfg)
+    assert raw.dtype == torch.uint8 and raw.is_contiguous()
+    patches = PixelNorm.of(cfg)(raw)
+    assert patches.dtype == torch.float32
     pixels = torch.from_numpy(resized(np.concatenate((video, video[-1:])), cfg)).permute(3, 0, 1, 2)
     mean = torch.tensor(cfg.image_mean) / cfg.rescale_factor
     std = torch.tensor(cfg.image_std) / cfg.rescale_factor
