@@ -50,11 +50,10 @@ class PixelNorm:
             patches.device,
         )
         shape = (rows, channels, width // channels)
-        if (
-            patches.device.type == "cpu"
-        ):  # numpy's memory, which asks the kernel for huge pages: a 30 s video's
-            # 530 MB then faults in a few hundred pages, where torch's allocation took 130,000 (RESULTS.md,
-            # "Video decoding and processing on the CPU")
+        # on the host numpy's memory, which asks the kernel for huge pages: a 30 s video's 530 MB then faults
+        # in a few hundred pages, where torch's allocation took 130,000 (RESULTS.md, "Video decoding and
+        # processing on the CPU")
+        if patches.device.type == "cpu":
             out = torch.from_numpy(np.empty(shape, np.float32))
         else:
             out = torch.empty(shape, dtype=torch.float32, device=patches.device)

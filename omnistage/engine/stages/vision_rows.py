@@ -53,7 +53,9 @@ def normalized(batch: torch.Tensor, norms: list[PixelNorm | None], sizes: list[i
         return batch
     if len(set(norms)) == 1:
         return norms[0](batch)
-    return torch.cat([norm(piece) for norm, piece in zip(norms, batch.split(sizes), strict=True) if norm])
+    return torch.cat(
+        [norm(piece) if norm else piece for norm, piece in zip(norms, batch.split(sizes), strict=True)]
+    )
 
 
 @dataclass

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from omnistage.engine.stages.vision_rows import VisionRows, groups, largest_inputs, vision_pieces
-from omnistage.models.multimodal import MultimodalInputs
+from omnistage.engine.stages.vision_rows import VisionRows, groups, largest_inputs, normalized, vision_pieces
+from omnistage.models.multimodal import MultimodalInputs, PixelNorm
 
 
 def media(images: list[tuple[int, int, int]], videos: list[tuple[int, int, int]]) -> MultimodalInputs:
@@ -64,3 +64,21 @@ def test_the_floor_holds_as_many_vision_rows_as_a_video_can_bring():
     assert largest_inputs(32_768, 1_000, 8, videos=False) == 8
     assert largest_inputs(32_768, 1_000, 8, videos=True) == 32
     assert largest_inputs(500, 1_000, 8, videos=True) == 1
+
+
+def test_pieces_of_two_normalisations_each_get_their_own():
+    """A call holding an image and a video piece whose processors normalise differently: each piece's floats
+    are its bytes through its own `PixelNorm`, exactly; pieces without one pass as they are."""
+    image = PixelNorm((127.5, 127.5, 127.5), (127.5, 127.5, 127.5))
+    video = PixelNorm((122.4, 116.7, 104.1), (68.5, 66.6, 70.4))
+    generator = torch.Generator().manual_seed(0)
+    batch = torch.randint(0, 256, (7, 3 * 4), generator=generator, dtype=torch.uint8)
+    out = normalized(batch, [image, video], [3, 4])
+    assert out.dtype == torch.float32
+    assert torch.equal(out[:3], image(batch[:3])) and torch.equal(out[3:], video(batch[3:]))
+    assert not torch.equal(out[3:], image(batch[3:]))
+    assert torch.equal(normalized(batch, [image, image], [3, 4]), image(batch))
+    floats = torch.randn(7, 12)
+    assert normalized(floats, [None, None], [3, 4]) is floats
+    shift, scale = torch.tensor(video.shift)[:, None], torch.tensor(video.scale)[:, None]
+    assert torch.equal(out[4].view(3, 4), (batch[4].view(3, 4).float() - shift) / scale)
