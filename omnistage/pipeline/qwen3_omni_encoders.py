@@ -7,7 +7,8 @@ from pathlib import Path
 
 import torch
 
-from omnistage.engine.stages.encoders import AudioFormat, EncoderStage, ImageFormat, VideoFormat
+from omnistage.engine.stages.encoder_formats import AudioFormat, ImageFormat, VideoFormat
+from omnistage.engine.stages.encoders import EncoderStage
 from omnistage.models.loader import LoadOptions
 from omnistage.models.multimodal import PixelNorm
 from omnistage.models.qwen3_omni.audio_encoder import load_audio_encoder

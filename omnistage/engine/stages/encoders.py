@@ -14,8 +14,7 @@ pieces of windows, and the images through the vision graphs in calls of at most 
 an image larger than that runs eagerly.
 
 The stage names no family: a family's pipeline hands it its towers (`EagerAudioTower`, `EagerVisionTower`) and
-how its processor lays out clips, images and videos for them (`AudioFormat`, `ImageFormat`, `VideoFormat`);
-Qwen3-Omni's are built in
+how its processor lays out clips, images and videos for them (`encoder_formats.py`); Qwen3-Omni's are built in
 pipeline/qwen3_omni_encoders.py.
 """
 
@@ -25,7 +24,7 @@ import functools
 import logging
 import math
 from dataclasses import dataclass, replace
-from typing import Any, Protocol
+from typing import Any
 
 import numpy as np
 import torch
@@ -33,15 +32,20 @@ import torch
 from omnistage.engine.graphs.base import Bucket, graph_peaks, int_buckets
 from omnistage.engine.graphs.encoders import (
     AudioGraphs,
-    AudioTower,
     VisionGraphs,
-    VisionTower,
     audio_buckets,
     vision_buckets,
 )
 from omnistage.engine.memory.floor import Floor
 from omnistage.engine.memory.measure import Peak, device_peak
 from omnistage.engine.stages.encoder_cache import EncoderCache
+from omnistage.engine.stages.encoder_formats import (
+    AudioFormat,
+    EagerAudioTower,
+    EagerVisionTower,
+    ImageFormat,
+    VideoFormat,
+)
 from omnistage.engine.stages.vision_rows import (
     VisionRows,
     groups,
@@ -55,7 +59,7 @@ from omnistage.engine.stages.vision_rows import (
 )
 from omnistage.errors import InvalidRequest
 from omnistage.models.layers.attention_metadata import cat_to_device, to_device
-from omnistage.models.multimodal import MultimodalInputs, PixelNorm
+from omnistage.models.multimodal import MultimodalInputs
 
 log = logging.getLogger(__name__)
 
@@ -77,51 +81,6 @@ class MultimodalEmbeds:
     audio_embeds_host: torch.Tensor | None = None
     # audio_embeds, image_embeds and deepstack on the host while they are off the device (media_hold.py)
     offloaded: tuple[torch.Tensor | None, ...] | None = None
-
-
-class EagerAudioTower(AudioTower, Protocol):
-    """An audio tower the stage also calls eagerly: clips' features [mel, frames_i] to their rows [tokens_i, H]."""
-
-    def __call__(self, features: list[torch.Tensor]) -> list[torch.Tensor]: ...
-
-
-class EagerVisionTower(VisionTower, Protocol):
-    """A vision tower the stage also calls eagerly: packed patches of images with their (t, h, w) grids to their
-    rows [n, H] and one such tensor per deepstack level."""
-
-    def __call__(
-        self, pixel_values: torch.Tensor, grid_thw: list[tuple[int, int, int]]
-    ) -> tuple[torch.Tensor, list[torch.Tensor]]: ...
-
-
-@dataclass(frozen=True)
-class AudioFormat:
-    """A family's clips as its processor makes them for the audio tower."""
-
-    token_id: int  # the prompt placeholder one audio row fills
-    mel_bins: int
-    hop_length: int  # samples a mel frame advances by
-    sample_rate: int
-    max_frames: int  # mel frames of the longest clip the processor admits
-
-
-@dataclass(frozen=True)
-class ImageFormat:
-    """A family's images as its processor makes them for the vision tower."""
-
-    token_id: int  # the prompt placeholder one image row fills
-    largest_grid: tuple[int, int, int]  # (t, h, w) patches of the largest image the processor admits
-    patch_size: int  # pixels along a patch's side
-    patch_values: int  # values in one patch row (channels x temporal patch x patch_size^2)
-    spatial_merge_size: int  # a merge x merge block of patches is one row
-    norm: PixelNorm | None = None  # what makes a patch's bytes the tower's input (None: patches are floats)
-
-
-@dataclass(frozen=True)
-class VideoFormat:
-    """A family's videos as its processor makes them for the vision tower (patches as its images')."""
-
-    token_id: int  # the prompt placeholder one video row fills
 
 
 class EncoderStage:
