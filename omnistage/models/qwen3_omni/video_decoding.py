@@ -1,15 +1,18 @@
 """Video files (mp4, webm, mov, mkv: whatever FFmpeg in PyAV's wheels reads) to the processor's sampled frames.
 
-The container is read twice from memory: once by its packets alone (no decoding) to count the frames and
-check the bounds, once decoding the video stream up to the last sampled frame (each sampled frame resized at
-once to the processor's size, so no full-size frames are held) and, with `with_audio`, the first audio
-stream, mixed to mono and resampled to 16 kHz. Everything here blocks (decoding releases the
-GIL); the server runs it in a worker thread. Every defect or bound is an InvalidMedia saying which.
+The container is read from memory: once by its packets alone (no decoding) to count the frames and check
+the bounds; then the video stream is decoded up to the last sampled frame, each sampled frame resized to the
+processor's size on a thread beside the decoder (a few full-size frames held at most), and, with
+`with_audio`, the first audio stream on a thread of its own, mixed to mono and resampled to 16 kHz. Three
+threads of one request's decoding work at once: on a GPU server's host its resizes (torch) and sound track
+no longer wait for the frames' decoding (FFmpeg). Everything here blocks (decoding releases the GIL); the
+server runs it in a worker thread. Every defect or bound is an InvalidMedia saying which.
 """
 
 from __future__ import annotations
 
 import io
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from itertools import groupby
 
@@ -59,8 +62,12 @@ def decode_video(
         if with_audio and not has_audio:
             raise InvalidMedia("video has no audio track, and use_audio_in_video asks for one")
         wanted = sample_indices(total, stream_fps, cfg, fps, min(max_frames, cfg.max_frames))
-        frames = _frames(data, wanted, cfg)
-        audio = _audio(data, limits.max_seconds) if with_audio else None
+        if not with_audio:
+            return DecodedVideo(_frames(data, wanted, cfg), fps, None)
+        with ThreadPoolExecutor(1, thread_name_prefix="video-sound") as pool:
+            sound = pool.submit(_audio, data, limits.max_seconds)
+            frames = _frames(data, wanted, cfg)
+            audio = sound.result()
     except (av.FFmpegError, ValueError, OverflowError) as exc:
         raise InvalidMedia(
             f"video could not be decoded (a corrupt or unsupported container): {exc}"
@@ -98,19 +105,27 @@ def _survey(data: bytes, limits: VideoLimits) -> tuple[int, float, bool]:
         return total, float(rate), bool(container.streams.audio)
 
 
+RESIZE_AHEAD = 4  # decoded full-size frames that may wait for their resize: the decoder's lead, bounded
+
+
 def _frames(data: bytes, wanted: list[int], cfg: VideoProcessorConfig) -> np.ndarray:
     """The frames at the indices `wanted` (ascending), RGB at the processor's size, decoding no further than
-    the last."""
+    the last. Each kept frame is resized on a thread of its own while the next ones decode, at most
+    `RESIZE_AHEAD` full-size frames waiting."""
     keep, last = set(wanted), wanted[-1]
-    frames: dict[int, np.ndarray] = {}
-    with av.open(io.BytesIO(data), mode="r") as container:
-        stream = container.streams.video[0]
-        stream.thread_type = "AUTO"
-        for i, frame in enumerate(container.decode(stream)):
-            if i in keep:
-                frames[i] = resized(frame.to_ndarray(format="rgb24")[None], cfg)[0]
-            if i >= last:
-                break
+    resizes: dict[int, Future[np.ndarray]] = {}  # in decoding order; one worker runs them in that order
+    with ThreadPoolExecutor(1, thread_name_prefix="video-resize") as pool:
+        with av.open(io.BytesIO(data), mode="r") as container:
+            stream = container.streams.video[0]
+            stream.thread_type = "AUTO"
+            for i, frame in enumerate(container.decode(stream)):
+                if i in keep:
+                    if len(resizes) >= RESIZE_AHEAD:  # those before it are done too
+                        list(resizes.values())[-RESIZE_AHEAD].result()
+                    resizes[i] = pool.submit(resized, frame.to_ndarray(format="rgb24")[None], cfg)
+                if i >= last:
+                    break
+        frames = {i: future.result()[0] for i, future in resizes.items()}
     if len(frames) < len(keep):  # the stream held fewer decodable frames than its packets promised
         raise InvalidMedia(f"video decoded to {len(frames)} of the {len(keep)} frames sampled from it")
     sizes = {f.shape for f in frames.values()}

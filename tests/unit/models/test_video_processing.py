@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import io
 
+import av
 import numpy as np
 import pytest
 import soundfile as sf
@@ -14,7 +15,7 @@ from omnistage.bench.videos import CONTAINERS, encode, frames
 from omnistage.errors import InvalidMedia
 from omnistage.models.multimodal import PixelNorm
 from omnistage.models.qwen3_omni.image_processing import ImageProcessorConfig, preprocess_image
-from omnistage.models.qwen3_omni.video_decoding import VideoLimits, decode_video
+from omnistage.models.qwen3_omni.video_decoding import RESIZE_AHEAD, VideoLimits, decode_video
 from omnistage.models.qwen3_omni.video_processing import (
     VideoProcessorConfig,
     preprocess_video,
@@ -120,6 +121,17 @@ def test_every_container_decodes_with_its_sound(kind):
     assert error < 12
     assert video.audio is not None and abs(len(video.audio) / 16000 - 2.0) < 0.1
     assert decode_video(encode(pictures, fps=10, kind=kind), CFG).audio is None
+
+
+def test_frames_resized_beside_the_decoder_are_those_decoded_one_by_one():
+    # 12 s at 2 fps, every frame kept: three times the frames that may wait for their resize; each equal to
+    # the same decoder's frame resized on its own, in order
+    data = encode(frames(24, 320, 240), fps=2, tone_hz=None)
+    with av.open(io.BytesIO(data)) as container:
+        decoded = [f.to_ndarray(format="rgb24") for f in container.decode(container.streams.video[0])]
+    video = decode_video(data, CFG)
+    expected = np.stack([resized(frame[None], CFG)[0] for frame in decoded])
+    assert len(video.frames) > 2 * RESIZE_AHEAD and np.array_equal(video.frames, expected)
 
 
 def test_rate_and_frame_overrides():
