@@ -39,3 +39,8 @@ def shared_threads() -> Iterator[int]:
         torch.set_num_threads(before)
         with _lock:
             _active -= 1
+
+
+def cores() -> int:
+    """The threads torch's team had when this module was first imported: the cores the shares divide."""
+    return _cores

@@ -12,14 +12,17 @@ server runs it in a worker thread. Every defect or bound is an InvalidMedia sayi
 from __future__ import annotations
 
 import io
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from itertools import groupby
+from typing import Any
 
 import av
 import numpy as np
 
 from omnistage.errors import InvalidMedia
+from omnistage.models.cpu_threads import cores
 from omnistage.models.qwen3_omni.audio_features import SAMPLE_RATE, resample
 from omnistage.models.qwen3_omni.video_processing import (
     DecodedVideo,
@@ -110,11 +113,13 @@ RESIZE_AHEAD = 4  # decoded full-size frames that may wait for their resize: the
 
 def _frames(data: bytes, wanted: list[int], cfg: VideoProcessorConfig) -> np.ndarray:
     """The frames at the indices `wanted` (ascending), RGB at the processor's size, decoding no further than
-    the last. Each kept frame is resized on a thread of its own while the next ones decode, at most
-    `RESIZE_AHEAD` full-size frames waiting."""
+    the last. Where torch has more than one core, each kept frame is resized on a thread of its own while the
+    next ones decode, at most `RESIZE_AHEAD` full-size frames waiting (on one core the hand-offs cost more
+    than they overlap: RESULTS.md, "Video decoding beside its resizes")."""
     keep, last = set(wanted), wanted[-1]
     resizes: dict[int, Future[np.ndarray]] = {}  # in decoding order; one worker runs them in that order
     with ThreadPoolExecutor(1, thread_name_prefix="video-resize") as pool:
+        resize = pool.submit if cores() > 1 else _resized_now
         with av.open(io.BytesIO(data), mode="r") as container:
             stream = container.streams.video[0]
             stream.thread_type = "AUTO"
@@ -122,7 +127,7 @@ def _frames(data: bytes, wanted: list[int], cfg: VideoProcessorConfig) -> np.nda
                 if i in keep:
                     if len(resizes) >= RESIZE_AHEAD:  # those before it are done too
                         list(resizes.values())[-RESIZE_AHEAD].result()
-                    resizes[i] = pool.submit(resized, frame.to_ndarray(format="rgb24")[None], cfg)
+                    resizes[i] = resize(resized, frame.to_ndarray(format="rgb24")[None], cfg)
                 if i >= last:
                     break
         frames = {i: future.result()[0] for i, future in resizes.items()}
@@ -132,6 +137,13 @@ def _frames(data: bytes, wanted: list[int], cfg: VideoProcessorConfig) -> np.nda
     if len(sizes) > 1:
         raise InvalidMedia(f"video frames change size mid-stream ({sorted(sizes)})")
     return np.stack([frames[i] for i in wanted])
+
+
+def _resized_now(function: Callable[..., np.ndarray], *args: Any) -> Future[np.ndarray]:
+    """`function(*args)` run here, as a done Future: the resize where no other core would take it."""
+    done: Future[np.ndarray] = Future()
+    done.set_result(function(*args))
+    return done
 
 
 # Codecs decode a track a little longer than it was written (AAC's priming and its last frame's padding: a few

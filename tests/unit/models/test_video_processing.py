@@ -14,6 +14,7 @@ from PIL import Image
 from omnistage.bench.videos import CONTAINERS, encode, frames
 from omnistage.errors import InvalidMedia
 from omnistage.models.multimodal import PixelNorm
+from omnistage.models.qwen3_omni import video_decoding
 from omnistage.models.qwen3_omni.image_processing import ImageProcessorConfig, preprocess_image
 from omnistage.models.qwen3_omni.video_decoding import RESIZE_AHEAD, VideoLimits, decode_video
 from omnistage.models.qwen3_omni.video_processing import (
@@ -123,9 +124,11 @@ def test_every_container_decodes_with_its_sound(kind):
     assert decode_video(encode(pictures, fps=10, kind=kind), CFG).audio is None
 
 
-def test_frames_resized_beside_the_decoder_are_those_decoded_one_by_one():
+@pytest.mark.parametrize("cores", [1, 2])
+def test_frames_resized_beside_the_decoder_are_those_decoded_one_by_one(cores, monkeypatch):
     # 12 s at 2 fps, every frame kept: three times the frames that may wait for their resize; each equal to
-    # the same decoder's frame resized on its own, in order
+    # the same decoder's frame resized on its own, in order (on one core: resized as decoded)
+    monkeypatch.setattr(video_decoding, "cores", lambda: cores)
     data = encode(frames(24, 320, 240), fps=2, tone_hz=None)
     with av.open(io.BytesIO(data)) as container:
         decoded = [f.to_ndarray(format="rgb24") for f in container.decode(container.streams.video[0])]
