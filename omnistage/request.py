@@ -177,6 +177,9 @@ class GenerationRequest:
     # How many samples of this prompt run at once, this one among them (a request's `n` or `best_of`, fanned
     # out by the server): admission makes sure that all of them fit the page pool together.
     samples: int = 1
+    # Deliver only the finished output (and what keeps the request out): a caller that answers once, at the
+    # end (a response not streamed), is not handed an output per step that it would drop.
+    final_only: bool = False
 
 
 @dataclass(frozen=True)

@@ -106,8 +106,9 @@ class AsyncPipeline:
     async def generate(
         self, request: GenerationRequest, preparing: Preparing | None = None
     ) -> AsyncGenerator[RequestOutput, None]:
-        """Outputs of one request, one per engine step that touched it; the last has finished=True. What keeps
-        the request out (the pipeline's checks at admission, a full queue) is raised by the first.
+        """Outputs of one request, one per engine step that touched it (a `final_only` request's last alone); the
+        last has finished=True. What keeps the request out (the pipeline's checks at admission, a full queue) is
+        raised by the first.
 
         With `speech`, the reply is also spoken: outputs carry `audio_delta` chunks as they are decoded.
         `preparing`: the request's count among those being prepared (`preparing()`), done as it is sent."""
@@ -134,9 +135,12 @@ class AsyncPipeline:
                 item = await out_queue.get()
                 if isinstance(item, Exception):
                     raise item
-                # this side's times beside the engine's (one monotonic clock for every process of the host)
-                delivered = delivered or time.monotonic()
-                item.metrics.update(submitted=submitted, delivered=delivered)
+                # this side's times beside the engine's (one monotonic clock for every process of the host); a
+                # final-only request's first output is its last: no token of it was delivered before the end
+                item.metrics["submitted"] = submitted
+                if not request.final_only:
+                    delivered = delivered or time.monotonic()
+                    item.metrics["delivered"] = delivered
                 yield item
                 if item.finished:
                     finished = True

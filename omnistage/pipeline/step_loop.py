@@ -61,6 +61,9 @@ class StepLoop:
         self.wanted = wanted
         self.admission_window_s = admission_window_s
         self._live: set[str] = set()
+        self._final_only: set[str] = (
+            set()
+        )  # of those, the ones whose outputs before the last are not delivered
         self._held: list[GenerationRequest] = []
         self._held_until = 0.0
 
@@ -83,6 +86,7 @@ class StepLoop:
                 for request_id, _ in failed:
                     self.pipeline.abort(request_id)
                 self._live.clear()
+                self._final_only.clear()
                 self._held.clear()
                 self.deliver(failed)
 
@@ -94,11 +98,16 @@ class StepLoop:
         return IDLE_POLL_S
 
     def step(self) -> None:
-        outputs = self.pipeline.step()
-        for output in outputs:
+        """One step of the pipeline; its outputs delivered, but a final-only request's until its last."""
+        delivery: Delivery = []
+        for output in self.pipeline.step():
             if output.finished:
                 self._live.discard(output.request_id)
-        self.deliver([(output.request_id, output) for output in outputs])
+                self._final_only.discard(output.request_id)
+            elif output.request_id in self._final_only:
+                continue
+            delivery.append((output.request_id, output))
+        self.deliver(delivery)
 
     def handle(self, commands: list[Add | Abort]) -> None:
         """Commands in arrival order; the adds are admitted as one batch (media encoded together), or held for
@@ -119,6 +128,7 @@ class StepLoop:
             if out is not None:
                 aborted.append((command.request_id, out))
             self._live.discard(command.request_id)
+            self._final_only.discard(command.request_id)
         if aborted:
             self.deliver(aborted)
         if self._held and (burst_complete or not self._may_hold() or time.monotonic() >= self._held_until):
@@ -134,4 +144,5 @@ class StepLoop:
             return
         errors = self.pipeline.add_requests(requests)
         self._live.update(r.request_id for r, e in zip(requests, errors) if e is None)
+        self._final_only.update(r.request_id for r, e in zip(requests, errors) if e is None and r.final_only)
         self.deliver([(r.request_id, e) for r, e in zip(requests, errors) if e is not None])

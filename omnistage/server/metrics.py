@@ -27,7 +27,7 @@ _PHASES_HELP = (
     "(body received to handed over: parsing, media decoding, the prompt's layout), parse (prepare's "
     "first part: the body's JSON or form parsed and validated), to_engine (handed over to admitted), "
     "first_token (admitted to first token: encoders, queue, prefill), delivery (first token to the "
-    "request's handler), respond (a stream's first output in its handler to its first chunk written)"
+    "request's handler; streamed responses only), respond (a stream's first output in its handler to its first chunk written)"
 )
 _REALTIME_PHASES_HELP = (
     "Where a spoken realtime turn's time from the end of the user's speech to its first audio delta goes: "
@@ -236,10 +236,11 @@ class ServerMetrics:
         if arrival is not None and first is not None:
             self.ttft.observe(first - arrival)
         submitted, delivered = times.get("submitted"), times.get("delivered")
-        if submitted is not None and arrival is not None and first is not None and delivered is not None:
+        if submitted is not None and arrival is not None and first is not None:
             self.phases.labels("to_engine").observe(arrival - submitted)
             self.phases.labels("first_token").observe(first - arrival)
-            self.phases.labels("delivery").observe(delivered - first)
+            if delivered is not None:  # a response not streamed delivers no first token on its own
+                self.phases.labels("delivery").observe(delivered - first)
         if arrival is not None and "first_audio" in times:
             self.first_audio.observe(times["first_audio"] - arrival)
         if first is not None and finished is not None and generated > 1:

@@ -116,18 +116,19 @@ class SampledAnswer:
         """Each prompt once, and every sample's tokens so far."""
         return Usage.of(self._prompt_tokens, sum(self._generated))
 
-    def _start(self, request: Request) -> AsyncGenerator[tuple[int, RequestOutput], None]:
+    def _start(self, request: Request, stream: bool) -> AsyncGenerator[tuple[int, RequestOutput], None]:
         """Hand every sample over, as Responder.start hands one."""
         responder = self.responder
         responder.metrics.prepared(getattr(request.state, "received", None))
         request.state.response_id = self.id
         preparing = getattr(request.state, "preparing", None)
-        return merged([responder.pipeline.generate(s.request, preparing) for s in self.samples])
+        requests = [s.request if stream else replace(s.request, final_only=True) for s in self.samples]
+        return merged([responder.pipeline.generate(r, preparing) for r in requests])
 
     async def respond(self, request: Request, stream: bool, keep: int | None = None) -> Response:
         """Run every sample and answer them. `keep`: of each prompt's samples, return only the `keep` most likely
         (best_of), most likely first; the usage counts them all."""
-        outputs = self._start(request)
+        outputs = self._start(request, stream)
         if stream:
             buffered = await pipeline_call(
                 unless_disconnected(request, self._until_each_started(outputs)), outputs, self.id

@@ -215,9 +215,10 @@ class SpeechEndpoint:
         params = SamplingParams(max_tokens=max(1, len(tts.reply_token_ids)))
         request_id = f"speech-{uuid.uuid4().hex}"
         new = GenerationRequest(request_id, tts.token_ids, params, tts.prompt, speech=speech)
-        outputs = self.responder.start(request, new)
         name, speed = body.response_format, body.speed or 1.0
-        if body.stream_format == "sse" or progressive(name):
+        streamed = body.stream_format == "sse" or progressive(name)
+        outputs = self.responder.start(request, new, streamed)
+        if streamed:
             stream = SpeechStream(request_id, name, body.stream_format == "sse", speed)
             first = await self.responder.first(request, outputs, request_id)
             return EventStream(self._events(stream, outputs, first), media_type=stream.media_type)

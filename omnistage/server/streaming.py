@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import AsyncGenerator, Awaitable, Callable
+from dataclasses import replace
 from typing import Any, TypeVar, cast
 
 from fastapi import Request
@@ -62,20 +63,22 @@ class Responder:
                 f"the model '{name}' does not exist; this server serves '{self.served_model_name}'"
             )
 
-    def start(self, request: Request, new: GenerationRequest) -> AsyncGenerator[RequestOutput, None]:
+    def start(
+        self, request: Request, new: GenerationRequest, stream: bool
+    ) -> AsyncGenerator[RequestOutput, None]:
         """Hand the request over: its prepare phase ends, and so does its count among the requests being
-        prepared (gate.py), as the pipeline takes it."""
+        prepared (gate.py), as the pipeline takes it. Not `stream`ed, only its finished output comes back."""
         self.metrics.prepared(getattr(request.state, "received", None))
         request.state.response_id = new.request_id  # the response's x-request-id (gate.RequestIds)
         preparing: Preparing | None = getattr(request.state, "preparing", None)
-        return self.pipeline.generate(new, preparing)
+        return self.pipeline.generate(new if stream else replace(new, final_only=True), preparing)
 
     async def respond(
         self, request: Request, endpoint: str, fmt: Format, new: GenerationRequest, stream: bool
     ) -> Response:
         """Run one request and answer it in `fmt`; with `new.speech` the reply is spoken too, and `fmt` is a
         SpeakingFormat."""
-        outputs = self.start(request, new)
+        outputs = self.start(request, new, stream)
         if stream:
             first = await self.first(request, outputs, fmt.id)
             delivered = first.metrics.get("delivered")

@@ -1,6 +1,7 @@
 """The StepLoop's admission (pipeline/step_loop.py) over a fake pipeline: a burst's requests, told as still being
 prepared by their caller, are held while the pipeline is idle and admitted in one batch; the admission window
-bounds the hold; a busy pipeline or a zero window admits at once; an abort drops a held request."""
+bounds the hold; a busy pipeline or a zero window admits at once; an abort drops a held request. A final-only
+request is delivered its finished output alone."""
 
 from __future__ import annotations
 
@@ -41,13 +42,17 @@ class FakePipeline:
             )
         return outputs
 
-    def abort(self, request_id: str) -> None:
+    def abort(self, request_id: str) -> RequestOutput | None:
         self.aborted.append(request_id)
-        self.running.pop(request_id, None)
+        if self.running.pop(request_id, None) is None:
+            return None
+        return RequestOutput(request_id, None, [], [CompletionOutput(0, "", [], "abort")], finished=True)
 
 
-def add(request_id: str, more_coming: int) -> Add:
-    return Add(NewRequest(request_id, [1, 2, 3], SamplingParams(max_tokens=2)), more_coming)
+def add(request_id: str, more_coming: int, final_only: bool = False) -> Add:
+    return Add(
+        NewRequest(request_id, [1, 2, 3], SamplingParams(max_tokens=2), final_only=final_only), more_coming
+    )
 
 
 def run(loop: StepLoop, script: list[list[Add | Abort]], pause_s: float = 0.0) -> list[float | None]:
@@ -109,3 +114,25 @@ def test_an_abort_drops_a_held_request():
     run(loop, [[add("a", 1)], [Abort("a")], [add("b", 0)]])
     assert pipeline.batches == [["b"]]
     assert {request_id for request_id, _ in delivered} == {"b"}
+
+
+def test_a_final_only_request_is_delivered_its_last_output_alone():
+    """Beside a streamed request of the same steps, and when aborted mid-way (its abort output is its last)."""
+    pipeline = FakePipeline(steps=3)
+    delivered: list[tuple[str, RequestOutput | Exception]] = []
+    loop = StepLoop(pipeline, delivered.extend)
+    run(
+        loop,
+        [
+            [add("streamed", 0), add("final", 0, final_only=True), add("cut", 0, final_only=True)],
+            [Abort("cut")],
+        ],
+    )
+    by_request: dict[str, list] = {}
+    for request_id, item in delivered:
+        by_request.setdefault(request_id, []).append(item)
+    assert [o.finished for o in by_request["streamed"]] == [False, False, True]
+    assert [o.finished for o in by_request["final"]] == [True]
+    (cut,) = by_request["cut"]
+    assert cut.finished and cut.outputs[0].finish_reason == "abort"
+    assert not loop._final_only and not loop._live
