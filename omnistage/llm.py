@@ -59,7 +59,9 @@ class LLM:
         requests = []
         for prompt, p in zip(prompts, params_list):
             text, token_ids = self._tokens(prompt)
-            requests.append(GenerationRequest(str(next(self._ids)), token_ids, p, prompt=text))
+            requests.append(
+                GenerationRequest(str(next(self._ids)), token_ids, p, prompt=text, final_only=True)
+            )
         return self._run(self._admit(requests))
 
     def chat(
@@ -107,6 +109,7 @@ class LLM:
                     processed.mrope,
                     processed.mm,
                     speech,
+                    final_only=True,
                 )
             )
         return self._run(self._admit(requests))

@@ -41,6 +41,9 @@ class RequestState(PromptInputs, SamplingState):
     prompt: str | None
     detokenizer: IncrementalDetokenizer
     decodes_ahead: bool = False  # decode_ahead.decodes_ahead
+    # only its finished output is wanted: its caller asked for that alone (final_only) and no later stage reads
+    # its text as it comes (a spoken reply's feeds the Talker)
+    final_only: bool = False
     stop_reason: int | str | None = None
     metrics: dict[str, float] = field(default_factory=dict)
     logprobs: list[TokenLogprobs] | None = None  # each output token's, where the request asked; else None
@@ -75,6 +78,7 @@ def request_state(
         mm=mm,
         tap=tap,
         decodes_ahead=decodes_ahead(params, feeds_a_stage=request.speech is not None),
+        final_only=request.final_only and request.speech is None,
         logprobs=[] if params.logprobs is not None else None,
     )
 

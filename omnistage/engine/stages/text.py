@@ -356,16 +356,17 @@ class TextStage(AutoregressiveStage[RequestState]):
     def _apply_token(
         self, seq: Sequence[RequestState], token: int, logprobs: TokenLogprobs | None
     ) -> list[RequestOutput]:
-        """What `seq` gained by its sampled `token` (and its `logprobs`, where it asked); a failure (of its stop
-        strings, its detokenizing) is its own."""
+        """What `seq` gained by its sampled `token` (and its `logprobs`, where it asked), if its output is wanted
+        now; a failure (of its stop strings, its detokenizing) is its own."""
         try:
-            return [self._after_sample(seq, token, logprobs)]
+            out = self._after_sample(seq, token, logprobs)
         except Exception as exc:
             return self._fail(seq, exc)
+        return [] if out is None else [out]
 
     def _after_sample(
         self, seq: Sequence[RequestState], token: int, logprobs: TokenLogprobs | None
-    ) -> RequestOutput:
+    ) -> RequestOutput | None:
         state = seq.data
         if "first_token" not in state.metrics:
             state.metrics["first_token"] = time.monotonic()
@@ -376,6 +377,8 @@ class TextStage(AutoregressiveStage[RequestState]):
             self.scheduler.finish(seq, status)
         if seq.is_finished and not state.detokenizer.stopped:
             delta += state.detokenizer.flush()
+        if state.final_only and not seq.is_finished:
+            return None  # its deltas are in its detokenizer's text and its ids, which the last output carries
         return request_output(seq, delta, [token], [logprobs] if logprobs is not None else [])
 
     def _fail(self, seq: Sequence[RequestState], exc: Exception) -> list[RequestOutput]:
