@@ -61,9 +61,8 @@ class StepLoop:
         self.wanted = wanted
         self.admission_window_s = admission_window_s
         self._live: set[str] = set()
-        self._final_only: set[str] = (
-            set()
-        )  # of those, the ones whose outputs before the last are not delivered
+        # of those, the ones whose outputs before the last are not delivered
+        self._final_only: set[str] = set()
         self._held: list[GenerationRequest] = []
         self._held_until = 0.0
 

@@ -27,7 +27,8 @@ _PHASES_HELP = (
     "(body received to handed over: parsing, media decoding, the prompt's layout), parse (prepare's "
     "first part: the body's JSON or form parsed and validated), to_engine (handed over to admitted), "
     "first_token (admitted to first token: encoders, queue, prefill), delivery (first token to the "
-    "request's handler; streamed responses only), respond (a stream's first output in its handler to its first chunk written)"
+    "request's handler; streamed responses only), respond (a stream's first output in its handler to its "
+    "first chunk written)"
 )
 _REALTIME_PHASES_HELP = (
     "Where a spoken realtime turn's time from the end of the user's speech to its first audio delta goes: "
