@@ -28,15 +28,19 @@ def config(checkpoint):
     return engine_config(model=str(checkpoint), device="cpu", dtype="float32", num_kv_pages=256)
 
 
-async def collect(engine: AsyncPipeline, request_id: str, messages: list[dict], speech: SpeechParams | None):
+async def collect(
+    engine: AsyncPipeline,
+    request_id: str,
+    messages: list[dict],
+    speech: SpeechParams | None,
+    final_only: bool = False,
+):
     processor = engine.frontend.processor
     prompt = processor.process_chat(messages)
-    return [
-        o
-        async for o in engine.generate(
-            GenerationRequest(request_id, prompt.token_ids, TEXT, prompt.prompt, speech=speech)
-        )
-    ]
+    request = GenerationRequest(
+        request_id, prompt.token_ids, TEXT, prompt.prompt, speech=speech, final_only=final_only
+    )
+    return [o async for o in engine.generate(request)]
 
 
 @pytest.fixture(scope="module")
@@ -74,6 +78,33 @@ def test_outputs_equal_the_thread_engine_and_the_pools_are_full_after(engines):
         and stats["num_waiting"] == stats["num_running"] == 0
     )
     assert stats["talker_kv_pages_free"] == stats["talker_kv_pages_total"]
+
+
+def test_a_final_only_request_gets_the_streamed_ones_last_output_alone(engines):
+    """In the engine process as on the thread, spoken and not: one output, the streamed twin's last."""
+    here, there = engines
+    messages = [{"role": "user", "content": "Say something."}]
+    speech = SpeechParams("aiden", TALKER)
+
+    async def run(engine, speaks):
+        streamed = await collect(engine, "s", messages, speaks)
+        return streamed[-1], await collect(engine, "f", messages, speaks, final_only=True)
+
+    for engine in (here, there):
+        for speaks in (None, speech):
+            last, final = asyncio.run(run(engine, speaks))
+            assert len(final) == 1 and final[0].finished
+            (whole,) = final
+            assert (
+                whole.outputs[0].text == last.outputs[0].text
+                and whole.prompt_token_ids == last.prompt_token_ids
+            )
+            assert whole.outputs[0].token_ids == last.outputs[0].token_ids
+            if speaks is not None:
+                assert whole.audio_codes == last.audio_codes and len(whole.audio_codes) == 9
+                assert (
+                    whole.audio is not None and last.audio is not None and len(whole.audio) == len(last.audio)
+                )
 
 
 def test_admission_errors_and_a_client_leaving(engines):
