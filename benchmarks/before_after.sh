@@ -5,6 +5,7 @@
 #   bash benchmarks/before_after.sh export REV            # here: REV's omnistage/, benchmarks/, configs/ in .ab/
 #   OUT=/path bash benchmarks/before_after.sh run t2s a2t   # on the GPU machine, carrying .ab and .whl
 #   OUT=/path bash benchmarks/before_after.sh run fit80
+#   AB=.ab2 bash benchmarks/before_after.sh export REV2   # a second earlier tree beside the first (AB: its folder)
 #
 # Parts, each run on the earlier tree (.ab/, "before") then on this one ("after"):
 # - a2t: `omnistage bench a2t`, Qwen3-Omni released sizes (random bf16), the LibriSpeech-like set, 33 tokens
@@ -24,28 +25,29 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 here=$PWD
+ab=${AB:-.ab}
 
 if [[ ${1:-} == export ]]; then
   rev=$(git rev-parse --short "${2:?usage: before_after.sh export REV}")
-  rm -rf .ab && mkdir -p .ab
-  git archive "$rev" omnistage benchmarks configs | tar -x -C .ab
-  echo "$rev" >.ab/REV
-  echo ".ab: $rev"
+  rm -rf "$ab" && mkdir -p "$ab"
+  git archive "$rev" omnistage benchmarks configs | tar -x -C "$ab"
+  echo "$rev" >"$ab/REV"
+  echo "$ab: $rev"
   exit 0
 fi
-[[ ${1:-} == run && -f .ab/REV ]] || { echo "usage: before_after.sh export REV, then run PART..." >&2; exit 2; }
+[[ ${1:-} == run && -f $ab/REV ]] || { echo "usage: before_after.sh export REV, then run PART..." >&2; exit 2; }
 shift
 OUT=${OUT:-ab-out}
 mkdir -p "$OUT"
 source benchmarks/gpu_env.sh  # the wheels into /tmp/site
-{ gpu_env_txt; echo "before: $(cat .ab/REV)"; } >"$OUT/env.txt"
+{ gpu_env_txt; echo "before: $(cat "$ab/REV")"; } >"$OUT/env.txt"
 bench=(--load-format dummy --device cuda --dtype bfloat16)
 failed=0
 
 one() {  # part tree seconds command...: the command in the tree's folder, with only its own omnistage
   local part=$1 tree=$2 limit=$3 dir=$here
   shift 3
-  [[ $tree == before ]] && dir=$here/.ab
+  [[ $tree == before ]] && dir=$here/$ab
   (cd "$dir" && PYTHONPATH="$dir:/tmp/site" timeout "$limit" "$@") >"$OUT/${part}_$tree.log" 2>&1 || failed=1
   grep -E "^\| |started in|Error" "$OUT/${part}_$tree.log" | head -20 | tee -a "$OUT/summary.txt"
 }
