@@ -120,13 +120,14 @@ def load_weights(
     `dtype` converts parameters only: derived buffers such as rotary frequencies keep their precision.
     """
     if any(p.is_meta for p in module.parameters()):
-        module.to_empty(device=device or "cpu")
+        _empty_on(module, device or "cpu", dtype)
         _init_buffers(module)
-    elif device is not None:
-        module.to(device)
-    if dtype is not None:
-        for param in module.parameters():
-            param.data = param.data.to(dtype)
+    else:
+        if device is not None:
+            module.to(device)
+        if dtype is not None:
+            for param in module.parameters():
+                param.data = param.data.to(dtype)
     files = checkpoint_files(directory)
     names = sorted(n for n in files if n.startswith(prefix) and not n.startswith(exclude))
     targets = _targets(module, prefix, names)
@@ -199,6 +200,22 @@ def _init_buffers(module: torch.nn.Module) -> None:
             init_buffers()
 
 
+def _empty_on(module: torch.nn.Module, device: torch.device | str, dtype: torch.dtype | None) -> None:
+    """`module.to_empty(device=device)` with its floating parameters made in `dtype` (if given) at once: a
+    float32 copy first needs twice the memory (the released Thinker's, ~127 GB, fits no 80 GB card). A
+    parameter that two modules share stays shared."""
+    made: dict[int, torch.nn.Parameter] = {}
+    for sub in module.modules():
+        for name, param in list(sub.named_parameters(recurse=False)):
+            if id(param) not in made:
+                kind = dtype if dtype is not None and param.is_floating_point() else param.dtype
+                empty = torch.empty_like(param, device=device, dtype=kind)
+                made[id(param)] = torch.nn.Parameter(empty, requires_grad=param.requires_grad)
+            setattr(sub, name, made[id(param)])
+        for name, buffer in list(sub.named_buffers(recurse=False)):
+            setattr(sub, name, torch.empty_like(buffer, device=device))
+
+
 @dataclass(frozen=True)
 class LoadOptions:
     """How every component is loaded: its `dtype` and `device`, and the checkpoint's weights
@@ -231,10 +248,8 @@ def load_model(
     dtype, device = options.dtype, options.device
     for module, prefix in [(model, parts)] if isinstance(parts, str) else parts(model):
         if options.load_format == "dummy":
-            module.to_empty(device=device)
+            _empty_on(module, device, dtype)
             _init_buffers(module)
-            for param in module.parameters():
-                param.data = param.data.to(dtype)
             fill_random_(module, options.seed)
         else:
             load_weights(module, directory, prefix, dtype=dtype, device=device, exclude=exclude)

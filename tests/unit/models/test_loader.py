@@ -4,9 +4,10 @@ import pytest
 import torch
 from safetensors.torch import save_file
 from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from omnistage.errors import CheckpointError
-from omnistage.models.loader import checkpoint_files, load_weights
+from omnistage.models.loader import LoadOptions, checkpoint_files, load_model, load_weights
 
 EXPERTS, HIDDEN, WIDTH = 3, 4, 2
 
@@ -167,3 +168,53 @@ def test_corrupt_file_names_the_path(tmp_path):
 def test_no_weights_at_all(tmp_path):
     with pytest.raises(CheckpointError, match=r"no model.safetensors or model.safetensors.index.json"):
         load_weights(Toy(), tmp_path, "thinker.")
+
+
+class _Made(TorchDispatchMode):
+    """Records the dtype and size of every tensor an op makes."""
+
+    def __init__(self):
+        super().__init__()
+        self.made: list[tuple[torch.dtype, int]] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for tensor in out if isinstance(out, (tuple, list)) else (out,):
+            if isinstance(tensor, torch.Tensor) and tensor.device.type != "meta":
+                self.made.append((tensor.dtype, tensor.numel()))
+        return out
+
+
+def test_random_weights_are_made_in_the_load_dtype_not_in_float32_first():
+    # the released Thinker in float32 (~127 GB) fits no 80 GB card, even for a moment
+    options = LoadOptions(dtype=torch.bfloat16, device="cpu", load_format="dummy")
+    with _Made() as mode:
+        model = load_model(Toy, "unused", "", options)
+    assert all(p.dtype == torch.bfloat16 and p.device.type == "cpu" for p in model.parameters())
+    assert model.layers[0].freqs.dtype == torch.float32
+    assert not [numel for dtype, numel in mode.made if dtype == torch.float32 and numel >= HIDDEN * HIDDEN]
+
+
+def test_a_meta_module_loads_without_a_float32_copy_of_its_weights(tmp_path):
+    released = {name: tensor.to(torch.bfloat16) for name, tensor in file_tensors().items()}  # as released
+    save_file(released, str(tmp_path / "model.safetensors"))
+    with torch.device("meta"):
+        model = Toy()
+    with _Made() as mode:
+        load_weights(model, tmp_path, "thinker.", dtype=torch.bfloat16, device="cpu")
+    assert model.layers[1].experts.w13.dtype == torch.bfloat16
+    assert not [numel for dtype, numel in mode.made if dtype == torch.float32 and numel >= HIDDEN * HIDDEN]
+
+
+def test_random_weights_keep_a_parameter_shared_by_two_modules_shared():
+    class Tied(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.embed = nn.Embedding(8, HIDDEN)
+            self.head = nn.Linear(HIDDEN, 8, bias=False)
+            self.head.weight = self.embed.weight
+
+    options = LoadOptions(dtype=torch.bfloat16, device="cpu", load_format="dummy")
+    model = load_model(Tied, "unused", "", options)
+    assert model.head.weight is model.embed.weight
+    assert model.head.weight.dtype == torch.bfloat16
