@@ -15,12 +15,14 @@ requests on most steps (Qwen3-ASR at c=128 admits ~4 a step), and a step that wa
 whenever a prompt arrived would leave the GPU idle while the host prepares it. Its input ids are the host's
 where the host knows them (prompts, tokens read back) and the step in flight's sampled ids, on the device,
 where it does not (`Launched.input_ids`). Only a step that reads no token's value on the host before its
-sampling may run ahead (`may_run_ahead` over the running sequences, then `samples_ahead` over those the
-step admits): none of its sequences can end by length in it (its length check would end the sequence before
-the token before it is known), each of them decodes ahead (`decodes_ahead`: its sampling reads no token
-values but through its grammar's mask, filled once its forward pass is queued, and no later stage waits for
-its tokens), and it preempts nothing (a preemption would recompute a placeholder). Anything else waits until
-the step in flight has been applied. A sequence that stops on a token (its own stops, its grammar's end) is past its end in the step
+sampling may run ahead (`may_run_ahead` over the running sequences, then `decodes_ahead` over those the step
+admits): each of its sequences decodes ahead (its sampling reads no token values but through its grammar's
+mask, filled once its forward pass is queued, and no later stage waits for its tokens), and it preempts
+nothing (a preemption would recompute a placeholder). Anything else waits until the step in flight has been
+applied. A sequence may end by length in a step launched ahead (a server of short replies ends one on most
+steps): the scheduler ends it on its placeholder and frees its pages (the step's KV writes are queued before
+any later step's), and reading the step back puts its last token in place and delivers its final output
+(`awaits_token`). A sequence that stops on a token (its own stops, its grammar's end) is past its end in the step
 launched after it: that step's token for it is sampled without its grammar and dropped. The log-probabilities
 rows ask for travel with their ids: computed on the device in the same step, copied to the host beside them,
 read with them.
@@ -38,7 +40,7 @@ import torch
 from omnistage.engine.kv_cache import PagePool
 from omnistage.engine.logprobs import StepLogprobs
 from omnistage.engine.scheduler import ScheduledChunk, Scheduler
-from omnistage.engine.sequence import Sequence
+from omnistage.engine.sequence import Sequence, SequenceStatus
 from omnistage.models.layers.attention_metadata import to_device
 from omnistage.outputs import TokenLogprobs
 from omnistage.request import SamplingParams
@@ -126,16 +128,16 @@ def settle(
 ) -> list[Out]:
     """Read back a launched step's ids (and logprobs) and `apply` each in place of its placeholder, or `fail`
     each sequence when the read fails. A sequence finished since (stopped on an earlier token, aborted) drops
-    its token."""
+    its token; one that ended by length on it takes it (`awaits_token`)."""
     try:
         tokens = launched.tokens()
         logprobs = launched.token_logprobs(tokens)
     except Exception as exc:
-        return [out for c in launched.chunks if not c.seq.is_finished for out in fail(c.seq, exc)]
+        return [out for c in launched.chunks if awaits_token(c) for out in fail(c.seq, exc)]
     outputs = []
     for chunk, token, token_logprobs in zip(launched.chunks, tokens, logprobs):
         seq = chunk.seq
-        if seq.is_finished:
+        if not awaits_token(chunk):
             continue
         # its placeholder, the last of its outputs: a step launched after this one is sampled after `settle`
         seq.output_token_ids[chunk.start + chunk.num_tokens - seq.num_prompt_tokens] = token
@@ -181,15 +183,24 @@ def may_run_ahead(
     running = scheduler.running
     if not running:
         return False
-    if any(not samples_ahead(seq, eligible) for seq in running):
+    if not all(eligible(seq) for seq in running):
         return False
     return _new_pages(scheduler.pool, running) <= scheduler.pool.num_free
 
 
-def samples_ahead(seq: Sequence[S], eligible: Callable[[Sequence[S]], bool]) -> bool:
-    """Whether `seq` may be sampled in a step launched ahead: it decodes ahead, and its next token is not its
-    last by length."""
-    return seq.num_output_tokens + 1 < seq.max_tokens and eligible(seq)
+def awaits_token(chunk: ScheduledChunk[S]) -> bool:
+    """Whether the token a launched `chunk` sampled is still wanted: its sequence runs on, or ended by length
+    on that very token (its placeholder stands until the token is read back). One that stopped on an earlier
+    token or was aborted since has no use for it."""
+    seq = chunk.seq
+    if not seq.is_finished:
+        return True
+    at = chunk.start + chunk.num_tokens - seq.num_prompt_tokens
+    return (
+        seq.status is SequenceStatus.FINISHED_LENGTH
+        and at < len(seq.output_token_ids)
+        and seq.output_token_ids[at] == PLACEHOLDER
+    )
 
 
 def _new_pages(pool: PagePool, running: list[Sequence[S]]) -> int:

@@ -21,9 +21,9 @@ import torch
 from omnistage.engine.decode_ahead import (
     PLACEHOLDER,
     Launched,
+    awaits_token,
     launched_or_none,
     may_run_ahead,
-    samples_ahead,
     settle,
 )
 from omnistage.engine.graphs.base import int_buckets
@@ -214,7 +214,7 @@ class TextStage(AutoregressiveStage[RequestState]):
         seq = self.scheduler.abort(request_id)
         if seq is None:
             return None
-        if self._launched is not None and all(c.seq.is_finished for c in self._launched.chunks):
+        if self._launched is not None and not any(map(awaits_token, self._launched.chunks)):
             self._launched = None  # nothing in flight is wanted; its KV writes precede any later step's
         return request_output(seq, "", [])
 
@@ -274,11 +274,7 @@ class TextStage(AutoregressiveStage[RequestState]):
         sampling = [c for c in step.chunks if c.samples]
         # those running before passed `may_run_ahead`; those `schedule` admitted (appended) are judged here
         admitted = self.scheduler.running[running:]
-        launches = (
-            bool(sampling)
-            and not step.preempted
-            and all(samples_ahead(seq, _decodes_ahead) for seq in admitted)
-        )
+        launches = bool(sampling) and not step.preempted and all(_decodes_ahead(seq) for seq in admitted)
         if not launches:
             return (
                 self._run(step.chunks)

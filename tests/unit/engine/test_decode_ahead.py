@@ -14,12 +14,12 @@ from omnistage.engine.decode_ahead import (
     Launched,
     decodes_ahead,
     may_run_ahead,
-    samples_ahead,
     settle,
 )
 from omnistage.engine.kv_cache import PagePool
 from omnistage.engine.scheduler import ScheduledChunk, Scheduler
 from omnistage.engine.sequence import Sequence
+from omnistage.engine.stages.text_setup import NewRequest
 from omnistage.request import StructuredOutput, ToolSchema
 
 PROMPTS = [
@@ -325,15 +325,13 @@ def test_when_a_step_may_run_ahead():
     assert may_run_ahead(_scheduler([a, b]), _launched([b]), eligible)  # a's input is on the host
     assert not may_run_ahead(_scheduler([]), None, eligible)
     assert may_run_ahead(_scheduler([a, _seq("p", 0, 10, left=3)]), None, eligible)  # a prefill beside it
-    assert not may_run_ahead(_scheduler([a, _seq("last", 9, 10)]), None, eligible)  # its 10th token ends it
-    assert may_run_ahead(_scheduler([a, _seq("two-left", 8, 10)]), None, eligible)
+    assert may_run_ahead(_scheduler([a, _seq("last", 9, 10)]), None, eligible)  # its 10th token ends it
     assert not may_run_ahead(_scheduler([a, _seq("penalised", 2, 10, eligible=False)]), None, eligible)
     waiting = _scheduler([a])
     waiting.waiting.append(_seq("w", 0, 10, left=3))
-    assert may_run_ahead(waiting, None, eligible)  # its prompt is on the host; `samples_ahead` judges it
-    assert not samples_ahead(_seq("one-token", 0, 1, left=3), eligible)
-    assert not samples_ahead(_seq("penalised", 0, 10, left=3, eligible=False), eligible)
-    assert samples_ahead(_seq("w", 0, 10, left=3), eligible)
+    assert may_run_ahead(
+        waiting, None, eligible
+    )  # its prompt is on the host; the step judges it once admitted
     # 5 tokens each at 4 a page: the sixth needs a second page; two sequences, one page free
     crowded = _scheduler([_seq("c", 2, 10), _seq("d", 2, 10)], num_pages=3)
     assert not may_run_ahead(crowded, None, eligible)
@@ -413,6 +411,48 @@ def test_arrivals_each_step_launch_ahead_with_the_tokens_of_lockstep(lockstep, a
     assert sum(with_prompts) >= 5
     assert_idle(ahead)
     assert_idle(lockstep)
+
+
+def test_requests_ending_by_length_on_every_step_still_launch_ahead(lockstep, ahead, monkeypatch):
+    """Short replies arriving on every step (Qwen3-ASR under load): a request ends by length on nearly every
+    step, and its last token is sampled in a step launched ahead like any other, read back into its final
+    output (a final-only request's too); every request gets lockstep's tokens, texts and finish reasons."""
+    reference = lockstep.generate(PROMPTS[1], GREEDY)[0].outputs[0].token_ids
+    arrivals = [
+        (f"r{i}", PROMPTS[i % 4], SamplingParams(max_tokens=1 + i % 4, temperature=0.0)) for i in range(12)
+    ]
+    arrivals[3] = ("final", PROMPTS[0], SamplingParams(max_tokens=3, temperature=0.0))
+    # its last allowed token is a stop token: "stop", as lockstep says
+    arrivals[6] = (
+        "stopped",
+        PROMPTS[1],
+        SamplingParams(max_tokens=3, temperature=0.0, stop_token_ids=[reference[2]]),
+    )
+
+    def stream(llm):
+        engine, streams, pending = llm.engine, {}, list(arrivals)
+        while pending or engine.has_unfinished():
+            if pending:
+                rid, prompt, params = pending.pop(0)
+                ids = engine.processor.encode(prompt)
+                engine.add_requests([NewRequest(rid, ids, params, prompt, final_only=rid == "final")])
+            for out in engine.step():
+                streams.setdefault(out.request_id, []).append(out)
+        return {rid: summary(outs) for rid, outs in streams.items()}
+
+    expected = stream(lockstep)
+    assert expected["stopped"][4] == "stop" and expected["r1"][4] == "length" and len(expected["r7"][0]) == 4
+    assert len(expected["final"][0]) == 3
+    launched = []
+    launch = ahead.engine._launch
+    monkeypatch.setattr(
+        ahead.engine,
+        "_launch",
+        lambda chunks, prev: launched.append(prev is not None) or launch(chunks, prev),
+    )
+    assert stream(ahead) == expected
+    assert len(launched) >= 12 and sum(launched) >= len(launched) - 2  # all but the first and a gap at most
+    assert_idle(ahead)
 
 
 def test_the_next_inputs_are_the_ids_sampled_for_the_same_sequences():
