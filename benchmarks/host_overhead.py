@@ -82,7 +82,7 @@ def install_no_op(engine: TextStage, width: int) -> None:
     if runner.graphs is not None:
         buckets = runner.graphs.captured_buckets
         runner.graphs = None
-        runner.capture_graphs(buckets, engine.max_model_len, engine.config.enforce_eager)
+        runner.capture_graphs(buckets, engine.max_model_len, engine.settings.engine.enforce_eager)
 
 
 def build(args: argparse.Namespace, workdir: Path) -> LLM:
