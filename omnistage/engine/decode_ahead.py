@@ -178,8 +178,8 @@ def may_run_ahead(
     scheduler: Scheduler[S], launched: Launched[S] | None, eligible: Callable[[Sequence[S]], bool]
 ) -> bool:
     """Whether the next step may launch before `launched` (the step in flight, if any) is read back, each
-    sequence `eligible` as `decodes_ahead` says, judged before it is scheduled: see the module's docstring.
-    `samples_ahead` judges the sequences it then admits. Pure bookkeeping."""
+    running sequence `eligible` as `decodes_ahead` says, judged before it is scheduled: see the module's
+    docstring. The step judges the sequences it then admits the same way. Pure bookkeeping."""
     running = scheduler.running
     if not running:
         return False
