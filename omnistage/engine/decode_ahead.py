@@ -174,12 +174,10 @@ def decodes_ahead(params: SamplingParams, feeds_a_stage: bool) -> bool:
     return not penalised and not feeds_a_stage
 
 
-def may_run_ahead(
-    scheduler: Scheduler[S], launched: Launched[S] | None, eligible: Callable[[Sequence[S]], bool]
-) -> bool:
-    """Whether the next step may launch before `launched` (the step in flight, if any) is read back, each
-    running sequence `eligible` as `decodes_ahead` says, judged before it is scheduled: see the module's
-    docstring. The step judges the sequences it then admits the same way. Pure bookkeeping."""
+def may_run_ahead(scheduler: Scheduler[S], eligible: Callable[[Sequence[S]], bool]) -> bool:
+    """Whether the next step may launch before the step in flight (if any) is read back, each running
+    sequence `eligible` as `decodes_ahead` says, judged before it is scheduled: see the module's docstring.
+    The step judges the sequences it then admits the same way. Pure bookkeeping."""
     running = scheduler.running
     if not running:
         return False

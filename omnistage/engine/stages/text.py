@@ -242,11 +242,7 @@ class TextStage(AutoregressiveStage[RequestState]):
         return failed + self._step()
 
     def _step(self) -> list[RequestOutput]:
-        if (
-            self.decode_ahead
-            and not self._launch_failed
-            and may_run_ahead(self.scheduler, self._launched, _decodes_ahead)
-        ):
+        if self.decode_ahead and not self._launch_failed and may_run_ahead(self.scheduler, _decodes_ahead):
             return self._step_ahead()
         if self._launched is not None:  # the next step needs the tokens of the one in flight
             launched, self._launched = self._launched, None

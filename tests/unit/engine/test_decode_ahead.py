@@ -320,22 +320,18 @@ def test_a_constrained_request_is_in_flight_ahead(ahead):
 
 def test_when_a_step_may_run_ahead():
     a, b = _seq("a", 2, 10), _seq("b", 3, 10)
-    assert may_run_ahead(_scheduler([a, b]), None, eligible)
-    assert may_run_ahead(_scheduler([a, b]), _launched([a, b]), eligible)
-    assert may_run_ahead(_scheduler([a, b]), _launched([b]), eligible)  # a's input is on the host
-    assert not may_run_ahead(_scheduler([]), None, eligible)
-    assert may_run_ahead(_scheduler([a, _seq("p", 0, 10, left=3)]), None, eligible)  # a prefill beside it
-    assert may_run_ahead(_scheduler([a, _seq("last", 9, 10)]), None, eligible)  # its 10th token ends it
-    assert not may_run_ahead(_scheduler([a, _seq("penalised", 2, 10, eligible=False)]), None, eligible)
+    assert may_run_ahead(_scheduler([a, b]), eligible)
+    assert not may_run_ahead(_scheduler([]), eligible)
+    assert may_run_ahead(_scheduler([a, _seq("p", 0, 10, left=3)]), eligible)  # a prefill beside it
+    assert may_run_ahead(_scheduler([a, _seq("last", 9, 10)]), eligible)  # its 10th token ends it
+    assert not may_run_ahead(_scheduler([a, _seq("penalised", 2, 10, eligible=False)]), eligible)
     waiting = _scheduler([a])
     waiting.waiting.append(_seq("w", 0, 10, left=3))
-    assert may_run_ahead(
-        waiting, None, eligible
-    )  # its prompt is on the host; the step judges it once admitted
+    assert may_run_ahead(waiting, eligible)  # its prompt is on the host; the step judges it once admitted
     # 5 tokens each at 4 a page: the sixth needs a second page; two sequences, one page free
     crowded = _scheduler([_seq("c", 2, 10), _seq("d", 2, 10)], num_pages=3)
-    assert not may_run_ahead(crowded, None, eligible)
-    assert may_run_ahead(_scheduler([_seq("c", 2, 10), _seq("d", 2, 10)], num_pages=4), None, eligible)
+    assert not may_run_ahead(crowded, eligible)
+    assert may_run_ahead(_scheduler([_seq("c", 2, 10), _seq("d", 2, 10)], num_pages=4), eligible)
 
 
 def test_a_step_with_prompt_rows_takes_the_ids_in_flight_for_its_decode_rows():
