@@ -412,12 +412,14 @@ def test_arrivals_each_step_launch_ahead_with_the_tokens_of_lockstep(lockstep, a
 def test_requests_ending_by_length_on_every_step_still_launch_ahead(lockstep, ahead, monkeypatch):
     """Short replies arriving on every step (Qwen3-ASR under load): a request ends by length on nearly every
     step, and its last token is sampled in a step launched ahead like any other, read back into its final
-    output (a final-only request's too); every request gets lockstep's tokens, texts and finish reasons."""
+    output with its logprobs (a final-only request's too); every request gets lockstep's tokens, texts and
+    finish reasons."""
     reference = lockstep.generate(PROMPTS[1], GREEDY)[0].outputs[0].token_ids
     arrivals = [
         (f"r{i}", PROMPTS[i % 4], SamplingParams(max_tokens=1 + i % 4, temperature=0.0)) for i in range(12)
     ]
     arrivals[3] = ("final", PROMPTS[0], SamplingParams(max_tokens=3, temperature=0.0))
+    arrivals[5] = ("logprobs", PROMPTS[1], SamplingParams(max_tokens=2, temperature=0.0, logprobs=2))
     # its last allowed token is a stop token: "stop", as lockstep says
     arrivals[6] = (
         "stopped",
@@ -434,11 +436,12 @@ def test_requests_ending_by_length_on_every_step_still_launch_ahead(lockstep, ah
                 engine.add_requests([NewRequest(rid, ids, params, prompt, final_only=rid == "final")])
             for out in engine.step():
                 streams.setdefault(out.request_id, []).append(out)
-        return {rid: summary(outs) for rid, outs in streams.items()}
+        logprobs = streams["logprobs"][-1].outputs[0].logprobs
+        return {rid: summary(outs) for rid, outs in streams.items()}, logprobs
 
-    expected = stream(lockstep)
+    expected, logprobs = stream(lockstep)
     assert expected["stopped"][4] == "stop" and expected["r1"][4] == "length" and len(expected["r7"][0]) == 4
-    assert len(expected["final"][0]) == 3
+    assert len(expected["final"][0]) == 3 and len(logprobs) == 2
     launched = []
     launch = ahead.engine._launch
     monkeypatch.setattr(
@@ -446,7 +449,10 @@ def test_requests_ending_by_length_on_every_step_still_launch_ahead(lockstep, ah
         "_launch",
         lambda chunks, prev: launched.append(prev is not None) or launch(chunks, prev),
     )
-    assert stream(ahead) == expected
+    got, got_logprobs = stream(ahead)
+    assert got == expected
+    for row, want in zip(got_logprobs, logprobs, strict=True):  # the last token's travel with it
+        assert row.token_id == want.token_id and row.logprob == pytest.approx(want.logprob, abs=1e-5)
     assert len(launched) >= 12 and sum(launched) >= len(launched) - 2  # all but the first and a gap at most
     assert_idle(ahead)
 
