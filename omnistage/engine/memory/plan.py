@@ -21,6 +21,8 @@ MiB = 1 << 20
 # Covers allocator fragmentation, cuBLAS/NCCL workspaces and Triton's launch scratch that the floor
 # measurement does not see. A guess until benchmarks/RESULTS.md measures it.
 DEFAULT_RESERVE = 512 * MiB
+# tokens: the shortest request a pool whose longest length is the model's own keeps room for when it shrinks
+LEAST_CONTEXT = 8192
 
 # The graph memory pool of the sets that replay on a device's main stream, one graph at a time: the Thinker's
 # prefill chunks, the encoders and the speech stages share their scratch in it. The Thinker's decode graphs
@@ -91,7 +93,9 @@ class KVPool:
 
     min_pages: one request of the stage's longest length, claimed before any graph; share: of the KV memory
     beyond every pool's minimum (the pool without a share takes what the shares leave; at most one such pool);
-    pages: fixed by the config, exactly this many (claimed instead of `min_pages`).
+    pages: fixed by the config, exactly this many (claimed instead of `min_pages`); least_pages: where the
+    longest length is the model's own (the config sets none), the fewest pages `min_pages` may shrink to when
+    one request of that length does not fit beside the weights (`planner.plan_device`); None: it may not.
     """
 
     stage: str
@@ -99,6 +103,7 @@ class KVPool:
     min_pages: int
     share: float | None = None
     pages: int | None = None
+    least_pages: int | None = None
 
     def __post_init__(self) -> None:
         if self.bytes_per_page < 1:
@@ -109,6 +114,8 @@ class KVPool:
             raise ValueError(f"{self.stage}: a KV share is within (0, 1], got {self.share}")
         if self.share is not None and self.pages is not None:
             raise ValueError(f"{self.stage}: give a KV pool a share or fixed pages, not both")
+        if self.least_pages is not None and not 1 <= self.least_pages <= max(self.min_pages, 1):
+            raise ValueError(f"{self.stage}: least_pages is within [1, min_pages], got {self.least_pages}")
 
     @property
     def required(self) -> int:

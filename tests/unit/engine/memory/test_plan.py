@@ -267,3 +267,52 @@ def test_floor_is_the_largest_phase_of_the_largest_requests():
     assert "the largest of" not in plain.table()
     with pytest.raises(ConfigError, match=r"floor 7.98 GiB \(the audio encoder\)"):
         plan_memory(floor_peak=images, **{**kwargs, "free_after_weights": 6 * GiB})
+
+
+def released_omni_on_80_gib(least: bool) -> tuple[DeviceMemory, list[StageMemory]]:
+    """Qwen3-Omni's stages as an 80 GB H100 measured them at the model's own length (65,536 tokens): the two
+    pools' minimums (6.25 + 1.33 GiB) did not fit the 7.27 GiB the weights, the floor and the reserve left."""
+    thinker_page, talker_page = 1600 * 1024, 320 * 1024
+    thinker = StageMemory(
+        peaks=(("audio encoder", int(3.8 * GiB), ""),),
+        kv=(KVPool("Thinker", thinker_page, 4096, least_pages=512 if least else None),),
+        graphs=(GraphCandidates("Thinker", "decode", "batch", {b: 40 * MiB for b in decode_buckets(64)}),),
+    )
+    talker = StageMemory(
+        kv=(KVPool("Talker", talker_page, 4353, share=0.17, least_pages=800 if least else None),)
+    )
+    device = DeviceMemory(int(79.18 * GiB), int(11.56 * GiB), int(66.61 * GiB), None, "cuda:0")
+    return device, [thinker, talker]
+
+
+def test_a_pool_at_the_models_own_length_shrinks_to_start(caplog):
+    device, stages = released_omni_on_80_gib(least=True)
+    with caplog.at_level("WARNING", logger="omnistage.engine.memory.planner"):
+        plan = plan_device(device, stages)
+    thinker, talker = plan.kv_pool("Thinker"), plan.kv_pool("Talker")
+    # each claimed less than one request of the longest length, the decode graphs came next, and the pools
+    # took back all that was left: nothing of the memory is idle
+    assert plan.captured("Thinker", "decode") == tuple(decode_buckets(64))
+    assert 512 <= thinker.pages < 4096 and 800 <= talker.pages < 4353
+    room = device.available - plan.floor - plan.reserve
+    assert room - plan.graph_bytes - plan.kv_bytes < 1600 * 1024
+    assert plan.free >= 0
+    warned = [r.getMessage() for r in caplog.records]
+    assert len(warned) == 2 and "Thinker" in warned[0] and "4,096 KV pages" in warned[0]
+    assert "--max-model-len" in warned[0] and "Talker" in warned[1]
+
+
+def test_a_configured_length_that_does_not_fit_stays_an_error():
+    device, stages = released_omni_on_80_gib(least=False)
+    with pytest.raises(ConfigError, match=r"Thinker KV 6\.25 GiB \(4,096 pages for one request\)"):
+        plan_device(device, stages)
+
+
+def test_a_pool_never_shrinks_below_its_least():
+    device, stages = released_omni_on_80_gib(least=True)
+    # 0.9 GiB beside the floor and the reserve; the least pages of both pools are 1.03 GiB
+    with pytest.raises(ConfigError, match="do not fit"):
+        plan_device(replace(device, free=int(5.2 * GiB)), stages)
+    assert plan_device(replace(device, free=int(5.4 * GiB)), stages).kv_pool("Thinker").pages >= 512
+    with pytest.raises(ValueError, match="least_pages"):
+        KVPool("Thinker", 1, 10, least_pages=11)

@@ -143,3 +143,19 @@ def test_no_graphs_without_bfloat16(device, caplog):
 def test_scaled_costs_grow_with_the_bucket():
     costs = scaled_costs(8 << 20, [1, 2, 4, 8])
     assert costs[8] == (8 << 20) + (2 << 20) and costs[1] == (1 << 20) + (2 << 20)
+
+
+def test_only_the_models_own_length_may_shrink(device):
+    """At the model's length the pool may shrink to 8,192 tokens when one request does not fit
+    (`plan_device`); at a length the config sets, one request of it is a hard need."""
+
+    def pool(**config):
+        cfg = engine_config(device="cuda", max_num_seqs=8, max_prefill_graph_tokens=64, **config)
+        need = text_stage_memory(
+            FakeRunner(), FakeEncoders(), thinker_settings(cfg), PAGE_BYTES, 65535, (8, 5)
+        )
+        return need.kv[0]
+
+    own = pool()
+    assert (own.min_pages, own.least_pages) == (4096, 512)
+    assert pool(max_model_len=65536).least_pages is None
