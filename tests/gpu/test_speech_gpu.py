@@ -26,7 +26,7 @@ def engine() -> Iterator[AsyncPipeline]:
     # eager and uncompiled: this checks what runs, not how fast (the benchmark runs the default settings)
     config = engine_config(
         model=str(released_skeleton()), load_format="dummy", device="cuda", dtype="bfloat16",
-        kv_cache_memory_gib=8, enforce_eager=True, compile=False,
+        enforce_eager=True, compile=False,
     )  # fmt: skip
     engine = AsyncPipeline.from_config(config)
     yield engine
