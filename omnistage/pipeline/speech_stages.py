@@ -21,7 +21,7 @@ from omnistage.engine.devices import resolve_device
 from omnistage.engine.graphs.base import int_buckets
 from omnistage.engine.graphs.code2wav import Code2WavGraphs
 from omnistage.engine.graphs.frames import FrameGraphs
-from omnistage.engine.memory.plan import LEAST_CONTEXT, GiB, KVPool, MemoryPlan, StageMemory
+from omnistage.engine.memory.plan import GiB, KVPool, MemoryPlan, StageMemory, least_pages
 from omnistage.engine.stages.base import Stage
 from omnistage.engine.stages.code2wav import Code2WavStage
 from omnistage.engine.stages.frames import FrameStage
@@ -182,7 +182,7 @@ class SpeechStages:
             else:
                 share = talker.kv.share or text.kv_bytes_per_token / (thinker + text.kv_bytes_per_token)
         # the model's own length (none configured) may shrink to fit, as the Thinker's does (`plan_device`)
-        least = -(-min(LEAST_CONTEXT, self.max_len) // cfg.page_size) if cfg.max_model_len is None else None
+        least = least_pages(self.max_len, cfg.page_size) if cfg.max_model_len is None else None
         return KVPool("Talker", page_bytes, min_pages=min_pages, share=share, pages=fixed, least_pages=least)
 
     @property

@@ -24,6 +24,12 @@ DEFAULT_RESERVE = 512 * MiB
 # tokens: the shortest request a pool whose longest length is the model's own keeps room for when it shrinks
 LEAST_CONTEXT = 8192
 
+
+def least_pages(longest: int, page_size: int) -> int:
+    """`KVPool.least_pages` of a pool whose longest request (`longest` tokens) is the model's own length."""
+    return -(-min(LEAST_CONTEXT, longest) // page_size)
+
+
 # The graph memory pool of the sets that replay on a device's main stream, one graph at a time: the Thinker's
 # prefill chunks, the encoders and the speech stages share their scratch in it. The Thinker's decode graphs
 # keep a pool of their own: with overlap_stages they replay on a stream of their own beside the speech stages

@@ -109,7 +109,7 @@ def _shrink(pools: list[KVPool], room: int) -> list[KVPool]:
     """`pools` with the minimums that may shrink (`least_pages`) scaled by one factor so that every pool's
     claim takes half of `room` (the bytes left for KV and graphs), none below its `least_pages`."""
     may = [p.pages is None and p.least_pages is not None for p in pools]
-    fixed = sum(p.required * p.bytes_per_page for p, m in zip(pools, may, strict=True) if not m)
+    fixed = _claimed([p for p, m in zip(pools, may, strict=True) if not m])
     full = sum(p.min_pages * p.bytes_per_page for p, m in zip(pools, may, strict=True) if m)
     if not full:
         return pools

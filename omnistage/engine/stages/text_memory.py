@@ -15,12 +15,12 @@ from omnistage.config import DecoderSettings, EncodersSettings, Graphs
 from omnistage.engine.buckets import decode_buckets, prefill_buckets
 from omnistage.engine.memory.measure import graph_candidates, module_bytes, scaled_peaks
 from omnistage.engine.memory.plan import (
-    LEAST_CONTEXT,
     MAIN_POOL,
     GiB,
     GraphCandidates,
     KVPool,
     StageMemory,
+    least_pages,
 )
 from omnistage.engine.stages.decoder import torch_module
 from omnistage.engine.stages.encoders import EncoderStage
@@ -80,7 +80,7 @@ def text_stage_memory(
                 min_pages=-(-(max_prompt_tokens + 1) // engine.page_size),
                 pages=fixed,
                 least_pages=(
-                    -(-min(LEAST_CONTEXT, max_prompt_tokens + 1) // engine.page_size)
+                    least_pages(max_prompt_tokens + 1, engine.page_size)
                     if engine.max_model_len is None
                     else None
                 ),
