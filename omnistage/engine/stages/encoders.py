@@ -184,14 +184,15 @@ class EncoderStage:
     def _vision_rows(self, prompts: list[MultimodalInputs]) -> list[VisionRows]:
         """Per prompt, the rows [n, H] and deepstack levels [levels, n, H] of its images and of its videos; they
         go through the tower in calls of at most `max_image_patches` (with graphs, of at most the largest patch
-        bucket and as many frames as its graph holds), a video in pieces of whole temporal patches."""
+        bucket and as many frames as its graph holds), a video in pieces of whole temporal patches; a video whose
+        frame no graph holds in eager calls of at most `max_image_patches`, the floor's largest image."""
         assert self.images is not None and self.vision_encoder is not None  # images reach only a vision stage
         merge = self.images.spatial_merge_size
         graphs = self.vision_graphs
         budget, most = self.max_image_patches, None
         if graphs is not None:
             budget, most = int_buckets(graphs.captured_buckets)[-1], graphs.buffers.max_frames
-        pixels, grids, owners = vision_pieces(prompts, budget, most)
+        pixels, grids, owners = vision_pieces(prompts, budget, most, self.max_image_patches)
         norms = piece_norms(prompts, owners)
         rows, levels = [], []
         for group in groups([len(x) for x in pixels], budget, most, [t for t, _, _ in grids]):

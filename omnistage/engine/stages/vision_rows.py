@@ -15,11 +15,16 @@ from omnistage.models.multimodal import MultimodalInputs, PixelNorm
 
 
 def vision_pieces(
-    prompts: list[MultimodalInputs], budget: int, most_frames: int | None = None
+    prompts: list[MultimodalInputs],
+    budget: int,
+    most_frames: int | None = None,
+    eager_budget: int | None = None,
 ) -> tuple[list[torch.Tensor], list[tuple[int, int, int]], list[tuple[int, bool]]]:
     """The patches and grids of every image and video piece of `prompts`, and whose each is (prompt, is a
     video): images whole, videos in pieces of at most `budget` patches and `most_frames` temporal patches (at
-    least one)."""
+    least one). A video whose frame is over `budget` (no graph holds it) goes in pieces of at most
+    `eager_budget` patches instead: the eager tower's calls, fewer and larger (RESULTS.md, "The vision tower
+    per frame pair")."""
     pixels: list[torch.Tensor] = []
     grids: list[tuple[int, int, int]] = []
     owners: list[tuple[int, bool]] = []
@@ -32,7 +37,11 @@ def vision_pieces(
                 continue
             grid = [tuple(g) for g in grid_thw.tolist()]
             for patches, (t, h, w) in zip(values.split([math.prod(g) for g in grid]), grid):
-                per = max(1, min(budget // (h * w), most_frames or t)) if is_video else t  # temporal patches
+                per = t  # temporal patches a piece
+                if is_video and eager_budget is not None and h * w > budget:
+                    per = max(1, eager_budget // (h * w))
+                elif is_video:
+                    per = max(1, min(budget // (h * w), most_frames or t))
                 for first in range(0, t, per):
                     n = min(per, t - first)
                     pixels.append(patches[first * h * w : (first + n) * h * w])

@@ -38,6 +38,16 @@ def test_a_video_is_cut_in_whole_temporal_patches_within_the_budget_and_the_fram
     assert grids == [(1, 8, 8), (1, 8, 8)]
 
 
+def test_a_video_no_graph_holds_goes_in_the_eager_towers_pieces():
+    # frames of 64 patches, over the graphs' 16: pieces of the eager budget's 128 patches (2 temporal patches)
+    prompts = [media([], [(5, 8, 8), (3, 2, 4)])]
+    pixels, grids, _ = vision_pieces(prompts, budget=16, most_frames=1, eager_budget=128)
+    assert grids == [(2, 8, 8), (2, 8, 8), (1, 8, 8)] + [(1, 2, 4)] * 3  # the second fits the graphs' pieces
+    assert torch.equal(torch.cat(pixels), prompts[0].pixel_values_videos)
+    _, grids, _ = vision_pieces(prompts, budget=16, eager_budget=32)  # a frame over both goes alone
+    assert grids[:5] == [(1, 8, 8)] * 5
+
+
 def test_groups_hold_the_budget_and_the_frames():
     assert groups([4, 4, 4, 9, 1], budget=8) == [[0, 1], [2], [3], [4]]
     assert groups([1, 1, 1, 1], budget=8, most=2) == [[0, 1], [2, 3]]
