@@ -107,6 +107,10 @@ class EncoderStage:
         # The largest inputs the processor admits, and the most one tower call takes.
         self.max_audio_frames = audio.max_frames
         self.max_image_patches = math.prod(images.largest_grid) if images is not None else 0
+        # A video's eager calls where no graph holds its frames: a quarter of the largest image, whose eager
+        # call the floor measured; a quarter of its peak, and per frame pair within 6% of the largest call's
+        # time (RESULTS.md, "The vision tower per frame pair").
+        self.max_video_patches = self.max_image_patches // 4
         self.audio_graphs: AudioGraphs | None = None
         self.vision_graphs: VisionGraphs | None = None
         self.cache = EncoderCache(cache_bytes)
@@ -185,14 +189,14 @@ class EncoderStage:
         """Per prompt, the rows [n, H] and deepstack levels [levels, n, H] of its images and of its videos; they
         go through the tower in calls of at most `max_image_patches` (with graphs, of at most the largest patch
         bucket and as many frames as its graph holds), a video in pieces of whole temporal patches; a video whose
-        frame no graph holds in eager calls of at most `max_image_patches`, the floor's largest image."""
+        frame no graph holds in eager calls of at most `max_video_patches`."""
         assert self.images is not None and self.vision_encoder is not None  # images reach only a vision stage
         merge = self.images.spatial_merge_size
         graphs = self.vision_graphs
         budget, most = self.max_image_patches, None
         if graphs is not None:
             budget, most = int_buckets(graphs.captured_buckets)[-1], graphs.buffers.max_frames
-        pixels, grids, owners = vision_pieces(prompts, budget, most, self.max_image_patches)
+        pixels, grids, owners = vision_pieces(prompts, budget, most, self.max_video_patches)
         norms = piece_norms(prompts, owners)
         rows, levels = [], []
         for group in groups([len(x) for x in pixels], budget, most, [t for t, _, _ in grids]):
