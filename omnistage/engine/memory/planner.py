@@ -9,9 +9,11 @@ The order of claims on a device's memory:
 3. a reserve for what the measurements do not see;
 4. each KV pool's minimum, one request of its stage's longest length (or the pages the config fixes): a graph
    never takes the memory one request needs. Where that length is the model's own (the config sets none) and
-   the minimums do not fit, they shrink together to half of what is left for KV and graphs (not below each
-   pool's `least_pages`), so that the server starts; the graphs come next, then the pools take the rest back,
-   and admission refuses a request longer than its pool holds. A warning names each pool so shrunk;
+   the minimums and every graph candidate do not fit together, the minimums shrink together to leave the
+   graphs their room, but to no less than half of what is left for KV and graphs (nor below each pool's
+   `least_pages`): the server starts, and serves at speed (RESULTS.md, "T2S through HTTP, the colocated
+   topology capped at 80 GiB"); the graphs come next, then the pools take the rest back, and admission
+   refuses a request longer than its pool holds. A warning names each pool so shrunk;
 5. CUDA graphs, within a budget (default: all that is left). A graph is priced at what its step keeps (its
    outputs and static buffers) plus what its memory pool's scratch must grow by for it: the graphs of one
    pool, replayed one at a time, share their scratch (a set that does not measure what it keeps is priced
@@ -68,16 +70,18 @@ def plan_device(
     _check(pools, sets)
     floor = max((size for _, size, _ in phases), default=0)
     available = device.available
-    if available < floor + reserve + _claimed(pools):
-        shrunk = _shrink(pools, available - floor - reserve)
-        if available < floor + reserve + _claimed(shrunk):
+    room = available - floor - reserve  # for KV pages and graphs
+    every_graph = sum(paid for _, paid in _claim(sets, room if graph_budget is None else graph_budget))
+    if room < _claimed(pools) + every_graph:
+        shrunk = _shrink(pools, max(room // 2, room - every_graph))
+        if room < _claimed(shrunk):
             raise ConfigError(_does_not_fit(device, phases, floor, reserve, pools))
         for before, after in zip(pools, shrunk, strict=True):
             if after.min_pages < before.min_pages:
                 log.warning(
                     "%s: one request of the model's longest length needs %s KV pages, more than fit beside "
-                    "the weights on %s; the plan claims %s first and admission refuses requests longer than "
-                    "the pool (set --max-model-len, or give the server more memory)",
+                    "the weights and the CUDA graphs of serving on %s; the plan claims %s first and admission "
+                    "refuses requests longer than the pool (set --max-model-len, or give the server more memory)",
                     before.stage, f"{before.min_pages:,}", device.name, f"{after.min_pages:,}",
                 )  # fmt: skip
         pools = shrunk
@@ -105,15 +109,15 @@ def _claimed(pools: Sequence[KVPool]) -> int:
     return sum(p.required * p.bytes_per_page for p in pools)
 
 
-def _shrink(pools: list[KVPool], room: int) -> list[KVPool]:
+def _shrink(pools: list[KVPool], claim: int) -> list[KVPool]:
     """`pools` with the minimums that may shrink (`least_pages`) scaled by one factor so that every pool's
-    claim takes half of `room` (the bytes left for KV and graphs), none below its `least_pages`."""
+    claim takes `claim` bytes, none below its `least_pages` nor above its minimum."""
     may = [p.pages is None and p.least_pages is not None for p in pools]
     fixed = _claimed([p for p, m in zip(pools, may, strict=True) if not m])
     full = sum(p.min_pages * p.bytes_per_page for p, m in zip(pools, may, strict=True) if m)
     if not full:
         return pools
-    scale = max(0.0, min(1.0, (room / 2 - fixed) / full))
+    scale = max(0.0, min(1.0, (claim - fixed) / full))
     return [
         replace(p, min_pages=max(p.least_pages or 0, int(p.min_pages * scale))) if m else p
         for p, m in zip(pools, may, strict=True)

@@ -316,3 +316,63 @@ def test_a_pool_never_shrinks_below_its_least():
     assert plan_device(replace(device, free=int(5.4 * GiB)), stages).kv_pool("Thinker").pages >= 512
     with pytest.raises(ValueError, match="least_pages"):
         KVPool("Thinker", 1, 10, least_pages=11)
+
+
+def colocated_omni_at_80_gib() -> tuple[DeviceMemory, list[StageMemory]]:
+    """configs/qwen3omni_colocated.yaml under an 80 GiB cap as an H200 planned it (74b1a3c): the Thinker's
+    pool at the model's own length (4,096 pages, shrinkable), the Talker's fixed at 2 GiB; the minimums fit the
+    8.94 GiB the weights, the floor and the reserve left, and the graphs had 0.66 GiB: Code2Wav's graphs
+    stopped at 2 streams. Graph costs here are round numbers of that order (its 25x16 bucket most of them)."""
+    thinker = StageMemory(
+        peaks=(("audio encoder", int(3.8 * GiB), ""),),
+        kv=(KVPool("Thinker", 1600 * 1024, 4096, least_pages=512),),
+        graphs=(GraphCandidates("Thinker", "decode", "batch", {b: 18 * MiB for b in decode_buckets(64)}),),
+    )
+    code2wav_costs = {(25, s): 110 * MiB * s for s in (1, 2, 4, 8, 16)}
+    talker = StageMemory(
+        kv=(KVPool("Talker", 320 * 1024, 0, pages=6553),),
+        graphs=(
+            GraphCandidates("Code2Wav", "decode", "chunk x streams", code2wav_costs, pool="main stream"),
+            GraphCandidates(
+                "Talker", "prefill", "tokens", {t: 3 * MiB for t in (16, 32, 64)}, pool="main stream"
+            ),
+        ),
+    )
+    device = DeviceMemory(int(143.77 * GiB), int(76 * GiB), int(66.76 * GiB), 80 * GiB, "cuda:0")
+    return device, [thinker, talker]
+
+
+def test_a_pool_at_the_models_own_length_gives_way_to_the_graphs(caplog):
+    device, stages = colocated_omni_at_80_gib()
+    with caplog.at_level("WARNING", logger="omnistage.engine.memory.planner"):
+        plan = plan_device(device, stages)
+    # every graph a step of serving replays is captured, the Thinker's pool is what is left and still more than
+    # its least; the fixed pool is as the config says
+    assert plan.captured("Code2Wav", "decode") == tuple(sorted(stages[1].graphs[0].costs))
+    assert plan.captured("Thinker", "decode") == tuple(decode_buckets(64))
+    assert plan.captured("Talker", "prefill") == (16, 32, 64)
+    thinker = plan.kv_pool("Thinker")
+    assert 512 <= thinker.pages < 4096 and plan.kv_pool("Talker").pages == 6553
+    room = device.available - plan.floor - plan.reserve
+    assert 0 <= room - plan.graph_bytes - plan.kv_bytes < 1600 * 1024
+    warned = [r.getMessage() for r in caplog.records]
+    assert len(warned) == 1 and "Thinker" in warned[0] and "CUDA graphs" in warned[0]
+    # a configured length keeps its pool whole: the graphs take what it leaves
+    fixed = [replace(stages[0], kv=(replace(stages[0].kv[0], least_pages=None),)), stages[1]]
+    plain = plan_device(device, fixed)
+    assert plain.kv_pool("Thinker").pages >= 4096
+    assert plain.captured("Code2Wav", "decode") != plan.captured("Code2Wav", "decode")
+
+
+def test_the_pools_keep_half_of_the_room_from_the_graphs():
+    device, stages = colocated_omni_at_80_gib()
+    # graphs as large as the room: the pools still claim half of it, the graphs take what they can of the rest
+    huge = {(25, s): int(3 * GiB) * s for s in (1, 2, 4)}
+    stages[1] = replace(
+        stages[1],
+        graphs=(GraphCandidates("Code2Wav", "decode", "chunk x streams", huge, pool="main stream"),),
+    )
+    plan = plan_device(device, stages)
+    room = device.available - plan.floor - plan.reserve
+    assert plan.kv_bytes >= room // 2 - 1600 * 1024
+    assert plan.captured("Code2Wav", "decode") == ((25, 1),)
