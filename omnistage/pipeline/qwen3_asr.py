@@ -93,7 +93,7 @@ class Qwen3ASRPipeline:
         if device in self.plans:
             self.thinker.allocate(self.plans[device])
         self.processor, self.tokenizer = processor, processor.tokenizer
-        self.model_path, self.max_model_len = path, self.thinker.max_model_len
+        self.model_path, self.max_model_len = path, self.thinker.context_tokens
         self.device, self.dtype = device, dtype
         gauges = tuple(gauge for plan in self.plans.values() for gauge in plan_gauges(plan))
         self.frontend = asr_frontend(processor, path, self.max_model_len, gauges)

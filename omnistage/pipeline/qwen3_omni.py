@@ -62,7 +62,7 @@ class Qwen3OmniPipeline:
         self.tokenizer = self.processor.tokenizer
         self.thinker, talker_tables = self._load_thinker(path)
         self.plans = self._plan(shared)
-        self.model_path, self.max_model_len = self.thinker.model_path, self.thinker.max_model_len
+        self.model_path, self.max_model_len = self.thinker.model_path, self.thinker.context_tokens
         self._speaking: dict[str, Speech] = {}
         # speaking requests beyond max_speaking wait there, in arrival order; text requests never do
         self.queue = SpeakingQueue(max_speaking(config, self.speech_device))

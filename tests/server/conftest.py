@@ -162,7 +162,7 @@ def client(server):
 
 @pytest.fixture(scope="session")
 def tiny_pipeline(tiny_checkpoint) -> Iterator[AsyncPipeline]:
-    """The real engine over the tiny checkpoint on the CPU (the model's whole context), for in-process apps."""
+    """The real engine over the tiny checkpoint on the CPU (64 pages: a context of 1,024 tokens), for in-process apps."""
     engine = AsyncPipeline.from_config(
         engine_config(model=str(tiny_checkpoint), device="cpu", num_kv_pages=64)
     )

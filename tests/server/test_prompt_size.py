@@ -8,14 +8,17 @@ import random
 import re
 import time
 import unicodedata
+from collections.abc import Iterator
 
 import httpx
 import pytest
 from fastapi.testclient import TestClient
 from tokenizers import normalizers
 
+from omnistage.config import engine_config
 from omnistage.errors import RequestTooLarge
 from omnistage.models.qwen3_omni.processor import Processor
+from omnistage.pipeline.async_pipeline import AsyncPipeline
 from omnistage.server import build_app
 
 MODEL = "tiny"
@@ -33,18 +36,30 @@ def words(size: int, seed: int = 0) -> str:
 
 
 @pytest.fixture(scope="module")
-def app(tiny_pipeline):
-    return build_app(tiny_pipeline, MODEL, max_body_bytes=BODY_LIMIT)
+def whole_context(tiny_checkpoint) -> Iterator[AsyncPipeline]:
+    """The real engine over the tiny checkpoint on the CPU with pages for its whole context (65,536 tokens)."""
+    engine = AsyncPipeline.from_config(
+        engine_config(model=str(tiny_checkpoint), device="cpu", num_kv_pages=65536 // 16)
+    )
+    try:
+        yield engine
+    finally:
+        engine.shutdown()
 
 
 @pytest.fixture(scope="module")
-def oversized(tiny_pipeline) -> str:
-    limit = tiny_pipeline.pipeline.max_model_len * tiny_pipeline.pipeline.processor.max_token_bytes
+def app(whole_context):
+    return build_app(whole_context, MODEL, max_body_bytes=BODY_LIMIT)
+
+
+@pytest.fixture(scope="module")
+def oversized(whole_context) -> str:
+    limit = whole_context.pipeline.max_model_len * whole_context.pipeline.processor.max_token_bytes
     return words(limit + 1)
 
 
 @pytest.mark.parametrize("endpoint", ["chat", "completions", "chat-parts"])
-def test_text_too_long_for_the_context_is_refused_before_tokenizing(app, tiny_pipeline, oversized, endpoint):
+def test_text_too_long_for_the_context_is_refused_before_tokenizing(app, whole_context, oversized, endpoint):
     body = {
         "chat": {"messages": [{"role": "user", "content": oversized}]},
         "completions": {"prompt": oversized},
@@ -56,7 +71,7 @@ def test_text_too_long_for_the_context_is_refused_before_tokenizing(app, tiny_pi
     elapsed = time.monotonic() - started
     assert r.status_code == 400, r.text
     error = r.json()["error"]
-    context = tiny_pipeline.pipeline.max_model_len
+    context = whole_context.pipeline.max_model_len
     assert error["code"] == "request_too_large"
     assert f"the model's context of {context:,} tokens holds at most" in error["message"], error
     size = re.match(r"the prompt is ([\d,]+) bytes of text;", error["message"])
@@ -118,3 +133,12 @@ def test_longest_token_bytes_of_the_qwen_vocabulary(tiny_checkpoint):
     assert processor.max_token_bytes == 128  # 128 spaces: the longest token of Qwen's byte-level BPE
     longest = max(processor.tokenizer.get_vocab(), key=len)
     assert processor.decode([processor.tokenizer.token_to_id(longest)]) == " " * 128
+
+
+def test_the_context_advertised_is_what_the_pool_holds(tiny_pipeline):
+    # the tiny model's context is 65,536 tokens, its 64 pages of 16 hold 1,024: /v1/models says what one
+    # request can have, and text is measured against it
+    pipeline = tiny_pipeline.pipeline
+    assert pipeline.max_model_len == 64 * 16 < pipeline.thinker.max_model_len
+    (card,) = TestClient(build_app(tiny_pipeline, MODEL)).get("/v1/models").json()["data"]
+    assert card["max_model_len"] == 64 * 16

@@ -47,7 +47,10 @@ def checkpoint(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def client(checkpoint):
-    engine = AsyncPipeline.from_config(engine_config(model=str(checkpoint), device="cpu", num_kv_pages=256))
+    # pages for the whole context (65,536 tokens): the text bounds below are the model's, not a small pool's
+    engine = AsyncPipeline.from_config(
+        engine_config(model=str(checkpoint), device="cpu", num_kv_pages=65536 // 16)
+    )
     try:
         yield TestClient(build_app(engine, MODEL))
     finally:

@@ -169,6 +169,12 @@ class TextStage(AutoregressiveStage[RequestState]):
     def memory_summary(self) -> str:
         return text_stage_summary(self)
 
+    @property
+    def context_tokens(self) -> int:
+        """The longest request (prompt and output) it serves: its context, or what its whole pool holds where
+        that is less (a pool the plan shrank to start: memory/planner.py). What the server advertises."""
+        return min(self.max_model_len, self.pool.num_pages * self.page_size)
+
     # -- requests -----------------------------------------------------------------------------------
 
     def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> int:

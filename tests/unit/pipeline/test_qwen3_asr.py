@@ -23,3 +23,17 @@ def test_many_short_clips_at_once_unless_the_config_says_otherwise(checkpoint):
     for given in ({"max_num_seqs": 16}, {"stages": {"thinker": {"max_batch": 16}}}):
         config = engine_config(model=str(checkpoint), device="cpu", **given)
         assert asr_defaults(config).stage("thinker").max_batch == 16
+
+
+def test_the_advertised_context_is_what_the_pool_holds(checkpoint):
+    # 64 pages hold fewer tokens than the model's context: the server advertises (and lays prompts out within)
+    # what one request can have, not a length the pool would refuse
+    pipeline = build_pipeline(engine_config(model=str(checkpoint), device="cpu", num_kv_pages=64))
+    held = 64 * pipeline.config.page_size
+    assert held < pipeline.thinker.max_model_len
+    assert pipeline.max_model_len == pipeline.frontend.max_model_len == held
+    # a context shorter than the pool stays as set
+    shorter = build_pipeline(
+        engine_config(model=str(checkpoint), device="cpu", num_kv_pages=64, max_model_len=held // 2)
+    )
+    assert shorter.frontend.max_model_len == held // 2
