@@ -109,7 +109,7 @@ class EncoderStage:
         self.max_image_patches = math.prod(images.largest_grid) if images is not None else 0
         # A video's eager calls where no graph holds its frames: a quarter of the largest image, whose eager
         # call the floor measured; a quarter of its peak, and per frame pair within 6% of the largest call's
-        # time (RESULTS.md, "The vision tower per frame pair").
+        # time (RESULTS.md, "Video with its sound: the vision tower per frame pair").
         self.max_video_patches = self.max_image_patches // 4
         self.audio_graphs: AudioGraphs | None = None
         self.vision_graphs: VisionGraphs | None = None

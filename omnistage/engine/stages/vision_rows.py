@@ -23,8 +23,8 @@ def vision_pieces(
     """The patches and grids of every image and video piece of `prompts`, and whose each is (prompt, is a
     video): images whole, videos in pieces of at most `budget` patches and `most_frames` temporal patches (at
     least one). A video whose frame is over `budget` (no graph holds it) goes in pieces of at most
-    `eager_budget` patches instead: the eager tower's calls, fewer and larger (RESULTS.md, "The vision tower
-    per frame pair")."""
+    `eager_budget` patches instead: the eager tower's calls, fewer and larger (RESULTS.md, "Video with its
+    sound: the vision tower per frame pair")."""
     pixels: list[torch.Tensor] = []
     grids: list[tuple[int, int, int]] = []
     owners: list[tuple[int, bool]] = []
