@@ -223,3 +223,34 @@ def test_videos_go_in_pieces_of_temporal_patches_and_keep_prompt_order(tiny_chec
         n = len(rows)
         got = whole.image_embeds[:n] if i == 0 else whole.image_embeds[-n:]
         torch.testing.assert_close(got, rows, rtol=1e-5, atol=1e-5)
+
+
+def test_a_video_no_graph_holds_goes_eagerly_in_pieces(tiny_checkpoint, setup):
+    """Frame pairs larger than every captured vision graph (an 80 GB card keeps the smallest) go through the
+    eager tower a few pairs a call (`max_video_patches`), not one pair a call; the rows are the whole video's."""
+    from omnistage.bench.videos import encode, frames
+    from omnistage.models.qwen3_omni.video_decoding import decode_video
+    from omnistage.models.qwen3_omni.video_processing import VideoProcessorConfig
+
+    cfg, eager, _ = setup
+    encoders = load_encoders(tiny_checkpoint, cfg, LoadOptions(torch.float32, torch.device("cpu")))
+    encoders.capture_graphs([1], [64])
+    data = encode(frames(60, 224, 160, seed=3), fps=10, kind="mp4")
+    video = decode_video(data, VideoProcessorConfig())
+    messages = [
+        {"role": "user", "content": [{"type": "video", "video": video}, {"type": "text", "text": "?"}]}
+    ]
+    prompt = Processor(tiny_checkpoint).process_chat(messages)
+    t, h, w = prompt.mm.video_grid_thw.tolist()[0]
+    assert t == 6 and h * w > 64  # six frame pairs, each over the largest graph
+    encoders.max_video_patches = 2 * h * w
+    calls: list[int] = []
+    tower = encoders.vision_encoder
+    forward = tower.forward
+    tower.forward = lambda pixels, grids: calls.append(len(pixels)) or forward(pixels, grids)
+    got = encoders.encode(prompt.token_ids, prompt.mm)
+    want = eager.encode(prompt.token_ids, prompt.mm)
+    assert calls == [2 * h * w] * 3
+    assert got.image_embeds is not None and len(got.image_rows) == t * h * w // 4
+    for name in ("image_rows", "image_embeds", "deepstack"):
+        torch.testing.assert_close(getattr(got, name), getattr(want, name), rtol=1e-5, atol=1e-5)
