@@ -5,8 +5,9 @@ the bounds; then the video stream is decoded up to the last sampled frame, each 
 processor's size on a thread beside the decoder (a few full-size frames held at most), and, with
 `with_audio`, the first audio stream on a thread of its own, mixed to mono and resampled to 16 kHz. Three
 threads of one request's decoding work at once: on a GPU server's host its resizes (torch) and sound track
-no longer wait for the frames' decoding (FFmpeg). Everything here blocks (decoding releases the GIL); the
-server runs it in a worker thread. Every defect or bound is an InvalidMedia saying which.
+no longer wait for the frames' decoding (FFmpeg), and several videos decoding at once share the cores
+(`cpu_threads.shared_decoder_threads`). Everything here blocks (decoding releases the GIL); the server runs it
+in a worker thread. Every defect or bound is an InvalidMedia saying which.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ import av
 import numpy as np
 
 from omnistage.errors import InvalidMedia
-from omnistage.models.cpu_threads import cores
+from omnistage.models.cpu_threads import cores, shared_decoder_threads
 from omnistage.models.qwen3_omni.audio_features import SAMPLE_RATE, resample
 from omnistage.models.qwen3_omni.video_processing import (
     DecodedVideo,
@@ -120,9 +121,10 @@ def _frames(data: bytes, wanted: list[int], cfg: VideoProcessorConfig) -> np.nda
     resizes: dict[int, Future[np.ndarray]] = {}  # in decoding order; one worker runs them in that order
     with ThreadPoolExecutor(1, thread_name_prefix="video-resize") as pool:
         resize = pool.submit if cores() > 1 else _resized_now
-        with av.open(io.BytesIO(data), mode="r") as container:
+        with shared_decoder_threads() as threads, av.open(io.BytesIO(data), mode="r") as container:
             stream = container.streams.video[0]
             stream.thread_type = "AUTO"
+            stream.codec_context.thread_count = threads  # not all the cores for each of several videos
             for i, frame in enumerate(container.decode(stream)):
                 if i in keep:
                     if len(resizes) >= RESIZE_AHEAD:  # those before it are done too

@@ -3,7 +3,7 @@ import threading
 import torch
 
 from omnistage.models import cpu_threads
-from omnistage.models.cpu_threads import shared_threads
+from omnistage.models.cpu_threads import shared_decoder_threads, shared_threads
 
 
 def test_a_lone_caller_keeps_every_core_and_gets_its_count_back():
@@ -35,3 +35,15 @@ def test_callers_at_once_split_the_cores_among_them(monkeypatch):
     # all 16, the second 8, the third 5, and each thread's team was its own share
     assert sorted(s for s, _ in seen) == [5, 8, 16] and all(s == n for s, n in seen)
     assert cpu_threads._active == 0
+
+
+def test_videos_decoding_at_once_split_the_cores_apart_from_torchs_callers(monkeypatch):
+    monkeypatch.setattr(cpu_threads, "_cores", 16)
+    before = torch.get_num_threads()
+    with shared_decoder_threads() as first, shared_threads() as torch_share:
+        with shared_decoder_threads() as second, shared_decoder_threads() as third:
+            assert (first, second, third) == (16, 8, 5)
+        assert torch_share == 16  # a video's resizes are not counted with the decoders
+        with shared_decoder_threads() as again:
+            assert again == 8 and torch.get_num_threads() == 16
+    assert torch.get_num_threads() == before and cpu_threads._decoding == 0 == cpu_threads._active

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import io
 
 import av
@@ -135,6 +136,22 @@ def test_frames_resized_beside_the_decoder_are_those_decoded_one_by_one(cores, m
     video = decode_video(data, CFG)
     expected = np.stack([resized(frame[None], CFG)[0] for frame in decoded])
     assert len(video.frames) > 2 * RESIZE_AHEAD and np.array_equal(video.frames, expected)
+
+
+def test_a_decoder_on_its_share_of_the_cores_gives_the_same_frames(monkeypatch):
+    # several videos at once each decode on cores / videos threads: one thread gives what every core gives
+    data = encode(frames(24, 320, 240), fps=8, tone_hz=None)
+    whole = decode_video(data, CFG).frames
+    taken: list[int] = []
+    share = video_decoding.shared_decoder_threads
+
+    def one_thread():
+        with share() as threads:
+            taken.append(threads)
+        return contextlib.nullcontext(1)
+
+    monkeypatch.setattr(video_decoding, "shared_decoder_threads", one_thread)
+    assert np.array_equal(decode_video(data, CFG).frames, whole) and len(taken) == 1
 
 
 def test_rate_and_frame_overrides():
