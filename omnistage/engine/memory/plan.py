@@ -101,7 +101,8 @@ class KVPool:
     beyond every pool's minimum (the pool without a share takes what the shares leave; at most one such pool);
     pages: fixed by the config, exactly this many (claimed instead of `min_pages`); least_pages: where the
     longest length is the model's own (the config sets none), the fewest pages `min_pages` may shrink to when
-    one request of that length does not fit beside the weights (`planner.plan_device`); None: it may not.
+    one request of that length does not fit beside the weights and the graphs (`planner.plan_device`); None: it
+    may not.
     """
 
     stage: str
