@@ -124,6 +124,7 @@ def run_a2t(args: argparse.Namespace) -> dict[str, Any]:
         "kv_cache_memory_gib": kv_beside_baseline(args.kv_cache_memory_gib, bool(args.baseline), args.device),
         "enforce_eager": args.enforce_eager or None,
         "max_prefill_graph_tokens": args.max_prefill_graph_tokens,
+        "admission_hold_steps": args.admission_hold_steps,
     }
     config = engine_config(
         "bench a2t",
@@ -291,6 +292,8 @@ def add_parser(sub: Any) -> None:
     target.add_argument("--enforce-eager", action="store_true")
     target.add_argument("--max-prefill-graph-tokens", type=int,
                         help="largest prefill chunk captured in a CUDA graph (0: none; default: the engine's)")  # fmt: skip
+    target.add_argument("--admission-hold-steps", type=int,
+                        help="in-process: steps a busy engine holds its arrivals (default: the engine's)")  # fmt: skip
     target.add_argument(
         "--baseline", choices=["transformers"], help="also time transformers on the same weights"
     )

@@ -74,6 +74,13 @@ class EngineConfig(BaseModel):
         description="an idle engine holds a request while its server is still preparing others that came with "
         "it, up to this long, so that the burst is encoded and prefilled together (0: never held)",
     )
+    admission_hold_steps: int = Field(
+        0,
+        ge=0,
+        description="a busy engine holds its arrivals up to this many steps, then admits them together: their "
+        "media encoded in one pass, their prompts in one step beside the decode rows, so that fewer steps pay "
+        "for prompt rows (0: admitted at the next step)",
+    )
     moe_kernel: Literal["auto", "grouped_mm", "triton"] = Field(
         "auto", description="GPU MoE kernel: auto takes Triton for decode-sized batches, grouped GEMMs above"
     )

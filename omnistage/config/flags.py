@@ -27,6 +27,7 @@ FLAGS: dict[str, str] = {
     "--moe-kernel": "moe_kernel",
     "--seed": "seed",
     "--admission-window-ms": "admission_window_ms",
+    "--admission-hold-steps": "admission_hold_steps",
     "--max-tokens-default": "max_tokens_default",
     "--encoder-cache-mib": "stages.encoders.cache_mib",
     "--encoder-rows-mib": "stages.encoders.rows_mib",

@@ -200,8 +200,7 @@ class AsyncPipeline:
             with self._lock:
                 return request_id in self._streams
 
-        window = self._local.config.admission_window_ms / 1e3
-        StepLoop(self._local, self._deliver_all, wanted, window).run(self._take, self._stopping.is_set)
+        StepLoop.of(self._local, self._deliver_all, wanted).run(self._take, self._stopping.is_set)
 
     def _take(self, timeout: float | None) -> list[Add | Abort]:
         """The commands queued so far; with a `timeout`, waits up to that many seconds for the first."""

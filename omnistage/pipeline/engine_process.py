@@ -145,9 +145,7 @@ def _engine_main(config_json: str, conn: Connection, log_level: int) -> None:
         stale = bool(commands)
         return commands
 
-    StepLoop(pipeline, deliver, admission_window_s=pipeline.config.admission_window_ms / 1e3).run(
-        receive, lambda: stopped
-    )
+    StepLoop.of(pipeline, deliver).run(receive, lambda: stopped)
 
 
 class SlimOutputs:

@@ -8,6 +8,11 @@ preparing others (`Add.more_coming`, e.g. a server parsing and decoding the medi
 with it), it is held until the last of them arrives or the admission window passes, so that their media go
 through the encoders in one pass and their prompts prefill in one step. Otherwise each group that happened
 to be ready first would take a prefill of its own, and the later ones would wait for it.
+
+A busy pipeline may hold its arrivals too (`admission_hold_steps`, 0 by default: admitted at the next step): up
+to that many steps, then together. A server of many short requests (Qwen3-ASR at c=128 admits two or three
+requests a step) otherwise encodes media and prefills prompts on nearly every step, and a step with prompt rows
+costs more than a pure decode step whatever its rows (benchmarks/RESULTS.md, "Arrivals held for a few steps").
 """
 
 from __future__ import annotations
@@ -52,19 +57,34 @@ class StepLoop:
         deliver: Callable[[Delivery], None],
         wanted: Callable[[str], bool] = lambda request_id: True,
         admission_window_s: float = 0.0,
+        admission_hold_steps: int = 0,
     ) -> None:
         """`deliver` gets each step's outputs (and admission errors); `wanted` says whether a request's client
         is still there when the loop picks its Add up (one that left is not admitted); `admission_window_s`:
-        the longest a request is held for a burst (see the module's docstring; 0: never held)."""
+        the longest an idle pipeline holds a request for a burst, `admission_hold_steps` the most steps a busy
+        one holds its arrivals (see the module's docstring; 0: never held)."""
         self.pipeline = pipeline
         self.deliver = deliver
         self.wanted = wanted
         self.admission_window_s = admission_window_s
+        self.admission_hold_steps = admission_hold_steps
         self._live: set[str] = set()
         # of those, the ones whose outputs before the last are not delivered
         self._final_only: set[str] = set()
         self._held: list[GenerationRequest] = []
         self._held_until = 0.0
+        self._steps_held = 0  # steps run since the first of the held requests came
+
+    @classmethod
+    def of(
+        cls,
+        pipeline: Pipeline,
+        deliver: Callable[[Delivery], None],
+        wanted: Callable[[str], bool] = lambda request_id: True,
+    ) -> StepLoop:
+        """The loop of `pipeline`, holding arrivals as its config says."""
+        config = pipeline.config
+        return cls(pipeline, deliver, wanted, config.admission_window_ms / 1e3, config.admission_hold_steps)
 
     def run(self, receive: Callable[[float | None], list[Add | Abort]], stopping: Callable[[], bool]) -> None:
         """Until `stopping()`: the commands `receive(timeout)` returns (None: those queued, without waiting;
@@ -90,7 +110,7 @@ class StepLoop:
                 self.deliver(failed)
 
     def _timeout(self) -> float | None:
-        if self.pipeline.has_unfinished():
+        if self.pipeline.has_unfinished() or (self._held and self._steps_held):
             return None
         if self._held:
             return max(0.0, self._held_until - time.monotonic())
@@ -99,6 +119,7 @@ class StepLoop:
     def step(self) -> None:
         """One step of the pipeline; its outputs delivered, but a final-only request's until its last."""
         delivery: Delivery = []
+        self._steps_held += bool(self._held)
         for output in self.pipeline.step():
             if output.finished:
                 self._live.discard(output.request_id)
@@ -110,7 +131,7 @@ class StepLoop:
 
     def handle(self, commands: list[Add | Abort]) -> None:
         """Commands in arrival order; the adds are admitted as one batch (media encoded together), or held for
-        the rest of a burst while the pipeline is idle. An abort drops its request wherever it is, and its
+        the rest of a burst while the pipeline is idle, for a few steps while it is busy. An abort drops its request wherever it is, and its
         final output (finish_reason "abort") is delivered: an engine process's bookkeeping of a request, and
         the server's, end with its finished output."""
         burst_complete = None  # as the newest add says, if any came
@@ -119,6 +140,7 @@ class StepLoop:
             if isinstance(command, Add):
                 if not self._held:
                     self._held_until = time.monotonic() + self.admission_window_s
+                    self._steps_held = 0
                 self._held.append(command.request)
                 burst_complete = command.more_coming == 0
                 continue
@@ -130,12 +152,17 @@ class StepLoop:
             self._final_only.discard(command.request_id)
         if aborted:
             self.deliver(aborted)
-        if self._held and (burst_complete or not self._may_hold() or time.monotonic() >= self._held_until):
+        if self._held and self._release(burst_complete):
             held, self._held = self._held, []
             self._admit(held)
 
-    def _may_hold(self) -> bool:
-        return self.admission_window_s > 0 and not self.pipeline.has_unfinished()
+    def _release(self, burst_complete: bool | None) -> bool:
+        """Whether the held requests go in now: a busy pipeline's after `admission_hold_steps` steps, an idle
+        one's once their burst is complete or the admission window has passed, or at once where a busy
+        pipeline held them (its steps have ended)."""
+        if self.pipeline.has_unfinished():
+            return self._steps_held >= self.admission_hold_steps
+        return bool(burst_complete) or self._steps_held > 0 or time.monotonic() >= self._held_until
 
     def _admit(self, requests: list[GenerationRequest]) -> None:
         requests = [r for r in requests if self.wanted(r.request_id)]

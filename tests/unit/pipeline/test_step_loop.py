@@ -1,7 +1,7 @@
 """The StepLoop's admission (pipeline/step_loop.py) over a fake pipeline: a burst's requests, told as still being
 prepared by their caller, are held while the pipeline is idle and admitted in one batch; the admission window
-bounds the hold; a busy pipeline or a zero window admits at once; an abort drops a held request. A final-only
-request is delivered its finished output alone."""
+bounds the hold; a busy pipeline or a zero window admits at once, unless the busy pipeline holds its arrivals
+for a few steps; an abort drops a held request. A final-only request is delivered its finished output alone."""
 
 from __future__ import annotations
 
@@ -21,9 +21,12 @@ class FakePipeline:
         self.batches: list[list[str]] = []
         self.running: dict[str, int] = {}
         self.aborted: list[str] = []
+        self.steps_run = 0
+        self.admitted_after: list[int] = []  # steps run before each batch came in
 
     def add_requests(self, requests: list[NewRequest]) -> list[Exception | None]:
         self.batches.append([r.request_id for r in requests])
+        self.admitted_after.append(self.steps_run)
         self.running.update((r.request_id, self.steps) for r in requests)
         return [None] * len(requests)
 
@@ -31,6 +34,7 @@ class FakePipeline:
         return bool(self.running)
 
     def step(self) -> list[RequestOutput]:
+        self.steps_run += 1
         outputs = []
         for request_id in list(self.running):
             self.running[request_id] -= 1
@@ -105,6 +109,31 @@ def test_a_busy_pipeline_or_a_zero_window_admits_at_once():
     pipeline = FakePipeline()
     run(StepLoop(pipeline, lambda items: None, admission_window_s=0.0), [[add("a", 3)], [add("b", 2)]])
     assert pipeline.batches == [["a"], ["b"]]
+
+
+def test_a_busy_pipeline_holds_its_arrivals_for_the_steps_asked_then_admits_them_together():
+    script = [[add("a", 0)], [add("b", 0)], [add("c", 0)], [], [], [add("d", 0)]]
+    pipeline = FakePipeline(steps=20)
+    run(StepLoop(pipeline, lambda items: None, admission_hold_steps=3), script)
+    # b came after step 1 and waited three steps; c, after step 2, went in with it; d waited three steps of its own
+    assert pipeline.batches == [["a"], ["b", "c"], ["d"]]
+    assert pipeline.admitted_after == [0, 4, 8]
+
+    pipeline = FakePipeline(steps=20)
+    run(StepLoop(pipeline, lambda items: None, admission_hold_steps=0), script)
+    assert pipeline.batches == [["a"], ["b"], ["c"], ["d"]]
+    assert pipeline.admitted_after == [0, 1, 2, 5]
+
+
+def test_requests_held_by_a_busy_pipeline_go_in_at_once_when_it_has_nothing_left():
+    """Not after the idle pipeline's admission window, though the caller says more are coming."""
+    pipeline = FakePipeline(steps=2)
+    loop = StepLoop(pipeline, lambda items: None, admission_window_s=60.0, admission_hold_steps=10)
+    start = time.monotonic()
+    timeouts = run(loop, [[add("a", 0)], [add("b", 5)]])
+    assert pipeline.batches == [["a"], ["b"]]
+    assert pipeline.admitted_after == [0, 2]  # a ended in step 2, with b held for one step
+    assert timeouts[2] is None and time.monotonic() - start < 5.0
 
 
 def test_an_abort_drops_a_held_request():
