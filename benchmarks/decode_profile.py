@@ -14,6 +14,10 @@ first token, then over `--steps` pure decode steps measures:
   per step, and the GPU's busy time (the union of the kernels' intervals) against the span from the first
   kernel to the last, whose difference is the GPU waiting between kernels (launch gaps in a graph, or the
   host); the top kernels by total time; the host's top operators by their own time.
+`--arrivals K` then measures loaded steps as well: before each, K more transcriptions of the clip arrive (each
+one token long), so a step encodes their clips and prefills their prompts beside the batch's decode rows, as a
+server under load does (Qwen3-ASR at c=128: ~125 decode rows and two or three ~75-token prompts a step); their
+wall time decoding ahead and the same profile, under "loaded".
 Writes `decode_profile_<skeleton>_b<batch>.{json,md}` under --out-dir. `--model DIR --device cpu` is a smoke run.
 """
 
@@ -23,6 +27,7 @@ import argparse
 import json
 import statistics
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -65,38 +70,27 @@ def graph_replay_ms(engine: Any, batch: int, replays: int) -> float | None:
     return round(start.elapsed_time(end) / replays, 3)
 
 
-def profile_decode(engine: Any, audio: Any, batch: int, steps: int, output_tokens: int) -> dict[str, Any]:
-    params = SamplingParams(
-        max_tokens=output_tokens, min_tokens=output_tokens, ignore_eos=True, temperature=0.0
-    )
+def _requests(engine: Any, audio: Any, count: int, tokens: int, tag: str) -> list[NewRequest]:
+    params = SamplingParams(max_tokens=tokens, min_tokens=tokens, ignore_eos=True, temperature=0.0)
     prompt = engine.processor.transcription(audio, None, None)
-    requests = [
-        NewRequest(f"decode-{i}", prompt.token_ids, params, prompt.prompt, mrope=prompt.mrope, mm=prompt.mm)
-        for i in range(batch)
+    return [
+        NewRequest(f"{tag}-{i}", prompt.token_ids, params, prompt.prompt, mrope=prompt.mrope, mm=prompt.mm)
+        for i in range(count)
     ]
-    assert not any(engine.add_requests(requests))
-    while engine.num_waiting or any(s.num_output_tokens == 0 for s in engine.scheduler.running):
-        engine.step()
-    walls = {}
-    for ahead in (False, True):
-        engine.decode_ahead = ahead
-        engine.step()  # the switch's step
-        walls[ahead] = []
-        for _ in range(steps):
-            start = time.perf_counter()
-            engine.step()
-            walls[ahead].append((time.perf_counter() - start) * 1e3)
-    replay_ms = graph_replay_ms(engine, batch, steps) if torch.cuda.is_available() else None
+
+
+def _profiled(engine: Any, steps: int, before_step: Callable[[int], None]) -> dict[str, Any]:
+    """`steps` engine steps under torch.profiler (`before_step(i)` first, inside it): per step, the kernels'
+    summed time, their launches, the GPU's busy time against its span; the top kernels and host operators."""
     activities = [torch.profiler.ProfilerActivity.CPU]
     if torch.cuda.is_available():
         activities.append(torch.profiler.ProfilerActivity.CUDA)
     with torch.profiler.profile(activities=activities) as prof:
-        for _ in range(steps):
+        for i in range(steps):
+            before_step(i)
             engine.step()
         if torch.cuda.is_available():
             torch.cuda.synchronize()
-    while engine.has_unfinished():
-        engine.step()
     kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
     intervals = [(e.time_range.start, e.time_range.end) for e in kernels]
     span = (max(i[1] for i in intervals) - min(i[0] for i in intervals)) if intervals else 0.0
@@ -105,12 +99,6 @@ def profile_decode(engine: Any, audio: Any, batch: int, steps: int, output_token
     )
     host = sorted(prof.key_averages(), key=lambda e: -e.self_cpu_time_total)
     return {
-        "batch": batch,
-        "steps": steps,
-        "prompt_tokens": len(prompt.token_ids),
-        "step_wall_median_ms": round(statistics.median(walls[False]), 3),
-        "step_wall_ahead_median_ms": round(statistics.median(walls[True]), 3),
-        "graph_replay_ms": replay_ms,
         "kernel_ms_per_step": round(sum(_kernel_time(e) for e in kernels) / steps / 1e3, 3),
         "gpu_busy_ms_per_step": round(_busy_us(intervals) / steps / 1e3, 3),
         "gpu_span_ms_per_step": round(span / steps / 1e3, 3),
@@ -126,25 +114,102 @@ def profile_decode(engine: Any, audio: Any, batch: int, steps: int, output_token
     }  # fmt: skip
 
 
+def profile_decode(
+    engine: Any, audio: Any, batch: int, steps: int, output_tokens: int, arrivals: int = 0
+) -> dict[str, Any]:
+    requests = _requests(engine, audio, batch, output_tokens, "decode")
+    assert not any(engine.add_requests(requests))
+    while engine.num_waiting or any(s.num_output_tokens == 0 for s in engine.scheduler.running):
+        engine.step()
+    walls = {}
+    for ahead in (False, True):
+        engine.decode_ahead = ahead
+        engine.step()  # the switch's step
+        walls[ahead] = []
+        for _ in range(steps):
+            start = time.perf_counter()
+            engine.step()
+            walls[ahead].append((time.perf_counter() - start) * 1e3)
+    replay_ms = graph_replay_ms(engine, batch, steps) if torch.cuda.is_available() else None
+    result = {
+        "batch": batch,
+        "steps": steps,
+        "prompt_tokens": len(requests[0].prompt_token_ids),
+        "step_wall_median_ms": round(statistics.median(walls[False]), 3),
+        "step_wall_ahead_median_ms": round(statistics.median(walls[True]), 3),
+        "graph_replay_ms": replay_ms,
+        **_profiled(engine, steps, lambda i: None),
+    }
+    if arrivals:
+        result["loaded"] = profile_loaded(engine, audio, steps, arrivals)
+    while engine.has_unfinished():
+        engine.step()
+    return result
+
+
+def profile_loaded(engine: Any, audio: Any, steps: int, arrivals: int) -> dict[str, Any]:
+    """Steps of the decoding batch with `arrivals` new requests admitted before each (a server under load): the
+    arrivals' clips encoded, their prompts prefilled beside the decode rows; each samples one token and ends,
+    so the batch stays the same. Their wall time (decoding ahead) and, in as many more, their profile."""
+    batches = iter(range(2 * steps + 1))
+
+    def arrive(_: int) -> None:
+        assert not any(engine.add_requests(_requests(engine, audio, arrivals, 1, f"arrival{next(batches)}")))
+
+    walls = []
+    for i in range(steps):
+        arrive(i)
+        start = time.perf_counter()
+        engine.step()
+        walls.append((time.perf_counter() - start) * 1e3)
+    return {
+        "arrivals": arrivals,
+        "step_wall_ahead_median_ms": round(statistics.median(walls), 3),
+    } | _profiled(engine, steps, arrive)
+
+
+def _tables(r: dict[str, Any]) -> list[str]:
+    return [
+        "| kernel | per step | µs per step |",
+        "| --- | --- | --- |",
+        *[f"| `{k['name']}` | {k['per_step']} | {k['us_per_step']} |" for k in r["top_kernels"]],
+        "",
+        "| host operator | per step | own µs per step |",
+        "| --- | --- | --- |",
+        *[f"| `{k['name']}` | {k['per_step']} | {k['us_per_step']} |" for k in r["top_host_ops"]],
+        "",
+    ]
+
+
+def _per_step(r: dict[str, Any]) -> str:
+    return (
+        f"{r['launches_per_step']:,} kernels, {r['kernel_ms_per_step']:.3f} ms of kernel time, the GPU busy "
+        f"{r['gpu_busy_ms_per_step']:.3f} ms of a {r['gpu_span_ms_per_step']:.3f} ms span."
+    )
+
+
 def markdown(name: str, r: dict[str, Any]) -> str:
+    loaded = r.get("loaded")
+    more = []
+    if loaded is not None:
+        more = [
+            f"#### With {loaded['arrivals']} arrivals a step",
+            "",
+            f"Step wall time decoding ahead (median): {loaded['step_wall_ahead_median_ms']:.3f} ms. Under the "
+            f"profiler, per step: {_per_step(loaded)}",
+            "",
+            *_tables(loaded),
+        ]
     return "\n".join(
         [
             f"### {name}, batch {r['batch']}, {r['prompt_tokens']:,}-token prompt ({r['steps']} decode steps)",
             "",
             f"Step wall time (median): {r['step_wall_median_ms']:.3f} ms in lockstep, "
             f"{r['step_wall_ahead_median_ms']:.3f} ms decoding ahead; the decode graph replayed back to back: "
-            f"{r['graph_replay_ms']} ms. Under the profiler (decoding ahead), per step: "
-            f"{r['launches_per_step']:,} kernels, {r['kernel_ms_per_step']:.3f} ms of kernel time, the GPU busy "
-            f"{r['gpu_busy_ms_per_step']:.3f} ms of a {r['gpu_span_ms_per_step']:.3f} ms span.",
+            f"{r['graph_replay_ms']} ms. Under the profiler (decoding ahead), per step: {_per_step(r)}",
             "",
-            "| kernel | per step | µs per step |",
-            "| --- | --- | --- |",
-            *[f"| `{k['name']}` | {k['per_step']} | {k['us_per_step']} |" for k in r["top_kernels"]],
-            "",
-            "| host operator | per step | own µs per step |",
-            "| --- | --- | --- |",
-            *[f"| `{k['name']}` | {k['per_step']} | {k['us_per_step']} |" for k in r["top_host_ops"]],
-            "",
+            *_tables(r),
+            *more,
         ]
     )
 
@@ -161,6 +226,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--seconds", type=float, default=120.0)
     parser.add_argument("--batch", type=int, default=1)
     parser.add_argument("--steps", type=int, default=50)
+    parser.add_argument(
+        "--arrivals", type=int, default=0, help="also loaded steps, with this many arrivals each"
+    )
     parser.add_argument("--out-dir", default=".")
     args = parser.parse_args(argv)
     where = (
@@ -169,18 +237,20 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         else {"model": str(released_skeleton(args.skeleton)), "load_format": "dummy"}
     )
     config = engine_config(
-        "decode profile", device=args.device, max_num_seqs=args.batch, speech=False,
+        "decode profile", device=args.device, max_num_seqs=args.batch + args.arrivals, speech=False,
         **({"kv_cache_memory_gib": 16.0} if args.device == "cuda" else {}), **where,
     )  # fmt: skip
     engine = build_pipeline(config).thinker
     audio = synth_clips((args.seconds,), seed=0, espeak=False)[0].audio
     output_tokens = 3 * args.steps + 8
-    profile_decode(engine, audio, args.batch, 4, 16)  # warm-up
-    result = profile_decode(engine, audio, args.batch, args.steps, output_tokens)
+    profile_decode(engine, audio, args.batch, 4, 16, args.arrivals)  # warm-up
+    result = profile_decode(engine, audio, args.batch, args.steps, output_tokens, args.arrivals)
     result["skeleton"] = "model" if args.model else args.skeleton
     out = Path(args.out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    stem = f"decode_profile_{result['skeleton']}_b{args.batch}"
+    stem = f"decode_profile_{result['skeleton']}_b{args.batch}" + (
+        f"_a{args.arrivals}" if args.arrivals else ""
+    )
     (out / f"{stem}.json").write_text(json.dumps(result, indent=2) + "\n")
     text = markdown(result["skeleton"], result)
     (out / f"{stem}.md").write_text(text)
