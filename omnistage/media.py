@@ -7,11 +7,17 @@ DecodedVideo}` (its frames sampled, its sound track decoded where `use_audio_in_
 policy allows it: `data:` always, `http(s)` with `--allow-remote-media`, local files under `--media-dir`.
 Everything here blocks (fetching, decoding, resampling), so the app runs it in a worker thread. Every
 problem is an InvalidMedia naming the part and, where a flag would allow it, the flag.
+
+The server prepares many requests at once (pipeline/preparing.py), but decodes at most `DECODING_AT_ONCE`
+media parts at once, the number of threads that once prepared every request: decoded frames and pictures are
+the memory a flood of large media requests would take.
 """
 
 from __future__ import annotations
 
 import binascii
+import os
+import threading
 import urllib.parse
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -27,6 +33,8 @@ from omnistage.models.qwen3_omni.video_decoding import VideoLimits, decode_video
 from omnistage.models.qwen3_omni.video_processing import DecodedVideo, VideoProcessorConfig
 
 AUDIO_FORMATS = ("wav", "mp3", "flac", "ogg")
+DECODING_AT_ONCE = min(32, (os.cpu_count() or 1) + 4)  # asyncio's default pool of worker threads
+_decoding = threading.BoundedSemaphore(DECODING_AT_ONCE)
 MEDIA_TYPES = ("input_audio", "audio_url", "image_url", "video_url")
 
 
@@ -85,8 +93,11 @@ def decode_messages(
 def decode_part(
     part: dict[str, Any], policy: MediaPolicy, where: str, video: VideoOptions = VideoOptions()
 ) -> dict[str, Any]:
-    """One content part: media decoded, anything else unchanged."""
+    """One content part: media fetched and decoded (one of the decodings at once), anything else unchanged."""
     kind = part.get("type")
+    path = _video_path(part)
+    if kind not in MEDIA_TYPES and path is None:
+        return part
     try:
         if kind == "input_audio":
             given = part.get("input_audio") or {}
@@ -95,25 +106,26 @@ def decode_part(
                 raise InvalidMedia(
                     f"input_audio.format {fmt!r} is not supported; use one of {', '.join(AUDIO_FORMATS)}"
                 )
-            return {"type": "audio", "audio": load_audio(_base64(given.get("data") or ""), policy)}
-        if kind == "audio_url":
-            return {"type": "audio", "audio": load_audio(fetch(_url(part, "audio_url"), policy), policy)}
-        if kind == "image_url":
-            return {"type": "image", "image": decode_image(fetch(_url(part, "image_url"), policy))}
-        if kind == "video_url":
-            return {
-                "type": "video",
-                "video": load_video(fetch(_url(part, "video_url"), policy), policy, video),
-            }
-        if (path := _video_path(part)) is not None:
-            return {"type": "video", "video": load_video(fetch(path, policy), policy, video)}
+            data = _base64(given.get("data") or "")
+        else:
+            data = fetch(_url(part, str(kind)) if path is None else path, policy)
+        with _decoding:
+            if kind in ("input_audio", "audio_url"):
+                return {"type": "audio", "audio": _load_audio(data, policy)}
+            if kind == "image_url":
+                return {"type": "image", "image": decode_image(data)}
+            return {"type": "video", "video": load_video(data, policy, video)}
     except InvalidMedia as exc:
         raise InvalidMedia(f"{where}: {exc}") from None
-    return part
 
 
 def load_audio(data: bytes, policy: MediaPolicy) -> np.ndarray:
-    """Audio file bytes to float32 mono at the model's 16 kHz."""
+    """Audio file bytes to float32 mono at the model's 16 kHz (one of the decodings at once)."""
+    with _decoding:
+        return _load_audio(data, policy)
+
+
+def _load_audio(data: bytes, policy: MediaPolicy) -> np.ndarray:
     samples, rate = decode_audio(data, max_seconds=policy.max_audio_seconds)
     return resample(samples, rate, SAMPLE_RATE)
 

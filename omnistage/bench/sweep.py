@@ -8,6 +8,8 @@ import time
 from collections.abc import Awaitable, Callable, Coroutine, Sequence
 from typing import Any, TypeVar
 
+from omnistage.pipeline.preparing import prepare_on_threads
+
 log = logging.getLogger("omnistage.bench")
 
 Item = TypeVar("Item")
@@ -17,7 +19,8 @@ T = TypeVar("T")
 
 def run(main: Coroutine[Any, Any, T]) -> T:
     """`asyncio.run(main)` on the event loop the server runs on: uvloop where it is installed (uvicorn picks
-    it then), so that clients and in-process consumers pay for their loop what the server pays for its own."""
+    it then), with the server's threads for the requests being prepared, so that clients and in-process
+    consumers pay for their loop what the server pays for its own."""
     try:
         import uvloop
     except ImportError:
@@ -25,6 +28,7 @@ def run(main: Coroutine[Any, Any, T]) -> T:
     else:
         factory = uvloop.new_event_loop
     with asyncio.Runner(loop_factory=factory) as runner:
+        prepare_on_threads(runner.get_loop())
         return runner.run(main)
 
 

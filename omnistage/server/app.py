@@ -8,9 +8,11 @@ that let go of the GIL, never on the event loop.
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import time
-from collections.abc import Mapping
+from collections.abc import AsyncIterator, Mapping
+from contextlib import asynccontextmanager
 from importlib.metadata import PackageNotFoundError, version
 
 from fastapi import APIRouter, FastAPI
@@ -18,6 +20,7 @@ from fastapi.responses import JSONResponse, Response
 
 from omnistage.media import MediaPolicy
 from omnistage.pipeline.async_pipeline import AsyncPipeline
+from omnistage.pipeline.preparing import prepare_on_threads
 from omnistage.server import chat, completions, responses_api, speech, transcriptions
 from omnistage.server.errors import install_error_handlers
 from omnistage.server.gate import DEFAULT_MAX_BODY_BYTES, CatchAll, Gate, RequestIds
@@ -90,7 +93,7 @@ def build_app(
 
     responder = Responder(pipeline, served_model_name, metrics, count)
     info = _Info(pipeline, responder, voices)
-    app = FastAPI(title="omnistage", version=_version())
+    app = FastAPI(title="omnistage", version=_version(), lifespan=_preparing_threads)
     install_error_handlers(app, lambda request, status: count(request.url.path, status))
     app.add_middleware(
         Gate,
@@ -145,6 +148,13 @@ def build_app(
     if playground:
         add_playground(app)
     return app
+
+
+@asynccontextmanager
+async def _preparing_threads(app: FastAPI) -> AsyncIterator[None]:
+    """The server's event loop prepares requests on threads enough for many at once (pipeline/preparing.py)."""
+    prepare_on_threads(asyncio.get_running_loop())
+    yield
 
 
 def system_fingerprint(served_model_name: str, model_path: object) -> str:
