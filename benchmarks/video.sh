@@ -10,7 +10,8 @@
 # same weight tensors, one request per length up to BASELINE_MAX_S seconds (a length that runs out of memory is a
 # note). The 120 s video is sampled at 1 fps where 2 would overflow the context (its fps is in the table).
 # Under $OUT: env.txt, v2s.json (written as each length ends), v2s.log; the table rows go to stdout.
-# Every setting below can be overridden from the environment (e.g. LENGTHS=10,30 BASELINE=0).
+# Every setting below can be overridden from the environment (e.g. LENGTHS=10,30 BASELINE=0); V2S_ARGS adds
+# flags (e.g. "--max-num-batched-tokens 8192").
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-video-out}
@@ -20,9 +21,11 @@ source benchmarks/gpu_env.sh
 baseline=()
 [[ ${BASELINE:-1} == 0 ]] || baseline=(--baseline transformers --baseline-max-seconds "${BASELINE_MAX_S:-30}")
 failed=0
+# shellcheck disable=SC2086  # V2S_ARGS is a list of flags
 timeout "${V2S_S:-450}" python3 -m omnistage.cli bench v2s --load-format dummy --device cuda --dtype bfloat16 \
   --video-seconds "${LENGTHS:-10,30,120}" --resolution "${RESOLUTION:-1280x720}" --concurrency "${C:-1,8}" \
   --requests "${REQUESTS:-1}" --text-tokens "${TEXT_TOKENS:-40}" --frames "${FRAMES:-125}" \
-  --kv-cache-memory-gib "${KV_GIB:-32}" "${baseline[@]}" --fail-on-build --out-dir "$OUT" >"$OUT/v2s.log" 2>&1 || failed=1
+  --kv-cache-memory-gib "${KV_GIB:-32}" "${baseline[@]}" --fail-on-build ${V2S_ARGS:-} --out-dir "$OUT" \
+  >"$OUT/v2s.log" 2>&1 || failed=1
 grep -E "^\| |^ours, |^v2s:|pools after|built while|failed|Error|engine start" "$OUT/v2s.log" | head -80
 exit $failed

@@ -183,6 +183,7 @@ def start_engine(args: argparse.Namespace, max_num_seqs: int) -> tuple[Any, Any,
         "kv_cache_memory_gib": kv_beside_baseline(args.kv_cache_memory_gib, bool(args.baseline), args.device),
         "enforce_eager": args.enforce_eager or None,
         "overlap_stages": True if args.overlap_stages else None,
+        "max_num_batched_tokens": args.max_num_batched_tokens,
     }
     config = engine_config(
         f"bench {args.workload}",
@@ -376,3 +377,5 @@ def add_engine_options(target: Any) -> None:
     target.add_argument("--enforce-eager", action="store_true", help="in-process: no CUDA graphs")
     target.add_argument("--overlap-stages", action="store_true",
                         help="in-process: the Thinker's decode steps beside the speech stages' (off by default)")  # fmt: skip
+    target.add_argument("--max-num-batched-tokens", type=int,
+                        help="in-process: the per-step token budget, a long prompt's chunk (default: the engine's)")  # fmt: skip
