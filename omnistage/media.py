@@ -33,9 +33,9 @@ from omnistage.models.qwen3_omni.video_decoding import VideoLimits, decode_video
 from omnistage.models.qwen3_omni.video_processing import DecodedVideo, VideoProcessorConfig
 
 AUDIO_FORMATS = ("wav", "mp3", "flac", "ogg")
+MEDIA_TYPES = ("input_audio", "audio_url", "image_url", "video_url")
 DECODING_AT_ONCE = min(32, (os.cpu_count() or 1) + 4)  # asyncio's default pool of worker threads
 _decoding = threading.BoundedSemaphore(DECODING_AT_ONCE)
-MEDIA_TYPES = ("input_audio", "audio_url", "image_url", "video_url")
 
 
 @dataclass(frozen=True)

@@ -58,7 +58,7 @@ class AsyncPipeline:
             self._process = None
             self.pipeline = self._local = pipeline
             self._commands: queue.SimpleQueue = queue.SimpleQueue()
-            self._taken = 0
+            self._loop = StepLoop.of(pipeline, self._deliver_all, self._wanted)
             target = self._run_here
         self.frontend: Frontend = self.pipeline.frontend
         self._thread = threading.Thread(target=target, name="omnistage-engine", daemon=True)
@@ -90,8 +90,8 @@ class AsyncPipeline:
         return alive and self._thread.is_alive() and not (self._stopping.is_set() or self._gone.is_set())
 
     def _queued(self) -> int:
-        """Adds the engine side has not picked up yet."""
-        taken = self._process.admitted if self._process is not None else self._taken
+        """Adds the engine side has not admitted yet (sent, or held for a burst or a busy engine's next ones)."""
+        taken = self._process.admitted if self._process is not None else self._loop.taken
         return self._added - taken
 
     def memory_summary(self) -> str:
@@ -195,12 +195,13 @@ class AsyncPipeline:
         for loop, batch in by_loop.items():
             loop.call_soon_threadsafe(_put_all, batch)
 
-    def _run_here(self) -> None:
-        def wanted(request_id: str) -> bool:  # a client that left before its Add was picked up
-            with self._lock:
-                return request_id in self._streams
+    def _wanted(self, request_id: str) -> bool:
+        """Whether the client of a request is still there (one may leave before its Add is picked up)."""
+        with self._lock:
+            return request_id in self._streams
 
-        StepLoop.of(self._local, self._deliver_all, wanted).run(self._take, self._stopping.is_set)
+    def _run_here(self) -> None:
+        self._loop.run(self._take, self._stopping.is_set)
 
     def _take(self, timeout: float | None) -> list[Add | Abort]:
         """The commands queued so far; with a `timeout`, waits up to that many seconds for the first."""
@@ -213,7 +214,6 @@ class AsyncPipeline:
             timeout = None
             if command is not None:
                 commands.append(command)
-                self._taken += isinstance(command, Add)
         return commands
 
     def _receive_from_process(self) -> None:

@@ -65,7 +65,8 @@ class PipelineInfo:
 
 @dataclass(frozen=True)
 class Outputs:
-    """One step's deliveries, the engine's stats after it, and how many Adds it has picked up so far."""
+    """One step's deliveries, the engine's stats after it, and how many Adds it has admitted so far (or refused,
+    or dropped: `StepLoop.taken`)."""
 
     items: Delivery
     stats: dict[str, int] | None  # None: unchanged enough since the last
@@ -104,7 +105,6 @@ def _engine_main(config_json: str, conn: Connection, log_level: int) -> None:
         serving_stats(pipeline),
     )
     _send(conn, info)
-    admitted = 0
     stopped = False
     stale = False  # commands were handled since the server last got the stats
     # The pipe is drained on a thread of its own, so that the server's writes (a request's media can be MBs)
@@ -124,10 +124,10 @@ def _engine_main(config_json: str, conn: Connection, log_level: int) -> None:
         stats = None
         if now - stats_sent > _STATS_EVERY_S or not pipeline.has_unfinished():
             stats, stats_sent = serving_stats(pipeline), now
-        _send(conn, Outputs(outputs.slim(items), stats, admitted))
+        _send(conn, Outputs(outputs.slim(items), stats, loop.taken))
 
     def receive(timeout: float | None) -> list[Add | Abort]:
-        nonlocal admitted, stopped, stale
+        nonlocal stopped, stale
         if stale:  # no step followed them (an abort left the pipeline idle): the pages it freed, now
             deliver([])
         commands: list[Add | Abort] = []
@@ -141,11 +141,11 @@ def _engine_main(config_json: str, conn: Connection, log_level: int) -> None:
                 stopped = True
                 break
             commands.append(command)
-            admitted += isinstance(command, Add)
         stale = bool(commands)
         return commands
 
-    StepLoop.of(pipeline, deliver).run(receive, lambda: stopped)
+    loop = StepLoop.of(pipeline, deliver)
+    loop.run(receive, lambda: stopped)
 
 
 class SlimOutputs:

@@ -74,6 +74,9 @@ class StepLoop:
         self._held: list[GenerationRequest] = []
         self._held_until = 0.0
         self._steps_held = 0  # steps run since the first of the held requests came
+        # Adds that have left this loop's hands: admitted, refused, or dropped (aborted while held, their client
+        # gone); those held are not, and the caller counts them as waiting
+        self.taken = 0
 
     @classmethod
     def of(
@@ -102,6 +105,7 @@ class StepLoop:
                     (request_id, RuntimeError("internal engine error")) for request_id in self._live
                 ]
                 failed += [(r.request_id, RuntimeError("internal engine error")) for r in self._held]
+                self.taken += len(self._held)
                 for request_id, _ in failed:
                     self.pipeline.abort(request_id)
                 self._live.clear()
@@ -144,7 +148,9 @@ class StepLoop:
                 self._held.append(command.request)
                 burst_complete = command.more_coming == 0
                 continue
+            before = len(self._held)
             self._held = [r for r in self._held if r.request_id != command.request_id]
+            self.taken += before - len(self._held)
             out = self.pipeline.abort(command.request_id)
             if out is not None:
                 aborted.append((command.request_id, out))
@@ -165,6 +171,7 @@ class StepLoop:
         return bool(burst_complete) or self._steps_held > 0 or time.monotonic() >= self._held_until
 
     def _admit(self, requests: list[GenerationRequest]) -> None:
+        self.taken += len(requests)
         requests = [r for r in requests if self.wanted(r.request_id)]
         if not requests:
             return

@@ -136,6 +136,23 @@ def test_requests_held_by_a_busy_pipeline_go_in_at_once_when_it_has_nothing_left
     assert timeouts[2] is None and time.monotonic() - start < 5.0
 
 
+def test_held_requests_are_not_taken_until_they_go_in_or_are_dropped():
+    """`taken` counts the Adds admitted, refused or dropped; its caller counts the rest as waiting."""
+    pipeline = FakePipeline(steps=20)
+    loop = StepLoop(pipeline, lambda items: None, admission_hold_steps=2)
+    loop.handle([add("a", 0)])
+    assert loop.taken == 1  # the idle loop admitted it
+    loop.step()
+    loop.handle([add("b", 0), add("c", 0), add("d", 0)])
+    assert loop.taken == 1  # held by the busy loop
+    loop.handle([Abort("c")])
+    assert loop.taken == 2  # dropped while held
+    loop.step()
+    loop.step()
+    loop.handle([])
+    assert loop.taken == 4 and pipeline.batches == [["a"], ["b", "d"]]
+
+
 def test_an_abort_drops_a_held_request():
     pipeline = FakePipeline()
     delivered = []
