@@ -9,8 +9,10 @@
 # 2. `omnistage bench a2t` on Qwen3-ASR 0.6B and 1.7B at c = 64, 128 (and 256 for the 0.6B), 33 tokens
 #    forced, with --fail-on-build.
 # Under $OUT: env.txt, t2s.json, s2s.json, speech_bench.log, asr_{0p6b,1p7b}{TAG}.{json,log}. T2S_REPEATS passes
-# per concurrency (1); A2T_ARGS more flags for every `bench a2t` (e.g. "--rounds 8 --admission-hold-steps 4"),
-# TAG a suffix of their files; T2S_C=" " leaves the speech part out.
+# per concurrency (1); T2S_ARGS more flags for `bench t2s` (e.g. "--config configs/qwen3omni_colocated.yaml
+# --gpu-memory-limit-gib 80", the topology benchmarks/http_load.sh serves); A2T_ARGS more flags for every
+# `bench a2t` (e.g. "--rounds 8 --admission-hold-steps 4"), TAG a suffix of their files; T2S_C=" " leaves the
+# speech part out.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-load-out}
@@ -20,9 +22,10 @@ source benchmarks/gpu_env.sh
 failed=0
 t2s=${T2S_C-1,4,16,32,64}
 if [[ -n ${t2s// /} ]]; then
+  # shellcheck disable=SC2086  # T2S_ARGS is a list of flags
   TORCH_LOGS=${TORCH_LOGS:-recompiles} timeout "${SPEECH_S:-390}" python3 -m omnistage.cli bench t2s \
     --load-format dummy --device cuda --dtype bfloat16 --concurrency "$t2s" --requests 2 \
-    --repeats "${T2S_REPEATS:-1}" --also s2s --also-concurrency 1 \
+    --repeats "${T2S_REPEATS:-1}" --also s2s --also-concurrency 1 ${T2S_ARGS:-} \
     --fail-on-build --out-dir "$OUT" >"$OUT/speech_bench.log" 2>&1 || failed=1
   grep -E "^\| |built while|Recompiling|guard|engine start|Error" "$OUT/speech_bench.log" | head -60
 fi

@@ -171,12 +171,14 @@ def run_speech(args: argparse.Namespace) -> dict[str, dict[str, Any]]:
 def start_engine(args: argparse.Namespace, max_num_seqs: int) -> tuple[Any, Any, dict[str, Any]]:
     """The in-process target of the target options: its pipeline, an AsyncPipeline over it, and what its start
     showed (seconds, model, memory summary)."""
-    from omnistage.config import engine_config
+    from omnistage.config import engine_config, load_config
     from omnistage.pipeline.async_pipeline import AsyncPipeline
     from omnistage.pipeline.family import build_pipeline
 
     model_dir = args.model or (str(released_skeleton()) if args.load_format == "dummy" else None)
     overrides = {
+        "model": model_dir,
+        "load_format": args.load_format,
         "device": args.device,
         "dtype": args.dtype,
         "max_num_seqs": max_num_seqs,
@@ -184,13 +186,13 @@ def start_engine(args: argparse.Namespace, max_num_seqs: int) -> tuple[Any, Any,
         "enforce_eager": args.enforce_eager or None,
         "overlap_stages": True if args.overlap_stages else None,
         "max_num_batched_tokens": args.max_num_batched_tokens,
+        "gpu_memory_limit_gib": args.gpu_memory_limit_gib,
     }
-    config = engine_config(
-        f"bench {args.workload}",
-        model=model_dir,
-        load_format=args.load_format,
-        **{k: v for k, v in overrides.items() if v is not None},
-    )
+    given = {k: v for k, v in overrides.items() if v is not None}
+    if args.config:  # the file's settings, the flags above on top (as `omnistage serve --config`)
+        config = load_config(args.config, **given)
+    else:
+        config = engine_config(f"bench {args.workload}", **given)
     started = time.perf_counter()
     pipeline = build_pipeline(config)
     engine = AsyncPipeline(pipeline)
@@ -377,5 +379,9 @@ def add_engine_options(target: Any) -> None:
     target.add_argument("--enforce-eager", action="store_true", help="in-process: no CUDA graphs")
     target.add_argument("--overlap-stages", action="store_true",
                         help="in-process: the Thinker's decode steps beside the speech stages' (off by default)")  # fmt: skip
+    target.add_argument("--config",
+                        help="in-process: a topology YAML file, as `omnistage serve --config` takes (the flags here on top)")  # fmt: skip
+    target.add_argument("--gpu-memory-limit-gib", type=float,
+                        help="in-process: cap on the GPU memory the plan uses (default: the engine's)")  # fmt: skip
     target.add_argument("--max-num-batched-tokens", type=int,
                         help="in-process: the per-step token budget, a long prompt's chunk (default: the engine's)")  # fmt: skip

@@ -210,6 +210,24 @@ def test_in_process_t2s_then_s2s_with_the_transformers_baseline(tiny_checkpoint,
     assert "| transformers (not streamed) | 1 | 1 |" in printed
 
 
+def test_in_process_with_a_topology_file_and_the_flags_on_top(tiny_checkpoint, tmp_path):
+    """`--config` takes the YAML file `omnistage serve --config` takes (its pools here); the flags win."""
+    topology = tmp_path / "topology.yaml"
+    topology.write_text(
+        "engine:\n  model: /nowhere\n  device: cuda\n  stages:\n    thinker: {num_kv_pages: 48}\n"
+        "    talker: {num_kv_pages: 40}\n"
+    )
+    args = build_parser().parse_args(
+        ["bench", "t2s", "--config", str(topology), "--model", str(tiny_checkpoint), "--device", "cpu",
+         "--concurrency", "1", "--requests", "1", "--text-tokens", str(TEXT_TOKENS), "--frames", str(FRAMES),
+         "--no-espeak", "--out-dir", str(tmp_path)]
+    )  # fmt: skip
+    args.func(args)
+    t2s = json.loads((tmp_path / "t2s.json").read_text())
+    assert t2s["pools_after"] == {"thinker": [48, 48], "talker": [40, 40], "full": True}
+    assert t2s["target"]["model"] == str(tiny_checkpoint)
+
+
 def test_in_process_tts_speaks_the_given_text(engine):
     run = speech_targets.inprocess_runner(engine, True, 40, FRAMES, "aiden", True)
     item = SpeechInput("p", "Hello there, how are you?")
