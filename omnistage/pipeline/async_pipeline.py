@@ -58,7 +58,7 @@ class AsyncPipeline:
             self._process = None
             self.pipeline = self._local = pipeline
             self._commands: queue.SimpleQueue = queue.SimpleQueue()
-            self._loop = StepLoop.of(pipeline, self._deliver_all, self._wanted)
+            self._step_loop = StepLoop.of(pipeline, self._deliver_all, self._wanted)
             target = self._run_here
         self.frontend: Frontend = self.pipeline.frontend
         self._thread = threading.Thread(target=target, name="omnistage-engine", daemon=True)
@@ -91,7 +91,7 @@ class AsyncPipeline:
 
     def _queued(self) -> int:
         """Adds the engine side has not admitted yet (sent, or held for a burst or a busy engine's next ones)."""
-        taken = self._process.admitted if self._process is not None else self._loop.taken
+        taken = self._process.admitted if self._process is not None else self._step_loop.taken
         return self._added - taken
 
     def memory_summary(self) -> str:
@@ -201,7 +201,7 @@ class AsyncPipeline:
             return request_id in self._streams
 
     def _run_here(self) -> None:
-        self._loop.run(self._take, self._stopping.is_set)
+        self._step_loop.run(self._take, self._stopping.is_set)
 
     def _take(self, timeout: float | None) -> list[Add | Abort]:
         """The commands queued so far; with a `timeout`, waits up to that many seconds for the first."""
