@@ -13,50 +13,52 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager
 
 import torch
 
-_lock = threading.Lock()
-_active = 0  # callers inside `shared_threads`
-_decoding = 0  # callers inside `shared_decoder_threads`
 _cores = torch.get_num_threads()
 
 
-def _share(callers: int) -> int:
-    return max(1, _cores // max(1, callers))
+class _Callers:
+    """Callers inside a block, counted under a lock: each entering gets cores / those inside then."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._inside = 0
+
+    @contextmanager
+    def share(self) -> Iterator[int]:
+        with self._lock:
+            self._inside += 1
+            share = max(1, _cores // self._inside)
+        try:
+            yield share
+        finally:
+            with self._lock:
+                self._inside -= 1
+
+
+_torch_callers = _Callers()
+_decoders = _Callers()  # counted apart: a video's decoder and its resizes run side by side
 
 
 @contextmanager
 def shared_threads() -> Iterator[int]:
     """Run the block on this thread's share of the cores (given as the value); restored after."""
-    global _active
-    with _lock:
-        _active += 1
-        share = _share(_active)
-    before = torch.get_num_threads()
-    torch.set_num_threads(share)
-    try:
-        yield share
-    finally:
-        torch.set_num_threads(before)
-        with _lock:
-            _active -= 1
+    with _torch_callers.share() as share:
+        before = torch.get_num_threads()
+        torch.set_num_threads(share)
+        try:
+            yield share
+        finally:
+            torch.set_num_threads(before)
 
 
-@contextmanager
-def shared_decoder_threads() -> Iterator[int]:
+def shared_decoder_threads() -> AbstractContextManager[int]:
     """The threads a video decoder opened in the block may take: cores / the videos decoding at once, taken on
     entry (a lone video keeps every core)."""
-    global _decoding
-    with _lock:
-        _decoding += 1
-        share = _share(_decoding)
-    try:
-        yield share
-    finally:
-        with _lock:
-            _decoding -= 1
+    return _decoders.share()
 
 
 def cores() -> int:

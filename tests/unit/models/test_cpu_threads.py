@@ -34,7 +34,7 @@ def test_callers_at_once_split_the_cores_among_them(monkeypatch):
     # a share is taken on entry (a frame's resize is short, so each frame takes it anew): the first in took
     # all 16, the second 8, the third 5, and each thread's team was its own share
     assert sorted(s for s, _ in seen) == [5, 8, 16] and all(s == n for s, n in seen)
-    assert cpu_threads._active == 0
+    assert cpu_threads._torch_callers._inside == 0
 
 
 def test_videos_decoding_at_once_split_the_cores_apart_from_torchs_callers(monkeypatch):
@@ -46,4 +46,7 @@ def test_videos_decoding_at_once_split_the_cores_apart_from_torchs_callers(monke
         assert torch_share == 16  # a video's resizes are not counted with the decoders
         with shared_decoder_threads() as again:
             assert again == 8 and torch.get_num_threads() == 16
-    assert torch.get_num_threads() == before and cpu_threads._decoding == 0 == cpu_threads._active
+    assert (
+        torch.get_num_threads() == before
+        and cpu_threads._decoders._inside == 0 == cpu_threads._torch_callers._inside
+    )
