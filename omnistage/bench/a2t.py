@@ -134,15 +134,26 @@ def run_a2t(args: argparse.Namespace) -> dict[str, Any]:
         **{k: v for k, v in overrides.items() if v is not None},
     )
     started = time.perf_counter()
-    pipeline = build_pipeline(config)
-    engine = AsyncPipeline(pipeline)
+    if args.engine_process:  # as `serve --engine-process`: this process prepares, a second one steps
+        import torch
+
+        from omnistage.pipeline.engine_process import ONE_THREAD
+
+        torch.set_num_threads(ONE_THREAD)
+        engine = AsyncPipeline.from_config(config, engine_process=True)
+    else:
+        pipeline = build_pipeline(config)
+        engine = AsyncPipeline(pipeline)
     results["engine_start_s"] = round(time.perf_counter() - started, 2)
+    results["engine_process"] = args.engine_process
     results["target"] = {"model": str(engine.frontend.model_path), "load_format": args.load_format}
     results["engine"] = engine.memory_summary()
     try:
         run = inprocess_runner(engine, output_tokens, args.max_tokens)
         results["ours"] = run_async(sweep(run, clips, concurrencies, args.warmup, args.repeats, args.rounds))
-        results["builds_while_serving"] = builds.in_process()
+        results["builds_while_serving"] = (
+            engine.stats()["builds_while_serving"] if args.engine_process else builds.in_process()
+        )
         if args.baseline == "transformers":
             results["transformers"] = _transformers(
                 pipeline.thinker, clips, output_tokens, args.max_tokens, args.repeats
@@ -221,6 +232,8 @@ def report(results: dict[str, Any]) -> str:
 def main(args: argparse.Namespace) -> None:
     if args.baseline and args.url:
         raise SystemExit("omnistage bench a2t: --baseline runs in-process; drop --url")
+    if args.engine_process and (args.url or args.baseline):
+        raise SystemExit("omnistage bench a2t: --engine-process is in-process, without --url or --baseline")
     results = run_a2t(args)
     print(report(results))
     if args.out:
@@ -294,6 +307,9 @@ def add_parser(sub: Any) -> None:
                         help="largest prefill chunk captured in a CUDA graph (0: none; default: the engine's)")  # fmt: skip
     target.add_argument("--admission-hold-steps", type=int,
                         help="in-process: steps a busy engine holds its arrivals (default: the engine's)")  # fmt: skip
+    target.add_argument("--engine-process", action="store_true",
+                        help="in-process: the engine steps in a process of its own, as `serve --engine-process` "
+                             "runs it; this process prepares the requests")  # fmt: skip
     target.add_argument(
         "--baseline", choices=["transformers"], help="also time transformers on the same weights"
     )

@@ -312,3 +312,26 @@ def test_qwen3_asr_in_process_with_the_transformers_baseline(tmp_path):
     hf = build_hf_asr(stage, json.loads((checkpoint / "config.json").read_text()))
     ours = {p.data_ptr() for p in [*stage.model.parameters(), *stage.encoders.audio_encoder.parameters()]}
     assert all(p.data_ptr() in ours for p in hf.parameters())
+
+
+def test_qwen3_asr_with_the_engine_in_a_process_of_its_own(tmp_path):
+    """`--engine-process`: the engine steps in a second process (this one prepares) and serves every request
+    to its forced length; its builds are counted on its side, and the flag refuses a remote target."""
+    from omnistage.models.qwen3_asr.tiny import make_tiny
+
+    checkpoint = make_tiny(tmp_path / "asr")
+    out = tmp_path / "a2t.json"
+    args = build_parser().parse_args(
+        ["bench", "a2t", "--model", str(checkpoint), "--device", "cpu", "--limit", "3", "--no-espeak",
+         "--concurrency", "3", "--rounds", "2", "--output-tokens", "4", "--repeats", "1", "--engine-process",
+         "--out", str(out)]
+    )  # fmt: skip
+    args.func(args)
+    results = json.loads(out.read_text())
+    (ours,) = results["ours"]
+    assert results["engine_process"] is True
+    assert ours["requests"] == 6 and ours["output_tokens"] == 24 and ours["rtf"] > 0
+    assert "Qwen3-ASR" in results["engine"] and results["builds_while_serving"] == 0
+    remote = build_parser().parse_args(["bench", "a2t", "--url", "http://127.0.0.1:1", "--engine-process"])
+    with pytest.raises(SystemExit, match="--engine-process is in-process"):
+        remote.func(remote)
