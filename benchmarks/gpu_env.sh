@@ -28,8 +28,11 @@ if ((${#wheels[@]} + ${#archives[@]})); then
   export PYTHONPATH=$SITE${PYTHONPATH:+:$PYTHONPATH}
 fi
 
-# The machine and the versions a run measured, for its $OUT/env.txt: `gpu_env_txt > "$OUT/env.txt"`.
+# The machine and the versions a run measured, for its $OUT/env.txt: `gpu_env_txt > "$OUT/env.txt"`. The host's
+# CPU and load go with the GPU: two H100 machines served the same Qwen3-ASR run at 1,317-1,544 and 2,294-2,689
+# audio seconds a second, a host-bound rate (benchmarks/RESULTS.md, "Qwen3-ASR at c=128 on two H100 hosts").
 gpu_env_txt() {
   nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>&1
+  echo "cpu $(grep -m1 'model name' /proc/cpuinfo | cut -d: -f2- | xargs), $(nproc) cores; load $(cut -d' ' -f1-3 /proc/loadavg)"
   python3 -c 'import sys, torch, transformers; print("python", sys.version.split()[0], "torch", torch.__version__, "transformers", transformers.__version__)' 2>&1
 }
