@@ -37,12 +37,12 @@ def on_server(url: str) -> int:
 
 
 def check(args: argparse.Namespace, builds: list[dict[str, Any]] | int) -> None:
-    """Under --fail-on-build: exit with the builds listed (a count, from a server) when there are any."""
+    """Under --fail-on-build: exit with the builds listed (a count, from a server or an engine process) when there are any."""
     if not args.fail_on_build or not builds:
         return
     if isinstance(builds, int):
         raise SystemExit(
-            f"omnistage bench: the server built {builds} kernels or graphs while serving (its log names them)"
+            f"omnistage bench: the engine built {builds} kernels or graphs while serving (its log names them)"
         )
     listed = "; ".join(f"{b['what']} in {b['ms']:.0f} ms" for b in builds)
     raise SystemExit(f"omnistage bench: {len(builds)} kernels or graphs built while serving: {listed}")

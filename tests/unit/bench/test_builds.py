@@ -34,7 +34,7 @@ def test_a_build_while_serving_fails_the_run_only_when_asked() -> None:
     builds.check(_args("--fail-on-build"), [])  # nothing built
     with pytest.raises(SystemExit, match="1 kernels or graphs built while serving: torch.compile graph"):
         builds.check(_args("--fail-on-build"), seen)
-    with pytest.raises(SystemExit, match="the server built 2 kernels or graphs"):
+    with pytest.raises(SystemExit, match="the engine built 2 kernels or graphs"):
         builds.check(_args("--fail-on-build"), 2)
 
 
