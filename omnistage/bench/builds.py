@@ -37,7 +37,8 @@ def on_server(url: str) -> int:
 
 
 def check(args: argparse.Namespace, builds: list[dict[str, Any]] | int) -> None:
-    """Under --fail-on-build: exit with the builds listed (a count, from a server or an engine process) when there are any."""
+    """Under --fail-on-build: exit with the builds listed (a count, from a server or an engine process) when
+    there are any."""
     if not args.fail_on_build or not builds:
         return
     if isinstance(builds, int):

@@ -13,6 +13,8 @@ A busy pipeline may hold its arrivals too (`admission_hold_steps`, 0 by default:
 to that many steps, then together. A server of many short requests (Qwen3-ASR at c=128 admits two or three
 requests a step) otherwise encodes media and prefills prompts on nearly every step, and a step with prompt rows
 costs more than a pure decode step whatever its rows (benchmarks/RESULTS.md, "Arrivals held for a few steps").
+Measured on an H100, holding 4 steps lowered that load's TPOT but not its throughput, hence the default
+("Qwen3-ASR at c=128 on two H100 hosts").
 """
 
 from __future__ import annotations
@@ -135,9 +137,9 @@ class StepLoop:
 
     def handle(self, commands: list[Add | Abort]) -> None:
         """Commands in arrival order; the adds are admitted as one batch (media encoded together), or held for
-        the rest of a burst while the pipeline is idle, for a few steps while it is busy. An abort drops its request wherever it is, and its
-        final output (finish_reason "abort") is delivered: an engine process's bookkeeping of a request, and
-        the server's, end with its finished output."""
+        the rest of a burst while the pipeline is idle, for a few steps while it is busy. An abort drops its
+        request wherever it is, and its final output (finish_reason "abort") is delivered: an engine process's
+        bookkeeping of a request, and the server's, end with its finished output."""
         burst_complete = None  # as the newest add says, if any came
         aborted: Delivery = []
         for command in commands:
