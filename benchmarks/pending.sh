@@ -1,0 +1,61 @@
+#!/usr/bin/env bash
+# The GPU measurements issues 27 and 29 still wait for, in one call, most wanted first (benchmarks/RESULTS.md,
+# "For the next GPU session"):
+#
+#   OUT=$OUT bash benchmarks/pending.sh [STEP...]     # on the GPU machine; carry .whl-lite and .whl-av
+#
+# Steps (all, in this order, when none is named):
+# - http:       item 2 through HTTP, the colocated topology capped at 80 GiB (benchmarks/http_load.sh, T2S at
+#               c = 16 and 64, 3 passes each, no soak);
+# - inproc:     item 2 in-process with the same configuration and cap (benchmarks/under_load.sh's T2S part and
+#               its S2S at c = 1);
+# - video_host: the host's share of a 30 s 720p video on 16 cores (benchmarks/video_host.py);
+# - video:      issue 29's targets, 30 s at c = 1 and 10 s at c = 8, with the default per-step budget, then
+#               with 8,192 tokens a step (benchmarks/video.sh, no baseline, KV_GIB=4 as the earlier rows);
+# - asr:        Qwen3-ASR 0.6B and 1.7B at c = 128 (item 4's targets on this card; benchmarks/under_load.sh).
+# Each step's files go under $OUT/<step>/ and everything measured so far is packed into $OUT/pending.tgz after
+# each step, so that a call cut short at its limit still brings back what ran (a call returns only a few files).
+# A step starts only while BUDGET_S seconds (540) less its own estimate are left since the script began.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-pending-out}
+BUDGET_S=${BUDGET_S:-540}
+work=$(mktemp -d)
+mkdir -p "$OUT"
+export WHEELS=${WHEELS:-.whl-lite .whl-av}
+source benchmarks/gpu_env.sh
+export WHEELS=" "  # installed once: the scripts below source gpu_env.sh again and skip it
+{ gpu_env_txt; git rev-parse HEAD 2>/dev/null; } >"$work/env.txt"
+cat "$work/env.txt"
+
+# step NAME ESTIMATE_S COMMAND...: COMMAND with OUT=$work/NAME if ESTIMATE_S fits in what is left, then packed.
+step() {
+  local name=$1 estimate=$2
+  shift 2
+  if ((SECONDS + estimate > BUDGET_S)); then
+    echo "pending: $name left out (${estimate} s estimated, $((BUDGET_S - SECONDS)) s left)"
+    return
+  fi
+  echo "pending: $name at ${SECONDS} s"
+  OUT=$work/$name "$@"
+  tar czf "$OUT/pending.tgz" -C "$work" .
+}
+
+colocated80="--config configs/qwen3omni_colocated.yaml --gpu-memory-limit-gib 80"
+for name in ${*:-http inproc video_host video asr}; do
+  case $name in
+    http) step http 250 env SOAK_N=0 T2S_C=16,64 T2S_REPEATS=3 T2S_S=150 bash benchmarks/http_load.sh ;;
+    inproc) step inproc 220 env ASR=" " T2S_C=16,64 T2S_REPEATS=3 SPEECH_S=200 T2S_ARGS="$colocated80" \
+      bash benchmarks/under_load.sh ;;
+    video_host) step video_host 40 sh -c 'mkdir -p "$OUT" && timeout 40 python3 benchmarks/video_host.py \
+      --threads 16 --runs 5 | tee "$OUT/video_host.txt"' ;;
+    video)
+      step video 230 env LENGTHS=30,10 C=1,8 BASELINE=0 KV_GIB=4 V2S_S=220 bash benchmarks/video.sh
+      step video_8192 230 env LENGTHS=30,10 C=1,8 BASELINE=0 KV_GIB=4 V2S_S=220 \
+        V2S_ARGS="--max-num-batched-tokens 8192" bash benchmarks/video.sh ;;
+    asr) step asr 190 env ASR="0.6b:128 1.7b:128" T2S_C=" " A2T_ARGS="--rounds 16" A2T_S=90 \
+      bash benchmarks/under_load.sh ;;
+    *) echo "pending: no step $name (http, inproc, video_host, video, asr)" >&2; exit 2 ;;
+  esac
+done
+cp "$work/env.txt" "$OUT/env.txt"
