@@ -43,6 +43,8 @@ class Scaling:
     # Serve's autoscaler waits this long on a load before it adds (removes) a replica
     upscale_delay_s: float = 30.0
     downscale_delay_s: float = 600.0
+    # and judges the load by the replicas' reports averaged over this long (Serve's default)
+    look_back_period_s: float = 30.0
 
     @classmethod
     def of(cls, args: argparse.Namespace, config: EngineConfig) -> Scaling:
@@ -77,6 +79,7 @@ class Scaling:
                 "target_ongoing_requests": self.target_ongoing_requests,
                 "upscale_delay_s": self.upscale_delay_s,
                 "downscale_delay_s": self.downscale_delay_s,
+                "look_back_period_s": self.look_back_period_s,
             }
         return options
 

@@ -258,7 +258,13 @@ def test_a_killed_replica_fails_its_requests_cleanly_and_is_replaced(two):
 def test_autoscaling_adds_a_replica_under_a_burst_and_removes_it_after(cluster, two):
     config, url = cluster
     serve.delete("two")
-    scaling = Scaling(autoscale=(1, 2), target_ongoing_requests=1, upscale_delay_s=1, downscale_delay_s=3)
+    scaling = Scaling(
+        autoscale=(1, 2),
+        target_ongoing_requests=1,
+        upscale_delay_s=1,
+        downscale_delay_s=3,
+        look_back_period_s=2,
+    )
     serve.run(replica_app(config, ServerOptions(MODEL), scaling), name="scaling", route_prefix="/")
     assert running_replicas("scaling") == 1
     burst = {"model": MODEL, "prompt": "x", "max_tokens": 400, "min_tokens": 400, "ignore_eos": True}

@@ -50,6 +50,7 @@ def test_autoscaling_between_bounds():
         "target_ongoing_requests": 8.0,
         "upscale_delay_s": 30.0,
         "downscale_delay_s": 600.0,
+        "look_back_period_s": 30.0,
     }
 
 
