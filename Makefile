@@ -23,21 +23,10 @@ serve: setup
 tiny: setup
 	$(BIN)/omnistage make-tiny $(or $(DIR),tiny-qwen3-omni)
 
-# pytest exits 5 when it collects nothing (e.g. a filtered run): that is not a failure. Without a path in ARGS the
-# suite runs in four pytest processes, one after the other, so that what one part's engines, Ray and browsers
-# leave in memory is given back before the next part starts (a process's heap does not shrink back: one process
-# for all of it outgrew 24 GiB). The processes share a directory for the tiny checkpoints (tests/conftest.py),
-# each made once per run.
-UNIT_REST = tests/unit --ignore=tests/unit/bench --ignore=tests/unit/engine
-TEST_GROUPS = "tests/browser tests/gpu tests/parity tests/replicas" "tests/server" \
-	"tests/test_*.py tests/unit/bench tests/unit/engine" "$(UNIT_REST)"
+# The suite in four pytest processes, two at a time, sharing the run's tiny checkpoints; ARGS naming tests/...
+# runs one pytest over those (tests/run_groups.sh).
 test: setup
-	@case "$(ARGS)" in *tests/*) groups='""';; *) groups='$(TEST_GROUPS)';; esac; \
-	checkpoints=$$(mktemp -d); trap 'rm -rf "$$checkpoints"' EXIT; \
-	rc=0; eval "set -- $$groups"; for group in "$$@"; do \
-	  OMNISTAGE_TEST_CHECKPOINTS=$$checkpoints $(BIN)/python -m pytest -q $(ARGS) $$group; r=$$?; \
-	  [ $$r -eq 5 ] && r=0; [ $$r -ne 0 ] && rc=$$r; \
-	done; exit $$rc
+	@PYTHON=$(BIN)/python ARGS='$(ARGS)' bash tests/run_groups.sh
 
 lint: setup
 	$(BIN)/ruff check .

@@ -1,3 +1,4 @@
+import fcntl
 import os
 import shutil
 from pathlib import Path
@@ -36,11 +37,14 @@ def tiny(tmp_path_factory, name: str, variant: str = "instruct") -> Path:
     if not shared:
         return make_tiny(tmp_path_factory.mktemp(name), variant=variant)
     target = Path(shared) / name
-    if not (target / "model.safetensors").exists():
-        # made beside its place and renamed, so a process that stops midway leaves no half checkpoint
-        made = make_tiny(tmp_path_factory.mktemp(f"{name}-making"), variant=variant)
-        shutil.rmtree(target, ignore_errors=True)
-        shutil.move(made, target)
+    # processes running at once take turns: the first makes it, the others find it made
+    with open(Path(shared) / f".{name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not (target / "model.safetensors").exists():
+            # made beside its place and renamed, so a process that stops midway leaves no half checkpoint
+            made = make_tiny(tmp_path_factory.mktemp(f"{name}-making"), variant=variant)
+            shutil.rmtree(target, ignore_errors=True)
+            shutil.move(made, target)
     return target
 
 
