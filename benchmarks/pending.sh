@@ -12,7 +12,12 @@
 # - video_host: the host's share of a 30 s 720p video on all the machine's cores (benchmarks/video_host.py);
 # - video:      issue 29's targets, 30 s at c = 1 and 10 s at c = 8, with the default per-step budget, then
 #               with 8,192 tokens a step (benchmarks/video.sh, no baseline, KV_GIB=4 as the earlier rows);
-# - asr:        Qwen3-ASR 0.6B and 1.7B at c = 128 (item 4's targets on this card; benchmarks/under_load.sh).
+# - asr:        Qwen3-ASR 0.6B and 1.7B at c = 128 (item 4's targets on this card; benchmarks/under_load.sh);
+# - baseline:   transformers' T2S and S2S beside ours at c = 1 and 16 on the same weight tensors, one process
+#               with the engine's default sizing (the 80 GiB cap leaves no room for a second model's working
+#               memory), for the rows above to have a baseline from the same machine;
+# - spy_asr:    the 0.6B at c = 128 under py-spy (benchmarks/spy.sh; carry .whl-spy too): where the host's
+#               time goes when the GPU waits.
 # Each step's files go under $OUT/<step>/ and everything measured so far is packed into $OUT/pending.tgz after
 # each step, so that a call cut short at its limit still brings back what ran (a call returns only a few files).
 # A step starts only while BUDGET_S seconds (540) less its own estimate are left since the script began.
@@ -42,7 +47,7 @@ step() {
 }
 
 colocated80="--config configs/qwen3omni_colocated.yaml --gpu-memory-limit-gib 80"
-for name in ${*:-http inproc video_host video asr}; do
+for name in ${*:-http inproc video_host video asr baseline}; do
   case $name in
     http) step http 250 env SOAK_N=0 T2S_C=16,64 T2S_REPEATS=3 T2S_S=150 bash benchmarks/http_load.sh ;;
     inproc) step inproc 220 env ASR=" " T2S_C=16,64 T2S_REPEATS=3 SPEECH_S=200 T2S_ARGS="$colocated80" \
@@ -55,7 +60,13 @@ for name in ${*:-http inproc video_host video asr}; do
         V2S_ARGS="--max-num-batched-tokens 8192" bash benchmarks/video.sh ;;
     asr) step asr 190 env ASR="0.6b:128 1.7b:128" T2S_C=" " A2T_ARGS="--rounds 16" A2T_S=90 \
       bash benchmarks/under_load.sh ;;
-    *) echo "pending: no step $name (http, inproc, video_host, video, asr)" >&2; exit 2 ;;
+    baseline) step baseline 200 sh -c 'mkdir -p "$OUT" && timeout 200 python3 -m omnistage.cli bench t2s \
+      --load-format dummy --device cuda --dtype bfloat16 --concurrency 1,16 --requests 3 --also s2s \
+      --also-concurrency 1 --baseline transformers --baseline-requests 1 --out-dir "$OUT" >"$OUT/speech_bench.log" 2>&1;
+      grep -E "^\| " "$OUT/speech_bench.log"' ;;
+    spy_asr) step spy_asr 130 env WHEELS=.whl-spy RATE=50 bash benchmarks/spy.sh bench a2t --load-format dummy \
+      --skeleton qwen3-asr-0.6b --device cuda --concurrency 128 --rounds 8 --repeats 1 ;;
+    *) echo "pending: no step $name (http, inproc, video_host, video, asr, baseline, spy_asr)" >&2; exit 2 ;;
   esac
 done
 cp "$work/env.txt" "$OUT/env.txt"
