@@ -9,6 +9,7 @@ import torch
 from PIL import Image
 
 from omnistage.bench.videos import encode, frames
+from omnistage.engine.compile_watch import watch_compiles
 from omnistage.engine.stages.encoders import EncoderStage
 from omnistage.models.layers.varlen_attention import Segments, _grouped_sdpa, varlen_attention
 from omnistage.models.loader import LoadOptions
@@ -137,3 +138,37 @@ def test_qwen3_asr_graphs_equal_eager(tmp_path):
     for g, e in zip(graphs, eager):
         assert torch.equal(g.audio_rows, e.audio_rows)
         assert_bf16_close(g.audio_embeds, e.audio_embeds)
+
+
+def test_compiled_vision_tower_equals_eager_and_builds_nothing_after_start(tiny_checkpoint):
+    """`compile_regions` (what a GPU server runs before its stage's measurements): images and a video of patch
+    counts never seen before, eagerly and through the graphs, give the eager tower's rows and build nothing once
+    the start's two calls (the floor's largest image, the graphs' capture) have compiled the blocks."""
+    cfg = Qwen3OmniConfig.from_dir(tiny_checkpoint).thinker
+    encoders = load_encoders(tiny_checkpoint, cfg, LoadOptions(torch.bfloat16, torch.device("cuda")))
+    processor = Processor(tiny_checkpoint)
+    rng = np.random.default_rng(2)
+
+    def picture(w: int, h: int) -> dict:
+        return {"type": "image", "image": Image.fromarray(rng.integers(0, 256, (h, w, 3), dtype=np.uint8))}
+
+    clip = encode(frames(30, 192, 128, seed=3), fps=10, kind="mkv", tone_hz=330.0)
+    seen = {"type": "video", "video": decode_video(clip, VideoProcessorConfig(), with_audio=True)}
+    contents = [[picture(224, 160)], [picture(480, 320), picture(96, 64)], [seen, picture(320, 256)]]
+    prompts = [
+        processor.process_chat([{"role": "user", "content": c}], use_audio_in_video=True) for c in contents
+    ]
+    inputs = [(p.token_ids, p.mm) for p in prompts]
+    eager = encoders.encode_many(inputs)
+    encoders.vision_encoder.compile_regions()
+    encoders.encode_many([(prompts[1].token_ids, prompts[1].mm)])  # the start's eager call
+    encoders.capture_graphs([], [256], pool=torch.cuda.graph_pool_handle())  # and its capture
+    watch = watch_compiles()
+    before = len(watch.builds)
+    compiled = encoders.encode_many(inputs)  # 140 patches in the graph; 600, 24 and the video's eagerly
+    torch.cuda.synchronize()
+    assert watch.builds[before:] == []
+    for c, e in zip(compiled, eager):
+        assert torch.equal(c.image_rows, e.image_rows)
+        for name in ("image_embeds", "deepstack"):
+            assert_bf16_close(getattr(c, name), getattr(e, name))

@@ -27,6 +27,9 @@ class EagerVisionTower(VisionTower, Protocol):
         self, pixel_values: torch.Tensor, grid_thw: list[tuple[int, int, int]]
     ) -> tuple[torch.Tensor, list[torch.Tensor]]: ...
 
+    def compile_regions(self) -> None:
+        """torch.compile what runs between its GEMMs and attention kernels, for any patch count."""
+
 
 @dataclass(frozen=True)
 class AudioFormat:

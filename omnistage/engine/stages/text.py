@@ -37,7 +37,7 @@ from omnistage.engine.stages.admission import max_tokens_for
 from omnistage.engine.stages.autoregressive import AutoregressiveStage, generators
 from omnistage.engine.stages.constrained import Constraints
 from omnistage.engine.stages.prefix import request_keys
-from omnistage.engine.stages.preparation import prepare_decoder
+from omnistage.engine.stages.preparation import prepare_decoder, prepare_encoders
 from omnistage.engine.stages.text_admission import Parked, TextAdmission
 from omnistage.engine.stages.text_memory import text_stage_memory
 from omnistage.engine.stages.text_setup import NewRequest, StageModels, TextSettings
@@ -75,6 +75,7 @@ class TextStage(AutoregressiveStage[RequestState]):
         self.settings, self.dtype = settings, dtype
         self.model, self.encoders, self.processor = models.model, models.encoders, models.processor
         self.compiled = prepare_decoder(models.model, device, engine.moe_kernel, engine.compile)
+        prepare_encoders(models.encoders, device, engine.compile)
         runner = TokenRunner(
             models.model, text, engine.page_size, device, dtype, models.tap_layer, engine.prefix_caching
         )

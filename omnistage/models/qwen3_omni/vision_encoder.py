@@ -10,6 +10,7 @@ the outputs of the blocks listed in deepstack_visual_indexes.
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -62,18 +63,14 @@ class PatchEmbed(nn.Module):
 
 
 class VisionAttention(nn.Module):
+    """The attention's projections; the block runs them around the varlen kernel (`VisionBlock.queries`,
+    `VisionBlock.finish`)."""
+
     def __init__(self, cfg: VisionEncoderConfig):
         super().__init__()
         self.num_heads = cfg.num_heads
         self.qkv = nn.Linear(cfg.hidden_size, 3 * cfg.hidden_size)
         self.proj = nn.Linear(cfg.hidden_size, cfg.hidden_size)
-
-    def forward(
-        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cu_seqlens: Segments | list[int]
-    ) -> torch.Tensor:
-        q, k, v = self.qkv(x).view(x.shape[0], 3, self.num_heads, -1).unbind(1)
-        q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
-        return self.proj(varlen_attention(q, k, v, cu_seqlens).reshape(x.shape[0], -1))
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -106,8 +103,26 @@ class VisionBlock(nn.Module):
     def forward(
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cu_seqlens: Segments | list[int]
     ) -> torch.Tensor:
-        x = x + self.attn(self.norm1(x), cos, sin, cu_seqlens)
+        q, k, v = self.queries(x, cos, sin)
+        return self.finish(x, varlen_attention(q, k, v, cu_seqlens))
+
+    def queries(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """q, k (rotated) and v [tokens, heads, head_dim] of the normed input: the block up to its attention."""
+        attn = self.attn
+        q, k, v = attn.qkv(self.norm1(x)).view(x.shape[0], 3, attn.num_heads, -1).unbind(1)
+        return _rotate(q, cos, sin), _rotate(k, cos, sin), v
+
+    def finish(self, x: torch.Tensor, attended: torch.Tensor) -> torch.Tensor:
+        """The block after its attention: the output projection, both residuals and the MLP."""
+        x = x + self.attn.proj(attended.reshape(x.shape[0], -1))
         return x + self.mlp(self.norm2(x))
+
+    def compile_regions(self, **kwargs: Any) -> None:
+        """torch.compile the two regions around the attention (`queries`, `finish`) with `kwargs`: their
+        norms, rotary, residuals and activation fuse, while the attention, whose segments are host ints,
+        stays the one varlen kernel call between them. The math is the eager block's."""
+        self.queries = torch.compile(self.queries, **kwargs)  # type: ignore[method-assign]
+        self.finish = torch.compile(self.finish, **kwargs)  # type: ignore[method-assign]
 
 
 class PatchMerger(nn.Module):
@@ -150,6 +165,16 @@ class VisionEncoder(nn.Module):
         positions, cos, sin = self.positions(grids, pixel_values.device)
         segments = Segments.of(frame_bounds(grids), pixel_values.device)
         return self.encode(pixel_values, positions, cos, sin, segments)
+
+    def compile_regions(self) -> None:
+        """torch.compile every block's regions around its attention and the mergers, for any patch count
+        (`dynamic`): the glue between the GEMMs and the attention (LayerNorms, the float32 rotary, residuals,
+        GELU) is most of an eager call's kernels. One compiled graph serves all the blocks alike."""
+        for block in self.blocks:
+            assert isinstance(block, VisionBlock)
+            block.compile_regions(dynamic=True)
+        for merger in (self.merger, *self.merger_list):
+            merger.compile(dynamic=True)
 
     def grids(
         self, pixel_values: torch.Tensor, grid_thw: torch.Tensor | list[tuple[int, int, int]]
