@@ -50,7 +50,9 @@ class EngineConfig(BaseModel):
         False, description="no CUDA graphs, for every stage that does not say otherwise"
     )
     compile: bool = Field(
-        True, description="torch.compile the decoder layers on a GPU (fuses the glue kernels)"
+        True,
+        description="torch.compile the decoder layers and the vision tower's blocks on a GPU (fuses the glue "
+        "kernels)",
     )
     overlap_stages: bool = Field(
         False,
