@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The GPU measurements issues 27 and 29 still wait for, in one call, most wanted first (benchmarks/RESULTS.md,
+# The GPU measurements of issues 27 and 29 in one call, issue 29's still open (benchmarks/RESULTS.md,
 # "For the next GPU session"):
 #
 #   OUT=$OUT bash benchmarks/pending.sh [STEP...]     # on the GPU machine; carry .whl-lite and .whl-av
@@ -12,6 +12,8 @@
 # - video_host: the host's share of a 30 s 720p video on all the machine's cores (benchmarks/video_host.py);
 # - video:      issue 29's targets, 30 s at c = 1 and 10 s at c = 8, with the default per-step budget, then
 #               with 8,192 tokens a step (benchmarks/video.sh, no baseline, KV_GIB=4 as the earlier rows);
+# - video_kv:   the same with 8,192 tokens a step and 32 GiB of KV (an H200: the 4 GiB pool holds 42k tokens,
+#               fewer than eight 10 s videos' 59k);
 # - asr:        Qwen3-ASR 0.6B and 1.7B at c = 128 (item 4's targets on this card; benchmarks/under_load.sh);
 # - baseline:   transformers' T2S and S2S beside ours at c = 1 and 16 on the same weight tensors, one process
 #               with the engine's default sizing (the 80 GiB cap leaves no room for a second model's working
@@ -58,6 +60,8 @@ for name in ${*:-http inproc video_host video asr baseline}; do
       step video 230 env LENGTHS=30,10 C=1,8 BASELINE=0 KV_GIB=4 V2S_S=220 bash benchmarks/video.sh
       step video_8192 230 env LENGTHS=30,10 C=1,8 BASELINE=0 KV_GIB=4 V2S_S=220 \
         V2S_ARGS="--max-num-batched-tokens 8192" bash benchmarks/video.sh ;;
+    video_kv) step video_kv 230 env LENGTHS=30,10 C=1,8 BASELINE=0 KV_GIB=32 V2S_S=220 \
+      V2S_ARGS="--max-num-batched-tokens 8192" bash benchmarks/video.sh ;;
     asr) step asr 190 env ASR="0.6b:128 1.7b:128" T2S_C=" " A2T_ARGS="--rounds 16" A2T_S=90 \
       bash benchmarks/under_load.sh ;;
     baseline) step baseline 200 sh -c 'mkdir -p "$OUT" && timeout 200 python3 -m omnistage.cli bench t2s \
@@ -66,7 +70,7 @@ for name in ${*:-http inproc video_host video asr baseline}; do
       grep -E "^\| " "$OUT/speech_bench.log"' ;;
     spy_asr) step spy_asr 130 env WHEELS=.whl-spy RATE=50 bash benchmarks/spy.sh bench a2t --load-format dummy \
       --skeleton qwen3-asr-0.6b --device cuda --concurrency 128 --rounds 8 --repeats 1 ;;
-    *) echo "pending: no step $name (http, inproc, video_host, video, asr, baseline, spy_asr)" >&2; exit 2 ;;
+    *) echo "pending: no step $name (http, inproc, video_host, video, video_kv, asr, baseline, spy_asr)" >&2; exit 2 ;;
   esac
 done
 cp "$work/env.txt" "$OUT/env.txt"
