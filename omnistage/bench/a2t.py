@@ -16,6 +16,10 @@ TTFT and TPOT medians. Targets:
   client gets its first chunk), TPOT from each RequestOutput's metrics;
 - `--baseline transformers` (in-process only): transformers' Thinker on the same weights and clips.
 
+Each request sends its clip as its own (a faint dither numbered by the request over its first half second,
+`Clip.heard_as`), so the audio tower's cache and the prefix cache serve it nothing a fresh recording would not
+get; in-process, what they served is reported (`caches_served`: near zero but a shared template's first page).
+
 Random weights say nothing useful at the end of a sentence, so `--output-tokens N` forces every request
 to exactly N tokens (max_tokens = min_tokens = N, ignore_eos). The targets' requests are in a2t_targets.py.
 """
@@ -34,6 +38,7 @@ from typing import Any
 from omnistage.bench import builds
 from omnistage.bench.a2t_targets import Runner, inprocess_runner, server_runner
 from omnistage.bench.baseline import BASELINE_KV_GIB, kv_beside_baseline
+from omnistage.bench.caches import cache_counts, served_since
 from omnistage.bench.clients import auth, first_model, http_pool
 from omnistage.bench.clips import SYNTH_SETS, Clip, load_dir, synth_clips, total_seconds
 from omnistage.bench.skeletons import SKELETONS, released_skeleton
@@ -150,7 +155,9 @@ def run_a2t(args: argparse.Namespace) -> dict[str, Any]:
     results["engine"] = engine.memory_summary()
     try:
         run = inprocess_runner(engine, output_tokens, args.max_tokens)
+        before = cache_counts(engine.stats())
         results["ours"] = run_async(sweep(run, clips, concurrencies, args.warmup, args.repeats, args.rounds))
+        results["caches_served"] = served_since(before, cache_counts(engine.stats()))
         results["builds_while_serving"] = (
             engine.stats()["builds_while_serving"] if args.engine_process else builds.in_process()
         )
@@ -226,6 +233,8 @@ def report(results: dict[str, Any]) -> str:
                 f"{p['tpot_median_ms']:.2f} | {p['wall_s']:.2f} |"
             )
     lines += stage_lines(results.get("ours") or [], "to the first token")
+    if "caches_served" in results:
+        lines.append(f"served from the caches during the run: {results['caches_served']}")
     return "\n".join(lines)
 
 

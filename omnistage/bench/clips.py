@@ -4,6 +4,12 @@ Synthetic clips use espeak-ng where it is installed (real, if robotic, speech) a
 speech-like signal: voiced syllables (a pitch contour's harmonics shaped by vowel formants) and
 fricative noise bursts, in words separated by pauses. With random weights the content does not matter,
 only the duration does; with a real model, espeak-ng clips give transcripts to read.
+
+A benchmark sends each clip as its requests' own (`Clip.heard_as`): a faint dither numbered by the request
+over the clip's first half second, so that no two requests are the same bytes. The server's caches (the audio
+tower's rows of a clip seen before, the prefix cache's pages) then find nothing a real stream of distinct
+recordings would not give them; a set of 20 clips cycled over thousands of requests would otherwise measure
+cache hits.
 """
 
 from __future__ import annotations
@@ -11,12 +17,14 @@ from __future__ import annotations
 import io
 import shutil
 import subprocess
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import numpy as np
 
 SAMPLE_RATE = 16000
+DITHER = 3e-4  # a dither's RMS (about -70 dBFS; 10 pcm16 steps): inaudible, and no two seeds alike
+DISTINCT_S = 0.5  # the span of a clip a request's own dither covers: the audio tower's first window
 
 # 20 utterance durations (s) spread like LibriSpeech test-clean's (right-skewed: many 2-5 s utterances,
 # a tail past 10 s), 94 s in total as the benchmark's issue specifies.
@@ -51,12 +59,26 @@ class Clip:
     def seconds(self) -> float:
         return len(self.audio) / SAMPLE_RATE
 
+    def heard_as(self, number: int) -> Clip:
+        """This clip as request `number` (any int, the warm-up's negative) sends it: its first DISTINCT_S
+        seconds with that number's dither."""
+        return replace(self, audio=dithered(self.audio, number, DISTINCT_S * SAMPLE_RATE))
+
     def wav_bytes(self) -> bytes:
         import soundfile as sf
 
         buffer = io.BytesIO()
         sf.write(buffer, self.audio, SAMPLE_RATE, format="WAV", subtype="PCM_16")
         return buffer.getvalue()
+
+
+def dithered(audio: np.ndarray, seed: int, samples: float | None = None) -> np.ndarray:
+    """A float32 copy of `audio` with a dither of `seed` (RMS DITHER) over its first `samples` (all of it when
+    None)."""
+    out = np.array(audio, dtype=np.float32)
+    n = len(out) if samples is None else min(len(out), round(samples))
+    out[:n] += (np.random.default_rng(seed % 2**63).standard_normal(n) * DITHER).astype(np.float32)
+    return out
 
 
 def total_seconds(clips: list[Clip]) -> float:

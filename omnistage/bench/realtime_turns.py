@@ -17,11 +17,11 @@ import numpy as np
 import soundfile
 import soxr
 
+from omnistage.bench.clips import dithered
 from omnistage.bench.stats import percentile
 from omnistage.bench.turn_clips import audible_span
 
 RATE = 24_000  # the Realtime API's pcm16 rate
-DITHER = 3e-4  # the dither's RMS (about -70 dBFS; 10 pcm16 steps): inaudible, and no two turns alike
 GAP_S = 0.2  # between repeats of the recording: shorter than server VAD's silence, so one utterance
 
 
@@ -38,8 +38,7 @@ def utterance(speech: np.ndarray, speech_rate: int, seconds: float, lead_s: floa
 
 def pcm16(audio: np.ndarray, seed: int) -> bytes:
     """`audio` as pcm16 with the dither of `seed` (a session's and turn's own number)."""
-    noise = np.random.default_rng(seed).standard_normal(len(audio)) * DITHER
-    return (np.clip(audio + noise, -1, 1) * 32767).astype("<i2").tobytes()
+    return (np.clip(dithered(audio, seed), -1, 1) * 32767).astype("<i2").tobytes()
 
 
 def chunks(pcm: bytes, chunk_ms: int) -> list[bytes]:

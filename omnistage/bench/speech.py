@@ -10,7 +10,10 @@ max(c, --requests) requests, at most c at once, for each concurrency c of the sw
 
 Workloads: t2s, a text chat turn whose reply is written and spoken; s2s, a 5 s clip as the user's turn
 (`bench/clips.py`), the reply spoken; `t2s --tts`, the text spoken exactly as `/v1/audio/speech` does
-(`SpeechParams.reply_token_ids`: the Thinker's layers do not run). Targets:
+(`SpeechParams.reply_token_ids`: the Thinker's layers do not run). Every request's input is its own (a clip
+with a faint dither numbered by the request, a text opening with its number: `SpeechInput.as_request`), so
+the prefix cache and the audio tower's cache serve none of it; in-process the run reports what they served
+(`caches_served`). Targets:
 - this process (`--model DIR`, or `--load-format dummy`: random weights at the released sizes): an
   AsyncPipeline over the pipeline;
 - a running server (`--url`): streamed chat with `modalities: ["text", "audio"]` and pcm16 audio, or
@@ -36,6 +39,7 @@ from typing import Any
 
 from omnistage.bench import builds
 from omnistage.bench.baseline import BASELINE_KV_GIB, kv_beside_baseline
+from omnistage.bench.caches import cache_counts, served_since
 from omnistage.bench.clients import first_model, http_pool
 from omnistage.bench.skeletons import released_skeleton
 from omnistage.bench.speech_targets import (
@@ -154,9 +158,12 @@ def run_speech(args: argparse.Namespace) -> dict[str, dict[str, Any]]:
             run = inprocess_runner(
                 engine, args.tts and workload == "t2s", args.text_tokens, args.frames, args.voice, forced
             )
+            before = cache_counts(pipeline.stats())
             result["ours"] = run_async(
                 sweep(run, inputs[workload], concurrencies, args.requests, args.warmup, args.repeats)
             )
+            result["caches_served"] = served = served_since(before, cache_counts(pipeline.stats()))
+            log.info("%s: served from the caches during the run: %s", workload, served)
             result["builds_while_serving"] = builds.in_process()
             result["pools_after"] = after = pools(pipeline.stats())
             log.info("%s: pools after the run: %s", workload, after)

@@ -48,6 +48,15 @@ class SpeechInput:
     text: str
     clip: Clip | None = None
 
+    def as_request(self, number: int) -> SpeechInput:
+        """This input as request `number` sends it, distinct from every other request's: a clip with that
+        number's dither (`Clip.heard_as`), a text opening with the number. A real stream of turns repeats
+        neither; a pass cycling NUM_INPUTS inputs would otherwise find its prompts in the prefix cache and its
+        clips in the audio tower's."""
+        if self.clip is not None:
+            return replace(self, clip=self.clip.heard_as(number))
+        return replace(self, text=f"Request {number}. {self.text}")
+
     def messages(self) -> list[dict[str, Any]]:
         """The chat as the processor takes it in-process (decoded audio)."""
         if self.clip is None:
@@ -116,6 +125,7 @@ def inprocess_runner(
     chat_params = SamplingParams(**text_fields(text_tokens, forced))
 
     async def run(item: SpeechInput, number: int) -> SpeechTiming:
+        item = item.as_request(number)
         start = time.monotonic()
         mrope = mm = None
         if tts:
@@ -202,6 +212,7 @@ def server_runner(
         return SpeechTiming((first or end) - start, end - start, seconds, got_frames, got_text)
 
     async def chat(item: SpeechInput, number: int) -> SpeechTiming:
+        item = item.as_request(number)
         body = {
             "model": model,
             "messages": item.http_messages(),
@@ -215,6 +226,7 @@ def server_runner(
         return timing(item, reply.start, reply.first_audio, reply.pcm_bytes, reply.usage)
 
     async def speak(item: SpeechInput, number: int) -> SpeechTiming:
+        item = item.as_request(number)
         body = {
             "model": model,
             "input": item.text,

@@ -1,9 +1,11 @@
 """`omnistage bench v2s`: how fast omnistage answers a video with its sound, in speech.
 
-A video per length (--video-seconds) at --resolution is written once into a temporary directory: a picture
-sliding across a colour field at --source-fps frames a second, a tone for its sound track (`video_targets`).
-Each request sends it as the server takes it, a `video_url` under the media directory with
-`use_audio_in_video`, and its reply is written and spoken. Per length and concurrency c (max(c, --requests)
+Videos per length (--video-seconds) at --resolution are written once into a temporary directory, one for each
+request the run sends: a picture sliding across a colour field of its own at --source-fps frames a second, a
+tone of its own for its sound track (`video_targets`), so that no request finds another's video in the prefix
+cache or its sound in the audio tower's (what they served is reported: `caches_served`). Each request sends
+its video as the server takes it, a `video_url` under the media directory with `use_audio_in_video`, and its
+reply is written and spoken. Per length and concurrency c (max(c, --requests)
 requests, at most c at once, after --warmup requests of that length), from the request's arrival:
 - TTFT: to the Thinker's first text token, and its pieces: `decode` (the file read, frames sampled, the
   sound track resampled), `preprocess` (the processor's layout: patches, mel features, positions),
@@ -33,6 +35,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from omnistage.bench import builds, speech
+from omnistage.bench.caches import cache_counts, served_since
 from omnistage.bench.speech_targets import FRAMES_PER_SECOND, SpeechTiming
 from omnistage.bench.stats import json_safe, median, percentile
 from omnistage.bench.sweep import run as run_async
@@ -91,12 +94,18 @@ def run_v2s(args: argparse.Namespace) -> dict[str, Any]:
     try:
         with tempfile.TemporaryDirectory(prefix="omnistage-v2s-") as tmp:
             began = time.perf_counter()
+
+            def count(c: int) -> int:  # the requests of a pass
+                return max(c, args.requests)
+
+            files = args.warmup + args.repeats * sum(count(c) for c in concurrencies)
             videos = write_videos(
                 _numbers(args.video_seconds, float),
                 args.resolution,
                 Path(tmp),
                 args.source_fps,
                 args.seed,
+                files,
             )
             result["videos_written_s"] = round(time.perf_counter() - began, 2)
             policy = MediaPolicy(media_dir=Path(tmp))
@@ -111,14 +120,15 @@ def run_v2s(args: argparse.Namespace) -> dict[str, Any]:
                 entry: dict[str, Any] = {"name": item.name, "seconds": item.seconds, "fps": item.fps,
                                          "prompt_tokens": tokens, "file_mb": round(item.path.stat().st_size / 1e6, 2)}  # fmt: skip
                 result["lengths"].append(entry)
+                before = cache_counts(pipeline.stats())
                 try:
                     entry["ours"] = run_async(
-                        sweep(run, [item], concurrencies, summarize, lambda c: max(c, args.requests),
-                              args.warmup, args.repeats)
-                    )  # fmt: skip
+                        sweep(run, [item], concurrencies, summarize, count, args.warmup, args.repeats)
+                    )
                 except Exception as exc:  # one length's failure is its result; the others still run
                     log.exception("%s failed", item.name)
                     entry["error"] = f"{type(exc).__name__}: {exc}"
+                entry["caches_served"] = served_since(before, cache_counts(pipeline.stats()))
                 save(args, result)
             result["builds_while_serving"] = builds.in_process()
             result["pools_after"] = speech.pools(pipeline.stats())
@@ -210,6 +220,8 @@ def report(result: dict[str, Any]) -> str:
             pieces.append(
                 f"ours, {entry['seconds']:g} s, c={p['concurrency']}, from arrival (median ms): {named}"
             )
+        if "caches_served" in entry:
+            pieces.append(f"ours, {entry['seconds']:g} s, served from the caches: {entry['caches_served']}")
     lines += ["", *pieces]
     if "pools_after" in result:
         lines.append(f"\npools after the run (free, total pages): {result['pools_after']}")

@@ -1,8 +1,10 @@
 """What one video-to-speech request of `omnistage bench v2s` is, and how it runs in-process.
 
-Each length's video is written once (`write_videos`: `videos.sliding` frames at a low source rate, a tone for
-its sound track) into a directory that a MediaPolicy admits as its `media_dir`; every request then takes the
-server's path from there: a `video_url` part naming the file, fetched and decoded by `omnistage.media` (frames
+Each length's videos are written once (`write_videos`: `videos.sliding` frames at a low source rate, a tone for
+its sound track), one file per request the run sends, each with frames and a tone of its own, into a directory
+that a MediaPolicy admits as its `media_dir`: no request's video is another's, so the prefix cache and the
+audio tower's cache serve none of it (one file for all would make every timed request's prefill a cache hit).
+Every request then takes the server's path from its file: a `video_url` part naming the file, fetched and decoded by `omnistage.media` (frames
 sampled at the processor's rules, the sound track at 16 kHz, `use_audio_in_video`), laid out by the processor,
 and run through an AsyncPipeline. All of it is inside the request's time.
 """
@@ -12,7 +14,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -28,12 +30,20 @@ TRACK_MARGIN_S = 0.1
 
 @dataclass(frozen=True)
 class VideoInput:
-    """One length's video file and the rate its frames are sampled at (None: the processor's)."""
+    """One length's video file, the other requests' files of that length (`copies`), and the rate frames are
+    sampled at (None: the processor's)."""
 
     name: str
     seconds: float
     path: Path
     fps: float | None = None
+    copies: tuple[Path, ...] = ()
+
+    def as_request(self, number: int) -> VideoInput:
+        """The input request `number` sends (the warm-up's numbers are negative): its own file of the length,
+        while the run sends no more requests than there are files."""
+        files = (self.path, *self.copies)
+        return replace(self, path=files[number % len(files)])
 
     def messages(self) -> list[dict[str, Any]]:
         """The chat as a client sends it: the video as a `video_url` naming the file, then the question."""
@@ -45,24 +55,32 @@ class VideoInput:
 
 
 def write_videos(
-    seconds: list[float], resolution: tuple[int, int], directory: Path, source_fps: int, seed: int = 0
+    seconds: list[float],
+    resolution: tuple[int, int],
+    directory: Path,
+    source_fps: int,
+    seed: int = 0,
+    files: int = 1,
 ) -> list[VideoInput]:
-    """An mp4 (H.264, AAC tone) per length under `directory`, its picture moving at `source_fps` frames a
-    second: the processor samples 2 a second, so a low source rate decodes as it will be sampled."""
+    """`files` mp4s (H.264, AAC tone) per length under `directory`, each picture moving at `source_fps` frames a
+    second (the processor samples 2 a second, so a low source rate decodes as it will be sampled) from a
+    field and with a tone of its own."""
     width, height = resolution
     directory.mkdir(parents=True, exist_ok=True)
     inputs = []
     for i, length in enumerate(seconds):
         count = max(round(length * source_fps), 2)
-        data = encode(
-            sliding(count, width, height, seed + i),
-            fps=source_fps,
-            tone_hz=220.0 + 110 * i,
-            tone_seconds=max(count / source_fps - TRACK_MARGIN_S, 0.1),
-        )
-        path = directory / f"video-{length:g}s-{width}x{height}.mp4"
-        path.write_bytes(data)
-        inputs.append(VideoInput(f"video-{length:g}s", length, path))
+        paths = []
+        for k in range(files):
+            data = encode(
+                sliding(count, width, height, seed + i + 7919 * k),
+                fps=source_fps,
+                tone_hz=220.0 + 110 * i + 3 * k,
+                tone_seconds=max(count / source_fps - TRACK_MARGIN_S, 0.1),
+            )
+            paths.append(directory / f"video-{length:g}s-{width}x{height}-{k}.mp4")
+            paths[-1].write_bytes(data)
+        inputs.append(VideoInput(f"video-{length:g}s", length, paths[0], copies=tuple(paths[1:])))
     return inputs
 
 
@@ -73,7 +91,7 @@ def fitting_fps(
     tokens; the last rate's when none does (the run then reports the engine's refusal)."""
     tokens = 0
     for fps in rates:
-        candidate = VideoInput(item.name, item.seconds, item.path, fps)
+        candidate = replace(item, fps=fps)
         decoded = decode_messages(candidate.messages(), policy, candidate.options())
         tokens = len(processor.process_chat(decoded, True, None, True).token_ids)
         if tokens + new_tokens <= context:
@@ -103,6 +121,7 @@ def inprocess_runner(
     params = SamplingParams(**text_fields(text_tokens, forced))
 
     async def run(item: VideoInput, number: int) -> SpeechTiming:
+        item = item.as_request(number)
         start = time.monotonic()
         decoded = await asyncio.to_thread(decode_messages, item.messages(), policy, item.options())
         stages = {"decode": time.monotonic() - start}

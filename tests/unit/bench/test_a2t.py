@@ -176,6 +176,11 @@ def test_in_process_smoke_with_the_transformers_baseline(tiny_checkpoint, tmp_pa
         assert set(stages) == {"preprocess", "to_engine", "encode", "queue", "prefill", "delivery"}
         assert all(v >= 0 for v in stages.values()) and stages["encode"] > 0 and stages["prefill"] > 0
         assert sum(stages.values()) == pytest.approx(p["ttft_median_ms"], rel=0.5)
+    # every request sent its clip as its own (a warm-up and 12 timed requests over 3 clips): the audio tower's
+    # cache and the prefix cache served none of them
+    served = results["caches_served"]
+    assert served["encoder_cache_misses"] == 13 and served["encoder_cache_hits"] == 0
+    assert served["prefix_cache_queries"] > 0 and served["prefix_cache_hits"] == 0
     assert results["transformers"]["towers"] == {
         "audio_tower": "shared with ours",
         "visual": "shared with ours",

@@ -5,6 +5,8 @@ import pytest
 import soundfile as sf
 
 from omnistage.bench.clips import (
+    DISTINCT_S,
+    DITHER,
     LIBRISPEECH_TEST_CLEAN_DURATIONS,
     SAMPLE_RATE,
     load_dir,
@@ -63,3 +65,18 @@ def test_load_dir_resamples_and_reads_transcripts(tmp_path):
     (tmp_path / "empty").mkdir()
     with pytest.raises(FileNotFoundError, match="no .wav or .flac files"):
         load_dir(tmp_path / "empty")
+
+
+def test_each_request_hears_a_clip_of_its_own():
+    """A request's clip differs from every other request's in its first half second (the audio tower's first
+    window: the encoder cache's digest and the prefix cache's rows differ), inaudibly, and nowhere else."""
+    (clip,) = synth_clips([3.0], seed=0, espeak=False)
+    heard = [clip.heard_as(n) for n in (-1, 0, 1, 2)]  # a warm-up's number and three timed ones
+    head = round(DISTINCT_S * SAMPLE_RATE)
+    assert len({h.wav_bytes() for h in heard}) == 4  # distinct as pcm16 WAV too, as a client sends them
+    for h in heard:
+        assert h.name == clip.name and h.audio.dtype == np.float32 and len(h.audio) == len(clip.audio)
+        assert np.array_equal(h.audio[head:], clip.audio[head:])
+        noise = h.audio[:head] - clip.audio[:head]
+        assert 0.5 * DITHER < noise.std() < 2 * DITHER  # about -70 dBFS
+    assert np.array_equal(clip.heard_as(5).audio, clip.heard_as(5).audio)  # a request's clip is reproducible

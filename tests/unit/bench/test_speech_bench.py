@@ -205,6 +205,13 @@ def test_in_process_t2s_then_s2s_with_the_transformers_baseline(tiny_checkpoint,
         for p in result["ours"]:
             assert 0 < p["first_packet_median_ms"] < p["latency_median_ms"]
             assert 0 < p["stages_median_ms"]["first_text_token"] < p["first_packet_median_ms"]
+        # each request's own text or clip: neither the Thinker's nor the Talker's prefix cache hit, nor the
+        # audio tower's cache (s2s: a warm-up and two timed clips, each encoded)
+        served = result["caches_served"]
+        assert served["prefix_cache_queries"] > 0 and served["talker_prefix_cache_queries"] > 0
+        assert served["prefix_cache_hits"] == served["talker_prefix_cache_hits"] == 0
+        assert served["encoder_cache_hits"] == 0
+    assert s2s["caches_served"]["encoder_cache_misses"] == 3
     printed = capsys.readouterr().out
     assert "s2s: forced 3 text tokens and forced 5 frames (0.4 s of audio)" in printed
     assert "| transformers (not streamed) | 1 | 1 |" in printed
@@ -232,7 +239,8 @@ def test_in_process_tts_speaks_the_given_text(engine):
     run = speech_targets.inprocess_runner(engine, True, 40, FRAMES, "aiden", True)
     item = SpeechInput("p", "Hello there, how are you?")
     t = asyncio.run(run(item, 0))
-    assert t.frames == FRAMES and t.text_tokens == len(engine.frontend.tts_prompt(item.text).reply_token_ids)
+    spoken = item.as_request(0).text  # the request's own text: "Request 0. Hello there, how are you?"
+    assert t.frames == FRAMES and t.text_tokens == len(engine.frontend.tts_prompt(spoken).reply_token_ids)
     assert "first_text_token" not in t.stages  # the Thinker did not run
     assert engine.pipeline.stats()["talker_kv_pages_free"] == engine.pipeline.stats()["talker_kv_pages_total"]
 

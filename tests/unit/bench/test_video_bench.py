@@ -19,6 +19,8 @@ from omnistage.bench.video_targets import (
 )
 from omnistage.cli import build_parser
 from omnistage.media import MediaPolicy
+from omnistage.models.qwen3_omni.video_decoding import decode_video
+from omnistage.models.qwen3_omni.video_processing import VideoProcessorConfig
 
 TEXT_TOKENS, FRAMES = 3, 5
 
@@ -55,6 +57,16 @@ def test_sample_rates_halve_the_processors_within_whole_second_patches():
     assert sample_rates(2.0, 2, None) == [2.0, 1.0, 0.5]
     assert sample_rates(1.0, 2, None) == [1.0, 0.5, 0.25]
     assert sample_rates(2.0, 2, 0.5) == [0.5]
+
+
+def test_each_request_sends_a_video_of_its_own(tmp_path):
+    (video,) = write_videos([1.0], (64, 48), tmp_path, source_fps=4, files=3)
+    files = [video.as_request(n).path for n in (-1, 0, 1)]  # the warm-up's and two timed requests'
+    assert len(set(files)) == 3 and video.as_request(0) == video and all(f.parent == tmp_path for f in files)
+    contents = {f.read_bytes() for f in files}
+    assert len(contents) == 3  # each its own frames and tone
+    decoded = [decode_video(f.read_bytes(), VideoProcessorConfig(), with_audio=True) for f in files]
+    assert len({d.frames.tobytes() for d in decoded}) == 3 and len({d.audio.tobytes() for d in decoded}) == 3
 
 
 def test_videos_are_written_once_per_length_and_sampled_to_fit_the_context(tmp_path):
@@ -119,6 +131,11 @@ def test_in_process_run_beside_transformers(tiny_checkpoint, tmp_path, capsys):
             assert (
                 0 < stages["decode"] < stages["preprocess"] < stages["encoded"] <= stages["first_text_token"]
             )
+        # a video of its own for each of the warm-up and the three timed requests: nothing from the caches
+        served = entry["caches_served"]
+        assert served["encoder_cache_misses"] == 4 and served["encoder_cache_hits"] == 0
+        assert served["prefix_cache_queries"] >= 4 * entry["prompt_tokens"]
+        assert served["prefix_cache_hits"] == served["talker_prefix_cache_hits"] == 0
     hf = one["transformers"]
     assert hf["requests"] == 1 and hf["frames"] == [FRAMES] and hf["text_tokens"] == [TEXT_TOKENS]
     assert 0 < hf["ttft_median_ms"] < hf["first_packet_median_ms"] == hf["latency_median_ms"]
