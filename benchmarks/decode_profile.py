@@ -24,6 +24,7 @@ Writes `decode_profile_<skeleton>_b<batch>.{json,md}` under --out-dir. `--model 
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import statistics
 import time
@@ -33,7 +34,7 @@ from typing import Any
 
 import torch
 
-from omnistage.bench.clips import synth_clips
+from omnistage.bench.clips import Clip, synth_clips
 from omnistage.bench.skeletons import SKELETONS, released_skeleton
 from omnistage.config import engine_config
 from omnistage.engine.stages.text_setup import NewRequest
@@ -70,12 +71,22 @@ def graph_replay_ms(engine: Any, batch: int, replays: int) -> float | None:
     return round(start.elapsed_time(end) / replays, 3)
 
 
-def _requests(engine: Any, audio: Any, count: int, tokens: int, tag: str) -> list[NewRequest]:
-    params = SamplingParams(max_tokens=tokens, min_tokens=tokens, ignore_eos=True, temperature=0.0)
-    prompt = engine.processor.transcription(audio, None, None)
+_NUMBERS = itertools.count()  # every request's own number, for its own clip
+
+
+def _prompts(engine: Any, clip: Clip, count: int) -> list[Any]:
+    """`count` prompts of `clip`, each heard as a request of its own (`Clip.heard_as`): neither the prefix cache
+    nor the audio tower's cache serves them, as neither would serve a server's distinct recordings."""
     return [
-        NewRequest(f"{tag}-{i}", prompt.token_ids, params, prompt.prompt, mrope=prompt.mrope, mm=prompt.mm)
-        for i in range(count)
+        engine.processor.transcription(clip.heard_as(next(_NUMBERS)).audio, None, None) for _ in range(count)
+    ]
+
+
+def _requests(prompts: list[Any], tokens: int, tag: str) -> list[NewRequest]:
+    params = SamplingParams(max_tokens=tokens, min_tokens=tokens, ignore_eos=True, temperature=0.0)
+    return [
+        NewRequest(f"{tag}-{i}", p.token_ids, params, p.prompt, mrope=p.mrope, mm=p.mm)
+        for i, p in enumerate(prompts)
     ]
 
 
@@ -115,9 +126,9 @@ def _profiled(engine: Any, steps: int, before_step: Callable[[int], None]) -> di
 
 
 def profile_decode(
-    engine: Any, audio: Any, batch: int, steps: int, output_tokens: int, arrivals: int = 0
+    engine: Any, clip: Clip, batch: int, steps: int, output_tokens: int, arrivals: int = 0
 ) -> dict[str, Any]:
-    requests = _requests(engine, audio, batch, output_tokens, "decode")
+    requests = _requests(_prompts(engine, clip, batch), output_tokens, "decode")
     assert not any(engine.add_requests(requests))
     while engine.num_waiting or any(s.num_output_tokens == 0 for s in engine.scheduler.running):
         engine.step()
@@ -141,20 +152,23 @@ def profile_decode(
         **_profiled(engine, steps, lambda i: None),
     }
     if arrivals:
-        result["loaded"] = profile_loaded(engine, audio, steps, arrivals)
+        result["loaded"] = profile_loaded(engine, clip, steps, arrivals)
     while engine.has_unfinished():
         engine.step()
     return result
 
 
-def profile_loaded(engine: Any, audio: Any, steps: int, arrivals: int) -> dict[str, Any]:
+def profile_loaded(engine: Any, clip: Clip, steps: int, arrivals: int) -> dict[str, Any]:
     """Steps of the decoding batch with `arrivals` new requests admitted before each (a server under load): the
     arrivals' clips encoded, their prompts prefilled beside the decode rows; each samples one token and ends,
-    so the batch stays the same. Their wall time (decoding ahead) and, in as many more, their profile."""
+    so the batch stays the same. Their wall time (decoding ahead) and, in as many more, their profile. The
+    arrivals' prompts are laid out before any of it."""
     batches = iter(range(2 * steps + 1))
+    prompts = iter(_prompts(engine, clip, 2 * steps * arrivals))
 
     def arrive(_: int) -> None:
-        assert not any(engine.add_requests(_requests(engine, audio, arrivals, 1, f"arrival{next(batches)}")))
+        arriving = [next(prompts) for _ in range(arrivals)]
+        assert not any(engine.add_requests(_requests(arriving, 1, f"arrival{next(batches)}")))
 
     walls = []
     for i in range(steps):
@@ -241,10 +255,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         **({"kv_cache_memory_gib": 16.0} if args.device == "cuda" else {}), **where,
     )  # fmt: skip
     engine = build_pipeline(config).thinker
-    audio = synth_clips((args.seconds,), seed=0, espeak=False)[0].audio
+    clip = synth_clips((args.seconds,), seed=0, espeak=False)[0]
     output_tokens = 3 * args.steps + 8
-    profile_decode(engine, audio, args.batch, 4, 16, args.arrivals)  # warm-up
-    result = profile_decode(engine, audio, args.batch, args.steps, output_tokens, args.arrivals)
+    profile_decode(engine, clip, args.batch, 4, 16, args.arrivals)  # warm-up
+    result = profile_decode(engine, clip, args.batch, args.steps, output_tokens, args.arrivals)
     result["skeleton"] = "model" if args.model else args.skeleton
     out = Path(args.out_dir)
     out.mkdir(parents=True, exist_ok=True)
