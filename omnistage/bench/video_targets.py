@@ -4,9 +4,10 @@ Each length's videos are written once (`write_videos`: `videos.sliding` frames a
 its sound track), one file per request the run sends, each with frames and a tone of its own, into a directory
 that a MediaPolicy admits as its `media_dir`: no request's video is another's, so the prefix cache and the
 audio tower's cache serve none of it (one file for all would make every timed request's prefill a cache hit).
-Every request then takes the server's path from its file: a `video_url` part naming the file, fetched and decoded by `omnistage.media` (frames
-sampled at the processor's rules, the sound track at 16 kHz, `use_audio_in_video`), laid out by the processor,
-and run through an AsyncPipeline. All of it is inside the request's time.
+Every request then takes the server's path from its file: a `video_url` part naming the file, fetched and
+decoded by `omnistage.media` (frames sampled at the processor's rules, the sound track at 16 kHz,
+`use_audio_in_video`), laid out by the processor, and run through an AsyncPipeline. All of it is inside the
+request's time.
 """
 
 from __future__ import annotations
