@@ -155,9 +155,9 @@ def run_a2t(args: argparse.Namespace) -> dict[str, Any]:
     results["engine"] = engine.memory_summary()
     try:
         run = inprocess_runner(engine, output_tokens, args.max_tokens)
-        before = cache_counts(engine.stats())
+        cached = cache_counts(engine.stats())
         results["ours"] = run_async(sweep(run, clips, concurrencies, args.warmup, args.repeats, args.rounds))
-        results["caches_served"] = served_since(before, cache_counts(engine.stats()))
+        results["caches_served"] = served_since(cached, cache_counts(engine.stats()))
         results["builds_while_serving"] = (
             engine.stats()["builds_while_serving"] if args.engine_process else builds.in_process()
         )

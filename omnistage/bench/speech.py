@@ -158,11 +158,11 @@ def run_speech(args: argparse.Namespace) -> dict[str, dict[str, Any]]:
             run = inprocess_runner(
                 engine, args.tts and workload == "t2s", args.text_tokens, args.frames, args.voice, forced
             )
-            before = cache_counts(pipeline.stats())
+            cached = cache_counts(pipeline.stats())
             result["ours"] = run_async(
                 sweep(run, inputs[workload], concurrencies, args.requests, args.warmup, args.repeats)
             )
-            result["caches_served"] = served = served_since(before, cache_counts(pipeline.stats()))
+            result["caches_served"] = served = served_since(cached, cache_counts(pipeline.stats()))
             log.info("%s: served from the caches during the run: %s", workload, served)
             result["builds_while_serving"] = builds.in_process()
             result["pools_after"] = after = pools(pipeline.stats())

@@ -120,7 +120,7 @@ def run_v2s(args: argparse.Namespace) -> dict[str, Any]:
                 entry: dict[str, Any] = {"name": item.name, "seconds": item.seconds, "fps": item.fps,
                                          "prompt_tokens": tokens, "file_mb": round(item.path.stat().st_size / 1e6, 2)}  # fmt: skip
                 result["lengths"].append(entry)
-                before = cache_counts(pipeline.stats())
+                cached = cache_counts(pipeline.stats())
                 try:
                     entry["ours"] = run_async(
                         sweep(run, [item], concurrencies, summarize, count, args.warmup, args.repeats)
@@ -128,7 +128,7 @@ def run_v2s(args: argparse.Namespace) -> dict[str, Any]:
                 except Exception as exc:  # one length's failure is its result; the others still run
                     log.exception("%s failed", item.name)
                     entry["error"] = f"{type(exc).__name__}: {exc}"
-                entry["caches_served"] = served_since(before, cache_counts(pipeline.stats()))
+                entry["caches_served"] = served_since(cached, cache_counts(pipeline.stats()))
                 save(args, result)
             result["builds_while_serving"] = builds.in_process()
             result["pools_after"] = speech.pools(pipeline.stats())
