@@ -35,7 +35,7 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
-from omnistage.bench import builds
+from omnistage.bench import builds, caches
 from omnistage.bench.a2t_targets import Runner, inprocess_runner, server_runner
 from omnistage.bench.baseline import BASELINE_KV_GIB, kv_beside_baseline
 from omnistage.bench.caches import cache_counts, served_since
@@ -110,9 +110,10 @@ def run_a2t(args: argparse.Namespace) -> dict[str, Any]:
             "endpoint": args.endpoint,
             "client": args.http_client,
         }
-        before = builds.on_server(args.url)
+        before, cached = builds.on_server(args.url), caches.on_server(args.url)
         results["ours"] = run_async(_over_http(args, model, clips, concurrencies, output_tokens))
         results["builds_while_serving"] = builds.on_server(args.url) - before
+        results["caches_served"] = served_since(cached, caches.on_server(args.url))
         return results
 
     from omnistage.config import engine_config

@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import json
+import random
 import time
 from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any
@@ -54,6 +55,7 @@ def server_runner(
     from omnistage.models.qwen3_omni.transcription import INSTRUCTION
 
     fields = forced(output_tokens, max_tokens)
+    run = random.randrange(1, 2**31)  # the server outlives this run: its requests are not an earlier run's
 
     async def timed(
         clip: Clip, path: str, body: bytes, headers: dict[str, str], first_token: str
@@ -79,7 +81,7 @@ def server_runner(
         return RequestTiming(clip.seconds, (first or end) - start, end - start, tokens or deltas, stages)
 
     async def chat(clip: Clip, number: int) -> RequestTiming:
-        clip = clip.heard_as(number)
+        clip = clip.heard_as(number, run)
         audio = {"data": base64.b64encode(clip.wav_bytes()).decode(), "format": "wav"}
         content = [{"type": "input_audio", "input_audio": audio}, {"type": "text", "text": INSTRUCTION}]
         body = {
@@ -94,7 +96,7 @@ def server_runner(
         )
 
     async def transcribe(clip: Clip, number: int) -> RequestTiming:
-        clip = clip.heard_as(number)
+        clip = clip.heard_as(number, run)
         form = {"model": model, "stream": "true", **{k: _form_value(v) for k, v in fields.items()}}
         files = {"file": (f"{clip.name}.wav", clip.wav_bytes(), "audio/wav")}
         request = httpx.Request("POST", "http://server/", data=form, files=files)

@@ -59,10 +59,11 @@ class Clip:
     def seconds(self) -> float:
         return len(self.audio) / SAMPLE_RATE
 
-    def heard_as(self, number: int) -> Clip:
-        """This clip as request `number` (any int, the warm-up's negative) sends it: its first DISTINCT_S
-        seconds with that number's dither."""
-        return replace(self, audio=dithered(self.audio, number, DISTINCT_S * SAMPLE_RATE))
+    def heard_as(self, number: int, run: int = 0) -> Clip:
+        """This clip as request `number` (any int, the warm-up's negative) of benchmark run `run` sends it: its
+        first DISTINCT_S seconds with their dither. A run against a server that outlives it takes a number of
+        its own, so that its requests are not an earlier run's either."""
+        return replace(self, audio=dithered(self.audio, (run, number), DISTINCT_S * SAMPLE_RATE))
 
     def wav_bytes(self) -> bytes:
         import soundfile as sf
@@ -72,12 +73,13 @@ class Clip:
         return buffer.getvalue()
 
 
-def dithered(audio: np.ndarray, seed: int, samples: float | None = None) -> np.ndarray:
-    """A float32 copy of `audio` with a dither of `seed` (RMS DITHER) over its first `samples` (all of it when
-    None)."""
+def dithered(audio: np.ndarray, seed: int | tuple[int, ...], samples: float | None = None) -> np.ndarray:
+    """A float32 copy of `audio` with a dither of `seed` (any ints; RMS DITHER) over its first `samples` (all of
+    it when None)."""
     out = np.array(audio, dtype=np.float32)
     n = len(out) if samples is None else min(len(out), round(samples))
-    out[:n] += (np.random.default_rng(seed % 2**63).standard_normal(n) * DITHER).astype(np.float32)
+    entropy = [s % 2**63 for s in (seed if isinstance(seed, tuple) else (seed,))]
+    out[:n] += (np.random.default_rng(entropy).standard_normal(n) * DITHER).astype(np.float32)
     return out
 
 

@@ -37,7 +37,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from omnistage.bench import builds
+from omnistage.bench import builds, caches
 from omnistage.bench.baseline import BASELINE_KV_GIB, kv_beside_baseline
 from omnistage.bench.caches import cache_counts, served_since
 from omnistage.bench.clients import first_model, http_pool
@@ -142,11 +142,12 @@ def run_speech(args: argparse.Namespace) -> dict[str, dict[str, Any]]:
         for workload, concurrencies in workloads.items():
             result = results[workload]
             result["target"] = {"url": args.url, "model": model}
-            before = builds.on_server(args.url)
+            before, cached = builds.on_server(args.url), caches.on_server(args.url)
             result["ours"] = run_async(
                 _over_http(args, model, workload, inputs[workload], concurrencies, forced)
             )
             result["builds_while_serving"] = builds.on_server(args.url) - before
+            result["caches_served"] = served_since(cached, caches.on_server(args.url))
             save(args, results)
         return results
 

@@ -12,6 +12,7 @@ import base64
 import json
 import logging
 import math
+import random
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field, replace
@@ -48,14 +49,16 @@ class SpeechInput:
     text: str
     clip: Clip | None = None
 
-    def as_request(self, number: int) -> SpeechInput:
-        """This input as request `number` sends it, distinct from every other request's: a clip with that
-        number's dither (`Clip.heard_as`), a text opening with the number. A real stream of turns repeats
-        neither; a pass cycling NUM_INPUTS inputs would otherwise find its prompts in the prefix cache and its
-        clips in the audio tower's."""
+    def as_request(self, number: int, run: int = 0) -> SpeechInput:
+        """This input as request `number` of benchmark run `run` sends it, distinct from every other request's:
+        a clip with their dither (`Clip.heard_as`), a text opening with the numbers, the request's first (the
+        run's first would give a run's requests a first page in common). A real stream of turns repeats neither;
+        a pass cycling NUM_INPUTS inputs would otherwise find its prompts in the prefix cache and its clips in
+        the audio tower's."""
         if self.clip is not None:
-            return replace(self, clip=self.clip.heard_as(number))
-        return replace(self, text=f"Request {number}. {self.text}")
+            return replace(self, clip=self.clip.heard_as(number, run))
+        label = f"{number} of run {run}" if run else f"{number}"
+        return replace(self, text=f"Request {label}. {self.text}")
 
     def messages(self) -> list[dict[str, Any]]:
         """The chat as the processor takes it in-process (decoded audio)."""
@@ -197,6 +200,8 @@ def server_runner(
     """Streamed requests to a running server through `client` (based at its URL), audio as raw pcm16; forced
     lengths go as the server's `min_frames` and `ignore_eos` beside `max_frames`."""
 
+    run = random.randrange(1, 2**31)  # the server outlives this run: its requests are not an earlier run's
+
     def timing(
         item: SpeechInput, start: float, first: float | None, pcm_bytes: int, usage: dict
     ) -> SpeechTiming:
@@ -212,7 +217,7 @@ def server_runner(
         return SpeechTiming((first or end) - start, end - start, seconds, got_frames, got_text)
 
     async def chat(item: SpeechInput, number: int) -> SpeechTiming:
-        item = item.as_request(number)
+        item = item.as_request(number, run)
         body = {
             "model": model,
             "messages": item.http_messages(),
@@ -226,7 +231,7 @@ def server_runner(
         return timing(item, reply.start, reply.first_audio, reply.pcm_bytes, reply.usage)
 
     async def speak(item: SpeechInput, number: int) -> SpeechTiming:
-        item = item.as_request(number)
+        item = item.as_request(number, run)
         body = {
             "model": model,
             "input": item.text,

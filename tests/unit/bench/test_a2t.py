@@ -252,6 +252,12 @@ def test_over_http_with_the_runtime_dependencies_only(server_url, endpoint, http
         )  # the answer waits for a token; the upload is a local write
         assert sum(stages.values()) == pytest.approx(p["ttft_median_ms"], rel=0.5)
     # h11: a connection per request in flight, kept alive from one request to the next (4 requests, 2 at most)
+    # the server's /metrics over the run: each request's clip its own, encoded, though the server saw this test's
+    # other runs (the same clips, other numbers)
+    served = results["caches_served"]
+    assert served["encoder_cache_misses"] == sum(p["requests"] for p in results["ours"])
+    assert served["encoder_cache_hits"] == 0
+    assert served["prefix_cache_queries"] > 0 and served["prefix_cache_hits"] == 0
     assert len(opened) == (2 if http_client == "h11" else 0)
 
 

@@ -274,6 +274,11 @@ def test_over_http(server_url, command):
         assert p["text_tokens"] == [0 if "--tts" in command else TEXT_TOKENS]
         assert 0.3 < p["audio_s"] / 2 <= FRAMES / 12.5  # the pcm16 the stream carried
         assert 0 < p["first_packet_median_ms"] < p["latency_median_ms"]
+    # the server's /metrics over the run: its own inputs, though the server saw this test's other runs
+    served = result["caches_served"]
+    hits = ("prefix_cache_hits", "talker_prefix_cache_hits", "encoder_cache_hits")
+    assert [served[k] for k in hits] == [0, 0, 0], served
+    assert served["talker_prefix_cache_queries"] > 0
 
 
 def test_over_http_a_refused_request_stops_the_run_with_the_servers_message(server_url):
