@@ -18,7 +18,8 @@ TTFT and TPOT medians. Targets:
 
 Each request sends its clip as its own (a faint dither numbered by the request over its first half second,
 `Clip.heard_as`), so the audio tower's cache and the prefix cache serve it nothing a fresh recording would not
-get; in-process, what they served is reported (`caches_served`: near zero but a shared template's first page).
+get (a run against a server numbers itself too); what they served is reported (`caches_served`: the pipeline's
+counters in-process, the server's /metrics over HTTP; near zero but a shared template's first page).
 
 Random weights say nothing useful at the end of a sentence, so `--output-tokens N` forces every request
 to exactly N tokens (max_tokens = min_tokens = N, ignore_eos). The targets' requests are in a2t_targets.py.

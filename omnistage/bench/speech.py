@@ -12,8 +12,8 @@ Workloads: t2s, a text chat turn whose reply is written and spoken; s2s, a 5 s c
 (`bench/clips.py`), the reply spoken; `t2s --tts`, the text spoken exactly as `/v1/audio/speech` does
 (`SpeechParams.reply_token_ids`: the Thinker's layers do not run). Every request's input is its own (a clip
 with a faint dither numbered by the request, a text opening with its number: `SpeechInput.as_request`), so
-the prefix cache and the audio tower's cache serve none of it; in-process the run reports what they served
-(`caches_served`). Targets:
+the prefix cache and the audio tower's cache serve none of it (a run against a server numbers itself too); the
+run reports what they served (`caches_served`, from the pipeline or the server's /metrics). Targets:
 - this process (`--model DIR`, or `--load-format dummy`: random weights at the released sizes): an
   AsyncPipeline over the pipeline;
 - a running server (`--url`): streamed chat with `modalities: ["text", "audio"]` and pcm16 audio, or
