@@ -35,7 +35,7 @@ from omnistage.engine.stages.token_runner import HiddenTap
 from omnistage.models.layers.attention_metadata import to_device
 from omnistage.models.qwen3_omni.config import Qwen3OmniConfig
 from omnistage.models.qwen3_omni.mrope import MediaLayout
-from omnistage.models.qwen3_omni.talker_input import TtsEmbeds, talker_positions, talker_prompt
+from omnistage.models.qwen3_omni.talker_input import PromptSource, TtsEmbeds, talker_positions, talker_prompts
 from omnistage.outputs import RequestOutput, SpokenFrame
 from omnistage.pipeline.audio_readback import AudioReadback
 from omnistage.pipeline.speech_stages import PREDICTOR_TEMPERATURE, PREDICTOR_TOP_P, SpeechStages
@@ -105,23 +105,21 @@ class EarlyFrames:
 
 class Handoff:
     """The speaking step over `speaking` (the pipeline's dict of speaking requests, shared): the Talker's prompt
-    from the Thinker's rows on the Thinker's `device`, text rows from its `embedding`, and `fail(speech, error)`
-    for a request that fails (the pipeline stops its Thinker side too). `prefix_caching`: the Talker's prompts
-    share their user turns' pages through its pool's cache."""
+    from the Thinker's media rows (each request's tap) and `text_rows`, and `fail(speech, error)` for a request
+    that fails (the pipeline stops its Thinker side too). `prefix_caching`: the Talker's prompts share their
+    user turns' pages through its pool's cache."""
 
     def __init__(
         self,
         stages: SpeechStages,
         tts: TtsEmbeds,
-        embedding: torch.nn.Embedding,
         text_rows: torch.Tensor,
-        device: torch.device,
         model_config: Qwen3OmniConfig,
         speaking: dict[str, Speech],
         fail: Callable[[Speech, str], None],
         prefix_caching: bool = False,
     ) -> None:
-        self.stages, self.tts, self.embedding, self.device = stages, tts, embedding, device
+        self.stages, self.tts = stages, tts
         self.prefix_caching = prefix_caching
         self.text_rows = text_rows  # talker_input.text_rows: the projected row of every text token
         self.model_config, self.speaking, self.fail = model_config, speaking, fail
@@ -132,13 +130,9 @@ class Handoff:
         then one Code2Wav step; returns the audio chunks per request that reached the host (on a GPU mostly
         those of the step before: audio_readback.py)."""
         speech: Speech | None
-        for speech in list(self.speaking.values()):
-            if not speech.talker_started and speech.error is None:
-                try:
-                    self.start_talker(speech)
-                except Exception as exc:  # this request's hand-off failed: it fails alone
-                    log.error("request %s: the Talker could not start", speech.request_id, exc_info=exc)
-                    self.fail(speech, f"speech failed: {type(exc).__name__}: {exc}")
+        starting = [s for s in self.speaking.values() if not s.talker_started and s.error is None]
+        if starting:
+            self.start_isolated(starting)
         self.feed_text()
         talker, streamer = self.stages.talker_stage, self.stages.streamer
         flights = talker.launch() if talker.has_unfinished() else []
@@ -210,34 +204,72 @@ class Handoff:
                 self.fail(speech, f"speech failed: {type(exc).__name__}: {exc}")
             return None
 
-    def start_talker(self, speech: Speech) -> None:
-        """Queue the Talker's prompt once the first spoken token is known (or end a reply with none)."""
-        spoken = speech.spoken
-        if not spoken:
-            if speech.text_done:  # a one-token reply: nothing to say
-                speech.talker_started = speech.talker_done = speech.audio_done = True
+    def start_isolated(self, speeches: list[Speech]) -> None:
+        """The Talkers of `speeches` started together; if that fails, one at a time, so that only the request
+        at fault fails."""
+        try:
+            self.start_talkers(speeches)
             return
-        ids = torch.tensor(speech.prompt_ids, device=self.device)
-        embeds = self.embedding(ids)
-        accept = embeds.new_zeros(embeds.shape)
+        except Exception as exc:
+            if len(speeches) == 1:  # this request's hand-off failed: it fails alone
+                log.error("request %s: the Talker could not start", speeches[0].request_id, exc_info=exc)
+                self.fail(speeches[0], f"speech failed: {type(exc).__name__}: {exc}")
+                return
+            log.warning("starting %d Talkers together failed (%s); one at a time", len(speeches), exc)
+        for speech in speeches:
+            if not speech.talker_started and speech.error is None:
+                self.start_isolated([speech])
+
+    def start_talkers(self, speeches: list[Speech]) -> None:
+        """Queue the Talker's prompt of each request whose first spoken token is known (or end a reply with
+        none). The prompts are built together (`talker_prompts`), on the host but for one gather of their rows:
+        a burst's first tokens start their Talkers in one pass, which waits for nothing on the device."""
+        ready: list[Speech] = []
+        for speech in speeches:
+            if speech.spoken:
+                ready.append(speech)
+            elif speech.text_done:  # a one-token reply: nothing to say
+                speech.talker_started = speech.talker_done = speech.audio_done = True
+        if not ready:
+            return
+        stages, talker = self.stages, self.stages.talker_stage
+        sources = [self.prompt_source(speech) for speech in ready]
+        prompts = talker_prompts(stages.talker, stages.tokens, self.tts, self.text_rows, sources)
+        hidden_on_host = self.media_on_host(sources) if self.prefix_caching else [None] * len(ready)
+        for speech, prompt, hidden in zip(ready, prompts, hidden_on_host, strict=True):
+            positions = talker_positions(prompt, self.model_config, speech.media)
+            keys = None
+            if hidden is not None:
+                keys = talker_keys(speech.prompt_ids, stages.tokens, hidden, positions, talker.page_size)
+            talker.add(
+                speech.request_id, prompt.embeds, positions, speech.params.talker, speech.frame_cap, keys
+            )
+            speech.talker_started = True
+            speech.text_read = 1  # the prompt's last row holds the first spoken token
+            speech.tap = None
+            stages.streamer.open(speech.request_id)
+
+    def prompt_source(self, speech: Speech) -> PromptSource:
+        """What the request's Talker prompt is built from: its Thinker prompt, the Thinker's hidden states at
+        its media rows (zeros where none were kept: a reply given with the request), its first spoken token."""
+        ids = torch.tensor(speech.prompt_ids)
         if speech.tap is not None:
-            accept[speech.tap.rows] = speech.tap.values
-        first = self.embedding(torch.tensor(spoken[0], device=self.device))
-        to, stages = self.stages.device, self.stages
-        prompt = talker_prompt(
-            stages.talker, stages.tokens, self.tts, ids.to(to), embeds.to(to), accept.to(to), first.to(to),
-            speech.speaker,
-        )  # fmt: skip
-        positions = talker_positions(prompt, self.model_config, speech.media)
-        talker = stages.talker_stage
-        keys = None
-        if self.prefix_caching:
-            keys = talker_keys(speech.prompt_ids, stages.tokens, accept, positions, talker.page_size)
-        talker.add(speech.request_id, prompt.embeds, positions, speech.params.talker, speech.frame_cap, keys)
-        speech.talker_started = True
-        speech.text_read = 1  # the prompt's last row holds the first spoken token
-        speech.tap = None
-        stages.streamer.open(speech.request_id)
+            hidden = speech.tap.values
+        else:
+            media = int(torch.isin(ids, torch.tensor(self.stages.tokens.placeholders)).sum())
+            width = self.model_config.thinker.text.hidden_size
+            hidden = self.text_rows.new_zeros(media, width)
+        return PromptSource(ids, hidden, speech.spoken[0], speech.speaker)
+
+    def media_on_host(self, sources: list[PromptSource]) -> list[torch.Tensor]:
+        """Each prompt's media hidden states on the host (the Talker's prefix keys hold their bytes), in one
+        copy, and none where no prompt has media."""
+        counts = [len(source.media_hidden) for source in sources]
+        if not any(counts):
+            width = self.model_config.thinker.text.hidden_size
+            return [self.text_rows.new_empty(0, width, device="cpu") for _ in sources]
+        hidden = torch.cat([source.media_hidden.to(self.text_rows.device) for source in sources])
+        return list(hidden.to("cpu").split(counts))
 
     def feed_text(self) -> None:
         """Give each Talker waiting with a finished frame its next input row, where the text row is known."""

@@ -17,13 +17,12 @@ from omnistage.errors import InvalidRequest, RequestTooLarge
 from omnistage.models.qwen3_omni.config import Qwen3OmniConfig
 from omnistage.models.qwen3_omni.mrope import MediaLayout
 from omnistage.models.qwen3_omni.processor import Processor
-from omnistage.models.qwen3_omni.talker_input import user_turn_mask
+from omnistage.models.qwen3_omni.talker_input import ASSISTANT_ROWS, user_turn_mask
 from omnistage.outputs import CompletionOutput, RequestOutput
 from omnistage.pipeline.handoff import Speech
 from omnistage.pipeline.speech_stages import SpeechStages
 from omnistage.request import MAX_AUDIO_FRAMES, GenerationRequest, SamplingParams, SpeechParams, ValidRequest
 
-ASSISTANT_ROWS = 9  # the Talker prompt's rows after the user turns (talker_input.talker_prompt)
 # The audio cap when a request sets none: 2 s, plus 8 frames (0.64 s) per spoken token, about twice a
 # speaker's pace, never past MAX_AUDIO_FRAMES.
 CAP_BASE_FRAMES, CAP_FRAMES_PER_TOKEN = 25, 8

@@ -41,11 +41,9 @@ class OmniStep:
         if speech_stages is not None:
             assert talker_tables is not None  # built with the speech stages
             tts, rows = talker_tables
-            embedding = thinker.model.model.embed_tokens
             self.handoff = Handoff(
-                speech_stages, tts, embedding, rows, thinker.device, model_config, speaking, self.fail,
-                thinker.prefix_caching,
-            )  # fmt: skip
+                speech_stages, tts, rows, model_config, speaking, self.fail, thinker.prefix_caching
+            )
         # on a GPU the Thinker has a stream of its own, for its steps beside the speech stages' (`step`) when
         # overlap_stages is on (speech_profile.py times both ways)
         speaks_on_gpu = speech_stages is not None and thinker.device.type == "cuda"

@@ -26,24 +26,22 @@ from omnistage.models.qwen3_omni.talker_input import SpeechTokens, user_turn_mas
 def talker_keys(
     prompt_ids: list[int],
     tokens: SpeechTokens,
-    accept_hidden: torch.Tensor,
+    media_hidden: torch.Tensor,
     positions: PromptPositions,
     page_size: int,
 ) -> PageKeys:
     """The keys of the full pages of the Talker prompt's user part. `prompt_ids`: the Thinker's prompt;
-    `accept_hidden` `[P, Ht]` the Thinker's hidden states the Talker reads at its placeholders (as
-    talker_input.talker_prompt takes them); `positions`: the Talker prompt's."""
+    `media_hidden` `[M, Ht]` (on the host) the Thinker's hidden states at each of its placeholders in order (as
+    talker_input.PromptSource holds them); `positions`: the Talker prompt's."""
     ids = np.asarray(prompt_ids, dtype=np.int64)
     user = user_turn_mask(torch.from_numpy(ids), tokens).numpy()
+    placeholder = np.isin(ids, tokens.placeholders)
     user_rows = np.flatnonzero(user)
-    media = np.flatnonzero(np.isin(ids[user_rows], tokens.placeholders))  # their rows in the Talker's prompt
+    media = np.flatnonzero(placeholder[user_rows])  # their rows in the Talker's prompt
     kinds: tuple[MediaRows, ...] = ()
     if len(media):
-        # picked on the host: a gather on the device would allocate outside the memory plan
-        host = accept_hidden.to("cpu")
-        values = (
-            host.index_select(0, torch.from_numpy(user_rows[media])).contiguous().view(torch.uint8).numpy()
-        )
+        read = (np.cumsum(placeholder) - 1)[user_rows[media]]  # those in user turns, among all placeholders
+        values = media_hidden.index_select(0, torch.from_numpy(read)).contiguous().view(torch.uint8).numpy()
         kinds = (MediaRows(media, values),)
     num_user = len(user_rows)
     return PageKeys.of_prompt(

@@ -32,10 +32,12 @@ from omnistage.models.qwen3_omni.mrope import MediaLayout
 from omnistage.models.qwen3_omni.processor import ProcessedPrompt, Processor
 from omnistage.models.qwen3_omni.talker import load_talker
 from omnistage.models.qwen3_omni.talker_input import (
+    PromptSource,
     SpeechTokens,
     step_text,
     talker_positions,
-    talker_prompt,
+    talker_prompts,
+    text_rows,
     trailing_text,
     tts_embeds,
 )
@@ -249,16 +251,9 @@ def ours_speech(
     tts = tts_embeds(talker, embedding, tokens)
     ids = torch.tensor(prompt.token_ids)
     spoken = embedding(torch.tensor(generated[:-1]))  # the Thinker's last token is not spoken
-    talker_in = talker_prompt(
-        talker,
-        tokens,
-        tts,
-        ids,
-        embedding(ids),
-        accept_hidden[: len(ids)],
-        spoken[0],
-        tokens.speaker_id(voice),
-    )
+    media = torch.isin(ids, torch.tensor(tokens.placeholders))
+    source = PromptSource(ids, accept_hidden[: len(ids)][media], generated[0], tokens.speaker_id(voice))
+    (talker_in,) = talker_prompts(talker, tokens, tts, text_rows(talker, embedding), [source])
     positions = talker_positions(talker_in, cfg, MediaLayout.of(prompt.mm, cfg.thinker))
     trailing = trailing_text(talker, tts, spoken[1:])
 

@@ -23,16 +23,19 @@ functions over a single sequence:
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 
+from omnistage.models.layers.attention_metadata import to_device_together
 from omnistage.models.layers.rotary import PromptPositions
 from omnistage.models.qwen3_omni.config import Qwen3OmniConfig
 from omnistage.models.qwen3_omni.mrope import MediaLayout
 from omnistage.models.qwen3_omni.talker import Talker
 
 ASSISTANT_HEADER_ROWS = 3  # <|im_start|> assistant \n
+ASSISTANT_ROWS = 9  # the header, then tts_pad x 4, tts_bos and the first text token over their codec ids
 
 
 @dataclass(frozen=True)
@@ -143,56 +146,123 @@ def assistant_turn_start(prompt_ids: torch.Tensor, tokens: SpeechTokens) -> int:
     return int(starts[-1])
 
 
-def talker_prompt(
+@dataclass(frozen=True)
+class PromptSource:
+    """What one Talker prompt is built from, all known once the reply's first token is: the Thinker's prompt
+    `ids` `[P]` (on the host, ending in the assistant header), the Thinker's hidden states after
+    `accept_hidden_layer` layers at each of its media placeholders in order (`media_hidden` `[M, Ht]`, any
+    device), the reply's first token and the voice's codec id."""
+
+    ids: torch.Tensor
+    media_hidden: torch.Tensor
+    first_token: int
+    speaker_id: int
+
+
+def talker_prompts(
     talker: Talker,
     tokens: SpeechTokens,
     tts: TtsEmbeds,
-    prompt_ids: torch.Tensor,
-    prompt_embeds: torch.Tensor,
-    accept_hidden: torch.Tensor,
-    first_text_embed: torch.Tensor,
-    speaker_id: int,
-) -> TalkerPrompt:
-    """The Talker's prefill rows and their rope ids.
+    table: torch.Tensor,
+    sources: Sequence[PromptSource],
+) -> list[TalkerPrompt]:
+    """The Talker's prefill rows and their rope ids, for each of `sources`.
 
-    `prompt_ids` `[P]` is the Thinker's expanded prompt, ending in the assistant header; `prompt_embeds`
-    `[P, Ht]` its token embeddings (placeholder rows are not read); `accept_hidden` `[P, Ht]` the Thinker's
-    hidden states after `accept_hidden_layer` layers (only placeholder rows are read, so a text prompt may pass
-    any tensor of that shape); `first_text_embed` `[Ht]` the token embedding of the reply's first token, which
-    is all the Talker needs of the reply to start.
+    A text row is `table`'s (`text_rows`: `text_projection` of every token's embedding, on the Talker's
+    device), a media row `hidden_projection` of its hidden state. The prompts' layout is planned on the host
+    from their ids, and their rows are gathered in one pass of a dozen calls whatever their number: a hand-off
+    of many requests at once (a burst's first tokens) neither launches per request nor waits on the device.
     """
-    start = assistant_turn_start(prompt_ids, tokens)
-    if start + ASSISTANT_HEADER_ROWS != len(prompt_ids):
-        raise ValueError("the prompt must end with the assistant header `<|im_start|>assistant\\n`")
-    user = user_turn_mask(prompt_ids, tokens)
-    media = torch.isin(prompt_ids, torch.tensor(tokens.placeholders, device=prompt_ids.device))
-    width = talker.config.text.hidden_size
-    user_rows = prompt_embeds.new_empty(int(user.sum()), width)
-    media_in_user = media[user]
-    user_rows[media_in_user] = talker.hidden_projection(accept_hidden[user & media])
-    user_rows[~media_in_user] = talker.text_projection(prompt_embeds[user & ~media])
-
-    projected = talker.text_projection(torch.cat((prompt_embeds[start:], first_text_embed[None])))
-    header, first_text = projected[:ASSISTANT_HEADER_ROWS], projected[ASSISTANT_HEADER_ROWS:]
-    # tts_pad over nothink, think_bos, think_eos and the speaker; tts_bos over codec_pad; text over codec_bos
-    text_side = torch.cat((header, tts.pad.expand(4, -1), tts.bos[None], first_text))
-    codec_ids = torch.tensor(
-        [
+    if not sources:
+        return []
+    device, width = table.device, talker.config.text.hidden_size
+    placeholders = torch.tensor(tokens.placeholders)
+    table_ids: list[torch.Tensor] = []  # the Thinker tokens whose text rows are read, every prompt's in turn
+    media_parts: list[torch.Tensor] = []  # the placeholders' hidden states, every prompt's in turn
+    media_picks: list[torch.Tensor] = []  # the placeholders read (those in user turns), in media_parts' rows
+    user_rows: list[
+        torch.Tensor
+    ] = []  # per prompt, each user row's source: a text row k, or media row -1 - k
+    rope_ids: list[torch.Tensor] = []
+    headers: list[int] = []  # where each prompt's header rows are among the text rows
+    num_text = num_media = num_picked = 0
+    for source in sources:
+        ids = source.ids
+        start = assistant_turn_start(ids, tokens)
+        if start + ASSISTANT_HEADER_ROWS != len(ids):
+            raise ValueError("the prompt must end with the assistant header `<|im_start|>assistant\\n`")
+        user = user_turn_mask(ids, tokens)
+        media = torch.isin(ids, placeholders)
+        text_ids = ids[user & ~media]
+        picked = (media.cumsum(0) - 1)[user & media]
+        rows = torch.empty(int(user.sum()), dtype=torch.int64)
+        media_in_user = media[user]
+        rows[~media_in_user] = torch.arange(num_text, num_text + len(text_ids))
+        rows[media_in_user] = -1 - torch.arange(num_picked, num_picked + len(picked))
+        # the header's 3 text rows, then the first token's
+        table_ids += [text_ids, ids[start:], torch.tensor([source.first_token])]
+        headers.append(num_text + len(text_ids))
+        num_text += len(text_ids) + ASSISTANT_HEADER_ROWS + 1
+        media_parts.append(source.media_hidden.to(device))
+        media_picks.append(picked + num_media)
+        num_media += len(source.media_hidden)
+        num_picked += len(picked)
+        user_rows.append(rows)
+        rope_ids.append(torch.cat((ids[user], ids.new_full((ASSISTANT_ROWS,), tokens.tts_pad))))
+    # the bank of rows the prompts read: text rows, media rows, tts_pad, tts_bos
+    pad, bos = num_text + num_picked, num_text + num_picked + 1
+    assistant_text: list[torch.Tensor] = []  # each assistant row's text side, in the bank
+    codec_rows: list[torch.Tensor] = []  # and its codec side, in the codec rows (0: none)
+    codec_ids: list[int] = []
+    order: list[torch.Tensor] = []  # each prompt's user rows, then its assistant rows, among all of them
+    total_user = sum(len(rows) for rows in user_rows)
+    user_at = 0
+    for i, (source, rows, header) in enumerate(zip(sources, user_rows, headers, strict=True)):
+        assistant_text.append(
+            torch.tensor([header, header + 1, header + 2, pad, pad, pad, pad, bos, header + 3])
+        )
+        # codec rows: none under the header, then nothink, think_bos, think_eos, speaker, pad, bos
+        codec_rows.append(torch.tensor([0, 0, 0, *range(1 + 6 * i, 7 + 6 * i)]))
+        codec_ids += [
             tokens.codec_nothink,
             tokens.codec_think_bos,
             tokens.codec_think_eos,
-            speaker_id,
+            source.speaker_id,
             tokens.codec_pad,
             tokens.codec_bos,
-        ],
-        device=prompt_ids.device,
+        ]
+        assistant_at = total_user + ASSISTANT_ROWS * i
+        order += [
+            torch.arange(user_at, user_at + len(rows)),
+            torch.arange(assistant_at, assistant_at + ASSISTANT_ROWS),
+        ]
+        user_at += len(rows)
+    user_index = torch.cat(user_rows)
+    user_index = torch.where(user_index < 0, num_text - 1 - user_index, user_index)
+    (table_index, pick_index, user_index, text_index, codec_index, codec_ids_device, order_index) = (
+        to_device_together(
+            [
+                torch.cat(table_ids),
+                torch.cat(media_picks),
+                user_index,
+                torch.cat(assistant_text),
+                torch.cat(codec_rows),
+                torch.tensor(codec_ids),
+                torch.cat(order),
+            ],
+            device,
+        )
     )
-    codec_side = torch.cat(
-        (text_side.new_zeros(ASSISTANT_HEADER_ROWS, width), talker.model.codec_embedding(codec_ids))
-    )
-    assistant_rows = text_side + codec_side
-    rope_ids = torch.cat((prompt_ids[user], prompt_ids.new_full((len(assistant_rows),), tokens.tts_pad)))
-    return TalkerPrompt(torch.cat((user_rows, assistant_rows)), rope_ids)
+    parts = [table.index_select(0, table_index)]
+    if num_picked:
+        parts.append(talker.hidden_projection(torch.cat(media_parts).index_select(0, pick_index)))
+    bank = torch.cat((*parts, tts.pad[None], tts.bos[None]))
+    codec = talker.model.codec_embedding(codec_ids_device)
+    codec = torch.cat((codec.new_zeros(1, width), codec))
+    assistant = bank.index_select(0, text_index) + codec.index_select(0, codec_index)
+    embeds = torch.cat((bank.index_select(0, user_index), assistant)).index_select(0, order_index)
+    lengths = [len(ids) for ids in rope_ids]
+    return [TalkerPrompt(rows, ids) for rows, ids in zip(embeds.split(lengths), rope_ids, strict=True)]
 
 
 def talker_positions(

@@ -9,12 +9,13 @@ from omnistage.models.qwen3_omni.config import Qwen3OmniConfig
 from omnistage.models.qwen3_omni.mrope import MediaLayout
 from omnistage.models.qwen3_omni.talker import load_talker
 from omnistage.models.qwen3_omni.talker_input import (
+    PromptSource,
     SpeechTokens,
     TtsEmbeds,
     assistant_turn_start,
     step_text,
     talker_positions,
-    talker_prompt,
+    talker_prompts,
     text_rows,
     trailing_text,
     user_turn_mask,
@@ -61,10 +62,22 @@ def test_speaker_ids_are_case_insensitive(setup):
         tokens.speaker_id("nobody")
 
 
+@pytest.fixture(scope="module")
+def table(setup):
+    """A Thinker embedding of random rows over the whole vocabulary and its text rows' table."""
+    cfg, _, talker = setup
+    generator = torch.Generator().manual_seed(0)
+    embedding = torch.nn.Embedding(cfg.thinker.text.vocab_size, talker.config.thinker_hidden_size)
+    with torch.no_grad():
+        embedding.weight.copy_(torch.randn(embedding.weight.shape, generator=generator))
+        return embedding, text_rows(talker, embedding)
+
+
 @torch.no_grad()
-def test_prefill_rows_follow_the_layout(setup):
+def test_prefill_rows_follow_the_layout(setup, table):
     """User rows: hidden_projection at placeholders, text_projection elsewhere; then the 9 assistant rows."""
     cfg, tokens, talker = setup
+    embedding, rows = table
     audio = tokens.placeholders[0]
     ids = torch.tensor(
         turn(tokens, 8948, [WORD])
@@ -72,20 +85,19 @@ def test_prefill_rows_follow_the_layout(setup):
         + turn(tokens, tokens.assistant, [], closed=False)
     )
     generator = torch.Generator().manual_seed(0)
-    width = cfg.thinker.text.hidden_size
-    embeds, hidden = (torch.randn(len(ids), width, generator=generator) for _ in range(2))
-    first_text = torch.randn(width, generator=generator)
+    hidden = torch.randn(2, cfg.thinker.text.hidden_size, generator=generator)
     tts = TtsEmbeds(*torch.randn(3, talker.config.text.hidden_size, generator=generator))
-    speaker = tokens.speaker_id("aiden")
-    prompt = talker_prompt(talker, tokens, tts, ids, embeds, hidden, first_text, speaker)
+    speaker, first = tokens.speaker_id("aiden"), 4000
+    (prompt,) = talker_prompts(talker, tokens, tts, rows, [PromptSource(ids, hidden, first, speaker)])
 
     user = slice(6, 14)  # the user turn: <|im_start|> user \n audio audio word <|im_end|> \n
     assert prompt.embeds.shape == (8 + 9, talker.config.text.hidden_size)
     assert prompt.rope_ids.tolist() == ids[user].tolist() + [tokens.tts_pad] * 9
-    text, media = talker.text_projection, talker.hidden_projection
-    torch.testing.assert_close(prompt.embeds[3:5], media(hidden[9:11]))
-    torch.testing.assert_close(prompt.embeds[:3], text(embeds[6:9]))
-    torch.testing.assert_close(prompt.embeds[5:8], text(embeds[11:14]))
+    text = lambda ids: talker.text_projection(embedding(ids))  # noqa: E731
+    close = dict(rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(prompt.embeds[3:5], talker.hidden_projection(hidden))
+    torch.testing.assert_close(prompt.embeds[:3], text(ids[6:9]), **close)
+    torch.testing.assert_close(prompt.embeds[5:8], text(ids[11:14]), **close)
     codec = talker.model.codec_embedding
     codec_ids = [
         tokens.codec_nothink,
@@ -96,15 +108,53 @@ def test_prefill_rows_follow_the_layout(setup):
         tokens.codec_bos,
     ]
     assistant = prompt.embeds[8:]
-    torch.testing.assert_close(assistant[:3], text(embeds[-3:]))  # the header, without codec
-    text_side = torch.stack([tts.pad] * 4 + [tts.bos, text(first_text)])
-    torch.testing.assert_close(assistant[3:], text_side + codec(torch.tensor(codec_ids)))
+    torch.testing.assert_close(assistant[:3], text(ids[-3:]), **close)  # the header, without codec
+    text_side = torch.cat((torch.stack([tts.pad] * 4 + [tts.bos]), text(torch.tensor([first]))))
+    torch.testing.assert_close(assistant[3:], text_side + codec(torch.tensor(codec_ids)), **close)
     # audio only: every position its own index on all three streams, so decode continues at the length
     positions = talker_positions(prompt, cfg, MediaLayout([], [2]))
     assert torch.equal(positions.positions, torch.arange(17).expand(3, -1)) and positions.delta == 0
 
     with pytest.raises(ValueError, match="must end with the assistant header"):
-        talker_prompt(talker, tokens, tts, ids[:-1], embeds[:-1], hidden[:-1], first_text, speaker)
+        talker_prompts(talker, tokens, tts, rows, [PromptSource(ids[:-1], hidden, first, speaker)])
+
+
+@torch.no_grad()
+def test_prompts_built_together_equal_each_built_alone(setup, table):
+    """A hand-off of several requests at once (text only, a clip, clips over two user turns, another voice)
+    gives each the rows it gets alone, and reads only the hidden states of user turns' placeholders."""
+    cfg, tokens, talker = setup
+    _, rows = table
+    audio, image = tokens.placeholders[:2]
+    generator = torch.Generator().manual_seed(3)
+    tts = TtsEmbeds(*torch.randn(3, talker.config.text.hidden_size, generator=generator))
+    header = turn(tokens, tokens.assistant, [], closed=False)
+    prompts = [
+        turn(tokens, 8948, [WORD]) + turn(tokens, tokens.user, [WORD, 2000, 3000]) + header,
+        turn(tokens, tokens.user, [audio, audio, audio, WORD]) + header,
+        turn(tokens, tokens.user, [image, WORD])
+        + turn(tokens, tokens.assistant, [WORD])
+        + turn(tokens, tokens.user, [audio, audio, 2000])
+        + header,
+        turn(tokens, tokens.user, [5000]) + header,
+    ]
+    sources = []
+    for i, ids in enumerate(prompts):
+        ids = torch.tensor(ids)
+        media = int(torch.isin(ids, torch.tensor(tokens.placeholders)).sum())
+        hidden = torch.randn(media, cfg.thinker.text.hidden_size, generator=generator)
+        voice = "aiden" if i % 2 else "ethan"
+        sources.append(PromptSource(ids, hidden, 100 + i, tokens.speaker_id(voice)))
+    together = talker_prompts(talker, tokens, tts, rows, sources)
+    assert len(together) == len(sources)
+    for source, got in zip(sources, together, strict=True):
+        (alone,) = talker_prompts(talker, tokens, tts, rows, [source])
+        assert torch.equal(got.rope_ids, alone.rope_ids)
+        torch.testing.assert_close(got.embeds, alone.embeds, rtol=1e-6, atol=1e-6)
+    # the third prompt's media rows: the image, then the two clips of its second user turn, in order
+    media_rows = together[2].embeds[[3, 10, 11]]
+    torch.testing.assert_close(media_rows, talker.hidden_projection(sources[2].media_hidden))
+    assert talker_prompts(talker, tokens, tts, rows, []) == []
 
 
 @torch.no_grad()

@@ -239,6 +239,35 @@ def test_cancelled_and_failed_speaking_requests_leave_every_pool_full(llm, monke
     assert_pools_full(llm)
 
 
+def test_talkers_start_together_and_a_failing_start_fails_alone(llm, monkeypatch):
+    """Requests whose first tokens come in one step start their Talkers in one hand-off; one that cannot
+    start fails alone, and its neighbour speaks what it speaks alone."""
+    pipeline = llm.pipeline
+    handoff, talker = pipeline.steps.handoff, pipeline.speech_stages.talker_stage
+    specs = [speak(llm, 2, frames=8, text_tokens=4), speak(llm, 3, frames=8, text_tokens=4)]
+    alone = run(llm, requests(llm, specs[1:], first_id=80))["80"][-1]
+    batches: list[list[str]] = []
+    start, add = handoff.start_talkers, talker.add
+
+    def recording(speeches):
+        batches.append([speech.request_id for speech in speeches])
+        start(speeches)
+
+    def failing_for_70(request_id, *args):
+        if request_id == "70":
+            raise RuntimeError("injected failure")
+        add(request_id, *args)
+
+    monkeypatch.setattr(handoff, "start_talkers", recording)
+    monkeypatch.setattr(talker, "add", failing_for_70)
+    outs = run(llm, requests(llm, specs, first_id=70))
+    victim, neighbour = outs["70"][-1], outs["71"][-1]
+    assert batches == [["70", "71"], ["70"], ["71"]]  # together, then each alone after the failure
+    assert victim.outputs[0].finish_reason == "error" and "injected failure" in victim.error
+    assert neighbour.error is None and neighbour.audio_codes == alone.audio_codes
+    assert_pools_full(llm)
+
+
 def test_ignore_eos_never_draws_the_codec_end(llm, monkeypatch):
     """A Talker that would say its end at once: with ignore_eos it speaks every frame asked for, else nothing."""
     pipeline = llm.pipeline

@@ -204,9 +204,12 @@ def chat_ids(tokens: SpeechTokens, turns: list[list[int]]) -> list[int]:
 
 
 def keys_of(tokens: SpeechTokens, ids: list[int], accept: torch.Tensor, shift: int = 0) -> list[bytes]:
+    """The keys of a prompt whose Thinker hidden states are `accept` `[P, H]` (the rows at its placeholders
+    are what the Talker reads)."""
     user = int(user_turn_mask(torch.tensor(ids), tokens).sum())
     positions = PromptPositions(torch.arange(shift, shift + user + 9).expand(3, -1), shift)
-    return talker_keys(ids, tokens, accept, positions, PAGE).keys
+    media = torch.isin(torch.tensor(ids), torch.tensor(tokens.placeholders))
+    return talker_keys(ids, tokens, accept[media], positions, PAGE).keys
 
 
 def test_a_turns_keys_extend_the_turn_befores_and_follow_the_rows_sources(tokens):

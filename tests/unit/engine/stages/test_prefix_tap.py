@@ -67,14 +67,15 @@ def taps_read(monkeypatch):
 
     def record(llm: LLM) -> None:
         handoff = llm.pipeline.steps.handoff
-        start = handoff.start_talker
+        start = handoff.start_talkers
 
-        def recording(speech):
-            if speech.tap is not None and speech.spoken:
-                seen[speech.request_id] = speech.tap.values.clone()
-            start(speech)
+        def recording(speeches):
+            for speech in speeches:
+                if speech.tap is not None and speech.spoken:
+                    seen[speech.request_id] = speech.tap.values.clone()
+            start(speeches)
 
-        monkeypatch.setattr(handoff, "start_talker", recording)
+        monkeypatch.setattr(handoff, "start_talkers", recording)
 
     return seen, record
 
