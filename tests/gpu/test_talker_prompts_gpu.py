@@ -54,6 +54,8 @@ def test_a_burst_of_prompts_is_built_without_waiting_for_the_device(tiny_checkpo
         on = [PromptSource(s.ids, s.media_hidden.to(device), s.first_token, s.speaker_id) for s in sources]
         device_tts = TtsEmbeds(*(t.to(device) for t in (tts.bos, tts.eos, tts.pad)))
         if device == "cuda":
+            # a first call loads its kernels (lazily, which may wait for the device), as a server's warm-up does
+            talker_prompts(talker, tokens, device_tts, table, on[:2])
             torch.cuda.synchronize()
             torch.cuda._sleep(1_000_000_000)  # ~0.5 s of clock cycles queued before the hand-off
             queued = torch.cuda.Event()
