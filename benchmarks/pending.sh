@@ -17,9 +17,13 @@
 # - asr:        Qwen3-ASR 0.6B and 1.7B at c = 128 (item 4's targets on this card; benchmarks/under_load.sh);
 # - baseline:   transformers' T2S and S2S beside ours at c = 1 and 16 on the same weight tensors, one process
 #               with the engine's default sizing (the 80 GiB cap leaves no room for a second model's working
-#               memory), for the rows above to have a baseline from the same machine;
+#               memory), for the rows above to have a baseline from the same machine (an H200: on an 80 GB
+#               card the engine's default plan alone asks 90 GiB);
 # - spy_asr:    the 0.6B at c = 128 under py-spy (benchmarks/spy.sh; carry .whl-spy too): where the host's
-#               time goes when the GPU waits.
+#               time goes when the GPU waits;
+# - handoff:    the speech hand-off's GPU test (a burst's Talker prompts built without waiting for the device),
+#               then T2S at c = 16 and 64 under benchmarks/step_trace.py, colocated at 80 GiB: the gap between
+#               a burst's Thinker prefill and its Talkers' (87 ms for 64 before e14c76c).
 # Each step's files go under $OUT/<step>/ and everything measured so far is packed into $OUT/pending.tgz after
 # each step, so that a call cut short at its limit still brings back what ran (a call returns only a few files).
 # A step starts only while BUDGET_S seconds (540) less its own estimate are left since the script began.
@@ -70,7 +74,12 @@ for name in ${*:-http inproc video_host video asr baseline}; do
       grep -E "^\| " "$OUT/speech_bench.log"' ;;
     spy_asr) step spy_asr 130 env WHEELS=.whl-spy RATE=50 bash benchmarks/spy.sh bench a2t --load-format dummy \
       --skeleton qwen3-asr-0.6b --device cuda --concurrency 128 --rounds 8 --repeats 1 ;;
-    *) echo "pending: no step $name (http, inproc, video_host, video, video_kv, asr, baseline, spy_asr)" >&2; exit 2 ;;
+    handoff) step handoff 240 sh -c 'mkdir -p "$OUT" && bash benchmarks/gpu_tests.sh tests/gpu/test_talker_prompts_gpu.py
+      timeout 200 python3 benchmarks/step_trace.py --out "$OUT/trace_t2s.json" -- bench t2s --load-format dummy \
+      --device cuda --dtype bfloat16 --concurrency 16,64 --requests 2 --repeats 2 '"$colocated80"' \
+      --out-dir "$OUT/t2s" >"$OUT/trace_t2s.log" 2>&1; grep -E "^\| " "$OUT/trace_t2s.log"' ;;
+    *) echo "pending: no step $name (http, inproc, video_host, video, video_kv, asr, baseline, spy_asr, handoff)" >&2
+      exit 2 ;;
   esac
 done
 cp "$work/env.txt" "$OUT/env.txt"
