@@ -23,7 +23,10 @@
 #               time goes when the GPU waits;
 # - handoff:    the speech hand-off's GPU test (a burst's Talker prompts built without waiting for the device),
 #               then T2S at c = 16 and 64 under benchmarks/step_trace.py, colocated at 80 GiB: the gap between
-#               a burst's Thinker prefill and its Talkers' (87 ms for 64 before e14c76c).
+#               a burst's Thinker prefill and its Talkers' (87 ms for 64 before e14c76c);
+# - long_attention: a long prompt's 2,048-row chunks after 0, 10k and 20k tokens in our paged kernel beside
+#               torch's FlashAttention (benchmarks/prefill_attention.py --long): a 30 s video's prefill took
+#               2-3 times its FLOPs' time, attention half of those FLOPs.
 # Each step's files go under $OUT/<step>/ and everything measured so far is packed into $OUT/pending.tgz after
 # each step, so that a call cut short at its limit still brings back what ran (a call returns only a few files).
 # A step starts only while BUDGET_S seconds (540) less its own estimate are left since the script began.
@@ -78,7 +81,10 @@ for name in ${*:-http inproc video_host video asr baseline}; do
       timeout 200 python3 benchmarks/step_trace.py --out "$OUT/trace_t2s.json" -- bench t2s --load-format dummy \
       --device cuda --dtype bfloat16 --concurrency 16,64 --requests 2 --repeats 2 '"$colocated80"' \
       --out-dir "$OUT/t2s" >"$OUT/trace_t2s.log" 2>&1; grep -E "^\| " "$OUT/trace_t2s.log"' ;;
-    *) echo "pending: no step $name (http, inproc, video_host, video, video_kv, asr, baseline, spy_asr, handoff)" >&2
+    long_attention) step long_attention 60 sh -c 'mkdir -p "$OUT" && timeout 60 python3 benchmarks/prefill_attention.py \
+      --long --out "$OUT/prefill_attention_long.json" 2>&1 | tee "$OUT/prefill_attention_long.log"' ;;
+    *) echo "pending: no step $name (http, inproc, video_host, video, video_kv, asr, baseline, spy_asr, handoff," \
+      "long_attention)" >&2
       exit 2 ;;
   esac
 done

@@ -16,13 +16,21 @@ every tree's `paged_attention` takes.
 `--sweep` times the prefill program's shapes (`kernels.attention.Tiles`: tile rows, keys at a time, warps,
 pipeline stages) instead, on the loaded step and on a long prompt's 2,048-row chunks after 0, 10k and 20k
 cached tokens (a 30 s video's prefill), and marks the fastest of each against the default.
+`--long` times those long chunks (the Thinker's and the Talker's head layouts) in our kernel beside torch's
+FlashAttention (`torch.nn.attention.varlen.varlen_attn`) over the same keys gathered into one contiguous
+run, the gather timed apart, each with its TFLOP/s and the largest difference between the two outputs: how
+far a video's prefill attention is from the fastest kernel torch ships, and whether that kernel's causal
+alignment (the chunk's last row sees every key) is ours.
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import inspect
 import json
+import statistics
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -100,9 +108,12 @@ def main() -> None:
     )
     parser.add_argument("--out", default="prefill_attention.json")
     parser.add_argument("--sweep", action="store_true", help="time the tile shapes instead")
+    parser.add_argument("--long", action="store_true", help="long chunks, ours beside FlashAttention")
     args = parser.parse_args()
     if args.sweep:
         return sweep(args.out)
+    if args.long:
+        return long_chunks(args.out)
     workloads = [("loaded step", loaded_step(), b) for b in (None, 384, 512, 1024, 2048)]
     workloads += [("one 2,048-token prompt", [(0, 2048)], b) for b in (None, 2048)]
     rows = []
@@ -146,6 +157,89 @@ def sweep(out: str) -> None:
             shown = f"{us:9.2f}" if us is not None else f"{'-':>9}"
             print(f"{stage:10} {name:24} {tiles} {shown}{mark}", flush=True)
             rows.append(dict(stage=stage, step=name, tiles=vars(tiles), us=us))
+    Path(out).write_text(json.dumps(rows, indent=2) + "\n")
+
+
+def event_us(call: Callable[[], object], reps: int = 20) -> float:
+    """Median µs of one eager `call`, by CUDA events, after three warm-up calls."""
+    for _ in range(3):
+        call()
+    times = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        call()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 1e3)
+    return statistics.median(times)
+
+
+def flash_call(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> Callable[[], Any]:
+    """torch's varlen FlashAttention of one causal chunk q `[Q, H, D]` at the end of k, v `[K, Hkv, D]`, with
+    what this torch's `varlen_attn` takes: GQA as is or with K/V repeated per query head, causality as a flag
+    or as a window ending at the diagonal (FlashAttention aligns it at the last row)."""
+    from torch.nn.attention.varlen import varlen_attn
+
+    params = inspect.signature(varlen_attn).parameters
+    heads, kv_heads = q.shape[1], k.shape[1]
+    kwargs: dict[str, Any] = {}
+    if kv_heads != heads:
+        if "enable_gqa" in params:
+            kwargs["enable_gqa"] = True
+        else:
+            k, v = (t.repeat_interleave(heads // kv_heads, dim=1) for t in (k, v))
+    if "is_causal" in params:
+        kwargs["is_causal"] = True
+    else:
+        kwargs["window_size"] = (-1, 0)
+    cu_q = torch.tensor([0, len(q)], dtype=torch.int32, device=q.device)
+    cu_k = torch.tensor([0, len(k)], dtype=torch.int32, device=q.device)
+    return lambda: varlen_attn(q, k, v, cu_q, cu_k, len(q), len(k), **kwargs)
+
+
+def long_case(heads: int, kv_heads: int, dim: int, cached: int, new: int = 2048) -> dict[str, Any]:
+    """One long prompt's chunk of `new` rows after `cached` tokens: ours, the gather and FlashAttention."""
+    total = cached + new
+    pages = -(-total // PAGE)
+    meta = AttentionMetadata.build([(cached, new, list(range(pages)))], PAGE)
+    meta = meta.to_device(torch.device("cuda"))[0]
+    cache = torch.randn(2, pages, PAGE, kv_heads, dim, device="cuda", dtype=torch.bfloat16)
+    q = torch.randn(new, heads, dim, device="cuda", dtype=torch.bfloat16)
+    ours_out = torch.zeros_like(q)
+    slots = torch.arange(total, device="cuda")
+    kv = cache.view(2, pages * PAGE, kv_heads, dim)
+    us = event_us(lambda: paged_attention(q, cache, meta, dim**-0.5, out=ours_out))
+    gather_us = event_us(lambda: (kv[0].index_select(0, slots), kv[1].index_select(0, slots)))
+    flops = 4 * heads * dim * new * (cached + (new + 1) / 2)  # QK and PV over the causal triangle
+    row: dict[str, Any] = dict(cached=cached, rows=new, ours_us=round(us, 1), gather_us=round(gather_us, 1))
+    row["ours_tflops"] = round(flops / us / 1e6, 1)
+    try:
+        flash = flash_call(q, kv[0].index_select(0, slots), kv[1].index_select(0, slots))
+        flash_us = event_us(flash)
+        row.update(flash_us=round(flash_us, 1), flash_tflops=round(flops / flash_us / 1e6, 1))
+        row["max_diff"] = (flash().float() - ours_out.float()).abs().max().item()
+    except Exception as exc:  # this torch's varlen_attn refuses the layout
+        row["flash_error"] = f"{type(exc).__name__}: {exc}"
+    return row
+
+
+def long_chunks(out: str) -> None:
+    rows = []
+    print("stage     cached   ours us  TFLOP/s  flash us  TFLOP/s gather us  max diff")
+    for stage, heads, kv_heads, dim in LAYOUTS[1:]:
+        for cached in (0, 10_000, 20_000):
+            row = {"stage": stage, **long_case(heads, kv_heads, dim, cached)}
+            rows.append(row)
+            flash = (
+                f"{row['flash_us']:9.1f} {row['flash_tflops']:8.1f}" if "flash_us" in row else f"{'-':>18}"
+            )
+            last = f"{row['max_diff']:9.3g}" if "max_diff" in row else row["flash_error"]
+            print(
+                f"{stage:8} {cached:>7,} {row['ours_us']:9.1f} {row['ours_tflops']:8.1f} {flash} "
+                f"{row['gather_us']:9.1f} {last}",
+                flush=True,
+            )
     Path(out).write_text(json.dumps(rows, indent=2) + "\n")
 
 
