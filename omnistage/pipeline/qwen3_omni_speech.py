@@ -14,6 +14,7 @@ from omnistage.config import EngineConfig
 from omnistage.engine.stages.text import TextStage
 from omnistage.engine.stages.token_runner import HiddenTap
 from omnistage.errors import InvalidRequest, RequestTooLarge
+from omnistage.models.layers.attention_metadata import to_device
 from omnistage.models.qwen3_omni.config import Qwen3OmniConfig
 from omnistage.models.qwen3_omni.mrope import MediaLayout
 from omnistage.models.qwen3_omni.processor import Processor
@@ -119,7 +120,7 @@ def new_speech(
         width = cfg.thinker.text.hidden_size
         tap = HiddenTap(
             cfg.talker.accept_hidden_layer,
-            media_rows.to(device),
+            to_device(media_rows, device),  # pinned: a pageable copy would wait for the queued steps
             torch.zeros(len(media_rows), width, dtype=dtype, device=device),
             media_rows.numpy(),
         )

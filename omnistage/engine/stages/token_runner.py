@@ -23,6 +23,7 @@ from omnistage.engine.memory.measure import Peak, device_peak
 from omnistage.engine.scheduler import ScheduledChunk, SchedulerOutput
 from omnistage.engine.sequence import PromptInputs
 from omnistage.engine.stages.decoder import DecoderSizes, TokenDecoder, experts_per_token
+from omnistage.models.layers.attention_metadata import to_device
 from omnistage.models.layers.moe import kernel_switches
 from omnistage.models.layers.rotary import PromptPositions
 
@@ -325,7 +326,7 @@ class TokenRunner:
         inside = rows_within(tap.rows_host, tap.num_filled, chunk.start)
         rows = tap.rows_host[inside]
         pages = np.asarray(chunk.seq.page_ids, dtype=np.int64)[rows // self.page_size]
-        slots = torch.from_numpy(pages * self.page_size + rows % self.page_size).to(self.device)
+        slots = to_device(torch.from_numpy(pages * self.page_size + rows % self.page_size), self.device)
         flat = self.tap_rows.view(-1, self.tap_rows.shape[-1])
         tap.values[inside] = flat.index_select(0, slots).to(tap.values.dtype)
         tap.num_filled = chunk.start
