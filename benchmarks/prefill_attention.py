@@ -29,7 +29,6 @@ import argparse
 import dataclasses
 import inspect
 import json
-import statistics
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -38,6 +37,7 @@ import torch
 
 from omnistage.kernels.attention import paged_attention, write_kv
 from omnistage.kernels.gemv import graph_us
+from omnistage.kernels.timing import cuda_ms
 from omnistage.models.layers.attention_metadata import AttentionMetadata
 
 # (stage, query heads, KV heads, head dim) at the released sizes (omnistage/data/*.config.json)
@@ -160,21 +160,6 @@ def sweep(out: str) -> None:
     Path(out).write_text(json.dumps(rows, indent=2) + "\n")
 
 
-def event_us(call: Callable[[], object], reps: int = 20) -> float:
-    """Median µs of one eager `call`, by CUDA events, after three warm-up calls."""
-    for _ in range(3):
-        call()
-    times = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        call()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1e3)
-    return statistics.median(times)
-
-
 def flash_call(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> Callable[[], Any]:
     """torch's varlen FlashAttention of one causal chunk q `[Q, H, D]` at the end of k, v `[K, Hkv, D]`, with
     what this torch's `varlen_attn` takes: GQA as is or with K/V repeated per query head, causality as a flag
@@ -209,14 +194,14 @@ def long_case(heads: int, kv_heads: int, dim: int, cached: int, new: int = 2048)
     ours_out = torch.zeros_like(q)
     slots = torch.arange(total, device="cuda")
     kv = cache.view(2, pages * PAGE, kv_heads, dim)
-    us = event_us(lambda: paged_attention(q, cache, meta, dim**-0.5, out=ours_out))
-    gather_us = event_us(lambda: (kv[0].index_select(0, slots), kv[1].index_select(0, slots)))
+    us = 1e3 * cuda_ms(lambda: paged_attention(q, cache, meta, dim**-0.5, out=ours_out))
+    gather_us = 1e3 * cuda_ms(lambda: (kv[0].index_select(0, slots), kv[1].index_select(0, slots)))
     flops = 4 * heads * dim * new * (cached + (new + 1) / 2)  # QK and PV over the causal triangle
     row: dict[str, Any] = dict(cached=cached, rows=new, ours_us=round(us, 1), gather_us=round(gather_us, 1))
     row["ours_tflops"] = round(flops / us / 1e6, 1)
     try:
         flash = flash_call(q, kv[0].index_select(0, slots), kv[1].index_select(0, slots))
-        flash_us = event_us(flash)
+        flash_us = 1e3 * cuda_ms(flash)
         row.update(flash_us=round(flash_us, 1), flash_tflops=round(flops / flash_us / 1e6, 1))
         row["max_diff"] = (flash().float() - ours_out.float()).abs().max().item()
     except Exception as exc:  # this torch's varlen_attn refuses the layout
