@@ -1,7 +1,7 @@
 """The Talker's input, built from what the Thinker read and wrote (the speech hand-off).
 
 The rules of transformers' `Qwen3OmniMoeForConditionalGeneration.generate(return_audio=True)`, as pure tensor
-functions over a single sequence:
+functions over a single sequence (the prompts over any number of them at once, as a step's hand-off starts them):
 
 - The Talker's prompt is the user turns, then 9 assistant rows. System turns and earlier assistant turns are
   dropped: the Talker voices the reply, and only the request (what is being answered) conditions it.
@@ -36,6 +36,7 @@ from omnistage.models.qwen3_omni.talker import Talker
 
 ASSISTANT_HEADER_ROWS = 3  # <|im_start|> assistant \n
 ASSISTANT_ROWS = 9  # the header, then tts_pad x 4, tts_bos and the first text token over their codec ids
+CODEC_ROWS = ASSISTANT_ROWS - ASSISTANT_HEADER_ROWS
 
 
 @dataclass(frozen=True)
@@ -180,9 +181,8 @@ def talker_prompts(
     table_ids: list[torch.Tensor] = []  # the Thinker tokens whose text rows are read, every prompt's in turn
     media_parts: list[torch.Tensor] = []  # the placeholders' hidden states, every prompt's in turn
     media_picks: list[torch.Tensor] = []  # the placeholders read (those in user turns), in media_parts' rows
-    user_rows: list[
-        torch.Tensor
-    ] = []  # per prompt, each user row's source: a text row k, or media row -1 - k
+    # per prompt, each user row's source: text row k, or media row -1 - k
+    user_rows: list[torch.Tensor] = []
     rope_ids: list[torch.Tensor] = []
     headers: list[int] = []  # where each prompt's header rows are among the text rows
     num_text = num_media = num_picked = 0
@@ -222,7 +222,10 @@ def talker_prompts(
             torch.tensor([header, header + 1, header + 2, pad, pad, pad, pad, bos, header + 3])
         )
         # codec rows: none under the header, then nothink, think_bos, think_eos, speaker, pad, bos
-        codec_rows.append(torch.tensor([0, 0, 0, *range(1 + 6 * i, 7 + 6 * i)]))
+        first_codec = 1 + CODEC_ROWS * i
+        codec_rows.append(
+            torch.tensor([0] * ASSISTANT_HEADER_ROWS + [*range(first_codec, first_codec + CODEC_ROWS)])
+        )
         codec_ids += [
             tokens.codec_nothink,
             tokens.codec_think_bos,
