@@ -4,8 +4,9 @@
         --skeleton qwen3-asr-0.6b --device cuda --concurrency 128 --repeats 2
 
 Runs the `omnistage` command after `--` in this process with the stages' step functions wrapped: the Thinker's
-(or Qwen3-ASR decoder's) `TokenRunner.execute`, the Talker's `RowRunner.execute`, the code predictor's
-frames (`Handoff.launch_frames`) and Code2Wav's decode calls (`Code2WavStreamer._decode`). Each call is timed between CUDA
+(or Qwen3-ASR decoder's) `TokenRunner.execute`, the Talker's `RowRunner.execute`, the hand-off's Talker
+prompts (`Handoff.start_talkers`, rows: the requests), the code predictor's frames (`Handoff.launch_frames`)
+and Code2Wav's decode calls (`Code2WavStreamer._decode`). Each call is timed between CUDA
 synchronisations (`--no-sync`: host time only, the GPU left to run ahead), so a step's time is its GPU work
 and the host's launches together; the synchronisations cost the decode-ahead overlap, so the benchmark's own
 figures in the same run are slower than without the trace. Each call is classified by its shape: a pure
@@ -100,6 +101,9 @@ def install(records: list[Record], sync: bool) -> None:
         sync,
         lambda self, flights: ("frames", sum(len(f.chunks) for f in flights), 0),
     )(Handoff.launch_frames)
+    Handoff.start_talkers = _timed(
+        records, "hand-off", sync, lambda self, speeches: ("Talker prompts", len(speeches), 0)
+    )(Handoff.start_talkers)
     _count_replays(records, PrefillGraphs)
     Code2WavStreamer._decode = _timed(
         records, "Code2Wav", sync, lambda self, size, ids: (f"{size}-frame chunks", len(ids), 0)
