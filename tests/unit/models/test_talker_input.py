@@ -120,7 +120,7 @@ def test_prefill_rows_follow_the_layout(setup, table):
 
 
 @torch.no_grad()
-def test_prompts_built_together_equal_each_built_alone(setup, table):
+def test_prompts_built_together_equal_each_built_alone(setup, table, monkeypatch):
     """A hand-off of several requests at once (text only, a clip, clips over two user turns, another voice)
     gives each the rows it gets alone, and reads only the hidden states of user turns' placeholders."""
     cfg, tokens, talker = setup
@@ -145,7 +145,18 @@ def test_prompts_built_together_equal_each_built_alone(setup, table):
         hidden = torch.randn(media, cfg.thinker.text.hidden_size, generator=generator)
         voice = "aiden" if i % 2 else "ethan"
         sources.append(PromptSource(ids, hidden, 100 + i, tokens.speaker_id(voice)))
-    together = talker_prompts(talker, tokens, tts, rows, sources)
+    copies, projections = [], []
+    monkeypatch.setattr(
+        "omnistage.models.qwen3_omni.talker_input.to_device_together",
+        lambda hosts, device: copies.append(len(hosts)) or [host.to(device) for host in hosts],
+    )
+    hook = talker.hidden_projection.register_forward_hook(lambda *args: projections.append(args[1][0].shape))
+    try:
+        together = talker_prompts(talker, tokens, tts, rows, sources)
+    finally:
+        hook.remove()
+    # one copy of the indices and one projection of the media rows read (3 + 1 + 2) for all four prompts
+    assert copies == [7] and projections == [(6, cfg.thinker.text.hidden_size)]
     assert len(together) == len(sources)
     for source, got in zip(sources, together, strict=True):
         (alone,) = talker_prompts(talker, tokens, tts, rows, [source])
