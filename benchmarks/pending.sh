@@ -24,6 +24,10 @@
 # - handoff:    the speech hand-off's GPU test (a burst's Talker prompts built without waiting for the device),
 #               then T2S at c = 16 and 64 under benchmarks/step_trace.py, colocated at 80 GiB: the gap between
 #               a burst's Thinker prefill and its Talkers' (87 ms for 64 before e14c76c);
+# - long_prefill: the GPU tests of the long-prefill path (torch's FlashAttention over gathered keys equals the
+#               paged kernel) and of the hand-off's prompts;
+# - video_flash: 30 s and 10 s videos at c = 1 and 8 with the long-prefill path (the default), then the 30 s one
+#               at c = 1 with `--no-flash-prefill`: before and after in one call (KV_GIB=4, as `video`);
 # - long_attention: a long prompt's 2,048-row chunks after 0, 10k and 20k tokens in our paged kernel beside
 #               torch's FlashAttention (benchmarks/prefill_attention.py --long): a 30 s video's prefill took
 #               2-3 times its FLOPs' time, attention half of those FLOPs.
@@ -77,14 +81,20 @@ for name in ${*:-http inproc video_host video asr baseline}; do
       grep -E "^\| " "$OUT/speech_bench.log"' ;;
     spy_asr) step spy_asr 130 env WHEELS=.whl-spy RATE=50 bash benchmarks/spy.sh bench a2t --load-format dummy \
       --skeleton qwen3-asr-0.6b --device cuda --concurrency 128 --rounds 8 --repeats 1 ;;
-    handoff) step handoff 240 sh -c 'mkdir -p "$OUT" && bash benchmarks/gpu_tests.sh tests/gpu/test_talker_prompts_gpu.py
-      timeout 200 python3 benchmarks/step_trace.py --out "$OUT/trace_t2s.json" -- bench t2s --load-format dummy \
+    handoff) step handoff 340 sh -c 'mkdir -p "$OUT" && bash benchmarks/gpu_tests.sh tests/gpu/test_talker_prompts_gpu.py
+      timeout 300 python3 benchmarks/step_trace.py --out "$OUT/trace_t2s.json" -- bench t2s --load-format dummy \
       --device cuda --dtype bfloat16 --concurrency 16,64 --requests 2 --repeats 2 '"$colocated80"' \
       --out-dir "$OUT/t2s" >"$OUT/trace_t2s.log" 2>&1; grep -E "^\| " "$OUT/trace_t2s.log"' ;;
+    long_prefill) step long_prefill 90 sh -c 'mkdir -p "$OUT" && bash benchmarks/gpu_tests.sh \
+      tests/gpu/test_long_prefill_gpu.py tests/gpu/test_talker_prompts_gpu.py' ;;
+    video_flash)
+      step video_flash 230 env LENGTHS=30,10 C=1,8 BASELINE=0 KV_GIB=4 V2S_S=220 bash benchmarks/video.sh
+      step video_paged 160 env LENGTHS=30 C=1 BASELINE=0 KV_GIB=4 V2S_S=150 V2S_ARGS="--no-flash-prefill" \
+        bash benchmarks/video.sh ;;
     long_attention) step long_attention 60 sh -c 'mkdir -p "$OUT" && timeout 60 python3 benchmarks/prefill_attention.py \
       --long --out "$OUT/prefill_attention_long.json" 2>&1 | tee "$OUT/prefill_attention_long.log"' ;;
     *) echo "pending: no step $name (http, inproc, video_host, video, video_kv, asr, baseline, spy_asr, handoff," \
-      "long_attention)" >&2
+      "long_attention, long_prefill, video_flash)" >&2
       exit 2 ;;
   esac
 done

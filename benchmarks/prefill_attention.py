@@ -31,7 +31,7 @@ import inspect
 import json
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -39,6 +39,9 @@ from omnistage.kernels.attention import paged_attention, write_kv
 from omnistage.kernels.gemv import graph_us
 from omnistage.kernels.timing import cuda_ms
 from omnistage.models.layers.attention_metadata import AttentionMetadata
+
+if TYPE_CHECKING:
+    from omnistage.engine.attention.cuda import CudaAttentionBackend
 
 # (stage, query heads, KV heads, head dim) at the released sizes (omnistage/data/*.config.json)
 LAYOUTS = [("Qwen3-ASR", 16, 8, 128), ("Thinker", 32, 4, 128), ("Talker", 16, 2, 128)]
@@ -183,8 +186,11 @@ def flash_call(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> Callable[[]
     return lambda: varlen_attn(q, k, v, cu_q, cu_k, len(q), len(k), **kwargs)
 
 
-def long_case(heads: int, kv_heads: int, dim: int, cached: int, new: int = 2048) -> dict[str, Any]:
-    """One long prompt's chunk of `new` rows after `cached` tokens: ours, the gather and FlashAttention."""
+def long_case(
+    heads: int, kv_heads: int, dim: int, cached: int, engine: CudaAttentionBackend, new: int = 2048
+) -> dict[str, Any]:
+    """One long prompt's chunk of `new` rows after `cached` tokens: ours, the gather and FlashAttention, and
+    the `engine` backend's own call."""
     total = cached + new
     pages = -(-total // PAGE)
     meta = AttentionMetadata.build([(cached, new, list(range(pages)))], PAGE)
@@ -199,6 +205,12 @@ def long_case(heads: int, kv_heads: int, dim: int, cached: int, new: int = 2048)
     flops = 4 * heads * dim * new * (cached + (new + 1) / 2)  # QK and PV over the causal triangle
     row: dict[str, Any] = dict(cached=cached, rows=new, ours_us=round(us, 1), gather_us=round(gather_us, 1))
     row["ours_tflops"] = round(flops / us / 1e6, 1)
+    from omnistage.engine.attention import long_prefill  # this tree's, as `--long` is (not the default mode)
+
+    # what the engine's backend runs for this step, the keys' slots and their gather included
+    engine_us = 1e3 * cuda_ms(lambda: engine.attend(q, cache, meta, dim**-0.5))
+    gathers = engine.flash is not None and long_prefill.applies(meta)
+    row.update(engine_us=round(engine_us, 1), engine_path="flash" if gathers else "paged")
     try:
         flash = flash_call(q, kv[0].index_select(0, slots), kv[1].index_select(0, slots))
         flash_us = 1e3 * cuda_ms(flash)
@@ -210,11 +222,16 @@ def long_case(heads: int, kv_heads: int, dim: int, cached: int, new: int = 2048)
 
 
 def long_chunks(out: str) -> None:
+    from omnistage.engine.attention import backend_for
+    from omnistage.engine.attention.cuda import CudaAttentionBackend
+
+    engine = backend_for(torch.device("cuda"))
+    assert isinstance(engine, CudaAttentionBackend)
     rows = []
-    print("stage     cached   ours us  TFLOP/s  flash us  TFLOP/s gather us  max diff")
+    print("stage     cached   ours us  TFLOP/s  flash us  TFLOP/s gather us  max diff  engine us (path)")
     for stage, heads, kv_heads, dim in LAYOUTS[1:]:
-        for cached in (0, 10_000, 20_000):
-            row = {"stage": stage, **long_case(heads, kv_heads, dim, cached)}
+        for cached in (0, 4_096, 10_000, 20_000):
+            row = {"stage": stage, **long_case(heads, kv_heads, dim, cached, engine)}
             rows.append(row)
             flash = (
                 f"{row['flash_us']:9.1f} {row['flash_tflops']:8.1f}" if "flash_us" in row else f"{'-':>18}"
@@ -222,7 +239,7 @@ def long_chunks(out: str) -> None:
             last = f"{row['max_diff']:9.3g}" if "max_diff" in row else row["flash_error"]
             print(
                 f"{stage:8} {cached:>7,} {row['ours_us']:9.1f} {row['ours_tflops']:8.1f} {flash} "
-                f"{row['gather_us']:9.1f} {last}",
+                f"{row['gather_us']:9.1f} {last} {row['engine_us']:9.1f} ({row['engine_path']})",
                 flush=True,
             )
     Path(out).write_text(json.dumps(rows, indent=2) + "\n")

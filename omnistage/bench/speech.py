@@ -193,6 +193,7 @@ def start_engine(args: argparse.Namespace, max_num_seqs: int) -> tuple[Any, Any,
         "kv_cache_memory_gib": kv_beside_baseline(args.kv_cache_memory_gib, bool(args.baseline), args.device),
         "enforce_eager": args.enforce_eager or None,
         "overlap_stages": True if args.overlap_stages else None,
+        "flash_prefill": False if args.no_flash_prefill else None,
         "max_num_batched_tokens": args.max_num_batched_tokens,
         "gpu_memory_limit_gib": args.gpu_memory_limit_gib,
     }
@@ -387,6 +388,8 @@ def add_engine_options(target: Any) -> None:
     target.add_argument("--enforce-eager", action="store_true", help="in-process: no CUDA graphs")
     target.add_argument("--overlap-stages", action="store_true",
                         help="in-process: the Thinker's decode steps beside the speech stages' (off by default)")  # fmt: skip
+    target.add_argument("--no-flash-prefill", action="store_true",
+                        help="in-process: long prompt chunks on the paged kernel, not torch's FlashAttention")  # fmt: skip
     target.add_argument("--config",
                         help="in-process: a topology YAML file, as `omnistage serve --config` takes (the flags here on top)")  # fmt: skip
     target.add_argument("--gpu-memory-limit-gib", type=float,

@@ -54,6 +54,11 @@ class EngineConfig(BaseModel):
         description="torch.compile the decoder layers and the vision tower's blocks on a GPU (fuses the glue "
         "kernels)",
     )
+    flash_prefill: bool = Field(
+        True,
+        description="on a GPU, prompt chunks over long contexts (4,096 keys and more) through torch's FlashAttention "
+        "over their keys gathered from the pages, where this torch has it; the paged kernel otherwise (README)",
+    )
     overlap_stages: bool = Field(
         False,
         description="on a GPU, run the Thinker's decode steps beside the speech stages' (a thread and stream of "

@@ -40,6 +40,7 @@ SWITCHES: dict[str, tuple[str, bool]] = {
     "--overlap-stages": ("overlap_stages", True),
     "--no-decode-ahead": ("decode_ahead", False),
     "--no-prefix-caching": ("prefix_caching", False),
+    "--no-flash-prefill": ("flash_prefill", False),
 }
 
 # repeatable flag NAME=VALUE: (the schema's mapping it adds one entry to, what the entry's value is); a later

@@ -69,7 +69,7 @@ class Qwen3ASRPipeline:
         dtype = resolve_dtype(config.dtype, device)
         started = time.perf_counter()
         options = LoadOptions(dtype, device, config.load_format, config.seed)
-        decoder = load_decoder(path, options, backend_for(device))
+        decoder = load_decoder(path, options, backend_for(device, config.flash_prefill))
         tower = load_audio_encoder(path, options)
         processor = ASRProcessor(path, device)  # the features are made where the encoder reads them
         stage = StageModels(

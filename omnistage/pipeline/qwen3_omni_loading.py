@@ -35,7 +35,7 @@ def load_thinker_stage(
     """The Thinker's decoder and the audio and vision encoders, with `processor`, for a TextStage."""
     started = time.perf_counter()
     options = LoadOptions(dtype, device, config.load_format, config.seed)
-    model = load_thinker(path, options, backend_for(device))
+    model = load_thinker(path, options, backend_for(device, config.flash_prefill))
     encoders = load_encoders(path, cfg.thinker, options, config.stage("encoders").cache_bytes)
     return StageModels(
         model=model,

@@ -1,4 +1,5 @@
-"""The GPU attention backend: the Triton kernels of `kernels/attention.py` behind the one interface.
+"""The GPU attention backend: the Triton kernels of `kernels/attention.py` behind the one interface, and torch's
+FlashAttention for prompt chunks over long contexts (`long_prefill.py`).
 
 Imported only on a CUDA device (`backend_for`): the kernels need Triton, which a CPU install may lack.
 """
@@ -7,6 +8,7 @@ from __future__ import annotations
 
 import torch
 
+from omnistage.engine.attention import long_prefill
 from omnistage.kernels import attention as kernels
 from omnistage.models.layers.attention_backend import AttentionBackend
 from omnistage.models.layers.attention_metadata import AttentionMetadata
@@ -16,12 +18,19 @@ class CudaAttentionBackend(AttentionBackend):
     """The GPU attention backend: Triton K/V write and paged attention, no host syncs.
 
     Expects `kv_cache` `[2, num_pages, page_size, Hkv, D]` contiguous in its last three dims and the
-    metadata's int tensors on the same device. Decode steps (max_query_len 1) are graph safe.
+    metadata's int tensors on the same device. Decode steps (max_query_len 1) are graph safe. With `flash`
+    (`long_prefill.flash_varlen`), an eager step with prompt rows over a long context goes through it.
     """
 
     # Kept out of torch.compile, write and attention as one opaque call: the kernels pick tiles from host
     # ints of the metadata, which would make a compiled layer recompile for every new prefill length.
     forward = torch.compiler.disable(AttentionBackend.forward)
+
+    def __init__(self, flash: long_prefill.Varlen | None = None) -> None:
+        self.flash = flash
+
+    def scratch_bytes(self, kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
+        return 0 if self.flash is None else long_prefill.scratch_bytes(kv_heads, head_dim, dtype)
 
     def write_kv(self, kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor) -> None:
         kernels.write_kv(kv_cache, k, v, slots)
@@ -29,4 +38,6 @@ class CudaAttentionBackend(AttentionBackend):
     def attend(
         self, q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float
     ) -> torch.Tensor:
+        if self.flash is not None and long_prefill.applies(meta):
+            return long_prefill.attend(q, kv_cache, meta, scale, self.flash)
         return kernels.paged_attention(q, kv_cache, meta, scale)

@@ -21,6 +21,7 @@ from typing import Any
 
 import torch
 
+from omnistage.engine.attention import gather_bytes
 from omnistage.engine.decode_ahead import Launched
 from omnistage.engine.graphs.base import int_buckets
 from omnistage.engine.memory.measure import graph_candidates, module_bytes
@@ -102,8 +103,11 @@ class RowStage(AutoregressiveStage[RowState]):
         """Its weights, the peak bytes of a prefill of a whole step's rows, its KV pool and its graphs' measured
         costs (none where it runs in another dtype than bfloat16: the graph-safe MoE kernels need it)."""
         runner = self.runner
-        prefill = runner.profile_peak(self.max_batched_tokens).bytes
         cfg, bf16 = runner.cfg, runner.dtype == torch.bfloat16
+        prefill = runner.profile_peak(self.max_batched_tokens).bytes
+        prefill += gather_bytes(
+            torch_module(runner.model), cfg.num_key_value_heads, cfg.head_dim, runner.dtype
+        )
         page_bytes = kv_bytes_per_page(
             cfg.num_hidden_layers,
             cfg.num_key_value_heads,

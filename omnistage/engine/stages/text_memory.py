@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from omnistage.config import DecoderSettings, EncodersSettings, Graphs
+from omnistage.engine.attention import gather_bytes
 from omnistage.engine.buckets import decode_buckets, prefill_buckets
 from omnistage.engine.memory.measure import graph_candidates, module_bytes, scaled_peaks
 from omnistage.engine.memory.plan import (
@@ -46,8 +47,10 @@ def text_stage_memory(
     or holds at least one request of the longest length. A runner not in bfloat16 gets no graphs (the
     grouped-GEMM MoE needs it)."""
     engine = settings.engine
+    cfg = runner.cfg
+    gather = gather_bytes(torch_module(runner.model), cfg.num_key_value_heads, cfg.head_dim, runner.dtype)
     floor = encoders.profile_floor(
-        runner.profile_peak(engine.max_num_batched_tokens, 1).bytes,
+        runner.profile_peak(engine.max_num_batched_tokens, 1).bytes + gather,
         engine.max_num_batched_tokens,
         max_prompt_tokens,
         *max_media,

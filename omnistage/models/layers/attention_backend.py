@@ -31,6 +31,11 @@ class AttentionBackend(ABC):
         self.write_kv(kv_cache, k, v, meta.slot_mapping)
         return self.attend(q, kv_cache, meta, scale)
 
+    def scratch_bytes(self, kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
+        """The most a step's attention holds beyond its inputs and output, for layers of `kv_heads` K/V heads of
+        `head_dim` in `dtype`: what a memory floor measured at no cached context would not see."""
+        return 0
+
     @abstractmethod
     def write_kv(self, kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor) -> None:
         """Store each row's k/v at its flat slot; rows with slot -1 are skipped."""

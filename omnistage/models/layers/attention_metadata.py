@@ -98,6 +98,9 @@ class AttentionMetadata:
     block_tables: torch.Tensor  # int32 [B, max_pages]: page ids, padded with 0
     max_query_len: int
     max_seq_len: int
+    # every sequence's keys together (the sum of seq_lens), for a backend that gathers them from their pages
+    # (`engine/attention/long_prefill.py`); 0 where unknown or padded (a graph's static metadata)
+    num_keys: int = 0
 
     @property
     def num_seqs(self) -> int:
@@ -155,6 +158,7 @@ class AttentionMetadata:
             block_tables=torch.from_numpy(block_tables),
             max_query_len=max(b - a for a, b in zip(starts, starts[1:])) if seq_lens else 0,
             max_seq_len=max(seq_lens, default=0),
+            num_keys=0 if pad_seqs or pad_rows else sum(seq_lens),
         )
         return meta if torch.device(device).type == "cpu" else meta.to_device(device)[0]
 

@@ -78,6 +78,31 @@ else:
         for tiles in (Tiles(rows=128, keys=32), Tiles(rows=16, keys=128, warps=8, stages=2)):
             _check(_case(chunks, 8, 2, 16, 4, 32, seed=6, pad_rows=5), tiles=tiles)
 
+    def test_long_prompt_chunks_go_to_the_varlen_kernel_and_the_rest_stay_paged(monkeypatch):
+        from omnistage.engine.attention import long_prefill
+
+        # thresholds this small case crosses; FlashAttention's stand-in is the reference over the same pages
+        monkeypatch.setattr(long_prefill, "MIN_KEYS", 40)
+        monkeypatch.setattr(long_prefill, "MIN_ROWS", 16)
+        calls = []
+
+        def varlen(q, k, v, cu_q, cu_k, max_q, max_k, scale):
+            calls.append((cu_q.tolist(), cu_k.tolist(), max_q, max_k))
+            return paged_attention(q, case[3], case[4], scale)  # the pages the keys came from
+
+        long_step = [(30, 16, list(range(0, 12))), (20, 1, list(range(12, 18)))]
+        decode_step = [(45, 1, list(range(0, 12))), (20, 1, list(range(12, 18)))]
+        for chunks, gathered in ((long_step, True), (decode_step, False)):
+            calls.clear()
+            case = _case(chunks, 8, 2, 32, 4, 24, seed=8)
+            q, k, v, cache, meta = case
+            write_kv(case[3], k, v, meta.slot_mapping)
+            scale = 32**-0.5
+            expected, _ = _reference(q, k, v, cache.clone(), meta, scale)
+            out = CudaAttentionBackend(flash=varlen).forward(q, k, v, cache.clone(), meta, scale)
+            assert torch.allclose(out.double(), expected, atol=1e-5, rtol=1e-5)
+            assert calls == ([([0, 16, 17], [0, 46, 67], 16, 46)] if gathered else [])
+
     def test_odd_group_and_head_dim():
         # 6 query heads over 2 KV heads (group 3, padded to 4), head_dim 24 (padded to 32).
         chunks = [(4, 6, [2, 0, 1]), (0, 3, [3])]

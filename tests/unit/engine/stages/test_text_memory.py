@@ -4,11 +4,13 @@ measurements: the CUDA calls are stubbed with a device's numbers."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from types import SimpleNamespace
 
 import pytest
 import torch
 
 from omnistage.config import engine_config
+from omnistage.engine.attention import TorchReferenceBackend
 from omnistage.engine.memory.floor import Floor
 from omnistage.engine.memory.measure import Peak
 from omnistage.engine.memory.plan import MAIN_POOL, GiB, StageMemory, scaled_costs
@@ -26,6 +28,7 @@ class FakeRunner:
     dtype: torch.dtype = torch.bfloat16
     warmed: int = 0
     model: torch.nn.Module = field(default_factory=lambda: torch.nn.Linear(256, 256, bias=False))
+    cfg: SimpleNamespace = field(default_factory=lambda: SimpleNamespace(num_key_value_heads=4, head_dim=128))
 
     def profile_peak(self, tokens: int, seqs: int) -> Peak:
         return Peak(1000 * tokens, 10 * tokens)
@@ -69,7 +72,8 @@ def device(monkeypatch):
 
 
 def plan(**config):
-    runner, encoders = FakeRunner(**{k: config.pop(k) for k in ["dtype"] if k in config}), FakeEncoders()
+    runner = FakeRunner(**{k: config.pop(k) for k in ["dtype", "model"] if k in config})
+    encoders = FakeEncoders()
     cfg = engine_config(device="cuda", max_num_seqs=8, max_prefill_graph_tokens=64, **config)
     others = StageMemory(
         resident=(("Talker", 2 * GiB, "weights"), ("Talker KV pages", GiB, "64 pages")),
@@ -100,6 +104,20 @@ def test_the_floor_takes_the_largest_of_the_stage_and_the_other_stages(device):
     assert result.captured("Thinker", "prefill") == (16, 24, 32, 48, 64)
     # at least a request of the longest length: 4,096 tokens in 16-token pages
     assert result.kv_pool("Thinker").pool.min_pages == 256 and result.kv_pool("Thinker").pages > 256
+
+
+class Gathering(TorchReferenceBackend):
+    """A backend whose long steps gather their keys (as the GPU's with torch's FlashAttention)."""
+
+    def scratch_bytes(self, kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
+        return 1000 * kv_heads * head_dim
+
+
+def test_the_text_prefill_phase_counts_the_long_prefill_gather(device):
+    layer = torch.nn.Linear(256, 256, bias=False)
+    layer.backend = Gathering()
+    _, _, encoders = plan(model=torch.nn.Sequential(layer))
+    assert encoders.asked[0] == 2048 * 1000 + 1000 * 4 * 128  # the profiled step's peak, then the gather
 
 
 def test_the_audio_encoder_graphs_compete_in_the_plan(device):

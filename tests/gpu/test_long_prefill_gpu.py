@@ -1,0 +1,49 @@
+"""Prompt chunks over long contexts through torch's FlashAttention (`engine/attention/long_prefill.py`) on the
+GPU: this torch has the kernel with GQA and the causal alignment the engine needs, and a long step through it
+equals the paged kernel's (the Thinker's and the Talker's head layouts, bfloat16)."""
+
+import pytest
+import torch
+
+from omnistage.engine.attention import AttentionMetadata, backend_for, long_prefill
+from omnistage.kernels.attention import paged_attention, write_kv
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
+]
+
+PAGE = 16
+
+
+@pytest.mark.parametrize(("heads", "kv_heads"), [(32, 4), (16, 2)])
+def test_a_long_chunk_beside_decode_rows_equals_the_paged_kernel(heads, kv_heads):
+    device = torch.device("cuda")
+    backend = backend_for(device)
+    assert backend.flash is not None  # type: ignore[attr-defined]  # the GPU machine's torch has the kernel
+    generator = torch.Generator(device).manual_seed(0)
+    chunks = [(10_000, 2048), (5_000, 1), (300, 1)]
+    order = torch.randperm(1200, device=device, generator=generator).tolist()  # pages scattered
+    tables, at = [], 0
+    for cached, new in chunks:
+        count = -(-(cached + new) // PAGE)
+        tables.append(order[at : at + count])
+        at += count
+    meta = AttentionMetadata.build([(c, n, t) for (c, n), t in zip(chunks, tables)], PAGE, device)
+    assert long_prefill.applies(meta)
+    cache = torch.randn(
+        2, 1200, PAGE, kv_heads, 128, device=device, dtype=torch.bfloat16, generator=generator
+    )
+    rows = sum(n for _, n in chunks)
+    q, k, v = (
+        torch.randn(rows, h, 128, device=device, dtype=torch.bfloat16, generator=generator)
+        for h in (heads, kv_heads, kv_heads)
+    )
+    write_kv(cache, k, v, meta.slot_mapping)
+    scale = 128**-0.5
+    paged = paged_attention(q, cache, meta, scale)
+    flash = backend.attend(q, cache, meta, scale)
+    assert flash.shape == paged.shape and flash.dtype == paged.dtype
+    # relative to the output's size (~0.01 a value over 10k random keys): bfloat16 rounding, not a stray mask
+    error = (flash.float() - paged.float()).norm() / paged.float().norm()
+    assert error < 1e-2, error
