@@ -29,6 +29,9 @@ class CudaAttentionBackend(AttentionBackend):
     def __init__(self, flash: long_prefill.Varlen | None = None) -> None:
         self.flash = flash
 
+    def gathers(self, meta: AttentionMetadata) -> bool:
+        return self.flash is not None and long_prefill.applies(meta)
+
     def scratch_bytes(self, kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
         return 0 if self.flash is None else long_prefill.scratch_bytes(kv_heads, head_dim, dtype)
 
@@ -38,6 +41,6 @@ class CudaAttentionBackend(AttentionBackend):
     def attend(
         self, q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float
     ) -> torch.Tensor:
-        if self.flash is not None and long_prefill.applies(meta):
+        if self.flash is not None and long_prefill.applies(meta):  # self.gathers(meta), for mypy
             return long_prefill.attend(q, kv_cache, meta, scale, self.flash)
         return kernels.paged_attention(q, kv_cache, meta, scale)
