@@ -28,6 +28,9 @@ class CudaAttentionBackend(AttentionBackend):
 
     def __init__(self, flash: long_prefill.Varlen | None = None) -> None:
         self.flash = flash
+        # the last gathering step's metadata and its keys' slots: every layer of a step gathers the same keys,
+        # and a dozen small launches a layer would cost more than the gather itself where the host is slow
+        self._keys: tuple[AttentionMetadata, torch.Tensor, torch.Tensor] | None = None
 
     def gathers(self, meta: AttentionMetadata) -> bool:
         return self.flash is not None and long_prefill.applies(meta)
@@ -42,5 +45,7 @@ class CudaAttentionBackend(AttentionBackend):
         self, q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float
     ) -> torch.Tensor:
         if self.flash is not None and long_prefill.applies(meta):  # self.gathers(meta), for mypy
-            return long_prefill.attend(q, kv_cache, meta, scale, self.flash)
+            if self._keys is None or self._keys[0] is not meta:
+                self._keys = (meta, *long_prefill.key_slots(meta, kv_cache.shape[2]))
+            return long_prefill.attend(q, kv_cache, meta, scale, self.flash, self._keys[1:])
         return kernels.paged_attention(q, kv_cache, meta, scale)

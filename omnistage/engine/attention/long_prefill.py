@@ -61,13 +61,19 @@ def key_slots(meta: AttentionMetadata, page_size: int) -> tuple[torch.Tensor, to
 
 
 def attend(
-    q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float, varlen: Varlen
+    q: torch.Tensor,
+    kv_cache: torch.Tensor,
+    meta: AttentionMetadata,
+    scale: float,
+    varlen: Varlen,
+    slots: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """`paged_attention`'s result for a step `applies` admits: the keys gathered from `kv_cache`
-    `[2, pages, page_size, Hkv, D]`, then one `varlen` call."""
-    slots, cu_keys = key_slots(meta, kv_cache.shape[2])
+    `[2, pages, page_size, Hkv, D]` at `slots` (`key_slots`, the step's for every layer), then one `varlen`
+    call."""
+    at, cu_keys = key_slots(meta, kv_cache.shape[2]) if slots is None else slots
     flat = kv_cache.flatten(1, 2)  # [2, slots, Hkv, D]
-    keys, values = flat[0].index_select(0, slots), flat[1].index_select(0, slots)
+    keys, values = flat[0].index_select(0, at), flat[1].index_select(0, at)
     cu_rows = meta.query_start_loc
     return varlen(q, keys, values, cu_rows, cu_keys, meta.max_query_len, meta.max_seq_len, scale)
 

@@ -103,6 +103,17 @@ else:
             assert torch.allclose(out.double(), expected, atol=1e-5, rtol=1e-5)
             assert calls == ([([0, 16, 17], [0, 46, 67], 16, 46)] if gathered else [])
 
+        # every layer of a step gathers the same keys: their slots are worked out once a step
+        computed = []
+        slots_of = long_prefill.key_slots
+        monkeypatch.setattr(long_prefill, "key_slots", lambda *a: computed.append(1) or slots_of(*a))
+        case = _case(long_step, 8, 2, 32, 4, 24, seed=9)
+        backend = CudaAttentionBackend(flash=varlen)
+        layers = [backend.attend(case[0], case[3], case[4], 0.2) for _ in range(3)]
+        assert len(computed) == 1 and all(torch.equal(layer, layers[0]) for layer in layers)
+        backend.attend(case[0], case[3], dataclasses.replace(case[4]), 0.2)  # the next step's metadata
+        assert len(computed) == 2
+
     def test_odd_group_and_head_dim():
         # 6 query heads over 2 KV heads (group 3, padded to 4), head_dim 24 (padded to 32).
         chunks = [(4, 6, [2, 0, 1]), (0, 3, [3])]
