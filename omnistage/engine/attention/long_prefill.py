@@ -109,6 +109,12 @@ def flash_varlen(device: torch.device) -> Varlen | None:
     if not agrees:
         log.warning("long prompt chunks on the paged kernel: torch's varlen FlashAttention differs from SDPA")
         return None
+    log.info(
+        "prompt chunks of %d+ rows over %d+ keys: torch's varlen FlashAttention over their keys gathered from "
+        "the pages (--no-flash-prefill: the paged kernel)",
+        MIN_ROWS,
+        MIN_KEYS,
+    )
     return varlen
 
 
