@@ -14,7 +14,6 @@ __all__ = [
     "Chunk",
     "TorchReferenceBackend",
     "backend_for",
-    "backend_of",
     "gather_bytes",
 ]
 
@@ -39,17 +38,9 @@ def _flash(device: torch.device):  # type: ignore[no-untyped-def]
     return flash_varlen(device)
 
 
-def backend_of(model: object) -> AttentionBackend:
-    """The attention backend `model`'s layers call (the torch reference for a model with none)."""
-    modules = model.modules() if isinstance(model, torch.nn.Module) else ()
-    for module in modules:
-        backend = getattr(module, "backend", None)
-        if isinstance(backend, AttentionBackend):
-            return backend
-    return TorchReferenceBackend()
-
-
 def gather_bytes(model: torch.nn.Module, kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
     """What `model`'s attention may hold in a step beyond a profiled prefill step's peak (at no cached context):
     its backend's `scratch_bytes`."""
-    return backend_of(model).scratch_bytes(kv_heads, head_dim, dtype)
+    found = (getattr(m, "backend", None) for m in model.modules())
+    backends = [backend for backend in found if isinstance(backend, AttentionBackend)]
+    return max((backend.scratch_bytes(kv_heads, head_dim, dtype) for backend in backends), default=0)

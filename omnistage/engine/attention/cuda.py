@@ -32,9 +32,6 @@ class CudaAttentionBackend(AttentionBackend):
         # and a dozen small launches a layer would cost more than the gather itself where the host is slow
         self._keys: tuple[AttentionMetadata, torch.Tensor, torch.Tensor] | None = None
 
-    def gathers(self, meta: AttentionMetadata) -> bool:
-        return self.flash is not None and long_prefill.applies(meta)
-
     def scratch_bytes(self, kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
         return 0 if self.flash is None else long_prefill.scratch_bytes(kv_heads, head_dim, dtype)
 
@@ -44,7 +41,7 @@ class CudaAttentionBackend(AttentionBackend):
     def attend(
         self, q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float
     ) -> torch.Tensor:
-        if self.flash is not None and long_prefill.applies(meta):  # self.gathers(meta), for mypy
+        if self.flash is not None and long_prefill.applies(meta):
             if self._keys is None or self._keys[0] is not meta:
                 self._keys = (meta, *long_prefill.key_slots(meta, kv_cache.shape[2]))
             return long_prefill.attend(q, kv_cache, meta, scale, self.flash, self._keys[1:])

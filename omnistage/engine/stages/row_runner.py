@@ -17,7 +17,6 @@ from typing import Any
 
 import torch
 
-from omnistage.engine.attention import backend_of
 from omnistage.engine.graphs import DecodeGraphs, PrefillGraphs
 from omnistage.engine.graphs.base import int_buckets
 from omnistage.engine.graphs.prefill import StaticPrefillBuffers
@@ -65,7 +64,6 @@ class RowRunner:
         suppressed_ids: list[int],
     ) -> None:
         self.model, self.cfg, self.page_size = model, cfg, page_size
-        self.backend = backend_of(model)  # a step it `gathers` for runs eagerly, past the prefill graphs
         self.device, self.dtype, self.max_seqs = device, dtype, max_seqs
         self.suppressed_ids = suppressed_ids
         self._suppressed = torch.tensor(suppressed_ids, dtype=torch.long, device=device)
@@ -209,7 +207,7 @@ class RowRunner:
         ends = accumulate(c.num_tokens for c in chunks)  # a row that samples ends its chunk
         sampled = [end - 1 for end, c in zip(ends, chunks) if c.samples]
         rows = to_device(torch.tensor(sampled, dtype=torch.long), self.device)
-        if self.prefill_graphs is not None and not self.backend.gathers(meta):
+        if self.prefill_graphs is not None:
             out = self.prefill_graphs.run(embeds, positions, meta, rows)
             if out is not None:
                 hidden, logits = out

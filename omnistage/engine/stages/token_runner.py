@@ -16,7 +16,7 @@ from typing import Any, TypeVar
 import numpy as np
 import torch
 
-from omnistage.engine.attention import AttentionMetadata, backend_of
+from omnistage.engine.attention import AttentionMetadata
 from omnistage.engine.graphs import DecodeGraphs, PrefillGraphs
 from omnistage.engine.graphs.prefill import StaticPrefillBuffers
 from omnistage.engine.memory.measure import Peak, device_peak
@@ -114,7 +114,6 @@ class TokenRunner:
         prefilled row's hidden state after it is kept beside its KV, in `tap_rows` `[pages, page_size, H]`,
         so that a prompt whose pages come from the prefix cache finds its tapped rows there."""
         self.model = model
-        self.backend = backend_of(model)  # a step it `gathers` for runs eagerly, past the prefill graphs
         self.tap_layer = tap_layer
         self.keep_taps = keep_taps and tap_layer is not None
         self.tap_rows: torch.Tensor | None = None
@@ -285,8 +284,7 @@ class TokenRunner:
         embeds, deepstack = self._merge_multimodal(step.chunks, input_ids)
         starts = np.cumsum([0] + [c.num_tokens for c in step.chunks]).tolist()  # each chunk's first row
         graph_taps = all(tap.layer == self.tap_layer for _, tap in taps)
-        graphed = deepstack is None and graph_taps and not self.backend.gathers(meta)
-        if self.prefill_graphs is not None and graphed:
+        if self.prefill_graphs is not None and deepstack is None and graph_taps:
             rows = embeds if embeds is not None else self.model.model.embed_tokens(input_ids)
             out = self.prefill_graphs.run(rows, positions, meta, sample_rows)
             if out is not None:

@@ -31,11 +31,6 @@ class AttentionBackend(ABC):
         self.write_kv(kv_cache, k, v, meta.slot_mapping)
         return self.attend(q, kv_cache, meta, scale)
 
-    def gathers(self, meta: AttentionMetadata) -> bool:
-        """Whether this step's attention runs a kernel that no CUDA graph captured (the paged kernel is what the
-        graphs hold): such a step runs eagerly, where the graph it fits would hold the slower kernel."""
-        return False
-
     def scratch_bytes(self, kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
         """The most a step's attention holds beyond its inputs and output, for layers of `kv_heads` K/V heads of
         `head_dim` in `dtype`: what a memory floor measured at no cached context would not see."""

@@ -112,7 +112,7 @@ class Layer(torch.nn.Module):
 
 
 def test_the_floor_counts_the_most_keys_a_step_gathers():
-    model = torch.nn.Sequential(Layer(Gathering()), Layer(Gathering()))
+    model = torch.nn.Sequential(Layer(TorchReferenceBackend()), Layer(Gathering()))
     # the Thinker's layout: 65,536 keys of 4 K/V heads of 128 in bfloat16, K and V, and their int64 slots
     assert gather_bytes(model, 4, 128, torch.bfloat16) == 65536 * (2 * 4 * 128 * 2 + 8)
     assert gather_bytes(torch.nn.Sequential(Layer(TorchReferenceBackend())), 4, 128, torch.bfloat16) == 0

@@ -209,24 +209,6 @@ def test_prompts_and_steps_beside_them_replay_prefill_graphs_as_eager_computes(t
     assert stage.pool.num_free == stage.pool.num_pages
 
 
-def test_a_step_the_attention_gathers_for_runs_eagerly_past_the_prefill_graphs(talker, cfg):
-    params = [sampled(40 + i, n, ignore_eos=True) for i, n in enumerate([3, 5, 6, 6, 4])]
-    want = speak(make_stage(talker, cfg), params)
-    stage, prefills = _with_prefill_graphs(talker, cfg, 64)
-    verdicts: list[bool] = []
-
-    class GathersForPrompts(TorchReferenceBackend):  # as the GPU's over long contexts, for any prompt
-        def gathers(self, meta) -> bool:
-            verdicts.append(meta.max_query_len > 1)
-            return verdicts[-1]
-
-    stage.runner.backend = GathersForPrompts()
-    got = speak(stage, params)
-    assert_same_steps(got, want)
-    assert verdicts.count(True) > 0 and len(prefills) == verdicts.count(False) > 0
-    assert stage.pool.num_free == stage.pool.num_pages
-
-
 def test_a_recompute_after_a_preemption_replays_a_prefill_graph(talker, cfg):
     params = [sampled(11, 8), sampled(12, 8, ignore_eos=True), sampled(13, 5, temperature=0.0)]
     want = speak(make_stage(talker, cfg, 8), params)

@@ -8,7 +8,6 @@ from transformers import Qwen3OmniMoeForConditionalGeneration
 
 from omnistage import LLM, SamplingParams
 from omnistage.config import engine_config
-from omnistage.engine.attention import TorchReferenceBackend
 from omnistage.engine.memory.plan import GiB
 from omnistage.engine.stages.base import Stage
 from omnistage.errors import InvalidRequest, RequestTooLarge
@@ -329,39 +328,6 @@ def test_prefill_graph_path_equals_eager(tiny_checkpoint, llm, alone):
         graphs.chat(messages, GREEDY)[0].outputs[0].token_ids
         == llm.chat(messages, GREEDY)[0].outputs[0].token_ids
     )
-
-
-class GathersForPrompts(TorchReferenceBackend):
-    """The backend's verdict on each step offered to the prefill graphs: it would gather for every prompt chunk
-    (as the GPU's does over long contexts), and says so; the model's attention stays as it was."""
-
-    def __init__(self) -> None:
-        self.verdicts: list[bool] = []
-
-    def gathers(self, meta) -> bool:
-        self.verdicts.append(meta.max_query_len > 1)
-        return self.verdicts[-1]
-
-
-def test_a_step_the_attention_gathers_for_runs_eagerly_past_the_prefill_graphs(tiny_checkpoint, alone):
-    from omnistage.engine.buckets import prefill_buckets
-
-    replayed = []
-    for backend in (TorchReferenceBackend(), GathersForPrompts()):
-        graphs = make_llm(tiny_checkpoint, num_kv_pages=256)
-        runner = graphs.engine.runner
-        runner.capture_graphs([], graphs.engine.max_model_len, False, prefill_buckets=prefill_buckets(64))
-        runner.backend = backend
-        replays: list[int] = []
-        step = runner.prefill_graphs.step
-        runner.prefill_graphs.step = lambda *args, run=step, seen=replays: seen.append(1) or run(*args)
-        assert graphs.generate(PROMPTS[5], GREEDY)[0].outputs[0].token_ids == alone[5]
-        assert_pool_full(graphs)
-        replayed.append(len(replays))
-    # one sequence, no decode graphs: the reference's prompt and decode steps all replayed a prefill graph; with
-    # a backend that gathers for the prompt, its decode steps did and the prompt ran eagerly
-    assert backend.verdicts[0] and not any(backend.verdicts[1:])
-    assert replayed == [len(backend.verdicts), len(backend.verdicts) - 1]
 
 
 def _audio_prompts(processor, seconds):
