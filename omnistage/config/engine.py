@@ -56,8 +56,9 @@ class EngineConfig(BaseModel):
     )
     flash_prefill: bool = Field(
         True,
-        description="on a GPU, prompt chunks over long contexts (4,096 keys and more) through torch's FlashAttention "
-        "over their keys gathered from the pages, where this torch has it; the paged kernel otherwise (README)",
+        description="on a GPU, an eager step's prompt chunks over long contexts (4,096 keys and more) through "
+        "torch's FlashAttention over their keys gathered from the pages, where this torch has it; the paged kernel "
+        "otherwise, and in the CUDA graphs (README)",
     )
     overlap_stages: bool = Field(
         False,
