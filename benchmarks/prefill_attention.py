@@ -17,19 +17,18 @@ every tree's `paged_attention` takes.
 pipeline stages) instead, on the loaded step and on a long prompt's 2,048-row chunks after 0, 10k and 20k
 cached tokens (a 30 s video's prefill), and marks the fastest of each against the default.
 `--long` times those long chunks (the Thinker's and the Talker's head layouts) in our kernel beside torch's
-FlashAttention (`torch.nn.attention.varlen.varlen_attn`) over the same keys gathered into one contiguous
-run, the gather timed apart, each with its TFLOP/s and the largest difference between the two outputs: how
-far a video's prefill attention is from the fastest kernel torch ships, and whether that kernel's causal
-alignment (the chunk's last row sees every key) is ours.
+FlashAttention (`torch.nn.attention.varlen.varlen_attn`, called as the engine calls it:
+`long_prefill.flash_varlen`) over the same keys gathered into one contiguous run, the gather timed apart, and
+the engine's whole path (dispatch, gather and kernel); each with its TFLOP/s, and the largest difference
+between the two kernels' outputs: how far a video's prefill attention is from the fastest kernel torch ships,
+and whether that kernel's causal alignment (the chunk's last row sees every key) is ours.
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
-import inspect
 import json
-from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -163,29 +162,6 @@ def sweep(out: str) -> None:
     Path(out).write_text(json.dumps(rows, indent=2) + "\n")
 
 
-def flash_call(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> Callable[[], Any]:
-    """torch's varlen FlashAttention of one causal chunk q `[Q, H, D]` at the end of k, v `[K, Hkv, D]`, with
-    what this torch's `varlen_attn` takes: GQA as is or with K/V repeated per query head, causality as a flag
-    or as a window ending at the diagonal (FlashAttention aligns it at the last row)."""
-    from torch.nn.attention.varlen import varlen_attn
-
-    params = inspect.signature(varlen_attn).parameters
-    heads, kv_heads = q.shape[1], k.shape[1]
-    kwargs: dict[str, Any] = {}
-    if kv_heads != heads:
-        if "enable_gqa" in params:
-            kwargs["enable_gqa"] = True
-        else:
-            k, v = (t.repeat_interleave(heads // kv_heads, dim=1) for t in (k, v))
-    if "is_causal" in params:
-        kwargs["is_causal"] = True
-    else:
-        kwargs["window_size"] = (-1, 0)
-    cu_q = torch.tensor([0, len(q)], dtype=torch.int32, device=q.device)
-    cu_k = torch.tensor([0, len(k)], dtype=torch.int32, device=q.device)
-    return lambda: varlen_attn(q, k, v, cu_q, cu_k, len(q), len(k), **kwargs)
-
-
 def long_case(
     heads: int, kv_heads: int, dim: int, cached: int, engine: CudaAttentionBackend, new: int = 2048
 ) -> dict[str, Any]:
@@ -212,11 +188,22 @@ def long_case(
     gathers = engine.flash is not None and long_prefill.applies(meta)
     row.update(engine_us=round(engine_us, 1), engine_path="flash" if gathers else "paged")
     try:
-        flash = flash_call(q, kv[0].index_select(0, slots), kv[1].index_select(0, slots))
+        if engine.flash is None:
+            raise RuntimeError(
+                "this torch has no varlen FlashAttention the engine takes (long_prefill.flash_varlen)"
+            )
+        k, v = kv[0].index_select(0, slots), kv[1].index_select(0, slots)
+        cu_q = torch.tensor([0, new], dtype=torch.int32, device="cuda")
+        cu_k = torch.tensor([0, total], dtype=torch.int32, device="cuda")
+        varlen = engine.flash
+
+        def flash() -> torch.Tensor:  # the engine's own call, on keys gathered once
+            return varlen(q, k, v, cu_q, cu_k, new, total, dim**-0.5)
+
         flash_us = 1e3 * cuda_ms(flash)
         row.update(flash_us=round(flash_us, 1), flash_tflops=round(flops / flash_us / 1e6, 1))
         row["max_diff"] = (flash().float() - ours_out.float()).abs().max().item()
-    except Exception as exc:  # this torch's varlen_attn refuses the layout
+    except Exception as exc:  # this torch has no such kernel, or it refuses the layout
         row["flash_error"] = f"{type(exc).__name__}: {exc}"
     return row
 
