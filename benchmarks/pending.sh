@@ -31,6 +31,12 @@
 # - long_attention: a long prompt's 2,048-row chunks after 0, 10k and 20k tokens in our paged kernel beside
 #               torch's FlashAttention (benchmarks/prefill_attention.py --long): a 30 s video's prefill took
 #               2-3 times its FLOPs' time, attention half of those FLOPs.
+# - admission:  the GPU tests of admitting new media without waiting for the device (the towers' inputs, the
+#               encoder cache's and the prefix keys' copies) and of the tests beside them;
+# - asr_ab:     Qwen3-ASR 0.6B at c = 64 and 128 on the tree exported to .ab (carry it) and on this one
+#               (benchmarks/before_after.sh run asr);
+# - sync_asr:   the 0.6B at c = 128 under benchmarks/sync_points.py: every call that waits for the device,
+#               by thread and site.
 # Each step's files go under $OUT/<step>/ and everything measured so far is packed into $OUT/pending.tgz after
 # each step, so that a call cut short at its limit still brings back what ran (a call returns only a few files).
 # A step starts only while BUDGET_S seconds (540) less its own estimate are left since the script began.
@@ -92,10 +98,16 @@ for name in ${*:-http inproc video_host video asr baseline}; do
       step video_flash 340 env LENGTHS=30,10 C=1,8 BASELINE=0 KV_GIB=4 V2S_S=340 bash benchmarks/video.sh
       step video_paged 160 env LENGTHS=30 C=1 BASELINE=0 KV_GIB=4 V2S_S=150 V2S_ARGS="--no-flash-prefill" \
         bash benchmarks/video.sh ;;
+    admission) step admission 130 sh -c 'PER_FILE_S=120 bash benchmarks/gpu_tests.sh tests/gpu/test_admission_sync_gpu.py \
+      tests/gpu/test_encoder_cache_gpu.py tests/gpu/test_prefix_keys_gpu.py tests/gpu/test_media_hold_gpu.py' ;;
+    asr_ab) step asr_ab 310 env ASR_S=150 bash benchmarks/before_after.sh run asr ;;
+    sync_asr) step sync_asr 110 sh -c 'mkdir -p "$OUT" && timeout 110 python3 benchmarks/sync_points.py \
+      --out "$OUT/sync_asr.json" -- bench a2t --load-format dummy --skeleton qwen3-asr-0.6b --device cuda \
+      --concurrency 128 --rounds 4 --repeats 1 >"$OUT/sync_asr.log" 2>&1; tail -60 "$OUT/sync_asr.log"' ;;
     long_attention) step long_attention 60 sh -c 'mkdir -p "$OUT" && timeout 60 python3 benchmarks/prefill_attention.py \
       --long --out "$OUT/prefill_attention_long.json" 2>&1 | tee "$OUT/prefill_attention_long.log"' ;;
     *) echo "pending: no step $name (http, inproc, video_host, video, video_kv, asr, baseline, spy_asr, handoff," \
-      "long_attention, long_prefill, video_flash)" >&2
+      "long_attention, long_prefill, video_flash, admission, asr_ab, sync_asr)" >&2
       exit 2 ;;
   esac
 done

@@ -31,6 +31,7 @@ from torch import nn
 
 from omnistage.engine.buckets import decode_buckets
 from omnistage.engine.graphs.base import GraphSet, size_of
+from omnistage.models.layers.attention_metadata import to_device
 from omnistage.models.layers.varlen_attention import Segments
 
 # Windows in the largest audio graph (256 s of audio). Pieces of it are exact, and a call this large (3,328
@@ -174,8 +175,9 @@ class AudioGraphBuffers:
         self.chunks[: bucket * self.chunks_per_window].copy_(
             self.encoder.gather_chunks(packed, starts, lengths)
         )
-        self.cu_seqlens[: 2 * bucket + 1].copy_(torch.tensor(bounds, dtype=torch.int32))
-        return torch.tensor(rows, device=packed.device)
+        device = packed.device  # every copy from the host pinned: a pageable one waits for the queued steps
+        self.cu_seqlens[: 2 * bucket + 1].copy_(to_device(torch.tensor(bounds, dtype=torch.int32), device))
+        return to_device(torch.tensor(rows), device)
 
 
 class AudioGraphs(GraphSet[AudioGraphBuffers]):
@@ -252,7 +254,7 @@ class VisionGraphBuffers:
             buffer[patches:bucket].zero_()
         bounds = [0, *itertools.accumulate(h * w for t, h, w in grids for _ in range(t))]  # a segment a frame
         bounds += [patches] * (self.max_frames + 1 - len(bounds)) + [bucket]
-        self.cu_seqlens[bucket].copy_(torch.tensor(bounds, dtype=torch.int32))
+        self.cu_seqlens[bucket].copy_(to_device(torch.tensor(bounds, dtype=torch.int32), pixel_values.device))
 
 
 class VisionGraphs(GraphSet[VisionGraphBuffers]):

@@ -36,19 +36,23 @@ class EncoderCache:
         return len(self._rows)
 
     def get(self, key: bytes) -> torch.Tensor | None:
-        """The rows kept for `key` (on the host), now the most recently used; None: not kept."""
+        """The rows kept for `key` (on the host), now the most recently used; None: not kept. Their copy from the
+        device may still be queued: they are for copying back to the device on the same stream, not for reading
+        on the host."""
         rows = self._rows.get(key)
         if rows is not None:
             self._rows.move_to_end(key)
         return rows
 
     def put(self, key: bytes, rows: torch.Tensor) -> None:
-        """Keep a copy of `rows` on the host; rows larger than the whole budget are not kept."""
+        """Keep a copy of `rows` on the host, from a GPU queued behind the work that computes them and not
+        waited for: the rows kept are only ever copied back to the device (`get`), behind the same work; rows
+        larger than the whole budget are not kept."""
         size = rows.numel() * rows.element_size()
         if size > self.max_bytes or key in self._rows:
             return
         host = torch.empty(rows.shape, dtype=rows.dtype, pin_memory=rows.is_cuda)
-        self._rows[key] = host.copy_(rows.detach())
+        self._rows[key] = host.copy_(rows.detach(), non_blocking=rows.is_cuda)
         self.bytes += size
         while self.bytes > self.max_bytes:
             _, evicted = self._rows.popitem(last=False)

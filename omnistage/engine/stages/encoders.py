@@ -46,6 +46,7 @@ from omnistage.engine.stages.encoder_formats import (
     ImageFormat,
     VideoFormat,
 )
+from omnistage.engine.stages.host_rows import HostRows
 from omnistage.engine.stages.vision_rows import (
     VisionRows,
     groups,
@@ -76,9 +77,8 @@ class MultimodalEmbeds:
     # the rows on the host: a prompt chunk finds its share of them without waiting for the device
     audio_rows_host: np.ndarray
     image_rows_host: np.ndarray
-    # audio_embeds as the encoder cache keeps them on the host, when it keeps every clip's: the prefix keys
-    # read these bytes instead of copying the rows back from the device
-    audio_embeds_host: torch.Tensor | None = None
+    # audio_embeds and image_embeds on the host for the prefix keys, copied without waiting (host_rows.py)
+    host_rows: HostRows | None = None
     # audio_embeds, image_embeds and deepstack on the host while they are off the device (media_hold.py)
     offloaded: tuple[torch.Tensor | None, ...] | None = None
 
@@ -134,29 +134,22 @@ class EncoderStage:
         """
         clips = [f for _, mm in prompts for f in mm.audio_features]
         keys = [k for _, mm in prompts for k in mm.audio_keys]
-        audio = iter(self._clip_rows(clips, keys) if cached and self.cache.enabled else self._uncached(clips))
+        audio = iter(
+            self._clip_rows(clips, keys) if cached and self.cache.enabled else self._encode_clips(clips)
+        )
         seeing = [mm for _, mm in prompts if sees(mm)]
         vision = iter(self._vision_rows(seeing) if seeing else [])
         out = []
         for token_ids, mm in prompts:
             clip_rows = [next(audio) for _ in mm.audio_features]
             seen = next(vision) if sees(mm) else VisionRows()
-            placed = self._place(token_ids, join([r for r, _ in clip_rows], 0) if clip_rows else None, seen)
-            kept = [host for _, host in clip_rows if host is not None]
-            if clip_rows and len(kept) == len(clip_rows):
-                placed = replace(placed, audio_embeds_host=join(kept, 0))
-            out.append(placed)
+            out.append(self._place(token_ids, join(clip_rows, 0) if clip_rows else None, seen))
         return out
 
-    def _uncached(self, clips: list[torch.Tensor]) -> list[tuple[torch.Tensor, None]]:
-        return [(rows, None) for rows in self._encode_clips(clips)]
-
-    def _clip_rows(
-        self, clips: list[torch.Tensor], keys: list[bytes]
-    ) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
-        """Each clip's rows on the device, and on the host where the cache keeps them: those kept from an
-        earlier call (`self.cache`, by the processor's `clip_digest`) copied to the device without waiting, the
-        others (each distinct clip once) through the tower, then kept."""
+    def _clip_rows(self, clips: list[torch.Tensor], keys: list[bytes]) -> list[torch.Tensor]:
+        """Each clip's rows on the device: those kept from an earlier call (`self.cache`, by the processor's
+        `clip_digest`) copied to the device without waiting, the others (each distinct clip once) through the
+        tower, then kept (copied to the host without waiting: encoder_cache.py)."""
         if len(keys) != len(clips):
             raise ValueError(f"{len(clips)} clips came with {len(keys)} keys (MultimodalInputs.audio_keys)")
         found = {k: kept for k in dict.fromkeys(keys) if (kept := self.cache.get(k)) is not None}
@@ -167,7 +160,7 @@ class EncoderStage:
         rows |= dict(zip(fresh, self._encode_clips(list(fresh.values()))))
         for k in fresh:
             self.cache.put(k, rows[k])
-        return [(rows[k], self.cache.get(k)) for k in keys]
+        return [rows[k] for k in keys]
 
     def _encode_clips(self, clips: list[torch.Tensor]) -> list[torch.Tensor]:
         """The tower's rows of each clip, in calls of at most `max_audio_frames` (with graphs, each call in pieces
@@ -360,10 +353,10 @@ class EncoderStage:
         audio_rows = is_audio.nonzero().flatten()
         vision_rows = (is_image | is_video).nonzero().flatten()
         embeds, deepstack = seen.in_prompt_order(is_image[vision_rows])
-        return MultimodalEmbeds(  # the positions' copies wait for nothing queued (pageable: staged at once)
-            audio_rows.to(self.device, non_blocking=True),
+        return MultimodalEmbeds(  # the positions through pinned memory: their copies wait for nothing queued
+            to_device(audio_rows, self.device),
             audio,
-            vision_rows.to(self.device, non_blocking=True),
+            to_device(vision_rows, self.device),
             embeds,
             deepstack,
             audio_rows.numpy(),

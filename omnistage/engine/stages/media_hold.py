@@ -7,8 +7,8 @@ media encoded as it arrived, a queue of long videos would hold all their rows at
 encoded while their rows fit what is left of the limit (`take`); one whose rows alone pass it is encoded when
 nothing else is held. A request's rows leave the device once its prefill has passed its last media row
 (`release`, after each step is queued): the kernels already queued that read them still do (the allocator
-reuses a block only for work queued after its release), and a copy on the host (the encoder cache's for audio
-it keeps, else a copy queued behind those kernels) stays in the request's state for a preemption, dropped with
+reuses a block only for work queued after its release), and a copy on the host (the prefix keys' where it was
+made, else a copy queued behind those kernels) stays in the request's state for a preemption, dropped with
 it at its end. A preempted request recomputes its prompt; its rows come back within the same limit before it
 is readmitted (`restore`, `ready`). A request's rows count from its queueing to its prefill's passing them or
 its end: a constrained request's rows, held while its grammar compiles (constrained.py; milliseconds for most
@@ -131,6 +131,11 @@ class MediaHold(Generic[R]):
             self._held[seq] = _Held(size, _media_end(mm))
             self.held_bytes += size
 
+    def reserve(self, mm: MultimodalEmbeds, count: bool = True) -> None:
+        """Count (or, not `count`, stop counting) rows encoded for a request not yet queued: the request's
+        sequence `hold`s them once it is."""
+        self.held_bytes += rows_bytes(mm) if count else -rows_bytes(mm)
+
     @property
     def holding(self) -> bool:
         """Some sequence holds rows on the device."""
@@ -181,14 +186,20 @@ def _off(seq: Sequence[Any]) -> bool:
 
 
 def _offloaded(mm: MultimodalEmbeds) -> MultimodalEmbeds:
-    """`mm` with its rows on the host only: the audio's as the encoder cache keeps them, where it does."""
-    audio = mm.audio_embeds_host if mm.audio_embeds_host is not None else _to_host(mm.audio_embeds)
+    """`mm` with its rows on the host only: the audio and vision rows as the prefix keys' copies hold them,
+    where they do (host_rows.py)."""
+    host = mm.host_rows
+    audio, image = (host.audio, host.image) if host is not None else (None, None)
     return replace(
         mm,
         audio_embeds=None,
         image_embeds=None,
         deepstack=None,
-        offloaded=(audio, _to_host(mm.image_embeds), _to_host(mm.deepstack)),
+        offloaded=(
+            audio if audio is not None else _to_host(mm.audio_embeds),
+            image if image is not None else _to_host(mm.image_embeds),
+            _to_host(mm.deepstack),
+        ),
     )
 
 

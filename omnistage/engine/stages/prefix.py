@@ -1,5 +1,6 @@
 """A text stage's prefix-cache keys of a request (prefix_keys.py): its ids, its M-RoPE positions and the bytes
-of its encoder rows, brought to the host once at admission; the pages its sampled ids fill are keyed on them."""
+of its encoder rows, brought to the host once at admission (host_rows.py); the pages its sampled ids fill are
+keyed on them."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import numpy as np
 import torch
 
 from omnistage.engine.prefix_keys import MediaRows, PageKeys
+from omnistage.engine.stages.host_rows import copy_rows
 
 if TYPE_CHECKING:
     from omnistage.engine.stages.encoders import MultimodalEmbeds
@@ -53,17 +55,18 @@ def _kept(tap: HiddenTap, runner: TokenRunner) -> bool:
 
 def _media(mm: MultimodalEmbeds) -> tuple[MediaRows, ...]:
     """The audio rows and the vision rows as bytes per placeholder on the host, each tensor copied there as it
-    is: a layout on the device would allocate at admission, outside the memory plan."""
+    is (a layout on the device would allocate at admission, outside the memory plan): the copies the admission
+    made without waiting (host_rows.py), else copies made now, which wait for the work queued on the stream."""
+    host = mm.host_rows if mm.host_rows is not None else copy_rows(mm.audio_embeds, mm.image_embeds)
+    host.wait()
     media = []
-    if mm.audio_embeds is not None:
-        # the encoder cache's copy where it has one: reading the rows back would wait for the queued steps
-        kept = mm.audio_embeds_host
-        media.append(MediaRows(mm.audio_rows_host, _bytes(kept if kept is not None else mm.audio_embeds)))
-    if mm.image_embeds is not None:
-        media.append(MediaRows(mm.image_rows_host, _bytes(mm.image_embeds)))
+    if host.audio is not None:
+        media.append(MediaRows(mm.audio_rows_host, _bytes(host.audio)))
+    if host.image is not None:
+        media.append(MediaRows(mm.image_rows_host, _bytes(host.image)))
     return tuple(media)
 
 
 def _bytes(rows: torch.Tensor) -> np.ndarray:
     """`[n, H]` rows as `[n, H * itemsize]` bytes on the host (numpy)."""
-    return rows.detach().to("cpu").contiguous().view(torch.uint8).numpy()
+    return rows.detach().contiguous().view(torch.uint8).numpy()

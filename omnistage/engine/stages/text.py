@@ -111,6 +111,7 @@ class TextStage(AutoregressiveStage[RequestState]):
             self.validate,
             self._sequence,
             self.device,
+            keys_media=self.prefix_caching,
         )
         self.media = self.admission.media  # the encoder rows on the device (limited once planned)
         if self.device.type != "cuda":

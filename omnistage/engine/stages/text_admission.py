@@ -1,6 +1,7 @@
 """A text stage's requests from their arrival to its scheduler's queue: checked against the model and the pool
-(admission.py), their media encoded as far as the device's encoder rows allow (media_hold.py), their
-constraints compiled (constrained.py); a request that fails on the way ends with its error.
+(admission.py), their media encoded as far as the device's encoder rows allow (media_hold.py) and, for the
+prefix keys, their rows copied to the host without waiting (host_rows.py), their constraints compiled
+(constrained.py); a request that fails on the way ends with its error.
 """
 
 from __future__ import annotations
@@ -8,7 +9,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
 import torch
@@ -19,6 +20,7 @@ from omnistage.engine.sequence import Sequence, SequenceStatus
 from omnistage.engine.stages.admission import encode_media
 from omnistage.engine.stages.constrained import Constraints
 from omnistage.engine.stages.encoders import EncoderStage, MultimodalEmbeds
+from omnistage.engine.stages.host_rows import copy_rows
 from omnistage.engine.stages.media_hold import MediaHold
 from omnistage.engine.stages.text_setup import NewRequest
 from omnistage.outputs import RequestOutput
@@ -53,22 +55,26 @@ class TextAdmission:
         validate: Callable[[list[int], SamplingParams], int],
         sequence_of: Callable[[Parked, GrammarState | None], Sequence[RequestState]],
         device: torch.device,
+        keys_media: bool = False,
     ) -> None:
         """`scheduler` gives the stage's scheduler (made with its pages); `validate` a request's effective
-        max_tokens, or raises what makes it unservable; `sequence_of` makes a parked request's sequence."""
+        max_tokens, or raises what makes it unservable; `sequence_of` makes a parked request's sequence;
+        `keys_media`: the sequences' prefix keys read their encoder rows on the host."""
         self.stage, self._scheduler, self.encoders, self.constraints = stage, scheduler, encoders, constraints
         self.validate, self.sequence_of, self.device = validate, sequence_of, device
+        self.keys_media = keys_media
         self.media: MediaHold[Parked] = MediaHold()
         self._failures: list[tuple[Parked, Exception]] = []  # encodings failed after their add: end next turn
+        self._copying: list[Parked] = []  # encoded, their rows on their way to the host (host_rows.py)
 
     @property
     def scheduler(self) -> Scheduler[RequestState]:
         return self._scheduler()
 
     def __len__(self) -> int:
-        """The requests admitted but not yet queued (waiting for their encoding or their compile, or to end with
-        their encoding's error)."""
-        return len(self.media) + len(self.constraints.compiling) + len(self._failures)
+        """The requests admitted but not yet queued (waiting for their encoding, their rows' copy or their
+        compile, or to end with their encoding's error)."""
+        return len(self.media) + len(self._copying) + len(self.constraints.compiling) + len(self._failures)
 
     def add(self, requests: list[NewRequest]) -> list[Exception | None]:
         """Admit several requests; their media go through the encoders together (one ragged batch per tower) as
@@ -103,6 +109,8 @@ class TextAdmission:
         """Before a step: queue the requests whose constraints compiled, bring back the rows of preempted
         requests, encode the waiting requests' media as far as the rows allow; end those that failed."""
         failed = self._admit_compiled() if len(self.constraints.compiling) else []
+        if self._copying:
+            self._queue_copied()
         if self.media.needs_restore(self.scheduler.waiting):
             self.media.restore(self.scheduler.waiting, self.device)
         if not (self.media.waiting or self._failures):
@@ -114,6 +122,12 @@ class TextAdmission:
     def abort(self, request_id: str) -> bool:
         """Drop a request that is not yet queued; whether it was here."""
         if self.constraints.compiling.abort(request_id):
+            return True
+        copying = next((p for p in self._copying if p.request.request_id == request_id), None)
+        if copying is not None:
+            self._copying.remove(copying)
+            assert copying.mm is not None
+            self.media.reserve(copying.mm, count=False)
             return True
         unencoded = next((p for p, _ in self.media.waiting if p.request.request_id == request_id), None)
         return unencoded is not None and self.media.drop(unencoded)
@@ -133,9 +147,30 @@ class TextAdmission:
                     continue
                 assert parked.request.mm is not None
                 self.media.learn(parked.request.mm, mm)
+                if self.keys_media:
+                    mm = replace(mm, host_rows=copy_rows(mm.audio_embeds, mm.image_embeds))
                 parked.mm, parked.metrics["encoded"] = mm, encoded
-                self._queue(parked)
+                if self._copying or (mm.host_rows is not None and not mm.host_rows.ready()):
+                    self._copying.append(parked)  # queued in arrival order once copied
+                    self.media.reserve(mm)
+                else:
+                    self._queue(parked)
         return failed
+
+    def _queue_copied(self) -> None:
+        """Queue the encoded requests whose rows have reached the host, in arrival order; where nothing else is
+        queued or running (no step would overlap the copy), wait for the first one's copy."""
+        if self.scheduler.num_running == 0 and self.scheduler.num_waiting == 0:
+            first = self._copying[0].mm
+            assert first is not None and first.host_rows is not None
+            first.host_rows.wait()
+        while self._copying:
+            mm = self._copying[0].mm
+            assert mm is not None and mm.host_rows is not None
+            if not mm.host_rows.ready():
+                return
+            self.media.reserve(mm, count=False)
+            self._queue(self._copying.pop(0))
 
     def _queue(self, parked: Parked) -> None:
         """Queue a request whose media are encoded, or wait for its constraint's compile first."""

@@ -10,6 +10,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from omnistage.models.layers.attention_metadata import to_device
+
 _flash_varlen: Callable[..., Any] | None
 try:  # FlashAttention's varlen kernel, in torch since 2.10 (CUDA, half precision)
     from torch.nn.attention.varlen import varlen_attn as _flash_varlen
@@ -33,7 +35,7 @@ class Segments:
     @classmethod
     def of(cls, bounds: list[int], device: torch.device) -> Segments:
         fused = device.type == "cuda" and _flash_varlen is not None
-        cu = torch.tensor(bounds, dtype=torch.int32, device=device) if fused else None
+        cu = to_device(torch.tensor(bounds, dtype=torch.int32), device) if fused else None
         return cls(list(bounds), cu, max((b - a for a, b in zip(bounds, bounds[1:])), default=0))
 
     @classmethod
@@ -81,7 +83,7 @@ def _grouped_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens:
     out = torch.empty_like(q)
     for length, starts in starts_by_length.items():
         index = (
-            torch.tensor(starts, device=q.device)[:, None] + torch.arange(length, device=q.device)
+            to_device(torch.tensor(starts), q.device)[:, None] + torch.arange(length, device=q.device)
         ).flatten()
         sq, sk, sv = (t[index].view(len(starts), length, heads, dim).transpose(1, 2) for t in (q, k, v))
         out[index] = F.scaled_dot_product_attention(sq, sk, sv).transpose(1, 2).reshape(-1, heads, dim)

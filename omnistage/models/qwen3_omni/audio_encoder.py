@@ -26,6 +26,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from omnistage.models.layers.activations import ACTIVATIONS
+from omnistage.models.layers.attention_metadata import to_device
 from omnistage.models.layers.varlen_attention import Segments, varlen_attention
 from omnistage.models.loader import LoadOptions, load_model
 from omnistage.models.qwen3_omni.config import AudioEncoderConfig, Qwen3OmniConfig
@@ -100,7 +101,7 @@ def gather_chunks(packed: torch.Tensor, starts: list[int], lengths: list[int], c
     """Chunks [n, mel, chunk] of packed features [mel, total]: `lengths[i]` frames from `starts[i]`, then
     zeros (a length of 0 gives an all-zero chunk)."""
     device = packed.device
-    bounds = torch.tensor([starts, lengths], device=device)
+    bounds = to_device(torch.tensor([starts, lengths]), device)
     index = bounds[0, :, None] + torch.arange(chunk, device=device)  # [n, chunk]
     valid = torch.arange(chunk, device=device) < bounds[1, :, None]
     chunks = packed.T[index.clamp(max=packed.shape[-1] - 1)] * valid[..., None]  # [n, chunk, mel]
@@ -208,9 +209,9 @@ class AudioEncoder(nn.Module):
         """Packed features [mel, total] to packed chunk tokens [sum tokens, d_model], positions added."""
         starts = [0, *itertools.accumulate(layout.chunk_frames[:-1])]
         x = self.conv_embed(self.gather_chunks(packed, starts, layout.chunk_frames))
-        chunk_tokens = torch.tensor(layout.chunk_tokens, device=x.device)
-        keep = torch.arange(x.shape[1], device=x.device) < chunk_tokens[:, None]
-        return x[keep]
+        per_chunk = x.shape[1]
+        keep = [i * per_chunk + t for i, n in enumerate(layout.chunk_tokens) for t in range(n)]
+        return x.flatten(0, 1).index_select(0, to_device(torch.tensor(keep), x.device))
 
     def conv_embed(self, chunks: torch.Tensor, group_size: int | None = None) -> torch.Tensor:
         """Zero-padded chunks [n, mel, 2 * n_window] to tokens [n, tokens of a whole chunk, d_model], each

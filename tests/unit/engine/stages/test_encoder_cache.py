@@ -126,19 +126,6 @@ def test_its_size_is_a_setting_of_the_encoders_section():
     assert engine_config(stages={"encoders": {"cache_mib": 8}}).stage("encoders").cache_bytes == 8 << 20
 
 
-def test_the_kept_rows_come_with_the_prompt_for_its_prefix_keys(loaded):
-    """A prompt whose clips are all kept carries their host copy, bit for bit the rows on the device (the
-    prefix keys hash it instead of reading the rows back); one with a clip not kept carries none."""
-    encoders, _ = stage(loaded, 64 << 20)
-    p = prompt(loaded, clip(0.5, 300.0), clip(0.7, 500.0))
-    for _ in range(2):  # the clips fresh, then kept
-        embeds = encoders.encode(p.token_ids, p.mm)
-        assert embeds.audio_embeds is not None and embeds.audio_embeds_host is not None
-        assert torch.equal(embeds.audio_embeds_host, embeds.audio_embeds)
-    off, _ = stage(loaded, 0)
-    assert off.encode(p.token_ids, p.mm).audio_embeds_host is None
-
-
 def test_a_clip_is_known_by_its_samples(loaded):
     """The processor's key: the same samples, the same key; a sample changed or the clip cut, another."""
     a = clip(0.5, 300.0)

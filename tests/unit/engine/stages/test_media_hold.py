@@ -12,7 +12,9 @@ from PIL import Image
 
 from omnistage import LLM, SamplingParams
 from omnistage.engine.sequence import Sequence
+from omnistage.engine.stages import text_admission
 from omnistage.engine.stages.encoders import MultimodalEmbeds
+from omnistage.engine.stages.host_rows import HostRows
 from omnistage.engine.stages.media_hold import MediaHold, rows_bytes
 from omnistage.models.multimodal import MultimodalInputs
 
@@ -115,15 +117,15 @@ def test_rows_leave_once_the_prefill_passed_them_and_come_back_for_a_preemption(
     assert hold.held_bytes == 0 and not hold.holding
 
 
-def test_audio_the_encoder_cache_keeps_is_not_copied_again():
+def test_rows_the_prefix_keys_copied_to_the_host_are_not_copied_again():
     hold: MediaHold[str] = MediaHold()
-    rows = embeds(audio_at=[0, 1])
-    cached = rows.audio_embeds.clone()
-    seq = sequence("s", replace(rows, audio_embeds_host=cached))
+    rows = embeds(audio_at=[0, 1], vision_at=[2, 3])
+    copied = HostRows(rows.audio_embeds.clone(), rows.image_embeds.clone())
+    seq = sequence("s", replace(rows, host_rows=copied))
     hold.hold(seq, seq.data.mm)
-    seq.num_computed_tokens = 2
+    seq.num_computed_tokens = 4
     hold.release()
-    assert seq.data.mm.offloaded[0] is cached
+    assert seq.data.mm.offloaded[0] is copied.audio and seq.data.mm.offloaded[1] is copied.image
 
 
 # -- the stage on the tiny checkpoint -----------------------------------------------------------------------
@@ -255,3 +257,65 @@ def test_the_stage_reports_what_waits_unencoded_and_the_rows_it_holds(tiny_check
     while engine.has_unfinished():
         engine.step()
     assert engine.stats()["encoder_rows_held_bytes"] == 0 and engine.stats()["num_waiting"] == 0
+
+
+class Copy:
+    """A copy's CUDA event, as `HostRows` reads it: not ended until the test says so, or until waited for."""
+
+    waited = 0
+
+    def __init__(self):
+        self.done = False
+
+    def query(self):
+        return self.done
+
+    def synchronize(self):
+        Copy.waited += not self.done  # a wait that blocks
+        self.done = True
+
+
+def test_a_request_is_queued_once_its_rows_reached_the_host(tiny_checkpoint, unlimited, monkeypatch):
+    """On a GPU the prefix keys' copy of a prompt's rows to the host is queued behind the encoders' work and
+    not waited for (host_rows.py): while other requests run, a request is queued once its copy has ended, in
+    arrival order, its rows counted in the hold meanwhile, and an abort drops it; with nothing else to run the
+    copy is waited for. The tokens are those of an unlimited engine and every page and byte comes back."""
+    chats = conversations(3)
+    expected = ids(unlimited.chat(chats, GREEDY))
+    copies = []
+
+    def copy_rows(audio, image):
+        copies.append(Copy())
+        return HostRows(audio, image, copies[-1])
+
+    monkeypatch.setattr(text_admission, "copy_rows", copy_rows)
+    Copy.waited = 0
+    llm = make_llm(tiny_checkpoint, num_kv_pages=512)
+    engine = llm.engine
+    long = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
+    engine.add_request("text", engine.processor.encode("Hello"), long)
+    engine.step()
+    prompts = [engine.processor.process_chat(c) for c in chats]
+    for i, p in enumerate(prompts):
+        engine.add_request(str(i), p.token_ids, GREEDY, mrope=p.mrope, mm=p.mm)
+    queued = lambda: [i for i in range(3) if engine.scheduler.get(str(i)) is not None]  # noqa: E731
+    assert len(copies) == 3 and queued() == [] and len(engine.admission) == 3
+    assert engine.media.held_bytes == sum(rows_bytes(c.mm) for c in engine.admission._copying)
+    engine.step()
+    assert queued() == []
+    copies[1].done = True  # the second's copy alone: the first still goes first
+    engine.step()
+    assert queued() == []
+    copies[0].done = True
+    engine.step()
+    assert queued() == [0, 1]
+    assert engine.abort("2") is None and len(engine.admission) == 0
+    finished = {}
+    while engine.has_unfinished():
+        finished |= {o.request_id: o.outputs[0].token_ids for o in engine.step() if o.finished}
+    assert [finished["0"], finished["1"]] == expected[:2] and Copy.waited == 0
+    engine.add_request("3", prompts[2].token_ids, GREEDY, mrope=prompts[2].mrope, mm=prompts[2].mm)
+    while engine.has_unfinished():  # nothing else runs: the copy is waited for
+        finished |= {o.request_id: o.outputs[0].token_ids for o in engine.step() if o.finished}
+    assert finished["3"] == expected[2] and Copy.waited == 1
+    assert engine.media.held_bytes == 0 and engine.pool.num_free == engine.pool.num_pages
