@@ -36,7 +36,10 @@
 # - asr_ab:     Qwen3-ASR 0.6B at c = 64 and 128 on the tree exported to .ab (carry it) and on this one
 #               (benchmarks/before_after.sh run asr);
 # - sync_asr:   the 0.6B at c = 128 under benchmarks/sync_points.py: every call that waits for the device,
-#               by thread and site.
+#               by thread and site (`sync_asr_before`: the same over the tree exported to .ab);
+# - asr_profile: the 0.6B's decode steps of 128 rows, and loaded ones (two clips encoded and prefilled beside
+#               them), under torch.profiler (benchmarks/decode_profile.py --arrivals 2);
+# - trace_asr:  the 0.6B at c = 128 under benchmarks/step_trace.py: each step's class, rows and time.
 # Each step's files go under $OUT/<step>/ and everything measured so far is packed into $OUT/pending.tgz after
 # each step, so that a call cut short at its limit still brings back what ran (a call returns only a few files).
 # A step starts only while BUDGET_S seconds (540) less its own estimate are left since the script began.
@@ -104,10 +107,21 @@ for name in ${*:-http inproc video_host video asr baseline}; do
     sync_asr) step sync_asr 110 sh -c 'mkdir -p "$OUT" && timeout 110 python3 benchmarks/sync_points.py \
       --out "$OUT/sync_asr.json" -- bench a2t --load-format dummy --skeleton qwen3-asr-0.6b --device cuda \
       --concurrency 128 --rounds 4 --repeats 1 >"$OUT/sync_asr.log" 2>&1; tail -60 "$OUT/sync_asr.log"' ;;
+    sync_asr_before) step sync_asr_before 110 sh -c 'mkdir -p "$OUT" && PYTHONPATH="$PWD/.ab:$PYTHONPATH" \
+      timeout 110 python3 benchmarks/sync_points.py --out "$OUT/sync_asr.json" -- bench a2t --load-format dummy \
+      --skeleton qwen3-asr-0.6b --device cuda --concurrency 128 --rounds 4 --repeats 1 >"$OUT/sync_asr.log" 2>&1;
+      tail -45 "$OUT/sync_asr.log"' ;;
+    asr_profile) step asr_profile 150 sh -c 'mkdir -p "$OUT" && timeout 150 python3 benchmarks/decode_profile.py \
+      --skeleton qwen3-asr-0.6b --seconds 5 --batch 128 --arrivals 2 --out-dir "$OUT" >"$OUT/profile.log" 2>&1;
+      tail -40 "$OUT/profile.log"' ;;
+    trace_asr) step trace_asr 110 sh -c 'mkdir -p "$OUT" && timeout 110 python3 benchmarks/step_trace.py \
+      --out "$OUT/trace_asr.json" -- bench a2t --load-format dummy --skeleton qwen3-asr-0.6b --device cuda \
+      --concurrency 128 --rounds 4 --repeats 1 >"$OUT/trace_asr.log" 2>&1; grep -E "^\| " "$OUT/trace_asr.log"' ;;
     long_attention) step long_attention 60 sh -c 'mkdir -p "$OUT" && timeout 60 python3 benchmarks/prefill_attention.py \
       --long --out "$OUT/prefill_attention_long.json" 2>&1 | tee "$OUT/prefill_attention_long.log"' ;;
     *) echo "pending: no step $name (http, inproc, video_host, video, video_kv, asr, baseline, spy_asr, handoff," \
-      "long_attention, long_prefill, video_flash, admission, asr_ab, sync_asr)" >&2
+      "long_attention, long_prefill, video_flash, admission, asr_ab, sync_asr, sync_asr_before," \
+      "asr_profile, trace_asr)" >&2
       exit 2 ;;
   esac
 done
