@@ -291,19 +291,20 @@ def paged_attention(
     out: torch.Tensor | None = None,
     num_splits: int | None = None,
     tiles: Tiles = PREFILL_TILES,
+    varlen: bool = False,
 ) -> torch.Tensor:
     """Causal attention of q `[T, Hq, D]` over each sequence's pages; rows of no sequence stay zero.
 
     Decode steps (max_query_len 1) split each sequence's keys `num_splits` ways (default
     `decode_splits`) and combine the partials in a second kernel; prefill runs one pass per query tile of
-    `tiles`' shape.
+    `tiles`' shape, as does a decode step with `varlen`.
     """
     num_rows, num_heads, head_dim = q.shape
     num_kv_heads = kv_cache.shape[3]
     group = num_heads // num_kv_heads
     group_pad = triton.next_power_of_2(group)
     num_seqs = meta.seq_lens.shape[0]
-    decode = meta.max_query_len == 1
+    decode = meta.max_query_len == 1 and not varlen
     if out is None:
         # A decode step's rows are its sequences' (a graph's padding rows are padding sequences'), and the
         # kernels write every one of them; a padded prefill chunk has rows of no sequence, which stay zero.

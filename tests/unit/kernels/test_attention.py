@@ -45,7 +45,7 @@ else:
         out = TorchReferenceBackend().forward(q.double(), k.double(), v.double(), cache64, meta, scale)
         return out, cache64
 
-    def _check(case, num_splits=None, tiles=PREFILL_TILES):
+    def _check(case, num_splits=None, tiles=PREFILL_TILES, varlen=False):
         q, k, v, cache, meta = case
         scale = q.shape[-1] ** -0.5
         expected, expected_cache = _reference(q, k, v, cache, meta, scale)
@@ -54,7 +54,7 @@ else:
         assert torch.equal(cache.double(), expected_cache)
         # Poisoned output: every row of a sequence must be written, rows of none keep the poison.
         out = torch.full_like(q, float("nan"))
-        paged_attention(q, cache, meta, scale, out=out, num_splits=num_splits, tiles=tiles)
+        paged_attention(q, cache, meta, scale, out=out, num_splits=num_splits, tiles=tiles, varlen=varlen)
         in_seq = torch.zeros(q.shape[0], dtype=torch.bool)
         in_seq[: int(meta.query_start_loc[-1])] = True
         assert not out[in_seq].isnan().any()
@@ -165,6 +165,14 @@ else:
         chunks = [(100, 1, list(range(0, 7))), (200, 1, list(range(7, 20))), (3, 1, [30]), (0, 1, [31])]
         case = _case(chunks, 8, 2, 32, page_size, 40, seed=3, pad_seqs=2)
         _check(case, num_splits=num_splits)
+
+    @pytest.mark.parametrize("tiles", [PREFILL_TILES, Tiles(rows=16)])
+    def test_decode_rows_through_the_prefill_tiles(tiles):
+        # `varlen`: a decode step's rows, padding sequences among them, through the tiles a step with prompt
+        # rows gives them (benchmarks/decode_attention.py times both ways)
+        chunks = [(100, 1, list(range(0, 7))), (200, 1, list(range(7, 20))), (3, 1, [30]), (0, 1, [31])]
+        case = _case(chunks, 8, 2, 32, 16, 40, seed=5, pad_seqs=2)
+        _check(case, tiles=tiles, varlen=True)
 
     @pytest.mark.parametrize("num_splits", [1, 4])
     def test_padding_sequences_read_nothing(monkeypatch, num_splits):
