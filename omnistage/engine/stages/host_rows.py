@@ -40,14 +40,16 @@ def copy_rows(audio: torch.Tensor | None, image: torch.Tensor | None) -> HostRow
     on_gpu = [t for t in (audio, image) if t is not None and t.is_cuda]
     if not on_gpu:
         return HostRows(audio, image)
-    audio, image = (_pinned_copy(t) for t in (audio, image))
+    audio, image = (to_host(t) for t in (audio, image))
     copied = torch.cuda.Event()
     copied.record(torch.cuda.current_stream(on_gpu[0].device))
     return HostRows(audio, image, copied)
 
 
-def _pinned_copy(rows: torch.Tensor | None) -> torch.Tensor | None:
-    if rows is None or not rows.is_cuda:
-        return rows
-    host = torch.empty(rows.shape, dtype=rows.dtype, pin_memory=True)
-    return host.copy_(rows.detach(), non_blocking=True)
+def to_host(t: torch.Tensor | None) -> torch.Tensor | None:
+    """A copy of `t` on the host, queued behind the work that reads it, not waited for (pinned off the CPU);
+    a tensor already on the host as it is."""
+    if t is None or not t.is_cuda:
+        return t
+    host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+    return host.copy_(t.detach(), non_blocking=True)

@@ -26,6 +26,7 @@ import torch
 
 from omnistage.engine.sequence import Sequence
 from omnistage.engine.stages.encoders import MultimodalEmbeds
+from omnistage.engine.stages.host_rows import to_host
 from omnistage.models.multimodal import MultimodalInputs
 
 R = TypeVar("R")  # a request waiting for its encoding
@@ -196,18 +197,8 @@ def _offloaded(mm: MultimodalEmbeds) -> MultimodalEmbeds:
         image_embeds=None,
         deepstack=None,
         offloaded=(
-            audio if audio is not None else _to_host(mm.audio_embeds),
-            image if image is not None else _to_host(mm.image_embeds),
-            _to_host(mm.deepstack),
+            audio if audio is not None else to_host(mm.audio_embeds),
+            image if image is not None else to_host(mm.image_embeds),
+            to_host(mm.deepstack),
         ),
     )
-
-
-def _to_host(t: torch.Tensor | None) -> torch.Tensor | None:
-    """A copy of `t` on the host, queued behind the work that reads it, not waited for (pinned off the CPU)."""
-    if t is None:
-        return None
-    if t.device.type != "cuda":
-        return t
-    host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
-    return host.copy_(t, non_blocking=True)
