@@ -40,6 +40,9 @@
 # - asr_profile: the 0.6B's decode steps of 128 rows, and loaded ones (two clips encoded and prefilled beside
 #               them), under torch.profiler (benchmarks/decode_profile.py --arrivals 2);
 # - trace_asr:  the 0.6B at c = 128 under benchmarks/step_trace.py: each step's class, rows and time;
+# - engine_asr: the 0.6B at c = 128 with the engine's thread under cProfile and every thread's CPU time
+#               (benchmarks/engine_profile.py), then under py-spy sampling only the thread that holds the
+#               interpreter's lock (spy.sh with SPY_ARGS=--gil; carry .whl-spy too): where the host's time goes;
 # - decode_attention: a decode step's attention a layer by KV splits and through the prefill tiles
 #               (benchmarks/decode_attention.py), Qwen3-ASR's 128 rows of 100-token contexts among the cases.
 # Each step's files go under $OUT/<step>/ and everything measured so far is packed into $OUT/pending.tgz after
@@ -119,13 +122,18 @@ for name in ${*:-http inproc video_host video asr baseline}; do
     trace_asr) step trace_asr 110 sh -c 'mkdir -p "$OUT" && timeout 110 python3 benchmarks/step_trace.py \
       --out "$OUT/trace_asr.json" -- bench a2t --load-format dummy --skeleton qwen3-asr-0.6b --device cuda \
       --concurrency 128 --rounds 4 --repeats 1 >"$OUT/trace_asr.log" 2>&1; grep -E "^\| " "$OUT/trace_asr.log"' ;;
+    engine_asr) step engine_asr 200 sh -c 'mkdir -p "$OUT" && timeout 110 python3 benchmarks/engine_profile.py \
+      --out "$OUT/engine_profile.json" -- bench a2t --load-format dummy --skeleton qwen3-asr-0.6b --device cuda \
+      --concurrency 128 --rounds 4 --repeats 1 >"$OUT/engine_profile.log" 2>&1; grep -v " INFO " "$OUT/engine_profile.log" | tail -70
+      OUT="$OUT/gil" WHEELS=.whl-spy RATE=200 SPY_ARGS=--gil timeout 90 bash benchmarks/spy.sh bench a2t --load-format dummy \
+      --skeleton qwen3-asr-0.6b --device cuda --concurrency 128 --rounds 4 --repeats 1' ;;
     decode_attention) step decode_attention 120 sh -c 'mkdir -p "$OUT" && timeout 120 python3 \
       benchmarks/decode_attention.py --out "$OUT/decode_attention.json" 2>&1 | tee "$OUT/decode_attention.log"' ;;
     long_attention) step long_attention 60 sh -c 'mkdir -p "$OUT" && timeout 60 python3 benchmarks/prefill_attention.py \
       --long --out "$OUT/prefill_attention_long.json" 2>&1 | tee "$OUT/prefill_attention_long.log"' ;;
     *) echo "pending: no step $name (http, inproc, video_host, video, video_kv, asr, baseline, spy_asr, handoff," \
       "long_attention, long_prefill, video_flash, admission, asr_ab, sync_asr, sync_asr_before," \
-      "asr_profile, trace_asr, decode_attention)" >&2
+      "asr_profile, trace_asr, engine_asr, decode_attention)" >&2
       exit 2 ;;
   esac
 done

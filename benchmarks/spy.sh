@@ -17,7 +17,10 @@ source benchmarks/gpu_env.sh
 { gpu_env_txt; git rev-parse HEAD 2>/dev/null; } >"$OUT/env.txt"
 nvidia-smi --query-gpu=timestamp,utilization.gpu --format=csv,noheader -lms 200 >"$OUT/gpu.csv" &
 smi=$!
-"$SITE/bin/py-spy" record --nonblocking --threads --rate "${RATE:-50}" --format raw --output "$OUT/spy.txt" -- \
+# SPY_ARGS=--gil: only the thread holding the interpreter lock is sampled, so the samples per thread are each
+# thread's share of the lock (what the engine's thread waits for while the others run Python)
+# shellcheck disable=SC2086
+"$SITE/bin/py-spy" record --nonblocking --threads --rate "${RATE:-50}" ${SPY_ARGS:-} --format raw --output "$OUT/spy.txt" -- \
   python3 -m omnistage.cli "$@" >"$OUT/command.log" 2>&1
 rc=$?
 kill $smi
