@@ -8,8 +8,9 @@ greedy requests (ASR's) and for sampled ones (temperature, top-k, top-p, repetit
 the scheduler, the attention metadata, the copies to the device, the sampler, the token's read-back, the
 detokenizer and the outputs. A cProfile of the same steps says where that time goes, by function. Last, the
 same requests stream through the in-process server's AsyncPipeline (its engine thread, the event loop taking
-each output): the "served ms" column is the median time between a request's outputs there, so the
-difference from "step ms" is what the serving loop adds to every step.
+each output): the "served ms" column is the median time between a request's outputs there, a token (an
+output carries `--stream-interval` tokens; 1 by default, Qwen3-ASR's server 4), so the difference from "step
+ms" is what the serving loop adds to every step.
 
 How to run it: on this CPU, `python benchmarks/host_overhead.py` (a minute); on a GPU,
 `python benchmarks/host_overhead.py --device cuda`, where the stand-in's decode steps are captured in CUDA
@@ -95,6 +96,7 @@ def build(args: argparse.Namespace, workdir: Path) -> LLM:
         max_num_seqs=max_batch,
         max_num_batched_tokens=max(2048, args.prompt_len),
         compile=False,  # the stand-in replaces the decoder: nothing of it runs
+        stream_interval=args.stream_interval,
         num_kv_pages=max_batch * -(-tokens // 16) + 16,
     )
     if args.device != "cpu":  # a CPU stage captures no graphs, and refuses a key that asks for them
@@ -204,20 +206,21 @@ def loaded_steps(
 def served_gaps(
     engine: AsyncPipeline, batch: int, params: SamplingParams, args: argparse.Namespace, tag: str
 ):
-    """Seconds between a request's consecutive outputs, streamed through the in-process server's AsyncPipeline,
-    while all `batch` requests decode."""
+    """Seconds a token between a request's consecutive outputs (an output carries `--stream-interval` tokens),
+    streamed through the in-process server's AsyncPipeline, while all `batch` requests decode."""
 
-    async def stream(request: NewRequest) -> list[float]:
+    async def stream(request: NewRequest) -> list[tuple[float, int]]:
         outputs = engine.generate(request)
-        return [time.perf_counter() async for _ in outputs]
+        return [(time.perf_counter(), len(out.outputs[0].token_ids)) async for out in outputs]
 
-    async def run() -> list[list[float]]:
+    async def run() -> list[list[tuple[float, int]]]:
         return await asyncio.gather(*(stream(r) for r in requests(batch, params, args, tag)))
 
     stamps = asyncio.run(run())
-    start, end = max(s[0] for s in stamps), min(s[-1] for s in stamps)
-    gaps = [b - a for s in stamps for a, b in zip(s, s[1:], strict=False)]
-    within = [b - a for s in stamps for a, b in zip(s, s[1:], strict=False) if start <= a and b <= end]
+    start, end = max(s[0][0] for s in stamps), min(s[-1][0] for s in stamps)
+    pairs = [(a, b) for s in stamps for a, b in zip(s, s[1:], strict=False)]
+    gaps = [(b[0] - a[0]) / (b[1] - a[1]) for a, b in pairs]
+    within = [(b[0] - a[0]) / (b[1] - a[1]) for a, b in pairs if start <= a[0] and b[0] <= end]
     # a slow reader gets several steps' tokens in one output, so a short run may leave no gap inside the
     # window where all decode: then every gap, and none where each request came in one output
     return within or gaps
@@ -255,6 +258,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
     p.add_argument("--profile-top", type=int, default=20, help="functions listed per profile (0: no profile)")
     p.add_argument("--served", action=argparse.BooleanOptionalAction, default=True,
                    help="also time the steps through the in-process server's AsyncPipeline")  # fmt: skip
+    p.add_argument("--stream-interval", type=int, default=1,
+                   help="a streamed reply's tokens per output in the served rows (Qwen3-ASR serves 4 by default)")  # fmt: skip
     p.add_argument("--json", type=Path, default=None)
     args = p.parse_args(argv)
     args.batches = [int(b) for b in args.batches.split(",")]

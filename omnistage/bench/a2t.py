@@ -132,6 +132,7 @@ def run_a2t(args: argparse.Namespace) -> dict[str, Any]:
         "enforce_eager": args.enforce_eager or None,
         "max_prefill_graph_tokens": args.max_prefill_graph_tokens,
         "admission_hold_steps": args.admission_hold_steps,
+        "stream_interval": args.stream_interval,
     }
     config = engine_config(
         "bench a2t",
@@ -318,6 +319,9 @@ def add_parser(sub: Any) -> None:
                         help="largest prefill chunk captured in a CUDA graph (0: none; default: the engine's)")  # fmt: skip
     target.add_argument("--admission-hold-steps", type=int,
                         help="in-process: steps a busy engine holds its arrivals (default: the engine's)")  # fmt: skip
+    target.add_argument("--stream-interval", type=int,
+                        help="in-process: a streamed reply's tokens per output (default: the engine's, 4 for "
+                             "Qwen3-ASR)")  # fmt: skip
     target.add_argument("--engine-process", action="store_true",
                         help="in-process: the engine steps in a process of its own, as `serve --engine-process` "
                              "runs it; this process prepares the requests")  # fmt: skip

@@ -28,6 +28,7 @@ FLAGS: dict[str, str] = {
     "--seed": "seed",
     "--admission-window-ms": "admission_window_ms",
     "--admission-hold-steps": "admission_hold_steps",
+    "--stream-interval": "stream_interval",
     "--max-tokens-default": "max_tokens_default",
     "--encoder-cache-mib": "stages.encoders.cache_mib",
     "--encoder-rows-mib": "stages.encoders.rows_mib",

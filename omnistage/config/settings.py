@@ -102,11 +102,14 @@ class EngineSettings:
     prefix_caching: bool  # the text stages' (the Thinker's, Qwen3-ASR's decoder's) and the Talker's
     moe_kernel: str
     max_tokens_default: int | None
+    stream_interval: int  # a streamed reply's tokens per output
 
 
 def engine_settings(config: EngineConfig) -> EngineSettings:
-    """`config`'s engine-wide settings that a stage reads: each field is the config's key of its name."""
-    return EngineSettings(**{f.name: getattr(config, f.name) for f in fields(EngineSettings)})
+    """`config`'s engine-wide settings that a stage reads: each field is the config's key of its name (an
+    unset stream interval is 1)."""
+    values = {f.name: getattr(config, f.name) for f in fields(EngineSettings)}
+    return EngineSettings(**values | {"stream_interval": config.stream_interval or 1})
 
 
 def resolve(config: EngineConfig, name: StageName) -> StageSettings:

@@ -44,9 +44,22 @@ class RequestState(PromptInputs, SamplingState):
     # only its finished output is wanted: its caller asked for that alone (final_only) and no later stage reads
     # its text as it comes (a spoken reply's feeds the Talker)
     final_only: bool = False
+    # its tokens per output while it streams (`EngineSettings.stream_interval`; 1 where a stage reads its text)
+    stream_interval: int = 1
     stop_reason: int | str | None = None
     metrics: dict[str, float] = field(default_factory=dict)
     logprobs: list[TokenLogprobs] | None = None  # each output token's, where the request asked; else None
+    # the deltas of the tokens since its last output, which its next output carries (`hold`)
+    held_text: str = ""
+    held_ids: list[int] = field(default_factory=list)
+    held_logprobs: list[TokenLogprobs] = field(default_factory=list)
+
+    def hold(self, text: str, token: int, logprobs: TokenLogprobs | None) -> None:
+        """Keep a token's deltas for the request's next output."""
+        self.held_text += text
+        self.held_ids.append(token)
+        if logprobs is not None:
+            self.held_logprobs.append(logprobs)
 
 
 def request_state(
@@ -57,10 +70,12 @@ def request_state(
     eos_token_ids: list[int],
     device: torch.device,
     grammar: GrammarState | None = None,
+    stream_interval: int = 1,
 ) -> RequestState:
     """A new request's state: its detokenizer and stops, its seeded generator on `device`, and its encoder
     outputs `mm` for the prompt's placeholders and the `tap` a later stage reads; `eos_token_ids` are the model's
-    end tokens; `grammar` its constraint's matcher, if it has one."""
+    end tokens; `grammar` its constraint's matcher, if it has one; `stream_interval` its tokens per output,
+    unless its text feeds a later stage."""
     params = request.params
     return RequestState(
         params=params,
@@ -79,6 +94,7 @@ def request_state(
         tap=tap,
         decodes_ahead=decodes_ahead(params, feeds_a_stage=request.speech is not None),
         final_only=request.final_only and request.speech is None,
+        stream_interval=stream_interval if request.speech is None else 1,
         logprobs=[] if params.logprobs is not None else None,
     )
 
@@ -113,8 +129,13 @@ def request_output(
     delta_ids: list[int],
     delta_logprobs: list[TokenLogprobs] | None = None,
 ) -> RequestOutput:
-    """What the caller gets of `seq` after a step: its delta and, once it finished, all of it."""
+    """What the caller gets of `seq` after a step: its delta (after the deltas held since its last output) and,
+    once it finished, all of it."""
     state = seq.data
+    if state.held_ids:
+        delta_text, state.held_text = state.held_text + delta_text, ""
+        delta_ids, state.held_ids = state.held_ids + delta_ids, []
+        delta_logprobs, state.held_logprobs = state.held_logprobs + (delta_logprobs or []), []
     finished = seq.is_finished
     if finished:
         drop_placeholders(seq.output_token_ids)  # ended with a token in flight (aborted, failed)

@@ -35,10 +35,16 @@ NO_SPEECH = "this model transcribes audio; it does not speak (a Qwen3-Omni check
 # Qwen3-ASR is served for many short clips at once: this many sequences (and decode graphs up to them) where the
 # config sets none, against Qwen3-Omni's 64
 ASR_MAX_NUM_SEQS = 128
+# and a streamed transcript's output every few tokens: at c=128 each output a step costs the engine's thread and
+# the event loop more than the GPU's decode step (benchmarks/RESULTS.md, "A streamed reply's outputs every few
+# tokens")
+ASR_STREAM_INTERVAL = 4
 
 
 def asr_defaults(config: EngineConfig) -> EngineConfig:
     """`config` with Qwen3-ASR's own defaults where it leaves a setting to the default."""
+    if config.stream_interval is None:
+        config = config.model_copy(update={"stream_interval": ASR_STREAM_INTERVAL})
     if config.stages.thinker.max_batch is not None:
         return config
     return config.with_stage("thinker", max_batch=ASR_MAX_NUM_SEQS)

@@ -211,7 +211,16 @@ class TextStage(AutoregressiveStage[RequestState]):
 
     def _sequence(self, parked: Parked, grammar: GrammarState | None) -> Sequence[RequestState]:
         r = parked.request
-        state = request_state(r, parked.mm, r.tap, self.tokenizer, self.eos_token_ids, self.device, grammar)
+        state = request_state(
+            r,
+            parked.mm,
+            r.tap,
+            self.tokenizer,
+            self.eos_token_ids,
+            self.device,
+            grammar,
+            self.settings.engine.stream_interval,
+        )
         state.metrics.update(parked.metrics)
         keys = request_keys(r, parked.mm, r.tap, self.runner) if self.prefix_caching else None
         return Sequence(r.request_id, list(r.prompt_token_ids), parked.max_tokens, prefix=keys, data=state)
@@ -368,7 +377,8 @@ class TextStage(AutoregressiveStage[RequestState]):
         self, seq: Sequence[RequestState], token: int, logprobs: TokenLogprobs | None
     ) -> RequestOutput | None:
         state = seq.data
-        if "first_token" not in state.metrics:
+        first = "first_token" not in state.metrics
+        if first:
             state.metrics["first_token"] = time.monotonic()
         if logprobs is not None and state.logprobs is not None:
             state.logprobs.append(logprobs)
@@ -379,6 +389,9 @@ class TextStage(AutoregressiveStage[RequestState]):
             delta += state.detokenizer.flush()
         if state.final_only and not seq.is_finished:
             return None  # its deltas are in its detokenizer's text and its ids, which the last output carries
+        if not (first or seq.is_finished or len(state.held_ids) + 1 >= state.stream_interval):
+            state.hold(delta, token, logprobs)  # its next output carries them (`stream_interval`)
+            return None
         return request_output(seq, delta, [token], [logprobs] if logprobs is not None else [])
 
     def _fail(self, seq: Sequence[RequestState], exc: Exception) -> list[RequestOutput]:

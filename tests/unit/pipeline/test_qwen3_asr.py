@@ -7,7 +7,7 @@ import pytest
 from omnistage.config import engine_config
 from omnistage.models.qwen3_asr.tiny import make_tiny
 from omnistage.pipeline.family import build_pipeline
-from omnistage.pipeline.qwen3_asr import ASR_MAX_NUM_SEQS, asr_defaults
+from omnistage.pipeline.qwen3_asr import ASR_MAX_NUM_SEQS, ASR_STREAM_INTERVAL, asr_defaults
 
 
 @pytest.fixture(scope="module")
@@ -23,6 +23,15 @@ def test_many_short_clips_at_once_unless_the_config_says_otherwise(checkpoint):
     for given in ({"max_num_seqs": 16}, {"stages": {"thinker": {"max_batch": 16}}}):
         config = engine_config(model=str(checkpoint), device="cpu", **given)
         assert asr_defaults(config).stage("thinker").max_batch == 16
+
+
+def test_a_transcript_streams_every_few_tokens_unless_the_config_says_otherwise(checkpoint):
+    pipeline = build_pipeline(engine_config(model=str(checkpoint), device="cpu", num_kv_pages=64))
+    assert pipeline.thinker.settings.engine.stream_interval == ASR_STREAM_INTERVAL == 4
+    assert engine_config().engine_settings().stream_interval == 1  # Qwen3-Omni's default stays
+    for given in (1, 8):
+        config = engine_config(model=str(checkpoint), device="cpu", stream_interval=given)
+        assert asr_defaults(config).engine_settings().stream_interval == given
 
 
 def test_the_advertised_context_is_what_the_pool_holds(checkpoint):
