@@ -15,19 +15,17 @@ shares, not the benchmark's figures.
 
 from __future__ import annotations
 
-import argparse
 import cProfile
 import json
 import os
 import pstats
 import re
-import signal
-import sys
 import threading
 import time
 from typing import Any
 
-from omnistage.cli import main as omnistage_main
+from in_process import command_of, command_parser, reraise, run
+
 from omnistage.engine.stages.text_admission import TextAdmission
 from omnistage.pipeline.step_loop import StepLoop
 
@@ -185,23 +183,14 @@ def print_report(report: dict[str, Any]) -> None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+    parser = command_parser(__doc__)
     parser.add_argument("--out", required=True, help="JSON file of the report")
     parser.add_argument("--top", type=int, default=30, help="functions by own time printed")
-    parser.add_argument("command", nargs=argparse.REMAINDER, help="-- then the omnistage command")
     args = parser.parse_args()
-    command = args.command[1:] if args.command[:1] == ["--"] else args.command
+    command = command_of(args)
     profile = EngineProfile()
     profile.install()
-    sys.argv = ["omnistage", *command]
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
-    failure = None
-    try:
-        omnistage_main()
-    except SystemExit as exit:
-        failure = exit
+    failure = run(command)
     if profile.started is None or profile.ended is None:
         print("no request reached a text stage: nothing profiled")
     else:
@@ -209,8 +198,7 @@ def main() -> None:
         with open(args.out, "w") as f:
             json.dump({"command": command, **report}, f, indent=1)
         print_report(report)
-    if failure is not None and failure.code not in (None, 0, 143):
-        raise failure
+    reraise(failure)
 
 
 if __name__ == "__main__":

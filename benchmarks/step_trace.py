@@ -17,18 +17,15 @@ stage and class (count, total, mean and median ms, rows) to --out and prints the
 
 from __future__ import annotations
 
-import argparse
 import json
-import signal
 import statistics
-import sys
 import time
 from collections.abc import Callable
 from typing import Any
 
 import torch
+from in_process import command_of, command_parser, reraise, run
 
-from omnistage.cli import main as omnistage_main
 from omnistage.engine.graphs import PrefillGraphs
 from omnistage.engine.stages.row_runner import RowRunner
 from omnistage.engine.stages.token_runner import TokenRunner
@@ -147,30 +144,19 @@ def table(summary: list[dict[str, Any]]) -> str:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+    parser = command_parser(__doc__)
     parser.add_argument("--out", required=True, help="JSON file for every call and the summary")
     parser.add_argument("--no-sync", dest="sync", action="store_false", help="host time only")
-    parser.add_argument("command", nargs=argparse.REMAINDER, help="-- then the omnistage command")
     args = parser.parse_args()
-    command = args.command[1:] if args.command[:1] == ["--"] else args.command
+    command = command_of(args)
     records: list[Record] = []
     install(records, args.sync)
-    sys.argv = ["omnistage", *command]
-    # a server stopped by SIGTERM: uvicorn shuts down, then raises the signal again, which ends here
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
-    failure = None
-    try:
-        omnistage_main()
-    except SystemExit as exit:  # the benchmark's own verdicts (--fail-on-build) still leave the trace
-        failure = exit
+    failure = run(command)
     summary = summarize(records)
     with open(args.out, "w") as f:
         json.dump({"command": command, "sync": args.sync, "summary": summary, "calls": records}, f)
     print(table(summary))
-    if failure is not None and failure.code not in (None, 0, 143):
-        raise failure
+    reraise(failure)
 
 
 if __name__ == "__main__":

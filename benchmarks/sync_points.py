@@ -14,19 +14,16 @@ flight should wait. Writes every site with its count to --out and prints the bus
 
 from __future__ import annotations
 
-import argparse
 import collections
 import json
-import signal
-import sys
 import threading
 import traceback
 import warnings
 from typing import Any
 
 import torch
+from in_process import command_of, command_parser, reraise, run
 
-from omnistage.cli import main as omnistage_main
 from omnistage.engine.stages.text_admission import TextAdmission
 
 Site = tuple[str, tuple[str, ...]]
@@ -65,23 +62,14 @@ def install(counts: collections.Counter[Site]) -> None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+    parser = command_parser(__doc__)
     parser.add_argument("--out", required=True, help="JSON file of every site and its count")
     parser.add_argument("--top", type=int, default=25, help="sites printed")
-    parser.add_argument("command", nargs=argparse.REMAINDER, help="-- then the omnistage command")
     args = parser.parse_args()
-    command = args.command[1:] if args.command[:1] == ["--"] else args.command
+    command = command_of(args)
     counts: collections.Counter[Site] = collections.Counter()
     install(counts)
-    sys.argv = ["omnistage", *command]
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
-    failure = None
-    try:
-        omnistage_main()
-    except SystemExit as exit:
-        failure = exit
+    failure = run(command)
     if torch.cuda.is_available():
         torch.cuda.set_sync_debug_mode(0)
     sites = [
@@ -94,8 +82,7 @@ def main() -> None:
         print(f"{s['count']:8d}  {s['thread']}")
         for frame in s["stack"]:
             print(f"          {frame}")
-    if failure is not None and failure.code not in (None, 0, 143):
-        raise failure
+    reraise(failure)
 
 
 if __name__ == "__main__":
