@@ -3,8 +3,8 @@
     python benchmarks/engine_profile.py --out $OUT/engine_profile.json -- bench a2t --load-format dummy \
         --skeleton qwen3-asr-0.6b --device cuda --concurrency 128 --rounds 4 --repeats 1
 
-Runs the `omnistage` command after `--` in this process. From the first request a text stage admits (the
-engine built, its graphs captured) to the end of the engine's loop, the engine's thread runs under cProfile
+Runs the `omnistage` command after `--` in this process. From the step after the first request a text stage admits
+(the engine built, its graphs captured) to the engine loop's last step, the engine's thread runs under cProfile
 (wall-clock timer: a function's own time holds its waits for the device and for the GIL), and each thread's CPU
 time is read from /proc over the same span. Prints the profiled wall time, the steps and requests in it, the
 functions with the most own time and the engine's main calls (cumulative), each per step; and the CPU
@@ -92,27 +92,31 @@ class EngineProfile:
         self.steps = 0
         self.requests = 0
         self.last_step = 0.0
+        self.last_read = 0.0  # when the threads' CPU was last read
+        self.admitted = False  # a text stage admitted its first request
 
     def install(self) -> None:
         add, run, step = TextAdmission.add, StepLoop.run, StepLoop.step
         me = self
 
-        def first_add(admission: TextAdmission, requests: list[Any]) -> list[Exception | None]:
-            if me.started is None:
-                me.cpu_start = thread_cpu()
-                me.started = time.perf_counter()
-                me.profile.enable()
-            me.requests += len(requests)
+        def counted_add(admission: TextAdmission, requests: list[Any]) -> list[Exception | None]:
+            me.admitted = True
+            me.requests += me.started is not None and len(requests)
             return add(admission, requests)
 
         def counted_step(loop: StepLoop) -> None:
+            # from the step after the first admission on: a frame entered before cProfile starts (the loop's
+            # `handle` then) would be timed from its start, not from its call
+            if me.admitted and me.started is None:
+                me.cpu_start = thread_cpu()
+                me.started = time.perf_counter()
+                me.profile.enable()
             step(loop)
             if me.started is not None and me.ended is None:
                 me.steps += 1
-                now = time.perf_counter()
-                if now - me.last_step > READ_CPU_S:  # the threads' CPU, read until the last step
-                    me.cpu_end = thread_cpu()
-                me.last_step = now
+                me.last_step = time.perf_counter()
+                if me.last_step - me.last_read > READ_CPU_S:  # the threads' CPU, read until the last step
+                    me.cpu_end, me.last_read = thread_cpu(), me.last_step
 
         def profiled_run(loop: StepLoop, *args: Any, **kwargs: Any) -> None:
             try:
@@ -122,7 +126,7 @@ class EngineProfile:
                     me.profile.disable()
                     me.ended = me.last_step
 
-        TextAdmission.add = first_add  # type: ignore[method-assign]
+        TextAdmission.add = counted_add  # type: ignore[method-assign]
         StepLoop.step = counted_step  # type: ignore[method-assign]
         StepLoop.run = profiled_run  # type: ignore[method-assign]
 
