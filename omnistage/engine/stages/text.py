@@ -97,6 +97,7 @@ class TextStage(AutoregressiveStage[RequestState]):
         self.graph_pool: Any = None
         self.capture_seconds = 0.0
         self.decode_ahead = engine.decode_ahead
+        self.interval = engine.stream_interval  # a streamed reply's tokens per output
         self.prefix_caching = engine.prefix_caching  # its full prompt pages shared through the pool's cache
         self._launched: Launched[RequestState] | None = None  # the step in flight (decode_ahead)
         self._launch_failed = False  # the next step runs where a failure fails only the requests at fault
@@ -212,14 +213,7 @@ class TextStage(AutoregressiveStage[RequestState]):
     def _sequence(self, parked: Parked, grammar: GrammarState | None) -> Sequence[RequestState]:
         r = parked.request
         state = request_state(
-            r,
-            parked.mm,
-            r.tap,
-            self.tokenizer,
-            self.eos_token_ids,
-            self.device,
-            grammar,
-            self.settings.engine.stream_interval,
+            r, parked.mm, r.tap, self.tokenizer, self.eos_token_ids, self.device, grammar, self.interval
         )
         state.metrics.update(parked.metrics)
         keys = request_keys(r, parked.mm, r.tap, self.runner) if self.prefix_caching else None
