@@ -15,6 +15,10 @@
 # - video_kv:   the same with 8,192 tokens a step and 32 GiB of KV (an H200: the 4 GiB pool holds 42k tokens,
 #               fewer than eight 10 s videos' 59k);
 # - asr:        Qwen3-ASR 0.6B and 1.7B at c = 128 (item 4's targets on this card; benchmarks/under_load.sh);
+# - asr_budget: the 0.6B at c = 128 with 2,048, 4,096 and 8,192 tokens a step (prefill graphs to the same):
+#               arrivals come in waves of up to 128 prompts, which a 2,048-token step takes in several;
+# - asr_2min:   Qwen3-ASR 0.6B and 1.7B on 2-minute clips at c = 64 (400 tokens forced, each request its own
+#               clip) beside transformers one request at a time on the same weights (item 4's second half);
 # - baseline:   transformers' T2S and S2S beside ours at c = 1 and 16 on the same weight tensors, one process
 #               with the engine's default sizing (the 80 GiB cap leaves no room for a second model's working
 #               memory), for the rows above to have a baseline from the same machine (an H200: on an 80 GB
@@ -89,6 +93,12 @@ for name in ${*:-http inproc video_host video asr baseline}; do
       V2S_ARGS="--max-num-batched-tokens 8192" bash benchmarks/video.sh ;;
     asr) step asr 190 env ASR="0.6b:128 1.7b:128" T2S_C=" " A2T_ARGS="--rounds 16" A2T_S=90 \
       bash benchmarks/under_load.sh ;;
+    asr_budget) for tokens in 2048 4096 8192; do
+        step "asr_budget_$tokens" 95 env ASR="0.6b:128" T2S_C=" " A2T_S=90 TAG="_b$tokens" A2T_ARGS="--rounds 16 \
+          --max-num-batched-tokens $tokens --max-prefill-graph-tokens $tokens" bash benchmarks/under_load.sh
+      done ;;
+    asr_2min) step asr_2min 330 env ASR="0.6b:64 1.7b:64" T2S_C=" " A2T_S=160 TAG=_2min \
+      A2T_ARGS="--synth 2min --output-tokens 400 --rounds 2 --baseline transformers" bash benchmarks/under_load.sh ;;
     baseline) step baseline 200 sh -c 'mkdir -p "$OUT" && timeout 200 python3 -m omnistage.cli bench t2s \
       --load-format dummy --device cuda --dtype bfloat16 --concurrency 1,16 --requests 3 --also s2s \
       --also-concurrency 1 --baseline transformers --baseline-requests 1 --out-dir "$OUT" >"$OUT/speech_bench.log" 2>&1;
@@ -133,7 +143,7 @@ for name in ${*:-http inproc video_host video asr baseline}; do
       --long --out "$OUT/prefill_attention_long.json" 2>&1 | tee "$OUT/prefill_attention_long.log"' ;;
     *) echo "pending: no step $name (http, inproc, video_host, video, video_kv, asr, baseline, spy_asr, handoff," \
       "long_attention, long_prefill, video_flash, admission, asr_ab, sync_asr, sync_asr_before," \
-      "asr_profile, trace_asr, engine_asr, decode_attention)" >&2
+      "asr_profile, trace_asr, engine_asr, decode_attention, asr_budget, asr_2min)" >&2
       exit 2 ;;
   esac
 done

@@ -130,6 +130,7 @@ def run_a2t(args: argparse.Namespace) -> dict[str, Any]:
         "max_num_seqs": max(concurrencies),
         "kv_cache_memory_gib": kv_beside_baseline(args.kv_cache_memory_gib, bool(args.baseline), args.device),
         "enforce_eager": args.enforce_eager or None,
+        "max_num_batched_tokens": args.max_num_batched_tokens,
         "max_prefill_graph_tokens": args.max_prefill_graph_tokens,
         "admission_hold_steps": args.admission_hold_steps,
         "stream_interval": args.stream_interval,
@@ -315,6 +316,8 @@ def add_parser(sub: Any) -> None:
         help=f"in-process (default: the engine's; {BASELINE_KV_GIB:g} with --baseline)",
     )
     target.add_argument("--enforce-eager", action="store_true")
+    target.add_argument("--max-num-batched-tokens", type=int,
+                        help="in-process: the tokens a step computes at most (default: the engine's)")  # fmt: skip
     target.add_argument("--max-prefill-graph-tokens", type=int,
                         help="largest prefill chunk captured in a CUDA graph (0: none; default: the engine's)")  # fmt: skip
     target.add_argument("--admission-hold-steps", type=int,
