@@ -19,6 +19,9 @@
 #               arrivals come in waves of up to 128 prompts, which a 2,048-token step takes in several;
 # - asr_2min:   Qwen3-ASR 0.6B and 1.7B on 2-minute clips at c = 64 (400 tokens forced, each request its own
 #               clip) beside transformers one request at a time on the same weights (item 4's second half);
+# - trace_video: a 30 s 720p video with its sound at c = 1 under benchmarks/step_trace.py (two requests, KV_GIB
+#               4 as `video`): each step of each stage and the hand-off between the first token and the first
+#               packet (~490 ms of the 30 s video's 2.5 s on an H100, its Talker prompt 22k rows);
 # - baseline:   transformers' T2S and S2S beside ours at c = 1 and 16 on the same weight tensors, one process
 #               with the engine's default sizing (the 80 GiB cap leaves no room for a second model's working
 #               memory), for the rows above to have a baseline from the same machine (an H200: on an 80 GB
@@ -99,6 +102,10 @@ for name in ${*:-http inproc video_host video asr baseline}; do
       done ;;
     asr_2min) step asr_2min 330 env ASR="0.6b:64 1.7b:64" T2S_C=" " A2T_S=160 TAG=_2min \
       A2T_ARGS="--synth 2min --output-tokens 400 --rounds 2 --baseline transformers" bash benchmarks/under_load.sh ;;
+    trace_video) step trace_video 300 sh -c 'mkdir -p "$OUT" && timeout 300 python3 benchmarks/step_trace.py \
+      --out "$OUT/trace_video.json" -- bench v2s --load-format dummy --device cuda --dtype bfloat16 \
+      --video-seconds 30 --resolution 1280x720 --concurrency 1 --requests 2 --text-tokens 40 --frames 125 \
+      --kv-cache-memory-gib 4 --out-dir "$OUT/v2s" >"$OUT/trace_video.log" 2>&1; grep -E "^\| " "$OUT/trace_video.log"' ;;
     baseline) step baseline 200 sh -c 'mkdir -p "$OUT" && timeout 200 python3 -m omnistage.cli bench t2s \
       --load-format dummy --device cuda --dtype bfloat16 --concurrency 1,16 --requests 3 --also s2s \
       --also-concurrency 1 --baseline transformers --baseline-requests 1 --out-dir "$OUT" >"$OUT/speech_bench.log" 2>&1;
@@ -143,7 +150,7 @@ for name in ${*:-http inproc video_host video asr baseline}; do
       --long --out "$OUT/prefill_attention_long.json" 2>&1 | tee "$OUT/prefill_attention_long.log"' ;;
     *) echo "pending: no step $name (http, inproc, video_host, video, video_kv, asr, baseline, spy_asr, handoff," \
       "long_attention, long_prefill, video_flash, admission, asr_ab, sync_asr, sync_asr_before," \
-      "asr_profile, trace_asr, engine_asr, decode_attention, asr_budget, asr_2min)" >&2
+      "asr_profile, trace_asr, engine_asr, decode_attention, asr_budget, asr_2min, trace_video)" >&2
       exit 2 ;;
   esac
 done
