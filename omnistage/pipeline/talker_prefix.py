@@ -41,7 +41,10 @@ def talker_keys(
     kinds: tuple[MediaRows, ...] = ()
     if len(media):
         read = (np.cumsum(placeholder) - 1)[user_rows[media]]  # those in user turns, among all placeholders
-        values = media_hidden.index_select(0, torch.from_numpy(read)).contiguous().view(torch.uint8).numpy()
+        # every placeholder in a user turn (no media in a system turn): all of them in order, as they are (a
+        # 30 s video's are ~90 MB, not copied)
+        held = media_hidden if len(read) == len(media_hidden) else media_hidden[torch.from_numpy(read)]
+        values = held.contiguous().view(torch.uint8).numpy()
         kinds = (MediaRows(media, values),)
     num_user = len(user_rows)
     return PageKeys.of_prompt(
