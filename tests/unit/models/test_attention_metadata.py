@@ -1,6 +1,7 @@
 """Host-built step tensors reach the device in one copy, each with its dtype, shape and values."""
 
 import numpy as np
+import pytest
 import torch
 
 from omnistage.models.layers.attention_metadata import (
@@ -78,3 +79,39 @@ def test_block_tables_take_a_fixed_width_and_padding_only_steps():
     assert (padding.max_query_len, padding.max_seq_len) == (1, 0)
     empty = AttentionMetadata.build([], PAGE)
     assert empty.block_tables.shape == (0, 1) and (empty.max_query_len, empty.max_seq_len) == (0, 0)
+
+
+def test_random_steps_equal_the_per_row_definition():
+    """Every row's slot is its page's first slot plus its offset in the page; every sequence's table is its pages
+    in order, padded with 0 (the module's docstring), for steps of decodes, prefill chunks and padding."""
+    rng = np.random.default_rng(0)
+    for _ in range(200):
+        chunks = []
+        for _ in range(int(rng.integers(0, 9))):
+            start, new = int(rng.integers(0, 70)), int(rng.integers(0, 40))
+            pages = rng.permutation(500)[: -(-(start + new) // PAGE) + int(rng.integers(0, 3))].tolist()
+            chunks.append((start, new, pages))
+        pad_seqs, pad_rows = int(rng.integers(0, 3)), int(rng.integers(0, 3))
+        meta = AttentionMetadata.build(chunks, PAGE, pad_seqs=pad_seqs, pad_rows=pad_rows)
+        slots = [pages[p // PAGE] * PAGE + p % PAGE for s, n, pages in chunks for p in range(s, s + n)]
+        assert meta.slot_mapping.tolist() == slots + [-1] * (pad_seqs + pad_rows)
+        query_lens = [n for _, n, _ in chunks] + [1] * pad_seqs
+        assert meta.query_start_loc.tolist() == np.concatenate([[0], np.cumsum(query_lens)]).tolist()
+        assert meta.seq_lens.tolist() == [s + n for s, n, _ in chunks] + [0] * pad_seqs
+        width = max([len(p) for _, _, p in chunks] + [1])
+        assert (
+            meta.block_tables.tolist()
+            == [p + [0] * (width - len(p)) for _, _, p in chunks] + [[0] * width] * pad_seqs
+        )
+        assert meta.max_query_len == max(query_lens, default=0)
+        assert meta.max_seq_len == max([s + n for s, n, _ in chunks], default=0)
+        assert meta.num_keys == (0 if pad_seqs or pad_rows else sum(s + n for s, n, _ in chunks))
+
+
+def test_a_chunk_without_its_pages_or_with_a_negative_size_is_refused():
+    with pytest.raises(ValueError, match="9 tokens need 3 pages of 4, got 2"):
+        AttentionMetadata.build([(0, 1, [1]), (5, 4, [7, 2])], PAGE)
+    with pytest.raises(ValueError, match="must be non-negative"):
+        AttentionMetadata.build([(0, 1, [1]), (3, -1, [7])], PAGE)
+    with pytest.raises(ValueError, match="max_pages=1"):
+        AttentionMetadata.build([(5, 1, [7, 2])], PAGE, max_pages=1)
