@@ -8,6 +8,8 @@ come from the stub of media_samples.py (transformers' video processors need torc
 
 from __future__ import annotations
 
+import inspect
+
 import pytest
 import torch
 from media_samples import audio, clips_alone, image, picture, speech, text
@@ -53,16 +55,24 @@ def hf_inputs(hf_processor, prompt: str, messages: list[dict], use_audio_in_vide
     """transformers' processor on the same rendered prompt and media: clips in prompt order, a video's sound
     track among them in its place when use_audio_in_video."""
     clips, images, videos = [], [], []
+    sources: list[int | None] = []  # per clip: the video whose sound track it is, or None
     for m in messages:
         for part in m["content"] if isinstance(m["content"], list) else []:
             if part["type"] == "audio":
                 clips.append(part["audio"])
+                sources.append(None)
             elif part["type"] == "image":
                 images.append(part["image"])
             elif part["type"] == "video":
                 videos.append(part["video"].frames)
                 if use_audio_in_video:
                     clips.append(part["video"].audio)
+                    sources.append(len(videos) - 1)
+    # transformers 5.25 counts a prompt's audio placeholders against the clips that are not a video's sound
+    # track, which it is told of; 5.17 has no such argument
+    told = (
+        {"audio_from_video_indices": sources} if use_audio_in_video and _takes_sources(hf_processor) else {}
+    )
     ref = hf_processor(
         text=prompt,
         audio=clips or None,
@@ -71,8 +81,15 @@ def hf_inputs(hf_processor, prompt: str, messages: list[dict], use_audio_in_vide
         fps=2.0,
         use_audio_in_video=use_audio_in_video,
         return_tensors="pt",
+        **told,
     )
     return ref, clips
+
+
+def _takes_sources(processor) -> bool:
+    """Whether the processor's call takes `audio_from_video_indices` (transformers 5.25 and later)."""
+    calls = (vars(cls)["__call__"] for cls in type(processor).__mro__ if "__call__" in vars(cls))
+    return any("audio_from_video_indices" in inspect.signature(call).parameters for call in calls)
 
 
 @pytest.fixture(scope="module")
