@@ -2,10 +2,13 @@
 
 Every step is a list of chunks (sequence, first token, number of tokens). Running sequences go first in
 arrival order, then waiting ones in FCFS order while the step has token budget, a free slot and free
-pages. A running prompt's prefill chunk leaves a token for each newer running sequence that decodes, and
-half the budget when a waiting request could be admitted: a long prompt is prefilled over more steps, but
-nothing else waits for all of it. The waiting queue is strictly FCFS: a head that does not fit the free pages blocks the requests
-behind it (no overtaking), so a large request is never starved by a stream of small ones.
+pages. A running prompt's prefill chunk leaves a token for each newer running sequence that decodes; and
+when the waiting head could be admitted and its prompt takes at most half a step, the running prompts' chunks
+together leave it that half: a long prompt is prefilled over more steps, but a short request does not wait for
+all of it. A long head gets no such share: splitting the step between two long prompts would only finish the
+older one later (a burst of eight videos would be prefilled two at a time, each pair ending together, rather
+than one after the other). The waiting queue is strictly FCFS: a head that does not fit the free pages blocks
+the requests behind it (no overtaking), so a large request is never starved by a stream of small ones.
 
 A request admitted with a prefix-cached prompt (kv_cache.py) takes the cached pages and starts its prefill after
 them, and so does a preempted one readmitted; a head that waits for pages holds none meanwhile.
@@ -113,22 +116,26 @@ class Scheduler(Generic[StateT]):
         is not ready sits this step out, keeping its pages (a waiting head that is not ready waits, FCFS)."""
         out: SchedulerOutput[StateT] = SchedulerOutput()
         budget = self.max_num_batched_tokens
-        # A prefill chunk leaves room in the step: a token for every newer running sequence that decodes, and
-        # half the step when a waiting request could be admitted. Neither then waits for a long prompt's whole
+        # Prefill chunks leave room in the step: a token for every newer running sequence that decodes, and half
+        # the step when a short request waits and could be admitted. Neither then waits for a long prompt's whole
         # prefill (a decode's next token, a new request's first one: a spoken reply's first packet).
-        admitting = bool(self.waiting) and len(self.running) < self.max_num_seqs
-        prefill_cap = max(1, budget // 2) if admitting else budget
+        admitting = (
+            bool(self.waiting) and len(self.running) < self.max_num_seqs and self._short(self.waiting[0])
+        )
+        room = max(1, budget // 2) if admitting else budget  # for the running prompts' chunks together
         decodes_after = self._decodes_after()
 
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
-            if ready is not None and not ready(seq):
+            left = seq.num_tokens - seq.num_computed_tokens
+            if (ready is not None and not ready(seq)) or (left > 1 and room == 0):
                 i += 1
                 continue
-            left = seq.num_tokens - seq.num_computed_tokens
-            n = 1 if left == 1 else min(left, prefill_cap, max(1, budget - decodes_after[i]))
+            n = 1 if left == 1 else min(left, room, max(1, budget - decodes_after[i]))
             n = min(n, budget)
+            if left > 1:
+                room -= n
             while not self.pool.ensure_capacity(seq, seq.num_computed_tokens + n):
                 victim = self.running.pop()  # the newest, possibly `seq` itself
                 self._preempt(victim)
@@ -149,8 +156,12 @@ class Scheduler(Generic[StateT]):
                 break
             found = self.pool.take_prefix(seq)  # its prefill starts after its cached pages
             n = min(seq.num_tokens - seq.num_computed_tokens, budget)
-            if len(self.waiting) > 1 and len(self.running) + 1 < self.max_num_seqs:
-                n = min(n, max(1, self.max_num_batched_tokens // 2))  # as above, for the ones behind it
+            if (
+                len(self.waiting) > 1
+                and len(self.running) + 1 < self.max_num_seqs
+                and self._short(self.waiting[1])
+            ):
+                n = min(n, max(1, self.max_num_batched_tokens // 2))  # as above, for the short one behind it
             if not self.pool.ensure_capacity(seq, seq.num_computed_tokens + n):
                 # FCFS: the head waits for pages, and so does everyone behind it; holding none meanwhile
                 self.pool.untake_prefix(seq, found)
@@ -161,6 +172,10 @@ class Scheduler(Generic[StateT]):
             out.chunks.append(ScheduledChunk(seq, seq.num_computed_tokens, n))
             budget -= n
         return out
+
+    def _short(self, seq: Sequence[StateT]) -> bool:
+        """Whether what `seq` has left to prefill fits in half a step."""
+        return seq.num_tokens - seq.num_computed_tokens <= max(1, self.max_num_batched_tokens // 2)
 
     def _decodes_after(self) -> list[int]:
         """For each running sequence, how many newer running ones have a single token to compute."""

@@ -504,6 +504,45 @@ def test_a_long_prefill_starves_neither_newer_decodes_nor_a_new_request():
     assert pool.num_free == pool.num_pages
 
 
+def test_a_burst_of_long_prompts_is_prefilled_oldest_first():
+    """Prompts longer than half a step arriving together: each step goes to the oldest one's prefill first (its
+    first token after two steps, not three as when the step was split between the first two), and every
+    step still computes a full budget until the prefills end."""
+    pool, sched, model = setup(num_pages=64, page_size=4, budget=32)
+    burst = [make(f"v{i}", 40, 3, base=100 * i) for i in range(3)]
+    for seq in burst:
+        sched.add(seq)
+    first, second = step(sched, model), step(sched, model)
+    assert shape(first) == [("v0", 0, 32)]
+    assert shape(second) == [("v0", 32, 8), ("v1", 0, 24)] and second.chunks[0].samples
+    assert shape(step(sched, model)) == [("v0", 40, 1), ("v1", 24, 16), ("v2", 0, 15)]
+    run_to_end(sched, model)
+    for seq in burst:
+        assert_done(seq)
+    assert pool.num_free == pool.num_pages
+
+
+def test_long_prefills_under_way_leave_half_the_step_to_a_short_request():
+    """Two long prompts and a short request behind them: the first prompt's prefill takes whole steps, the second
+    starts in what is left, and once the short request heads the queue the running prompts' chunks together
+    leave it half the step: its first token comes before either long prefill ends. (Each running prompt capped
+    at half the step alone filled the step with the two, and the short one waited for one of them to end.)"""
+    pool, sched, model = setup(num_pages=64, page_size=4, budget=32)
+    long_a, long_b = make("a", 60, 2), make("b", 60, 2, base=100)
+    sched.add(long_a)
+    sched.add(long_b)
+    assert shape(step(sched, model)) == [("a", 0, 32)]
+    chat = make("chat", 5, 3, base=300)
+    sched.add(chat)
+    assert shape(step(sched, model)) == [("a", 32, 28), ("b", 0, 4)]
+    out = step(sched, model)
+    assert shape(out) == [("a", 60, 1), ("b", 4, 16), ("chat", 0, 5)] and out.chunks[-1].samples
+    run_to_end(sched, model)
+    for seq in (long_a, long_b, chat):
+        assert_done(seq)
+    assert pool.num_free == pool.num_pages
+
+
 def keyed(request_id: str, prompt: list[int], max_tokens: int, page_size: int) -> Sequence:
     return Sequence(request_id, prompt, max_tokens, prefix=PageKeys.of_prompt(prompt, page_size), data=None)
 
