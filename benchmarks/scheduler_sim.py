@@ -3,9 +3,10 @@
 Runs `omnistage.engine.scheduler.Scheduler` (pure bookkeeping) over bursts of prompts and prices each step as
 `fixed + per_token x prompt rows + per_decode x decode rows` milliseconds. The Thinker's prices come from an
 H100's 30 s video: 22,013 prompt tokens prefilled in 1,254 ms after the towers (benchmarks/RESULTS.md, "A 30 s
-video with its sound, the path on and off"), ~0.057 ms a token; Qwen3-ASR 0.6B's from its loaded steps (~9 ms
-for 1,820 prompt rows beside 128 decodes, "Where the 0.6B's steps go now"). The figures compare scheduling
-policies, one tree against another, on the same model; they are not serving figures.
+video with its sound, the path on and off"), ~0.057 ms a token; Qwen3-ASR 0.6B's from its steps on an H100
+(3 ms a decode step of 128 rows, ~9 ms with 1,820 prompt rows beside them: "Where the 0.6B's steps go now").
+The figures compare scheduling policies, one tree against another, on the same model; they are not serving
+figures.
 
     python benchmarks/scheduler_sim.py                              # this tree
     PYTHONPATH=<other tree> python benchmarks/scheduler_sim.py      # another, from outside this one
@@ -30,7 +31,7 @@ class Prices:
 
 
 THINKER = Prices(5.0, 0.057, 0.02)
-ASR = Prices(3.0, 0.004, 0.01)
+ASR = Prices(3.0, 0.0033, 0.0)
 
 
 def first_tokens(
