@@ -1,125 +1,25 @@
 import random
 
 import pytest
+from scheduler_fakes import (
+    FakeModel,
+    assert_done,
+    check_invariants,
+    check_step,
+    expected_output,
+    make,
+    run_to_end,
+    setup,
+    shape,
+    step,
+)
 
-from omnistage.engine.decode_ahead import PLACEHOLDER
 from omnistage.engine.kv_cache import PagePool
-from omnistage.engine.prefix_keys import PageKeys, page_keys
-from omnistage.engine.scheduler import ScheduledChunk, Scheduler, SchedulerOutput
+from omnistage.engine.scheduler import ScheduledChunk, Scheduler
 from omnistage.engine.sequence import Sequence, SequenceStatus
 from omnistage.errors import InvalidRequest, RequestTooLarge
 
 S = SequenceStatus
-
-
-def next_token(history: list[int]) -> int:
-    h = 0
-    for t in history:
-        h = (h * 31 + t) % 1_000_003
-    return h % 1000
-
-
-def expected_output(prompt: list[int], max_tokens: int) -> list[int]:
-    tokens = list(prompt)
-    for _ in range(max_tokens):
-        tokens.append(next_token(tokens))
-    return tokens[len(prompt) :]
-
-
-class FakeModel:
-    """Writes each chunk's tokens into a paged "KV cache" through the page tables and samples from what
-    it reads back, so two sequences sharing a page, or a page table not covering the computed tokens,
-    changes the generated tokens."""
-
-    def __init__(self, pool: PagePool) -> None:
-        self.page_size = pool.page_size
-        self.kv: dict[tuple[int, int], int] = {}
-
-    def _slot(self, seq: Sequence, pos: int) -> tuple[int, int]:
-        return seq.page_ids[pos // self.page_size], pos % self.page_size
-
-    def step(self, out: SchedulerOutput) -> dict[str, int]:
-        for c in out.chunks:
-            tokens = c.seq.all_token_ids
-            for pos in range(c.start, c.start + c.num_tokens):
-                self.kv[self._slot(c.seq, pos)] = tokens[pos]
-        sampled = {}
-        for c in out.chunks:
-            if c.samples:
-                history = [self.kv[self._slot(c.seq, pos)] for pos in range(c.start + c.num_tokens)]
-                sampled[c.seq.request_id] = next_token(history)
-        return sampled
-
-
-def check_invariants(sched: Scheduler) -> None:
-    pool = sched.pool
-    owned = [p for s in sched.running for p in s.page_ids]
-    assert len(owned) == len(set(owned)), "a page is owned twice"
-    assert len(owned) == pool.num_used
-    assert len(owned) + pool.num_free == pool.num_pages
-    assert len(sched.running) <= sched.max_num_seqs
-    for s in sched.running:
-        assert s.status is S.RUNNING
-        assert len(s.page_ids) >= pool.pages_for(s.num_computed_tokens)
-        assert s.num_computed_tokens < s.num_tokens
-        assert sched.get(s.request_id) is s
-    for s in sched.waiting:
-        assert s.status is S.WAITING
-        assert s.page_ids == [] and s.num_computed_tokens == 0
-        assert sched.get(s.request_id) is s
-    arrivals = [s.arrival for s in sched.running] + [s.arrival for s in sched.waiting]
-    assert arrivals == sorted(arrivals) and len(set(arrivals)) == len(arrivals)
-
-
-def check_step(sched: Scheduler, out: SchedulerOutput) -> None:
-    assert out.num_tokens <= sched.max_num_batched_tokens
-    assert len({id(c.seq) for c in out.chunks}) == len(out.chunks)
-    for c in out.chunks:
-        assert c.num_tokens >= 1
-        assert c.seq.status is S.RUNNING
-        assert c.start == c.seq.num_computed_tokens
-        assert c.start + c.num_tokens <= c.seq.num_tokens
-        assert c.samples == (c.start + c.num_tokens == c.seq.num_tokens)
-        assert len(c.seq.page_ids) >= sched.pool.pages_for(c.start + c.num_tokens)
-    for s in out.preempted:
-        assert s.status is S.WAITING and s not in [c.seq for c in out.chunks]
-
-
-def step(sched: Scheduler, model: FakeModel) -> SchedulerOutput:
-    had_work = sched.has_unfinished()
-    out = sched.schedule()
-    check_step(sched, out)
-    assert bool(out.chunks) == had_work, "no progress with requests pending"
-    sched.update(out, model.step(out))
-    check_invariants(sched)
-    return out
-
-
-def run_to_end(sched: Scheduler, model: FakeModel, max_steps: int = 1000) -> list[SchedulerOutput]:
-    outs = []
-    while sched.has_unfinished():
-        outs.append(step(sched, model))
-        assert len(outs) < max_steps, "scheduler did not drain"
-    return outs
-
-
-def make(request_id: str, prompt_len: int, max_tokens: int, base: int = 0) -> Sequence:
-    return Sequence(request_id, [base + i + 1 for i in range(prompt_len)], max_tokens, data=None)
-
-
-def setup(num_pages=16, page_size=4, max_num_seqs=8, budget=64):
-    pool = PagePool(num_pages, page_size)
-    return pool, Scheduler(pool, max_num_seqs, budget), FakeModel(pool)
-
-
-def assert_done(seq: Sequence, status: SequenceStatus = S.FINISHED_LENGTH) -> None:
-    assert seq.status is status
-    assert seq.page_ids == []
-    assert seq.output_token_ids == expected_output(seq.prompt_token_ids, seq.max_tokens)
-
-
-def shape(out: SchedulerOutput) -> list[tuple[str, int, int]]:
-    return [(c.seq.request_id, c.start, c.num_tokens) for c in out.chunks]
 
 
 def test_single_request_prefills_then_decodes():
@@ -540,141 +440,6 @@ def test_long_prefills_under_way_leave_half_the_step_to_a_short_request():
     run_to_end(sched, model)
     for seq in (long_a, long_b, chat):
         assert_done(seq)
-    assert pool.num_free == pool.num_pages
-
-
-def keyed(request_id: str, prompt: list[int], max_tokens: int, page_size: int) -> Sequence:
-    return Sequence(request_id, prompt, max_tokens, prefix=PageKeys.of_prompt(prompt, page_size), data=None)
-
-
-class CachingModel(FakeModel):
-    """FakeModel that also fails a step writing into a page of a sequence's cached prefix: a cached page is
-    shared, and its content is fixed once entered."""
-
-    def step(self, out: SchedulerOutput) -> dict[str, int]:
-        for c in out.chunks:
-            first_page = c.start // self.page_size
-            assert first_page >= c.seq.num_cached_pages, f"{c.seq.request_id} writes into a cached page"
-        return super().step(out)
-
-
-def check_shared_pages(sched: Scheduler) -> None:
-    """Every page's holders are the running sequences whose tables list it; free and used add up."""
-    pool = sched.pool
-    tables = [s.page_ids for s in sched.running]
-    for table in tables:
-        assert len(table) == len(set(table))
-    counts: dict[int, int] = {}
-    for p in (p for table in tables for p in table):
-        counts[p] = counts.get(p, 0) + 1
-    assert all(pool.holders(p) == counts.get(p, 0) for p in range(pool.num_pages))
-    assert pool.num_used == len(counts) and pool.num_free + pool.num_used == pool.num_pages
-    for s in sched.waiting:
-        assert s.page_ids == [] and s.num_computed_tokens == 0 and s.num_cached_pages == 0
-
-
-def test_an_admitted_prompt_starts_after_its_cached_pages():
-    pool = PagePool(16, 4)
-    sched, model = Scheduler(pool, 8, 64), CachingModel(pool)
-    first = keyed("first", list(range(1, 11)), 3, 4)
-    sched.add(first)
-    run_to_end(sched, model)
-    second = keyed("second", list(range(1, 9)) + [50, 51, 52], 3, 4)  # shares the first two pages
-    sched.add(second)
-    out = sched.schedule()
-    assert shape(out) == [("second", 8, 3)] and second.page_ids[:2] == [0, 1]
-    sched.update(out, model.step(out))
-    run_to_end(sched, model)
-    assert_done(first)
-    assert_done(second)
-    assert (pool.queried_tokens, pool.hit_tokens) == (21, 8)
-
-
-def test_a_head_that_waits_for_pages_holds_no_cached_page_meanwhile():
-    pool = PagePool(4, 4)
-    sched, model = Scheduler(pool, 8, 64), CachingModel(pool)
-    sched.add(keyed("warm", list(range(1, 5)) + [9], 1, 4))
-    run_to_end(sched, model)
-    sched.add(keyed("big", list(range(1, 10)), 4, 4))  # holds 3 pages, reaching a 4th as it decodes
-    step(sched, model)
-    waiter = keyed("waiter", list(range(1, 5)) + [7, 7, 7, 7, 7], 1, 4)
-    sched.add(waiter)
-    out = sched.schedule()
-    assert [c.seq.request_id for c in out.chunks] == ["big"]  # the waiter needs 2 fresh pages, 1 is free
-    assert waiter.page_ids == [] and waiter.num_computed_tokens == 0
-    sched.update(out, model.step(out))
-    check_shared_pages(sched)
-    run_to_end(sched, model)
-    assert pool.num_free == pool.num_pages
-
-
-def test_soak_shared_prefixes_turns_aborts_and_preemption():
-    """A thousand short requests over shared system prompts and earlier turns, on a pool that preempts: every
-    output is the one the prompt alone gives, no cached page is written, and the pool ends full with no
-    holder left."""
-    rng = random.Random(0)
-    page_size = 4
-    pool = PagePool(num_pages=14, page_size=page_size)
-    sched, model = Scheduler(pool, max_num_seqs=6, max_num_batched_tokens=16), CachingModel(pool)
-    systems = [[rng.randrange(1000) for _ in range(n)] for n in (4, 9, 13, 17)]
-    seqs: list[Sequence] = []
-    done: list[Sequence] = []
-    aborted = 0
-    while len(seqs) < 1000 or sched.has_unfinished():
-        for _ in range(rng.randint(0, 3) if len(seqs) < 1000 else 0):
-            if done and rng.random() < 0.3:  # the next turn: an earlier prompt, its answer and more
-                before = rng.choice(done)
-                prompt = before.all_token_ids + [rng.randrange(1000) for _ in range(rng.randint(1, 4))]
-            else:
-                prompt = rng.choice(systems) + [rng.randrange(1000) for _ in range(rng.randint(1, 6))]
-            if len(prompt) > 36:
-                prompt = prompt[-36:]
-            seq = keyed(f"r{len(seqs)}", prompt, rng.randint(1, 8), page_size)
-            sched.add(seq)
-            seqs.append(seq)
-        unfinished = [s for s in seqs if not s.is_finished]
-        if unfinished and rng.random() < 0.05:
-            sched.abort(rng.choice(unfinished).request_id)
-            aborted += 1
-        out = sched.schedule()
-        check_step(sched, out)
-        sched.update(out, model.step(out))
-        for c in out.chunks:
-            if c.samples and c.seq.is_finished and c.seq.status is S.FINISHED_LENGTH:
-                done.append(c.seq)
-        check_shared_pages(sched)
-
-    assert pool.num_free == pool.num_pages and pool.num_used == 0
-    assert all(pool.holders(p) == 0 for p in range(pool.num_pages))
-    assert aborted > 0 and sum(s.num_preemptions for s in seqs) > 0
-    assert pool.hit_tokens > 0.2 * pool.queried_tokens
-    for s in seqs:
-        expected = expected_output(s.prompt_token_ids, s.max_tokens)
-        if s.status is S.FINISHED_LENGTH:
-            assert s.output_token_ids == expected
-        else:
-            assert s.status is S.FINISHED_ABORTED and s.output_token_ids == expected[: s.num_output_tokens]
-
-
-@pytest.mark.parametrize("ending", [S.FINISHED_STOPPED, S.FINISHED_ABORTED])
-def test_decoded_pages_are_keyed_once_their_ids_are_known_and_at_a_good_end_only(ending):
-    """Decoding ahead, a step runs on a token whose id the host learns later (PLACEHOLDER): a page holding one
-    is keyed once it is known. A sequence that stops keys its last full pages as it ends; an aborted one keys
-    nothing more, whatever the host knows, since its last step may have been cut short."""
-    pool = PagePool(16, 4)
-    sched = Scheduler(pool, 8, 64)
-    seq = keyed("a", [1, 2, 3, 4, 5], 10, 4)
-    sched.add(seq)
-    for sampled in (6, PLACEHOLDER, PLACEHOLDER, PLACEHOLDER):
-        out = sched.schedule()
-        sched.update(out, {"a": sampled})
-    assert seq.num_computed_tokens == 8 and seq.num_cached_pages == 1  # rows 4-7: 5, 6 and two unknown
-    seq.output_token_ids[1:] = [7, 8, 9]  # the steps in flight read back
-    sched.finish(seq, ending)
-    if ending is S.FINISHED_STOPPED:
-        assert pool.cached_prefix(page_keys([1, 2, 3, 4, 5, 6, 7, 8], 4, 2)) == [0, 1]  # a fresh pool's first
-    else:
-        assert pool.num_cached == 1
     assert pool.num_free == pool.num_pages
 
 
