@@ -17,7 +17,10 @@
 # - asr: `omnistage bench a2t`, Qwen3-ASR 0.6B (random bf16), the LibriSpeech-like set, 33 tokens forced,
 #   c = 64 and 128 in the steady state (`--rounds 8`), 2 passes each;
 # - prefill_attention: this tree's benchmarks/prefill_attention.py over each tree's kernels (one layer of a
-#   loaded server's step and of a long prompt's chunks).
+#   loaded server's step and of a long prompt's chunks);
+# - video: `omnistage bench v2s`, eight 10 s 720p videos with their sound at once (40 text tokens, 125 frames
+#   forced; KV_GIB of KV, 4 by default as an 80 GB card holds): the c=8 RTF and first packets the scheduler's
+#   order of prefills moves.
 # Each run has its own time limit (A2T_S, T2S_S, FIT80_S) so that a slow one cannot take the others' time;
 # TREES="after" runs this tree alone (a part re-run after a fix, beside the earlier call's "before").
 # Under $OUT: env.txt, summary.txt (each run's table rows) and ab.tgz (per part and tree <part>_<tree>.log and
@@ -66,6 +69,9 @@ for part in "$@"; do
       asr) one asr "$tree" "${ASR_S:-240}" python3 -m omnistage.cli bench a2t "${bench[@]}" \
         --skeleton qwen3-asr-0.6b --concurrency 64,128 --rounds 8 --repeats 2 --fail-on-build \
         --out "$OUT/asr_$tree.json" ;;
+      video) one video "$tree" "${VIDEO_S:-240}" python3 -m omnistage.cli bench v2s "${bench[@]}" \
+        --video-seconds 10 --resolution 1280x720 --concurrency 8 --requests 1 --text-tokens 40 --frames 125 \
+        --kv-cache-memory-gib "${KV_GIB:-4}" --fail-on-build --out-dir "$OUT/video_$tree" ;;
       prefill_attention) one prefill_attention "$tree" "${ATTENTION_S:-120}" python3 \
         "$here/benchmarks/prefill_attention.py" --out "$OUT/prefill_attention_$tree.json" ;;
       *) echo "unknown part: $part" >&2; exit 2 ;;

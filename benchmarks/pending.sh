@@ -42,6 +42,9 @@
 #               encoder cache's and the prefix keys' copies) and of the tests beside them;
 # - asr_ab:     Qwen3-ASR 0.6B at c = 64 and 128 on the tree exported to .ab (carry it) and on this one
 #               (benchmarks/before_after.sh run asr);
+# - video_ab:   eight 10 s videos at once on the tree exported to .ab (carry it; 54073f6 for the scheduler's
+#               order of prefills) and on this one (before_after.sh run video; 32 GiB of KV on a card over
+#               100 GiB, 4 below);
 # - sync_asr:   the 0.6B at c = 128 under benchmarks/sync_points.py: every call that waits for the device,
 #               by thread and site (`sync_asr_before`: the same over the tree exported to .ab);
 # - asr_profile: the 0.6B's decode steps of 128 rows, and loaded ones (two clips encoded and prefilled beside
@@ -126,6 +129,8 @@ for name in ${*:-http inproc video_host video asr baseline}; do
     admission) step admission 130 sh -c 'PER_FILE_S=120 bash benchmarks/gpu_tests.sh tests/gpu/test_admission_sync_gpu.py \
       tests/gpu/test_encoder_cache_gpu.py tests/gpu/test_prefix_keys_gpu.py tests/gpu/test_media_hold_gpu.py' ;;
     asr_ab) step asr_ab 310 env ASR_S=150 bash benchmarks/before_after.sh run asr ;;
+    video_ab) step video_ab 420 sh -c 'kv=4; nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits |
+      awk "{exit !(\$1 > 100000)}" && kv=32; KV_GIB=$kv VIDEO_S=205 bash benchmarks/before_after.sh run video' ;;
     sync_asr) step sync_asr 110 sh -c 'mkdir -p "$OUT" && timeout 110 python3 benchmarks/sync_points.py \
       --out "$OUT/sync_asr.json" -- bench a2t --load-format dummy --skeleton qwen3-asr-0.6b --device cuda \
       --concurrency 128 --rounds 4 --repeats 1 >"$OUT/sync_asr.log" 2>&1; tail -60 "$OUT/sync_asr.log"' ;;
@@ -150,7 +155,7 @@ for name in ${*:-http inproc video_host video asr baseline}; do
       --long --out "$OUT/prefill_attention_long.json" 2>&1 | tee "$OUT/prefill_attention_long.log"' ;;
     *) echo "pending: no step $name (http, inproc, video_host, video, video_kv, asr, baseline, spy_asr, handoff," \
       "long_attention, long_prefill, video_flash, admission, asr_ab, sync_asr, sync_asr_before," \
-      "asr_profile, trace_asr, engine_asr, decode_attention, asr_budget, asr_2min, trace_video)" >&2
+      "asr_profile, trace_asr, engine_asr, decode_attention, asr_budget, asr_2min, trace_video, video_ab)" >&2
       exit 2 ;;
   esac
 done
