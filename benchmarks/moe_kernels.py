@@ -10,6 +10,7 @@ misses an fp32 reference by more than bf16 tolerance.
 
     python benchmarks/moe_kernels.py            # the table, ~30 s
     python benchmarks/moe_kernels.py --sweep    # also time candidate tiles of triton_experts per T
+    python benchmarks/moe_kernels.py --tokens 512,2048,8192   # prefill chunks: the TFLOP/s columns decide
 """
 
 from __future__ import annotations
@@ -108,6 +109,11 @@ class Row:
     def tbps(self, us: float) -> float:
         return self.experts * EXPERT_BYTES / us / 1e6
 
+    def tflops(self, us: float) -> float:
+        """The routed pairs' GEMM FLOPs (gate and up, then down) per second: what a prefill chunk's T
+        weighs, where the weights are read once for many rows."""
+        return 2 * self.tokens * TOP_K * 3 * HIDDEN * INTER / us / 1e6
+
 
 def measure(num_tokens: int, layers: list, reference: tuple, sweep: bool) -> Row:
     calls = make_calls(num_tokens, seed=num_tokens)
@@ -166,14 +172,15 @@ def main() -> int:
         f"\n{device}, E {EXPERTS}, top-{TOP_K}, H {HIDDEN}, I {INTER}, bf16; µs per call, CUDA graph of {CALLS}"
     )
     print(
-        "| T | experts | grouped µs | triton µs | speedup | grouped TB/s | triton TB/s | align µs | sort µs | rel err triton / grouped |"
+        "| T | experts | grouped µs | triton µs | speedup | grouped TB/s | triton TB/s | grouped TFLOP/s | "
+        "triton TFLOP/s | align µs | sort µs | rel err triton / grouped |"
     )
-    print("|---|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         print(
             f"| {r.tokens} | {r.experts:.1f} | {r.grouped_us:.1f} | {r.triton_us:.1f} | "
             f"{r.grouped_us / r.triton_us:.2f}x | {r.tbps(r.grouped_us):.2f} | {r.tbps(r.triton_us):.2f} | "
-            f"{r.align_us:.1f} | {r.sort_us:.1f} | {r.err_triton:.1e} / {r.err_grouped:.1e} |"
+            f"{r.tflops(r.grouped_us):.0f} | {r.tflops(r.triton_us):.0f} | {r.align_us:.1f} | {r.sort_us:.1f} | {r.err_triton:.1e} / {r.err_grouped:.1e} |"
         )
     if args.sweep:
         print("\n| T | config | µs | TB/s |\n|---|---|---|---|")

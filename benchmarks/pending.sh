@@ -55,6 +55,10 @@
 #               interpreter's lock (spy.sh with SPY_ARGS=--gil; carry .whl-spy too): where the host's time goes;
 # - decode_attention: a decode step's attention a layer by KV splits and through the prefill tiles
 #               (benchmarks/decode_attention.py), Qwen3-ASR's 128 rows of 100-token contexts among the cases.
+# - prefill_kernels: a long prompt's 2,048-row chunks through torch's SDPA backends (cuDNN among them) beside the
+#               engine's varlen FlashAttention (benchmarks/sdpa_long.py), and the routed experts' grouped GEMMs
+#               against the Triton kernel at prefill sizes (benchmarks/moe_kernels.py --tokens 128,...,8192,
+#               TFLOP/s): the two halves of a 30 s video's prefill, each against what else torch runs.
 # Each step's files go under $OUT/<step>/ and everything measured so far is packed into $OUT/pending.tgz after
 # each step, so that a call cut short at its limit still brings back what ran (a call returns only a few files).
 # A step starts only while BUDGET_S seconds (540) less its own estimate are left since the script began.
@@ -149,6 +153,9 @@ for name in ${*:-http inproc video_host video asr baseline}; do
       --concurrency 128 --rounds 4 --repeats 1 >"$OUT/engine_profile.log" 2>&1; grep -v " INFO " "$OUT/engine_profile.log" | tail -70
       OUT="$OUT/gil" WHEELS=.whl-spy RATE=200 SPY_ARGS=--gil timeout 90 bash benchmarks/spy.sh bench a2t --load-format dummy \
       --skeleton qwen3-asr-0.6b --device cuda --concurrency 128 --rounds 4 --repeats 1' ;;
+    prefill_kernels) step prefill_kernels 160 sh -c 'mkdir -p "$OUT" && timeout 60 python3 benchmarks/sdpa_long.py \
+      --out "$OUT/sdpa_long.json" 2>&1 | tee "$OUT/sdpa_long.txt"; timeout 90 python3 benchmarks/moe_kernels.py \
+      --tokens 128,512,2048,8192 2>&1 | tee "$OUT/moe_prefill.txt" | grep -E "^\|"' ;;
     decode_attention) step decode_attention 120 sh -c 'mkdir -p "$OUT" && timeout 120 python3 \
       benchmarks/decode_attention.py --out "$OUT/decode_attention.json" 2>&1 | tee "$OUT/decode_attention.log"' ;;
     long_attention) step long_attention 60 sh -c 'mkdir -p "$OUT" && timeout 60 python3 benchmarks/prefill_attention.py \

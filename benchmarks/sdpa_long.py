@@ -1,0 +1,136 @@
+"""torch's SDPA backends on one long prompt's chunk, beside the varlen FlashAttention the engine calls there.
+
+A 30 s video's prefill is 22k tokens in 2,048-row chunks; its attention is half its FLOPs, and the engine
+sends such chunks to torch's varlen FlashAttention over their keys gathered from the pages
+(`engine.attention.long_prefill`), 297-326 TFLOP/s on an H100 (benchmarks/RESULTS.md, "A long prompt's
+attention"). torch ships other kernels behind `scaled_dot_product_attention`: cuDNN's fused attention, its own
+FlashAttention and the memory-efficient one. This times each on the same chunk (one sequence: the chunk's rows
+over its cached keys and its own, causal, the last row seeing every key), for the Thinker's and the Talker's
+head layouts, with the largest difference from the varlen call's output:
+
+- `varlen`: the engine's call (`long_prefill.flash_varlen`), keys already gathered;
+- `<backend>`: SDPA under that backend alone, the mask `causal_lower_right` (`is_causal` when nothing is
+  cached), K/V heads shared (`enable_gqa`);
+- `<backend> expanded`: the same with K/V repeated to the query heads, for a backend that refuses GQA;
+- `cudnn split`: cuDNN twice, the rows over the cached keys unmasked and over their own causally, merged by
+  their log-sum-exps: the one form in which cuDNN's causal mask (aligned at the first key) serves a chunk
+  after cached tokens.
+
+    python3 benchmarks/sdpa_long.py --out $OUT/sdpa_long.json      # GPU machine, under a minute
+
+A backend that refuses a case gets its error in the row instead of a time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
+from torch.nn.attention.bias import causal_lower_right
+
+from omnistage.engine.attention.long_prefill import flash_varlen
+from omnistage.kernels.timing import cuda_ms
+
+LAYOUTS = [("Thinker", 32, 4, 128), ("Talker", 16, 2, 128)]  # (stage, query heads, K/V heads, head dim)
+BACKENDS = {
+    "cudnn": SDPBackend.CUDNN_ATTENTION,
+    "flash": SDPBackend.FLASH_ATTENTION,
+    "efficient": SDPBackend.EFFICIENT_ATTENTION,
+}
+
+
+def sdpa(backend: SDPBackend, q, k, v, cached: int, scale: float, expand: bool) -> torch.Tensor:
+    """[rows, Hq, D] of the chunk's rows `q` over keys `k`, `v` [keys, Hkv, D] under `backend` alone."""
+    rows, heads = q.shape[0], q.shape[1]
+    if expand:
+        k, v = (t.repeat_interleave(heads // t.shape[1], dim=1) for t in (k, v))
+    qh, kh, vh = (t.transpose(0, 1)[None] for t in (q, k, v))
+    mask = None if cached == 0 else causal_lower_right(rows, k.shape[0])
+    with sdpa_kernel(backend):
+        out = F.scaled_dot_product_attention(
+            qh, kh, vh, attn_mask=mask, is_causal=cached == 0, scale=scale, enable_gqa=not expand
+        )
+    return out[0].transpose(0, 1)
+
+
+def cudnn_split(q, k, v, cached: int, scale: float) -> torch.Tensor:
+    """The chunk through cuDNN in two calls merged by their log-sum-exps: rows over the cached keys (no mask)
+    and over their own keys (causal from the first), K/V repeated to the query heads."""
+    heads = q.shape[1]
+    k, v = (t.repeat_interleave(heads // t.shape[1], dim=1) for t in (k, v))
+    qh, kh, vh = (t.transpose(0, 1)[None] for t in (q, k, v))
+    parts = []
+    for keys, causal in ((slice(0, cached), False), (slice(cached, None), True)):
+        out, lse = torch.ops.aten._scaled_dot_product_cudnn_attention(
+            qh, kh[:, :, keys], vh[:, :, keys], None, True, 0.0, causal, False, scale=scale
+        )[:2]
+        parts.append((out.float(), lse.reshape(out.shape[:-1]).float()))
+    (a, lse_a), (b, lse_b) = parts
+    lse = torch.logaddexp(lse_a, lse_b)
+    merged = a * (lse_a - lse).exp()[..., None] + b * (lse_b - lse).exp()[..., None]
+    return merged.to(q.dtype)[0].transpose(0, 1)
+
+
+def timed(call: Callable[[], torch.Tensor], want: torch.Tensor, flops: float) -> dict[str, Any]:
+    try:
+        us = 1e3 * cuda_ms(call)
+        diff = (call().float() - want.float()).abs().max().item()
+    except Exception as exc:  # the backend refuses this layout or this mask
+        return {"error": f"{type(exc).__name__}: {str(exc).splitlines()[0][:160]}"}
+    return {"us": round(us, 1), "tflops": round(flops / us / 1e6, 1), "max_diff": diff}
+
+
+def chunk_row(heads: int, kv_heads: int, dim: int, cached: int, new: int = 2048) -> dict[str, Any]:
+    varlen = flash_varlen(torch.device("cuda"))
+    assert varlen is not None, "this torch has no varlen FlashAttention the engine takes"
+    total, scale = cached + new, dim**-0.5
+    generator = torch.Generator(device="cuda").manual_seed(cached)
+    q = torch.randn(new, heads, dim, device="cuda", dtype=torch.bfloat16, generator=generator)
+    k, v = torch.randn(2, total, kv_heads, dim, device="cuda", dtype=torch.bfloat16, generator=generator)
+    cu_q = torch.tensor([0, new], dtype=torch.int32, device="cuda")
+    cu_k = torch.tensor([0, total], dtype=torch.int32, device="cuda")
+    flops = 4 * heads * dim * new * (cached + (new + 1) / 2)  # QK and PV over the causal triangle
+    want = varlen(q, k, v, cu_q, cu_k, new, total, scale)
+    kernels: dict[str, Any] = {
+        "varlen": timed(lambda: varlen(q, k, v, cu_q, cu_k, new, total, scale), want, flops)
+    }
+    for name, backend in BACKENDS.items():
+        for expand in (False, True):
+            label = f"{name} expanded" if expand else name
+            kernels[label] = timed(
+                lambda b=backend, e=expand: sdpa(b, q, k, v, cached, scale, e), want, flops
+            )
+    if cached:
+        kernels["cudnn split"] = timed(lambda: cudnn_split(q, k, v, cached, scale), want, flops)
+    return {"cached": cached, "rows": new, "kernels": kernels}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--out", default="sdpa_long.json")
+    args = parser.parse_args()
+    print(torch.cuda.get_device_name(), torch.__version__, "cuDNN", torch.backends.cudnn.version())
+    rows = []
+    for stage, heads, kv_heads, dim in LAYOUTS:
+        for cached in (0, 4_096, 10_000, 20_000):
+            rows.append(row := {"stage": stage, **chunk_row(heads, kv_heads, dim, cached)})
+            for name, result in row["kernels"].items():
+                shown = (
+                    f"{result['us']:9.1f} us {result['tflops']:7.1f} TFLOP/s  max diff {result['max_diff']:.3g}"
+                    if "us" in result
+                    else result["error"]
+                )
+                print(f"{stage:8} {cached:>7,} {name:20} {shown}", flush=True)
+    Path(args.out).write_text(json.dumps(rows, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()
