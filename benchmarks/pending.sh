@@ -59,6 +59,9 @@
 #               engine's varlen FlashAttention (benchmarks/sdpa_long.py), and the routed experts' grouped GEMMs
 #               against the Triton kernel at prefill sizes (benchmarks/moe_kernels.py --tokens 128,...,8192,
 #               TFLOP/s): the two halves of a 30 s video's prefill, each against what else torch runs.
+# - talker_budget: the 30 s and 10 s videos at c = 1 (two requests each, KV_GIB=4) with the Talker's step budget
+#               the engine's 2,048 rows, then 8,192 (`--talker-max-num-batched-tokens`): the 30 s video's 22k-row
+#               Talker prompt in 11 steps or 3 (~490 ms from its first token to its first packet on an H100).
 # Each step's files go under $OUT/<step>/ and everything measured so far is packed into $OUT/pending.tgz after
 # each step, so that a call cut short at its limit still brings back what ran (a call returns only a few files).
 # A step starts only while BUDGET_S seconds (540) less its own estimate are left since the script began.
@@ -153,6 +156,10 @@ for name in ${*:-http inproc video_host video asr baseline}; do
       --concurrency 128 --rounds 4 --repeats 1 >"$OUT/engine_profile.log" 2>&1; grep -v " INFO " "$OUT/engine_profile.log" | tail -70
       OUT="$OUT/gil" WHEELS=.whl-spy RATE=200 SPY_ARGS=--gil timeout 90 bash benchmarks/spy.sh bench a2t --load-format dummy \
       --skeleton qwen3-asr-0.6b --device cuda --concurrency 128 --rounds 4 --repeats 1' ;;
+    talker_budget) for tokens in 2048 8192; do
+        step "talker_budget_$tokens" 200 env LENGTHS=30,10 C=1 REQUESTS=2 BASELINE=0 KV_GIB=4 V2S_S=195 \
+          V2S_ARGS="--talker-max-num-batched-tokens $tokens" bash benchmarks/video.sh
+      done ;;
     prefill_kernels) step prefill_kernels 160 sh -c 'mkdir -p "$OUT" && timeout 60 python3 benchmarks/sdpa_long.py \
       --out "$OUT/sdpa_long.json" 2>&1 | tee "$OUT/sdpa_long.txt"; timeout 90 python3 benchmarks/moe_kernels.py \
       --tokens 128,512,2048,8192 2>&1 | tee "$OUT/moe_prefill.txt" | grep -E "^\|"' ;;

@@ -195,6 +195,7 @@ def start_engine(args: argparse.Namespace, max_num_seqs: int) -> tuple[Any, Any,
         "overlap_stages": True if args.overlap_stages else None,
         "flash_prefill": False if args.no_flash_prefill else None,
         "max_num_batched_tokens": args.max_num_batched_tokens,
+        "talker_max_num_batched_tokens": args.talker_max_num_batched_tokens,
         "gpu_memory_limit_gib": args.gpu_memory_limit_gib,
     }
     given = {k: v for k, v in overrides.items() if v is not None}
@@ -396,3 +397,5 @@ def add_engine_options(target: Any) -> None:
                         help="in-process: cap on the GPU memory the plan uses (default: the engine's)")  # fmt: skip
     target.add_argument("--max-num-batched-tokens", type=int,
                         help="in-process: the per-step token budget, a long prompt's chunk (default: the engine's)")  # fmt: skip
+    target.add_argument("--talker-max-num-batched-tokens", type=int,
+                        help="in-process: the Talker's own per-step budget (default: --max-num-batched-tokens)")  # fmt: skip

@@ -161,7 +161,12 @@ class EngineConfig(BaseModel):
             "thinker.graphs": ("stages.thinker.max_batch", self.stage("thinker").max_batch),
             "thinker.prefill_graphs": tokens,
             "talker.graphs": ("stages.talker.max_batch", self.stage("talker").max_batch),
-            "talker.prefill_graphs": tokens,
+            "talker.prefill_graphs": (
+                "stages.talker.max_num_batched_tokens"
+                if self.stages.talker.max_num_batched_tokens
+                else "max_num_batched_tokens",
+                self.stage("talker").max_num_batched_tokens,
+            ),
             "code_predictor.graphs": (
                 "stages.code_predictor.max_batch",
                 self.stage("code_predictor").max_batch,

@@ -128,6 +128,12 @@ class TalkerSection(_StageSection, _KvSection):
     prefill_graphs: GraphsSection | None = Field(
         None, description="prefill step sizes in tokens (default: the Thinker's)"
     )
+    max_num_batched_tokens: int | None = Field(
+        None,
+        ge=1,
+        description="the Talker's per-step token budget: a long prompt (a 30 s video's 22k rows) is prefilled "
+        "in chunks of at most this many rows (default: the engine's max_num_batched_tokens)",
+    )
 
 
 class CodePredictorSection(_StageSection):

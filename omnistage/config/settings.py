@@ -65,6 +65,7 @@ class DecoderSettings(StageSettings):
     kv: KvSize
     graphs: Graphs  # decode batch sizes
     prefill_graphs: Graphs  # prefill step sizes, tokens
+    max_num_batched_tokens: int  # its per-step budget, a long prompt's chunk
 
 
 @dataclass(frozen=True)
@@ -126,17 +127,20 @@ def resolve(config: EngineConfig, name: StageName) -> StageSettings:
 
     thinker_batch = s.thinker.max_batch or MAX_BATCH
     talker_batch = s.talker.max_batch or thinker_batch
+    budget = config.max_num_batched_tokens
     if name == "thinker":
         batch, decode_max = thinker_batch, min(MAX_GRAPH_BATCH, thinker_batch)
-        prefill = graphs(section.prefill_graphs, min(MAX_PREFILL_GRAPH_TOKENS, config.max_num_batched_tokens))
+        prefill = graphs(section.prefill_graphs, min(MAX_PREFILL_GRAPH_TOKENS, budget))
     elif name == "talker":
         batch, decode_max = talker_batch, talker_batch
+        budget = s.talker.max_num_batched_tokens or budget
         follows = config.stage("thinker").prefill_graphs  # unless the Talker is given its own sizes
-        prefill = (
-            graphs(section.prefill_graphs, None)
-            if section.prefill_graphs is not None
-            else Graphs(eager, follows.buckets, follows.max)
-        )
+        if section.prefill_graphs is not None:
+            prefill = graphs(section.prefill_graphs, None)
+        elif follows.buckets is not None:  # those its own budget's steps reach
+            prefill = Graphs(eager, tuple(b for b in follows.buckets if b <= budget))
+        else:
+            prefill = Graphs(eager, max=None if follows.max is None else min(follows.max, budget))
     if name in ("thinker", "talker"):
         return DecoderSettings(
             **common,
@@ -144,6 +148,7 @@ def resolve(config: EngineConfig, name: StageName) -> StageSettings:
             kv=KvSize(section.num_kv_pages, section.kv_cache_memory_gib, section.kv_share),
             graphs=graphs(section.graphs, decode_max),
             prefill_graphs=prefill,
+            max_num_batched_tokens=budget,
         )
     if name == "encoders":
         return EncodersSettings(

@@ -119,7 +119,7 @@ class SpeechStages:
             runner,
             num_pages=1 if device.type == "cuda" else pages,
             max_num_seqs=talker.max_batch,
-            max_num_batched_tokens=config.max_num_batched_tokens,
+            max_num_batched_tokens=talker.max_num_batched_tokens,
             eos_token_id=eos,
             max_seq_len=self.max_len,
             decode_sizes=talker.graphs.sizes(decode_buckets),

@@ -83,6 +83,29 @@ def test_stages_follow_the_engine_and_each_other_by_default():
     assert listed.stage("encoders").audio_graphs.sizes(decode_buckets, default_max=4) == [1, 2, 4]
 
 
+def test_the_talkers_step_budget_is_the_engines_unless_given_its_own():
+    config = engine_config(max_num_batched_tokens=4096)
+    assert (
+        config.stage("thinker").max_num_batched_tokens
+        == config.stage("talker").max_num_batched_tokens
+        == 4096
+    )
+    own = engine_config(talker_max_num_batched_tokens=8192)
+    assert (own.stage("thinker").max_num_batched_tokens, own.stage("talker").max_num_batched_tokens) == (
+        2048,
+        8192,
+    )
+    assert own.stage("talker").prefill_graphs.sizes(prefill_buckets) == prefill_buckets(2048)  # the Thinker's
+    # a budget below the Thinker's prefill graphs keeps only the graphs its steps can reach
+    small = engine_config(talker_max_num_batched_tokens=256)
+    assert small.stage("talker").prefill_graphs.sizes(prefill_buckets) == prefill_buckets(256)
+    listed = engine_config(
+        stages={"thinker": {"prefill_graphs": {"buckets": [64, 512, 1024]}}},
+        talker_max_num_batched_tokens=512,
+    )
+    assert listed.stage("talker").prefill_graphs.sizes(prefill_buckets) == [64, 512]
+
+
 def test_the_engine_wide_settings_a_stage_reads_are_the_configs():
     config = engine_config(
         page_size=32, max_num_batched_tokens=512, max_model_len=4096, enforce_eager=True, compile=False
@@ -156,6 +179,10 @@ def test_a_mistyped_stage_key_stops_the_server_with_its_path(tmp_path, capsys):
         (
             {"talker": {"prefill_graphs": {"max": 4096}}},
             r"stages.talker.prefill_graphs.max: 4096 is above max_num_batched_tokens \(2048\)",
+        ),
+        (
+            {"talker": {"max_num_batched_tokens": 1024, "prefill_graphs": {"max": 2048}}},
+            r"stages.talker.prefill_graphs.max: 2048 is above stages.talker.max_num_batched_tokens \(1024\)",
         ),
         (
             {"talker": {"num_kv_pages": 64, "kv_share": 0.2}},
