@@ -162,9 +162,7 @@ class EngineConfig(BaseModel):
             "thinker.prefill_graphs": tokens,
             "talker.graphs": ("stages.talker.max_batch", self.stage("talker").max_batch),
             "talker.prefill_graphs": (
-                "stages.talker.max_num_batched_tokens"
-                if self.stages.talker.max_num_batched_tokens
-                else "max_num_batched_tokens",
+                "stages.talker.max_num_batched_tokens",
                 self.stage("talker").max_num_batched_tokens,
             ),
             "code_predictor.graphs": (

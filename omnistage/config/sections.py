@@ -132,7 +132,7 @@ class TalkerSection(_StageSection, _KvSection):
         None,
         ge=1,
         description="the Talker's per-step token budget: a long prompt (a 30 s video's 22k rows) is prefilled "
-        "in chunks of at most this many rows (default: the engine's max_num_batched_tokens)",
+        "in chunks of at most this many rows (default: the engine's max_num_batched_tokens, at least 8192)",
     )
 
 

@@ -83,19 +83,17 @@ def test_stages_follow_the_engine_and_each_other_by_default():
     assert listed.stage("encoders").audio_graphs.sizes(decode_buckets, default_max=4) == [1, 2, 4]
 
 
-def test_the_talkers_step_budget_is_the_engines_unless_given_its_own():
-    config = engine_config(max_num_batched_tokens=4096)
-    assert (
-        config.stage("thinker").max_num_batched_tokens
-        == config.stage("talker").max_num_batched_tokens
-        == 4096
-    )
-    own = engine_config(talker_max_num_batched_tokens=8192)
-    assert (own.stage("thinker").max_num_batched_tokens, own.stage("talker").max_num_batched_tokens) == (
-        2048,
-        8192,
-    )
-    assert own.stage("talker").prefill_graphs.sizes(prefill_buckets) == prefill_buckets(2048)  # the Thinker's
+def test_the_talkers_step_budget_is_the_engines_at_least_8192_unless_given_its_own():
+    config = engine_config()
+    budgets = (config.stage("thinker").max_num_batched_tokens, config.stage("talker").max_num_batched_tokens)
+    assert budgets == (2048, 8192)
+    assert config.stage("talker").prefill_graphs.sizes(prefill_buckets) == prefill_buckets(
+        2048
+    )  # the Thinker's
+    large = engine_config(max_num_batched_tokens=16384)
+    assert large.stage("talker").max_num_batched_tokens == 16384
+    own = engine_config(talker_max_num_batched_tokens=4096)
+    assert own.stage("talker").max_num_batched_tokens == 4096
     # a budget below the Thinker's prefill graphs keeps only the graphs its steps can reach
     small = engine_config(talker_max_num_batched_tokens=256)
     assert small.stage("talker").prefill_graphs.sizes(prefill_buckets) == prefill_buckets(256)
@@ -177,8 +175,8 @@ def test_a_mistyped_stage_key_stops_the_server_with_its_path(tmp_path, capsys):
             r"stages.thinker.prefill_graphs.max: 4096 is above max_num_batched_tokens \(2048\)",
         ),
         (
-            {"talker": {"prefill_graphs": {"max": 4096}}},
-            r"stages.talker.prefill_graphs.max: 4096 is above max_num_batched_tokens \(2048\)",
+            {"talker": {"prefill_graphs": {"max": 16384}}},
+            r"stages.talker.prefill_graphs.max: 16384 is above stages.talker.max_num_batched_tokens \(8192\)",
         ),
         (
             {"talker": {"max_num_batched_tokens": 1024, "prefill_graphs": {"max": 2048}}},
