@@ -60,8 +60,8 @@
 #               against the Triton kernel at prefill sizes (benchmarks/moe_kernels.py --tokens 128,...,8192,
 #               TFLOP/s): the two halves of a 30 s video's prefill, each against what else torch runs.
 # - talker_budget: the 30 s and 10 s videos at c = 1 (two requests each, KV_GIB=4) with the Talker's step budget
-#               the engine's 2,048 rows, then 8,192 (`--talker-max-num-batched-tokens`): the 30 s video's 22k-row
-#               Talker prompt in 11 steps or 3 (~490 ms from its first token to its first packet on an H100).
+#               the engine's 2,048 rows, then 8,192 (`--talker-max-num-batched-tokens`, its default since
+#               86420bc): the 30 s video's 22k-row Talker prompt in 11 steps or 3.
 # Each step's files go under $OUT/<step>/ and everything measured so far is packed into $OUT/pending.tgz after
 # each step, so that a call cut short at its limit still brings back what ran (a call returns only a few files).
 # A step starts only while BUDGET_S seconds (540) less its own estimate are left since the script began.
