@@ -1,5 +1,6 @@
 """Speech out as voice agents stream it, against `omnistage serve` of the tiny checkpoint (random weights: the
-speech is noise, and the Talker never ends it before its cap, so lengths are fixed by the text).
+speech is noise) whose Talker never ends speech before its cap (`endless_checkpoint`), so lengths are fixed by
+the text.
 
 LiveKit Agents' `openai.TTS` with its defaults asks for mp3 over SSE (`speech.audio.delta` events) in voice
 `ash` and decodes the mp3 as it arrives; Pipecat's `OpenAITTSService` asks for raw pcm in voice `alloy`.
@@ -11,8 +12,10 @@ import asyncio
 import base64
 import io
 import json
+import shutil
 import statistics
 import time
+from pathlib import Path
 
 import av
 import httpx
@@ -26,6 +29,8 @@ from pipecat.pipeline.runner import PipelineRunner
 from pipecat.pipeline.task import PipelineParams, PipelineTask
 from pipecat.processors.frame_processor import FrameDirection, FrameProcessor
 from pipecat.services.openai.tts import OpenAITTSService
+from safetensors import safe_open
+from safetensors.torch import save_file
 
 from omnistage.outputs import AUDIO_SAMPLE_RATE
 
@@ -35,11 +40,24 @@ SHORT = "Hello."  # ~3.3 s of audio: the runs that go to the end stay short on t
 
 
 @pytest.fixture(scope="module")
-def server(launch_server):
-    # Without prefix caching: the speed check compares the lengths of two utterances of one input, which match
-    # only when both prompts are computed alike (cached pages, computed in other chunks, round differently,
-    # and the random Talker then ends elsewhere).
-    with launch_server("voice-agents", "--num-kv-pages", "64", "--no-prefix-caching") as live:
+def endless_checkpoint(tiny_checkpoint, tmp_path_factory) -> Path:
+    """The tiny checkpoint, served under its name, with the codec head's end-of-speech row zeroed: its logit is
+    0 among ~3k random ones, half of them above it, never in the Talker's top 50, so every utterance runs to its
+    cap. Otherwise the random Talker ends one early now and then, as the unseeded draws before it fall."""
+    directory = tmp_path_factory.mktemp("endless") / tiny_checkpoint.name
+    shutil.copytree(tiny_checkpoint, directory)
+    weights = directory / "model.safetensors"
+    with safe_open(str(weights), "pt") as f:
+        tensors, metadata = {k: f.get_tensor(k) for k in f.keys()}, f.metadata()
+    eos = json.loads((directory / "config.json").read_text())["talker_config"]["codec_eos_token_id"]
+    tensors["talker.codec_head.weight"][eos] = 0
+    save_file(tensors, str(weights), metadata=metadata)
+    return directory
+
+
+@pytest.fixture(scope="module")
+def server(launch_server, endless_checkpoint):
+    with launch_server("voice-agents", "--model", str(endless_checkpoint), "--num-kv-pages", "64") as live:
         yield live
 
 
@@ -105,8 +123,7 @@ def test_livekit_defaults_get_mp3_first_bytes_as_soon_as_pcm(server, model, monk
 
 
 def test_livekit_defaults_decode_as_the_audio_arrives(server, model):
-    # once first, so that the requests compared below all take its prompt from the prefix cache: rows
-    # computed afresh and rows taken from the cache differ in their last bits, and the sampled speech with them
+    # once first, so that the runs timed below find the server warm
     asyncio.run(livekit_whole(server, model, response_format="pcm"))
     runs = [asyncio.run(livekit_whole(server, model)) for _ in range(3)]
     _, _, pcm_seconds = asyncio.run(livekit_whole(server, model, response_format="pcm"))
