@@ -11,6 +11,11 @@ misses an fp32 reference by more than bf16 tolerance.
     python benchmarks/moe_kernels.py            # the table, ~30 s
     python benchmarks/moe_kernels.py --sweep    # also time candidate tiles of triton_experts per T
     python benchmarks/moe_kernels.py --tokens 512,2048,8192   # prefill chunks: the TFLOP/s columns decide
+    python benchmarks/moe_kernels.py --tokens 2048,8192 --compile   # grouped_experts compiled, as the engine's
+                                                                    # decoder layers run it (torch.compile)
+
+Uncompiled, past `ALIGN_KERNEL_MAX_PAIRS` the grouped path's time is its torch alignment's (a cumulative sum over
+a pairs-by-experts one-hot); `--compile` times it as the engine runs it, inside the compiled layer.
 """
 
 from __future__ import annotations
@@ -115,7 +120,7 @@ class Row:
         return 2 * self.tokens * TOP_K * 3 * HIDDEN * INTER / us / 1e6
 
 
-def measure(num_tokens: int, layers: list, reference: tuple, sweep: bool) -> Row:
+def measure(num_tokens: int, layers: list, reference: tuple, sweep: bool, grouped=grouped_experts) -> Row:
     calls = make_calls(num_tokens, seed=num_tokens)
 
     def run(experts, i, **kwargs):
@@ -129,12 +134,12 @@ def measure(num_tokens: int, layers: list, reference: tuple, sweep: bool) -> Row
     row = Row(
         tokens=num_tokens,
         experts=statistics.mean(len(torch.unique(c[2])) for c in calls),
-        grouped_us=graph_us(lambda i: run(grouped_experts, i)),
+        grouped_us=graph_us(lambda i: run(grouped, i)),
         triton_us=graph_us(lambda i: run(triton_experts, i)),
         align_us=graph_us(lambda i: align_pairs(calls[i][2], EXPERTS, block_m)),
         sort_us=graph_us(lambda i: sort_align(calls[i][2])),
         err_triton=rel(run(triton_experts, 0), want),
-        err_grouped=rel(run(grouped_experts, 0), want),
+        err_grouped=rel(run(grouped, 0), want),
     )
     if sweep:
         for config in SWEEP:
@@ -150,6 +155,7 @@ def main() -> int:
     )
     parser.add_argument("--tokens", default="1,2,4,8,16,32,64,128", help="batch sizes T, comma separated")
     parser.add_argument("--sweep", action="store_true", help="also time the candidate tiles in SWEEP")
+    parser.add_argument("--compile", action="store_true", help="grouped_experts under torch.compile(dynamic)")
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
 
@@ -163,13 +169,15 @@ def main() -> int:
     device = torch.cuda.get_device_name()
     log.info("weights: %d sets of %.2f GB on %s", WEIGHT_SETS, EXPERTS * EXPERT_BYTES / 1e9, device)
 
+    grouped = torch.compile(grouped_experts, dynamic=True) if args.compile else grouped_experts
     rows = []
     for num_tokens in (int(t) for t in args.tokens.split(",")):
-        rows.append(row := measure(num_tokens, layers, reference, args.sweep))
+        rows.append(row := measure(num_tokens, layers, reference, args.sweep, grouped))
         log.info("T=%d: grouped %.1f µs, triton %.1f µs", num_tokens, row.grouped_us, row.triton_us)
 
     print(
         f"\n{device}, E {EXPERTS}, top-{TOP_K}, H {HIDDEN}, I {INTER}, bf16; µs per call, CUDA graph of {CALLS}"
+        + ("; grouped_experts compiled" if args.compile else "")
     )
     print(
         "| T | experts | grouped µs | triton µs | speedup | grouped TB/s | triton TB/s | grouped TFLOP/s | "

@@ -58,7 +58,8 @@
 # - prefill_kernels: a long prompt's 2,048-row chunks through torch's SDPA backends (cuDNN among them) beside the
 #               engine's varlen FlashAttention (benchmarks/sdpa_long.py), and the routed experts' grouped GEMMs
 #               against the Triton kernel at prefill sizes (benchmarks/moe_kernels.py --tokens 128,...,8192,
-#               TFLOP/s): the two halves of a 30 s video's prefill, each against what else torch runs.
+#               TFLOP/s; then the grouped path compiled, as the engine's layers run it): the two halves of a 30 s
+#               video's prefill, each against what else torch runs.
 # - talker_budget: the 30 s and 10 s videos at c = 1 (two requests each, KV_GIB=4) with the Talker's step budget
 #               the engine's 2,048 rows, then 8,192 (`--talker-max-num-batched-tokens`, its default since
 #               86420bc): the 30 s video's 22k-row Talker prompt in 11 steps or 3.
@@ -160,9 +161,10 @@ for name in ${*:-http inproc video_host video asr baseline}; do
         step "talker_budget_$tokens" 200 env LENGTHS=30,10 C=1 REQUESTS=2 BASELINE=0 KV_GIB=4 V2S_S=195 \
           V2S_ARGS="--talker-max-num-batched-tokens $tokens" bash benchmarks/video.sh
       done ;;
-    prefill_kernels) step prefill_kernels 160 sh -c 'mkdir -p "$OUT" && timeout 60 python3 benchmarks/sdpa_long.py \
+    prefill_kernels) step prefill_kernels 220 sh -c 'mkdir -p "$OUT" && timeout 60 python3 benchmarks/sdpa_long.py \
       --out "$OUT/sdpa_long.json" 2>&1 | tee "$OUT/sdpa_long.txt"; timeout 90 python3 benchmarks/moe_kernels.py \
-      --tokens 128,512,2048,8192 2>&1 | tee "$OUT/moe_prefill.txt" | grep -E "^\|"' ;;
+      --tokens 128,512,2048,8192 2>&1 | tee "$OUT/moe_prefill.txt" | grep -E "^\|"; timeout 60 python3 \
+      benchmarks/moe_kernels.py --tokens 2048,8192 --compile 2>&1 | tee "$OUT/moe_compiled.txt" | grep -E "^\|"' ;;
     decode_attention) step decode_attention 120 sh -c 'mkdir -p "$OUT" && timeout 120 python3 \
       benchmarks/decode_attention.py --out "$OUT/decode_attention.json" 2>&1 | tee "$OUT/decode_attention.log"' ;;
     long_attention) step long_attention 60 sh -c 'mkdir -p "$OUT" && timeout 60 python3 benchmarks/prefill_attention.py \
