@@ -21,9 +21,9 @@ MAX_BATCH = 64  # the Thinker's, which the speech stages follow
 MAX_GRAPH_BATCH = 128  # the Thinker's largest decode graph, at most its max_batch
 MAX_PREFILL_GRAPH_TOKENS = 2048  # the Thinker's largest prefill graph, at most max_num_batched_tokens
 MAX_STREAMS = 16  # Code2Wav's
-# The Talker's least default step budget: a 30 s video's 22k-row Talker prompt in 3 steps rather than 11 took its
-# first packet 431 -> 315 ms after its first token on an H100 (benchmarks/RESULTS.md, "The Talker's own step
-# budget"); its steps' peak stays far below the floor's largest phase.
+# The Talker's least default step budget: a 30 s video's 22k-row Talker prompt in 3 steps rather than 11, its first
+# packet sooner (benchmarks/RESULTS.md, "The Talker's own step budget"); the steps' peak stays under the floor's
+# largest phase.
 TALKER_MIN_BATCHED_TOKENS = 8192
 
 

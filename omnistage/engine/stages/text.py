@@ -79,7 +79,7 @@ class TextStage(AutoregressiveStage[RequestState]):
         runner = TokenRunner(
             models.model, text, engine.page_size, device, dtype, models.tap_layer, engine.prefix_caching
         )
-        batch, tokens = section.max_batch, engine.max_num_batched_tokens
+        batch, tokens = section.max_batch, section.max_num_batched_tokens
         super().__init__(models.name, runner, device, engine.page_size, batch, tokens, penalises_prompt=True)
         self.model_path, self.load_seconds = models.model_path, models.load_seconds
         self.tokenizer, self.eos_token_ids = self.processor.tokenizer, models.eos_token_ids

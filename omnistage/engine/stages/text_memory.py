@@ -46,12 +46,12 @@ def text_stage_memory(
     most audios and images per prompt), price the graphs and warm up. The stage's KV pool is fixed by the config
     or holds at least one request of the longest length. A runner not in bfloat16 gets no graphs (the
     grouped-GEMM MoE needs it)."""
-    engine = settings.engine
+    engine, budget = settings.engine, settings.stage.max_num_batched_tokens
     cfg = runner.cfg
     gather = gather_bytes(torch_module(runner.model), cfg.num_key_value_heads, cfg.head_dim, runner.dtype)
     floor = encoders.profile_floor(
-        runner.profile_peak(engine.max_num_batched_tokens, 1).bytes + gather,
-        engine.max_num_batched_tokens,
+        runner.profile_peak(budget, 1).bytes + gather,
+        budget,
         max_prompt_tokens,
         *max_media,
         rows_held=settings.encoders.rows_bytes,
@@ -62,7 +62,7 @@ def text_stage_memory(
     elif not engine.enforce_eager:
         graphs = _graph_candidates(runner, settings.stage, stage)
         graphs += _encoder_candidates(encoders, settings.encoders)
-    runner.warm_up(engine.max_num_batched_tokens)
+    runner.warm_up(budget)
     kv = settings.stage.kv
     fixed = kv.pages
     if fixed is None and kv.gib is not None:
