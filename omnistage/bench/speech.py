@@ -33,15 +33,12 @@ import argparse
 import json
 import logging
 import math
-import time
 from pathlib import Path
 from typing import Any
 
-from omnistage.bench import builds, caches
-from omnistage.bench.baseline import BASELINE_KV_GIB, kv_beside_baseline
+from omnistage.bench import builds, caches, speech_engine
 from omnistage.bench.caches import cache_counts, served_since
 from omnistage.bench.clients import first_model, http_pool
-from omnistage.bench.skeletons import released_skeleton
 from omnistage.bench.speech_targets import (
     FRAMES_PER_SECOND,
     Runner,
@@ -151,7 +148,9 @@ def run_speech(args: argparse.Namespace) -> dict[str, dict[str, Any]]:
             save(args, results)
         return results
 
-    pipeline, engine, engine_info = start_engine(args, max(c for cs in workloads.values() for c in cs))
+    pipeline, engine, engine_info = speech_engine.start_engine(
+        args, max(c for cs in workloads.values() for c in cs)
+    )
     try:
         for workload, concurrencies in workloads.items():
             result = results[workload]
@@ -166,7 +165,7 @@ def run_speech(args: argparse.Namespace) -> dict[str, dict[str, Any]]:
             result["caches_served"] = served = served_since(cached, cache_counts(pipeline.stats()))
             log.info("%s: served from the caches during the run: %s", workload, served)
             result["builds_while_serving"] = builds.in_process()
-            result["pools_after"] = after = pools(pipeline.stats())
+            result["pools_after"] = after = speech_engine.pools(pipeline.stats())
             log.info("%s: pools after the run: %s", workload, after)
             save(args, results)
         if args.baseline == "transformers":
@@ -174,53 +173,6 @@ def run_speech(args: argparse.Namespace) -> dict[str, dict[str, Any]]:
     finally:
         engine.shutdown()
     return results
-
-
-def start_engine(args: argparse.Namespace, max_num_seqs: int) -> tuple[Any, Any, dict[str, Any]]:
-    """The in-process target of the target options: its pipeline, an AsyncPipeline over it, and what its start
-    showed (seconds, model, memory summary)."""
-    from omnistage.config import engine_config, load_config
-    from omnistage.pipeline.async_pipeline import AsyncPipeline
-    from omnistage.pipeline.family import build_pipeline
-
-    model_dir = args.model or (str(released_skeleton()) if args.load_format == "dummy" else None)
-    overrides = {
-        "model": model_dir,
-        "load_format": args.load_format,
-        "device": args.device,
-        "dtype": args.dtype,
-        "max_num_seqs": max_num_seqs,
-        "kv_cache_memory_gib": kv_beside_baseline(args.kv_cache_memory_gib, bool(args.baseline), args.device),
-        "enforce_eager": args.enforce_eager or None,
-        "overlap_stages": True if args.overlap_stages else None,
-        "flash_prefill": False if args.no_flash_prefill else None,
-        "max_num_batched_tokens": args.max_num_batched_tokens,
-        "talker_max_num_batched_tokens": args.talker_max_num_batched_tokens,
-        "gpu_memory_limit_gib": args.gpu_memory_limit_gib,
-    }
-    given = {k: v for k, v in overrides.items() if v is not None}
-    if args.config:  # the file's settings, the flags above on top (as `omnistage serve --config`)
-        config = load_config(args.config, **given)
-    else:
-        config = engine_config(f"bench {args.workload}", **given)
-    started = time.perf_counter()
-    pipeline = build_pipeline(config)
-    engine = AsyncPipeline(pipeline)
-    engine_info = {
-        "engine_start_s": round(time.perf_counter() - started, 2),
-        "target": {"model": str(engine.frontend.model_path), "load_format": args.load_format},
-        "engine": engine.memory_summary(),
-    }
-    return pipeline, engine, engine_info
-
-
-def pools(stats: dict[str, int]) -> dict[str, Any]:
-    """Every stage's KV pages, free / total, and whether all are free."""
-    pools = {
-        "thinker": [stats["kv_pages_free"], stats["kv_pages_total"]],
-        "talker": [stats.get("talker_kv_pages_free", 0), stats.get("talker_kv_pages_total", 0)],
-    }
-    return {**pools, "full": all(free == total for free, total in pools.values())}
 
 
 def _transformers(
@@ -337,7 +289,7 @@ def _add_options(p: argparse.ArgumentParser, workload: str) -> None:
     target.add_argument("--url", help="a running server's base URL (http://host:port); else in-process")
     target.add_argument("--served-model", help="the model name the server serves (default: its first)")
     target.add_argument("--api-key", help="with --url: the server's API key (default: none)")
-    add_engine_options(target)
+    speech_engine.add_engine_options(target)
     target.add_argument("--baseline", choices=["transformers"],
                         help="also time transformers' generate(return_audio=True) on the same weights, c=1")  # fmt: skip
     target.add_argument("--baseline-requests", type=int, default=2,
@@ -370,32 +322,3 @@ def _add_options(p: argparse.ArgumentParser, workload: str) -> None:
     )
     p.add_argument("--out-dir", help="write each workload's results as JSON here (t2s.json, s2s.json)")
     builds.add_argument(p)
-
-
-def add_engine_options(target: Any) -> None:
-    """The in-process target's options (`start_engine` reads them) into the argument group `target`."""
-    target.add_argument(
-        "--model", help="in-process: checkpoint directory (default: released sizes when dummy)"
-    )
-    target.add_argument("--load-format", choices=["safetensors", "dummy"], default="safetensors",
-                        help="in-process (default: %(default)s)")  # fmt: skip
-    target.add_argument(
-        "--device", choices=["auto", "cpu", "cuda"], help="in-process (default: the engine's)"
-    )
-    target.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"],
-                        help="in-process (default: the engine's)")  # fmt: skip
-    target.add_argument("--kv-cache-memory-gib", type=float,
-                        help=f"in-process: the Thinker's KV pool (default: the engine's; {BASELINE_KV_GIB:g} with --baseline)")  # fmt: skip
-    target.add_argument("--enforce-eager", action="store_true", help="in-process: no CUDA graphs")
-    target.add_argument("--overlap-stages", action="store_true",
-                        help="in-process: the Thinker's decode steps beside the speech stages' (off by default)")  # fmt: skip
-    target.add_argument("--no-flash-prefill", action="store_true",
-                        help="in-process: long prompt chunks on the paged kernel, not torch's FlashAttention")  # fmt: skip
-    target.add_argument("--config",
-                        help="in-process: a topology YAML file, as `omnistage serve --config` takes (the flags here on top)")  # fmt: skip
-    target.add_argument("--gpu-memory-limit-gib", type=float,
-                        help="in-process: cap on the GPU memory the plan uses (default: the engine's)")  # fmt: skip
-    target.add_argument("--max-num-batched-tokens", type=int,
-                        help="in-process: the per-step token budget, a long prompt's chunk (default: the engine's)")  # fmt: skip
-    target.add_argument("--talker-max-num-batched-tokens", type=int,
-                        help="in-process: the Talker's own per-step budget (default: --max-num-batched-tokens)")  # fmt: skip

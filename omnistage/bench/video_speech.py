@@ -34,7 +34,7 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from omnistage.bench import builds, speech
+from omnistage.bench import builds, speech, speech_engine
 from omnistage.bench.caches import cache_counts, served_since
 from omnistage.bench.speech_targets import FRAMES_PER_SECOND, SpeechTiming
 from omnistage.bench.stats import json_safe, median, percentile
@@ -89,7 +89,7 @@ def run_v2s(args: argparse.Namespace) -> dict[str, Any]:
         "voice": args.voice,
         "lengths": [],
     }
-    pipeline, engine, engine_info = speech.start_engine(args, max(concurrencies))
+    pipeline, engine, engine_info = speech_engine.start_engine(args, max(concurrencies))
     result |= engine_info
     try:
         with tempfile.TemporaryDirectory(prefix="omnistage-v2s-") as tmp:
@@ -131,7 +131,7 @@ def run_v2s(args: argparse.Namespace) -> dict[str, Any]:
                 entry["caches_served"] = served_since(cached, cache_counts(pipeline.stats()))
                 save(args, result)
             result["builds_while_serving"] = builds.in_process()
-            result["pools_after"] = speech.pools(pipeline.stats())
+            result["pools_after"] = speech_engine.pools(pipeline.stats())
             save(args, result)
             if args.baseline == "transformers":
                 _transformers(pipeline, result, items, policy, args)
@@ -254,7 +254,7 @@ def add_parser(sub: Any) -> None:
                        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
     p.set_defaults(func=main, workload="v2s")
     target = p.add_argument_group("target (in-process)")
-    speech.add_engine_options(target)
+    speech_engine.add_engine_options(target)
     target.add_argument("--baseline", choices=["transformers"],
                         help="also time transformers' generate(return_audio=True) on the same weights, c=1")  # fmt: skip
     target.add_argument("--baseline-requests", type=int, default=1,
