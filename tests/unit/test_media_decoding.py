@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import base64
 import threading
-import time
 from concurrent.futures import ThreadPoolExecutor
 
 from omnistage import media
@@ -18,17 +17,21 @@ PART = {
 
 
 class Decoder:
-    """A stand-in image decoder that counts the decodings running at once."""
+    """A stand-in image decoder that counts the decodings running at once. Each waits inside until
+    `DECODING_AT_ONCE` are (a barrier, not a sleep: on a busy CPU the threads may start further apart than any
+    sleep), so the count reaches the bound whenever that many turns are there, and a lost turn breaks the
+    barrier after its timeout."""
 
     def __init__(self, fails: bool = False) -> None:
         self.fails, self.running, self.most = fails, 0, 0
         self.lock = threading.Lock()
+        self.all_in = threading.Barrier(media.DECODING_AT_ONCE, timeout=30)
 
     def __call__(self, data: bytes) -> str:
         with self.lock:
             self.running += 1
             self.most = max(self.most, self.running)
-        time.sleep(0.02)
+        self.all_in.wait()
         with self.lock:
             self.running -= 1
         if self.fails:
