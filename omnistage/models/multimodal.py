@@ -65,7 +65,9 @@ class PixelNorm:
 class MultimodalInputs:
     """What the encoders of one prompt read, every list in prompt order."""
 
-    audio_features: list[torch.Tensor]  # [128, frames] log-mel per clip (float32, on the host)
+    # per clip, its [128, frames] log-mel, or its [samples] 16 kHz waveform whose features the encoder stage makes
+    # on its device (`AudioFormat.features`); float32, on the host
+    audio_features: list[torch.Tensor]
     # audio_pad placeholders per clip; a video's sound track (use_audio_in_video) is a clip in its place
     num_audio_tokens: list[int]
     pixel_values: torch.Tensor | None  # [patches, C*T*P*P] of every image, packed (uint8, CPU: `image_norm`)

@@ -77,7 +77,7 @@ class Qwen3ASRPipeline:
         options = LoadOptions(dtype, device, config.load_format, config.seed)
         decoder = load_decoder(path, options, backend_for(device, config.flash_prefill))
         tower = load_audio_encoder(path, options)
-        processor = ASRProcessor(path, device)  # the features are made where the encoder reads them
+        processor = ASRProcessor(path)
         stage = StageModels(
             model=decoder,
             text=self.model_config.text,

@@ -20,12 +20,11 @@ from omnistage.models.qwen3_omni.audio_encoder import audio_output_tokens, load_
 from omnistage.models.qwen3_omni.audio_features import (
     CPU_FRAMES_PER_CALL,
     GPU_FRAMES_PER_CALL,
-    _Clip,
-    _first_within,
     _log_mel,
     _log_mels,
     decode_audio,
     log_mel,
+    log_mels,
     resample,
 )
 from omnistage.models.qwen3_omni.tiny import PREPROCESSOR_CONFIG, make_tiny
@@ -131,20 +130,23 @@ def test_clips_laid_end_to_end_are_each_their_own_features(per_call):
     lengths = (201, 4000, 160 * 3 * per_call + 159, 16000 * 7 + 17, 160 * per_call)
     clips = [sine_and_noise(n / 16000, seed=n) * (0.01 if i == 1 else 1.0) for i, n in enumerate(lengths)]
     clips = [c.astype(np.float32) for c in clips]
-    together = _log_mels(clips, torch.device("cpu"), per_call)
-    for clip, features in zip(clips, together):
+    joint, starts, frames = _log_mels(clips, torch.device("cpu"), per_call)
+    for clip, start, n in zip(clips, starts, frames):
+        features = joint[:, int(start) : int(start) + n]
         alone = _log_mel(torch.from_numpy(clip), per_call, same_size_calls=True)
-        assert features.shape == alone.shape == (128, clip.size // 160) and features.is_contiguous()
+        assert features.shape == alone.shape == (128, clip.size // 160)
         assert (
             features - alone
         ).abs().max() <= 1e-6  # the same arithmetic per frame; only the FFT batch differs
 
 
-def test_a_batch_of_mels_is_bounded_by_its_audio():
-    clips = [_Clip(np.zeros(n, np.float32)) for n in (300, 500, 200, 900)]
-    assert _first_within(clips, 1000) == clips[:3]
-    assert _first_within(clips, 100) == clips[:1]  # the first clip always, however long
-    assert _first_within(clips, 10_000) == clips and _first_within([], 10) == []
+def test_clips_featurised_together_are_each_their_log_mel():
+    """`log_mels`, the encoder stage's features of an admission's waveforms, against each clip's `log_mel`."""
+    clips = [torch.from_numpy(sine_and_noise(s, seed=i)) for i, s in enumerate((0.0126, 3.3, 0.5, 12.04))]
+    for features, clip in zip(log_mels(clips, torch.device("cpu")), clips):
+        alone = log_mel(clip)
+        assert features.shape == alone.shape and features.is_contiguous()
+        assert (features - alone).abs().max() <= 1e-6
 
 
 def test_bad_audio_raises_invalid_media():

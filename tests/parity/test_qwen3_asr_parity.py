@@ -158,14 +158,19 @@ def test_features_match_transformers_extractor():
         assert (ours - ref).abs().max().item() <= MEL_TOLERANCE, seconds
 
 
-def test_processor_features_on_its_device_equal_the_default(tmp_path):
-    directory = make_tiny(tmp_path / "asr")
-    default, on_cpu = ASRProcessor(directory), ASRProcessor(directory, device="cpu")
-    assert default.device == on_cpu.device == torch.device("cpu")
-    a, b = default.transcription(clip(7.3), "en", None), on_cpu.transcription(clip(7.3), "en", None)
-    assert a.token_ids == b.token_ids
-    assert torch.equal(a.mm.audio_features[0], b.mm.audio_features[0])
-    assert torch.equal(a.mm.audio_features[0], log_mel(clip(7.3)))
+def test_processor_hands_the_clip_padded_to_half_a_second(tmp_path):
+    """The processor hands the engine the waveform its features are made of (the encoder stage makes them,
+    `log_mels`): float32, zero-padded to 0.5 s, as many frames as the placeholders count."""
+    processor = ASRProcessor(make_tiny(tmp_path / "asr"))
+    for seconds in (0.2, 7.3):
+        prompt = processor.transcription(clip(seconds), "en", None)
+        (waveform,) = prompt.mm.audio_features
+        assert waveform.dtype == torch.float32 and waveform.numel() == max(8000, len(clip(seconds)))
+        assert torch.equal(waveform[: len(clip(seconds))], torch.from_numpy(clip(seconds)))
+        assert not waveform[len(clip(seconds)) :].any()
+        assert torch.equal(log_mel(waveform.numpy()), log_mel(clip(seconds)))
+        frames = log_mel(clip(seconds)).shape[-1]
+        assert prompt.token_ids == prompt_ids(processor.tokenizer, processor.cfg, frames, language="English")
 
 
 def test_released_and_hf_layouts_load_the_same_weights(ours):
@@ -243,7 +248,8 @@ def test_parser_matches_transformers(raw):
 
 @pytest.mark.parametrize("language", [None, "en"])
 def test_the_served_pipeline_transcribes_as_generate(checkpoints, processor, language):
-    """Through the engine (`LLM`, paged KV, the encoder stage, batched prefill of all clips at once) the greedy
+    """Through the engine (`LLM`, paged KV, the encoder stage making all the clips' features at once, batched
+    prefill of all clips at once) the greedy
     replies equal transformers' generate, and the processor reads them as transformers' parser does."""
     from omnistage import LLM, SamplingParams
     from omnistage.engine.stages.text_setup import NewRequest
@@ -251,9 +257,9 @@ def test_the_served_pipeline_transcribes_as_generate(checkpoints, processor, lan
     directory, hf = checkpoints["make-tiny released"]
     llm = LLM(str(directory), device="cpu", dtype="float32", page_size=PAGE)
     ours = llm.pipeline.processor
-    assert ours.device == llm.pipeline.device  # the features are made where the encoder reads them
     params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0)
     prompts = [ours.transcription(clip(seconds), language, None) for seconds in SECONDS]
+    assert all(p.mm.audio_features[0].dim() == 1 for p in prompts)  # waveforms: the stage makes the features
     requests = [
         NewRequest(str(i), p.token_ids, params, p.prompt, p.mrope, p.mm) for i, p in enumerate(prompts)
     ]

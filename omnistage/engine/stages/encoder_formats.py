@@ -4,6 +4,7 @@ pipeline/qwen3_omni_encoders.py."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -40,6 +41,9 @@ class AudioFormat:
     hop_length: int  # samples a mel frame advances by
     sample_rate: int
     max_frames: int  # mel frames of the longest clip the processor admits
+    # clips' features [mel, frames_i] on the device from their waveforms [samples_i] on the host, made together
+    # on the current stream: where a processor hands a clip's waveform (MultimodalInputs.audio_features)
+    features: Callable[[list[torch.Tensor], torch.device], list[torch.Tensor]] | None = None
 
 
 @dataclass(frozen=True)

@@ -167,16 +167,28 @@ class EncoderStage:
         of the largest audio bucket)."""
         rows: list[torch.Tensor] = []
         tower = self.audio_graphs.run if self.audio_graphs is not None else self.audio_encoder
-        for group in groups([f.shape[-1] for f in clips], self.max_audio_frames):
-            rows += tower([self._on_device(clips[i]) for i in group])
+        frames = [f.shape[-1] if f.dim() == 2 else f.numel() // self.audio.hop_length for f in clips]
+        for group in groups(frames, self.max_audio_frames):
+            rows += tower(self._features([clips[i] for i in group]))
         return rows
 
+    def _features(self, clips: list[torch.Tensor]) -> list[torch.Tensor]:
+        """Clips' features on the encoder's device: those given as features through pinned memory, those given as
+        waveforms made there together (`AudioFormat.features`); neither waits for the work queued on the
+        stream."""
+        waves = [i for i, c in enumerate(clips) if c.dim() == 1]
+        made = iter(self._made([clips[i] for i in waves]) if waves else [])
+        return [next(made) if c.dim() == 1 else self._on_device(c) for c in clips]
+
     def _on_device(self, features: torch.Tensor) -> torch.Tensor:
-        """A clip's features (on the host, where a GPU's log-mel leaves them too: `audio_features.log_mel`) on
-        the encoder's device, through pinned memory without waiting for the work queued on the stream."""
         if features.device.type != "cpu":
             return features.to(self.device)
         return to_device(features, self.device)
+
+    def _made(self, waves: list[torch.Tensor]) -> list[torch.Tensor]:
+        if self.audio.features is None:
+            raise InvalidRequest("this model's clips come as log-mel features; a waveform was given")
+        return self.audio.features(waves, self.device)
 
     def _vision_rows(self, prompts: list[MultimodalInputs]) -> list[VisionRows]:
         """Per prompt, the rows [n, H] and deepstack levels [levels, n, H] of its images and of its videos; they
@@ -284,8 +296,12 @@ class EncoderStage:
         """
         frames, audio = self.max_audio_frames, self.audio
         clip_tokens = self.audio_encoder.output_tokens(frames)
+        # as a waveform where the stage makes the features: their scratch is then measured too
+        made = audio.features is not None
         clip = MultimodalInputs(
-            audio_features=[torch.randn(audio.mel_bins, frames)],
+            audio_features=[
+                torch.randn(frames * audio.hop_length) if made else torch.randn(audio.mel_bins, frames)
+            ],
             num_audio_tokens=[clip_tokens],
             pixel_values=None,
             image_grid_thw=None,

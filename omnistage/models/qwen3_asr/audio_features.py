@@ -12,7 +12,7 @@ from typing import overload
 import numpy as np
 import torch
 
-from omnistage.models.qwen3_omni.audio_features import SAMPLE_RATE
+from omnistage.models.qwen3_omni.audio_features import SAMPLE_RATE, clip_waveform
 from omnistage.models.qwen3_omni.audio_features import log_mel as omni_log_mel
 
 MIN_SAMPLES = SAMPLE_RATE // 2
@@ -33,7 +33,12 @@ def log_mel(
     """Log-mel features [128, frames] of 16 kHz mono audio (a list gives a list, each clip on its own)."""
     if isinstance(waveform, list):
         return [log_mel(w, device) for w in waveform]
+    return omni_log_mel(padded_clip(waveform), device)
+
+
+def padded_clip(waveform: torch.Tensor | np.ndarray) -> torch.Tensor:
+    """The clip the mel reads: float32 mono, zero-padded to 0.5 s (`clip_waveform`'s checks, InvalidMedia)."""
     x = torch.as_tensor(waveform)
     if x.dim() == 1 and x.numel() < MIN_SAMPLES:
         x = torch.nn.functional.pad(x, (0, MIN_SAMPLES - x.numel()))
-    return omni_log_mel(x, device)
+    return clip_waveform(x)

@@ -12,16 +12,15 @@ from pathlib import Path
 from typing import Any, NoReturn
 
 import numpy as np
-import torch
 from tokenizers import Tokenizer
 
 from omnistage.errors import InvalidRequest
 from omnistage.models.multimodal import MultimodalInputs, clip_digest
-from omnistage.models.qwen3_asr.audio_features import log_mel
+from omnistage.models.qwen3_asr.audio_features import padded_clip
 from omnistage.models.qwen3_asr.config import Qwen3ASRConfig
 from omnistage.models.qwen3_asr.output import parse_transcription
 from omnistage.models.qwen3_asr.prompt import language_name, prompt_ids, prompt_text
-from omnistage.models.qwen3_omni.audio_features import SAMPLE_RATE
+from omnistage.models.qwen3_omni.audio_features import HOP_LENGTH, SAMPLE_RATE
 from omnistage.models.qwen3_omni.processor import (
     ProcessedPrompt,
     check_text_size,
@@ -34,10 +33,8 @@ from omnistage.models.qwen3_omni.transcription import max_transcription_tokens
 class ASRProcessor:
     max_audios, max_images, max_videos = 1, 0, 0
 
-    def __init__(self, checkpoint_dir: str | Path, device: torch.device | str | None = None) -> None:
-        """`device`: where the features are computed and left, the engine's (default: the CPU)."""
+    def __init__(self, checkpoint_dir: str | Path) -> None:
         self.cfg = Qwen3ASRConfig.from_dir(checkpoint_dir)
-        self.device = torch.device("cpu" if device is None else device)
         self.tokenizer = Tokenizer.from_file(str(Path(checkpoint_dir) / "tokenizer.json"))
         self.max_token_bytes = longest_token_bytes(self.tokenizer)
         self.renders_tools = False  # a transcriber: its chat has no tools to render
@@ -48,19 +45,23 @@ class ASRProcessor:
         """The prompt of transcribing `audio` (16 kHz mono); a `language` the model does not know is an
         InvalidRequest listing those it does. `max_model_len` refuses text that cannot fit the context before it
         is tokenized, as the Qwen3-Omni processor does (the same check and encoding). The reply is capped by the
-        clip's length."""
+        clip's length.
+
+        The clip goes to the engine as its waveform: the encoder stage makes the features of all the clips it
+        admits at once, on its device, where the tower reads them (`log_mels`)."""
         name = language_name(language, self.cfg.languages) if language else None
         text = prompt_text(context or "", name)
         check_text_size(text, self.tokenizer, self.max_token_bytes, max_model_len)
-        features = log_mel(audio, self.device)
-        ids = prompt_ids(self.tokenizer, self.cfg, features.shape[-1], context or "", name, max_model_len)
+        clip = padded_clip(audio)
+        frames = clip.numel() // HOP_LENGTH  # the features' (`log_mel`)
+        ids = prompt_ids(self.tokenizer, self.cfg, frames, context or "", name, max_model_len)
         mm = MultimodalInputs(
-            audio_features=[features],
+            audio_features=[clip],
             num_audio_tokens=[ids.count(self.cfg.audio_token_id)],
             pixel_values=None,
             image_grid_thw=None,
             num_image_tokens=[],
-            audio_keys=[clip_digest(torch.as_tensor(audio))],
+            audio_keys=[clip_digest(clip)],
         )
         return ProcessedPrompt(
             text, ids, None, mm, max_tokens=max_transcription_tokens(len(audio) / SAMPLE_RATE)

@@ -9,9 +9,6 @@ from __future__ import annotations
 
 import io
 import math
-import threading
-from collections.abc import Callable
-from dataclasses import dataclass, field
 from functools import lru_cache
 from typing import overload
 
@@ -39,8 +36,6 @@ MIN_SAMPLES = N_FFT // 2 + 1
 # of once per clip length, and the scratch stays ~40 MB however long the clip.
 CPU_FRAMES_PER_CALL = 500
 GPU_FRAMES_PER_CALL = 6000
-# The most audio one batch of GPU mels holds (_MelBatches): the longest clip's, whose scratch one clip needs anyway.
-MAX_BATCH_SECONDS = MAX_SECONDS
 
 
 def decode_audio(data: bytes, max_seconds: float = MAX_SECONDS) -> tuple[np.ndarray, int]:
@@ -92,13 +87,24 @@ def log_mel(
     device: torch.device | str | None = None,
     max_seconds: float = MAX_SECONDS,
 ) -> torch.Tensor | list[torch.Tensor]:
-    """Whisper log-mel features [128, num_samples // 160] of 16 kHz mono audio, float32, computed on `device`.
+    """Whisper log-mel features [128, num_samples // 160] of 16 kHz mono audio, float32, computed on `device`
+    (default: where the waveform is) and left there, on the current stream.
 
     A list of clips gives a list of features, each computed on its own (its own max for the -8 floor).
-    Computed on a CUDA device, the features come back to the host (see `_MelBatches`).
     """
     if isinstance(waveform, list):
         return [log_mel(w, device, max_seconds) for w in waveform]
+    x = clip_waveform(waveform, max_seconds)
+    device = torch.device(device) if device is not None else x.device
+    if device.type != "cuda":
+        return _log_mel(x.to(device), CPU_FRAMES_PER_CALL, same_size_calls=False)
+    return _log_mel(x.to(device), GPU_FRAMES_PER_CALL, same_size_calls=True)
+
+
+def clip_waveform(waveform: torch.Tensor | np.ndarray, max_seconds: float = MAX_SECONDS) -> torch.Tensor:
+    """A clip as `log_mel` and `log_mels` read it: a 1-D float32 tensor (the same memory where it is one) of 16
+    kHz samples, long enough for one frame and at most `max_seconds` long; InvalidMedia saying what is wrong
+    otherwise."""
     x = torch.as_tensor(waveform)
     if x.dim() != 1:
         raise InvalidMedia(f"audio must be mono, a 1-D waveform; got shape {tuple(x.shape)}")
@@ -107,131 +113,25 @@ def log_mel(
             f"audio is too short: {x.numel()} samples at {SAMPLE_RATE} Hz, at least {MIN_SAMPLES} are needed"
         )
     _check_duration(x.numel(), SAMPLE_RATE, max_seconds)
-    device = torch.device(device) if device is not None else x.device
-    x = x.to(dtype=torch.float32)  # before the copy: a float64 waveform would cross at twice the bytes
-    if device.type != "cuda":
-        return _log_mel(x.to(device), CPU_FRAMES_PER_CALL, same_size_calls=False)
-    if device.index is None:
-        device = torch.device("cuda", torch.cuda.current_device())
-    return _mel_batches(device).features(x)
+    return x.to(dtype=torch.float32)
 
 
-class _MelBatches:
-    """The log-mel features of clips from many threads, made together on one device's stream of their own.
-
-    The processor calls `log_mel` from the server's threads while the engine's thread runs steps on its
-    stream. The mel runs on a stream of its own and its batches wait for that stream alone: the engine's
-    stream is never synchronised, so no step stalls, and the mel does not queue behind a step.
-
-    The features leave the GPU with the batch's wait (`_to_host`), and the encoder copies them back without
-    blocking (`EncoderStage`). Kept on the GPU, they stayed there as long as their request: the
-    memory plan cannot count them (any number of requests may wait, each with up to `MAX_SECONDS` of audio),
-    and 128 two-minute clips in flight held ~0.8 GiB past the plan and ran a fully planned H200 out of
-    memory (benchmarks/RESULTS.md, "Qwen3-ASR at c=128, the steady state").
-
-    One thread of its own runs the batches (`_Batches`): the clips that arrive while a batch runs make the
-    next one. When the callers' threads took turns at running them, each batch's end handed a lock from
-    thread to thread (each hand-off, as we read it, waiting for the GIL behind the engine's thread), and
-    Qwen3-ASR's short clips stayed at ~170 requests a second whatever the concurrency; with this thread,
-    +41-54% (benchmarks/RESULTS.md, "Under load, a fourth time").
-    A batch holds at most `MAX_BATCH_SECONDS` of audio, so the mel's scratch, which the memory plan does not
-    count, stays one longest clip's.
-    """
-
-    def __init__(self, device: torch.device) -> None:
-        # high priority: the mel's few kernels start ahead of a long prefill's queued kernels, not after them
-        self.stream = torch.cuda.Stream(device, priority=-1)
-        self.device = device
-        self._turn = threading.Lock()  # one batch at a time on the stream
-        self._batches = _Batches(self._run, MAX_BATCH_SECONDS * SAMPLE_RATE, f"omnistage-mel-{device}")
-
-    def features(self, x: torch.Tensor) -> torch.Tensor:
-        if x.is_cuda:  # made on the caller's stream: a batch of its own, after that stream's work
-            with self._turn:
-                self.stream.wait_stream(torch.cuda.current_stream(x.device))
-                with torch.cuda.stream(self.stream):
-                    features = _to_host(
-                        _log_mel(x.to(self.device), GPU_FRAMES_PER_CALL, same_size_calls=True)
-                    )
-            return features
-        return self._batches.submit(x.numpy())
-
-    def _run(self, clips: list[np.ndarray]) -> list[torch.Tensor]:
-        with self._turn, torch.cuda.stream(self.stream):
-            return _log_mels(clips, self.device, GPU_FRAMES_PER_CALL)
+def log_mels(clips: list[torch.Tensor], device: torch.device) -> list[torch.Tensor]:
+    """The features of several clips (`clip_waveform`s, on the host) on `device`, each equal to its `log_mel`
+    within float reduction order: one copy of the clips laid end to end, one run of same-size STFT calls on
+    the current stream, and nothing waited for. The encoder stage makes an admission's features so
+    (`AudioFormat.features`), where the tower reads them."""
+    per_call = GPU_FRAMES_PER_CALL if device.type == "cuda" else CPU_FRAMES_PER_CALL
+    log_spec, starts, frames = _log_mels([c.numpy() for c in clips], device, per_call)
+    return [log_spec[:, int(s) : int(s) + n].contiguous() for s, n in zip(starts, frames)]
 
 
-class _Batches:
-    """Clips submitted from many threads, run in batches by a daemon thread of its own: a batch is the
-    pending clips from the first, up to `most` samples in all (`_first_within`), and every clip waits for its
-    batch alone. `run` maps a batch's samples to their features, in order; what it raises, every clip of
-    its batch raises."""
-
-    def __init__(self, run: Callable[[list[np.ndarray]], list[torch.Tensor]], most: float, name: str) -> None:
-        self._run = run
-        self._most = most
-        self._pending: list[_Clip] = []
-        self._arrived = threading.Condition()
-        threading.Thread(target=self._serve, name=name, daemon=True).start()
-
-    def submit(self, samples: np.ndarray) -> torch.Tensor:
-        clip = _Clip(samples)
-        with self._arrived:
-            self._pending.append(clip)
-            self._arrived.notify()
-        clip.done.wait()
-        if clip.error is not None:
-            raise clip.error
-        assert clip.features is not None
-        return clip.features
-
-    def _serve(self) -> None:
-        while True:
-            with self._arrived:
-                self._arrived.wait_for(lambda: bool(self._pending))
-                batch = _first_within(self._pending, self._most)
-                del self._pending[: len(batch)]
-            try:
-                for c, f in zip(batch, self._run([c.samples for c in batch]), strict=True):
-                    c.features = f
-            except Exception as exc:  # a device error: every clip of the batch gets it
-                for c in batch:
-                    c.error = exc
-            finally:  # no caller waits forever, whatever happened
-                for c in batch:
-                    c.done.set()
-
-
-def _to_host(features: torch.Tensor) -> torch.Tensor:
-    """Device `features` on the host, once the current stream has made them, in pageable memory: a request
-    holds its features for its whole life, so a pinned block per request could never come from the cache of
-    freed ones. The encoder stages them through pinned memory of its own (`to_device`)."""
-    return features.to("cpu")
-
-
-@dataclass
-class _Clip:
-    samples: np.ndarray
-    features: torch.Tensor | None = None
-    error: Exception | None = None
-    done: threading.Event = field(default_factory=threading.Event)
-
-
-def _first_within(clips: list[_Clip], samples: float) -> list[_Clip]:
-    """The longest run of `clips` from the first holding at most `samples` in all (the first one always)."""
-    total = 0
-    for i, clip in enumerate(clips):
-        total += clip.samples.size
-        if total > samples and i > 0:
-            return clips[:i]
-    return clips[:]
-
-
-def _log_mels(clips: list[np.ndarray], device: torch.device, per_call: int) -> list[torch.Tensor]:
-    """The features of several float32 waveforms, each equal to `_log_mel(clip, per_call, same_size_calls=True)`,
-    from one copy to `device`, one run of same-size STFT calls and one copy back to the host. Every copy
-    back waits for the stream and gives the GIL up, and a thread may wait for it again up to the switch
-    interval while the engine's thread runs Python: once for a batch rather than once for each of its clips.
+def _log_mels(
+    clips: list[np.ndarray], device: torch.device, per_call: int
+) -> tuple[torch.Tensor, np.ndarray, list[int]]:
+    """The features of several float32 waveforms on `device`, laid end to end: clip i's are columns
+    `starts[i]` to `starts[i] + frames[i]`, and equal `_log_mel(clip, per_call, same_size_calls=True)`. One
+    copy to the device, one run of same-size STFT calls.
 
     Each clip is padded as torch.stft centres it and the clips are laid end to end, each starting at a whole
     hop: then a clip's frames are frames of the joint signal (a frame reads its 400 samples, all within its
@@ -244,16 +144,21 @@ def _log_mels(clips: list[np.ndarray], device: torch.device, per_call: int) -> l
     starts = np.concatenate([[0], np.cumsum(spans)])
     calls = -(-int(starts[-1]) // per_call)
     # built in pinned memory and copied without blocking: from pageable memory the copy is a synchronous
-    # staged transfer, which py-spy found the mel threads' busiest line (benchmarks/RESULTS.md, "Qwen3-ASR at
-    # c=128, the steady state")
+    # staged transfer, which waits for every step queued on the stream
     pinned = device.type == "cuda"
-    joint_t = torch.zeros((calls * per_call - 1) * HOP_LENGTH + N_FFT, pin_memory=pinned)
+    joint_t = torch.empty((calls * per_call - 1) * HOP_LENGTH + N_FFT, pin_memory=pinned)
     owner_t = torch.full((calls * per_call,), len(clips), dtype=torch.int64, pin_memory=pinned)
     joint, owner = joint_t.numpy(), owner_t.numpy()  # frames across two clips: owner's extra slot
+    end = 0
     for i, (clip, start, n) in enumerate(zip(clips, starts, frames)):
         offset = int(start) * HOP_LENGTH
-        joint[offset : offset + clip.size + N_FFT] = np.pad(clip, half, mode="reflect")
+        joint[end:offset] = 0.0  # silence between clips: written, not the whole buffer zeroed first
+        joint[offset : offset + half] = clip[half:0:-1]  # torch.stft's centring: reflected at both ends
+        joint[offset + half : offset + half + clip.size] = clip
+        joint[offset + half + clip.size : offset + clip.size + N_FFT] = clip[-2 : -half - 2 : -1]
         owner[start : start + n] = i
+        end = offset + clip.size + N_FFT
+    joint[end:] = 0.0
     x, owners = joint_t.to(device, non_blocking=True), owner_t.to(device, non_blocking=True)
     window, filters = _window(str(device)), _mel_filters(NUM_MEL_BINS, str(device))
     log_spec = torch.empty(NUM_MEL_BINS, calls * per_call, device=device)
@@ -267,8 +172,7 @@ def _log_mels(clips: list[np.ndarray], device: torch.device, per_call: int) -> l
     peaks = torch.full((len(clips) + 1,), -torch.inf, device=device)
     peaks.scatter_reduce_(0, owners, log_spec.amax(dim=0), "amax")
     torch.maximum(log_spec, (peaks - 8.0)[owners][None], out=log_spec)
-    host = _to_host(log_spec.add_(4.0).div_(4.0))  # one copy and one wait for the batch, not one per clip
-    return [host[:, int(s) : int(s) + n].contiguous() for s, n in zip(starts, frames)]
+    return log_spec.add_(4.0).div_(4.0), starts, frames
 
 
 def _log_mel(x: torch.Tensor, per_call: int, same_size_calls: bool) -> torch.Tensor:
@@ -300,11 +204,6 @@ def _check_duration(num_samples: int, sample_rate: int, max_seconds: float) -> N
     seconds = num_samples / sample_rate
     if seconds > max_seconds:
         raise InvalidMedia(f"audio is too long: {seconds:.1f} s, the limit is {max_seconds:g} s per clip")
-
-
-@lru_cache(maxsize=8)
-def _mel_batches(device: torch.device) -> _MelBatches:
-    return _MelBatches(device)
 
 
 @lru_cache(maxsize=8)
