@@ -71,7 +71,7 @@ def main() -> None:
         "decode_video (all of the above)": lambda: vd.decode_video(data, cfg, limits, with_audio=True),
         "patches (preprocess_video)": lambda: preprocess_video(decoded.frames, cfg),
         "log-mel (CPU)": lambda: log_mel(decoded.audio),
-        "featurise (all of the processing)": lambda: featurise(parts, formats, True, torch.device("cpu")),
+        "featurise (all of the processing)": lambda: featurise(parts, formats, True),
     }
     from omnistage.models import multimodal
 

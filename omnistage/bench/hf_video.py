@@ -22,6 +22,7 @@ from omnistage.bench.hf_speech import counting_frames, forced, forced_generate
 from omnistage.bench.speech_targets import SpeechTiming
 from omnistage.bench.video_targets import VideoInput
 from omnistage.media import MediaPolicy, decode_messages
+from omnistage.models.qwen3_omni.audio_features import log_mel
 from omnistage.outputs import AUDIO_SAMPLE_RATE
 
 log = logging.getLogger(__name__)
@@ -30,7 +31,7 @@ log = logging.getLogger(__name__)
 def video_inputs(mm: Any, dtype: torch.dtype, device: torch.device) -> dict[str, Any]:
     """A laid-out video prompt's media as transformers' generate takes them: the patches, their grid and
     seconds per temporal patch, and the sound track (the prompt's only clip) as mel features."""
-    (features,) = mm.audio_features
+    (features,) = [log_mel(clip) for clip in mm.audio_clips]
     return {
         "pixel_values_videos": mm.video_norm(mm.pixel_values_videos).to(device, dtype),
         "video_grid_thw": mm.video_grid_thw.to(device),

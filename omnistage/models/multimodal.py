@@ -65,9 +65,9 @@ class PixelNorm:
 class MultimodalInputs:
     """What the encoders of one prompt read, every list in prompt order."""
 
-    # per clip, its [128, frames] log-mel, or its [samples] 16 kHz waveform whose features the encoder stage makes
-    # on its device (`AudioFormat.features`); float32, on the host
-    audio_features: list[torch.Tensor]
+    # per clip its 16 kHz waveform [samples], float32 on the host: the encoder stage makes the features of all
+    # the clips it admits at once, on its device (`AudioFormat.features`)
+    audio_clips: list[torch.Tensor]
     # audio_pad placeholders per clip; a video's sound track (use_audio_in_video) is a clip in its place
     num_audio_tokens: list[int]
     pixel_values: torch.Tensor | None  # [patches, C*T*P*P] of every image, packed (uint8, CPU: `image_norm`)

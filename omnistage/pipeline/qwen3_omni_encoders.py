@@ -15,7 +15,6 @@ from omnistage.models.qwen3_omni.audio_encoder import load_audio_encoder
 from omnistage.models.qwen3_omni.audio_features import (
     HOP_LENGTH,
     MAX_SECONDS,
-    NUM_MEL_BINS,
     SAMPLE_RATE,
     log_mels,
 )
@@ -28,7 +27,7 @@ def aut_clips(audio_token_id: int) -> AudioFormat:
     """Clips as log-mel features of 16 kHz audio, up to the longest the processor decodes; clips handed as
     waveforms (Qwen3-ASR's processor) get theirs from `log_mels` on the stage's device."""
     max_frames = int(MAX_SECONDS * SAMPLE_RATE) // HOP_LENGTH
-    return AudioFormat(audio_token_id, NUM_MEL_BINS, HOP_LENGTH, SAMPLE_RATE, max_frames, log_mels)
+    return AudioFormat(audio_token_id, HOP_LENGTH, SAMPLE_RATE, max_frames, log_mels)
 
 
 def image_format(image_token_id: int, cfg: ImageProcessorConfig, spatial_merge_size: int) -> ImageFormat:

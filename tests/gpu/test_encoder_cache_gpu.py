@@ -30,7 +30,7 @@ def test_kept_clips_are_encoded_and_keyed_without_waiting_for_the_device(tiny_ch
     device = torch.device("cuda")
     towers = load_encoders(tiny_checkpoint, cfg, LoadOptions(torch.float32, device))
     stage = EncoderStage(towers.audio_encoder, towers.audio, device, cache_bytes=64 << 20)
-    processor = Processor(tiny_checkpoint, device=device)
+    processor = Processor(tiny_checkpoint)
     t = np.arange(8000) / 16000
     clips = [(0.3 * np.sin(2 * np.pi * f * t)).astype(np.float32) for f in (300.0, 450.0)]
     p = processor.process_chat([{"role": "user", "content": [{"type": "audio", "audio": c} for c in clips]}])

@@ -16,6 +16,7 @@ from media_samples import audio, image, media, picture, reference, speech, text,
 from omnistage.bench.hf_layout import rope_deltas, text_model
 from omnistage.engine.stages.token_runner import positions_for
 from omnistage.errors import InvalidMedia, InvalidRequest
+from omnistage.models.qwen3_omni.audio_features import log_mel
 from omnistage.models.qwen3_omni.config import Qwen3OmniConfig
 from omnistage.models.qwen3_omni.mrope import rope_positions
 from omnistage.models.qwen3_omni.processor import Processor
@@ -61,17 +62,19 @@ def test_placeholders_features_and_patches(case, ours, hf_processor):
         return
     if "feature_attention_mask" in ref:
         lengths = ref["feature_attention_mask"].sum(-1).tolist()
-        assert [f.shape[1] for f in got.mm.audio_features] == lengths
+        # each clip's waveform, whose features the encoder stage makes (`log_mels`, each clip's `log_mel`)
+        assert [log_mel(f).shape[1] for f in got.mm.audio_clips] == lengths
         # Features against the extractor on each clip alone: padding to the batch's longest clip changes the
         # last frame of a shorter one, and we featurise every clip on its own (see audio_features.py).
-        for feature, clip in zip(got.mm.audio_features, media(messages, "audio")):
+        for waveform, clip in zip(got.mm.audio_clips, media(messages, "audio")):
+            feature = log_mel(waveform)
             alone = reference(hf_processor, "<|audio_pad|>", [{"content": [audio(clip)]}])["input_features"][
                 0
             ]
             assert (feature - alone).abs().max().item() <= MEL_TOLERANCE
         assert sum(got.mm.num_audio_tokens) == got.token_ids.count(ours._config().audio_token_id)
     else:
-        assert got.mm.audio_features == []
+        assert got.mm.audio_clips == []
     if "image_grid_thw" in ref:
         assert torch.equal(got.mm.image_grid_thw, ref["image_grid_thw"])
         assert got.mm.pixel_values.dtype == torch.uint8 and got.mm.image_norm is not None
@@ -135,16 +138,18 @@ def test_clip_frames_are_batch_free(ours, hf_processor):
     got = ours.process_chat(messages)
     ref = reference(hf_processor, got.prompt, messages)
     assert got.token_ids == ref["input_ids"][0].tolist()
-    assert got.mm.audio_features[0].shape[1] == len(clip) // 160 == int(ref["feature_attention_mask"].sum())
+    frames = log_mel(got.mm.audio_clips[0]).shape[1]
+    assert frames == len(clip) // 160 == int(ref["feature_attention_mask"].sum())
 
 
-def test_features_are_made_on_the_processor_device(tiny_checkpoint):
-    messages = CASES["one_audio"]()
-    default, on_cpu = Processor(tiny_checkpoint), Processor(tiny_checkpoint, device="cpu")
-    assert default.device == on_cpu.device == torch.device("cpu")
-    a, b = default.process_chat(messages), on_cpu.process_chat(messages)
-    assert a.token_ids == b.token_ids
-    assert torch.equal(a.mm.audio_features[0], b.mm.audio_features[0])
+def test_clips_are_handed_as_their_float32_samples(ours):
+    """The engine's encoder stage makes a clip's features; the processor hands it the samples given, as
+    float32 (a float64 clip converted once)."""
+    clip = tones(2.5)
+    for given in (clip, clip.astype(np.float64), torch.from_numpy(clip)):
+        got = ours.process_chat([{"role": "user", "content": [audio(given)]}])
+        (waveform,) = got.mm.audio_clips
+        assert waveform.dtype == torch.float32 and torch.equal(waveform, torch.from_numpy(clip))
 
 
 def test_limits_and_malformed_parts(tiny_checkpoint):
@@ -166,9 +171,8 @@ def test_limits_and_malformed_parts(tiny_checkpoint):
         with pytest.raises(InvalidMedia, match="NaN or infinite"):
             processor.process_chat([{"role": "user", "content": [audio(samples)]}])
     loud = np.full(1600, 3e38, np.float32)  # finite samples whose sum overflows: accepted
-    assert processor.process_chat([{"role": "user", "content": [audio(loud)]}]).mm.audio_features[
-        0
-    ].shape == (128, 10)
+    (accepted,) = processor.process_chat([{"role": "user", "content": [audio(loud)]}]).mm.audio_clips
+    assert log_mel(accepted).shape == (128, 10)
     with pytest.raises(InvalidMedia, match="aspect ratio"):
         processor.process_chat([{"role": "user", "content": [image(picture(2000, 4))]}])
     with pytest.raises(InvalidMedia, match="must be a PIL image"):

@@ -164,7 +164,7 @@ def test_processor_hands_the_clip_padded_to_half_a_second(tmp_path):
     processor = ASRProcessor(make_tiny(tmp_path / "asr"))
     for seconds in (0.2, 7.3):
         prompt = processor.transcription(clip(seconds), "en", None)
-        (waveform,) = prompt.mm.audio_features
+        (waveform,) = prompt.mm.audio_clips
         assert waveform.dtype == torch.float32 and waveform.numel() == max(8000, len(clip(seconds)))
         assert torch.equal(waveform[: len(clip(seconds))], torch.from_numpy(clip(seconds)))
         assert not waveform[len(clip(seconds)) :].any()
@@ -259,7 +259,7 @@ def test_the_served_pipeline_transcribes_as_generate(checkpoints, processor, lan
     ours = llm.pipeline.processor
     params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0)
     prompts = [ours.transcription(clip(seconds), language, None) for seconds in SECONDS]
-    assert all(p.mm.audio_features[0].dim() == 1 for p in prompts)  # waveforms: the stage makes the features
+    assert all(p.mm.audio_clips[0].dim() == 1 for p in prompts)  # waveforms: the stage makes the features
     requests = [
         NewRequest(str(i), p.token_ids, params, p.prompt, p.mrope, p.mm) for i, p in enumerate(prompts)
     ]

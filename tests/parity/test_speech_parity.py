@@ -25,6 +25,7 @@ from media_samples import reference as reference_inputs
 from omnistage.engine.attention import AttentionMetadata, Chunk, TorchReferenceBackend
 from omnistage.models.loader import LoadOptions
 from omnistage.models.qwen3_omni.audio_encoder import load_audio_encoder
+from omnistage.models.qwen3_omni.audio_features import log_mel
 from omnistage.models.qwen3_omni.code2wav import load_code2wav
 from omnistage.models.qwen3_omni.code_predictor import load_code_predictor
 from omnistage.models.qwen3_omni.config import Qwen3OmniConfig
@@ -166,8 +167,9 @@ def prompt_inputs(models: dict, prompt: ProcessedPrompt) -> tuple[torch.Tensor, 
     mm, deepstack = prompt.mm, None
     if mm is None:
         return embeds, None
-    if mm.audio_features:
-        embeds[ids == cfg.audio_token_id] = torch.cat(models["audio_encoder"](mm.audio_features))
+    if mm.audio_clips:
+        features = [log_mel(clip) for clip in mm.audio_clips]  # the encoder stage's `log_mels`, one by one
+        embeds[ids == cfg.audio_token_id] = torch.cat(models["audio_encoder"](features))
     if mm.pixel_values is not None:
         image = ids == cfg.image_token_id
         rows, levels = models["vision_encoder"](mm.image_norm(mm.pixel_values), mm.image_grid_thw)

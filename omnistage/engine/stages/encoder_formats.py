@@ -37,13 +37,12 @@ class AudioFormat:
     """A family's clips as its processor makes them for the audio tower."""
 
     token_id: int  # the prompt placeholder one audio row fills
-    mel_bins: int
     hop_length: int  # samples a mel frame advances by
     sample_rate: int
     max_frames: int  # mel frames of the longest clip the processor admits
-    # clips' features [mel, frames_i] on the device from their waveforms [samples_i] on the host, made together
-    # on the current stream: where a processor hands a clip's waveform (MultimodalInputs.audio_features)
-    features: Callable[[list[torch.Tensor], torch.device], list[torch.Tensor]] | None = None
+    # clips' features [mel, frames_i] on a device from their waveforms [samples_i] on the host (as a processor
+    # hands them: MultimodalInputs.audio_clips), made together on the current stream
+    features: Callable[[list[torch.Tensor], torch.device], list[torch.Tensor]]
 
 
 @dataclass(frozen=True)

@@ -132,7 +132,7 @@ class EncoderStage:
         Raises InvalidRequest when a prompt's placeholders and its media disagree (the caller retries the
         prompts one by one to fail only that one).
         """
-        clips = [f for _, mm in prompts for f in mm.audio_features]
+        clips = [c for _, mm in prompts for c in mm.audio_clips]
         keys = [k for _, mm in prompts for k in mm.audio_keys]
         audio = iter(
             self._clip_rows(clips, keys) if cached and self.cache.enabled else self._encode_clips(clips)
@@ -141,7 +141,7 @@ class EncoderStage:
         vision = iter(self._vision_rows(seeing) if seeing else [])
         out = []
         for token_ids, mm in prompts:
-            clip_rows = [next(audio) for _ in mm.audio_features]
+            clip_rows = [next(audio) for _ in mm.audio_clips]
             seen = next(vision) if sees(mm) else VisionRows()
             out.append(self._place(token_ids, join(clip_rows, 0) if clip_rows else None, seen))
         return out
@@ -163,32 +163,16 @@ class EncoderStage:
         return [rows[k] for k in keys]
 
     def _encode_clips(self, clips: list[torch.Tensor]) -> list[torch.Tensor]:
-        """The tower's rows of each clip, in calls of at most `max_audio_frames` (with graphs, each call in pieces
-        of the largest audio bucket)."""
+        """The tower's rows of each clip (a waveform on the host), in calls of at most `max_audio_frames` (with
+        graphs, each call in pieces of the largest audio bucket), each call's features made together on the
+        device (`AudioFormat.features`: one copy of the samples and a few kernels, queued behind the step in
+        flight without waiting for it)."""
         rows: list[torch.Tensor] = []
         tower = self.audio_graphs.run if self.audio_graphs is not None else self.audio_encoder
-        frames = [f.shape[-1] if f.dim() == 2 else f.numel() // self.audio.hop_length for f in clips]
+        frames = [clip.numel() // self.audio.hop_length for clip in clips]
         for group in groups(frames, self.max_audio_frames):
-            rows += tower(self._features([clips[i] for i in group]))
+            rows += tower(self.audio.features([clips[i] for i in group], self.device))
         return rows
-
-    def _features(self, clips: list[torch.Tensor]) -> list[torch.Tensor]:
-        """Clips' features on the encoder's device: those given as features through pinned memory, those given as
-        waveforms made there together (`AudioFormat.features`); neither waits for the work queued on the
-        stream."""
-        waves = [i for i, c in enumerate(clips) if c.dim() == 1]
-        made = iter(self._made([clips[i] for i in waves]) if waves else [])
-        return [next(made) if c.dim() == 1 else self._on_device(c) for c in clips]
-
-    def _on_device(self, features: torch.Tensor) -> torch.Tensor:
-        if features.device.type != "cpu":
-            return features.to(self.device)
-        return to_device(features, self.device)
-
-    def _made(self, waves: list[torch.Tensor]) -> list[torch.Tensor]:
-        if self.audio.features is None:
-            raise InvalidRequest("this model's clips come as log-mel features; a waveform was given")
-        return self.audio.features(waves, self.device)
 
     def _vision_rows(self, prompts: list[MultimodalInputs]) -> list[VisionRows]:
         """Per prompt, the rows [n, H] and deepstack levels [levels, n, H] of its images and of its videos; they
@@ -297,11 +281,8 @@ class EncoderStage:
         frames, audio = self.max_audio_frames, self.audio
         clip_tokens = self.audio_encoder.output_tokens(frames)
         # as a waveform where the stage makes the features: their scratch is then measured too
-        made = audio.features is not None
         clip = MultimodalInputs(
-            audio_features=[
-                torch.randn(frames * audio.hop_length) if made else torch.randn(audio.mel_bins, frames)
-            ],
+            audio_clips=[torch.randn(frames * audio.hop_length)],  # the features' scratch is measured too
             num_audio_tokens=[clip_tokens],
             pixel_values=None,
             image_grid_thw=None,
@@ -321,7 +302,7 @@ class EncoderStage:
             grid = images.largest_grid
             tokens = merged_rows(grid, images.spatial_merge_size)
             image = MultimodalInputs(
-                audio_features=[],
+                audio_clips=[],
                 num_audio_tokens=[],
                 pixel_values=torch.randint(0, 256, (math.prod(grid), images.patch_values), dtype=torch.uint8),
                 image_grid_thw=torch.tensor([grid]),

@@ -56,7 +56,7 @@ class ASRProcessor:
         frames = clip.numel() // HOP_LENGTH  # the features' (`log_mel`)
         ids = prompt_ids(self.tokenizer, self.cfg, frames, context or "", name, max_model_len)
         mm = MultimodalInputs(
-            audio_features=[clip],
+            audio_clips=[clip],
             num_audio_tokens=[ids.count(self.cfg.audio_token_id)],
             pixel_values=None,
             image_grid_thw=None,

@@ -19,7 +19,6 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-import torch
 from tokenizers import Encoding, Tokenizer, decoders, normalizers
 
 from omnistage.errors import CheckpointError, InvalidMedia, InvalidRequest, RequestTooLarge
@@ -70,10 +69,8 @@ class Processor:
         checkpoint_dir: str | Path,
         max_audios: int = 8,
         max_images: int = 8,
-        device: torch.device | str | None = None,
         max_videos: int = 4,
     ) -> None:
-        """`device`: where the mel features are computed and left, the engine's (default: the CPU)."""
         directory = Path(checkpoint_dir)
         try:
             self.tokenizer = Tokenizer.from_file(str(directory / "tokenizer.json"))
@@ -94,7 +91,6 @@ class Processor:
         self._control = re.compile("|".join(map(re.escape, longest_first))) if control else None
         self.max_token_bytes = longest_token_bytes(self.tokenizer)
         self.max_audios, self.max_images, self.max_videos = max_audios, max_images, max_videos
-        self.device = torch.device("cpu" if device is None else device)
         self._directory = directory
         self._thinker = None
         self._formats: MediaFormats | None = None
@@ -239,7 +235,7 @@ class Processor:
         check_placeholders(ids, parts, cfg)
         if not parts.items:
             return ProcessedPrompt(prompt, ids, None, None)
-        mm = featurise(parts, self.formats(), use_audio_in_video, self.device)
+        mm = featurise(parts, self.formats(), use_audio_in_video)
         expanded = expand_placeholders(ids, mm, cfg)
         layout = MediaLayout.of(mm, cfg)
         return ProcessedPrompt(

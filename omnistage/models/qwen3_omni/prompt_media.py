@@ -19,7 +19,7 @@ from PIL import Image
 from omnistage.errors import InvalidMedia, InvalidRequest
 from omnistage.models.multimodal import MultimodalInputs, PixelNorm, clip_digest
 from omnistage.models.qwen3_omni.audio_encoder import audio_output_tokens
-from omnistage.models.qwen3_omni.audio_features import log_mel
+from omnistage.models.qwen3_omni.audio_features import HOP_LENGTH, clip_waveform
 from omnistage.models.qwen3_omni.config import ThinkerConfig
 from omnistage.models.qwen3_omni.image_processing import (
     MAX_DECODED_PIXELS,
@@ -86,18 +86,16 @@ def media_parts(messages: list[dict]) -> MediaParts:
     return MediaParts(items)
 
 
-def featurise(
-    parts: MediaParts, formats: MediaFormats, use_audio_in_video: bool, device: torch.device
-) -> MultimodalInputs:
-    """Every part's features or patches, in prompt order; with `use_audio_in_video` each video's sound track
-    is featurised as a clip in the video's place."""
+def featurise(parts: MediaParts, formats: MediaFormats, use_audio_in_video: bool) -> MultimodalInputs:
+    """Every part's patches, and every clip's waveform (the encoder stage makes their features: `log_mels`), in
+    prompt order; with `use_audio_in_video` each video's sound track is a clip in the video's place."""
     merge = formats.thinker.vision.spatial_merge_size
     features, keys, patches, grids, video_patches, video_grids, seconds = [], [], [], [], [], [], []
     for kind, where, value in parts.items:
         with _part(where):
             if kind == "audio":
-                samples = _waveform(value)
-                features.append(log_mel(samples, device))
+                samples = clip_waveform(_waveform(value))
+                features.append(samples)
                 keys.append(clip_digest(samples))
             elif kind == "image":
                 pixels, grid = preprocess_images([_image(value)], formats.images)
@@ -113,14 +111,16 @@ def featurise(
                 if use_audio_in_video:
                     if video.audio is None:
                         raise InvalidMedia("video has no audio track, and use_audio_in_video asks for one")
-                    samples = _waveform(video.audio)
-                    features.append(log_mel(samples, device))
+                    samples = clip_waveform(_waveform(video.audio))
+                    features.append(samples)
                     keys.append(clip_digest(samples))
     grid_thw = torch.cat(grids) if grids else None
     video_thw = torch.tensor(video_grids, dtype=torch.int64) if video_grids else None
     return MultimodalInputs(
-        audio_features=features,
-        num_audio_tokens=[audio_output_tokens(f.shape[1], formats.thinker.audio.n_window) for f in features],
+        audio_clips=features,
+        num_audio_tokens=[
+            audio_output_tokens(f.numel() // HOP_LENGTH, formats.thinker.audio.n_window) for f in features
+        ],
         pixel_values=_joined(patches),
         image_grid_thw=grid_thw,
         num_image_tokens=[] if grid_thw is None else [image_tokens(g, merge) for g in grid_thw.tolist()],

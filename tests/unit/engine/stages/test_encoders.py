@@ -1,3 +1,5 @@
+from dataclasses import replace
+
 import numpy as np
 import pytest
 import torch
@@ -256,11 +258,9 @@ def test_a_video_no_graph_holds_goes_eagerly_in_pieces(tiny_checkpoint, setup):
         torch.testing.assert_close(getattr(got, name), getattr(want, name), rtol=1e-5, atol=1e-5)
 
 
-def test_clips_given_as_waveforms_get_the_rows_of_their_features(setup):
-    """Waveforms (as Qwen3-ASR's processor hands them) featurised by the stage, all of an admission's at once,
-    beside clips given as features: each clip's rows are those of its own `log_mel`."""
-    from dataclasses import replace
-
+def test_clips_featurised_together_get_the_rows_of_their_own_features(setup):
+    """The stage makes the features of all the clips it admits at once (`AudioFormat.features`): each clip's
+    rows are the tower's on its own `log_mel`."""
     from omnistage.models.qwen3_omni.audio_features import log_mel
 
     cfg, encoders, prompt = setup
@@ -268,24 +268,13 @@ def test_clips_given_as_waveforms_get_the_rows_of_their_features(setup):
     waves = [
         torch.from_numpy((0.3 * rng.standard_normal(n)).astype(np.float32)) for n in (11_200, 52_017, 32_000)
     ]
-    as_features = [
-        replace(prompt.mm, audio_features=[log_mel(w)], audio_keys=[b"%d" % i]) for i, w in enumerate(waves)
+    prompts = [
+        (
+            [cfg.audio_token_id] * encoders.audio_encoder.output_tokens(w.numel() // 160),
+            replace(prompt.mm, audio_clips=[w], audio_keys=[b"%d" % i]),
+        )
+        for i, w in enumerate(waves)
     ]
-    ids = [[cfg.audio_token_id] * encoders.audio_encoder.output_tokens(w.numel() // 160) for w in waves]
-    mixed = [
-        replace(mm, audio_features=[w]) if i != 1 else mm for i, (mm, w) in enumerate(zip(as_features, waves))
-    ]
-    got = encoders.encode_many(list(zip(ids, mixed)), cached=False)
-    want = encoders.encode_many(list(zip(ids, as_features)), cached=False)
-    for a, b in zip(got, want):
-        torch.testing.assert_close(a.audio_embeds, b.audio_embeds, rtol=1e-5, atol=1e-5)
-
-
-def test_a_waveform_where_the_family_takes_features_is_refused(tiny_checkpoint, setup):
-    from dataclasses import replace
-
-    cfg, encoders, prompt = setup
-    stage = EncoderStage(encoders.audio_encoder, replace(encoders.audio, features=None), torch.device("cpu"))
-    mm = replace(prompt.mm, audio_features=[torch.zeros(32_000)])
-    with pytest.raises(InvalidRequest, match="log-mel features; a waveform was given"):
-        stage.encode(prompt.token_ids, mm)
+    for wave, got in zip(waves, encoders.encode_many(prompts, cached=False)):
+        (want,) = encoders.audio_encoder([log_mel(wave)])
+        torch.testing.assert_close(got.audio_embeds, want, rtol=1e-5, atol=1e-5)

@@ -15,7 +15,7 @@ def media(images: list[tuple[int, int, int]], videos: list[tuple[int, int, int]]
         )
 
     return MultimodalInputs(
-        audio_features=[],
+        audio_clips=[],
         num_audio_tokens=[],
         pixel_values=packed(images),
         image_grid_thw=torch.tensor(images) if images else None,
