@@ -203,3 +203,13 @@ def test_rope_positions_rejects_mismatched_runs(tiny_checkpoint):
         [0, 1, 2, 3, 1, 2, 3, 4],
     ]
     assert got.delta == 5 - 8
+
+
+def test_a_clip_is_copied_from_the_callers_buffer(ours):
+    """The engine reads a request's clip when it admits it: a caller reusing its buffer meanwhile changes
+    nothing."""
+    buffer = tones(1.0)
+    got = ours.process_chat([{"role": "user", "content": [audio(buffer)]}])
+    want = torch.from_numpy(buffer.copy())
+    buffer[:] = 0.0
+    assert torch.equal(got.mm.audio_clips[0], want)

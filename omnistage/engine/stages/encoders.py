@@ -280,7 +280,6 @@ class EncoderStage:
         """
         frames, audio = self.max_audio_frames, self.audio
         clip_tokens = self.audio_encoder.output_tokens(frames)
-        # as a waveform where the stage makes the features: their scratch is then measured too
         clip = MultimodalInputs(
             audio_clips=[torch.randn(frames * audio.hop_length)],  # the features' scratch is measured too
             num_audio_tokens=[clip_tokens],

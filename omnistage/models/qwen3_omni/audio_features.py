@@ -102,9 +102,9 @@ def log_mel(
 
 
 def clip_waveform(waveform: torch.Tensor | np.ndarray, max_seconds: float = MAX_SECONDS) -> torch.Tensor:
-    """A clip as `log_mel` and `log_mels` read it: a 1-D float32 tensor (the same memory where it is one) of 16
-    kHz samples, long enough for one frame and at most `max_seconds` long; InvalidMedia saying what is wrong
-    otherwise."""
+    """A clip as `log_mel` and `log_mels` read it: a 1-D float32 tensor of 16 kHz samples, long enough for one
+    frame and at most `max_seconds` long (InvalidMedia saying what is wrong otherwise), in memory of its own: a
+    request's clip is read when the request is admitted, after its caller may have reused the buffer."""
     x = torch.as_tensor(waveform)
     if x.dim() != 1:
         raise InvalidMedia(f"audio must be mono, a 1-D waveform; got shape {tuple(x.shape)}")
@@ -113,7 +113,7 @@ def clip_waveform(waveform: torch.Tensor | np.ndarray, max_seconds: float = MAX_
             f"audio is too short: {x.numel()} samples at {SAMPLE_RATE} Hz, at least {MIN_SAMPLES} are needed"
         )
     _check_duration(x.numel(), SAMPLE_RATE, max_seconds)
-    return x.to(dtype=torch.float32)
+    return x.to(dtype=torch.float32, copy=True)
 
 
 def log_mels(clips: list[torch.Tensor], device: torch.device) -> list[torch.Tensor]:
