@@ -15,7 +15,7 @@
 # - fit80: configs/qwen3omni_colocated.yaml under an 80 GiB cap, its start (graphs captured per stage) and
 #   its batch of large requests (benchmarks/fit80.py without the A2T passes);
 # - asr: `omnistage bench a2t`, Qwen3-ASR 0.6B (random bf16), the LibriSpeech-like set, 33 tokens forced,
-#   c = 64 and 128 in the steady state (`--rounds 8`), 2 passes each;
+#   c = 64 and 128 in the steady state (`--rounds 8`; ASR_C: other concurrencies), 2 passes each;
 # - prefill_attention: this tree's benchmarks/prefill_attention.py over each tree's kernels (one layer of a
 #   loaded server's step and of a long prompt's chunks);
 # - video: `omnistage bench v2s`, eight 10 s 720p videos with their sound at once (40 text tokens, 125 frames
@@ -67,7 +67,7 @@ for part in "$@"; do
         --config configs/qwen3omni_colocated.yaml --gpu-memory-limit-gib 80 --batch-timeout-s 90 \
         --out-dir "$OUT/fit80_$tree" ;;
       asr) one asr "$tree" "${ASR_S:-240}" python3 -m omnistage.cli bench a2t "${bench[@]}" \
-        --skeleton qwen3-asr-0.6b --concurrency 64,128 --rounds 8 --repeats 2 --fail-on-build \
+        --skeleton qwen3-asr-0.6b --concurrency "${ASR_C:-64,128}" --rounds 8 --repeats 2 --fail-on-build \
         --out "$OUT/asr_$tree.json" ;;
       video) one video "$tree" "${VIDEO_S:-240}" python3 -m omnistage.cli bench v2s "${bench[@]}" \
         --video-seconds 10 --resolution 1280x720 --concurrency 8 --requests 1 --text-tokens 40 --frames 125 \
