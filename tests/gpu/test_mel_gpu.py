@@ -63,3 +63,14 @@ def test_clips_featurised_together_wait_for_nothing_queued():
     assert not torch.cuda.current_stream().query() and took < 0.5  # returned while the stream still ran
     for waveform, features in zip(clips, got):
         assert (features.cpu() - log_mel(waveform)).abs().max().item() <= MEL_TOLERANCE
+
+
+def test_a_clip_featurised_with_others_gets_the_same_bits_anywhere_in_the_batch():
+    """Every STFT call has the same size and every frame is its own column: a clip's features are bit for bit
+    the same alone, first or last in a batch (the prefix cache's keys and a realtime turn's early prefill rely
+    on it)."""
+    a, b, c = (torch.from_numpy(clip(seconds, seed=i)) for i, seconds in enumerate((9.0, 3.3, 70.0)))
+    cuda = torch.device("cuda")
+    alone = log_mels([a], cuda)[0]
+    assert torch.equal(log_mels([b, a, c], cuda)[1], alone)
+    assert torch.equal(log_mels([c, b, a], cuda)[2], alone)

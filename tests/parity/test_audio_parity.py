@@ -149,6 +149,19 @@ def test_clips_featurised_together_are_each_their_log_mel():
         assert (features - alone).abs().max() <= 1e-6
 
 
+def test_a_clip_featurised_with_others_gets_the_same_bits_anywhere_in_the_batch():
+    """A clip's features do not depend on the clips admitted with it, nor on its place among them: the prefix
+    cache keys pages by the rows they give, and a realtime turn's early prefill hits only where they are equal."""
+    rng = np.random.default_rng(0)
+    a, b, c = (
+        torch.from_numpy((0.3 * rng.standard_normal(n)).astype(np.float32))
+        for n in (144_000, 52_017, 300_000)
+    )
+    alone = log_mels([a], torch.device("cpu"))[0]
+    assert torch.equal(log_mels([b, a, c], torch.device("cpu"))[1], alone)
+    assert torch.equal(log_mels([c, b, a], torch.device("cpu"))[2], alone)
+
+
 def test_bad_audio_raises_invalid_media():
     with pytest.raises(InvalidMedia, match="empty"):
         decode_audio(b"")
