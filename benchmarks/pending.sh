@@ -42,6 +42,9 @@
 #               encoder cache's and the prefix keys' copies) and of the tests beside them;
 # - asr_ab:     Qwen3-ASR 0.6B at c = 64 and 128 on the tree exported to .ab (carry it) and on this one
 #               (benchmarks/before_after.sh run asr);
+# - mel:        the GPU tests of the clips' features made by the encoder stage at admission (the mel on the
+#               engine's stream, equal to the CPU's, the same bits anywhere in a batch, nothing waited for) and of
+#               the admission, caches and Qwen3-ASR engine around it;
 # - video_ab:   eight 10 s videos at once on the tree exported to .ab (carry it; 54073f6 for the scheduler's
 #               order of prefills) and on this one (before_after.sh run video; 32 GiB of KV on a card over
 #               100 GiB, 4 below);
@@ -137,6 +140,9 @@ for name in ${*:-http inproc video_host video asr baseline}; do
     admission) step admission 130 sh -c 'PER_FILE_S=120 bash benchmarks/gpu_tests.sh tests/gpu/test_admission_sync_gpu.py \
       tests/gpu/test_encoder_cache_gpu.py tests/gpu/test_prefix_keys_gpu.py tests/gpu/test_media_hold_gpu.py' ;;
     asr_ab) step asr_ab 310 env ASR_S=150 bash benchmarks/before_after.sh run asr ;;
+    mel) step mel 200 sh -c 'PER_FILE_S=100 bash benchmarks/gpu_tests.sh tests/gpu/test_mel_gpu.py \
+      tests/gpu/test_admission_sync_gpu.py tests/gpu/test_encoder_cache_gpu.py tests/gpu/test_prefix_keys_gpu.py \
+      tests/gpu/test_asr_gpu.py' ;;
     video_ab) step video_ab 420 sh -c 'kv=4; nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits |
       awk "{exit !(\$1 > 100000)}" && kv=32; KV_GIB=$kv VIDEO_S=205 bash benchmarks/before_after.sh run video' ;;
     sync_asr) step sync_asr 110 sh -c 'mkdir -p "$OUT" && timeout 110 python3 benchmarks/sync_points.py \
