@@ -24,8 +24,8 @@ from omnistage.models.qwen3_omni.vision_encoder import load_vision_encoder
 
 
 def aut_clips(audio_token_id: int) -> AudioFormat:
-    """Clips as log-mel features of 16 kHz audio, up to the longest the processor decodes; clips handed as
-    waveforms (Qwen3-ASR's processor) get theirs from `log_mels` on the stage's device."""
+    """Clips as 16 kHz waveforms, up to the longest the processor decodes, whose log-mel features the stage makes
+    on its device (`log_mels`)."""
     max_frames = int(MAX_SECONDS * SAMPLE_RATE) // HOP_LENGTH
     return AudioFormat(audio_token_id, HOP_LENGTH, SAMPLE_RATE, max_frames, log_mels)
 

@@ -1,6 +1,6 @@
 """A chat's decoded media parts: found in prompt order, featurised for the encoders, their placeholders expanded.
 
-Clips become log-mel features, images and videos patches; every `<|audio_pad|>`, `<|image_pad|>` and
+Clips stay float32 waveforms (the encoder stage makes their log-mel features), images and videos become patches; every `<|audio_pad|>`, `<|image_pad|>` and
 `<|video_pad|>` the template renders becomes as many placeholders as the encoders emit. With
 `use_audio_in_video` each video's sound track is a clip in the video's place (the order the audio tower's
 rows fill the prompt in) and its pad becomes the interleaved layout of video_layout.py.
@@ -90,12 +90,12 @@ def featurise(parts: MediaParts, formats: MediaFormats, use_audio_in_video: bool
     """Every part's patches, and every clip's waveform (the encoder stage makes their features: `log_mels`), in
     prompt order; with `use_audio_in_video` each video's sound track is a clip in the video's place."""
     merge = formats.thinker.vision.spatial_merge_size
-    features, keys, patches, grids, video_patches, video_grids, seconds = [], [], [], [], [], [], []
+    clips, keys, patches, grids, video_patches, video_grids, seconds = [], [], [], [], [], [], []
     for kind, where, value in parts.items:
         with _part(where):
             if kind == "audio":
                 samples = clip_waveform(_waveform(value))
-                features.append(samples)
+                clips.append(samples)
                 keys.append(clip_digest(samples))
             elif kind == "image":
                 pixels, grid = preprocess_images([_image(value)], formats.images)
@@ -112,14 +112,14 @@ def featurise(parts: MediaParts, formats: MediaFormats, use_audio_in_video: bool
                     if video.audio is None:
                         raise InvalidMedia("video has no audio track, and use_audio_in_video asks for one")
                     samples = clip_waveform(_waveform(video.audio))
-                    features.append(samples)
+                    clips.append(samples)
                     keys.append(clip_digest(samples))
     grid_thw = torch.cat(grids) if grids else None
     video_thw = torch.tensor(video_grids, dtype=torch.int64) if video_grids else None
     return MultimodalInputs(
-        audio_clips=features,
+        audio_clips=clips,
         num_audio_tokens=[
-            audio_output_tokens(f.numel() // HOP_LENGTH, formats.thinker.audio.n_window) for f in features
+            audio_output_tokens(c.numel() // HOP_LENGTH, formats.thinker.audio.n_window) for c in clips
         ],
         pixel_values=_joined(patches),
         image_grid_thw=grid_thw,
