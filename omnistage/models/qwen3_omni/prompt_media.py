@@ -1,9 +1,10 @@
 """A chat's decoded media parts: found in prompt order, featurised for the encoders, their placeholders expanded.
 
-Clips stay float32 waveforms (the encoder stage makes their log-mel features), images and videos become patches; every `<|audio_pad|>`, `<|image_pad|>` and
-`<|video_pad|>` the template renders becomes as many placeholders as the encoders emit. With
-`use_audio_in_video` each video's sound track is a clip in the video's place (the order the audio tower's
-rows fill the prompt in) and its pad becomes the interleaved layout of video_layout.py.
+Clips stay float32 waveforms (the encoder stage makes their log-mel features), images and videos become
+patches; every `<|audio_pad|>`, `<|image_pad|>` and `<|video_pad|>` the template renders becomes as many
+placeholders as the encoders emit. With `use_audio_in_video` each video's sound track is a clip in the video's
+place (the order the audio tower's rows fill the prompt in) and its pad becomes the interleaved layout of
+video_layout.py.
 """
 
 from __future__ import annotations
