@@ -145,21 +145,26 @@ def _log_mels(
     calls = -(-int(starts[-1]) // per_call)
     # built in pinned memory and copied without blocking: from pageable memory the copy is a synchronous
     # staged transfer, which waits for every step queued on the stream
+    # The clips and the silence between them cross; the silence after them, up to the last call's end (most of
+    # a call when an admission brings a few seconds), is zeroed where the STFT reads it.
+    used = int(starts[-2]) * HOP_LENGTH + clips[-1].size + N_FFT
     pinned = device.type == "cuda"
-    joint_t = torch.empty((calls * per_call - 1) * HOP_LENGTH + N_FFT, pin_memory=pinned)
+    joint_t = torch.empty(used, pin_memory=pinned)
     owner_t = torch.full((calls * per_call,), len(clips), dtype=torch.int64, pin_memory=pinned)
     joint, owner = joint_t.numpy(), owner_t.numpy()  # frames across two clips: owner's extra slot
     end = 0
     for i, (clip, start, n) in enumerate(zip(clips, starts, frames)):
         offset = int(start) * HOP_LENGTH
-        joint[end:offset] = 0.0  # silence between clips: written, not the whole buffer zeroed first
+        joint[end:offset] = 0.0
         joint[offset : offset + half] = clip[half:0:-1]  # torch.stft's centring: reflected at both ends
         joint[offset + half : offset + half + clip.size] = clip
         joint[offset + half + clip.size : offset + clip.size + N_FFT] = clip[-2 : -half - 2 : -1]
         owner[start : start + n] = i
         end = offset + clip.size + N_FFT
-    joint[end:] = 0.0
-    x, owners = joint_t.to(device, non_blocking=True), owner_t.to(device, non_blocking=True)
+    x = torch.empty((calls * per_call - 1) * HOP_LENGTH + N_FFT, device=device)
+    x[:used].copy_(joint_t, non_blocking=True)
+    x[used:].zero_()
+    owners = owner_t.to(device, non_blocking=True)
     window, filters = _window(str(device)), _mel_filters(NUM_MEL_BINS, str(device))
     log_spec = torch.empty(NUM_MEL_BINS, calls * per_call, device=device)
     for call in range(calls):
