@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import functools
 import re
 import shutil
 import time
@@ -29,9 +30,18 @@ from omnistage.models.qwen3_omni.transcription import (
 from omnistage.outputs import CompletionOutput, RequestOutput
 from omnistage.pipeline.async_pipeline import AsyncPipeline, Preparing
 from omnistage.pipeline.base import Frontend
-from omnistage.request import GenerationRequest
+from omnistage.request import GenerationRequest, SamplingParams
 
 SPEECH = Path(__file__).parents[1] / "data" / "speech_en.wav"
+
+
+@pytest.fixture
+def replies_run_to_their_cap(monkeypatch):
+    """The tiny random Thinker, sampled unseeded at temperature 1, ends a realtime reply at its first token in ~1
+    run of 20 (seen in CI); tests about the conversation and its events use this so every reply runs to its cap."""
+    from omnistage.server.realtime import turns
+
+    monkeypatch.setattr(turns, "SamplingParams", functools.partial(SamplingParams, ignore_eos=True))
 
 
 class LiveServer(ServerProcess):

@@ -8,7 +8,6 @@ by the processor's chat template, so that what the model reads is shown to be wh
 from __future__ import annotations
 
 import base64
-import functools
 import re
 import time
 
@@ -17,7 +16,6 @@ import pytest
 
 from omnistage.models.qwen3_omni.code2wav import lookahead_samples
 from omnistage.models.qwen3_omni.config import Qwen3OmniConfig
-from omnistage.request import SamplingParams
 from omnistage.server.app import build_app
 from tests.server.conftest import serving
 from tests.server.realtime_client import (
@@ -33,14 +31,7 @@ from tests.server.realtime_client import (
     until,
 )
 
-
-@pytest.fixture(autouse=True)
-def replies_run_to_their_cap(monkeypatch):
-    """The tiny random Thinker, sampled unseeded at temperature 1, ends a reply at its first token in ~1 run of
-    20 (seen in CI); these tests are about the conversation and its events, so every reply runs to its cap."""
-    from omnistage.server.realtime import turns
-
-    monkeypatch.setattr(turns, "SamplingParams", functools.partial(SamplingParams, ignore_eos=True))
+pytestmark = pytest.mark.usefixtures("replies_run_to_their_cap")
 
 
 @pytest.fixture(scope="module")

@@ -21,6 +21,8 @@ from tests.server.realtime_client import KEY, SPEECH, connect, in_loop, manual, 
 
 PAGE_SIZE = 16  # the tiny test server's (tiny_pipeline)
 
+pytestmark = pytest.mark.usefixtures("replies_run_to_their_cap")
+
 
 @pytest.fixture(scope="module")
 def url(tiny_pipeline):

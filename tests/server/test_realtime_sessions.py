@@ -29,6 +29,8 @@ from tests.server.realtime_client import (
 
 IDLE_S = 1.5
 
+pytestmark = pytest.mark.usefixtures("replies_run_to_their_cap")
+
 
 @pytest.fixture(scope="module")
 def url(tiny_pipeline):
