@@ -143,11 +143,11 @@ def _log_mels(
     spans = [-(-(c.size + N_FFT) // HOP_LENGTH) for c in clips]  # each clip's padded length, in whole hops
     starts = np.concatenate([[0], np.cumsum(spans)])
     calls = -(-int(starts[-1]) // per_call)
-    # built in pinned memory and copied without blocking: from pageable memory the copy is a synchronous
-    # staged transfer, which waits for every step queued on the stream
     # The clips and the silence between them cross; the silence after them, up to the last call's end (most of
     # a call when an admission brings a few seconds), is zeroed where the STFT reads it.
     used = int(starts[-2]) * HOP_LENGTH + clips[-1].size + N_FFT
+    # built in pinned memory and copied without blocking: from pageable memory the copy is a synchronous
+    # staged transfer, which waits for every step queued on the stream
     pinned = device.type == "cuda"
     joint_t = torch.empty(used, pin_memory=pinned)
     owner_t = torch.full((calls * per_call,), len(clips), dtype=torch.int64, pin_memory=pinned)
@@ -155,7 +155,7 @@ def _log_mels(
     end = 0
     for i, (clip, start, n) in enumerate(zip(clips, starts, frames)):
         offset = int(start) * HOP_LENGTH
-        joint[end:offset] = 0.0
+        joint[end:offset] = 0.0  # the silence since the clip before
         joint[offset : offset + half] = clip[half:0:-1]  # torch.stft's centring: reflected at both ends
         joint[offset + half : offset + half + clip.size] = clip
         joint[offset + half + clip.size : offset + clip.size + N_FFT] = clip[-2 : -half - 2 : -1]
