@@ -5,8 +5,10 @@
 
 Runs the `omnistage` command after `--` in this process with the stages' step functions wrapped: the Thinker's
 (or Qwen3-ASR decoder's) `TokenRunner.execute`, the Talker's `RowRunner.execute`, the hand-off's Talker
-prompts (`Handoff.start_talkers`, rows: the requests), the code predictor's frames (`Handoff.launch_frames`)
-and Code2Wav's decode calls (`Code2WavStreamer._decode`). Each call is timed between CUDA
+prompts (`Handoff.start_talkers`, rows: the requests), the code predictor's frames (`Handoff.launch_frames`),
+Code2Wav's decode calls (`Code2WavStreamer._decode`), the encoder stage's calls (`EncoderStage.encode_many`,
+rows: the prompts with media) and the engine loop's admissions (`StepLoop._admit`, rows: the requests, their
+encoding within), so that the time between two steps can be split. Each call is timed between CUDA
 synchronisations (`--no-sync`: host time only, the GPU left to run ahead), so a step's time is its GPU work
 and the host's launches together; the synchronisations cost the decode-ahead overlap, so the benchmark's own
 figures in the same run are slower than without the trace. Each call is classified by its shape: a pure
@@ -27,10 +29,12 @@ import torch
 from in_process import command_of, command_parser, reraise, run
 
 from omnistage.engine.graphs import PrefillGraphs
+from omnistage.engine.stages.encoders import EncoderStage
 from omnistage.engine.stages.row_runner import RowRunner
 from omnistage.engine.stages.token_runner import TokenRunner
 from omnistage.models.qwen3_omni.code2wav_streamer import Code2WavStreamer
 from omnistage.pipeline.handoff import Handoff
+from omnistage.pipeline.step_loop import StepLoop
 
 Record = dict[str, Any]
 
@@ -105,6 +109,12 @@ def install(records: list[Record], sync: bool) -> None:
     Code2WavStreamer._decode = _timed(
         records, "Code2Wav", sync, lambda self, size, ids: (f"{size}-frame chunks", len(ids), 0)
     )(Code2WavStreamer._decode)
+    EncoderStage.encode_many = _timed(
+        records, "encoders", sync, lambda self, prompts, *a, **k: ("media", len(prompts), 0)
+    )(EncoderStage.encode_many)
+    StepLoop._admit = _timed(
+        records, "engine loop", sync, lambda self, requests: ("admitted", len(requests), 0)
+    )(StepLoop._admit)
 
 
 def summarize(records: list[Record]) -> list[dict[str, Any]]:
