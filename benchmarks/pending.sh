@@ -17,6 +17,9 @@
 # - asr:        Qwen3-ASR 0.6B and 1.7B at c = 128 (item 4's targets on this card; benchmarks/under_load.sh);
 # - asr_budget: the 0.6B at c = 128 with 2,048, 4,096 and 8,192 tokens a step (prefill graphs to the same):
 #               arrivals come in waves of up to 128 prompts, which a 2,048-token step takes in several;
+# - asr_burst:  the 0.6B at c = 128 as before, then with `--count-preparing` (each request counted as being prepared
+#               until it goes in, as the server counts them: an idle engine holds a wave for its last request),
+#               one host: the waves' admission one at a time or whole;
 # - asr_2min:   Qwen3-ASR 0.6B and 1.7B on 2-minute clips at c = 64 (400 tokens forced, each request its own
 #               clip) beside transformers one request at a time on the same weights (item 4's second half);
 # - trace_video: a 30 s 720p video with its sound at c = 1 under benchmarks/step_trace.py (two requests, KV_GIB
@@ -114,6 +117,11 @@ for name in ${*:-http inproc video_host video asr baseline}; do
         step "asr_budget_$tokens" 95 env ASR="0.6b:128" T2S_C=" " A2T_S=90 TAG="_b$tokens" A2T_ARGS="--rounds 16 \
           --max-num-batched-tokens $tokens --max-prefill-graph-tokens $tokens" bash benchmarks/under_load.sh
       done ;;
+    asr_burst)
+      step asr_burst_off 95 env ASR="0.6b:128" T2S_C=" " A2T_S=90 TAG="_burst_off" A2T_ARGS="--rounds 16" \
+        bash benchmarks/under_load.sh
+      step asr_burst_on 95 env ASR="0.6b:128" T2S_C=" " A2T_S=90 TAG="_burst_on" \
+        A2T_ARGS="--rounds 16 --count-preparing" bash benchmarks/under_load.sh ;;
     asr_2min) step asr_2min 330 env ASR="0.6b:64 1.7b:64" T2S_C=" " A2T_S=160 TAG=_2min \
       A2T_ARGS="--synth 2min --output-tokens 400 --rounds 2 --baseline transformers" bash benchmarks/under_load.sh ;;
     trace_video) step trace_video 300 sh -c 'mkdir -p "$OUT" && timeout 300 python3 benchmarks/step_trace.py \
@@ -177,7 +185,7 @@ for name in ${*:-http inproc video_host video asr baseline}; do
       --long --out "$OUT/prefill_attention_long.json" 2>&1 | tee "$OUT/prefill_attention_long.log"' ;;
     *) echo "pending: no step $name (http, inproc, video_host, video, video_kv, asr, baseline, spy_asr, handoff," \
       "long_attention, long_prefill, video_flash, admission, asr_ab, sync_asr, sync_asr_before," \
-      "asr_profile, trace_asr, engine_asr, decode_attention, asr_budget, asr_2min, trace_video, video_ab)" >&2
+      "asr_profile, trace_asr, engine_asr, decode_attention, asr_budget, asr_burst, asr_2min, trace_video, video_ab)" >&2
       exit 2 ;;
   esac
 done

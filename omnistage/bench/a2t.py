@@ -133,6 +133,7 @@ def run_a2t(args: argparse.Namespace) -> dict[str, Any]:
         "max_num_batched_tokens": args.max_num_batched_tokens,
         "max_prefill_graph_tokens": args.max_prefill_graph_tokens,
         "admission_hold_steps": args.admission_hold_steps,
+        "admission_window_ms": args.admission_window_ms,
         "stream_interval": args.stream_interval,
     }
     config = engine_config(
@@ -155,10 +156,11 @@ def run_a2t(args: argparse.Namespace) -> dict[str, Any]:
         engine = AsyncPipeline(pipeline)
     results["engine_start_s"] = round(time.perf_counter() - started, 2)
     results["engine_process"] = args.engine_process
+    results["count_preparing"] = args.count_preparing
     results["target"] = {"model": str(engine.frontend.model_path), "load_format": args.load_format}
     results["engine"] = engine.memory_summary()
     try:
-        run = inprocess_runner(engine, output_tokens, args.max_tokens)
+        run = inprocess_runner(engine, output_tokens, args.max_tokens, args.count_preparing)
         cached = cache_counts(engine.stats())
         results["ours"] = run_async(sweep(run, clips, concurrencies, args.warmup, args.repeats, args.rounds))
         results["caches_served"] = served_since(cached, cache_counts(engine.stats()))
@@ -322,6 +324,13 @@ def add_parser(sub: Any) -> None:
                         help="largest prefill chunk captured in a CUDA graph (0: none; default: the engine's)")  # fmt: skip
     target.add_argument("--admission-hold-steps", type=int,
                         help="in-process: steps a busy engine holds its arrivals (default: the engine's)")  # fmt: skip
+    target.add_argument("--admission-window-ms", type=float,
+                        help="in-process: how long an idle engine holds a burst for the requests still being "
+                             "prepared (default: the engine's)")  # fmt: skip
+    target.add_argument("--count-preparing", action="store_true",
+                        help="in-process: count each request as being prepared until it goes in, as the server "
+                             "does, so that an idle engine holds a burst for its last request (off: each goes in "
+                             "as it comes, as in earlier runs)")  # fmt: skip
     target.add_argument("--stream-interval", type=int,
                         help="in-process: a streamed reply's tokens per output (default: the engine's, 4 for "
                              "Qwen3-ASR)")  # fmt: skip

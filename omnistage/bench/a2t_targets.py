@@ -110,8 +110,12 @@ def _form_value(value: float | bool) -> str:
     return str(value).lower() if isinstance(value, bool) else str(value)
 
 
-def inprocess_runner(engine: Any, output_tokens: int | None, max_tokens: int) -> Runner:
-    """Requests straight into an AsyncPipeline, prompts laid out by its processor as the server does."""
+def inprocess_runner(
+    engine: Any, output_tokens: int | None, max_tokens: int, count_preparing: bool = False
+) -> Runner:
+    """Requests straight into an AsyncPipeline, prompts laid out by its processor as the server does. With
+    `count_preparing`, each request is counted as being prepared from its clock's start until it goes in, as the
+    server counts those it reads (`AsyncPipeline.preparing`): an idle engine then holds a burst for its last."""
     from omnistage.request import GenerationRequest, SamplingParams
 
     params = SamplingParams(**forced(output_tokens, max_tokens))
@@ -120,14 +124,20 @@ def inprocess_runner(engine: Any, output_tokens: int | None, max_tokens: int) ->
     async def run(clip: Clip, number: int) -> RequestTiming:
         clip = clip.heard_as(number)
         start = time.perf_counter()
-        prompt = await asyncio.to_thread(processor.transcription, clip.audio, None, None)
+        preparing = engine.preparing() if count_preparing else None
+        try:
+            prompt = await asyncio.to_thread(processor.transcription, clip.audio, None, None)
+        except BaseException:
+            if preparing is not None:
+                preparing.done()
+            raise
         prepared = time.perf_counter() - start
         submitted = time.monotonic()
         final, received = None, None
         request = GenerationRequest(
             f"a2t-{number}", prompt.token_ids, params, prompt.prompt, prompt.mrope, prompt.mm
         )
-        async for output in engine.generate(request):
+        async for output in engine.generate(request, preparing):
             # the first token as this consumer gets it, as a client over HTTP gets its first chunk
             received = received or (time.monotonic() if output.outputs[0].token_ids else None)
             final = output

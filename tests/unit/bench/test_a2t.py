@@ -346,3 +346,32 @@ def test_qwen3_asr_with_the_engine_in_a_process_of_its_own(tmp_path):
     remote = build_parser().parse_args(["bench", "a2t", "--url", "http://127.0.0.1:1", "--engine-process"])
     with pytest.raises(SystemExit, match="--engine-process is in-process"):
         remote.func(remote)
+
+
+def test_counting_requests_being_prepared_holds_an_idle_engines_burst_for_its_last(tmp_path, monkeypatch):
+    """`--count-preparing`: each request counts as being prepared until it goes in, as the server counts those it
+    reads, so an idle engine admits a burst whole (one encoder pass, one prompt step) once its last arrives."""
+    from omnistage.models.qwen3_asr.tiny import make_tiny
+    from omnistage.pipeline.step_loop import StepLoop
+
+    admitted: list[int] = []
+    admit = StepLoop._admit
+
+    def counted(self, requests):
+        admitted.append(len(requests))
+        return admit(self, requests)
+
+    monkeypatch.setattr(StepLoop, "_admit", counted)
+    checkpoint = make_tiny(tmp_path / "asr")
+    out = tmp_path / "a2t.json"
+    args = build_parser().parse_args(
+        ["bench", "a2t", "--model", str(checkpoint), "--device", "cpu", "--limit", "4", "--no-espeak",
+         "--concurrency", "4", "--output-tokens", "3", "--repeats", "1", "--count-preparing",
+         "--admission-window-ms", "60000", "--out", str(out)]
+    )  # fmt: skip
+    args.func(args)
+    results = json.loads(out.read_text())
+    (ours,) = results["ours"]
+    assert results["count_preparing"] is True
+    assert ours["requests"] == 4 and ours["output_tokens"] == 12
+    assert admitted == [1, 4]  # the warm-up request alone, then the burst of four together
