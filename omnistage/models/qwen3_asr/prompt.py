@@ -91,7 +91,7 @@ def prompt_ids(
     """Token ids of the prompt for a clip of `mel_frames` frames, its placeholder expanded to one per audio token.
 
     With `max_model_len`, a prompt that leaves no room for one generated token is a RequestTooLarge."""
-    if any(
+    if context and any(
         token.content in context for token in tokenizer.get_added_tokens_decoder().values() if token.special
     ):
         raise InvalidRequest("the context holds a control token (such as <|im_end|>); send plain text")
