@@ -22,6 +22,7 @@ prompt. Its keys then meet the answer's pages, and the next turn prefills only w
 from __future__ import annotations
 
 import hashlib
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -67,19 +68,28 @@ def _chain(
 ) -> list[bytes]:
     """The keys of the full pages of `ids`, rows `first_row`.. of a sequence, after the key `previous` (b"":
     none); `positions` `[3, >= len(ids)]` of those rows."""
+    pages = len(ids) // page_size
+    id_bytes = ids[: pages * page_size].astype(np.int64, copy=False).tobytes()
+    width = page_size * 8
+    # per kind, the rows' bounds in each page and each row's place in its page, found for all pages at once
+    kinds = []
+    for kind in media:
+        bounds = np.searchsorted(kind.rows, first_row + np.arange(pages + 1) * page_size).tolist()
+        places = ((kind.rows - first_row) % page_size).astype(np.int64).tobytes()
+        kinds.append((bounds, places, np.ascontiguousarray(kind.values)))
     keys: list[bytes] = []
-    for page in range(len(ids) // page_size):
+    for page in range(pages):
         start, end = page * page_size, (page + 1) * page_size
         h = hashlib.blake2b(previous, digest_size=32)
-        h.update(ids[start:end].tobytes())
+        h.update(id_bytes[page * width : (page + 1) * width])
         if positions is not None:
             h.update(np.ascontiguousarray(positions[:, start:end], dtype=np.int64).tobytes())
-        for kind in media:
-            lo, hi = np.searchsorted(kind.rows, [first_row + start, first_row + end])
+        for bounds, places, values in kinds:
+            lo, hi = bounds[page], bounds[page + 1]
             # a kind's count first: the bytes that follow are read in one way only
-            h.update(np.int64(hi - lo).tobytes())
-            h.update((kind.rows[lo:hi] - first_row - start).astype(np.int64).tobytes())
-            h.update(xxhash.xxh3_128_digest(np.ascontiguousarray(kind.values[lo:hi]).data))
+            h.update((hi - lo).to_bytes(8, sys.byteorder, signed=True))
+            h.update(places[lo * 8 : hi * 8])
+            h.update(xxhash.xxh3_128_digest(values[lo:hi].data))
         previous = h.digest()
         keys.append(previous)
     return keys

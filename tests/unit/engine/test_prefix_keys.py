@@ -89,3 +89,21 @@ def test_no_page_from_the_bound_on_is_keyed():
     keys = PageKeys.of_prompt(ids[:10], 4, end=1)
     keys.extend(4, lambda start, stop: ids[start:stop])
     assert keys.keys == page_keys(ids, 4, 1)
+
+
+def test_keys_made_a_page_at_a_time_equal_those_made_at_once():
+    """A sequence keys its pages as their ids become known, each call after the rows keyed before it: the keys
+    of every page, media rows split across calls included, are those of keying the whole at once."""
+    rng = np.random.default_rng(3)
+    ids = rng.integers(0, 150_000, 45).tolist()
+    audio = MediaRows(np.arange(3, 19), rng.integers(0, 256, (16, 6), dtype=np.uint8))
+    image = MediaRows(np.array([21, 22, 30, 37]), rng.integers(0, 256, (4, 6), dtype=np.uint8))
+    whole = page_keys(ids, 4, 11, media=(audio, image))
+    assert len(whole) == 11 and len(set(whole)) == 11
+    for steps in ([1] * 11, [3, 2, 5, 1], [11]):
+        keys = PageKeys([], 4, media=(audio, image))
+        pages = 0
+        for step in steps:
+            pages += step
+            keys.extend(pages, lambda start, stop: ids[start:stop])
+        assert keys.keys == whole
