@@ -59,7 +59,7 @@ from omnistage.engine.stages.vision_rows import (
     vision_pieces,
 )
 from omnistage.errors import InvalidRequest
-from omnistage.models.layers.attention_metadata import cat_to_device, to_device
+from omnistage.models.layers.attention_metadata import cat_to_device, to_device_together
 from omnistage.models.multimodal import MultimodalInputs
 
 log = logging.getLogger(__name__)
@@ -331,8 +331,11 @@ class EncoderStage:
         return peak.bytes, held
 
     def _place(self, token_ids: list[int], audio: torch.Tensor | None, seen: VisionRows) -> MultimodalEmbeds:
-        ids = torch.tensor(token_ids)
-        none = torch.zeros_like(ids, dtype=torch.bool)
+        """The prompt's placeholder rows for its encoders' outputs, found on the host (numpy: an admission places
+        every prompt it admits, and torch's per-call cost on small host tensors is most of this one's) and
+        copied to the device together."""
+        ids = np.asarray(token_ids)
+        none = np.zeros(len(ids), dtype=bool)
         is_audio = ids == self.audio.token_id
         is_image = ids == self.images.token_id if self.images is not None else none
         is_video = ids == self.videos.token_id if self.videos is not None else none
@@ -346,15 +349,11 @@ class EncoderStage:
                 raise InvalidRequest(
                     f"the prompt has {int(mask.sum())} {kind} placeholder tokens but its {kind} gives {found}"
                 )
-        audio_rows = is_audio.nonzero().flatten()
-        vision_rows = (is_image | is_video).nonzero().flatten()
-        embeds, deepstack = seen.in_prompt_order(is_image[vision_rows])
-        return MultimodalEmbeds(  # the positions through pinned memory: their copies wait for nothing queued
-            to_device(audio_rows, self.device),
-            audio,
-            to_device(vision_rows, self.device),
-            embeds,
-            deepstack,
-            audio_rows.numpy(),
-            vision_rows.numpy(),
+        audio_rows = np.flatnonzero(is_audio)
+        vision_rows = np.flatnonzero(is_image | is_video)
+        embeds, deepstack = seen.in_prompt_order(torch.from_numpy(is_image[vision_rows]))
+        # the positions through one pinned buffer: their copy waits for nothing queued
+        on_device = to_device_together(
+            [torch.from_numpy(audio_rows), torch.from_numpy(vision_rows)], self.device
         )
+        return MultimodalEmbeds(on_device[0], audio, on_device[1], embeds, deepstack, audio_rows, vision_rows)
