@@ -55,7 +55,9 @@
 #               by thread and site (`sync_asr_before`: the same over the tree exported to .ab);
 # - asr_profile: the 0.6B's decode steps of 128 rows, and loaded ones (two clips encoded and prefilled beside
 #               them), under torch.profiler (benchmarks/decode_profile.py --arrivals 2);
-# - trace_asr:  the 0.6B at c = 128 under benchmarks/step_trace.py: each step's class, rows and time;
+# - trace_asr:  the 0.6B at c = 128 under benchmarks/step_trace.py: each step's class, rows and time, then the
+#               gaps between its steps split into admissions, encoding and the rest (benchmarks/trace_gaps.py;
+#               TRACE_ARGS: more `bench a2t` flags, e.g. --count-preparing);
 # - engine_asr: the 0.6B at c = 128 with the engine's thread under cProfile and every thread's CPU time
 #               (benchmarks/engine_profile.py), then under py-spy sampling only the thread that holds the
 #               interpreter's lock (spy.sh with SPY_ARGS=--gil; carry .whl-spy too): where the host's time goes;
@@ -165,7 +167,8 @@ for name in ${*:-http inproc video_host video asr baseline}; do
       tail -40 "$OUT/profile.log"' ;;
     trace_asr) step trace_asr 110 sh -c 'mkdir -p "$OUT" && timeout 110 python3 benchmarks/step_trace.py \
       --out "$OUT/trace_asr.json" -- bench a2t --load-format dummy --skeleton qwen3-asr-0.6b --device cuda \
-      --concurrency 128 --rounds 4 --repeats 1 >"$OUT/trace_asr.log" 2>&1; grep -E "^\| " "$OUT/trace_asr.log"' ;;
+      --concurrency 128 --rounds 4 --repeats 1 $TRACE_ARGS >"$OUT/trace_asr.log" 2>&1; grep -E "^\| " "$OUT/trace_asr.log"
+      python3 benchmarks/trace_gaps.py "$OUT/trace_asr.json" | tee "$OUT/trace_asr_gaps.txt"' ;;
     engine_asr) step engine_asr 200 sh -c 'mkdir -p "$OUT" && timeout 110 python3 benchmarks/engine_profile.py \
       --out "$OUT/engine_profile.json" -- bench a2t --load-format dummy --skeleton qwen3-asr-0.6b --device cuda \
       --concurrency 128 --rounds 4 --repeats 1 >"$OUT/engine_profile.log" 2>&1; grep -v " INFO " "$OUT/engine_profile.log" | tail -70
