@@ -55,6 +55,8 @@
 #               by thread and site (`sync_asr_before`: the same over the tree exported to .ab);
 # - asr_profile: the 0.6B's decode steps of 128 rows, and loaded ones (two clips encoded and prefilled beside
 #               them), under torch.profiler (benchmarks/decode_profile.py --arrivals 2);
+# - admission_host: the host's share of admitting one Qwen3-ASR prompt outside the tower (its prefix keys and
+#               placeholder rows; benchmarks/admission_host.py), on this tree and on .ab's where it is carried;
 # - trace_asr:  the 0.6B at c = 128 under benchmarks/step_trace.py: each step's class, rows and time, then the
 #               gaps between its steps split into admissions, encoding and the rest (benchmarks/trace_gaps.py;
 #               TRACE_ARGS: more `bench a2t` flags, e.g. --count-preparing);
@@ -165,6 +167,8 @@ for name in ${*:-http inproc video_host video asr baseline}; do
     asr_profile) step asr_profile 150 sh -c 'mkdir -p "$OUT" && timeout 150 python3 benchmarks/decode_profile.py \
       --skeleton qwen3-asr-0.6b --seconds 5 --batch 128 --arrivals 2 --out-dir "$OUT" >"$OUT/profile.log" 2>&1;
       tail -40 "$OUT/profile.log"' ;;
+    admission_host) step admission_host 20 sh -c 'mkdir -p "$OUT" && { python3 benchmarks/admission_host.py; [ -d .ab ] &&
+      PYTHONPATH=.ab python3 benchmarks/admission_host.py; } 2>&1 | tee "$OUT/admission_host.txt"' ;;
     trace_asr) step trace_asr 110 sh -c 'mkdir -p "$OUT" && timeout 110 python3 benchmarks/step_trace.py \
       --out "$OUT/trace_asr.json" -- bench a2t --load-format dummy --skeleton qwen3-asr-0.6b --device cuda \
       --concurrency 128 --rounds 4 --repeats 1 $TRACE_ARGS >"$OUT/trace_asr.log" 2>&1; grep -E "^\| " "$OUT/trace_asr.log"
@@ -188,7 +192,7 @@ for name in ${*:-http inproc video_host video asr baseline}; do
       --long --out "$OUT/prefill_attention_long.json" 2>&1 | tee "$OUT/prefill_attention_long.log"' ;;
     *) echo "pending: no step $name (http, inproc, video_host, video, video_kv, asr, baseline, spy_asr, handoff," \
       "long_attention, long_prefill, video_flash, admission, asr_ab, sync_asr, sync_asr_before," \
-      "asr_profile, trace_asr, engine_asr, decode_attention, asr_budget, asr_burst, asr_2min, trace_video, video_ab)" >&2
+      "asr_profile, admission_host, trace_asr, engine_asr, decode_attention, asr_budget, asr_burst, asr_2min, trace_video, video_ab)" >&2
       exit 2 ;;
   esac
 done
