@@ -8,7 +8,9 @@ Runs the `omnistage` command after `--` in this process with the stages' step fu
 prompts (`Handoff.start_talkers`, rows: the requests), the code predictor's frames (`Handoff.launch_frames`),
 Code2Wav's decode calls (`Code2WavStreamer._decode`), the encoder stage's calls (`EncoderStage.encode_many`,
 rows: the prompts with media) and the engine loop's admissions (`StepLoop._admit`, rows: the requests, their
-encoding within), so that the time between two steps can be split. Each call is timed between CUDA
+encoding within), so that the time between two steps can be split; and within the hand-off, its pieces: the
+prompts' rows gathered (`talker_prompts`), the media rows' copy to the host, each prompt's positions and prefix
+keys, and the Talker's `add` (rows: the prompts' rows). Each call is timed between CUDA
 synchronisations (`--no-sync`: host time only, the GPU left to run ahead), so a step's time is its GPU work
 and the host's launches together; the synchronisations cost the decode-ahead overlap, so the benchmark's own
 figures in the same run are slower than without the trace. Each call is classified by its shape: a pure
@@ -31,8 +33,10 @@ from in_process import command_of, command_parser, reraise, run
 from omnistage.engine.graphs import PrefillGraphs
 from omnistage.engine.stages.encoders import EncoderStage
 from omnistage.engine.stages.row_runner import RowRunner
+from omnistage.engine.stages.rows import RowStage
 from omnistage.engine.stages.token_runner import TokenRunner
 from omnistage.models.qwen3_omni.code2wav_streamer import Code2WavStreamer
+from omnistage.pipeline import handoff
 from omnistage.pipeline.handoff import Handoff
 from omnistage.pipeline.step_loop import StepLoop
 
@@ -115,6 +119,31 @@ def install(records: list[Record], sync: bool) -> None:
     StepLoop._admit = _timed(
         records, "engine loop", sync, lambda self, requests: ("admitted", len(requests), 0)
     )(StepLoop._admit)
+    _time_handoff_pieces(records, sync)
+
+
+def _time_handoff_pieces(records: list[Record], sync: bool) -> None:
+    """The pieces of the hand-off's Talker prompts (inside `Handoff.start_talkers`), rows: the prompts' rows."""
+    pieces: dict[str, Callable[..., tuple[str, int, int]]] = {
+        "talker_prompts": lambda talker, tokens, tts, table, sources: (
+            "prompts' rows gathered",
+            sum(len(s.ids) for s in sources),
+            0,
+        ),
+        "talker_positions": lambda prompt, *a: ("prompt's positions", len(prompt.rope_ids), 0),
+        "talker_keys": lambda ids, *a: ("prompt's prefix keys", len(ids), 0),
+    }
+    for name, describe in pieces.items():
+        setattr(handoff, name, _timed(records, "hand-off", sync, describe)(getattr(handoff, name)))
+    Handoff.media_on_host = _timed(
+        records,
+        "hand-off",
+        sync,
+        lambda self, sources: ("media rows to the host", sum(len(s.media_hidden) for s in sources), 0),
+    )(Handoff.media_on_host)
+    RowStage.add = _timed(
+        records, "hand-off", sync, lambda self, request_id, embeds, *a, **k: ("Talker add", len(embeds), 0)
+    )(RowStage.add)
 
 
 def summarize(records: list[Record]) -> list[dict[str, Any]]:
