@@ -59,7 +59,8 @@
 #               placeholder rows; benchmarks/admission_host.py), on this tree and on .ab's where it is carried;
 # - trace_asr:  the 0.6B at c = 128 under benchmarks/step_trace.py: each step's class, rows and time, then the
 #               gaps between its steps split into admissions, encoding and the rest (benchmarks/trace_gaps.py;
-#               TRACE_ARGS: more `bench a2t` flags, e.g. --count-preparing);
+#               TRACE_ARGS: more `bench a2t` flags, e.g. --count-preparing; TRACE_FLAGS=--no-sync: the host's
+#               times alone, the device left to overlap them as it does untraced);
 # - engine_asr: the 0.6B at c = 128 with the engine's thread under cProfile and every thread's CPU time
 #               (benchmarks/engine_profile.py), then under py-spy sampling only the thread that holds the
 #               interpreter's lock (spy.sh with SPY_ARGS=--gil; carry .whl-spy too): where the host's time goes;
@@ -170,7 +171,7 @@ for name in ${*:-http inproc video_host video asr baseline}; do
     admission_host) step admission_host 20 sh -c 'mkdir -p "$OUT" && { python3 benchmarks/admission_host.py; [ -d .ab ] &&
       PYTHONPATH=.ab python3 benchmarks/admission_host.py; } 2>&1 | tee "$OUT/admission_host.txt"' ;;
     trace_asr) step trace_asr 110 sh -c 'mkdir -p "$OUT" && timeout 110 python3 benchmarks/step_trace.py \
-      --out "$OUT/trace_asr.json" -- bench a2t --load-format dummy --skeleton qwen3-asr-0.6b --device cuda \
+      $TRACE_FLAGS --out "$OUT/trace_asr.json" -- bench a2t --load-format dummy --skeleton qwen3-asr-0.6b --device cuda \
       --concurrency 128 --rounds 4 --repeats 1 $TRACE_ARGS >"$OUT/trace_asr.log" 2>&1; grep -E "^\| " "$OUT/trace_asr.log"
       python3 benchmarks/trace_gaps.py "$OUT/trace_asr.json" | tee "$OUT/trace_asr_gaps.txt"' ;;
     engine_asr) step engine_asr 200 sh -c 'mkdir -p "$OUT" && timeout 110 python3 benchmarks/engine_profile.py \
