@@ -30,6 +30,7 @@ from typing import cast
 import numpy as np
 import torch
 
+from omnistage.engine.stages.host_rows import to_host
 from omnistage.engine.stages.rows import InFlight, Sampled
 from omnistage.engine.stages.token_runner import HiddenTap
 from omnistage.models.layers.attention_metadata import to_device
@@ -263,13 +264,19 @@ class Handoff:
 
     def media_on_host(self, sources: list[PromptSource]) -> list[torch.Tensor]:
         """Each prompt's media hidden states on the host (the Talker's prefix keys hold their bytes), in one
-        copy, and none where no prompt has media."""
+        copy, and none where no prompt has media. From a GPU the copy lands in pinned memory: a pageable one
+        is staged through a bounce buffer at a fraction of the bus's speed (a 30 s video's 90 MB took 65-74 ms
+        of its Talker prompt's ~110 on an H100, benchmarks/RESULTS.md); the keys read the bytes at once, so
+        the copy is waited for."""
         counts = [len(source.media_hidden) for source in sources]
         if not any(counts):
             width = self.model_config.thinker.text.hidden_size
             return [self.text_rows.new_empty(0, width, device="cpu") for _ in sources]
         hidden = torch.cat([source.media_hidden.to(self.text_rows.device) for source in sources])
-        return list(hidden.to("cpu").split(counts))
+        host = to_host(hidden)
+        if hidden.is_cuda:
+            torch.cuda.current_stream(hidden.device).synchronize()
+        return list(host.split(counts))
 
     def feed_text(self) -> None:
         """Give each Talker waiting with a finished frame its next input row, where the text row is known."""
