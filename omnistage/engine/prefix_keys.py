@@ -71,6 +71,11 @@ def _chain(
     pages = len(ids) // page_size
     id_bytes = ids[: pages * page_size].astype(np.int64, copy=False).tobytes()
     width = page_size * 8
+    # each page's [3, page_size] positions, laid out page after page
+    position_bytes = b""
+    if positions is not None:
+        by_page = positions[:, : pages * page_size].reshape(3, pages, page_size).transpose(1, 0, 2)
+        position_bytes = np.ascontiguousarray(by_page, dtype=np.int64).tobytes()
     # per kind, the rows' bounds in each page and each row's place in its page, found for all pages at once
     kinds = []
     for kind in media:
@@ -79,11 +84,10 @@ def _chain(
         kinds.append((bounds, places, np.ascontiguousarray(kind.values)))
     keys: list[bytes] = []
     for page in range(pages):
-        start, end = page * page_size, (page + 1) * page_size
         h = hashlib.blake2b(previous, digest_size=32)
         h.update(id_bytes[page * width : (page + 1) * width])
         if positions is not None:
-            h.update(np.ascontiguousarray(positions[:, start:end], dtype=np.int64).tobytes())
+            h.update(position_bytes[3 * page * width : 3 * (page + 1) * width])
         for bounds, places, values in kinds:
             lo, hi = bounds[page], bounds[page + 1]
             # a kind's count first: the bytes that follow are read in one way only
