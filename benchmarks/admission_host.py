@@ -1,4 +1,5 @@
-"""The host's share of admitting one Qwen3-ASR prompt, outside the tower: its prefix keys and its placeholder rows.
+"""The host's share of admitting one Qwen3-ASR prompt, outside the tower (its prefix keys and its placeholder
+rows), and of a 30 s video's Talker prompt (its prefix keys).
 
     python benchmarks/admission_host.py                    # this tree
     PYTHONPATH=.ab python benchmarks/admission_host.py     # the tree `before_after.sh export REV` put in .ab/
@@ -7,7 +8,9 @@ A wave of 128 transcriptions at c=128 is admitted in one call of the engine's th
 (benchmarks/RESULTS.md, "Where the 0.6B's time goes at c=128"), so each prompt's host work counts 128 times.
 Times `PageKeys.of_prompt` (16-row pages, its audio rows' bytes hashed) and `EncoderStage._place` (on the CPU:
 without the device copy) on a prompt of the released 0.6B's shape: 80 ids, 60 audio rows of 1,024 bf16 values.
-Prints the best of `--repeats` runs of `--calls` calls each, in µs a call.
+The hand-off keys a 30 s 720p video's Talker prompt (`talker_keys`: 22,013 rows, 21,989 of them the video's,
+each 2,048 bf16 hidden values, with M-RoPE positions) between its first text token and its first packet.
+Prints the best of `--repeats` runs of `--calls` calls each (a hundredth of them for the video), in µs a call.
 """
 
 from __future__ import annotations
@@ -24,10 +27,14 @@ import omnistage
 from omnistage.engine.prefix_keys import MediaRows, PageKeys
 from omnistage.engine.stages.encoders import EncoderStage
 from omnistage.engine.stages.vision_rows import VisionRows
+from omnistage.models.layers.rotary import PromptPositions
+from omnistage.models.qwen3_omni.talker_input import SpeechTokens
+from omnistage.pipeline.talker_prefix import talker_keys
 
 AUDIO_TOKEN = 151676  # Qwen3-ASR's <|audio_pad|>
 IDS = [151644] * 10 + [AUDIO_TOKEN] * 60 + [198] * 10
 ROWS = np.arange(10, 70)
+VIDEO_TOKEN, VIDEO_ROWS = 151656, 21_989  # Qwen3-Omni's <|video_pad|>; a 30 s video's rows with its sound
 
 
 def best_us(fn: Callable[[], object], calls: int, repeats: int) -> float:
@@ -54,14 +61,27 @@ def main() -> None:
     stage.images = stage.videos = None
     stage.device = torch.device("cpu")
     audio = torch.zeros(len(ROWS), 1024, dtype=torch.bfloat16)
+    speech = SpeechTokens(151644, 872, 77091, (151675, 151655, VIDEO_TOKEN), 0, 0, 0, 0, 0, 0, 0, 0, {})
+    video_ids = [151644, 872, 198, *[VIDEO_TOKEN] * VIDEO_ROWS, *[198] * 16, 151645, 198, 151644, 77091, 198]
+    hidden = torch.from_numpy(np.random.default_rng(1).integers(0, 256, (VIDEO_ROWS, 4096), dtype=np.uint8))
+    hidden = hidden.view(torch.bfloat16)
+    user = len(video_ids) - 3  # the Talker prompt's user rows, then its 9 assistant rows
+    positions = PromptPositions(torch.arange(user + 9).expand(3, -1).contiguous(), 0)
     timed = {
-        "prefix keys (PageKeys.of_prompt)": lambda: PageKeys.of_prompt(IDS, 16, media=media),
-        "placeholder rows (EncoderStage._place)": lambda: stage._place(IDS, audio, VisionRows()),
+        "prefix keys (PageKeys.of_prompt)": (lambda: PageKeys.of_prompt(IDS, 16, media=media), args.calls),
+        "placeholder rows (EncoderStage._place)": (
+            lambda: stage._place(IDS, audio, VisionRows()),
+            args.calls,
+        ),
+        "a 30 s video's Talker keys (talker_keys)": (
+            lambda: talker_keys(video_ids, speech, hidden, positions, 16),
+            max(1, args.calls // 100),
+        ),
     }
     print(f"omnistage from {omnistage.__file__}")
-    for name, fn in timed.items():
+    for name, (fn, calls) in timed.items():
         fn()
-        print(f"{name}: {best_us(fn, args.calls, args.repeats):.1f} µs a call")
+        print(f"{name}: {best_us(fn, calls, args.repeats):.1f} µs a call")
 
 
 if __name__ == "__main__":

@@ -1,4 +1,4 @@
-"""benchmarks/admission_host.py: a CPU run of the admission's host-work timer on this tree."""
+"""benchmarks/admission_host.py: a CPU run of the admission's and the hand-off's host-work timer on this tree."""
 
 import runpy
 import sys
@@ -13,5 +13,9 @@ def test_it_times_the_keys_and_the_placeholder_rows_of_this_tree(monkeypatch, ca
     lines = capsys.readouterr().out.splitlines()
     assert lines[0] == f"omnistage from {Path(__file__).parents[1] / 'omnistage' / '__init__.py'}"
     timed = dict(line.rsplit(": ", 1) for line in lines[1:])
-    assert list(timed) == ["prefix keys (PageKeys.of_prompt)", "placeholder rows (EncoderStage._place)"]
+    assert list(timed) == [
+        "prefix keys (PageKeys.of_prompt)",
+        "placeholder rows (EncoderStage._place)",
+        "a 30 s video's Talker keys (talker_keys)",
+    ]
     assert all(value.endswith(" µs a call") and float(value.split()[0]) > 0 for value in timed.values())
