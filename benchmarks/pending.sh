@@ -56,7 +56,8 @@
 # - asr_profile: the 0.6B's decode steps of 128 rows, and loaded ones (two clips encoded and prefilled beside
 #               them), under torch.profiler (benchmarks/decode_profile.py --arrivals 2);
 # - admission_host: the host's share of admitting one Qwen3-ASR prompt outside the tower (its prefix keys and
-#               placeholder rows; benchmarks/admission_host.py), on this tree and on .ab's where it is carried;
+#               placeholder rows) and of keying a 30 s video's Talker prompt (benchmarks/admission_host.py), on
+#               this tree and on .ab's where it is carried;
 # - trace_asr:  the 0.6B at c = 128 under benchmarks/step_trace.py: each step's class, rows and time, then the
 #               gaps between its steps split into admissions, encoding and the rest (benchmarks/trace_gaps.py;
 #               TRACE_ARGS: more `bench a2t` flags, e.g. --count-preparing; TRACE_FLAGS=--no-sync: the host's
