@@ -21,7 +21,7 @@ from omnistage.errors import InvalidRequest
 from omnistage.models.layers.rotary import PromptPositions
 from omnistage.models.multimodal import MultimodalInputs
 from omnistage.models.qwen3_omni.config import ThinkerConfig
-from omnistage.models.qwen3_omni.video_layout import frame_times, interleaved, with_audio_tokens
+from omnistage.models.qwen3_omni.video_layout import frame_times, interleaved
 
 
 @dataclass(frozen=True)
@@ -57,44 +57,46 @@ class MediaLayout:
         """Whether any position differs from its index (an image or a video)."""
         return bool(self.image_grids or self.videos)
 
-    def positions(self, token_ids: list[int], cfg: ThinkerConfig) -> PromptPositions:
+    def positions(self, token_ids: list[int] | torch.Tensor, cfg: ThinkerConfig) -> PromptPositions:
         return rope_positions(token_ids, self.image_grids, self.audio_tokens, cfg, self.videos)
 
 
 def rope_positions(
-    token_ids: list[int],
+    token_ids: list[int] | torch.Tensor,
     image_grids: list[tuple[int, int, int]],
     audio_token_counts: list[int],
     cfg: ThinkerConfig,
     videos: Sequence[VideoLayout] = (),
 ) -> PromptPositions:
-    """Positions `[3, L]` of an expanded prompt; its placeholder runs must match the grids and counts, in order."""
+    """Positions `[3, L]` of an expanded prompt (its ids, or a long tensor of them: the checks run as tensor
+    ops, as a 30 s video's 22k ids would be slow to compare one by one); its placeholder runs must match the
+    grids and counts, in order."""
     ids = torch.as_tensor(token_ids, dtype=torch.long)
     placeholders = torch.tensor([cfg.audio_token_id, cfg.image_token_id, cfg.video_token_id])
     positions = torch.empty(3, len(token_ids), dtype=torch.long)
     grids, counts, clips = iter(image_grids), iter(audio_token_counts), iter(videos)
     cursor = next_pos = 0  # next token to place, and the position it takes if it is text
-    for i in torch.isin(ids, placeholders).nonzero().flatten().tolist():
-        if i < cursor:  # inside a block already placed
-            continue
+    found = torch.isin(ids, placeholders).nonzero().flatten()
+    while (k := int(torch.searchsorted(found, cursor))) < len(found):  # the first placeholder past the blocks
+        i = int(found[k])
         positions[:, cursor:i] = torch.arange(next_pos, next_pos + i - cursor)
         next_pos += i - cursor
-        token = token_ids[i]
+        token = int(ids[i])
         merge = cfg.vision.spatial_merge_size
         if token == cfg.image_token_id:
             kind, block = "image", _image_block(_take(grids, "image"), merge, cfg.position_id_per_seconds)
-            expected = [token] * block.shape[1]
+            expected = torch.full((block.shape[1],), token)
         elif token == cfg.audio_token_id:
             kind, block = "audio", torch.arange(_take(counts, "audio")).expand(3, -1)
-            expected = [token] * block.shape[1]
+            expected = torch.full((block.shape[1],), token)
         else:
             video = _take(clips, "video")
             kind, block = "video", _image_block(video.grid, merge, video.step)
-            expected = [token] * block.shape[1]
+            expected = torch.full((block.shape[1],), token)
             if video.with_audio:
                 block, expected = _with_audio(block, _take(counts, "audio"), cfg)
         n = block.shape[1]
-        if n == 0 or token_ids[i : i + n] != expected:
+        if n == 0 or not torch.equal(ids[i : i + n], expected):
             raise InvalidRequest(
                 f"the {kind} placeholder run at token {i} does not hold the {n} tokens its media gives"
             )
@@ -120,13 +122,14 @@ def _image_block(grid: tuple[int, int, int], merge: int, step: int) -> torch.Ten
     return torch.stack([frame, row, col]).reshape(3, -1)
 
 
-def _with_audio(frames: torch.Tensor, audio: int, cfg: ThinkerConfig) -> tuple[torch.Tensor, list[int]]:
-    """A video's block `[3, n]` and its tokens with its sound track's `audio` tokens merged in, in time order."""
+def _with_audio(frames: torch.Tensor, audio: int, cfg: ThinkerConfig) -> tuple[torch.Tensor, torch.Tensor]:
+    """A video's block `[3, n]` and its tokens with its sound track's `audio` tokens merged in, in time order (as
+    `with_audio_tokens` lays them out)."""
     is_video = interleaved(frames[0], audio)
     block = torch.empty(3, len(is_video), dtype=torch.long)
     block[:, is_video] = frames
     block[:, ~is_video] = torch.arange(audio).expand(3, -1)
-    return block, with_audio_tokens(frames[0], audio, cfg.video_token_id, cfg.audio_token_id)
+    return block, torch.where(is_video, cfg.video_token_id, cfg.audio_token_id)
 
 
 def _take(it, kind: str):

@@ -275,7 +275,7 @@ def talker_positions(
 ) -> PromptPositions:
     """M-RoPE positions `[3, L]` of the Talker's prompt and the delta its decode steps add to the cache length;
     the media are those of the user turns, in order (the Thinker's prompt keeps no media elsewhere)."""
-    return media.positions(prompt.rope_ids.tolist(), cfg.thinker)
+    return media.positions(prompt.rope_ids, cfg.thinker)
 
 
 def trailing_text(talker: Talker, tts: TtsEmbeds, later_text_embeds: torch.Tensor) -> torch.Tensor:
