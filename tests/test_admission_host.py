@@ -17,5 +17,6 @@ def test_it_times_the_keys_and_the_placeholder_rows_of_this_tree(monkeypatch, ca
         "prefix keys (PageKeys.of_prompt)",
         "placeholder rows (EncoderStage._place)",
         "a 30 s video's Talker keys (talker_keys)",
+        "a 30 s video's Talker positions (talker_positions)",
     ]
     assert all(value.endswith(" µs a call") and float(value.split()[0]) > 0 for value in timed.values())
