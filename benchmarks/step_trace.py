@@ -95,55 +95,60 @@ def _count_replays(records: list[Record], runner: type) -> None:
 
 
 def install(records: list[Record], sync: bool) -> None:
-    """Wrap the stages' step functions (class attributes: every instance the command builds is traced)."""
-    TokenRunner.execute = _timed(records, "Thinker", sync, lambda self, step, *a, **k: shape(step.chunks))(
-        TokenRunner.execute
-    )
-    RowRunner.execute = _timed(records, "Talker", sync, lambda self, chunks: shape(chunks))(RowRunner.execute)
-    Handoff.launch_frames = _timed(
-        records,
-        "code predictor",
-        sync,
-        lambda self, flights: ("frames", sum(len(f.chunks) for f in flights), 0),
-    )(Handoff.launch_frames)
-    Handoff.start_talkers = _timed(
-        records, "hand-off", sync, lambda self, speeches: ("Talker prompts", len(speeches), 0)
-    )(Handoff.start_talkers)
-    _count_replays(records, PrefillGraphs)
-    Code2WavStreamer._decode = _timed(
-        records, "Code2Wav", sync, lambda self, size, ids: (f"{size}-frame chunks", len(ids), 0)
-    )(Code2WavStreamer._decode)
-    EncoderStage.encode_many = _timed(
-        records, "encoders", sync, lambda self, prompts, *a, **k: ("media", len(prompts), 0)
-    )(EncoderStage.encode_many)
-    StepLoop._admit = _timed(
-        records, "engine loop", sync, lambda self, requests: ("admitted", len(requests), 0)
-    )(StepLoop._admit)
-    _time_handoff_pieces(records, sync)
-
-
-def _time_handoff_pieces(records: list[Record], sync: bool) -> None:
-    """The pieces of the hand-off's Talker prompts (inside `Handoff.start_talkers`), rows: the prompts' rows."""
-    pieces: dict[str, Callable[..., tuple[str, int, int]]] = {
-        "talker_prompts": lambda talker, tokens, tts, table, sources: (
-            "prompts' rows gathered",
-            sum(len(s.ids) for s in sources),
-            0,
+    """Wrap the stages' step functions (class attributes: every instance the command builds is traced) and the
+    hand-off's pieces (module functions, looked up in `handoff` at each call)."""
+    timed: list[tuple[Any, str, str, Callable[..., tuple[str, int, int]]]] = [
+        (TokenRunner, "execute", "Thinker", lambda self, step, *a, **k: shape(step.chunks)),
+        (RowRunner, "execute", "Talker", lambda self, chunks: shape(chunks)),
+        (
+            Handoff,
+            "launch_frames",
+            "code predictor",
+            lambda self, flights: ("frames", sum(len(f.chunks) for f in flights), 0),
         ),
-        "talker_positions": lambda prompt, *a: ("prompt's positions", len(prompt.rope_ids), 0),
-        "talker_keys": lambda ids, *a: ("prompt's prefix keys", len(ids), 0),
-    }
-    for name, describe in pieces.items():
-        setattr(handoff, name, _timed(records, "hand-off", sync, describe)(getattr(handoff, name)))
-    Handoff.media_on_host = _timed(
-        records,
-        "hand-off",
-        sync,
-        lambda self, sources: ("media rows to the host", sum(len(s.media_hidden) for s in sources), 0),
-    )(Handoff.media_on_host)
-    RowStage.add = _timed(
-        records, "hand-off", sync, lambda self, request_id, embeds, *a, **k: ("Talker add", len(embeds), 0)
-    )(RowStage.add)
+        (Handoff, "start_talkers", "hand-off", lambda self, speeches: ("Talker prompts", len(speeches), 0)),
+        (
+            Code2WavStreamer,
+            "_decode",
+            "Code2Wav",
+            lambda self, size, ids: (f"{size}-frame chunks", len(ids), 0),
+        ),
+        (EncoderStage, "encode_many", "encoders", lambda self, prompts, *a, **k: ("media", len(prompts), 0)),
+        (StepLoop, "_admit", "engine loop", lambda self, requests: ("admitted", len(requests), 0)),
+        # the hand-off's Talker prompts, piece by piece (rows: the prompts' rows)
+        (
+            handoff,
+            "talker_prompts",
+            "hand-off",
+            lambda talker, tokens, tts, table, sources: (
+                "prompts' rows gathered",
+                sum(len(s.ids) for s in sources),
+                0,
+            ),
+        ),
+        (
+            Handoff,
+            "media_on_host",
+            "hand-off",
+            lambda self, sources: ("media rows to the host", sum(len(s.media_hidden) for s in sources), 0),
+        ),
+        (
+            handoff,
+            "talker_positions",
+            "hand-off",
+            lambda prompt, *a: ("prompt's positions", len(prompt.rope_ids), 0),
+        ),
+        (handoff, "talker_keys", "hand-off", lambda ids, *a: ("prompt's prefix keys", len(ids), 0)),
+        (
+            RowStage,
+            "add",
+            "hand-off",
+            lambda self, request_id, embeds, *a, **k: ("Talker add", len(embeds), 0),
+        ),
+    ]
+    for owner, name, stage, describe in timed:
+        setattr(owner, name, _timed(records, stage, sync, describe)(getattr(owner, name)))
+    _count_replays(records, PrefillGraphs)
 
 
 def summarize(records: list[Record]) -> list[dict[str, Any]]:
