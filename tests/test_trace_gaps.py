@@ -1,22 +1,12 @@
 """benchmarks/trace_gaps.py: the gaps between a stage's steps in a step trace, split by what the loop did."""
 
-import importlib.util
 import json
+import runpy
 import sys
 from pathlib import Path
 
-import pytest
-
 SCRIPT = Path(__file__).parents[1] / "benchmarks" / "trace_gaps.py"
-
-
-@pytest.fixture
-def trace_gaps(monkeypatch):
-    spec = importlib.util.spec_from_file_location("trace_gaps", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    monkeypatch.setitem(sys.modules, "trace_gaps", module)
-    spec.loader.exec_module(module)
-    return module
+trace_gaps = runpy.run_path(str(SCRIPT))  # the script's functions, by name
 
 
 def call(stage, start_ms, ms, rows=1, kind="decode"):
@@ -38,8 +28,8 @@ CALLS = [
 ]
 
 
-def test_each_gap_is_split_into_admission_encoding_and_the_rest(trace_gaps):
-    found = trace_gaps.gaps(CALLS, "Thinker", min_ms=10)
+def test_each_gap_is_split_into_admission_encoding_and_the_rest():
+    found = trace_gaps["gaps"](CALLS, "Thinker", min_ms=10)
     assert [
         (g["after_ms"], g["gap_ms"], g["admitting_ms"], g["encoding_ms"], g["rest_ms"]) for g in found
     ] == [
@@ -51,16 +41,16 @@ def test_each_gap_is_split_into_admission_encoding_and_the_rest(trace_gaps):
         128,
         "mixed, several chunks",
     )
-    assert trace_gaps.gaps(CALLS, "Thinker", min_ms=31.5)[0]["gap_ms"] == 32.0
+    assert trace_gaps["gaps"](CALLS, "Thinker", min_ms=31.5)[0]["gap_ms"] == 32.0
 
 
-def test_the_script_prints_a_row_per_gap_and_their_sums(trace_gaps, tmp_path, monkeypatch, capsys):
+def test_the_script_prints_a_row_per_gap_and_their_sums(tmp_path, monkeypatch, capsys):
     path = tmp_path / "trace.json"
     path.write_text(
         json.dumps({"calls": CALLS + [{"stage": "prefill graphs", "kind": "replayed", "ms": 0.0}]})
     )
     monkeypatch.setattr(sys, "argv", ["trace_gaps.py", str(path)])
-    trace_gaps.main()
+    trace_gaps["main"]()
     out = capsys.readouterr().out
     assert "| 5.0 | 32.0 | 20.0 | 15.0 | 12.0 | decode (128 rows) | mixed, several chunks |" in out
     assert "2 gaps: {'gap_ms': 63.0, 'admitting_ms': 40.0, 'encoding_ms': 15.0, 'rest_ms': 23.0}" in out
