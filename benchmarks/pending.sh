@@ -20,6 +20,10 @@
 # - asr_burst:  the 0.6B at c = 128 as before, then with `--count-preparing` (each request counted as being prepared
 #               until it goes in, as the server counts them: an idle engine holds a wave for its last request),
 #               one host: the waves' admission one at a time or whole;
+# - asr_dense:  the 0.6B at c = 128 with the audio tower's graphs (each clip's windows in 8 s slots of 8 chunks:
+#               the set's clips fill 59% of their chunk slots, 54% of their rows) and eagerly
+#               (`--max-audio-graph-windows 0`: their chunks packed), in turn, twice: the tower's calls were 540
+#               of the 880 ms the Thinker waited in a trace;
 # - asr_2min:   Qwen3-ASR 0.6B and 1.7B on 2-minute clips at c = 64 (400 tokens forced, each request its own
 #               clip) beside transformers one request at a time on the same weights (item 4's second half);
 # - trace_video: a 30 s 720p video with its sound at c = 1 under benchmarks/step_trace.py (two requests, KV_GIB
@@ -128,6 +132,13 @@ for name in ${*:-http inproc video_host video asr baseline}; do
         bash benchmarks/under_load.sh
       step asr_burst_on 95 env ASR="0.6b:128" T2S_C=" " A2T_S=90 TAG="_burst_on" \
         A2T_ARGS="--rounds 16 --count-preparing" bash benchmarks/under_load.sh ;;
+    asr_dense)
+      for round in 1 2; do
+        step "asr_graphs_$round" 95 env ASR="0.6b:128" T2S_C=" " A2T_S=90 TAG="_graphs_$round" A2T_ARGS="--rounds 16" \
+          bash benchmarks/under_load.sh
+        step "asr_dense_$round" 95 env ASR="0.6b:128" T2S_C=" " A2T_S=90 TAG="_dense_$round" \
+          A2T_ARGS="--rounds 16 --max-audio-graph-windows 0" bash benchmarks/under_load.sh
+      done ;;
     asr_2min) step asr_2min 330 env ASR="0.6b:64 1.7b:64" T2S_C=" " A2T_S=160 TAG=_2min \
       A2T_ARGS="--synth 2min --output-tokens 400 --rounds 2 --baseline transformers" bash benchmarks/under_load.sh ;;
     trace_video) step trace_video 300 sh -c 'mkdir -p "$OUT" && timeout 300 python3 benchmarks/step_trace.py \
@@ -194,7 +205,7 @@ for name in ${*:-http inproc video_host video asr baseline}; do
       --long --out "$OUT/prefill_attention_long.json" 2>&1 | tee "$OUT/prefill_attention_long.log"' ;;
     *) echo "pending: no step $name (http, inproc, video_host, video, video_kv, asr, baseline, spy_asr, handoff," \
       "long_attention, long_prefill, video_flash, admission, asr_ab, sync_asr, sync_asr_before," \
-      "asr_profile, admission_host, trace_asr, engine_asr, decode_attention, asr_budget, asr_burst, asr_2min, trace_video, video_ab)" >&2
+      "asr_profile, admission_host, trace_asr, engine_asr, decode_attention, asr_budget, asr_burst, asr_dense, asr_2min, trace_video, video_ab)" >&2
       exit 2 ;;
   esac
 done

@@ -132,6 +132,7 @@ def run_a2t(args: argparse.Namespace) -> dict[str, Any]:
         "enforce_eager": args.enforce_eager or None,
         "max_num_batched_tokens": args.max_num_batched_tokens,
         "max_prefill_graph_tokens": args.max_prefill_graph_tokens,
+        "max_audio_graph_windows": args.max_audio_graph_windows,
         "admission_hold_steps": args.admission_hold_steps,
         "admission_window_ms": args.admission_window_ms,
         "stream_interval": args.stream_interval,
@@ -322,6 +323,9 @@ def add_parser(sub: Any) -> None:
                         help="in-process: the tokens a step computes at most (default: the engine's)")  # fmt: skip
     target.add_argument("--max-prefill-graph-tokens", type=int,
                         help="largest prefill chunk captured in a CUDA graph (0: none; default: the engine's)")  # fmt: skip
+    target.add_argument("--max-audio-graph-windows", type=int,
+                        help="largest audio tower call captured in a CUDA graph, in 8 s windows (0: none, the "
+                             "tower eager: its clips packed without padding; default: the engine's)")  # fmt: skip
     target.add_argument("--admission-hold-steps", type=int,
                         help="in-process: steps a busy engine holds its arrivals (default: the engine's)")  # fmt: skip
     target.add_argument("--admission-window-ms", type=float,

@@ -24,6 +24,7 @@ FLAGS: dict[str, str] = {
     "--max-num-speaking": "max_num_speaking",
     "--max-graph-batch": "stages.thinker.graphs.max",
     "--max-prefill-graph-tokens": "stages.thinker.prefill_graphs.max",
+    "--max-audio-graph-windows": "stages.encoders.audio_graphs.max",
     "--talker-max-num-batched-tokens": "stages.talker.max_num_batched_tokens",
     "--moe-kernel": "moe_kernel",
     "--seed": "seed",

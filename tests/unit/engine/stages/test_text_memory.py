@@ -134,6 +134,10 @@ def test_the_audio_encoder_graphs_compete_in_the_plan(device):
     assert audio.bytes == ((1 + 2 + 4 + 8) << 10) + (8 << 20) - (8 << 10)
     limited, _, encoders = plan(stages={"encoders": {"audio_graphs": {"max": 2}}})
     assert encoders.priced == ([1, 2], []) and limited.captured("audio encoder", "prefill") == (1, 2)
+    flagged, _, encoders = plan(max_audio_graph_windows=4)  # --max-audio-graph-windows
+    assert encoders.priced == ([1, 2, 4], []) and flagged.captured("audio encoder", "prefill") == (1, 2, 4)
+    none, _, _ = plan(max_audio_graph_windows=0)  # the tower eager, the Thinker's graphs as before
+    assert none.graph_set("audio encoder", "prefill") is None and none.captured("Thinker", "prefill")
     eager, _, _ = plan(stages={"encoders": {"enforce_eager": True}})
     assert eager.graph_set("audio encoder", "prefill") is None and eager.captured("Thinker", "decode") == (
         1,
