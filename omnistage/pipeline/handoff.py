@@ -274,6 +274,7 @@ class Handoff:
             return [self.text_rows.new_empty(0, width, device="cpu") for _ in sources]
         hidden = torch.cat([source.media_hidden.to(self.text_rows.device) for source in sources])
         host = to_host(hidden)
+        assert host is not None  # a tensor's copy
         if hidden.is_cuda:
             torch.cuda.current_stream(hidden.device).synchronize()
         return list(host.split(counts))
