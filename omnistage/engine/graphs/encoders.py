@@ -2,13 +2,14 @@
 bucket of patches. Every host-derived piece of a call (chunk layout, segment boundaries, positions, which
 output rows are real) is built outside the graph into static buffers; the graph is the towers' math alone.
 
-Audio: a window is n_window_infer mel frames of one clip (8 s, 8 chunks, 104 tokens); nothing crosses a
-window, so any batch of windows is encoded exactly as the eager tower does it, alone or in pieces. A bucket
-of W windows holds W window slots of 8 zero-padded chunks each. Each slot's real tokens are a prefix of its
-104 token rows (only a clip's last chunk is short, and it ends its window): the slot is two attention
-segments, its real tokens and its padding (empty for a full window; a padding slot is all padding), so
-cu_seqlens has the fixed length 2W + 1 and padding never reaches a real token. More windows than the
-largest bucket run as pieces of it. This layout follows Qwen3-Omni's AuT (Qwen3-ASR's tower is the same); a
+Audio: a window is n_window_infer mel frames of one clip (8 s, 8 chunks of 100 frames, 104 tokens); nothing
+crosses a window, so any batch of windows is encoded exactly as the eager tower does it, alone or in pieces.
+A bucket of W windows holds 8W chunk slots, and the windows' chunks are packed into them one after another
+(a 5 s clip takes 5, not a window's 8), then zero chunks. The convolutions' rows are reordered in the graph
+(`order`): every window's real tokens first (a prefix of its chunks' rows: only a clip's last chunk is
+short), then the rest. Each window is one attention segment, the padding rows others of at most 104, and the
+unused segments are empty, so cu_seqlens has the fixed length 9W + 1 and padding never reaches a real token.
+More windows than the largest bucket's chunks hold run as pieces of it. This layout follows Qwen3-Omni's AuT (Qwen3-ASR's tower is the same); a
 tower of that shape is an `AudioTower`, whose own methods cut clips into windows and count their tokens.
 
 Vision: a bucket of P patches holds up to `max_frames` images (frames) packed from row 0, then padding
@@ -26,12 +27,13 @@ import itertools
 from collections.abc import Iterator, Sequence
 from typing import Protocol, cast
 
+import numpy as np
 import torch
 from torch import nn
 
 from omnistage.engine.buckets import decode_buckets
 from omnistage.engine.graphs.base import GraphSet, size_of
-from omnistage.models.layers.attention_metadata import to_device
+from omnistage.models.layers.attention_metadata import to_device, to_device_together
 from omnistage.models.layers.varlen_attention import Segments
 
 # Windows in the largest audio graph (256 s of audio). Pieces of it are exact, and a call this large (3,328
@@ -131,53 +133,78 @@ def vision_buckets(max_patches: int, merge: int = 2) -> list[int]:
 
 
 class AudioGraphBuffers:
-    """The audio tower's inputs for up to `max_windows` window slots; a bucket uses the first slots."""
+    """The audio tower's inputs for buckets of up to `max_windows` windows' worth of chunks (8 a window): a
+    bucket of W holds 8W chunk slots, its windows' chunks packed from the first, then padding chunks."""
 
     def __init__(self, encoder: AudioTower, max_windows: int) -> None:
         cfg, weight = encoder.cfg, next(encoder.parameters())
         self.encoder, self.capacity = encoder, max_windows
         self.chunk = 2 * cfg.n_window
         self.chunks_per_window = cfg.n_window_infer // self.chunk
-        self.window_tokens = self.chunks_per_window * encoder.output_tokens(self.chunk)
+        self.chunk_tokens = encoder.output_tokens(self.chunk)
+        self.window_tokens = self.chunks_per_window * self.chunk_tokens
         slots = max_windows * self.chunks_per_window
         self.chunks = torch.zeros(
             slots, cfg.num_mel_bins, self.chunk, dtype=weight.dtype, device=weight.device
         )
-        # Window slot s is segments [s*T, s*T + real) and [s*T + real, (s+1)*T).
-        self.cu_seqlens = torch.zeros(2 * max_windows + 1, dtype=torch.int32, device=weight.device)
+        # the convolutions' token rows in their order: every window's real rows, then the rest (padding)
+        self.order = torch.zeros(slots * self.chunk_tokens, dtype=torch.int64, device=weight.device)
+        # a segment per window, then the padding in segments of at most a window's tokens, then empty ones
+        self.cu_seqlens = torch.zeros(self.segments(max_windows) + 1, dtype=torch.int32, device=weight.device)
 
-    def args(self, bucket: int) -> tuple[torch.Tensor, Segments]:
-        chunks = self.chunks[: bucket * self.chunks_per_window]
-        return chunks, Segments.static(self.cu_seqlens[: 2 * bucket + 1], self.window_tokens)
+    def segments(self, bucket: int) -> int:
+        """The most segments a bucket's call has: a window of one chunk each, and its padding."""
+        return bucket * self.chunks_per_window + bucket
+
+    def args(self, bucket: int) -> tuple[torch.Tensor, torch.Tensor, Segments]:
+        slots = bucket * self.chunks_per_window
+        bounds = self.cu_seqlens[: self.segments(bucket) + 1]
+        return (
+            self.chunks[:slots],
+            self.order[: slots * self.chunk_tokens],
+            Segments.static(bounds, self.window_tokens),
+        )
 
     def clear(self, bucket: int) -> None:
-        """Every slot padding: zero chunks, each slot's tokens one segment."""
-        self.chunks[: bucket * self.chunks_per_window].zero_()
-        slot = torch.arange(2 * bucket + 1, dtype=torch.int32, device=self.cu_seqlens.device) // 2
-        self.cu_seqlens[: 2 * bucket + 1].copy_(slot * self.window_tokens)
+        """Every slot padding: zero chunks, the rows in their order, a window's tokens a segment."""
+        slots = bucket * self.chunks_per_window
+        self.chunks[:slots].zero_()
+        rows = slots * self.chunk_tokens
+        self.order[:rows].copy_(torch.arange(rows, device=self.order.device))
+        bounds = torch.arange(self.segments(bucket) + 1, device=self.cu_seqlens.device) * self.window_tokens
+        self.cu_seqlens[: self.segments(bucket) + 1].copy_(bounds.clamp(max=rows))
 
-    def fill(self, packed: torch.Tensor, windows: Sequence[AudioWindow], bucket: int) -> torch.Tensor:
-        """Lay `windows` of packed features [mel, total] into the first slots and pad the rest of `bucket`;
-        returns the output rows of their real tokens, in order (on the device)."""
-        starts, lengths, bounds = [], [], [0]
-        rows: list[int] = []
-        for slot in range(bucket):
-            start, length, tokens = (0, 0, 0)  # a padding slot
-            if slot < len(windows):
-                start, length, tokens = windows[slot].start, windows[slot].frames, windows[slot].tokens
-            for c in range(self.chunks_per_window):
-                frames = min(self.chunk, max(0, length - c * self.chunk))
-                starts.append(start + c * self.chunk if frames else 0)
-                lengths.append(frames)
-            first = slot * self.window_tokens
-            bounds += [first + tokens, first + self.window_tokens]
-            rows += range(first, first + tokens)
-        self.chunks[: bucket * self.chunks_per_window].copy_(
-            self.encoder.gather_chunks(packed, starts, lengths)
-        )
-        device = packed.device  # every copy from the host pinned: a pageable one waits for the queued steps
-        self.cu_seqlens[: 2 * bucket + 1].copy_(to_device(torch.tensor(bounds, dtype=torch.int32), device))
-        return to_device(torch.tensor(rows), device)
+    def fill(self, packed: torch.Tensor, windows: Sequence[AudioWindow], bucket: int) -> int:
+        """Lay the chunks of `windows` of packed features [mel, total] into the first slots and pad the rest of
+        `bucket` (at most 8 * bucket chunks); returns how many real rows lead the output, in order."""
+        starts, lengths, real = [], [], []
+        slot = 0
+        for window in windows:
+            first = slot * self.chunk_tokens  # a window's real rows lead its chunks' (only its last is short)
+            real.append(range(first, first + window.tokens))
+            for start in range(window.start, window.start + window.frames, self.chunk):
+                starts.append(start)
+                lengths.append(min(self.chunk, window.start + window.frames - start))
+                slot += 1
+        slots = bucket * self.chunks_per_window
+        if slot > slots:
+            raise ValueError(f"{slot} chunks do not fit a bucket of {slots}")
+        starts += [0] * (slots - slot)
+        lengths += [0] * (slots - slot)
+        rows = slots * self.chunk_tokens
+        kept = np.concatenate([np.arange(r.start, r.stop) for r in real]) if real else np.zeros(0, np.int64)
+        padding = np.ones(rows, dtype=bool)
+        padding[kept] = False
+        bounds = [0, *itertools.accumulate(len(r) for r in real)]
+        bounds += range(bounds[-1] + self.window_tokens, rows, self.window_tokens)
+        bounds += [rows] * (self.segments(bucket) + 1 - len(bounds))
+        self.chunks[:slots].copy_(self.encoder.gather_chunks(packed, starts, lengths))
+        order = torch.from_numpy(np.concatenate([kept, np.flatnonzero(padding)]))
+        # every copy from the host pinned: a pageable one waits for the queued steps
+        order, cu = to_device_together([order, torch.tensor(bounds, dtype=torch.int32)], packed.device)
+        self.order[:rows].copy_(order)
+        self.cu_seqlens[: len(bounds)].copy_(cu)
+        return len(kept)
 
 
 class AudioGraphs(GraphSet[AudioGraphBuffers]):
@@ -192,8 +219,8 @@ class AudioGraphs(GraphSet[AudioGraphBuffers]):
         device = next(encoder.parameters()).device
         super().__init__(self._step, AudioGraphBuffers(encoder, max_windows), device, enforce_eager)
 
-    def _step(self, chunks: torch.Tensor, segments: Segments) -> torch.Tensor:
-        tokens = self.encoder.conv_embed(chunks, GRAPH_CONV_CHUNKS).flatten(0, 1)
+    def _step(self, chunks: torch.Tensor, order: torch.Tensor, segments: Segments) -> torch.Tensor:
+        tokens = self.encoder.conv_embed(chunks, GRAPH_CONV_CHUNKS).flatten(0, 1).index_select(0, order)
         return self.encoder.encode(tokens, segments)
 
     def run(self, features: list[torch.Tensor]) -> list[torch.Tensor]:
@@ -203,16 +230,29 @@ class AudioGraphs(GraphSet[AudioGraphBuffers]):
             raise RuntimeError("no audio encoder graph is captured")
         frames = [f.shape[-1] for f in features]
         packed = features[0] if len(features) == 1 else torch.cat(features, dim=-1)
-        windows = self.encoder.windows(frames)
-        largest = size_of(self.captured_buckets[-1])
+        per_window = self.buffers.chunks_per_window
+        room = size_of(self.captured_buckets[-1]) * per_window  # chunks in the largest bucket
         rows: list[torch.Tensor] = []
-        for first in range(0, len(windows), largest):
-            piece = windows[first : first + largest]
-            bucket = cast(int, self.bucket_for(len(piece)))  # a piece is no larger than the largest
+        for piece, chunks in self._pieces(self.encoder.windows(frames), room):
+            bucket = cast(int, self.bucket_for(-(-chunks // per_window)))
             real = self.buffers.fill(packed, piece, bucket)
-            rows.append(self.replay(bucket).index_select(0, real))  # a copy: the next replay overwrites
+            rows.append(self.replay(bucket)[:real].clone())  # a copy: the next replay overwrites
         tokens = [self.encoder.output_tokens(n) for n in frames]
         return list((rows[0] if len(rows) == 1 else torch.cat(rows)).split(tokens))
+
+    def _pieces(
+        self, windows: Sequence[AudioWindow], room: int
+    ) -> Iterator[tuple[Sequence[AudioWindow], int]]:
+        """The windows in order, in pieces of at most `room` chunks, and each piece's chunks."""
+        first, chunks = 0, 0
+        for i, window in enumerate(windows):
+            size = -(-window.frames // self.buffers.chunk)
+            if chunks + size > room:
+                yield windows[first:i], chunks
+                first, chunks = i, 0
+            chunks += size
+        if chunks:
+            yield windows[first:], chunks
 
 
 class VisionGraphBuffers:

@@ -123,7 +123,7 @@ def test_no_encoder_call_exceeds_the_largest_input_measured(tiny_checkpoint, mon
 
 def test_graphs_encode_as_the_eager_towers(tiny_checkpoint, setup):
     """With graphs captured (static-eager on the CPU), prompts' clips go through the audio graphs in pieces of
-    windows and their images through the vision graphs, or eagerly when larger than the largest bucket; every
+    packed chunks and their images through the vision graphs, or eagerly when larger than the largest bucket; every
     prompt's rows are the eager stage's."""
     from PIL import Image
 
@@ -152,8 +152,9 @@ def test_graphs_encode_as_the_eager_towers(tiny_checkpoint, setup):
     prompts = [processor.process_chat([{"role": "user", "content": c}]) for c in contents]
     got = encoders.encode_many([(p.token_ids, p.mm) for p in prompts])
     want = eager.encode_many([(p.token_ids, p.mm) for p in prompts])
-    # 2 + 3 + 1 windows in pieces of 2; images of 32 and 36 patches in the 64-patch graph, 140 eagerly
-    assert audio_calls == [2, 2, 2] and image_calls == [64, 64]
+    # 2 + 3 + 1 windows (10 + 17 + 1 chunks) in pieces of at most 2 windows' 16 chunk slots: 10, 16 and 2 chunks;
+    # images of 32 and 36 patches in the 64-patch graph, 140 eagerly
+    assert audio_calls == [2, 2, 1] and image_calls == [64, 64]
     assert encoders.stats() == {
         "audio_graphs": 2,
         "vision_graphs": 2,
