@@ -20,10 +20,9 @@
 # - asr_burst:  the 0.6B at c = 128 as before, then with `--count-preparing` (each request counted as being prepared
 #               until it goes in, as the server counts them: an idle engine holds a wave for its last request),
 #               one host: the waves' admission one at a time or whole;
-# - asr_dense:  the 0.6B at c = 128 with the audio tower's graphs (each clip's windows in 8 s slots of 8 chunks:
-#               the set's clips fill 59% of their chunk slots, 54% of their rows) and eagerly
-#               (`--max-audio-graph-windows 0`: their chunks packed), in turn, twice: the tower's calls were 540
-#               of the 880 ms the Thinker waited in a trace;
+# - asr_dense:  the 0.6B at c = 128 with the audio tower's graphs and eagerly (`--max-audio-graph-windows 0`), in
+#               turn, twice: the tower's calls were 540 of the 880 ms the Thinker waited in a trace (fdc38ef, whose
+#               graphs gave each window a slot of 8 chunks; asr_ab against .ab at fdc38ef measures the packing);
 # - asr_2min:   Qwen3-ASR 0.6B and 1.7B on 2-minute clips at c = 64 (400 tokens forced, each request its own
 #               clip) beside transformers one request at a time on the same weights (item 4's second half);
 # - trace_video: a 30 s 720p video with its sound at c = 1 under benchmarks/step_trace.py (two requests, KV_GIB
