@@ -70,6 +70,25 @@ def test_padded_windows_equal_the_eager_tower(audio_towers, clips, family, bucke
         close(g, w)
 
 
+def test_many_short_clips_fill_a_bucket_with_one_window_each(audio_towers):
+    """Clips under a second are a window of one short chunk each: 21 of them in pieces of a 2-window bucket's 16
+    chunk slots (16, then 5 in the 1-window bucket) give the eager tower's rows, as many segments as windows."""
+    rng = np.random.default_rng(1)
+    waves = [
+        (0.3 * rng.standard_normal(round(s * 16000))).astype(np.float32) for s in rng.uniform(0.2, 0.95, 21)
+    ]
+    short = log_mel(waves)
+    tower = audio_towers["qwen3-asr"]
+    graphs = AudioGraphs(tower, 2)
+    graphs.capture([1, 2])
+    calls = recording(graphs)
+    with torch.inference_mode():
+        got, want = graphs.run(short), tower(short)
+    assert calls == [2, 1]
+    for g, w in zip(got, want, strict=True):
+        close(g, w)
+
+
 def test_audio_padding_cannot_reach_real_tokens(audio_towers, clips):
     """Whatever the padding chunks hold (here large noise), the real windows' rows are the same."""
     tower = audio_towers["qwen3-omni"]
