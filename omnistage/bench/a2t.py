@@ -324,8 +324,8 @@ def add_parser(sub: Any) -> None:
     target.add_argument("--max-prefill-graph-tokens", type=int,
                         help="largest prefill chunk captured in a CUDA graph (0: none; default: the engine's)")  # fmt: skip
     target.add_argument("--max-audio-graph-windows", type=int,
-                        help="largest audio tower call captured in a CUDA graph, in 8 s windows (0: none, the "
-                             "tower eager: its clips packed without padding; default: the engine's)")  # fmt: skip
+                        help="largest audio tower call captured in a CUDA graph, in 8 s windows' worth of "
+                             "chunks (0: none, the tower eager; default: the engine's)")  # fmt: skip
     target.add_argument("--admission-hold-steps", type=int,
                         help="in-process: steps a busy engine holds its arrivals (default: the engine's)")  # fmt: skip
     target.add_argument("--admission-window-ms", type=float,

@@ -97,7 +97,11 @@ class ThinkerSection(_StageSection, _KvSection):
 
 
 class EncodersSection(_StageSection):
-    audio_graphs: GraphsSection | None = Field(None, description="windows per audio tower call")
+    audio_graphs: GraphsSection | None = Field(
+        None,
+        description="audio tower calls captured in CUDA graphs, in 8 s windows' worth of chunks (default: up to "
+        "32, at most the longest clip's windows)",
+    )
     vision_graphs: GraphsSection | None = Field(None, description="patches per vision tower call")
     cache_mib: int = Field(
         256,
