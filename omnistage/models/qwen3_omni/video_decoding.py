@@ -1,11 +1,11 @@
 """Video files (mp4, webm, mov, mkv: whatever FFmpeg in PyAV's wheels reads) to the processor's sampled frames.
 
 The container is read from memory: once by its packets alone (no decoding) to count the frames and check
-the bounds; then the video stream is decoded up to the last sampled frame, each sampled frame resized to the
-processor's size on a thread beside the decoder (a few full-size frames held at most), and, with
-`with_audio`, the first audio stream on a thread of its own, mixed to mono and resampled to 16 kHz. Three
-threads of one request's decoding work at once: on a GPU server's host its resizes (torch) and sound track
-no longer wait for the frames' decoding (FFmpeg), and several videos decoding at once share the cores
+the bounds; then the video stream is decoded up to the last sampled frame, each sampled frame converted to
+RGB and resized to the processor's size on worker threads beside the decoder (a few decoded frames held at
+most), and, with `with_audio`, the first audio stream on a thread of its own, mixed to mono and resampled to
+16 kHz. A request's decoder, its resizes (torch) and its sound track work at once on a GPU server's host, none
+waiting for another, and several videos decoding at once share the cores
 (`cpu_threads.shared_decoder_threads`). Everything here blocks (decoding releases the GIL); the server runs it
 in a worker thread. Every defect or bound is an InvalidMedia saying which.
 """
@@ -109,36 +109,59 @@ def _survey(data: bytes, limits: VideoLimits) -> tuple[int, float, bool]:
         return total, float(rate), bool(container.streams.audio)
 
 
-RESIZE_AHEAD = 4  # decoded full-size frames that may wait for their resize: the decoder's lead, bounded
+RESIZE_AHEAD = 4  # decoded full-size frames that may wait for each resize worker: the decoder's lead, bounded
+MAX_RESIZERS = 4  # resize workers a video takes at most, with half its share of the cores
+
+
+def resizers(threads: int) -> int:
+    """The resize workers of a video whose decoder may take `threads` threads: a frame's resize (torch's uint8
+    antialiased bicubic) gains little from more threads of its own, so the cores go to several frames at
+    once, as many as keep up with the decoder (RESULTS.md, "A video's frames resized on several workers")."""
+    return max(1, min(MAX_RESIZERS, threads // 2))
 
 
 def _frames(data: bytes, wanted: list[int], cfg: VideoProcessorConfig) -> np.ndarray:
     """The frames at the indices `wanted` (ascending), RGB at the processor's size, decoding no further than
-    the last. Where torch has more than one core, each kept frame is resized on a thread of its own while the
-    next ones decode, at most `RESIZE_AHEAD` full-size frames waiting (on one core the hand-offs cost more
-    than they overlap: RESULTS.md, "Video decoding beside its resizes")."""
+    the last. Where torch has more than one core, each kept frame is resized on a worker thread (`resizers`;
+    where there are several, converted to RGB there too) while the next ones decode, at most `RESIZE_AHEAD`
+    decoded frames waiting for each worker (on one core the hand-offs cost more than they overlap: RESULTS.md, "Video decoding beside its
+    resizes")."""
     keep, last = set(wanted), wanted[-1]
-    resizes: dict[int, Future[np.ndarray]] = {}  # in decoding order; one worker runs them in that order
-    with ThreadPoolExecutor(1, thread_name_prefix="video-resize") as pool:
-        resize = pool.submit if cores() > 1 else _resized_now
-        with shared_decoder_threads() as threads, av.open(io.BytesIO(data), mode="r") as container:
+    resizes: dict[int, Future[np.ndarray]] = {}  # in decoding order
+    with shared_decoder_threads() as threads:
+        workers = resizers(threads) if cores() > 1 else 1
+        ahead = RESIZE_AHEAD * workers
+        convert_here = workers == 1  # one worker: the decoder converts, the two threads' shares balanced
+        with (
+            ThreadPoolExecutor(workers, thread_name_prefix="video-resize") as pool,
+            av.open(io.BytesIO(data), mode="r") as container,
+        ):
+            resize = pool.submit if cores() > 1 else _resized_now
             stream = container.streams.video[0]
             stream.thread_type = "AUTO"
             stream.codec_context.thread_count = threads  # not all the cores for each of several videos
             for i, frame in enumerate(container.decode(stream)):
                 if i in keep:
-                    if len(resizes) >= RESIZE_AHEAD:  # those before it are done too
-                        list(resizes.values())[-RESIZE_AHEAD].result()
-                    resizes[i] = resize(resized, frame.to_ndarray(format="rgb24")[None], cfg)
+                    if len(resizes) >= ahead:  # waits for the frame `ahead` back, so at most `ahead` wait
+                        list(resizes.values())[-ahead].result()
+                    picture = frame.to_ndarray(format="rgb24") if convert_here else frame
+                    resizes[i] = resize(_rgb_resized, picture, cfg)
                 if i >= last:
                     break
-        frames = {i: future.result()[0] for i, future in resizes.items()}
+            frames = {i: future.result() for i, future in resizes.items()}
     if len(frames) < len(keep):  # the stream held fewer decodable frames than its packets promised
         raise InvalidMedia(f"video decoded to {len(frames)} of the {len(keep)} frames sampled from it")
     sizes = {f.shape for f in frames.values()}
     if len(sizes) > 1:
         raise InvalidMedia(f"video frames change size mid-stream ({sorted(sizes)})")
     return np.stack([frames[i] for i in wanted])
+
+
+def _rgb_resized(frame: av.VideoFrame | np.ndarray, cfg: VideoProcessorConfig) -> np.ndarray:
+    """One decoded frame (or its RGB pixels) as uint8 RGB [H, W, 3] at the processor's size (FFmpeg's
+    conversion releases the interpreter's lock, so several workers convert at once)."""
+    rgb = frame if isinstance(frame, np.ndarray) else frame.to_ndarray(format="rgb24")
+    return resized(rgb[None], cfg)[0]
 
 
 def _resized_now(function: Callable[..., np.ndarray], *args: Any) -> Future[np.ndarray]:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import io
+import threading
 
 import av
 import numpy as np
@@ -125,17 +126,30 @@ def test_every_container_decodes_with_its_sound(kind):
     assert decode_video(encode(pictures, fps=10, kind=kind), CFG).audio is None
 
 
-@pytest.mark.parametrize("cores", [1, 2])
-def test_frames_resized_beside_the_decoder_are_those_decoded_one_by_one(cores, monkeypatch):
-    # 12 s at 2 fps, every frame kept: three times the frames that may wait for their resize; each equal to
-    # the same decoder's frame resized on its own, in order (on one core: resized as decoded)
+@pytest.mark.parametrize(("cores", "workers"), [(1, 0), (2, 1), (16, 4)])
+def test_frames_resized_beside_the_decoder_are_those_decoded_one_by_one(cores, workers, monkeypatch):
+    # 12 s at 2 fps, every frame kept: more frames than may wait for their resizes; each equal to the same
+    # decoder's frame resized on its own, in order, on as many resize workers as the decoder's share of the
+    # cores gives (on one core: resized as decoded, on the decoder's thread)
     monkeypatch.setattr(video_decoding, "cores", lambda: cores)
+    monkeypatch.setattr(video_decoding, "shared_decoder_threads", lambda: contextlib.nullcontext(cores))
+    converted_on: set[str] = set()
+    convert = video_decoding._rgb_resized
+
+    def recorded(frame, cfg):
+        converted_on.add(threading.current_thread().name)
+        return convert(frame, cfg)
+
+    monkeypatch.setattr(video_decoding, "_rgb_resized", recorded)
     data = encode(frames(24, 320, 240), fps=2, tone_hz=None)
     with av.open(io.BytesIO(data)) as container:
         decoded = [f.to_ndarray(format="rgb24") for f in container.decode(container.streams.video[0])]
     video = decode_video(data, CFG)
     expected = np.stack([resized(frame[None], CFG)[0] for frame in decoded])
     assert len(video.frames) > 2 * RESIZE_AHEAD and np.array_equal(video.frames, expected)
+    workers_used = {name for name in converted_on if name.startswith("video-resize")}
+    assert video_decoding.resizers(cores) == max(workers, 1)
+    assert 0 < len(workers_used) <= workers if workers else converted_on == {threading.current_thread().name}
 
 
 def test_a_decoder_on_its_share_of_the_cores_gives_the_same_frames(monkeypatch):
