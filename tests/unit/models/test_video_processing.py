@@ -16,7 +16,7 @@ from PIL import Image
 from omnistage.bench.videos import CONTAINERS, encode, frames
 from omnistage.errors import InvalidMedia
 from omnistage.models.multimodal import PixelNorm
-from omnistage.models.qwen3_omni import video_decoding
+from omnistage.models.qwen3_omni import video_decoding, video_processing
 from omnistage.models.qwen3_omni.image_processing import ImageProcessorConfig, preprocess_image
 from omnistage.models.qwen3_omni.video_decoding import RESIZE_AHEAD, VideoLimits, decode_video
 from omnistage.models.qwen3_omni.video_processing import (
@@ -78,11 +78,13 @@ def test_frames_resized_first_give_the_same_patches():
     assert grid == first_grid and torch.equal(at_once, first)
 
 
-def test_each_patch_is_its_pixels_normalised_bit_for_bit():
+@pytest.mark.parametrize("threads", [1, 2, 3])
+def test_each_patch_is_its_pixels_normalised_bit_for_bit(threads, monkeypatch):
     """Every patch, found by its place in the grid (merge block by merge block, temporal patch by temporal
     patch), holds its T frames' P x P pixels of each channel as bytes, and `PixelNorm` makes them (x - mean /
     r) / (std / r) in float32, exactly; with a channel mean and std of their own and an odd frame count (the
-    last frame repeated)."""
+    last frame repeated), the temporal patches reordered on one thread or split among several."""
+    monkeypatch.setattr(video_processing, "shared_threads", lambda: contextlib.nullcontext(threads))
     cfg = VideoProcessorConfig(image_mean=(0.48, 0.46, 0.41), image_std=(0.27, 0.26, 0.28))
     video = frames(5, 160, 96, seed=3)
     raw, (grid_t, grid_h, grid_w) = preprocess_video(video, cfg)
