@@ -79,6 +79,9 @@ class MultimodalInputs:
     video_seconds_per_grid: list[float] = field(default_factory=list)  # how long a temporal patch lasts
     use_audio_in_video: bool = False  # every video's sound track is interleaved with its frames
     audio_keys: list[bytes] = field(default_factory=list)  # clip_digest of each clip, the encoder cache's key
+    # patches_digest of each image and of each video: their keys in the encoder cache (none: not kept)
+    image_keys: list[bytes] = field(default_factory=list)
+    video_keys: list[bytes] = field(default_factory=list)
     image_norm: PixelNorm | None = None  # what makes the images' bytes the vision tower's input
     video_norm: PixelNorm | None = None
 
@@ -89,5 +92,15 @@ def clip_digest(samples: torch.Tensor) -> bytes:
     features back from the device to know a clip: each such read waits for every step queued before it."""
     host = samples.detach().to("cpu").contiguous()
     digest = xxhash.xxh3_128(f"{host.dtype}{tuple(host.shape)}".encode())
+    digest.update(host.view(torch.uint8).numpy().data)
+    return digest.digest()
+
+
+def patches_digest(patches: torch.Tensor, grid: tuple[int, int, int]) -> bytes:
+    """An image's or a video's key in the encoder cache: a 128-bit XXH3 digest of its patches as the processor
+    made them (on the host: bytes, or floats where a family's processor normalises them) and their grid. XXH3
+    reads a 30 s 720p video's 133 MB in ~10 ms, a small share of what the vision tower's ~300 ms cost."""
+    host = patches.detach().contiguous()
+    digest = xxhash.xxh3_128(f"{host.dtype}{tuple(host.shape)}{tuple(grid)}".encode())
     digest.update(host.view(torch.uint8).numpy().data)
     return digest.digest()

@@ -56,6 +56,7 @@ from omnistage.engine.stages.vision_rows import (
     normalized,
     piece_norms,
     sees,
+    vision_items,
     vision_pieces,
 )
 from omnistage.errors import InvalidRequest
@@ -138,7 +139,7 @@ class EncoderStage:
             self._clip_rows(clips, keys) if cached and self.cache.enabled else self._encode_clips(clips)
         )
         seeing = [mm for _, mm in prompts if sees(mm)]
-        vision = iter(self._vision_rows(seeing) if seeing else [])
+        vision = iter(self._vision_rows(seeing, cached) if seeing else [])
         out = []
         for token_ids, mm in prompts:
             clip_rows = [next(audio) for _ in mm.audio_clips]
@@ -174,7 +175,41 @@ class EncoderStage:
             rows += tower(self.audio.features([clips[i] for i in group], self.device))
         return rows
 
-    def _vision_rows(self, prompts: list[MultimodalInputs]) -> list[VisionRows]:
+    def _vision_rows(self, prompts: list[MultimodalInputs], cached: bool) -> list[VisionRows]:
+        """Per prompt, the rows and deepstack levels of its images and of its videos: those kept from an earlier
+        call (`self.cache`, by the processor's `patches_digest`) copied to the device without waiting, the
+        others (each distinct image or video once) through the tower, then kept, as `_clip_rows` does clips.
+        Where the cache is off or a prompt's keys are not all given, every one goes through the tower."""
+        items = [vision_items(mm) for mm in prompts]
+        if not (cached and self.cache.enabled) or any(mine is None for mine in items):
+            return self._encode_vision(prompts)
+        every = [(p, item) for p, mine in enumerate(items) for item in mine or ()]
+        found = {i.key: kept for _, i in every if (kept := self.cache.get(i.key)) is not None}
+        fresh: dict[bytes, MultimodalInputs] = {}
+        for p, item in every:
+            if item.key not in found:
+                fresh.setdefault(item.key, item.alone(prompts[p]))
+        self.cache.hits += len(every) - len(fresh)
+        self.cache.misses += len(fresh)
+        merge = self.images.spatial_merge_size if self.images is not None else 1
+        outputs: dict[bytes, tuple[torch.Tensor, torch.Tensor]] = {}
+        for _, item in every:
+            if item.key in found and item.key not in outputs:
+                kept = found[item.key].to(self.device, non_blocking=True, copy=True)
+                count = merged_rows(item.grid, merge)
+                outputs[item.key] = kept[:count], kept[count:].view(-1, count, kept.shape[1])
+        for key, seen in zip(fresh, self._encode_vision(list(fresh.values())), strict=True):
+            rows, levels = (
+                (seen.video, seen.video_deepstack)
+                if seen.video is not None
+                else (seen.image, seen.image_deepstack)
+            )
+            assert rows is not None and levels is not None
+            outputs[key] = rows, levels
+            self.cache.put(key, [rows, levels])
+        return [VisionRows.of_items([(i.is_video, *outputs[i.key]) for i in mine or ()]) for mine in items]
+
+    def _encode_vision(self, prompts: list[MultimodalInputs]) -> list[VisionRows]:
         """Per prompt, the rows [n, H] and deepstack levels [levels, n, H] of its images and of its videos; they
         go through the tower in calls of at most `max_image_patches` (with graphs, of at most the largest patch
         bucket and as many frames as its graph holds), a video in pieces of whole temporal patches; a video whose

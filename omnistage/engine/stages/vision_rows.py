@@ -67,6 +67,40 @@ def normalized(batch: torch.Tensor, norms: list[PixelNorm | None], sizes: list[i
     )
 
 
+@dataclass(frozen=True)
+class VisionItem:
+    """One image or video of a prompt: its key in the encoder cache, its patches and grid."""
+
+    key: bytes
+    is_video: bool
+    patches: torch.Tensor
+    grid: tuple[int, int, int]
+
+    def alone(self, mm: MultimodalInputs) -> MultimodalInputs:
+        """A prompt of this item alone, its patches normalised as in `mm`."""
+        grid = torch.tensor([self.grid], dtype=torch.int64)
+        if self.is_video:
+            return MultimodalInputs([], [], None, None, [], self.patches, grid, video_norm=mm.video_norm)
+        return MultimodalInputs([], [], self.patches, grid, [], image_norm=mm.image_norm)
+
+
+def vision_items(mm: MultimodalInputs) -> list[VisionItem] | None:
+    """A prompt's images, then its videos, each with its key; None where the keys are not all given."""
+    items: list[VisionItem] = []
+    for values, grid_thw, keys, is_video in (
+        (mm.pixel_values, mm.image_grid_thw, mm.image_keys, False),
+        (mm.pixel_values_videos, mm.video_grid_thw, mm.video_keys, True),
+    ):
+        if values is None or grid_thw is None:
+            continue
+        grids = [tuple(g) for g in grid_thw.tolist()]
+        if len(keys) != len(grids):
+            return None
+        for key, patches, grid in zip(keys, values.split([math.prod(g) for g in grids]), grids):
+            items.append(VisionItem(key, is_video, patches, grid))
+    return items
+
+
 @dataclass
 class VisionRows:
     """A prompt's vision tower outputs: its images' rows and deepstack levels, and its videos'."""
@@ -97,6 +131,20 @@ class VisionRows:
                 )
             out.append(cls(*joined))
         return out
+
+    @classmethod
+    def of_items(cls, items: list[tuple[bool, torch.Tensor, torch.Tensor]]) -> VisionRows:
+        """A prompt's outputs from each of its images' and videos' (is a video, rows, deepstack levels), in the
+        order `vision_items` gives them."""
+        joined: list[torch.Tensor | None] = []
+        for video in (False, True):
+            mine = [(rows, levels) for is_video, rows, levels in items if is_video == video]
+            joined += (
+                [join([r for r, _ in mine], 0), join([levels for _, levels in mine], 1)]
+                if mine
+                else [None] * 2
+            )
+        return cls(*joined)
 
     def in_prompt_order(self, is_image: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """The rows and levels of images and videos merged in the order of the prompt's vision rows

@@ -18,7 +18,7 @@ import torch
 from PIL import Image
 
 from omnistage.errors import InvalidMedia, InvalidRequest
-from omnistage.models.multimodal import MultimodalInputs, PixelNorm, clip_digest
+from omnistage.models.multimodal import MultimodalInputs, PixelNorm, clip_digest, patches_digest
 from omnistage.models.qwen3_omni.audio_encoder import audio_output_tokens
 from omnistage.models.qwen3_omni.audio_features import HOP_LENGTH, clip_waveform
 from omnistage.models.qwen3_omni.config import ThinkerConfig
@@ -32,7 +32,6 @@ from omnistage.models.qwen3_omni.video_layout import frame_times, with_audio_tok
 from omnistage.models.qwen3_omni.video_processing import (
     DecodedVideo,
     VideoProcessorConfig,
-    preprocess_video,
     seconds_per_grid,
     temporal_step,
     video_tokens,
@@ -92,6 +91,7 @@ def featurise(parts: MediaParts, formats: MediaFormats, use_audio_in_video: bool
     prompt order; with `use_audio_in_video` each video's sound track is a clip in the video's place."""
     merge = formats.thinker.vision.spatial_merge_size
     clips, keys, patches, grids, video_patches, video_grids, seconds = [], [], [], [], [], [], []
+    image_keys, video_keys = [], []
     for kind, where, value in parts.items:
         with _part(where):
             if kind == "audio":
@@ -102,12 +102,14 @@ def featurise(parts: MediaParts, formats: MediaFormats, use_audio_in_video: bool
                 pixels, grid = preprocess_images([_image(value)], formats.images)
                 patches.append(pixels)
                 grids.append(grid)
+                image_keys.append(patches_digest(pixels, tuple(grid[0].tolist())))
             else:
                 video = _video(value, formats.videos)
                 temporal_step(formats.videos, video.fps, formats.thinker.position_id_per_seconds)
-                pixels, thw = preprocess_video(video.frames, formats.videos)
+                pixels, thw, key = video.patches(formats.videos)
                 video_patches.append(pixels)
                 video_grids.append(thw)
+                video_keys.append(key)
                 seconds.append(seconds_per_grid(formats.videos, video.fps))
                 if use_audio_in_video:
                     if video.audio is None:
@@ -131,6 +133,8 @@ def featurise(parts: MediaParts, formats: MediaFormats, use_audio_in_video: bool
         video_seconds_per_grid=seconds,
         use_audio_in_video=use_audio_in_video and bool(video_grids),
         audio_keys=keys,
+        image_keys=image_keys,
+        video_keys=video_keys,
         image_norm=PixelNorm.of(formats.images) if patches else None,
         video_norm=PixelNorm.of(formats.videos) if video_patches else None,
     )

@@ -14,7 +14,7 @@ from __future__ import annotations
 import json
 import math
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 
 import numpy as np
@@ -23,6 +23,7 @@ import torch.nn.functional as F
 
 from omnistage.errors import InvalidMedia
 from omnistage.models.cpu_threads import shared_threads
+from omnistage.models.multimodal import patches_digest
 from omnistage.models.qwen3_omni.image_processing import smart_resize
 
 VIDEO_CONFIG = "video_preprocessor_config.json"
@@ -85,6 +86,18 @@ class DecodedVideo:
     frames: np.ndarray  # uint8 [T, H, W, 3] RGB, the sampled frames in order
     fps: float  # the rate the frames were sampled at: a temporal patch lasts temporal_patch_size / fps s
     audio: np.ndarray | None = None  # float32 mono at 16 kHz, decoded when use_audio_in_video is asked
+    # its patches, grid and encoder-cache key per processor config, made once (a video kept decoded is
+    # featurised again with every request that sends it: `media.DecodedVideos`)
+    _patches: dict[VideoProcessorConfig, tuple[torch.Tensor, tuple[int, int, int], bytes]] = field(
+        default_factory=dict, compare=False, repr=False
+    )
+
+    def patches(self, cfg: VideoProcessorConfig) -> tuple[torch.Tensor, tuple[int, int, int], bytes]:
+        """(patches, grid) as `preprocess_video` makes them of the frames, and their `patches_digest`."""
+        if (made := self._patches.get(cfg)) is None:
+            pixels, grid = preprocess_video(self.frames, cfg)
+            made = self._patches[cfg] = pixels, grid, patches_digest(pixels, grid)
+        return made
 
 
 def sample_indices(

@@ -121,7 +121,7 @@ def test_the_cache_off_runs_the_tower_for_every_clip(loaded):
 
 
 def test_its_size_is_a_setting_of_the_encoders_section():
-    assert engine_config().stage("encoders").cache_bytes == 256 << 20
+    assert engine_config().stage("encoders").cache_bytes == 1024 << 20
     assert engine_config(encoder_cache_mib=0).stage("encoders").cache_bytes == 0
     assert engine_config(stages={"encoders": {"cache_mib": 8}}).stage("encoders").cache_bytes == 8 << 20
 
