@@ -192,6 +192,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="the largest frame a video may have, width x height (default: 8294400, 4K)",
     )
     serve.add_argument(
+        "--video-cache-mib",
+        type=int,
+        help="host memory (MiB) keeping videos decoded, so that a video sent again (a chat's earlier turns) is "
+        "not decoded again (default: 512; 0: off)",
+    )
+    serve.add_argument(
         "--spoken-answers-retention-s",
         type=int,
         default=3600,

@@ -35,7 +35,7 @@ def run(args: argparse.Namespace) -> None:
 
 def server_options(args: argparse.Namespace, config: EngineConfig) -> ServerOptions:
     """The server's settings from the flags, each checked; raises ConfigError naming the flag at fault."""
-    from omnistage.media import MediaPolicy
+    from omnistage.media import VIDEO_CACHE_MIB, DecodedVideos, MediaPolicy
     from omnistage.models.qwen3_omni.video_decoding import VideoLimits
     from omnistage.server.options import ServerOptions
     from omnistage.server.realtime.route import RealtimeLimits
@@ -53,6 +53,7 @@ def server_options(args: argparse.Namespace, config: EngineConfig) -> ServerOpti
     ):
         _check(args, kept, at_least=0)
     _check(args, "max_sessions", at_least=1)
+    _check(args, "video_cache_mib", at_least=0)
     _check(args, "realtime_idle_timeout_s", above=0, unit=" seconds")
     _check(args, "realtime_max_conversation_tokens", at_least=1)
     video = video_limits(args, VideoLimits())
@@ -65,7 +66,14 @@ def server_options(args: argparse.Namespace, config: EngineConfig) -> ServerOpti
         api_key=args.api_key,
         max_queue=args.max_queue,
         max_body_bytes=args.max_body_bytes,
-        media=MediaPolicy(allow_remote=args.allow_remote_media, media_dir=media_dir, video=video),
+        media=MediaPolicy(
+            allow_remote=args.allow_remote_media,
+            media_dir=media_dir,
+            video=video,
+            decoded_videos=DecodedVideos(
+                (VIDEO_CACHE_MIB if args.video_cache_mib is None else args.video_cache_mib) << 20
+            ),
+        ),
         spoken_answers_retention_s=args.spoken_answers_retention_s,
         max_spoken_answers=args.max_spoken_answers,
         responses_retention_s=args.responses_retention_s,
