@@ -72,11 +72,11 @@ def parse_resolution(text: str) -> tuple[int, int]:
 
 
 def run_v2s(args: argparse.Namespace) -> dict[str, Any]:
-    from omnistage.bench.video_targets import fitting_fps, inprocess_runner, sample_rates, write_videos
-    from omnistage.media import MediaPolicy
-
     """The whole benchmark: one engine, then per length its sweep (and transformers' requests), written
     under --out-dir as each part ends."""
+    from omnistage.bench.video_targets import fitting_fps, inprocess_runner, sample_rates, write_videos
+    from omnistage.media import VIDEO_CACHE_MIB, DecodedVideos, MediaPolicy
+
     concurrencies = _numbers(args.concurrency, int)
     forced = not args.natural
     result: dict[str, Any] = {
@@ -87,6 +87,7 @@ def run_v2s(args: argparse.Namespace) -> dict[str, Any]:
         "frames": args.frames,
         "forced": forced,
         "voice": args.voice,
+        "follow_up": args.follow_up,
         "lengths": [],
     }
     pipeline, engine, engine_info = speech_engine.start_engine(args, max(concurrencies))
@@ -108,8 +109,12 @@ def run_v2s(args: argparse.Namespace) -> dict[str, Any]:
                 files,
             )
             result["videos_written_s"] = round(time.perf_counter() - began, 2)
-            policy = MediaPolicy(media_dir=Path(tmp))
-            run = inprocess_runner(engine, policy, args.text_tokens, args.frames, args.voice, forced)
+            # videos kept decoded only for a conversation's turns: distinct requests must each decode their own
+            kept = DecodedVideos(VIDEO_CACHE_MIB << 20 if args.follow_up else 0)
+            policy = MediaPolicy(media_dir=Path(tmp), decoded_videos=kept)
+            run = inprocess_runner(
+                engine, policy, args.text_tokens, args.frames, args.voice, forced, args.follow_up
+            )
             processor, context = engine.frontend.processor, engine.frontend.max_model_len
             cfg = policy.video_processing
             rates = sample_rates(cfg.fps, cfg.temporal_patch_size, args.video_fps)
@@ -285,5 +290,9 @@ def add_parser(sub: Any) -> None:
     p.add_argument(
         "--repeats", type=int, default=1, help="timed passes per concurrency (default: %(default)s)"
     )
+    p.add_argument("--follow-up", action="store_true",
+                   help="time each request as a conversation's second turn about its video, its first turn run "
+                   "untimed just before it: the videos kept decoded, the towers' rows and the prefix pages serve "
+                   "what the turns share")  # fmt: skip
     p.add_argument("--out-dir", help="write the results as JSON here (v2s.json)")
     builds.add_argument(p)

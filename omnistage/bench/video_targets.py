@@ -24,6 +24,10 @@ from omnistage.bench.videos import encode, sliding
 from omnistage.media import MediaPolicy, VideoOptions, decode_messages
 
 QUESTION = "What happens in this video, and what do you hear?"
+ANSWER = (
+    "A bright field drifts slowly to one side while a steady tone plays."  # the first turn's, as sent back
+)
+FOLLOW_UP = "Which way does it drift, and does the tone change?"
 # The sound track ends this much before the picture: an AAC encoder's priming and padding samples decode as
 # part of the track, so an exactly 120 s track reads as 120.03 s and exceeds VideoLimits.max_seconds.
 TRACK_MARGIN_S = 0.1
@@ -46,10 +50,14 @@ class VideoInput:
         files = (self.path, *self.copies)
         return replace(self, path=files[number % len(files)])
 
-    def messages(self) -> list[dict[str, Any]]:
-        """The chat as a client sends it: the video as a `video_url` naming the file, then the question."""
+    def messages(self, follow_up: bool = False) -> list[dict[str, Any]]:
+        """The chat as a client sends it: the video as a `video_url` naming the file, then the question; with
+        `follow_up`, the conversation's second turn: that turn, its answer, then the next question."""
         video = {"type": "video_url", "video_url": {"url": str(self.path)}}
-        return [{"role": "user", "content": [video, {"type": "text", "text": QUESTION}]}]
+        first = [{"role": "user", "content": [video, {"type": "text", "text": QUESTION}]}]
+        if not follow_up:
+            return first
+        return [*first, {"role": "assistant", "content": ANSWER}, {"role": "user", "content": FOLLOW_UP}]
 
     def options(self) -> VideoOptions:
         return VideoOptions(use_audio_in_video=True, fps=self.fps)
@@ -110,28 +118,44 @@ def sample_rates(processor_fps: float, temporal_patch_size: int, given: float | 
 
 
 def inprocess_runner(
-    engine: Any, policy: MediaPolicy, text_tokens: int, frames: int, voice: str, forced: bool
+    engine: Any,
+    policy: MediaPolicy,
+    text_tokens: int,
+    frames: int,
+    voice: str,
+    forced: bool,
+    follow_up: bool = False,
 ) -> Callable[[VideoInput, int], Awaitable[SpeechTiming]]:
     """Requests into an AsyncPipeline as the server makes them; stages from arrival: `decode` (the file read
     and decoded), `preprocess` (laid out by the processor), `encoded` (through the towers), the first text
-    token."""
+    token. With `follow_up` each request is a conversation's second turn about its video, timed, its first
+    turn run just before it and not timed: what a chat's next question costs where the server kept what the
+    turns share (`policy`'s decoded videos, the encoder cache, both prefix caches)."""
     from omnistage.request import GenerationRequest, SamplingParams, SpeechParams
 
     frontend = engine.frontend
     speech = SpeechParams(voice=voice, talker=talker_params(frames, forced))
     params = SamplingParams(**text_fields(text_tokens, forced))
 
-    async def run(item: VideoInput, number: int) -> SpeechTiming:
-        item = item.as_request(number)
+    async def run(given: VideoInput, number: int, second: bool = follow_up) -> SpeechTiming:
+        if second:
+            await run(given, number, second=False)
+        item = given.as_request(number)
         start = time.monotonic()
-        decoded = await asyncio.to_thread(decode_messages, item.messages(), policy, item.options())
+        decoded = await asyncio.to_thread(decode_messages, item.messages(second), policy, item.options())
         stages = {"decode": time.monotonic() - start}
         prompt = await asyncio.to_thread(
             frontend.processor.process_chat, decoded, True, frontend.max_model_len, True
         )
         stages["preprocess"] = time.monotonic() - start
         request = GenerationRequest(
-            f"video-{number}", prompt.token_ids, params, prompt.prompt, prompt.mrope, prompt.mm, speech
+            f"video-{number}-{1 + second}",
+            prompt.token_ids,
+            params,
+            prompt.prompt,
+            prompt.mrope,
+            prompt.mm,
+            speech,
         )
         forced_frames = frames if forced else None
         return await spoken_timing(engine, request, item.name, forced_frames, start, stages, ("encoded",))

@@ -168,3 +168,24 @@ def test_a_length_that_fails_is_reported_and_the_run_exits_non_zero(tiny_checkpo
     one, two = json.loads((tmp_path / "v2s.json").read_text())["lengths"]
     assert one["error"] == "RuntimeError: video-1s: the engine failed it" and "ours" not in one
     assert "error" not in two and two["ours"][0]["ttft_median_ms"] == 50.0
+
+
+def test_a_follow_up_turn_finds_what_its_first_turn_left(tiny_checkpoint, tmp_path):
+    """`--follow-up`: each request is timed as a conversation's second turn about its video, run just after its
+    first: the video comes from the decoded videos kept, its rows and its track's from the encoder cache, the
+    first turn's pages from both prefix caches."""
+    args = build_parser().parse_args(
+        ["bench", "v2s", "--model", str(tiny_checkpoint), "--device", "cpu", "--video-seconds", "1",
+         "--resolution", "64x48", "--concurrency", "1", "--text-tokens", str(TEXT_TOKENS), "--frames",
+         str(FRAMES), "--follow-up", "--out-dir", str(tmp_path)]
+    )  # fmt: skip
+    args.func(args)
+    result = json.loads((tmp_path / "v2s.json").read_text())
+    (entry,) = result["lengths"]
+    assert result["follow_up"] and result["pools_after"]["full"] and "error" not in entry
+    served = entry["caches_served"]
+    # the warm-up's and the timed request's first turns encode a video and its track each, their second turns
+    # find both
+    assert served["encoder_cache_misses"] == served["encoder_cache_hits"] == 2 * 2
+    assert served["prefix_cache_hits"] >= 2 * (entry["prompt_tokens"] // 16) * 16 > 0
+    assert served["talker_prefix_cache_hits"] > 0
