@@ -56,6 +56,10 @@ class DecodedVideos:
         self._videos: OrderedDict[bytes, tuple[DecodedVideo, int]] = OrderedDict()
         self._lock = threading.Lock()
 
+    def __reduce__(self) -> tuple[type[DecodedVideos], tuple[int]]:
+        """A copy sent to another process (a Ray Serve replica's options) keeps its budget, not its videos."""
+        return DecodedVideos, (self.max_bytes,)
+
     @staticmethod
     def key(data: bytes, *how: object) -> bytes:
         """A 128-bit XXH3 digest of a file's bytes and of everything `how` its decoding went (the processor's

@@ -5,6 +5,7 @@ least recently used out; `--video-cache-mib` sets the bound."""
 from __future__ import annotations
 
 import base64
+import pickle
 
 import numpy as np
 import pytest
@@ -112,3 +113,12 @@ def test_the_budget_is_a_server_flag():
     assert default.media.decoded_videos.max_bytes == media.VIDEO_CACHE_MIB << 20
     with pytest.raises(ConfigError, match="--video-cache-mib"):
         server_options(parser.parse_args(["serve", "--video-cache-mib", "-1"]), engine_config())
+
+
+def test_a_copy_sent_to_another_process_keeps_the_budget_not_the_videos():
+    # a Ray Serve replica's server options are pickled, its media policy with them
+    policy = media.MediaPolicy(decoded_videos=media.DecodedVideos(64 << 20))
+    decoded(encode(frames(8, 64, 48), fps=2, tone_hz=None), policy)
+    copy = pickle.loads(pickle.dumps(policy))
+    assert copy.decoded_videos.max_bytes == 64 << 20 and copy.decoded_videos.bytes == 0
+    assert policy.decoded_videos.bytes > 0
