@@ -57,17 +57,16 @@ class EncoderCache:
         size = sum(part.numel() * part.element_size() for part in flat)
         if size > self.max_bytes or key in self._rows:
             return
+        while self.bytes + size > self.max_bytes:  # first, so that a freed pinned block can take the new rows
+            _, evicted = self._rows.popitem(last=False)
+            self.bytes -= evicted.numel() * evicted.element_size()
         on_gpu = flat[0].is_cuda
-        host = torch.empty(
-            sum(len(part) for part in flat), flat[0].shape[1], dtype=flat[0].dtype, pin_memory=on_gpu
-        )
-        for part, into in zip(flat, host.split([len(part) for part in flat]), strict=True):
+        rows_of = [len(part) for part in flat]
+        host = torch.empty(sum(rows_of), flat[0].shape[1], dtype=flat[0].dtype, pin_memory=on_gpu)
+        for part, into in zip(flat, host.split(rows_of), strict=True):
             into.copy_(part, non_blocking=on_gpu)
         self._rows[key] = host
         self.bytes += size
-        while self.bytes > self.max_bytes:
-            _, evicted = self._rows.popitem(last=False)
-            self.bytes -= evicted.numel() * evicted.element_size()
 
     def stats(self) -> dict[str, int]:
         return {
