@@ -46,3 +46,33 @@ def test_kept_clips_are_encoded_and_keyed_without_waiting_for_the_device(tiny_ch
         torch.cuda.set_sync_debug_mode("default")
     assert stage.cache.hits == 2 and again_keys == keys
     assert torch.equal(again.audio_embeds, first.audio_embeds)
+
+
+def test_a_kept_video_is_encoded_and_keyed_without_waiting_for_the_device(tiny_checkpoint):
+    # a chat's video sent again: its vision rows and deepstack levels come back from pinned host memory, bit
+    # for bit, the tower not run and nothing waited for
+    cfg = Qwen3OmniConfig.from_dir(tiny_checkpoint).thinker
+    device = torch.device("cuda")
+    towers = load_encoders(tiny_checkpoint, cfg, LoadOptions(torch.bfloat16, device))
+    stage = EncoderStage(
+        towers.audio_encoder, towers.audio, device, towers.vision_encoder, towers.images, towers.videos,
+        cache_bytes=64 << 20,
+    )  # fmt: skip
+    video = np.random.default_rng(0).integers(0, 256, (6, 48, 64, 3), dtype=np.uint8)
+    p = Processor(tiny_checkpoint).process_chat(
+        [{"role": "user", "content": [{"type": "video", "video": video}, {"type": "text", "text": "What?"}]}]
+    )
+    request = GenerationRequest("r", p.token_ids, SamplingParams(max_tokens=1), mrope=p.mrope)
+    first = stage.encode(p.token_ids, p.mm)
+    keys = request_keys(request, first, None, Runner()).keys  # type: ignore[arg-type]
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        again = stage.encode(p.token_ids, p.mm)
+        again_keys = request_keys(request, again, None, Runner()).keys  # type: ignore[arg-type]
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert (stage.cache.hits, stage.cache.misses) == (1, 1) and again_keys == keys
+    assert torch.equal(again.image_embeds, first.image_embeds) and torch.equal(
+        again.deepstack, first.deepstack
+    )
