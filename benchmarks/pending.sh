@@ -79,6 +79,7 @@
 # - video_turns: the 30 s and 10 s videos at c = 1 (three requests each, KV_GIB=4), each request a video of its own,
 #               then each timed as a conversation's second turn about its video (`--follow-up`: its first turn
 #               just before, untimed; the videos kept decoded, the towers' rows and the prefix pages serve it);
+# - vision_cache: the encoder cache's GPU tests (a kept clip, a kept video: encoded and keyed without a wait);
 # - pinned:     what a pinned host buffer of a video's vision rows costs the engine's thread (benchmarks/pinned_alloc.py);
 # - talker_budget: the 30 s and 10 s videos at c = 1 (two requests each, KV_GIB=4) with the Talker's step budget
 #               the engine's 2,048 rows, then 8,192 (`--talker-max-num-batched-tokens`, its default since
@@ -195,6 +196,7 @@ for name in ${*:-http inproc video_host video asr baseline}; do
       --concurrency 128 --rounds 4 --repeats 1 >"$OUT/engine_profile.log" 2>&1; grep -v " INFO " "$OUT/engine_profile.log" | tail -70
       OUT="$OUT/gil" WHEELS=.whl-spy RATE=200 SPY_ARGS=--gil timeout 90 bash benchmarks/spy.sh bench a2t --load-format dummy \
       --skeleton qwen3-asr-0.6b --device cuda --concurrency 128 --rounds 4 --repeats 1' ;;
+    vision_cache) step vision_cache 70 sh -c 'PER_FILE_S=65 bash benchmarks/gpu_tests.sh tests/gpu/test_encoder_cache_gpu.py' ;;
     pinned) step pinned 20 sh -c 'mkdir -p "$OUT" && timeout 20 python3 benchmarks/pinned_alloc.py | tee "$OUT/pinned.txt"' ;;
     video_turns) for turn in fresh follow_up; do
         flag=""; [ $turn = follow_up ] && flag="--follow-up"
@@ -216,7 +218,7 @@ for name in ${*:-http inproc video_host video asr baseline}; do
     *) echo "pending: no step $name (http, inproc, video_host, video, video_kv, asr, baseline, spy_asr, handoff," \
       "long_attention, long_prefill, video_flash, admission, asr_ab, sync_asr, sync_asr_before," \
       "asr_profile, admission_host, trace_asr, engine_asr, decode_attention, asr_budget, asr_burst, asr_dense, asr_2min, trace_video, video_ab," \
-      "video_turns, pinned, talker_budget, prefill_kernels)" >&2
+      "video_turns, pinned, vision_cache, talker_budget, prefill_kernels)" >&2
       exit 2 ;;
   esac
 done
