@@ -12,6 +12,10 @@ requests, at most c at once, after --warmup requests of that length), from the r
   `encoded` (the towers have run), each from arrival;
 - first audio packet, RTF (wall seconds to the end per second of audio spoken) and audio seconds per second,
   as `omnistage bench t2s` measures them.
+With --follow-up each request is timed as a conversation's second turn about its video (the first turn's
+question, a fixed answer, a new question), its first turn sent just before it and not timed: the videos the
+server keeps decoded, the towers' rows in the encoder cache and both prefix caches then serve what the turns
+share, as they do for a chat that sends its video with every turn.
 Frames are sampled at the processor's 2 a second; a length whose prompt would not leave --text-tokens within
 the context is sampled at 1, then 0.5 (reported as its fps), unless --video-fps fixes the rate.
 
