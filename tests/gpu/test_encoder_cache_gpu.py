@@ -25,15 +25,9 @@ class Runner:
     tap_layer = None
 
 
-def test_kept_clips_are_encoded_and_keyed_without_waiting_for_the_device(tiny_checkpoint):
-    cfg = Qwen3OmniConfig.from_dir(tiny_checkpoint).thinker
-    device = torch.device("cuda")
-    towers = load_encoders(tiny_checkpoint, cfg, LoadOptions(torch.float32, device))
-    stage = EncoderStage(towers.audio_encoder, towers.audio, device, cache_bytes=64 << 20)
-    processor = Processor(tiny_checkpoint)
-    t = np.arange(8000) / 16000
-    clips = [(0.3 * np.sin(2 * np.pi * f * t)).astype(np.float32) for f in (300.0, 450.0)]
-    p = processor.process_chat([{"role": "user", "content": [{"type": "audio", "audio": c} for c in clips]}])
+def keyed_twice(stage: EncoderStage, p):
+    """The prompt `p` encoded and keyed, then again with any wait on the device an error: (embeds, keys, embeds
+    again, keys again)."""
     request = GenerationRequest("r", p.token_ids, SamplingParams(max_tokens=1), mrope=p.mrope)
     first = stage.encode(p.token_ids, p.mm)
     keys = request_keys(request, first, None, Runner()).keys  # type: ignore[arg-type]
@@ -44,6 +38,19 @@ def test_kept_clips_are_encoded_and_keyed_without_waiting_for_the_device(tiny_ch
         again_keys = request_keys(request, again, None, Runner()).keys  # type: ignore[arg-type]
     finally:
         torch.cuda.set_sync_debug_mode("default")
+    return first, keys, again, again_keys
+
+
+def test_kept_clips_are_encoded_and_keyed_without_waiting_for_the_device(tiny_checkpoint):
+    cfg = Qwen3OmniConfig.from_dir(tiny_checkpoint).thinker
+    device = torch.device("cuda")
+    towers = load_encoders(tiny_checkpoint, cfg, LoadOptions(torch.float32, device))
+    stage = EncoderStage(towers.audio_encoder, towers.audio, device, cache_bytes=64 << 20)
+    processor = Processor(tiny_checkpoint)
+    t = np.arange(8000) / 16000
+    clips = [(0.3 * np.sin(2 * np.pi * f * t)).astype(np.float32) for f in (300.0, 450.0)]
+    p = processor.process_chat([{"role": "user", "content": [{"type": "audio", "audio": c} for c in clips]}])
+    first, keys, again, again_keys = keyed_twice(stage, p)
     assert stage.cache.hits == 2 and again_keys == keys
     assert torch.equal(again.audio_embeds, first.audio_embeds)
 
@@ -62,16 +69,7 @@ def test_a_kept_video_is_encoded_and_keyed_without_waiting_for_the_device(tiny_c
     p = Processor(tiny_checkpoint).process_chat(
         [{"role": "user", "content": [{"type": "video", "video": video}, {"type": "text", "text": "What?"}]}]
     )
-    request = GenerationRequest("r", p.token_ids, SamplingParams(max_tokens=1), mrope=p.mrope)
-    first = stage.encode(p.token_ids, p.mm)
-    keys = request_keys(request, first, None, Runner()).keys  # type: ignore[arg-type]
-    torch.cuda.synchronize()
-    torch.cuda.set_sync_debug_mode("error")
-    try:
-        again = stage.encode(p.token_ids, p.mm)
-        again_keys = request_keys(request, again, None, Runner()).keys  # type: ignore[arg-type]
-    finally:
-        torch.cuda.set_sync_debug_mode("default")
+    first, keys, again, again_keys = keyed_twice(stage, p)
     assert (stage.cache.hits, stage.cache.misses) == (1, 1) and again_keys == keys
     assert torch.equal(again.image_embeds, first.image_embeds) and torch.equal(
         again.deepstack, first.deepstack
