@@ -197,7 +197,9 @@ for name in ${*:-http inproc video_host video asr baseline}; do
       OUT="$OUT/gil" WHEELS=.whl-spy RATE=200 SPY_ARGS=--gil timeout 90 bash benchmarks/spy.sh bench a2t --load-format dummy \
       --skeleton qwen3-asr-0.6b --device cuda --concurrency 128 --rounds 4 --repeats 1' ;;
     vision_cache) step vision_cache 70 sh -c 'PER_FILE_S=65 bash benchmarks/gpu_tests.sh tests/gpu/test_encoder_cache_gpu.py' ;;
-    pinned) step pinned 20 sh -c 'mkdir -p "$OUT" && timeout 20 python3 benchmarks/pinned_alloc.py | tee "$OUT/pinned.txt"' ;;
+    pinned) step pinned 30 sh -c 'mkdir -p "$OUT" && { timeout 15 python3 benchmarks/pinned_alloc.py; \
+      PYTORCH_CUDA_ALLOC_CONF=pinned_use_cuda_host_register:True,pinned_num_register_threads:8 timeout 15 \
+      python3 benchmarks/pinned_alloc.py; } 2>&1 | tee "$OUT/pinned.txt"' ;;
     video_turns) for turn in fresh follow_up; do
         flag=""; [ $turn = follow_up ] && flag="--follow-up"
         step "video_$turn" 170 env LENGTHS=30,10 C=1 REQUESTS=3 BASELINE=0 KV_GIB=4 V2S_S=165 V2S_ARGS="$flag" \
