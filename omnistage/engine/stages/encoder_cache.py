@@ -50,10 +50,13 @@ class EncoderCache:
     def put(self, key: bytes, rows: torch.Tensor | list[torch.Tensor]) -> None:
         """Keep a copy of `rows` on the host, from a GPU queued behind the work that computes them and not
         waited for: the rows kept are only ever copied back to the device (`get`), behind the same work; rows
-        larger than the whole budget are not kept. Several tensors of one row width (a video's rows and its
-        deepstack levels' rows) are kept as one, their rows one after another, in the order given."""
+        larger than the whole budget are not kept. Several tensors of one row width, matrices or stacks of
+        them (a video's rows [n, H] and its deepstack levels [L, n, H]), are kept as one, their rows one after
+        another in the order given."""
         parts = [rows] if isinstance(rows, torch.Tensor) else rows
-        flat = [part.detach().reshape(-1, part.shape[-1]) for part in parts]
+        # matrices copied one by one: a level of a deepstack split from a batch's is a contiguous matrix, where
+        # the levels reshaped together would be copied on the device first
+        flat = [m.detach() for part in parts for m in (part.unbind(0) if part.dim() == 3 else [part])]
         size = sum(part.numel() * part.element_size() for part in flat)
         if size > self.max_bytes or key in self._rows:
             return
