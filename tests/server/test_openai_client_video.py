@@ -93,3 +93,30 @@ def test_bad_videos_are_400s_with_the_reason(client, model, url, extra, reason):
     assert err.value.status_code == 400
     assert re.search(reason, err.value.message)
     assert "messages[0].content[0]" in err.value.message
+
+
+def test_a_chats_next_turn_about_its_video_comes_from_the_caches(server, client, model, clip):
+    """A chat sends its video with every turn: the next turn finds its video decoded, its vision rows and its
+    sound track's rows in the encoder cache (the towers do not run), and the first turn's pages cached."""
+    content = [{"type": "video_url", "video_url": {"url": data_url(clip)}}, {"type": "text", "text": "What?"}]
+    messages = [{"role": "user", "content": content}]
+    extra = {**FORCED, "use_audio_in_video": True}
+    first = client.chat.completions.create(
+        model=model, messages=messages, max_tokens=4, temperature=0, extra_body=extra
+    )
+    before = server.metrics()
+    messages += [
+        {"role": "assistant", "content": first.choices[0].message.content},
+        {"role": "user", "content": "And then?"},
+    ]
+    client.chat.completions.create(
+        model=model, messages=messages, max_tokens=4, temperature=0, extra_body=extra
+    )
+    after = server.metrics()
+
+    def grew(name: str) -> float:
+        return after[f"omnistage_{name}"] - before[f"omnistage_{name}"]
+
+    assert grew("encoder_cache_hits_total") == 2 and grew("encoder_cache_misses_total") == 0
+    assert grew("prefix_cache_hits_total") >= first.usage.prompt_tokens // 16 * 16 - 16 > 0
+    server.wait_pages_free(timeout=2)
