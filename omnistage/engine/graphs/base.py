@@ -240,17 +240,22 @@ class GraphSet(Generic[B]):
         return replay
 
     def _warm_up(self, buckets: list[Bucket]) -> None:
-        # cuBLAS creates its handle and workspace, and Triton compiles a kernel per shape class, on first
-        # use; graph capture cannot record either, so every bucket runs once on a side stream first.
-        for members in groups(buckets).values():
-            self.buffers.clear(members[-1])
-        stream = torch.cuda.Stream(self.device)
-        stream.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(stream):
+        """Every bucket's step once over its own padding (`clear`), as it will be captured. cuBLAS creates its
+        handle and workspace, and Triton compiles a kernel per shape class, on first use; graph capture cannot
+        record either, so on a GPU this runs on a side stream first. Each bucket is cleared for itself: a
+        larger bucket's padding is not a smaller one's (the audio buffers' segment bounds of the largest pass
+        a smaller bucket's rows, and FlashAttention read past them)."""
+        on_gpu = self.device.type == "cuda"
+        stream = torch.cuda.Stream(self.device) if on_gpu else None
+        if stream is not None:
+            stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(stream):  # None (off CUDA): no stream, the steps run here
             for b in buckets:
+                self.buffers.clear(b)
                 self.step(*self.buffers.args(b))
-        torch.cuda.current_stream(self.device).wait_stream(stream)
-        torch.cuda.synchronize(self.device)
+        if stream is not None:
+            torch.cuda.current_stream(self.device).wait_stream(stream)
+            torch.cuda.synchronize(self.device)
 
 
 def graph_peaks(

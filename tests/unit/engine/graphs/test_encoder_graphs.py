@@ -178,3 +178,23 @@ def test_default_buckets():
     assert vision_buckets(224 * 224) == [256, 384, 512, 768, 1024, 1536, 2048, 3072, 4096, 6144, 8192]
     assert vision_buckets(1000) == [256, 384, 512, 768, 1000]
     assert vision_buckets(102) == [100]
+
+
+@pytest.mark.parametrize("family", ["qwen3-omni", "qwen3-asr"])
+def test_the_warm_up_runs_every_bucket_over_its_own_padding(audio_towers, family):
+    # before capture every bucket's step runs once (on a GPU, for cuBLAS and Triton); a smaller bucket over the
+    # largest one's padding read segment bounds past its rows, which FlashAttention took as an illegal address
+    graphs = AudioGraphs(audio_towers[family], 32)
+    seen: list[list[int]] = []
+    step = graphs.step
+
+    def checked(chunks, order, segments):
+        bounds = segments.host_bounds()
+        seen.append(bounds)
+        assert bounds == sorted(bounds) and bounds[-1] == len(order), bounds
+        return step(chunks, order, segments)
+
+    graphs.step = checked
+    buckets = audio_buckets(32)
+    graphs._warm_up(sorted(buckets, reverse=True))
+    assert len(seen) == len(buckets)
