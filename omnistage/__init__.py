@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from importlib import import_module
 from importlib.metadata import PackageNotFoundError, version
 from typing import TYPE_CHECKING, Any
@@ -10,6 +11,15 @@ if TYPE_CHECKING:
     from omnistage.llm import LLM
     from omnistage.outputs import CompletionOutput, RequestOutput
     from omnistage.request import SamplingParams
+
+# Pinned host memory (the encoder cache's rows, the hand-off's media rows, every copy that must not wait) as
+# torch's host allocator makes it by default, cudaHostAlloc, took 305 ms for 354 MiB on an H100 host, on the
+# engine's thread; malloc'd, then registered by 8 threads, 57 ms (benchmarks/RESULTS.md, "Pinning a video's
+# rows"). Read when torch first pins memory: set here, before any of it, unless the environment says otherwise.
+PINNED_HOST_MEMORY = "pinned_use_cuda_host_register:True,pinned_num_register_threads:8"
+_alloc_conf = os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "")
+if "pinned_" not in _alloc_conf:
+    os.environ["PYTORCH_CUDA_ALLOC_CONF"] = ",".join(filter(None, (_alloc_conf, PINNED_HOST_MEMORY)))
 
 try:
     __version__ = version("omnistage")
