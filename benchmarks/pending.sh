@@ -76,9 +76,9 @@
 #               against the Triton kernel at prefill sizes (benchmarks/moe_kernels.py --tokens 128,...,8192,
 #               TFLOP/s; then the grouped path compiled, as the engine's layers run it): the two halves of a 30 s
 #               video's prefill, each against what else torch runs.
-# - video_turns: the 30 s and 10 s videos at c = 1 (three requests each, KV_GIB=4), each request a video of its own,
-#               then each timed as a conversation's second turn about its video (`--follow-up`: its first turn
-#               just before, untimed; the videos kept decoded, the towers' rows and the prefix pages serve it);
+# - video_turns: the 30 s and 10 s videos at c = 1 (two requests each, KV_GIB=4), each request a chat's first turn
+#               about a video of its own, then its second turn (`--follow-up`: the videos kept decoded, the towers'
+#               rows and the prefix pages serve it), both timed;
 # - vision_cache: the encoder cache's GPU tests (a kept clip, a kept video: encoded and keyed without a wait);
 # - pinned:     what a pinned host buffer of a video's vision rows costs the engine's thread (benchmarks/pinned_alloc.py);
 # - talker_budget: the 30 s and 10 s videos at c = 1 (two requests each, KV_GIB=4) with the Talker's step budget
@@ -200,11 +200,8 @@ for name in ${*:-http inproc video_host video asr baseline}; do
     pinned) step pinned 30 sh -c 'mkdir -p "$OUT" && { timeout 15 python3 benchmarks/pinned_alloc.py; \
       PYTORCH_CUDA_ALLOC_CONF=pinned_use_cuda_host_register:True,pinned_num_register_threads:8 timeout 15 \
       python3 benchmarks/pinned_alloc.py; } 2>&1 | tee "$OUT/pinned.txt"' ;;
-    video_turns) for turn in fresh follow_up; do
-        flag=""; [ $turn = follow_up ] && flag="--follow-up"
-        step "video_$turn" 170 env LENGTHS=30,10 C=1 REQUESTS=3 BASELINE=0 KV_GIB=4 V2S_S=165 V2S_ARGS="$flag" \
-          bash benchmarks/video.sh
-      done ;;
+    video_turns) step video_turns 180 env LENGTHS=30,10 C=1 REQUESTS=2 BASELINE=0 KV_GIB=4 V2S_S=175 \
+      V2S_ARGS="--follow-up" bash benchmarks/video.sh ;;
     talker_budget) for tokens in 2048 8192; do
         step "talker_budget_$tokens" 200 env LENGTHS=30,10 C=1 REQUESTS=2 BASELINE=0 KV_GIB=4 V2S_S=195 \
           V2S_ARGS="--talker-max-num-batched-tokens $tokens" bash benchmarks/video.sh

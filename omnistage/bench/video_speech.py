@@ -116,8 +116,9 @@ def run_v2s(args: argparse.Namespace) -> dict[str, Any]:
             # videos kept decoded only for a conversation's turns: distinct requests must each decode their own
             kept = DecodedVideos(VIDEO_CACHE_MIB << 20 if args.follow_up else 0)
             policy = MediaPolicy(media_dir=Path(tmp), decoded_videos=kept)
+            first_turns: list[SpeechTiming] = []  # with --follow-up, the timed requests' first turns
             run = inprocess_runner(
-                engine, policy, args.text_tokens, args.frames, args.voice, forced, args.follow_up
+                engine, policy, args.text_tokens, args.frames, args.voice, forced, args.follow_up, first_turns
             )
             processor, context = engine.frontend.processor, engine.frontend.max_model_len
             cfg = policy.video_processing
@@ -138,6 +139,9 @@ def run_v2s(args: argparse.Namespace) -> dict[str, Any]:
                     log.exception("%s failed", item.name)
                     entry["error"] = f"{type(exc).__name__}: {exc}"
                 entry["caches_served"] = served_since(cached, cache_counts(pipeline.stats()))
+                if first_turns:  # one at a time before each second turn: no pass wall of their own
+                    entry["first_turns"] = summarize(first_turns, [sum(t.latency_s for t in first_turns)], 1)
+                    first_turns.clear()
                 save(args, result)
             result["builds_while_serving"] = builds.in_process()
             result["pools_after"] = speech_engine.pools(pipeline.stats())
@@ -211,7 +215,10 @@ def report(result: dict[str, Any]) -> str:
         head = f"| {entry['seconds']:g} s | {entry['fps']:g} | {entry['prompt_tokens']} |"
         if "error" in entry:
             lines.append(f"{head} ours | FAILED: {entry['error']} |")
-        rows = [("ours", p) for p in entry.get("ours") or []]
+        turn = "ours, second turn" if result.get("follow_up") else "ours"
+        rows = [(turn, p) for p in entry.get("ours") or []]
+        if "first_turns" in entry:
+            rows.append(("ours, first turn", entry["first_turns"]))
         hf = entry.get("transformers")
         if hf and "skipped" not in hf:
             rows.append(("transformers (not streamed)", hf))
@@ -223,11 +230,13 @@ def report(result: dict[str, Any]) -> str:
             )
         if hf and "skipped" in hf:
             lines.append(f"{head} transformers | skipped: {hf['skipped']} |")
-        for p in entry.get("ours") or []:
-            stages = p.get("stages_median_ms", {})
+        for name, p in rows:
+            if "stages_median_ms" not in p:
+                continue
+            stages = p["stages_median_ms"]
             named = ", ".join(f"{k} {stages[k]:.1f}" for k in STAGES if k in stages)
             pieces.append(
-                f"ours, {entry['seconds']:g} s, c={p['concurrency']}, from arrival (median ms): {named}"
+                f"{name}, {entry['seconds']:g} s, c={p['concurrency']}, from arrival (median ms): {named}"
             )
         if "caches_served" in entry:
             pieces.append(f"ours, {entry['seconds']:g} s, served from the caches: {entry['caches_served']}")

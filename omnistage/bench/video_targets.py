@@ -125,12 +125,14 @@ def inprocess_runner(
     voice: str,
     forced: bool,
     follow_up: bool = False,
+    first_turns: list[SpeechTiming] | None = None,
 ) -> Callable[[VideoInput, int], Awaitable[SpeechTiming]]:
     """Requests into an AsyncPipeline as the server makes them; stages from arrival: `decode` (the file read
     and decoded), `preprocess` (laid out by the processor), `encoded` (through the towers), the first text
     token. With `follow_up` each request is a conversation's second turn about its video, timed, its first
     turn run just before it and not timed: what a chat's next question costs where the server kept what the
-    turns share (`policy`'s decoded videos, the encoder cache, both prefix caches)."""
+    turns share (`policy`'s decoded videos, the encoder cache, both prefix caches); the timed requests' first
+    turns (each a video new to the server) are appended to `first_turns`."""
     from omnistage.request import GenerationRequest, SamplingParams, SpeechParams
 
     frontend = engine.frontend
@@ -139,7 +141,9 @@ def inprocess_runner(
 
     async def run(given: VideoInput, number: int, second: bool = follow_up) -> SpeechTiming:
         if second:
-            await run(given, number, second=False)
+            first = await run(given, number, second=False)
+            if first_turns is not None and number >= 0:
+                first_turns.append(first)
         item = given.as_request(number)
         start = time.monotonic()
         decoded = await asyncio.to_thread(decode_messages, item.messages(second), policy, item.options())

@@ -170,7 +170,7 @@ def test_a_length_that_fails_is_reported_and_the_run_exits_non_zero(tiny_checkpo
     assert "error" not in two and two["ours"][0]["ttft_median_ms"] == 50.0
 
 
-def test_a_follow_up_turn_finds_what_its_first_turn_left(tiny_checkpoint, tmp_path):
+def test_a_follow_up_turn_finds_what_its_first_turn_left(tiny_checkpoint, tmp_path, capsys):
     """`--follow-up`: each request is timed as a conversation's second turn about its video, run just after its
     first: the video comes from the decoded videos kept, its rows and its track's from the encoder cache, the
     first turn's pages from both prefix caches."""
@@ -189,3 +189,9 @@ def test_a_follow_up_turn_finds_what_its_first_turn_left(tiny_checkpoint, tmp_pa
     assert served["encoder_cache_misses"] == served["encoder_cache_hits"] == 2 * 2
     assert served["prefix_cache_hits"] >= 2 * (entry["prompt_tokens"] // 16) * 16 > 0
     assert served["talker_prefix_cache_hits"] > 0
+    # the timed request's first turn, a video new to the server, is reported beside it
+    first, second = entry["first_turns"], entry["ours"][0]
+    assert first["requests"] == second["requests"] == 1
+    assert first["stages_median_ms"]["encoded"] > second["stages_median_ms"]["encoded"]
+    printed = capsys.readouterr().out
+    assert "| ours, second turn | 1 | 1 |" in printed and "| ours, first turn | 1 | 1 |" in printed
