@@ -116,7 +116,8 @@ MAX_RESIZERS = 4  # resize workers a video takes at most, with half its share of
 def resizers(threads: int) -> int:
     """The resize workers of a video whose decoder may take `threads` threads: a frame's resize (torch's uint8
     antialiased bicubic) gains little from more threads of its own, so the cores go to several frames at
-    once, as many as keep up with the decoder (RESULTS.md, "A video's frames resized on several workers")."""
+    once, as many as keep up with the decoder (RESULTS.md, "A chat's video kept decoded and encoded; pinning
+    a video's rows; a start that failed": a fresh video's host work)."""
     return max(1, min(MAX_RESIZERS, threads // 2))
 
 
@@ -124,8 +125,8 @@ def _frames(data: bytes, wanted: list[int], cfg: VideoProcessorConfig) -> np.nda
     """The frames at the indices `wanted` (ascending), RGB at the processor's size, decoding no further than
     the last. Where torch has more than one core, each kept frame is resized on a worker thread (`resizers`;
     where there are several, converted to RGB there too) while the next ones decode, at most `RESIZE_AHEAD`
-    decoded frames waiting for each worker (on one core the hand-offs cost more than they overlap: RESULTS.md, "Video decoding beside its
-    resizes")."""
+    decoded frames waiting for each worker (on one core the hand-offs cost more than they overlap:
+    RESULTS.md, "Video decoding beside its resizes")."""
     keep, last = set(wanted), wanted[-1]
     resizes: dict[int, Future[np.ndarray]] = {}  # in decoding order
     with shared_decoder_threads() as threads:
