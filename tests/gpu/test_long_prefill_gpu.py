@@ -30,7 +30,7 @@ def test_a_long_chunk_beside_decode_rows_equals_the_paged_kernel(heads, kv_heads
         tables.append(order[at : at + count])
         at += count
     meta = AttentionMetadata.build([(c, n, t) for (c, n), t in zip(chunks, tables)], PAGE, device)
-    assert long_prefill.applies(meta)
+    assert long_prefill.applies(meta, torch.bfloat16)
     cache = torch.randn(
         2, 1200, PAGE, kv_heads, 128, device=device, dtype=torch.bfloat16, generator=generator
     )

@@ -41,7 +41,7 @@ class CudaAttentionBackend(AttentionBackend):
     def attend(
         self, q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float
     ) -> torch.Tensor:
-        if self.flash is not None and long_prefill.applies(meta):
+        if self.flash is not None and long_prefill.applies(meta, q.dtype):
             if self._keys is None or self._keys[0] is not meta:
                 self._keys = (meta, *long_prefill.key_slots(meta, kv_cache.shape[2]))
             return long_prefill.attend(q, kv_cache, meta, scale, self.flash, self._keys[1:])

@@ -28,6 +28,7 @@ log = logging.getLogger(__name__)
 MIN_ROWS = 128  # a step's longest chunk of prompt rows from which the gather pays
 MIN_KEYS = 4096  # and its longest context: FlashAttention gained nothing at 2k keys
 MAX_KEYS = 65536  # keys gathered at most in one step (the released Qwen3-Omni's context)
+DTYPES = (torch.float16, torch.bfloat16)  # what FlashAttention takes: a float32 model keeps the paged kernel
 
 # varlen(q `[T, Hq, D]`, k `[K, Hkv, D]`, v, cu_q int32 `[B+1]`, cu_k int32 `[B+1]`, max_q, max_k, scale) ->
 # `[T, Hq, D]`: each sequence's rows attending causally to its keys, the last row seeing every key
@@ -36,11 +37,13 @@ Varlen = Callable[
 ]
 
 
-def applies(meta: AttentionMetadata) -> bool:
-    """Whether a step goes through the gather: prompt rows over a long context, its keys known on the host (no
-    padding: `AttentionMetadata.build`) and within `MAX_KEYS`, and not while a graph is being captured."""
+def applies(meta: AttentionMetadata, dtype: torch.dtype) -> bool:
+    """Whether a step of `dtype` queries goes through the gather: 16-bit ones, prompt rows over a long context,
+    its keys known on the host (no padding: `AttentionMetadata.build`) and within `MAX_KEYS`, and not while a
+    graph is being captured."""
     return (
-        meta.max_query_len >= MIN_ROWS
+        dtype in DTYPES
+        and meta.max_query_len >= MIN_ROWS
         and meta.max_seq_len >= MIN_KEYS
         and 0 < meta.num_keys <= MAX_KEYS
         and not (meta.seq_lens.is_cuda and torch.cuda.is_current_stream_capturing())
@@ -79,7 +82,10 @@ def attend(
 
 
 def scratch_bytes(kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
-    """The most a step's gather holds at once: `MAX_KEYS` keys and values and their slots."""
+    """The most a step's gather holds at once: `MAX_KEYS` keys and values and their slots (none for a dtype
+    that never gathers)."""
+    if dtype not in DTYPES:
+        return 0
     element = torch.empty(0, dtype=dtype).element_size()
     return MAX_KEYS * (2 * kv_heads * head_dim * element + 8)
 

@@ -83,13 +83,19 @@ def test_only_eager_prompt_chunks_over_long_contexts_take_the_gather():
     def meta(chunks, **pad):
         return AttentionMetadata.build([(c, n, range(-(-(c + n) // 16))) for c, n in chunks], 16, **pad)
 
-    assert long_prefill.applies(meta([(keys - rows, rows), (300, 1)]))
-    assert not long_prefill.applies(meta([(keys - rows + 1, rows - 1)]))  # too few prompt rows
-    assert not long_prefill.applies(meta([(keys - rows - 1, rows)]))  # too short a context
-    assert not long_prefill.applies(meta([(keys, 1)] * 8))  # decode rows: the paged kernel's split-KV
-    assert not long_prefill.applies(meta([(keys, rows)], pad_rows=16))  # a padded step: keys unknown
+    bf16 = torch.bfloat16
+    assert long_prefill.applies(meta([(keys - rows, rows), (300, 1)]), bf16)
+    assert not long_prefill.applies(meta([(keys - rows + 1, rows - 1)]), bf16)  # too few prompt rows
+    assert not long_prefill.applies(meta([(keys - rows - 1, rows)]), bf16)  # too short a context
+    assert not long_prefill.applies(meta([(keys, 1)] * 8), bf16)  # decode rows: the paged kernel's split-KV
+    assert not long_prefill.applies(meta([(keys, rows)], pad_rows=16), bf16)  # a padded step: keys unknown
     over = long_prefill.MAX_KEYS - keys + 1
-    assert not long_prefill.applies(meta([(keys - rows, rows), (over, 1)]))  # more keys than the floor counts
+    assert not long_prefill.applies(
+        meta([(keys - rows, rows), (over, 1)]), bf16
+    )  # more keys than the floor counts
+    # FlashAttention takes 16-bit queries only: a float32 model keeps the paged kernel
+    assert long_prefill.applies(meta([(keys - rows, rows)]), torch.float16)
+    assert not long_prefill.applies(meta([(keys - rows, rows)]), torch.float32)
 
 
 def test_torch_s_kernel_is_taken_only_where_it_agrees_with_attention():
@@ -116,3 +122,4 @@ def test_the_floor_counts_the_most_keys_a_step_gathers():
     # the Thinker's layout: 65,536 keys of 4 K/V heads of 128 in bfloat16, K and V, and their int64 slots
     assert gather_bytes(model, 4, 128, torch.bfloat16) == 65536 * (2 * 4 * 128 * 2 + 8)
     assert gather_bytes(torch.nn.Sequential(Layer(TorchReferenceBackend())), 4, 128, torch.bfloat16) == 0
+    assert gather_bytes(model, 4, 128, torch.float32) == 0  # a float32 model never gathers

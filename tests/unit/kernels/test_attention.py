@@ -29,7 +29,7 @@ else:
     from omnistage.kernels import attention
     from omnistage.kernels.attention import PREFILL_TILES, Tiles, decode_splits, paged_attention, write_kv
 
-    def _case(chunks, heads, kv_heads, dim, page_size, num_pages, seed, pad_seqs=0, pad_rows=0):
+    def _case(chunks, heads, kv_heads, dim, page_size, num_pages, seed, pad_seqs=0, pad_rows=0, dtype=None):
         g = torch.Generator().manual_seed(seed)
         meta = AttentionMetadata.build(chunks, page_size, pad_seqs=pad_seqs, pad_rows=pad_rows)
         rows = meta.slot_mapping.shape[0]
@@ -37,6 +37,8 @@ else:
         q = torch.randn(rows, heads, dim, generator=g)
         k = torch.randn(rows, kv_heads, dim, generator=g)
         v = torch.randn(rows, kv_heads, dim, generator=g)
+        if dtype is not None:
+            q, k, v, cache = (t.to(dtype) for t in (q, k, v, cache))
         return q, k, v, cache, meta
 
     def _reference(q, k, v, cache, meta, scale):
@@ -92,22 +94,27 @@ else:
 
         long_step = [(30, 16, list(range(0, 12))), (20, 1, list(range(12, 18)))]
         decode_step = [(45, 1, list(range(0, 12))), (20, 1, list(range(12, 18)))]
-        for chunks, gathered in ((long_step, True), (decode_step, False)):
+        # FlashAttention takes 16-bit queries: a float32 model's long chunks stay on the paged kernel
+        for chunks, dtype, gathered in (
+            (long_step, torch.float16, True),
+            (decode_step, torch.float16, False),
+            (long_step, torch.float32, False),
+        ):
             calls.clear()
-            case = _case(chunks, 8, 2, 32, 4, 24, seed=8)
+            case = _case(chunks, 8, 2, 32, 4, 24, seed=8, dtype=dtype)
             q, k, v, cache, meta = case
             write_kv(case[3], k, v, meta.slot_mapping)
             scale = 32**-0.5
             expected, _ = _reference(q, k, v, cache.clone(), meta, scale)
             out = CudaAttentionBackend(flash=varlen).forward(q, k, v, cache.clone(), meta, scale)
-            assert torch.allclose(out.double(), expected, atol=1e-5, rtol=1e-5)
+            assert torch.allclose(out.double(), expected, atol=2e-3, rtol=2e-3)
             assert calls == ([([0, 16, 17], [0, 46, 67], 16, 46)] if gathered else [])
 
         # every layer of a step gathers the same keys: their slots are worked out once a step
         computed = []
         slots_of = long_prefill.key_slots
         monkeypatch.setattr(long_prefill, "key_slots", lambda *a: computed.append(1) or slots_of(*a))
-        case = _case(long_step, 8, 2, 32, 4, 24, seed=9)
+        case = _case(long_step, 8, 2, 32, 4, 24, seed=9, dtype=torch.float16)
         backend = CudaAttentionBackend(flash=varlen)
         layers = [backend.attend(case[0], case[3], case[4], 0.2) for _ in range(3)]
         assert len(computed) == 1 and all(torch.equal(layer, layers[0]) for layer in layers)
