@@ -78,7 +78,8 @@
 #               video's prefill, each against what else torch runs.
 # - video_turns: the 30 s and 10 s videos at c = 1 (two requests each, KV_GIB=4), each request a chat's first turn
 #               about a video of its own, then its second turn (`--follow-up`: the videos kept decoded, the towers'
-#               rows and the prefix pages serve it), both timed;
+#               rows and the prefix pages serve it), both timed (300 s: a fresh machine's first start builds its
+#               kernels, and 175 s cut the run on host r before it printed);
 # - vision_cache: the encoder cache's GPU tests (a kept clip, a kept video: encoded and keyed without a wait);
 # - pinned:     what a pinned host buffer of a video's vision rows costs the engine's thread (benchmarks/pinned_alloc.py);
 # - talker_budget: the 30 s and 10 s videos at c = 1 (two requests each, KV_GIB=4) with the Talker's step budget
@@ -119,7 +120,7 @@ for name in ${*:-http inproc video_host video asr baseline}; do
     inproc) step inproc 220 env ASR=" " T2S_C=16,64 T2S_REPEATS=3 SPEECH_S=200 T2S_ARGS="$colocated80" \
       bash benchmarks/under_load.sh ;;
     video_host) step video_host 80 sh -c 'mkdir -p "$OUT" && { timeout 40 python3 benchmarks/video_host.py --runs 5; [ -d .ab ] &&
-      PYTHONPATH=.ab timeout 40 python3 benchmarks/video_host.py --runs 5; } 2>&1 | tee "$OUT/video_host.txt"' ;;
+      PYTHONPATH="$PWD/.ab:$PYTHONPATH" timeout 40 python3 benchmarks/video_host.py --runs 5; } 2>&1 | tee "$OUT/video_host.txt"' ;;
     video)
       step video 230 env LENGTHS=30,10 C=1,8 BASELINE=0 KV_GIB=4 V2S_S=220 bash benchmarks/video.sh
       step video_8192 230 env LENGTHS=30,10 C=1,8 BASELINE=0 KV_GIB=4 V2S_S=220 \
@@ -186,7 +187,7 @@ for name in ${*:-http inproc video_host video asr baseline}; do
       --skeleton qwen3-asr-0.6b --seconds 5 --batch 128 --arrivals 2 --out-dir "$OUT" >"$OUT/profile.log" 2>&1;
       tail -40 "$OUT/profile.log"' ;;
     admission_host) step admission_host 20 sh -c 'mkdir -p "$OUT" && { python3 benchmarks/admission_host.py; [ -d .ab ] &&
-      PYTHONPATH=.ab python3 benchmarks/admission_host.py; } 2>&1 | tee "$OUT/admission_host.txt"' ;;
+      PYTHONPATH="$PWD/.ab:$PYTHONPATH" python3 benchmarks/admission_host.py; } 2>&1 | tee "$OUT/admission_host.txt"' ;;
     trace_asr) step trace_asr 110 sh -c 'mkdir -p "$OUT" && timeout 110 python3 benchmarks/step_trace.py \
       $TRACE_FLAGS --out "$OUT/trace_asr.json" -- bench a2t --load-format dummy --skeleton qwen3-asr-0.6b --device cuda \
       --concurrency 128 --rounds 4 --repeats 1 $TRACE_ARGS >"$OUT/trace_asr.log" 2>&1; grep -E "^\| " "$OUT/trace_asr.log"
@@ -200,7 +201,7 @@ for name in ${*:-http inproc video_host video asr baseline}; do
     pinned) step pinned 30 sh -c 'mkdir -p "$OUT" && { timeout 15 python3 benchmarks/pinned_alloc.py; \
       PYTORCH_CUDA_ALLOC_CONF=pinned_use_cuda_host_register:True,pinned_num_register_threads:8 timeout 15 \
       python3 benchmarks/pinned_alloc.py; } 2>&1 | tee "$OUT/pinned.txt"' ;;
-    video_turns) step video_turns 180 env LENGTHS=30,10 C=1 REQUESTS=2 BASELINE=0 KV_GIB=4 V2S_S=175 \
+    video_turns) step video_turns 300 env LENGTHS=30,10 C=1 REQUESTS=2 BASELINE=0 KV_GIB=4 V2S_S=295 \
       V2S_ARGS="--follow-up" bash benchmarks/video.sh ;;
     talker_budget) for tokens in 2048 8192; do
         step "talker_budget_$tokens" 200 env LENGTHS=30,10 C=1 REQUESTS=2 BASELINE=0 KV_GIB=4 V2S_S=195 \
