@@ -81,7 +81,8 @@
 #               rows and the prefix pages serve it), both timed (300 s: a fresh machine's first start builds its
 #               kernels, and 175 s cut the run on host r before it printed);
 # - vision_cache: the encoder cache's GPU tests (a kept clip, a kept video: encoded and keyed without a wait);
-# - pinned:     what a pinned host buffer of a video's vision rows costs the engine's thread (benchmarks/pinned_alloc.py);
+# - pinned:     what a pinned host buffer of a video's vision rows, or of a clip's, costs the engine's thread
+#               (benchmarks/pinned_alloc.py): torch's default, registered by 8 threads, and omnistage's (a reserve);
 # - talker_budget: the 30 s and 10 s videos at c = 1 (two requests each, KV_GIB=4) with the Talker's step budget
 #               the engine's 2,048 rows, then 8,192 (`--talker-max-num-batched-tokens`, its default since
 #               86420bc): the 30 s video's 22k-row Talker prompt in 11 steps or 3.
@@ -208,9 +209,10 @@ for name in ${*:-http inproc video_host video asr baseline}; do
       OUT="$OUT/gil" WHEELS=.whl-spy RATE=200 SPY_ARGS=--gil timeout 90 bash benchmarks/spy.sh bench a2t --load-format dummy \
       --skeleton qwen3-asr-0.6b --device cuda --concurrency 128 --rounds 4 --repeats 1' ;;
     vision_cache) step vision_cache 70 sh -c 'PER_FILE_S=65 bash benchmarks/gpu_tests.sh tests/gpu/test_encoder_cache_gpu.py' ;;
-    pinned) step pinned 30 sh -c 'mkdir -p "$OUT" && { timeout 15 python3 benchmarks/pinned_alloc.py; \
+    pinned) step pinned 45 sh -c 'mkdir -p "$OUT" && { timeout 15 python3 benchmarks/pinned_alloc.py; \
       PYTORCH_CUDA_ALLOC_CONF=pinned_use_cuda_host_register:True,pinned_num_register_threads:8 timeout 15 \
-      python3 benchmarks/pinned_alloc.py; } 2>&1 | tee "$OUT/pinned.txt"' ;;
+      python3 benchmarks/pinned_alloc.py; PYTORCH_CUDA_ALLOC_CONF=$(python3 -c "import omnistage; \
+      print(omnistage.PINNED_HOST_MEMORY)") timeout 15 python3 benchmarks/pinned_alloc.py; } 2>&1 | tee "$OUT/pinned.txt"' ;;
     video_turns) step video_turns 300 env LENGTHS=30,10 C=1 REQUESTS=2 BASELINE=0 KV_GIB=4 V2S_S=295 \
       V2S_ARGS="--follow-up" bash benchmarks/video.sh ;;
     talker_budget) for tokens in 2048 8192; do
