@@ -13,7 +13,9 @@ first token, then over `--steps` pure decode steps measures:
 - one run of the same number of steps under torch.profiler, decoding ahead: the kernels' summed time per step, their launches
   per step, and the GPU's busy time (the union of the kernels' intervals) against the span from the first
   kernel to the last, whose difference is the GPU waiting between kernels (launch gaps in a graph, or the
-  host); the top kernels by total time; the host's top operators by their own time.
+  host); the top kernels by total time; the host's top operators by their own time; and the host's copies and
+  pinnings (`SITE_CALLS`) by the omnistage line that made them (its two innermost frames), so that a copy
+  that waits or a block that is registered is found where it is asked for.
 `--arrivals K` then measures loaded steps as well: before each, K more transcriptions of the clip arrive (each
 one token long), so a step encodes their clips and prefills their prompts beside the batch's decode rows, as a
 server under load does (Qwen3-ASR at c=128: ~125 decode rows and two or three ~75-token prompts a step); their
@@ -40,6 +42,38 @@ from omnistage.config import engine_config
 from omnistage.engine.stages.text_setup import NewRequest
 from omnistage.pipeline.family import build_pipeline
 from omnistage.request import SamplingParams
+
+# The host calls that may wait for the device or pin memory, whose own time `_sites` sums by the line asking.
+SITE_CALLS = (
+    "cudaMemcpyAsync",
+    "cudaHostRegister",
+    "cudaHostAlloc",
+    "cudaStreamSynchronize",
+    "cudaEventSynchronize",
+)
+
+
+def _sites(events: list[Any], steps: int) -> list[dict[str, Any]]:
+    """The events named in `SITE_CALLS`, by call and by the innermost two omnistage frames above them (torch.profiler's
+    `with_stack` records each Python call as an event, a parent of the operators it runs; an operator's own stack
+    is read where a build keeps one there): count and own µs per step, the costliest first."""
+    totals: dict[tuple[str, str], list[float]] = {}
+    for event in events:
+        if event.name not in SITE_CALLS:
+            continue
+        frames, parent = [], event.cpu_parent
+        while parent is not None and len(frames) < 2:  # the Python calls above it are events of their own
+            frames += [f for f in (parent.stack or [parent.name]) if "omnistage/" in f][: 2 - len(frames)]
+            parent = parent.cpu_parent
+        site = " < ".join(f.split("omnistage/", 1)[1] for f in frames) or "(no omnistage frame)"
+        total = totals.setdefault((event.name, site), [0, 0.0])
+        total[0] += 1
+        total[1] += event.self_cpu_time_total
+    ranked = sorted(totals.items(), key=lambda item: -item[1][1])
+    return [
+        {"call": call, "site": site, "per_step": round(n / steps, 1), "us_per_step": round(us / steps, 1)}
+        for (call, site), (n, us) in ranked[:15]
+    ]
 
 
 def _busy_us(intervals: list[tuple[float, float]]) -> float:
@@ -122,7 +156,20 @@ def _profiled(engine: Any, steps: int, before_step: Callable[[int], None]) -> di
             {"name": e.key[:90], "per_step": round(e.count / steps, 1), "us_per_step": round(e.self_cpu_time_total / steps, 1)}
             for e in host[:15]
         ],
+        "host_call_sites": _call_sites(engine, steps, before_step),
     }  # fmt: skip
+
+
+def _call_sites(engine: Any, steps: int, before_step: Callable[[int], None]) -> list[dict[str, Any]]:
+    """`steps` more engine steps under torch.profiler with Python stacks (apart from the timed profile: the
+    stacks' own cost), the host calls of `SITE_CALLS` by where they are asked for (`_sites`)."""
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], with_stack=True) as prof:
+        for i in range(steps):
+            before_step(i)
+            engine.step()
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+    return _sites(list(prof.events()), steps)
 
 
 def profile_decode(
@@ -161,10 +208,10 @@ def profile_decode(
 def profile_loaded(engine: Any, clip: Clip, steps: int, arrivals: int) -> dict[str, Any]:
     """Steps of the decoding batch with `arrivals` new requests admitted before each (a server under load): the
     arrivals' clips encoded, their prompts prefilled beside the decode rows; each samples one token and ends,
-    so the batch stays the same. Their wall time (decoding ahead) and, in as many more, their profile. The
-    arrivals' prompts are laid out before any of it."""
-    batches = iter(range(2 * steps + 1))
-    prompts = iter(_prompts(engine, clip, 2 * steps * arrivals))
+    so the batch stays the same. Their wall time (decoding ahead) and, in as many more, their profile (then as
+    many again for the host calls' sites). The arrivals' prompts are laid out before any of it."""
+    batches = iter(range(3 * steps + 1))
+    prompts = iter(_prompts(engine, clip, 3 * steps * arrivals))
 
     def arrive(_: int) -> None:
         arriving = [next(prompts) for _ in range(arrivals)]
@@ -176,10 +223,13 @@ def profile_loaded(engine: Any, clip: Clip, steps: int, arrivals: int) -> dict[s
         start = time.perf_counter()
         engine.step()
         walls.append((time.perf_counter() - start) * 1e3)
+    profiled = _profiled(engine, steps, arrive)
+    decoding = sum(1 for s in engine.scheduler.running if s.request_id.startswith("decode"))
     return {
         "arrivals": arrivals,
+        "decoding_after": decoding,  # the batch's requests still decoding after the loaded steps: all of them
         "step_wall_ahead_median_ms": round(statistics.median(walls), 3),
-    } | _profiled(engine, steps, arrive)
+    } | profiled
 
 
 def _tables(r: dict[str, Any]) -> list[str]:
@@ -191,6 +241,13 @@ def _tables(r: dict[str, Any]) -> list[str]:
         "| host operator | per step | own µs per step |",
         "| --- | --- | --- |",
         *[f"| `{k['name']}` | {k['per_step']} | {k['us_per_step']} |" for k in r["top_host_ops"]],
+        "",
+        "| host call | where (omnistage, innermost first) | per step | own µs per step |",
+        "| --- | --- | --- | --- |",
+        *[
+            f"| `{k['call']}` | {k['site']} | {k['per_step']} | {k['us_per_step']} |"
+            for k in r["host_call_sites"]
+        ],
         "",
     ]
 
@@ -209,8 +266,9 @@ def markdown(name: str, r: dict[str, Any]) -> str:
         more = [
             f"#### With {loaded['arrivals']} arrivals a step",
             "",
-            f"Step wall time decoding ahead (median): {loaded['step_wall_ahead_median_ms']:.3f} ms. Under the "
-            f"profiler, per step: {_per_step(loaded)}",
+            f"Step wall time decoding ahead (median): {loaded['step_wall_ahead_median_ms']:.3f} ms, "
+            f"{loaded['decoding_after']} of the batch still decoding after them. Under the profiler, per step: "
+            f"{_per_step(loaded)}",
             "",
             *_tables(loaded),
         ]
@@ -226,6 +284,13 @@ def markdown(name: str, r: dict[str, Any]) -> str:
             *more,
         ]
     )
+
+
+def tokens_for(steps: int, arrivals: int) -> int:
+    """The tokens the decoding batch is forced to, so that it decodes through every measured step: two timed
+    runs and two profiled ones, and with arrivals three more runs of loaded steps (with fewer, the batch ran out
+    in the first loaded steps, and their profile was of the arrivals alone)."""
+    return (4 + (3 if arrivals else 0)) * steps + 8
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
@@ -256,9 +321,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     )  # fmt: skip
     engine = build_pipeline(config).thinker
     clip = synth_clips((args.seconds,), seed=0, espeak=False)[0]
-    output_tokens = 3 * args.steps + 8
-    profile_decode(engine, clip, args.batch, 4, 16, args.arrivals)  # warm-up
-    result = profile_decode(engine, clip, args.batch, args.steps, output_tokens, args.arrivals)
+    profile_decode(engine, clip, args.batch, 4, tokens_for(4, args.arrivals), args.arrivals)  # warm-up
+    result = profile_decode(
+        engine, clip, args.batch, args.steps, tokens_for(args.steps, args.arrivals), args.arrivals
+    )
     result["skeleton"] = "model" if args.model else args.skeleton
     out = Path(args.out_dir)
     out.mkdir(parents=True, exist_ok=True)

@@ -194,9 +194,9 @@ for name in ${*:-http inproc video_host video asr baseline}; do
       timeout 110 python3 benchmarks/sync_points.py --out "$OUT/sync_asr.json" -- bench a2t --load-format dummy \
       --skeleton qwen3-asr-0.6b --device cuda --concurrency 128 --rounds 4 --repeats 1 >"$OUT/sync_asr.log" 2>&1;
       tail -45 "$OUT/sync_asr.log"' ;;
-    asr_profile) step asr_profile 150 sh -c 'mkdir -p "$OUT" && timeout 150 python3 benchmarks/decode_profile.py \
+    asr_profile) step asr_profile 200 sh -c 'mkdir -p "$OUT" && timeout 200 python3 benchmarks/decode_profile.py \
       --skeleton qwen3-asr-0.6b --seconds 5 --batch 128 --arrivals 2 --out-dir "$OUT" >"$OUT/profile.log" 2>&1;
-      tail -40 "$OUT/profile.log"' ;;
+      grep -A24 "host call" "$OUT/profile.log"' ;;
     admission_host) step admission_host 20 sh -c 'mkdir -p "$OUT" && { python3 benchmarks/admission_host.py; [ -d .ab ] &&
       PYTHONPATH="$PWD/.ab:$PYTHONPATH" python3 benchmarks/admission_host.py; } 2>&1 | tee "$OUT/admission_host.txt"' ;;
     trace_asr) step trace_asr 110 sh -c 'mkdir -p "$OUT" && timeout 110 python3 benchmarks/step_trace.py \
