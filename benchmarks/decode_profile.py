@@ -53,6 +53,9 @@ SITE_CALLS = (
 )
 
 
+SITE_STEPS = 10  # the steps profiled with Python stacks: every Python call an event, a costly profile
+
+
 def _sites(events: list[Any], steps: int) -> list[dict[str, Any]]:
     """The events named in `SITE_CALLS`, by call and by the innermost two omnistage frames above them (torch.profiler's
     `with_stack` records each Python call as an event, a parent of the operators it runs; an operator's own stack
@@ -156,7 +159,7 @@ def _profiled(engine: Any, steps: int, before_step: Callable[[int], None]) -> di
             {"name": e.key[:90], "per_step": round(e.count / steps, 1), "us_per_step": round(e.self_cpu_time_total / steps, 1)}
             for e in host[:15]
         ],
-        "host_call_sites": _call_sites(engine, steps, before_step),
+        "host_call_sites": _call_sites(engine, min(steps, SITE_STEPS), before_step),
     }  # fmt: skip
 
 
