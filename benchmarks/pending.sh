@@ -235,8 +235,10 @@ for name in ${*:-http inproc video_host video asr baseline}; do
   esac
 done
 cp "$work/env.txt" "$OUT/env.txt"
-XZ_OPT="-T0 -3" timeout 60 tar cJf "$OUT/kernels.tar.xz" -C "$kernels" . &&
-  if (($(stat -c %s "$OUT/kernels.tar.xz") > 16 * 1024 * 1024)); then
+# packed aside and moved in whole: a pack cut at the call's limit leaves no broken archive to carry
+XZ_OPT="-T0 -3" timeout 60 tar cJf "$work/kernels.tar.xz" -C "$kernels" . &&
+  if (($(stat -c %s "$work/kernels.tar.xz") > 16 * 1024 * 1024)); then
     echo "pending: the kernels' caches, $(du -sh "$kernels" | cut -f1), pack past 16 MiB: not brought back"
-    rm "$OUT/kernels.tar.xz"
+  else
+    mv "$work/kernels.tar.xz" "$OUT/kernels.tar.xz"
   fi
