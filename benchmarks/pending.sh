@@ -138,7 +138,7 @@ for name in ${*:-http inproc video_host video asr baseline}; do
         V2S_ARGS="--max-num-batched-tokens 8192" bash benchmarks/video.sh ;;
     video_kv) step video_kv 310 env LENGTHS=30,10 C=1,8 BASELINE=0 KV_GIB=32 V2S_S=300 \
       V2S_ARGS="--max-num-batched-tokens 8192" bash benchmarks/video.sh ;;
-    asr) step asr 190 env ASR="0.6b:128 1.7b:128" T2S_C=" " A2T_ARGS="--rounds 16" A2T_S=90 \
+    asr) step asr 230 env ASR="0.6b:128 1.7b:128" T2S_C=" " A2T_ARGS="--rounds 16" A2T_S=110 \
       bash benchmarks/under_load.sh ;;
     asr_budget) for tokens in 2048 4096 8192; do
         step "asr_budget_$tokens" 95 env ASR="0.6b:128" T2S_C=" " A2T_S=90 TAG="_b$tokens" A2T_ARGS="--rounds 16 \
