@@ -88,7 +88,9 @@
 #               86420bc): the 30 s video's 22k-row Talker prompt in 11 steps or 3.
 # Each step's files go under $OUT/<step>/ and everything measured so far is packed into $OUT/pending.tgz after
 # each step, so that a call cut short at its limit still brings back what ran (a call returns only a few files).
-# A step starts only while BUDGET_S seconds (540) less its own estimate are left since the script began.
+# A step starts only while BUDGET_S seconds (540) less its own estimate are left since the script began;
+# ESTIMATES="NAME=S ..." replaces a step's estimate (with a shorter run of it: TURN_LENGTHS=30 for video_turns'
+# lengths, KV_LENGTHS and KV_C for video_kv's lengths and concurrencies, e.g. KV_LENGTHS=10 KV_C=8).
 # A fresh machine's first engine start builds every compiled kernel (~250 s against ~95 s warm): the steps keep
 # torch's and Triton's kernel caches in one folder, which the call brings back as $OUT/kernels.tar.xz (when it
 # fits the 16 MiB a file may take), and which a later call carrying .kcache/ (that file copied there) starts
@@ -113,8 +115,9 @@ cat "$work/env.txt"
 
 # step NAME ESTIMATE_S COMMAND...: COMMAND with OUT=$work/NAME if ESTIMATE_S fits in what is left, then packed.
 step() {
-  local name=$1 estimate=$2
+  local name=$1 estimate=$2 e
   shift 2
+  for e in ${ESTIMATES:-}; do [[ ${e%%=*} == "$name" ]] && estimate=${e#*=}; done
   if ((SECONDS + estimate > BUDGET_S)); then
     echo "pending: $name left out (${estimate} s estimated, $((BUDGET_S - SECONDS)) s left)"
     return
@@ -136,7 +139,7 @@ for name in ${*:-http inproc video_host video asr baseline}; do
       step video 230 env LENGTHS=30,10 C=1,8 BASELINE=0 KV_GIB=4 V2S_S=220 bash benchmarks/video.sh
       step video_8192 230 env LENGTHS=30,10 C=1,8 BASELINE=0 KV_GIB=4 V2S_S=220 \
         V2S_ARGS="--max-num-batched-tokens 8192" bash benchmarks/video.sh ;;
-    video_kv) step video_kv 310 env LENGTHS=30,10 C=1,8 BASELINE=0 KV_GIB=32 V2S_S=300 \
+    video_kv) step video_kv 310 env LENGTHS="${KV_LENGTHS:-30,10}" C="${KV_C:-1,8}" BASELINE=0 KV_GIB=32 V2S_S=300 \
       V2S_ARGS="--max-num-batched-tokens 8192" bash benchmarks/video.sh ;;
     asr) step asr 230 env ASR="0.6b:128 1.7b:128" T2S_C=" " A2T_ARGS="--rounds 16" A2T_S=110 \
       bash benchmarks/under_load.sh ;;
@@ -213,7 +216,7 @@ for name in ${*:-http inproc video_host video asr baseline}; do
       PYTORCH_CUDA_ALLOC_CONF=pinned_use_cuda_host_register:True,pinned_num_register_threads:8 timeout 15 \
       python3 benchmarks/pinned_alloc.py; PYTORCH_CUDA_ALLOC_CONF=$(python3 -c "import omnistage; \
       print(omnistage.PINNED_HOST_MEMORY)") timeout 15 python3 benchmarks/pinned_alloc.py; } 2>&1 | tee "$OUT/pinned.txt"' ;;
-    video_turns) step video_turns 300 env LENGTHS=30,10 C=1 REQUESTS=2 BASELINE=0 KV_GIB=4 V2S_S=295 \
+    video_turns) step video_turns 300 env LENGTHS="${TURN_LENGTHS:-30,10}" C=1 REQUESTS=2 BASELINE=0 KV_GIB=4 V2S_S=295 \
       V2S_ARGS="--follow-up" bash benchmarks/video.sh ;;
     talker_budget) for tokens in 2048 8192; do
         step "talker_budget_$tokens" 200 env LENGTHS=30,10 C=1 REQUESTS=2 BASELINE=0 KV_GIB=4 V2S_S=195 \
