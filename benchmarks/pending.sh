@@ -91,6 +91,8 @@
 # A step starts only while BUDGET_S seconds (540) less its own estimate are left since the script began;
 # ESTIMATES="NAME=S ..." replaces a step's estimate (with a shorter run of it: TURN_LENGTHS=30 for video_turns'
 # lengths, KV_LENGTHS and KV_C for video_kv's lengths and concurrencies, e.g. KV_LENGTHS=10 KV_C=8).
+# A step named `h200:NAME` runs only on a card of over 100 GB and `h100:NAME` only on a smaller one, so that one
+# command serves whichever card a call gets: `pending.sh video_turns h200:video_kv h100:pinned`.
 # A fresh machine's first engine start builds every compiled kernel (~250 s against ~95 s warm): the steps keep
 # torch's and Triton's kernel caches in one folder, which the call brings back as $OUT/kernels.tar.xz (when it
 # fits the 16 MiB a file may take), and which a later call carrying .kcache/ (that file copied there) starts
@@ -128,7 +130,13 @@ step() {
 }
 
 colocated80="--config configs/qwen3omni_colocated.yaml --gpu-memory-limit-gib 80"
+card=h100
+nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits | awk '{exit !($1 > 100000)}' && card=h200
 for name in ${*:-http inproc video_host video asr baseline}; do
+  if [[ $name == h100:* || $name == h200:* ]]; then
+    [[ ${name%%:*} == "$card" ]] || { echo "pending: $name left out (the card is an $card)"; continue; }
+    name=${name#*:}
+  fi
   case $name in
     http) step http 250 env SOAK_N=0 T2S_C=16,64 T2S_REPEATS=3 T2S_S=150 bash benchmarks/http_load.sh ;;
     inproc) step inproc 220 env ASR=" " T2S_C=16,64 T2S_REPEATS=3 SPEECH_S=200 T2S_ARGS="$colocated80" \
