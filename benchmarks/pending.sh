@@ -196,8 +196,9 @@ for name in ${*:-http inproc video_host video asr baseline}; do
     mel) step mel 200 sh -c 'PER_FILE_S=100 bash benchmarks/gpu_tests.sh tests/gpu/test_mel_gpu.py \
       tests/gpu/test_admission_sync_gpu.py tests/gpu/test_encoder_cache_gpu.py tests/gpu/test_prefix_keys_gpu.py \
       tests/gpu/test_asr_gpu.py' ;;
-    video_ab) step video_ab 420 sh -c 'kv=4; nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits |
-      awk "{exit !(\$1 > 100000)}" && kv=32; KV_GIB=$kv VIDEO_S=205 bash benchmarks/before_after.sh run video' ;;
+    video_ab) kv=4
+      [[ $card == h200 ]] && kv=32
+      step video_ab 420 env KV_GIB=$kv VIDEO_S=205 bash benchmarks/before_after.sh run video ;;
     sync_asr) step sync_asr 110 sh -c 'mkdir -p "$OUT" && timeout 110 python3 benchmarks/sync_points.py \
       --out "$OUT/sync_asr.json" -- bench a2t --load-format dummy --skeleton qwen3-asr-0.6b --device cuda \
       --concurrency 128 --rounds 4 --repeats 1 >"$OUT/sync_asr.log" 2>&1; tail -60 "$OUT/sync_asr.log"' ;;
