@@ -14,8 +14,10 @@ misses an fp32 reference by more than bf16 tolerance.
     python benchmarks/moe_kernels.py --tokens 2048,8192 --compile   # grouped_experts compiled, as the engine's
                                                                     # decoder layers run it (torch.compile)
 
-Uncompiled, past `ALIGN_KERNEL_MAX_PAIRS` the grouped path's time is its torch alignment's (a cumulative sum over
-a pairs-by-experts one-hot); `--compile` times it as the engine runs it, inside the compiled layer.
+Past `ALIGN_KERNEL_MAX_PAIRS` the grouped path aligns its pairs by a stable sort (`moe_align.align_pairs_torch`);
+`--compile` times it as the engine runs it, inside the compiled layer. The "GEMMs µs" column is the two grouped
+GEMMs alone on pairs already in expert order: the rest of the grouped column is the alignment, the gather of the
+rows, the activation and the weighted sum.
 """
 
 from __future__ import annotations
@@ -94,9 +96,33 @@ def rel(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 def sort_align(topk_ids: torch.Tensor) -> None:
-    """What grouped_experts did before moe_align: a stable sort and the group ends."""
+    """A stable sort and the group ends alone: the least any alignment of the pairs costs."""
     ids, _ = torch.sort(topk_ids.reshape(-1), stable=True)
     torch.searchsorted(ids, torch.arange(EXPERTS, device=ids.device, dtype=ids.dtype), right=True)
+
+
+def gemms_us(calls: list, layers: list) -> float:
+    """The two grouped GEMMs of `grouped_experts` alone, each call's pairs already in expert order."""
+    grouped = []
+    for x, _, ids in calls:
+        order = torch.sort(ids.reshape(-1), stable=True).indices
+        counts = torch.bincount(ids.reshape(-1), minlength=EXPERTS)
+        rows = x.index_select(0, order // TOP_K)
+        grouped.append(
+            (
+                rows,
+                counts.cumsum(0).to(torch.int32),
+                torch.empty(len(rows), INTER, dtype=x.dtype, device=x.device),
+            )
+        )
+
+    def step(i):
+        w13, w2 = layers[i % WEIGHT_SETS]
+        rows, offsets, hidden = grouped[i]
+        torch._grouped_mm(rows, w13.transpose(-2, -1), offs=offsets)
+        torch._grouped_mm(hidden, w2.transpose(-2, -1), offs=offsets)
+
+    return graph_us(step)
 
 
 @dataclass
@@ -107,6 +133,7 @@ class Row:
     triton_us: float
     align_us: float
     sort_us: float
+    gemms_us: float
     err_triton: float
     err_grouped: float
     sweep: list[tuple[MoeKernelConfig, float]] = field(default_factory=list)
@@ -138,6 +165,7 @@ def measure(num_tokens: int, layers: list, reference: tuple, sweep: bool, groupe
         triton_us=graph_us(lambda i: run(triton_experts, i)),
         align_us=graph_us(lambda i: align_pairs(calls[i][2], EXPERTS, block_m)),
         sort_us=graph_us(lambda i: sort_align(calls[i][2])),
+        gemms_us=gemms_us(calls, layers),
         err_triton=rel(run(triton_experts, 0), want),
         err_grouped=rel(run(grouped, 0), want),
     )
@@ -181,14 +209,15 @@ def main() -> int:
     )
     print(
         "| T | experts | grouped µs | triton µs | speedup | grouped TB/s | triton TB/s | grouped TFLOP/s | "
-        "triton TFLOP/s | align µs | sort µs | rel err triton / grouped |"
+        "triton TFLOP/s | GEMMs µs | GEMMs TFLOP/s | align µs | sort µs | rel err triton / grouped |"
     )
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         print(
             f"| {r.tokens} | {r.experts:.1f} | {r.grouped_us:.1f} | {r.triton_us:.1f} | "
             f"{r.grouped_us / r.triton_us:.2f}x | {r.tbps(r.grouped_us):.2f} | {r.tbps(r.triton_us):.2f} | "
-            f"{r.tflops(r.grouped_us):.0f} | {r.tflops(r.triton_us):.0f} | {r.align_us:.1f} | {r.sort_us:.1f} | {r.err_triton:.1e} / {r.err_grouped:.1e} |"
+            f"{r.tflops(r.grouped_us):.0f} | {r.tflops(r.triton_us):.0f} | {r.gemms_us:.1f} | "
+            f"{r.tflops(r.gemms_us):.0f} | {r.align_us:.1f} | {r.sort_us:.1f} | {r.err_triton:.1e} / {r.err_grouped:.1e} |"
         )
     if args.sweep:
         print("\n| T | config | µs | TB/s |\n|---|---|---|---|")

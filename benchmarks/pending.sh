@@ -86,6 +86,9 @@
 # - talker_budget: the 30 s and 10 s videos at c = 1 (two requests each, KV_GIB=4) with the Talker's step budget
 #               the engine's 2,048 rows, then 8,192 (`--talker-max-num-batched-tokens`, its default since
 #               86420bc): the 30 s video's 22k-row Talker prompt in 11 steps or 3.
+# - moe_ab:     the routed experts at 512, 2,048 and 8,192 tokens compiled as the engine's layers run them, on this
+#               tree and on .ab's (benchmarks/moe_kernels.py --compile): the prefill path's alignment by a stable
+#               sort against the one-hot cumulative sum it replaced, and the two grouped GEMMs alone.
 # Each step's files go under $OUT/<step>/ and everything measured so far is packed into $OUT/pending.tgz after
 # each step, so that a call cut short at its limit still brings back what ran (a call returns only a few files).
 # A step starts only while BUDGET_S seconds (540) less its own estimate are left since the script began;
@@ -237,12 +240,16 @@ for name in ${*:-http inproc video_host video asr baseline}; do
       benchmarks/moe_kernels.py --tokens 2048,8192 --compile 2>&1 | tee "$OUT/moe_compiled.txt" | grep -E "^\|"' ;;
     decode_attention) step decode_attention 120 sh -c 'mkdir -p "$OUT" && timeout 120 python3 \
       benchmarks/decode_attention.py --out "$OUT/decode_attention.json" 2>&1 | tee "$OUT/decode_attention.log"' ;;
+    moe_ab) step moe_ab 300 sh -c 'mkdir -p "$OUT" && timeout 140 python3 benchmarks/moe_kernels.py \
+      --tokens 512,2048,8192 --compile 2>&1 | tee "$OUT/moe_after.txt" | grep -E "^\|"; [ -d .ab ] && \
+      PYTHONPATH="$PWD/.ab:$PYTHONPATH" timeout 140 python3 benchmarks/moe_kernels.py --tokens 512,2048,8192 \
+      --compile 2>&1 | tee "$OUT/moe_before.txt" | grep -E "^\|"' ;;
     long_attention) step long_attention 60 sh -c 'mkdir -p "$OUT" && timeout 60 python3 benchmarks/prefill_attention.py \
       --long --out "$OUT/prefill_attention_long.json" 2>&1 | tee "$OUT/prefill_attention_long.log"' ;;
     *) echo "pending: no step $name (http, inproc, video_host, video, video_kv, asr, baseline, spy_asr, handoff," \
       "long_attention, long_prefill, video_flash, admission, asr_ab, sync_asr, sync_asr_before," \
       "asr_profile, admission_host, trace_asr, engine_asr, decode_attention, asr_budget, asr_burst, asr_dense, asr_2min, trace_video, video_ab," \
-      "video_turns, pinned, vision_cache, talker_budget, prefill_kernels)" >&2
+      "video_turns, pinned, vision_cache, talker_budget, prefill_kernels, moe_ab)" >&2
       exit 2 ;;
   esac
 done

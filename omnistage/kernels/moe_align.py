@@ -2,13 +2,12 @@
 
 Pair p = t·k + j is token t's j-th routed expert. Each expert's pairs keep their order (stable, so the
 result is deterministic) and start a new run of `block_m`-row blocks; a pair's slot is its expert's
-first padded row plus its rank among that expert's pairs, which is a cumulative sum over the one-hot
-pair-by-expert matrix, so no sort is needed (`torch.sort` costs 27 µs per layer at T=32). The number of
-blocks is a static bound of the pair count, so the result has fixed shapes and a decode step with it
-captures into a CUDA graph.
+first padded row plus its rank among that expert's pairs. The number of blocks is a static bound of the
+pair count, so the result has fixed shapes and a decode step with it captures into a CUDA graph.
 
-On the GPU one Triton program does it all (one launch instead of a dozen small torch kernels);
-`align_pairs_torch` is the same computation in torch, for the CPU, large batches, and as the oracle.
+Up to `ALIGN_KERNEL_MAX_PAIRS` (decode batches) one Triton program does it all, its ranks a cumulative sum
+over the one-hot pair-by-expert matrix (one launch, no sort: `torch.sort` costs 27 µs per layer at T=32).
+Past it (prefill chunks) `align_pairs_torch` sorts, where the one-hot's O(P·E) work would dominate.
 """
 
 from __future__ import annotations
@@ -58,17 +57,22 @@ def align_pairs(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> Exper
 
 
 def align_pairs_torch(flat_ids: torch.Tensor, num_experts: int, block_m: int) -> ExpertAlignment:
+    """The layout from a stable sort by expert: O(P log P) work and O(P) memory, where the Triton program's
+    one-hot cumulative sum is O(P·E) (a prefill chunk of 8,192 tokens has 65,536 pairs)."""
     num_pairs, device = flat_ids.shape[0], flat_ids.device
     num_blocks = max_blocks(num_pairs, num_experts, block_m)
-    experts = torch.arange(num_experts, device=device)
-    running = (flat_ids[:, None] == experts).cumsum(0, dtype=torch.int32)  # [P, E]: pairs so far
-    counts = running[-1] if num_pairs else torch.zeros_like(experts, dtype=torch.int32)
+    sorted_ids, order = torch.sort(flat_ids, stable=True)
+    experts = torch.arange(num_experts, device=device, dtype=sorted_ids.dtype)
+    raw_ends = torch.searchsorted(sorted_ids, experts, right=True).to(torch.int32)  # [E] unpadded group ends
+    counts = torch.diff(raw_ends, prepend=raw_ends.new_zeros(1))
     padded = (counts + block_m - 1) // block_m * block_m
     ends = padded.cumsum(0, dtype=torch.int32)
-    rank = running.gather(1, flat_ids[:, None].long()).squeeze(1) - 1
-    slots = (ends - padded)[flat_ids.long()] + rank
+    # the i-th sorted pair is its expert's (i - raw start)-th: its row is the expert's first padded row on
+    sorted_long = sorted_ids.long()
+    rank = torch.arange(num_pairs, dtype=torch.int32, device=device) - (raw_ends - counts)[sorted_long]
+    slots = (ends - padded)[sorted_long] + rank
     pair_ids = torch.full((num_blocks * block_m,), num_pairs, dtype=torch.int32, device=device)
-    pair_ids[slots.long()] = torch.arange(num_pairs, dtype=torch.int32, device=device)
+    pair_ids[slots.long()] = order.to(torch.int32)
     first_rows = torch.arange(num_blocks, dtype=torch.int32, device=device) * block_m
     block_expert = torch.searchsorted(ends, first_rows, right=True).to(torch.int32)
     block_expert = block_expert.masked_fill(block_expert >= num_experts, -1)

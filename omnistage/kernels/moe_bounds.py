@@ -7,5 +7,5 @@ No Triton here: the warm-up's shapes are worked out on any machine (`moe.kernel_
 # Token-expert pairs up to which "auto" takes the Triton kernel (decode batches); grouped GEMMs above.
 TRITON_MAX_PAIRS = 512
 # Pairs up to which the grouped GEMMs' alignment runs as one Triton program (moe_align.py); past them (prefill)
-# the torch version's parallel cumsum is quicker than the program's loop.
+# a stable sort in torch, whose cost grows as P log P where the program's one-hot grows as P·E.
 ALIGN_KERNEL_MAX_PAIRS = 4096

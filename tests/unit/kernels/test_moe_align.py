@@ -9,7 +9,10 @@ def _ids(num_tokens, experts, top_k, seed):
     return torch.stack([torch.randperm(experts, generator=g)[:top_k] for _ in range(num_tokens)])
 
 
-@pytest.mark.parametrize("num_tokens, experts, top_k", [(1, 128, 8), (5, 8, 2), (64, 128, 8), (300, 16, 4)])
+# 600 tokens of top-8: more pairs than the Triton program takes on a GPU (a prefill chunk's path)
+@pytest.mark.parametrize(
+    "num_tokens, experts, top_k", [(1, 128, 8), (5, 8, 2), (64, 128, 8), (300, 16, 4), (600, 128, 8)]
+)
 @pytest.mark.parametrize("block_m", [1, 4, 16])
 def test_layout(num_tokens, experts, top_k, block_m):
     ids = _ids(num_tokens, experts, top_k, seed=num_tokens + block_m)
