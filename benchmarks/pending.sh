@@ -86,6 +86,9 @@
 # - talker_budget: the 30 s and 10 s videos at c = 1 (two requests each, KV_GIB=4) with the Talker's step budget
 #               the engine's 2,048 rows, then 8,192 (`--talker-max-num-batched-tokens`, its default since
 #               86420bc): the 30 s video's 22k-row Talker prompt in 11 steps or 3.
+# - video_at_once: eight distinct 10 s videos decoded at once as the server decodes them, at most 8, 4, 2 and 1 at a
+#               time, from 2 and 30 fps sources (benchmarks/video_at_once.py; host only): whether one video a core
+#               (`media.VIDEO_DECODES_AT_ONCE`, 16 here) is the right bound on a GPU host too.
 # - moe_ab:     the routed experts at 512, 2,048 and 8,192 tokens compiled as the engine's layers run them, on this
 #               tree and on .ab's (benchmarks/moe_kernels.py --compile): the prefill path's alignment by a stable
 #               sort against the one-hot cumulative sum it replaced, and the two grouped GEMMs alone.
@@ -240,6 +243,9 @@ for name in ${*:-http inproc video_host video asr baseline}; do
       benchmarks/moe_kernels.py --tokens 2048,8192 --compile 2>&1 | tee "$OUT/moe_compiled.txt" | grep -E "^\|"' ;;
     decode_attention) step decode_attention 120 sh -c 'mkdir -p "$OUT" && timeout 120 python3 \
       benchmarks/decode_attention.py --out "$OUT/decode_attention.json" 2>&1 | tee "$OUT/decode_attention.log"' ;;
+    video_at_once) step video_at_once 150 sh -c 'mkdir -p "$OUT" && for fps in 2 30; do timeout 70 python3 \
+      benchmarks/video_at_once.py --videos 8 --seconds 10 --source-fps $fps --at-once 8,4,2,1; done 2>&1 |
+      tee "$OUT/video_at_once.txt"' ;;
     moe_ab) step moe_ab 300 sh -c 'mkdir -p "$OUT" && timeout 140 python3 benchmarks/moe_kernels.py \
       --tokens 512,2048,8192 --compile 2>&1 | tee "$OUT/moe_after.txt" | grep -E "^\|"; [ -d .ab ] && \
       PYTHONPATH="$PWD/.ab:$PYTHONPATH" timeout 140 python3 benchmarks/moe_kernels.py --tokens 512,2048,8192 \
@@ -249,7 +255,7 @@ for name in ${*:-http inproc video_host video asr baseline}; do
     *) echo "pending: no step $name (http, inproc, video_host, video, video_kv, asr, baseline, spy_asr, handoff," \
       "long_attention, long_prefill, video_flash, admission, asr_ab, sync_asr, sync_asr_before," \
       "asr_profile, admission_host, trace_asr, engine_asr, decode_attention, asr_budget, asr_burst, asr_dense, asr_2min, trace_video, video_ab," \
-      "video_turns, pinned, vision_cache, talker_budget, prefill_kernels, moe_ab)" >&2
+      "video_turns, pinned, vision_cache, talker_budget, prefill_kernels, moe_ab, video_at_once)" >&2
       exit 2 ;;
   esac
 done

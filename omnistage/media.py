@@ -10,7 +10,10 @@ problem is an InvalidMedia naming the part and, where a flag would allow it, the
 
 The server prepares many requests at once (pipeline/preparing.py), but decodes at most `DECODING_AT_ONCE`
 media parts at once, the number of threads that once prepared every request: decoded frames and pictures are
-the memory a flood of large media requests would take.
+the memory a flood of large media requests would take. Of those, at most `VIDEO_DECODES_AT_ONCE` are videos:
+one a core. The videos decoding at once share the cores (`cpu_threads`), so past one a core each more video
+only splits them finer and delays every one's end; waiting its turn, a later video lets the earlier ones reach
+the GPU sooner (RESULTS.md, "Videos decoding at once").
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ import pybase64
 import xxhash
 
 from omnistage.errors import InvalidMedia
+from omnistage.models.cpu_threads import cores
 from omnistage.models.qwen3_omni.audio_features import MAX_SECONDS, SAMPLE_RATE, decode_audio, resample
 from omnistage.models.qwen3_omni.image_processing import decode_image
 from omnistage.models.qwen3_omni.video_decoding import VideoLimits, decode_video
@@ -38,6 +42,8 @@ AUDIO_FORMATS = ("wav", "mp3", "flac", "ogg")
 MEDIA_TYPES = ("input_audio", "audio_url", "image_url", "video_url")
 DECODING_AT_ONCE = min(32, (os.cpu_count() or 1) + 4)  # asyncio's default pool of worker threads
 _decoding = threading.BoundedSemaphore(DECODING_AT_ONCE)
+VIDEO_DECODES_AT_ONCE = cores()
+_video_decodes = threading.BoundedSemaphore(VIDEO_DECODES_AT_ONCE)  # waiters wake in the order they came
 VIDEO_CACHE_MIB = 512  # videos kept decoded by default: two 30 s 720p videos with their patches
 
 
@@ -186,20 +192,21 @@ def _load_audio(data: bytes, policy: MediaPolicy) -> np.ndarray:
 
 
 def load_video(data: bytes, policy: MediaPolicy, options: VideoOptions) -> DecodedVideo:
-    """Video file bytes to its sampled frames and, where asked, its sound track at 16 kHz; a video the policy
-    keeps decoded (`DecodedVideos`) as it was decoded before."""
+    """Video file bytes to its sampled frames and, where asked, its sound track at 16 kHz (one of the videos
+    decoding at once); a video the policy keeps decoded (`DecodedVideos`) as it was decoded before, at once."""
     kept = policy.decoded_videos
     key = kept.key(data, policy.video_processing, policy.video, options) if kept.max_bytes else b""
     if key and (video := kept.get(key)) is not None:
         return video
-    video = decode_video(
-        data,
-        policy.video_processing,
-        policy.video,
-        options.fps,
-        options.max_frames,
-        options.use_audio_in_video,
-    )
+    with _video_decodes:
+        video = decode_video(
+            data,
+            policy.video_processing,
+            policy.video,
+            options.fps,
+            options.max_frames,
+            options.use_audio_in_video,
+        )
     if key:
         kept.put(key, video)
     return video
