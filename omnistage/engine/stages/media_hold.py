@@ -13,6 +13,13 @@ it at its end. A preempted request recomputes its prompt; its rows come back wit
 is readmitted (`restore`, `ready`). A request's rows count from its queueing to its prefill's passing them or
 its end: a constrained request's rows, held while its grammar compiles (constrained.py; milliseconds for most
 schemas), count once it is queued.
+
+Images and videos are also encoded no further ahead of the prefill than `ahead_vision_rows` (two steps' tokens)
+of vision rows it has not reached: eight 10 s videos fit the limit together, and encoded together each one's
+prefill waited for all eight towers (~0.1 s a video on an H100); taken two steps ahead, the first video's
+prefill follows its own tower, and the next is encoded while the prefill nears the end of the one before. The
+vision tower's calls are pieces of a bounded size whatever is taken, so fewer at once costs no width; clips
+alone are taken as before, their audio tower's ragged batches wider for many clips at once.
 """
 
 from __future__ import annotations
@@ -22,6 +29,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, replace
 from typing import Any, Generic, TypeVar
 
+import numpy as np
 import torch
 
 from omnistage.engine.sequence import Sequence
@@ -36,6 +44,7 @@ R = TypeVar("R")  # a request waiting for its encoding
 class _Held:
     bytes: int
     end: int  # the prompt position after its last media row
+    vision_at: np.ndarray  # the prompt positions of its vision rows, ascending
 
 
 def rows_bytes(mm: MultimodalEmbeds) -> int:
@@ -64,9 +73,11 @@ def _media_end(mm: MultimodalEmbeds) -> int:
 class MediaHold(Generic[R]):
     """The encoder rows on one device: the requests waiting to be encoded and the sequences holding rows."""
 
-    def __init__(self, limit: int | None = None) -> None:
+    def __init__(self, limit: int | None = None, ahead_vision_rows: int | None = None) -> None:
         self.limit = limit
+        self.ahead_vision_rows = ahead_vision_rows
         self.held_bytes = 0
+        self._reserved_vision_rows = 0  # encoded for requests not yet queued
         self.waiting: deque[tuple[R, MultimodalInputs]] = deque()
         self._held: dict[Sequence[Any], _Held] = {}
         # bytes of one row, per kind, as the encoders gave them (unknown: such a request waits for an empty hold)
@@ -89,20 +100,30 @@ class MediaHold(Generic[R]):
         return self.limit is None or self.held_bytes == 0 or self.held_bytes + size <= self.limit
 
     def take(self) -> list[R]:
-        """The longest run of waiting requests, first ones first, whose rows fit the hold together: to encode
-        now (each then `hold`s its rows)."""
+        """The longest run of waiting requests, first ones first, whose rows fit the hold together and whose
+        vision rows with those held that the prefill has not reached stay within `ahead_vision_rows` (one
+        request at least, where none are): to encode now (each then `hold`s its rows)."""
         taken: list[R] = []
-        planned = 0.0
+        planned, planned_vision = 0.0, 0
         while self.waiting:
             request, mm = self.waiting[0]
-            size = self.estimate(mm)
+            size, vision = self.estimate(mm), media_rows(mm)[1]
             if taken and self.limit is not None and self.held_bytes + planned + size > self.limit:
                 break
             if not taken and not self._fits(size):
                 break
+            ahead = self.vision_rows_ahead() + planned_vision
+            if (
+                vision
+                and ahead
+                and self.ahead_vision_rows is not None
+                and ahead + vision > self.ahead_vision_rows
+            ):
+                break
             self.waiting.popleft()
             taken.append(request)
             planned += size
+            planned_vision += vision
         return taken
 
     def drop(self, request: R) -> bool:
@@ -129,13 +150,24 @@ class MediaHold(Generic[R]):
             return
         size = rows_bytes(mm)
         if size:
-            self._held[seq] = _Held(size, _media_end(mm))
+            self._held[seq] = _Held(size, _media_end(mm), mm.image_rows_host)
             self.held_bytes += size
 
     def reserve(self, mm: MultimodalEmbeds, count: bool = True) -> None:
         """Count (or, not `count`, stop counting) rows encoded for a request not yet queued: the request's
         sequence `hold`s them once it is."""
-        self.held_bytes += rows_bytes(mm) if count else -rows_bytes(mm)
+        sign = 1 if count else -1
+        self.held_bytes += sign * rows_bytes(mm)
+        self._reserved_vision_rows += sign * len(mm.image_rows_host)
+
+    def vision_rows_ahead(self) -> int:
+        """The vision rows on the device that the prefill has not reached yet."""
+        held = sum(
+            len(h.vision_at) - int(np.searchsorted(h.vision_at, seq.num_computed_tokens))
+            for seq, h in self._held.items()
+            if len(h.vision_at)
+        )
+        return held + self._reserved_vision_rows
 
     @property
     def holding(self) -> bool:
@@ -173,7 +205,7 @@ class MediaHold(Generic[R]):
             seq.data.mm = replace(
                 mm, audio_embeds=audio, image_embeds=image, deepstack=deepstack, offloaded=None
             )
-            self._held[seq] = _Held(size, _media_end(mm))
+            self._held[seq] = _Held(size, _media_end(mm), mm.image_rows_host)
             self.held_bytes += size
 
     def ready(self, seq: Sequence[Any]) -> bool:

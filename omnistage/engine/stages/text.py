@@ -115,6 +115,7 @@ class TextStage(AutoregressiveStage[RequestState]):
             keys_media=self.prefix_caching,
         )
         self.media = self.admission.media  # the encoder rows on the device (limited once planned)
+        self.media.ahead_vision_rows = 2 * tokens  # images and videos encoded two steps ahead of the prefill
         if self.device.type != "cuda":
             cpu_gib = section.kv.gib or _CPU_KV_GIB
             self.allocate_pages(section.kv.pages or max(1, int(cpu_gib * GiB) // self.kv_bytes_per_page))

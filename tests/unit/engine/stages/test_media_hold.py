@@ -85,6 +85,47 @@ def test_a_request_larger_than_the_limit_goes_alone_on_an_empty_hold():
     assert hold.held_bytes == 0 and hold.take() == ["next"]
 
 
+def test_images_and_videos_are_encoded_no_further_ahead_of_the_prefill_than_asked():
+    hold: MediaHold[str] = MediaHold(limit=None, ahead_vision_rows=100)
+    hold.waiting.extend(
+        [
+            ("v1", inputs(videos=60)),
+            ("v2", inputs(videos=60)),
+            ("clip", inputs(audio=10)),
+            ("i", inputs(images=30)),
+        ]
+    )
+    assert hold.take() == [
+        "v1"
+    ]  # v2 would put 120 vision rows ahead of the prefill; the rest keep their order
+    rows = embeds(vision_at=range(5, 65))
+    seq = sequence("v1", rows, prompt_len=80)
+    hold.hold(seq, rows)
+    assert hold.vision_rows_ahead() == 60 and hold.take() == []
+    seq.num_computed_tokens = 24  # the prefill has passed 19 of v1's vision rows: 41 ahead
+    assert hold.vision_rows_ahead() == 41 and hold.take() == []
+    seq.num_computed_tokens = 45  # 20 ahead: v2's 60 fit beside them, the clip's none, the image's 30 not
+    assert hold.take() == ["v2", "clip"]
+    more = embeds(vision_at=range(60))
+    hold.reserve(more)  # v2 encoded, its rows on their way to the host before it is queued: counted
+    assert hold.vision_rows_ahead() == 80
+    hold.reserve(more, count=False)
+    hold.hold(sequence("v2", more, prompt_len=70), more)
+    seq.num_computed_tokens = 65
+    hold.release()  # v1's rows leave; v2's 60 are still ahead
+    assert hold.vision_rows_ahead() == 60 and hold.take() == ["i"]
+
+    clips: MediaHold[str] = MediaHold(limit=None, ahead_vision_rows=100)
+    clips.waiting.extend((f"c{i}", inputs(audio=50)) for i in range(10))
+    held = embeds(audio_at=range(50))
+    clips.hold(sequence("before", held, prompt_len=60), held)
+    assert len(clips.take()) == 10  # clips alone are taken together, however many audio rows they hold
+
+    big: MediaHold[str] = MediaHold(limit=None, ahead_vision_rows=100)
+    big.waiting.extend([("long", inputs(videos=500)), ("next", inputs(images=1))])
+    assert big.take() == ["long"]  # on an empty hold a video past the bound is taken alone
+
+
 def test_rows_leave_once_the_prefill_passed_them_and_come_back_for_a_preemption():
     hold: MediaHold[str] = MediaHold(limit=10_000)
     rows = embeds(audio_at=[3, 4, 5], vision_at=[9, 10])
