@@ -52,9 +52,10 @@
 # - mel:        the GPU tests of the clips' features made by the encoder stage at admission (the mel on the
 #               engine's stream, equal to the CPU's, the same bits anywhere in a batch, nothing waited for) and of
 #               the admission, caches and Qwen3-ASR engine around it;
-# - video_ab:   eight 10 s videos at once on the tree exported to .ab (carry it; 54073f6 for the scheduler's
-#               order of prefills) and on this one (before_after.sh run video; 32 GiB of KV on a card over
-#               100 GiB, 4 below);
+# - video_ab:   eight 10 s videos at once on the tree exported to .ab (carry it; fc1e851 for the videos encoded
+#               two steps ahead of the prefill and decoded one a core) and on this one (before_after.sh run
+#               video; 32 GiB of KV on a card over 100 GiB, 5.8 below: the most an 80 GB card starts with, room
+#               for the eight prompts without preemption);
 # - sync_asr:   the 0.6B at c = 128 under benchmarks/sync_points.py: every call that waits for the device,
 #               by thread and site (`sync_asr_before`: the same over the tree exported to .ab);
 # - asr_profile: the 0.6B's decode steps of 128 rows, and loaded ones (two clips encoded and prefilled beside
@@ -202,7 +203,7 @@ for name in ${*:-http inproc video_host video asr baseline}; do
     mel) step mel 200 sh -c 'PER_FILE_S=100 bash benchmarks/gpu_tests.sh tests/gpu/test_mel_gpu.py \
       tests/gpu/test_admission_sync_gpu.py tests/gpu/test_encoder_cache_gpu.py tests/gpu/test_prefix_keys_gpu.py \
       tests/gpu/test_asr_gpu.py' ;;
-    video_ab) kv=4
+    video_ab) kv=5.8
       [[ $card == h200 ]] && kv=32
       step video_ab 420 env KV_GIB=$kv VIDEO_S=205 bash benchmarks/before_after.sh run video ;;
     sync_asr) step sync_asr 110 sh -c 'mkdir -p "$OUT" && timeout 110 python3 benchmarks/sync_points.py \
