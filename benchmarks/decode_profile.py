@@ -26,6 +26,7 @@ Writes `decode_profile_<skeleton>_b<batch>.{json,md}` under --out-dir. `--model 
 from __future__ import annotations
 
 import argparse
+import bisect
 import itertools
 import json
 import statistics
@@ -56,18 +57,54 @@ SITE_CALLS = (
 SITE_STEPS = 10  # the steps profiled with Python stacks: every Python call an event, a costly profile
 
 
+def _omnistage_frames(event: Any) -> list[str]:
+    return [f for f in (event.stack or [event.name]) if "omnistage/" in f]
+
+
+class _Enclosing:
+    """The events with an omnistage frame, per thread in order of their start: those whose time encloses another
+    event's are the calls it ran under."""
+
+    def __init__(self, events: list[Any]) -> None:
+        self._by_thread: dict[int, list[Any]] = {}
+        for event in events:
+            if _omnistage_frames(event):
+                self._by_thread.setdefault(event.thread, []).append(event)
+        for line in self._by_thread.values():
+            line.sort(key=lambda e: e.time_range.start)
+        self._starts = {t: [e.time_range.start for e in line] for t, line in self._by_thread.items()}
+
+    def frames(self, event: Any) -> list[str]:
+        """The innermost two omnistage frames of the events enclosing `event` on its thread."""
+        line = self._by_thread.get(event.thread, [])
+        start, end = event.time_range.start, event.time_range.end
+        frames: list[str] = []
+        for i in range(bisect.bisect_right(self._starts.get(event.thread, []), start) - 1, -1, -1):
+            if len(frames) == 2:
+                break
+            if line[i].time_range.end >= end and line[i] is not event:
+                frames += _omnistage_frames(line[i])[: 2 - len(frames)]
+        return frames
+
+
 def _sites(events: list[Any], steps: int) -> list[dict[str, Any]]:
     """The events named in `SITE_CALLS`, by call and by the innermost two omnistage frames above them (torch.profiler's
     `with_stack` records each Python call as an event, a parent of the operators it runs; an operator's own stack
-    is read where a build keeps one there): count and own µs per step, the costliest first."""
+    is read where a build keeps one there): count and own µs per step, the costliest first. A CUDA runtime call
+    the profiler links to no parent with such a frame is placed by time: the events of its thread that enclose it
+    (`_enclosing`)."""
     totals: dict[tuple[str, str], list[float]] = {}
+    enclosing: _Enclosing | None = None
     for event in events:
         if event.name not in SITE_CALLS:
             continue
         frames, parent = [], event.cpu_parent
         while parent is not None and len(frames) < 2:  # the Python calls above it are events of their own
-            frames += [f for f in (parent.stack or [parent.name]) if "omnistage/" in f][: 2 - len(frames)]
+            frames += _omnistage_frames(parent)[: 2 - len(frames)]
             parent = parent.cpu_parent
+        if not frames:
+            enclosing = enclosing or _Enclosing(events)
+            frames = enclosing.frames(event)
         site = " < ".join(f.split("omnistage/", 1)[1] for f in frames) or "(no omnistage frame)"
         total = totals.setdefault((event.name, site), [0, 0.0])
         total[0] += 1

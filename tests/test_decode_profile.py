@@ -4,6 +4,7 @@ import importlib.util
 import json
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 SCRIPT = Path(__file__).parents[1] / "benchmarks" / "decode_profile.py"
 
@@ -44,8 +45,9 @@ def test_busy_time_is_the_union_of_intervals():
 
 
 class Event:
-    def __init__(self, name, us, parent=None, stack=()):
+    def __init__(self, name, us, parent=None, stack=(), at=(0, 0), thread=1):
         self.name, self.self_cpu_time_total, self.cpu_parent, self.stack = name, us, parent, list(stack)
+        self.time_range, self.thread = SimpleNamespace(start=at[0], end=at[1]), thread
 
 
 def test_host_calls_are_summed_by_the_omnistage_lines_that_asked_for_them():
@@ -71,4 +73,26 @@ def test_host_calls_are_summed_by_the_omnistage_lines_that_asked_for_them():
          "us_per_step": 80.0},
         {"call": "cudaHostRegister", "site": "(no omnistage frame)", "per_step": 0.5, "us_per_step": 75.0},
         {"call": "cudaMemcpyAsync", "site": "engine/d.py(4): keys", "per_step": 0.5, "us_per_step": 3.5},
+    ]  # fmt: skip
+
+
+def test_runtime_calls_linked_to_no_parent_are_placed_by_the_calls_enclosing_them():
+    spec = importlib.util.spec_from_file_location("decode_profile_enclosing", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    events = [
+        Event("/w/omnistage/pipeline/step_loop.py(9): step", 0.0, at=(0, 200)),
+        Event("/w/omnistage/engine/stages/text.py(40): _prefill", 0.0, at=(5, 9)),  # ended before the copy
+        Event("/w/omnistage/engine/stages/text.py(50): _sample_step", 0.0, at=(10, 100)),
+        Event("aten::copy_", 0.0, at=(20, 30)),  # no omnistage frame of its own
+        Event("/w/omnistage/engine/other.py(1): elsewhere", 0.0, at=(0, 300), thread=2),  # another thread
+        Event("cudaMemcpyAsync", 12.0, at=(22, 25)),
+        Event("cudaMemcpyAsync", 4.0, at=(150, 151)),
+        Event("cudaEventSynchronize", 3.0, at=(400, 401)),  # outside every call of its thread
+    ]
+    assert module._sites(events, steps=1) == [
+        {"call": "cudaMemcpyAsync", "site": "engine/stages/text.py(50): _sample_step < pipeline/step_loop.py(9): step",
+         "per_step": 1.0, "us_per_step": 12.0},
+        {"call": "cudaMemcpyAsync", "site": "pipeline/step_loop.py(9): step", "per_step": 1.0, "us_per_step": 4.0},
+        {"call": "cudaEventSynchronize", "site": "(no omnistage frame)", "per_step": 1.0, "us_per_step": 3.0},
     ]  # fmt: skip
