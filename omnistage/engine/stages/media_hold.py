@@ -105,6 +105,7 @@ class MediaHold(Generic[R]):
         request at least, where none are): to encode now (each then `hold`s its rows)."""
         taken: list[R] = []
         planned, planned_vision = 0.0, 0
+        held_vision = self.vision_rows_ahead() if self.ahead_vision_rows is not None else 0
         while self.waiting:
             request, mm = self.waiting[0]
             size, vision = self.estimate(mm), media_rows(mm)[1]
@@ -112,7 +113,7 @@ class MediaHold(Generic[R]):
                 break
             if not taken and not self._fits(size):
                 break
-            ahead = self.vision_rows_ahead() + planned_vision
+            ahead = held_vision + planned_vision
             if (
                 vision
                 and ahead
