@@ -92,7 +92,7 @@ def _sites(events: list[Any], steps: int) -> list[dict[str, Any]]:
     `with_stack` records each Python call as an event, a parent of the operators it runs; an operator's own stack
     is read where a build keeps one there): count and own µs per step, the costliest first. A CUDA runtime call
     the profiler links to no parent with such a frame is placed by time: the events of its thread that enclose it
-    (`_enclosing`)."""
+    (`_Enclosing`)."""
     totals: dict[tuple[str, str], list[float]] = {}
     enclosing: _Enclosing | None = None
     for event in events:

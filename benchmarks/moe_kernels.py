@@ -105,16 +105,10 @@ def gemms_us(calls: list, layers: list) -> float:
     """The two grouped GEMMs of `grouped_experts` alone, each call's pairs already in expert order."""
     grouped = []
     for x, _, ids in calls:
-        order = torch.sort(ids.reshape(-1), stable=True).indices
-        counts = torch.bincount(ids.reshape(-1), minlength=EXPERTS)
-        rows = x.index_select(0, order // TOP_K)
-        grouped.append(
-            (
-                rows,
-                counts.cumsum(0).to(torch.int32),
-                torch.empty(len(rows), INTER, dtype=x.dtype, device=x.device),
-            )
-        )
+        align = align_pairs(ids, EXPERTS, block_m=1)
+        rows = x.index_select(0, align.pair_ids // TOP_K)
+        hidden = torch.empty(len(rows), INTER, dtype=x.dtype, device=x.device)
+        grouped.append((rows, align.expert_ends, hidden))
 
     def step(i):
         w13, w2 = layers[i % WEIGHT_SETS]
