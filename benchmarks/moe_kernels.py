@@ -10,6 +10,7 @@ misses an fp32 reference by more than bf16 tolerance.
 
     python benchmarks/moe_kernels.py            # the table, ~30 s
     python benchmarks/moe_kernels.py --sweep    # also time candidate tiles of triton_experts per T
+                                                # (taller and wider ones from 512 tokens)
     python benchmarks/moe_kernels.py --tokens 512,2048,8192   # prefill chunks: the TFLOP/s columns decide
     python benchmarks/moe_kernels.py --tokens 2048,8192 --compile   # grouped_experts compiled, as the engine's
                                                                     # decoder layers run it (torch.compile)
@@ -51,6 +52,18 @@ SWEEP = [
     MoeKernelConfig(32, 64, 64, 64, 64),
     MoeKernelConfig(64, 64, 64, 128, 64, num_warps=8, num_stages=3),
 ]
+# prefill chunks (hundreds of rows an expert): taller and wider tiles, each weight tile reused by more rows
+SWEEP_PREFILL = [
+    MoeKernelConfig(64, 64, 64, 128, 64, num_warps=8, num_stages=3),
+    MoeKernelConfig(64, 128, 64, 128, 64, num_warps=4, num_stages=4),
+    MoeKernelConfig(64, 128, 64, 128, 64, num_warps=8, num_stages=3),
+    MoeKernelConfig(128, 64, 64, 128, 64, num_warps=8, num_stages=3),
+    MoeKernelConfig(128, 128, 64, 128, 64, num_warps=8, num_stages=3),
+    MoeKernelConfig(128, 128, 64, 256, 64, num_warps=8, num_stages=3),
+    MoeKernelConfig(128, 128, 32, 128, 32, num_warps=4, num_stages=4),
+    MoeKernelConfig(64, 256, 64, 256, 64, num_warps=8, num_stages=3),
+]
+PREFILL_FROM = 512  # tokens from which the sweep takes SWEEP_PREFILL
 
 
 def make_calls(num_tokens: int, seed: int) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
@@ -164,7 +177,7 @@ def measure(num_tokens: int, layers: list, reference: tuple, sweep: bool, groupe
         err_grouped=rel(run(grouped, 0), want),
     )
     if sweep:
-        for config in SWEEP:
+        for config in SWEEP_PREFILL if num_tokens >= PREFILL_FROM else SWEEP:
             row.sweep.append(
                 (config, graph_us(lambda i, c=config: run(triton_experts, i, config=c), replays=5))
             )
@@ -214,12 +227,13 @@ def main() -> int:
             f"{r.tflops(r.gemms_us):.0f} | {r.align_us:.1f} | {r.sort_us:.1f} | {r.err_triton:.1e} / {r.err_grouped:.1e} |"
         )
     if args.sweep:
-        print("\n| T | config | µs | TB/s |\n|---|---|---|---|")
+        print("\n| T | config | µs | TB/s | TFLOP/s |\n|---|---|---|---|---|")
         for r in rows:
             best = min(us for _, us in r.sweep)
             for config, us in r.sweep:
                 print(
-                    f"| {r.tokens} | {label(config)} | {us:.1f}{' **best**' if us == best else ''} | {r.tbps(us):.2f} |"
+                    f"| {r.tokens} | {label(config)} | {us:.1f}{' **best**' if us == best else ''} | "
+                    f"{r.tbps(us):.2f} | {r.tflops(us):.0f} |"
                 )
 
     failures = [r for r in rows if r.err_triton > 1e-2 or r.err_grouped > 2e-2]

@@ -92,7 +92,8 @@
 #               (`media.VIDEO_DECODES_AT_ONCE`, 16 here) is the right bound on a GPU host too.
 # - moe_ab:     the routed experts at 512, 2,048 and 8,192 tokens compiled as the engine's layers run them, on this
 #               tree and on .ab's (benchmarks/moe_kernels.py --compile): the prefill path's alignment by a stable
-#               sort against the one-hot cumulative sum it replaced, and the two grouped GEMMs alone.
+#               sort against the one-hot cumulative sum it replaced, and the two grouped GEMMs alone; then the
+#               Triton kernel's taller tiles at 2,048 and 8,192 tokens (--sweep), now that it aligns by the sort too.
 # Each step's files go under $OUT/<step>/ and everything measured so far is packed into $OUT/pending.tgz after
 # each step, so that a call cut short at its limit still brings back what ran (a call returns only a few files).
 # A step starts only while BUDGET_S seconds (540) less its own estimate are left since the script began;
@@ -247,10 +248,11 @@ for name in ${*:-http inproc video_host video asr baseline}; do
     video_at_once) step video_at_once 150 sh -c 'mkdir -p "$OUT" && for fps in 2 30; do timeout 70 python3 \
       benchmarks/video_at_once.py --videos 8 --seconds 10 --source-fps $fps --at-once 8,4,2,1; done 2>&1 |
       tee "$OUT/video_at_once.txt"' ;;
-    moe_ab) step moe_ab 300 sh -c 'mkdir -p "$OUT" && timeout 140 python3 benchmarks/moe_kernels.py \
-      --tokens 512,2048,8192 --compile 2>&1 | tee "$OUT/moe_after.txt" | grep -E "^\|"; [ -d .ab ] && \
-      PYTHONPATH="$PWD/.ab:$PYTHONPATH" timeout 140 python3 benchmarks/moe_kernels.py --tokens 512,2048,8192 \
-      --compile 2>&1 | tee "$OUT/moe_before.txt" | grep -E "^\|"' ;;
+    moe_ab) step moe_ab 330 sh -c 'mkdir -p "$OUT" && timeout 140 python3 benchmarks/moe_kernels.py \
+      --tokens 512,2048,8192 --compile 2>&1 | tee "$OUT/moe_after.txt" | grep -E "^\|"; timeout 90 python3 \
+      benchmarks/moe_kernels.py --tokens 2048,8192 --sweep 2>&1 | tee "$OUT/moe_sweep.txt" | grep -E "^\|"; \
+      [ -d .ab ] && PYTHONPATH="$PWD/.ab:$PYTHONPATH" timeout 140 python3 benchmarks/moe_kernels.py \
+      --tokens 512,2048,8192 --compile 2>&1 | tee "$OUT/moe_before.txt" | grep -E "^\|"' ;;
     long_attention) step long_attention 60 sh -c 'mkdir -p "$OUT" && timeout 60 python3 benchmarks/prefill_attention.py \
       --long --out "$OUT/prefill_attention_long.json" 2>&1 | tee "$OUT/prefill_attention_long.log"' ;;
     *) echo "pending: no step $name (http, inproc, video_host, video, video_kv, asr, baseline, spy_asr, handoff," \
