@@ -17,6 +17,7 @@ head layouts, with the largest difference from the varlen call's output:
   after cached tokens.
 
     python3 benchmarks/sdpa_long.py --out $OUT/sdpa_long.json      # GPU machine, under a minute
+    python3 benchmarks/sdpa_long.py --rows 8192,7353 --out ...     # a video's whole prompt in a step
 
 A backend that refuses a case gets its error in the row instead of a time.
 """
@@ -24,7 +25,9 @@ A backend that refuses a case gets its error in the row instead of a time.
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -78,12 +81,19 @@ def cudnn_split(q, k, v, cached: int, scale: float) -> torch.Tensor:
 
 
 def timed(call: Callable[[], torch.Tensor], want: torch.Tensor, flops: float) -> dict[str, Any]:
+    """Median µs after a warm-up, and the first call's wall ms: what a shape never seen costs (cuDNN builds
+    a plan for each new one)."""
     try:
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        call()
+        torch.cuda.synchronize()
+        first_ms = 1e3 * (time.perf_counter() - start)
         us = 1e3 * cuda_ms(call)
         diff = (call().float() - want.float()).abs().max().item()
     except Exception as exc:  # the backend refuses this layout or this mask
         return {"error": f"{type(exc).__name__}: {str(exc).splitlines()[0][:160]}"}
-    return {"us": round(us, 1), "tflops": round(flops / us / 1e6, 1), "max_diff": diff}
+    return {"us": round(us, 1), "tflops": round(flops / us / 1e6, 1), "max_diff": diff, "first_ms": first_ms}
 
 
 def chunk_row(heads: int, kv_heads: int, dim: int, cached: int, new: int = 2048) -> dict[str, Any]:
@@ -116,19 +126,26 @@ def main() -> None:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--out", default="sdpa_long.json")
+    parser.add_argument(
+        "--rows",
+        default="2048",
+        help="the chunk's rows, comma separated: 8192 is a step's budget for videos; an odd count is a prompt "
+        "length no call has had yet (every first call of a row count is timed)",
+    )
     args = parser.parse_args()
     print(torch.cuda.get_device_name(), torch.__version__, "cuDNN", torch.backends.cudnn.version())
     rows = []
     for stage, heads, kv_heads, dim in LAYOUTS:
-        for cached in (0, 4_096, 10_000, 20_000):
-            rows.append(row := {"stage": stage, **chunk_row(heads, kv_heads, dim, cached)})
+        for new, cached in itertools.product(map(int, args.rows.split(",")), (0, 4_096, 10_000, 20_000)):
+            rows.append(row := {"stage": stage, **chunk_row(heads, kv_heads, dim, cached, new)})
             for name, result in row["kernels"].items():
                 shown = (
-                    f"{result['us']:9.1f} us {result['tflops']:7.1f} TFLOP/s  max diff {result['max_diff']:.3g}"
+                    f"{result['us']:9.1f} us {result['tflops']:7.1f} TFLOP/s  max diff {result['max_diff']:.3g}  "
+                    f"first {result['first_ms']:.1f} ms"
                     if "us" in result
                     else result["error"]
                 )
-                print(f"{stage:8} {cached:>7,} {name:20} {shown}", flush=True)
+                print(f"{stage:8} {new:>6,} {cached:>7,} {name:20} {shown}", flush=True)
     Path(args.out).write_text(json.dumps(rows, indent=2) + "\n")
 
 
