@@ -5,7 +5,7 @@ warm-up): the GPU starts on a video once it is decoded, so the first and the med
 
 The videos are the v2s benchmark's (`videos.sliding` frames in an mp4 with an AAC tone), each its own; decoded
 with their sound, as `use_audio_in_video` asks. L = N is every video at once (the server before
-`media.VIDEO_DECODES_AT_ONCE`); the server's own L is the cores torch sees.
+`media.VIDEO_DECODES_AT_ONCE`); the server's own L is two (one on a single core).
 
     python benchmarks/video_at_once.py --videos 8 --seconds 10 --source-fps 2 --at-once 8,4,2,1
 """

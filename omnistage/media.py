@@ -11,9 +11,10 @@ problem is an InvalidMedia naming the part and, where a flag would allow it, the
 The server prepares many requests at once (pipeline/preparing.py), but decodes at most `DECODING_AT_ONCE`
 media parts at once, the number of threads that once prepared every request: decoded frames and pictures are
 the memory a flood of large media requests would take. Of those, at most `VIDEO_DECODES_AT_ONCE` are videos:
-one a core. The videos decoding at once share the cores (`cpu_threads`), so past one a core each more video
-only splits them finer and delays every one's end; waiting its turn, a later video lets the earlier ones reach
-the GPU sooner (RESULTS.md, "Videos decoding at once").
+two. Each video's decoding already spreads over the cores (its decoder's threads and its frames' resizers,
+`cpu_threads`), so past two at once each more video only splits them finer and delays every one's end; waiting
+its turn, a later video lets the earlier ones reach the GPU sooner. Two was the best median of eight at once on a
+2-core and on a 16-core host (RESULTS.md, "Videos decoding at once" and "Two videos decoding at once").
 """
 
 from __future__ import annotations
@@ -42,7 +43,7 @@ AUDIO_FORMATS = ("wav", "mp3", "flac", "ogg")
 MEDIA_TYPES = ("input_audio", "audio_url", "image_url", "video_url")
 DECODING_AT_ONCE = min(32, (os.cpu_count() or 1) + 4)  # asyncio's default pool of worker threads
 _decoding = threading.BoundedSemaphore(DECODING_AT_ONCE)
-VIDEO_DECODES_AT_ONCE = cores()
+VIDEO_DECODES_AT_ONCE = min(2, cores())
 _video_decodes = threading.BoundedSemaphore(VIDEO_DECODES_AT_ONCE)  # waiters wake in the order they came
 VIDEO_CACHE_MIB = 512  # videos kept decoded by default: two 30 s 720p videos with their patches
 
