@@ -12,6 +12,7 @@ misses an fp32 reference by more than bf16 tolerance.
     python benchmarks/moe_kernels.py --sweep    # also time candidate tiles of triton_experts per T
                                                 # (taller and wider ones from 512 tokens)
     python benchmarks/moe_kernels.py --tokens 512,2048,8192   # prefill chunks: the TFLOP/s columns decide
+    python benchmarks/moe_kernels.py --stage talker --tokens 2048,8192 --sweep   # the Talker's layer
     python benchmarks/moe_kernels.py --tokens 2048,8192 --compile   # grouped_experts compiled, as the engine's
                                                                     # decoder layers run it (torch.compile)
 
@@ -38,7 +39,9 @@ from omnistage.models.layers.moe_experts import fused_experts
 
 log = logging.getLogger("bench")
 
-EXPERTS, HIDDEN, INTER, TOP_K = 128, 2048, 768, 8
+# (experts, hidden, expert width, experts a token) of each stage's MoE layers in the released Qwen3-Omni
+STAGES = {"thinker": (128, 2048, 768, 8), "talker": (128, 1024, 384, 6)}
+EXPERTS, HIDDEN, INTER, TOP_K = STAGES["thinker"]
 CALLS, WEIGHT_SETS = 48, 4
 EXPERT_BYTES = 3 * HIDDEN * INTER * 2
 
@@ -191,7 +194,11 @@ def main() -> int:
     parser.add_argument("--tokens", default="1,2,4,8,16,32,64,128", help="batch sizes T, comma separated")
     parser.add_argument("--sweep", action="store_true", help="also time the candidate tiles in SWEEP")
     parser.add_argument("--compile", action="store_true", help="grouped_experts under torch.compile(dynamic)")
+    parser.add_argument("--stage", choices=sorted(STAGES), default="thinker", help="whose MoE layer's sizes")
     args = parser.parse_args()
+    global EXPERTS, HIDDEN, INTER, TOP_K, EXPERT_BYTES
+    EXPERTS, HIDDEN, INTER, TOP_K = STAGES[args.stage]
+    EXPERT_BYTES = 3 * HIDDEN * INTER * 2
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
 
     g = torch.Generator(device="cuda").manual_seed(0)

@@ -97,7 +97,9 @@ class EngineConfig(BaseModel):
         "Qwen3-ASR; a spoken reply's text always goes to the Talker token by token",
     )
     moe_kernel: Literal["auto", "grouped_mm", "triton"] = Field(
-        "auto", description="GPU MoE kernel: auto takes Triton for decode-sized batches, grouped GEMMs above"
+        "auto",
+        description="GPU MoE kernel: auto and triton take our Triton kernel at every batch (its tiles by the "
+        "rows an expert gets), grouped_mm torch's grouped GEMMs",
     )
     seed: int = Field(0, description="seed of the random weights of load_format dummy")
     speech: bool = Field(

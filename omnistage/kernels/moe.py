@@ -10,7 +10,9 @@ sum over each token's k rows (fp32 accumulation, no atomics) gives a determinist
 Shapes depend only on T, so a decode step captures into a CUDA graph; unused blocks (the static bound
 is above the real count) exit at once. Decode reads each active expert's weights once per block, so
 the kernels are memory bound: tiles are narrow in N so a batch of one still has hundreds of programs
-for the 132 SMs, and weights are read along K, their contiguous axis. Same function as
+for the 132 SMs, and weights are read along K, their contiguous axis. Prefill chunks run here too, on taller
+tiles: the gather fused into the gate-up kernel and SiLU·up into its epilogue spare the copies around
+`torch._grouped_mm` (its GEMMs alone were half the grouped path's time at 2,048 tokens). Same function as
 `models/layers/moe_experts.fused_experts`; runs on the CPU under TRITON_INTERPRET=1 (float32/float16).
 """
 
@@ -23,6 +25,7 @@ import triton
 import triton.language as tl
 
 from omnistage.kernels.moe_align import ExpertAlignment, align_pairs
+from omnistage.kernels.moe_bounds import TALL_TILES_FROM, TILE_SWITCHES
 
 
 @dataclass(frozen=True)
@@ -39,19 +42,24 @@ class MoeKernelConfig:
 
 
 def default_config(num_pairs: int, num_experts: int) -> MoeKernelConfig:
-    """Tiles for `num_pairs` token-expert pairs spread over `num_experts`.
+    """Tiles for `num_pairs` token-expert pairs spread over `num_experts` (`moe_bounds` says where they switch).
 
     Decode (a few pairs per expert): 16-row blocks, the smallest tensor-core tile, and narrow N tiles
     so that a batch of one (8 blocks) still runs 8·768/32 = 192 and 8·2048/64 = 256 programs. Larger
-    batches fill blocks further, so taller and wider tiles reuse each weight tile for more rows.
+    batches fill blocks further, so taller and wider tiles reuse each weight tile for more rows; a prefill
+    chunk's hundreds of rows an expert take 128-row blocks, the down kernel 256 columns of H at once.
     """
     per_expert = num_pairs / num_experts
-    if per_expert <= 8:
+    if per_expert <= TILE_SWITCHES[0]:
         return MoeKernelConfig(block_m=16, gate_up_n=32, gate_up_k=128, down_n=64, down_k=128)
-    if per_expert <= 32:
+    if per_expert <= TILE_SWITCHES[1]:
         return MoeKernelConfig(block_m=32, gate_up_n=64, gate_up_k=64, down_n=64, down_k=64, num_stages=4)
+    if per_expert < TALL_TILES_FROM:
+        return MoeKernelConfig(
+            block_m=64, gate_up_n=64, gate_up_k=64, down_n=128, down_k=64, num_warps=8, num_stages=3
+        )
     return MoeKernelConfig(
-        block_m=64, gate_up_n=64, gate_up_k=64, down_n=128, down_k=64, num_warps=8, num_stages=3
+        block_m=128, gate_up_n=128, gate_up_k=64, down_n=256, down_k=64, num_warps=8, num_stages=3
     )
 
 

@@ -41,8 +41,9 @@ def _routing(num_tokens, seed):
     return x, topk_weights / topk_weights.sum(-1, keepdim=True), topk_ids
 
 
-# 300 and 1024 tokens: the taller tiles; 1024·8 pairs are aligned by torch, not the kernel
-@pytest.mark.parametrize("num_tokens", [1, 7, 32, 64, 300, 1024])
+# 300 and 1024 tokens: the 32- and 64-row tiles; 2048 and 8192: the 128-row ones (prefill chunks); from 1024·8
+# pairs aligned by torch, not the kernel
+@pytest.mark.parametrize("num_tokens", [1, 7, 32, 64, 300, 1024, 2048, 8192])
 def test_triton_experts_matches_fp32_loop(weights, reference, num_tokens):
     from omnistage.kernels.moe import triton_experts
 

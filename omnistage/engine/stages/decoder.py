@@ -38,9 +38,11 @@ class DecoderSizes(Protocol):
     def max_position_embeddings(self) -> int: ...
 
 
-def experts_per_token(sizes: DecoderSizes) -> int | None:
-    """The experts a MoE decoder routes each token to; None for a dense decoder, whose config has no such key."""
-    return getattr(sizes, "num_experts_per_tok", None)
+def moe_routing(sizes: DecoderSizes) -> tuple[int, int] | None:
+    """A MoE decoder's experts and the experts it routes each token to; None for a dense decoder, whose config
+    has no such keys."""
+    top_k = getattr(sizes, "num_experts_per_tok", None)
+    return None if top_k is None else (sizes.num_experts, top_k)  # type: ignore[attr-defined]
 
 
 class DecoderBody(Protocol):

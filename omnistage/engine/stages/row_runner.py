@@ -23,7 +23,7 @@ from omnistage.engine.graphs.prefill import StaticPrefillBuffers
 from omnistage.engine.memory.measure import Peak, device_peak, scaled_peaks
 from omnistage.engine.scheduler import ScheduledChunk
 from omnistage.engine.stages.autoregressive import SamplingState
-from omnistage.engine.stages.decoder import DecoderSizes, RowDecoder, experts_per_token
+from omnistage.engine.stages.decoder import DecoderSizes, RowDecoder, moe_routing
 from omnistage.engine.stages.token_runner import positions_for, warm_up_shapes
 from omnistage.models.layers.attention_metadata import AttentionMetadata, to_device
 from omnistage.models.layers.rotary import PromptPositions
@@ -103,7 +103,7 @@ class RowRunner:
     def warm_up(self, max_tokens: int) -> None:
         """Run the eager step shapes traffic brings (`token_runner.warm_up_shapes`), so that kernel builds and compiled
         variants happen at start, not in the first requests' prefills (GPU only)."""
-        for tokens, seqs in warm_up_shapes(max_tokens, experts_per_token(self.cfg)):
+        for tokens, seqs in warm_up_shapes(max_tokens, moe_routing(self.cfg)):
             self.profile_peak(tokens, seqs)
 
     # -- decode graphs ------------------------------------------------------------------------------
@@ -126,7 +126,7 @@ class RowRunner:
             return []
         if self.device.type == "cuda" and self.dtype != torch.bfloat16:
             log.warning(
-                "CUDA graphs need bfloat16 (grouped-GEMM MoE); Talker steps in %s run eagerly", self.dtype
+                "CUDA graphs need bfloat16 (the GPU MoE kernels); Talker steps in %s run eagerly", self.dtype
             )
             return []
         self.graphs = DecodeGraphs(

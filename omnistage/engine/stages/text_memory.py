@@ -45,7 +45,7 @@ def text_stage_memory(
     """Measure the floor (the stage's text prefill step and its encoders on their largest inputs, `max_media` =
     most audios and images per prompt), price the graphs and warm up. The stage's KV pool is fixed by the config
     or holds at least one request of the longest length. A runner not in bfloat16 gets no graphs (the
-    grouped-GEMM MoE needs it)."""
+    GPU MoE kernels need it)."""
     engine, budget = settings.engine, settings.stage.max_num_batched_tokens
     cfg = runner.cfg
     gather = gather_bytes(torch_module(runner.model), cfg.num_key_value_heads, cfg.head_dim, runner.dtype)
@@ -58,7 +58,7 @@ def text_stage_memory(
     )
     graphs: tuple[GraphCandidates, ...] = ()
     if not engine.enforce_eager and runner.dtype != torch.bfloat16:
-        log.warning("CUDA graphs need bfloat16 (grouped-GEMM MoE); %s steps run eagerly", runner.dtype)
+        log.warning("CUDA graphs need bfloat16 (the GPU MoE kernels); %s steps run eagerly", runner.dtype)
     elif not engine.enforce_eager:
         graphs = _graph_candidates(runner, settings.stage, stage)
         graphs += _encoder_candidates(encoders, settings.encoders)

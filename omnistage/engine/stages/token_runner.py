@@ -22,7 +22,7 @@ from omnistage.engine.graphs.prefill import StaticPrefillBuffers
 from omnistage.engine.memory.measure import Peak, device_peak
 from omnistage.engine.scheduler import ScheduledChunk, SchedulerOutput
 from omnistage.engine.sequence import PromptInputs
-from omnistage.engine.stages.decoder import DecoderSizes, TokenDecoder, experts_per_token
+from omnistage.engine.stages.decoder import DecoderSizes, TokenDecoder, moe_routing
 from omnistage.models.layers.attention_metadata import to_device
 from omnistage.models.layers.moe import kernel_switches
 from omnistage.models.layers.rotary import PromptPositions
@@ -51,15 +51,15 @@ WARM_UP_SHAPES = (
 )
 
 
-def warm_up_shapes(max_tokens: int, top_k: int | None) -> list[tuple[int, int]]:
+def warm_up_shapes(max_tokens: int, routing: tuple[int, int] | None) -> list[tuple[int, int]]:
     """The eager step shapes a stage runs at start so that no step of up to `max_tokens` rows builds a kernel or
-    a compiled variant while serving: WARM_UP_SHAPES, and for a MoE decoder routing each token to `top_k`
-    experts (None: a dense one) the largest count of each kernel path and the one after it, then the largest
-    step (a Talker prefill of 838 rows built a variant mid-serving on the H200 when 600 was the largest
-    warmed: benchmarks/RESULTS.md, "Builds while serving")."""
+    a compiled variant while serving: WARM_UP_SHAPES, and for a MoE decoder (`routing`: its experts and those
+    each token goes to, `decoder.moe_routing`; None: a dense one) the largest count of each kernel path and the
+    one after it, then the largest step (a Talker prefill of 838 rows built a variant mid-serving on the H200
+    when 600 was the largest warmed: benchmarks/RESULTS.md, "Builds while serving")."""
     tokens = [count for count, _ in WARM_UP_SHAPES]
-    if top_k is not None:
-        tokens += [n for bound in kernel_switches(top_k) for n in (bound, bound + 1)]
+    if routing is not None:
+        tokens += [n for bound in kernel_switches(*routing) for n in (bound, bound + 1)]
     shapes = set(WARM_UP_SHAPES) | {(n, 1) for n in tokens} | {(max_tokens, 1)}
     return sorted(shape for shape in shapes if shape[0] <= max_tokens)
 
@@ -230,7 +230,7 @@ class TokenRunner:
         """Run eager steps of the shapes traffic brings, so that Triton's per-shape-class kernel builds and
         torch.compile's graphs happen at start, not inside the first requests (measured: a 3 s TTFT at c=16)."""
         started = time.perf_counter()
-        shapes = warm_up_shapes(max_tokens, experts_per_token(self.cfg))
+        shapes = warm_up_shapes(max_tokens, moe_routing(self.cfg))
         for tokens, seqs in shapes:
             self.profile_peak(tokens, seqs)
         log.info("warmed up %d step shapes in %.1f s", len(shapes), time.perf_counter() - started)

@@ -6,16 +6,19 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from omnistage.kernels.moe_bounds import ALIGN_KERNEL_MAX_PAIRS, TRITON_MAX_PAIRS
+from omnistage.kernels.moe_bounds import ALIGN_KERNEL_MAX_PAIRS, TALL_TILES_FROM, TILE_SWITCHES
 from omnistage.models.layers.linear import FusedProjection, fuse_linears
 from omnistage.models.layers.moe_experts import fused_experts
 
 
-def kernel_switches(top_k: int) -> tuple[int, ...]:
-    """The largest token counts of each GPU path but the last: the Triton experts, then the grouped GEMMs with
-    the alignment kernel (above them, with the torch alignment). A compiled layer keeps a variant per path, so
-    a warm-up that runs each count and the next builds them all before serving."""
-    return (TRITON_MAX_PAIRS // top_k, ALIGN_KERNEL_MAX_PAIRS // top_k)
+def kernel_switches(num_experts: int, top_k: int) -> tuple[int, ...]:
+    """The largest token counts of each GPU path but the last: each of the Triton experts' tile classes but the
+    tallest, and the alignment kernel's (above it, the torch alignment). A compiled layer keeps a variant per
+    path and Triton builds each tile class once, so a warm-up that runs each count and the next builds them all
+    before serving."""
+    tiles = [bound * num_experts // top_k for bound in TILE_SWITCHES]
+    tiles.append(-(-TALL_TILES_FROM * num_experts // top_k) - 1)
+    return (*tiles, ALIGN_KERNEL_MAX_PAIRS // top_k)
 
 
 def route_torch(
@@ -89,19 +92,20 @@ class SparseMoeBlock(nn.Module):
             self.shared_expert = None
 
     def _experts(self, x: torch.Tensor):
-        """On the GPU in bf16 the graph-safe kernels (`kernel`: auto, grouped_mm or triton); else the exact loop.
+        """On the GPU in bf16 the graph-safe kernels (`kernel`: auto and triton the Triton one at every size,
+        grouped_mm torch's grouped GEMMs); else the exact loop.
 
         The GPU kernels are imported here, where they run: they need Triton, which a CPU install may lack.
         """
         if not (x.is_cuda and x.dtype == torch.bfloat16):
             return fused_experts
-        if self.kernel == "triton" or (self.kernel == "auto" and x.shape[0] * self.top_k <= TRITON_MAX_PAIRS):
-            from omnistage.kernels.moe import triton_experts
+        if self.kernel == "grouped_mm":
+            from omnistage.models.layers.grouped_moe import grouped_experts
 
-            return triton_experts
-        from omnistage.models.layers.grouped_moe import grouped_experts
+            return grouped_experts
+        from omnistage.kernels.moe import triton_experts
 
-        return grouped_experts
+        return triton_experts
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Top-k expert weights (x's dtype) and ids `[T, k]` from a float32 softmax over the router logits.

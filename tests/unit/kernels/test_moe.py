@@ -44,7 +44,8 @@ else:
             (5, 48, 40, 8, 2),  # T, H and I not multiples of the tiles
             (37, 64, 32, 128, 8),  # the released E and k at small H/I
             (1, 32, 16, 128, 8),
-            (300, 64, 32, 8, 2),  # many pairs per expert: the tall-tile config
+            (300, 64, 32, 8, 2),  # many pairs per expert: the 64-row tiles
+            (600, 96, 40, 8, 2),  # a prefill chunk's hundreds: the 128-row tiles, wider than H and I
         ],
     )
     def test_matches_loop(num_tokens, hidden, inter, experts, top_k):
@@ -84,7 +85,8 @@ else:
     def test_default_config_by_batch():
         assert default_config(8, 128).block_m == 16
         assert default_config(64 * 8, 128).block_m == 16
-        assert default_config(4096 * 8, 128).block_m == 64
+        assert default_config(2047 * 8, 128).block_m == 64
+        assert default_config(2048 * 8, 128).block_m == 128  # the Thinker's 2,048-token prefill chunk
 
     @pytest.mark.parametrize(
         "num_tokens, experts, top_k, block_m",

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from omnistage.engine.attention import TorchReferenceBackend
-from omnistage.engine.stages.decoder import experts_per_token, torch_module
+from omnistage.engine.stages.decoder import moe_routing, torch_module
 from omnistage.engine.stages.preparation import prepare_decoder, set_moe_kernel
 from omnistage.models.layers.moe import SparseMoeBlock
 from omnistage.models.loader import LoadOptions
@@ -40,5 +40,5 @@ def test_a_decoder_is_a_torch_module_and_its_experts_are_read_where_it_has_them(
     with pytest.raises(TypeError, match="torch module"):
         torch_module(object())  # type: ignore[arg-type]
     text = Qwen3OmniConfig.from_dir(tiny_checkpoint).thinker.text
-    assert experts_per_token(text) == text.num_experts_per_tok
-    assert experts_per_token(object()) is None  # type: ignore[arg-type]
+    assert moe_routing(text) == (text.num_experts, text.num_experts_per_tok)
+    assert moe_routing(object()) is None  # type: ignore[arg-type]

@@ -7,7 +7,7 @@ import torch
 from omnistage.engine.scheduler import ScheduledChunk
 from omnistage.engine.sequence import PromptInputs, Sequence
 from omnistage.engine.stages.token_runner import TokenRunner, positions_for, rows_within, warm_up_shapes
-from omnistage.kernels.moe_bounds import ALIGN_KERNEL_MAX_PAIRS, TRITON_MAX_PAIRS
+from omnistage.kernels.moe_bounds import ALIGN_KERNEL_MAX_PAIRS, TALL_TILES_FROM, TILE_SWITCHES
 from omnistage.models.layers.attention_metadata import AttentionMetadata
 from omnistage.models.layers.rotary import PromptPositions
 
@@ -48,23 +48,30 @@ def test_prepare_lays_out_every_kind_of_chunk():
     assert (meta.max_query_len, meta.max_seq_len) == (reference.max_query_len, reference.max_seq_len)
 
 
-def _moe_path(tokens: int, top_k: int) -> tuple[bool, bool, bool]:
-    """Which code a compiled MoE layer runs for a step of `tokens` rows: what moe.py and moe_align.py branch
-    on (and dynamo's 0/1 specialisation of one row)."""
+def _moe_path(tokens: int, experts: int, top_k: int) -> tuple[bool, int, bool]:
+    """Which code a compiled MoE layer runs for a step of `tokens` rows: what moe.py (the Triton experts' tile
+    class) and moe_align.py branch on, and dynamo's 0/1 specialisation of one row."""
     pairs = tokens * top_k
-    return tokens == 1, pairs <= TRITON_MAX_PAIRS, pairs <= ALIGN_KERNEL_MAX_PAIRS
+    per_expert = pairs / experts
+    tiles = sum(per_expert > bound for bound in TILE_SWITCHES) + (per_expert >= TALL_TILES_FROM)
+    return tokens == 1, tiles, pairs <= ALIGN_KERNEL_MAX_PAIRS
 
 
-@pytest.mark.parametrize("top_k", [6, 8])  # the Talker's and the Thinker's
-@pytest.mark.parametrize("max_tokens", [512, 2048])
-def test_the_warm_up_runs_every_moe_path_a_step_can_take(top_k: int, max_tokens: int) -> None:
-    shapes = warm_up_shapes(max_tokens, top_k)
-    warmed = {_moe_path(tokens, top_k) for tokens, _ in shapes}
-    reachable = {_moe_path(tokens, top_k) for tokens in range(1, max_tokens + 1)}
+@pytest.mark.parametrize("routing", [(128, 6), (128, 8), (64, 4)])  # the Talker's, the Thinker's, another
+@pytest.mark.parametrize("max_tokens", [512, 2048, 8192])
+def test_the_warm_up_runs_every_moe_path_a_step_can_take(routing: tuple[int, int], max_tokens: int) -> None:
+    shapes = warm_up_shapes(max_tokens, routing)
+    warmed = {_moe_path(tokens, *routing) for tokens, _ in shapes}
+    reachable = {_moe_path(tokens, *routing) for tokens in range(1, max_tokens + 1)}
     assert warmed == reachable
     # the Talker's prefill of 32 prompts that built a variant mid-serving on the H200 (838 rows, top-k 6)
-    assert _moe_path(838, 6) in {_moe_path(tokens, 6) for tokens, _ in warm_up_shapes(2048, 6)}
+    assert _moe_path(838, 128, 6) in {
+        _moe_path(tokens, 128, 6) for tokens, _ in warm_up_shapes(2048, (128, 6))
+    }
     assert max(tokens for tokens, _ in shapes) == max_tokens
+    # a video's prefill chunks of 8,192 rows take the tall tiles, which the largest step warms
+    if max_tokens == 8192:
+        assert _moe_path(8192, *routing)[1] == len(TILE_SWITCHES) + 1
 
 
 def test_a_dense_decoder_warms_the_common_shapes_up_to_its_budget() -> None:
