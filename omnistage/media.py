@@ -14,7 +14,8 @@ the memory a flood of large media requests would take. Of those, at most `VIDEO_
 two. Each video's decoding already spreads over the cores (its decoder's threads and its frames' resizers,
 `cpu_threads`), so past two at once each more video only splits them finer and delays every one's end; waiting
 its turn, a later video lets the earlier ones reach the GPU sooner. Two was the best median of eight at once on a
-2-core and on a 16-core host (RESULTS.md, "Videos decoding at once" and "Eight videos decoding at once on a 16-core GPU host").
+2-core and on a 16-core host (RESULTS.md, "Videos decoding at once" and "Eight videos decoding at once on a
+16-core GPU host").
 """
 
 from __future__ import annotations
