@@ -5,8 +5,8 @@ For each batch T, one CUDA graph holds 48 calls (a decode step's layers), each w
 routing and cycling over 4 weight sets (4.8 GB), so L2 (50 MB) keeps nothing between calls. Time per
 call is the median of several replays (CUDA events) / 48. Effective TB/s counts the bytes of the
 distinct experts each call touches. Also timed: the alignment alone (the Triton kernel of moe_align)
-against the `torch.sort` + `searchsorted` it replaces. Exits 1 if triton_experts or grouped_experts
-misses an fp32 reference by more than bf16 tolerance.
+against the `torch.sort` + `searchsorted` it replaces. Exits 1 if triton_experts (with its own tiles or any
+swept ones) or grouped_experts misses an fp32 reference by more than bf16 tolerance.
 
     python benchmarks/moe_kernels.py            # the table, ~30 s
     python benchmarks/moe_kernels.py --sweep    # also time candidate tiles of triton_experts per T
@@ -146,7 +146,7 @@ class Row:
     gemms_us: float
     err_triton: float
     err_grouped: float
-    sweep: list[tuple[MoeKernelConfig, float]] = field(default_factory=list)
+    sweep: list[tuple[MoeKernelConfig, float, float]] = field(default_factory=list)  # tiles, µs, rel err
 
     def tbps(self, us: float) -> float:
         return self.experts * EXPERT_BYTES / us / 1e6
@@ -181,9 +181,8 @@ def measure(num_tokens: int, layers: list, reference: tuple, sweep: bool, groupe
     )
     if sweep:
         for config in SWEEP_PREFILL if num_tokens >= PREFILL_FROM else SWEEP:
-            row.sweep.append(
-                (config, graph_us(lambda i, c=config: run(triton_experts, i, config=c), replays=5))
-            )
+            us = graph_us(lambda i, c=config: run(triton_experts, i, config=c), replays=5)
+            row.sweep.append((config, us, rel(run(triton_experts, 0, config=config), want)))
     return row
 
 
@@ -234,19 +233,25 @@ def main() -> int:
             f"{r.tflops(r.gemms_us):.0f} | {r.align_us:.1f} | {r.sort_us:.1f} | {r.err_triton:.1e} / {r.err_grouped:.1e} |"
         )
     if args.sweep:
-        print("\n| T | config | µs | TB/s | TFLOP/s |\n|---|---|---|---|---|")
+        print("\n| T | config | µs | TB/s | TFLOP/s | rel err |\n|---|---|---|---|---|---|")
         for r in rows:
-            best = min(us for _, us in r.sweep)
-            for config, us in r.sweep:
+            best = min(us for _, us, _ in r.sweep)
+            for config, us, err in r.sweep:
                 print(
                     f"| {r.tokens} | {label(config)} | {us:.1f}{' **best**' if us == best else ''} | "
-                    f"{r.tbps(us):.2f} | {r.tflops(us):.0f} |"
+                    f"{r.tbps(us):.2f} | {r.tflops(us):.0f} | {err:.1e} |"
                 )
 
-    failures = [r for r in rows if r.err_triton > 1e-2 or r.err_grouped > 2e-2]
+    failures = [
+        r for r in rows if r.err_triton > 1e-2 or r.err_grouped > 2e-2 or any(e > 1e-2 for *_, e in r.sweep)
+    ]
     for r in failures:
         log.error(
-            "T=%d misses the fp32 reference: triton %.2e, grouped %.2e", r.tokens, r.err_triton, r.err_grouped
+            "T=%d misses the fp32 reference: triton %.2e, grouped %.2e, swept tiles up to %.2e",
+            r.tokens,
+            r.err_triton,
+            r.err_grouped,
+            max((e for *_, e in r.sweep), default=0.0),
         )
     return 1 if failures else 0
 
