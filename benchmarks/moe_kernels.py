@@ -65,6 +65,11 @@ SWEEP_PREFILL = [
     MoeKernelConfig(128, 128, 64, 256, 64, num_warps=8, num_stages=3),
     MoeKernelConfig(128, 128, 32, 128, 32, num_warps=4, num_stages=4),
     MoeKernelConfig(64, 256, 64, 256, 64, num_warps=8, num_stages=3),
+    # each block's N tiles side by side: its rows read from memory once, not once per N tile
+    MoeKernelConfig(128, 128, 64, 256, 64, num_warps=8, num_stages=3, n_inner=True),
+    MoeKernelConfig(128, 128, 64, 128, 64, num_warps=8, num_stages=3, n_inner=True),
+    MoeKernelConfig(64, 128, 64, 128, 64, num_warps=4, num_stages=4, n_inner=True),
+    MoeKernelConfig(64, 256, 64, 256, 64, num_warps=8, num_stages=3, n_inner=True),
 ]
 PREFILL_FROM = 512  # tokens from which the sweep takes SWEEP_PREFILL
 
@@ -104,7 +109,8 @@ def graph_us(step, replays: int = 10) -> float:
 
 
 def label(c: MoeKernelConfig) -> str:
-    return f"M{c.block_m} gate-up N{c.gate_up_n} K{c.gate_up_k}, down N{c.down_n} K{c.down_k}, w{c.num_warps} s{c.num_stages}"
+    order = ", N inner" if c.n_inner else ""
+    return f"M{c.block_m} gate-up N{c.gate_up_n} K{c.gate_up_k}, down N{c.down_n} K{c.down_k}, w{c.num_warps} s{c.num_stages}{order}"
 
 
 def rel(a: torch.Tensor, b: torch.Tensor) -> float:

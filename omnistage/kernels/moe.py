@@ -30,7 +30,10 @@ from omnistage.kernels.moe_bounds import TALL_TILES_FROM, TILE_SWITCHES
 
 @dataclass(frozen=True)
 class MoeKernelConfig:
-    """Tile shapes of both kernels (N tiles I in the gate-up kernel and H in the down kernel)."""
+    """Tile shapes of both kernels (N tiles I in the gate-up kernel and H in the down kernel), and the order of
+    their programs: `n_inner` launches a block's N tiles side by side, so that its rows (gathered by token in
+    the gate-up kernel) come from memory once and from L2 for its other tiles; otherwise the blocks side by side,
+    each N tile of the weights shared by the blocks next to it and each block's rows read once per N tile."""
 
     block_m: int
     gate_up_n: int
@@ -39,6 +42,7 @@ class MoeKernelConfig:
     down_k: int
     num_warps: int = 4
     num_stages: int = 4
+    n_inner: bool = False
 
 
 def default_config(num_pairs: int, num_experts: int) -> MoeKernelConfig:
@@ -63,6 +67,16 @@ def default_config(num_pairs: int, num_experts: int) -> MoeKernelConfig:
     )
 
 
+@triton.jit
+def _program(N_INNER: tl.constexpr):
+    """This program's (block, N tile): the grid's first axis runs fastest, over N tiles when `N_INNER`."""
+    if N_INNER:
+        block, n_tile = tl.program_id(1), tl.program_id(0)
+    else:
+        block, n_tile = tl.program_id(0), tl.program_id(1)
+    return block, n_tile
+
+
 # Unspecialized: the count varies per step; a new divisibility class would build mid-request.
 @triton.jit(do_not_specialize=["num_pairs"])
 def _gate_up_kernel(
@@ -83,8 +97,9 @@ def _gate_up_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     PRECISION: tl.constexpr,
+    N_INNER: tl.constexpr,
 ):
-    block = tl.program_id(0)
+    block, n_tile = _program(N_INNER)
     expert = tl.load(block_expert_ptr + block)
     if expert < 0:
         return
@@ -92,7 +107,7 @@ def _gate_up_kernel(
     pairs = tl.load(pair_ids_ptr + rows)
     real = pairs < num_pairs
     tokens = tl.where(real, pairs // TOP_K, 0).to(tl.int64)
-    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    cols = n_tile * BLOCK_N + tl.arange(0, BLOCK_N)
     col_ok = cols < INTER
     ks = tl.arange(0, BLOCK_K)
 
@@ -145,15 +160,16 @@ def _down_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     PRECISION: tl.constexpr,
+    N_INNER: tl.constexpr,
 ):
-    block = tl.program_id(0)
+    block, n_tile = _program(N_INNER)
     expert = tl.load(block_expert_ptr + block)
     if expert < 0:
         return
     rows = block * BLOCK_M + tl.arange(0, BLOCK_M)
     pairs = tl.load(pair_ids_ptr + rows)
     real = pairs < num_pairs
-    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    cols = n_tile * BLOCK_N + tl.arange(0, BLOCK_N)
     col_ok = cols < HIDDEN
     ks = tl.arange(0, BLOCK_K)
 
@@ -204,11 +220,18 @@ def triton_experts(
     align: ExpertAlignment = align_pairs(topk_ids, num_experts, config.block_m)
     # float32 inputs (tests) multiply in full precision, not TF32 (the default, moot for 16-bit inputs)
     precision = "ieee" if x.dtype == torch.float32 else "tf32"
-    launch = {"num_warps": config.num_warps, "num_stages": config.num_stages, "PRECISION": precision}
+    launch = {
+        "num_warps": config.num_warps,
+        "num_stages": config.num_stages,
+        "PRECISION": precision,
+        "N_INNER": config.n_inner,
+    }
+
+    def grid(n_tiles: int) -> tuple[int, int]:
+        return (n_tiles, align.num_blocks) if config.n_inner else (align.num_blocks, n_tiles)
 
     act = torch.empty(align.num_blocks * config.block_m, inter, dtype=x.dtype, device=x.device)
-    grid = (align.num_blocks, triton.cdiv(inter, config.gate_up_n))
-    _gate_up_kernel[grid](
+    _gate_up_kernel[grid(triton.cdiv(inter, config.gate_up_n))](
         x,
         w13,
         act,
@@ -229,8 +252,7 @@ def triton_experts(
     )
 
     per_pair = torch.empty(num_pairs, hidden, dtype=x.dtype, device=x.device)
-    grid = (align.num_blocks, triton.cdiv(hidden, config.down_n))
-    _down_kernel[grid](
+    _down_kernel[grid(triton.cdiv(hidden, config.down_n))](
         act,
         w2,
         per_pair,

@@ -67,6 +67,8 @@ else:
         [
             MoeKernelConfig(block_m=16, gate_up_n=16, gate_up_k=16, down_n=16, down_k=16),
             MoeKernelConfig(block_m=32, gate_up_n=32, gate_up_k=32, down_n=64, down_k=16, num_warps=8),
+            # a block's N tiles side by side: the grid's axes swapped
+            MoeKernelConfig(block_m=16, gate_up_n=16, gate_up_k=16, down_n=32, down_k=16, n_inner=True),
         ],
     )
     @pytest.mark.parametrize("hidden, inter", [(72, 40), (64, 32)])
