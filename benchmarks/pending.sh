@@ -44,8 +44,9 @@
 #               at c = 1 with `--no-flash-prefill`: before and after in one call (KV_GIB=4, as `video`);
 # - moe_e2e:    eight 10 s videos at once with the routed experts on torch's grouped GEMMs, then on the Triton kernel
 #               (`--moe-kernel grouped_mm`, then auto: the Triton kernel at every size since this session), 8,192
-#               tokens a step, 5.8 GiB of KV (32 on an H200); then the Talker's layer swept (moe_kernels.py
-#               --stage talker), whose sizes the prefill tiles were not chosen on.
+#               tokens a step, 5.8 GiB of KV (32 on an H200); then the Thinker's and the Talker's layers swept
+#               (moe_kernels.py --sweep, the tiles with a block's N tiles side by side among them; the prefill
+#               tiles were chosen on the Thinker's alone).
 # - sdpa_video: a 10 s video's whole prompt (8,192 and 7,353 rows) through torch's SDPA backends beside the varlen
 #               FlashAttention (benchmarks/sdpa_long.py --rows), each backend's first call of a row count timed:
 #               whether cuDNN's plans, built per shape, pay for fresh prompts.
@@ -266,8 +267,9 @@ for name in ${*:-http inproc video_host video asr baseline}; do
         step "moe_e2e_$kernel" 200 env LENGTHS=10 C=8 BASELINE=0 KV_GIB=$kv V2S_S=195 \
           V2S_ARGS="--moe-kernel $kernel --max-num-batched-tokens 8192" bash benchmarks/video.sh
       done
-      step moe_talker 60 sh -c 'mkdir -p "$OUT" && timeout 60 python3 benchmarks/moe_kernels.py --stage talker \
-        --tokens 512,2048,8192 --sweep 2>&1 | tee "$OUT/moe_talker.txt" | grep -E "^\|"' ;;
+      step moe_sweep 200 sh -c 'mkdir -p "$OUT" && for stage in thinker talker; do timeout 95 python3 \
+        benchmarks/moe_kernels.py --stage $stage --tokens 512,2048,8192 --sweep 2>&1 | tee "$OUT/moe_$stage.txt" |
+        grep -E "^\|"; done' ;;
     sdpa_video) step sdpa_video 100 sh -c 'mkdir -p "$OUT" && timeout 100 python3 benchmarks/sdpa_long.py --rows 8192,7353 \
       --out "$OUT/sdpa_video.json" 2>&1 | tee "$OUT/sdpa_video.txt"' ;;
     long_attention) step long_attention 60 sh -c 'mkdir -p "$OUT" && timeout 60 python3 benchmarks/prefill_attention.py \
