@@ -42,11 +42,12 @@
 #               paged kernel) and of the hand-off's prompts;
 # - video_flash: 30 s and 10 s videos at c = 1 and 8 with the long-prefill path (the default), then the 30 s one
 #               at c = 1 with `--no-flash-prefill`: before and after in one call (KV_GIB=4, as `video`);
+# - moe_sweep:  the Thinker's and the Talker's MoE layers at 512, 2,048 and 8,192 tokens with each candidate tile
+#               (moe_kernels.py --sweep, those with a block's N tiles side by side among them; the prefill tiles
+#               were chosen on the Thinker's alone).
 # - moe_e2e:    eight 10 s videos at once with the routed experts on torch's grouped GEMMs, then on the Triton kernel
-#               (`--moe-kernel grouped_mm`, then auto: the Triton kernel at every size since this session), 8,192
-#               tokens a step, 5.8 GiB of KV (32 on an H200); then the Thinker's and the Talker's layers swept
-#               (moe_kernels.py --sweep, the tiles with a block's N tiles side by side among them; the prefill
-#               tiles were chosen on the Thinker's alone).
+#               (`--moe-kernel grouped_mm`, then auto: the Triton kernel at every size since 7b65d02), 8,192
+#               tokens a step, 5.8 GiB of KV (32 on an H200).
 # - sdpa_video: a 10 s video's whole prompt (8,192 and 7,353 rows) through torch's SDPA backends beside the varlen
 #               FlashAttention (benchmarks/sdpa_long.py --rows), each backend's first call of a row count timed:
 #               whether cuDNN's plans, built per shape, pay for fresh prompts.
@@ -261,15 +262,15 @@ for name in ${*:-http inproc video_host video asr baseline}; do
       benchmarks/moe_kernels.py --tokens 2048,8192 --sweep 2>&1 | tee "$OUT/moe_sweep.txt" | grep -E "^\|"; \
       [ -d .ab ] && PYTHONPATH="$PWD/.ab:$PYTHONPATH" timeout 140 python3 benchmarks/moe_kernels.py \
       --tokens 512,2048,8192 --compile 2>&1 | tee "$OUT/moe_before.txt" | grep -E "^\|"' ;;
+    moe_sweep) step moe_sweep 130 sh -c 'mkdir -p "$OUT" && for stage in thinker talker; do timeout 60 python3 \
+      benchmarks/moe_kernels.py --stage $stage --tokens 512,2048,8192 --sweep 2>&1 | tee "$OUT/moe_$stage.txt" |
+      grep -E "^\|"; done' ;;
     moe_e2e) kv=5.8
       [[ $card == h200 ]] && kv=32
       for kernel in grouped_mm auto; do
         step "moe_e2e_$kernel" 200 env LENGTHS=10 C=8 BASELINE=0 KV_GIB=$kv V2S_S=195 \
           V2S_ARGS="--moe-kernel $kernel --max-num-batched-tokens 8192" bash benchmarks/video.sh
-      done
-      step moe_sweep 200 sh -c 'mkdir -p "$OUT" && for stage in thinker talker; do timeout 95 python3 \
-        benchmarks/moe_kernels.py --stage $stage --tokens 512,2048,8192 --sweep 2>&1 | tee "$OUT/moe_$stage.txt" |
-        grep -E "^\|"; done' ;;
+      done ;;
     sdpa_video) step sdpa_video 100 sh -c 'mkdir -p "$OUT" && timeout 100 python3 benchmarks/sdpa_long.py --rows 8192,7353 \
       --out "$OUT/sdpa_video.json" 2>&1 | tee "$OUT/sdpa_video.txt"' ;;
     long_attention) step long_attention 60 sh -c 'mkdir -p "$OUT" && timeout 60 python3 benchmarks/prefill_attention.py \
@@ -277,7 +278,7 @@ for name in ${*:-http inproc video_host video asr baseline}; do
     *) echo "pending: no step $name (http, inproc, video_host, video, video_kv, asr, baseline, spy_asr, handoff," \
       "long_attention, long_prefill, video_flash, admission, asr_ab, sync_asr, sync_asr_before," \
       "asr_profile, admission_host, trace_asr, engine_asr, decode_attention, asr_budget, asr_burst, asr_dense, asr_2min, trace_video, video_ab," \
-      "video_turns, pinned, vision_cache, talker_budget, prefill_kernels, moe_ab, video_at_once, sdpa_video, moe_e2e)" >&2
+      "video_turns, pinned, vision_cache, talker_budget, prefill_kernels, moe_ab, video_at_once, sdpa_video, moe_sweep, moe_e2e)" >&2
       exit 2 ;;
   esac
 done
