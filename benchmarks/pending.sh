@@ -42,7 +42,7 @@
 #               paged kernel) and of the hand-off's prompts;
 # - video_flash: 30 s and 10 s videos at c = 1 and 8 with the long-prefill path (the default), then the 30 s one
 #               at c = 1 with `--no-flash-prefill`: before and after in one call (KV_GIB=4, as `video`);
-# - moe_sweep:  the Thinker's and the Talker's MoE layers at 512, 2,048 and 8,192 tokens with each candidate tile
+# - moe_sweep:  the Thinker's and the Talker's MoE layers at 2,048 and 8,192 tokens with each candidate tile
 #               (moe_kernels.py --sweep, those with a block's N tiles side by side among them; the prefill tiles
 #               were chosen on the Thinker's alone).
 # - moe_e2e:    eight 10 s videos at once with the routed experts on torch's grouped GEMMs, then on the Triton kernel
@@ -262,8 +262,8 @@ for name in ${*:-http inproc video_host video asr baseline}; do
       benchmarks/moe_kernels.py --tokens 2048,8192 --sweep 2>&1 | tee "$OUT/moe_sweep.txt" | grep -E "^\|"; \
       [ -d .ab ] && PYTHONPATH="$PWD/.ab:$PYTHONPATH" timeout 140 python3 benchmarks/moe_kernels.py \
       --tokens 512,2048,8192 --compile 2>&1 | tee "$OUT/moe_before.txt" | grep -E "^\|"' ;;
-    moe_sweep) step moe_sweep 130 sh -c 'mkdir -p "$OUT" && for stage in thinker talker; do timeout 60 python3 \
-      benchmarks/moe_kernels.py --stage $stage --tokens 512,2048,8192 --sweep 2>&1 | tee "$OUT/moe_$stage.txt" |
+    moe_sweep) step moe_sweep 160 sh -c 'mkdir -p "$OUT" && for stage in thinker talker; do timeout 75 python3 \
+      benchmarks/moe_kernels.py --stage $stage --tokens 2048,8192 --sweep 2>&1 | tee "$OUT/moe_$stage.txt" |
       grep -E "^\|"; done' ;;
     moe_e2e) kv=5.8
       [[ $card == h200 ]] && kv=32
