@@ -1,5 +1,7 @@
 """The Triton MoE kernels and the sort-free alignment on the GPU, at the released Thinker sizes."""
 
+from dataclasses import replace
+
 import pytest
 import torch
 
@@ -52,6 +54,18 @@ def test_triton_experts_matches_fp32_loop(weights, reference, num_tokens):
     got = triton_experts(x, w13, w2, topk_weights, topk_ids)
     assert got.dtype == torch.bfloat16 and got.shape == x.shape
     assert _rel(got, reference(x, topk_weights, topk_ids)) <= 1e-2
+
+
+@pytest.mark.parametrize("num_tokens", [64, 2048])
+def test_a_blocks_n_tiles_side_by_side_change_no_bit(weights, num_tokens):
+    from omnistage.kernels.moe import default_config, triton_experts
+
+    w13, w2 = weights
+    x, topk_weights, topk_ids = _routing(num_tokens, seed=num_tokens + 1)
+    config = default_config(num_tokens * TOP_K, EXPERTS)
+    want = triton_experts(x, w13, w2, topk_weights, topk_ids, config=config)
+    got = triton_experts(x, w13, w2, topk_weights, topk_ids, config=replace(config, n_inner=True))
+    assert torch.equal(got, want)
 
 
 def test_grouped_experts_matches_fp32_loop(weights, reference):

@@ -77,6 +77,13 @@ else:
         args = _inputs(13, hidden, inter, 6, 3, seed=7)
         assert _rel(triton_experts(*args, config=config), fused_experts(*args)) < 1e-5
 
+    def test_the_programs_order_leaves_every_tile_the_same():
+        # each program computes its own tile: launching a block's N tiles side by side changes no bit
+        args = _inputs(40, 72, 40, 6, 3, seed=11)
+        config = MoeKernelConfig(block_m=16, gate_up_n=16, gate_up_k=16, down_n=32, down_k=16)
+        swapped = MoeKernelConfig(block_m=16, gate_up_n=16, gate_up_k=16, down_n=32, down_k=16, n_inner=True)
+        assert torch.equal(triton_experts(*args, config=config), triton_experts(*args, config=swapped))
+
     def test_float16():
         args = _inputs(9, 64, 32, 8, 2, seed=1, dtype=torch.float16)
         out = triton_experts(*args)
