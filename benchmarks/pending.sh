@@ -51,6 +51,9 @@
 # - sdpa_video: a 10 s video's whole prompt (8,192 and 7,353 rows) through torch's SDPA backends beside the varlen
 #               FlashAttention (benchmarks/sdpa_long.py --rows), each backend's first call of a row count timed:
 #               whether cuDNN's plans, built per shape, pay for fresh prompts.
+# - sdpa_padded: fresh prompts of 7,353, 7,400, 7,000, 2,048 and 2,001 rows through cuDNN padded to a multiple of
+#               512 rows (benchmarks/sdpa_long.py --pad-to), beside the varlen FlashAttention: whether one plan a
+#               bucket keeps cuDNN's 1.7-1.95x once its first call per bucket is paid, and the padding exact.
 # - long_attention: a long prompt's 2,048-row chunks after 0, 10k and 20k tokens in our paged kernel beside
 #               torch's FlashAttention (benchmarks/prefill_attention.py --long): a 30 s video's prefill took
 #               2-3 times its FLOPs' time, attention half of those FLOPs.
@@ -273,12 +276,15 @@ for name in ${*:-http inproc video_host video asr baseline}; do
       done ;;
     sdpa_video) step sdpa_video 100 sh -c 'mkdir -p "$OUT" && timeout 100 python3 benchmarks/sdpa_long.py --rows 8192,7353 \
       --out "$OUT/sdpa_video.json" 2>&1 | tee "$OUT/sdpa_video.txt"' ;;
+    sdpa_padded) step sdpa_padded 120 sh -c 'mkdir -p "$OUT" && timeout 120 python3 benchmarks/sdpa_long.py \
+      --rows 7353,7400,7000,2048,2001 --pad-to 512 --out "$OUT/sdpa_padded.json" 2>&1 | grep -v Warning |
+      tee "$OUT/sdpa_padded.txt" | grep -E " 0 (varlen|cudnn padded)"' ;;
     long_attention) step long_attention 60 sh -c 'mkdir -p "$OUT" && timeout 60 python3 benchmarks/prefill_attention.py \
       --long --out "$OUT/prefill_attention_long.json" 2>&1 | tee "$OUT/prefill_attention_long.log"' ;;
     *) echo "pending: no step $name (http, inproc, video_host, video, video_kv, asr, baseline, spy_asr, handoff," \
       "long_attention, long_prefill, video_flash, admission, asr_ab, sync_asr, sync_asr_before," \
       "asr_profile, admission_host, trace_asr, engine_asr, decode_attention, asr_budget, asr_burst, asr_dense, asr_2min, trace_video, video_ab," \
-      "video_turns, pinned, vision_cache, talker_budget, prefill_kernels, moe_ab, video_at_once, sdpa_video, moe_sweep, moe_e2e)" >&2
+      "video_turns, pinned, vision_cache, talker_budget, prefill_kernels, moe_ab, video_at_once, sdpa_video, sdpa_padded, moe_sweep, moe_e2e)" >&2
       exit 2 ;;
   esac
 done

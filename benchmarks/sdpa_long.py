@@ -18,6 +18,7 @@ head layouts, with the largest difference from the varlen call's output:
 
     python3 benchmarks/sdpa_long.py --out $OUT/sdpa_long.json      # GPU machine, under a minute
     python3 benchmarks/sdpa_long.py --rows 8192,7353 --out ...     # a video's whole prompt in a step
+    python3 benchmarks/sdpa_long.py --rows 7353,7400,7000 --pad-to 512 --out ...   # cuDNN's plans by bucket
 
 A backend that refuses a case gets its error in the row instead of a time.
 """
@@ -96,7 +97,19 @@ def timed(call: Callable[[], torch.Tensor], want: torch.Tensor, flops: float) ->
     return {"us": round(us, 1), "tflops": round(flops / us / 1e6, 1), "max_diff": diff, "first_ms": first_ms}
 
 
-def chunk_row(heads: int, kv_heads: int, dim: int, cached: int, new: int = 2048) -> dict[str, Any]:
+def cudnn_padded(q, k, v, scale: float, pad_to: int) -> torch.Tensor:
+    """A fresh prompt (no cached keys) through cuDNN with its rows, keys and values padded with zeros at the end
+    to a multiple of `pad_to`, then its own rows taken: exact, as the causal mask keeps every real row from the
+    padding after it, and one cuDNN plan serves every length of a bucket."""
+    rows = q.shape[0]
+    padded = -(-rows // pad_to) * pad_to
+    q, k, v = (torch.nn.functional.pad(t, (0, 0, 0, 0, 0, padded - rows)) for t in (q, k, v))
+    return sdpa(SDPBackend.CUDNN_ATTENTION, q, k, v, 0, scale, expand=False)[:rows]
+
+
+def chunk_row(
+    heads: int, kv_heads: int, dim: int, cached: int, new: int = 2048, pad_to: int = 0
+) -> dict[str, Any]:
     varlen = flash_varlen(torch.device("cuda"))
     assert varlen is not None, "this torch has no varlen FlashAttention the engine takes"
     total, scale = cached + new, dim**-0.5
@@ -118,6 +131,10 @@ def chunk_row(heads: int, kv_heads: int, dim: int, cached: int, new: int = 2048)
             )
     if cached:
         kernels["cudnn split"] = timed(lambda: cudnn_split(q, k, v, cached, scale), want, flops)
+    elif pad_to:
+        kernels[f"cudnn padded to {pad_to}"] = timed(
+            lambda: cudnn_padded(q, k, v, scale, pad_to), want, flops
+        )
     return {"cached": cached, "rows": new, "kernels": kernels}
 
 
@@ -132,12 +149,19 @@ def main() -> None:
         help="the chunk's rows, comma separated: 8192 is a step's budget for videos; an odd count is a prompt "
         "length no call has had yet (every first call of a row count is timed)",
     )
+    parser.add_argument(
+        "--pad-to",
+        type=int,
+        default=0,
+        help="also cuDNN on each fresh prompt's rows padded to a multiple of this: row counts of one bucket, "
+        "given one after the other (e.g. --rows 7353,7400), show whether the plan is built once",
+    )
     args = parser.parse_args()
     print(torch.cuda.get_device_name(), torch.__version__, "cuDNN", torch.backends.cudnn.version())
     rows = []
     for stage, heads, kv_heads, dim in LAYOUTS:
         for new, cached in itertools.product(map(int, args.rows.split(",")), (0, 4_096, 10_000, 20_000)):
-            rows.append(row := {"stage": stage, **chunk_row(heads, kv_heads, dim, cached, new)})
+            rows.append(row := {"stage": stage, **chunk_row(heads, kv_heads, dim, cached, new, args.pad_to)})
             for name, result in row["kernels"].items():
                 shown = (
                     f"{result['us']:9.1f} us {result['tflops']:7.1f} TFLOP/s  max diff {result['max_diff']:.3g}  "
