@@ -277,7 +277,7 @@ for name in ${*:-http inproc video_host video asr baseline}; do
     sdpa_video) step sdpa_video 100 sh -c 'mkdir -p "$OUT" && timeout 100 python3 benchmarks/sdpa_long.py --rows 8192,7353 \
       --out "$OUT/sdpa_video.json" 2>&1 | tee "$OUT/sdpa_video.txt"' ;;
     sdpa_padded) step sdpa_padded 120 sh -c 'mkdir -p "$OUT" && timeout 120 python3 benchmarks/sdpa_long.py \
-      --rows 7353,7400,7000,2048,2001 --pad-to 512 --out "$OUT/sdpa_padded.json" 2>&1 | grep -v Warning |
+      --rows 7353,7400,7000,2048,2001 --cached 0 --pad-to 512 --out "$OUT/sdpa_padded.json" 2>&1 | grep -v Warning |
       tee "$OUT/sdpa_padded.txt" | grep -E " 0 (varlen|cudnn padded)"' ;;
     long_attention) step long_attention 60 sh -c 'mkdir -p "$OUT" && timeout 60 python3 benchmarks/prefill_attention.py \
       --long --out "$OUT/prefill_attention_long.json" 2>&1 | tee "$OUT/prefill_attention_long.log"' ;;

@@ -150,6 +150,9 @@ def main() -> None:
         "length no call has had yet (every first call of a row count is timed)",
     )
     parser.add_argument(
+        "--cached", default="0,4096,10000,20000", help="keys cached before the chunk, comma separated"
+    )
+    parser.add_argument(
         "--pad-to",
         type=int,
         default=0,
@@ -160,7 +163,9 @@ def main() -> None:
     print(torch.cuda.get_device_name(), torch.__version__, "cuDNN", torch.backends.cudnn.version())
     rows = []
     for stage, heads, kv_heads, dim in LAYOUTS:
-        for new, cached in itertools.product(map(int, args.rows.split(",")), (0, 4_096, 10_000, 20_000)):
+        for new, cached in itertools.product(
+            map(int, args.rows.split(",")), map(int, args.cached.split(","))
+        ):
             rows.append(row := {"stage": stage, **chunk_row(heads, kv_heads, dim, cached, new, args.pad_to)})
             for name, result in row["kernels"].items():
                 shown = (
