@@ -8,20 +8,14 @@ GPU. Needs Triton's ahead-of-time compiler and the ptxas its wheel ships; skippe
 
 from __future__ import annotations
 
-import re
-import subprocess
-from pathlib import Path
-
 import pytest
 
-triton = pytest.importorskip("triton")
-compiler = pytest.importorskip("triton.compiler")
-backend = pytest.importorskip("triton.backends.compiler")
+pytest.importorskip("triton.compiler")
+
+from sm90 import PTXAS, SHARED_BYTES, compile_sm90, spills  # noqa: E402
 
 from omnistage.kernels import moe  # noqa: E402
 
-PTXAS = Path(pytest.importorskip("triton.backends.nvidia").__file__).parent / "bin" / "ptxas"
-SM90_SHARED_BYTES = 232_448  # an H100's or H200's shared memory a block may take
 # (experts, hidden, expert width, top-k) of the released Qwen3-Omni's Thinker and Talker
 STAGES = {"thinker": (128, 2048, 768, 8), "talker": (128, 1024, 384, 6)}
 TOKENS = (1, 256, 1024, 8192)  # one in each tile class for both stages: 16-, 32-, 64- and 128-row blocks
@@ -40,22 +34,7 @@ DOWN_ARGS = {
 
 
 def _compile(fn, args: dict[str, str], constants: dict[str, object], config: moe.MoeKernelConfig):
-    """`fn` for sm_90 with the hints the JIT gives these arguments at run time: every pointer and stride
-    divisible by 16 (the released sizes' are), `num_pairs` unspecialized."""
-    ordered = {name: args.get(name, "constexpr") for name in fn.arg_names}
-    hints = {(fn.arg_names.index(n),): [["tt.divisibility", 16]] for n in args if n != "num_pairs"}
-    source = compiler.ASTSource(fn=fn, signature=ordered, constexprs=constants, attrs=hints)
-    options = {"num_warps": config.num_warps, "num_stages": config.num_stages}
-    return triton.compile(source, target=backend.GPUTarget("cuda", 90, 32), options=options)
-
-
-def _spills(ptx: str, tmp_path: Path) -> tuple[int, int]:
-    """ptxas's spill stores and loads in bytes."""
-    (tmp_path / "k.ptx").write_text(ptx)
-    cmd = [str(PTXAS), "-arch=sm_90a", "-v", str(tmp_path / "k.ptx"), "-o", str(tmp_path / "k.cubin")]
-    report = subprocess.run(cmd, capture_output=True, text=True, check=True).stderr
-    stores, loads = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", report).groups()  # type: ignore[union-attr]
-    return int(stores), int(loads)
+    return compile_sm90(fn, args, constants, config.num_warps, config.num_stages)
 
 
 @pytest.mark.skipif(not PTXAS.exists(), reason="Triton's wheel ships no ptxas here")
@@ -75,5 +54,5 @@ def test_each_tile_class_compiles_pipelined_without_spills(stage, tokens, tmp_pa
     }
     for name, kernel in kernels.items():
         assert "async_copy_global_to_local" in kernel.asm["ttgir"], f"{name}: its loads are not pipelined"
-        assert kernel.metadata.shared <= SM90_SHARED_BYTES, f"{name}: {kernel.metadata.shared} bytes shared"
-        assert _spills(kernel.asm["ptx"], tmp_path) == (0, 0), f"{name} spills registers ({config})"
+        assert kernel.metadata.shared <= SHARED_BYTES, f"{name}: {kernel.metadata.shared} bytes shared"
+        assert spills(kernel.asm["ptx"], tmp_path) == (0, 0), f"{name} spills registers ({config})"
