@@ -18,10 +18,14 @@ from __future__ import annotations
 import inspect
 import logging
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import torch
 
 from omnistage.models.layers.attention_metadata import AttentionMetadata
+
+if TYPE_CHECKING:
+    from omnistage.kernels.long_attention import LongTiles
 
 log = logging.getLogger(__name__)
 
@@ -29,6 +33,7 @@ MIN_ROWS = 128  # a step's longest chunk of prompt rows from which the gather pa
 MIN_KEYS = 4096  # and its longest context: FlashAttention gained nothing at 2k keys
 MAX_KEYS = 65536  # keys gathered at most in one step (the released Qwen3-Omni's context)
 DTYPES = (torch.float16, torch.bfloat16)  # what FlashAttention takes: a float32 model keeps the paged kernel
+CHECK_DTYPE = torch.bfloat16  # the start-up check's (`_agrees`): the released checkpoints' dtype
 
 # varlen(q `[T, Hq, D]`, k `[K, Hkv, D]`, v, cu_q int32 `[B+1]`, cu_k int32 `[B+1]`, max_q, max_k, scale) ->
 # `[T, Hq, D]`: each sequence's rows attending causally to its keys, the last row seeing every key
@@ -124,6 +129,35 @@ def flash_varlen(device: torch.device) -> Varlen | None:
     return varlen
 
 
+def triton_varlen(device: torch.device, tiles: LongTiles | None = None) -> Varlen | None:
+    """omnistage's Triton kernel for the same call (`kernels/long_attention.py`, `tiles` or its defaults),
+    checked as `flash_varlen` is; None where it fails or differs."""
+    from omnistage.kernels.long_attention import LONG_TILES, long_attention
+
+    chosen = tiles or LONG_TILES
+
+    def varlen(q, k, v, cu_q, cu_k, max_q, max_k, scale):  # type: ignore[no-untyped-def]
+        return long_attention(q, k, v, cu_q, cu_k, max_q, max_k, scale, chosen)
+
+    try:
+        agrees = _agrees(varlen, device)
+    except Exception as exc:  # no Triton build for this device
+        log.info("long prompt chunks on the paged kernel: the Triton long-prefill kernel failed (%s)", exc)
+        return None
+    if not agrees:
+        log.warning(
+            "long prompt chunks on the paged kernel: the Triton long-prefill kernel differs from SDPA"
+        )
+        return None
+    log.info(
+        "prompt chunks of %d+ rows over %d+ keys: the Triton long-prefill kernel over their keys gathered from "
+        "the pages (--long-prefill-kernel flash: torch's FlashAttention)",
+        MIN_ROWS,
+        MIN_KEYS,
+    )
+    return varlen
+
+
 def _agrees(varlen: Varlen, device: torch.device) -> bool:
     """Two sequences (5 rows after 7 keys, 3 rows alone), 4 query heads over 2 K/V heads, against SDPA."""
     generator = torch.Generator().manual_seed(0)
@@ -141,7 +175,7 @@ def _agrees(varlen: Varlen, device: torch.device) -> bool:
         qs.append(q)
         ks.append(k)
         vs.append(v)
-    q, k, v = (torch.cat(t).to(device, torch.bfloat16) for t in (qs, ks, vs))
+    q, k, v = (torch.cat(t).to(device, CHECK_DTYPE) for t in (qs, ks, vs))
     cu_q = torch.tensor([0, 5, 8], dtype=torch.int32, device=device)
     cu_k = torch.tensor([0, 12, 15], dtype=torch.int32, device=device)
     got = varlen(q, k, v, cu_q, cu_k, 5, 12, 64**-0.5).float().cpu()
