@@ -33,6 +33,7 @@ def start_engine(args: argparse.Namespace, max_num_seqs: int) -> tuple[Any, Any,
         "talker_max_num_batched_tokens": args.talker_max_num_batched_tokens,
         "gpu_memory_limit_gib": args.gpu_memory_limit_gib,
         "moe_kernel": args.moe_kernel,
+        "long_prefill_kernel": args.long_prefill_kernel,
     }
     given = {k: v for k, v in overrides.items() if v is not None}
     if args.config:  # the file's settings, the flags above on top (as `omnistage serve --config`)
@@ -88,3 +89,5 @@ def add_engine_options(target: Any) -> None:
                         help="in-process: the Talker's own per-step budget (default: --max-num-batched-tokens)")  # fmt: skip
     target.add_argument("--moe-kernel", choices=["auto", "grouped_mm", "triton"],
                         help="in-process: the GPU MoE kernel (default: the engine's)")  # fmt: skip
+    target.add_argument("--long-prefill-kernel", choices=["flash", "triton"],
+                        help="in-process: long prompt chunks' kernel over their gathered keys (default: the engine's)")  # fmt: skip

@@ -60,6 +60,12 @@ class EngineConfig(BaseModel):
         "torch's FlashAttention over their keys gathered from the pages, where this torch has it; the paged kernel "
         "otherwise, and in the CUDA graphs (README)",
     )
+    long_prefill_kernel: Literal["flash", "triton"] = Field(
+        "flash",
+        description="with flash_prefill, the kernel for those chunks' keys gathered from the pages: flash torch's "
+        "varlen FlashAttention, triton omnistage's (kernels/long_attention.py: no plan per shape, Hopper's "
+        "warpgroup tensor cores); either is checked at start against plain attention (README)",
+    )
     overlap_stages: bool = Field(
         False,
         description="on a GPU, run the Thinker's decode steps beside the speech stages' (a thread and stream of "

@@ -27,6 +27,7 @@ FLAGS: dict[str, str] = {
     "--max-audio-graph-windows": "stages.encoders.audio_graphs.max",
     "--talker-max-num-batched-tokens": "stages.talker.max_num_batched_tokens",
     "--moe-kernel": "moe_kernel",
+    "--long-prefill-kernel": "long_prefill_kernel",
     "--seed": "seed",
     "--admission-window-ms": "admission_window_ms",
     "--admission-hold-steps": "admission_hold_steps",

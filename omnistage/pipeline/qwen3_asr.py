@@ -75,7 +75,9 @@ class Qwen3ASRPipeline:
         dtype = resolve_dtype(config.dtype, device)
         started = time.perf_counter()
         options = LoadOptions(dtype, device, config.load_format, config.seed)
-        decoder = load_decoder(path, options, backend_for(device, config.flash_prefill))
+        decoder = load_decoder(
+            path, options, backend_for(device, config.flash_prefill, config.long_prefill_kernel)
+        )
         tower = load_audio_encoder(path, options)
         processor = ASRProcessor(path)
         stage = StageModels(

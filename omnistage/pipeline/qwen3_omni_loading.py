@@ -35,7 +35,7 @@ def load_thinker_stage(
     """The Thinker's decoder and the audio and vision encoders, with `processor`, for a TextStage."""
     started = time.perf_counter()
     options = LoadOptions(dtype, device, config.load_format, config.seed)
-    model = load_thinker(path, options, backend_for(device, config.flash_prefill))
+    model = load_thinker(path, options, backend_for(device, config.flash_prefill, config.long_prefill_kernel))
     encoders = load_encoders(path, cfg.thinker, options, config.stage("encoders").cache_bytes)
     return StageModels(
         model=model,

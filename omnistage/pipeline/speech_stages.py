@@ -79,7 +79,9 @@ class SpeechStages:
             config.stage("code2wav"),
         )
         options = LoadOptions(dtype, device, config.load_format, config.seed)
-        self.talker = load_talker(path, options, backend_for(device, config.flash_prefill))
+        self.talker = load_talker(
+            path, options, backend_for(device, config.flash_prefill, config.long_prefill_kernel)
+        )
         self.code_predictor = load_code_predictor(path, options)
         if device.type == "cuda":
             adopted = adopt_gemv(self.talker) + adopt_gemv(self.code_predictor)

@@ -49,7 +49,7 @@ def test_serve_help_shows_every_default_and_the_schemas_choices():
         if action.option_strings and action.nargs != 0:  # flags that take a value
             assert action.help and "default" in action.help, action.option_strings
     options = {a.dest: a for a in serve._actions}
-    for key in ("device", "dtype", "load_format", "moe_kernel"):
+    for key in ("device", "dtype", "load_format", "moe_kernel", "long_prefill_kernel"):
         annotation = EngineConfig.model_fields[key].annotation
         assert options[key].choices == typing.get_args(annotation)
     assert "(default: 16)" in options["page_size"].help

@@ -18,24 +18,29 @@ __all__ = [
 ]
 
 
-def backend_for(device: torch.device, flash_prefill: bool = True) -> AttentionBackend:
+def backend_for(
+    device: torch.device, flash_prefill: bool = True, long_kernel: str = "flash"
+) -> AttentionBackend:
     """The Triton backend on a CUDA device, the torch reference elsewhere. `flash_prefill`: prompt chunks over
-    long contexts through torch's FlashAttention where this torch has it (`long_prefill.py`).
+    long contexts through a varlen kernel over their keys gathered (`long_prefill.py`): torch's FlashAttention
+    where this torch has it (`long_kernel` "flash"), or omnistage's Triton one ("triton").
 
     The Triton one is imported here, only where it runs: a CPU install may have no Triton.
     """
     if device.type == "cuda":
         from omnistage.engine.attention.cuda import CudaAttentionBackend
 
-        return CudaAttentionBackend(_flash(device) if flash_prefill else None)
+        return CudaAttentionBackend(_varlen(device, long_kernel) if flash_prefill else None)
     return TorchReferenceBackend()
 
 
 @functools.cache
-def _flash(device: torch.device):  # type: ignore[no-untyped-def]
-    from omnistage.engine.attention.long_prefill import flash_varlen
+def _varlen(device: torch.device, kernel: str):  # type: ignore[no-untyped-def]
+    from omnistage.engine.attention.long_prefill import flash_varlen, triton_varlen
 
-    return flash_varlen(device)
+    if kernel not in ("flash", "triton"):
+        raise ValueError(f"long_prefill_kernel must be flash or triton, got {kernel!r}")
+    return flash_varlen(device) if kernel == "flash" else triton_varlen(device)
 
 
 def gather_bytes(model: torch.nn.Module, kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:

@@ -39,22 +39,24 @@ def test_command_line():
     )
     assert (args.baseline, args.baseline_requests, args.baseline_max_seconds, args.fail_on_build) == (None, 1, None,
                                                                                                       False)  # fmt: skip
-    assert args.moe_kernel is None  # the engine's own
+    assert (args.moe_kernel, args.long_prefill_kernel) == (None, None)  # the engine's own
     args = build_parser().parse_args(["bench", "v2s", "--resolution", "64x48", "--baseline", "transformers",
                                       "--baseline-max-seconds", "30", "--video-fps", "1", "--fail-on-build",
-                                      "--moe-kernel", "grouped_mm"])  # fmt: skip
+                                      "--moe-kernel", "grouped_mm", "--long-prefill-kernel", "triton"])  # fmt: skip
     assert (
         args.resolution,
         args.baseline_max_seconds,
         args.video_fps,
         args.fail_on_build,
         args.moe_kernel,
+        args.long_prefill_kernel,
     ) == (
         (64, 48),
         30,
         1,
         True,
         "grouped_mm",
+        "triton",
     )
     for wrong in (["--resolution", "720p"], ["--resolution", "1x720"], ["--url", "http://h:1"], ["--tts"]):
         with pytest.raises(SystemExit):
