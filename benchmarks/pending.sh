@@ -106,6 +106,13 @@
 #               tree and on .ab's (benchmarks/moe_kernels.py --compile): the prefill path's alignment by a stable
 #               sort against the one-hot cumulative sum it replaced, and the two grouped GEMMs alone; then the
 #               Triton kernel's taller tiles at 2,048 and 8,192 tokens (--sweep), now that it aligns by the sort too.
+# - long_triton: the long-prefill path's GPU tests (torch's FlashAttention and omnistage's Triton kernel each equal
+#               to the paged kernel; the Triton kernel equal to FlashAttention on ragged sequences), then one chunk of
+#               2,048 and 8,192 rows after 0, 10k and 20k keys through the varlen FlashAttention, the Triton kernel
+#               with each candidate tile, cuDNN and cuDNN split (benchmarks/sdpa_long.py --triton-sweep).
+# - long_e2e:   a 30 s video at c = 1, three requests, with the long prompt chunks on torch's FlashAttention,
+#               then on the Triton kernel (`--long-prefill-kernel flash`, then triton; KV_GIB=4 as `video`): its
+#               22k-token prefill is where attention weighs most.
 # Each step's files go under $OUT/<step>/ and everything measured so far is packed into $OUT/pending.tgz after
 # each step, so that a call cut short at its limit still brings back what ran (a call returns only a few files).
 # A step starts only while BUDGET_S seconds (540) less its own estimate are left since the script began;
@@ -274,6 +281,14 @@ for name in ${*:-http inproc video_host video asr baseline}; do
         step "moe_e2e_$kernel" 200 env LENGTHS=10 C=8 BASELINE=0 KV_GIB=$kv V2S_S=195 \
           V2S_ARGS="--moe-kernel $kernel --max-num-batched-tokens 8192" bash benchmarks/video.sh
       done ;;
+    long_triton) step long_triton 200 sh -c 'mkdir -p "$OUT" && PER_FILE_S=90 bash benchmarks/gpu_tests.sh \
+      tests/gpu/test_long_prefill_gpu.py; timeout 110 python3 benchmarks/sdpa_long.py --rows 2048,8192 \
+      --cached 0,10000,20000 --triton-sweep --kernels "varlen,triton,cudnn,cudnn split" \
+      --out "$OUT/sdpa_triton.json" 2>&1 | grep -v Warning | tee "$OUT/sdpa_triton.txt"' ;;
+    long_e2e) for kernel in flash triton; do
+        step "long_e2e_$kernel" 175 env LENGTHS=30 C=1 REQUESTS=3 BASELINE=0 KV_GIB=4 V2S_S=170 \
+          V2S_ARGS="--long-prefill-kernel $kernel" bash benchmarks/video.sh
+      done ;;
     sdpa_video) step sdpa_video 100 sh -c 'mkdir -p "$OUT" && timeout 100 python3 benchmarks/sdpa_long.py --rows 8192,7353 \
       --out "$OUT/sdpa_video.json" 2>&1 | tee "$OUT/sdpa_video.txt"' ;;
     sdpa_padded) step sdpa_padded 120 sh -c 'mkdir -p "$OUT" && timeout 120 python3 benchmarks/sdpa_long.py \
@@ -284,7 +299,7 @@ for name in ${*:-http inproc video_host video asr baseline}; do
     *) echo "pending: no step $name (http, inproc, video_host, video, video_kv, asr, baseline, spy_asr, handoff," \
       "long_attention, long_prefill, video_flash, admission, asr_ab, sync_asr, sync_asr_before," \
       "asr_profile, admission_host, trace_asr, engine_asr, decode_attention, asr_budget, asr_burst, asr_dense, asr_2min, trace_video, video_ab," \
-      "video_turns, pinned, vision_cache, talker_budget, prefill_kernels, moe_ab, video_at_once, sdpa_video, sdpa_padded, moe_sweep, moe_e2e)" >&2
+      "video_turns, pinned, vision_cache, talker_budget, prefill_kernels, moe_ab, video_at_once, sdpa_video, sdpa_padded, moe_sweep, moe_e2e, long_triton, long_e2e)" >&2
       exit 2 ;;
   esac
 done

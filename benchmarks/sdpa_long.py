@@ -14,11 +14,14 @@ head layouts, with the largest difference from the varlen call's output:
 - `<backend> expanded`: the same with K/V repeated to the query heads, for a backend that refuses GQA;
 - `cudnn split`: cuDNN twice, the rows over the cached keys unmasked and over their own causally, merged by
   their log-sum-exps: the one form in which cuDNN's causal mask (aligned at the first key) serves a chunk
-  after cached tokens.
+  after cached tokens;
+- `triton`: omnistage's own kernel for the varlen call (`kernels/long_attention.py`, `--long-prefill-kernel
+  triton`), with its default tiles, and with `--triton-sweep` each candidate tile (`triton MxN wW sS`).
 
     python3 benchmarks/sdpa_long.py --out $OUT/sdpa_long.json      # GPU machine, under a minute
     python3 benchmarks/sdpa_long.py --rows 8192,7353 --out ...     # a video's whole prompt in a step
     python3 benchmarks/sdpa_long.py --rows 7353,7400,7000 --pad-to 512 --out ...   # cuDNN's plans by bucket
+    python3 benchmarks/sdpa_long.py --rows 2048,8192 --cached 0,10000 --triton-sweep --kernels varlen,triton,cudnn
 
 A backend that refuses a case gets its error in the row instead of a time.
 """
@@ -39,9 +42,20 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.nn.attention.bias import causal_lower_right
 
 from omnistage.engine.attention.long_prefill import flash_varlen
+from omnistage.kernels.long_attention import LONG_TILES, LongTiles, long_attention
 from omnistage.kernels.timing import cuda_ms
 
 LAYOUTS = [("Thinker", 32, 4, 128), ("Talker", 16, 2, 128)]  # (stage, query heads, K/V heads, head dim)
+# the Triton kernel's candidate tiles (rows, keys, warps, stages, blocks by descriptors): each compiles for sm_90
+# without spills (tests/unit/kernels/test_long_attention_compiles.py checks the default both ways)
+TRITON_SWEEP = [
+    LongTiles(128, 64, 8, 3, tma=False),
+    LongTiles(128, 64, 8, 2),
+    LongTiles(128, 64, 8, 4),
+    LongTiles(128, 32, 8, 3),
+    LongTiles(128, 128, 8, 2),
+    LongTiles(64, 64, 4, 3),
+]
 BACKENDS = {
     "cudnn": SDPBackend.CUDNN_ATTENTION,
     "flash": SDPBackend.FLASH_ATTENTION,
@@ -108,8 +122,16 @@ def cudnn_padded(q, k, v, scale: float, pad_to: int) -> torch.Tensor:
 
 
 def chunk_row(
-    heads: int, kv_heads: int, dim: int, cached: int, new: int = 2048, pad_to: int = 0
+    heads: int,
+    kv_heads: int,
+    dim: int,
+    cached: int,
+    new: int = 2048,
+    pad_to: int = 0,
+    triton_tiles: tuple[LongTiles, ...] = (LONG_TILES,),
+    only: frozenset[str] = frozenset(),
 ) -> dict[str, Any]:
+    """Each kernel's time on one chunk (`only`: those kernels alone, every Triton tile under `triton`)."""
     varlen = flash_varlen(torch.device("cuda"))
     assert varlen is not None, "this torch has no varlen FlashAttention the engine takes"
     total, scale = cached + new, dim**-0.5
@@ -126,12 +148,23 @@ def chunk_row(
     for name, backend in BACKENDS.items():
         for expand in (False, True):
             label = f"{name} expanded" if expand else name
+            if only and label not in only:
+                continue
             kernels[label] = timed(
                 lambda b=backend, e=expand: sdpa(b, q, k, v, cached, scale, e), want, flops
             )
-    if cached:
+    for tiles in triton_tiles if not only or "triton" in only else ():
+        label = (
+            "triton"
+            if tiles == LONG_TILES
+            else f"triton {tiles.rows}x{tiles.keys} w{tiles.warps} s{tiles.stages} {'tma' if tiles.tma else 'ptr'}"
+        )
+        kernels[label] = timed(
+            lambda t=tiles: long_attention(q, k, v, cu_q, cu_k, new, total, scale, t), want, flops
+        )
+    if cached and (not only or "cudnn split" in only):
         kernels["cudnn split"] = timed(lambda: cudnn_split(q, k, v, cached, scale), want, flops)
-    elif pad_to:
+    elif pad_to and not cached:
         kernels[f"cudnn padded to {pad_to}"] = timed(
             lambda: cudnn_padded(q, k, v, scale, pad_to), want, flops
         )
@@ -159,14 +192,28 @@ def main() -> None:
         help="also cuDNN on each fresh prompt's rows padded to a multiple of this: row counts of one bucket, "
         "given one after the other (e.g. --rows 7353,7400), show whether the plan is built once",
     )
+    parser.add_argument(
+        "--triton-sweep",
+        action="store_true",
+        help="the Triton kernel with each candidate tile, not only its default",
+    )
+    parser.add_argument(
+        "--kernels",
+        default="",
+        help="time only these kernels, comma separated (varlen, the SDPA backends, cudnn split, triton: every "
+        "Triton tile); default every one",
+    )
     args = parser.parse_args()
+    only = frozenset(filter(None, args.kernels.split(",")))
+    tiles = tuple(dict.fromkeys((LONG_TILES, *TRITON_SWEEP))) if args.triton_sweep else (LONG_TILES,)
     print(torch.cuda.get_device_name(), torch.__version__, "cuDNN", torch.backends.cudnn.version())
     rows = []
     for stage, heads, kv_heads, dim in LAYOUTS:
         for new, cached in itertools.product(
             map(int, args.rows.split(",")), map(int, args.cached.split(","))
         ):
-            rows.append(row := {"stage": stage, **chunk_row(heads, kv_heads, dim, cached, new, args.pad_to)})
+            row = chunk_row(heads, kv_heads, dim, cached, new, args.pad_to, tiles, only)
+            rows.append(row := {"stage": stage, **row})
             for name, result in row["kernels"].items():
                 shown = (
                     f"{result['us']:9.1f} us {result['tflops']:7.1f} TFLOP/s  max diff {result['max_diff']:.3g}  "
