@@ -7,6 +7,7 @@ would mislead.
 
 from __future__ import annotations
 
+import importlib.util
 import re
 import subprocess
 from pathlib import Path
@@ -43,3 +44,37 @@ def spills(ptx: str, tmp_path: Path) -> tuple[int, int]:
     report = subprocess.run(cmd, capture_output=True, text=True, check=True).stderr
     stores, loads = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", report).groups()  # type: ignore[union-attr]
     return int(stores), int(loads)
+
+
+# the long-prefill attention kernel's tensor and integer arguments (kernels/long_attention.py), as the JIT sees them
+LONG_ATTENTION_ARGS = {
+    **dict.fromkeys(("q_ptr", "k_ptr", "v_ptr", "out_ptr"), "*bf16"),
+    **dict.fromkeys(("cu_q_ptr", "cu_k_ptr"), "*i32"),
+    "scale_log2": "fp32",
+    **dict.fromkeys(("stride_qt", "stride_qh", "stride_kt", "stride_kh", "stride_vt", "stride_vh"), "i32"),
+    **dict.fromkeys(("stride_ot", "stride_oh", "num_seqs", "num_tiles"), "i32"),
+}
+
+
+def compile_long_attention(tiles, group: int, dim: int, tma: bool | None = None):
+    """The long-prefill attention kernel for sm_90 with `tiles` (`LongTiles`), `group` query heads a K/V head,
+    heads `dim` wide, its blocks by tensor descriptors or pointers (`tma`, default the tiles')."""
+    from omnistage.kernels import long_attention
+
+    tma = tiles.tma if tma is None else tma
+    args = dict(LONG_ATTENTION_ARGS)
+    if tma:
+        args["q_ptr"] = f"tensordesc<bf16[{tiles.rows}, 1, {dim}]>"
+        args["k_ptr"] = args["v_ptr"] = f"tensordesc<bf16[{tiles.keys}, 1, {dim}]>"
+    constants = {"GROUP": group, "BLOCK_M": tiles.rows, "BLOCK_N": tiles.keys, "HEAD_DIM": dim, "TMA": tma}
+    return compile_sm90(long_attention._long_attention, args, constants, tiles.warps, tiles.stages)
+
+
+def swept_long_tiles() -> list:
+    """The long-prefill attention kernel's tiles `benchmarks/sdpa_long.py --triton-sweep` times (`LongTiles`)."""
+    path = Path(__file__).parents[1] / "benchmarks" / "sdpa_long.py"
+    spec = importlib.util.spec_from_file_location("sdpa_long", path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.TRITON_SWEEP
