@@ -35,6 +35,21 @@ class CudaAttentionBackend(AttentionBackend):
     def scratch_bytes(self, kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
         return 0 if self.flash is None else long_prefill.scratch_bytes(kv_heads, head_dim, dtype)
 
+    def warm_up(
+        self, heads: int, kv_heads: int, head_dim: int, dtype: torch.dtype, device: torch.device
+    ) -> None:
+        """One call of the long-prefill kernel on a small case of this layout: a Triton kernel builds one variant
+        per layout and dtype (its row and key counts are left unspecialized), which no warm-up step reaches
+        below `MIN_KEYS` keys."""
+        if self.flash is None or dtype not in long_prefill.DTYPES:
+            return
+        rows, keys = long_prefill.MIN_ROWS, 2 * long_prefill.MIN_ROWS
+        q = torch.randn(rows, heads, head_dim, dtype=dtype, device=device)
+        k, v = torch.randn(2, keys, kv_heads, head_dim, dtype=dtype, device=device)
+        cu_q = torch.tensor([0, rows], dtype=torch.int32, device=device)
+        cu_k = torch.tensor([0, keys], dtype=torch.int32, device=device)
+        self.flash(q, k, v, cu_q, cu_k, rows, keys, head_dim**-0.5)
+
     def write_kv(self, kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor) -> None:
         kernels.write_kv(kv_cache, k, v, slots)
 

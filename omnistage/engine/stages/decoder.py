@@ -13,6 +13,7 @@ from typing import Any, Protocol
 import torch
 from tokenizers import Tokenizer
 
+from omnistage.models.layers.attention import PagedSelfAttention
 from omnistage.models.layers.attention_metadata import AttentionMetadata
 
 
@@ -43,6 +44,17 @@ def moe_routing(sizes: DecoderSizes) -> tuple[int, int] | None:
     has no such keys."""
     top_k = getattr(sizes, "num_experts_per_tok", None)
     return None if top_k is None else (sizes.num_experts, top_k)  # type: ignore[attr-defined]
+
+
+def warm_attention(decoder: torch.nn.Module, dtype: torch.dtype, device: torch.device) -> None:
+    """Each attention backend of `decoder`'s layers warmed once per head layout (`AttentionBackend.warm_up`)."""
+    seen: set[tuple[int, int, int, int]] = set()
+    for module in decoder.modules():
+        if isinstance(module, PagedSelfAttention):
+            layout = (id(module.backend), module.num_heads, module.num_kv_heads, module.head_dim)
+            if layout not in seen:
+                seen.add(layout)
+                module.backend.warm_up(*layout[1:], dtype, device)
 
 
 class DecoderBody(Protocol):

@@ -23,7 +23,13 @@ from omnistage.engine.graphs.prefill import StaticPrefillBuffers
 from omnistage.engine.memory.measure import Peak, device_peak, scaled_peaks
 from omnistage.engine.scheduler import ScheduledChunk
 from omnistage.engine.stages.autoregressive import SamplingState
-from omnistage.engine.stages.decoder import DecoderSizes, RowDecoder, moe_routing
+from omnistage.engine.stages.decoder import (
+    DecoderSizes,
+    RowDecoder,
+    moe_routing,
+    torch_module,
+    warm_attention,
+)
 from omnistage.engine.stages.token_runner import positions_for, warm_up_shapes
 from omnistage.models.layers.attention_metadata import AttentionMetadata, to_device
 from omnistage.models.layers.rotary import PromptPositions
@@ -105,6 +111,7 @@ class RowRunner:
         variants happen at start, not in the first requests' prefills (GPU only)."""
         for tokens, seqs in warm_up_shapes(max_tokens, moe_routing(self.cfg)):
             self.profile_peak(tokens, seqs)
+        warm_attention(torch_module(self.model), self.dtype, self.device)
 
     # -- decode graphs ------------------------------------------------------------------------------
 

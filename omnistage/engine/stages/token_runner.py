@@ -22,7 +22,13 @@ from omnistage.engine.graphs.prefill import StaticPrefillBuffers
 from omnistage.engine.memory.measure import Peak, device_peak
 from omnistage.engine.scheduler import ScheduledChunk, SchedulerOutput
 from omnistage.engine.sequence import PromptInputs
-from omnistage.engine.stages.decoder import DecoderSizes, TokenDecoder, moe_routing
+from omnistage.engine.stages.decoder import (
+    DecoderSizes,
+    TokenDecoder,
+    moe_routing,
+    torch_module,
+    warm_attention,
+)
 from omnistage.models.layers.attention_metadata import to_device
 from omnistage.models.layers.moe import kernel_switches
 from omnistage.models.layers.rotary import PromptPositions
@@ -233,6 +239,7 @@ class TokenRunner:
         shapes = warm_up_shapes(max_tokens, moe_routing(self.cfg))
         for tokens, seqs in shapes:
             self.profile_peak(tokens, seqs)
+        warm_attention(torch_module(self.model), self.dtype, self.device)
         log.info("warmed up %d step shapes in %.1f s", len(shapes), time.perf_counter() - started)
 
     def prepare(

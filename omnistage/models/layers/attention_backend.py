@@ -36,6 +36,13 @@ class AttentionBackend(ABC):
         `head_dim` in `dtype`: what a memory floor measured at no cached context would not see."""
         return 0
 
+    def warm_up(
+        self, heads: int, kv_heads: int, head_dim: int, dtype: torch.dtype, device: torch.device
+    ) -> None:
+        """Build, at start, what a step of layers of this layout may build at run time (a kernel a long prompt's
+        first chunk would otherwise build while serving); nothing by default."""
+        return None
+
     @abstractmethod
     def write_kv(self, kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor) -> None:
         """Store each row's k/v at its flat slot; rows with slot -1 are skipped."""

@@ -141,3 +141,36 @@ else:
         assert long_prefill.triton_varlen(torch.device("cpu")) is not None
         monkeypatch.setattr(module, "long_attention", lambda q, *args: torch.zeros_like(q))
         assert long_prefill.triton_varlen(torch.device("cpu")) is None
+
+    def test_the_backend_warms_the_long_prefill_kernel_for_its_layout():
+        # a call of the model's layout at start builds the Triton kernel's one variant for it, which no warm-up
+        # step of a 2,048-token budget reaches (it takes 4,096 keys)
+        from omnistage.engine.attention.cuda import CudaAttentionBackend
+
+        calls = []
+
+        def varlen(q, k, v, cu_q, cu_k, max_q, max_k, scale):
+            calls.append(
+                (q.shape, k.shape, v.shape, q.dtype, cu_q.tolist(), cu_k.tolist(), max_q, max_k, scale)
+            )
+            return torch.zeros_like(q)
+
+        backend = CudaAttentionBackend(flash=varlen)
+        backend.warm_up(32, 4, 128, torch.float16, torch.device("cpu"))
+        rows = long_prefill.MIN_ROWS
+        assert calls == [
+            (
+                (rows, 32, 128),
+                (2 * rows, 4, 128),
+                (2 * rows, 4, 128),
+                torch.float16,
+                [0, rows],
+                [0, 2 * rows],
+                rows,
+                2 * rows,
+                128**-0.5,
+            )
+        ]
+        backend.warm_up(32, 4, 128, torch.float32, torch.device("cpu"))  # a float32 model never gathers
+        CudaAttentionBackend(flash=None).warm_up(32, 4, 128, torch.float16, torch.device("cpu"))
+        assert len(calls) == 1

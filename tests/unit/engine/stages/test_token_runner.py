@@ -85,3 +85,39 @@ def test_rows_within_finds_a_chunks_share_of_the_media_rows() -> None:
     for start, end in [(0, 3), (0, 4), (4, 10), (5, 21), (11, 20), (20, 21), (21, 30), (0, 100)]:
         want = [r for r in rows.tolist() if start <= r < end]
         assert rows[rows_within(rows, start, end)].tolist() == want
+
+
+def test_the_warm_up_warms_each_attention_backend_once_a_layout() -> None:
+    # a Thinker-like decoder's layers share one backend and one layout; a second backend (the Talker's, in its
+    # own stage) and a second layout each warm once more
+    from types import SimpleNamespace
+
+    from omnistage.engine.attention import TorchReferenceBackend
+    from omnistage.engine.stages.decoder import warm_attention
+    from omnistage.models.layers.attention import PagedSelfAttention
+
+    class Recording(TorchReferenceBackend):
+        def __init__(self) -> None:
+            self.calls: list[tuple] = []
+
+        def warm_up(self, *layout) -> None:
+            self.calls.append(layout)
+
+    def sizes(heads: int, kv_heads: int) -> SimpleNamespace:
+        return SimpleNamespace(
+            hidden_size=32,
+            num_attention_heads=heads,
+            num_key_value_heads=kv_heads,
+            head_dim=8,
+            rms_norm_eps=1e-6,
+        )
+
+    first, second = Recording(), Recording()
+    decoder = torch.nn.ModuleList(
+        [PagedSelfAttention(sizes(4, 2), first) for _ in range(3)]
+        + [PagedSelfAttention(sizes(8, 2), first), PagedSelfAttention(sizes(4, 2), second)]
+    )
+    warm_attention(decoder, torch.bfloat16, torch.device("cpu"))
+    cpu = torch.device("cpu")
+    assert first.calls == [(4, 2, 8, torch.bfloat16, cpu), (8, 2, 8, torch.bfloat16, cpu)]
+    assert second.calls == [(4, 2, 8, torch.bfloat16, cpu)]
