@@ -70,6 +70,20 @@ def _write_kv(
     tl.store(dst + stride_cache_kv, v.to(cache_ptr.dtype.element_ty), mask=mask)
 
 
+@triton.jit
+def tile_sequence(query_start_loc_ptr, number, num_seqs, BLOCK_Q: tl.constexpr):
+    """The sequence that owns tile `number` of a step whose sequence s owns tiles [query_start_loc[s] // BLOCK_Q
+    + s, query_start_loc[s + 1] // BLOCK_Q + s + 1): the last whose first tile is at or before it."""
+    lo = tl.full([], 0, tl.int32)
+    hi = tl.full([], num_seqs, tl.int32)
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        before = tl.load(query_start_loc_ptr + mid) // BLOCK_Q + mid <= number
+        lo = tl.where(before, mid, lo)
+        hi = tl.where(before, hi, mid)
+    return lo
+
+
 # Unspecialized: the block table's width and the sequences vary per step; a new divisibility class would
 # build mid-request.
 @triton.jit(do_not_specialize=["stride_bt", "num_seqs"])
@@ -106,14 +120,7 @@ def _paged_attention(
     kv_head = tl.program_id(1)
     if VARLEN:  # program 0's axis: tiles numbered across the sequences (see the module's docstring)
         number = tl.program_id(0)
-        lo = tl.full([], 0, tl.int32)
-        hi = tl.full([], num_seqs, tl.int32)
-        while hi - lo > 1:  # the last sequence whose first tile is at or before this one
-            mid = (lo + hi) // 2
-            before = tl.load(query_start_loc_ptr + mid) // BLOCK_Q + mid <= number
-            lo = tl.where(before, mid, lo)
-            hi = tl.where(before, hi, mid)
-        seq = lo
+        seq = tile_sequence(query_start_loc_ptr, number, num_seqs, BLOCK_Q)
         tile = number - (tl.load(query_start_loc_ptr + seq) // BLOCK_Q + seq)
         split = 0
     else:

@@ -24,6 +24,8 @@ import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
+from omnistage.kernels.attention import tile_sequence
+
 
 @triton.jit(do_not_specialize=["num_seqs", "num_tiles"])
 def _long_attention(
@@ -52,14 +54,7 @@ def _long_attention(
 ):
     head = tl.program_id(0)
     number = num_tiles - 1 - tl.program_id(1)
-    lo = tl.full([], 0, tl.int32)
-    hi = tl.full([], num_seqs, tl.int32)
-    while hi - lo > 1:  # the last sequence whose first tile is at or before this one
-        mid = (lo + hi) // 2
-        before = tl.load(cu_q_ptr + mid) // BLOCK_M + mid <= number
-        lo = tl.where(before, mid, lo)
-        hi = tl.where(before, hi, mid)
-    seq = lo
+    seq = tile_sequence(cu_q_ptr, number, num_seqs, BLOCK_M)
     q_start = tl.load(cu_q_ptr + seq)
     q_len = tl.load(cu_q_ptr + seq + 1) - q_start
     k_start = tl.load(cu_k_ptr + seq)
@@ -72,67 +67,103 @@ def _long_attention(
     kv_head = head // GROUP
     if TMA:  # q, k and v are tensor descriptors: each block one bulk copy, the rows past the tensor zeros
         q = q_ptr.load([q_start + first, head, 0]).reshape(BLOCK_M, HEAD_DIM)
+        k_at, v_at = k_ptr, v_ptr
     else:
         q_offs = (q_start + rows).to(tl.int64)[:, None] * stride_qt + head * stride_qh + dims[None, :]
         q = tl.load(q_ptr + q_offs, mask=row_ok[:, None], other=0.0)
-        k_base = k_ptr + k_start.to(tl.int64) * stride_kt + kv_head * stride_kh
-        v_base = v_ptr + k_start.to(tl.int64) * stride_vt + kv_head * stride_vh
+        k_at = k_ptr + k_start.to(tl.int64) * stride_kt + kv_head * stride_kh
+        v_at = v_ptr + k_start.to(tl.int64) * stride_vt + kv_head * stride_vh
 
     # Every row of the tile sees the keys before `cached + first`; the band after them, up to the tile's last
     # row, takes the mask. A tile past the sequence's rows (its last, when they fill whole tiles) sees none.
     live = first < q_len
     seen_by_all = tl.where(live, (cached + first) // BLOCK_N * BLOCK_N, 0)
     band_end = tl.where(live, cached + tl.minimum(first + BLOCK_M, q_len), 0)
+    positions = cached + rows
 
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
     for start in range(0, seen_by_all, BLOCK_N):
-        if TMA:
-            k = k_ptr.load([k_start + start, kv_head, 0]).reshape(BLOCK_N, HEAD_DIM)
-        else:
-            keys = start + tl.arange(0, BLOCK_N)
-            k = tl.load(k_base + keys.to(tl.int64)[:, None] * stride_kt + dims[None, :])
-        s = tl.dot(q, tl.trans(k)) * scale_log2
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        p = tl.exp2(s - m_new[:, None])
-        alpha = tl.exp2(m_i - m_new)
-        l_i = l_i * alpha + tl.sum(p, 1)
-        if TMA:
-            v = v_ptr.load([k_start + start, kv_head, 0]).reshape(BLOCK_N, HEAD_DIM)
-        else:
-            v = tl.load(v_base + keys.to(tl.int64)[:, None] * stride_vt + dims[None, :])
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
-        m_i = m_new
+        m_i, l_i, acc = _key_block(
+            q, k_at, v_at, k_start + start, kv_head, start, stride_kt, stride_vt, positions, band_end,
+            scale_log2, m_i, l_i, acc, BLOCK_N, HEAD_DIM, TMA, False,
+        )  # fmt: skip
     # A live row has seen a key by the band's first block (the key `seen_by_all` is at or before its own), so
-    # its running max is finite from then on; a padding row past the chunk's end is never stored. The keys past
-    # the band's end (a descriptor's block reads into the next sequence's) are masked out of every score.
-    positions = cached + rows
+    # its running max is finite from then on; a padding row past the chunk's end is never stored.
     for start in range(seen_by_all, band_end, BLOCK_N):
-        keys = start + tl.arange(0, BLOCK_N)
-        key_ok = keys < band_end
-        if TMA:
-            k = k_ptr.load([k_start + start, kv_head, 0]).reshape(BLOCK_N, HEAD_DIM)
-        else:
-            k_offs = keys.to(tl.int64)[:, None] * stride_kt + dims[None, :]
-            k = tl.load(k_base + k_offs, mask=key_ok[:, None], other=0.0)
-        s = tl.dot(q, tl.trans(k)) * scale_log2
-        s = tl.where((keys[None, :] <= positions[:, None]) & key_ok[None, :], s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        p = tl.exp2(s - m_new[:, None])
-        alpha = tl.exp2(m_i - m_new)
-        l_i = l_i * alpha + tl.sum(p, 1)
-        if TMA:
-            v = v_ptr.load([k_start + start, kv_head, 0]).reshape(BLOCK_N, HEAD_DIM)
-        else:
-            v_offs = keys.to(tl.int64)[:, None] * stride_vt + dims[None, :]
-            v = tl.load(v_base + v_offs, mask=key_ok[:, None], other=0.0)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
-        m_i = m_new
+        m_i, l_i, acc = _key_block(
+            q, k_at, v_at, k_start + start, kv_head, start, stride_kt, stride_vt, positions, band_end,
+            scale_log2, m_i, l_i, acc, BLOCK_N, HEAD_DIM, TMA, True,
+        )  # fmt: skip
 
     out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
     o_offs = (q_start + rows).to(tl.int64)[:, None] * stride_ot + head * stride_oh + dims[None, :]
     tl.store(out_ptr + o_offs, out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
+
+
+@triton.jit
+def _key_block(
+    q,
+    k_at,
+    v_at,
+    row,
+    kv_head,
+    start,
+    stride_kt,
+    stride_vt,
+    positions,
+    band_end,
+    scale_log2,
+    m_i,
+    l_i,
+    acc,
+    BLOCK_N: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    TMA: tl.constexpr,
+    MASKED: tl.constexpr,
+):
+    """The online softmax over keys start..start+BLOCK_N: (running max, sum, accumulator) after them. Keys are
+    at row `row` of the descriptors `k_at`, `v_at` (TMA), or at `start` from the sequence's first key's pointers.
+    MASKED: the causal band's block, each row seeing the keys at or before its position and before `band_end`
+    (a descriptor's block reads into the next sequence's keys, masked out of every score)."""
+    keys = start + tl.arange(0, BLOCK_N)
+    key_ok = keys < band_end
+    k = _block(k_at, row, kv_head, keys, key_ok, stride_kt, BLOCK_N, HEAD_DIM, TMA, MASKED)
+    s = tl.dot(q, tl.trans(k)) * scale_log2
+    if MASKED:
+        s = tl.where((keys[None, :] <= positions[:, None]) & key_ok[None, :], s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    p = tl.exp2(s - m_new[:, None])
+    alpha = tl.exp2(m_i - m_new)
+    v = _block(v_at, row, kv_head, keys, key_ok, stride_vt, BLOCK_N, HEAD_DIM, TMA, MASKED)
+    return m_new, l_i * alpha + tl.sum(p, 1), acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+
+
+@triton.jit
+def _block(
+    at,
+    row,
+    kv_head,
+    keys,
+    key_ok,
+    stride_t,
+    BLOCK_N: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    TMA: tl.constexpr,
+    MASKED: tl.constexpr,
+):
+    """`[BLOCK_N, HEAD_DIM]` keys or values: a descriptor's block at `row` (TMA), or `keys` from the sequence's
+    first key's pointer, those past `key_ok` zeros where MASKED."""
+    if TMA:
+        block = at.load([row, kv_head, 0]).reshape(BLOCK_N, HEAD_DIM)
+    else:
+        offsets = keys.to(tl.int64)[:, None] * stride_t + tl.arange(0, HEAD_DIM)[None, :]
+        if MASKED:
+            block = tl.load(at + offsets, mask=key_ok[:, None], other=0.0)
+        else:
+            block = tl.load(at + offsets)
+    return block
 
 
 @dataclass(frozen=True)
