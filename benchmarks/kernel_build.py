@@ -48,7 +48,7 @@ def main() -> None:
     print("| --- | --- | --- | --- | --- | --- | --- |")
     for tiles in dict.fromkeys((long_attention.LONG_TILES, *swept_long_tiles())):
         r = build(tiles)
-        name = f"{tiles.rows}x{tiles.keys}, {tiles.warps}, {tiles.stages}, {'descriptors' if tiles.tma else 'pointers'}"
+        name = f"{tiles.rows}x{tiles.keys}, {tiles.warps}, {tiles.stages}, {'descriptors' if tiles.tma else 'pointers'}{', packed' if tiles.pack else ''}"
         print(f"| {name} | {r['registers']} | {r['shared_kib']:.0f} | {r['spill_bytes']} | {r['warpgroup_products']} | "
               f"{r['bulk_tensor_copies']} | {r['async_copies']} |")  # fmt: skip
 

@@ -55,6 +55,8 @@ TRITON_SWEEP = [
     LongTiles(128, 32, 8, 3),
     LongTiles(128, 128, 8, 2),
     LongTiles(64, 64, 4, 3),
+    LongTiles(128, 64, 8, 3, pack=True),
+    LongTiles(64, 64, 4, 3, pack=True),
 ]
 BACKENDS = {
     "cudnn": SDPBackend.CUDNN_ATTENTION,
@@ -157,7 +159,7 @@ def chunk_row(
         label = (
             "triton"
             if tiles == LONG_TILES
-            else f"triton {tiles.rows}x{tiles.keys} w{tiles.warps} s{tiles.stages} {'tma' if tiles.tma else 'ptr'}"
+            else f"triton {tiles.rows}x{tiles.keys} w{tiles.warps} s{tiles.stages} {'tma' if tiles.tma else 'ptr'}{' packed' if tiles.pack else ''}"
         )
         kernels[label] = timed(
             lambda t=tiles: long_attention(q, k, v, cu_q, cu_k, new, total, scale, t), want, flops

@@ -58,15 +58,20 @@ LONG_ATTENTION_ARGS = {
 
 def compile_long_attention(tiles, group: int, dim: int, tma: bool | None = None):
     """The long-prefill attention kernel for sm_90 with `tiles` (`LongTiles`), `group` query heads a K/V head,
-    heads `dim` wide, its blocks by tensor descriptors or pointers (`tma`, default the tiles')."""
+    heads `dim` wide, its blocks by tensor descriptors or pointers (`tma`, default the tiles'), as
+    `long_attention` launches it."""
     from omnistage.kernels import long_attention
 
     tma = tiles.tma if tma is None else tma
+    heads = triton.next_power_of_2(group) if tiles.pack else 1
     args = dict(LONG_ATTENTION_ARGS)
     if tma:
-        args["q_ptr"] = f"tensordesc<bf16[{tiles.rows}, 1, {dim}]>"
+        args["q_ptr"] = f"tensordesc<bf16[{tiles.rows // heads}, {heads}, {dim}]>"
         args["k_ptr"] = args["v_ptr"] = f"tensordesc<bf16[{tiles.keys}, 1, {dim}]>"
-    constants = {"GROUP": group, "BLOCK_M": tiles.rows, "BLOCK_N": tiles.keys, "HEAD_DIM": dim, "TMA": tma}
+    constants = {
+        **{"GROUP": group, "BLOCK_M": tiles.rows, "BLOCK_N": tiles.keys, "HEAD_DIM": dim},
+        **{"HEADS": heads, "TMA": tma},
+    }
     return compile_sm90(long_attention._long_attention, args, constants, tiles.warps, tiles.stages)
 
 

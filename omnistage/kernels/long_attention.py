@@ -4,9 +4,9 @@
 calls a varlen kernel on them; torch's varlen FlashAttention ran there at 288-346 TFLOP/s on an H100, cuDNN's
 at 494-572 on fresh prompts but with a plan built per shape (benchmarks/RESULTS.md, "cuDNN's attention on a
 video's whole prompt"). This kernel takes the same call with no plan to build: each program owns a tile of
-BLOCK_M rows of one sequence for one query head, walks the keys every row of the tile sees with no mask
-(unmasked loads, no compare per score), then the few blocks along the causal diagonal with it, in an online
-softmax in base 2. Tiles are numbered across the sequences as in `attention.py` (sequence s owns tiles
+BLOCK_M rows of one sequence, for one query head or (`LongTiles.pack`) for the query heads of one K/V head, walks
+the keys every row of the tile sees with no mask (unmasked loads, no compare per score), then the few blocks
+along the causal diagonal with it, in an online softmax in base 2. Tiles are numbered across the sequences as in `attention.py` (sequence s owns tiles
 [cu_q(s) // BLOCK_M + s, cu_q(s + 1) // BLOCK_M + s + 1)) and launched last first: the tiles at the end of a
 chunk see the most keys. The heads sharing a K/V head are launched side by side, so their keys come from L2.
 
@@ -50,26 +50,33 @@ def _long_attention(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     HEAD_DIM: tl.constexpr,
+    HEADS: tl.constexpr,
     TMA: tl.constexpr,
 ):
-    head = tl.program_id(0)
+    # Row r of the tile is token first + r // HEADS of query head head0 + r % HEADS: HEADS 1, one head a program,
+    # or a K/V head's group packed (its size padded to a power of two; the padding rows are never stored).
+    BLOCK_Q: tl.constexpr = BLOCK_M // HEADS
+    head0 = tl.program_id(0) * (GROUP if HEADS > 1 else 1)
+    kv_head = head0 // GROUP
     number = num_tiles - 1 - tl.program_id(1)
-    seq = tile_sequence(cu_q_ptr, number, num_seqs, BLOCK_M)
+    seq = tile_sequence(cu_q_ptr, number, num_seqs, BLOCK_Q)
     q_start = tl.load(cu_q_ptr + seq)
     q_len = tl.load(cu_q_ptr + seq + 1) - q_start
     k_start = tl.load(cu_k_ptr + seq)
     cached = tl.load(cu_k_ptr + seq + 1) - k_start - q_len  # the keys before the sequence's first row
-    first = (number - (q_start // BLOCK_M + seq)) * BLOCK_M
+    first = (number - (q_start // BLOCK_Q + seq)) * BLOCK_Q
 
-    rows = first + tl.arange(0, BLOCK_M)
-    row_ok = rows < q_len
+    tokens = first + tl.arange(0, BLOCK_M) // HEADS
+    heads = head0 + tl.arange(0, BLOCK_M) % HEADS
+    row_ok = (tokens < q_len) & (tl.arange(0, BLOCK_M) % HEADS < GROUP)
     dims = tl.arange(0, HEAD_DIM)
-    kv_head = head // GROUP
     if TMA:  # q, k and v are tensor descriptors: each block one bulk copy, the rows past the tensor zeros
-        q = q_ptr.load([q_start + first, head, 0]).reshape(BLOCK_M, HEAD_DIM)
+        q = q_ptr.load([q_start + first, head0, 0]).reshape(BLOCK_M, HEAD_DIM)
         k_at, v_at = k_ptr, v_ptr
     else:
-        q_offs = (q_start + rows).to(tl.int64)[:, None] * stride_qt + head * stride_qh + dims[None, :]
+        q_offs = (
+            (q_start + tokens).to(tl.int64)[:, None] * stride_qt + heads[:, None] * stride_qh + dims[None, :]
+        )
         q = tl.load(q_ptr + q_offs, mask=row_ok[:, None], other=0.0)
         k_at = k_ptr + k_start.to(tl.int64) * stride_kt + kv_head * stride_kh
         v_at = v_ptr + k_start.to(tl.int64) * stride_vt + kv_head * stride_vh
@@ -78,8 +85,8 @@ def _long_attention(
     # row, takes the mask. A tile past the sequence's rows (its last, when they fill whole tiles) sees none.
     live = first < q_len
     seen_by_all = tl.where(live, (cached + first) // BLOCK_N * BLOCK_N, 0)
-    band_end = tl.where(live, cached + tl.minimum(first + BLOCK_M, q_len), 0)
-    positions = cached + rows
+    band_end = tl.where(live, cached + tl.minimum(first + BLOCK_Q, q_len), 0)
+    positions = cached + tokens
 
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
@@ -98,7 +105,7 @@ def _long_attention(
         )  # fmt: skip
 
     out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
-    o_offs = (q_start + rows).to(tl.int64)[:, None] * stride_ot + head * stride_oh + dims[None, :]
+    o_offs = (q_start + tokens).to(tl.int64)[:, None] * stride_ot + heads[:, None] * stride_oh + dims[None, :]
     tl.store(out_ptr + o_offs, out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
 
 
@@ -170,13 +177,17 @@ def _block(
 class LongTiles:
     """A program's rows and the keys it takes at a time, Triton's warps and pipeline stages, and whether its
     blocks come by tensor descriptors (`tma`: one bulk copy a block on a Hopper GPU, Triton's own loads
-    elsewhere) rather than pointers. `benchmarks/sdpa_long.py --triton-sweep` times the candidates on a GPU."""
+    elsewhere) rather than pointers, and whether a tile's rows are one query head's or a K/V head's group's
+    (`pack`: `rows` over the group's heads, so that a sequence of a few rows, a decode row beside a long chunk,
+    fills the tile with its heads rather than with padding, and each key block serves the whole group).
+    `benchmarks/sdpa_long.py --triton-sweep` times the candidates on a GPU."""
 
     rows: int = 128
     keys: int = 64
     warps: int = 8
     stages: int = 3
     tma: bool = True
+    pack: bool = False
 
 
 LONG_TILES = LongTiles()
@@ -214,15 +225,19 @@ def long_attention(
     if num_rows == 0 or num_seqs == 0:
         return out
     q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
-    num_tiles = num_rows // tiles.rows + num_seqs
+    group = num_heads // k.shape[1]
+    heads = triton.next_power_of_2(group) if tiles.pack else 1
+    if tiles.rows % heads:
+        raise ValueError(f"a packed tile's {tiles.rows} rows do not take whole groups of {heads} heads")
+    num_tiles = num_rows // (tiles.rows // heads) + num_seqs
     blocks: tuple[torch.Tensor | TensorDescriptor, ...] = (q, k, v)
     tma = tiles.tma and all(_bulk_copyable(t) for t in blocks)
     if tma:
+        boxes = ([tiles.rows // heads, heads, head_dim], [tiles.keys, 1, head_dim], [tiles.keys, 1, head_dim])
         blocks = tuple(
-            TensorDescriptor(t, list(t.shape), list(t.stride()), [n, 1, head_dim])
-            for t, n in ((q, tiles.rows), (k, tiles.keys), (v, tiles.keys))
+            TensorDescriptor(t, list(t.shape), list(t.stride()), box) for t, box in zip(blocks, boxes)
         )
-    _long_attention[(num_heads, num_tiles)](
+    _long_attention[(num_heads // group if tiles.pack else num_heads, num_tiles)](
         *blocks,
         out,
         cu_q,
@@ -238,10 +253,11 @@ def long_attention(
         out.stride(1),
         num_seqs,
         num_tiles,
-        GROUP=num_heads // k.shape[1],
+        GROUP=group,
         BLOCK_M=tiles.rows,
         BLOCK_N=tiles.keys,
         HEAD_DIM=head_dim,
+        HEADS=heads,
         TMA=tma,
         num_warps=tiles.warps,
         num_stages=tiles.stages,

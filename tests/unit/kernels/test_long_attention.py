@@ -66,6 +66,10 @@ else:
             ),  # key blocks over 16 rows
             ([(0, 16), (50, 9), (5, 33), (0, 1)], LongTiles(16, 16, 4, 1, tma=True)),  # blocks by descriptors
             ([(70, 48)], LongTiles(rows=32, keys=16, warps=4, stages=1, tma=True)),
+            # a K/V head's group packed in a tile's rows: 8 tokens of 2 heads, the decode rows beside a chunk
+            ([(0, 40), (33, 1), (20, 1), (50, 9)], LongTiles(16, 16, 4, 1, tma=False, pack=True)),
+            ([(0, 40), (33, 1), (20, 1), (50, 9)], LongTiles(16, 16, 4, 1, tma=True, pack=True)),
+            ([(70, 48)], LongTiles(rows=32, keys=16, warps=4, stages=1, tma=True, pack=True)),
         ],
     )
     def test_equals_plain_attention(chunks, tiles):
@@ -75,6 +79,28 @@ else:
         scale = 16**-0.5
         out = long_attention(q, k, v, cu_q, cu_k, 0, 0, scale, tiles=tiles)
         torch.testing.assert_close(out.double(), _reference(q, k, v, cu_q, cu_k, scale), atol=1e-5, rtol=1e-5)
+
+    @pytest.mark.parametrize("tma", [False, True])
+    def test_a_packed_group_padded_to_a_power_of_two(tma):
+        # 6 query heads over 2 K/V heads: groups of 3, padded to 4 rows a token, the padding row never stored
+        q, k, v, cu_q, cu_k = _case(
+            [(25, 30), (9, 1), (0, 7)], heads=6, kv_heads=2, dim=16, dtype=torch.float32, seed=11
+        )
+        tiles = LongTiles(16, 16, 4, 1, tma=tma, pack=True)
+        out = long_attention(q, k, v, cu_q, cu_k, 0, 0, 0.25, tiles=tiles)
+        torch.testing.assert_close(out.double(), _reference(q, k, v, cu_q, cu_k, 0.25), atol=1e-5, rtol=1e-5)
+        with pytest.raises(ValueError, match="whole groups"):
+            long_attention(
+                q,
+                k,
+                v,
+                cu_q,
+                cu_k,
+                0,
+                0,
+                0.25,
+                tiles=LongTiles(rows=2, keys=16, warps=4, stages=1, pack=True),
+            )
 
     def test_half_precision_and_a_wide_group():
         # 8 query heads over 1 K/V head, 32-wide heads, float16 as the engine's 16-bit steps
