@@ -281,8 +281,8 @@ for name in ${*:-http inproc video_host video asr baseline}; do
         step "moe_e2e_$kernel" 200 env LENGTHS=10 C=8 BASELINE=0 KV_GIB=$kv V2S_S=195 \
           V2S_ARGS="--moe-kernel $kernel --max-num-batched-tokens 8192" bash benchmarks/video.sh
       done ;;
-    long_triton) step long_triton 250 sh -c 'mkdir -p "$OUT" && PER_FILE_S=90 bash benchmarks/gpu_tests.sh \
-      tests/gpu/test_long_prefill_gpu.py; timeout 150 python3 benchmarks/sdpa_long.py --rows 2048,8192 \
+    long_triton) step long_triton 270 sh -c 'mkdir -p "$OUT" && PER_FILE_S=90 bash benchmarks/gpu_tests.sh \
+      tests/gpu/test_long_prefill_gpu.py; timeout 170 python3 benchmarks/sdpa_long.py --rows 2048,8192 \
       --cached 0,10000,20000 --triton-sweep --kernels "varlen,triton,cudnn,cudnn split" \
       --out "$OUT/sdpa_triton.json" 2>&1 | grep -v Warning | tee "$OUT/sdpa_triton.txt"' ;;
     long_e2e) for kernel in flash triton; do
