@@ -3,6 +3,8 @@ torch's FlashAttention (this torch has it with GQA and the causal alignment the 
 Triton kernel (`kernels/long_attention.py`) both pass the start-up check, and a long step through either equals
 the paged kernel's (the Thinker's and the Talker's head layouts, bfloat16)."""
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -51,9 +53,11 @@ def test_a_long_chunk_beside_decode_rows_equals_the_paged_kernel(heads, kv_heads
     assert error < 1e-2, error
 
 
-def test_the_triton_kernel_equals_flash_attention_on_ragged_sequences():
-    # a fresh 8,192-row prompt, a chunk after 10k cached keys and a short one, in one call as a step makes them
-    from omnistage.kernels.long_attention import long_attention
+@pytest.mark.parametrize("pack", [False, True])
+def test_the_triton_kernel_equals_flash_attention_on_ragged_sequences(pack):
+    # a fresh 8,192-row prompt, a chunk after 10k cached keys and a short one, in one call as a step makes them;
+    # the tiles one head's and a K/V head's packed group's
+    from omnistage.kernels.long_attention import LONG_TILES, long_attention
 
     device = torch.device("cuda")
     flash = long_prefill.flash_varlen(device)
@@ -65,7 +69,8 @@ def test_the_triton_kernel_equals_flash_attention_on_ragged_sequences():
     q = torch.randn(10_317, 32, 128, device=device, dtype=torch.bfloat16, generator=generator)
     k, v = torch.randn(2, 20_617, 4, 128, device=device, dtype=torch.bfloat16, generator=generator)
     args = (q, k, v, cu_q, cu_k, max(n for _, n in chunks), max(c + n for c, n in chunks), 128**-0.5)
-    want, got = flash(*args).float(), long_attention(*args).float()
+    tiles = dataclasses.replace(LONG_TILES, pack=pack)
+    want, got = flash(*args).float(), long_attention(*args, tiles).float()
     for a, b in zip(cu_q[:-1].tolist(), cu_q[1:].tolist()):  # each sequence on its own: none masked wrongly
         error = (got[a:b] - want[a:b]).norm() / want[a:b].norm()
         assert error < 1e-2, (a, b, error)
