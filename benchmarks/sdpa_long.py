@@ -16,7 +16,8 @@ head layouts, with the largest difference from the varlen call's output:
   their log-sum-exps: the one form in which cuDNN's causal mask (aligned at the first key) serves a chunk
   after cached tokens;
 - `triton`: omnistage's own kernel for the varlen call (`kernels/long_attention.py`, `--long-prefill-kernel
-  triton`), with its default tiles, and with `--triton-sweep` each candidate tile (`triton MxN wW sS`).
+  triton`), with its default tiles, and with `--triton-sweep` each candidate tile (`triton MxN wW sS tma|ptr`,
+  `packed` for a K/V head's group in a tile).
 
     python3 benchmarks/sdpa_long.py --out $OUT/sdpa_long.json      # GPU machine, under a minute
     python3 benchmarks/sdpa_long.py --rows 8192,7353 --out ...     # a video's whole prompt in a step
@@ -46,8 +47,9 @@ from omnistage.kernels.long_attention import LONG_TILES, LongTiles, long_attenti
 from omnistage.kernels.timing import cuda_ms
 
 LAYOUTS = [("Thinker", 32, 4, 128), ("Talker", 16, 2, 128)]  # (stage, query heads, K/V heads, head dim)
-# the Triton kernel's candidate tiles (rows, keys, warps, stages, blocks by descriptors): each compiles for sm_90
-# without spills (tests/unit/kernels/test_long_attention_compiles.py checks the default both ways)
+# the Triton kernel's candidate tiles (rows, keys, warps, stages; blocks by descriptors unless tma=False; a K/V head's
+# group packed in a tile with pack=True): each compiles for sm_90 without spills, which
+# tests/unit/kernels/test_long_attention_compiles.py checks for every one
 TRITON_SWEEP = [
     LongTiles(128, 64, 8, 3, tma=False),
     LongTiles(128, 64, 8, 2),
